@@ -1,0 +1,99 @@
+"""Input validation shared by streamkl_ref and streamkl_gpu (one home for the shape rules).
+
+Works on anything with ``.ndim`` and ``.shape`` (NumPy arrays, torch tensors), so importing it
+never needs torch. Every error is a ``ValueError`` that names the offending argument.
+Conventions: ../shared/design/MATH.md (shapes ``[B, H, N, D]``, GQA per side).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from numbers import Real
+
+__all__ = ["Dims", "check_inputs", "check_block", "resolve_scale"]
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The sizes of one attention-KL problem, after validation."""
+
+    B: int  # batch
+    H: int  # query heads (shared by both sides)
+    NQ: int  # query rows
+    NK: int  # key rows
+    D1: int  # head dim of side 1 (q1, k1)
+    D2: int  # head dim of side 2 (q2, k2)
+    HK1: int  # key heads of side 1 (GQA: query head h reads key head h // (H // HK1))
+    HK2: int  # key heads of side 2
+    scale1: float  # sigma_1 (resolved: None -> 1/sqrt(D1))
+    scale2: float  # sigma_2
+
+    @property
+    def group1(self) -> int:
+        return self.H // self.HK1
+
+    @property
+    def group2(self) -> int:
+        return self.H // self.HK2
+
+
+def resolve_scale(scale, head_dim: int, name: str) -> float:
+    """``None`` -> ``1/sqrt(head_dim)``; otherwise a finite, positive real number."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, Real):
+        raise ValueError(f"{name} must be a positive finite real number or None, got {scale!r}")
+    value = float(scale)
+    if not math.isfinite(value) or value <= 0.0:
+        raise ValueError(f"{name} must be positive and finite, got {scale!r}")
+    return value
+
+
+def _shape4(x, name: str) -> tuple[int, int, int, int]:
+    ndim = getattr(x, "ndim", None)
+    if ndim is None:
+        raise ValueError(f"{name} must be an array or tensor, got {type(x).__name__}")
+    if ndim != 4:
+        raise ValueError(f"{name} must have 4 dimensions [B, H, N, D], got {ndim} (shape {tuple(x.shape)})")
+    return tuple(int(s) for s in x.shape)
+
+
+def check_inputs(q1, k1, q2, k2, *, scale1=None, scale2=None) -> Dims:
+    """Validate the four inputs against each other and return the problem's sizes."""
+    B, H, NQ, D1 = _shape4(q1, "q1")
+    Bk1, HK1, NK, Dk1 = _shape4(k1, "k1")
+    Bq2, H2, NQ2, D2 = _shape4(q2, "q2")
+    Bk2, HK2, NK2, Dk2 = _shape4(k2, "k2")
+    for name, b in (("k1", Bk1), ("q2", Bq2), ("k2", Bk2)):
+        if b != B:
+            raise ValueError(f"{name} has batch size {b}, but q1 has {B}: both sides share B")
+    if H2 != H:
+        raise ValueError(f"q2 has {H2} query heads, but q1 has {H}: both sides share H")
+    if NQ2 != NQ:
+        raise ValueError(f"q2 has {NQ2} query rows, but q1 has {NQ}: both sides share N_Q")
+    if NK2 != NK:
+        raise ValueError(f"k2 has {NK2} key rows, but k1 has {NK}: both sides share N_K")
+    if Dk1 != D1:
+        raise ValueError(f"k1 has head dim {Dk1}, but q1 has {D1}: q and k of a side share D")
+    if Dk2 != D2:
+        raise ValueError(f"k2 has head dim {Dk2}, but q2 has {D2}: q and k of a side share D")
+    for name, hk in (("k1", HK1), ("k2", HK2)):
+        if hk < 1 or H % hk != 0:
+            raise ValueError(
+                f"{name} has {hk} key heads, which does not divide the {H} query heads (GQA needs H % H_K == 0)"
+            )
+    for name, d in (("q1", D1), ("q2", D2)):
+        if d < 1:
+            raise ValueError(f"{name} has head dim {d}; it must be at least 1")
+    return Dims(
+        B=B, H=H, NQ=NQ, NK=NK, D1=D1, D2=D2, HK1=HK1, HK2=HK2,
+        scale1=resolve_scale(scale1, D1, "scale1"),
+        scale2=resolve_scale(scale2, D2, "scale2"),
+    )
+
+
+def check_block(value, name: str) -> int:
+    """A tile size: a positive integer."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
