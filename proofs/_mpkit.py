@@ -1,0 +1,445 @@
+"""Tiny, self-contained kit for the machine checks in ``proofs/``.
+
+Deliberately independent of ``streamkl_ref``: the proofs check the *mathematics*, so they carry
+their own minimal implementations:
+
+- exact (mpmath, ``DPS`` digits) row KL from the definition, the online recurrence, the merge;
+- exact attention-level KL over small ``[H, N, D]`` nested lists (for the gradient checks);
+- a NumPy emulation of the online recurrence in a chosen float dtype (``online_np``), with the
+  guards of statement 6, optional deliberate mistakes, and a recorder for ``exp`` arguments;
+- the first-order rounding-error bound of statement 7 (``first_order_bound``).
+
+Rows are sequences of scores; a masked entry is ``-inf`` on *both* sides.
+Every mpmath routine runs under ``mp.workdps(DPS)`` so the global precision is left alone.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple, Sequence
+
+import mpmath
+import numpy as np
+from hypothesis import strategies as st
+from mpmath import mp, mpf
+
+DPS = 60
+NINF = mpmath.ninf
+
+
+def hp(fn):
+    """Run ``fn`` at ``DPS`` decimal digits."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with mp.workdps(DPS):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _is_masked(x) -> bool:
+    return x == NINF
+
+
+def _check_one_mask(s1, s2):
+    for a, b in zip(s1, s2):
+        assert _is_masked(a) == _is_masked(b), "one mask for both sides (statement 6)"
+
+
+# --------------------------------------------------------------------------------------------
+# Exact row quantities
+# --------------------------------------------------------------------------------------------
+@hp
+def dense_row(s1: Sequence, s2: Sequence):
+    """``(KL, LSE1, LSE2)`` of one row *by the definition*: ``P = softmax``,
+    ``KL = sum_j P1 (log P1 - log P2)`` with ``0 log 0 = 0``. Empty row: ``(0, -inf, -inf)``."""
+    s1 = [mpf(x) for x in s1]
+    s2 = [mpf(x) for x in s2]
+    _check_one_mask(s1, s2)
+    vis = [j for j, x in enumerate(s1) if not _is_masked(x)]
+    if not vis:
+        return mpf(0), NINF, NINF
+    z1 = mpmath.fsum(mpmath.exp(s1[j]) for j in vis)
+    z2 = mpmath.fsum(mpmath.exp(s2[j]) for j in vis)
+    p1 = {j: mpmath.exp(s1[j]) / z1 for j in vis}
+    p2 = {j: mpmath.exp(s2[j]) / z2 for j in vis}
+    kl = mpmath.fsum(p1[j] * (mpmath.log(p1[j]) - mpmath.log(p2[j])) for j in vis)
+    return kl, mpmath.log(z1), mpmath.log(z2)
+
+
+@hp
+def decomposition(s1: Sequence, s2: Sequence, m1):
+    """Statement 1's right-hand side ``acc/l1 + LSE2 - LSE1`` for the shift ``m1``."""
+    s1 = [mpf(x) for x in s1]
+    s2 = [mpf(x) for x in s2]
+    vis = [j for j, x in enumerate(s1) if not _is_masked(x)]
+    m1 = mpf(m1)
+    w = {j: mpmath.exp(s1[j] - m1) for j in vis}
+    l1 = mpmath.fsum(w.values())
+    acc = mpmath.fsum(w[j] * (s1[j] - s2[j]) for j in vis)
+    lse1 = mpmath.log(mpmath.fsum(mpmath.exp(s1[j]) for j in vis))
+    lse2 = mpmath.log(mpmath.fsum(mpmath.exp(s2[j]) for j in vis))
+    return acc / l1 + lse2 - lse1
+
+
+# --------------------------------------------------------------------------------------------
+# The online state, update, merge (exact arithmetic, guarded as in statement 6)
+# --------------------------------------------------------------------------------------------
+class State(NamedTuple):
+    m1: object
+    l1: object
+    m2: object
+    l2: object
+    acc: object
+
+
+def identity() -> State:
+    """The start state ``(-inf, 0, -inf, 0, 0)``."""
+    return State(NINF, mpf(0), NINF, mpf(0), mpf(0))
+
+
+@hp
+def update(state: State, t1: Sequence, t2: Sequence, *, rescale: bool = True) -> State:
+    """One step of the online recurrence on a key tile ``(t1, t2)``.
+
+    ``rescale=False`` is the deliberate mistake "forget the factor ``a = exp(m - m')``"."""
+    t1 = [mpf(x) for x in t1]
+    t2 = [mpf(x) for x in t2]
+    _check_one_mask(t1, t2)
+    vis = [j for j, x in enumerate(t1) if not _is_masked(x)]
+    m1n = max([state.m1] + [t1[j] for j in vis])
+    m2n = max([state.m2] + [t2[j] for j in vis])
+    if m1n == NINF:  # nothing visible so far: the state is unchanged (guard, statement 6)
+        return state
+    a1 = mpmath.exp(state.m1 - m1n) if state.m1 != NINF else mpf(0)
+    a2 = mpmath.exp(state.m2 - m2n) if state.m2 != NINF else mpf(0)
+    if not rescale:
+        a1 = a2 = mpf(1)
+    p1 = {j: mpmath.exp(t1[j] - m1n) for j in vis}
+    p2 = {j: mpmath.exp(t2[j] - m2n) for j in vis}
+    return State(
+        m1n,
+        a1 * state.l1 + mpmath.fsum(p1.values()),
+        m2n,
+        a2 * state.l2 + mpmath.fsum(p2.values()),
+        a1 * state.acc + mpmath.fsum(p1[j] * (t1[j] - t2[j]) for j in vis),
+    )
+
+
+def tile_state(t1: Sequence, t2: Sequence) -> State:
+    """The state of one key tile on its own (its own maxima)."""
+    return update(identity(), t1, t2)
+
+
+@hp
+def _side_merge(mA, lA, mB, lB, variant):
+    m = max(mA, mB)
+    if m == NINF:  # both empty (guard, statement 6): never form -inf - (-inf)
+        return m, mpf(0), mpf(0), mpf(0)
+    aA = mpmath.exp(mA - m) if mA != NINF else mpf(0)
+    aB = mpmath.exp(mB - m) if mB != NINF else mpf(0)
+    if variant == "no_rescale":
+        aA = aB = mpf(1)
+    elif variant == "rescale_only_b":
+        aA = mpf(1)
+    return m, aA * lA + aB * lB, aA, aB
+
+
+@hp
+def merge(A: State, B: State, *, variant: str | None = None) -> State:
+    """Merge two partial states over disjoint key sets.
+
+    ``variant`` selects a deliberate mistake: ``"no_rescale"`` (add the sums as they are) or
+    ``"rescale_only_b"`` (rescale only the second argument)."""
+    m1, l1, aA, aB = _side_merge(A.m1, A.l1, B.m1, B.l1, variant)
+    m2, l2, _, _ = _side_merge(A.m2, A.l2, B.m2, B.l2, variant)
+    return State(m1, l1, m2, l2, aA * A.acc + aB * B.acc)
+
+
+@hp
+def finalize(state: State):
+    """``(KL, LSE1, LSE2)`` from a state; an empty state gives ``(0, -inf, -inf)``."""
+    if state.l1 == 0:
+        return mpf(0), NINF, NINF
+    lse1 = state.m1 + mpmath.log(state.l1)
+    lse2 = state.m2 + mpmath.log(state.l2)
+    return state.acc / state.l1 + lse2 - lse1, lse1, lse2
+
+
+def tiles_from_cuts(n: int, cuts: Sequence[int]):
+    """Split ``range(n)`` at the sorted cut points into contiguous (possibly empty-free) tiles."""
+    edges = [0] + sorted(set(c for c in cuts if 0 < c < n)) + [n]
+    return [(a, b) for a, b in zip(edges[:-1], edges[1:])]
+
+
+def online_row(s1: Sequence, s2: Sequence, cuts: Sequence[int] = (), *, rescale=True):
+    """Exact online recurrence over the tiling given by ``cuts``; returns ``(KL, LSE1, LSE2)``."""
+    st_ = identity()
+    for a, b in tiles_from_cuts(len(s1), cuts):
+        st_ = update(st_, s1[a:b], s2[a:b], rescale=rescale)
+    return finalize(st_)
+
+
+def close(a, b, rel=mpf(10) ** -40) -> bool:
+    """Equality up to ``rel`` (relative to ``1 + |b|``); infinities must match exactly."""
+    with mp.workdps(DPS):
+        a, b = mpf(a), mpf(b)
+        if mpmath.isinf(a) or mpmath.isinf(b):
+            return a == b
+        return abs(a - b) <= rel * (1 + abs(b))
+
+
+# --------------------------------------------------------------------------------------------
+# Attention level (small nested lists), for the gradient checks of statement 5
+# --------------------------------------------------------------------------------------------
+@hp
+def scores(Q, K, sigma):
+    """``S[h][i][j] = sigma * <Q[h][i], K[h // (H/H_K)][j]>`` (GQA)."""
+    H, HK = len(Q), len(K)
+    g = H // HK
+    return [
+        [[sigma * mpmath.fsum(a * b for a, b in zip(q, k)) for k in K[h // g]] for q in Q[h]]
+        for h in range(H)
+    ]
+
+
+@hp
+def attention_loss(Q1, K1, Q2, K2, s1, s2, G, mask=None):
+    """``L = sum_{h,i} G[h][i] * KL[h][i]`` (mask ``[N_Q][N_K]`` of bools, True = visible)."""
+    S1, S2 = scores(Q1, K1, s1), scores(Q2, K2, s2)
+    total = mpf(0)
+    for h in range(len(S1)):
+        for i in range(len(S1[h])):
+            r1, r2 = S1[h][i], S2[h][i]
+            if mask is not None:
+                r1 = [x if mask[i][j] else NINF for j, x in enumerate(r1)]
+                r2 = [x if mask[i][j] else NINF for j, x in enumerate(r2)]
+            total += G[h][i] * dense_row(r1, r2)[0]
+    return total
+
+
+@hp
+def row_grads(r1, r2, *, drop_kl_term=False):
+    """The claimed ``dKL/dS1`` (setting 2) and ``dKL/dS2`` (setting 1) of one row, from the
+    logits and the LSEs, with masked entries (and empty rows) giving exactly 0."""
+    kl, lse1, lse2 = dense_row(r1, r2)
+    n = len(r1)
+    d1, d2 = [mpf(0)] * n, [mpf(0)] * n
+    if lse1 == NINF:
+        return d1, d2
+    for j in range(n):
+        if _is_masked(mpf(r1[j])):
+            continue
+        p1 = mpmath.exp(r1[j] - lse1)
+        p2 = mpmath.exp(r2[j] - lse2)
+        d2[j] = p2 - p1
+        d1[j] = p1 * ((r1[j] - r2[j]) - (lse1 - lse2) - (0 if drop_kl_term else kl))
+    return d1, d2
+
+
+@hp
+def attention_grads(Q1, K1, Q2, K2, s1, s2, G, mask=None, *, drop_kl_term=False, gqa_sum=True):
+    """Claimed ``dQ1, dK1, dQ2, dK2`` of ``attention_loss``: ``dS1 = G * row_grads``,
+    ``dQ = sigma dS K``, ``dK = sigma dS^T Q`` summed over the query heads of a key head.
+    ``gqa_sum=False`` is the deliberate mistake "take dK from the first query head only"."""
+    S1, S2 = scores(Q1, K1, s1), scores(Q2, K2, s2)
+    H = len(Q1)
+    out = []
+    for Q, K, sig, side in ((Q1, K1, s1, 0), (Q2, K2, s2, 1)):
+        g = H // len(K)
+        dQ = [[[mpf(0)] * len(Q[0][0]) for _ in Q[0]] for _ in Q]
+        dK = [[[mpf(0)] * len(K[0][0]) for _ in K[0]] for _ in K]
+        for h in range(H):
+            kh = h // g
+            for i in range(len(Q[h])):
+                r1, r2 = S1[h][i], S2[h][i]
+                if mask is not None:
+                    r1 = [x if mask[i][j] else NINF for j, x in enumerate(r1)]
+                    r2 = [x if mask[i][j] else NINF for j, x in enumerate(r2)]
+                dS = row_grads(r1, r2, drop_kl_term=drop_kl_term)[side]
+                for j, ds in enumerate(dS):
+                    ds = G[h][i] * ds
+                    for d in range(len(Q[h][i])):
+                        dQ[h][i][d] += sig * ds * K[kh][j][d]
+                        if gqa_sum or h % g == 0:
+                            dK[kh][j][d] += sig * ds * Q[h][i][d]
+        out += [dQ, dK]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Float emulation of the recurrence (statements 6 and 7)
+# --------------------------------------------------------------------------------------------
+def _fexp(x, dtype):
+    """``exp`` with at most ~1 ulp error in ``dtype``: float64 exp, rounded once to ``dtype``."""
+    return np.exp(np.asarray(x, np.float64)).astype(dtype)
+
+
+def _flog(x, dtype):
+    return np.log(np.asarray(x, np.float64)).astype(dtype)
+
+
+def _seqsum(v, dtype):
+    """Left-to-right sum in ``dtype`` (the order the bound of statement 7 assumes)."""
+    acc = dtype(0)
+    for x in v:
+        acc = dtype(acc + x)
+    return acc
+
+
+def truncate_bf16(x):
+    """Round a float32 toward zero to bfloat16 (8 significant bits): a deliberately sloppy step."""
+    a = np.asarray(x, np.float32).copy()
+    return (a.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32).reshape(a.shape)[()]
+
+
+def online_np(s1, s2, B, dtype=np.float32, *, guarded=True, shift=True, record=None,
+              sloppy_rescale=False):
+    """The online recurrence in ``dtype`` over tiles of width ``B``; returns ``(KL, LSE1, LSE2)``.
+
+    - ``guarded=False``: the naive recurrence (no empty-tile / empty-row guards): it forms
+      ``-inf - (-inf)`` on masked data; run it under ``np.errstate(invalid='raise')`` to see.
+    - ``shift=False``: no running max (``m`` stays 0): the naive ``sum exp(S)``.
+    - ``record``: a list that receives every ``exp`` argument (as float64 arrays).
+    - ``sloppy_rescale``: truncate the rescale factor to bfloat16 (a deliberate mistake).
+    """
+    s1 = np.asarray(s1, dtype)
+    s2 = np.asarray(s2, dtype)
+    zero, ninf = dtype(0), dtype(-np.inf)
+
+    def ex(x):
+        if record is not None:
+            record.append(np.array(x, np.float64, ndmin=1))
+        return _fexp(x, dtype)
+
+    m1, l1, m2, l2, acc = ninf, zero, ninf, zero, zero
+    if not shift:
+        m1 = m2 = zero
+    for t0 in range(0, len(s1), B):
+        x1, x2 = s1[t0:t0 + B], s2[t0:t0 + B]
+        if guarded:
+            vis = x1 > ninf
+            if not vis.any():
+                continue  # an all-masked tile leaves the state unchanged
+            x1, x2 = x1[vis], x2[vis]
+        n1 = np.maximum(m1, x1.max()) if shift else m1
+        n2 = np.maximum(m2, x2.max()) if shift else m2
+        if guarded:
+            a1 = ex(dtype(m1 - n1)) if m1 > ninf else zero
+            a2 = ex(dtype(m2 - n2)) if m2 > ninf else zero
+        else:
+            a1, a2 = ex(dtype(m1 - n1)), ex(dtype(m2 - n2))
+        if sloppy_rescale:
+            a1, a2 = truncate_bf16(a1), truncate_bf16(a2)
+        p1 = ex((x1 - n1).astype(dtype))
+        p2 = ex((x2 - n2).astype(dtype))
+        d = (x1 - x2).astype(dtype)
+        l1 = dtype(dtype(a1 * l1) + _seqsum(p1, dtype))
+        l2 = dtype(dtype(a2 * l2) + _seqsum(p2, dtype))
+        acc = dtype(dtype(a1 * acc) + _seqsum((p1 * d).astype(dtype), dtype))
+        m1, m2 = n1, n2
+    if guarded and l1 == 0:
+        return zero, ninf, ninf
+    lse1 = dtype(m1 + _flog(l1, dtype))
+    lse2 = dtype(m2 + _flog(l2, dtype))
+    return dtype(dtype(acc / l1) + dtype(lse2 - lse1)), lse1, lse2
+
+
+def dense_np(s1, s2, dtype=np.float32):
+    """The same math done densely (one tile holding the whole row) in ``dtype``."""
+    return online_np(s1, s2, max(len(s1), 1), dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Statement 7: the first-order rounding-error bound
+# --------------------------------------------------------------------------------------------
+U32 = 2.0 ** -24  # unit roundoff of float32 (round to nearest)
+ETA32 = 2.0 ** -149  # spacing of float32 subnormals: bound on any absolute underflow error
+
+
+@hp
+def first_order_bound(s1, s2, B, *, u=U32, u_e=2 * U32, u_l=2 * U32, eta=ETA32):
+    """Bounds on ``|KL^ - KL|, |LSE1^ - LSE1|, |LSE2^ - LSE2|`` for ``online_np`` (no mask),
+    to first order in ``u``. See ``07_floating_point.md`` for the derivation."""
+    s1 = [mpf(float(x)) for x in s1]
+    s2 = [mpf(float(x)) for x in s2]
+    n = len(s1)
+    T = -(-n // B)
+    Bw = min(B, n)
+    c = T * u_e + (Bw + 2 * T) * u
+    m1, m2 = max(s1), max(s2)
+    w1 = [mpmath.exp(x - m1) for x in s1]
+    w2 = [mpmath.exp(x - m2) for x in s2]
+    l1, l2 = mpmath.fsum(w1), mpmath.fsum(w2)
+    P1 = [w / l1 for w in w1]
+    P2 = [w / l2 for w in w2]
+    d = [a - b for a, b in zip(s1, s2)]
+    acc = mpmath.fsum(w * x for w, x in zip(w1, d))
+    R = acc / l1
+    lse1, lse2 = m1 + mpmath.log(l1), m2 + mpmath.log(l2)
+    kl = R + lse2 - lse1
+    rho1 = u * mpmath.fsum(p * (m1 - x) for p, x in zip(P1, s1)) + c + n * eta
+    rho2 = u * mpmath.fsum(p * (m2 - x) for p, x in zip(P2, s2)) + c + n * eta
+    e_acc = mpmath.fsum(p * abs(x) * (u * (m1 - s) + c + 2 * u) for p, x, s in zip(P1, d, s1))
+    e_acc += n * eta * (max(abs(x) for x in d) + 1)
+    e_R = e_acc + abs(R) * rho1 + u * abs(R)
+    e_L1 = rho1 + u_l * mpmath.log(l1) + u * abs(lse1)
+    e_L2 = rho2 + u_l * mpmath.log(l2) + u * abs(lse2)
+    e_kl = e_R + e_L1 + e_L2 + u * abs(lse2 - lse1) + u * abs(kl)
+    return float(e_kl), float(e_L1), float(e_L2)
+
+
+@hp
+def coarse_bound(n, B, M, *, u=U32, u_e=2 * U32, u_l=2 * U32, eta=ETA32):
+    """The data-free corollary: the bound in terms of ``n, B, T`` and ``M = max |S|`` only."""
+    T = -(-n // B)
+    Bw = min(B, n)
+    c = T * u_e + (Bw + 2 * T) * u
+    ln_n = mpmath.log(n)
+    rho = u * ln_n + c + n * eta
+    e_R = 2 * M * (rho + c + 2 * u) + n * eta * (2 * M + 1) + 2 * M * rho + 2 * M * u
+    e_L = rho + u_l * ln_n + u * (M + ln_n)
+    return float(e_R + 2 * e_L + u * (2 * M + ln_n) + u * (4 * M + ln_n))
+
+
+# --------------------------------------------------------------------------------------------
+# Hypothesis strategies (bounded floats only)
+# --------------------------------------------------------------------------------------------
+def finite(lo=-30.0, hi=30.0):
+    return st.floats(lo, hi, allow_nan=False, allow_infinity=False)
+
+
+@st.composite
+def rows(draw, min_n=1, max_n=8, lo=-30.0, hi=30.0, masked=False):
+    """A pair of score rows of the same length; with ``masked``, some entries ``-inf`` on both."""
+    n = draw(st.integers(min_n, max_n))
+    s1 = draw(st.lists(finite(lo, hi), min_size=n, max_size=n))
+    s2 = draw(st.lists(finite(lo, hi), min_size=n, max_size=n))
+    if masked:
+        m = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+        s1 = [-math.inf if k else x for k, x in zip(m, s1)]
+        s2 = [-math.inf if k else x for k, x in zip(m, s2)]
+    return s1, s2
+
+
+def cuts_for(n):
+    return st.lists(st.integers(1, max(n - 1, 1)), max_size=max(n - 1, 0))
+
+
+# --------------------------------------------------------------------------------------------
+# SymPy helpers
+# --------------------------------------------------------------------------------------------
+def sym_zero(expr) -> bool:
+    """True when SymPy proves ``expr == 0`` (real symbols; logs of products split, exps of sums
+    split, then ``simplify``)."""
+    import sympy as sp
+
+    e = sp.expand(sp.expand_log(expr, force=True), power_exp=True)
+    return sp.simplify(e) == 0
+
+
+def sym_nonzero_at(expr, point: dict) -> bool:
+    """True when ``expr`` evaluates to a nonzero number at ``point`` (disproves an identity)."""
+    val = complex(expr.subs(point).evalf(30))
+    return abs(val) > 1e-12
