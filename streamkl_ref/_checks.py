@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from numbers import Real
 
-__all__ = ["Dims", "check_inputs", "check_block", "resolve_scale"]
+__all__ = ["Dims", "check_inputs", "check_block", "check_rows", "resolve_scale"]
 
 
 @dataclass(frozen=True)
@@ -97,3 +97,15 @@ def check_block(value, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return value
+
+
+def check_rows(x, name: str, dims: Dims) -> tuple[int, int, int]:
+    """A per-query-row array (``grad_kl``, ``lse1``, ``lse2``, ``kl``): shape ``[B, H, N_Q]``."""
+    ndim = getattr(x, "ndim", None)
+    if ndim is None:
+        raise ValueError(f"{name} must be an array or tensor, got {type(x).__name__}")
+    shape = tuple(int(s) for s in x.shape)
+    want = (dims.B, dims.H, dims.NQ)
+    if shape != want:
+        raise ValueError(f"{name} must have shape [B, H, N_Q] = {list(want)}, got {list(shape)}")
+    return shape

@@ -1,0 +1,49 @@
+"""streamkl_ref: exact references for attention KL divergence (NumPy + mpmath; never imports torch).
+
+``KL[b,h,i] = KL(P1[b,h,i,:] || P2[b,h,i,:])`` between two attention distributions
+``P_t = softmax(σ_t · Q_t K_tᵀ)`` over the keys, per query row. Conventions (the contract is
+MATH.md in the shared design folder):
+
+- layout ``[B, H, N, D]``; ``q_t [B, H, N_Q, D_t]``, ``k_t [B, H_Kt, N_K, D_t]``; GQA per side
+  (query head ``h`` reads key head ``h // (H // H_Kt)``); ``D1`` may differ from ``D2``,
+  ``N_Q`` from ``N_K``;
+- ``scale_t = None`` means ``1/sqrt(D_t)``;
+- ``causal=True`` is bottom-right aligned: key ``j`` visible to query ``i`` iff
+  ``j <= i + N_K − N_Q`` (FlashAttention's convention, not SDPA's top-left ``is_causal``);
+- a row with no visible key has ``KL = 0``, ``LSE = −inf`` and zero gradient;
+- results in nats (natural log), float64 unless a ``dtype`` says otherwise;
+- NaN in an input gives NaN in the rows it reaches, never a silent 0.
+
+Modules: ``_dense`` (materialised float64), ``_mp`` (mpmath ground truth), ``_online`` (the
+five-scalar streaming recurrence, tiled as a kernel runs it), ``_grad`` (closed-form and tiled
+backward), ``_scores`` (scores, masks, GQA plumbing), ``_checks`` (input validation shared with
+streamkl_gpu), ``cli`` (the ``streamkl`` command).
+"""
+from ._dense import attention_kl
+from ._grad import attention_kl_grad, attention_kl_grad_tiled
+from ._mp import attention_kl_mp
+from ._online import (
+    OnlineResult,
+    OnlineState,
+    TileEvent,
+    attention_kl_online,
+    finalize_state,
+    initial_state,
+    merge_states,
+    update_state,
+)
+
+__all__ = [
+    "attention_kl",
+    "attention_kl_mp",
+    "attention_kl_online",
+    "attention_kl_grad",
+    "attention_kl_grad_tiled",
+    "OnlineState",
+    "OnlineResult",
+    "TileEvent",
+    "initial_state",
+    "update_state",
+    "merge_states",
+    "finalize_state",
+]
