@@ -1,0 +1,338 @@
+"""Backward Triton kernels: recompute P1, P2 tile by tile from the saved LSEs (MATH.md).
+
+Per tile, with scores in bits (``s_t = sigma_t * log2(e) * q_t.k_t``, the forward's fold):
+
+    P_t = exp2(s_t - lse_t * log2(e))                       (lse_t saved by the forward, nats)
+    setting 1 (train side 2):  dS2 = g * (P2 - P1)
+    setting 2 (train side 1):  dS1 = g * P1 * ((S1 - S2) - (LSE1 - LSE2) - KL)
+                                   = g * ln2 * P1 * ((s1 - s2) - c),  c = (LSE1 - LSE2 + KL) * log2(e)
+    dQ_t = sigma_t * dS_t K_t,   dK_t = sigma_t * dS_t^T Q_t
+
+The log-ratio comes from the two logits and the saved LSEs, never from log(P). sigma_t and g
+are folded into dS before the two matmuls. Rows with no visible key get lse = +inf here, so
+P1 = P2 = 0 exactly and their gradient is 0; masked entries get s = -inf and P = 0, and their
+log-ratio is taken before masking (finite), so no -inf - -inf or 0 * inf is formed.
+
+Two kernels:
+- ``_kl_bwd_dk_kernel``: one program per (key tile, batch, query head); loops over the query
+  tiles that see the key tile and accumulates dK1/dK2 in registers. With FUSED_DQ it also adds
+  each tile's dQ contribution into an fp32 buffer with atomics: every (query tile, key tile)
+  pair is visited once (4 matmuls per tile for one setting, 6 for both).
+- ``_kl_bwd_dq_kernel``: one program per (query tile, batch, query head); loops over key tiles
+  and accumulates dQ in registers (the "separate" path, together with the dk kernel without
+  FUSED_DQ: no atomics on dQ, bitwise repeatable).
+GQA: with more than one query head per key head, dK is either added with fp32 atomics into a
+[B, H_K, N_K, D] buffer (DK_ATOMIC) or stored per query head and summed by the caller in a fixed
+order (deterministic).
+"""
+import triton
+import triton.language as tl
+
+from ._fwd import LN2, LOG2E
+
+
+@triton.jit
+def _row_consts(LSE1, LSE2, KL, G, rows, row_ok):
+    """Per-row constants of the backward, read from the forward's saved values."""
+    lse1 = tl.load(LSE1 + rows, mask=row_ok, other=float("-inf"))
+    lse2 = tl.load(LSE2 + rows, mask=row_ok, other=float("-inf"))
+    kl = tl.load(KL + rows, mask=row_ok, other=0.0)
+    g = tl.load(G + rows, mask=row_ok, other=0.0)
+    empty = lse1 == float("-inf")  # no visible key (or a padding row)
+    lse1_bits = tl.where(empty, float("inf"), lse1 * LOG2E)  # +inf: P = exp2(s - inf) = 0
+    lse2_bits = tl.where(empty, float("inf"), lse2 * LOG2E)
+    c_bits = tl.where(empty, 0.0, (lse1 - lse2 + kl) * LOG2E)
+    g = tl.where(empty, 0.0, g)
+    return lse1_bits, lse2_bits, c_bits, g
+
+
+@triton.jit
+def _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, c_bits, g, offs_m, cols, N_K, diag_offset,
+             qk_scale1, qk_scale2, scale1, scale2,
+             MASKED: tl.constexpr, CAUSAL: tl.constexpr, TRAIN1: tl.constexpr, TRAIN2: tl.constexpr,
+             IEEE1: tl.constexpr, IEEE2: tl.constexpr):
+    """dS1 (if TRAIN1) and dS2 (if TRAIN2) of one [BLOCK_M, BLOCK_N] tile, sigma and g folded in."""
+    if IEEE1:
+        s1 = tl.dot(q1, tl.trans(k1), input_precision="ieee")
+    else:
+        s1 = tl.dot(q1, tl.trans(k1))
+    if IEEE2:
+        s2 = tl.dot(q2, tl.trans(k2), input_precision="ieee")
+    else:
+        s2 = tl.dot(q2, tl.trans(k2))
+    s1 = s1 * qk_scale1
+    s2 = s2 * qk_scale2
+    if TRAIN1:
+        log_ratio = s1 - s2  # finite: taken before masking
+    if MASKED:
+        visible = cols[None, :] < N_K
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= offs_m[:, None] + diag_offset)
+        s1 = tl.where(visible, s1, float("-inf"))
+        s2 = tl.where(visible, s2, float("-inf"))
+    p1 = tl.exp2(s1 - lse1_bits[:, None])
+    ds1 = p1
+    ds2 = p1
+    if TRAIN2:
+        p2 = tl.exp2(s2 - lse2_bits[:, None])
+        ds2 = (p2 - p1) * (g * scale2)[:, None]
+    if TRAIN1:
+        ds1 = p1 * (log_ratio - c_bits[:, None]) * (g * (scale1 * LN2))[:, None]
+    return ds1, ds2
+
+
+@triton.jit
+def _dk_query_range(
+    dk1, dk2, k1, k2, start_n, cols, lo, hi,
+    Q1, Q2, DQ1, DQ2, LSE1, LSE2, KL, G, row_base,
+    stride_q1n, stride_q1d, stride_q2n, stride_q2d, stride_dq1n, stride_dq2n,
+    N_Q, N_K, D1: tl.constexpr, D2: tl.constexpr, diag_offset, qk_scale1, qk_scale2, scale1, scale2,
+    BLOCK_M: tl.constexpr, D1_PAD: tl.constexpr, D2_PAD: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, TRAIN1: tl.constexpr, TRAIN2: tl.constexpr,
+    FUSED_DQ: tl.constexpr, IEEE1: tl.constexpr, IEEE2: tl.constexpr,
+):
+    offs_d1 = tl.arange(0, D1_PAD)
+    offs_d2 = tl.arange(0, D2_PAD)
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < N_Q
+        rows64 = offs_m.to(tl.int64)
+        q1 = tl.load(Q1 + rows64[:, None] * stride_q1n + offs_d1[None, :] * stride_q1d,
+                     mask=row_ok[:, None] & (offs_d1[None, :] < D1), other=0.0)
+        q2 = tl.load(Q2 + rows64[:, None] * stride_q2n + offs_d2[None, :] * stride_q2d,
+                     mask=row_ok[:, None] & (offs_d2[None, :] < D2), other=0.0)
+        lse1_bits, lse2_bits, c_bits, g = _row_consts(LSE1, LSE2, KL, G, row_base + offs_m, row_ok)
+        ds1, ds2 = _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, c_bits, g, offs_m, cols, N_K,
+                            diag_offset, qk_scale1, qk_scale2, scale1, scale2,
+                            MASKED, CAUSAL, TRAIN1, TRAIN2, IEEE1, IEEE2)
+        if TRAIN1:
+            ds1 = ds1.to(q1.dtype)
+            if IEEE1:
+                dk1 += tl.dot(tl.trans(ds1), q1, input_precision="ieee")
+            else:
+                dk1 += tl.dot(tl.trans(ds1), q1)
+            if FUSED_DQ:
+                if IEEE1:
+                    dq1 = tl.dot(ds1, k1, input_precision="ieee")
+                else:
+                    dq1 = tl.dot(ds1, k1)
+                tl.atomic_add(DQ1 + rows64[:, None] * stride_dq1n + offs_d1[None, :], dq1,
+                              mask=row_ok[:, None] & (offs_d1[None, :] < D1), sem="relaxed")
+        if TRAIN2:
+            ds2 = ds2.to(q2.dtype)
+            if IEEE2:
+                dk2 += tl.dot(tl.trans(ds2), q2, input_precision="ieee")
+            else:
+                dk2 += tl.dot(tl.trans(ds2), q2)
+            if FUSED_DQ:
+                if IEEE2:
+                    dq2 = tl.dot(ds2, k2, input_precision="ieee")
+                else:
+                    dq2 = tl.dot(ds2, k2)
+                tl.atomic_add(DQ2 + rows64[:, None] * stride_dq2n + offs_d2[None, :], dq2,
+                              mask=row_ok[:, None] & (offs_d2[None, :] < D2), sem="relaxed")
+    return dk1, dk2
+
+
+@triton.jit
+def _kl_bwd_dk_kernel(
+    Q1, K1, Q2, K2, LSE1, LSE2, KL, G,
+    DK1, DK2, DQ1, DQ2,
+    stride_q1b, stride_q1h, stride_q1n, stride_q1d,
+    stride_k1b, stride_k1h, stride_k1n, stride_k1d,
+    stride_q2b, stride_q2h, stride_q2n, stride_q2d,
+    stride_k2b, stride_k2h, stride_k2n, stride_k2d,
+    stride_dk1b, stride_dk1h, stride_dk1n,
+    stride_dk2b, stride_dk2h, stride_dk2n,
+    stride_dq1b, stride_dq1h, stride_dq1n,
+    stride_dq2b, stride_dq2h, stride_dq2n,
+    H, N_Q, N_K, D1: tl.constexpr, D2: tl.constexpr, GROUP1, GROUP2,
+    qk_scale1, qk_scale2, scale1, scale2,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D1_PAD: tl.constexpr, D2_PAD: tl.constexpr,
+    CAUSAL: tl.constexpr, TRAIN1: tl.constexpr, TRAIN2: tl.constexpr, FUSED_DQ: tl.constexpr,
+    DK1_ATOMIC: tl.constexpr, DK2_ATOMIC: tl.constexpr, IEEE1: tl.constexpr, IEEE2: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    kh1 = h // GROUP1
+    kh2 = h // GROUP2
+    start_n = pid_n * BLOCK_N
+    cols = start_n + tl.arange(0, BLOCK_N)
+    col_ok = cols < N_K
+    cols64 = cols.to(tl.int64)
+    offs_d1 = tl.arange(0, D1_PAD)
+    offs_d2 = tl.arange(0, D2_PAD)
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+
+    k1 = tl.load(K1 + b64 * stride_k1b + kh1.to(tl.int64) * stride_k1h
+                 + cols64[:, None] * stride_k1n + offs_d1[None, :] * stride_k1d,
+                 mask=col_ok[:, None] & (offs_d1[None, :] < D1), other=0.0)
+    k2 = tl.load(K2 + b64 * stride_k2b + kh2.to(tl.int64) * stride_k2h
+                 + cols64[:, None] * stride_k2n + offs_d2[None, :] * stride_k2d,
+                 mask=col_ok[:, None] & (offs_d2[None, :] < D2), other=0.0)
+    dk1 = tl.zeros([BLOCK_N, D1_PAD], tl.float32)
+    dk2 = tl.zeros([BLOCK_N, D2_PAD], tl.float32)
+
+    q1_base = Q1 + b64 * stride_q1b + h64 * stride_q1h
+    q2_base = Q2 + b64 * stride_q2b + h64 * stride_q2h
+    dq1_base = DQ1 + b64 * stride_dq1b + h64 * stride_dq1h
+    dq2_base = DQ2 + b64 * stride_dq2b + h64 * stride_dq2h
+    row_base = pid_bh.to(tl.int64) * N_Q
+
+    diag_offset = N_K - N_Q
+    m_lo = 0
+    m_full = 0
+    if CAUSAL:
+        # query rows that see any key of this tile: i >= start_n - diag_offset
+        m_lo = (tl.maximum(start_n - diag_offset, 0) // BLOCK_M) * BLOCK_M
+        # query tiles all of whose rows see every key of this tile start at or after
+        # start_n + BLOCK_N - 1 - diag_offset; the band before that is masked
+        m_full = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - diag_offset, 0), BLOCK_M) * BLOCK_M
+        m_full = tl.maximum(tl.minimum(m_full, N_Q), m_lo)
+    dk1, dk2 = _dk_query_range(
+        dk1, dk2, k1, k2, start_n, cols, m_lo, m_full,
+        q1_base, q2_base, dq1_base, dq2_base, LSE1, LSE2, KL, G, row_base,
+        stride_q1n, stride_q1d, stride_q2n, stride_q2d, stride_dq1n, stride_dq2n,
+        N_Q, N_K, D1, D2, diag_offset, qk_scale1, qk_scale2, scale1, scale2,
+        BLOCK_M, D1_PAD, D2_PAD, True, CAUSAL, TRAIN1, TRAIN2, FUSED_DQ, IEEE1, IEEE2)
+    if start_n + BLOCK_N <= N_K:
+        dk1, dk2 = _dk_query_range(
+            dk1, dk2, k1, k2, start_n, cols, m_full, N_Q,
+            q1_base, q2_base, dq1_base, dq2_base, LSE1, LSE2, KL, G, row_base,
+            stride_q1n, stride_q1d, stride_q2n, stride_q2d, stride_dq1n, stride_dq2n,
+            N_Q, N_K, D1, D2, diag_offset, qk_scale1, qk_scale2, scale1, scale2,
+            BLOCK_M, D1_PAD, D2_PAD, False, CAUSAL, TRAIN1, TRAIN2, FUSED_DQ, IEEE1, IEEE2)
+    else:  # the ragged last key tile: keys past N_K must be masked out of every query tile
+        dk1, dk2 = _dk_query_range(
+            dk1, dk2, k1, k2, start_n, cols, m_full, N_Q,
+            q1_base, q2_base, dq1_base, dq2_base, LSE1, LSE2, KL, G, row_base,
+            stride_q1n, stride_q1d, stride_q2n, stride_q2d, stride_dq1n, stride_dq2n,
+            N_Q, N_K, D1, D2, diag_offset, qk_scale1, qk_scale2, scale1, scale2,
+            BLOCK_M, D1_PAD, D2_PAD, True, CAUSAL, TRAIN1, TRAIN2, FUSED_DQ, IEEE1, IEEE2)
+
+    if TRAIN1:
+        if DK1_ATOMIC:  # GQA: add into the shared key head's fp32 buffer
+            ptr = DK1 + b64 * stride_dk1b + kh1.to(tl.int64) * stride_dk1h + cols64[:, None] * stride_dk1n + offs_d1[None, :]
+            tl.atomic_add(ptr, dk1, mask=col_ok[:, None] & (offs_d1[None, :] < D1), sem="relaxed")
+        else:  # one query head per key head, or a per-query-head buffer summed by the caller
+            ptr = DK1 + b64 * stride_dk1b + h64 * stride_dk1h + cols64[:, None] * stride_dk1n + offs_d1[None, :]
+            tl.store(ptr, dk1.to(DK1.dtype.element_ty), mask=col_ok[:, None] & (offs_d1[None, :] < D1))
+    if TRAIN2:
+        if DK2_ATOMIC:
+            ptr = DK2 + b64 * stride_dk2b + kh2.to(tl.int64) * stride_dk2h + cols64[:, None] * stride_dk2n + offs_d2[None, :]
+            tl.atomic_add(ptr, dk2, mask=col_ok[:, None] & (offs_d2[None, :] < D2), sem="relaxed")
+        else:
+            ptr = DK2 + b64 * stride_dk2b + h64 * stride_dk2h + cols64[:, None] * stride_dk2n + offs_d2[None, :]
+            tl.store(ptr, dk2.to(DK2.dtype.element_ty), mask=col_ok[:, None] & (offs_d2[None, :] < D2))
+
+
+@triton.jit
+def _dq_key_range(
+    dq1, dq2, q1, q2, lse1_bits, lse2_bits, c_bits, g, offs_m, k1_ptrs, k2_ptrs,
+    stride_k1n, stride_k2n, lo, hi, N_K, D1: tl.constexpr, D2: tl.constexpr, diag_offset,
+    qk_scale1, qk_scale2, scale1, scale2,
+    BLOCK_N: tl.constexpr, D1_PAD: tl.constexpr, D2_PAD: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, TRAIN1: tl.constexpr, TRAIN2: tl.constexpr,
+    IEEE1: tl.constexpr, IEEE2: tl.constexpr,
+):
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d1 = tl.arange(0, D1_PAD)
+    offs_d2 = tl.arange(0, D2_PAD)
+    k1_ptrs += lo.to(tl.int64) * stride_k1n
+    k2_ptrs += lo.to(tl.int64) * stride_k2n
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        if MASKED:
+            k1 = tl.load(k1_ptrs, mask=(cols[:, None] < N_K) & (offs_d1[None, :] < D1), other=0.0)
+            k2 = tl.load(k2_ptrs, mask=(cols[:, None] < N_K) & (offs_d2[None, :] < D2), other=0.0)
+        else:  # whole tiles: bounds masks only on padded head dims
+            k1 = tl.load(k1_ptrs, mask=offs_d1[None, :] < D1, other=0.0)
+            k2 = tl.load(k2_ptrs, mask=offs_d2[None, :] < D2, other=0.0)
+        ds1, ds2 = _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, c_bits, g, offs_m, cols, N_K,
+                            diag_offset, qk_scale1, qk_scale2, scale1, scale2,
+                            MASKED, CAUSAL, TRAIN1, TRAIN2, IEEE1, IEEE2)
+        if TRAIN1:
+            if IEEE1:
+                dq1 += tl.dot(ds1.to(k1.dtype), k1, input_precision="ieee")
+            else:
+                dq1 += tl.dot(ds1.to(k1.dtype), k1)
+        if TRAIN2:
+            if IEEE2:
+                dq2 += tl.dot(ds2.to(k2.dtype), k2, input_precision="ieee")
+            else:
+                dq2 += tl.dot(ds2.to(k2.dtype), k2)
+        k1_ptrs += BLOCK_N * stride_k1n
+        k2_ptrs += BLOCK_N * stride_k2n
+    return dq1, dq2
+
+
+@triton.jit
+def _kl_bwd_dq_kernel(
+    Q1, K1, Q2, K2, LSE1, LSE2, KL, G, DQ1, DQ2,
+    stride_q1b, stride_q1h, stride_q1n, stride_q1d,
+    stride_k1b, stride_k1h, stride_k1n, stride_k1d,
+    stride_q2b, stride_q2h, stride_q2n, stride_q2d,
+    stride_k2b, stride_k2h, stride_k2n, stride_k2d,
+    stride_dq1b, stride_dq1h, stride_dq1n,
+    stride_dq2b, stride_dq2h, stride_dq2n,
+    H, N_Q, N_K, D1: tl.constexpr, D2: tl.constexpr, GROUP1, GROUP2,
+    qk_scale1, qk_scale2, scale1, scale2,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D1_PAD: tl.constexpr, D2_PAD: tl.constexpr,
+    CAUSAL: tl.constexpr, TRAIN1: tl.constexpr, TRAIN2: tl.constexpr,
+    IEEE1: tl.constexpr, IEEE2: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d1 = tl.arange(0, D1_PAD)
+    offs_d2 = tl.arange(0, D2_PAD)
+    row_ok = offs_m < N_Q
+    rows64 = offs_m.to(tl.int64)
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+
+    q1 = tl.load(Q1 + b64 * stride_q1b + h64 * stride_q1h + rows64[:, None] * stride_q1n + offs_d1[None, :] * stride_q1d,
+                 mask=row_ok[:, None] & (offs_d1[None, :] < D1), other=0.0)
+    q2 = tl.load(Q2 + b64 * stride_q2b + h64 * stride_q2h + rows64[:, None] * stride_q2n + offs_d2[None, :] * stride_q2d,
+                 mask=row_ok[:, None] & (offs_d2[None, :] < D2), other=0.0)
+    lse1_bits, lse2_bits, c_bits, g = _row_consts(LSE1, LSE2, KL, G, pid_bh.to(tl.int64) * N_Q + offs_m, row_ok)
+    k1_ptrs = (K1 + b64 * stride_k1b + (h // GROUP1).to(tl.int64) * stride_k1h
+               + offs_n[:, None] * stride_k1n + offs_d1[None, :] * stride_k1d)
+    k2_ptrs = (K2 + b64 * stride_k2b + (h // GROUP2).to(tl.int64) * stride_k2h
+               + offs_n[:, None] * stride_k2n + offs_d2[None, :] * stride_k2d)
+    dq1 = tl.zeros([BLOCK_M, D1_PAD], tl.float32)
+    dq2 = tl.zeros([BLOCK_M, D2_PAD], tl.float32)
+
+    # same two stages as the forward: whole tiles unmasked, then the causal band / ragged tail
+    diag_offset = N_K - N_Q
+    key_hi = N_K
+    full_hi = (N_K // BLOCK_N) * BLOCK_N
+    if CAUSAL:
+        full_hi = tl.minimum(full_hi, (tl.maximum(start_m + diag_offset + 1, 0) // BLOCK_N) * BLOCK_N)
+        key_hi = tl.minimum(key_hi, tl.maximum(start_m + BLOCK_M + diag_offset, 0))
+    full_hi = tl.minimum(full_hi, key_hi)
+    key_lo = pid_m * 0  # a runtime zero, so the range start can be widened to int64
+    dq1, dq2 = _dq_key_range(
+        dq1, dq2, q1, q2, lse1_bits, lse2_bits, c_bits, g, offs_m, k1_ptrs, k2_ptrs,
+        stride_k1n, stride_k2n, key_lo, full_hi, N_K, D1, D2, diag_offset,
+        qk_scale1, qk_scale2, scale1, scale2,
+        BLOCK_N, D1_PAD, D2_PAD, False, CAUSAL, TRAIN1, TRAIN2, IEEE1, IEEE2)
+    dq1, dq2 = _dq_key_range(
+        dq1, dq2, q1, q2, lse1_bits, lse2_bits, c_bits, g, offs_m, k1_ptrs, k2_ptrs,
+        stride_k1n, stride_k2n, full_hi, key_hi, N_K, D1, D2, diag_offset,
+        qk_scale1, qk_scale2, scale1, scale2,
+        BLOCK_N, D1_PAD, D2_PAD, True, CAUSAL, TRAIN1, TRAIN2, IEEE1, IEEE2)
+
+    if TRAIN1:
+        tl.store(DQ1 + b64 * stride_dq1b + h64 * stride_dq1h + rows64[:, None] * stride_dq1n + offs_d1[None, :],
+                 dq1.to(DQ1.dtype.element_ty), mask=row_ok[:, None] & (offs_d1[None, :] < D1))
+    if TRAIN2:
+        tl.store(DQ2 + b64 * stride_dq2b + h64 * stride_dq2h + rows64[:, None] * stride_dq2n + offs_d2[None, :],
+                 dq2.to(DQ2.dtype.element_ty), mask=row_ok[:, None] & (offs_d2[None, :] < D2))

@@ -1,0 +1,236 @@
+"""Forward Triton kernels: the one-pass streaming KL and its split-K variant.
+
+Conventions (../shared/design/MATH.md): per (batch b, query head h) the kernel streams the key
+tiles of side 1 (``k1``, key head ``h // group1``) and side 2 (``k2``, key head ``h // group2``)
+past one block of query rows and keeps five running scalars per row:
+
+    m1, l1   running max and rescaled sum of exp(S1)       (the teacher's softmax normaliser)
+    m2, l2   the same for S2                               (the student's)
+    acc      sum of exp(S1 - m1) * (S1 - S2), rescaled with l1
+
+Base 2: the scores are multiplied by ``sigma_t * log2(e)`` in fp32 right after each ``tl.dot``
+(``qk_scale1``/``qk_scale2``), so every exponential is an ``exp2`` and every state value is in
+bits; ``_finalize`` converts back with ``ln 2``. We scale the fp32 scores instead of pre-scaling
+a bf16/fp16 Q because folding the scale into a low-precision Q adds one more rounding of every
+query element (relative 2^-9 for bf16) that the reference does not make; the multiply is fused
+into the subtraction of the running max by the compiler.
+
+Masks: out-of-range keys and keys past the bottom-right causal frontier are set to -inf on both
+sides in the *masked* stage only. The log-ratio ``s1 - s2`` is taken before masking, from finite
+scores, so a masked entry contributes ``0 * finite = 0`` and ``-inf - -inf`` is never formed. A
+row whose running max is still -inf uses 0 as its shift (``_safe``), so ``exp2(-inf - -inf)`` is
+never evaluated either: an all-masked tile leaves the state unchanged.
+
+Offsets: batch/head base offsets are int64 and the key pointers are advanced tile by tile in
+64-bit pointer arithmetic, so 512K tokens x 32 heads x 128 dims (> 2^31 elements) is fine.
+"""
+import triton
+import triton.language as tl
+
+LN2 = 0.6931471805599453
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _safe(m):
+    # shift to use for a running max: 0 while the row has seen no visible key (m == -inf)
+    return tl.where(m == float("-inf"), 0.0, m)
+
+
+@triton.jit
+def _finalize(m1, l1, m2, l2, acc):
+    """(m1, l1, m2, l2, acc) in bits -> (kl in nats, lse1, lse2 in nats). Empty rows -> (0, -inf, -inf).
+
+    KL = acc/l1 + LSE2 - LSE1 (MATH.md); written as acc/l1 + (m2 - m1) + log2(l2/l1) so the two
+    large maxima cancel first.
+    """
+    empty = l1 == 0.0
+    l1_safe = tl.where(empty, 1.0, l1)
+    l2_safe = tl.where(empty, 1.0, l2)
+    kl_bits = acc / l1_safe + (_safe(m2) - _safe(m1)) + tl.log2(l2_safe / l1_safe)
+    kl = tl.where(empty, 0.0, kl_bits * LN2)
+    lse1 = tl.where(empty, float("-inf"), (m1 + tl.log2(l1_safe)) * LN2)
+    lse2 = tl.where(empty, float("-inf"), (m2 + tl.log2(l2_safe)) * LN2)
+    return kl, lse1, lse2
+
+
+@triton.jit
+def _fwd_key_range(
+    m1, l1, m2, l2, acc,
+    q1, q2, k1_ptrs, k2_ptrs, stride_k1n, stride_k2n,
+    offs_m, offs_n, offs_d1, offs_d2, D1: tl.constexpr, D2: tl.constexpr, N_K, diag_offset,
+    lo, hi, qk_scale1, qk_scale2,
+    BLOCK_N: tl.constexpr, D1_PAD: tl.constexpr, D2_PAD: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, IEEE1: tl.constexpr, IEEE2: tl.constexpr,
+):
+    """Fold key tiles [lo, hi) into the row states. MASKED=False: every key of every tile is
+    visible to every row (no mask work at all); MASKED=True: bounds and causal masks applied."""
+    k1_ptrs += lo.to(tl.int64) * stride_k1n
+    k2_ptrs += lo.to(tl.int64) * stride_k2n
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        if MASKED:
+            k1 = tl.load(k1_ptrs, mask=(cols[:, None] < N_K) & (offs_d1[None, :] < D1), other=0.0)
+            k2 = tl.load(k2_ptrs, mask=(cols[:, None] < N_K) & (offs_d2[None, :] < D2), other=0.0)
+        else:  # whole tiles: bounds masks only on padded head dims (D is constexpr: folded away)
+            k1 = tl.load(k1_ptrs, mask=offs_d1[None, :] < D1, other=0.0)
+            k2 = tl.load(k2_ptrs, mask=offs_d2[None, :] < D2, other=0.0)
+        if IEEE1:
+            s1 = tl.dot(q1, tl.trans(k1), input_precision="ieee")
+        else:
+            s1 = tl.dot(q1, tl.trans(k1))
+        if IEEE2:
+            s2 = tl.dot(q2, tl.trans(k2), input_precision="ieee")
+        else:
+            s2 = tl.dot(q2, tl.trans(k2))
+        s1 = s1 * qk_scale1  # scores in bits: sigma1 * log2(e) * q1.k1
+        s2 = s2 * qk_scale2
+        log_ratio = s1 - s2  # from finite scores, before masking (see module docstring)
+        if MASKED:
+            visible = cols[None, :] < N_K
+            if CAUSAL:
+                # bottom-right causal: key j visible to query i iff j <= i + (N_K - N_Q)
+                visible = visible & (cols[None, :] <= offs_m[:, None] + diag_offset)
+            s1 = tl.where(visible, s1, float("-inf"))
+            s2 = tl.where(visible, s2, float("-inf"))
+        m1_new = tl.maximum(m1, tl.max(s1, 1))
+        m2_new = tl.maximum(m2, tl.max(s2, 1))
+        if MASKED:
+            shift1 = _safe(m1_new)
+            shift2 = _safe(m2_new)
+        else:
+            shift1 = m1_new
+            shift2 = m2_new
+        p1 = tl.exp2(s1 - shift1[:, None])
+        p2 = tl.exp2(s2 - shift2[:, None])
+        alpha1 = tl.exp2(m1 - shift1)  # exp2(-inf) = 0 on the first visible tile: l1 = acc = 0 there
+        alpha2 = tl.exp2(m2 - shift2)
+        l1 = l1 * alpha1 + tl.sum(p1, 1)
+        acc = acc * alpha1 + tl.sum(p1 * log_ratio, 1)
+        l2 = l2 * alpha2 + tl.sum(p2, 1)
+        m1 = m1_new
+        m2 = m2_new
+        k1_ptrs += BLOCK_N * stride_k1n
+        k2_ptrs += BLOCK_N * stride_k2n
+    return m1, l1, m2, l2, acc
+
+
+@triton.jit
+def _kl_fwd_kernel(
+    Q1, K1, Q2, K2,
+    KL, LSE1, LSE2,  # outputs [B*H, N_Q] fp32 (used when SPLIT == False)
+    PART,  # partial states [5, SPLITS, B*H, N_Q] fp32 (used when SPLIT == True)
+    stride_q1b, stride_q1h, stride_q1n, stride_q1d,
+    stride_k1b, stride_k1h, stride_k1n, stride_k1d,
+    stride_q2b, stride_q2h, stride_q2n, stride_q2d,
+    stride_k2b, stride_k2h, stride_k2n, stride_k2d,
+    H, N_Q, N_K, D1: tl.constexpr, D2: tl.constexpr, GROUP1, GROUP2, keys_per_split, num_splits,
+    qk_scale1, qk_scale2,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D1_PAD: tl.constexpr, D2_PAD: tl.constexpr,
+    CAUSAL: tl.constexpr, SPLIT: tl.constexpr, IEEE1: tl.constexpr, IEEE2: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_split = tl.program_id(2)
+    b = pid_bh // H
+    h = pid_bh % H
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d1 = tl.arange(0, D1_PAD)
+    offs_d2 = tl.arange(0, D2_PAD)
+    row_ok = offs_m < N_Q
+
+    # 64-bit base offsets: b * stride_b can exceed 2^31 at long contexts
+    q1_base = Q1 + b.to(tl.int64) * stride_q1b + h.to(tl.int64) * stride_q1h
+    q2_base = Q2 + b.to(tl.int64) * stride_q2b + h.to(tl.int64) * stride_q2h
+    k1_base = K1 + b.to(tl.int64) * stride_k1b + (h // GROUP1).to(tl.int64) * stride_k1h
+    k2_base = K2 + b.to(tl.int64) * stride_k2b + (h // GROUP2).to(tl.int64) * stride_k2h
+    rows64 = offs_m.to(tl.int64)
+    q1 = tl.load(q1_base + rows64[:, None] * stride_q1n + offs_d1[None, :] * stride_q1d,
+                 mask=row_ok[:, None] & (offs_d1[None, :] < D1), other=0.0)
+    q2 = tl.load(q2_base + rows64[:, None] * stride_q2n + offs_d2[None, :] * stride_q2d,
+                 mask=row_ok[:, None] & (offs_d2[None, :] < D2), other=0.0)
+    k1_ptrs = k1_base + offs_n[:, None] * stride_k1n + offs_d1[None, :] * stride_k1d
+    k2_ptrs = k2_base + offs_n[:, None] * stride_k2n + offs_d2[None, :] * stride_k2d
+
+    m1 = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    m2 = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l1 = tl.zeros([BLOCK_M], tl.float32)
+    l2 = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M], tl.float32)
+
+    # Key range of this program, then its two stages: tiles every row sees whole (no masking)
+    # and the rest (the causal diagonal band and the ragged last tile), masked.
+    diag_offset = N_K - N_Q
+    key_lo = pid_split * keys_per_split  # a multiple of BLOCK_N
+    key_hi = tl.minimum(key_lo + keys_per_split, N_K)
+    full_hi = (N_K // BLOCK_N) * BLOCK_N
+    if CAUSAL:
+        # every row of this block sees keys < start_m + diag_offset + 1
+        full_hi = tl.minimum(full_hi, (tl.maximum(start_m + diag_offset + 1, 0) // BLOCK_N) * BLOCK_N)
+        # no row of this block sees keys >= start_m + BLOCK_M + diag_offset: those tiles are skipped
+        key_hi = tl.minimum(key_hi, tl.maximum(start_m + BLOCK_M + diag_offset, 0))
+    full_hi = tl.maximum(tl.minimum(full_hi, key_hi), key_lo)
+    m1, l1, m2, l2, acc = _fwd_key_range(
+        m1, l1, m2, l2, acc, q1, q2, k1_ptrs, k2_ptrs, stride_k1n, stride_k2n,
+        offs_m, offs_n, offs_d1, offs_d2, D1, D2, N_K, diag_offset, key_lo, full_hi,
+        qk_scale1, qk_scale2, BLOCK_N, D1_PAD, D2_PAD, False, CAUSAL, IEEE1, IEEE2)
+    m1, l1, m2, l2, acc = _fwd_key_range(
+        m1, l1, m2, l2, acc, q1, q2, k1_ptrs, k2_ptrs, stride_k1n, stride_k2n,
+        offs_m, offs_n, offs_d1, offs_d2, D1, D2, N_K, diag_offset, full_hi, key_hi,
+        qk_scale1, qk_scale2, BLOCK_N, D1_PAD, D2_PAD, True, CAUSAL, IEEE1, IEEE2)
+
+    row_out = pid_bh.to(tl.int64) * N_Q + offs_m
+    if SPLIT:
+        # partial state of this key range; merged by _kl_combine_kernel (the merge rule of MATH.md)
+        plane = num_splits.to(tl.int64) * (tl.num_programs(1) * N_Q)
+        part = PART + pid_split.to(tl.int64) * (tl.num_programs(1) * N_Q) + row_out
+        tl.store(part, m1, mask=row_ok)
+        tl.store(part + plane, l1, mask=row_ok)
+        tl.store(part + 2 * plane, m2, mask=row_ok)
+        tl.store(part + 3 * plane, l2, mask=row_ok)
+        tl.store(part + 4 * plane, acc, mask=row_ok)
+    else:
+        kl, lse1, lse2 = _finalize(m1, l1, m2, l2, acc)
+        tl.store(KL + row_out, kl, mask=row_ok)
+        tl.store(LSE1 + row_out, lse1, mask=row_ok)
+        tl.store(LSE2 + row_out, lse2, mask=row_ok)
+
+
+@triton.jit
+def _merge_scale(m_a, m_b):
+    """Rescale factors for merging two running maxima; -inf (empty) sides get factor 0, never NaN."""
+    m = tl.maximum(m_a, m_b)
+    shift = _safe(m)
+    return m, tl.exp2(m_a - shift), tl.exp2(m_b - shift)
+
+
+@triton.jit
+def _kl_combine_kernel(PART, KL, LSE1, LSE2, rows_total, num_splits, BLOCK: tl.constexpr):
+    """Merge the split-K partial states in split order (deterministic) and finalize."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < rows_total
+    plane = num_splits * rows_total.to(tl.int64)  # distance between the five state planes
+    m1 = tl.full([BLOCK], float("-inf"), tl.float32)
+    m2 = tl.full([BLOCK], float("-inf"), tl.float32)
+    l1 = tl.zeros([BLOCK], tl.float32)
+    l2 = tl.zeros([BLOCK], tl.float32)
+    acc = tl.zeros([BLOCK], tl.float32)
+    p = PART + offs
+    for _ in range(0, num_splits):  # split order: the merge result is bitwise reproducible
+        m1_s = tl.load(p, mask=ok, other=float("-inf"))
+        l1_s = tl.load(p + plane, mask=ok, other=0.0)
+        m2_s = tl.load(p + 2 * plane, mask=ok, other=float("-inf"))
+        l2_s = tl.load(p + 3 * plane, mask=ok, other=0.0)
+        acc_s = tl.load(p + 4 * plane, mask=ok, other=0.0)
+        m1, a, b = _merge_scale(m1, m1_s)
+        l1 = l1 * a + l1_s * b
+        acc = acc * a + acc_s * b
+        m2, a, b = _merge_scale(m2, m2_s)
+        l2 = l2 * a + l2_s * b
+        p += rows_total
+    kl, lse1, lse2 = _finalize(m1, l1, m2, l2, acc)
+    tl.store(KL + offs, kl, mask=ok)
+    tl.store(LSE1 + offs, lse1, mask=ok)
+    tl.store(LSE2 + offs, lse2, mask=ok)
