@@ -28,11 +28,12 @@ NINF = mpmath.ninf
 
 
 def hp(fn):
-    """Run ``fn`` at ``DPS`` decimal digits."""
+    """Run ``fn`` at ``DPS`` decimal digits, or more if the caller already works at more (as
+    ``mpmath.diff`` does when it evaluates ``fn`` at nearby points)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        with mp.workdps(DPS):
+        with mp.workdps(max(DPS, mp.dps)):
             return fn(*args, **kwargs)
 
     return wrapper
@@ -199,7 +200,8 @@ def scores(Q, K, sigma):
     H, HK = len(Q), len(K)
     g = H // HK
     return [
-        [[sigma * mpmath.fsum(a * b for a, b in zip(q, k)) for k in K[h // g]] for q in Q[h]]
+        [[mpf(sigma) * mpmath.fsum(mpf(a) * mpf(b) for a, b in zip(q, k)) for k in K[h // g]]
+         for q in Q[h]]
         for h in range(H)
     ]
 
@@ -223,6 +225,8 @@ def attention_loss(Q1, K1, Q2, K2, s1, s2, G, mask=None):
 def row_grads(r1, r2, *, drop_kl_term=False):
     """The claimed ``dKL/dS1`` (setting 2) and ``dKL/dS2`` (setting 1) of one row, from the
     logits and the LSEs, with masked entries (and empty rows) giving exactly 0."""
+    r1 = [mpf(x) for x in r1]  # never subtract two Python floats: that would round to double
+    r2 = [mpf(x) for x in r2]
     kl, lse1, lse2 = dense_row(r1, r2)
     n = len(r1)
     d1, d2 = [mpf(0)] * n, [mpf(0)] * n
@@ -436,6 +440,13 @@ def sym_zero(expr) -> bool:
     import sympy as sp
 
     e = sp.expand(sp.expand_log(expr, force=True), power_exp=True)
+    # exp(x) of a real x is a positive number: name each one, and the rest is rational algebra
+    # in those names and the remaining logs (a fast, complete test for these expressions).
+    exps = sorted(e.atoms(sp.exp), key=sp.default_sort_key)
+    names = sp.symbols(f"_E0:{len(exps)}", positive=True)
+    r = sp.expand_log(e.subs(dict(zip(exps, names))), force=True)
+    if sp.cancel(sp.together(r)) == 0:
+        return True
     return sp.simplify(e) == 0
 
 
