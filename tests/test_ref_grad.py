@@ -1,0 +1,196 @@
+"""Gradients: closed form against mpmath finite differences; the tiled backward against the
+closed form."""
+import mpmath
+import numpy as np
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from _ref_strategies import EPS32, EPS64, logit_scale, make_problem, problems
+from streamkl_ref import attention_kl, attention_kl_grad, attention_kl_grad_tiled, attention_kl_mp
+
+pytestmark = pytest.mark.filterwarnings("error")
+
+NAMES = ("q1", "k1", "q2", "k2")
+GRADS = ("dq1", "dk1", "dq2", "dk2")
+DPS = 50
+STEP = mpmath.mpf("1e-20")  # central differences at 50 digits: truncation ~1e-40, rounding ~1e-30
+
+
+def _mp_objects(arrays):
+    out = []
+    for x in arrays:
+        obj = np.empty(x.shape, dtype=object)
+        for idx in np.ndindex(x.shape):
+            obj[idx] = mpmath.mpf(float(x[idx]))
+        out.append(obj)
+    return out
+
+
+def _mp_loss(objs, g, kw):
+    kl = attention_kl_mp(*objs, **kw, dps=DPS, return_mpf=True)
+    with mpmath.workdps(DPS):
+        return mpmath.fsum(mpmath.mpf(float(gi)) * ki for gi, ki in zip(g.ravel(), kl.ravel()))
+
+
+def fd_gradient(problem, g, which):
+    """``∂(Σ g·KL)/∂x`` for input ``which`` (0..3), element by element, in mpmath."""
+    objs = _mp_objects(problem.inputs)
+    target = objs[which]
+    out = np.empty(target.shape)
+    for idx in np.ndindex(target.shape):
+        orig = target[idx]
+        with mpmath.workdps(DPS):
+            target[idx] = orig + STEP
+        up = _mp_loss(objs, g, problem.kw)
+        with mpmath.workdps(DPS):
+            target[idx] = orig - STEP
+        down = _mp_loss(objs, g, problem.kw)
+        target[idx] = orig
+        with mpmath.workdps(DPS):
+            out[idx] = float((up - down) / (2 * STEP))
+    return out
+
+
+def grad_scales(problem, g):
+    """Per gradient, the size its rounding errors are measured against (never the gradient itself,
+    which may vanish by cancellation). ``dS`` is built from differences of logits and LSEs, so an
+    entry carries an absolute error of a few ulps of ``(1 + max|S|)`` times ``|g|·P``; the ``P``
+    of a row sum to 1, so ``dQ_t = σ_t·dS·K_t`` errs by about ``ulps·(1 + max|S|)·max|g|·σ_t·max|K_t|``
+    and ``dK_t`` (a sum over the ``(H/H_Kt)·N_Q`` query rows reading a key) by that many times
+    ``ulps·(1 + max|S|)·max|g|·σ_t·max|Q_t|``."""
+    d = problem.dims
+    smax = float(logit_scale(problem).max(initial=0.0))
+    base = (1 + smax) * float(np.abs(g).max(initial=0.0))
+    q1, k1, q2, k2 = (float(np.abs(x).max(initial=0.0)) for x in problem.inputs)
+    return {
+        "dq1": base * d.scale1 * k1,
+        "dk1": base * d.scale1 * q1 * d.group1 * d.NQ,
+        "dq2": base * d.scale2 * k2,
+        "dk2": base * d.scale2 * q2 * d.group2 * d.NQ,
+    }
+
+
+def grad_tolerance(problem, g, gname, ulps=64, eps=EPS64):
+    return ulps * eps * grad_scales(problem, g)[gname]
+
+
+def fd_noise(problem, g):
+    """The rounding of the mpmath loss (``DPS`` digits on terms of size ``(1 + max|S|)·|g|``),
+    divided by the step: the accuracy floor of the finite differences themselves."""
+    smax = float(logit_scale(problem).max(initial=0.0))
+    return 10.0 ** (2 - DPS) * (1 + smax) * float(np.abs(g).sum()) / float(STEP)
+
+
+CASES = {
+    "gqa_causal_nq_gt_nk": dict(seed=21, B=1, H=2, HK1=1, HK2=2, NQ=4, NK=3, D1=3, D2=2, causal=True),
+    "mqa_both_d1_ne_d2": dict(seed=22, B=1, H=2, HK1=1, HK2=1, NQ=2, NK=4, D1=2, D2=3),
+    "scaled_causal_nk_gt_nq": dict(seed=23, B=2, H=1, HK1=1, HK2=1, NQ=2, NK=3, D1=2, D2=1, causal=True,
+                                   scale1=0.7, scale2=1.9),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_closed_form_matches_mpmath_finite_differences(case):
+    p = make_problem(**CASES[case])
+    d = p.dims
+    g = np.random.default_rng(99).standard_normal((d.B, d.H, d.NQ))
+    grads = attention_kl_grad(*p.inputs, g, **p.kw)
+    for which, (name, gname) in enumerate(zip(NAMES, GRADS)):
+        fd = fd_gradient(p, g, which)
+        assert grads[gname].shape == p.inputs[which].shape and grads[gname].dtype == np.float64
+        err = np.abs(grads[gname] - fd).max()
+        assert err <= grad_tolerance(p, g, gname) + fd_noise(p, g), (name, err)
+        assert np.abs(fd).max() > 0  # the check is not vacuous
+
+
+@given(problems(max_n=4, max_d=3, max_b=1), st.integers(0, 2**32 - 1))
+@example(make_problem(seed=24, H=4, HK1=2, HK2=1, NQ=3, NK=2, causal=True), 0)
+# a single key (KL = 0 identically) and tiny logits: the gradient is 0 and only the mpmath
+# rounding floor of the finite difference remains
+@example(make_problem(seed=0, H=1, HK2=1, NQ=1, NK=1, D1=1, D2=1, amplitude=5e-173), 0)
+def test_directional_derivatives_match_mpmath(problem, seed):
+    """Along a random direction per input: ``⟨grad, v⟩`` against a central difference in mpmath."""
+    d = problem.dims
+    rng = np.random.default_rng(seed)
+    g = rng.standard_normal((d.B, d.H, d.NQ))
+    grads = attention_kl_grad(*problem.inputs, g, **problem.kw)
+    for which, gname in enumerate(GRADS):
+        v = rng.standard_normal(problem.inputs[which].shape)
+        objs = _mp_objects(problem.inputs)
+        base = objs[which].copy()
+        vs = _mp_objects([v])[0]
+        with mpmath.workdps(DPS):
+            objs[which] = base + STEP * vs
+        up = _mp_loss(objs, g, problem.kw)
+        with mpmath.workdps(DPS):
+            objs[which] = base - STEP * vs
+        down = _mp_loss(objs, g, problem.kw)
+        with mpmath.workdps(DPS):
+            fd = float((up - down) / (2 * STEP))
+        ours = float(np.sum(grads[gname] * v))
+        # |<err, v>| <= max|err| · Σ|v|, plus the rounding of the dot product itself
+        tol = grad_tolerance(problem, g, gname) * float(np.abs(v).sum()) \
+            + v.size * EPS64 * float(np.abs(grads[gname] * v).sum()) + fd_noise(problem, g)
+        assert abs(ours - fd) <= tol, (gname, ours, fd, tol)
+
+
+blocks = st.integers(1, 6)
+setting_choices = st.sampled_from([("1",), ("2",), ("1", "2")])
+
+
+@given(problems(), blocks, blocks, setting_choices, st.integers(0, 2**32 - 1))
+@example(make_problem(seed=25, NQ=7, NK=2, causal=True), 3, 1, ("1", "2"), 1)  # empty rows
+def test_tiled_backward_equals_closed_form(problem, block_q, block_k, settings, seed):
+    d = problem.dims
+    g = np.random.default_rng(seed).standard_normal((d.B, d.H, d.NQ))
+    kl, lse1, lse2 = attention_kl(*problem.inputs, **problem.kw, return_lse=True)
+    closed = attention_kl_grad(*problem.inputs, g, **problem.kw)
+    tiled = attention_kl_grad_tiled(*problem.inputs, g, lse1, lse2, kl, **problem.kw,
+                                    block_q=block_q, block_k=block_k, settings=settings)
+    expected = {"1": ("dq2", "dk2"), "2": ("dq1", "dk1")}
+    assert set(tiled) == {k for s in settings for k in expected[s]}
+    for key, value in tiled.items():
+        assert value.shape == closed[key].shape and value.dtype == np.float64
+        err = np.abs(value - closed[key]).max(initial=0.0)
+        assert err <= grad_tolerance(problem, g, key), (key, err)
+
+
+@given(problems(max_n=10, max_d=6), blocks, blocks, st.integers(0, 2**32 - 1))
+def test_tiled_backward_float32_within_float32_rounding(problem, block_q, block_k, seed):
+    """FlashAttention-style: the float32 tiled backward run as one single tile is the dense
+    float32 computation; smaller tiles may be at most twice as far from the float64 closed form,
+    plus a floor of a few float32 roundings at the logit scale times the gradient's size."""
+    d = problem.dims
+    g = np.random.default_rng(seed).standard_normal((d.B, d.H, d.NQ))
+    kl, lse1, lse2 = attention_kl(*problem.inputs, **problem.kw, return_lse=True)
+    closed = attention_kl_grad(*problem.inputs, g, **problem.kw)
+    args = (*problem.inputs, g, lse1, lse2, kl)
+    one_tile = attention_kl_grad_tiled(*args, **problem.kw, block_q=d.NQ, block_k=d.NK, dtype=np.float32)
+    tiled = attention_kl_grad_tiled(*args, **problem.kw, block_q=block_q, block_k=block_k, dtype=np.float32)
+    for key in GRADS:
+        assert tiled[key].dtype == np.float32
+        ref = closed[key]
+        floor = grad_tolerance(problem, g, key, ulps=4, eps=EPS32)
+        err_dense = np.abs(one_tile[key] - ref).max(initial=0.0)
+        err_tiled = np.abs(tiled[key] - ref).max(initial=0.0)
+        assert err_tiled <= 2 * err_dense + floor, (key, err_tiled, err_dense, floor)
+
+
+def test_gqa_key_gradient_sums_over_its_query_heads():
+    p = make_problem(seed=26, B=1, H=4, HK1=2, HK2=1, NQ=3, NK=4)
+    g = np.random.default_rng(1).standard_normal((1, 4, 3))
+    grads = attention_kl_grad(*p.inputs, g, **p.kw)
+    expanded = make_problem(seed=26, B=1, H=4, HK1=2, HK2=1, NQ=3, NK=4)
+    expanded.k1 = np.repeat(p.k1, 2, axis=1)
+    expanded.k2 = np.repeat(p.k2, 4, axis=1)
+    full = attention_kl_grad(*expanded.inputs, g, **expanded.kw)
+    np.testing.assert_array_equal(grads["dq1"], full["dq1"])
+    np.testing.assert_allclose(grads["dk1"], full["dk1"].reshape(1, 2, 2, 4, 3).sum(2), rtol=1e-14, atol=1e-15)
+    np.testing.assert_allclose(grads["dk2"], full["dk2"].sum(1, keepdims=True), rtol=1e-14, atol=1e-15)
+
+
+def test_zero_upstream_gradient_gives_zero():
+    p = make_problem(seed=27, NQ=3, NK=3, causal=True)
+    grads = attention_kl_grad(*p.inputs, np.zeros((1, 2, 3)), **p.kw)
+    assert all(np.array_equal(v, np.zeros_like(v)) for v in grads.values())
