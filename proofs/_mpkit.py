@@ -299,13 +299,14 @@ def truncate_bf16(x):
 
 
 def online_np(s1, s2, B, dtype=np.float32, *, guarded=True, shift=True, record=None,
-              sloppy_rescale=False):
+              trace=None, sloppy_rescale=False):
     """The online recurrence in ``dtype`` over tiles of width ``B``; returns ``(KL, LSE1, LSE2)``.
 
     - ``guarded=False``: the naive recurrence (no empty-tile / empty-row guards): it forms
       ``-inf - (-inf)`` on masked data; run it under ``np.errstate(invalid='raise')`` to see.
     - ``shift=False``: no running max (``m`` stays 0): the naive ``sum exp(S)``.
     - ``record``: a list that receives every ``exp`` argument (as float64 arrays).
+    - ``trace``: a list that receives the state ``(m1, l1, m2, l2, acc)`` after every tile.
     - ``sloppy_rescale``: truncate the rescale factor to bfloat16 (a deliberate mistake).
     """
     s1 = np.asarray(s1, dtype)
@@ -343,6 +344,8 @@ def online_np(s1, s2, B, dtype=np.float32, *, guarded=True, shift=True, record=N
         l2 = dtype(dtype(a2 * l2) + _seqsum(p2, dtype))
         acc = dtype(dtype(a1 * acc) + _seqsum((p1 * d).astype(dtype), dtype))
         m1, m2 = n1, n2
+        if trace is not None:
+            trace.append((m1, l1, m2, l2, acc))
     if guarded and l1 == 0:
         return zero, ninf, ninf
     lse1 = dtype(m1 + _flog(l1, dtype))
