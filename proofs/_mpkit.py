@@ -399,15 +399,16 @@ def first_order_bound(s1, s2, B, *, u=U32, u_e=2 * U32, u_l=2 * U32, eta=ETA32):
 
 @hp
 def coarse_bound(n, B, M, *, u=U32, u_e=2 * U32, u_l=2 * U32, eta=ETA32):
-    """The data-free corollary: the bound in terms of ``n, B, T`` and ``M = max |S|`` only."""
+    """The data-free corollary: the bound in terms of ``n, B, T`` and ``M = max |S|`` only:
+    ``M (4 rho + 14 u) + 2 rho + (2 u_l + 4 u) ln n + n eta (2 M + 1)``,
+    ``rho = u ln n + c + n eta``."""
     T = -(-n // B)
     Bw = min(B, n)
     c = T * u_e + (Bw + 2 * T) * u
     ln_n = mpmath.log(n)
     rho = u * ln_n + c + n * eta
-    e_R = 2 * M * (rho + c + 2 * u) + n * eta * (2 * M + 1) + 2 * M * rho + 2 * M * u
-    e_L = rho + u_l * ln_n + u * (M + ln_n)
-    return float(e_R + 2 * e_L + u * (2 * M + ln_n) + u * (4 * M + ln_n))
+    return float(M * (4 * rho + 14 * u) + 2 * rho + (2 * u_l + 4 * u) * ln_n
+                 + n * eta * (2 * M + 1))
 
 
 # --------------------------------------------------------------------------------------------

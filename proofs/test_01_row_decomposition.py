@@ -1,11 +1,14 @@
 """Checks for statement 1 (01_row_decomposition.md): KL = acc/l1 + LSE2 - LSE1 for ANY shift m1."""
 import math
 
+import mpmath
 import sympy as sp
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from proofs._mpkit import close, decomposition, dense_row, finite, rows, sym_nonzero_at, sym_zero
+from proofs._mpkit import (
+    DPS, close, decomposition, dense_row, finite, rows, sym_nonzero_at, sym_zero,
+)
 
 N = 3  # symbolic row length (the identity is term-by-term, so 3 keys exercise every step)
 a = sp.symbols(f"s1_0:{N}", real=True)
@@ -68,8 +71,10 @@ def test_statement_1_decomposition_numerically_at_60_digits(pair, shift):
 
 
 @given(rows(max_n=6))
+@example(([0.0, 1.0], [1.0, 0.0]))  # LSE1 == LSE2: found when `wrong` was formed at 15 digits
 def test_statement_1_numeric_check_rejects_swapped_lse(pair):
     s1, s2 = pair
     kl, lse1, lse2 = dense_row(s1, s2)
-    wrong = decomposition(s1, s2, 0.0) - 2 * (lse2 - lse1)  # = acc/l1 + LSE1 - LSE2
+    with mpmath.workdps(DPS):
+        wrong = decomposition(s1, s2, 0.0) - 2 * (lse2 - lse1)  # = acc/l1 + LSE1 - LSE2
     assert close(wrong, kl) == close(lse1, lse2)  # wrong exactly when LSE1 != LSE2
