@@ -44,6 +44,17 @@ def test_statement_4_kl_nats_is_ln2_times_kl_bits_symbolically():
     assert zero(sp.exp(LN2 * lse1) - sum(sp.exp(x) for x in a))  # LSE_nats = ln2 * LSE_bits
 
 
+def test_statement_4_setting_2_gradient_in_bits_symbolically():
+    # dKL_nats/dS1 (natural logits) from base-2 quantities: P1 = 2^(S1' - LSE1'), and every
+    # term of the bracket is in bits, so one factor ln 2 converts it.
+    kl_bits, lse1, lse2 = bits_pipeline()
+    kl = kl_definition()
+    for k in range(N):
+        p1 = 2 ** (a[k] / LN2 - lse1)
+        claim = LN2 * p1 * ((a[k] - b[k]) / LN2 - (lse1 - lse2) - kl_bits)
+        assert zero(sp.diff(kl, a[k]) - claim)
+
+
 def test_statement_4_symbolic_check_rejects_ln_for_log2_and_a_missing_ln2():
     point = {**dict(zip(a, [0.2, 1.5, -0.8])), **dict(zip(b, [0.0, -1.0, 2.5])), mb1: 1.0, mb2: 2.0}
     kl_bits, _, _ = bits_pipeline()
