@@ -73,10 +73,13 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--budget-s", type=float, default=None,
                    help="wall-time budget for the whole run; perf points that would overrun are recorded "
-                        "as 'skipped(budget)'. Default 470 (quick: 300, tiny: 600). Checks are never skipped.")
+                        "as 'skipped(budget)'. Default 460 (quick: 300, tiny: 600). Checks are never skipped.")
     p.add_argument("--compile-fwd-n", default=None, help="N list for torch.compile forward (priority order)")
     p.add_argument("--compile-bwd-n", default=None, help="N list for torch.compile fwd+bwd (priority order)")
     p.add_argument("--mem-limit-gb", type=float, default=100.0, help="skip eager/compile points estimated above this")
+    p.add_argument("--check-autotune", action="store_true",
+                   help="let streamkl_gpu tune launch configs during the check section (default: "
+                        "STREAMKL_AUTOTUNE=0 there, i.e. the first candidate config; saves compiles)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-v", "--verbose", action="store_true", help="one stdout line per measurement (always in bench.log)")
     a = p.parse_args(argv)
@@ -113,7 +116,7 @@ def make_config(a):
             decode=[(1, 128 * K), (16, 128 * K), (1, 32 * K)], smallq_nq=[16, 64, 256, 512], smallq_nk=32 * K,
             long_h=8, long_n=[4 * K, 16 * K, 64 * K, 128 * K, 256 * K, 512 * K], long_bwd_n=[4 * K, 64 * K, 512 * K],
             warmup_ms=25, rep_ms=100,
-            budgets=dict(env=10, check=100, fwd=130, bwd=165, decode=10, smallq=20, long=35), total=470,
+            budgets=dict(env=10, check=100, fwd=125, bwd=160, decode=10, smallq=20, long=35), total=460,
         )
     if a.compile_fwd_n:
         c["compile_fwd_n"] = [int(x) for x in a.compile_fwd_n.split(",") if x]
@@ -199,8 +202,8 @@ class Budget:
         later = self.plan[names[-1]] - self.plan[section]  # the budgets of the sections still to come
         # Unused time of earlier sections carries forward. If earlier sections overran, this one still
         # gets half its own budget, and half of every later section's budget stays reserved for it;
-        # nothing runs past the global end (+30 s grace).
-        end = self.t0 + self.total + 30 - 0.5 * later
+        # nothing starts past the global end (+15 s grace).
+        end = self.t0 + self.total + 15 - 0.5 * later
         self.deadline = min(max(self.t0 + self.plan[section], now + 0.5 * own), end)
         return own
 
@@ -783,17 +786,20 @@ class Runner:
     # correctness
     # ------------------------------------------------------------------------------------------
     def check_cases(self):
+        """The correctness matrix. Every dimension the brief lists is covered; the full product is
+        not (each new constexpr combination is a Triton compile, ~1-3 s on the GPU host):
+        core = each dtype x causal x {fwd, s1, s2, both} with the fused backward, plus 'both' with
+        the separate backward (bf16: s1/s2 separate too); features (bf16 unless noted) = fwd and
+        'both' x {fused, separate} on GQA/MQA, D1 != D2, N_Q != N_K both ways, scales, N_Q = 1."""
         t = self.a.tiny
-        full = ["fwd", "s1", "s2", "both"]
         cases = []
         n_core, d_core = (37, 16) if t else (197, 64)
         for dt in ("fp32", "fp16", "bf16"):
             for causal in (False, True):
-                # tiny (interpreter): full settings for fp32, 'both' (covers both sides' code) otherwise
-                settings = full if (not t or dt == "fp32") else ["fwd", "both"]
-                cases.append(dict(name=f"core_n{n_core}_d{d_core}", B=2, H=2 if t else 4, NQ=n_core, NK=n_core,
-                                  D1=d_core, D2=d_core, causal=causal, dtype=dt, settings=settings))
-        feat = ["fwd", "s1", "s2", "both"] if not t else ["fwd", "both"]
+                sep = ["s1", "s2", "both"] if dt == "bf16" else ["both"]
+                cases.append(dict(name=f"core_n{n_core}_d{d_core}", B=1 if t else 2, H=2 if t else 4, NQ=n_core,
+                                  NK=n_core, D1=d_core, D2=d_core, causal=causal, dtype=dt,
+                                  settings=["fwd", "s1", "s2", "both"], separate=sep))
         if t:
             sh = [dict(name="gqa_h4_hk2_hk1", H=4, HK1=2, HK2=1, NQ=40, NK=40, D1=16, D2=16, causal=True),
                   dict(name="d32_16", NQ=33, NK=33, D1=32, D2=16, causal=True),
@@ -802,12 +808,13 @@ class Runner:
                   dict(name="nq50_gt_nk9", NQ=50, NK=9, D1=16, D2=16, causal=True),
                   dict(name="nq50_gt_nk9", NQ=50, NK=9, D1=16, D2=16, causal=False),
                   dict(name="scales_tau", NQ=21, NK=21, D1=16, D2=16, causal=True, scale1=0.37, scale2=0.09),
-                  dict(name="nq1_nk150", NQ=1, NK=150, D1=16, D2=16, causal=False)]
+                  dict(name="nq1_nk150", NQ=1, NK=150, D1=16, D2=16, causal=False),
+                  dict(name="gqa_deterministic", H=4, HK1=2, HK2=1, NQ=24, NK=24, D1=16, D2=16, causal=True,
+                       settings=["both"], separate=[], kw=dict(deterministic=True))]
         else:
             sh = [dict(name="gqa_h8_hk2_hk4", H=8, HK1=2, HK2=4, NQ=256, NK=256, D1=64, D2=64, causal=True),
                   dict(name="mqa_h8_hk1_hk8", H=8, HK1=1, HK2=8, NQ=100, NK=100, D1=64, D2=64, causal=False),
                   dict(name="d128_64", NQ=200, NK=200, D1=128, D2=64, causal=True),
-                  dict(name="d128_64", NQ=200, NK=200, D1=128, D2=64, causal=False),
                   dict(name="d80_96", NQ=150, NK=150, D1=80, D2=96, causal=True),
                   dict(name="nq70_lt_nk333", NQ=70, NK=333, D1=64, D2=64, causal=True),
                   dict(name="nq333_gt_nk70", NQ=333, NK=70, D1=64, D2=64, causal=True),
@@ -815,17 +822,19 @@ class Runner:
                   dict(name="scales_tau", NQ=129, NK=129, D1=64, D2=64, causal=True, scale1=0.37, scale2=0.09),
                   dict(name="nq1_nk1500", NQ=1, NK=1500, D1=64, D2=64, causal=False),
                   dict(name="nq5_nk777", NQ=5, NK=777, D1=64, D2=64, causal=True),
-                  dict(name="big_n2048", B=1, H=4, NQ=2048, NK=2048, D1=128, D2=128, causal=True)]
+                  # D=128, N % 16 == 0: the constexprs the perf sections compile anyway
+                  dict(name="big_n2048", B=1, H=4, NQ=2048, NK=2048, D1=128, D2=128, causal=True,
+                       settings=["fwd", "s1", "s2", "both"], separate=["s1", "s2", "both"]),
+                  dict(name="gqa_deterministic", H=8, HK1=2, HK2=4, NQ=197, NK=197, D1=64, D2=64, causal=True,
+                       settings=["both"], separate=[], kw=dict(deterministic=True)),
+                  dict(name="d80_96", NQ=150, NK=150, D1=80, D2=96, causal=True, dtype="fp32")]
         for c in sh:
-            c.setdefault("B", 2)
+            c.setdefault("B", 1 if t else 2)
             c.setdefault("H", 2 if t else 4)
-            c.update(dtype="bf16", settings=feat)
+            c.setdefault("dtype", "bf16")
+            c.setdefault("settings", ["fwd", "both"])
+            c.setdefault("separate", ["both"])
             cases.append(c)
-        if not t:  # the D1 != D2 paths in fp32 and fp16 too
-            cases.append(dict(name="d80_96", B=2, H=4, NQ=150, NK=150, D1=80, D2=96, causal=True, dtype="fp32",
-                              settings=["fwd", "both"]))
-            cases.append(dict(name="d128_64", B=2, H=4, NQ=200, NK=200, D1=128, D2=64, causal=False, dtype="fp16",
-                              settings=["fwd", "both"]))
         return cases
 
     def crow(self, case, dtype, setting, err, tol, ok, tensor, eager_err="", detail=""):
@@ -895,13 +904,20 @@ class Runner:
             # the same eager math at this dtype; fp32 inputs: TF32 matmul allowed (the looser of the two)
             e_kl, e_gr = eager_run(req, tf32=(dtype == "fp32"))
             strict = eager_run(req, tf32=False) if (dtype == "fp32" and self.cuda) else None
-            modes = [None] if setting == "fwd" else ["fused", "separate"]
+            okw = dict(c.get("kw", {}))
+            if setting == "fwd":
+                modes = [None]
+            elif okw.get("deterministic"):
+                modes = ["deterministic"]
+            else:
+                modes = ["fused"] + (["separate"] if setting in c["separate"] else [])
             for bm in modes:
                 label = case if bm is None else f"{case}/{bm}"
                 try:
                     x = leaf(base, req)
-                    kl = self.ak(*(x[n] for n in names), **kw) if bm is None else \
-                        self.ak(*(x[n] for n in names), bwd_mode=bm, **kw)
+                    if bm in ("fused", "separate"):
+                        okw["bwd_mode"] = bm
+                    kl = self.ak(*(x[n] for n in names), **kw, **okw)
                     gr = torch.autograd.grad(kl, [x[n] for n in req], base["g"]) if req else []
                 except Exception as e:
                     self.crow(label, dtype, setting, "", "", False, "all", detail=f"{type(e).__name__}: {e}")
@@ -913,7 +929,7 @@ class Runner:
                               detail=f"{kl.dtype} {tuple(kl.shape)}")
                 outs = [("kl", kl.detach(), kl64, e_kl, strict[0] if strict else None, C_FWD)]
                 if bm == "separate":
-                    outs = []  # the forward is mode-independent; compared once per setting (fused run)
+                    outs = []  # the forward does not depend on the mode: compared once (fused run)
                 outs += [(f"d{n}", gr[i], g64[i], e_gr[i], strict[1][i] if strict else None, C_BWD)
                          for i, n in enumerate(req)]
                 for tname, ours, ref, eag, eag_strict, cmul in outs:
@@ -1020,6 +1036,20 @@ class Runner:
                 self.crow(case, "fp64", "fwd", "", "", False, "kl", detail=f"{type(e).__name__}: {e}")
 
     def sec_check(self):
+        # streamkl_gpu tunes launch configs per shape bucket on first use (each candidate a compile);
+        # correctness needs one config per shape, so take the first candidate unless asked not to.
+        old = os.environ.get("STREAMKL_AUTOTUNE")
+        if not self.a.check_autotune:
+            os.environ["STREAMKL_AUTOTUNE"] = "0"
+        try:
+            self._sec_check()
+        finally:
+            if old is None:
+                os.environ.pop("STREAMKL_AUTOTUNE", None)
+            else:
+                os.environ["STREAMKL_AUTOTUNE"] = old
+
+    def _sec_check(self):
         if self.ak is None:
             self.crow("import", "-", "-", "", "", False, "streamkl_gpu.attention_kl", detail=self.ak_error)
             return
