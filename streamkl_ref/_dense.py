@@ -2,8 +2,8 @@
 
 This is the plain, numerically careful reference that the streaming code is checked against.
 
-- Row log-sum-exp with the row maximum subtracted (:func:`masked_logsumexp`).
-- Log-probabilities as ``S_t - LSE_t`` (log-softmax): probabilities are never logged.
+- Row log-sum-exp with the row maximum ``m`` subtracted, and log-probabilities as
+  ``(S_t − m_t) − log l_t`` (:func:`masked_log_softmax`): probabilities are never logged.
 - ``KL[i] = Σ_j P1[i,j] · (logP1[i,j] − logP2[i,j])`` over visible entries only; masked entries
   contribute exactly 0 (they are selected away, never multiplied), and a row with no visible key
   has ``KL = 0`` and ``LSE = −inf`` (decided from the mask, never from the values, so a NaN stays
@@ -28,8 +28,8 @@ __all__ = [
     "attention_kl",
     "dense_scores",
     "dense_kl_lse",
+    "masked_log_softmax",
     "masked_logsumexp",
-    "masked_log_probs",
     "masked_probs",
     "kl_from_log_probs",
 ]
@@ -48,23 +48,29 @@ def dense_scores(q1, k1, q2, k2, dims: Dims, causal: bool, dtype=np.float64):
     return s1, s2, mask
 
 
-def masked_logsumexp(s: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """``log Σ_{visible j} exp(s[..., j])`` per row, max-subtracted; ``-inf`` for rows with no
-    visible entry."""
+def masked_log_softmax(s: np.ndarray, mask: np.ndarray):
+    """``(log_p, lse)`` per row over the visible entries.
+
+    With ``m`` the row maximum and ``l = Σ exp(s − m)``: ``log_p = (s − m) − log l`` (0, a
+    placeholder never used, at masked entries) and ``lse = m + log l`` (``−inf`` for rows with no
+    visible entry). Forming ``log_p`` from ``s − m`` rather than ``s − lse`` keeps it accurate to
+    rounding relative to ``|log_p|`` instead of ``|lse|``, which matters when logits are large.
+    """
     neg_inf = s.dtype.type(-np.inf)
     row_has_key = mask.any(axis=-1)
     row_max = np.max(np.where(mask, s, neg_inf), axis=-1, initial=neg_inf)
     ref = np.where(row_has_key, row_max, 0)[..., None]  # any finite value for empty rows
     shifted = np.where(mask, s, ref) - ref  # masked entries -> 0, never -inf - -inf
     total = np.sum(np.where(mask, np.exp(shifted), 0), axis=-1)
-    return np.where(row_has_key, ref[..., 0] + np.log(np.where(row_has_key, total, 1)), neg_inf)
+    log_total = np.log(np.where(row_has_key, total, 1))
+    lse = np.where(row_has_key, ref[..., 0] + log_total, neg_inf)
+    log_p = np.where(mask, shifted - log_total[..., None], 0)
+    return log_p, lse
 
 
-def masked_log_probs(s: np.ndarray, lse: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """``s - lse`` (log-softmax) at visible entries; 0 (a placeholder, never used) at masked ones."""
-    row_has_key = mask.any(axis=-1)
-    lse_safe = np.where(row_has_key, lse, 0)[..., None]
-    return np.where(mask, s - lse_safe, 0)
+def masked_logsumexp(s: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """``log Σ_{visible j} exp(s[..., j])`` per row, max-subtracted; ``−inf`` for empty rows."""
+    return masked_log_softmax(s, mask)[1]
 
 
 def masked_probs(log_p: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -81,10 +87,9 @@ def kl_from_log_probs(log_p1: np.ndarray, log_p2: np.ndarray, mask: np.ndarray) 
 def dense_kl_lse(q1, k1, q2, k2, dims: Dims, causal: bool, dtype=np.float64):
     """``(KL, LSE1, LSE2)``, each ``[B, H, N_Q]``, every step in ``dtype``."""
     s1, s2, mask = dense_scores(q1, k1, q2, k2, dims, causal, dtype)
-    lse1 = masked_logsumexp(s1, mask)
-    lse2 = masked_logsumexp(s2, mask)
-    kl = kl_from_log_probs(masked_log_probs(s1, lse1, mask), masked_log_probs(s2, lse2, mask), mask)
-    return kl, lse1, lse2
+    log_p1, lse1 = masked_log_softmax(s1, mask)
+    log_p2, lse2 = masked_log_softmax(s2, mask)
+    return kl_from_log_probs(log_p1, log_p2, mask), lse1, lse2
 
 
 def attention_kl(q1, k1, q2, k2, *, causal=False, scale1=None, scale2=None, return_lse=False):

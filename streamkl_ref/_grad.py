@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._checks import check_block, check_inputs, check_rows
-from ._dense import dense_scores, kl_from_log_probs, masked_log_probs, masked_logsumexp, masked_probs
+from ._dense import dense_scores, kl_from_log_probs, masked_log_softmax, masked_probs
 from ._scores import (
     as_float_array,
     check_float_dtype,
@@ -71,12 +71,12 @@ def attention_kl_grad(q1, k1, q2, k2, grad_kl, *, causal=False, scale1=None, sca
     dims = check_inputs(q1, k1, q2, k2, scale1=scale1, scale2=scale2)
     g = _as_row_array(grad_kl, "grad_kl", dims, np.float64)[..., None]
     s1, s2, mask = dense_scores(q1, k1, q2, k2, dims, causal)
-    log_p1 = masked_log_probs(s1, masked_logsumexp(s1, mask), mask)
-    log_p2 = masked_log_probs(s2, masked_logsumexp(s2, mask), mask)
+    log_p1, _ = masked_log_softmax(s1, mask)
+    log_p2, _ = masked_log_softmax(s2, mask)
     p1, p2 = masked_probs(log_p1, mask), masked_probs(log_p2, mask)
     kl = kl_from_log_probs(log_p1, log_p2, mask)[..., None]
-    # (S1 − S2) − (LSE1 − LSE2) regrouped as (S1 − LSE1) − (S2 − LSE2): the same number, with the
-    # large terms cancelled first.
+    # (S1 − S2) − (LSE1 − LSE2) regrouped as log P1 − log P2, each formed from logits as
+    # (S − m) − log l: the same number, with the large terms cancelled first.
     ds1 = np.where(mask, g * p1 * ((log_p1 - log_p2) - kl), 0.0)
     ds2 = np.where(mask, g * (p2 - p1), 0.0)
     dq1, dk1 = scores_backward(ds1, q1, expand_key_heads(k1, dims.group1), dims.scale1)

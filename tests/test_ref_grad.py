@@ -1,86 +1,23 @@
 """Gradients: closed form against mpmath finite differences; the tiled backward against the
 closed form."""
-import mpmath
 import numpy as np
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from _ref_strategies import EPS32, EPS64, logit_scale, make_problem, problems
-from streamkl_ref import attention_kl, attention_kl_grad, attention_kl_grad_tiled, attention_kl_mp
+from _ref_gradcheck import (
+    GRADS,
+    NAMES,
+    directional_fd,
+    directional_tolerance,
+    fd_gradient,
+    fd_noise,
+    grad_tolerance,
+)
+from _ref_strategies import EPS32, make_problem, problems
+from streamkl_ref import attention_kl, attention_kl_grad, attention_kl_grad_tiled
 
 pytestmark = pytest.mark.filterwarnings("error")
-
-NAMES = ("q1", "k1", "q2", "k2")
-GRADS = ("dq1", "dk1", "dq2", "dk2")
-DPS = 50
-STEP = mpmath.mpf("1e-20")  # central differences at 50 digits: truncation ~1e-40, rounding ~1e-30
-
-
-def _mp_objects(arrays):
-    out = []
-    for x in arrays:
-        obj = np.empty(x.shape, dtype=object)
-        for idx in np.ndindex(x.shape):
-            obj[idx] = mpmath.mpf(float(x[idx]))
-        out.append(obj)
-    return out
-
-
-def _mp_loss(objs, g, kw):
-    kl = attention_kl_mp(*objs, **kw, dps=DPS, return_mpf=True)
-    with mpmath.workdps(DPS):
-        return mpmath.fsum(mpmath.mpf(float(gi)) * ki for gi, ki in zip(g.ravel(), kl.ravel()))
-
-
-def fd_gradient(problem, g, which):
-    """``∂(Σ g·KL)/∂x`` for input ``which`` (0..3), element by element, in mpmath."""
-    objs = _mp_objects(problem.inputs)
-    target = objs[which]
-    out = np.empty(target.shape)
-    for idx in np.ndindex(target.shape):
-        orig = target[idx]
-        with mpmath.workdps(DPS):
-            target[idx] = orig + STEP
-        up = _mp_loss(objs, g, problem.kw)
-        with mpmath.workdps(DPS):
-            target[idx] = orig - STEP
-        down = _mp_loss(objs, g, problem.kw)
-        target[idx] = orig
-        with mpmath.workdps(DPS):
-            out[idx] = float((up - down) / (2 * STEP))
-    return out
-
-
-def grad_scales(problem, g):
-    """Per gradient, the size its rounding errors are measured against (never the gradient itself,
-    which may vanish by cancellation). ``dS`` is built from differences of logits and LSEs, so an
-    entry carries an absolute error of a few ulps of ``(1 + max|S|)`` times ``|g|·P``; the ``P``
-    of a row sum to 1, so ``dQ_t = σ_t·dS·K_t`` errs by about ``ulps·(1 + max|S|)·max|g|·σ_t·max|K_t|``
-    and ``dK_t`` (a sum over the ``(H/H_Kt)·N_Q`` query rows reading a key) by that many times
-    ``ulps·(1 + max|S|)·max|g|·σ_t·max|Q_t|``."""
-    d = problem.dims
-    smax = float(logit_scale(problem).max(initial=0.0))
-    base = (1 + smax) * float(np.abs(g).max(initial=0.0))
-    q1, k1, q2, k2 = (float(np.abs(x).max(initial=0.0)) for x in problem.inputs)
-    return {
-        "dq1": base * d.scale1 * k1,
-        "dk1": base * d.scale1 * q1 * d.group1 * d.NQ,
-        "dq2": base * d.scale2 * k2,
-        "dk2": base * d.scale2 * q2 * d.group2 * d.NQ,
-    }
-
-
-def grad_tolerance(problem, g, gname, ulps=64, eps=EPS64):
-    return ulps * eps * grad_scales(problem, g)[gname]
-
-
-def fd_noise(problem, g):
-    """The rounding of the mpmath loss (``DPS`` digits on terms of size ``(1 + max|S|)·|g|``),
-    divided by the step: the accuracy floor of the finite differences themselves."""
-    smax = float(logit_scale(problem).max(initial=0.0))
-    return 10.0 ** (2 - DPS) * (1 + smax) * float(np.abs(g).sum()) / float(STEP)
-
 
 CASES = {
     "gqa_causal_nq_gt_nk": dict(seed=21, B=1, H=2, HK1=1, HK2=2, NQ=4, NK=3, D1=3, D2=2, causal=True),
@@ -117,21 +54,9 @@ def test_directional_derivatives_match_mpmath(problem, seed):
     grads = attention_kl_grad(*problem.inputs, g, **problem.kw)
     for which, gname in enumerate(GRADS):
         v = rng.standard_normal(problem.inputs[which].shape)
-        objs = _mp_objects(problem.inputs)
-        base = objs[which].copy()
-        vs = _mp_objects([v])[0]
-        with mpmath.workdps(DPS):
-            objs[which] = base + STEP * vs
-        up = _mp_loss(objs, g, problem.kw)
-        with mpmath.workdps(DPS):
-            objs[which] = base - STEP * vs
-        down = _mp_loss(objs, g, problem.kw)
-        with mpmath.workdps(DPS):
-            fd = float((up - down) / (2 * STEP))
+        fd = directional_fd(problem, g, which, v)
         ours = float(np.sum(grads[gname] * v))
-        # |<err, v>| <= max|err| · Σ|v|, plus the rounding of the dot product itself
-        tol = grad_tolerance(problem, g, gname) * float(np.abs(v).sum()) \
-            + v.size * EPS64 * float(np.abs(grads[gname] * v).sum()) + fd_noise(problem, g)
+        tol = directional_tolerance(problem, g, gname, grads[gname], v)
         assert abs(ours - fd) <= tol, (gname, ours, fd, tol)
 
 
