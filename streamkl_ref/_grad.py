@@ -65,7 +65,13 @@ def attention_kl_grad(q1, k1, q2, k2, grad_kl, *, causal=False, scale1=None, sca
 
     Returns:
         ``{"dq1", "dk1", "dq2", "dk2"}``: float64 arrays shaped like the inputs
-        (``dk_t`` like ``k_t``: summed over the query heads of its GQA group).
+        (``dk_t`` like ``k_t``: summed over the query heads of its GQA group). Rows with no
+        visible key contribute exactly 0. A NaN in an input or in ``grad_kl`` gives NaN in the
+        gradients of the rows (and the keys those rows see) that it reaches.
+
+    Raises:
+        ValueError: naming the argument, for inconsistent shapes (``grad_kl`` included) or a bad
+        scale.
     """
     q1, k1, q2, k2 = _as_inputs(q1, k1, q2, k2)
     dims = check_inputs(q1, k1, q2, k2, scale1=scale1, scale2=scale2)
