@@ -4,7 +4,6 @@ import math
 import mpmath
 import sympy as sp
 from hypothesis import example, given
-from hypothesis import strategies as st
 
 from proofs._mpkit import (
     DPS, close, decomposition, dense_row, finite, rows, sym_nonzero_at, sym_zero,

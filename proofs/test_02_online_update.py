@@ -8,7 +8,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from proofs._mpkit import (
-    NINF, close, cuts_for, dense_row, hp, identity, online_row, rows, sym_nonzero_at, sym_zero,
+    close, cuts_for, dense_row, hp, identity, online_row, rows, sym_nonzero_at, sym_zero,
     tiles_from_cuts, update,
 )
 

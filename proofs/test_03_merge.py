@@ -113,8 +113,9 @@ def _merge_all(states, picks, variant=None):
 
 
 @given(sharded())
-@example(([1.0, -math.inf, 3.0, 0.0], [2.0, -math.inf, -1.0, 0.5], [[0], [1], [2, 3]], [[], [], [1]],
-          [0, 1, 0, 0, 1, 0]))  # a shard that sees only masked keys
+# a shard that sees only masked keys
+@example(([1.0, -math.inf, 3.0, 0.0], [2.0, -math.inf, -1.0, 0.5], [[0], [1], [2, 3]],
+          [[], [], [1]], [0, 1, 0, 0, 1, 0]))
 def test_statement_3_every_sharding_tiling_and_merge_order_agrees(case):
     s1, s2, shards, tilings, picks = case
     states = [_shard_state(s1, s2, keys, cuts) for keys, cuts in zip(shards, tilings)]

@@ -1,7 +1,5 @@
 """Checks for statement 4 (04_base2.md): folding sigma*log2(e) into Q and using exp2/log2 gives
 KL in bits; KL_nats = ln 2 * KL_bits and LSE_nats = ln 2 * LSE_bits."""
-import math
-
 import mpmath
 import sympy as sp
 from hypothesis import example, given
@@ -66,7 +64,9 @@ def test_statement_4_symbolic_check_rejects_ln_for_log2_and_a_missing_ln2():
 
 @hp
 def online_bits(s1b, s2b, cuts, *, log2=lambda v: mpmath.log(v, 2)):
-    """The base-2 recurrence (exp2/log2) over a tiling, on base-2 scores; returns KL_bits, LSE_bits."""
+    """The base-2 recurrence (exp2/log2) over a tiling, on base-2 scores.
+
+    Returns ``(KL_bits, LSE1_bits, LSE2_bits)``."""
     m1 = m2 = mpmath.ninf
     l1 = l2 = acc = mpmath.mpf(0)
     for lo, hi in tiles_from_cuts(len(s1b), cuts):

@@ -1,8 +1,6 @@
 """Checks for statement 7 (07_floating_point.md): exponent arguments are <= 0 (no overflow),
 the first-order rounding-error bound of the float32 online recurrence, and the error model of
 the test tolerances (c * dense low-precision error + floor)."""
-import math
-
 import numpy as np
 import pytest
 from hypothesis import example, given
