@@ -70,10 +70,19 @@ def test_statement_1_decomposition_numerically_at_60_digits(pair, shift):
 
 
 @given(rows(max_n=6))
-@example(([0.0, 1.0], [1.0, 0.0]))  # LSE1 == LSE2: found when `wrong` was formed at 15 digits
+@example(([0.0, 1.0], [1.0, 0.0]))  # LSE1 == LSE2 exactly: the two variants coincide
+@example(([0.0, 22.0], [22.0, 7.279611331953486e-30]))  # LSE1 - LSE2 ~ 1e-39: found by Hypothesis
 def test_statement_1_numeric_check_rejects_swapped_lse(pair):
     s1, s2 = pair
     kl, lse1, lse2 = dense_row(s1, s2)
     with mpmath.workdps(DPS):
-        wrong = decomposition(s1, s2, 0.0) - 2 * (lse2 - lse1)  # = acc/l1 + LSE1 - LSE2
-    assert close(wrong, kl) == close(lse1, lse2)  # wrong exactly when LSE1 != LSE2
+        m1 = max(mpmath.mpf(x) for x in s1)
+        w = [mpmath.exp(mpmath.mpf(x) - m1) for x in s1]
+        ratio = mpmath.fsum(wj * (mpmath.mpf(a) - mpmath.mpf(b)) for wj, a, b in zip(w, s1, s2))
+        ratio /= mpmath.fsum(w)
+        assert close(ratio + lse2 - lse1, kl)  # the statement
+        wrong = ratio + lse1 - lse2  # deliberate mistake: LSE signs swapped
+        if abs(lse1 - lse2) > mpmath.mpf(10) ** -30:
+            assert not close(wrong, kl)  # rejected whenever it makes a difference
+        else:
+            assert close(wrong, kl, rel=mpmath.mpf(10) ** -29)
