@@ -97,7 +97,7 @@ def make_config(a):
             H=2, D=32, fwd_n=[64, 96], bwd_n=[64], compile_fwd_n=[96], compile_bwd_n=[64],
             compile_bwd_settings=["s1", "s2"], chunk=32,
             decode=[(1, 512), (4, 512)], smallq_nq=[4, 16], smallq_nk=256,
-            long_h=2, long_n=[256, 1024], long_bwd_n=[256, 1024], warmup_ms=5, rep_ms=20,
+            long_h=2, long_n=[128, 256], long_bwd_n=[256], warmup_ms=5, rep_ms=20,
             budgets=dict(env=30, check=240, fwd=90, bwd=90, decode=30, smallq=30, long=30), total=600,
         )
     elif a.quick:
