@@ -80,6 +80,8 @@ def parse_args(argv=None):
     p.add_argument("--check-autotune", action="store_true",
                    help="let streamkl_gpu tune launch configs during the check section (default: "
                         "STREAMKL_AUTOTUNE=0 there, i.e. the first candidate config; saves compiles)")
+    p.add_argument("--full-check", action="store_true",
+                   help="the full dtype x setting x mode product and more feature cases (~2x the compiles)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-v", "--verbose", action="store_true", help="one stdout line per measurement (always in bench.log)")
     a = p.parse_args(argv)
@@ -105,7 +107,7 @@ def make_config(a):
             H=32, D=128, fwd_n=[2 * K, 8 * K, 32 * K], bwd_n=[2 * K, 8 * K], compile_fwd_n=[8 * K],
             compile_bwd_n=[8 * K], compile_bwd_settings=["s1", "s2"], chunk=1024,
             decode=[(1, 128 * K), (16, 128 * K), (1, 32 * K)], smallq_nq=[16, 512], smallq_nk=32 * K,
-            long_h=8, long_n=[16 * K, 128 * K, 512 * K], long_bwd_n=[512 * K], warmup_ms=10, rep_ms=40,
+            long_h=8, long_n=[16 * K, 128 * K, 512 * K], long_bwd_n=[16 * K, 512 * K], warmup_ms=10, rep_ms=40,
             budgets=dict(env=15, check=100, fwd=60, bwd=70, decode=10, smallq=10, long=25), total=300,
         )
     else:
@@ -116,7 +118,7 @@ def make_config(a):
             decode=[(1, 128 * K), (16, 128 * K), (1, 32 * K)], smallq_nq=[16, 64, 256, 512], smallq_nk=32 * K,
             long_h=8, long_n=[4 * K, 16 * K, 64 * K, 128 * K, 256 * K, 512 * K], long_bwd_n=[4 * K, 64 * K, 512 * K],
             warmup_ms=25, rep_ms=100,
-            budgets=dict(env=10, check=100, fwd=125, bwd=160, decode=10, smallq=20, long=35), total=460,
+            budgets=dict(env=10, check=100, fwd=110, bwd=175, decode=10, smallq=20, long=35), total=460,
         )
     if a.compile_fwd_n:
         c["compile_fwd_n"] = [int(x) for x in a.compile_fwd_n.split(",") if x]
@@ -377,7 +379,7 @@ class Runner:
             return None
         return h[1] * work / h[0]
 
-    def measure(self, fn, key=None, work=1.0, ctx=None, compile_kind=None):
+    def measure(self, fn, key=None, work=1.0, ctx=None, compile_kind=None, slow_reps=None):
         """Warm-up (compiles/autotunes), one call for peak memory, then do_bench (or a few
         event-timed calls when one call is slow). Returns (times_ms, peak_gib, status, extra)."""
         torch = self.torch
@@ -390,7 +392,7 @@ class Runner:
             cost += pred * 2 + (max(0.25, 9 * pred) if pred < 0.3 else pred * (3 if pred < 1.5 else 1))
         if not self.budget.allows(cost):
             return None, None, "skipped(budget)", f"est_s={cost:.1f}"
-        slow = pred is not None and pred > 0.3
+        slow = pred is not None and pred > 0.3 and not compile_kind
         extra = []
         try:
             with ctx():
@@ -431,8 +433,8 @@ class Runner:
                         samples.append((time.perf_counter() - tc) * 1e3)
                     times = quantiles(samples)
                     extra.append(f"reps={len(samples)};timer=perf_counter")
-                elif t_one > 300.0:  # slow baseline: a few event-timed calls, no do_bench
-                    reps = 3 if t_one < 1500.0 else 1
+                elif t_one > 300.0:  # slow: a few event-timed calls, no do_bench
+                    reps = slow_reps or (3 if t_one < 1500.0 else 1)
                     samples = [t_one]
                     for _ in range(reps - 1):
                         if not self.budget.allows(t_one / 1e3 * 1.2):
@@ -468,7 +470,7 @@ class Runner:
             return None, None, "error", f"{type(e).__name__}: {str(e)[:100]}".replace(",", ";").replace("\n", " ")
 
     def point(self, meta, fn, key_provider=None, work=1.0, ctx=None, compile_kind=None, pre_status=None,
-              extra=""):
+              extra="", slow_reps=None):
         """Measure fn and write one row. meta = (kernel, provider, mode, causal, nq, nk, b, h, d1, d2, dtype)."""
         kernel, provider, mode, causal = meta[:4]
         if pre_status is not None:
@@ -476,7 +478,8 @@ class Runner:
         if fn is None:
             return self.row(*meta, status="error", extra=(self.ak_error or "unavailable").replace(",", ";")[:100])
         key = (kernel, key_provider or provider, mode, causal)
-        times, peak, status, ex = self.measure(fn, key=key, work=work, ctx=ctx, compile_kind=compile_kind)
+        times, peak, status, ex = self.measure(fn, key=key, work=work, ctx=ctx, compile_kind=compile_kind,
+                                               slow_reps=slow_reps)
         ex = ";".join(x for x in (extra, ex) if x)
         return self.row(*meta, times=times, peak=peak, status=status, extra=ex)
 
@@ -519,6 +522,13 @@ class Runner:
         except Exception:
             return None
 
+    def prep_sdpa_bwd(self, sets):
+        """Leaves (sharing storage with q1, k1, k2) and dO for SDPA fwd+bwd, made before timing."""
+        for d in sets:
+            d["_sdpa"] = [d[n].detach().requires_grad_(True) for n in ("q1", "k1", "k2")]
+            d["_do"] = self.torch.randn_like(d["q1"])
+        return sets
+
     def f_sdpa(self, causal, backward=False):
         """SDPA at the same shape: q = q1, k = k1, v = k2 (contents do not matter for speed)."""
         F = self.torch.nn.functional
@@ -528,9 +538,6 @@ class Runner:
             return lambda d: F.scaled_dot_product_attention(d["q1"], d["k1"], d["k2"], is_causal=causal)
 
         def f(d):
-            if "_sdpa" not in d:
-                d["_sdpa"] = [d[n].detach().requires_grad_(True) for n in ("q1", "k1", "k2")]
-                d["_do"] = torch.randn_like(d["q1"])
             q, k, v = d["_sdpa"]
             o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
             return torch.autograd.grad(o, (q, k, v), d["_do"])
@@ -604,7 +611,7 @@ class Runner:
         cfg, H, D = self.cfg, self.cfg["H"], self.cfg["D"]
         elem = 2
         for causal in (False, True):
-            for n in cfg["fwd_n"]:
+            for n in prio(cfg["fwd_n"]):
                 tp = time.perf_counter()
                 per_set = 4 * H * n * D * elem
                 sets = self.inputs(1, H, n, n, D, D, "bf16", seed=n + causal, n_sets=self.n_sets_for(per_set), g=False)
@@ -683,7 +690,7 @@ class Runner:
     def sec_bwd(self):
         cfg, H, D = self.cfg, self.cfg["H"], self.cfg["D"]
         for causal in (False, True):
-            for n in cfg["bwd_n"]:
+            for n in prio(cfg["bwd_n"]):
                 for setting in ("s1", "s2", "both"):
                     tp = time.perf_counter()
                     mode = f"fwd_bwd_{setting}"
@@ -700,7 +707,8 @@ class Runner:
                         self.point(meta(f"ours_{bm}"), f and self.rotate(sets, f), work=work)
                     if setting == "s1":  # SDPA fwd+bwd does not depend on the setting: once per (N, causal)
                         self.point(("fwd_bwd", "sdpa", "fwd_bwd_sdpa", causal, n, n, 1, H, D, D, "bf16"),
-                                   self.rotate(sets, self.f_sdpa(causal, backward=True)), work=work, ctx=self.sdpa_ctx())
+                                   self.rotate(self.prep_sdpa_bwd(sets), self.f_sdpa(causal, backward=True)), work=work,
+                                   ctx=self.sdpa_ctx())
                     est = 8.5 * H * n * n * 4 / 1e9
                     if est > self.a.mem_limit_gb:
                         self.point(meta("eager"), None, pre_status="OOM/skipped", extra=f"est_gb={est:.0f}")
@@ -755,6 +763,19 @@ class Runner:
 
     # ---------------------------------------------------------------- long context + memory vs N
     def sec_long(self):
+        # streamkl_gpu tunes per shape bucket by timing every candidate config; at 512K one forward
+        # is ~1 s, so tuning would cost minutes: the first candidate config is used here.
+        old = os.environ.get("STREAMKL_AUTOTUNE")
+        os.environ["STREAMKL_AUTOTUNE"] = "0"
+        try:
+            self._sec_long()
+        finally:
+            if old is None:
+                os.environ.pop("STREAMKL_AUTOTUNE", None)
+            else:
+                os.environ["STREAMKL_AUTOTUNE"] = old
+
+    def _sec_long(self):
         cfg, D, H = self.cfg, self.cfg["D"], self.cfg["long_h"]
         causal = True
         for n in cfg["long_n"]:
@@ -776,8 +797,8 @@ class Runner:
                     continue
                 f = self.f_ours_fwd(causal) if setting is None else self.f_ours_fb(causal, setting, "auto")
                 inb = 4 * H * n * D * 2
-                self.point(meta, self.rotate(sets, f), work=H * n * n,
-                           extra=f"input_gib={inb / 2 ** 30:.3g}")
+                self.point(meta, self.rotate(sets, f), work=H * n * n, slow_reps=2,
+                           extra=f"input_gib={inb / 2 ** 30:.3g};autotune=off")
                 del sets
                 self.free()
             self.group_line("long", causal, n, n, "fwd", ["ours"], tp)
@@ -788,18 +809,26 @@ class Runner:
     def check_cases(self):
         """The correctness matrix. Every dimension the brief lists is covered; the full product is
         not (each new constexpr combination is a Triton compile, ~1-3 s on the GPU host):
-        core = each dtype x causal x {fwd, s1, s2, both} with the fused backward, plus 'both' with
-        the separate backward (bf16: s1/s2 separate too); features (bf16 unless noted) = fwd and
-        'both' x {fused, separate} on GQA/MQA, D1 != D2, N_Q != N_K both ways, scales, N_Q = 1."""
+        core (N=197, D=64) = bf16 x causal x {fwd, s1, s2, both} fused + separate ('both'; s1, s2
+        too when causal); fp16 and fp32 x causal x {fwd, both fused} (+ fp32 causal separate);
+        features (bf16 unless noted) = fwd and 'both' fused (+ separate where the path differs) on
+        GQA/MQA, D1 != D2 (128/64, 80/96), N_Q != N_K both ways, scales, N_Q = 1 and 5 (split-K),
+        the deterministic GQA backward, D=128 N=2048 all settings. --full-check: the full product."""
         t = self.a.tiny
+        full = self.a.full_check
         cases = []
         n_core, d_core = (37, 16) if t else (197, 64)
         for dt in ("fp32", "fp16", "bf16"):
             for causal in (False, True):
-                sep = ["s1", "s2", "both"] if dt == "bf16" else ["both"]
+                if full:
+                    settings, sep = ["fwd", "s1", "s2", "both"], ["s1", "s2", "both"]
+                elif dt == "bf16":
+                    settings, sep = ["fwd", "s1", "s2", "both"], (["s1", "s2", "both"] if causal else ["both"])
+                else:
+                    settings, sep = ["fwd", "both"], (["both"] if (dt == "fp32" and causal) else [])
                 cases.append(dict(name=f"core_n{n_core}_d{d_core}", B=1 if t else 2, H=2 if t else 4, NQ=n_core,
                                   NK=n_core, D1=d_core, D2=d_core, causal=causal, dtype=dt,
-                                  settings=["fwd", "s1", "s2", "both"], separate=sep))
+                                  settings=settings, separate=sep))
         if t:
             sh = [dict(name="gqa_h4_hk2_hk1", H=4, HK1=2, HK2=1, NQ=40, NK=40, D1=16, D2=16, causal=True),
                   dict(name="d32_16", NQ=33, NK=33, D1=32, D2=16, causal=True),
@@ -812,22 +841,32 @@ class Runner:
                   dict(name="gqa_deterministic", H=4, HK1=2, HK2=1, NQ=24, NK=24, D1=16, D2=16, causal=True,
                        settings=["both"], separate=[], kw=dict(deterministic=True))]
         else:
-            sh = [dict(name="gqa_h8_hk2_hk4", H=8, HK1=2, HK2=4, NQ=256, NK=256, D1=64, D2=64, causal=True),
-                  dict(name="mqa_h8_hk1_hk8", H=8, HK1=1, HK2=8, NQ=100, NK=100, D1=64, D2=64, causal=False),
-                  dict(name="d128_64", NQ=200, NK=200, D1=128, D2=64, causal=True),
+            # D=64 cases keep N % 16 != 0 like the core, so they reuse its compiled kernels
+            sh = [dict(name="gqa_h8_hk2_hk4", H=8, HK1=2, HK2=4, NQ=197, NK=197, D1=64, D2=64, causal=True),
+                  dict(name="mqa_h8_hk1_hk8", H=8, HK1=1, HK2=8, NQ=101, NK=101, D1=64, D2=64, causal=False,
+                       separate=[]),
+                  dict(name="d128_64", NQ=200, NK=200, D1=128, D2=64, causal=True, separate=[]),
                   dict(name="d80_96", NQ=150, NK=150, D1=80, D2=96, causal=True),
                   dict(name="nq70_lt_nk333", NQ=70, NK=333, D1=64, D2=64, causal=True),
                   dict(name="nq333_gt_nk70", NQ=333, NK=70, D1=64, D2=64, causal=True),
-                  dict(name="nq333_gt_nk70", NQ=333, NK=70, D1=64, D2=64, causal=False),
+                  dict(name="nq333_gt_nk70", NQ=333, NK=70, D1=64, D2=64, causal=False, separate=[]),
                   dict(name="scales_tau", NQ=129, NK=129, D1=64, D2=64, causal=True, scale1=0.37, scale2=0.09),
-                  dict(name="nq1_nk1500", NQ=1, NK=1500, D1=64, D2=64, causal=False),
+                  dict(name="nq1_nk1500", NQ=1, NK=1500, D1=64, D2=64, causal=False, separate=[]),
                   dict(name="nq5_nk777", NQ=5, NK=777, D1=64, D2=64, causal=True),
-                  # D=128, N % 16 == 0: the constexprs the perf sections compile anyway
+                  # D=128, N % 16 == 0: kernels the perf sections compile anyway
                   dict(name="big_n2048", B=1, H=4, NQ=2048, NK=2048, D1=128, D2=128, causal=True,
-                       settings=["fwd", "s1", "s2", "both"], separate=["s1", "s2", "both"]),
+                       settings=["fwd", "s1", "s2", "both"], separate=[]),
                   dict(name="gqa_deterministic", H=8, HK1=2, HK2=4, NQ=197, NK=197, D1=64, D2=64, causal=True,
                        settings=["both"], separate=[], kw=dict(deterministic=True)),
-                  dict(name="d80_96", NQ=150, NK=150, D1=80, D2=96, causal=True, dtype="fp32")]
+                  dict(name="d80_96", NQ=150, NK=150, D1=80, D2=96, causal=True, dtype="fp32", settings=["fwd"],
+                       separate=[])]
+            if full:
+                sh += [dict(name="d128_64", NQ=200, NK=200, D1=128, D2=64, causal=False, dtype="fp16"),
+                       dict(name="d80_96", NQ=150, NK=150, D1=80, D2=96, causal=False, dtype="fp32"),
+                       dict(name="gqa_h8_hk2_hk4", H=8, HK1=2, HK2=4, NQ=256, NK=256, D1=64, D2=64, causal=False,
+                            settings=["fwd", "s1", "s2", "both"], separate=["s1", "s2", "both"])]
+                for c in sh:
+                    c["separate"] = [x for x in c.get("settings", ["fwd", "both"]) if x != "fwd"]
         for c in sh:
             c.setdefault("B", 1 if t else 2)
             c.setdefault("H", 2 if t else 4)
@@ -1235,6 +1274,11 @@ def quantiles(samples):
         hi = min(lo + 1, len(s) - 1)
         return s[lo] + (s[hi] - s[lo]) * (x - lo)
     return [q(0.2), q(0.5), q(0.8)]
+
+
+def prio(ns, key=8192):
+    """The summary's N first (compiles and autotuning land there), then larger, then smaller."""
+    return sorted(n for n in ns if n >= key) + sorted((n for n in ns if n < key), reverse=True)
 
 
 def fmt_n(n):
