@@ -27,8 +27,9 @@ Offsets: batch/head base offsets are int64 and the key pointers are advanced til
 import triton
 import triton.language as tl
 
-LN2 = 0.6931471805599453
-LOG2E = 1.4426950408889634
+# globals read inside @triton.jit code must be constexpr objects
+LN2 = tl.constexpr(0.6931471805599453)
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -83,9 +84,10 @@ def _fwd_key_range(
             s2 = tl.dot(q2, tl.trans(k2), input_precision="ieee")
         else:
             s2 = tl.dot(q2, tl.trans(k2))
-        s1 = s1 * qk_scale1  # scores in bits: sigma1 * log2(e) * q1.k1
-        s2 = s2 * qk_scale2
-        log_ratio = s1 - s2  # from finite scores, before masking (see module docstring)
+        # The scale fold, in bits: s_t * qk_scale_t = sigma_t * log2(e) * q_t.k_t. It is kept out
+        # of the raw fp32 scores: maxima are taken on raw scores (qk_scale > 0 commutes with max)
+        # and the multiply is fused into the exponent argument, FFMA(s, qk_scale, -m_bits).
+        log_ratio = s1 * qk_scale1 - s2 * qk_scale2  # from finite scores, before masking
         if MASKED:
             visible = cols[None, :] < N_K
             if CAUSAL:
@@ -93,16 +95,16 @@ def _fwd_key_range(
                 visible = visible & (cols[None, :] <= offs_m[:, None] + diag_offset)
             s1 = tl.where(visible, s1, float("-inf"))
             s2 = tl.where(visible, s2, float("-inf"))
-        m1_new = tl.maximum(m1, tl.max(s1, 1))
-        m2_new = tl.maximum(m2, tl.max(s2, 1))
+        m1_new = tl.maximum(m1, tl.max(s1, 1) * qk_scale1)
+        m2_new = tl.maximum(m2, tl.max(s2, 1) * qk_scale2)
         if MASKED:
             shift1 = _safe(m1_new)
             shift2 = _safe(m2_new)
         else:
             shift1 = m1_new
             shift2 = m2_new
-        p1 = tl.exp2(s1 - shift1[:, None])
-        p2 = tl.exp2(s2 - shift2[:, None])
+        p1 = tl.exp2(s1 * qk_scale1 - shift1[:, None])
+        p2 = tl.exp2(s2 * qk_scale2 - shift2[:, None])
         alpha1 = tl.exp2(m1 - shift1)  # exp2(-inf) = 0 on the first visible tile: l1 = acc = 0 there
         alpha2 = tl.exp2(m2 - shift2)
         l1 = l1 * alpha1 + tl.sum(p1, 1)

@@ -25,7 +25,7 @@ __all__ = ["attention_kl", "attention_kl_with_lse", "SUPPORTED_DTYPES", "MAX_HEA
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
-LOG2E = _fwd.LOG2E
+LOG2E = 1.4426950408889634  # the scale fold: scores in bits = sigma * log2(e) * q.k
 
 # Tests set this to True: every buffer the kernels must fully write starts as NaN, so an
 # unwritten element cannot pass (flash-linear-attention's fixture pattern).
@@ -132,31 +132,40 @@ def _pick(key, candidates, launch):
     return _TUNED[key]
 
 
-def _fwd_candidates(dims, d_pad, split):
+# fp32 inputs promise fp32 accuracy: their dots run in IEEE fp32 on the FMA units (no tensor
+# cores); large tiles then unroll into huge code that takes minutes to compile, so small tiles.
+_IEEE_CONFIG = (32, 32, 4, 2)
+
+
+def _fwd_candidates(dims, d_pad, split, ieee=False):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) candidates, pruned by shape."""
     if interpreting():
         return [INTERPRETER_BLOCK + (1, 1)]
+    if ieee:
+        return [(16, 32, 4, 2) if split else _IEEE_CONFIG]
     if split:
         bm = 16 if dims.NQ <= 16 else (32 if dims.NQ <= 32 else 64)
         return [(bm, 128, 4, 3), (bm, 64, 4, 3)] if d_pad <= 128 else [(bm, 64, 4, 2), (bm, 32, 4, 2)]
     if d_pad <= 64:
-        return [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)]
+        return [(128, 64, 4, 3), (128, 128, 8, 3)]
     if d_pad <= 128:
-        return [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3)]
-    return [(64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2)]
+        return [(128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (128, 128, 8, 2)]
+    return [(64, 64, 4, 2), (64, 32, 4, 2)]
 
 
-def _bwd_candidates(d_pad, both, kind):
+def _bwd_candidates(d_pad, both, kind, ieee=False):
     if interpreting():
         return [INTERPRETER_BLOCK + (1, 1)]
+    if ieee:
+        return [_IEEE_CONFIG]
     if kind == "dq":
         if d_pad <= 128 and not both:
-            return [(128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2)]
-        return [(64, 32, 4, 2), (64, 64, 8, 2), (32, 32, 4, 2)]
+            return [(128, 64, 8, 2), (64, 64, 4, 2)]
+        return [(64, 64, 8, 2), (64, 32, 4, 2)]
     # dk (BLOCK_M = query tile, BLOCK_N = key tile held in registers)
     if d_pad <= 128 and not both:
-        return [(64, 128, 8, 2), (64, 64, 4, 2), (32, 128, 8, 2), (32, 64, 4, 2)]
-    return [(32, 64, 4, 2), (64, 64, 8, 2), (32, 32, 4, 2), (16, 64, 4, 2)]
+        return [(64, 128, 8, 2), (32, 128, 8, 3)]
+    return [(64, 64, 8, 2), (32, 64, 4, 2)]
 
 
 def auto_split_k(dims, block_m: int, block_n: int, n_sm: int) -> int:
@@ -189,12 +198,13 @@ def _forward(q1, k1, q2, k2, causal, scale1, scale2, split_k):
     ieee1 = q1.dtype == torch.float32
     ieee2 = q2.dtype == torch.float32
 
-    probe = _fwd_candidates(dims, max(d1_pad, d2_pad), split=True)[0]
+    ieee = ieee1 or ieee2
+    probe = _fwd_candidates(dims, max(d1_pad, d2_pad), True, ieee)[0]
     n_splits = split_k if split_k is not None else auto_split_k(dims, probe[0], probe[1], _n_sm(device))
     if not isinstance(n_splits, int) or isinstance(n_splits, bool) or n_splits < 1:
         raise ValueError(f"split_k must be None or a positive integer, got {split_k!r}")
     split = n_splits > 1
-    candidates = _fwd_candidates(dims, max(d1_pad, d2_pad), split)
+    candidates = _fwd_candidates(dims, max(d1_pad, d2_pad), split, ieee)
     part = None
 
     def launch(cfg):
@@ -326,8 +336,8 @@ def _backward(g, q1, k1, q2, k2, kl, lse1, lse2, causal, scale1, scale2,
             )
         return dq1, dk1, dq2, dk2
 
-    dk_cands = _bwd_candidates(max(d1_pad, d2_pad), both, "dk")
-    dq_cands = _bwd_candidates(max(d1_pad, d2_pad), both, "dq")
+    dk_cands = _bwd_candidates(max(d1_pad, d2_pad), both, "dk", ieee1 or ieee2)
+    dq_cands = _bwd_candidates(max(d1_pad, d2_pad), both, "dq", ieee1 or ieee2)
     base_key = (dims.D1, dims.D2, q1.dtype, q2.dtype, causal, train1, train2,
                 _bucket(dims.NQ), _bucket(dims.NK), _bucket(BH), dims.group1 > 1, dims.group2 > 1)
     cfg_dk = _pick(("bwd_dk", fused) + base_key, dk_cands, lambda c: run(c, dq_cands[0]))
