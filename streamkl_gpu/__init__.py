@@ -2,17 +2,13 @@
 
 ``attention_kl(q1, k1, q2, k2, *, causal=False, scale1=None, scale2=None)`` -> float32
 ``[B, H, N_Q]``. Runs on NVIDIA GPUs, and on CPU tensors under the Triton interpreter
-(set ``TRITON_INTERPRET=1`` before importing this package). Conventions: MATH.md.
+(set ``TRITON_INTERPRET=1`` before the kernels are first used). Conventions: MATH.md.
+
+The kernel modules are imported lazily, on first use of the API: Triton decides at kernel
+definition time whether to interpret, so ``streamkl verify`` (``streamkl_gpu.verify``) can still
+choose the interpreter after ``import streamkl_gpu``.
 """
-from .api import (
-    MAX_HEAD_DIM,
-    SUPPORTED_DTYPES,
-    attention_kl,
-    attention_kl_with_lse,
-    auto_bwd_mode,
-    auto_split_k,
-    interpreting,
-)
+import importlib
 
 __version__ = "0.1.0"
 __all__ = [
@@ -25,3 +21,13 @@ __all__ = [
     "MAX_HEAD_DIM",
     "__version__",
 ]
+
+
+def __getattr__(name):
+    if name in __all__:
+        return getattr(importlib.import_module(".api", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
