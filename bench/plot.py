@@ -35,7 +35,7 @@ STYLE = {  # provider -> (color, marker); anything else gets matplotlib's cycle
 
 
 def load(results_dir):
-    files = sorted(glob.glob(os.path.join(results_dir, "**", "*bench*.csv"), recursive=True))
+    files = sorted(glob.glob(os.path.join(results_dir, "*bench*.csv")))
     rows = []
     for f in files:
         with open(f, newline="") as fh:
