@@ -2,15 +2,15 @@
 
 Per tile, with scores in bits (``s_t = sigma_t * log2(e) * q_t.k_t``, the forward's fold):
 
-    P_t = exp2(s_t - lse_t * log2(e))                       (lse_t saved by the forward, nats)
+    x_t = s_t - lse_t * log2(e),  P_t = exp2(x_t)            (lse_t saved by the forward, nats)
     setting 1 (train side 2):  dS2 = g * (P2 - P1)
     setting 2 (train side 1):  dS1 = g * P1 * ((S1 - S2) - (LSE1 - LSE2) - KL)
-                                   = g * ln2 * P1 * ((s1 - s2) - c),  c = (LSE1 - LSE2 + KL) * log2(e)
+                                   = g * ln2 * P1 * (x1 - x2 - KL * log2(e))
     dQ_t = sigma_t * dS_t K_t,   dK_t = sigma_t * dS_t^T Q_t
 
 The log-ratio comes from the two logits and the saved LSEs, never from log(P). sigma_t and g
-are folded into dS before the two matmuls. Rows with no visible key get lse = +inf here, so
-P1 = P2 = 0 exactly and their gradient is 0; masked entries get s = -inf and P = 0, and their
+are folded into dS before the two matmuls. Rows with no visible key get lse = EMPTY_LSE (1e30) here,
+so P1 = P2 = 0 exactly and their gradient is 0; masked entries get s = -inf and P = 0, and their
 log-ratio is taken before masking (finite), so no -inf - -inf or 0 * inf is formed.
 
 Two kernels:
@@ -31,23 +31,28 @@ import triton.language as tl
 from ._fwd import LN2, LOG2E
 
 
+# For rows with no visible key (and padding rows) the LSE is replaced by this finite "+infinity":
+# exp2(s - EMPTY_LSE) = 0 exactly for every fp32 score, while (s1 - lse1) - (s2 - lse2) stays finite.
+EMPTY_LSE = tl.constexpr(1e30)
+
+
 @triton.jit
 def _row_consts(LSE1, LSE2, KL, G, rows, row_ok):
-    """Per-row constants of the backward, read from the forward's saved values."""
+    """Per-row constants of the backward, read from the forward's saved values (bits)."""
     lse1 = tl.load(LSE1 + rows, mask=row_ok, other=float("-inf"))
     lse2 = tl.load(LSE2 + rows, mask=row_ok, other=float("-inf"))
     kl = tl.load(KL + rows, mask=row_ok, other=0.0)
     g = tl.load(G + rows, mask=row_ok, other=0.0)
     empty = lse1 == float("-inf")  # no visible key (or a padding row)
-    lse1_bits = tl.where(empty, float("inf"), lse1 * LOG2E)  # +inf: P = exp2(s - inf) = 0
-    lse2_bits = tl.where(empty, float("inf"), lse2 * LOG2E)
-    c_bits = tl.where(empty, 0.0, (lse1 - lse2 + kl) * LOG2E)
+    lse1_bits = tl.where(empty, EMPTY_LSE, lse1 * LOG2E)
+    lse2_bits = tl.where(empty, EMPTY_LSE, lse2 * LOG2E)
+    kl_bits = tl.where(empty, 0.0, kl * LOG2E)
     g = tl.where(empty, 0.0, g)
-    return lse1_bits, lse2_bits, c_bits, g
+    return lse1_bits, lse2_bits, kl_bits, g
 
 
 @triton.jit
-def _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, c_bits, g, offs_m, cols, N_K, diag_offset,
+def _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, kl_bits, g, offs_m, cols, N_K, diag_offset,
              qk_scale1, qk_scale2, scale1, scale2,
              MASKED: tl.constexpr, CAUSAL: tl.constexpr, TRAIN1: tl.constexpr, TRAIN2: tl.constexpr,
              IEEE1: tl.constexpr, IEEE2: tl.constexpr):
@@ -60,24 +65,27 @@ def _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, c_bits, g, offs_m, cols, N_K,
         s2 = tl.dot(q2, tl.trans(k2), input_precision="ieee")
     else:
         s2 = tl.dot(q2, tl.trans(k2))
-    s1 = s1 * qk_scale1
-    s2 = s2 * qk_scale2
+    # log2 P_t = s_t * sigma_t * log2(e) - lse_t (bits; one FFMA, the forward's fold)
+    x1 = s1 * qk_scale1 - lse1_bits[:, None]
+    x2 = s2 * qk_scale2 - lse2_bits[:, None]
     if TRAIN1:
-        log_ratio = s1 - s2  # finite: taken before masking
+        # (S1 - S2) - (LSE1 - LSE2) - KL = log P1 - log P2 - KL, formed from logits and saved LSEs
+        # (never log of a probability), before masking: finite
+        log_ratio = x1 - x2 - kl_bits[:, None]
     if MASKED:
         visible = cols[None, :] < N_K
         if CAUSAL:
             visible = visible & (cols[None, :] <= offs_m[:, None] + diag_offset)
-        s1 = tl.where(visible, s1, float("-inf"))
-        s2 = tl.where(visible, s2, float("-inf"))
-    p1 = tl.exp2(s1 - lse1_bits[:, None])
+        x1 = tl.where(visible, x1, float("-inf"))
+        x2 = tl.where(visible, x2, float("-inf"))
+    p1 = tl.exp2(x1)
     ds1 = p1
     ds2 = p1
     if TRAIN2:
-        p2 = tl.exp2(s2 - lse2_bits[:, None])
+        p2 = tl.exp2(x2)
         ds2 = (p2 - p1) * (g * scale2)[:, None]
     if TRAIN1:
-        ds1 = p1 * (log_ratio - c_bits[:, None]) * (g * (scale1 * LN2))[:, None]
+        ds1 = p1 * log_ratio * (g * (scale1 * LN2))[:, None]
     return ds1, ds2
 
 
@@ -101,8 +109,8 @@ def _dk_query_range(
                      mask=row_ok[:, None] & (offs_d1[None, :] < D1), other=0.0)
         q2 = tl.load(Q2 + rows64[:, None] * stride_q2n + offs_d2[None, :] * stride_q2d,
                      mask=row_ok[:, None] & (offs_d2[None, :] < D2), other=0.0)
-        lse1_bits, lse2_bits, c_bits, g = _row_consts(LSE1, LSE2, KL, G, row_base + offs_m, row_ok)
-        ds1, ds2 = _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, c_bits, g, offs_m, cols, N_K,
+        lse1_bits, lse2_bits, kl_bits, g = _row_consts(LSE1, LSE2, KL, G, row_base + offs_m, row_ok)
+        ds1, ds2 = _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, kl_bits, g, offs_m, cols, N_K,
                             diag_offset, qk_scale1, qk_scale2, scale1, scale2,
                             MASKED, CAUSAL, TRAIN1, TRAIN2, IEEE1, IEEE2)
         if TRAIN1:
@@ -231,7 +239,7 @@ def _kl_bwd_dk_kernel(
 
 @triton.jit
 def _dq_key_range(
-    dq1, dq2, q1, q2, lse1_bits, lse2_bits, c_bits, g, offs_m, k1_ptrs, k2_ptrs,
+    dq1, dq2, q1, q2, lse1_bits, lse2_bits, kl_bits, g, offs_m, k1_ptrs, k2_ptrs,
     stride_k1n, stride_k2n, lo, hi, N_K, D1: tl.constexpr, D2: tl.constexpr, diag_offset,
     qk_scale1, qk_scale2, scale1, scale2,
     BLOCK_N: tl.constexpr, D1_PAD: tl.constexpr, D2_PAD: tl.constexpr,
@@ -251,7 +259,7 @@ def _dq_key_range(
         else:  # whole tiles: bounds masks only on padded head dims
             k1 = tl.load(k1_ptrs, mask=offs_d1[None, :] < D1, other=0.0)
             k2 = tl.load(k2_ptrs, mask=offs_d2[None, :] < D2, other=0.0)
-        ds1, ds2 = _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, c_bits, g, offs_m, cols, N_K,
+        ds1, ds2 = _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, kl_bits, g, offs_m, cols, N_K,
                             diag_offset, qk_scale1, qk_scale2, scale1, scale2,
                             MASKED, CAUSAL, TRAIN1, TRAIN2, IEEE1, IEEE2)
         if TRAIN1:
@@ -302,7 +310,7 @@ def _kl_bwd_dq_kernel(
                  mask=row_ok[:, None] & (offs_d1[None, :] < D1), other=0.0)
     q2 = tl.load(Q2 + b64 * stride_q2b + h64 * stride_q2h + rows64[:, None] * stride_q2n + offs_d2[None, :] * stride_q2d,
                  mask=row_ok[:, None] & (offs_d2[None, :] < D2), other=0.0)
-    lse1_bits, lse2_bits, c_bits, g = _row_consts(LSE1, LSE2, KL, G, pid_bh.to(tl.int64) * N_Q + offs_m, row_ok)
+    lse1_bits, lse2_bits, kl_bits, g = _row_consts(LSE1, LSE2, KL, G, pid_bh.to(tl.int64) * N_Q + offs_m, row_ok)
     k1_ptrs = (K1 + b64 * stride_k1b + (h // GROUP1).to(tl.int64) * stride_k1h
                + offs_n[:, None] * stride_k1n + offs_d1[None, :] * stride_k1d)
     k2_ptrs = (K2 + b64 * stride_k2b + (h // GROUP2).to(tl.int64) * stride_k2h
@@ -320,12 +328,12 @@ def _kl_bwd_dq_kernel(
     full_hi = tl.minimum(full_hi, key_hi)
     key_lo = pid_m * 0  # a runtime zero, so the range start can be widened to int64
     dq1, dq2 = _dq_key_range(
-        dq1, dq2, q1, q2, lse1_bits, lse2_bits, c_bits, g, offs_m, k1_ptrs, k2_ptrs,
+        dq1, dq2, q1, q2, lse1_bits, lse2_bits, kl_bits, g, offs_m, k1_ptrs, k2_ptrs,
         stride_k1n, stride_k2n, key_lo, full_hi, N_K, D1, D2, diag_offset,
         qk_scale1, qk_scale2, scale1, scale2,
         BLOCK_N, D1_PAD, D2_PAD, False, CAUSAL, TRAIN1, TRAIN2, IEEE1, IEEE2)
     dq1, dq2 = _dq_key_range(
-        dq1, dq2, q1, q2, lse1_bits, lse2_bits, c_bits, g, offs_m, k1_ptrs, k2_ptrs,
+        dq1, dq2, q1, q2, lse1_bits, lse2_bits, kl_bits, g, offs_m, k1_ptrs, k2_ptrs,
         stride_k1n, stride_k2n, full_hi, key_hi, N_K, D1, D2, diag_offset,
         qk_scale1, qk_scale2, scale1, scale2,
         BLOCK_N, D1_PAD, D2_PAD, True, CAUSAL, TRAIN1, TRAIN2, IEEE1, IEEE2)

@@ -6,7 +6,8 @@ past one block of query rows and keeps five running scalars per row:
 
     m1, l1   running max and rescaled sum of exp(S1)       (the teacher's softmax normaliser)
     m2, l2   the same for S2                               (the student's)
-    acc      sum of exp(S1 - m1) * (S1 - S2), rescaled with l1
+    acc      sum of exp(S1 - m1) * ((S1 - m1) - (S2 - m2)), rescaled with l1 (MATH.md's acc
+             re-referenced to the two maxima: acc_MATH - l1 * (m1 - m2); see _finalize)
 
 Base 2: the scores are multiplied by ``sigma_t * log2(e)`` in fp32 right after each ``tl.dot``
 (``qk_scale1``/``qk_scale2``), so every exponential is an ``exp2`` and every state value is in
@@ -15,8 +16,8 @@ a bf16/fp16 Q because folding the scale into a low-precision Q adds one more rou
 query element (relative 2^-9 for bf16) that the reference does not make; the multiply is fused
 into the subtraction of the running max by the compiler.
 
-Masks: out-of-range keys and keys past the bottom-right causal frontier are set to -inf on both
-sides in the *masked* stage only. The log-ratio ``s1 - s2`` is taken before masking, from finite
+Masks: out-of-range keys and keys past the bottom-right causal frontier get exponent -inf on
+both sides in the *masked* stage only. The log-ratio is taken before masking, from finite
 scores, so a masked entry contributes ``0 * finite = 0`` and ``-inf - -inf`` is never formed. A
 row whose running max is still -inf uses 0 as its shift (``_safe``), so ``exp2(-inf - -inf)`` is
 never evaluated either: an all-masked tile leaves the state unchanged.
@@ -42,13 +43,14 @@ def _safe(m):
 def _finalize(m1, l1, m2, l2, acc):
     """(m1, l1, m2, l2, acc) in bits -> (kl in nats, lse1, lse2 in nats). Empty rows -> (0, -inf, -inf).
 
-    KL = acc/l1 + LSE2 - LSE1 (MATH.md); written as acc/l1 + (m2 - m1) + log2(l2/l1) so the two
-    large maxima cancel first.
+    The kernels keep acc *shifted*: acc = sum_j p1_j * ((s1_j - m1) - (s2_j - m2)), which is
+    MATH.md's acc minus l1 * (m1 - m2). Then KL = acc/l1 + LSE2 - LSE1 becomes
+    KL_bits = acc/l1 + log2(l2/l1): the maxima cancel exactly and large logits cost no accuracy.
     """
     empty = l1 == 0.0
     l1_safe = tl.where(empty, 1.0, l1)
     l2_safe = tl.where(empty, 1.0, l2)
-    kl_bits = acc / l1_safe + (_safe(m2) - _safe(m1)) + tl.log2(l2_safe / l1_safe)
+    kl_bits = acc / l1_safe + tl.log2(l2_safe / l1_safe)
     kl = tl.where(empty, 0.0, kl_bits * LN2)
     lse1 = tl.where(empty, float("-inf"), (m1 + tl.log2(l1_safe)) * LN2)
     lse2 = tl.where(empty, float("-inf"), (m2 + tl.log2(l2_safe)) * LN2)
@@ -86,29 +88,37 @@ def _fwd_key_range(
             s2 = tl.dot(q2, tl.trans(k2))
         # The scale fold, in bits: s_t * qk_scale_t = sigma_t * log2(e) * q_t.k_t. It is kept out
         # of the raw fp32 scores: maxima are taken on raw scores (qk_scale > 0 commutes with max)
-        # and the multiply is fused into the exponent argument, FFMA(s, qk_scale, -m_bits).
-        log_ratio = s1 * qk_scale1 - s2 * qk_scale2  # from finite scores, before masking
+        # and the multiply is fused into the exponent argument x_t = FFMA(s_t, qk_scale_t, -m_t).
         if MASKED:
             visible = cols[None, :] < N_K
             if CAUSAL:
                 # bottom-right causal: key j visible to query i iff j <= i + (N_K - N_Q)
                 visible = visible & (cols[None, :] <= offs_m[:, None] + diag_offset)
-            s1 = tl.where(visible, s1, float("-inf"))
-            s2 = tl.where(visible, s2, float("-inf"))
-        m1_new = tl.maximum(m1, tl.max(s1, 1) * qk_scale1)
-        m2_new = tl.maximum(m2, tl.max(s2, 1) * qk_scale2)
-        if MASKED:
+            m1_new = tl.maximum(m1, tl.max(tl.where(visible, s1, float("-inf")), 1) * qk_scale1)
+            m2_new = tl.maximum(m2, tl.max(tl.where(visible, s2, float("-inf")), 1) * qk_scale2)
             shift1 = _safe(m1_new)
             shift2 = _safe(m2_new)
         else:
+            m1_new = tl.maximum(m1, tl.max(s1, 1) * qk_scale1)
+            m2_new = tl.maximum(m2, tl.max(s2, 1) * qk_scale2)
             shift1 = m1_new
             shift2 = m2_new
-        p1 = tl.exp2(s1 * qk_scale1 - shift1[:, None])
-        p2 = tl.exp2(s2 * qk_scale2 - shift2[:, None])
+        x1 = s1 * qk_scale1 - shift1[:, None]  # log2 of the unnormalised P1 entries, <= 0 where visible
+        x2 = s2 * qk_scale2 - shift2[:, None]
+        # the shifted log-ratio (s1 - m1) - (s2 - m2): small where P1 matters, so the large maxima
+        # never enter the per-entry sum (see _finalize); from unmasked scores, hence finite
+        log_ratio = x1 - x2
+        if MASKED:
+            x1 = tl.where(visible, x1, float("-inf"))  # exp2(-inf) = 0: masked entries add nothing
+            x2 = tl.where(visible, x2, float("-inf"))
+        p1 = tl.exp2(x1)
+        p2 = tl.exp2(x2)
         alpha1 = tl.exp2(m1 - shift1)  # exp2(-inf) = 0 on the first visible tile: l1 = acc = 0 there
         alpha2 = tl.exp2(m2 - shift2)
+        # re-reference the old acc to the new maxima: each old term moves by -(dm1 - dm2)
+        moved = (shift1 - _safe(m1)) - (shift2 - _safe(m2))
+        acc = (acc - l1 * moved) * alpha1 + tl.sum(p1 * log_ratio, 1)
         l1 = l1 * alpha1 + tl.sum(p1, 1)
-        acc = acc * alpha1 + tl.sum(p1 * log_ratio, 1)
         l2 = l2 * alpha2 + tl.sum(p2, 1)
         m1 = m1_new
         m2 = m2_new
@@ -226,11 +236,16 @@ def _kl_combine_kernel(PART, KL, LSE1, LSE2, rows_total, num_splits, BLOCK: tl.c
         m2_s = tl.load(p + 2 * plane, mask=ok, other=float("-inf"))
         l2_s = tl.load(p + 3 * plane, mask=ok, other=0.0)
         acc_s = tl.load(p + 4 * plane, mask=ok, other=0.0)
-        m1, a, b = _merge_scale(m1, m1_s)
-        l1 = l1 * a + l1_s * b
-        acc = acc * a + acc_s * b
-        m2, a, b = _merge_scale(m2, m2_s)
-        l2 = l2 * a + l2_s * b
+        m1_new, a1, b1 = _merge_scale(m1, m1_s)
+        m2_new, a2, b2 = _merge_scale(m2, m2_s)
+        # the shifted acc of each part is re-referenced to the merged maxima before the sum
+        moved_a = (_safe(m1_new) - _safe(m1)) - (_safe(m2_new) - _safe(m2))
+        moved_b = (_safe(m1_new) - _safe(m1_s)) - (_safe(m2_new) - _safe(m2_s))
+        acc = (acc - l1 * moved_a) * a1 + (acc_s - l1_s * moved_b) * b1
+        l1 = l1 * a1 + l1_s * b1
+        l2 = l2 * a2 + l2_s * b2
+        m1 = m1_new
+        m2 = m2_new
         p += rows_total
     kl, lse1, lse2 = _finalize(m1, l1, m2, l2, acc)
     tl.store(KL + offs, kl, mask=ok)
