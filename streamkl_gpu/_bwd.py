@@ -2,10 +2,10 @@
 
 Per tile, with scores in bits (``s_t = sigma_t * log2(e) * q_t.k_t``, the forward's fold):
 
-    x_t = s_t - lse_t * log2(e),  P_t = exp2(x_t)            (lse_t saved by the forward, nats)
+    x_t = s_t - lse_t,  P_t = exp2(x_t)                 (lse_t saved by the forward, in bits)
     setting 1 (train side 2):  dS2 = g * (P2 - P1)
     setting 2 (train side 1):  dS1 = g * P1 * ((S1 - S2) - (LSE1 - LSE2) - KL)
-                                   = g * ln2 * P1 * (x1 - x2 - KL * log2(e))
+                                   = g * ln2 * P1 * (x1 - x2 - KL * log2(e))   (KL saved in nats)
     dQ_t = sigma_t * dS_t K_t,   dK_t = sigma_t * dS_t^T Q_t
 
 The log-ratio comes from the two logits and the saved LSEs, never from log(P). sigma_t and g
@@ -44,8 +44,8 @@ def _row_consts(LSE1, LSE2, KL, G, rows, row_ok):
     kl = tl.load(KL + rows, mask=row_ok, other=0.0)
     g = tl.load(G + rows, mask=row_ok, other=0.0)
     empty = lse1 == float("-inf")  # no visible key (or a padding row)
-    lse1_bits = tl.where(empty, EMPTY_LSE, lse1 * LOG2E)
-    lse2_bits = tl.where(empty, EMPTY_LSE, lse2 * LOG2E)
+    lse1_bits = tl.where(empty, EMPTY_LSE, lse1)  # the forward saves the LSEs in bits
+    lse2_bits = tl.where(empty, EMPTY_LSE, lse2)
     kl_bits = tl.where(empty, 0.0, kl * LOG2E)
     g = tl.where(empty, 0.0, g)
     return lse1_bits, lse2_bits, kl_bits, g

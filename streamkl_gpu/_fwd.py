@@ -41,19 +41,21 @@ def _safe(m):
 
 @triton.jit
 def _finalize(m1, l1, m2, l2, acc):
-    """(m1, l1, m2, l2, acc) in bits -> (kl in nats, lse1, lse2 in nats). Empty rows -> (0, -inf, -inf).
+    """(m1, l1, m2, l2, acc) in bits -> (kl in nats, lse1, lse2 in bits). Empty rows -> (0, -inf, -inf).
 
     The kernels keep acc *shifted*: acc = sum_j p1_j * ((s1_j - m1) - (s2_j - m2)), which is
     MATH.md's acc minus l1 * (m1 - m2). Then KL = acc/l1 + LSE2 - LSE1 becomes
     KL_bits = acc/l1 + log2(l2/l1): the maxima cancel exactly and large logits cost no accuracy.
+    The LSEs stay in bits (log2 of the sums of 2^s): the backward recomputes P = exp2(s - lse)
+    from them, and a round trip through nats would add two roundings of a possibly large number.
     """
     empty = l1 == 0.0
     l1_safe = tl.where(empty, 1.0, l1)
     l2_safe = tl.where(empty, 1.0, l2)
     kl_bits = acc / l1_safe + tl.log2(l2_safe / l1_safe)
     kl = tl.where(empty, 0.0, kl_bits * LN2)
-    lse1 = tl.where(empty, float("-inf"), (m1 + tl.log2(l1_safe)) * LN2)
-    lse2 = tl.where(empty, float("-inf"), (m2 + tl.log2(l2_safe)) * LN2)
+    lse1 = tl.where(empty, float("-inf"), m1 + tl.log2(l1_safe))
+    lse2 = tl.where(empty, float("-inf"), m2 + tl.log2(l2_safe))
     return kl, lse1, lse2
 
 
@@ -130,7 +132,7 @@ def _fwd_key_range(
 @triton.jit
 def _kl_fwd_kernel(
     Q1, K1, Q2, K2,
-    KL, LSE1, LSE2,  # outputs [B*H, N_Q] fp32 (used when SPLIT == False)
+    KL, LSE1, LSE2,  # outputs [B*H, N_Q] fp32: KL in nats, LSEs in bits (used when SPLIT == False)
     PART,  # partial states [5, SPLITS, B*H, N_Q] fp32 (used when SPLIT == True)
     stride_q1b, stride_q1h, stride_q1n, stride_q1d,
     stride_k1b, stride_k1h, stride_k1n, stride_k1d,

@@ -26,6 +26,7 @@ __all__ = ["attention_kl", "attention_kl_with_lse", "SUPPORTED_DTYPES", "MAX_HEA
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634  # the scale fold: scores in bits = sigma * log2(e) * q.k
+LN2 = 0.6931471805599453
 
 # Tests set this to True: every buffer the kernels must fully write starts as NaN, so an
 # unwritten element cannot pass (flash-linear-attention's fixture pattern).
@@ -247,16 +248,23 @@ def _bucket(n: int) -> int:
 # Backward
 # ----------------------------------------------------------------------------------------------
 
-def auto_bwd_mode(dims, n_sm: int) -> str:
-    """Fused (one visit per tile pair, dQ by fp32 atomics) unless the dQ atomics would contend.
+def auto_bwd_mode(dims, n_sm: int, both: bool = False) -> str:
+    """Pick the fused kernel (each tile pair visited once, dQ by fp32 atomics) or the separate ones.
 
-    Each dQ element receives one atomic add per key tile. The fused kernel saves recomputing
-    both score tiles (2 of 6 matmuls per tile for one setting), which wins while there are
-    enough key-tile programs to fill the GPU; with few key tiles per (batch, head), the
-    separate kernels have more parallelism. Measured on the H200: see docs/performance.md.
+    Measured on the H200 (bench/results/h200_2026-11-29_bench.csv; B=1, H=32, D=128, bf16):
+    - one setting (s1 or s2): fused is as fast or faster at N = 4K..32K, causal or not
+      (s1, 8K non-causal: 12.84 ms fused vs 13.72 separate), and at N_Q = 16..512 with N_K = 32K;
+    - both settings: fused wins at small N_Q (N_K = 32K, N_Q = 16: 1.53 vs 1.79 ms; N_Q = 256:
+      2.83 vs 2.92), separate from N_Q = 512 on (N_Q = 512: 4.46 vs 5.24; N = 8K: 16.7 vs 20.5).
+    Not measured, reasoned: with fewer key-tile programs than SMs the fused kernel has too
+    little parallelism (each program walks every query tile), so the separate kernels run then.
     """
     key_programs = triton.cdiv(dims.NK, 64) * dims.B * dims.H
-    return "fused" if key_programs >= n_sm else "separate"
+    if key_programs < n_sm:
+        return "separate"
+    if both and dims.NQ >= 512:
+        return "separate"
+    return "fused"
 
 
 def _backward(g, q1, k1, q2, k2, kl, lse1, lse2, causal, scale1, scale2,
@@ -278,7 +286,7 @@ def _backward(g, q1, k1, q2, k2, kl, lse1, lse2, causal, scale1, scale2,
     if deterministic:
         mode = "separate"  # no atomics on dQ
     elif mode == "auto":
-        mode = auto_bwd_mode(dims, _n_sm(device))
+        mode = auto_bwd_mode(dims, _n_sm(device), both)
     fused = mode == "fused"
     dummy = kl  # placeholder pointer for outputs a launch does not write
 
@@ -420,9 +428,8 @@ def _kl_backward(ctx, g_kl, g_lse1, g_lse2):
 _kl_fwd_op.register_autograd(_kl_backward, setup_context=_setup_context)
 
 
-def attention_kl_with_lse(q1, k1, q2, k2, *, causal=False, scale1=None, scale2=None,
-                          split_k: Optional[int] = None, bwd_mode="auto", deterministic=False):
-    """Like :func:`attention_kl`, also returning ``lse1, lse2`` (float32 ``[B,H,N_Q]``, nats)."""
+def _call(q1, k1, q2, k2, causal, scale1, scale2, split_k, bwd_mode, deterministic):
+    """Check the arguments, then run the custom op: (kl in nats, lse1, lse2 in bits)."""
     dims = _check_tensors(q1, k1, q2, k2, scale1, scale2)
     if bwd_mode not in ("auto", "fused", "separate"):
         raise ValueError(f"bwd_mode must be 'auto', 'fused' or 'separate', got {bwd_mode!r}")
@@ -430,6 +437,15 @@ def attention_kl_with_lse(q1, k1, q2, k2, *, causal=False, scale1=None, scale2=N
         raise ValueError(f"split_k must be None or a positive integer, got {split_k!r}")
     return _kl_fwd_op(q1, k1, q2, k2, bool(causal), dims.scale1, dims.scale2,
                       0 if split_k is None else split_k, bwd_mode, bool(deterministic))
+
+
+def attention_kl_with_lse(q1, k1, q2, k2, *, causal=False, scale1=None, scale2=None,
+                          split_k: Optional[int] = None, bwd_mode="auto", deterministic=False):
+    """Like :func:`attention_kl`, also returning ``lse1, lse2`` (float32 ``[B,H,N_Q]``, nats;
+    -inf for rows with no visible key). The LSEs carry no gradient."""
+    kl, lse1_bits, lse2_bits = _call(q1, k1, q2, k2, causal, scale1, scale2, split_k, bwd_mode, deterministic)
+    # the op keeps its LSEs in bits (what the backward reads); users get nats
+    return kl, (lse1_bits * LN2).detach(), (lse2_bits * LN2).detach()
 
 
 def attention_kl(q1, k1, q2, k2, *, causal=False, scale1=None, scale2=None,
@@ -456,5 +472,4 @@ def attention_kl(q1, k1, q2, k2, *, causal=False, scale1=None, scale2=None,
         the inputs that require grad (setting 1: q2, k2; setting 2: q1, k1; or all four).
         NaN in an input gives NaN in the rows it reaches; it is never turned into 0.
     """
-    return attention_kl_with_lse(q1, k1, q2, k2, causal=causal, scale1=scale1, scale2=scale2,
-                                 split_k=split_k, bwd_mode=bwd_mode, deterministic=deterministic)[0]
+    return _call(q1, k1, q2, k2, causal, scale1, scale2, split_k, bwd_mode, deterministic)[0]
