@@ -16,7 +16,10 @@ Baselines mirror /work/shared/anchors/h200-2026-11-29.md:
             cast to fp32, scale, mask), then the row sum of P1 * (logP1 - logP2);
   compile = torch.compile of that same function (static shapes, fresh dynamo cache per point);
   chunked = eager over 1024-row query chunks;
-  SDPA    = F.scaled_dot_product_attention at the same shape, flash backend.
+  sdpa    = F.scaled_dot_product_attention at the same shape, PyTorch's default backend dispatch
+            (cuDNN on the H200 with torch 2.11; the anchors' SDPA numbers match it);
+  sdpa_flash = the same call forced to the FlashAttention backend (sdpa_kernel([FLASH_ATTENTION])).
+The summary's "ours/SDPA" lines compare against the faster of sdpa and sdpa_flash in this run.
 """
 from __future__ import annotations
 
@@ -518,15 +521,26 @@ class Runner:
             return torch.autograd.grad(kl, [d[n] for n in names], d["g"])
         return f
 
-    def sdpa_ctx(self):
-        torch = self.torch
-        if not self.cuda:
+    # SDPA providers: "sdpa" = PyTorch's default backend dispatch (no context; cuDNN on the H200),
+    # "sdpa_flash" = forced to the FlashAttention backend (on CPU: torch's CPU flash kernel).
+    SDPA_PROVIDERS = (("sdpa", "default"), ("sdpa_flash", "flash"))
+
+    def sdpa_ctx(self, backend):
+        if backend == "default":
             return None
-        try:
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-            return lambda: sdpa_kernel([SDPBackend.FLASH_ATTENTION])
-        except Exception:
-            return None
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        be = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+        return lambda: sdpa_kernel([be])
+
+    def sdpa_best(self, kernel, mode, causal, nq, nk=None):
+        """The faster of the SDPA providers measured in this run: (ms, which, note) or (None, None, "")."""
+        got = [(self.get(kernel, p, mode, causal, nq, nk), b) for p, b in self.SDPA_PROVIDERS]
+        meas = [(t, b) for t, b in got if t]
+        if not meas:
+            return None, None, ""
+        t, b = min(meas)
+        missing = [b2 for t2, b2 in got if not t2]
+        return t, b, (f"; {','.join(missing)} not measured" if missing else "")
 
     def prep_sdpa_bwd(self, sets):
         """Leaves (sharing storage with q1, k1, k2) and dO for SDPA fwd+bwd, made before timing."""
@@ -625,7 +639,9 @@ class Runner:
                 work = H * n * n
                 f = self.f_ours_fwd(causal)
                 self.point(meta("ours"), f and self.rotate(sets, f), work=work)
-                self.point(meta("sdpa"), self.rotate(sets, self.f_sdpa(causal)), work=work, ctx=self.sdpa_ctx())
+                for prov, be in self.SDPA_PROVIDERS:
+                    self.point(meta(prov), self.rotate(sets, self.f_sdpa(causal)), work=work, ctx=self.sdpa_ctx(be),
+                               extra=f"sdpa_backend={be}")
                 est_eager = 6.5 * H * n * n * 4 / 1e9
                 if est_eager > self.a.mem_limit_gb:
                     self.point(meta("eager"), None, pre_status="OOM/skipped", extra=f"est_gb={est_eager:.0f}")
@@ -636,7 +652,7 @@ class Runner:
                            work=work, extra=f"chunk={ch}")
                 del sets
                 self.free()
-                self.group_line("fwd", causal, n, n, "fwd", ["ours", "sdpa", "eager", "chunked"], tp)
+                self.group_line("fwd", causal, n, n, "fwd", ["ours", "sdpa", "sdpa_flash", "eager", "chunked"], tp)
         self.compile_points("fwd")
 
     def compile_points(self, which):
@@ -712,9 +728,11 @@ class Runner:
                         f = self.f_ours_fb(causal, setting, bm)
                         self.point(meta(f"ours_{bm}"), f and self.rotate(sets, f), work=work)
                     if setting == "s1":  # SDPA fwd+bwd does not depend on the setting: once per (N, causal)
-                        self.point(("fwd_bwd", "sdpa", "fwd_bwd_sdpa", causal, n, n, 1, H, D, D, "bf16"),
-                                   self.rotate(self.prep_sdpa_bwd(sets), self.f_sdpa(causal, backward=True)), work=work,
-                                   ctx=self.sdpa_ctx())
+                        sdpa_sets = self.prep_sdpa_bwd(sets)
+                        for prov, be in self.SDPA_PROVIDERS:
+                            self.point(("fwd_bwd", prov, "fwd_bwd_sdpa", causal, n, n, 1, H, D, D, "bf16"),
+                                       self.rotate(sdpa_sets, self.f_sdpa(causal, backward=True)), work=work,
+                                       ctx=self.sdpa_ctx(be), extra=f"sdpa_backend={be}")
                     est = 8.5 * H * n * n * 4 / 1e9
                     if est > self.a.mem_limit_gb:
                         self.point(meta("eager"), None, pre_status="OOM/skipped", extra=f"est_gb={est:.0f}")
@@ -739,14 +757,16 @@ class Runner:
             self.point(meta("ours"), f and self.rotate(sets, f), work=work, extra="split_k=auto")
             f = self.f_ours_fwd(False, split_k=1)
             self.point(meta("ours_split1"), f and self.rotate(sets, f), work=work, extra="split_k=1")
-            self.point(meta("sdpa"), self.rotate(sets, self.f_sdpa(False)), work=work, ctx=self.sdpa_ctx())
+            for prov, be in self.SDPA_PROVIDERS:
+                self.point(meta(prov), self.rotate(sets, self.f_sdpa(False)), work=work, ctx=self.sdpa_ctx(be),
+                           extra=f"sdpa_backend={be}")
             self.point(meta("eager"), self.rotate(sets, self.f_eager_fwd(False)), work=work)
             kbytes = 2 * H * nk * D * 2  # K1 and K2, bf16, read once
             floor = kbytes / bw * 1e3
             self.row(*meta("floor"), times=[floor] * 3, extra=f"bytes={kbytes};copy_tb_s={bw / 1e12:.4g}")
             del sets
             self.free()
-            self.group_line("decode", False, nq, nk, "fwd", ["ours", "ours_split1", "sdpa", "eager", "floor"], tp)
+            self.group_line("decode", False, nq, nk, "fwd", ["ours", "ours_split1", "sdpa", "sdpa_flash", "eager", "floor"], tp)
 
     # ---------------------------------------------------------------- fused vs separate backward at small N_Q
     def sec_smallq(self):
@@ -1145,9 +1165,22 @@ class Runner:
         if self.checks:
             nf = sum(not r["pass"] for r in self.checks)
             line(f"correctness: {len(self.checks) - nf}/{len(self.checks)} check rows pass (check.csv)", nf == 0)
+        # machine-to-machine variation: the anchors were measured on another H200 (756 TFLOP/s bf16)
         if "copy_tb_s" in self.env:
-            L.append(f"env: copy {self.env.get('copy_tb_s', '-')} TB/s (anchor 4.14), bf16 matmul "
-                     f"{self.env.get('matmul_tflops', '-')} TFLOP/s (anchor 756)")
+            cp = self.env["copy_tb_s"]
+            L.append(f"env: copy {cp:.3g} TB/s = {cp / ANCHOR['copy_tb_s']:.2f}x the anchors' {ANCHOR['copy_tb_s']} "
+                     f"(bytes read + written)" + ("" if self.cuda else " (CPU: not comparable)"))
+        if "matmul_tflops" in self.env:
+            mm, mn = self.env["matmul_tflops"], self.env.get("matmul_n")
+            if self.cuda:
+                L.append(f"env: bf16 matmul {mn}^3 {mm:.1f} TFLOP/s = {mm / ANCHOR['matmul_tflops']:.2f}x the anchors' "
+                         f"{ANCHOR['matmul_tflops']:.0f} (machines differ: compare ratios within one run)")
+            else:
+                L.append(f"env: fp32 matmul {mn}^3 {mm:.3g} TFLOP/s on CPU (not comparable with the anchors' bf16 "
+                         f"{ANCHOR['matmul_tflops']:.0f} TFLOP/s on the H200)")
+        else:
+            L.append(f"env: bf16 matmul not measured in this run (no env section); the anchors' machine: "
+                     f"{ANCHOR['matmul_tflops']:.0f} TFLOP/s")
 
         def base(kernel, prov, mode, causal, n, akey):
             v = self.get(kernel, prov, mode, causal, n)
@@ -1166,7 +1199,17 @@ class Runner:
                     if v is not None and a:
                         parts.append(f"{p}{'/c' if c else ''} {v:.3g}/{a:.3g}")
             if parts:
-                L.append("baselines fwd 8K measured/anchor ms: " + ", ".join(parts))
+                L.append("baselines fwd 8K measured/anchor ms: " + ", ".join(parts) + " (sdpa = default dispatch)")
+        # the two SDPA providers side by side (the anchors' SDPA matches the default dispatch)
+        parts = []
+        for c in (False, True):
+            sd, sf = self.get("fwd", "sdpa", "fwd", c, big), self.get("fwd", "sdpa_flash", "fwd", c, big)
+            if sd or sf:
+                parts.append(f"{'c' if c else 'nc'} {sd or float('nan'):.3g}/{sf or float('nan'):.3g}"
+                             + (f" (flash x{sf / sd:.2f})" if sd and sf else ""))
+        if parts:
+            L.append(f"SDPA fwd N={fmt_n(big)} default dispatch/flash backend ms: " + ", ".join(parts))
+        sdpa_key = "(d = SDPA default dispatch, f = SDPA flash backend: the faster of the two in this run, per N)"
         # forward vs compile / eager
         for c, tgt in ((False, 2.4), (True, 4.2)):
             o = self.get("fwd", "ours", "fwd", c, big)
@@ -1178,28 +1221,37 @@ class Runner:
             if o and eb:
                 line(f"fwd N={big} {'causal    ' if c else 'non-causal'} ours vs eager: x{eb / o:.1f} (paper {'26-43' if c else '13-18'}x){note}", None)
         # ours vs SDPA forward at N >= 8K
+        # against the FASTER of sdpa (default dispatch) and sdpa_flash, per N; which one is in the line
+        fwd_sdpa_lines = False
         for c in (False, True):
-            ratios = []
+            ratios, notes = [], set()
             for n in cfg["fwd_n"]:
                 if n < (8 * K if not self.a.tiny else 0):
                     continue
-                o, s = self.get("fwd", "ours", "fwd", c, n), self.get("fwd", "sdpa", "fwd", c, n)
+                o = self.get("fwd", "ours", "fwd", c, n)
+                s, which, note = self.sdpa_best("fwd", "fwd", c, n)
                 if o and s:
-                    ratios.append((n, o / s))
+                    ratios.append((n, o / s, which[0]))
+                    if note:
+                        notes.add(note.lstrip("; "))
             if ratios:
-                worst = max(r for _, r in ratios)
-                txt = " ".join(f"{fmt_n(n)}:{r:.2f}" for n, r in ratios)
-                line(f"fwd ours/SDPA {'causal    ' if c else 'non-causal'} {txt} (must <= 1.6)", worst <= 1.6)
+                fwd_sdpa_lines = True
+                worst = max(r for _, r, _ in ratios)
+                txt = " ".join(f"{fmt_n(n)}:{r:.2f}{w}" for n, r, w in ratios)
+                nt = f" [{'; '.join(sorted(notes))}]" if notes else ""
+                line(f"fwd ours/SDPA {'causal    ' if c else 'non-causal'} {txt} (must <= 1.6){nt}", worst <= 1.6)
                 line(f"      ... same, goal <= 1.1 (worst {worst:.2f})", worst <= 1.1)
+        if fwd_sdpa_lines:
+            L.append("      " + sdpa_key)
         # decode / split-K
         for nq, nk in cfg["decode"]:
             o = self.get("decode", "ours", "fwd", False, nq, nk)
             f = self.get("decode", "floor", "fwd", False, nq, nk)
             o1 = self.get("decode", "ours_split1", "fwd", False, nq, nk)
-            s = self.get("decode", "sdpa", "fwd", False, nq, nk)
+            s, which, _ = self.sdpa_best("decode", "fwd", False, nq, nk)
             if o and f:
                 tgt = nq == 1 and nk == cfg["decode"][0][1]
-                extra = (f"; split-K x{o1 / o:.1f} vs split_k=1" if o1 else "") + (f"; SDPA {s:.3g}" if s else "")
+                extra = (f"; split-K x{o1 / o:.1f} vs split_k=1" if o1 else "") + (f"; SDPA {s:.3g} ({which})" if s else "")
                 line(f"decode NQ={nq} NK={fmt_n(nk)} ours {o:.3g} ms = {o / f:.2f}x floor"
                      + (" (target <= 1.4)" if tgt else "") + extra, (o / f <= 1.4) if tgt else None)
         # fwd+bwd vs eager / compile / SDPA
@@ -1221,18 +1273,22 @@ class Runner:
                 if cb:
                     line(f"fwd+bwd {st:<4} N={bigb} {cs} ours(auto) vs compile: x{cb / o:.2f} (>= 1.0 'competitive'){note}",
                          cb / o >= 1.0)
+        fb_sdpa_lines = False
         for c in (False, True):
             parts = []
             for n in cfg["bwd_n"]:
                 if n < bigb:
                     continue
-                s = self.get("fwd_bwd", "sdpa", "fwd_bwd_sdpa", c, n)
+                s, which, _ = self.sdpa_best("fwd_bwd", "fwd_bwd_sdpa", c, n)
                 r = [f"{st}:{self.get('fwd_bwd', 'ours_auto', f'fwd_bwd_{st}', c, n) / s:.2f}"
                      for st in ("s1", "s2", "both") if s and self.get("fwd_bwd", "ours_auto", f"fwd_bwd_{st}", c, n)]
                 if r:
-                    parts.append(f"{fmt_n(n)} " + ",".join(r))
+                    parts.append(f"{fmt_n(n)}({which[0]}) " + ",".join(r))
             if parts:
                 line(f"fwd+bwd ours/SDPA-fwd+bwd {'c ' if c else 'nc'}: " + " | ".join(parts), None)
+                fb_sdpa_lines = True
+        if fb_sdpa_lines:
+            L.append("      " + sdpa_key)
         # fused vs separate
         nk = cfg["smallq_nk"]
         for st in ("s1", "s2", "both"):
@@ -1471,8 +1527,8 @@ SECTION_DOC = {
     "prewarm": "compile everything in parallel worker processes (fills the on-disk caches)",
     "env": "copy bandwidth + 8192^3 bf16 matmul",
     "check": "correctness vs float64 (fp32/fp16/bf16, settings, modes, GQA, D1!=D2, NQ!=NK, split-K, determinism)",
-    "fwd": "forward N=1K..64K: ours, SDPA, eager, chunked, compile",
-    "bwd": "fwd+bwd N=1K..32K, s1/s2/both: ours fused/separate/auto, SDPA, eager, compile",
+    "fwd": "forward N=1K..64K: ours, SDPA (default dispatch, flash backend), eager, chunked, compile",
+    "bwd": "fwd+bwd N=1K..32K, s1/s2/both: ours fused/separate/auto, SDPA (default, flash), eager, compile",
     "decode": "N_Q in {1,16}, N_K 32K/128K forward + bandwidth floor",
     "smallq": "fused vs separate backward, N_Q 16..512, N_K 32K",
     "long": "512K tokens (H=8, causal) fwd and s1 fwd+bwd; peak extra memory vs N",
