@@ -15,7 +15,16 @@ Writes (only those with data):
   peak_memory.png         peak extra memory vs N (forward providers, ours up to 512K, ours fwd+bwd)
   decode.png              small-N_Q forward: time per provider (incl. the bandwidth floor)
   smallq_bwd.png          fused vs separate vs auto backward vs N_Q at fixed N_K
+  sdpa_backends.png       from the newest ``*fwd_configs_sdpa_backends.csv`` (if any): our autotuned
+                          forward vs SDPA (default dispatch / flash / cuDNN backend) and torch.compile,
+                          per (N, causal); the per-launch-config ``streamkl cfg=...`` rows are left out
 All axes with N are log-log (base 2 for N).
+
+SDPA labels. bench_gpu.py writes two SDPA providers: ``sdpa`` (PyTorch's default backend dispatch)
+and ``sdpa_flash`` (forced to the FlashAttention backend); their rows carry ``sdpa_backend=...`` in
+``extra``. Older files (e.g. h200_2026-11-29_bench.csv) have only ``sdpa`` rows, and those were
+forced to the flash backend: for a file with no ``sdpa_flash`` row and no ``sdpa_backend=`` note,
+its ``sdpa`` rows are drawn as "SDPA (flash backend)" and the figure carries a note saying so.
 """
 from __future__ import annotations
 
@@ -27,11 +36,21 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-STYLE = {  # provider -> (color, marker); anything else gets matplotlib's cycle
+SDPA_DEFAULT, SDPA_FLASH = "SDPA (default dispatch)", "SDPA (flash backend)"
+STYLE = {  # provider (display name) -> (color, marker); anything else gets matplotlib's cycle
     "ours": ("C3", "o"), "ours_auto": ("C3", "o"), "ours_fused": ("C1", "^"), "ours_separate": ("C5", "v"),
-    "ours_split1": ("C6", "x"), "sdpa": ("C0", "s"), "eager": ("C7", "D"), "compile": ("C2", "P"),
-    "chunked": ("C4", "*"), "floor": ("k", "_"),
+    "ours_split1": ("C6", "x"), SDPA_DEFAULT: ("C0", "s"), SDPA_FLASH: ("C9", "d"), "eager": ("C7", "D"),
+    "compile": ("C2", "P"), "chunked": ("C4", "*"), "floor": ("k", "_"),
 }
+BACKENDS_GLOB = "*fwd_configs_sdpa_backends.csv"
+# sdpa_backends.png: the providers of that file, in bar order, with display names and styles
+BACKEND_BARS = [
+    ("streamkl(autotuned)", "ours (autotuned)", "C3"),
+    ("sdpa(default dispatch)", SDPA_DEFAULT, "C0"),
+    ("sdpa(flash backend)", SDPA_FLASH, "C9"),
+    ("sdpa(cudnn backend)", "SDPA (cuDNN backend)", "C8"),
+    ("compile", "torch.compile", "C2"),
+]
 
 
 def load(results_dir):
@@ -42,7 +61,29 @@ def load(results_dir):
             for r in csv.DictReader(fh):
                 r["_file"] = os.path.splitext(os.path.basename(f))[0]
                 rows.append(r)
-    return files, rows
+    legacy = flash_only_files(rows)
+    for r in rows:
+        r["_prov"] = display_provider(r, legacy)
+    return files, rows, legacy
+
+
+def flash_only_files(rows):
+    """Files written before bench_gpu.py had two SDPA providers: their `sdpa` rows were forced to the
+    flash backend. Detected by the absence of `sdpa_flash` rows and of any `sdpa_backend=` note."""
+    by_file = {}
+    for r in rows:
+        by_file.setdefault(r["_file"], []).append(r)
+    return sorted(f for f, rs in by_file.items()
+                  if any(r["provider"] == "sdpa" for r in rs)
+                  and not any(r["provider"] == "sdpa_flash" or "sdpa_backend=" in (r.get("extra") or "") for r in rs))
+
+
+def display_provider(r, legacy):
+    if r["provider"] == "sdpa":
+        return SDPA_FLASH if r["_file"] in legacy else SDPA_DEFAULT
+    if r["provider"] == "sdpa_flash":
+        return SDPA_FLASH
+    return r["provider"]
 
 
 def fnum(x):
@@ -56,7 +97,7 @@ def ok(r, field="p50_ms"):
     return r.get("status") == "ok" and fnum(r.get(field)) is not None
 
 
-def series(rows, multi, x="n_k", y="p50_ms", key=("provider",)):
+def series(rows, multi, x="n_k", y="p50_ms", key=("_prov",)):
     """{label: sorted [(x, y, y20, y80)]}."""
     out = {}
     for r in rows:
@@ -72,11 +113,24 @@ def series(rows, multi, x="n_k", y="p50_ms", key=("provider",)):
 
 
 def style_for(label):
-    prov = label.split(" ")[0]
-    return STYLE.get(prov, (None, "."))
+    for name in sorted(STYLE, key=len, reverse=True):  # "ours_auto ..." is not "ours"
+        if label == name or label.startswith(name + " "):
+            return STYLE[name]
+    return (None, ".")
 
 
-def draw(ax, data, title, ylabel, xlabel="N (= N_Q = N_K)"):
+def plain_log_y(ax):
+    """Log y axis labelled 0.1, 1, 10 (not 10^k); under ~1.5 decades the minor ticks get labels too."""
+    import matplotlib.ticker as mt
+    fmt = mt.FuncFormatter(lambda v, _: f"{v:g}")
+    ax.yaxis.set_major_formatter(fmt)
+    lo, hi = ax.get_ylim()
+    if lo > 0 and hi / lo < 30:
+        ax.yaxis.set_minor_formatter(fmt)
+        ax.tick_params(axis="y", which="minor", labelsize=7)
+
+
+def draw(ax, data, title, ylabel, xlabel="N (= N_Q = N_K)", legend_out=False):
     import matplotlib.ticker as mt
     for label, pts in data.items():
         xs = [p[0] for p in pts]
@@ -94,7 +148,11 @@ def draw(ax, data, title, ylabel, xlabel="N (= N_Q = N_K)"):
     ax.set_ylabel(ylabel)
     ax.grid(True, which="both", alpha=0.3)
     if data:
-        ax.legend(fontsize=7)
+        plain_log_y(ax)
+        if legend_out:
+            ax.legend(fontsize=7, bbox_to_anchor=(1.01, 1.0), loc="upper left", borderaxespad=0)
+        else:
+            ax.legend(fontsize=7)
     else:
         ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
 
@@ -110,6 +168,53 @@ def shape_note(rows):
     return ", ".join(f"B={b} H={h} D={d} {dt}" for b, h, d, dt in s[:2])
 
 
+def backends_plot(path, out_path, plt):
+    """Bar chart from a fwd_configs_sdpa_backends CSV: ours (autotuned) vs SDPA default dispatch /
+    flash / cuDNN and torch.compile, one group of bars per (N, causal). Missing points are marked."""
+    with open(path, newline="") as fh:
+        rows = [r for r in csv.DictReader(fh)
+                if ok(r) and r.get("kernel") == "fwd" and not r["provider"].startswith("streamkl cfg=")]
+    if not rows:
+        return False
+    known = [b[0] for b in BACKEND_BARS]
+    bars = list(BACKEND_BARS) + [(p, p, None) for p in sorted({r["provider"] for r in rows}) if p not in known]
+    bars = [b for b in bars if any(r["provider"] == b[0] for r in rows)]
+    groups = sorted({(int(r["n_q"]), int(r["n_k"]), r["causal"]) for r in rows}, key=lambda g: (g[0], g[1], g[2]))
+    t = {(r["provider"], int(r["n_q"]), int(r["n_k"]), r["causal"]): fnum(r["p50_ms"]) for r in rows}
+    fig, ax = plt.subplots(figsize=(max(8, 2.3 * len(groups)), 5.2))
+    width = 0.8 / len(bars)
+    for k, (prov, label, color) in enumerate(bars):
+        for i, (nq, nk, c) in enumerate(groups):
+            x = i + (k - (len(bars) - 1) / 2) * width
+            v = t.get((prov, nq, nk, c))
+            if v is None:
+                ax.text(x, 0.02, "no data", rotation=90, ha="center", va="bottom", fontsize=7, color="0.4",
+                        transform=ax.get_xaxis_transform())
+                continue
+            ax.bar(x, v, width, color=color, label=label if i == min(
+                j for j, g in enumerate(groups) if t.get((prov,) + g) is not None) else None)
+            ax.text(x, v * 1.04, f"{v:.3g}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([f"N={fmt_n(nq)}" + (f", N_K={fmt_n(nk)}" if nk != nq else "") +
+                        ("\ncausal" if c == "1" else "\nnon-causal") for nq, nk, c in groups])
+    ax.set_yscale("log")
+    ax.set_ylabel("time (ms, median; lower is better)")
+    ax.set_title(f"forward: ours vs SDPA backends vs torch.compile ({shape_note(rows)})", fontsize=10)
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    ax.legend(fontsize=8, ncol=3, loc="upper left")
+    ax.set_ylim(top=ax.get_ylim()[1] * 3)  # room for the legend above the tallest bar
+    plain_log_y(ax)
+    fig.suptitle(subtitle(rows) + f"  [{os.path.basename(path)}]", fontsize=8, y=0.995)
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=130)
+    plt.close(fig)
+    return True
+
+
+def fmt_n(n):
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--results", default=os.path.join(ROOT, "bench", "results"))
@@ -119,18 +224,44 @@ def main(argv=None):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    files, rows = load(a.results)
-    if not rows:
-        print(f"no rows in {a.results}/*bench*.csv; nothing plotted", file=sys.stderr)
-        return 1
-    multi = len({r["_file"] for r in rows}) > 1
     os.makedirs(a.out, exist_ok=True)
     written = []
-    sub = subtitle(rows)
+    backends = sorted(glob.glob(os.path.join(a.results, BACKENDS_GLOB)))
 
-    def save(fig, name):
+    def plot_backends():
+        if backends:  # the newest file (names start with the date)
+            path = os.path.join(a.out, "sdpa_backends.png")
+            if backends_plot(backends[-1], path, plt):
+                written.append(path)
+            if len(backends) > 1:
+                print(f"sdpa_backends.png from {os.path.basename(backends[-1])}; not plotted: "
+                      + ", ".join(os.path.basename(b) for b in backends[:-1]))
+
+    files, rows, legacy = load(a.results)
+    if not rows:
+        print(f"no rows in {a.results}/*bench*.csv; only sdpa_backends.png (if any) plotted", file=sys.stderr)
+        plot_backends()
+        for w in written:
+            print(w)
+        return 0 if written else 1
+    multi = len({r["_file"] for r in rows}) > 1
+    sub = subtitle(rows)
+    legacy_note = ""
+    if legacy:
+        legacy_note = ("SDPA (flash backend): the 'sdpa' rows of " + ", ".join(legacy) + " were forced to the "
+                       "FlashAttention backend (sdpa_kernel([FLASH_ATTENTION])); that run has no default-dispatch SDPA rows"
+                       + ("; default dispatch vs flash vs cuDNN: sdpa_backends.png" if backends else "") + ".")
+        print("note: " + legacy_note)
+
+    def save(fig, name, rows_in=None):
         fig.suptitle(sub, fontsize=8, y=0.995)
-        fig.tight_layout()
+        note = legacy_note if legacy_note and any(
+            r["provider"] == "sdpa" and r["_file"] in legacy and ok(r) for r in (rows_in or [])) else ""
+        if note:
+            fig.text(0.5, 0.004, note, ha="center", va="bottom", fontsize=7, style="italic", wrap=True)
+            fig.tight_layout(rect=(0, 0.035, 1, 1))
+        else:
+            fig.tight_layout()
         path = os.path.join(a.out, name)
         fig.savefig(path, dpi=130)
         plt.close(fig)
@@ -144,7 +275,7 @@ def main(argv=None):
             sel = [r for r in fwd if r["causal"] == c]
             draw(ax, series(sel, multi), f"forward, {'causal' if c == '1' else 'non-causal'} ({shape_note(sel)})",
                  "time (ms, median; band p20-p80)")
-        save(fig, "fwd_time.png")
+        save(fig, "fwd_time.png", fwd)
 
     # forward + backward
     fb = [r for r in rows if r["kernel"] == "fwd_bwd"]
@@ -156,48 +287,55 @@ def main(argv=None):
                 # SDPA fwd+bwd does not depend on the setting: drawn in every panel as the reference
                 draw(axes[i][j], series(sel, multi),
                      f"fwd+bwd setting {st}, {'causal' if c == '1' else 'non-causal'}", "time (ms)")
-        save(fig, "fwd_bwd_time.png")
+        save(fig, "fwd_bwd_time.png", fb)
 
     # peak extra memory vs N
     mem = [r for r in rows if ok(r, "peak_extra_gib") and (
         (r["kernel"] == "fwd" and r["mode"] == "fwd") or r["kernel"] == "long")]
     if mem:
-        fig, ax = plt.subplots(figsize=(8, 5))
+        fig, ax = plt.subplots(figsize=(10.5, 5))
         data = {}
         for r in mem:
             tag = "fwd" if r["kernel"] == "fwd" else r["mode"]
-            label = f"{r['provider']} {tag} H={r['h']}{' causal' if r['causal'] == '1' else ''}"
+            label = f"{r['_prov']} {tag} H={r['h']}{' causal' if r['causal'] == '1' else ''}"
             if multi:
                 label += f" [{r['_file']}]"
             v = max(fnum(r["peak_extra_gib"]), 1e-4)  # log axis: an O(N_Q) output can be ~0 GiB
             data.setdefault(label, []).append((int(r["n_k"]), v, None, None))
         data = {k: sorted(v) for k, v in sorted(data.items())}
         draw(ax, data, "peak extra memory (max_memory_allocated - inputs; includes outputs/grads)",
-             "GiB (floored at 1e-4 for the log axis)")
-        save(fig, "peak_memory.png")
+             "GiB (floored at 1e-4 for the log axis)", legend_out=True)
+        save(fig, "peak_memory.png", mem)
 
     # decode
     dec = [r for r in rows if r["kernel"] == "decode" and ok(r)]
+    if dec and multi:  # one bar per provider and run
+        for r in dec:
+            r["_prov"] = f"{r['_prov']} [{r['_file']}]"
     if dec:
         shapes = sorted({(int(r["n_q"]), int(r["n_k"])) for r in dec})
-        provs = sorted({r["provider"] for r in dec}, key=lambda p: list(STYLE).index(p) if p in STYLE else 99)
+        order = list(STYLE)
+        provs = sorted({r["_prov"] for r in dec},
+                       key=lambda p: (next((order.index(n) for n in sorted(order, key=len, reverse=True)
+                                            if p == n or p.startswith(n + " ")), 99), p))
         fig, ax = plt.subplots(figsize=(max(7, 2.2 * len(shapes)), 4.8))
         width = 0.8 / max(1, len(provs))
         for k, prov in enumerate(provs):
             ys = []
             for s in shapes:
-                v = [fnum(r["p50_ms"]) for r in dec if r["provider"] == prov and (int(r["n_q"]), int(r["n_k"])) == s]
+                v = [fnum(r["p50_ms"]) for r in dec if r["_prov"] == prov and (int(r["n_q"]), int(r["n_k"])) == s]
                 ys.append(v[0] if v else 0.0)
-            color = STYLE.get(prov, (None, None))[0]
+            color = style_for(prov)[0]
             ax.bar([i + k * width for i in range(len(shapes))], ys, width, label=prov, color=color)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(shapes))])
         ax.set_xticklabels([f"N_Q={q}\nN_K={k // 1024}K" if k >= 1024 else f"N_Q={q}\nN_K={k}" for q, k in shapes])
         ax.set_yscale("log")
+        plain_log_y(ax)
         ax.set_ylabel("time (ms, median)")
         ax.set_title("small query blocks, forward, non-causal (floor = K1+K2 bytes / copy bandwidth)", fontsize=10)
         ax.legend(fontsize=8)
         ax.grid(True, axis="y", which="both", alpha=0.3)
-        save(fig, "decode.png")
+        save(fig, "decode.png", dec)
 
     # fused vs separate at small N_Q
     sq = [r for r in rows if r["kernel"] == "smallq_bwd"]
@@ -207,11 +345,12 @@ def main(argv=None):
             sel = [r for r in sq if r["mode"] == f"fwd_bwd_{st}"]
             nk = sorted({r["n_k"] for r in sel})
             draw(ax, series(sel, multi, x="n_q"), f"fwd+bwd {st}, N_K={','.join(nk)}", "time (ms)", xlabel="N_Q")
-        save(fig, "smallq_bwd.png")
+        save(fig, "smallq_bwd.png", sq)
 
+    plot_backends()
     for w in written:
         print(w)
-    print(f"{len(written)} plots from {len(files)} CSV file(s)")
+    print(f"{len(written)} plots from {len(files)} bench CSV file(s)" + (f" and {os.path.basename(backends[-1])}" if backends else ""))
     return 0
 
 
