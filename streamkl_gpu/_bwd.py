@@ -28,7 +28,7 @@ order (deterministic).
 import triton
 import triton.language as tl
 
-from ._fwd import LN2, LOG2E
+from ._fwd import LN2, LOG2E, _dot, _key_stages
 
 
 # For rows with no visible key (and padding rows) the LSE is replaced by this finite "+infinity":
@@ -57,14 +57,8 @@ def _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, kl_bits, g, offs_m, cols, N_K
              MASKED: tl.constexpr, CAUSAL: tl.constexpr, TRAIN1: tl.constexpr, TRAIN2: tl.constexpr,
              IEEE1: tl.constexpr, IEEE2: tl.constexpr):
     """dS1 (if TRAIN1) and dS2 (if TRAIN2) of one [BLOCK_M, BLOCK_N] tile, sigma and g folded in."""
-    if IEEE1:
-        s1 = tl.dot(q1, tl.trans(k1), input_precision="ieee")
-    else:
-        s1 = tl.dot(q1, tl.trans(k1))
-    if IEEE2:
-        s2 = tl.dot(q2, tl.trans(k2), input_precision="ieee")
-    else:
-        s2 = tl.dot(q2, tl.trans(k2))
+    s1 = _dot(q1, tl.trans(k1), IEEE1)
+    s2 = _dot(q2, tl.trans(k2), IEEE2)
     # log2 P_t = s_t * sigma_t * log2(e) - lse_t (bits; one FFMA, the forward's fold)
     x1 = s1 * qk_scale1 - lse1_bits[:, None]
     x2 = s2 * qk_scale2 - lse2_bits[:, None]
@@ -87,6 +81,16 @@ def _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, kl_bits, g, offs_m, cols, N_K
     if TRAIN1:
         ds1 = p1 * log_ratio * (g * (scale1 * LN2))[:, None]
     return ds1, ds2
+
+
+@triton.jit
+def _dk_dq_side(dk, ds, q, k, dq_ptrs, dq_mask, FUSED_DQ: tl.constexpr, IEEE: tl.constexpr):
+    """One side's share of a tile: dK += dS^T Q in registers; with FUSED_DQ, dQ += dS K by atomics."""
+    ds = ds.to(q.dtype)  # the tensor-core operand precision, as FlashAttention's backward
+    dk += _dot(tl.trans(ds), q, IEEE)
+    if FUSED_DQ:
+        tl.atomic_add(dq_ptrs, _dot(ds, k, IEEE), mask=dq_mask, sem="relaxed")
+    return dk
 
 
 @triton.jit
@@ -114,31 +118,11 @@ def _dk_query_range(
                             diag_offset, qk_scale1, qk_scale2, scale1, scale2,
                             MASKED, CAUSAL, TRAIN1, TRAIN2, IEEE1, IEEE2)
         if TRAIN1:
-            ds1 = ds1.to(q1.dtype)
-            if IEEE1:
-                dk1 += tl.dot(tl.trans(ds1), q1, input_precision="ieee")
-            else:
-                dk1 += tl.dot(tl.trans(ds1), q1)
-            if FUSED_DQ:
-                if IEEE1:
-                    dq1 = tl.dot(ds1, k1, input_precision="ieee")
-                else:
-                    dq1 = tl.dot(ds1, k1)
-                tl.atomic_add(DQ1 + rows64[:, None] * stride_dq1n + offs_d1[None, :], dq1,
-                              mask=row_ok[:, None] & (offs_d1[None, :] < D1), sem="relaxed")
+            dk1 = _dk_dq_side(dk1, ds1, q1, k1, DQ1 + rows64[:, None] * stride_dq1n + offs_d1[None, :],
+                              row_ok[:, None] & (offs_d1[None, :] < D1), FUSED_DQ, IEEE1)
         if TRAIN2:
-            ds2 = ds2.to(q2.dtype)
-            if IEEE2:
-                dk2 += tl.dot(tl.trans(ds2), q2, input_precision="ieee")
-            else:
-                dk2 += tl.dot(tl.trans(ds2), q2)
-            if FUSED_DQ:
-                if IEEE2:
-                    dq2 = tl.dot(ds2, k2, input_precision="ieee")
-                else:
-                    dq2 = tl.dot(ds2, k2)
-                tl.atomic_add(DQ2 + rows64[:, None] * stride_dq2n + offs_d2[None, :], dq2,
-                              mask=row_ok[:, None] & (offs_d2[None, :] < D2), sem="relaxed")
+            dk2 = _dk_dq_side(dk2, ds2, q2, k2, DQ2 + rows64[:, None] * stride_dq2n + offs_d2[None, :],
+                              row_ok[:, None] & (offs_d2[None, :] < D2), FUSED_DQ, IEEE2)
     return dk1, dk2
 
 
@@ -263,15 +247,9 @@ def _dq_key_range(
                             diag_offset, qk_scale1, qk_scale2, scale1, scale2,
                             MASKED, CAUSAL, TRAIN1, TRAIN2, IEEE1, IEEE2)
         if TRAIN1:
-            if IEEE1:
-                dq1 += tl.dot(ds1.to(k1.dtype), k1, input_precision="ieee")
-            else:
-                dq1 += tl.dot(ds1.to(k1.dtype), k1)
+            dq1 += _dot(ds1.to(k1.dtype), k1, IEEE1)
         if TRAIN2:
-            if IEEE2:
-                dq2 += tl.dot(ds2.to(k2.dtype), k2, input_precision="ieee")
-            else:
-                dq2 += tl.dot(ds2.to(k2.dtype), k2)
+            dq2 += _dot(ds2.to(k2.dtype), k2, IEEE2)
         k1_ptrs += BLOCK_N * stride_k1n
         k2_ptrs += BLOCK_N * stride_k2n
     return dq1, dq2
@@ -320,13 +298,8 @@ def _kl_bwd_dq_kernel(
 
     # same two stages as the forward: whole tiles unmasked, then the causal band / ragged tail
     diag_offset = N_K - N_Q
-    key_hi = N_K
-    full_hi = (N_K // BLOCK_N) * BLOCK_N
-    if CAUSAL:
-        full_hi = tl.minimum(full_hi, (tl.maximum(start_m + diag_offset + 1, 0) // BLOCK_N) * BLOCK_N)
-        key_hi = tl.minimum(key_hi, tl.maximum(start_m + BLOCK_M + diag_offset, 0))
-    full_hi = tl.minimum(full_hi, key_hi)
     key_lo = pid_m * 0  # a runtime zero, so the range start can be widened to int64
+    full_hi, key_hi = _key_stages(start_m, key_lo, N_K, N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL)
     dq1, dq2 = _dq_key_range(
         dq1, dq2, q1, q2, lse1_bits, lse2_bits, kl_bits, g, offs_m, k1_ptrs, k2_ptrs,
         stride_k1n, stride_k2n, key_lo, full_hi, N_K, D1, D2, diag_offset,

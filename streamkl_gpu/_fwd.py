@@ -34,6 +34,36 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b with fp32 accumulation; IEEE=True (fp32 inputs) keeps full fp32 products, not TF32."""
+    if IEEE:
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
+def _key_stages(start_m, key_lo, key_hi, N_Q, N_K,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """Split the keys [key_lo, key_hi) of the query block starting at ``start_m`` into two stages.
+
+    Returns ``(full_hi, key_hi)``: tiles [key_lo, full_hi) are whole and seen entirely by every row
+    of the block (no masking), tiles [full_hi, key_hi) need the bounds / causal mask, and causal
+    tiles past the frontier are dropped. ``key_lo`` must be a multiple of BLOCK_N.
+    """
+    diag_offset = N_K - N_Q
+    full_hi = (N_K // BLOCK_N) * BLOCK_N
+    if CAUSAL:
+        # every row of the block sees keys < start_m + diag_offset + 1 (bottom-right causal)
+        full_hi = tl.minimum(full_hi, (tl.maximum(start_m + diag_offset + 1, 0) // BLOCK_N) * BLOCK_N)
+        # no row of the block sees keys >= start_m + BLOCK_M + diag_offset: those tiles are skipped
+        key_hi = tl.minimum(key_hi, tl.maximum(start_m + BLOCK_M + diag_offset, 0))
+    full_hi = tl.maximum(tl.minimum(full_hi, key_hi), key_lo)
+    return full_hi, key_hi
+
+
+@triton.jit
 def _safe(m):
     # shift to use for a running max: 0 while the row has seen no visible key (m == -inf)
     return tl.where(m == float("-inf"), 0.0, m)
@@ -80,14 +110,8 @@ def _fwd_key_range(
         else:  # whole tiles: bounds masks only on padded head dims (D is constexpr: folded away)
             k1 = tl.load(k1_ptrs, mask=offs_d1[None, :] < D1, other=0.0)
             k2 = tl.load(k2_ptrs, mask=offs_d2[None, :] < D2, other=0.0)
-        if IEEE1:
-            s1 = tl.dot(q1, tl.trans(k1), input_precision="ieee")
-        else:
-            s1 = tl.dot(q1, tl.trans(k1))
-        if IEEE2:
-            s2 = tl.dot(q2, tl.trans(k2), input_precision="ieee")
-        else:
-            s2 = tl.dot(q2, tl.trans(k2))
+        s1 = _dot(q1, tl.trans(k1), IEEE1)  # raw fp32 scores (the scale is applied below)
+        s2 = _dot(q2, tl.trans(k2), IEEE2)
         # The scale fold, in bits: s_t * qk_scale_t = sigma_t * log2(e) * q_t.k_t. It is kept out
         # of the raw fp32 scores: maxima are taken on raw scores (qk_scale > 0 commutes with max)
         # and the multiply is fused into the exponent argument x_t = FFMA(s_t, qk_scale_t, -m_t).
@@ -174,18 +198,12 @@ def _kl_fwd_kernel(
     l2 = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M], tl.float32)
 
-    # Key range of this program, then its two stages: tiles every row sees whole (no masking)
-    # and the rest (the causal diagonal band and the ragged last tile), masked.
+    # Key range of this program (one split of the keys), then its two stages: whole tiles every
+    # row sees (no masking) and the rest (the causal diagonal band and the ragged last tile).
     diag_offset = N_K - N_Q
     key_lo = pid_split * keys_per_split  # a multiple of BLOCK_N
-    key_hi = tl.minimum(key_lo + keys_per_split, N_K)
-    full_hi = (N_K // BLOCK_N) * BLOCK_N
-    if CAUSAL:
-        # every row of this block sees keys < start_m + diag_offset + 1
-        full_hi = tl.minimum(full_hi, (tl.maximum(start_m + diag_offset + 1, 0) // BLOCK_N) * BLOCK_N)
-        # no row of this block sees keys >= start_m + BLOCK_M + diag_offset: those tiles are skipped
-        key_hi = tl.minimum(key_hi, tl.maximum(start_m + BLOCK_M + diag_offset, 0))
-    full_hi = tl.maximum(tl.minimum(full_hi, key_hi), key_lo)
+    full_hi, key_hi = _key_stages(start_m, key_lo, tl.minimum(key_lo + keys_per_split, N_K),
+                                  N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL)
     m1, l1, m2, l2, acc = _fwd_key_range(
         m1, l1, m2, l2, acc, q1, q2, k1_ptrs, k2_ptrs, stride_k1n, stride_k2n,
         offs_m, offs_n, offs_d1, offs_d2, D1, D2, N_K, diag_offset, key_lo, full_hi,
