@@ -28,6 +28,7 @@ PLOTS = {
     "peak_memory.png": "Peak extra memory vs N: forward providers, ours up to the longest run, ours fwd+bwd.",
     "decode.png": "Small N_Q (decoding) forward against a long key cache, per provider, with the bandwidth floor.",
     "smallq_bwd.png": "Fused vs separate vs auto backward as N_Q varies at fixed N_K.",
+    "sdpa_backends.png": "Our forward against SDPA with the default dispatch, the flash and the cuDNN backends, and torch.compile (N = 8K, 16K).",
 }
 
 
