@@ -194,8 +194,8 @@ def _forward(q1, k1, q2, k2, causal, scale1, scale2, split_k):
     BH = dims.B * dims.H
     d1_pad, d2_pad = _head_pad(dims.D1), _head_pad(dims.D2)
     kl = _fresh((dims.B, dims.H, dims.NQ), torch.float32, device)
-    lse1 = _fresh((dims.B, dims.H, dims.NQ), torch.float32, device)
-    lse2 = _fresh((dims.B, dims.H, dims.NQ), torch.float32, device)
+    lse1_bits = _fresh((dims.B, dims.H, dims.NQ), torch.float32, device)
+    lse2_bits = _fresh((dims.B, dims.H, dims.NQ), torch.float32, device)
     ieee1 = q1.dtype == torch.float32
     ieee2 = q2.dtype == torch.float32
 
@@ -219,7 +219,7 @@ def _forward(q1, k1, q2, k2, causal, scale1, scale2, split_k):
             part = _fresh((5, splits, BH, dims.NQ), torch.float32, device)
         grid = (triton.cdiv(dims.NQ, block_m), BH, splits)
         _fwd._kl_fwd_kernel[grid](
-            q1, k1, q2, k2, kl, lse1, lse2, part if splits > 1 else kl,
+            q1, k1, q2, k2, kl, lse1_bits, lse2_bits, part if splits > 1 else kl,
             *_strides(q1), *_strides(k1), *_strides(q2), *_strides(k2),
             dims.H, dims.NQ, dims.NK, dims.D1, dims.D2, dims.group1, dims.group2,
             keys_per_split, splits, dims.scale1 * LOG2E, dims.scale2 * LOG2E,
@@ -231,13 +231,13 @@ def _forward(q1, k1, q2, k2, causal, scale1, scale2, split_k):
             rows = BH * dims.NQ
             block = 256
             _fwd._kl_combine_kernel[(triton.cdiv(rows, block),)](
-                part, kl, lse1, lse2, rows, splits, BLOCK=block, num_warps=4)
+                part, kl, lse1_bits, lse2_bits, rows, splits, BLOCK=block, num_warps=4)
 
     key = ("fwd", dims.D1, dims.D2, q1.dtype, q2.dtype, causal, split,
            _bucket(dims.NQ), _bucket(dims.NK), _bucket(BH), n_splits)
     cfg = _pick(key, candidates, launch)
     launch(cfg)
-    return kl, lse1, lse2
+    return kl, lse1_bits, lse2_bits
 
 
 def _bucket(n: int) -> int:
@@ -267,7 +267,7 @@ def auto_bwd_mode(dims, n_sm: int, both: bool = False) -> str:
     return "fused"
 
 
-def _backward(g, q1, k1, q2, k2, kl, lse1, lse2, causal, scale1, scale2,
+def _backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2,
               train1, train2, bwd_mode, deterministic):
     dims = check_inputs(q1, k1, q2, k2, scale1=scale1, scale2=scale2)
     out_dtypes = (q1.dtype, k1.dtype, q2.dtype, k2.dtype)
@@ -278,7 +278,7 @@ def _backward(g, q1, k1, q2, k2, kl, lse1, lse2, causal, scale1, scale2,
     ieee1 = q1.dtype == torch.float32
     ieee2 = q2.dtype == torch.float32
     g = g.to(torch.float32).contiguous()
-    kl, lse1, lse2 = kl.contiguous(), lse1.contiguous(), lse2.contiguous()
+    kl, lse1_bits, lse2_bits = kl.contiguous(), lse1_bits.contiguous(), lse2_bits.contiguous()
     both = train1 and train2
     if bwd_mode not in ("auto", "fused", "separate"):
         raise ValueError(f"bwd_mode must be 'auto', 'fused' or 'separate', got {bwd_mode!r}")
@@ -321,7 +321,7 @@ def _backward(g, q1, k1, q2, k2, kl, lse1, lse2, causal, scale1, scale2,
 
         block_m, block_n, warps, stages = cfg_dk
         _bwd._kl_bwd_dk_kernel[(triton.cdiv(dims.NK, block_n), BH)](
-            q1, k1, q2, k2, lse1, lse2, kl, g, t_dk1, t_dk2, t_dq1, t_dq2,
+            q1, k1, q2, k2, lse1_bits, lse2_bits, kl, g, t_dk1, t_dk2, t_dq1, t_dq2,
             *_strides(q1), *_strides(k1), *_strides(q2), *_strides(k2),
             *s3(t_dk1), *s3(t_dk2), *s3(t_dq1), *s3(t_dq2),
             dims.H, dims.NQ, dims.NK, dims.D1, dims.D2, dims.group1, dims.group2,
@@ -333,7 +333,7 @@ def _backward(g, q1, k1, q2, k2, kl, lse1, lse2, causal, scale1, scale2,
         if not fused:
             block_m, block_n, warps, stages = cfg_dq
             _bwd._kl_bwd_dq_kernel[(triton.cdiv(dims.NQ, block_m), BH)](
-                q1, k1, q2, k2, lse1, lse2, kl, g, t_dq1, t_dq2,
+                q1, k1, q2, k2, lse1_bits, lse2_bits, kl, g, t_dq1, t_dq2,
                 *_strides(q1), *_strides(k1), *_strides(q2), *_strides(k2),
                 *s3(t_dq1), *s3(t_dq2),
                 dims.H, dims.NQ, dims.NK, dims.D1, dims.D2, dims.group1, dims.group2,
@@ -387,17 +387,17 @@ def _kl_fwd_fake(q1, k1, q2, k2, causal, scale1, scale2, split_k, bwd_mode, dete
 
 @torch.library.custom_op("streamkl::kl_bwd", mutates_args=())
 def _kl_bwd_op(g: torch.Tensor, q1: torch.Tensor, k1: torch.Tensor, q2: torch.Tensor, k2: torch.Tensor,
-               kl: torch.Tensor, lse1: torch.Tensor, lse2: torch.Tensor, causal: bool,
+               kl: torch.Tensor, lse1_bits: torch.Tensor, lse2_bits: torch.Tensor, causal: bool,
                scale1: float, scale2: float, train1: bool, train2: bool, bwd_mode: str,
                deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    grads = _backward(g, q1, k1, q2, k2, kl, lse1, lse2, causal, scale1, scale2,
+    grads = _backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2,
                       train1, train2, bwd_mode, deterministic)
     # a custom op returns tensors only: gradients not asked for come back as empty tensors
     return tuple(t if t is not None else x.new_empty(0) for t, x in zip(grads, (q1, k1, q2, k2)))
 
 
 @_kl_bwd_op.register_fake
-def _kl_bwd_fake(g, q1, k1, q2, k2, kl, lse1, lse2, causal, scale1, scale2, train1, train2,
+def _kl_bwd_fake(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2, train1, train2,
                  bwd_mode, deterministic):
     wanted = (train1, train1, train2, train2)
     return tuple(torch.empty_like(x) if w else x.new_empty(0) for w, x in zip(wanted, (q1, k1, q2, k2)))
@@ -405,13 +405,13 @@ def _kl_bwd_fake(g, q1, k1, q2, k2, kl, lse1, lse2, causal, scale1, scale2, trai
 
 def _setup_context(ctx, inputs, output):
     q1, k1, q2, k2, causal, scale1, scale2, split_k, bwd_mode, deterministic = inputs
-    kl, lse1, lse2 = output
-    ctx.save_for_backward(q1, k1, q2, k2, kl, lse1, lse2)
+    kl, lse1_bits, lse2_bits = output
+    ctx.save_for_backward(q1, k1, q2, k2, kl, lse1_bits, lse2_bits)
     ctx.args = (causal, scale1, scale2, bwd_mode, deterministic)
 
 
 def _kl_backward(ctx, g_kl, g_lse1, g_lse2):
-    q1, k1, q2, k2, kl, lse1, lse2 = ctx.saved_tensors
+    q1, k1, q2, k2, kl, lse1_bits, lse2_bits = ctx.saved_tensors
     causal, scale1, scale2, bwd_mode, deterministic = ctx.args
     need = ctx.needs_input_grad
     train1 = bool(need[0] or need[1])
@@ -419,7 +419,7 @@ def _kl_backward(ctx, g_kl, g_lse1, g_lse2):
     if not (train1 or train2):
         return (None,) * 10
     # the LSE outputs are internal (saved for backward); attention_kl never hands them out
-    dq1, dk1, dq2, dk2 = _kl_bwd_op(g_kl, q1, k1, q2, k2, kl, lse1, lse2, causal, scale1, scale2,
+    dq1, dk1, dq2, dk2 = _kl_bwd_op(g_kl, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2,
                                     train1, train2, bwd_mode, deterministic)
     return (dq1 if need[0] else None, dk1 if need[1] else None,
             dq2 if need[2] else None, dk2 if need[3] else None) + (None,) * 6
