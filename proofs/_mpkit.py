@@ -8,6 +8,8 @@ their own minimal implementations:
 - a NumPy emulation of the online recurrence in a chosen float dtype (``online_np``), with the
   guards of statement 6, optional deliberate mistakes, and a recorder for ``exp`` arguments;
 - the first-order rounding-error bound of statement 7 (``first_order_bound``).
+- the re-referenced state the kernels keep (statement 8): the bijection ``to_rr``/``from_rr``,
+  exact ``rr_update``/``rr_merge``/``rr_finalize`` and their NumPy emulations (``*_np``).
 
 Rows are sequences of scores; a masked entry is ``-inf`` on *both* sides.
 Every mpmath routine runs under ``mp.workdps(DPS)`` so the global precision is left alone.
@@ -458,3 +460,146 @@ def sym_nonzero_at(expr, point: dict) -> bool:
     """True when ``expr`` evaluates to a nonzero number at ``point`` (disproves an identity)."""
     val = complex(expr.subs(point).evalf(30))
     return abs(val) > 1e-12
+
+
+# --------------------------------------------------------------------------------------------
+# Statement 8: the re-referenced accumulator the kernels keep
+#   acc* = sum_j exp(s_j - m1) ((s_j - m1) - (t_j - m2))  =  acc - l1 (m1 - m2)
+# A -inf maximum is replaced by 0 wherever it is used as a shift (the kernels' ``_safe``), and
+# exp(-inf) = 0 is evaluated: no branch on empty states, and -inf - (-inf) is never formed.
+# --------------------------------------------------------------------------------------------
+def _safe(m):
+    """The shift of a running max: 0 while nothing was seen (``m == -inf``)."""
+    return type(m)(0) if m == -math.inf else m  # a 0 of the same type (mpf or NumPy scalar)
+
+
+@hp
+def to_rr(state: State) -> State:
+    """Statement 2's state -> the re-referenced one: ``acc* = acc - l1 (m1 - m2)``."""
+    return state._replace(acc=state.acc - state.l1 * (_safe(state.m1) - _safe(state.m2)))
+
+
+@hp
+def from_rr(state: State) -> State:
+    """The inverse: ``acc = acc* + l1 (m1 - m2)``."""
+    return state._replace(acc=state.acc + state.l1 * (_safe(state.m1) - _safe(state.m2)))
+
+
+def _moved(m1n, m1, m2n, m2, variant):
+    d1, d2 = _safe(m1n) - _safe(m1), _safe(m2n) - _safe(m2)
+    if variant == "no_move":  # deliberate mistake: forget the -l1*moved term
+        return d1 * 0
+    if variant == "plus":  # deliberate mistake: moved = dm1 + dm2
+        return d1 + d2
+    return d1 - d2
+
+
+@hp
+def rr_update(state: State, t1: Sequence, t2: Sequence, *, variant: str | None = None) -> State:
+    """One step of the re-referenced recurrence (the kernels' ``_fwd_key_range``), exact.
+
+    ``variant``: ``"no_move"`` or ``"plus"``, deliberate mistakes in the re-reference term."""
+    t1 = [mpf(x) for x in t1]
+    t2 = [mpf(x) for x in t2]
+    _check_one_mask(t1, t2)
+    vis = [j for j, x in enumerate(t1) if not _is_masked(x)]
+    m1n = max([state.m1] + [t1[j] for j in vis])
+    m2n = max([state.m2] + [t2[j] for j in vis])
+    sh1, sh2 = _safe(m1n), _safe(m2n)
+    a1, a2 = mpmath.exp(state.m1 - sh1), mpmath.exp(state.m2 - sh2)  # exp(-inf) = 0
+    moved = _moved(m1n, state.m1, m2n, state.m2, variant)
+    p1 = {j: mpmath.exp(t1[j] - sh1) for j in vis}
+    p2 = {j: mpmath.exp(t2[j] - sh2) for j in vis}
+    return State(
+        m1n,
+        a1 * state.l1 + mpmath.fsum(p1.values()),
+        m2n,
+        a2 * state.l2 + mpmath.fsum(p2.values()),
+        (state.acc - state.l1 * moved) * a1
+        + mpmath.fsum(p1[j] * ((t1[j] - sh1) - (t2[j] - sh2)) for j in vis),
+    )
+
+
+@hp
+def rr_merge(A: State, B: State, *, variant: str | None = None) -> State:
+    """Merge of two re-referenced states (the kernels' ``_kl_combine_kernel``), exact."""
+    m1, m2 = max(A.m1, B.m1), max(A.m2, B.m2)
+    sh1, sh2 = _safe(m1), _safe(m2)
+    a1, b1 = mpmath.exp(A.m1 - sh1), mpmath.exp(B.m1 - sh1)
+    a2, b2 = mpmath.exp(A.m2 - sh2), mpmath.exp(B.m2 - sh2)
+    mA = _moved(m1, A.m1, m2, A.m2, variant)
+    mB = _moved(m1, B.m1, m2, B.m2, variant)
+    return State(m1, a1 * A.l1 + b1 * B.l1, m2, a2 * A.l2 + b2 * B.l2,
+                 (A.acc - A.l1 * mA) * a1 + (B.acc - B.l1 * mB) * b1)
+
+
+@hp
+def rr_finalize(state: State):
+    """``(KL, LSE1, LSE2)`` with ``KL = acc*/l1 + log(l2/l1)``; empty state: ``(0, -inf, -inf)``."""
+    if state.l1 == 0:
+        return mpf(0), NINF, NINF
+    return (state.acc / state.l1 + mpmath.log(state.l2 / state.l1),
+            state.m1 + mpmath.log(state.l1), state.m2 + mpmath.log(state.l2))
+
+
+def rr_update_np(state, x1, x2, dtype=np.float32):
+    """The kernels' tile step in ``dtype`` (base e): masked entries are ``-inf`` in ``x1, x2``;
+    like the kernel, the log-ratio is formed from finite stand-in scores and the exponent
+    argument is set to ``-inf`` where masked. ``state`` is ``(m1, l1, m2, l2, acc*)``."""
+    m1, l1, m2, l2, acc = state
+    x1, x2 = np.asarray(x1, dtype), np.asarray(x2, dtype)
+    ninf = dtype(-np.inf)
+    vis = x1 > ninf
+    r1, r2 = np.where(vis, x1, dtype(0)), np.where(vis, x2, dtype(0))  # finite stand-ins
+    m1n = dtype(max(m1, np.where(vis, x1, ninf).max(initial=ninf)))
+    m2n = dtype(max(m2, np.where(vis, x2, ninf).max(initial=ninf)))
+    sh1, sh2 = _safe(m1n), _safe(m2n)
+    y1, y2 = (r1 - sh1).astype(dtype), (r2 - sh2).astype(dtype)
+    ratio = (y1 - y2).astype(dtype)  # (s1 - m1') - (s2 - m2'): small where P1 matters
+    p1 = _fexp(np.where(vis, y1, ninf), dtype)  # exp(-inf) = 0: masked entries add nothing
+    p2 = _fexp(np.where(vis, y2, ninf), dtype)
+    a1, a2 = _fexp(dtype(m1 - sh1), dtype)[()], _fexp(dtype(m2 - sh2), dtype)[()]
+    moved = dtype(dtype(sh1 - _safe(m1)) - dtype(sh2 - _safe(m2)))
+    acc = dtype(dtype(dtype(acc - dtype(l1 * moved)) * a1)
+                + _seqsum((p1 * ratio).astype(dtype), dtype))
+    l1 = dtype(dtype(a1 * l1) + _seqsum(p1, dtype))
+    l2 = dtype(dtype(a2 * l2) + _seqsum(p2, dtype))
+    return (m1n, l1, m2n, l2, acc)
+
+
+def rr_merge_np(A, B, dtype=np.float32):
+    """The kernels' split-K merge of two re-referenced states in ``dtype``."""
+    m1, m2 = dtype(max(A[0], B[0])), dtype(max(A[2], B[2]))
+    sh1, sh2 = _safe(m1), _safe(m2)
+    out_l1, out_l2, out_acc = dtype(0), dtype(0), dtype(0)
+    for m1x, l1x, m2x, l2x, accx in (A, B):
+        a1, a2 = _fexp(dtype(m1x - sh1), dtype)[()], _fexp(dtype(m2x - sh2), dtype)[()]
+        moved = dtype(dtype(sh1 - _safe(m1x)) - dtype(sh2 - _safe(m2x)))
+        out_acc = dtype(out_acc + dtype(dtype(accx - dtype(l1x * moved)) * a1))
+        out_l1 = dtype(out_l1 + dtype(a1 * l1x))
+        out_l2 = dtype(out_l2 + dtype(a2 * l2x))
+    return (m1, out_l1, m2, out_l2, out_acc)
+
+
+def rr_finalize_np(state, dtype=np.float32):
+    """``KL = fl(fl(acc*/l1) + fl(log fl(l2/l1)))`` (the kernels' ``_finalize``, base e)."""
+    m1, l1, m2, l2, acc = state
+    if l1 == 0:
+        return dtype(0), dtype(-np.inf), dtype(-np.inf)
+    kl = dtype(dtype(acc / l1) + _flog(dtype(l2 / l1), dtype))
+    return kl, dtype(m1 + _flog(l1, dtype)), dtype(m2 + _flog(l2, dtype))
+
+
+def rr_start_np(dtype=np.float32):
+    return (dtype(-np.inf), dtype(0), dtype(-np.inf), dtype(0), dtype(0))
+
+
+def online_rr_np(s1, s2, B, dtype=np.float32, *, trace=None):
+    """The re-referenced recurrence in ``dtype`` over tiles of width ``B``: ``(KL, LSE1, LSE2)``."""
+    s1, s2 = np.asarray(s1, dtype), np.asarray(s2, dtype)
+    state = rr_start_np(dtype)
+    for t0 in range(0, len(s1), B):
+        state = rr_update_np(state, s1[t0:t0 + B], s2[t0:t0 + B], dtype)
+        if trace is not None:
+            trace.append(state)
+    return rr_finalize_np(state, dtype)
