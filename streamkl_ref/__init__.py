@@ -15,7 +15,8 @@ MATH.md in the shared design folder):
 - NaN in an input gives NaN in the rows it reaches, never a silent 0.
 
 Modules: ``_dense`` (materialised float64), ``_mp`` (mpmath ground truth), ``_online`` (the
-five-scalar streaming recurrence, tiled as a kernel runs it), ``_grad`` (closed-form and tiled
+five-scalar streaming recurrence, tiled as a kernel runs it; ``accumulator="max_referenced"``
+for the exact form the ``streamkl_gpu`` kernels keep), ``_grad`` (closed-form and tiled
 backward), ``_scores`` (scores, masks, GQA plumbing), ``_checks`` (input validation shared with
 streamkl_gpu), ``cli`` (the ``streamkl`` command).
 """
@@ -23,10 +24,13 @@ from ._dense import attention_kl
 from ._grad import attention_kl_grad, attention_kl_grad_tiled
 from ._mp import attention_kl_mp
 from ._online import (
+    ACCUMULATORS,
+    MaxReferencedState,
     OnlineResult,
     OnlineState,
     TileEvent,
     attention_kl_online,
+    convert_state,
     finalize_state,
     initial_state,
     merge_states,
@@ -40,10 +44,13 @@ __all__ = [
     "attention_kl_grad",
     "attention_kl_grad_tiled",
     "OnlineState",
+    "MaxReferencedState",
+    "ACCUMULATORS",
     "OnlineResult",
     "TileEvent",
     "initial_state",
     "update_state",
     "merge_states",
     "finalize_state",
+    "convert_state",
 ]

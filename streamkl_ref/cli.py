@@ -6,7 +6,9 @@
   running scalars after every key tile, then the final KL next to the dense float64 and the
   mpmath values. Deterministic for a given set of options (no GPU, no torch). ``--json`` emits
   the same trace as standard JSON (non-finite numbers as the strings ``"-inf"``, ``"inf"``,
-  ``"nan"``; mpmath values also as decimal strings).
+  ``"nan"``; mpmath values also as decimal strings). ``--accumulator max_referenced`` traces the form of
+  ``acc`` the GPU kernels keep (``Σ e^(s1−m1)·((s1−m1) − (s2−m2))``) instead of MATH.md's plain
+  ``Σ e^(s1−m1)·(s1 − s2)`` (the default; its output is unchanged).
 - ``streamkl verify ...``: hands every argument after ``verify`` to
   ``streamkl_gpu.verify.main(argv)`` (imported only then) and returns its exit code.
 
@@ -75,10 +77,11 @@ def _example_inputs(nq: int, nk: int, d1: int, d2: int, seed: int):
 
 
 def build_trace(*, nq=4, nk=10, d1=8, d2=4, seed=0, block_q=4, block_k=4, rows=None,
-                causal=False, base2=False, dps=50) -> dict:
+                causal=False, base2=False, dps=50, accumulator="plain") -> dict:
     """The trace as a plain dict (what ``--json`` prints, with floats still floats).
 
-    ``rows``: list of query rows to report (``None``: all).
+    ``rows``: list of query rows to report (``None``: all). ``accumulator``: the form of ``acc``
+    in the reported states, ``"plain"`` or ``"max_referenced"`` (see :mod:`streamkl_ref._online`).
     """
     from . import attention_kl, attention_kl_mp, attention_kl_online
     from ._checks import check_inputs
@@ -88,7 +91,7 @@ def build_trace(*, nq=4, nk=10, d1=8, d2=4, seed=0, block_q=4, block_k=4, rows=N
     rows = list(range(nq)) if rows is None else list(rows)
     events = []
     online = attention_kl_online(q1, k1, q2, k2, causal=causal, block_q=block_q, block_k=block_k,
-                                 base2=base2, on_tile=events.append)
+                                 base2=base2, accumulator=accumulator, on_tile=events.append)
     kl_dense, lse1_dense, lse2_dense = attention_kl(q1, k1, q2, k2, causal=causal, return_lse=True)
     kl_mp = attention_kl_mp(q1, k1, q2, k2, causal=causal, dps=dps, return_mpf=True)
 
@@ -128,7 +131,8 @@ def build_trace(*, nq=4, nk=10, d1=8, d2=4, seed=0, block_q=4, block_k=4, rows=N
         })
     return {
         "params": {"nq": nq, "nk": nk, "d1": d1, "d2": d2, "seed": seed, "block_q": block_q,
-                   "block_k": block_k, "causal": causal, "base2": base2, "dps": dps},
+                   "block_k": block_k, "causal": causal, "base2": base2, "dps": dps,
+                   "accumulator": accumulator},
         "scale1": dims.scale1,
         "scale2": dims.scale2,
         "state_units": "bits (base 2)" if base2 else "nats (base e)",
@@ -161,8 +165,11 @@ def _render_text(trace: dict) -> str:
         f"inputs: numpy.random.default_rng({p['seed']}).standard_normal, drawn in the order q1, k1, q2, k2",
         f"scale1={trace['scale1']!r} scale2={trace['scale2']!r}; state (m1, l1, m2, l2, acc) in "
         f"{trace['state_units']}; causal is bottom-right aligned",
-        f"tiles per (batch, head): {trace['tiles_visited']} visited, {trace['tiles_skipped']} skipped",
     ]
+    if p.get("accumulator", "plain") != "plain":  # the default header stays as it was
+        out.append("acc is max-referenced, as the GPU kernels keep it: "
+                   "acc = sum exp(s1 - m1) * ((s1 - m1) - (s2 - m2)); KL = acc/l1 + log(l2/l1)")
+    out.append(f"tiles per (batch, head): {trace['tiles_visited']} visited, {trace['tiles_skipped']} skipped")
     cols = ("m1", "l1", "m2", "l2", "acc")
     for row in trace["rows"]:
         out.append("")
@@ -197,6 +204,9 @@ def _trace_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--rows", default="all", help="rows to show: 'all' or e.g. '0,2-3' (default all)")
     p.add_argument("--causal", action="store_true", help="bottom-right aligned causal mask")
     p.add_argument("--base2", action="store_true", help="fold log2(e) into the scores, use exp2/log2")
+    p.add_argument("--accumulator", choices=("plain", "max_referenced"), default="plain",
+                   help="form of acc: 'plain' (MATH.md, default) or 'max_referenced' "
+                        "(re-referenced to the running maxima, as the GPU kernels keep it)")
     p.add_argument("--dps", type=_positive_int, default=50, help="mpmath digits (default 50)")
     p.add_argument("--json", action="store_true", help="emit the trace as JSON instead of a table")
     return p
@@ -211,7 +221,7 @@ def _run_trace(args, parser) -> int:
         parser.error("--dps must be at least 15")
     trace = build_trace(nq=args.nq, nk=args.nk, d1=args.d1, d2=args.d2, seed=args.seed,
                         block_q=args.block_q, block_k=args.block_k, rows=rows, causal=args.causal,
-                        base2=args.base2, dps=args.dps)
+                        base2=args.base2, dps=args.dps, accumulator=args.accumulator)
     if args.json:
         print(json.dumps(_jsonable(trace), indent=2, allow_nan=False))
     else:
