@@ -437,6 +437,20 @@ def cuts_for(n):
     return st.lists(st.integers(1, max(n - 1, 1)), max_size=max(n - 1, 0))
 
 
+@st.composite
+def sharded(draw):
+    """A masked row pair, a key sharding (any, not only contiguous), a tiling per shard and
+    random picks that fix the merge tree and order (statements 3 and 8)."""
+    s1, s2 = draw(rows(max_n=10, masked=True))
+    n = len(s1)
+    k = draw(st.integers(1, n))
+    owner = draw(st.lists(st.integers(0, k - 1), min_size=n, max_size=n))  # any key sharding
+    shards = [[j for j in range(n) if owner[j] == s] for s in range(k)]
+    tilings = [draw(st.lists(st.integers(1, max(len(sh) - 1, 1)), max_size=3)) for sh in shards]
+    picks = draw(st.lists(st.integers(0, 10 ** 6), min_size=2 * k, max_size=2 * k))
+    return s1, s2, shards, tilings, picks
+
+
 # --------------------------------------------------------------------------------------------
 # SymPy helpers
 # --------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from proofs._mpkit import (
-    close, dense_row, finalize, identity, merge, rows, sym_nonzero_at, sym_zero, tile_state,
+    close, dense_row, finalize, identity, merge, rows, sharded, sym_nonzero_at, sym_zero, tile_state,
     tiles_from_cuts, update,
 )
 
@@ -80,16 +80,6 @@ def test_statement_3_symbolic_check_rejects_a_half_rescaled_merge():
 
 
 # ---- numeric: random shardings, tilings, merge trees and orders at 60 digits ----
-@st.composite
-def sharded(draw):
-    s1, s2 = draw(rows(max_n=10, masked=True))
-    n = len(s1)
-    k = draw(st.integers(1, n))
-    owner = draw(st.lists(st.integers(0, k - 1), min_size=n, max_size=n))  # any key sharding
-    shards = [[j for j in range(n) if owner[j] == s] for s in range(k)]
-    tilings = [draw(st.lists(st.integers(1, max(len(sh) - 1, 1)), max_size=3)) for sh in shards]
-    picks = draw(st.lists(st.integers(0, 10 ** 6), min_size=2 * k, max_size=2 * k))
-    return s1, s2, shards, tilings, picks
 
 
 def _shard_state(s1, s2, keys, cuts):

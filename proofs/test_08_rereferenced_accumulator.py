@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from proofs._mpkit import (
     U32, close, cuts_for, dense_np, dense_row, finite, from_rr, identity, online_np, online_rr_np,
-    rows, rr_finalize, rr_finalize_np, rr_merge, rr_merge_np, rr_start_np, rr_update,
+    rows, rr_finalize, rr_finalize_np, sharded, rr_merge, rr_merge_np, rr_start_np, rr_update,
     rr_update_np, sym_nonzero_at, sym_zero, tiles_from_cuts, to_rr, update,
 )
 
@@ -153,16 +153,6 @@ def test_statement_8_rereferenced_state_is_the_image_of_statement_2s_after_every
         assert close(got, want)
 
 
-@st.composite
-def sharded(draw):
-    s1, s2 = draw(rows(max_n=10, masked=True))
-    n = len(s1)
-    k = draw(st.integers(1, n))
-    owner = draw(st.lists(st.integers(0, k - 1), min_size=n, max_size=n))  # any key sharding
-    shards = [[j for j in range(n) if owner[j] == s] for s in range(k)]
-    tilings = [draw(st.lists(st.integers(1, max(len(sh) - 1, 1)), max_size=3)) for sh in shards]
-    picks = draw(st.lists(st.integers(0, 10 ** 6), min_size=2 * k, max_size=2 * k))
-    return s1, s2, shards, tilings, picks
 
 
 def _shard_states(s1, s2, shards, tilings, step, start):

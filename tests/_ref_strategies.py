@@ -118,3 +118,18 @@ def assert_close_rows(actual, ref, scale, *, rel=1e-12, ulps=64, eps=EPS64, what
     err = np.abs(a - r)
     worst = np.unravel_index(np.argmax(err - tol), err.shape) if err.size else None
     assert np.all(err <= tol), f"{what}: |err| {err[worst]:.3e} > tol {tol[worst]:.3e} at {worst}"
+
+
+# ---- state-level tiles (merge / update tests) ----
+ROWS = 3
+logits = st.floats(-60, 60, allow_nan=False, allow_subnormal=False)
+
+
+@st.composite
+def tiles(draw, max_keys=10):
+    """Scores ``[ROWS, N]`` of both sides and a mask (rows may be fully masked)."""
+    n = draw(st.integers(1, max_keys))
+    s1 = draw(hnp.arrays(np.float64, (ROWS, n), elements=logits))
+    s2 = draw(hnp.arrays(np.float64, (ROWS, n), elements=logits))
+    mask = draw(hnp.arrays(bool, (ROWS, n)))
+    return s1, s2, mask

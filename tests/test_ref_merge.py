@@ -3,25 +3,12 @@ import numpy as np
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
-from hypothesis.extra import numpy as hnp
 
-from _ref_strategies import EPS64
+from _ref_strategies import EPS64, ROWS, tiles
 from streamkl_ref import OnlineState, finalize_state, initial_state, merge_states, update_state
 
 pytestmark = pytest.mark.filterwarnings("error")
 
-ROWS = 3
-logits = st.floats(-60, 60, allow_nan=False, allow_subnormal=False)
-
-
-@st.composite
-def tiles(draw, max_keys=10):
-    """Scores ``[ROWS, N]`` of both sides and a mask (rows may be fully masked)."""
-    n = draw(st.integers(1, max_keys))
-    s1 = draw(hnp.arrays(np.float64, (ROWS, n), elements=logits))
-    s2 = draw(hnp.arrays(np.float64, (ROWS, n), elements=logits))
-    mask = draw(hnp.arrays(bool, (ROWS, n)))
-    return s1, s2, mask
 
 
 def state_of(s1, s2, mask, cols, base2=False):

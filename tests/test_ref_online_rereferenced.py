@@ -37,9 +37,8 @@ import numpy as np
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
-from hypothesis.extra import numpy as hnp
 
-from _ref_strategies import EPS64, Problem, assert_close_rows, logit_scale, make_problem, problems
+from _ref_strategies import EPS64, ROWS, Problem, assert_close_rows, logit_scale, make_problem, problems, tiles
 from streamkl_ref import (
     ACCUMULATORS,
     MaxReferencedState,
@@ -53,7 +52,7 @@ from streamkl_ref import (
     update_state,
 )
 from streamkl_ref._dense import dense_scores, masked_log_softmax
-from streamkl_ref._scores import LOG2E, expand_key_heads, scaled_scores
+from streamkl_ref._scores import expand_key_heads, scaled_scores
 
 pytestmark = pytest.mark.filterwarnings("error")
 
@@ -105,18 +104,6 @@ def test_default_is_plain_and_one_split_is_the_old_loop():
 # ------------------------------------------------------------------------------------------------
 # state level: tiles, conversion, merge
 # ------------------------------------------------------------------------------------------------
-ROWS = 3
-logits = st.floats(-60, 60, allow_nan=False, allow_subnormal=False)
-
-
-@st.composite
-def tiles(draw, max_keys=10):
-    """Scores ``[ROWS, N]`` of both sides and a mask (rows may be fully masked)."""
-    n = draw(st.integers(1, max_keys))
-    s1 = draw(hnp.arrays(np.float64, (ROWS, n), elements=logits))
-    s2 = draw(hnp.arrays(np.float64, (ROWS, n), elements=logits))
-    mask = draw(hnp.arrays(bool, (ROWS, n)))
-    return s1, s2, mask
 
 
 def state_of(s1, s2, mask, cols, accumulator="max_referenced", base2=False):
