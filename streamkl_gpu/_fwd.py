@@ -92,19 +92,26 @@ def _finalize(m1, l1, m2, l2, acc):
 @triton.jit
 def _fwd_key_range(
     m1, l1, m2, l2, acc,
-    q1, q2, k1_ptrs, k2_ptrs, stride_k1n, stride_k2n,
+    q1, q2, k1_ptrs, k2_ptrs, stride_k1n, stride_k2n, k1_desc, k2_desc, b, kv_head1, kv_head2,
     offs_m, offs_n, offs_d1, offs_d2, D1: tl.constexpr, D2: tl.constexpr, N_K, diag_offset,
     lo, hi, qk_scale1, qk_scale2,
     BLOCK_N: tl.constexpr, D1_PAD: tl.constexpr, D2_PAD: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, IEEE1: tl.constexpr, IEEE2: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """Fold key tiles [lo, hi) into the row states. MASKED=False: every key of every tile is
-    visible to every row (no mask work at all); MASKED=True: bounds and causal masks applied."""
+    visible to every row (no mask work at all); MASKED=True: bounds and causal masks applied.
+    Keys come through ``k*_ptrs`` or, with USE_TMA, the tensor descriptors ``k*_desc``."""
     k1_ptrs += lo.to(tl.int64) * stride_k1n
     k2_ptrs += lo.to(tl.int64) * stride_k2n
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        if MASKED:
+        if USE_TMA:
+            # Hopper bulk tensor copies (TMA): keys past N_K and dims past D arrive as zeros, so
+            # no mask and no per-thread address registers (measured: fewer registers per thread)
+            k1 = k1_desc.load([b, kv_head1, start_n, 0]).reshape(BLOCK_N, D1_PAD)
+            k2 = k2_desc.load([b, kv_head2, start_n, 0]).reshape(BLOCK_N, D2_PAD)
+        elif MASKED:
             k1 = tl.load(k1_ptrs, mask=(cols[:, None] < N_K) & (offs_d1[None, :] < D1), other=0.0)
             k2 = tl.load(k2_ptrs, mask=(cols[:, None] < N_K) & (offs_d2[None, :] < D2), other=0.0)
         else:  # whole tiles: bounds masks only on padded head dims (D is constexpr: folded away)
@@ -156,6 +163,7 @@ def _fwd_key_range(
 @triton.jit
 def _kl_fwd_kernel(
     Q1, K1, Q2, K2,
+    K1_DESC, K2_DESC,  # TMA descriptors of k1/k2 as [B, H_K, N_K, D] (used when USE_TMA)
     KL, LSE1, LSE2,  # outputs [B*H, N_Q] fp32: KL in nats, LSEs in bits (used when SPLIT == False)
     PART,  # partial states [5, SPLITS, B*H, N_Q] fp32 (used when SPLIT == True)
     stride_q1b, stride_q1h, stride_q1n, stride_q1d,
@@ -166,6 +174,7 @@ def _kl_fwd_kernel(
     qk_scale1, qk_scale2,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D1_PAD: tl.constexpr, D2_PAD: tl.constexpr,
     CAUSAL: tl.constexpr, SPLIT: tl.constexpr, IEEE1: tl.constexpr, IEEE2: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -182,8 +191,10 @@ def _kl_fwd_kernel(
     # 64-bit base offsets: b * stride_b can exceed 2^31 at long contexts
     q1_base = Q1 + b.to(tl.int64) * stride_q1b + h.to(tl.int64) * stride_q1h
     q2_base = Q2 + b.to(tl.int64) * stride_q2b + h.to(tl.int64) * stride_q2h
-    k1_base = K1 + b.to(tl.int64) * stride_k1b + (h // GROUP1).to(tl.int64) * stride_k1h
-    k2_base = K2 + b.to(tl.int64) * stride_k2b + (h // GROUP2).to(tl.int64) * stride_k2h
+    kv_head1 = h // GROUP1
+    kv_head2 = h // GROUP2
+    k1_base = K1 + b.to(tl.int64) * stride_k1b + kv_head1.to(tl.int64) * stride_k1h
+    k2_base = K2 + b.to(tl.int64) * stride_k2b + kv_head2.to(tl.int64) * stride_k2h
     rows64 = offs_m.to(tl.int64)
     q1 = tl.load(q1_base + rows64[:, None] * stride_q1n + offs_d1[None, :] * stride_q1d,
                  mask=row_ok[:, None] & (offs_d1[None, :] < D1), other=0.0)
@@ -206,12 +217,14 @@ def _kl_fwd_kernel(
                                   N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL)
     m1, l1, m2, l2, acc = _fwd_key_range(
         m1, l1, m2, l2, acc, q1, q2, k1_ptrs, k2_ptrs, stride_k1n, stride_k2n,
+        K1_DESC, K2_DESC, b, kv_head1, kv_head2,
         offs_m, offs_n, offs_d1, offs_d2, D1, D2, N_K, diag_offset, key_lo, full_hi,
-        qk_scale1, qk_scale2, BLOCK_N, D1_PAD, D2_PAD, False, CAUSAL, IEEE1, IEEE2)
+        qk_scale1, qk_scale2, BLOCK_N, D1_PAD, D2_PAD, False, CAUSAL, IEEE1, IEEE2, USE_TMA)
     m1, l1, m2, l2, acc = _fwd_key_range(
         m1, l1, m2, l2, acc, q1, q2, k1_ptrs, k2_ptrs, stride_k1n, stride_k2n,
+        K1_DESC, K2_DESC, b, kv_head1, kv_head2,
         offs_m, offs_n, offs_d1, offs_d2, D1, D2, N_K, diag_offset, full_hi, key_hi,
-        qk_scale1, qk_scale2, BLOCK_N, D1_PAD, D2_PAD, True, CAUSAL, IEEE1, IEEE2)
+        qk_scale1, qk_scale2, BLOCK_N, D1_PAD, D2_PAD, True, CAUSAL, IEEE1, IEEE2, USE_TMA)
 
     row_out = pid_bh.to(tl.int64) * N_Q + offs_m
     if SPLIT:

@@ -17,6 +17,11 @@ from typing import Optional
 import torch
 import triton
 
+try:  # host-side TMA descriptors (triton >= 3.3)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
+
 from streamkl_ref._checks import check_inputs
 
 from . import _bwd, _fwd
@@ -102,6 +107,7 @@ def _compute_view(t):
 
 _TUNED: dict = {}
 INTERPRETER_BLOCK = (16, 16)  # one fixed config under the interpreter (tests may override)
+INTERPRETER_TMA = False  # forward keys through TMA descriptors under the interpreter (tests set it)
 
 
 def _n_sm(device) -> int:
@@ -138,20 +144,53 @@ def _pick(key, candidates, launch):
 _IEEE_CONFIG = (32, 32, 4, 2)
 
 
-def _fwd_candidates(dims, d_pad, split, ieee=False):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) candidates, pruned by shape."""
+def _tma_ok(t) -> bool:
+    """Can ``t`` ([B, H, N, D]) be read through a TMA tensor descriptor? Hopper or newer (or the
+    interpreter, when tests ask for it), unit stride in D, 16-byte aligned base and strides."""
+    if TensorDescriptor is None:
+        return False
     if interpreting():
-        return [INTERPRETER_BLOCK + (1, 1)]
+        if not INTERPRETER_TMA:
+            return False
+    elif t.device.type != "cuda" or torch.cuda.get_device_capability(t.device)[0] < 9:
+        return False
+    size = t.element_size()
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(st > 0 and (st * size) % 16 == 0 for st in t.stride()[:-1]))
+
+
+def _fwd_candidates(dims, d_pad, split, ieee=False, tma=False):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, use_tma) candidates, pruned by shape.
+
+    ``tma``: the key tensors can be read through TMA descriptors (Hopper, aligned strides). At
+    D = 128 the best TMA config beat the best pointer config in every measured case (H200,
+    8K/16K, causal or not:
+    bench/results/h200_2026-11-29_fwd_tma_configs.csv), so pointer configs are not tried there;
+    at other head dims both kinds are candidates (not measured at scale).
+    """
+    if interpreting():
+        return [INTERPRETER_BLOCK + (1, 1, tma)]
     if ieee:
-        return [(16, 32, 4, 2) if split else _IEEE_CONFIG]
+        return [(16, 32, 4, 2, False) if split else _IEEE_CONFIG + (False,)]
     if split:
         bm = 16 if dims.NQ <= 16 else (32 if dims.NQ <= 32 else 64)
-        return [(bm, 128, 4, 3), (bm, 64, 4, 3)] if d_pad <= 128 else [(bm, 64, 4, 2), (bm, 32, 4, 2)]
+        cands = [(bm, 128, 4, 3), (bm, 64, 4, 3)] if d_pad <= 128 else [(bm, 64, 4, 2), (bm, 32, 4, 2)]
+        return [c + (False,) for c in cands]
     if d_pad <= 64:
-        return [(128, 64, 4, 3), (128, 128, 8, 3)]
-    if d_pad <= 128:
-        return [(128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (128, 128, 8, 2)]
-    return [(64, 64, 4, 2), (64, 32, 4, 2)]
+        cands = [(128, 64, 4, 3), (128, 128, 8, 3)]
+        tma_cands = [(128, 64, 4, 3), (128, 128, 8, 2)]
+    elif d_pad <= 128:
+        cands = [(128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (128, 128, 8, 2)]
+        # measured best: 128/32/8/3 (8K, 16K non-causal), 128/64/8/3 (16K causal), 64/64/4/2 (8K causal)
+        tma_cands = [(128, 32, 8, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2)]
+    else:
+        cands = [(64, 64, 4, 2), (64, 32, 4, 2)]
+        tma_cands = [(64, 64, 4, 2), (64, 32, 4, 3)]
+    if not tma:
+        return [c + (False,) for c in cands]
+    if d_pad == 128:
+        return [c + (True,) for c in tma_cands]
+    return [c + (True,) for c in tma_cands] + [c + (False,) for c in cands]
 
 
 def _bwd_candidates(d_pad, both, kind, ieee=False):
@@ -200,17 +239,22 @@ def _forward(q1, k1, q2, k2, causal, scale1, scale2, split_k):
     ieee2 = q2.dtype == torch.float32
 
     ieee = ieee1 or ieee2
+    tma = _tma_ok(k1) and _tma_ok(k2)
     probe = _fwd_candidates(dims, max(d1_pad, d2_pad), True, ieee)[0]
     n_splits = split_k if split_k is not None else auto_split_k(dims, probe[0], probe[1], _n_sm(device))
     if not isinstance(n_splits, int) or isinstance(n_splits, bool) or n_splits < 1:
         raise ValueError(f"split_k must be None or a positive integer, got {split_k!r}")
     split = n_splits > 1
-    candidates = _fwd_candidates(dims, max(d1_pad, d2_pad), split, ieee)
+    candidates = _fwd_candidates(dims, max(d1_pad, d2_pad), split, ieee, tma)
     part = None
 
     def launch(cfg):
         nonlocal part
-        block_m, block_n, warps, stages = cfg
+        block_m, block_n, warps, stages, use_tma = cfg
+        k1_desc = k2_desc = None
+        if use_tma:
+            k1_desc = TensorDescriptor(k1, list(k1.shape), list(k1.stride()), [1, 1, block_n, d1_pad])
+            k2_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [1, 1, block_n, d2_pad])
         key_tiles = triton.cdiv(dims.NK, block_n)
         splits = min(n_splits, key_tiles)
         keys_per_split = triton.cdiv(key_tiles, splits) * block_n
@@ -219,12 +263,12 @@ def _forward(q1, k1, q2, k2, causal, scale1, scale2, split_k):
             part = _fresh((5, splits, BH, dims.NQ), torch.float32, device)
         grid = (triton.cdiv(dims.NQ, block_m), BH, splits)
         _fwd._kl_fwd_kernel[grid](
-            q1, k1, q2, k2, kl, lse1_bits, lse2_bits, part if splits > 1 else kl,
+            q1, k1, q2, k2, k1_desc, k2_desc, kl, lse1_bits, lse2_bits, part if splits > 1 else kl,
             *_strides(q1), *_strides(k1), *_strides(q2), *_strides(k2),
             dims.H, dims.NQ, dims.NK, dims.D1, dims.D2, dims.group1, dims.group2,
             keys_per_split, splits, dims.scale1 * LOG2E, dims.scale2 * LOG2E,
             BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1_pad, D2_PAD=d2_pad,
-            CAUSAL=causal, SPLIT=splits > 1, IEEE1=ieee1, IEEE2=ieee2,
+            CAUSAL=causal, SPLIT=splits > 1, IEEE1=ieee1, IEEE2=ieee2, USE_TMA=use_tma,
             num_warps=warps, num_stages=stages,
         )
         if splits > 1:
@@ -233,7 +277,7 @@ def _forward(q1, k1, q2, k2, causal, scale1, scale2, split_k):
             _fwd._kl_combine_kernel[(triton.cdiv(rows, block),)](
                 part, kl, lse1_bits, lse2_bits, rows, splits, BLOCK=block, num_warps=4)
 
-    key = ("fwd", dims.D1, dims.D2, q1.dtype, q2.dtype, causal, split,
+    key = ("fwd", dims.D1, dims.D2, q1.dtype, q2.dtype, causal, split, tma,
            _bucket(dims.NQ), _bucket(dims.NK), _bucket(BH), n_splits)
     cfg = _pick(key, candidates, launch)
     launch(cfg)

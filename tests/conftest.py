@@ -22,3 +22,14 @@ def block(request):
     api.INTERPRETER_BLOCK = request.param
     yield request.param
     api.INTERPRETER_BLOCK = old
+
+
+@pytest.fixture
+def tma(request):
+    """Under the interpreter, read the forward's key tiles through TMA descriptors (param True)."""
+    from streamkl_gpu import api
+
+    old = api.INTERPRETER_TMA
+    api.INTERPRETER_TMA = request.param
+    yield request.param
+    api.INTERPRETER_TMA = old

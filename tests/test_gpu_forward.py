@@ -32,9 +32,10 @@ SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("tma", [False, True], ids=["ptr", "tma"], indirect=True)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("B,H,HK1,HK2,NQ,NK,D1,D2,causal", SHAPES)
-def test_forward_matches_reference(B, H, HK1, HK2, NQ, NK, D1, D2, causal, dtype):
+def test_forward_matches_reference(B, H, HK1, HK2, NQ, NK, D1, D2, causal, dtype, tma):
     xs = make_inputs(B, H, HK1, HK2, NQ, NK, D1, D2, dtype=dtype, seed=NQ * 31 + NK)
     kl, lse1, lse2 = streamkl_gpu.attention_kl_with_lse(*xs, causal=causal)
     assert kl.dtype == torch.float32 and kl.shape == (B, H, NQ)
@@ -50,9 +51,10 @@ def test_forward_matches_reference(B, H, HK1, HK2, NQ, NK, D1, D2, causal, dtype
         assert torch.isneginf(lse1[..., : NQ - NK]).all() and torch.isneginf(lse2[..., : NQ - NK]).all()
 
 
+@pytest.mark.parametrize("tma", [False, True], ids=["ptr", "tma"], indirect=True)
 @pytest.mark.parametrize("block", [(16, 32), (32, 16), (64, 16)], indirect=True)
 @pytest.mark.parametrize("causal", [False, True])
-def test_other_tile_shapes(block, causal):
+def test_other_tile_shapes(block, causal, tma):
     """The two-stage (whole tiles / masked band) split must hold for any BLOCK_M, BLOCK_N."""
     xs = make_inputs(1, 2, 1, 2, 45, 70, 16, 32, seed=3)
     kl = streamkl_gpu.attention_kl(*xs, causal=causal)
@@ -90,6 +92,40 @@ def test_deterministic_bitwise():
         a = streamkl_gpu.attention_kl(*xs, split_k=split)
         b = streamkl_gpu.attention_kl(*xs, split_k=split)
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_tma_path_equals_pointer_path(causal):
+    """Keys read through TMA descriptors (zero-filled past N_K and D) give the pointer path's bits."""
+    xs = make_inputs(2, 4, 2, 1, 37, 53, 80, 16, dtype=torch.float16, seed=9)
+    old = api.INTERPRETER_TMA
+    try:
+        api.INTERPRETER_TMA = False
+        ptr = streamkl_gpu.attention_kl(*xs, causal=causal)
+        api.INTERPRETER_TMA = True
+        assert api._tma_ok(xs[1]) and api._tma_ok(xs[3])
+        via_tma = streamkl_gpu.attention_kl(*xs, causal=causal)
+    finally:
+        api.INTERPRETER_TMA = old
+    assert torch.equal(ptr, via_tma)
+
+
+def test_tma_eligibility():
+    """TMA needs unit stride in D and 16-byte aligned base and strides; anything else uses pointers."""
+    old = api.INTERPRETER_TMA
+    try:
+        api.INTERPRETER_TMA = True
+        k = torch.zeros(2, 3, 40, 16)
+        assert api._tma_ok(k)
+        assert api._tma_ok(torch.zeros(2, 40, 3, 16).transpose(1, 2))  # [B, N, H, D] view
+        assert not api._tma_ok(torch.zeros(2, 3, 40, 17)[..., :16])  # row stride 68 bytes
+        assert not api._tma_ok(torch.zeros(2, 3, 16, 40).transpose(2, 3))  # D not unit-stride
+        assert not api._tma_ok(torch.zeros(2 * 3 * 40 * 16 + 1)[1:].view(2, 3, 40, 16))  # base +4 bytes
+        assert not api._tma_ok(torch.zeros(1, 1, 40, 16).expand(2, 3, 40, 16))  # stride 0
+        api.INTERPRETER_TMA = False
+        assert not api._tma_ok(k)
+    finally:
+        api.INTERPRETER_TMA = old
 
 
 def test_any_strides_transposed_layout():
