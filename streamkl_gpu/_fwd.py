@@ -13,8 +13,8 @@ Base 2: the scores are multiplied by ``sigma_t * log2(e)`` in fp32 right after e
 (``qk_scale1``/``qk_scale2``), so every exponential is an ``exp2`` and every state value is in
 bits; ``_finalize`` converts back with ``ln 2``. We scale the fp32 scores instead of pre-scaling
 a bf16/fp16 Q because folding the scale into a low-precision Q adds one more rounding of every
-query element (relative 2^-9 for bf16) that the reference does not make; the multiply is fused
-into the subtraction of the running max by the compiler.
+query element (relative 2^-9 for bf16) that the reference does not make; and we scale before
+the max, not inside the exponent's FFMA, so that the max's own exponent is exactly 0.
 
 Masks: out-of-range keys and keys past the bottom-right causal frontier get exponent -inf on
 both sides in the *masked* stage only. The log-ratio is taken before masking, from finite
@@ -27,6 +27,7 @@ Offsets: batch/head base offsets are int64 and the key pointers are advanced til
 """
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 # globals read inside @triton.jit code must be constexpr objects
 LN2 = tl.constexpr(0.6931471805599453)
@@ -40,6 +41,18 @@ def _dot(a, b, IEEE: tl.constexpr):
         out = tl.dot(a, b, input_precision="ieee")
     else:
         out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
+def _to_bits(s, qk_scale, NO_CONTRACT: tl.constexpr):
+    """Scores times sigma * log2(e), rounded once. NO_CONTRACT (compiled kernels): ``mul.rn``,
+    which the compiler may not fuse with the later subtraction of the max into one FFMA (it
+    does fuse a plain multiply, measured in the SASS). The interpreter never fuses."""
+    if NO_CONTRACT:
+        out = libdevice.mul_rn(s, qk_scale)
+    else:
+        out = s * qk_scale
     return out
 
 
@@ -97,7 +110,7 @@ def _fwd_key_range(
     lo, hi, qk_scale1, qk_scale2,
     BLOCK_N: tl.constexpr, D1_PAD: tl.constexpr, D2_PAD: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, IEEE1: tl.constexpr, IEEE2: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, NO_CONTRACT: tl.constexpr,
 ):
     """Fold key tiles [lo, hi) into the row states. MASKED=False: every key of every tile is
     visible to every row (no mask work at all); MASKED=True: bounds and causal masks applied.
@@ -117,27 +130,30 @@ def _fwd_key_range(
         else:  # whole tiles: bounds masks only on padded head dims (D is constexpr: folded away)
             k1 = tl.load(k1_ptrs, mask=offs_d1[None, :] < D1, other=0.0)
             k2 = tl.load(k2_ptrs, mask=offs_d2[None, :] < D2, other=0.0)
-        s1 = _dot(q1, tl.trans(k1), IEEE1)  # raw fp32 scores (the scale is applied below)
-        s2 = _dot(q2, tl.trans(k2), IEEE2)
-        # The scale fold, in bits: s_t * qk_scale_t = sigma_t * log2(e) * q_t.k_t. It is kept out
-        # of the raw fp32 scores: maxima are taken on raw scores (qk_scale > 0 commutes with max)
-        # and the multiply is fused into the exponent argument x_t = FFMA(s_t, qk_scale_t, -m_t).
+        # Scores in bits, s_t = sigma_t * log2(e) * q_t.k_t: the scale multiplies each fp32 dot
+        # product once, before the max, so the row maximum is one of these values and its own
+        # exponent s - max is exactly 0 (one visible key => P = 1, KL = 0 exactly). A fold into
+        # the exponent, FFMA(s_raw, scale, -fl(max_raw * scale)), saves one op per score but
+        # leaves the max with the product's rounding residual (measured on the GPU: KL ~ 1e-7
+        # for a one-key row). This is also what streamkl_ref's emulation computes.
+        s1 = _to_bits(_dot(q1, tl.trans(k1), IEEE1), qk_scale1, NO_CONTRACT)
+        s2 = _to_bits(_dot(q2, tl.trans(k2), IEEE2), qk_scale2, NO_CONTRACT)
         if MASKED:
             visible = cols[None, :] < N_K
             if CAUSAL:
                 # bottom-right causal: key j visible to query i iff j <= i + (N_K - N_Q)
                 visible = visible & (cols[None, :] <= offs_m[:, None] + diag_offset)
-            m1_new = tl.maximum(m1, tl.max(tl.where(visible, s1, float("-inf")), 1) * qk_scale1)
-            m2_new = tl.maximum(m2, tl.max(tl.where(visible, s2, float("-inf")), 1) * qk_scale2)
+            m1_new = tl.maximum(m1, tl.max(tl.where(visible, s1, float("-inf")), 1))
+            m2_new = tl.maximum(m2, tl.max(tl.where(visible, s2, float("-inf")), 1))
             shift1 = _safe(m1_new)
             shift2 = _safe(m2_new)
         else:
-            m1_new = tl.maximum(m1, tl.max(s1, 1) * qk_scale1)
-            m2_new = tl.maximum(m2, tl.max(s2, 1) * qk_scale2)
+            m1_new = tl.maximum(m1, tl.max(s1, 1))
+            m2_new = tl.maximum(m2, tl.max(s2, 1))
             shift1 = m1_new
             shift2 = m2_new
-        x1 = s1 * qk_scale1 - shift1[:, None]  # log2 of the unnormalised P1 entries, <= 0 where visible
-        x2 = s2 * qk_scale2 - shift2[:, None]
+        x1 = s1 - shift1[:, None]  # log2 of the unnormalised P1 entries, <= 0 where visible
+        x2 = s2 - shift2[:, None]
         # the shifted log-ratio (s1 - m1) - (s2 - m2): small where P1 matters, so the large maxima
         # never enter the per-entry sum (see _finalize); from unmasked scores, hence finite
         log_ratio = x1 - x2
@@ -174,7 +190,7 @@ def _kl_fwd_kernel(
     qk_scale1, qk_scale2,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D1_PAD: tl.constexpr, D2_PAD: tl.constexpr,
     CAUSAL: tl.constexpr, SPLIT: tl.constexpr, IEEE1: tl.constexpr, IEEE2: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, NO_CONTRACT: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -219,12 +235,12 @@ def _kl_fwd_kernel(
         m1, l1, m2, l2, acc, q1, q2, k1_ptrs, k2_ptrs, stride_k1n, stride_k2n,
         K1_DESC, K2_DESC, b, kv_head1, kv_head2,
         offs_m, offs_n, offs_d1, offs_d2, D1, D2, N_K, diag_offset, key_lo, full_hi,
-        qk_scale1, qk_scale2, BLOCK_N, D1_PAD, D2_PAD, False, CAUSAL, IEEE1, IEEE2, USE_TMA)
+        qk_scale1, qk_scale2, BLOCK_N, D1_PAD, D2_PAD, False, CAUSAL, IEEE1, IEEE2, USE_TMA, NO_CONTRACT)
     m1, l1, m2, l2, acc = _fwd_key_range(
         m1, l1, m2, l2, acc, q1, q2, k1_ptrs, k2_ptrs, stride_k1n, stride_k2n,
         K1_DESC, K2_DESC, b, kv_head1, kv_head2,
         offs_m, offs_n, offs_d1, offs_d2, D1, D2, N_K, diag_offset, full_hi, key_hi,
-        qk_scale1, qk_scale2, BLOCK_N, D1_PAD, D2_PAD, True, CAUSAL, IEEE1, IEEE2, USE_TMA)
+        qk_scale1, qk_scale2, BLOCK_N, D1_PAD, D2_PAD, True, CAUSAL, IEEE1, IEEE2, USE_TMA, NO_CONTRACT)
 
     row_out = pid_bh.to(tl.int64) * N_Q + offs_m
     if SPLIT:

@@ -108,6 +108,11 @@ def _compute_view(t):
 _TUNED: dict = {}
 INTERPRETER_BLOCK = (16, 16)  # one fixed config under the interpreter (tests may override)
 INTERPRETER_TMA = False  # forward keys through TMA descriptors under the interpreter (tests set it)
+# Below this many keys the forward is launch-bound and the TMA path measured slower (H200, 1K
+# tokens: 0.21 ms vs 0.11 with pointer loads; 2K: 0.21 vs 0.24, TMA ahead from there on;
+# bench/results/h200_2026-11-29_tma_bench.csv vs session1/h200_2026-11-29_bench.csv). Presumably the
+# per-launch cost of encoding two host descriptors; not profiled.
+TMA_MIN_KEYS = 2048
 
 
 def _n_sm(device) -> int:
@@ -239,7 +244,7 @@ def _forward(q1, k1, q2, k2, causal, scale1, scale2, split_k):
     ieee2 = q2.dtype == torch.float32
 
     ieee = ieee1 or ieee2
-    tma = _tma_ok(k1) and _tma_ok(k2)
+    tma = _tma_ok(k1) and _tma_ok(k2) and (interpreting() or dims.NK >= TMA_MIN_KEYS)
     probe = _fwd_candidates(dims, max(d1_pad, d2_pad), True, ieee)[0]
     n_splits = split_k if split_k is not None else auto_split_k(dims, probe[0], probe[1], _n_sm(device))
     if not isinstance(n_splits, int) or isinstance(n_splits, bool) or n_splits < 1:
@@ -269,6 +274,7 @@ def _forward(q1, k1, q2, k2, causal, scale1, scale2, split_k):
             keys_per_split, splits, dims.scale1 * LOG2E, dims.scale2 * LOG2E,
             BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1_pad, D2_PAD=d2_pad,
             CAUSAL=causal, SPLIT=splits > 1, IEEE1=ieee1, IEEE2=ieee2, USE_TMA=use_tma,
+            NO_CONTRACT=not interpreting(),
             num_warps=warps, num_stages=stages,
         )
         if splits > 1:
@@ -295,7 +301,7 @@ def _bucket(n: int) -> int:
 def auto_bwd_mode(dims, n_sm: int, both: bool = False) -> str:
     """Pick the fused kernel (each tile pair visited once, dQ by fp32 atomics) or the separate ones.
 
-    Measured on the H200 (bench/results/h200_2026-11-29_bench.csv; B=1, H=32, D=128, bf16):
+    Measured on the H200 (bench/results/session1/h200_2026-11-29_bench.csv; B=1, H=32, D=128, bf16):
     - one setting (s1 or s2): fused is as fast or faster at N = 4K..32K, causal or not
       (s1, 8K non-causal: 12.84 ms fused vs 13.72 separate), and at N_Q = 16..512 with N_K = 32K;
     - both settings: fused wins at small N_Q (N_K = 32K, N_Q = 16: 1.53 vs 1.79 ms; N_Q = 256:

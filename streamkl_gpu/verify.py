@@ -58,11 +58,28 @@ def _parse(argv):
     p.add_argument("--quick", action="store_true", help="fewer cases (fast smoke gate)")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON to PATH")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--autotune", action="store_true",
+                   help="time every launch candidate (GPU); default: the first candidate of each "
+                        "shape class, which keeps the gate to one compile per kernel variant")
+    p.add_argument("-q", "--quiet", action="store_true", help="no per-case progress lines on stderr")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = _parse(argv)
+    # a correctness gate needs no launch tuning: one config per shape class (set before any launch)
+    saved = os.environ.get("STREAMKL_AUTOTUNE")
+    os.environ["STREAMKL_AUTOTUNE"] = "1" if args.autotune else "0"
+    try:
+        return _run(args)
+    finally:
+        if saved is None:
+            os.environ.pop("STREAMKL_AUTOTUNE", None)
+        else:
+            os.environ["STREAMKL_AUTOTUNE"] = saved
+
+
+def _run(args) -> int:
     import torch  # noqa: E402 (after argument parsing: --help needs no torch)
 
     device = args.device
@@ -116,6 +133,8 @@ def main(argv=None) -> int:
         g = torch.randn(B, H, NQ, generator=gen)
         for dtype in dtypes:
             dname = str(dtype).replace("torch.", "")
+            if not args.quiet:  # the first GPU run compiles each kernel variant: show progress
+                print(f"[{time.time() - t_start:6.1f}s] {name} {dname}", file=sys.stderr, flush=True)
             xs = [x.to(dtype) for x in base]  # the exact inputs the kernel sees
             x64 = [x.double().numpy() for x in xs]
             kw = dict(causal=causal, scale1=sc1, scale2=sc2)

@@ -158,6 +158,17 @@ def test_extreme_logits_no_nan():
         assert_close("lse1", lse1, ref_lse1, None, dtype=torch.float32, floor=1e-6)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_one_visible_key_gives_exactly_zero(causal):
+    """A row that sees one key has P1 = P2 = 1: KL must be exactly 0, not a rounding residual of
+    the score scale (the max's exponent is s - max = 0 exactly; on the GPU this needs the scale
+    multiply kept out of the exponent's FFMA)."""
+    xs = make_inputs(1, 2, 2, 1, 1 if not causal else 9, 1 if not causal else 9, 32, 16, seed=4)
+    xs = [x * 3 for x in xs]  # scores of order 10..100: a residual would be ~1e-6, not 0
+    kl = streamkl_gpu.attention_kl(*xs, causal=causal)
+    assert (kl[..., 0] == 0).all()  # row 0 sees key 0 only (causal), or the only key
+
+
 def test_identical_sides_give_zero():
     q, k = make_inputs(1, 2, 2, 2, 19, 41, 16, 16, seed=2)[:2]
     kl = streamkl_gpu.attention_kl(q, k, q, k, causal=True)
