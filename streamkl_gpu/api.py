@@ -168,10 +168,9 @@ def _fwd_candidates(dims, d_pad, split, ieee=False, tma=False):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages, use_tma) candidates, pruned by shape.
 
     ``tma``: the key tensors can be read through TMA descriptors (Hopper, aligned strides). At
-    D = 128 the best TMA config beat the best pointer config in every measured case (H200,
-    8K/16K, causal or not:
-    bench/results/h200_2026-11-29_fwd_tma_configs.csv), so pointer configs are not tried there;
-    at other head dims both kinds are candidates (not measured at scale).
+    D = 128 the best TMA config beat the best pointer config in every measured case (H200, 8K/16K,
+    causal or not: bench/results/h200_2026-11-29_fwd_tma_configs.csv), so pointer configs are not
+    tried there; at other head dims both kinds are candidates (not measured at scale).
     """
     if interpreting():
         return [INTERPRETER_BLOCK + (1, 1, tma)]
@@ -181,6 +180,7 @@ def _fwd_candidates(dims, d_pad, split, ieee=False, tma=False):
         bm = 16 if dims.NQ <= 16 else (32 if dims.NQ <= 32 else 64)
         cands = [(bm, 128, 4, 3), (bm, 64, 4, 3)] if d_pad <= 128 else [(bm, 64, 4, 2), (bm, 32, 4, 2)]
         return [c + (False,) for c in cands]
+    tma_only = False
     if d_pad <= 64:
         cands = [(128, 64, 4, 3), (128, 128, 8, 3)]
         tma_cands = [(128, 64, 4, 3), (128, 128, 8, 2)]
@@ -188,14 +188,13 @@ def _fwd_candidates(dims, d_pad, split, ieee=False, tma=False):
         cands = [(128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (128, 128, 8, 2)]
         # measured best: 128/32/8/3 (8K, 16K non-causal), 128/64/8/3 (16K causal), 64/64/4/2 (8K causal)
         tma_cands = [(128, 32, 8, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2)]
+        tma_only = True
     else:
         cands = [(64, 64, 4, 2), (64, 32, 4, 2)]
         tma_cands = [(64, 64, 4, 2), (64, 32, 4, 3)]
     if not tma:
         return [c + (False,) for c in cands]
-    if d_pad == 128:
-        return [c + (True,) for c in tma_cands]
-    return [c + (True,) for c in tma_cands] + [c + (False,) for c in cands]
+    return [c + (True,) for c in tma_cands] + ([] if tma_only else [c + (False,) for c in cands])
 
 
 def _bwd_candidates(d_pad, both, kind, ieee=False):

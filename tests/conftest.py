@@ -5,31 +5,28 @@ import pytest
 @pytest.fixture
 def poison():
     """Fresh kernel outputs start as NaN, so an element a kernel fails to write cannot pass."""
+    yield from _override_api("POISON_FRESH", True)
+
+
+def _override_api(name, value):
+    """Set ``streamkl_gpu.api.<name>`` for one test; yields the value, restores the old one."""
     from streamkl_gpu import api
 
-    old = api.POISON_FRESH
-    api.POISON_FRESH = True
-    yield
-    api.POISON_FRESH = old
+    old = getattr(api, name)
+    setattr(api, name, value)
+    try:
+        yield value
+    finally:
+        setattr(api, name, old)
 
 
 @pytest.fixture
 def block(request):
     """Run the interpreter with another fixed tile shape (BLOCK_M, BLOCK_N)."""
-    from streamkl_gpu import api
-
-    old = api.INTERPRETER_BLOCK
-    api.INTERPRETER_BLOCK = request.param
-    yield request.param
-    api.INTERPRETER_BLOCK = old
+    yield from _override_api("INTERPRETER_BLOCK", request.param)
 
 
 @pytest.fixture
 def tma(request):
     """Under the interpreter, read the forward's key tiles through TMA descriptors (param True)."""
-    from streamkl_gpu import api
-
-    old = api.INTERPRETER_TMA
-    api.INTERPRETER_TMA = request.param
-    yield request.param
-    api.INTERPRETER_TMA = old
+    yield from _override_api("INTERPRETER_TMA", request.param)
