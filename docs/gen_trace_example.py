@@ -143,8 +143,8 @@ def main_section(tr: dict) -> list[str]:
         "\\begin{aligned}",
         f"\\mathrm{{LSE}}_1 &= m_1 + \\ln \\ell_1 = {f(last['m1'])} + \\ln {f(last['l1'])} = {f(lse1)},\\\\",
         f"\\mathrm{{LSE}}_2 &= m_2 + \\ln \\ell_2 = {f(last['m2'])} + \\ln {f(last['l2'])} = {f(lse2)},\\\\",
-        f"\\mathrm{{KL}} &= \\frac{{\\mathrm{{acc}}}}{{\\ell_1}} + \\mathrm{{LSE}}_2 - \\mathrm{{LSE}}_1 "
-        f"= \\frac{{{f(last['acc'])}}}{{{f(last['l1'])}}} + {f(lse2)} - {f(lse1)} = {f(kl)}.",
+        "\\mathrm{KL} &= \\frac{\\mathrm{acc}}{\\ell_1} + \\mathrm{LSE}_2 - \\mathrm{LSE}_1\\\\",
+        f"&= \\frac{{{f(last['acc'])}}}{{{f(last['l1'])}}} + {f(lse2)} - {f(lse1)} = {f(kl)}.",
         "\\end{aligned}",
         "$$",
         "",
@@ -186,9 +186,12 @@ def base2_section(tr2: dict, tr_e: dict) -> list[str]:
         "before: $2^{x \\log_2 e - m \\log_2 e} = e^{x - m}$. Finishing in bits:",
         "",
         "$$",
-        f"\\mathrm{{KL}}_{{\\text{{bits}}}} = \\frac{{{f(last2['acc'])}}}{{{f(last2['l1'])}}} "
-        f"+ {f(lse2)} - {f(lse1)} = {f(kl_bits)},\\qquad "
-        f"\\ln 2 \\cdot \\mathrm{{KL}}_{{\\text{{bits}}}} = {f(math.log(2) * kl_bits)}\\ \\text{{nats}},",
+        "\\begin{aligned}",
+        "\\mathrm{KL}_{\\text{bits}} &= \\frac{\\mathrm{acc}}{\\ell_1} + \\mathrm{LSE}_2 - \\mathrm{LSE}_1"
+        " \\quad\\text{(LSEs in bits: } m_t + \\log_2 \\ell_t)\\\\",
+        f"&= \\frac{{{f(last2['acc'])}}}{{{f(last2['l1'])}}} + {f(lse2)} - {f(lse1)} = {f(kl_bits)},\\\\",
+        f"\\ln 2 \\cdot \\mathrm{{KL}}_{{\\text{{bits}}}} &= {f(math.log(2) * kl_bits)}\\ \\text{{nats}},",
+        "\\end{aligned}",
         "$$",
         "",
         f"the same KL as in base $e$ ({f(row_e['kl_online'])} nats; the trace reports "
