@@ -55,6 +55,7 @@ WIDTHS = (1280, 600)  # window widths the pages are probed at
 PAGES = {
     "": "home",
     "tutorial/": "formulas, the worked example's tables",
+    "math/": "definitions and conventions: formulas",
     "api/": "formulas, tables",
     "performance/": "plots, wide tables",
     "proofs/": "proofs index",

@@ -1,6 +1,6 @@
 """``attention_kl``: the PyTorch entry point to the streaming KL kernels.
 
-Conventions (../shared/design/MATH.md): ``q1 [B,H,N_Q,D1]``, ``k1 [B,H_K1,N_K,D1]``,
+Conventions (docs/math.md): ``q1 [B,H,N_Q,D1]``, ``k1 [B,H_K1,N_K,D1]``,
 ``q2 [B,H,N_Q,D2]``, ``k2 [B,H_K2,N_K,D2]``; GQA per side; ``D1 != D2`` allowed; bottom-right
 causal; rows with no visible key give KL 0 and zero gradient. Returns float32 ``[B,H,N_Q]``
 KL(P1 || P2) in nats per query row.

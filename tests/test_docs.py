@@ -9,7 +9,10 @@
 - The built pages load nothing from another host: no script, stylesheet, icon, font or image
   whose address is on another host, in any page's HTML or in any stylesheet the site ships
   (`url(...)`, `@import`); every local one exists in the site, MathJax and its fonts included.
-  Links (`<a href>`) to other sites are fine. (docs/check_browser.py renders the pages in a real
+  Links (`<a href>`) to other sites are fine.
+- The README, the docs, the proofs and the packages' docstrings refer to nothing outside the
+  repository (the math contract is docs/math.md), and a number of proof statements written
+  in words is the real one. (docs/check_browser.py renders the pages in a real
   Chromium with every other host unreachable; it needs a browser, so it is not part of CI.)
 """
 import glob
@@ -88,10 +91,10 @@ def site(tmp_path_factory):
 
 
 def test_mkdocs_build_strict(site):
-    pages = ["index.html", "tutorial/index.html", "api/index.html", "verify/index.html",
+    pages = ["index.html", "tutorial/index.html", "math/index.html", "api/index.html", "verify/index.html",
              "performance/index.html", "proofs/index.html"]
     proofs = sorted(os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(ROOT, "proofs", "0*.md")))
-    assert len(proofs) == 8  # statements 1-8
+    assert len(proofs) >= 8  # statements 1-8 at least; test_statement_counts_are_right counts them
     with open(os.path.join(ROOT, "mkdocs.yml")) as fh:
         nav = fh.read()
     for name in proofs:  # every statement is in the site's navigation
@@ -242,3 +245,48 @@ def test_site_loads_nothing_from_another_host(site):
     fonts = site / "javascripts" / "mathjax" / "output" / "chtml" / "fonts" / "woff-v2"
     assert (fonts / "MathJax_Main-Regular.woff").is_file() and (fonts / "MathJax_Math-Italic.woff").is_file()
     assert (site / "javascripts" / "mathjax" / "input" / "tex" / "extensions").is_dir()  # \\boldsymbol etc.
+
+
+# --- everything a reader needs is in the repository -------------------------------------------
+def _texts():
+    """README, docs pages, proof pages, and the Python sources of the packages and examples."""
+    paths = [os.path.join(ROOT, "README.md")]
+    for pattern in ("docs/*.md", "docs/_generated/*.md", "proofs/*.md", "streamkl_ref/*.py",
+                    "streamkl_gpu/*.py", "examples/*.py"):
+        paths += glob.glob(os.path.join(ROOT, pattern))
+    for path in sorted(paths):
+        with open(path, encoding="utf-8") as fh:
+            yield os.path.relpath(path, ROOT), fh.read()
+
+
+def test_no_reference_outside_the_repository():
+    outside = re.compile(r"MATH\.md|shared/design|\.\./shared|shared design folder")
+    found = [f"{name}: {m.group(0)}" for name, text in _texts() for m in outside.finditer(text)]
+    assert not found, "point these at docs/math.md instead:\n" + "\n".join(found)
+    with open(os.path.join(DOCS, "math.md"), encoding="utf-8") as fh:
+        math_page = fh.read()
+    for section in ("Inputs", "Scores, masks and distributions", "The loss", "The online recurrence",
+                    "Merging two partial states", "Base 2", "Gradients", "What is saved for the backward",
+                    "Invisible keys never reach a row", "Packed sequences", "The indexer loss"):
+        assert f"\n## {section}" in math_page, section
+    with open(os.path.join(ROOT, "mkdocs.yml"), encoding="utf-8") as fh:
+        assert "math.md" in fh.read()
+
+
+NUMBERS = {w: i for i, w in enumerate(
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
+    "sixteen seventeen eighteen nineteen twenty".split())}
+
+
+def test_statement_counts_are_right():
+    """Wherever a text says how many statements the derivation has, it is the number of proof pages."""
+    n = len(glob.glob(os.path.join(ROOT, "proofs", "[0-9][0-9]_*.md")))
+    said = []
+    for name, text in _texts():
+        for m in re.finditer(r"\b(\w+) (?:machine-checked )?statements\b", text):
+            word = m.group(1).lower()
+            count = NUMBERS.get(word, int(word) if word.isdigit() else None)
+            if count is not None:
+                said.append((name, m.group(0), count))
+    wrong = [f"{name}: {phrase!r} (there are {n})" for name, phrase, count in said if count != n]
+    assert not wrong, "\n".join(wrong)
