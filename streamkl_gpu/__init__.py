@@ -25,7 +25,9 @@ __all__ = [
 
 def __getattr__(name):
     if name in __all__:
-        return getattr(importlib.import_module(".api", __name__), name)
+        value = getattr(importlib.import_module(".api", __name__), name)
+        globals()[name] = value  # later lookups skip this hook (it ran on every call)
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
