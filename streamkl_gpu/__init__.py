@@ -2,7 +2,7 @@
 
 ``attention_kl(q1, k1, q2, k2, *, causal=False, scale1=None, scale2=None)`` -> float32
 ``[B, H, N_Q]``. Runs on NVIDIA GPUs, and on CPU tensors under the Triton interpreter
-(set ``TRITON_INTERPRET=1`` before the kernels are first used). Conventions: MATH.md.
+(set ``TRITON_INTERPRET=1`` before the kernels are first used). Conventions: docs/math.md.
 
 The kernel modules are imported lazily, on first use of the API: Triton decides at kernel
 definition time whether to interpret, so ``streamkl verify`` (``streamkl_gpu.verify``) can still

@@ -1,4 +1,4 @@
-"""Backward Triton kernels: recompute P1, P2 tile by tile from the saved LSEs (MATH.md).
+"""Backward Triton kernels: recompute P1, P2 tile by tile from the saved LSEs (docs/math.md).
 
 Per tile, with scores in bits (``s_t = sigma_t * log2(e) * q_t.k_t``, the forward's fold):
 

@@ -1,12 +1,12 @@
 """Forward Triton kernels: the one-pass streaming KL and its split-K variant.
 
-Conventions (../shared/design/MATH.md): per (batch b, query head h) the kernel streams the key
+Conventions (docs/math.md): per (batch b, query head h) the kernel streams the key
 tiles of side 1 (``k1``, key head ``h // group1``) and side 2 (``k2``, key head ``h // group2``)
 past one block of query rows and keeps five running scalars per row:
 
     m1, l1   running max and rescaled sum of exp(S1)       (the teacher's softmax normaliser)
     m2, l2   the same for S2                               (the student's)
-    acc      sum of exp(S1 - m1) * ((S1 - m1) - (S2 - m2)), rescaled with l1 (MATH.md's acc
+    acc      sum of exp(S1 - m1) * ((S1 - m1) - (S2 - m2)), rescaled with l1 (docs/math.md's acc
              re-referenced to the two maxima: acc_MATH - l1 * (m1 - m2); see _finalize)
 
 Base 2: the scores are multiplied by ``sigma_t * log2(e)`` in fp32 right after each ``tl.dot``
@@ -90,7 +90,7 @@ def _finalize(m1, l1, m2, l2, acc):
     """(m1, l1, m2, l2, acc) in bits -> (kl in nats, lse1, lse2 in bits). Empty rows -> (0, -inf, -inf).
 
     The kernels keep acc *shifted*: acc = sum_j p1_j * ((s1_j - m1) - (s2_j - m2)), which is
-    MATH.md's acc minus l1 * (m1 - m2). Then KL = acc/l1 + LSE2 - LSE1 becomes
+    docs/math.md's acc minus l1 * (m1 - m2). Then KL = acc/l1 + LSE2 - LSE1 becomes
     KL_bits = acc/l1 + log2(l2/l1): the maxima cancel exactly and large logits cost no accuracy.
     The LSEs stay in bits (log2 of the sums of 2^s): the backward recomputes P = exp2(s - lse)
     from them, and a round trip through nats would add two roundings of a possibly large number.
@@ -251,7 +251,7 @@ def _kl_fwd_kernel(
 
     row_out = pid_bh.to(tl.int64) * N_Q + offs_m
     if SPLIT:
-        # partial state of this key range; merged by _kl_combine_kernel (the merge rule of MATH.md)
+        # partial state of this key range; merged by _kl_combine_kernel (the merge rule of docs/math.md)
         plane = num_splits.to(tl.int64) * (tl.num_programs(1) * N_Q)
         part = PART + pid_split.to(tl.int64) * (tl.num_programs(1) * N_Q) + row_out
         tl.store(part, m1, mask=row_ok)

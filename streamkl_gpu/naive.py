@@ -4,7 +4,7 @@ Beside the kernels as flash-linear-attention keeps a ``naive.py``: it is the rea
 of what the kernels compute, the torch-side reference for tests (run it in float64 for the
 "truth", or at the inputs' own precision to measure the rounding error the same math makes
 there, which sets the kernels' tolerances), and the eager / torch.compile / chunked baselines of
-the benchmark. It is differentiable through autograd. Conventions: ../shared/design/MATH.md.
+the benchmark. It is differentiable through autograd. Conventions: docs/math.md.
 """
 from __future__ import annotations
 

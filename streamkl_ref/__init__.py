@@ -2,7 +2,7 @@
 
 ``KL[b,h,i] = KL(P1[b,h,i,:] || P2[b,h,i,:])`` between two attention distributions
 ``P_t = softmax(σ_t · Q_t K_tᵀ)`` over the keys, per query row. Conventions (the contract is
-MATH.md in the shared design folder):
+docs/math.md, "Definitions and conventions"):
 
 - layout ``[B, H, N, D]``; ``q_t [B, H, N_Q, D_t]``, ``k_t [B, H_Kt, N_K, D_t]``; GQA per side
   (query head ``h`` reads key head ``h // (H // H_Kt)``); ``D1`` may differ from ``D2``,
