@@ -222,7 +222,9 @@ def _indexer_fwd_kernel(
         stride_wb, stride_wh, stride_wn, b, t0, full_hi, key_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale,
         inv_heads, n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI,
         HB, IB, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT)
-    empty = m == float("-inf")
+    # empty: no visible key (l = 0; a visible key adds exp(0) = 1 at the max). Not m == -inf: the
+    # max ignores NaN, so a NaN row can keep m = -inf, but its l is NaN and its KL stays NaN
+    empty = l == 0.0
     log_l = tl.log(tl.where(empty, 1.0, l))
     kl = tl.where(empty, 0.0, plogp - acc + log_l)  # uses sum p = 1: the max m never enters
     lse_i = tl.where(empty, float("-inf"), m + log_l)
