@@ -124,10 +124,17 @@ def _plan(dims, cfg, kind):
     icpg = triton.cdiv(group_i, ib)
     return dict(
         HB=hb, IB=ib, GI_PAD=gi_pad, BLOCK_T=block_t, BLOCK_N=block_n,
-        BLOCK_D=min(block_d, _api._head_pad(dims.D)), BLOCK_DI=min(block_d, _api._head_pad(dims.DI)),
+        BLOCK_D=_d_chunk(dims.D, block_d), BLOCK_DI=_d_chunk(dims.DI, block_d),
         DI_PAD=_api._head_pad(dims.DI), warps=warps, stages=stages,
         n_chunks=dims.HK * cpg, cpg=cpg, n_ichunks=dims.HKI * icpg, icpg=icpg,
     )
+
+
+def _d_chunk(d: int, block_d: int) -> int:
+    """Width of the D chunks of a score tile: the whole (padded) head up to 128 wide when the
+    config asks for >= 64-wide chunks (no K loop overhead), else ``block_d`` (D = 576: 9 x 64)."""
+    pad = _api._head_pad(d)
+    return pad if (pad <= 128 and block_d >= 64) else min(block_d, pad)
 
 
 def _candidates(kind, ieee):
@@ -206,6 +213,27 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
 # Backward
 # ----------------------------------------------------------------------------------------------
 
+# Tests set this: the dk kernel's token split (tokens per program) instead of the rule below.
+INTERPRETER_DK_SPLIT = None
+
+
+def dk_token_split(dims, block_t: int, key_programs: int, n_sm: int, causal: bool) -> int:
+    """Tokens per dk program (a multiple of BLOCK_T; N_Q or more means one split, no atomics).
+
+    The dk kernel has one program per key tile; at DSA-like shapes that is ~N/64 programs for
+    132 SMs, each walking up to N tokens (causal: a triangle, the first tile walks them all). So
+    the tokens are cut into fixed-size splits until there are about 8 programs per SM (causal:
+    about half exit at once), each split adding its partial dk with one fp32 atomic add.
+    Reasoned, not yet measured."""
+    if _api.interpreting() and INTERPRETER_DK_SPLIT is not None:
+        per = INTERPRETER_DK_SPLIT
+    else:
+        want = 8 * n_sm * (2 if causal else 1)
+        splits = max(1, min(triton.cdiv(want, key_programs), triton.cdiv(dims.NQ, 4 * block_t)))
+        per = triton.cdiv(dims.NQ, splits)
+    return max(block_t, triton.cdiv(per, block_t) * block_t)
+
+
 def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, relu):
     dims = check_indexer_inputs(q, k, q_idx, k_idx, weights, scale=scale)
     out_dtypes = (q_idx.dtype, k_idx.dtype, weights.dtype)
@@ -240,12 +268,18 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
             pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"], **meta(pl))
 
     def launch_dk(cfg):
+        nonlocal dk_idx
         pl = _plan(dims, cfg, "bwd")
-        grid = (triton.cdiv(dims.NK, pl["BLOCK_N"]), dims.B * dims.HKI)
+        key_programs = triton.cdiv(dims.NK, pl["BLOCK_N"]) * dims.B * dims.HKI
+        per_split = dk_token_split(dims, pl["BLOCK_T"], key_programs, _api._n_sm(device), causal)
+        splits = triton.cdiv(dims.NQ, per_split)
+        if splits > 1:
+            dk_idx = torch.zeros((dims.B, dims.HKI, dims.NK, dims.DI), dtype=torch.float32, device=device)
+        grid = (triton.cdiv(dims.NK, pl["BLOCK_N"]), dims.B * dims.HKI, splits)
         _indexer_bwd._indexer_bwd_dk_kernel[grid](
             *common, dk_idx, *strides,
             dims.H, group, dims.HKI, group_i, dims.NQ, dims.NK, qk_scale, 1.0 / dims.H,
-            pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"], **meta(pl))
+            pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"], per_split, ATOMIC=splits > 1, **meta(pl))
 
     ieee = ieee_t or ieee_i
     launch_dq(_api._pick(("idx_bwd_dq",) + key_base, _candidates("bwd", ieee), launch_dq))

@@ -8,11 +8,12 @@ forward saved:
     A[j] = G * w_j * 1[a_j > 0]                       (no indicator when relu=False)
     dweights[j, t] = sum_s G relu(a_j),  dq_idx[j, t] = sum_s A[j] k_idx,  dk_idx[s] = sum_{j, t} A[j]^T q_idx
 
-Two kernels, no atomics (both bitwise repeatable):
+Two kernels:
 - ``_indexer_bwd_dq_kernel``: one program per (token block, b, indexer key head): loops over the
-  key tiles the block sees, dq_idx and dweights of the group's heads in registers.
-- ``_indexer_bwd_dk_kernel``: one program per (key tile, b, indexer key head): loops over the
-  token blocks that see the tile, dk_idx in registers.
+  key tiles the block sees, dq_idx and dweights of the group's heads in registers (no atomics).
+- ``_indexer_bwd_dk_kernel``: one program per (key tile, b, indexer key head, token split): loops
+  over the token blocks of its split that see the tile, dk_idx in registers; with more than one
+  split the partial dk_idx are fp32 atomic adds (one [BLOCK_N, D_I] add per program).
 Each recomputes the teacher target (the dominant cost): the plain design reads the teacher
 twice per backward.
 
@@ -226,17 +227,22 @@ def _indexer_bwd_dk_kernel(
     stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
     stride_wb, stride_wh, stride_wn,
     H, GROUP, H_KI, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
-    n_chunks, chunks_per_group, n_ichunks, ichunks_per_group,
+    n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, tokens_per_split,
     D: tl.constexpr, BLOCK_D: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr, DI_PAD: tl.constexpr,
     HB: tl.constexpr, IB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, RELU: tl.constexpr, IEEE_T: tl.constexpr, IEEE_I: tl.constexpr,
-    NO_CONTRACT: tl.constexpr,
+    NO_CONTRACT: tl.constexpr, ATOMIC: tl.constexpr,
 ):
     """dk_idx [B, H_KI, N_K, D_I] (fp32, contiguous) of one key tile: the sum over the token blocks
-    that see it and over the indexer heads of key head ``kvi``."""
+    that see it (those in this program's token split, program axis 2) and over the indexer heads
+    of key head ``kvi``. ATOMIC (more than one split): fp32 atomic adds into a zeroed buffer.
+    Fixed-size token splits balance the causal triangle: a split before the tile's first visible
+    token exits at once."""
     ROWS: tl.constexpr = GI_PAD * BLOCK_T
     pid_n = tl.program_id(0)
     pid_bk = tl.program_id(1)
+    split_lo = tl.program_id(2) * tokens_per_split  # a multiple of BLOCK_T
+    split_hi = tl.minimum(split_lo + tokens_per_split, N_Q)
     b = pid_bk // H_KI
     kvi = pid_bk % H_KI
     s0 = pid_n * BLOCK_N
@@ -263,19 +269,28 @@ def _indexer_bwd_dk_kernel(
         t_full = N_Q
     t_lo = tl.minimum(t_lo, N_Q)
     t_full = tl.minimum(tl.maximum(t_full, t_lo), N_Q)
+    # this program's share: [split_lo, split_hi) of both ranges (all bounds multiples of BLOCK_T or N_Q)
+    mask_lo = tl.maximum(t_lo, split_lo)
+    mask_hi = tl.minimum(t_full, split_hi)
+    full_lo = tl.maximum(t_full, split_lo)
     dk = _dk_token_range(
         dk, k_tile, j, j_in_group, s0, Q, K, QI, KI, W, LSE_T, LSE_I, G_UP,
         stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
         stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
-        stride_wb, stride_wh, stride_wn, b, t_lo, t_full, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
+        stride_wb, stride_wh, stride_wn, b, mask_lo, mask_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
         n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI, DI_PAD,
         HB, IB, GI_PAD, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT)
     dk = _dk_token_range(
         dk, k_tile, j, j_in_group, s0, Q, K, QI, KI, W, LSE_T, LSE_I, G_UP,
         stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
         stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
-        stride_wb, stride_wh, stride_wn, b, t_full, N_Q, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
+        stride_wb, stride_wh, stride_wn, b, full_lo, split_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
         n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI, DI_PAD,
         HB, IB, GI_PAD, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT)
     out_row = (b64 * H_KI + kvi) * N_K + keys
-    tl.store(DK + out_row[:, None] * DI + offs_d[None, :], dk, mask=(keys < N_K)[:, None] & (offs_d < DI)[None, :])
+    out_ok = (keys < N_K)[:, None] & (offs_d < DI)[None, :]
+    if ATOMIC:
+        if mask_lo < split_hi:  # splits before the first visible token add nothing
+            tl.atomic_add(DK + out_row[:, None] * DI + offs_d[None, :], dk, mask=out_ok)
+    else:
+        tl.store(DK + out_row[:, None] * DI + offs_d[None, :], dk, mask=out_ok)

@@ -98,6 +98,22 @@ def test_forward_and_gradients_match_reference(shape, causal, with_lse):
     check_case(xs, with_lse=with_lse, causal=causal)
 
 
+def test_dk_token_splits_equal_one_pass():
+    """The dk kernel's token splits (fp32 atomics) give the single-split dk_idx (to rounding)."""
+    xs = make(1, 2, 1, 23, 23, 16, 2, 1, 8, seed=22)
+    g = torch.rand(1, 23, generator=torch.Generator().manual_seed(1))
+    out = {}
+    old = _indexer.INTERPRETER_DK_SPLIT
+    try:
+        for per in (1000, 1):  # one split; BLOCK_T tokens per split
+            _indexer.INTERPRETER_DK_SPLIT = per
+            out[per] = run(xs, g, causal=True)[1]
+    finally:
+        _indexer.INTERPRETER_DK_SPLIT = old
+    assert torch.allclose(out[1]["dk_idx"], out[1000]["dk_idx"], rtol=1e-5, atol=1e-6)
+    assert torch.equal(out[1]["dq_idx"], out[1000]["dq_idx"])
+
+
 def test_small_tiles_many_stages():
     """16-wide tiles: several key tiles, token blocks and D chunks per program (causal stages)."""
     old = _indexer.INTERPRETER_CONFIG
