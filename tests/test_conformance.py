@@ -82,8 +82,9 @@ WRONG = [
 
 @pytest.mark.parametrize("fn, case, quantity", WRONG, ids=[w[0].__name__ for w in WRONG])
 def test_each_wrong_implementation_fails_naming_the_case_and_the_quantity(fn, case, quantity):
+    the_case = [c for c in ATTENTION_CASES if c.name == case]
     with pytest.raises(AssertionError) as info:
-        assert_attention_kl_conforms(fn, supports=FWD_ONLY)
+        assert_attention_kl_conforms(fn, supports=FWD_ONLY, cases=the_case)
     message = str(info.value)
     assert "does not conform" in message
     line = next((ln for ln in message.splitlines() if ln.startswith(case + " ") and f" {quantity} " in ln), None)
@@ -168,7 +169,7 @@ def test_the_json_report_records_rows_options_and_the_shapes_of_each_case():
 
 def test_streamkl_gpu_kernels_pass_the_quick_battery_under_the_interpreter():
     report = check_attention_kl(__import__("streamkl_gpu").attention_kl,
-                                cases=attention_cases(quick=True, planted=False), dtypes=("float32", "float16"))
+                                cases=attention_cases(quick=True, planted=False))
     assert report.passed and not report.skipped, report.table(report.failed)
 
 
@@ -181,8 +182,12 @@ def test_streamkl_gpu_kernels_isolate_planted_nan():
 
 
 def test_torch_compile_of_the_dense_formula_conforms():
-    compiled = torch.compile(impls.correct, dynamic=True)
-    report = check_attention_kl(compiled, quick=True, supports=FWD_ONLY)
+    """Dynamo capture and AOTAutograd's decompositions (``aot_eager``: no C++ build, which takes
+    minutes on CI's 2 cores); the inductor build is run by bench/conformance_peers.py and its
+    result committed under bench/results/."""
+    compiled = torch.compile(impls.correct, dynamic=True, backend="aot_eager")
+    cases = [c for c in ATTENTION_CASES if c.name in ("ragged", "causal_nq<nk", "nan_keys")]
+    report = check_attention_kl(compiled, cases=cases, supports=FWD_ONLY)
     assert report.passed, report.table(report.failed)
 
 
@@ -193,6 +198,7 @@ def _cli(*args, timeout=300):
 
 
 def test_cli_verify_impl_fails_a_wrong_implementation_and_writes_the_cases(tmp_path):
+    """The real command line, in a fresh process."""
     out = tmp_path / "r.json"
     proc = _cli("--impl", "_conformance_impls:gqa_mod", "--quick", "--supports", '{"nan_isolation": "forward"}',
                 "--json", str(out))
@@ -204,16 +210,22 @@ def test_cli_verify_impl_fails_a_wrong_implementation_and_writes_the_cases(tmp_p
     assert data["options"]["supports"]["nan_isolation"] == "forward"
 
 
-def test_cli_verify_impl_passes_a_correct_one_through_the_adapters():
-    proc = _cli("--impl", "_conformance_impls:correct_bnhd", "--layout", "bnhd", "--quick", "--no-grad")
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert " 0 failed" in proc.stdout
+def test_cli_verify_impl_passes_a_correct_one_through_the_adapters(capsys):
+    from streamkl_gpu.verify import main
+
+    assert main(["--impl", "_conformance_impls:correct_bnhd", "--layout", "bnhd", "--quick", "--no-grad"]) == 0
+    assert " 0 failed" in capsys.readouterr().out
 
 
-def test_cli_verify_usage_errors_exit_2():
-    assert _cli("--layout", "bnhd").returncode == 2  # adapter options need --impl
-    assert _cli("--impl", "no_such_module:fn").returncode == 2
-    assert _cli("--impl", "_conformance_impls:correct", "--dtypes", "int8").returncode == 2
+def test_cli_verify_usage_errors_exit_2(capsys):
+    from streamkl_gpu.verify import main
+
+    assert main(["--layout", "bnhd"]) == 2  # adapter options need --impl
+    assert main(["--impl", "no_such_module:fn"]) == 2
+    assert main(["--impl", "_conformance_impls:correct", "--dtypes", "int8"]) == 2
+    assert main(["--impl", "_conformance_impls:correct", "--supports", "{gqa: no}"]) == 2
+    err = capsys.readouterr().err
+    assert "needs --impl" in err and "no_such_module" in err and "int8" in err and "not JSON" in err
 
 
 def test_cli_verify_help_is_plain_text_and_every_option_has_help():
