@@ -38,7 +38,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from _ref_strategies import EPS64, ROWS, Problem, assert_close_rows, logit_scale, make_problem, problems, tiles
+from streamkl_ref.strategies import EPS64, ROWS, Problem, assert_close_rows, logit_scale, make_problem, problems, tiles
 from streamkl_ref import (
     ACCUMULATORS,
     MaxReferencedState,
