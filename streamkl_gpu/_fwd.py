@@ -83,6 +83,53 @@ def _safe(m):
 
 
 @triton.jit
+def _sequence(CU_SEQLENS_Q, CU_SEQLENS_K, b, N_Q, N_K, VARLEN: tl.constexpr):
+    """``(first query row, query rows, first key, keys)`` of batch entry ``b``.
+
+    Padded batches: ``(0, N_Q, 0, N_K)``. VARLEN (packed sequences, MATH.md "Packed sequences"):
+    ``b`` is a sequence, ``N_Q``/``N_K`` are the packed totals, and the bounds come from
+    ``cu_seqlens``, clamped into ``[0, total]`` and made non-decreasing, so a cu_seqlens the host
+    did not check (``check_seqlens=False``) never makes a kernel read or write out of bounds.
+    """
+    q_lo = 0
+    k_lo = 0
+    n_q = N_Q
+    n_k = N_K
+    if VARLEN:
+        q_lo = tl.minimum(tl.maximum(tl.load(CU_SEQLENS_Q + b), 0), N_Q)
+        n_q = tl.minimum(tl.maximum(tl.load(CU_SEQLENS_Q + b + 1), q_lo), N_Q) - q_lo
+        k_lo = tl.minimum(tl.maximum(tl.load(CU_SEQLENS_K + b), 0), N_K)
+        n_k = tl.minimum(tl.maximum(tl.load(CU_SEQLENS_K + b + 1), k_lo), N_K) - k_lo
+    return q_lo, n_q, k_lo, n_k
+
+
+@triton.jit
+def _batch_offsets(b, q_lo, k_lo, stride_qb, stride_qn, stride_kb, stride_kn, VARLEN: tl.constexpr):
+    """int64 element offsets of batch entry ``b``'s queries and keys (VARLEN: of the sequence's
+    first row and key in the packed tensors)."""
+    if VARLEN:
+        off_q = q_lo.to(tl.int64) * stride_qn
+        off_k = k_lo.to(tl.int64) * stride_kn
+    else:
+        off_q = b.to(tl.int64) * stride_qb
+        off_k = b.to(tl.int64) * stride_kb
+    return off_q, off_k
+
+
+@triton.jit
+def _row_layout(pid_bh, h, H, q_lo, N_Q, VARLEN: tl.constexpr):
+    """``(base, step)``: query row ``i`` of this (batch, head) lives at ``base + i * step`` in the
+    per-row buffers (KL, LSE*, G, PART planes): ``[B * H, N_Q]``, or VARLEN ``[total_q, H]``."""
+    if VARLEN:
+        base = q_lo.to(tl.int64) * H + h
+        step = H
+    else:
+        base = pid_bh.to(tl.int64) * N_Q
+        step = 1
+    return base, step
+
+
+@triton.jit
 def _finalize(m1, l1, m2, l2, acc):
     """(m1, l1, m2, l2, acc) in bits -> (kl in nats, lse1, lse2 in bits). Empty rows -> (0, -inf, -inf).
 
@@ -191,13 +238,26 @@ def _kl_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D1_PAD: tl.constexpr, D2_PAD: tl.constexpr,
     CAUSAL: tl.constexpr, SPLIT: tl.constexpr, IEEE1: tl.constexpr, IEEE2: tl.constexpr,
     USE_TMA: tl.constexpr, NO_CONTRACT: tl.constexpr,
+    CU_SEQLENS_Q=None, CU_SEQLENS_K=None,  # int32 [batch + 1] (used when VARLEN)
+    VARLEN: tl.constexpr = False,
 ):
+    # VARLEN (packed sequences): q/k are [1, H, total, D] views of the packed [total, H, D]
+    # tensors, "batch" b is the sequence, N_Q/N_K are the totals, and KL/LSE*/PART rows are laid
+    # out [total_q, H]; the grid covers the longest sequence and other programs exit at once.
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_split = tl.program_id(2)
     b = pid_bh // H
     h = pid_bh % H
     start_m = pid_m * BLOCK_M
+    rows_total = tl.num_programs(1) * N_Q  # rows of KL/LSE*, one state plane of PART
+    if VARLEN:
+        tl.static_assert(not USE_TMA, "packed sequences read keys through pointers")
+        rows_total = N_Q * H
+    q_lo, N_Q, k_lo, N_K = _sequence(CU_SEQLENS_Q, CU_SEQLENS_K, b, N_Q, N_K, VARLEN)
+    if VARLEN:
+        if start_m >= N_Q:  # a query block past this sequence's end: no work, nothing to write
+            return
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d1 = tl.arange(0, D1_PAD)
@@ -205,12 +265,14 @@ def _kl_fwd_kernel(
     row_ok = offs_m < N_Q
 
     # 64-bit base offsets: b * stride_b can exceed 2^31 at long contexts
-    q1_base = Q1 + b.to(tl.int64) * stride_q1b + h.to(tl.int64) * stride_q1h
-    q2_base = Q2 + b.to(tl.int64) * stride_q2b + h.to(tl.int64) * stride_q2h
+    off_q1, off_k1 = _batch_offsets(b, q_lo, k_lo, stride_q1b, stride_q1n, stride_k1b, stride_k1n, VARLEN)
+    off_q2, off_k2 = _batch_offsets(b, q_lo, k_lo, stride_q2b, stride_q2n, stride_k2b, stride_k2n, VARLEN)
+    q1_base = Q1 + off_q1 + h.to(tl.int64) * stride_q1h
+    q2_base = Q2 + off_q2 + h.to(tl.int64) * stride_q2h
     kv_head1 = h // GROUP1
     kv_head2 = h // GROUP2
-    k1_base = K1 + b.to(tl.int64) * stride_k1b + kv_head1.to(tl.int64) * stride_k1h
-    k2_base = K2 + b.to(tl.int64) * stride_k2b + kv_head2.to(tl.int64) * stride_k2h
+    k1_base = K1 + off_k1 + kv_head1.to(tl.int64) * stride_k1h
+    k2_base = K2 + off_k2 + kv_head2.to(tl.int64) * stride_k2h
     rows64 = offs_m.to(tl.int64)
     q1 = tl.load(q1_base + rows64[:, None] * stride_q1n + offs_d1[None, :] * stride_q1d,
                  mask=row_ok[:, None] & (offs_d1[None, :] < D1), other=0.0)
@@ -242,11 +304,12 @@ def _kl_fwd_kernel(
         offs_m, offs_n, offs_d1, offs_d2, D1, D2, N_K, diag_offset, full_hi, key_hi,
         qk_scale1, qk_scale2, BLOCK_N, D1_PAD, D2_PAD, True, CAUSAL, IEEE1, IEEE2, USE_TMA, NO_CONTRACT)
 
-    row_out = pid_bh.to(tl.int64) * N_Q + offs_m
+    row_base, row_step = _row_layout(pid_bh, h, H, q_lo, N_Q, VARLEN)
+    row_out = row_base + offs_m * row_step
     if SPLIT:
         # partial state of this key range; merged by _kl_combine_kernel (the merge rule of MATH.md)
-        plane = num_splits.to(tl.int64) * (tl.num_programs(1) * N_Q)
-        part = PART + pid_split.to(tl.int64) * (tl.num_programs(1) * N_Q) + row_out
+        plane = num_splits.to(tl.int64) * rows_total
+        part = PART + pid_split.to(tl.int64) * rows_total + row_out
         tl.store(part, m1, mask=row_ok)
         tl.store(part + plane, l1, mask=row_ok)
         tl.store(part + 2 * plane, m2, mask=row_ok)

@@ -17,7 +17,8 @@ MATH.md in the shared design folder):
 Modules: ``_dense`` (materialised float64), ``_mp`` (mpmath ground truth), ``_online`` (the
 five-scalar streaming recurrence, tiled as a kernel runs it; ``accumulator="max_referenced"``
 for the exact form the ``streamkl_gpu`` kernels keep), ``_grad`` (closed-form and tiled
-backward), ``_scores`` (scores, masks, GQA plumbing), ``_checks`` (input validation shared with
+backward), ``_varlen`` (packed sequences with ``cu_seqlens``, sequence by sequence),
+``_scores`` (scores, masks, GQA plumbing), ``_checks`` (input validation shared with
 streamkl_gpu), ``cli`` (the ``streamkl`` command).
 """
 from ._dense import attention_kl
@@ -36,6 +37,7 @@ from ._online import (
     merge_states,
     update_state,
 )
+from ._varlen import attention_kl_varlen, attention_kl_varlen_grad
 
 __all__ = [
     "attention_kl",
@@ -43,6 +45,8 @@ __all__ = [
     "attention_kl_online",
     "attention_kl_grad",
     "attention_kl_grad_tiled",
+    "attention_kl_varlen",
+    "attention_kl_varlen_grad",
     "OnlineState",
     "MaxReferencedState",
     "ACCUMULATORS",
