@@ -11,7 +11,15 @@ Per tile, with scores in bits (``s_t = sigma_t * log2(e) * q_t.k_t``, the forwar
 The log-ratio comes from the two logits and the saved LSEs, never from log(P). sigma_t and g
 are folded into dS before the two matmuls. Rows with no visible key get lse = EMPTY_LSE (1e30) here,
 so P1 = P2 = 0 exactly and their gradient is 0; masked entries get s = -inf and P = 0, and their
-log-ratio is taken before masking (finite), so no -inf - -inf or 0 * inf is formed.
+log-ratio is taken before masking, so no -inf - -inf is formed.
+
+Invisible values never reach a row (MATH.md), in the *masked* stage only (whole tiles are seen
+by every row of the tile: no guard there): masked entries of dS are selected to 0, never
+multiplied (an invisible key's score, or a row's NaN log-ratio, may be NaN); and the operands of
+the dS matmuls are made finite (``_finite``), since a 0 in dS times a NaN/inf key row (dQ = dS K)
+or query row (dK = dS^T Q) is NaN in the matmul. That loses nothing a row sees: a NaN key or query
+that a row does see already makes its dS entries NaN (its scores and saved LSE are NaN).
+Padded query rows (past N_Q) load as 0 with g = 0 and lse = -inf, so they add exactly 0.
 
 Two kernels:
 - ``_kl_bwd_dk_kernel``: one program per (key tile, batch, query head); loops over the query
@@ -52,6 +60,12 @@ def _row_consts(LSE1, LSE2, KL, G, rows, row_ok):
 
 
 @triton.jit
+def _finite(x):
+    """x with NaN and +-inf replaced by 0: a matmul operand of the masked stage (see the docstring)."""
+    return tl.where(tl.abs(x) < float("inf"), x, 0.0)
+
+
+@triton.jit
 def _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, kl_bits, g, offs_m, cols, N_K, diag_offset,
              qk_scale1, qk_scale2, scale1, scale2,
              MASKED: tl.constexpr, CAUSAL: tl.constexpr, TRAIN1: tl.constexpr, TRAIN2: tl.constexpr,
@@ -80,15 +94,23 @@ def _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, kl_bits, g, offs_m, cols, N_K
         ds2 = (p2 - p1) * (g * scale2)[:, None]
     if TRAIN1:
         ds1 = p1 * log_ratio * (g * (scale1 * LN2))[:, None]
+    if MASKED:  # select, never multiply: 0 * NaN = NaN (an invisible key's score, a NaN row's g)
+        ds1 = tl.where(visible, ds1, 0.0)
+        ds2 = tl.where(visible, ds2, 0.0)
     return ds1, ds2
 
 
 @triton.jit
-def _dk_dq_side(dk, ds, q, k, dq_ptrs, dq_mask, FUSED_DQ: tl.constexpr, IEEE: tl.constexpr):
+def _dk_dq_side(dk, ds, q, k, dq_ptrs, dq_mask, MASKED: tl.constexpr, FUSED_DQ: tl.constexpr,
+                IEEE: tl.constexpr):
     """One side's share of a tile: dK += dS^T Q in registers; with FUSED_DQ, dQ += dS K by atomics."""
     ds = ds.to(q.dtype)  # the tensor-core operand precision, as FlashAttention's backward
+    if MASKED:  # a NaN query row must not reach the dK of keys it cannot see
+        q = _finite(q)
     dk += _dot(tl.trans(ds), q, IEEE)
     if FUSED_DQ:
+        if MASKED:  # nor a NaN key the dQ of rows that cannot see it
+            k = _finite(k)
         tl.atomic_add(dq_ptrs, _dot(ds, k, IEEE), mask=dq_mask, sem="relaxed")
     return dk
 
@@ -119,10 +141,10 @@ def _dk_query_range(
                             MASKED, CAUSAL, TRAIN1, TRAIN2, IEEE1, IEEE2)
         if TRAIN1:
             dk1 = _dk_dq_side(dk1, ds1, q1, k1, DQ1 + rows64[:, None] * stride_dq1n + offs_d1[None, :],
-                              row_ok[:, None] & (offs_d1[None, :] < D1), FUSED_DQ, IEEE1)
+                              row_ok[:, None] & (offs_d1[None, :] < D1), MASKED, FUSED_DQ, IEEE1)
         if TRAIN2:
             dk2 = _dk_dq_side(dk2, ds2, q2, k2, DQ2 + rows64[:, None] * stride_dq2n + offs_d2[None, :],
-                              row_ok[:, None] & (offs_d2[None, :] < D2), FUSED_DQ, IEEE2)
+                              row_ok[:, None] & (offs_d2[None, :] < D2), MASKED, FUSED_DQ, IEEE2)
     return dk1, dk2
 
 
@@ -257,6 +279,9 @@ def _dq_key_range(
         ds1, ds2 = _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, kl_bits, g, offs_m, cols, N_K,
                             diag_offset, qk_scale1, qk_scale2, scale1, scale2,
                             MASKED, CAUSAL, TRAIN1, TRAIN2, IEEE1, IEEE2)
+        if MASKED:  # a NaN/inf key must not reach the dQ of rows that cannot see it
+            k1 = _finite(k1)
+            k2 = _finite(k2)
         if TRAIN1:
             dq1 += _dot(ds1.to(k1.dtype), k1, IEEE1)
         if TRAIN2:

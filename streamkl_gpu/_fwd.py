@@ -17,10 +17,13 @@ query element (relative 2^-9 for bf16) that the reference does not make; and we 
 the max, not inside the exponent's FFMA, so that the max's own exponent is exactly 0.
 
 Masks: out-of-range keys and keys past the bottom-right causal frontier get exponent -inf on
-both sides in the *masked* stage only. The log-ratio is taken before masking, from finite
-scores, so a masked entry contributes ``0 * finite = 0`` and ``-inf - -inf`` is never formed. A
-row whose running max is still -inf uses 0 as its shift (``_safe``), so ``exp2(-inf - -inf)`` is
-never evaluated either: an all-masked tile leaves the state unchanged.
+both sides in the *masked* stage only. The log-ratio is taken before masking, so ``-inf - -inf``
+is never formed, and the masked entries' terms ``p1 * log_ratio`` are *selected* to 0, never
+multiplied: a key a row cannot see may hold NaN or inf, and ``0 * NaN = NaN`` would reach the
+row (MATH.md, "Invisible keys never reach a row"). Whole tiles need no guard: every row of the
+block sees every key there. A row whose running max is still -inf uses 0 as its shift
+(``_safe``), so ``exp2(-inf - -inf)`` is never evaluated either: an all-masked tile leaves the
+state unchanged.
 
 Offsets: batch/head base offsets are int64 and the key pointers are advanced tile by tile in
 64-bit pointer arithmetic, so 512K tokens x 32 heads x 128 dims (> 2^31 elements) is fine.
@@ -202,18 +205,22 @@ def _fwd_key_range(
         x1 = s1 - shift1[:, None]  # log2 of the unnormalised P1 entries, <= 0 where visible
         x2 = s2 - shift2[:, None]
         # the shifted log-ratio (s1 - m1) - (s2 - m2): small where P1 matters, so the large maxima
-        # never enter the per-entry sum (see _finalize); from unmasked scores, hence finite
+        # never enter the per-entry sum (see _finalize); from unmasked scores, so never -inf - -inf
         log_ratio = x1 - x2
         if MASKED:
             x1 = tl.where(visible, x1, float("-inf"))  # exp2(-inf) = 0: masked entries add nothing
             x2 = tl.where(visible, x2, float("-inf"))
         p1 = tl.exp2(x1)
         p2 = tl.exp2(x2)
+        terms = p1 * log_ratio
+        if MASKED:
+            # select, never multiply: a key this row cannot see may hold NaN/inf (0 * NaN = NaN)
+            terms = tl.where(visible, terms, 0.0)
         alpha1 = tl.exp2(m1 - shift1)  # exp2(-inf) = 0 on the first visible tile: l1 = acc = 0 there
         alpha2 = tl.exp2(m2 - shift2)
         # re-reference the old acc to the new maxima: each old term moves by -(dm1 - dm2)
         moved = (shift1 - _safe(m1)) - (shift2 - _safe(m2))
-        acc = (acc - l1 * moved) * alpha1 + tl.sum(p1 * log_ratio, 1)
+        acc = (acc - l1 * moved) * alpha1 + tl.sum(terms, 1)
         l1 = l1 * alpha1 + tl.sum(p1, 1)
         l2 = l2 * alpha2 + tl.sum(p2, 1)
         m1 = m1_new
