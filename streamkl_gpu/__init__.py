@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 __all__ = [
     "attention_kl",
     "attention_kl_with_lse",
+    "attention_kl_varlen",
     "auto_split_k",
     "auto_bwd_mode",
     "interpreting",
@@ -23,9 +24,12 @@ __all__ = [
 ]
 
 
+_HOMES = {"attention_kl_varlen": "._varlen"}  # the rest lives in .api
+
+
 def __getattr__(name):
     if name in __all__:
-        return getattr(importlib.import_module(".api", __name__), name)
+        return getattr(importlib.import_module(_HOMES.get(name, ".api"), __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -91,8 +91,8 @@ def _sequence(CU_SEQLENS_Q, CU_SEQLENS_K, b, N_Q, N_K, VARLEN: tl.constexpr):
 
     Padded batches: ``(0, N_Q, 0, N_K)``. VARLEN (packed sequences, MATH.md "Packed sequences"):
     ``b`` is a sequence, ``N_Q``/``N_K`` are the packed totals, and the bounds come from
-    ``cu_seqlens``, clamped into ``[0, total]`` and made non-decreasing, so a cu_seqlens the host
-    did not check (``check_seqlens=False``) never makes a kernel read or write out of bounds.
+    ``cu_seqlens``, clamped into ``[0, total]`` with end >= start, so a cu_seqlens the host did
+    not check (``check_seqlens=False``) never makes a kernel read or write out of bounds.
     """
     q_lo = 0
     k_lo = 0
