@@ -77,11 +77,11 @@ def assert_bitwise(ours, theirs):
 
 
 # packings: (n_q, n_k) per sequence, zero-length and length-1 sequences, N_Q != N_K
-seq_lens = st.tuples(st.sampled_from([0, 1, 2, 5, 13, 17, 24]), st.sampled_from([0, 1, 3, 16, 17, 30]))
+seq_lens = st.tuples(st.sampled_from([0, 1, 2, 5, 17]), st.sampled_from([0, 1, 3, 16, 17]))
 heads = st.sampled_from([(1, 1, 1), (2, 1, 2), (4, 2, 1)])
 
 
-@given(lens=st.lists(seq_lens, min_size=1, max_size=4), h=heads, dims=st.sampled_from([(16, 16), (16, 8), (8, 32)]),
+@given(lens=st.lists(seq_lens, min_size=1, max_size=3), h=heads, dims=st.sampled_from([(16, 16), (16, 8), (8, 32)]),
        causal=st.booleans(), setting=st.sampled_from(list(SETTINGS)), mode=st.sampled_from(list(MODES)),
        seed=st.integers(0, 2**16))
 @example(lens=[(5, 0), (0, 3), (1, 1), (24, 17), (13, 30)], h=(4, 2, 1), dims=(16, 8), causal=True,
@@ -100,36 +100,35 @@ def test_equals_attention_kl_per_sequence(lens, h, dims, causal, setting, mode, 
         assert_bitwise(run_varlen(xs, cu_q, cu_k, mq, mk, train, g, **kw), ours)
 
 
-@pytest.mark.parametrize("split_k", [2, 3])
-def test_split_k_matches_reference(split_k):
+@pytest.mark.parametrize("split_k,causal", [(2, False), (3, True)])
+def test_split_k_matches_reference(split_k, causal):
     lens = [(3, 40), (0, 5), (9, 0), (1, 33), (16, 16)]
     xs, cu_q, cu_k, mq, mk = pack(lens, 4, 2, 1, 16, 8, seed=split_k)
     x64 = [x.double().numpy() for x in xs]
-    for causal in (False, True):
-        kl, lse1_bits, lse2_bits = _varlen._kl_varlen_fwd_op(*xs, cu_q, cu_k, mq, mk, causal, 0.25, 0.35,
-                                                              split_k, "auto", False)
-        ref = streamkl_ref.attention_kl_varlen(*x64, cu_q.numpy(), cu_k.numpy(), mq, mk, causal=causal,
-                                               scale1=0.25, scale2=0.35, return_lse=True)
-        same = [torch.zeros_like(kl)] + [torch.full_like(kl, -np.inf) for _ in range(2)]
-        for i, (nq, nk) in enumerate(lens):  # float32 PyTorch, sequence by sequence
-            rows, keys = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
-            if nq and nk:
-                seq = [x[sl].transpose(0, 1)[None] for x, sl in zip(xs, (rows, keys, rows, keys))]
-                same[0][rows] = same_precision(seq, None, causal=causal, scale1=0.25, scale2=0.35)[0][0].T
-        assert_close("kl", kl, ref[0], same[0], dtype=torch.float32)
-        for name, ours, want in (("lse1", lse1_bits, ref[1]), ("lse2", lse2_bits, ref[2])):
-            finite = np.isfinite(want)
-            assert (torch.isinf(ours).numpy() == ~finite).all(), name
-            nats = (ours * streamkl_ref._scores.LN2).numpy()
-            np.testing.assert_allclose(nats[finite], want[finite], rtol=2e-6, atol=2e-6, err_msg=name)
-        # gradients after a split forward: the saved LSEs feed the backward
-        g = torch.randn(kl.shape, generator=torch.Generator().manual_seed(7))
-        _, grads = run_varlen(xs, cu_q, cu_k, mq, mk, (True,) * 4, g, causal=causal, split_k=split_k)
-        gref = streamkl_ref.attention_kl_varlen_grad(*x64, cu_q.numpy(), cu_k.numpy(), mq, mk,
-                                                     g.double().numpy(), causal=causal)
-        _, gsame = run_per_sequence(xs, cu_q, cu_k, (True,) * 4, g, causal=causal, split_k=1)
-        for name in GRAD_NAMES:
-            assert_close(name, grads[name], gref[name], gsame[name], dtype=torch.float32, floor=1e-5)
+    kl, lse1_bits, lse2_bits = _varlen._kl_varlen_fwd_op(*xs, cu_q, cu_k, mq, mk, causal, 0.25, 0.35,
+                                                          split_k, "auto", False)
+    ref = streamkl_ref.attention_kl_varlen(*x64, cu_q.numpy(), cu_k.numpy(), mq, mk, causal=causal,
+                                           scale1=0.25, scale2=0.35, return_lse=True)
+    same = [torch.zeros_like(kl)] + [torch.full_like(kl, -np.inf) for _ in range(2)]
+    for i, (nq, nk) in enumerate(lens):  # float32 PyTorch, sequence by sequence
+        rows, keys = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        if nq and nk:
+            seq = [x[sl].transpose(0, 1)[None] for x, sl in zip(xs, (rows, keys, rows, keys))]
+            same[0][rows] = same_precision(seq, None, causal=causal, scale1=0.25, scale2=0.35)[0][0].T
+    assert_close("kl", kl, ref[0], same[0], dtype=torch.float32)
+    for name, ours, want in (("lse1", lse1_bits, ref[1]), ("lse2", lse2_bits, ref[2])):
+        finite = np.isfinite(want)
+        assert (torch.isinf(ours).numpy() == ~finite).all(), name
+        nats = (ours * streamkl_ref._scores.LN2).numpy()
+        np.testing.assert_allclose(nats[finite], want[finite], rtol=2e-6, atol=2e-6, err_msg=name)
+    # gradients after a split forward: the saved LSEs feed the backward
+    g = torch.randn(kl.shape, generator=torch.Generator().manual_seed(7))
+    _, grads = run_varlen(xs, cu_q, cu_k, mq, mk, (True,) * 4, g, causal=causal, split_k=split_k)
+    gref = streamkl_ref.attention_kl_varlen_grad(*x64, cu_q.numpy(), cu_k.numpy(), mq, mk,
+                                                 g.double().numpy(), causal=causal)
+    _, gsame = run_per_sequence(xs, cu_q, cu_k, (True,) * 4, g, causal=causal, split_k=1)
+    for name in GRAD_NAMES:
+        assert_close(name, grads[name], gref[name], gsame[name], dtype=torch.float32)
 
 
 def test_nan_in_one_sequence_never_reaches_another():
@@ -145,23 +144,22 @@ def test_nan_in_one_sequence_never_reaches_another():
         view.copy_(x)
         return view
 
-    for causal in (False, True):
-        for mode in MODES:
-            kw = dict(causal=causal, **MODES[mode])
-            clean = run_varlen(xs, cu_q, cu_k, mq, mk, (True,) * 4, g, **kw)
-            dirty_xs = [in_nan_storage(x) for x in xs]
-            for x, sl in zip(dirty_xs, (slice(9, 16), slice(12, 17)) * 2):
-                x.data[sl.start + 2] = float("nan")  # one row / key of sequence 1
-            ins = [x.detach().requires_grad_() for x in dirty_xs]
-            kl = streamkl_gpu.attention_kl_varlen(*ins, cu_q, cu_k, mq, mk, **kw)
-            kl.backward(g)
-            others_q = torch.cat([torch.arange(0, 9), torch.arange(16, 27)])
-            others_k = torch.cat([torch.arange(0, 12), torch.arange(17, 37)])
-            assert torch.equal(kl.detach()[others_q], clean[0][others_q]), (causal, mode)
-            assert torch.isnan(kl.detach()[9:16]).any()  # and it does reach its own sequence
-            for name, x in zip(GRAD_NAMES, ins):
-                idx = others_q if name.startswith("dq") else others_k
-                assert torch.equal(x.grad[idx], clean[1][name][idx]), (name, causal, mode)
+    for causal, mode in ((True, "fused"), (True, "deterministic"), (False, "separate")):
+        kw = dict(causal=causal, **MODES[mode])
+        clean = run_varlen(xs, cu_q, cu_k, mq, mk, (True,) * 4, g, **kw)
+        dirty_xs = [in_nan_storage(x) for x in xs]
+        for x, sl in zip(dirty_xs, (slice(9, 16), slice(12, 17)) * 2):
+            x.data[sl.start + 2] = float("nan")  # one row / key of sequence 1
+        ins = [x.detach().requires_grad_() for x in dirty_xs]
+        kl = streamkl_gpu.attention_kl_varlen(*ins, cu_q, cu_k, mq, mk, **kw)
+        kl.backward(g)
+        others_q = torch.cat([torch.arange(0, 9), torch.arange(16, 27)])
+        others_k = torch.cat([torch.arange(0, 12), torch.arange(17, 37)])
+        assert torch.equal(kl.detach()[others_q], clean[0][others_q]), (causal, mode)
+        assert torch.isnan(kl.detach()[9:16]).any()  # and it does reach its own sequence
+        for name, x in zip(GRAD_NAMES, ins):
+            idx = others_q if name.startswith("dq") else others_k
+            assert torch.equal(x.grad[idx], clean[1][name][idx]), (name, causal, mode)
 
 
 def test_empty_and_zero_length_sequences():
