@@ -10,7 +10,7 @@ choose the interpreter after ``import streamkl_gpu``.
 """
 import importlib
 
-__version__ = "0.1.0"
+from streamkl_ref import __version__  # one version for both packages
 __all__ = [
     "attention_kl",
     "attention_kl_with_lse",
@@ -34,4 +34,5 @@ def __getattr__(name):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(__all__))
+    # the public API only (the private modules are implementation)
+    return sorted(__all__)

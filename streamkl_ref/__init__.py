@@ -21,6 +21,8 @@ backward), ``_varlen`` (packed sequences with ``cu_seqlens``, sequence by sequen
 ``_scores`` (scores, masks, GQA plumbing), ``_checks`` (input validation shared with
 streamkl_gpu), ``cli`` (the ``streamkl`` command).
 """
+__version__ = "0.1.0"  # the one home of the version (pyproject.toml reads it)
+
 from ._dense import attention_kl
 from ._grad import attention_kl_grad, attention_kl_grad_tiled
 from ._mp import attention_kl_mp
@@ -40,6 +42,7 @@ from ._online import (
 from ._varlen import attention_kl_varlen, attention_kl_varlen_grad
 
 __all__ = [
+    "__version__",
     "attention_kl",
     "attention_kl_mp",
     "attention_kl_online",
