@@ -27,27 +27,21 @@ import triton
 from streamkl_ref._varlen import check_seqlens_values, check_varlen, padded_view
 
 from . import _bwd, _fwd
-from .api import (
-    LN2,
-    LOG2E,
-    _bucket,
-    _bwd_candidates,
-    _check_tensors,
-    _compute_view,
-    _fresh,
-    _fwd_candidates,
-    _head_pad,
-    _n_sm,
-    _pick,
-    _strides,
-    auto_bwd_mode,
-    auto_split_k,
-    interpreting,
+from ._checks import (
+    check_bwd_mode,
+    check_causal,
+    check_flag,
+    check_split_k,
+    check_tensors,
+    compute_view,
+    head_pad,
+    scale_value,
+    strides,
 )
+from ._runtime import LOG2E, fresh, interpreting, n_sm
+from ._tuning import auto_bwd_mode, auto_split_k, bucket, bwd_candidates, fwd_candidates, pick
 
 __all__ = ["attention_kl_varlen"]
-
-BWD_MODES = ("auto", "fused", "separate")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -63,11 +57,12 @@ def _check_varlen(q1, k1, q2, k2, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
                     ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    dims, batch, max_q, max_k = check_varlen(q1, k1, q2, k2, cu_seqlens_q, cu_seqlens_k,
-                                             max_seqlen_q, max_seqlen_k, scale1=scale1, scale2=scale2)
-    if dims.NQ > 0 and dims.NK > 0 and dims.H > 0:
-        # dtypes, devices, head dims: the rules of attention_kl, on the padded views
-        _check_tensors(*(padded_view(t) for t in (q1, k1, q2, k2)), scale1, scale2)
+    scale1, scale2 = scale_value(scale1, "scale1"), scale_value(scale2, "scale2")
+    # the packing's shape rules (3-D tensors, cu_seqlens 1-D of one length, max_seqlen_*), then
+    # dtypes, devices and head dims as attention_kl checks them, on the [1, H, total, D] views
+    _, batch, max_q, max_k = check_varlen(q1, k1, q2, k2, cu_seqlens_q, cu_seqlens_k,
+                                          max_seqlen_q, max_seqlen_k, scale1=scale1, scale2=scale2)
+    dims = check_tensors(*(padded_view(t) for t in (q1, k1, q2, k2)), scale1, scale2)
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if cu.dtype != torch.int32:
             raise ValueError(f"{name} must have dtype torch.int32, got {cu.dtype}")
@@ -94,22 +89,22 @@ def _forward(q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, causal, scale1, scale2, s
                                               scale1, scale2, check_seqlens=False)
     device = q1.device
     total_q, H = dims.NQ, dims.H
-    kl = _fresh((total_q, H), torch.float32, device)
-    lse1_bits = _fresh((total_q, H), torch.float32, device)
-    lse2_bits = _fresh((total_q, H), torch.float32, device)
+    kl = fresh((total_q, H), torch.float32, device)
+    lse1_bits = fresh((total_q, H), torch.float32, device)
+    lse2_bits = fresh((total_q, H), torch.float32, device)
     if total_q == 0 or H == 0 or batch == 0 or max_q == 0:
         return kl, lse1_bits, lse2_bits
     sched = _schedule_dims(dims, batch, max_q, max_k)
-    q1, k1, q2, k2 = (_compute_view(padded_view(t)) for t in (q1, k1, q2, k2))
-    d1_pad, d2_pad = _head_pad(dims.D1), _head_pad(dims.D2)
+    q1, k1, q2, k2 = (compute_view(padded_view(t)) for t in (q1, k1, q2, k2))
+    d1_pad, d2_pad = head_pad(dims.D1), head_pad(dims.D2)
     ieee1 = q1.dtype == torch.float32
     ieee2 = q2.dtype == torch.float32
     ieee = ieee1 or ieee2
-    probe = _fwd_candidates(sched, max(d1_pad, d2_pad), True, ieee)[0]
-    n_splits = split_k if split_k is not None else auto_split_k(sched, probe[0], probe[1], _n_sm(device))
+    probe = fwd_candidates(sched, max(d1_pad, d2_pad), True, ieee)[0]
+    n_splits = split_k if split_k is not None else auto_split_k(sched, probe[0], probe[1], n_sm(device))
     split = n_splits > 1
     # keys through pointers only: a TMA tile would also fetch the next sequence's keys
-    candidates = _fwd_candidates(sched, max(d1_pad, d2_pad), split, ieee, False)
+    candidates = fwd_candidates(sched, max(d1_pad, d2_pad), split, ieee, False)
 
     def launch(cfg):
         block_m, block_n, warps, stages, _ = cfg
@@ -117,11 +112,11 @@ def _forward(q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, causal, scale1, scale2, s
         splits = min(n_splits, key_tiles)
         keys_per_split = triton.cdiv(key_tiles, splits) * block_n
         splits = max(1, triton.cdiv(max_k, keys_per_split))
-        part = _fresh((5, splits, total_q * H), torch.float32, device) if splits > 1 else kl
+        part = fresh((5, splits, total_q * H), torch.float32, device) if splits > 1 else kl
         grid = (triton.cdiv(max_q, block_m), batch * H, splits)
         _fwd._kl_fwd_kernel[grid](
             q1, k1, q2, k2, None, None, kl, lse1_bits, lse2_bits, part,
-            *_strides(q1), *_strides(k1), *_strides(q2), *_strides(k2),
+            *strides(q1), *strides(k1), *strides(q2), *strides(k2),
             H, total_q, dims.NK, dims.D1, dims.D2, dims.group1, dims.group2,
             keys_per_split, splits, dims.scale1 * LOG2E, dims.scale2 * LOG2E,
             BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1_pad, D2_PAD=d2_pad,
@@ -136,8 +131,8 @@ def _forward(q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, causal, scale1, scale2, s
                 part, kl, lse1_bits, lse2_bits, rows, splits, BLOCK=block, num_warps=4)
 
     key = ("varlen_fwd", dims.D1, dims.D2, q1.dtype, q2.dtype, causal, split,
-           _bucket(max_q), _bucket(max_k), _bucket(total_q), _bucket(batch * H), n_splits)
-    launch(_pick(key, candidates, launch))
+           bucket(max_q), bucket(max_k), bucket(total_q), bucket(batch * H), n_splits)
+    launch(pick(key, candidates, launch))
     return kl, lse1_bits, lse2_bits
 
 
@@ -152,14 +147,12 @@ def _backward(g, q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, kl, lse1_bits, lse2_b
     out_dtypes = (q1.dtype, k1.dtype, q2.dtype, k2.dtype)
     device = q1.device
     total_q, total_k, H = dims.NQ, dims.NK, dims.H
-    if bwd_mode not in BWD_MODES:
-        raise ValueError(f"bwd_mode must be 'auto', 'fused' or 'separate', got {bwd_mode!r}")
     both = train1 and train2
-    mode = bwd_mode
+    mode = check_bwd_mode(bwd_mode)
     if deterministic:
         mode = "separate"  # no atomics on dQ
     elif mode == "auto":
-        mode = auto_bwd_mode(_schedule_dims(dims, batch, max_q, max_k), _n_sm(device), both)
+        mode = auto_bwd_mode(_schedule_dims(dims, batch, max_q, max_k), n_sm(device), both)
     fused = mode == "fused"
     work = total_q > 0 and total_k > 0 and H > 0 and batch > 0 and max_q > 0 and max_k > 0
 
@@ -169,7 +162,7 @@ def _backward(g, q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, kl, lse1_bits, lse2_b
     def dk_buffer(train, k, group, d):
         if not train:
             return None, False
-        alloc = _fresh if work else (lambda shape, dtype, dev: torch.zeros(shape, dtype=dtype, device=dev))
+        alloc = fresh if work else (lambda shape, dtype, dev: torch.zeros(shape, dtype=dtype, device=dev))
         if group == 1:
             return alloc((total_k, H, d), k.dtype, device), False
         if deterministic:
@@ -181,12 +174,12 @@ def _backward(g, q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, kl, lse1_bits, lse2_b
             return None
         if fused or not work:
             return torch.zeros((total_q, H, d), dtype=torch.float32 if fused else q.dtype, device=device)
-        return _fresh((total_q, H, d), q.dtype, device)
+        return fresh((total_q, H, d), q.dtype, device)
 
-    views = [_compute_view(padded_view(t)) for t in (q1, k1, q2, k2)]
+    views = [compute_view(padded_view(t)) for t in (q1, k1, q2, k2)]
     ieee1 = views[0].dtype == torch.float32
     ieee2 = views[2].dtype == torch.float32
-    d1_pad, d2_pad = _head_pad(dims.D1), _head_pad(dims.D2)
+    d1_pad, d2_pad = head_pad(dims.D1), head_pad(dims.D2)
     g = g.to(torch.float32).contiguous()
     kl, lse1_bits, lse2_bits = kl.contiguous(), lse1_bits.contiguous(), lse2_bits.contiguous()
     dummy = kl  # placeholder pointer for outputs a launch does not write
@@ -207,10 +200,10 @@ def _backward(g, q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, kl, lse1_bits, lse2_b
                       IEEE1=ieee1, IEEE2=ieee2, CU_SEQLENS_Q=cu_q, CU_SEQLENS_K=cu_k, VARLEN=True)
         scalars = (H, total_q, total_k, dims.D1, dims.D2, dims.group1, dims.group2,
                    dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2)
-        strides = [s for v in views for s in _strides(v)]
+        in_strides = [s for v in views for s in strides(v)]
         block_m, block_n, warps, stages = cfg_dk
         _bwd._kl_bwd_dk_kernel[(triton.cdiv(max_k, block_n), batch * H)](
-            *views, lse1_bits, lse2_bits, kl, g, *bufs, *strides,
+            *views, lse1_bits, lse2_bits, kl, g, *bufs, *in_strides,
             *(s for b in bufs for s in s3(b)), *scalars,
             BLOCK_M=block_m, BLOCK_N=block_n, FUSED_DQ=fused,
             DK1_ATOMIC=dk1_atomic, DK2_ATOMIC=dk2_atomic, num_warps=warps, num_stages=stages, **common,
@@ -218,21 +211,21 @@ def _backward(g, q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, kl, lse1_bits, lse2_b
         if not fused:
             block_m, block_n, warps, stages = cfg_dq
             _bwd._kl_bwd_dq_kernel[(triton.cdiv(max_q, block_m), batch * H)](
-                *views, lse1_bits, lse2_bits, kl, g, bufs[2], bufs[3], *strides,
+                *views, lse1_bits, lse2_bits, kl, g, bufs[2], bufs[3], *in_strides,
                 *s3(bufs[2]), *s3(bufs[3]), *scalars,
                 BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common,
             )
         return dq1, dk1, dq2, dk2
 
     d_pad = max(d1_pad, d2_pad)
-    dk_cands = _bwd_candidates(d_pad, both, "dk", ieee1 or ieee2)
-    dq_cands = _bwd_candidates(d_pad, both, "dq", ieee1 or ieee2)
+    dk_cands = bwd_candidates(d_pad, both, "dk", ieee1 or ieee2)
+    dq_cands = bwd_candidates(d_pad, both, "dq", ieee1 or ieee2)
     base_key = ("varlen", dims.D1, dims.D2, views[0].dtype, views[2].dtype, causal, train1, train2,
-                _bucket(max_q), _bucket(max_k), _bucket(total_q), _bucket(batch * H),
+                bucket(max_q), bucket(max_k), bucket(total_q), bucket(batch * H),
                 dims.group1 > 1, dims.group2 > 1)
     if work:
-        cfg_dk = _pick(("bwd_dk", fused) + base_key, dk_cands, lambda c: run(c, dq_cands[0]))
-        cfg_dq = dq_cands[0] if fused else _pick(("bwd_dq",) + base_key, dq_cands, lambda c: run(cfg_dk, c))
+        cfg_dk = pick(("bwd_dk", fused) + base_key, dk_cands, lambda c: run(c, dq_cands[0]))
+        cfg_dq = dq_cands[0] if fused else pick(("bwd_dq",) + base_key, dq_cands, lambda c: run(cfg_dk, c))
     else:
         cfg_dk, cfg_dq = dk_cands[0], dq_cands[0]
     dq1, dk1, dq2, dk2 = run(cfg_dk, cfg_dq)
@@ -328,15 +321,16 @@ _kl_varlen_fwd_op.register_autograd(_kl_varlen_backward, setup_context=_setup_co
 def _call(q1, k1, q2, k2, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale1,
           scale2, split_k, bwd_mode, deterministic, check_seqlens):
     """Check the arguments, then run the custom op: (kl in nats, lse1, lse2 in bits), [total_q, H]."""
+    causal = check_causal(causal)
     dims, _, max_q, max_k = _check_varlen(q1, k1, q2, k2, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                          max_seqlen_k, scale1, scale2, check_seqlens)
-    if bwd_mode not in BWD_MODES:
-        raise ValueError(f"bwd_mode must be 'auto', 'fused' or 'separate', got {bwd_mode!r}")
-    if split_k is not None and (isinstance(split_k, bool) or not isinstance(split_k, int) or split_k < 1):
-        raise ValueError(f"split_k must be None or a positive integer, got {split_k!r}")
-    return _kl_varlen_fwd_op(q1, k1, q2, k2, cu_seqlens_q, cu_seqlens_k, max_q, max_k, bool(causal),
+                                          max_seqlen_k, scale1, scale2,
+                                          check_flag(check_seqlens, "check_seqlens"))
+    check_bwd_mode(bwd_mode)
+    check_split_k(split_k)
+    deterministic = check_flag(deterministic, "deterministic")
+    return _kl_varlen_fwd_op(q1, k1, q2, k2, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal,
                              dims.scale1, dims.scale2, 0 if split_k is None else split_k, bwd_mode,
-                             bool(deterministic))
+                             deterministic)
 
 
 def attention_kl_varlen(q1, k1, q2, k2, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,

@@ -45,14 +45,12 @@ def run_varlen(xs, cu_q, cu_k, mq, mk, train, g, **kw):
 
 
 def run_per_sequence(xs, cu_q, cu_k, train, g, **kw):
-    """attention_kl on each sequence alone ([1, H, n, D] views), packed back into [total, ...].
-    Sequences with queries but no keys: KL 0 and zero gradients (the convention)."""
-    kl = torch.zeros(xs[0].shape[0], xs[0].shape[1])
-    grads = {n: torch.zeros_like(x) for n, x in zip(GRAD_NAMES, xs)}
+    """attention_kl on each sequence alone ([1, H, n, D] views, empty ones included), packed
+    back into [total, ...]."""
+    kl = torch.full(xs[0].shape[:2], float("nan"))
+    grads = {n: torch.full_like(x, float("nan")) for n, x in zip(GRAD_NAMES, xs)}
     for i in range(len(cu_q) - 1):
         rows, keys = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
-        if rows.stop == rows.start or keys.stop == keys.start:
-            continue
         ins = [x[sl].transpose(0, 1)[None].clone().requires_grad_(t)
                for x, sl, t in zip(xs, (rows, keys, rows, keys), train)]
         out = streamkl_gpu.attention_kl(*ins, **kw)
