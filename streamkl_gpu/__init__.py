@@ -29,7 +29,9 @@ _HOMES = {"attention_kl_varlen": "._varlen"}  # the rest lives in .api
 
 def __getattr__(name):
     if name in __all__:
-        return getattr(importlib.import_module(_HOMES.get(name, ".api"), __name__), name)
+        value = getattr(importlib.import_module(_HOMES.get(name, ".api"), __name__), name)
+        globals()[name] = value  # later lookups skip this hook (it ran on every call)
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -8,11 +8,10 @@ from numbers import Real
 
 import numpy as np
 import torch
-import triton
 
 from streamkl_ref._checks import check_inputs
 
-from ._runtime import interpreting
+from ._runtime import interpreting, next_power_of_2
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -98,7 +97,7 @@ def check_flag(value, name: str) -> bool:
 
 def head_pad(d: int) -> int:
     """The tile width of a head dim: a power of two, at least 16 (tl.dot's minimum)."""
-    return max(16, triton.next_power_of_2(d))
+    return max(16, next_power_of_2(d))
 
 
 def strides(t):
