@@ -155,7 +155,7 @@ def _finalize(m1, l1, m2, l2, acc):
 @triton.jit
 def _fwd_key_range(
     m1, l1, m2, l2, acc,
-    q1, q2, k1_ptrs, k2_ptrs, stride_k1n, stride_k2n, k1_desc, k2_desc, b, kv_head1, kv_head2,
+    q1, q2, k1_ptrs, k2_ptrs, stride_k1n, stride_k2n, k1_desc, k2_desc, tma_b, tma_key0, kv_head1, kv_head2,
     offs_m, offs_n, offs_d1, offs_d2, D1: tl.constexpr, D2: tl.constexpr, N_K, diag_offset,
     lo, hi, qk_scale1, qk_scale2,
     BLOCK_N: tl.constexpr, D1_PAD: tl.constexpr, D2_PAD: tl.constexpr,
@@ -164,7 +164,8 @@ def _fwd_key_range(
 ):
     """Fold key tiles [lo, hi) into the row states. MASKED=False: every key of every tile is
     visible to every row (no mask work at all); MASKED=True: bounds and causal masks applied.
-    Keys come through ``k*_ptrs`` or, with USE_TMA, the tensor descriptors ``k*_desc``."""
+    Keys come through ``k*_ptrs`` or, with USE_TMA, the tensor descriptors ``k*_desc`` (key
+    ``start_n`` of batch entry ``tma_b`` is descriptor row ``tma_key0 + start_n``)."""
     k1_ptrs += lo.to(tl.int64) * stride_k1n
     k2_ptrs += lo.to(tl.int64) * stride_k2n
     for start_n in range(lo, hi, BLOCK_N):
@@ -172,8 +173,8 @@ def _fwd_key_range(
         if USE_TMA:
             # Hopper bulk tensor copies (TMA): keys past N_K and dims past D arrive as zeros, so
             # no mask and no per-thread address registers (measured: fewer registers per thread)
-            k1 = k1_desc.load([b, kv_head1, start_n, 0]).reshape(BLOCK_N, D1_PAD)
-            k2 = k2_desc.load([b, kv_head2, start_n, 0]).reshape(BLOCK_N, D2_PAD)
+            k1 = k1_desc.load([tma_b, kv_head1, tma_key0 + start_n, 0]).reshape(BLOCK_N, D1_PAD)
+            k2 = k2_desc.load([tma_b, kv_head2, tma_key0 + start_n, 0]).reshape(BLOCK_N, D2_PAD)
         elif MASKED:
             k1 = tl.load(k1_ptrs, mask=(cols[:, None] < N_K) & (offs_d1[None, :] < D1), other=0.0)
             k2 = tl.load(k2_ptrs, mask=(cols[:, None] < N_K) & (offs_d2[None, :] < D2), other=0.0)
@@ -233,7 +234,7 @@ def _fwd_key_range(
 @triton.jit
 def _kl_fwd_kernel(
     Q1, K1, Q2, K2,
-    K1_DESC, K2_DESC,  # TMA descriptors of k1/k2 as [B, H_K, N_K, D] (used when USE_TMA)
+    K1_DESC, K2_DESC,  # TMA descriptors of k1/k2 as [B, H_K, N_K, D] (used when USE_TMA; VARLEN: [1, H_K, total_k, D])
     KL, LSE1, LSE2,  # outputs [B*H, N_Q] fp32: KL in nats, LSEs in bits (used when SPLIT == False)
     PART,  # partial states [5, SPLITS, B*H, N_Q] fp32 (used when SPLIT == True)
     stride_q1b, stride_q1h, stride_q1n, stride_q1d,
@@ -258,13 +259,19 @@ def _kl_fwd_kernel(
     h = pid_bh % H
     start_m = pid_m * BLOCK_M
     rows_total = tl.num_programs(1) * N_Q  # rows of KL/LSE*, one state plane of PART
+    # TMA descriptor coordinates: [b, head, key, 0]; packed: the [1, H_K, total_k, D] view, so
+    # batch 0 and the sequence's first key (a tile may run into the next sequence: its keys are
+    # masked like keys past N_K; past total_k the descriptor returns zeros)
+    tma_b = b
+    tma_key0 = 0
     if VARLEN:
-        tl.static_assert(not USE_TMA, "packed sequences read keys through pointers")
         rows_total = N_Q * H
     q_lo, N_Q, k_lo, N_K = _sequence(CU_SEQLENS_Q, CU_SEQLENS_K, b, N_Q, N_K, VARLEN)
     if VARLEN:
         if start_m >= N_Q:  # a query block past this sequence's end: no work, nothing to write
             return
+        tma_b = 0
+        tma_key0 = k_lo
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d1 = tl.arange(0, D1_PAD)
@@ -302,12 +309,12 @@ def _kl_fwd_kernel(
                                   N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL)
     m1, l1, m2, l2, acc = _fwd_key_range(
         m1, l1, m2, l2, acc, q1, q2, k1_ptrs, k2_ptrs, stride_k1n, stride_k2n,
-        K1_DESC, K2_DESC, b, kv_head1, kv_head2,
+        K1_DESC, K2_DESC, tma_b, tma_key0, kv_head1, kv_head2,
         offs_m, offs_n, offs_d1, offs_d2, D1, D2, N_K, diag_offset, key_lo, full_hi,
         qk_scale1, qk_scale2, BLOCK_N, D1_PAD, D2_PAD, False, CAUSAL, IEEE1, IEEE2, USE_TMA, NO_CONTRACT)
     m1, l1, m2, l2, acc = _fwd_key_range(
         m1, l1, m2, l2, acc, q1, q2, k1_ptrs, k2_ptrs, stride_k1n, stride_k2n,
-        K1_DESC, K2_DESC, b, kv_head1, kv_head2,
+        K1_DESC, K2_DESC, tma_b, tma_key0, kv_head1, kv_head2,
         offs_m, offs_n, offs_d1, offs_d2, D1, D2, N_K, diag_offset, full_hi, key_hi,
         qk_scale1, qk_scale2, BLOCK_N, D1_PAD, D2_PAD, True, CAUSAL, IEEE1, IEEE2, USE_TMA, NO_CONTRACT)
 

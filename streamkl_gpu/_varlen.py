@@ -38,8 +38,8 @@ from ._checks import (
     scale_value,
     strides,
 )
-from ._runtime import LOG2E, fresh, interpreting, n_sm
-from ._tuning import auto_bwd_mode, auto_split_k, bucket, bwd_candidates, fwd_candidates, pick
+from ._runtime import LOG2E, TensorDescriptor, fresh, interpreting, n_sm, tma_ok
+from ._tuning import TMA_MIN_KEYS, auto_bwd_mode, auto_split_k, bucket, bwd_candidates, fwd_candidates, pick
 
 __all__ = ["attention_kl_varlen"]
 
@@ -103,11 +103,17 @@ def _forward(q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, causal, scale1, scale2, s
     probe = fwd_candidates(sched, max(d1_pad, d2_pad), True, ieee)[0]
     n_splits = split_k if split_k is not None else auto_split_k(sched, probe[0], probe[1], n_sm(device))
     split = n_splits > 1
-    # keys through pointers only: a TMA tile would also fetch the next sequence's keys
-    candidates = fwd_candidates(sched, max(d1_pad, d2_pad), split, ieee, False)
+    # TMA: descriptors over the [1, H_K, total_k, D] views (a tile reaching into the next
+    # sequence is masked in the kernel like keys past N_K)
+    tma = tma_ok(k1) and tma_ok(k2) and (interpreting() or max_k >= TMA_MIN_KEYS)
+    candidates = fwd_candidates(sched, max(d1_pad, d2_pad), split, ieee, tma)
 
     def launch(cfg):
-        block_m, block_n, warps, stages, _ = cfg
+        block_m, block_n, warps, stages, use_tma = cfg
+        k1_desc = k2_desc = None
+        if use_tma:
+            k1_desc = TensorDescriptor(k1, list(k1.shape), list(k1.stride()), [1, 1, block_n, d1_pad])
+            k2_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [1, 1, block_n, d2_pad])
         key_tiles = max(1, triton.cdiv(max_k, block_n))
         splits = min(n_splits, key_tiles)
         keys_per_split = triton.cdiv(key_tiles, splits) * block_n
@@ -115,12 +121,12 @@ def _forward(q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, causal, scale1, scale2, s
         part = fresh((5, splits, total_q * H), torch.float32, device) if splits > 1 else kl
         grid = (triton.cdiv(max_q, block_m), batch * H, splits)
         _fwd._kl_fwd_kernel[grid](
-            q1, k1, q2, k2, None, None, kl, lse1_bits, lse2_bits, part,
+            q1, k1, q2, k2, k1_desc, k2_desc, kl, lse1_bits, lse2_bits, part,
             *strides(q1), *strides(k1), *strides(q2), *strides(k2),
             H, total_q, dims.NK, dims.D1, dims.D2, dims.group1, dims.group2,
             keys_per_split, splits, dims.scale1 * LOG2E, dims.scale2 * LOG2E,
             BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1_pad, D2_PAD=d2_pad,
-            CAUSAL=causal, SPLIT=splits > 1, IEEE1=ieee1, IEEE2=ieee2, USE_TMA=False,
+            CAUSAL=causal, SPLIT=splits > 1, IEEE1=ieee1, IEEE2=ieee2, USE_TMA=use_tma,
             NO_CONTRACT=not interpreting(), CU_SEQLENS_Q=cu_q, CU_SEQLENS_K=cu_k, VARLEN=True,
             num_warps=warps, num_stages=stages,
         )
@@ -130,9 +136,9 @@ def _forward(q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, causal, scale1, scale2, s
             _fwd._kl_combine_kernel[(triton.cdiv(rows, block),)](
                 part, kl, lse1_bits, lse2_bits, rows, splits, BLOCK=block, num_warps=4)
 
-    key = ("varlen_fwd", dims.D1, dims.D2, q1.dtype, q2.dtype, causal, split,
+    key = ("varlen_fwd", dims.D1, dims.D2, q1.dtype, q2.dtype, causal, split, tma,
            bucket(max_q), bucket(max_k), bucket(total_q), bucket(batch * H), n_splits)
-    launch(pick(key, candidates, launch))
+    launch(pick(key, candidates, launch, device=device))
     return kl, lse1_bits, lse2_bits
 
 
@@ -224,8 +230,9 @@ def _backward(g, q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, kl, lse1_bits, lse2_b
                 bucket(max_q), bucket(max_k), bucket(total_q), bucket(batch * H),
                 dims.group1 > 1, dims.group2 > 1)
     if work:
-        cfg_dk = pick(("bwd_dk", fused) + base_key, dk_cands, lambda c: run(c, dq_cands[0]))
-        cfg_dq = dq_cands[0] if fused else pick(("bwd_dq",) + base_key, dq_cands, lambda c: run(cfg_dk, c))
+        cfg_dk = pick(("bwd_dk", fused) + base_key, dk_cands, lambda c: run(c, dq_cands[0]), device=device)
+        cfg_dq = dq_cands[0] if fused else pick(("bwd_dq",) + base_key, dq_cands, lambda c: run(cfg_dk, c),
+                                                device=device)
     else:
         cfg_dk, cfg_dq = dk_cands[0], dq_cands[0]
     dq1, dk1, dq2, dk2 = run(cfg_dk, cfg_dq)

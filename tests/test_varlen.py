@@ -160,6 +160,30 @@ def test_nan_in_one_sequence_never_reaches_another():
             assert torch.equal(x.grad[idx], clean[1][name][idx]), (name, causal, mode)
 
 
+@pytest.mark.parametrize("tma", [True], indirect=True)
+def test_tma_keys(tma):
+    """Keys through TMA descriptors over the packed [1, H_K, total_k, D] views: bitwise the
+    per-sequence TMA forward, and a tile that runs into the next sequence (NaN there) or past
+    total_k (NaN storage after the tensor) leaves the other sequences' rows bitwise unchanged."""
+    lens = [(9, 20), (5, 7), (18, 13)]
+    xs, cu_q, cu_k, mq, mk = pack(lens, 2, 1, 2, 16, 16, seed=8)
+    g = torch.randn(xs[0].shape[:2], generator=torch.Generator().manual_seed(9))
+    for causal in (False, True):
+        kw = dict(causal=causal, split_k=1, bwd_mode="separate")
+        clean = run_varlen(xs, cu_q, cu_k, mq, mk, (True,) * 4, g, **kw)
+        assert_bitwise(clean, run_per_sequence(xs, cu_q, cu_k, (True,) * 4, g, **kw))
+        dirty = []
+        for x in xs:  # aligned views (TMA-eligible) of buffers with NaN rows after the tensor
+            buf = torch.full((x.shape[0] + 16, *x.shape[1:]), float("nan"))
+            buf[:x.shape[0]] = x
+            dirty.append(buf[:x.shape[0]])
+        dirty[1][20 + 3] = float("nan")  # a key of sequence 1 (k1)
+        dirty[3][20 + 3] = float("nan")  # (k2)
+        kl, _ = run_varlen(dirty, cu_q, cu_k, mq, mk, (False,) * 4, g, **kw)
+        others = torch.cat([torch.arange(0, 9), torch.arange(14, 32)])
+        assert torch.equal(kl[others], clean[0][others]), causal
+
+
 def test_empty_and_zero_length_sequences():
     xs, cu_q, cu_k, mq, mk = pack([(0, 4), (0, 0)])
     kl, grads = run_varlen(xs, cu_q, cu_k, mq, mk, (True,) * 4, torch.zeros(0, 2))
