@@ -241,9 +241,13 @@ def nan_cases(draw, max_n=40, max_d=24, max_b=2, max_bh=8, max_poisons=3, pad=Tr
     def grad_entry():
         return (draw(st.integers(0, B - 1)), draw(st.integers(0, H - 1)), draw(st.integers(0, NQ - 1)), draw(value))
 
-    n_keys = draw(st.integers(0, max_poisons))
-    n_queries = draw(st.integers(0, max_poisons))
-    n_grads = draw(st.integers(0, max_poisons))
+    # A poisoned key taints every row that sees it, and causal rows that see the last keys see
+    # every key, so one poisoned key usually leaves no dK to compare; without causal it taints
+    # every row. Hence three kinds: keys only (causal), rows only (the dK isolation), or both.
+    kind = draw(st.sampled_from(["rows", "keys", "both"]))
+    n_keys = draw(st.integers(1, max_poisons)) if causal and kind != "rows" else 0
+    n_queries = draw(st.integers(0, max_poisons)) if kind != "keys" else 0
+    n_grads = draw(st.integers(0 if n_queries else 1, max_poisons)) if kind != "keys" else 0
     pads = (draw(st.integers(0, 1)), draw(st.integers(0, 1)), draw(st.integers(0, 17)), draw(st.integers(0, 9))) \
         if pad else (0, 0, 0, 0)
     return NanCase(

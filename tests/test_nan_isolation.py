@@ -112,6 +112,10 @@ cases = nan_cases(max_bh=4)
 
 KEY7 = reported_case_key7()
 KEY40 = reported_case_key40()
+# NaN query rows / upstream gradients in the diagonal tile: dK of the keys past their frontier
+# (3..19 for row 2, 6..19 for row 5) must stay clean: the dS^T Q leak of the report
+DIAGONAL_ROWS = NanCase(NQ=20, NK=20, D1=8, D2=8, causal=True, seed=5,
+                        query_poison=((1, 0, 0, 2, 0, math.nan),), grad_poison=((0, 0, 5, math.nan),))
 EMPTY_ROWS = NanCase(H=2, HK1=1, HK2=2, NQ=37, NK=9, D1=5, D2=12, causal=True, seed=3,
                      key_poison=((1, 0, 0, 8, 4, math.nan), (2, 0, 1, 6, 0, -math.inf)),
                      query_poison=((1, 0, 0, 2, 1, math.nan), (2, 0, 1, 30, 3, math.inf)),
@@ -143,6 +147,7 @@ def test_forward(case, split_k, tma, dtype):
 @example(case=KEY7, setting="both", dtype=torch.float32)
 @example(case=KEY40, setting="both", dtype=torch.float32)
 @example(case=EMPTY_ROWS, setting="both", dtype=torch.float32)
+@example(case=DIAGONAL_ROWS, setting="both", dtype=torch.float32)
 def test_backward(bwd_mode, deterministic, case, setting, dtype):
     clean = case.clean(np.float16 if dtype == torch.float16 else np.float32)
     bad = case.poisoned(clean)

@@ -72,6 +72,8 @@ KEY40 = reported_case_key40()
 @example(reported_case_key7(side=2))
 @example(KEY40)
 @example(NanCase(NQ=9, NK=4, causal=True, query_poison=((1, 0, 0, 0, 2, float("nan")),)))  # an empty row's NaN query
+@example(NanCase(NQ=20, NK=20, D1=8, D2=8, causal=True, seed=5, query_poison=((1, 0, 0, 2, 0, float("nan")),),
+                grad_poison=((0, 0, 5, float("nan")),)))  # NaN rows: dK of the keys past their frontier stays clean
 def test_dense_forward_and_gradient(case):
     (clean_in, clean_g), (bad_in, bad_g) = clean_and_poisoned(case)
     t = taint(case)
