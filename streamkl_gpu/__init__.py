@@ -11,9 +11,11 @@ choose the interpreter after ``import streamkl_gpu``.
 import importlib
 
 from streamkl_ref import __version__  # one version for both packages
+
 __all__ = [
     "attention_kl",
     "attention_kl_with_lse",
+    "attention_kl_varlen",
     "indexer_kl",
     "auto_split_k",
     "auto_bwd_mode",
@@ -24,14 +26,12 @@ __all__ = [
 ]
 
 
-_MODULE_OF = {"indexer_kl": "._indexer"}
+_HOMES = {"attention_kl_varlen": "._varlen", "indexer_kl": "._indexer"}  # the rest lives in .api
 
 
 def __getattr__(name):
-    if name in _MODULE_OF:
-        return getattr(importlib.import_module(_MODULE_OF[name], __name__), name)
     if name in __all__:
-        value = getattr(importlib.import_module(".api", __name__), name)
+        value = getattr(importlib.import_module(_HOMES.get(name, ".api"), __name__), name)
         globals()[name] = value  # later lookups skip this hook (it ran on every call)
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,7 +18,9 @@ Modules: ``_dense`` (materialised float64), ``_mp`` (mpmath ground truth), ``_on
 five-scalar streaming recurrence, tiled as a kernel runs it; ``accumulator="max_referenced"``
 for the exact form the ``streamkl_gpu`` kernels keep), ``_grad`` (closed-form and tiled
 backward), ``_indexer`` (the sparse-attention indexer loss: head-averaged teacher,
-weighted-ReLU student; dense, mpmath, online, gradient), ``_scores`` (scores, masks, GQA plumbing), ``_checks`` (input validation shared with
+weighted-ReLU student; dense, mpmath, online, gradient), ``_varlen`` (packed sequences with
+``cu_seqlens``, sequence by sequence), ``_scores`` (scores, masks, GQA plumbing), ``_checks``
+(input validation shared with
 streamkl_gpu), ``cli`` (the ``streamkl`` command).
 """
 __version__ = "0.1.0"  # the one home of the version (pyproject.toml reads it)
@@ -47,6 +49,7 @@ from ._online import (
     merge_states,
     update_state,
 )
+from ._varlen import attention_kl_varlen, attention_kl_varlen_grad
 
 __all__ = [
     "__version__",
@@ -55,6 +58,8 @@ __all__ = [
     "attention_kl_online",
     "attention_kl_grad",
     "attention_kl_grad_tiled",
+    "attention_kl_varlen",
+    "attention_kl_varlen_grad",
     "OnlineState",
     "MaxReferencedState",
     "ACCUMULATORS",
