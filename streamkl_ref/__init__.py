@@ -17,11 +17,24 @@ docs/math.md, "Definitions and conventions"):
 Modules: ``_dense`` (materialised float64), ``_mp`` (mpmath ground truth), ``_online`` (the
 five-scalar streaming recurrence, tiled as a kernel runs it; ``accumulator="max_referenced"``
 for the exact form the ``streamkl_gpu`` kernels keep), ``_grad`` (closed-form and tiled
-backward), ``_scores`` (scores, masks, GQA plumbing), ``_checks`` (input validation shared with
+backward), ``_indexer`` (the sparse-attention indexer loss: head-averaged teacher,
+weighted-ReLU student; dense, mpmath, online, gradient), ``_varlen`` (packed sequences with
+``cu_seqlens``, sequence by sequence), ``_scores`` (scores, masks, GQA plumbing), ``_checks``
+(input validation shared with
 streamkl_gpu), ``cli`` (the ``streamkl`` command).
 """
+__version__ = "0.1.0"  # the one home of the version (pyproject.toml reads it)
+
 from ._dense import attention_kl
 from ._grad import attention_kl_grad, attention_kl_grad_tiled
+from ._indexer import (
+    IndexerOnlineResult,
+    IndexerTileStats,
+    indexer_kl,
+    indexer_kl_grad,
+    indexer_kl_mp,
+    indexer_kl_online,
+)
 from ._mp import attention_kl_mp
 from ._online import (
     ACCUMULATORS,
@@ -36,13 +49,17 @@ from ._online import (
     merge_states,
     update_state,
 )
+from ._varlen import attention_kl_varlen, attention_kl_varlen_grad
 
 __all__ = [
+    "__version__",
     "attention_kl",
     "attention_kl_mp",
     "attention_kl_online",
     "attention_kl_grad",
     "attention_kl_grad_tiled",
+    "attention_kl_varlen",
+    "attention_kl_varlen_grad",
     "OnlineState",
     "MaxReferencedState",
     "ACCUMULATORS",
@@ -53,4 +70,10 @@ __all__ = [
     "merge_states",
     "finalize_state",
     "convert_state",
+    "indexer_kl",
+    "indexer_kl_mp",
+    "indexer_kl_online",
+    "indexer_kl_grad",
+    "IndexerOnlineResult",
+    "IndexerTileStats",
 ]

@@ -7,7 +7,7 @@ import types
 import numpy as np
 import pytest
 
-from _ref_strategies import Problem, kl_tolerance, logit_scale
+from streamkl_ref.strategies import Problem, kl_tolerance, logit_scale
 from streamkl_ref import OnlineState, attention_kl, attention_kl_mp, finalize_state
 from streamkl_ref import cli
 
