@@ -13,7 +13,7 @@ are folded into dS before the two matmuls. Rows with no visible key get lse = EM
 so P1 = P2 = 0 exactly and their gradient is 0; masked entries get s = -inf and P = 0, and their
 log-ratio is taken before masking, so no -inf - -inf is formed.
 
-Invisible values never reach a row (MATH.md), in the *masked* stage only (whole tiles are seen
+Invisible values never reach a row (docs/math.md), in the *masked* stage only (whole tiles are seen
 by every row of the tile: no guard there): masked entries of dS are selected to 0, never
 multiplied (an invisible key's score, or a row's NaN log-ratio, may be NaN); and the operands of
 the dS matmuls are made finite (``_finite``), since a 0 in dS times a NaN/inf key row (dQ = dS K)

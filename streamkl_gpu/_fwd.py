@@ -20,7 +20,7 @@ Masks: out-of-range keys and keys past the bottom-right causal frontier get expo
 both sides in the *masked* stage only. The log-ratio is taken before masking, so ``-inf - -inf``
 is never formed, and the masked entries' terms ``p1 * log_ratio`` are *selected* to 0, never
 multiplied: a key a row cannot see may hold NaN or inf, and ``0 * NaN = NaN`` would reach the
-row (MATH.md, "Invisible keys never reach a row"). Whole tiles need no guard: every row of the
+row (docs/math.md, "Invisible keys never reach a row"). Whole tiles need no guard: every row of the
 block sees every key there. A row whose running max is still -inf uses 0 as its shift
 (``_safe``), so ``exp2(-inf - -inf)`` is never evaluated either: an all-masked tile leaves the
 state unchanged.
@@ -89,7 +89,7 @@ def _safe(m):
 def _sequence(CU_SEQLENS_Q, CU_SEQLENS_K, b, N_Q, N_K, VARLEN: tl.constexpr):
     """``(first query row, query rows, first key, keys)`` of batch entry ``b``.
 
-    Padded batches: ``(0, N_Q, 0, N_K)``. VARLEN (packed sequences, MATH.md "Packed sequences"):
+    Padded batches: ``(0, N_Q, 0, N_K)``. VARLEN (packed sequences, docs/math.md "Packed sequences"):
     ``b`` is a sequence, ``N_Q``/``N_K`` are the packed totals, and the bounds come from
     ``cu_seqlens``, clamped into ``[0, total]`` with end >= start, so a cu_seqlens the host did
     not check (``check_seqlens=False``) never makes a kernel read or write out of bounds.

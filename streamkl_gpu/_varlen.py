@@ -1,6 +1,6 @@
 """``attention_kl_varlen``: packed variable-length sequences (``cu_seqlens``), host side.
 
-Conventions (MATH.md, "Packed sequences"): ``q_t [total_q, H, D_t]``, ``k_t [total_k, H_Kt, D_t]``
+Conventions (docs/math.md, "Packed sequences"): ``q_t [total_q, H, D_t]``, ``k_t [total_k, H_Kt, D_t]``
 (any strides), int32 ``cu_seqlens_q/k [batch + 1]`` on the inputs' device. Sequence ``i`` attends
 only within itself, bottom-right causal per sequence; zero-length sequences are allowed; a
 sequence with queries but no keys gives KL 0 and zero gradients. Returns float32

@@ -1,7 +1,7 @@
 """The sparse-attention indexer loss: KL from the head-averaged teacher attention to a
 weighted-ReLU student (DeepSeek-V3.2's lightning indexer, dense warm-up form).
 
-Conventions (MATH.md, "The indexer loss"; statement 9 of ``proofs/``):
+Conventions (docs/math.md, "The indexer loss"; statement 9 of ``proofs/``):
 
 - Teacher (a constant): ``q [B, H, N_Q, D]``, ``k [B, H_K, N_K, D]`` (GQA/MQA: head ``h`` reads
   key head ``h // (H // H_K)``), scale σ (``None`` -> ``1/sqrt(D)``):

@@ -13,7 +13,7 @@ Conventions (the contract is docs/math.md):
 - Masks are kept *beside* the scores as boolean arrays (``True`` = visible) instead of being
   written into the scores as ``-inf``; every consumer selects with ``np.where`` before doing
   arithmetic, so no ``-inf - -inf`` or ``0 * inf`` is ever evaluated.
-- Invisible values never reach a row (MATH.md): a NaN or ±inf in a key a row cannot see, or in a
+- Invisible values never reach a row (docs/math.md): a NaN or ±inf in a key a row cannot see, or in a
   query row, is selected away before it meets that row's arithmetic. A matmul cannot select, so
   the operands of the gradient matmuls go through :func:`finite_or_zero` (see there).
 """

@@ -1,6 +1,6 @@
 """Packed variable-length sequences (``cu_seqlens``), as FlashAttention's varlen API takes them.
 
-Conventions (MATH.md, "Packed sequences"): ``q_t [total_q, H, D_t]``, ``k_t [total_k, H_Kt, D_t]``,
+Conventions (docs/math.md, "Packed sequences"): ``q_t [total_q, H, D_t]``, ``k_t [total_k, H_Kt, D_t]``,
 ``cu_seqlens_q`` / ``cu_seqlens_k`` integer ``[batch + 1]``: 0, non-decreasing, ending at the
 totals. Sequence ``i`` is query rows ``cu_seqlens_q[i] : cu_seqlens_q[i+1]`` and keys
 ``cu_seqlens_k[i] : cu_seqlens_k[i+1]``; it attends only within itself, and everything of the

@@ -1,6 +1,6 @@
 """NaN/inf isolation cases shared by the kernel and reference tests (NumPy only, no torch).
 
-MATH.md, "Invisible keys never reach a row": a row's KL, LSEs and gradient rows depend only on
+docs/math.md, "Invisible keys never reach a row": a row's KL, LSEs and gradient rows depend only on
 the keys it sees, a key's dK only on the query rows that see it; NaN or ±inf in a key a row
 cannot see never reaches that row; NaN in a query row never reaches the dK of keys it cannot
 see; the dK of a key no row sees is 0; NaN in a visible input still gives NaN.

@@ -1,6 +1,6 @@
 """streamkl_gpu kernels (Triton interpreter): values a row cannot see never reach it.
 
-MATH.md, "Invisible keys never reach a row", for every kernel entry point: the forward (one pass,
+docs/math.md, "Invisible keys never reach a row", for every kernel entry point: the forward (one pass,
 split-K, keys through TMA descriptors), the fused backward (dQ by atomics), the separate one,
 ``deterministic=True`` (GQA dK per query head, summed in order), each setting, GQA. NaN/±inf
 planted in keys past a row's causal frontier, in query rows (the empty rows of ``N_Q > N_K``

@@ -1,4 +1,4 @@
-"""streamkl_ref: values a row cannot see never reach it (MATH.md, "Invisible keys never reach a row").
+"""streamkl_ref: values a row cannot see never reach it (docs/math.md, "Invisible keys never reach a row").
 
 For every reference entry point (the dense ``attention_kl``, ``attention_kl_online`` in both
 accumulator forms, base e and base 2, float64 and the kernels' float32 emulation, split-K; the
