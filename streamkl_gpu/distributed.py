@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["attention_kl", "LAYOUTS", "comm_log", "reset_comm_log"]
+__all__ = ["attention_kl", "shard_positions", "LAYOUTS", "comm_log", "reset_comm_log"]
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -59,6 +59,18 @@ def _chunks(layout: str, rank: int, world: int) -> list:
     if layout == "contiguous":
         return [rank]
     return [rank, 2 * world - 1 - rank]
+
+
+def shard_positions(n: int, *, layout: str = "zigzag", rank: int, world: int, device=None) -> torch.Tensor:
+    """Global token positions rank ``rank`` of ``world`` holds under ``layout``, in its local order
+    (int64 ``[n / world]``): ``x.index_select(dim, shard_positions(...))`` cuts a rank's shard."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be 'zigzag' or 'contiguous', got {layout!r}")
+    parts = len(_chunks(layout, 0, world)) * world
+    if n % parts:
+        raise ValueError(f"layout={layout!r} cuts the sequence into {parts} chunks; n = {n} is not divisible")
+    L = n // parts
+    return torch.cat([torch.arange(c * L, (c + 1) * L, device=device) for c in _chunks(layout, rank, world)])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -217,21 +229,41 @@ def _alias(buffer, row0: int, rows: int):
     return t.permute(1, 2, 0, 3)
 
 
+# torch >= 2.12 names them *_single (the *_tensor names warn there); the GPU image has 2.11
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class _Slot:
-    """One slot's all-gather of one side's keys, started asynchronously."""
+    """One slot's all-gather of one side's keys, started asynchronously.
+
+    Slot s holds global rows [s W L, (s+1) W L). Where rank i's chunk is the slot's i-th chunk
+    (slot 0 of both layouts) the gather writes straight into the key buffer; otherwise (zigzag
+    slot 1: the ranks in reverse order) into a staging block, copied into place on arrival."""
 
     def __init__(self, k_chunk, buffer, slot_rows0, chunk_of_rank, chunk_len, group, world):
         # the shard as one contiguous [L, B, H_K, D] block (the collectives need contiguous input)
         self.send = k_chunk.detach().permute(2, 0, 1, 3).contiguous()
         self.block = _alias(buffer, slot_rows0, world * chunk_len)  # this slot's rows, [B, H_K, W L, D]
-        rows = self.block.permute(2, 0, 1, 3)  # [W L, B, H_K, D], contiguous rows
-        # rank i's chunk lands at its global position inside the slot's block
-        outs = [rows[(chunk_of_rank[i] * chunk_len - slot_rows0):][:chunk_len] for i in range(world)]
-        self.work = dist.all_gather(outs, self.send, group=group, async_op=True)
-        _log("all_gather keys", self.send.numel() * self.send.element_size(), world,
-             self.send.numel() * self.send.element_size())
-        self.chunk_of_rank, self.chunk_len, self.slot_rows0 = chunk_of_rank, chunk_len, slot_rows0
-        self.group, self.world = group, world
+        self.places = [c * chunk_len - slot_rows0 for c in chunk_of_rank]  # rank i's row in the block
+        self.in_order = self.places == [i * chunk_len for i in range(world)]
+        rows = self.block.permute(2, 0, 1, 3)  # [W L, B, H_K, D], contiguous
+        self.landing = rows if self.in_order else torch.empty_like(rows)
+        self.work = _all_gather_single(self.landing, self.send, group=group, async_op=True)
+        nbytes = self.send.numel() * self.send.element_size()
+        _log("all_gather keys", nbytes, world, nbytes)
+        self.chunk_len, self.group, self.world = chunk_len, group, world
+
+    def wait(self):
+        """Block (the current stream, on CUDA) until the keys are in place; return [B, H_K, W L, D]."""
+        self.work.wait()
+        if not self.in_order:
+            rows, L = self.block.permute(2, 0, 1, 3), self.chunk_len
+            for i, place in enumerate(self.places):
+                rows[place:place + L].copy_(self.landing[i * L:(i + 1) * L])
+        block = self.block
+        del self.send, self.landing, self.work, self.block
+        return block
 
 
 class _Gathered(torch.autograd.Function):
@@ -240,23 +272,21 @@ class _Gathered(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, k_chunk, slot):
-        slot.work.wait()
-        ctx.slot_info = (slot.chunk_of_rank, slot.chunk_len, slot.slot_rows0, slot.group, slot.world)
+        ctx.slot_info = (slot.places, slot.chunk_len, slot.group, slot.world)
         ctx.k_dtype = k_chunk.dtype
-        out = slot.block
-        del slot.send, slot.block, slot.work
-        return out
+        return slot.wait()
 
     @staticmethod
     def backward(ctx, grad):
-        chunk_of_rank, chunk_len, rows0, group, world = ctx.slot_info
+        places, L, group, world = ctx.slot_info
         B, HK, _, D = grad.shape
-        # float32 partial sums (each rank's bf16/fp16 dK is rounded once; the sum is not)
-        rows = torch.empty((grad.shape[2], B, HK, D), dtype=torch.float32, device=grad.device)
-        rows.copy_(grad.permute(2, 0, 1, 3))
-        ins = [rows[(chunk_of_rank[i] * chunk_len - rows0):][:chunk_len] for i in range(world)]
-        out = torch.empty((chunk_len, B, HK, D), dtype=torch.float32, device=grad.device)
-        dist.reduce_scatter(out, ins, group=group)
+        # rank i's chunk of the gradient as the i-th block of a contiguous float32 [W L, B, H_K, D]
+        # (each rank's bf16/fp16 dK is rounded once, by the kernel; the sum over ranks is not)
+        rows = torch.empty((world * L, B, HK, D), dtype=torch.float32, device=grad.device)
+        for i, place in enumerate(places):
+            rows[i * L:(i + 1) * L].copy_(grad[:, :, place:place + L].permute(2, 0, 1, 3))
+        out = torch.empty((L, B, HK, D), dtype=torch.float32, device=grad.device)
+        _reduce_scatter_single(out, rows, group=group)
         _log("reduce_scatter dk", out.numel() * 4, world, out.numel() * 4)
         return out.permute(1, 2, 0, 3).to(ctx.k_dtype), None
 

@@ -158,3 +158,17 @@ def test_submodule_imports():
             "import streamkl_gpu; assert d is e is streamkl_gpu.distributed; "
             "assert callable(d.attention_kl)")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_shard_positions(layout, world):
+    from streamkl_gpu import distributed
+
+    n = 12 * world
+    got = [distributed.shard_positions(n, layout=layout, rank=r, world=world).tolist() for r in range(world)]
+    assert got == [_dist_worker.positions(layout, r, world, n) for r in range(world)]
+    assert sorted(sum(got, [])) == list(range(n))
+    if layout == "zigzag" or world > 1:  # (one contiguous chunk takes any n)
+        with pytest.raises(ValueError, match="not divisible"):
+            distributed.shard_positions(n + 1, layout=layout, rank=0, world=world)
