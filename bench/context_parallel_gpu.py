@@ -323,8 +323,9 @@ def time_steps(ctx, f, xs, train, reps=None, with_bwd=True):
                 ms = (time.perf_counter() - t) * 1e3
             ms = ctx.all_max([ms])[0]
             if it == reps + 1:  # a separate step for memory: peak and bytes of exactly one step
-                peak = (torch.cuda.max_memory_allocated(ctx.device) - base) if ctx.device.type == "cuda" else 0
-                res[mode + " peak_extra_gib"] = ctx.all_max([peak / 2**30])[0]
+                peak = torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else 0
+                res[mode + " peak_extra_gib"], res[mode + " peak_gib"] = ctx.all_max(
+                    [max(peak - base, 0) / 2**30, peak / 2**30])
                 log = distributed.comm_log()
                 res[mode + " bytes_sent"] = sum(b for op, _, b in log if not op.startswith("check"))
                 res[mode + " check_bytes"] = sum(b for op, _, b in log if op.startswith("check"))
@@ -358,6 +359,7 @@ def scale_row(ctx, shape, dtype, section, provider, res, world, formula_by_mode)
                    hk2=HK2, d1=D1, d2=D2, dtype=str(dtype).replace("torch.", ""), setting=1, causal=1,
                    layout=provider.split()[1] if provider.startswith("cp") else "",
                    ms_per_step=res[mode + " ms"], peak_extra_gib_per_rank=res.get(mode + " peak_extra_gib"),
+                   peak_gib_per_rank=res.get(mode + " peak_gib"),
                    bytes_sent_per_rank=res.get(mode + " bytes_sent"),
                    bytes_sent_formula=(formula_by_mode or {}).get(mode), check_bytes=res.get(mode + " check_bytes"),
                    status="ok")
@@ -439,7 +441,7 @@ def write_outputs(ctx):
                     f"{max(r['error'] / r['tolerance'] for r in ctx.check_rows):.2f}" if ctx.check_rows else ""))
     single = {(r["n"], r["mode"]): r for r in ctx.scale_rows if r["provider"] == "single" and r["status"] == "ok"}
     lines.append(f"{'section':<16} {'provider':<14} {'W':>2} {'N':>8} {'mode':<8} {'ms/step':>10} {'speedup':>8} "
-                 f"{'eff':>5} {'peak+GiB':>8} {'sent MiB':>9} {'formula':>9}")
+                 f"{'eff':>5} {'peak GiB':>8} {'peak+GiB':>8} {'sent MiB':>9} {'formula':>9}")
     for r in ctx.scale_rows:
         if r["status"] != "ok":
             lines.append(f"{r['section']:<16} {r['provider']:<14} {r['world']:>2} {r['n']:>8} {r['mode']:<8} {r['status']}")
@@ -453,7 +455,8 @@ def write_outputs(ctx):
         sp_s = "" if sp is None else f"{sp:.2f}x"
         eff_s = "" if sp is None else f"{sp / r['world']:.2f}"
         lines.append(f"{r['section']:<16} {r['provider']:<14} {r['world']:>2} {r['n']:>8} {r['mode']:<8} "
-                     f"{r['ms_per_step']:10.2f} {sp_s:>8} {eff_s:>5} {r['peak_extra_gib_per_rank'] or 0:8.2f} "
+                     f"{r['ms_per_step']:10.2f} {sp_s:>8} {eff_s:>5} {r['peak_gib_per_rank'] or 0:8.2f} "
+                     f"{r['peak_extra_gib_per_rank'] or 0:8.2f} "
                      f"{mib(r['bytes_sent_per_rank']):>9} {mib(r['bytes_sent_formula']):>9}")
     if ctx.world == 2:
         hit = [r for r in ctx.scale_rows if r["status"] == "ok" and r["n"] == 131072 and r["mode"] == "fwd+bwd"
