@@ -115,7 +115,7 @@ class Ctx:
         os.makedirs(args.out, exist_ok=True)
         self.logf = open(os.path.join(args.out, "context_parallel.log"), "a") if rank == 0 else None
         self.meta = {"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
-                     "world": world, "torch": torch.__version__, "date": datetime.datetime.now(
+                     "ranks": world, "torch": torch.__version__, "date": datetime.datetime.now(
                          datetime.timezone.utc).isoformat(timespec="seconds")}
         try:
             import triton
