@@ -24,7 +24,7 @@ except ImportError:  # pragma: no cover
 
 from streamkl_ref._checks import check_inputs
 
-from . import _bwd, _fwd
+from . import _bwd, _fwd, _gluon_dispatch
 
 __all__ = ["attention_kl", "attention_kl_with_lse", "SUPPORTED_DTYPES", "MAX_HEAD_DIM"]
 
@@ -249,6 +249,12 @@ def _forward(q1, k1, q2, k2, causal, scale1, scale2, split_k):
     if not isinstance(n_splits, int) or isinstance(n_splits, bool) or n_splits < 1:
         raise ValueError(f"split_k must be None or a positive integer, got {split_k!r}")
     split = n_splits > 1
+    inputs = (q1, k1, q2, k2)
+    if _gluon_dispatch.use_gluon(dims, tuple(t.dtype for t in inputs), tuple(_strides(t) for t in inputs),
+                                 _gluon_dispatch.device_capability(device), split,
+                                 tuple(t.data_ptr() for t in inputs), split_explicit=split_k is not None):
+        return _gluon_dispatch.gluon_forward(q1, k1, q2, k2, causal, dims.scale1, dims.scale2,
+                                             out=(kl, lse1_bits, lse2_bits))
     candidates = _fwd_candidates(dims, max(d1_pad, d2_pad), split, ieee, tma)
     part = None
 
