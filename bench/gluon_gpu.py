@@ -6,7 +6,7 @@ Sections, in priority order (a time budget skips what does not fit, recorded as 
 1. check: the Gluon path (forced) vs the Triton path (forced) vs float64, every case class:
    bf16/fp16, ragged N, causal N_Q < N_K and N_Q > N_K (empty rows), GQA, D1 != D2 (64/128),
    transposed layouts, small N_Q, large logits, NaN in invisible keys / in one query row.
-   Outputs are NaN-poisoned before the launch (api.POISON_FRESH), so an unwritten row fails.
+   Outputs are NaN-poisoned before the launch (_runtime.POISON_FRESH), so an unwritten row fails.
 2. sass: the SASS of every Gluon kernel the run compiled (triton's bundled cuobjdump), with the
    HGMMA / WARPGROUP.DEPBAR / STL / LDL counts per main loop (files in OUT_DIR/sass/).
 3. targets: B=1, H=32, D=128 bf16 forward at N = 8K..64K, causal and not: gluon, triton (forced),
@@ -40,7 +40,7 @@ from triton.testing import do_bench  # noqa: E402
 
 import streamkl_gpu  # noqa: E402
 from streamkl_gpu import _gluon_dispatch as dispatch  # noqa: E402
-from streamkl_gpu import _gluon_sass, api  # noqa: E402
+from streamkl_gpu import _gluon_sass, _runtime  # noqa: E402
 from streamkl_gpu.naive import attention_kl_naive  # noqa: E402
 
 K = 1024
@@ -67,12 +67,10 @@ def set_backend(name):
 
 
 def forward_bits(q1, k1, q2, k2, causal, split_k=None):
-    """(kl, lse1_bits, lse2_bits) of the API's forward with the current backend setting
-    (``_launch.forward`` after the api.py split, ``api._forward`` before it)."""
-    try:
-        from streamkl_gpu._launch import forward as fwd
-    except ImportError:
-        fwd = api._forward
+    """(kl, lse1_bits, lse2_bits) of the API's forward (``_launch.forward``) with the current
+    backend setting."""
+    from streamkl_gpu._launch import forward as fwd
+
     return fwd(q1, k1, q2, k2, causal, 1.0 / math.sqrt(q1.shape[-1]), 1.0 / math.sqrt(q2.shape[-1]), split_k)
 
 
@@ -160,7 +158,7 @@ def check_cases(quick):
 
 def run_check(quick):
     log("== check: gluon vs triton vs float64 (outputs NaN-poisoned)")
-    api.POISON_FRESH = True
+    _runtime.POISON_FRESH = True
     results = []
     for i, (name, shape, causal, opts) in enumerate(check_cases(quick)):
         dtype = torch.bfloat16 if name.startswith("bf16") else torch.float16
@@ -174,7 +172,7 @@ def run_check(quick):
                 xs[0][:, :, 5] = float("nan")
             ref = reference64(*xs, causal)
             outs = {}
-            for prov in ("gluon", "triton"):
+            for prov in ("triton", "gluon"):
                 set_backend(prov)
                 outs[prov] = [t.clone() for t in forward_bits(*xs, causal)]
                 torch.cuda.synchronize()
@@ -212,7 +210,7 @@ def run_check(quick):
             log(f"ERROR {name}:\n{tb[-4000:]}")
         finally:
             torch.cuda.empty_cache()
-    api.POISON_FRESH = False
+    _runtime.POISON_FRESH = False
     return results
 
 

@@ -10,7 +10,7 @@ choose the interpreter after ``import streamkl_gpu``.
 """
 import importlib
 
-__version__ = "0.1.0"
+from streamkl_ref import __version__  # one version for both packages
 __all__ = [
     "attention_kl",
     "attention_kl_with_lse",
@@ -25,9 +25,12 @@ __all__ = [
 
 def __getattr__(name):
     if name in __all__:
-        return getattr(importlib.import_module(".api", __name__), name)
+        value = getattr(importlib.import_module(".api", __name__), name)
+        globals()[name] = value  # later lookups skip this hook (it ran on every call)
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(set(globals()) | set(__all__))
+    # the public API only (the private modules are implementation)
+    return sorted(__all__)

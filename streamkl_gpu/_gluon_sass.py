@@ -69,9 +69,9 @@ def resource_usage(kernel) -> dict:
 
 
 def sass_of(kernel) -> str:
-    """SASS text of a compiled kernel (``asm['sass']`` where the driver filled it, else cuobjdump)."""
-    sass = kernel.asm.get("sass") if hasattr(kernel.asm, "get") else None
-    return sass if sass else _cuobjdump(kernel, "-sass")
+    """Raw ``cuobjdump -sass`` of a compiled kernel, with addresses (triton's ``asm['sass']``
+    rewrites branch targets as labels, which ``main_loops`` cannot follow)."""
+    return _cuobjdump(kernel, "-sass")
 
 
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")

@@ -20,6 +20,8 @@ for the exact form the ``streamkl_gpu`` kernels keep), ``_grad`` (closed-form an
 backward), ``_scores`` (scores, masks, GQA plumbing), ``_checks`` (input validation shared with
 streamkl_gpu), ``cli`` (the ``streamkl`` command).
 """
+__version__ = "0.1.0"  # the one home of the version (pyproject.toml reads it)
+
 from ._dense import attention_kl
 from ._grad import attention_kl_grad, attention_kl_grad_tiled
 from ._mp import attention_kl_mp
@@ -38,6 +40,7 @@ from ._online import (
 )
 
 __all__ = [
+    "__version__",
     "attention_kl",
     "attention_kl_mp",
     "attention_kl_online",

@@ -37,7 +37,14 @@ LOG2E = 1.0 / LN2  # log2(e): folded into the score scale in base-2 mode
 
 
 def as_float_array(x, name: str, dtype=np.float64) -> np.ndarray:
-    """``x`` as a NumPy array of ``dtype``; a ``ValueError`` naming ``name`` if it is not real."""
+    """``x`` as a NumPy array of ``dtype``; a ``ValueError`` naming ``name`` if it is not real.
+
+    A torch tensor (any device, any float dtype, requiring grad or not) is detached and copied to
+    a float64 CPU array first, without this package importing torch."""
+    if _is_torch_tensor(x):
+        if x.is_complex():
+            raise ValueError(f"{name} is a complex torch tensor; the references take real inputs")
+        x = x.detach().cpu().double().numpy()
     try:
         arr = np.asarray(x)
     except (TypeError, ValueError) as exc:  # ragged lists and the like
@@ -45,6 +52,11 @@ def as_float_array(x, name: str, dtype=np.float64) -> np.ndarray:
     if arr.dtype.kind not in "fiu":
         raise ValueError(f"{name} must hold real numbers, got dtype {arr.dtype}")
     return arr.astype(dtype, copy=False)
+
+
+def _is_torch_tensor(x) -> bool:
+    # duck-typed: streamkl_ref never imports torch
+    return type(x).__module__.split(".")[0] == "torch" and hasattr(x, "detach") and hasattr(x, "is_complex")
 
 
 def check_float_dtype(dtype, name: str = "dtype") -> type:

@@ -331,11 +331,11 @@ def test_triton_forward_runs_the_max_referenced_recurrence(make, split_k, large)
     import torch  # a missing install step must fail here, not skip
     import triton  # noqa: F401
     import streamkl_gpu
-    from streamkl_gpu import api
+    from streamkl_gpu import _runtime, api
 
     if not api.interpreting():
         pytest.skip("the kernels are compiled for a GPU here; this check needs the Triton interpreter's fixed tiles")
-    block_q, block_k = api.INTERPRETER_BLOCK
+    block_q, block_k = _runtime.INTERPRETER_BLOCK
     assert (block_q, block_k) == (16, 16)
     p = make()
     kl, lse1, lse2 = streamkl_gpu.attention_kl_with_lse(
@@ -388,11 +388,11 @@ def test_triton_forward_bit_for_bit_when_the_dots_are_exact(make, split_k):
     import torch  # a missing install step must fail here, not skip
     import triton  # noqa: F401
     import streamkl_gpu
-    from streamkl_gpu import api
+    from streamkl_gpu import _runtime, api
 
     if not api.interpreting():
         pytest.skip("the kernels are compiled for a GPU here; this check needs the Triton interpreter")
-    block_q, block_k = api.INTERPRETER_BLOCK
+    block_q, block_k = _runtime.INTERPRETER_BLOCK
     p = make()
     out = streamkl_gpu.attention_kl_with_lse(
         *(torch.from_numpy(x.astype(np.float32)) for x in p.inputs), **p.kw, split_k=split_k)
