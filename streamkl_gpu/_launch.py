@@ -13,6 +13,7 @@ import torch
 from streamkl_ref._checks import check_inputs
 
 from . import _bwd, _fwd, _runtime
+from ._gluon_dispatch import device_capability, fwd_backend, gluon_forward, use_gluon
 from ._checks import check_bwd_mode, check_tensors, compute_view, head_pad, is_empty, strides
 from ._runtime import LOG2E, TensorDescriptor, cdiv, fresh, interpreting, n_sm, tma_ok
 from ._tuning import (TMA_MIN_KEYS, auto_bwd_mode, bucket, bwd_candidates, fwd_candidates, pick, split_choices,
@@ -81,6 +82,7 @@ def _fwd_outputs(dims, device, one_buffer=True):
 # that signature, so a call's host work is the checks, the allocations and the launches.
 _PLANS: dict = {}
 _MAX_PLANS = 4096
+GLUON = "gluon"  # the forward plan that runs the Gluon kernel instead of a Triton config
 
 
 def _signature(kind, dims, flags, tensors):
@@ -106,12 +108,15 @@ def forward(q1, k1, q2, k2, causal, scale1, scale2, split_k, dims=None, one_buff
         return _empty_forward(dims, device)
     q1, k1, q2, k2 = (compute_view(t) for t in (q1, k1, q2, k2))
     d1_pad, d2_pad = head_pad(dims.D1), head_pad(dims.D2)
-    sig = _signature("fwd", dims, (causal, split_k), (q1, k1, q2, k2))
+    sig = _signature("fwd", dims, (causal, split_k, fwd_backend()), (q1, k1, q2, k2))
     cfg = _PLANS.get(sig)
     if cfg is None:
         cfg = _remember(sig, _forward_config(q1, k1, q2, k2, dims, causal, split_k, d1_pad, d2_pad))
     outs = _fwd_outputs(dims, device, one_buffer)
-    _fwd_runner(q1, k1, q2, k2, dims, causal, outs, d1_pad, d2_pad)(cfg)
+    if cfg is GLUON:  # the Hopper kernel (_gluon_fwd), chosen by _gluon_dispatch.use_gluon
+        gluon_forward(q1, k1, q2, k2, causal, dims.scale1, dims.scale2, out=outs)
+    else:
+        _fwd_runner(q1, k1, q2, k2, dims, causal, outs, d1_pad, d2_pad)(cfg)
     return outs
 
 
@@ -124,6 +129,10 @@ def _forward_config(q1, k1, q2, k2, dims, causal, split_k, d1_pad, d2_pad):
     if split_k is not None and (not isinstance(split_k, int) or isinstance(split_k, bool) or split_k < 1):
         raise ValueError(f"split_k must be None or a positive integer, got {split_k!r}")
     splits = split_choices(dims, ieee, d_pad, n_sm(device)) if split_k is None else (split_k,)
+    inputs = (q1, k1, q2, k2)
+    if use_gluon(dims, tuple(t.dtype for t in inputs), tuple(strides(t) for t in inputs), device_capability(device),
+                 max(splits) > 1, tuple(t.data_ptr() for t in inputs), split_explicit=split_k is not None):
+        return GLUON
     # one pass: the usual tiles; split keys (short query blocks): the split kernel's small query tiles
     candidates = [c + (s,) for s in splits for c in fwd_candidates(dims, d_pad, s > 1, ieee, tma)]
     if len(candidates) == 1:
