@@ -56,6 +56,7 @@ PAGES = {
     "": "home",
     "tutorial/": "formulas, the worked example's tables",
     "math/": "definitions and conventions: formulas",
+    "distributed/": "context parallel: formulas, tables",
     "api/": "formulas, tables",
     "performance/": "plots, wide tables",
     "proofs/": "proofs index",
