@@ -23,7 +23,7 @@ import triton
 from streamkl_ref._checks import check_indexer_inputs
 
 from . import _indexer_bwd, _indexer_fwd
-from . import api as _api
+from . import _checks, _runtime, _tuning
 
 __all__ = ["indexer_kl", "indexer_kl_naive", "MAX_TEACHER_HEAD_DIM", "MAX_INDEXER_HEAD_DIM", "REDUCTIONS"]
 
@@ -40,8 +40,8 @@ _IEEE_CONFIG = (32, 32, 32, 32, 4, 1)
 
 
 def _fresh(shape, dtype, device):
-    # read at call time, so the tests' poison fixture (api.POISON_FRESH) applies here too
-    if _api.POISON_FRESH:
+    # read at call time, so the tests' poison fixture (_runtime.POISON_FRESH) applies here too
+    if _runtime.POISON_FRESH:
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
 
@@ -67,13 +67,13 @@ def _check(q, k, q_idx, k_idx, weights, *, causal, scale, relu, lse, reduction):
     if len(devices) != 1:
         raise ValueError("q, k, q_idx, k_idx, weights must be on one device, got "
                          + ", ".join(f"{n}: {t.device}" for n, t in zip(_NAMES, tensors)))
-    if q.device.type == "cpu" and not _api.interpreting():
+    if q.device.type == "cpu" and not _runtime.interpreting():
         raise ValueError(
             "the inputs are CPU tensors, but the Triton kernels need a GPU. To run them on CPU "
             "(slowly, for testing), set the environment variable TRITON_INTERPRET=1 before "
             "importing streamkl_gpu.")
     for name, t in zip(_NAMES, tensors):
-        if t.dtype not in _api.SUPPORTED_DTYPES:
+        if t.dtype not in _checks.SUPPORTED_DTYPES:
             raise ValueError(f"{name} has dtype {t.dtype}; supported: float16, bfloat16, float32")
     if k.dtype != q.dtype:
         raise ValueError(f"k has dtype {k.dtype} but q has {q.dtype}: the teacher's q and k must match")
@@ -125,7 +125,7 @@ def _plan(dims, cfg, kind):
     return dict(
         HB=hb, IB=ib, GI_PAD=gi_pad, BLOCK_T=block_t, BLOCK_N=block_n,
         BLOCK_D=_d_chunk(dims.D, block_d), BLOCK_DI=_d_chunk(dims.DI, block_d),
-        DI_PAD=_api._head_pad(dims.DI), warps=warps, stages=stages,
+        DI_PAD=_checks.head_pad(dims.DI), warps=warps, stages=stages,
         n_chunks=dims.HK * cpg, cpg=cpg, n_ichunks=dims.HKI * icpg, icpg=icpg,
     )
 
@@ -133,12 +133,12 @@ def _plan(dims, cfg, kind):
 def _d_chunk(d: int, block_d: int) -> int:
     """Width of the D chunks of a score tile: the whole (padded) head up to 128 wide when the
     config asks for >= 64-wide chunks (no K loop overhead), else ``block_d`` (D = 576: 9 x 64)."""
-    pad = _api._head_pad(d)
+    pad = _checks.head_pad(d)
     return pad if (pad <= 128 and block_d >= 64) else min(block_d, pad)
 
 
 def _candidates(kind, ieee):
-    if _api.interpreting():
+    if _runtime.interpreting():
         return [INTERPRETER_CONFIG]
     if ieee:
         return [_IEEE_CONFIG]
@@ -164,14 +164,14 @@ def _teacher_args(q, k):
 
 def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
     dims = check_indexer_inputs(q, k, q_idx, k_idx, weights, scale=scale)
-    q, k, q_idx, k_idx, weights = (_api._compute_view(t) for t in (q, k, q_idx, k_idx, weights))
+    q, k, q_idx, k_idx, weights = (_checks.compute_view(t) for t in (q, k, q_idx, k_idx, weights))
     device = q.device
     ieee_t, ieee_i = q.dtype == torch.float32, q_idx.dtype == torch.float32
     qk_scale = dims.scale * LOG2E  # teacher scores in bits: sigma * log2(e) * q.k
     group, group_i = dims.H // dims.HK, dims.HI // dims.HKI
-    no_contract = not _api.interpreting()
+    no_contract = not _runtime.interpreting()
     key_base = (dims.D, dims.DI, dims.H, dims.HK, dims.HI, dims.HKI, q.dtype, q_idx.dtype, causal,
-                _api._bucket(dims.NQ), _api._bucket(dims.NK), _api._bucket(dims.B))
+                _tuning.bucket(dims.NQ), _tuning.bucket(dims.NK), _tuning.bucket(dims.B))
 
     if lse is None:  # first pass: the teacher's per-head LSEs, in bits
         lse_bits = _fresh((dims.B, dims.H, dims.NQ), torch.float32, device)
@@ -185,7 +185,7 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
                 BLOCK_N=pl["BLOCK_N"], CAUSAL=causal, IEEE=ieee_t, NO_CONTRACT=no_contract,
                 num_warps=pl["warps"], num_stages=pl["stages"])
 
-        launch_lse(_api._pick(("idx_lse",) + key_base, _candidates("lse", ieee_t), launch_lse))
+        launch_lse(_tuning.pick(("idx_lse",) + key_base, _candidates("lse", ieee_t), launch_lse))
     else:  # the caller's natural-log LSEs, once to bits (the kernels' unit)
         lse_bits = (lse * LOG2E).contiguous()
 
@@ -205,7 +205,7 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
             CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, NO_CONTRACT=no_contract,
             num_warps=pl["warps"], num_stages=pl["stages"])
 
-    launch(_api._pick(("idx_fwd", relu) + key_base, _candidates("fwd", ieee_t or ieee_i), launch))
+    launch(_tuning.pick(("idx_fwd", relu) + key_base, _candidates("fwd", ieee_t or ieee_i), launch))
     return kl, lse_idx, lse_bits
 
 
@@ -225,7 +225,7 @@ def dk_token_split(dims, block_t: int, key_programs: int, n_sm: int, causal: boo
     the tokens are cut into fixed-size splits until there are about 8 programs per SM (causal:
     about half exit at once), each split adding its partial dk with one fp32 atomic add.
     Reasoned, not yet measured."""
-    if _api.interpreting() and INTERPRETER_DK_SPLIT is not None:
+    if _runtime.interpreting() and INTERPRETER_DK_SPLIT is not None:
         per = INTERPRETER_DK_SPLIT
     else:
         want = 8 * n_sm * (2 if causal else 1)
@@ -237,12 +237,12 @@ def dk_token_split(dims, block_t: int, key_programs: int, n_sm: int, causal: boo
 def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, relu):
     dims = check_indexer_inputs(q, k, q_idx, k_idx, weights, scale=scale)
     out_dtypes = (q_idx.dtype, k_idx.dtype, weights.dtype)
-    q, k, q_idx, k_idx, weights = (_api._compute_view(t) for t in (q, k, q_idx, k_idx, weights))
+    q, k, q_idx, k_idx, weights = (_checks.compute_view(t) for t in (q, k, q_idx, k_idx, weights))
     device = q.device
     ieee_t, ieee_i = q.dtype == torch.float32, q_idx.dtype == torch.float32
     qk_scale = dims.scale * LOG2E
     group, group_i = dims.H // dims.HK, dims.HI // dims.HKI
-    no_contract = not _api.interpreting()
+    no_contract = not _runtime.interpreting()
     g = g.to(torch.float32).contiguous()
     lse_bits, lse_idx = lse_bits.contiguous(), lse_idx.contiguous()
     dq_idx = _fresh((dims.B, dims.HI, dims.NQ, dims.DI), torch.float32, device)
@@ -251,7 +251,7 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
     common = (q, k, q_idx, k_idx, weights, lse_bits, lse_idx, g)
     strides = _strides(q) + _strides(k) + _strides(q_idx) + _strides(k_idx) + _strides(weights)
     key_base = (dims.D, dims.DI, dims.H, dims.HK, dims.HI, dims.HKI, q.dtype, q_idx.dtype, causal, relu,
-                _api._bucket(dims.NQ), _api._bucket(dims.NK), _api._bucket(dims.B))
+                _tuning.bucket(dims.NQ), _tuning.bucket(dims.NK), _tuning.bucket(dims.B))
 
     def meta(pl):
         return dict(D=dims.D, BLOCK_D=pl["BLOCK_D"], DI=dims.DI, BLOCK_DI=pl["BLOCK_DI"], DI_PAD=pl["DI_PAD"],
@@ -271,7 +271,7 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
         nonlocal dk_idx
         pl = _plan(dims, cfg, "bwd")
         key_programs = triton.cdiv(dims.NK, pl["BLOCK_N"]) * dims.B * dims.HKI
-        per_split = dk_token_split(dims, pl["BLOCK_T"], key_programs, _api._n_sm(device), causal)
+        per_split = dk_token_split(dims, pl["BLOCK_T"], key_programs, _runtime.n_sm(device), causal)
         splits = triton.cdiv(dims.NQ, per_split)
         if splits > 1:
             dk_idx = torch.zeros((dims.B, dims.HKI, dims.NK, dims.DI), dtype=torch.float32, device=device)
@@ -282,8 +282,8 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
             pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"], per_split, ATOMIC=splits > 1, **meta(pl))
 
     ieee = ieee_t or ieee_i
-    launch_dq(_api._pick(("idx_bwd_dq",) + key_base, _candidates("bwd", ieee), launch_dq))
-    launch_dk(_api._pick(("idx_bwd_dk",) + key_base, _candidates("bwd", ieee), launch_dk))
+    launch_dq(_tuning.pick(("idx_bwd_dq",) + key_base, _candidates("bwd", ieee), launch_dq))
+    launch_dk(_tuning.pick(("idx_bwd_dk",) + key_base, _candidates("bwd", ieee), launch_dk))
     return dq_idx.to(out_dtypes[0]), dk_idx.to(out_dtypes[1]), dweights.to(out_dtypes[2])
 
 
