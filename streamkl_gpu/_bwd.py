@@ -1,4 +1,4 @@
-"""Backward Triton kernels: recompute P1, P2 tile by tile from the saved LSEs (MATH.md).
+"""Backward Triton kernels: recompute P1, P2 tile by tile from the saved LSEs (docs/math.md).
 
 Per tile, with scores in bits (``s_t = sigma_t * log2(e) * q_t.k_t``, the forward's fold):
 
@@ -36,7 +36,7 @@ order (deterministic).
 import triton
 import triton.language as tl
 
-from ._fwd import LN2, LOG2E, _dot, _key_stages
+from ._fwd import LN2, LOG2E, _batch_offsets, _dot, _key_stages, _row_layout, _sequence
 
 
 # For rows with no visible key (and padding rows) the LSE is replaced by this finite "+infinity":
@@ -118,7 +118,7 @@ def _dk_dq_side(dk, ds, q, k, dq_ptrs, dq_mask, MASKED: tl.constexpr, FUSED_DQ: 
 @triton.jit
 def _dk_query_range(
     dk1, dk2, k1, k2, start_n, cols, lo, hi,
-    Q1, Q2, DQ1, DQ2, LSE1, LSE2, KL, G, row_base,
+    Q1, Q2, DQ1, DQ2, LSE1, LSE2, KL, G, row_base, row_step,
     stride_q1n, stride_q1d, stride_q2n, stride_q2d, stride_dq1n, stride_dq2n,
     N_Q, N_K, D1: tl.constexpr, D2: tl.constexpr, diag_offset, qk_scale1, qk_scale2, scale1, scale2,
     BLOCK_M: tl.constexpr, D1_PAD: tl.constexpr, D2_PAD: tl.constexpr,
@@ -135,7 +135,7 @@ def _dk_query_range(
                      mask=row_ok[:, None] & (offs_d1[None, :] < D1), other=0.0)
         q2 = tl.load(Q2 + rows64[:, None] * stride_q2n + offs_d2[None, :] * stride_q2d,
                      mask=row_ok[:, None] & (offs_d2[None, :] < D2), other=0.0)
-        lse1_bits, lse2_bits, kl_bits, g = _row_consts(LSE1, LSE2, KL, G, row_base + offs_m, row_ok)
+        lse1_bits, lse2_bits, kl_bits, g = _row_consts(LSE1, LSE2, KL, G, row_base + offs_m * row_step, row_ok)
         ds1, ds2 = _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, kl_bits, g, offs_m, cols, N_K,
                             diag_offset, qk_scale1, qk_scale2, scale1, scale2,
                             MASKED, CAUSAL, TRAIN1, TRAIN2, IEEE1, IEEE2)
@@ -165,7 +165,11 @@ def _kl_bwd_dk_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D1_PAD: tl.constexpr, D2_PAD: tl.constexpr,
     CAUSAL: tl.constexpr, TRAIN1: tl.constexpr, TRAIN2: tl.constexpr, FUSED_DQ: tl.constexpr,
     DK1_ATOMIC: tl.constexpr, DK2_ATOMIC: tl.constexpr, IEEE1: tl.constexpr, IEEE2: tl.constexpr,
+    CU_SEQLENS_Q=None, CU_SEQLENS_K=None,  # int32 [batch + 1] (used when VARLEN)
+    VARLEN: tl.constexpr = False,
 ):
+    # VARLEN: as in _kl_fwd_kernel (b is the sequence, N_Q/N_K the totals, [total, H, D] tensors
+    # as [1, H, total, D] views); the grid covers the longest sequence's key tiles.
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -173,28 +177,35 @@ def _kl_bwd_dk_kernel(
     kh1 = h // GROUP1
     kh2 = h // GROUP2
     start_n = pid_n * BLOCK_N
+    q_lo, N_Q, k_lo, N_K = _sequence(CU_SEQLENS_Q, CU_SEQLENS_K, b, N_Q, N_K, VARLEN)
+    if VARLEN:
+        if start_n >= N_K:  # a key tile past this sequence's end: no work, nothing to write
+            return
     cols = start_n + tl.arange(0, BLOCK_N)
     col_ok = cols < N_K
     cols64 = cols.to(tl.int64)
     offs_d1 = tl.arange(0, D1_PAD)
     offs_d2 = tl.arange(0, D2_PAD)
-    b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
+    off_q1, off_k1 = _batch_offsets(b, q_lo, k_lo, stride_q1b, stride_q1n, stride_k1b, stride_k1n, VARLEN)
+    off_q2, off_k2 = _batch_offsets(b, q_lo, k_lo, stride_q2b, stride_q2n, stride_k2b, stride_k2n, VARLEN)
+    off_dq1, off_dk1 = _batch_offsets(b, q_lo, k_lo, stride_dq1b, stride_dq1n, stride_dk1b, stride_dk1n, VARLEN)
+    off_dq2, off_dk2 = _batch_offsets(b, q_lo, k_lo, stride_dq2b, stride_dq2n, stride_dk2b, stride_dk2n, VARLEN)
 
-    k1 = tl.load(K1 + b64 * stride_k1b + kh1.to(tl.int64) * stride_k1h
+    k1 = tl.load(K1 + off_k1 + kh1.to(tl.int64) * stride_k1h
                  + cols64[:, None] * stride_k1n + offs_d1[None, :] * stride_k1d,
                  mask=col_ok[:, None] & (offs_d1[None, :] < D1), other=0.0)
-    k2 = tl.load(K2 + b64 * stride_k2b + kh2.to(tl.int64) * stride_k2h
+    k2 = tl.load(K2 + off_k2 + kh2.to(tl.int64) * stride_k2h
                  + cols64[:, None] * stride_k2n + offs_d2[None, :] * stride_k2d,
                  mask=col_ok[:, None] & (offs_d2[None, :] < D2), other=0.0)
     dk1 = tl.zeros([BLOCK_N, D1_PAD], tl.float32)
     dk2 = tl.zeros([BLOCK_N, D2_PAD], tl.float32)
 
-    q1_base = Q1 + b64 * stride_q1b + h64 * stride_q1h
-    q2_base = Q2 + b64 * stride_q2b + h64 * stride_q2h
-    dq1_base = DQ1 + b64 * stride_dq1b + h64 * stride_dq1h
-    dq2_base = DQ2 + b64 * stride_dq2b + h64 * stride_dq2h
-    row_base = pid_bh.to(tl.int64) * N_Q
+    q1_base = Q1 + off_q1 + h64 * stride_q1h
+    q2_base = Q2 + off_q2 + h64 * stride_q2h
+    dq1_base = DQ1 + off_dq1 + h64 * stride_dq1h
+    dq2_base = DQ2 + off_dq2 + h64 * stride_dq2h
+    row_base, row_step = _row_layout(pid_bh, h, H, q_lo, N_Q, VARLEN)
 
     diag_offset = N_K - N_Q
     m_lo = 0
@@ -208,38 +219,38 @@ def _kl_bwd_dk_kernel(
         m_full = tl.maximum(tl.minimum(m_full, N_Q), m_lo)
     dk1, dk2 = _dk_query_range(
         dk1, dk2, k1, k2, start_n, cols, m_lo, m_full,
-        q1_base, q2_base, dq1_base, dq2_base, LSE1, LSE2, KL, G, row_base,
+        q1_base, q2_base, dq1_base, dq2_base, LSE1, LSE2, KL, G, row_base, row_step,
         stride_q1n, stride_q1d, stride_q2n, stride_q2d, stride_dq1n, stride_dq2n,
         N_Q, N_K, D1, D2, diag_offset, qk_scale1, qk_scale2, scale1, scale2,
         BLOCK_M, D1_PAD, D2_PAD, True, CAUSAL, TRAIN1, TRAIN2, FUSED_DQ, IEEE1, IEEE2)
     if start_n + BLOCK_N <= N_K:
         dk1, dk2 = _dk_query_range(
             dk1, dk2, k1, k2, start_n, cols, m_full, N_Q,
-            q1_base, q2_base, dq1_base, dq2_base, LSE1, LSE2, KL, G, row_base,
+            q1_base, q2_base, dq1_base, dq2_base, LSE1, LSE2, KL, G, row_base, row_step,
             stride_q1n, stride_q1d, stride_q2n, stride_q2d, stride_dq1n, stride_dq2n,
             N_Q, N_K, D1, D2, diag_offset, qk_scale1, qk_scale2, scale1, scale2,
             BLOCK_M, D1_PAD, D2_PAD, False, CAUSAL, TRAIN1, TRAIN2, FUSED_DQ, IEEE1, IEEE2)
     else:  # the ragged last key tile: keys past N_K must be masked out of every query tile
         dk1, dk2 = _dk_query_range(
             dk1, dk2, k1, k2, start_n, cols, m_full, N_Q,
-            q1_base, q2_base, dq1_base, dq2_base, LSE1, LSE2, KL, G, row_base,
+            q1_base, q2_base, dq1_base, dq2_base, LSE1, LSE2, KL, G, row_base, row_step,
             stride_q1n, stride_q1d, stride_q2n, stride_q2d, stride_dq1n, stride_dq2n,
             N_Q, N_K, D1, D2, diag_offset, qk_scale1, qk_scale2, scale1, scale2,
             BLOCK_M, D1_PAD, D2_PAD, True, CAUSAL, TRAIN1, TRAIN2, FUSED_DQ, IEEE1, IEEE2)
 
     if TRAIN1:
         if DK1_ATOMIC:  # GQA: add into the shared key head's fp32 buffer
-            ptr = DK1 + b64 * stride_dk1b + kh1.to(tl.int64) * stride_dk1h + cols64[:, None] * stride_dk1n + offs_d1[None, :]
+            ptr = DK1 + off_dk1 + kh1.to(tl.int64) * stride_dk1h + cols64[:, None] * stride_dk1n + offs_d1[None, :]
             tl.atomic_add(ptr, dk1, mask=col_ok[:, None] & (offs_d1[None, :] < D1), sem="relaxed")
         else:  # one query head per key head, or a per-query-head buffer summed by the caller
-            ptr = DK1 + b64 * stride_dk1b + h64 * stride_dk1h + cols64[:, None] * stride_dk1n + offs_d1[None, :]
+            ptr = DK1 + off_dk1 + h64 * stride_dk1h + cols64[:, None] * stride_dk1n + offs_d1[None, :]
             tl.store(ptr, dk1.to(DK1.dtype.element_ty), mask=col_ok[:, None] & (offs_d1[None, :] < D1))
     if TRAIN2:
         if DK2_ATOMIC:
-            ptr = DK2 + b64 * stride_dk2b + kh2.to(tl.int64) * stride_dk2h + cols64[:, None] * stride_dk2n + offs_d2[None, :]
+            ptr = DK2 + off_dk2 + kh2.to(tl.int64) * stride_dk2h + cols64[:, None] * stride_dk2n + offs_d2[None, :]
             tl.atomic_add(ptr, dk2, mask=col_ok[:, None] & (offs_d2[None, :] < D2), sem="relaxed")
         else:
-            ptr = DK2 + b64 * stride_dk2b + h64 * stride_dk2h + cols64[:, None] * stride_dk2n + offs_d2[None, :]
+            ptr = DK2 + off_dk2 + h64 * stride_dk2h + cols64[:, None] * stride_dk2n + offs_d2[None, :]
             tl.store(ptr, dk2.to(DK2.dtype.element_ty), mask=col_ok[:, None] & (offs_d2[None, :] < D2))
 
 
@@ -294,29 +305,39 @@ def _kl_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D1_PAD: tl.constexpr, D2_PAD: tl.constexpr,
     CAUSAL: tl.constexpr, TRAIN1: tl.constexpr, TRAIN2: tl.constexpr,
     IEEE1: tl.constexpr, IEEE2: tl.constexpr,
+    CU_SEQLENS_Q=None, CU_SEQLENS_K=None,  # int32 [batch + 1] (used when VARLEN)
+    VARLEN: tl.constexpr = False,
 ):
+    # VARLEN: as in _kl_fwd_kernel
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
     start_m = pid_m * BLOCK_M
+    q_lo, N_Q, k_lo, N_K = _sequence(CU_SEQLENS_Q, CU_SEQLENS_K, b, N_Q, N_K, VARLEN)
+    if VARLEN:
+        if start_m >= N_Q:  # a query block past this sequence's end
+            return
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d1 = tl.arange(0, D1_PAD)
     offs_d2 = tl.arange(0, D2_PAD)
     row_ok = offs_m < N_Q
     rows64 = offs_m.to(tl.int64)
-    b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
+    off_q1, off_k1 = _batch_offsets(b, q_lo, k_lo, stride_q1b, stride_q1n, stride_k1b, stride_k1n, VARLEN)
+    off_q2, off_k2 = _batch_offsets(b, q_lo, k_lo, stride_q2b, stride_q2n, stride_k2b, stride_k2n, VARLEN)
+    off_dq1, off_dq2 = _batch_offsets(b, q_lo, q_lo, stride_dq1b, stride_dq1n, stride_dq2b, stride_dq2n, VARLEN)
 
-    q1 = tl.load(Q1 + b64 * stride_q1b + h64 * stride_q1h + rows64[:, None] * stride_q1n + offs_d1[None, :] * stride_q1d,
+    q1 = tl.load(Q1 + off_q1 + h64 * stride_q1h + rows64[:, None] * stride_q1n + offs_d1[None, :] * stride_q1d,
                  mask=row_ok[:, None] & (offs_d1[None, :] < D1), other=0.0)
-    q2 = tl.load(Q2 + b64 * stride_q2b + h64 * stride_q2h + rows64[:, None] * stride_q2n + offs_d2[None, :] * stride_q2d,
+    q2 = tl.load(Q2 + off_q2 + h64 * stride_q2h + rows64[:, None] * stride_q2n + offs_d2[None, :] * stride_q2d,
                  mask=row_ok[:, None] & (offs_d2[None, :] < D2), other=0.0)
-    lse1_bits, lse2_bits, kl_bits, g = _row_consts(LSE1, LSE2, KL, G, pid_bh.to(tl.int64) * N_Q + offs_m, row_ok)
-    k1_ptrs = (K1 + b64 * stride_k1b + (h // GROUP1).to(tl.int64) * stride_k1h
+    row_base, row_step = _row_layout(pid_bh, h, H, q_lo, N_Q, VARLEN)
+    lse1_bits, lse2_bits, kl_bits, g = _row_consts(LSE1, LSE2, KL, G, row_base + offs_m * row_step, row_ok)
+    k1_ptrs = (K1 + off_k1 + (h // GROUP1).to(tl.int64) * stride_k1h
                + offs_n[:, None] * stride_k1n + offs_d1[None, :] * stride_k1d)
-    k2_ptrs = (K2 + b64 * stride_k2b + (h // GROUP2).to(tl.int64) * stride_k2h
+    k2_ptrs = (K2 + off_k2 + (h // GROUP2).to(tl.int64) * stride_k2h
                + offs_n[:, None] * stride_k2n + offs_d2[None, :] * stride_k2d)
     dq1 = tl.zeros([BLOCK_M, D1_PAD], tl.float32)
     dq2 = tl.zeros([BLOCK_M, D2_PAD], tl.float32)
@@ -337,8 +358,8 @@ def _kl_bwd_dq_kernel(
         BLOCK_N, D1_PAD, D2_PAD, True, CAUSAL, TRAIN1, TRAIN2, IEEE1, IEEE2)
 
     if TRAIN1:
-        tl.store(DQ1 + b64 * stride_dq1b + h64 * stride_dq1h + rows64[:, None] * stride_dq1n + offs_d1[None, :],
+        tl.store(DQ1 + off_dq1 + h64 * stride_dq1h + rows64[:, None] * stride_dq1n + offs_d1[None, :],
                  dq1.to(DQ1.dtype.element_ty), mask=row_ok[:, None] & (offs_d1[None, :] < D1))
     if TRAIN2:
-        tl.store(DQ2 + b64 * stride_dq2b + h64 * stride_dq2h + rows64[:, None] * stride_dq2n + offs_d2[None, :],
+        tl.store(DQ2 + off_dq2 + h64 * stride_dq2h + rows64[:, None] * stride_dq2n + offs_d2[None, :],
                  dq2.to(DQ2.dtype.element_ty), mask=row_ok[:, None] & (offs_d2[None, :] < D2))

@@ -8,11 +8,10 @@ from numbers import Real
 
 import numpy as np
 import torch
-import triton
 
 from streamkl_ref._checks import check_inputs
 
-from ._runtime import interpreting
+from ._runtime import interpreting, next_power_of_2
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -49,11 +48,36 @@ def scale_value(scale, name: str):
     return scale
 
 
+_CHECKED: dict = {}  # inputs that passed, by shapes, dtypes, devices and scales: their Dims
+
+
 def check_tensors(q1, k1, q2, k2, scale1, scale2):
-    """Validate the four attention-KL inputs; returns their ``Dims`` (scales resolved)."""
+    """Validate the four attention-KL inputs; returns their ``Dims`` (scales resolved).
+
+    A combination of shapes, dtypes, devices and (number) scales that passed once is remembered,
+    so repeated calls skip the rules (the host cost of a small call is mostly such Python)."""
     for name, t in (("q1", q1), ("k1", k1), ("q2", q2), ("k2", k2)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    key = None
+    if type(scale1) in _PLAIN_SCALES and type(scale2) in _PLAIN_SCALES:
+        key = (q1.shape, k1.shape, q2.shape, k2.shape, q1.dtype, k1.dtype, q2.dtype, k2.dtype,
+               q1.device, k1.device, q2.device, k2.device, scale1, scale2)
+        dims = _CHECKED.get(key)
+        if dims is not None:
+            return dims
+    dims = _check_tensors_uncached(q1, k1, q2, k2, scale1, scale2)
+    if key is not None:
+        if len(_CHECKED) >= 4096:
+            _CHECKED.clear()
+        _CHECKED[key] = dims
+    return dims
+
+
+_PLAIN_SCALES = (type(None), float, int)
+
+
+def _check_tensors_uncached(q1, k1, q2, k2, scale1, scale2):
     dims = check_inputs(q1, k1, q2, k2, scale1=scale_value(scale1, "scale1"), scale2=scale_value(scale2, "scale2"))
     device = q1.device
     if k1.device != device or q2.device != device or k2.device != device:
@@ -98,7 +122,7 @@ def check_flag(value, name: str) -> bool:
 
 def head_pad(d: int) -> int:
     """The tile width of a head dim: a power of two, at least 16 (tl.dot's minimum)."""
-    return max(16, triton.next_power_of_2(d))
+    return max(16, next_power_of_2(d))
 
 
 def strides(t):

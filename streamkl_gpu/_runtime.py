@@ -26,6 +26,15 @@ INTERPRETER_BLOCK = (16, 16)  # one fixed config under the interpreter (tests ma
 INTERPRETER_TMA = False  # forward keys through TMA descriptors under the interpreter (tests set it)
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for host code (triton.cdiv is a constexpr function with per-call overhead)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, int(n - 1).bit_length())
+
+
 def fresh(shape, dtype, device):
     """An output buffer the kernels must fully write (NaN-filled when tests poison)."""
     if POISON_FRESH:
@@ -47,6 +56,21 @@ def _device_facts(device_type: str, index) -> tuple[int, int]:
         props = torch.cuda.get_device_properties(index)
         return props.multi_processor_count, props.major
     return 4, 0
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(device_type: str, index) -> str:
+    if device_type == "cuda":
+        return torch.cuda.get_device_name(index)
+    return "cpu-interpreter"
+
+
+def device_name(device) -> str:
+    """The GPU's name (the tuning cache is kept per GPU model)."""
+    if device is None:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else 0)
+    return _device_name(device.type, index)
 
 
 def n_sm(device) -> int:

@@ -34,7 +34,7 @@ __all__ = ["attention_kl", "attention_kl_with_lse", "auto_split_k", "auto_bwd_mo
 def _kl_fwd_op(q1: torch.Tensor, k1: torch.Tensor, q2: torch.Tensor, k2: torch.Tensor,
                causal: bool, scale1: float, scale2: float, split_k: int,
                bwd_mode: str, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _forward(q1, k1, q2, k2, causal, scale1, scale2, None if split_k == 0 else split_k)
+    return _forward(q1, k1, q2, k2, causal, scale1, scale2, None if split_k == 0 else split_k, one_buffer=False)
 
 
 @_kl_fwd_op.register_fake
@@ -69,12 +69,16 @@ def _setup_context(ctx, inputs, output):
     ctx.args = (causal, scale1, scale2, bwd_mode, deterministic)
 
 
+def _trained_sides(need):
+    """(train1, train2) from ``ctx.needs_input_grad``: a side is trained when its q or k needs grad."""
+    return bool(need[0] or need[1]), bool(need[2] or need[3])
+
+
 def _kl_backward(ctx, g_kl, g_lse1, g_lse2):
     q1, k1, q2, k2, kl, lse1_bits, lse2_bits = ctx.saved_tensors
     causal, scale1, scale2, bwd_mode, deterministic = ctx.args
     need = ctx.needs_input_grad
-    train1 = bool(need[0] or need[1])
-    train2 = bool(need[2] or need[3])
+    train1, train2 = _trained_sides(need)
     if not (train1 or train2):
         return (None,) * 10
     # the LSE outputs are internal (saved for backward); attention_kl never hands them out
@@ -87,15 +91,52 @@ def _kl_backward(ctx, g_kl, g_lse1, g_lse2):
 _kl_fwd_op.register_autograd(_kl_backward, setup_context=_setup_context)
 
 
+class _EagerAttentionKL(torch.autograd.Function):
+    """The eager path: the same launches as the custom ops, called directly.
+
+    The custom ops exist for torch.compile (fake implementations, no graph breaks); outside a
+    compiled region their dispatch (schema binding, the dynamo-disable wrapper, autograd
+    registration) cost more host time per call than the launches themselves, so eager calls
+    come here. Both paths run ``_launch.forward`` / ``_launch.backward`` with the same arguments.
+    """
+
+    @staticmethod
+    def forward(ctx, q1, k1, q2, k2, causal, dims, split_k, bwd_mode, deterministic):
+        kl, lse1_bits, lse2_bits = _forward(q1, k1, q2, k2, causal, dims.scale1, dims.scale2, split_k, dims=dims)
+        ctx.save_for_backward(q1, k1, q2, k2, kl, lse1_bits, lse2_bits)
+        ctx.args = (causal, dims, bwd_mode, deterministic)
+        ctx.mark_non_differentiable(lse1_bits, lse2_bits)
+        return kl, lse1_bits, lse2_bits
+
+    @staticmethod
+    def backward(ctx, g_kl, g_lse1, g_lse2):
+        q1, k1, q2, k2, kl, lse1_bits, lse2_bits = ctx.saved_tensors
+        causal, dims, bwd_mode, deterministic = ctx.args
+        need = ctx.needs_input_grad
+        train1, train2 = _trained_sides(need)
+        if not (train1 or train2):
+            return (None,) * 9
+        dq1, dk1, dq2, dk2 = _backward(g_kl, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, dims.scale1,
+                                       dims.scale2, train1, train2, bwd_mode, deterministic, dims=dims)
+        return (dq1 if need[0] else None, dk1 if need[1] else None,
+                dq2 if need[2] else None, dk2 if need[3] else None) + (None,) * 5
+
+
 def _call(q1, k1, q2, k2, causal, scale1, scale2, split_k, bwd_mode, deterministic):
-    """Check the arguments, then run the custom op: (kl in nats, lse1, lse2 in bits)."""
+    """Check the arguments, then run the forward: (kl in nats, lse1, lse2 in bits).
+
+    Under torch.compile: the custom op; in eager mode: the same launches without its dispatch."""
     causal = check_causal(causal)
     dims = check_tensors(q1, k1, q2, k2, scale1, scale2)
     check_bwd_mode(bwd_mode)
     check_split_k(split_k)
     deterministic = check_flag(deterministic, "deterministic")
-    return _kl_fwd_op(q1, k1, q2, k2, causal, dims.scale1, dims.scale2,
-                      0 if split_k is None else split_k, bwd_mode, deterministic)
+    if torch.compiler.is_compiling():
+        return _kl_fwd_op(q1, k1, q2, k2, causal, dims.scale1, dims.scale2,
+                          0 if split_k is None else split_k, bwd_mode, deterministic)
+    if torch.is_grad_enabled() and (q1.requires_grad or k1.requires_grad or q2.requires_grad or k2.requires_grad):
+        return _EagerAttentionKL.apply(q1, k1, q2, k2, causal, dims, split_k, bwd_mode, deterministic)
+    return _forward(q1, k1, q2, k2, causal, dims.scale1, dims.scale2, split_k, dims=dims)  # nothing to train
 
 
 def attention_kl_with_lse(q1, k1, q2, k2, *, causal=False, scale1=None, scale2=None,

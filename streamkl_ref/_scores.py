@@ -1,6 +1,6 @@
 """Scores, masks and array plumbing shared by every algorithm in streamkl_ref (one home each).
 
-Conventions (the contract is ../shared/design/MATH.md):
+Conventions (the contract is docs/math.md):
 
 - Layout ``[B, H, N, D]``. Side ``t`` has queries ``q_t [B, H, N_Q, D_t]`` and keys
   ``k_t [B, H_Kt, N_K, D_t]``; query head ``h`` reads key head ``h // (H // H_Kt)`` (GQA/MQA),
