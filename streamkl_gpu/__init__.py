@@ -14,6 +14,7 @@ from streamkl_ref import __version__  # one version for both packages
 __all__ = [
     "attention_kl",
     "attention_kl_with_lse",
+    "indexer_kl",
     "auto_split_k",
     "auto_bwd_mode",
     "interpreting",
@@ -23,7 +24,12 @@ __all__ = [
 ]
 
 
+_MODULE_OF = {"indexer_kl": "._indexer"}
+
+
 def __getattr__(name):
+    if name in _MODULE_OF:
+        return getattr(importlib.import_module(_MODULE_OF[name], __name__), name)
     if name in __all__:
         return getattr(importlib.import_module(".api", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
