@@ -6,8 +6,9 @@
 (``--device cpu``: a smoke run of the whole script under the Triton interpreter at toy sizes,
 timed with a wall clock; its numbers mean nothing, it only checks that the script runs.)
 
-Checks (bf16, a small packing with zero-length, length-1 and N_Q != N_K sequences, GQA,
-D1 != D2, causal and not, fused and deterministic backward, split-K): the forward and the
+Checks (bf16, a small packing with zero-length, length-1 and N_Q != N_K sequences and one of
+2300 keys (TMA), GQA, D1 != D2, causal and not, fused, separate and deterministic backward,
+split-K): the forward and the
 setting-1 gradients (dq2, dk2) of ``attention_kl_varlen`` against ``streamkl_ref``'s float64
 ``attention_kl_varlen(_grad)``, with FlashAttention's tolerance rule (error <= 3x the error of
 the same math in bf16 PyTorch, sequence by sequence, + 5e-3).
@@ -114,7 +115,8 @@ def same_precision_bf16(xs, cu_q, cu_k, g, causal):
 
 
 def checks(out):
-    lens = [(100, 100), (0, 50), (257, 300), (1, 1), (64, 0), (513, 513), (300, 129), (7, 700)]
+    # the last sequence has >= 2048 keys: the forward reads keys through TMA descriptors there
+    lens = [(100, 100), (0, 50), (257, 300), (1, 1), (64, 0), (513, 513), (300, 129), (7, 700), (2100, 2300)]
     H, HK1, HK2, D1, D2 = 8, 4, 2, 128, 64
     if DEV == "cpu":
         lens = [(5, 5), (0, 3), (9, 12), (1, 1), (4, 0), (17, 17), (6, 3), (2, 20)]
