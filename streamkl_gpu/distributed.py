@@ -252,67 +252,70 @@ class _Slot:
         self.work = _all_gather_single(self.landing, self.send, group=group, async_op=True)
         nbytes = self.send.numel() * self.send.element_size()
         _log("all_gather keys", nbytes, world, nbytes)
-        self.chunk_len, self.group, self.world = chunk_len, group, world
+        self.chunk_len, self.rows0, self.group, self.world = chunk_len, slot_rows0, group, world
 
     def wait(self):
-        """Block (the current stream, on CUDA) until the keys are in place; return [B, H_K, W L, D]."""
+        """Block (the current stream, on CUDA) until the keys are in place."""
         self.work.wait()
         if not self.in_order:
             rows, L = self.block.permute(2, 0, 1, 3), self.chunk_len
             for i, place in enumerate(self.places):
                 rows[place:place + L].copy_(self.landing[i * L:(i + 1) * L])
-        block = self.block
         del self.send, self.landing, self.work, self.block
-        return block
 
 
 class _Gathered(torch.autograd.Function):
-    """Forward: wait for a slot's all-gather and return its keys [B, H_K, W L, D].
-    Backward: reduce-scatter the keys' gradient (summed in float32) back to each rank's chunk."""
+    """Forward: wait for a slot's all-gather; return one alias of the slot's first ``m`` key rows
+    ([B, H_K, m, D]) for each consumer (each attention_kl call that reads the slot).
+    Backward: add the consumers' dK in float32 (so a rank's two chunks' contributions are not
+    rounded to the key dtype once more) and reduce-scatter it back to each rank's chunk."""
 
     @staticmethod
-    def forward(ctx, k_chunk, slot):
+    def forward(ctx, k_chunk, slot, buffer_info, lengths):
+        buffer, = buffer_info
+        slot.wait()
+        ctx.set_materialize_grads(False)
         ctx.slot_info = (slot.places, slot.chunk_len, slot.group, slot.world)
         ctx.k_dtype = k_chunk.dtype
-        return slot.wait()
+        return tuple(_alias(buffer, slot.rows0, m) for m in lengths)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, *grads):
         places, L, group, world = ctx.slot_info
-        B, HK, _, D = grad.shape
+        g0 = next(g for g in grads if g is not None)
+        B, HK, _, D = g0.shape
         # rank i's chunk of the gradient as the i-th block of a contiguous float32 [W L, B, H_K, D]
-        # (each rank's bf16/fp16 dK is rounded once, by the kernel; the sum over ranks is not)
-        rows = torch.empty((world * L, B, HK, D), dtype=torch.float32, device=grad.device)
-        for i, place in enumerate(places):
-            rows[i * L:(i + 1) * L].copy_(grad[:, :, place:place + L].permute(2, 0, 1, 3))
-        out = torch.empty((L, B, HK, D), dtype=torch.float32, device=grad.device)
+        rows = torch.zeros((world * L, B, HK, D), dtype=torch.float32, device=g0.device)
+        for g in grads:
+            if g is None:
+                continue
+            for i, place in enumerate(places):
+                m = min(L, g.shape[2] - place)
+                if m > 0:
+                    rows[i * L:i * L + m] += g[:, :, place:place + m].permute(2, 0, 1, 3)
+        out = torch.empty((L, B, HK, D), dtype=torch.float32, device=g0.device)
         _reduce_scatter_single(out, rows, group=group)
         _log("reduce_scatter dk", out.numel() * 4, world, out.numel() * 4)
-        return out.permute(1, 2, 0, 3).to(ctx.k_dtype), None
+        return out.permute(1, 2, 0, 3).to(ctx.k_dtype), None, None, None
 
 
 class _Prefix(torch.autograd.Function):
-    """Keys [0, P) spanning the slot blocks (adjacent in one buffer): a view, no copy.
-    Backward: the gradient split back into the slots (zero past P)."""
+    """Keys [0, P) spanning the slots' aliases (adjacent rows of one buffer): a view, no copy.
+    Backward: the gradient split back into the pieces (views)."""
 
     @staticmethod
-    def forward(ctx, buffer_info, prefix, *blocks):
+    def forward(ctx, buffer_info, *pieces):
         buffer, = buffer_info
-        ctx.sizes = [b.shape[2] for b in blocks]
-        ctx.prefix = prefix
-        return _alias(buffer, 0, prefix)
+        ctx.sizes = [p.shape[2] for p in pieces]
+        return _alias(buffer, 0, sum(ctx.sizes))
 
     @staticmethod
     def backward(ctx, grad):
         grads, start = [], 0
         for size in ctx.sizes:
-            part = grad[:, :, start:min(start + size, ctx.prefix)]
-            if part.shape[2] < size:
-                pad = grad.new_zeros(grad.shape[:2] + (size - part.shape[2], grad.shape[3]))
-                part = torch.cat([part, pad], dim=2)
-            grads.append(part)
+            grads.append(grad[:, :, start:start + size])
             start += size
-        return (None, None, *grads)
+        return (None, *grads)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -372,27 +375,35 @@ def attention_kl(q1, k1, q2, k2, *, group: Optional["dist.ProcessGroup"] = None,
         for side, k in enumerate((k1, k2)):
             slots[side][s] = _Slot(k[:, :, s * chunk_len:(s + 1) * chunk_len], buffers[side],
                                    s * world * chunk_len, chunk_of_rank[s], chunk_len, group, world)
-    sides = [(k, buffers[i], slots[i]) for i, k in enumerate((k1, k2))]
-    blocks = [[None] * len(chunks) for _ in sides]
+    # the attention_kl calls: (local query rows, key prefix). Causal: one per local chunk c, keys
+    # [0, (c+1) L) (bottom-right alignment: query c L + i sees keys j <= c L + i); else one call.
+    if causal:
+        calls = [(slice(s * chunk_len, (s + 1) * chunk_len), (c + 1) * chunk_len) for s, c in enumerate(chunks)]
+    else:
+        calls = [(slice(0, n_local), n_total)]
+    slot_rows = world * chunk_len
+    # rows of slot s that call j reads (0: none)
+    reads = [[min(max(prefix - s * slot_rows, 0), slot_rows) for _, prefix in calls] for s in range(len(chunks))]
+    views = [[None] * len(chunks) for _ in buffers]  # [side][slot] -> {call: alias}
 
-    def keys(side: int, prefix: int):
-        """Side ``side``'s keys [0, prefix), waiting only for the slots they need."""
-        k, buffer, slots = sides[side]
-        need = -(-prefix // (world * chunk_len))
-        for s in range(need):
-            if blocks[side][s] is None:
-                blocks[side][s] = _Gathered.apply(k[:, :, s * chunk_len:(s + 1) * chunk_len], slots[s])
-        if need == 1:
-            return blocks[side][0][:, :, :prefix]
-        return _Prefix.apply((buffer,), prefix, *blocks[side][:need])
+    def keys(side: int, call: int):
+        """Side ``side``'s keys for call ``call``, waiting only for the slots it reads."""
+        k = (k1, k2)[side]
+        pieces = []
+        for s in range(len(chunks)):
+            if reads[s][call] == 0:
+                break
+            if views[side][s] is None:
+                consumers = [j for j, m in enumerate(reads[s]) if m > 0]
+                outs = _Gathered.apply(k[:, :, s * chunk_len:(s + 1) * chunk_len], slots[side][s],
+                                       (buffers[side],), tuple(reads[s][j] for j in consumers))
+                outs = (outs,) if isinstance(outs, torch.Tensor) else outs
+                views[side][s] = dict(zip(consumers, outs))
+            pieces.append(views[side][s][call])
+        return pieces[0] if len(pieces) == 1 else _Prefix.apply((buffers[side],), *pieces)
 
     kw = dict(causal=causal, scale1=scale1, scale2=scale2, bwd_mode=bwd_mode, deterministic=deterministic)
-    if not causal:
-        return streamkl_gpu.attention_kl(q1, keys(0, n_total), q2, keys(1, n_total), **kw)
     out = []
-    for s, c in enumerate(chunks):  # slot order: the early chunk first, while slot 1 travels
-        rows = slice(s * chunk_len, (s + 1) * chunk_len)
-        prefix = (c + 1) * chunk_len  # bottom-right alignment: query c L + i sees keys j <= c L + i
-        out.append(streamkl_gpu.attention_kl(q1[:, :, rows], keys(0, prefix), q2[:, :, rows],
-                                             keys(1, prefix), **kw))
+    for j, (rows, _) in enumerate(calls):  # the early chunk first, while slot 1 travels
+        out.append(streamkl_gpu.attention_kl(q1[:, :, rows], keys(0, j), q2[:, :, rows], keys(1, j), **kw))
     return out[0] if len(out) == 1 else torch.cat(out, dim=-1)
