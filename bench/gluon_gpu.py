@@ -144,15 +144,20 @@ def check_cases(quick):
             (f"{dt} D1/D2 64/128 ragged 900x700 full", dict(B=1, H=4, HK1=4, HK2=1, NQ=900, NK=700, D1=64, D2=128), False, {}),
             (f"{dt} D 64/64 ragged 333x1000 causal", dict(B=1, H=3, HK1=3, HK2=3, NQ=333, NK=1000, D1=64, D2=64), True, {}),
         ]
+        cases += [
+            (f"{dt} transposed [B,N,H,D] 512x768 causal", dict(B=2, H=4, HK1=4, HK2=2, NQ=512, NK=768, D1=128, D2=128), True, dict(layout="bnhd")),
+            (f"{dt} N_Q 1 x 300 causal", dict(B=1, H=8, HK1=8, HK2=8, NQ=1, NK=300, D1=64, D2=128), True, {}),
+        ]
         if not quick:
             cases += [
-                (f"{dt} transposed [B,N,H,D] 512x768 causal", dict(B=2, H=4, HK1=4, HK2=2, NQ=512, NK=768, D1=128, D2=128), True, dict(layout="bnhd")),
                 (f"{dt} large logits x8 600x600 full", dict(B=1, H=2, HK1=2, HK2=2, NQ=600, NK=600, D1=128, D2=128), False, dict(scale=8.0)),
                 (f"{dt} small N_Q 16 x 5000 full", dict(B=1, H=8, HK1=8, HK2=8, NQ=16, NK=5000, D1=128, D2=128), False, {}),
-                (f"{dt} N_Q 1 x 300 causal", dict(B=1, H=8, HK1=8, HK2=8, NQ=1, NK=300, D1=64, D2=128), True, {}),
                 (f"{dt} N_K 1..100 tiny 130x100 causal", dict(B=1, H=2, HK1=2, HK2=2, NQ=130, NK=100, D1=128, D2=128), True, {}),
                 (f"{dt} 4096x4096 causal", dict(B=1, H=4, HK1=4, HK2=4, NQ=4096, NK=4096, D1=128, D2=128), True, {}),
             ]
+        if quick and dt == "fp16":  # fp16 in --quick: the dtype on three of the classes
+            cases = [c for c in cases if not c[0].startswith("fp16")] + [
+                c for c in cases if c[0].startswith("fp16") and ("aligned 1024x1024 causal" in c[0] or "128/64" in c[0])]
         cases += [(f"{dt} NaN in invisible keys 300x300 causal", dict(B=1, H=2, HK1=2, HK2=2, NQ=300, NK=300, D1=128, D2=128), True, dict(nan="keys")),
                   (f"{dt} NaN in one query row 260x700 full", dict(B=1, H=2, HK1=2, HK2=2, NQ=260, NK=700, D1=128, D2=128), False, dict(nan="query"))]
     return cases
@@ -241,12 +246,14 @@ def run_sass(out_dir):
             spills = getattr(k, "n_spills", None)
             loops = [(lp["hgmma"], lp["depbar"], lp["ex2"], lp["ex2_between_waits"]) for lp in c["loops"]]
             ok = c["stl"] == 0 and c["ldl"] == 0 and c["hgmma"] > 0 and loops and all(1 <= d <= 2 for _, d, _, _ in loops)
+            if label.startswith("variant"):  # timing variants: reported, not judged
+                ok = None
             for m in ("hgmma", "depbar", "stl", "ldl", "ex2"):
                 record("sass", label, name, m, c[m])
             record("sass", label, name, "loops(hgmma,depbar,ex2,ex2_between_waits)", json.dumps(loops),
-                   "ok" if ok else "FAIL", f"regs={regs} spills={spills}")
+                   "ok" if ok else ("info" if ok is None else "FAIL"), f"regs={regs} spills={spills}")
             summary.append((name, label, ok, c, loops, regs, spills))
-            log(f"{'ok  ' if ok else 'FAIL'} {name} ({label}): HGMMA={c['hgmma']} DEPBAR={c['depbar']} STL={c['stl']} "
+            log(f"{'ok  ' if ok else ('info' if ok is None else 'FAIL')} {name} ({label}): HGMMA={c['hgmma']} DEPBAR={c['depbar']} STL={c['stl']} "
                 f"LDL={c['ldl']} regs={regs} spills={spills} loops={loops}")
         except Exception as exc:
             log(f"ERROR sass {label}: {type(exc).__name__}: {exc}")
@@ -351,8 +358,9 @@ def run_variants(quick, warmup, rep, budget):
     log("== variants and configs of the Gluon kernel (8K, bf16, D=128; wrong results on purpose)")
     table = []
     sc = 1.0 / math.sqrt(128)
-    runs = [(v, None) for v in _gluon_fwd.VARIANTS]
-    runs += [("kernel", c) for c in (dict(maxnreg=224), dict(BLOCK_N=64, NUM_STAGES=4), dict(BLOCK_N=64, NUM_STAGES=3))]
+    runs = [(v, None) for v in _gluon_fwd.VARIANTS if not (quick and v == "no_acc")]
+    if not quick:
+        runs += [("kernel", c) for c in (dict(maxnreg=224), dict(BLOCK_N=64, NUM_STAGES=4))]
     for causal in ((False,) if quick else (False, True)):
         sh = shape(8 * K)
         sh.pop("dtype")
@@ -460,8 +468,10 @@ def main(argv=None):
     n_ok = sum(ok for _, ok, _ in checks)
     out.append(f"check: {n_ok}/{len(checks)} pass")
     out += [f"  FAIL {n}: {d}" for n, ok, d in checks if not ok]
-    out.append(f"sass: {sum(s[2] for s in sass)}/{len(sass)} kernels ok (no STL/LDL, HGMMA, 1-2 DEPBAR per loop)")
-    out += [f"  {s[0]} {'ok  ' if s[2] else 'FAIL'} {s[1]}: HGMMA={s[3]['hgmma']} DEPBAR={s[3]['depbar']} "
+    judged = [s for s in sass if s[2] is not None]
+    out.append(f"sass: {sum(bool(s[2]) for s in judged)}/{len(judged)} kernels ok (no STL/LDL, HGMMA, 1-2 DEPBAR "
+               "per loop; timing variants: info only)")
+    out += [f"  {s[0]} {'ok  ' if s[2] else ('info' if s[2] is None else 'FAIL')} {s[1]}: HGMMA={s[3]['hgmma']} DEPBAR={s[3]['depbar']} "
             f"STL={s[3]['stl']} LDL={s[3]['ldl']} regs={s[5]} loops={s[4]}" for s in sass]
     out.append("targets (ms; ratio to SDPA): case | gluon | triton | auto | sdpa | gluon/sdpa | triton/sdpa")
     for case, _, t in targets:
