@@ -297,3 +297,29 @@ def test_cli_verify_indexer(capsys):
                  "--supports", '{"nan_isolation": "forward"}']) == 1
     out = capsys.readouterr().out
     assert "gqa " in out and "FAIL" in out
+
+
+def test_the_peers_table_in_the_docs_is_rendered_from_the_committed_results():
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import conformance_peers
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    csv_path = ROOT / "bench" / "results" / "conformance_peers_cpu_2026-12-01.csv"
+    table = (ROOT / "docs" / "_generated" / "conformance_peers.md").read_text()
+    assert table == conformance_peers.render_markdown(csv_path)
+    data = json.loads(csv_path.with_suffix(".json").read_text())
+    assert data["peers"]["torch_kl_div_inf_mask"]["passed"] is False  # NaN from -inf masks
+    assert data["peers"]["torch_kl_div_finite_mask"]["passed"] is True
+    assert data["peers"]["fla_fused_kl_div"]["passed"] is True
+
+
+def test_the_peers_script_runs_and_finds_the_kl_div_nan(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "conformance_peers.py"), str(tmp_path),
+                           "--device", "cpu", "--quick", "--peers", "torch_kl_div_inf_mask,torch_kl_div_finite_mask"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = {ln.split()[0]: ln for ln in proc.stdout.splitlines() if ln.startswith("torch_")}
+    assert lines["torch_kl_div_inf_mask"].split()[1] == "False" and "causal_nq<nk:kl" in lines["torch_kl_div_inf_mask"]
+    assert lines["torch_kl_div_finite_mask"].split()[1] == "True"
+    assert (tmp_path / "conformance_peers.json").exists() and (tmp_path / "conformance_peers.md").exists()
