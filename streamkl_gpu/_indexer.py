@@ -421,25 +421,9 @@ def indexer_kl_naive(q, k, q_idx, k_idx, weights, *, causal=False, scale=None, r
     """``[B, N_Q]`` KL in ``compute_dtype``, every score matrix materialised: teacher scores per
     head, softmax, head mean; indexer scores, ReLU, weights, log-softmax; KL. Products are formed
     from the inputs cast to ``compute_dtype`` (the anchors' baseline: bf16 inputs,
-    ``compute_dtype=torch.float32``). Rows with no visible key give 0."""
-    dims = check_indexer_inputs(q, k, q_idx, k_idx, weights, scale=scale)
-    cd = compute_dtype
-    kt = k.to(cd).repeat_interleave(dims.H // dims.HK, dim=1)
-    ki = k_idx.to(cd).repeat_interleave(dims.HI // dims.HKI, dim=1)
-    i = torch.arange(dims.NQ, device=q.device)[:, None]
-    j = torch.arange(dims.NK, device=q.device)[None, :]
-    visible = (j <= i + (dims.NK - dims.NQ)) if causal else torch.ones_like(i * j, dtype=torch.bool)
-    empty = ~visible.any(-1)
-    visible = visible | empty[:, None]  # an empty row is computed unmasked, then set to 0
-    s = (q.to(cd) @ kt.transpose(-1, -2)) * dims.scale
-    p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1).mean(dim=1)  # [B, N_Q, N_K]
-    a = q_idx.to(cd) @ ki.transpose(-1, -2)
-    act = torch.relu(a) if relu else a
-    logits = (weights.to(cd)[..., None] * act).sum(dim=1)
-    log_q = torch.log_softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
-    # 0 log 0 = 0: masked / underflowed entries are selected away before the product
-    pos = p > 0
-    log_p = torch.log(torch.where(pos, p, torch.ones((), dtype=p.dtype, device=p.device)))
-    zero = torch.zeros((), dtype=p.dtype, device=p.device)
-    kl = torch.where(pos, p * (log_p - torch.where(visible, log_q, zero)), zero).sum(-1)
-    return kl.masked_fill(empty, 0.0)
+    ``compute_dtype=torch.float32``). Rows with no visible key give 0. The formula has one home,
+    :func:`streamkl_ref.testing.indexer_kl_torch` (the conformance suite's baseline)."""
+    from streamkl_ref.testing import indexer_kl_torch
+
+    return indexer_kl_torch(q, k, q_idx, k_idx, weights, causal=causal, scale=scale, relu=relu,
+                            compute_dtype=compute_dtype)
