@@ -173,8 +173,6 @@ def test_streamkl_gpu_kernels_pass_the_quick_battery_under_the_interpreter():
     assert report.passed and not report.skipped, report.table(report.failed)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 9 §1: the kernels build log_ratio from unmasked scores "
-                                       "(0·NaN); remove this mark when the NaN-isolation fix lands")
 def test_streamkl_gpu_kernels_isolate_planted_nan():
     cases = [c for c in attention_cases(quick=True) if c.plant]
     report = check_attention_kl(__import__("streamkl_gpu").attention_kl, cases=cases)
