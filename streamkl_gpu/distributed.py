@@ -20,7 +20,6 @@ the launch code.
 """
 from __future__ import annotations
 
-import math
 import struct
 from typing import Optional
 
@@ -175,7 +174,7 @@ def _check_across_ranks(group, world, rank, args):
     try:
         fields = _local_fields(q1, k1, q2, k2, causal, scale1, scale2, layout, bwd_mode,
                                deterministic, group)
-    except ValueError as exc:
+    except Exception as exc:  # noqa: BLE001 (any local failure must still join the collective)
         local_error, fields = exc, [0] * len(_FIELDS)
     meta = torch.tensor([int(local_error is not None)] + fields, dtype=torch.int64,
                         device=_meta_device(group, (q1,)))
@@ -184,7 +183,8 @@ def _check_across_ranks(group, world, rank, args):
     _log("check all_gather", meta.numel() * 8, world, meta.numel() * 8)
     table = torch.stack(gathered).cpu().tolist()
     if local_error is not None:
-        raise ValueError(f"distributed.attention_kl (rank {rank} of {world}): {local_error}") from local_error
+        kind = "" if isinstance(local_error, ValueError) else f"{type(local_error).__name__}: "
+        raise ValueError(f"distributed.attention_kl (rank {rank} of {world}): {kind}{local_error}") from local_error
     bad = [r for r in range(world) if table[r][0]]
     if bad:
         raise ValueError(
