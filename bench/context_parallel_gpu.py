@@ -79,7 +79,9 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: gloo + the Triton interpreter (smoke test of the script; use --tiny)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    a.out = a.out or "cp_out"  # an unset $OUT arrives as ""
+    return a
 
 
 # ----------------------------------------------------------------------------------------------
