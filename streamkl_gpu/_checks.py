@@ -48,11 +48,36 @@ def scale_value(scale, name: str):
     return scale
 
 
+_CHECKED: dict = {}  # inputs that passed, by shapes, dtypes, devices and scales: their Dims
+
+
 def check_tensors(q1, k1, q2, k2, scale1, scale2):
-    """Validate the four attention-KL inputs; returns their ``Dims`` (scales resolved)."""
+    """Validate the four attention-KL inputs; returns their ``Dims`` (scales resolved).
+
+    A combination of shapes, dtypes, devices and (number) scales that passed once is remembered,
+    so repeated calls skip the rules (the host cost of a small call is mostly such Python)."""
     for name, t in (("q1", q1), ("k1", k1), ("q2", q2), ("k2", k2)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    key = None
+    if type(scale1) in _PLAIN_SCALES and type(scale2) in _PLAIN_SCALES:
+        key = (q1.shape, k1.shape, q2.shape, k2.shape, q1.dtype, k1.dtype, q2.dtype, k2.dtype,
+               q1.device, k1.device, q2.device, k2.device, scale1, scale2)
+        dims = _CHECKED.get(key)
+        if dims is not None:
+            return dims
+    dims = _check_tensors_uncached(q1, k1, q2, k2, scale1, scale2)
+    if key is not None:
+        if len(_CHECKED) >= 4096:
+            _CHECKED.clear()
+        _CHECKED[key] = dims
+    return dims
+
+
+_PLAIN_SCALES = (type(None), float, int)
+
+
+def _check_tensors_uncached(q1, k1, q2, k2, scale1, scale2):
     dims = check_inputs(q1, k1, q2, k2, scale1=scale_value(scale1, "scale1"), scale2=scale_value(scale2, "scale2"))
     device = q1.device
     if k1.device != device or q2.device != device or k2.device != device:

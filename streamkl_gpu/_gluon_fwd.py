@@ -7,7 +7,7 @@ reference this kernel is checked against on the GPU): per row the five scalars
 ``_fwd._finalize`` at the end. The per-tile formulas are ``_fwd._fwd_key_range``'s, split in two
 halves so that the side-1 half runs while the side-2 product is still on the tensor cores.
 
-Schedule (``../shared/design/gluon-sketch/``): one CTA owns 128 query rows of one (b, h).
+Schedule: one CTA owns 128 query rows of one (b, h).
 - a TMA producer warp loads Q1, Q2 (once) and the key tiles K1, K2 into an ``NUM_STAGES`` ring;
 - two consumer warpgroups (64 query rows each, Q read by the wgmma from shared memory) issue, per
   key tile, ``S1 = Q1 K1^T`` and ``S2 = Q2 K2^T`` as async wgmma, wait for S1 only, fold S1 (max,

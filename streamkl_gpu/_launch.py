@@ -5,14 +5,15 @@ for a side that is not trained). Both take resolved float scales (``api`` checks
 """
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import torch
 
 from streamkl_ref._checks import check_inputs
 
-from . import _bwd, _fwd
-from ._gluon_dispatch import device_capability, gluon_forward, use_gluon
+from . import _bwd, _fwd, _runtime
+from ._gluon_dispatch import device_capability, fwd_backend, gluon_forward, use_gluon
 from ._checks import check_bwd_mode, check_tensors, compute_view, head_pad, is_empty, strides
 from ._runtime import LOG2E, TensorDescriptor, cdiv, fresh, interpreting, n_sm, tma_ok
 from ._tuning import (TMA_MIN_KEYS, auto_bwd_mode, bucket, bwd_candidates, fwd_candidates, pick, split_choices,
@@ -67,13 +68,39 @@ def _fwd_runner(q1, k1, q2, k2, dims, causal, outs, d1_pad, d2_pad):
     return launch
 
 
-def _fwd_outputs(dims, device):
-    shape = (dims.B, dims.H, dims.NQ)
-    return tuple(fresh(shape, torch.float32, device) for _ in range(3))
+def _fwd_outputs(dims, device, one_buffer=True):
+    """kl, lse1_bits, lse2_bits: three [B, H, N_Q] views of one fresh buffer (one allocation), or
+    three buffers (a custom op's outputs may not alias each other)."""
+    if not one_buffer:
+        return tuple(fresh((dims.B, dims.H, dims.NQ), torch.float32, device) for _ in range(3))
+    buf = fresh((3, dims.B, dims.H, dims.NQ), torch.float32, device)
+    return buf[0], buf[1], buf[2]
 
 
-def forward(q1, k1, q2, k2, causal, scale1, scale2, split_k, dims=None):
-    """(kl in nats, lse1, lse2 in bits), float32 [B, H, N_Q]. ``dims``: already checked inputs."""
+# Launch plans, per call signature: what depends only on shapes, strides, dtypes, alignment and
+# flags is decided once (candidates, tuning, the backend) and reused by every later call with
+# that signature, so a call's host work is the checks, the allocations and the launches.
+_PLANS: dict = {}
+_MAX_PLANS = 4096
+GLUON = "gluon"  # the forward plan that runs the Gluon kernel instead of a Triton config
+
+
+def _signature(kind, dims, flags, tensors):
+    settings = (os.environ.get("STREAMKL_AUTOTUNE"), _runtime.INTERPRETER_BLOCK, _runtime.INTERPRETER_TMA)
+    return (kind, dims, flags, settings) + tuple(
+        (t.dtype, t.stride(), t.data_ptr() % 16, t.device) for t in tensors)
+
+
+def _remember(sig, plan):
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[sig] = plan
+    return plan
+
+
+def forward(q1, k1, q2, k2, causal, scale1, scale2, split_k, dims=None, one_buffer=True):
+    """(kl in nats, lse1, lse2 in bits), float32 [B, H, N_Q]. ``dims``: already checked inputs;
+    ``one_buffer=False``: three separate output tensors (for the custom op)."""
     if dims is None:
         dims = check_tensors(q1, k1, q2, k2, scale1, scale2)
     device = q1.device
@@ -81,6 +108,21 @@ def forward(q1, k1, q2, k2, causal, scale1, scale2, split_k, dims=None):
         return _empty_forward(dims, device)
     q1, k1, q2, k2 = (compute_view(t) for t in (q1, k1, q2, k2))
     d1_pad, d2_pad = head_pad(dims.D1), head_pad(dims.D2)
+    sig = _signature("fwd", dims, (causal, split_k, fwd_backend()), (q1, k1, q2, k2))
+    cfg = _PLANS.get(sig)
+    if cfg is None:
+        cfg = _remember(sig, _forward_config(q1, k1, q2, k2, dims, causal, split_k, d1_pad, d2_pad))
+    outs = _fwd_outputs(dims, device, one_buffer)
+    if cfg is GLUON:  # the Hopper kernel (_gluon_fwd), chosen by _gluon_dispatch.use_gluon
+        gluon_forward(q1, k1, q2, k2, causal, dims.scale1, dims.scale2, out=outs)
+    else:
+        _fwd_runner(q1, k1, q2, k2, dims, causal, outs, d1_pad, d2_pad)(cfg)
+    return outs
+
+
+def _forward_config(q1, k1, q2, k2, dims, causal, split_k, d1_pad, d2_pad):
+    """The forward's launch config for this signature: candidates pruned by shape, then tuned."""
+    device = q1.device
     d_pad = max(d1_pad, d2_pad)
     ieee = q1.dtype == torch.float32 or q2.dtype == torch.float32
     tma = tma_ok(k1) and tma_ok(k2) and (interpreting() or dims.NK >= TMA_MIN_KEYS)
@@ -90,24 +132,23 @@ def forward(q1, k1, q2, k2, causal, scale1, scale2, split_k, dims=None):
     inputs = (q1, k1, q2, k2)
     if use_gluon(dims, tuple(t.dtype for t in inputs), tuple(strides(t) for t in inputs), device_capability(device),
                  max(splits) > 1, tuple(t.data_ptr() for t in inputs), split_explicit=split_k is not None):
-        return gluon_forward(q1, k1, q2, k2, causal, dims.scale1, dims.scale2, out=_fwd_outputs(dims, device))
+        return GLUON
     # one pass: the usual tiles; split keys (short query blocks): the split kernel's small query tiles
     candidates = [c + (s,) for s in splits for c in fwd_candidates(dims, d_pad, s > 1, ieee, tma)]
-    outs = _fwd_outputs(dims, device)
-    launch = _fwd_runner(q1, k1, q2, k2, dims, causal, outs, d1_pad, d2_pad)
+    if len(candidates) == 1:
+        return candidates[0]
+    launch = _fwd_runner(q1, k1, q2, k2, dims, causal, _fwd_outputs(dims, device), d1_pad, d2_pad)
     proxy = None
-    if len(candidates) > 1:
-        sliced = tuning_slice(dims, causal)
-        if sliced is not None:  # time the candidates on a bounded slice (first call at long N)
-            nq, nk = sliced
-            pdims = replace(dims, NQ=nq, NK=nk)
-            views = (q1[:, :, :nq], k1[:, :, :nk], q2[:, :, :nq], k2[:, :, :nk])
-            proxy = _fwd_runner(*views, pdims, causal, _fwd_outputs(pdims, device), d1_pad, d2_pad)
+    sliced = tuning_slice(dims, causal)
+    if sliced is not None:  # time the candidates on a bounded slice (first call at long N)
+        nq, nk = sliced
+        pdims = replace(dims, NQ=nq, NK=nk)
+        views = (q1[:, :, :nq], k1[:, :, :nk], q2[:, :, :nq], k2[:, :, :nk])
+        proxy = _fwd_runner(*views, pdims, causal, _fwd_outputs(pdims, device), d1_pad, d2_pad)
     key = ("fwd", dims.D1, dims.D2, q1.dtype, q2.dtype, causal, tma,
            bucket(dims.NQ), bucket(dims.NK), bucket(dims.B * dims.H), dims.group1 > 1, dims.group2 > 1,
            "auto" if split_k is None else split_k)
-    launch(pick(key, candidates, launch, proxy, device))
-    return outs
+    return pick(key, candidates, launch, proxy, device)
 
 
 def _empty_backward(dims, q1, k1, q2, k2, train1, train2):
@@ -134,11 +175,16 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
     g = g.to(torch.float32).contiguous()
     kl, lse1_bits, lse2_bits = kl.contiguous(), lse1_bits.contiguous(), lse2_bits.contiguous()
     both = train1 and train2
-    mode = check_bwd_mode(bwd_mode)
-    if deterministic:
-        mode = "separate"  # no atomics on dQ
-    elif mode == "auto":
-        mode = auto_bwd_mode(dims, n_sm(device), both)
+    sig = _signature("bwd", dims, (causal, train1, train2, bwd_mode, deterministic), (q1, k1, q2, k2))
+    plan = _PLANS.get(sig)
+    if plan is not None:
+        mode = plan[0]
+    else:
+        mode = check_bwd_mode(bwd_mode)
+        if deterministic:
+            mode = "separate"  # no atomics on dQ
+        elif mode == "auto":
+            mode = auto_bwd_mode(dims, n_sm(device), both)
     fused = mode == "fused"
     dummy = kl  # placeholder pointer for outputs a launch does not write
 
@@ -196,13 +242,16 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
             )
         return dq1, dk1, dq2, dk2
 
-    dk_cands = bwd_candidates(max(d1_pad, d2_pad), both, "dk", ieee1 or ieee2)
-    dq_cands = bwd_candidates(max(d1_pad, d2_pad), both, "dq", ieee1 or ieee2)
-    base_key = (dims.D1, dims.D2, q1.dtype, q2.dtype, causal, train1, train2,
-                bucket(dims.NQ), bucket(dims.NK), bucket(BH), dims.group1 > 1, dims.group2 > 1)
-    cfg_dk = pick(("bwd_dk", fused) + base_key, dk_cands, lambda c: run(c, dq_cands[0]))
-    cfg_dq = dq_cands[0] if fused else pick(("bwd_dq",) + base_key, dq_cands, lambda c: run(cfg_dk, c))
-    dq1, dk1, dq2, dk2 = run(cfg_dk, cfg_dq)
+    if plan is None:
+        dk_cands = bwd_candidates(max(d1_pad, d2_pad), both, "dk", ieee1 or ieee2)
+        dq_cands = bwd_candidates(max(d1_pad, d2_pad), both, "dq", ieee1 or ieee2)
+        base_key = (dims.D1, dims.D2, q1.dtype, q2.dtype, causal, train1, train2,
+                    bucket(dims.NQ), bucket(dims.NK), bucket(BH), dims.group1 > 1, dims.group2 > 1)
+        cfg_dk = pick(("bwd_dk", fused) + base_key, dk_cands, lambda c: run(c, dq_cands[0]), device=device)
+        cfg_dq = (dq_cands[0] if fused else
+                  pick(("bwd_dq",) + base_key, dq_cands, lambda c: run(cfg_dk, c), device=device))
+        plan = _remember(sig, (mode, cfg_dk, cfg_dq))
+    dq1, dk1, dq2, dk2 = run(plan[1], plan[2])
 
     def finish(grad, group, dtype, n_key_heads):
         if grad is None:

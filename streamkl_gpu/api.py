@@ -34,7 +34,7 @@ __all__ = ["attention_kl", "attention_kl_with_lse", "auto_split_k", "auto_bwd_mo
 def _kl_fwd_op(q1: torch.Tensor, k1: torch.Tensor, q2: torch.Tensor, k2: torch.Tensor,
                causal: bool, scale1: float, scale2: float, split_k: int,
                bwd_mode: str, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _forward(q1, k1, q2, k2, causal, scale1, scale2, None if split_k == 0 else split_k)
+    return _forward(q1, k1, q2, k2, causal, scale1, scale2, None if split_k == 0 else split_k, one_buffer=False)
 
 
 @_kl_fwd_op.register_fake
@@ -134,7 +134,9 @@ def _call(q1, k1, q2, k2, causal, scale1, scale2, split_k, bwd_mode, determinist
     if torch.compiler.is_compiling():
         return _kl_fwd_op(q1, k1, q2, k2, causal, dims.scale1, dims.scale2,
                           0 if split_k is None else split_k, bwd_mode, deterministic)
-    return _EagerAttentionKL.apply(q1, k1, q2, k2, causal, dims, split_k, bwd_mode, deterministic)
+    if torch.is_grad_enabled() and (q1.requires_grad or k1.requires_grad or q2.requires_grad or k2.requires_grad):
+        return _EagerAttentionKL.apply(q1, k1, q2, k2, causal, dims, split_k, bwd_mode, deterministic)
+    return _forward(q1, k1, q2, k2, causal, dims.scale1, dims.scale2, split_k, dims=dims)  # nothing to train
 
 
 def attention_kl_with_lse(q1, k1, q2, k2, *, causal=False, scale1=None, scale2=None,

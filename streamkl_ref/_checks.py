@@ -2,7 +2,7 @@
 
 Works on anything with ``.ndim`` and ``.shape`` (NumPy arrays, torch tensors), so importing it
 never needs torch. Every error is a ``ValueError`` that names the offending argument.
-Conventions: ../shared/design/MATH.md (shapes ``[B, H, N, D]``, GQA per side).
+Conventions: docs/math.md (shapes ``[B, H, N, D]``, GQA per side).
 """
 from __future__ import annotations
 
@@ -10,7 +10,16 @@ import math
 from dataclasses import dataclass
 from numbers import Real
 
-__all__ = ["Dims", "check_inputs", "check_block", "check_rows", "resolve_scale"]
+__all__ = [
+    "Dims",
+    "IndexerDims",
+    "check_inputs",
+    "check_indexer_inputs",
+    "check_shape",
+    "check_block",
+    "check_rows",
+    "resolve_scale",
+]
 
 
 @dataclass(frozen=True)
@@ -109,3 +118,78 @@ def check_rows(x, name: str, dims: Dims) -> tuple[int, int, int]:
     if shape != want:
         raise ValueError(f"{name} must have shape [B, H, N_Q] = {list(want)}, got {list(shape)}")
     return shape
+
+
+@dataclass(frozen=True)
+class IndexerDims:
+    """The sizes of one indexer-loss problem (teacher ``q, k``; student ``q_idx, k_idx, weights``)."""
+
+    B: int  # batch
+    H: int  # teacher query heads (the target averages their attention)
+    HK: int  # teacher key heads (GQA: head h reads key head h // (H // HK))
+    NQ: int  # query rows
+    NK: int  # key rows
+    D: int  # teacher head dim
+    HI: int  # indexer query heads
+    HKI: int  # indexer key heads (usually 1)
+    DI: int  # indexer head dim
+    scale: float  # teacher sigma (resolved: None -> 1/sqrt(D))
+
+    @property
+    def group(self) -> int:
+        return self.H // self.HK
+
+    @property
+    def group_idx(self) -> int:
+        return self.HI // self.HKI
+
+
+def check_shape(x, name: str, want: tuple, label: str) -> tuple:
+    """``x`` must have exactly the shape ``want``; ``label`` spells it (e.g. ``"[B, N_Q]"``)."""
+    ndim = getattr(x, "ndim", None)
+    if ndim is None:
+        raise ValueError(f"{name} must be an array or tensor, got {type(x).__name__}")
+    shape = tuple(int(s) for s in x.shape)
+    if shape != tuple(want):
+        raise ValueError(f"{name} must have shape {label} = {list(want)}, got {list(shape)}")
+    return shape
+
+
+def check_indexer_inputs(q, k, q_idx, k_idx, weights, *, scale=None) -> IndexerDims:
+    """Validate the five inputs of the indexer loss against each other; return the sizes.
+
+    ``q [B, H, N_Q, D]``, ``k [B, H_K, N_K, D]`` (``H % H_K == 0``), ``q_idx [B, H_I, N_Q, D_I]``,
+    ``k_idx [B, H_KI, N_K, D_I]`` (``H_I % H_KI == 0``), ``weights [B, H_I, N_Q]``.
+    """
+    B, H, NQ, D = _shape4(q, "q")
+    Bk, HK, NK, Dk = _shape4(k, "k")
+    Bqi, HI, NQi, DI = _shape4(q_idx, "q_idx")
+    Bki, HKI, NKi, DIk = _shape4(k_idx, "k_idx")
+    for name, b in (("k", Bk), ("q_idx", Bqi), ("k_idx", Bki)):
+        if b != B:
+            raise ValueError(f"{name} has batch size {b}, but q has {B}: teacher and indexer share B")
+    if NQi != NQ:
+        raise ValueError(f"q_idx has {NQi} query rows, but q has {NQ}: teacher and indexer share N_Q")
+    if NKi != NK:
+        raise ValueError(f"k_idx has {NKi} key rows, but k has {NK}: teacher and indexer share N_K")
+    if Dk != D:
+        raise ValueError(f"k has head dim {Dk}, but q has {D}: the teacher's q and k share D")
+    if DIk != DI:
+        raise ValueError(f"k_idx has head dim {DIk}, but q_idx has {DI}: the indexer's q_idx and k_idx share D_I")
+    for name, d in (("q", D), ("q_idx", DI)):
+        if d < 1:
+            raise ValueError(f"{name} has head dim {d}; it must be at least 1")
+    if HK < 1 or H % HK != 0:
+        raise ValueError(f"k has {HK} key heads, which does not divide the {H} query heads of q (H % H_K == 0)")
+    if HKI < 1 or HI % HKI != 0:
+        raise ValueError(
+            f"k_idx has {HKI} key heads, which does not divide the {HI} query heads of q_idx (H_I % H_KI == 0)"
+        )
+    wdim = getattr(weights, "ndim", None)
+    if wdim is None:
+        raise ValueError(f"weights must be an array or tensor, got {type(weights).__name__}")
+    check_shape(weights, "weights", (B, HI, NQ), "[B, H_I, N_Q]")
+    return IndexerDims(
+        B=B, H=H, HK=HK, NQ=NQ, NK=NK, D=D, HI=HI, HKI=HKI, DI=DI,
+        scale=resolve_scale(scale, D, "scale"),
+    )

@@ -146,7 +146,7 @@ def test_extreme_logits_no_nan():
     """Scores of order 1e4: finite wherever the math is finite, and as accurate as dense fp32.
 
     With |S| ~ 1e4 every fp32 score carries an absolute rounding of ~u|S| ~ 1e-3, so the scale
-    of the tolerance is the dense fp32 computation's own error (MATH.md / proofs statement 7).
+    of the tolerance is the dense fp32 computation's own error (docs/math.md / proofs statement 7).
     """
     xs = make_inputs(1, 2, 2, 2, 17, 33, 16, 16, seed=11)
     for scale in (50.0, 1e3):

@@ -1,6 +1,6 @@
 """The kernels' accumulator in streamkl_ref: ``accumulator="max_referenced"``.
 
-The Triton kernels keep ``acc* = Σ e^{s1−m1}·((s1 − m1) − (s2 − m2))`` (MATH.md's ``acc`` minus
+The Triton kernels keep ``acc* = Σ e^{s1−m1}·((s1 − m1) − (s2 − m2))`` (docs/math.md's ``acc`` minus
 ``l1·(m1 − m2)``) and finalise ``KL = acc*/l1 + log(l2/l1)``. Checked here:
 
 - both forms equal the dense float64 reference over tilings, ragged and causal, base 2, split-K;
@@ -20,7 +20,7 @@ The Triton kernels keep ``acc* = Σ e^{s1−m1}·((s1 − m1) − (s2 − m2))``
 The float32 rounding model (:func:`f32_error_bound`), with ``u = 2^-24``, ``γ_n = n·u/(1 − n·u)``:
 a score of side ``t`` is a ``D_t``-term dot product, scaled once (and folded with ``log2 e``), so
 ``|δS_j| ≤ γ_{D_t+2}·σ_t·Σ_d |q_d k_jd|``; first order, the KL moves by
-``Σ_j |∂KL/∂S1_j|·|δS1_j| + |∂KL/∂S2_j|·|δS2_j|`` with MATH.md's derivatives
+``Σ_j |∂KL/∂S1_j|·|δS1_j| + |∂KL/∂S2_j|·|δS2_j|`` with docs/math.md's derivatives
 ``∂KL/∂S1_j = P1_j·(log P1_j − log P2_j − KL)`` and ``∂KL/∂S2_j = P2_j − P1_j``. The recurrence
 rounds every quantity it accumulates; its terms are ``P1_j·((s1_j − m1) − (s2_j − m2))`` and the
 re-referencing ``l1·moved``, bounded by ``M = 1 + |KL| + Σ_j P1_j·(|S1_j − m1| + |S2_j − m2|)``
@@ -38,7 +38,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from _ref_strategies import EPS64, ROWS, Problem, assert_close_rows, logit_scale, make_problem, problems, tiles
+from streamkl_ref.strategies import EPS64, ROWS, Problem, assert_close_rows, logit_scale, make_problem, problems, tiles
 from streamkl_ref import (
     ACCUMULATORS,
     MaxReferencedState,

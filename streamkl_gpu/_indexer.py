@@ -1,0 +1,418 @@
+"""``indexer_kl``: the sparse-attention indexer loss, streamed (docs/math.md, "The indexer loss").
+
+Teacher ``q [B, H, N_Q, D]``, ``k [B, H_K, N_K, D]`` (a constant: no gradient), target
+``p = (1/H) sum_h softmax(sigma q_h k^T)``; student ``q_idx [B, H_I, N_Q, D_I]``,
+``k_idx [B, H_KI, N_K, D_I]``, ``weights [B, H_I, N_Q]``, logits
+``I = sum_j weights_j relu(q_idx_j k_idx^T)``; ``KL[b, t] = KL(p[t] || softmax(I[t]))`` in nats.
+The float64 reference is ``streamkl_ref.indexer_kl`` (gradient: ``indexer_kl_grad``).
+
+Kernels (``_indexer_fwd``, ``_indexer_bwd``): an optional first pass for the teacher LSEs, one
+forward pass over key tiles per token block (all teacher heads of a key head share each key
+tile), and a backward of two recomputing kernels (dq_idx + dweights; dk_idx). Extra memory
+``O(N_Q (H + 1))`` floats in the forward. Two custom ops (``streamkl::indexer_fwd``,
+``streamkl::indexer_bwd``) with fake implementations make the function traceable by
+``torch.compile(fullgraph=True)``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+
+from streamkl_ref._checks import check_indexer_inputs
+
+from . import _indexer_bwd, _indexer_fwd
+from . import _checks, _runtime, _tuning
+
+__all__ = ["indexer_kl", "indexer_kl_naive", "MAX_TEACHER_HEAD_DIM", "MAX_INDEXER_HEAD_DIM", "REDUCTIONS"]
+
+MAX_TEACHER_HEAD_DIM = 576  # absorbed MLA: 512 + 64, tiled along D (never padded to 1024)
+MAX_INDEXER_HEAD_DIM = 256
+REDUCTIONS = ("none", "sum", "mean")
+LOG2E = 1.4426950408889634
+
+# One fixed configuration under the interpreter (tests may override):
+# (teacher rows, indexer rows, BLOCK_N, BLOCK_D, num_warps, num_stages)
+INTERPRETER_CONFIG = (32, 32, 32, 32, 1, 1)
+# fp32 inputs: IEEE dots on the FMA units, small tiles (as attention_kl's _IEEE_CONFIG)
+_IEEE_CONFIG = (32, 32, 32, 32, 4, 1)
+
+
+def _fresh(shape, dtype, device):
+    # read at call time, so the tests' poison fixture (_runtime.POISON_FRESH) applies here too
+    if _runtime.POISON_FRESH:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(1, int(n)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Input checks
+# ----------------------------------------------------------------------------------------------
+
+_NAMES = ("q", "k", "q_idx", "k_idx", "weights")
+
+
+def _check(q, k, q_idx, k_idx, weights, *, causal, scale, relu, lse, reduction):
+    tensors = (q, k, q_idx, k_idx, weights)
+    for name, t in zip(_NAMES, tensors):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    dims = check_indexer_inputs(q, k, q_idx, k_idx, weights, scale=scale)
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError("q, k, q_idx, k_idx, weights must be on one device, got "
+                         + ", ".join(f"{n}: {t.device}" for n, t in zip(_NAMES, tensors)))
+    if q.device.type == "cpu" and not _runtime.interpreting():
+        raise ValueError(
+            "the inputs are CPU tensors, but the Triton kernels need a GPU. To run them on CPU "
+            "(slowly, for testing), set the environment variable TRITON_INTERPRET=1 before "
+            "importing streamkl_gpu.")
+    for name, t in zip(_NAMES, tensors):
+        if t.dtype not in _checks.SUPPORTED_DTYPES:
+            raise ValueError(f"{name} has dtype {t.dtype}; supported: float16, bfloat16, float32")
+    if k.dtype != q.dtype:
+        raise ValueError(f"k has dtype {k.dtype} but q has {q.dtype}: the teacher's q and k must match")
+    if k_idx.dtype != q_idx.dtype:
+        raise ValueError(f"k_idx has dtype {k_idx.dtype} but q_idx has {q_idx.dtype}: the indexer's q_idx and k_idx must match")
+    if dims.D > MAX_TEACHER_HEAD_DIM:
+        raise ValueError(f"q has head dim {dims.D}; the teacher supports head dims up to {MAX_TEACHER_HEAD_DIM}")
+    if dims.DI > MAX_INDEXER_HEAD_DIM:
+        raise ValueError(f"q_idx has head dim {dims.DI}; the indexer supports head dims up to {MAX_INDEXER_HEAD_DIM}")
+    if 0 in (dims.B, dims.H, dims.NQ, dims.NK, dims.HI):
+        raise ValueError(f"empty problem: B={dims.B}, H={dims.H}, H_I={dims.HI}, N_Q={dims.NQ}, N_K={dims.NK}")
+    for name, flag in (("causal", causal), ("relu", relu)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be True or False, got {flag!r}")
+    if not isinstance(reduction, str) or reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if lse is not None:
+        if not isinstance(lse, torch.Tensor):
+            raise ValueError(f"lse must be None or a torch.Tensor, got {type(lse).__name__}")
+        want = (dims.B, dims.H, dims.NQ)
+        if tuple(lse.shape) != want:
+            raise ValueError(f"lse must have shape [B, H, N_Q] = {list(want)}, got {list(lse.shape)}")
+        if lse.dtype != torch.float32:
+            raise ValueError(f"lse must be float32 (natural-log LSEs, FlashAttention's softmax_lse), got {lse.dtype}")
+        if lse.device != q.device:
+            raise ValueError(f"lse is on {lse.device} but q is on {q.device}: they must share a device")
+    return dims
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch plans
+# ----------------------------------------------------------------------------------------------
+
+def _plan(dims, cfg, kind):
+    """Chunking of one launch: teacher heads per chunk HB, indexer heads per chunk IB, tokens per
+    block BLOCK_T (all powers of two; every dot at least 16 wide)."""
+    rows, irows, block_n, block_d, warps, stages = cfg
+    group, group_i = dims.H // dims.HK, dims.HI // dims.HKI
+    hb = min(_pow2(group), _pow2(rows))
+    gi_pad = _pow2(group_i)
+    if kind == "fwd":
+        block_t = max(1, rows // hb)
+    else:  # the backward holds every indexer head of a key head (dq/dk accumulators): <= irows rows
+        block_t = max(1, min(rows // hb, irows // gi_pad))
+    ib = min(gi_pad, max(1, _pow2(irows) // block_t))
+    block_t = max(block_t, 16 // hb, 16 // ib, 16 // gi_pad if kind != "fwd" else 1)
+    cpg = triton.cdiv(group, hb)
+    icpg = triton.cdiv(group_i, ib)
+    return dict(
+        HB=hb, IB=ib, GI_PAD=gi_pad, BLOCK_T=block_t, BLOCK_N=block_n,
+        BLOCK_D=_d_chunk(dims.D, block_d), BLOCK_DI=_d_chunk(dims.DI, block_d),
+        DI_PAD=_checks.head_pad(dims.DI), warps=warps, stages=stages,
+        n_chunks=dims.HK * cpg, cpg=cpg, n_ichunks=dims.HKI * icpg, icpg=icpg,
+    )
+
+
+def _d_chunk(d: int, block_d: int) -> int:
+    """Width of the D chunks of a score tile: the whole (padded) head up to 128 wide when the
+    config asks for >= 64-wide chunks (no K loop overhead), else ``block_d`` (D = 576: 9 x 64)."""
+    pad = _checks.head_pad(d)
+    return pad if (pad <= 128 and block_d >= 64) else min(block_d, pad)
+
+
+def _candidates(kind, ieee):
+    if _runtime.interpreting():
+        return [INTERPRETER_CONFIG]
+    if ieee:
+        return [_IEEE_CONFIG]
+    # (teacher rows, indexer rows, BLOCK_N, BLOCK_D, warps, stages); not yet measured on the GPU
+    if kind == "fwd":
+        return [(128, 128, 64, 64, 8, 2), (128, 128, 128, 64, 8, 2), (256, 128, 64, 64, 8, 2)]
+    if kind == "lse":
+        return [(128, 128, 64, 64, 8, 2), (128, 128, 128, 64, 8, 2)]
+    return [(128, 128, 64, 64, 8, 2), (64, 64, 64, 64, 4, 2)]
+
+
+def _strides(t):
+    return tuple(t.stride())
+
+
+def _teacher_args(q, k):
+    return (q, k), _strides(q) + _strides(k)
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------
+
+def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
+    dims = check_indexer_inputs(q, k, q_idx, k_idx, weights, scale=scale)
+    q, k, q_idx, k_idx, weights = (_checks.compute_view(t) for t in (q, k, q_idx, k_idx, weights))
+    device = q.device
+    ieee_t, ieee_i = q.dtype == torch.float32, q_idx.dtype == torch.float32
+    qk_scale = dims.scale * LOG2E  # teacher scores in bits: sigma * log2(e) * q.k
+    group, group_i = dims.H // dims.HK, dims.HI // dims.HKI
+    no_contract = not _runtime.interpreting()
+    key_base = (dims.D, dims.DI, dims.H, dims.HK, dims.HI, dims.HKI, q.dtype, q_idx.dtype, causal,
+                _tuning.bucket(dims.NQ), _tuning.bucket(dims.NK), _tuning.bucket(dims.B))
+
+    if lse is None:  # first pass: the teacher's per-head LSEs, in bits
+        lse_bits = _fresh((dims.B, dims.H, dims.NQ), torch.float32, device)
+
+        def launch_lse(cfg):
+            pl = _plan(dims, cfg, "fwd")
+            grid = (triton.cdiv(dims.NQ, pl["BLOCK_T"]), pl["n_chunks"], dims.B)
+            _indexer_fwd._teacher_lse_kernel[grid](
+                q, k, lse_bits, *_strides(q), *_strides(k), dims.H, group, dims.NQ, dims.NK, qk_scale,
+                pl["cpg"], D=dims.D, BLOCK_D=pl["BLOCK_D"], HB=pl["HB"], BLOCK_T=pl["BLOCK_T"],
+                BLOCK_N=pl["BLOCK_N"], CAUSAL=causal, IEEE=ieee_t, NO_CONTRACT=no_contract,
+                num_warps=pl["warps"], num_stages=pl["stages"])
+
+        launch_lse(_tuning.pick(("idx_lse",) + key_base, _candidates("lse", ieee_t), launch_lse))
+    else:  # the caller's natural-log LSEs, once to bits (the kernels' unit)
+        lse_bits = (lse * LOG2E).contiguous()
+
+    kl = _fresh((dims.B, dims.NQ), torch.float32, device)
+    lse_idx = _fresh((dims.B, dims.NQ), torch.float32, device)
+
+    def launch(cfg):
+        pl = _plan(dims, cfg, "fwd")
+        grid = (triton.cdiv(dims.NQ, pl["BLOCK_T"]), dims.B)
+        _indexer_fwd._indexer_fwd_kernel[grid](
+            q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx,
+            *_strides(q), *_strides(k), *_strides(q_idx), *_strides(k_idx), *_strides(weights),
+            dims.H, group, group_i, dims.NQ, dims.NK, qk_scale, 1.0 / dims.H,
+            pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"],
+            D=dims.D, BLOCK_D=pl["BLOCK_D"], DI=dims.DI, BLOCK_DI=pl["BLOCK_DI"],
+            HB=pl["HB"], IB=pl["IB"], BLOCK_T=pl["BLOCK_T"], BLOCK_N=pl["BLOCK_N"],
+            CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, NO_CONTRACT=no_contract,
+            num_warps=pl["warps"], num_stages=pl["stages"])
+
+    launch(_tuning.pick(("idx_fwd", relu) + key_base, _candidates("fwd", ieee_t or ieee_i), launch))
+    return kl, lse_idx, lse_bits
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------------
+
+# Tests set this: the dk kernel's token split (tokens per program) instead of the rule below.
+INTERPRETER_DK_SPLIT = None
+
+
+def dk_token_split(dims, block_t: int, key_programs: int, n_sm: int, causal: bool) -> int:
+    """Tokens per dk program (a multiple of BLOCK_T; N_Q or more means one split, no atomics).
+
+    The dk kernel has one program per key tile; at DSA-like shapes that is ~N/64 programs for
+    132 SMs, each walking up to N tokens (causal: a triangle, the first tile walks them all). So
+    the tokens are cut into fixed-size splits until there are about 8 programs per SM (causal:
+    about half exit at once), each split adding its partial dk with one fp32 atomic add.
+    Reasoned, not yet measured."""
+    if _runtime.interpreting() and INTERPRETER_DK_SPLIT is not None:
+        per = INTERPRETER_DK_SPLIT
+    else:
+        want = 8 * n_sm * (2 if causal else 1)
+        splits = max(1, min(triton.cdiv(want, key_programs), triton.cdiv(dims.NQ, 4 * block_t)))
+        per = triton.cdiv(dims.NQ, splits)
+    return max(block_t, triton.cdiv(per, block_t) * block_t)
+
+
+def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, relu):
+    dims = check_indexer_inputs(q, k, q_idx, k_idx, weights, scale=scale)
+    out_dtypes = (q_idx.dtype, k_idx.dtype, weights.dtype)
+    q, k, q_idx, k_idx, weights = (_checks.compute_view(t) for t in (q, k, q_idx, k_idx, weights))
+    device = q.device
+    ieee_t, ieee_i = q.dtype == torch.float32, q_idx.dtype == torch.float32
+    qk_scale = dims.scale * LOG2E
+    group, group_i = dims.H // dims.HK, dims.HI // dims.HKI
+    no_contract = not _runtime.interpreting()
+    g = g.to(torch.float32).contiguous()
+    lse_bits, lse_idx = lse_bits.contiguous(), lse_idx.contiguous()
+    dq_idx = _fresh((dims.B, dims.HI, dims.NQ, dims.DI), torch.float32, device)
+    dweights = _fresh((dims.B, dims.HI, dims.NQ), torch.float32, device)
+    dk_idx = _fresh((dims.B, dims.HKI, dims.NK, dims.DI), torch.float32, device)
+    common = (q, k, q_idx, k_idx, weights, lse_bits, lse_idx, g)
+    strides = _strides(q) + _strides(k) + _strides(q_idx) + _strides(k_idx) + _strides(weights)
+    key_base = (dims.D, dims.DI, dims.H, dims.HK, dims.HI, dims.HKI, q.dtype, q_idx.dtype, causal, relu,
+                _tuning.bucket(dims.NQ), _tuning.bucket(dims.NK), _tuning.bucket(dims.B))
+
+    def meta(pl):
+        return dict(D=dims.D, BLOCK_D=pl["BLOCK_D"], DI=dims.DI, BLOCK_DI=pl["BLOCK_DI"], DI_PAD=pl["DI_PAD"],
+                    HB=pl["HB"], IB=pl["IB"], GI_PAD=pl["GI_PAD"], BLOCK_T=pl["BLOCK_T"], BLOCK_N=pl["BLOCK_N"],
+                    CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, NO_CONTRACT=no_contract,
+                    num_warps=pl["warps"], num_stages=pl["stages"])
+
+    def launch_dq(cfg):
+        pl = _plan(dims, cfg, "bwd")
+        grid = (triton.cdiv(dims.NQ, pl["BLOCK_T"]), dims.B * dims.HKI)
+        _indexer_bwd._indexer_bwd_dq_kernel[grid](
+            *common, dq_idx, dweights, *strides,
+            dims.H, group, dims.HI, dims.HKI, group_i, dims.NQ, dims.NK, qk_scale, 1.0 / dims.H,
+            pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"], **meta(pl))
+
+    def launch_dk(cfg):
+        nonlocal dk_idx
+        pl = _plan(dims, cfg, "bwd")
+        key_programs = triton.cdiv(dims.NK, pl["BLOCK_N"]) * dims.B * dims.HKI
+        per_split = dk_token_split(dims, pl["BLOCK_T"], key_programs, _runtime.n_sm(device), causal)
+        splits = triton.cdiv(dims.NQ, per_split)
+        if splits > 1:
+            dk_idx = torch.zeros((dims.B, dims.HKI, dims.NK, dims.DI), dtype=torch.float32, device=device)
+        grid = (triton.cdiv(dims.NK, pl["BLOCK_N"]), dims.B * dims.HKI, splits)
+        _indexer_bwd._indexer_bwd_dk_kernel[grid](
+            *common, dk_idx, *strides,
+            dims.H, group, dims.HKI, group_i, dims.NQ, dims.NK, qk_scale, 1.0 / dims.H,
+            pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"], per_split, ATOMIC=splits > 1, **meta(pl))
+
+    ieee = ieee_t or ieee_i
+    launch_dq(_tuning.pick(("idx_bwd_dq",) + key_base, _candidates("bwd", ieee), launch_dq))
+    launch_dk(_tuning.pick(("idx_bwd_dk",) + key_base, _candidates("bwd", ieee), launch_dk))
+    return dq_idx.to(out_dtypes[0]), dk_idx.to(out_dtypes[1]), dweights.to(out_dtypes[2])
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.library custom ops + autograd (traceable by torch.compile)
+# ----------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("streamkl::indexer_fwd", mutates_args=())
+def _indexer_fwd_op(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, k_idx: torch.Tensor,
+                    weights: torch.Tensor, lse: Optional[torch.Tensor], causal: bool, scale: float,
+                    relu: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu)
+
+
+@_indexer_fwd_op.register_fake
+def _indexer_fwd_fake(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
+    B, H, NQ = q.shape[0], q.shape[1], q.shape[2]
+    return (q.new_empty((B, NQ), dtype=torch.float32), q.new_empty((B, NQ), dtype=torch.float32),
+            q.new_empty((B, H, NQ), dtype=torch.float32))
+
+
+@torch.library.custom_op("streamkl::indexer_bwd", mutates_args=())
+def _indexer_bwd_op(g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor,
+                    k_idx: torch.Tensor, weights: torch.Tensor, lse_bits: torch.Tensor,
+                    lse_idx: torch.Tensor, causal: bool, scale: float,
+                    relu: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, relu)
+
+
+@_indexer_bwd_op.register_fake
+def _indexer_bwd_fake(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, relu):
+    return torch.empty_like(q_idx), torch.empty_like(k_idx), torch.empty_like(weights)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, q_idx, k_idx, weights, lse, causal, scale, relu = inputs
+    kl, lse_idx, lse_bits = output
+    ctx.save_for_backward(q, k, q_idx, k_idx, weights, lse_bits, lse_idx)
+    ctx.args = (causal, scale, relu)
+
+
+def _indexer_backward(ctx, g_kl, g_lse_idx, g_lse_bits):
+    q, k, q_idx, k_idx, weights, lse_bits, lse_idx = ctx.saved_tensors
+    causal, scale, relu = ctx.args
+    need = ctx.needs_input_grad
+    # the teacher (q, k) is a constant: no gradient even if it requires one (documented)
+    if not (need[2] or need[3] or need[4]):
+        return (None,) * 9
+    dq_idx, dk_idx, dweights = _indexer_bwd_op(g_kl, q, k, q_idx, k_idx, weights, lse_bits, lse_idx,
+                                               causal, scale, relu)
+    return (None, None, dq_idx if need[2] else None, dk_idx if need[3] else None,
+            dweights if need[4] else None, None, None, None, None)
+
+
+_indexer_fwd_op.register_autograd(_indexer_backward, setup_context=_setup_context)
+
+
+def _rows_with_keys(dims, causal: bool) -> int:
+    """Rows with at least one visible key (bottom-right causal: the last min(N_Q, N_K) rows)."""
+    return dims.B * (min(dims.NQ, dims.NK) if causal else dims.NQ)
+
+
+def indexer_kl(q, k, q_idx, k_idx, weights, *, causal=False, scale=None, relu=True, lse=None,
+               reduction="none"):
+    """The sparse-attention indexer loss ``KL(p || softmax(I))`` per query row, streamed.
+
+    Args:
+        q: ``[B, H, N_Q, D]`` teacher queries, ``D <= 576``. k: ``[B, H_K, N_K, D]`` teacher keys
+            (``H % H_K == 0``; MQA: ``H_K = 1``). The teacher is a constant: ``q`` and ``k`` get
+            no gradient even if they require one.
+        q_idx: ``[B, H_I, N_Q, D_I]`` indexer queries, ``D_I <= 256``. k_idx: ``[B, H_KI, N_K, D_I]``
+            (``H_I % H_KI == 0``). weights: ``[B, H_I, N_Q]`` (any scale folded in).
+            Any strides (Megatron's ``[S, B, H, D]`` tensors as ``.permute(1, 2, 0, 3)`` views);
+            fp16, bf16 or fp32 (q and k share a dtype, q_idx and k_idx share one).
+        causal: bottom-right aligned (key ``s`` visible to row ``t`` iff ``s <= t + N_K - N_Q``).
+        scale: the teacher's score scale; ``None`` means ``1/sqrt(D)``. An absorbed-MLA teacher
+            (``D = 576``) needs the MLA scale, e.g. ``192 ** -0.5``.
+        relu: ``I = sum_j weights_j relu(q_idx_j . k_idx)``; ``False`` drops the ReLU.
+        lse: optional teacher LSEs, float32 ``[B, H, N_Q]``, natural log, ``-inf`` for rows with
+            no visible key (FlashAttention's ``softmax_lse``): the teacher is then read once in
+            the forward. Shape, dtype and device are checked, values are not (a wrong ``lse``
+            gives wrong rows).
+        reduction: ``"none"`` (``[B, N_Q]``), ``"sum"``, or ``"mean"`` over the rows with at
+            least one visible key (Megatron's reduction).
+
+    Returns:
+        float32 KL in nats, ``[B, N_Q]`` or a scalar; rows with no visible key give 0 and zero
+        gradient. Differentiable in ``q_idx``, ``k_idx``, ``weights``.
+    """
+    dims = _check(q, k, q_idx, k_idx, weights, causal=causal, scale=scale, relu=relu, lse=lse,
+                  reduction=reduction)
+    kl = _indexer_fwd_op(q, k, q_idx, k_idx, weights, lse, causal, dims.scale, relu)[0]
+    if reduction == "none":
+        return kl
+    total = kl.sum()
+    if reduction == "sum":
+        return total
+    return total / _rows_with_keys(dims, causal)
+
+
+# ----------------------------------------------------------------------------------------------
+# The materialised PyTorch form (what users run today): the benchmark's baseline and the tests'
+# same-precision computation (FlashAttention's tolerance rule). Differentiable through autograd.
+# ----------------------------------------------------------------------------------------------
+
+def indexer_kl_naive(q, k, q_idx, k_idx, weights, *, causal=False, scale=None, relu=True,
+                     compute_dtype=torch.float32):
+    """``[B, N_Q]`` KL in ``compute_dtype``, every score matrix materialised: teacher scores per
+    head, softmax, head mean; indexer scores, ReLU, weights, log-softmax; KL. Products are formed
+    from the inputs cast to ``compute_dtype`` (the anchors' baseline: bf16 inputs,
+    ``compute_dtype=torch.float32``). Rows with no visible key give 0."""
+    dims = check_indexer_inputs(q, k, q_idx, k_idx, weights, scale=scale)
+    cd = compute_dtype
+    kt = k.to(cd).repeat_interleave(dims.H // dims.HK, dim=1)
+    ki = k_idx.to(cd).repeat_interleave(dims.HI // dims.HKI, dim=1)
+    i = torch.arange(dims.NQ, device=q.device)[:, None]
+    j = torch.arange(dims.NK, device=q.device)[None, :]
+    visible = (j <= i + (dims.NK - dims.NQ)) if causal else torch.ones_like(i * j, dtype=torch.bool)
+    empty = ~visible.any(-1)
+    visible = visible | empty[:, None]  # an empty row is computed unmasked, then set to 0
+    s = (q.to(cd) @ kt.transpose(-1, -2)) * dims.scale
+    p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1).mean(dim=1)  # [B, N_Q, N_K]
+    a = q_idx.to(cd) @ ki.transpose(-1, -2)
+    act = torch.relu(a) if relu else a
+    logits = (weights.to(cd)[..., None] * act).sum(dim=1)
+    log_q = torch.log_softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+    # 0 log 0 = 0: masked / underflowed entries are selected away before the product
+    pos = p > 0
+    log_p = torch.log(torch.where(pos, p, torch.ones((), dtype=p.dtype, device=p.device)))
+    zero = torch.zeros((), dtype=p.dtype, device=p.device)
+    kl = torch.where(pos, p * (log_p - torch.where(visible, log_q, zero)), zero).sum(-1)
+    return kl.masked_fill(empty, 0.0)

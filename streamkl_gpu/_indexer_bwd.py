@@ -1,0 +1,296 @@
+"""Backward Triton kernels of the indexer loss: recompute tile by tile (docs/math.md, "The indexer loss").
+
+Per (token block, key tile), from the teacher LSEs (bits) and the student's LSE_I (nats) that the
+forward saved:
+
+    p = (1/H) sum_h exp2(s_h - lse_h)                (the teacher target, _teacher_target)
+    G = g * (exp(I - LSE_I) - p)                      (dKL/dI, 0 where masked)
+    A[j] = G * w_j * 1[a_j > 0]                       (no indicator when relu=False)
+    dweights[j, t] = sum_s G relu(a_j),  dq_idx[j, t] = sum_s A[j] k_idx,  dk_idx[s] = sum_{j, t} A[j]^T q_idx
+
+Two kernels:
+- ``_indexer_bwd_dq_kernel``: one program per (token block, b, indexer key head): loops over the
+  key tiles the block sees, dq_idx and dweights of the group's heads in registers (no atomics).
+- ``_indexer_bwd_dk_kernel``: one program per (key tile, b, indexer key head, token split): loops
+  over the token blocks of its split that see the tile, dk_idx in registers; with more than one
+  split the partial dk_idx are fp32 atomic adds (one [BLOCK_N, D_I] add per program).
+Each recomputes the teacher target (the dominant cost): the plain design reads the teacher
+twice per backward.
+
+NaN isolation: every masked entry is selected to 0 (``tl.where``) before it is multiplied, and in
+the masked stage (the diagonal band) the operand rows of the contraction (k_idx rows in dq,
+q_idx rows in dk) are set to 0 where non-finite: a key (query row) that a row (key) cannot
+see then contributes 0, never 0 * NaN; rows that do see it get the NaN through A.
+"""
+import triton
+import triton.language as tl
+
+from ._fwd import LOG2E, _dot, _key_stages
+from ._indexer_fwd import _indexer_logits, _teacher_target, _token_visible
+
+
+@triton.jit
+def _finite_or_zero(x):
+    return tl.where((x == x) & (tl.abs(x) < float("inf")), x, 0.0)
+
+
+@triton.jit
+def _row_grad_coef(
+    Q, K, QI, KI, W, LSE_T, LSE_I, G_UP,
+    stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
+    stride_wb, stride_wh, stride_wn,
+    b, t0, s0, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
+    n_chunks, chunks_per_group, n_ichunks, ichunks_per_group,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr,
+    HB: tl.constexpr, IB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
+    IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, NO_CONTRACT: tl.constexpr,
+):
+    """``(G, visible)`` of one [BLOCK_T, BLOCK_N] tile, broadcast to the indexer rows
+    ``r = j * BLOCK_T + t`` ([GI_PAD * BLOCK_T, BLOCK_N]); G is 0 where not visible."""
+    diag_offset = N_K - N_Q
+    toks = t0 + tl.arange(0, BLOCK_T)
+    keys = s0 + tl.arange(0, BLOCK_N)
+    p = _teacher_target(Q, K, LSE_T, stride_qb, stride_qh, stride_qn, stride_qd,
+                        stride_kb, stride_kh, stride_kn, stride_kd,
+                        b, t0, s0, H, GROUP, N_Q, N_K, diag_offset, qk_scale, inv_heads,
+                        n_chunks, chunks_per_group, D, BLOCK_D, HB, BLOCK_T, BLOCK_N,
+                        MASKED, CAUSAL, IEEE_T, NO_CONTRACT)
+    logits = _indexer_logits(QI, KI, W, stride_qib, stride_qih, stride_qin, stride_qid,
+                             stride_kib, stride_kih, stride_kin, stride_kid, stride_wb, stride_wh, stride_wn,
+                             b, t0, s0, GROUP_I, N_Q, N_K, n_ichunks, ichunks_per_group,
+                             DI, BLOCK_DI, IB, BLOCK_T, BLOCK_N, RELU, IEEE_I)
+    tok_ok = toks < N_Q
+    row = b.to(tl.int64) * N_Q + toks
+    lse_i = tl.load(LSE_I + row, mask=tok_ok, other=float("-inf"))
+    g = tl.load(G_UP + row, mask=tok_ok, other=0.0)
+    # an empty row (LSE_I = -inf) sees no key: visible is False everywhere, so G = 0 there
+    visible = _token_visible(toks, keys, N_Q, N_K, diag_offset, MASKED, CAUSAL) & (lse_i != float("-inf"))[:, None]
+    soft = tl.exp2((logits - lse_i[:, None]) * LOG2E)
+    grad = tl.where(visible, g[:, None] * (soft - p), 0.0)
+    ROWS: tl.constexpr = GI_PAD * BLOCK_T
+    grad_rows = tl.reshape(tl.broadcast_to(grad[None, :, :], [GI_PAD, BLOCK_T, BLOCK_N]), [ROWS, BLOCK_N])
+    vis_rows = tl.reshape(tl.broadcast_to(visible[None, :, :], [GI_PAD, BLOCK_T, BLOCK_N]), [ROWS, BLOCK_N])
+    return grad_rows, vis_rows
+
+
+@triton.jit
+def _coef_a(grad_rows, vis_rows, a, w, RELU: tl.constexpr):
+    """``(A, dweights terms)``: A = G * w * 1[a > 0], G * relu(a); both 0 where not visible.
+    The indicator multiplies (not selects), so a NaN G stays NaN in A."""
+    if RELU:
+        act = tl.maximum(a, 0.0, propagate_nan=tl.PropagateNan.ALL)
+        coef = grad_rows * w[:, None] * (a > 0).to(tl.float32)
+    else:
+        act = a
+        coef = grad_rows * w[:, None]
+    return tl.where(vis_rows, coef, 0.0), tl.where(vis_rows, grad_rows * act, 0.0)
+
+
+@triton.jit
+def _dq_key_range(
+    dq, dw, q_rows, w_rows, ki_base,
+    Q, K, QI, KI, W, LSE_T, LSE_I, G_UP,
+    stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
+    stride_wb, stride_wh, stride_wn,
+    b, t0, lo, hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
+    n_chunks, chunks_per_group, n_ichunks, ichunks_per_group,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr, DI_PAD: tl.constexpr,
+    HB: tl.constexpr, IB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
+    IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, NO_CONTRACT: tl.constexpr,
+):
+    offs_d = tl.arange(0, DI_PAD)
+    for s0 in range(lo, hi, BLOCK_N):
+        keys = s0 + tl.arange(0, BLOCK_N)
+        grad_rows, vis_rows = _row_grad_coef(
+            Q, K, QI, KI, W, LSE_T, LSE_I, G_UP,
+            stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+            stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
+            stride_wb, stride_wh, stride_wn, b, t0, s0, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
+            n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI,
+            HB, IB, GI_PAD, BLOCK_T, BLOCK_N, MASKED, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT)
+        k_tile = tl.load(ki_base + keys.to(tl.int64)[:, None] * stride_kin + offs_d[None, :] * stride_kid,
+                         mask=(keys < N_K)[:, None] & (offs_d < DI)[None, :], other=0.0)
+        if MASKED:  # a non-finite key that a row cannot see must not reach it through A @ k
+            k_tile = _finite_or_zero(k_tile)
+        a = _dot(q_rows, tl.trans(k_tile), IEEE_I)
+        coef, dw_terms = _coef_a(grad_rows, vis_rows, a, w_rows, RELU)
+        dw += tl.sum(dw_terms, 1)
+        dq += _dot(coef.to(k_tile.dtype), k_tile, IEEE_I)
+    return dq, dw
+
+
+@triton.jit
+def _indexer_bwd_dq_kernel(
+    Q, K, QI, KI, W, LSE_T, LSE_I, G_UP, DQ, DW,
+    stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
+    stride_wb, stride_wh, stride_wn,
+    H, GROUP, H_I, H_KI, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
+    n_chunks, chunks_per_group, n_ichunks, ichunks_per_group,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr, DI_PAD: tl.constexpr,
+    HB: tl.constexpr, IB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, RELU: tl.constexpr, IEEE_T: tl.constexpr, IEEE_I: tl.constexpr,
+    NO_CONTRACT: tl.constexpr,
+):
+    """dq_idx [B, H_I, N_Q, D_I] and dweights [B, H_I, N_Q] (fp32, contiguous) of the heads of
+    indexer key head ``kvi`` for one token block."""
+    ROWS: tl.constexpr = GI_PAD * BLOCK_T
+    pid_t = tl.program_id(0)
+    pid_bk = tl.program_id(1)
+    b = pid_bk // H_KI
+    kvi = pid_bk % H_KI
+    t0 = pid_t * BLOCK_T
+    rows = tl.arange(0, ROWS)
+    tok = t0 + rows % BLOCK_T
+    j_in_group = rows // BLOCK_T
+    j = kvi * GROUP_I + j_in_group
+    row_ok = (j_in_group < GROUP_I) & (tok < N_Q)
+    offs_d = tl.arange(0, DI_PAD)
+    b64 = b.to(tl.int64)
+    q_off = b64 * stride_qib + j.to(tl.int64) * stride_qih + tok.to(tl.int64) * stride_qin
+    q_rows = tl.load(QI + q_off[:, None] + offs_d[None, :] * stride_qid,
+                     mask=row_ok[:, None] & (offs_d < DI)[None, :], other=0.0)
+    w_rows = tl.load(W + b64 * stride_wb + j.to(tl.int64) * stride_wh + tok.to(tl.int64) * stride_wn,
+                     mask=row_ok, other=0.0).to(tl.float32)
+    ki_base = KI + b64 * stride_kib + kvi.to(tl.int64) * stride_kih
+    dq = tl.zeros([ROWS, DI_PAD], tl.float32)
+    dw = tl.zeros([ROWS], tl.float32)
+    full_hi, key_hi = _key_stages(t0, 0, N_K, N_Q, N_K, BLOCK_T, BLOCK_N, CAUSAL)
+    dq, dw = _dq_key_range(
+        dq, dw, q_rows, w_rows, ki_base, Q, K, QI, KI, W, LSE_T, LSE_I, G_UP,
+        stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+        stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
+        stride_wb, stride_wh, stride_wn, b, t0, 0, full_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
+        n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI, DI_PAD,
+        HB, IB, GI_PAD, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT)
+    dq, dw = _dq_key_range(
+        dq, dw, q_rows, w_rows, ki_base, Q, K, QI, KI, W, LSE_T, LSE_I, G_UP,
+        stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+        stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
+        stride_wb, stride_wh, stride_wn, b, t0, full_hi, key_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale,
+        inv_heads, n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI, DI_PAD,
+        HB, IB, GI_PAD, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT)
+    out_row = (b64 * H_I + j) * N_Q + tok
+    tl.store(DQ + out_row[:, None] * DI + offs_d[None, :], dq, mask=row_ok[:, None] & (offs_d < DI)[None, :])
+    tl.store(DW + out_row, dw, mask=row_ok)
+
+
+@triton.jit
+def _dk_token_range(
+    dk, k_tile, j, j_in_group, s0,
+    Q, K, QI, KI, W, LSE_T, LSE_I, G_UP,
+    stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
+    stride_wb, stride_wh, stride_wn,
+    b, lo, hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
+    n_chunks, chunks_per_group, n_ichunks, ichunks_per_group,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr, DI_PAD: tl.constexpr,
+    HB: tl.constexpr, IB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
+    IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, NO_CONTRACT: tl.constexpr,
+):
+    ROWS: tl.constexpr = GI_PAD * BLOCK_T
+    offs_d = tl.arange(0, DI_PAD)
+    rows = tl.arange(0, ROWS)
+    b64 = b.to(tl.int64)
+    for t0 in range(lo, hi, BLOCK_T):
+        tok = t0 + rows % BLOCK_T
+        row_ok = (j_in_group < GROUP_I) & (tok < N_Q)
+        grad_rows, vis_rows = _row_grad_coef(
+            Q, K, QI, KI, W, LSE_T, LSE_I, G_UP,
+            stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+            stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
+            stride_wb, stride_wh, stride_wn, b, t0, s0, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
+            n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI,
+            HB, IB, GI_PAD, BLOCK_T, BLOCK_N, MASKED, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT)
+        q_off = b64 * stride_qib + j.to(tl.int64) * stride_qih + tok.to(tl.int64) * stride_qin
+        q_rows = tl.load(QI + q_off[:, None] + offs_d[None, :] * stride_qid,
+                         mask=row_ok[:, None] & (offs_d < DI)[None, :], other=0.0)
+        w_rows = tl.load(W + b64 * stride_wb + j.to(tl.int64) * stride_wh + tok.to(tl.int64) * stride_wn,
+                         mask=row_ok, other=0.0).to(tl.float32)
+        if MASKED:  # a non-finite query row must not reach the keys it cannot see through A^T @ q
+            q_rows = _finite_or_zero(q_rows)
+        a = _dot(q_rows, tl.trans(k_tile), IEEE_I)
+        coef, _ = _coef_a(grad_rows, vis_rows, a, w_rows, RELU)
+        dk += _dot(tl.trans(coef.to(q_rows.dtype)), q_rows, IEEE_I)
+    return dk
+
+
+@triton.jit
+def _indexer_bwd_dk_kernel(
+    Q, K, QI, KI, W, LSE_T, LSE_I, G_UP, DK,
+    stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
+    stride_wb, stride_wh, stride_wn,
+    H, GROUP, H_KI, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
+    n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, tokens_per_split,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr, DI_PAD: tl.constexpr,
+    HB: tl.constexpr, IB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, RELU: tl.constexpr, IEEE_T: tl.constexpr, IEEE_I: tl.constexpr,
+    NO_CONTRACT: tl.constexpr, ATOMIC: tl.constexpr,
+):
+    """dk_idx [B, H_KI, N_K, D_I] (fp32, contiguous) of one key tile: the sum over the token blocks
+    that see it (those in this program's token split, program axis 2) and over the indexer heads
+    of key head ``kvi``. ATOMIC (more than one split): fp32 atomic adds into a zeroed buffer.
+    Fixed-size token splits balance the causal triangle: a split before the tile's first visible
+    token exits at once."""
+    ROWS: tl.constexpr = GI_PAD * BLOCK_T
+    pid_n = tl.program_id(0)
+    pid_bk = tl.program_id(1)
+    split_lo = tl.program_id(2) * tokens_per_split  # a multiple of BLOCK_T
+    split_hi = tl.minimum(split_lo + tokens_per_split, N_Q)
+    b = pid_bk // H_KI
+    kvi = pid_bk % H_KI
+    s0 = pid_n * BLOCK_N
+    keys = s0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, DI_PAD)
+    rows = tl.arange(0, ROWS)
+    j_in_group = rows // BLOCK_T
+    j = kvi * GROUP_I + j_in_group
+    b64 = b.to(tl.int64)
+    ki_base = KI + b64 * stride_kib + kvi.to(tl.int64) * stride_kih
+    k_tile = tl.load(ki_base + keys.to(tl.int64)[:, None] * stride_kin + offs_d[None, :] * stride_kid,
+                     mask=(keys < N_K)[:, None] & (offs_d < DI)[None, :], other=0.0)
+    dk = tl.zeros([BLOCK_N, DI_PAD], tl.float32)
+    # token blocks: causal ones before the first token that sees s0 are skipped; from t_full on
+    # every token sees every key of the tile (whole tile < N_K), no masks there
+    diag_offset = N_K - N_Q
+    t_lo = 0
+    t_full = 0
+    if CAUSAL:
+        t_lo = (tl.maximum(s0 - diag_offset, 0) // BLOCK_T) * BLOCK_T
+        t_full = tl.maximum(s0 + BLOCK_N - 1 - diag_offset, 0)
+        t_full = ((t_full + BLOCK_T - 1) // BLOCK_T) * BLOCK_T
+    if s0 + BLOCK_N > N_K:
+        t_full = N_Q
+    t_lo = tl.minimum(t_lo, N_Q)
+    t_full = tl.minimum(tl.maximum(t_full, t_lo), N_Q)
+    # this program's share: [split_lo, split_hi) of both ranges (all bounds multiples of BLOCK_T or N_Q)
+    mask_lo = tl.maximum(t_lo, split_lo)
+    mask_hi = tl.minimum(t_full, split_hi)
+    full_lo = tl.maximum(t_full, split_lo)
+    dk = _dk_token_range(
+        dk, k_tile, j, j_in_group, s0, Q, K, QI, KI, W, LSE_T, LSE_I, G_UP,
+        stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+        stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
+        stride_wb, stride_wh, stride_wn, b, mask_lo, mask_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
+        n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI, DI_PAD,
+        HB, IB, GI_PAD, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT)
+    dk = _dk_token_range(
+        dk, k_tile, j, j_in_group, s0, Q, K, QI, KI, W, LSE_T, LSE_I, G_UP,
+        stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+        stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
+        stride_wb, stride_wh, stride_wn, b, full_lo, split_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
+        n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI, DI_PAD,
+        HB, IB, GI_PAD, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT)
+    out_row = (b64 * H_KI + kvi) * N_K + keys
+    out_ok = (keys < N_K)[:, None] & (offs_d < DI)[None, :]
+    if ATOMIC:
+        if mask_lo < split_hi:  # splits before the first visible token add nothing
+            tl.atomic_add(DK + out_row[:, None] * DI + offs_d[None, :], dk, mask=out_ok)
+    else:
+        tl.store(DK + out_row[:, None] * DI + offs_d[None, :], dk, mask=out_ok)

@@ -1,0 +1,293 @@
+"""Forward Triton kernels of the indexer loss (docs/math.md, "The indexer loss").
+
+Layout: one program per (block of BLOCK_T query tokens, batch element). The GEMM's M dimension
+is (head, token) pairs: a *chunk* is HB teacher heads that share one key head times the BLOCK_T
+tokens, row ``r = i * BLOCK_T + t`` (head ``i`` of the chunk, token ``t``). For MQA (H_K = 1) and
+HB = H one chunk covers every head: the key tile is read once for all H query heads of the
+block. For GQA the chunks of a key tile loop over the key heads (and, for wide groups, over
+sub-blocks of a group). The head sum of ``p`` is a reshape ``[HB, BLOCK_T, BLOCK_N]`` and a
+sum over the first axis. The indexer is chunked the same way (IB heads of one key head).
+
+Head dims are tiled along D in BLOCK_D-wide chunks (a K loop inside each score tile, masks at
+D), so a 576-wide absorbed-MLA head is 9 chunks of 64, never padded to 1024.
+
+Units: teacher scores are taken to bits right after the dot (``s = sigma * log2(e) * q.k``,
+``_to_bits``: one rounding, before any max or LSE is subtracted); the teacher LSEs the kernels
+read are in bits (the host converts a caller's natural-log ``lse`` once). The student's logits
+``I`` stay in nats (they are the caller's numbers, no scale); its exponentials are
+``exp2((I - m) * log2(e))``.
+
+Per query token the forward keeps five scalars (streamkl_ref.indexer_kl_online's state):
+``m`` (running max of I), ``l = sum exp(I - m)``, ``mass = sum p``, ``acc = sum p (I - m)``
+re-referenced to the running max (``acc -= mass * (m_new - m_old)``), ``plogp = sum p log p``
+(p is exact per entry once the teacher LSEs are known: no rescaling). Finalisation uses
+``sum p = 1``: ``KL = plogp - acc + log l`` (the student's max never enters, so large logits
+cost no accuracy).
+
+Masks are selections (``tl.where``) applied before any product, so an invisible entry never
+contributes ``0 * NaN``. Rows with no visible key: KL 0, LSE_I = -inf.
+"""
+import triton
+import triton.language as tl
+
+from ._fwd import LN2, LOG2E, _dot, _key_stages, _safe, _to_bits
+
+__all__ = ["LN2", "LOG2E"]
+
+
+@triton.jit
+def _dot_rows(A, a_off, a_ok, B_, b_off, b_ok, stride_ad, stride_bd,
+              D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+              IEEE: tl.constexpr):
+    """``S[r, c] = sum_d A[a_off[r] + d] * B[b_off[c] + d]`` in fp32, D tiled in BLOCK_D chunks.
+    Rows/columns outside ``a_ok``/``b_ok`` and dims past D load as 0."""
+    acc = tl.zeros([ROWS, COLS], tl.float32)
+    offs_d = tl.arange(0, BLOCK_D)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + offs_d
+        d_ok = d < D
+        a = tl.load(A + a_off[:, None] + d[None, :] * stride_ad, mask=a_ok[:, None] & d_ok[None, :], other=0.0)
+        b = tl.load(B_ + b_off[:, None] + d[None, :] * stride_bd, mask=b_ok[:, None] & d_ok[None, :], other=0.0)
+        acc += _dot(a, tl.trans(b), IEEE)
+    return acc
+
+
+@triton.jit
+def _teacher_target(
+    Q, K, LSE_T, stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+    b, t0, s0, H, GROUP, N_Q, N_K, diag_offset, qk_scale, inv_heads, n_chunks, chunks_per_group,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, HB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, NO_CONTRACT: tl.constexpr,
+):
+    """The head-averaged target ``p [BLOCK_T, BLOCK_N]`` of tokens t0.. and keys s0..: exactly 0
+    where masked (and in padding rows), ``(1/H) sum_h exp2(s_h - lse_h)`` elsewhere."""
+    ROWS: tl.constexpr = HB * BLOCK_T
+    rows = tl.arange(0, ROWS)
+    head_in_chunk = rows // BLOCK_T
+    tok = t0 + rows % BLOCK_T
+    keys = s0 + tl.arange(0, BLOCK_N)
+    key_ok = keys < N_K
+    b64 = b.to(tl.int64)
+    k_off_base = b64 * stride_kb + keys.to(tl.int64) * stride_kn
+    q_off_base = b64 * stride_qb + tok.to(tl.int64) * stride_qn
+    p = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+    for c in range(0, n_chunks):
+        kv = c // chunks_per_group
+        h_in_group = (c % chunks_per_group) * HB + head_in_chunk
+        h = kv * GROUP + h_in_group
+        row_ok = (h_in_group < GROUP) & (tok < N_Q)
+        s = _dot_rows(Q, q_off_base + h.to(tl.int64) * stride_qh, row_ok,
+                      K, k_off_base + kv.to(tl.int64) * stride_kh, key_ok, stride_qd, stride_kd,
+                      D, BLOCK_D, ROWS, BLOCK_N, IEEE)
+        lse = tl.load(LSE_T + (b64 * H + h) * N_Q + tok, mask=row_ok, other=float("-inf"))
+        # log2 P_h = s - lse (bits). "!= -inf" keeps a NaN LSE a NaN (a NaN row stays NaN)
+        x = _to_bits(s, qk_scale, NO_CONTRACT) - lse[:, None]
+        visible = (row_ok & (lse != float("-inf")))[:, None]
+        if MASKED:
+            visible = visible & key_ok[None, :]
+            if CAUSAL:  # bottom-right causal: key s visible to token t iff s <= t + (N_K - N_Q)
+                visible = visible & (keys[None, :] <= tok[:, None] + diag_offset)
+        e = tl.exp2(tl.where(visible, x, float("-inf")))
+        p += tl.sum(tl.reshape(e, [HB, BLOCK_T, BLOCK_N]), axis=0)
+    return p * inv_heads
+
+
+@triton.jit
+def _indexer_logits(
+    QI, KI, W, stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
+    stride_wb, stride_wh, stride_wn,
+    b, t0, s0, GROUP_I, N_Q, N_K, n_chunks, chunks_per_group,
+    DI: tl.constexpr, BLOCK_DI: tl.constexpr, IB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    RELU: tl.constexpr, IEEE: tl.constexpr,
+):
+    """The student's logits ``I [BLOCK_T, BLOCK_N] = sum_j w_j relu(q_idx_j . k_idx)`` (unmasked:
+    the caller selects the visible entries)."""
+    ROWS: tl.constexpr = IB * BLOCK_T
+    rows = tl.arange(0, ROWS)
+    head_in_chunk = rows // BLOCK_T
+    tok = t0 + rows % BLOCK_T
+    keys = s0 + tl.arange(0, BLOCK_N)
+    key_ok = keys < N_K
+    b64 = b.to(tl.int64)
+    k_off_base = b64 * stride_kib + keys.to(tl.int64) * stride_kin
+    q_off_base = b64 * stride_qib + tok.to(tl.int64) * stride_qin
+    logits = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+    for c in range(0, n_chunks):
+        kv = c // chunks_per_group
+        j_in_group = (c % chunks_per_group) * IB + head_in_chunk
+        j = kv * GROUP_I + j_in_group
+        row_ok = (j_in_group < GROUP_I) & (tok < N_Q)
+        a = _dot_rows(QI, q_off_base + j.to(tl.int64) * stride_qih, row_ok,
+                      KI, k_off_base + kv.to(tl.int64) * stride_kih, key_ok, stride_qid, stride_kid,
+                      DI, BLOCK_DI, ROWS, BLOCK_N, IEEE)
+        w = tl.load(W + b64 * stride_wb + j.to(tl.int64) * stride_wh + tok.to(tl.int64) * stride_wn,
+                    mask=row_ok, other=0.0).to(tl.float32)
+        if RELU:
+            a = tl.maximum(a, 0.0, propagate_nan=tl.PropagateNan.ALL)  # relu(NaN) stays NaN
+        contrib = tl.where(row_ok[:, None], w[:, None] * a, 0.0)
+        logits += tl.sum(tl.reshape(contrib, [IB, BLOCK_T, BLOCK_N]), axis=0)
+    return logits
+
+
+@triton.jit
+def _token_visible(toks, keys, N_Q, N_K, diag_offset, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    visible = (toks < N_Q)[:, None] & (keys >= 0)[None, :]
+    if MASKED:
+        visible = visible & (keys < N_K)[None, :]
+        if CAUSAL:
+            visible = visible & (keys[None, :] <= toks[:, None] + diag_offset)
+    return visible
+
+
+@triton.jit
+def _fwd_key_range(
+    m, l, mass, acc, plogp,
+    Q, K, QI, KI, W, LSE_T,
+    stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
+    stride_wb, stride_wh, stride_wn,
+    b, t0, lo, hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
+    n_chunks, chunks_per_group, n_ichunks, ichunks_per_group,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr,
+    HB: tl.constexpr, IB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
+    IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, NO_CONTRACT: tl.constexpr,
+):
+    diag_offset = N_K - N_Q
+    toks = t0 + tl.arange(0, BLOCK_T)
+    for s0 in range(lo, hi, BLOCK_N):
+        keys = s0 + tl.arange(0, BLOCK_N)
+        p = _teacher_target(Q, K, LSE_T, stride_qb, stride_qh, stride_qn, stride_qd,
+                            stride_kb, stride_kh, stride_kn, stride_kd,
+                            b, t0, s0, H, GROUP, N_Q, N_K, diag_offset, qk_scale, inv_heads,
+                            n_chunks, chunks_per_group, D, BLOCK_D, HB, BLOCK_T, BLOCK_N,
+                            MASKED, CAUSAL, IEEE_T, NO_CONTRACT)
+        logits = _indexer_logits(QI, KI, W, stride_qib, stride_qih, stride_qin, stride_qid,
+                                 stride_kib, stride_kih, stride_kin, stride_kid, stride_wb, stride_wh, stride_wn,
+                                 b, t0, s0, GROUP_I, N_Q, N_K, n_ichunks, ichunks_per_group,
+                                 DI, BLOCK_DI, IB, BLOCK_T, BLOCK_N, RELU, IEEE_I)
+        visible = _token_visible(toks, keys, N_Q, N_K, diag_offset, MASKED, CAUSAL)
+        m_new = tl.maximum(m, tl.max(tl.where(visible, logits, float("-inf")), 1))
+        shift = _safe(m_new)
+        centred = logits - shift[:, None]  # I - m'
+        e = tl.exp2(tl.where(visible, centred, float("-inf")) * LOG2E)
+        alpha = tl.exp2((m - shift) * LOG2E)  # 0 while the row was empty, 1 if the max did not move
+        l = l * alpha + tl.sum(e, 1)
+        # p log p with 0 log 0 = 0; a NaN p stays NaN (NaN > 0 is False, then NaN * 0 = NaN)
+        log_p = tl.log(tl.where(visible & (p > 0), p, 1.0))
+        plogp += tl.sum(tl.where(visible, p * log_p, 0.0), 1)
+        # every old term p (I - m) moves by -(m' - m) when the max moves: -mass * moved in all
+        acc = acc - mass * (shift - _safe(m)) + tl.sum(tl.where(visible, p * centred, 0.0), 1)
+        mass += tl.sum(tl.where(visible, p, 0.0), 1)
+        m = m_new
+    return m, l, mass, acc, plogp
+
+
+@triton.jit
+def _indexer_fwd_kernel(
+    Q, K, QI, KI, W, LSE_T, KL, LSE_I,
+    stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
+    stride_wb, stride_wh, stride_wn,
+    H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
+    n_chunks, chunks_per_group, n_ichunks, ichunks_per_group,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr,
+    HB: tl.constexpr, IB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, RELU: tl.constexpr, IEEE_T: tl.constexpr, IEEE_I: tl.constexpr,
+    NO_CONTRACT: tl.constexpr,
+):
+    """KL [B, N_Q] (nats) and the student's LSE_I [B, N_Q] (nats) from the teacher LSEs (bits)."""
+    pid_t = tl.program_id(0)
+    b = tl.program_id(1)
+    t0 = pid_t * BLOCK_T
+    toks = t0 + tl.arange(0, BLOCK_T)
+    m = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_T], tl.float32)
+    mass = tl.zeros([BLOCK_T], tl.float32)
+    acc = tl.zeros([BLOCK_T], tl.float32)
+    plogp = tl.zeros([BLOCK_T], tl.float32)
+    # whole tiles every token of the block sees (no masks), then the diagonal band / ragged tile
+    full_hi, key_hi = _key_stages(t0, 0, N_K, N_Q, N_K, BLOCK_T, BLOCK_N, CAUSAL)
+    m, l, mass, acc, plogp = _fwd_key_range(
+        m, l, mass, acc, plogp, Q, K, QI, KI, W, LSE_T,
+        stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+        stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
+        stride_wb, stride_wh, stride_wn, b, t0, 0, full_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
+        n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI,
+        HB, IB, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT)
+    m, l, mass, acc, plogp = _fwd_key_range(
+        m, l, mass, acc, plogp, Q, K, QI, KI, W, LSE_T,
+        stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+        stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
+        stride_wb, stride_wh, stride_wn, b, t0, full_hi, key_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale,
+        inv_heads, n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI,
+        HB, IB, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT)
+    # empty: no visible key (l = 0; a visible key adds exp(0) = 1 at the max). Not m == -inf: the
+    # max ignores NaN, so a NaN row can keep m = -inf, but its l is NaN and its KL stays NaN
+    empty = l == 0.0
+    log_l = tl.log(tl.where(empty, 1.0, l))
+    kl = tl.where(empty, 0.0, plogp - acc + log_l)  # uses sum p = 1: the max m never enters
+    lse_i = tl.where(empty, float("-inf"), m + log_l)
+    ok = toks < N_Q
+    out = b.to(tl.int64) * N_Q + toks
+    tl.store(KL + out, kl, mask=ok)
+    tl.store(LSE_I + out, lse_i, mask=ok)
+
+
+@triton.jit
+def _lse_key_range(m, l, Q, K, q_off, row_ok, k_off_base, tok, lo, hi, N_Q, N_K, stride_qd, stride_kn, stride_kd,
+                   qk_scale, D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, NO_CONTRACT: tl.constexpr):
+    diag_offset = N_K - N_Q
+    for s0 in range(lo, hi, BLOCK_N):
+        keys = s0 + tl.arange(0, BLOCK_N)
+        key_ok = keys < N_K
+        s = _dot_rows(Q, q_off, row_ok, K, k_off_base + keys.to(tl.int64) * stride_kn, key_ok,
+                      stride_qd, stride_kd, D, BLOCK_D, ROWS, BLOCK_N, IEEE)
+        s = _to_bits(s, qk_scale, NO_CONTRACT)
+        if MASKED:
+            visible = key_ok[None, :] & (tok >= 0)[:, None]
+            if CAUSAL:
+                visible = visible & (keys[None, :] <= tok[:, None] + diag_offset)
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        shift = _safe(m_new)
+        l = l * tl.exp2(m - shift) + tl.sum(tl.exp2(s - shift[:, None]), 1)
+        m = m_new
+    return m, l
+
+
+@triton.jit
+def _teacher_lse_kernel(
+    Q, K, LSE_T, stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+    H, GROUP, N_Q, N_K, qk_scale, chunks_per_group,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, HB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, IEEE: tl.constexpr, NO_CONTRACT: tl.constexpr,
+):
+    """The teacher's per-head LSEs in bits, ``[B, H, N_Q]`` (-inf for rows with no visible key):
+    the first pass when the caller gives no ``lse``. One program per (token block, head chunk, b)."""
+    ROWS: tl.constexpr = HB * BLOCK_T
+    pid_t = tl.program_id(0)
+    c = tl.program_id(1)
+    b = tl.program_id(2)
+    t0 = pid_t * BLOCK_T
+    rows = tl.arange(0, ROWS)
+    tok = t0 + rows % BLOCK_T
+    kv = c // chunks_per_group
+    h_in_group = (c % chunks_per_group) * HB + rows // BLOCK_T
+    h = kv * GROUP + h_in_group
+    row_ok = (h_in_group < GROUP) & (tok < N_Q)
+    b64 = b.to(tl.int64)
+    q_off = b64 * stride_qb + h.to(tl.int64) * stride_qh + tok.to(tl.int64) * stride_qn
+    k_off_base = b64 * stride_kb + kv.to(tl.int64) * stride_kh
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    l = tl.zeros([ROWS], tl.float32)
+    full_hi, key_hi = _key_stages(t0, 0, N_K, N_Q, N_K, BLOCK_T, BLOCK_N, CAUSAL)
+    m, l = _lse_key_range(m, l, Q, K, q_off, row_ok, k_off_base, tok, 0, full_hi, N_Q, N_K,
+                          stride_qd, stride_kn, stride_kd, qk_scale, D, BLOCK_D, ROWS, BLOCK_N,
+                          False, CAUSAL, IEEE, NO_CONTRACT)
+    m, l = _lse_key_range(m, l, Q, K, q_off, row_ok, k_off_base, tok, full_hi, key_hi, N_Q, N_K,
+                          stride_qd, stride_kn, stride_kd, qk_scale, D, BLOCK_D, ROWS, BLOCK_N,
+                          True, CAUSAL, IEEE, NO_CONTRACT)
+    lse = tl.where(l == 0.0, float("-inf"), m + tl.log2(l))  # l is NaN (not 0) for a NaN row
+    tl.store(LSE_T + (b64 * H + h) * N_Q + tok, lse, mask=row_ok)
