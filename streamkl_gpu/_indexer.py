@@ -1,4 +1,4 @@
-"""``indexer_kl``: the sparse-attention indexer loss, streamed (MATH.md, "The indexer loss").
+"""``indexer_kl``: the sparse-attention indexer loss, streamed (docs/math.md, "The indexer loss").
 
 Teacher ``q [B, H, N_Q, D]``, ``k [B, H_K, N_K, D]`` (a constant: no gradient), target
 ``p = (1/H) sum_h softmax(sigma q_h k^T)``; student ``q_idx [B, H_I, N_Q, D_I]``,
