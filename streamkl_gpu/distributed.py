@@ -20,7 +20,6 @@ the launch code.
 """
 from __future__ import annotations
 
-import math
 import struct
 from typing import Optional
 
@@ -175,7 +174,7 @@ def _check_across_ranks(group, world, rank, args):
     try:
         fields = _local_fields(q1, k1, q2, k2, causal, scale1, scale2, layout, bwd_mode,
                                deterministic, group)
-    except ValueError as exc:
+    except Exception as exc:  # noqa: BLE001 (any local failure must still join the collective)
         local_error, fields = exc, [0] * len(_FIELDS)
     meta = torch.tensor([int(local_error is not None)] + fields, dtype=torch.int64,
                         device=_meta_device(group, (q1,)))
@@ -184,7 +183,8 @@ def _check_across_ranks(group, world, rank, args):
     _log("check all_gather", meta.numel() * 8, world, meta.numel() * 8)
     table = torch.stack(gathered).cpu().tolist()
     if local_error is not None:
-        raise ValueError(f"distributed.attention_kl (rank {rank} of {world}): {local_error}") from local_error
+        kind = "" if isinstance(local_error, ValueError) else f"{type(local_error).__name__}: "
+        raise ValueError(f"distributed.attention_kl (rank {rank} of {world}): {kind}{local_error}") from local_error
     bad = [r for r in range(world) if table[r][0]]
     if bad:
         raise ValueError(
@@ -242,13 +242,15 @@ class _Slot:
     slot 1: the ranks in reverse order) into a staging block, copied into place on arrival."""
 
     def __init__(self, k_chunk, buffer, slot_rows0, chunk_of_rank, chunk_len, group, world):
+        from . import _runtime
+
         # the shard as one contiguous [L, B, H_K, D] block (the collectives need contiguous input)
         self.send = k_chunk.detach().permute(2, 0, 1, 3).contiguous()
         self.block = _alias(buffer, slot_rows0, world * chunk_len)  # this slot's rows, [B, H_K, W L, D]
         self.places = [c * chunk_len - slot_rows0 for c in chunk_of_rank]  # rank i's row in the block
         self.in_order = self.places == [i * chunk_len for i in range(world)]
         rows = self.block.permute(2, 0, 1, 3)  # [W L, B, H_K, D], contiguous
-        self.landing = rows if self.in_order else torch.empty_like(rows)
+        self.landing = rows if self.in_order else _runtime.fresh(rows.shape, rows.dtype, rows.device)
         self.work = _all_gather_single(self.landing, self.send, group=group, async_op=True)
         nbytes = self.send.numel() * self.send.element_size()
         _log("all_gather keys", nbytes, world, nbytes)
@@ -366,8 +368,10 @@ def attention_kl(q1, k1, q2, k2, *, group: Optional["dist.ProcessGroup"] = None,
     # slot s of every rank: global chunks {chunk_of_rank[s][i]} = rows [s W L, (s+1) W L)
     chunk_of_rank = [[_chunks(layout, i, world)[s] for i in range(world)] for s in range(len(chunks))]
 
-    buffers = [torch.empty((n_total,) + (k.shape[0], k.shape[1], k.shape[3]), dtype=k.dtype, device=k.device)
-               for k in (k1, k2)]
+    from . import _runtime  # (after the check: importing it defines the kernels)
+
+    # fresh(): NaN-filled under the tests' poison setting, so a key row no collective wrote shows
+    buffers = [_runtime.fresh((n_total, k.shape[0], k.shape[1], k.shape[3]), k.dtype, k.device) for k in (k1, k2)]
     # all gathers start now, slot-major (NCCL runs them in order on one stream): slot 0 of both
     # sides first, so the early query chunk waits only for those
     slots = [[None] * len(chunks) for _ in buffers]

@@ -1,13 +1,14 @@
 """``streamkl verify``: kernels against the references, as a numerical gate.
 
-Without ``--impl`` it runs streamkl's own ``streamkl_gpu.attention_kl`` (forward, and backward in
-both the fused and separate modes) on a battery of cases — shapes that don't divide the tiles,
-N = 1, GQA on either side, D1 != D2, causal with N_Q < N_K and N_Q > N_K (empty rows), split-K,
-large logits, and packed
-sequences (``attention_kl_varlen``: zero-length, length-1 and key-less sequences) — and compares every output and gradient with ``streamkl_ref`` in float64 (and with
-mpmath for the small cases). On a GPU it runs fp32, fp16 and bf16; on CPU, under the Triton
-interpreter, fp32 and fp16 (the interpreter's bf16 dot is wrong, and the kernels compute bf16 in
-fp32 there).
+Without ``--impl`` it runs streamkl's own kernels: ``streamkl_gpu.attention_kl`` (forward, and
+backward in both the fused and separate modes) on a battery of cases — shapes that don't divide
+the tiles, N = 1, GQA on either side, D1 != D2, causal with N_Q < N_K and N_Q > N_K (empty rows),
+split-K, large logits — then packed sequences (``attention_kl_varlen``: zero-length, length-1
+and key-less sequences), the NaN-planting cases, and ``streamkl_gpu.indexer_kl`` (the indexer
+battery of ``streamkl_ref.testing``, and its Megatron mean). Every output and gradient is compared
+with ``streamkl_ref`` in float64 (and with mpmath for the small cases). On a GPU it runs fp32,
+fp16 and bf16; on CPU, under the Triton interpreter, fp32 and fp16 (the interpreter's bf16 dot
+is wrong, and the kernels compute bf16 in fp32 there).
 
 With ``--impl MODULE:FUNCTION`` it runs the conformance suite of ``streamkl_ref.testing``
 (``check_attention_kl``, or ``check_indexer_kl`` with ``--indexer``) against that callable: the
@@ -38,6 +39,9 @@ from streamkl_ref.testing import (
     Report,
     Row,
     attention_cases,
+    check_attention_kl,
+    check_indexer_kl,
+    indexer_cases,
     relative_error,
     tolerance,
 )
@@ -47,8 +51,8 @@ MP_MAX_SCORES = 1500  # mpmath check only for B*H*N_Q*N_K up to this
 DESCRIPTION = """\
 Check attention-KL kernels against the float64 references, as a numerical gate.
 
-Without --impl: streamkl's own streamkl_gpu.attention_kl (forward; backward in the fused and
-separate modes; split-K). With --impl MODULE:FUNCTION: your callable, through the conformance
+Without --impl: streamkl's own kernels: streamkl_gpu.attention_kl (forward; backward in the
+fused and separate modes; split-K; NaN planting) and streamkl_gpu.indexer_kl. With --impl MODULE:FUNCTION: your callable, through the conformance
 suite of streamkl_ref.testing (the same battery plus NaN-planting cases). It is called as
 FUNCTION(q1, k1, q2, k2, causal=..., scale1=..., scale2=...) with torch tensors, or, with
 --indexer, as FUNCTION(q, k, q_idx, k_idx, weights, causal=..., scale=..., relu=...).
@@ -195,6 +199,15 @@ def _finish(report: Report, args, device_name: str, extra: dict) -> int:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=2, allow_nan=False)
     return 0 if report.passed else 1
+
+
+def _append(report: Report, other: Report, prefix: str = "") -> None:
+    """Add another report's rows and cases to ``report`` (case names prefixed)."""
+    for r in other.rows:
+        r.case = prefix + r.case
+        report.rows.append(r)
+    for name, case in other.cases.items():
+        report.cases[prefix + name] = case
 
 
 def _load_impl(spec: str):
@@ -365,6 +378,27 @@ def _run_own(args, device: str) -> int:
                 for tname, t, s in zip(("dq1", "dk1", "dq2", "dk2"), ins, same):
                     tol = tolerance(relative_error(s.grad, ref_grad[tname]), dname)
                     record(name, dtype, f"{tname} ({mode})", relative_error(t.grad, ref_grad[tname]), tol)
+    # the NaN/inf isolation contract (planted cases) and the indexer loss, through the conformance suite
+    dnames = [str(d).replace("torch.", "") for d in dtypes]
+    planted = [c for c in attention_cases(device, quick=False) if c.plant]
+    if args.quick:  # a smoke gate: one planted case, the quick indexer cases, the first dtype
+        planted, dnames = planted[:1], dnames[:1]
+    if not args.quiet:
+        print(f"[{time.time() - t_start:6.1f}s] NaN-planting cases", file=sys.stderr, flush=True)
+    _append(report, check_attention_kl(api.attention_kl, device=device, dtypes=dnames, cases=planted, seed=args.seed))
+    from streamkl_gpu import indexer_kl
+
+    def indexer_mean(*a, **kw):  # Megatron's reduction: the mean over rows that see a key
+        return indexer_kl(*a, reduction="mean", **kw)
+
+    if not args.quiet:
+        print(f"[{time.time() - t_start:6.1f}s] indexer loss", file=sys.stderr, flush=True)
+    _append(report, check_indexer_kl(indexer_kl, device=device, dtypes=dnames, quick=args.quick, seed=args.seed),
+            prefix="indexer:")
+    mean_cases = [] if args.quick else [c for c in indexer_cases(device) if c.name in ("causal_nq>nk", "gqa")]
+    if mean_cases:
+        _append(report, check_indexer_kl(indexer_mean, device=device, dtypes=dnames[:1], returns="mean",
+                                         cases=mean_cases, seed=args.seed), prefix="indexer(mean):")
     report.elapsed_s = time.time() - t_start
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)"
     return _finish(report, args, device_name, {"elapsed_s": report.elapsed_s})
