@@ -239,6 +239,20 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
 # Backward
 # ----------------------------------------------------------------------------------------------
 
+BWD_MODES = ("separate", "fused")
+
+
+def bwd_mode() -> str:
+    """The backward's kernels: ``STREAMKL_INDEXER_BWD`` = ``separate`` (default: a dq/dweights
+    kernel and a dk kernel, each recomputing the teacher; no atomics but dk's token splits) or
+    ``fused`` (the dk kernel alone, dq/dweights by fp32 atomics: the teacher read once per
+    backward). Which is faster is not yet measured; bench/indexer_gpu.py times both."""
+    mode = os.environ.get("STREAMKL_INDEXER_BWD", "separate")
+    if mode not in BWD_MODES:
+        raise ValueError(f"STREAMKL_INDEXER_BWD must be one of {BWD_MODES}, got {mode!r}")
+    return mode
+
+
 # Tests set this: the dk kernel's token split (tokens per program) instead of the rule below.
 INTERPRETER_DK_SPLIT = None
 
@@ -277,7 +291,12 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
     dk_idx = _fresh((dims.B, dims.HKI, dims.NK, dims.DI), torch.float32, device)
     common = (q, k, q_idx, k_idx, weights, lse_bits, lse_idx, g)
     strides = _strides(q) + _strides(k) + _strides(q_idx) + _strides(k_idx) + _strides(weights)
-    key_base = (dims.D, dims.DI, dims.H, dims.HK, dims.HI, dims.HKI, q.dtype, q_idx.dtype, causal, relu, use_tma,
+    mode = bwd_mode()
+    fused = mode == "fused"
+    if fused:  # dq_idx / dweights by atomics from the dk kernel
+        dq_idx = torch.zeros((dims.B, dims.HI, dims.NQ, dims.DI), dtype=torch.float32, device=device)
+        dweights = torch.zeros((dims.B, dims.HI, dims.NQ), dtype=torch.float32, device=device)
+    key_base = (mode, dims.D, dims.DI, dims.H, dims.HK, dims.HI, dims.HKI, q.dtype, q_idx.dtype, causal, relu, use_tma,
                 _api._bucket(dims.NQ), _api._bucket(dims.NK), _api._bucket(dims.B))
 
     def meta(pl):
@@ -302,14 +321,18 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
         splits = triton.cdiv(dims.NQ, per_split)
         if splits > 1:
             dk_idx = torch.zeros((dims.B, dims.HKI, dims.NK, dims.DI), dtype=torch.float32, device=device)
+        if fused:
+            dq_idx.zero_()
+            dweights.zero_()
         grid = (triton.cdiv(dims.NK, pl["BLOCK_N"]), dims.B * dims.HKI, splits)
         _indexer_bwd._indexer_bwd_dk_kernel[grid](
-            *common, dk_idx, *_descriptors(pl, use_tma, q, k, q_idx, k_idx), *strides,
-            dims.H, group, dims.HKI, group_i, dims.NQ, dims.NK, qk_scale, 1.0 / dims.H,
-            pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"], per_split, ATOMIC=splits > 1, **meta(pl))
+            *common, dk_idx, dq_idx, dweights, *_descriptors(pl, use_tma, q, k, q_idx, k_idx), *strides,
+            dims.H, group, dims.HI, dims.HKI, group_i, dims.NQ, dims.NK, qk_scale, 1.0 / dims.H,
+            pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"], per_split, ATOMIC=splits > 1, FUSED_DQ=fused, **meta(pl))
 
     ieee = ieee_t or ieee_i
-    launch_dq(_api._pick(("idx_bwd_dq",) + key_base, _candidates("bwd", ieee), launch_dq))
+    if not fused:
+        launch_dq(_api._pick(("idx_bwd_dq",) + key_base, _candidates("bwd", ieee), launch_dq))
     launch_dk(_api._pick(("idx_bwd_dk",) + key_base, _candidates("bwd", ieee), launch_dk))
     return dq_idx.to(out_dtypes[0]), dk_idx.to(out_dtypes[1]), dweights.to(out_dtypes[2])
 
