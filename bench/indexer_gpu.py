@@ -332,7 +332,7 @@ class Run:
               + ("" if n_ok == len(self.checks) else "  FAILED: " + ", ".join(
                   f"{c['case']}:{c['tensor']}" for c in self.checks if not c["pass"])))
         print("\n== indexer_kl timings (causal, bf16; ms, peak extra GiB, ratio to the fwd matmul floor) ==")
-        print(f"{'config':6s} {'N':>7s} {"provider":14s} {'fwd ms':>9s} {'GiB':>7s} {'ratio':>6s} "
+        print(f"{'config':6s} {'N':>7s} {'provider':14s} {'fwd ms':>9s} {'GiB':>7s} {'ratio':>6s} "
               f"{'fwd+bwd ms':>11s} {'GiB':>7s} {'ratio':>6s}")
         keys = []
         for r in self.rows:
