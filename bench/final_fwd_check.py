@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 sys.path.insert(0, os.getcwd())
 import streamkl_gpu
-from streamkl_gpu import api
+from streamkl_gpu import _tuning
 from streamkl_gpu.naive import attention_kl_naive
 OUT = os.environ.get("OUT", "/tmp")
 env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
@@ -31,7 +31,7 @@ for N, causal, with_compile in ((8192, False, True), (8192, True, True), (16384,
     g = torch.Generator(device="cuda").manual_seed(N + causal)
     q1, k1, q2, k2 = (torch.randn(1, 32, N, 128, device="cuda", generator=g).to(torch.bfloat16) for _ in range(4))
     ours = bench("streamkl(autotuned)", lambda: streamkl_gpu.attention_kl(q1, k1, q2, k2, causal=causal), N, causal,
-                 extra=str([v for k, v in api._TUNED.items() if k[5] == causal and k[8] == N]))
+                 extra=str([v for k, v in _tuning._TUNED.items() if k[5] == causal and k[8] == N]))
     sd = bench("sdpa(default dispatch)", lambda: F.scaled_dot_product_attention(q1, k1, q2, is_causal=causal), N, causal)
     line = f"N={N} c={int(causal)}: ours/sdpa = {ours/sd:.2f}"
     if with_compile:
@@ -39,7 +39,7 @@ for N, causal, with_compile in ((8192, False, True), (8192, True, True), (16384,
         line += f", compile/ours = {cp/ours:.2f}"
     print(line, flush=True)
     del q1, k1, q2, k2; torch.cuda.empty_cache()
-print("TUNED", api._TUNED, flush=True)
+print("TUNED", _tuning._TUNED, flush=True)
 keys = ["kernel", "provider", "mode", "causal", "n_q", "n_k", "dtype", "p20_ms", "p50_ms", "p80_ms", "status", "gpu", "torch", "triton", "date", "extra"]
 with open(os.path.join(OUT, "fwd_final.csv"), "w", newline="") as f:
     w = csv.DictWriter(f, keys); w.writeheader()

@@ -320,8 +320,8 @@ class Run:
             w = csv.DictWriter(f, fieldnames=CHECK_COLUMNS)
             w.writeheader()
             w.writerows(self.checks)
-        from streamkl_gpu import api
-        tuned = {repr(k): list(v) for k, v in api._TUNED.items() if str(k[0]).startswith("idx_")}
+        from streamkl_gpu import _tuning
+        tuned = {repr(k): list(v) for k, v in _tuning._TUNED.items() if str(k[0]).startswith("idx_")}
         with open(os.path.join(self.args.out_dir, "indexer_tuned.json"), "w") as f:
             json.dump(tuned, f, indent=1)
 

@@ -36,6 +36,13 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# Every figure is saved at DPI; no text is smaller than MIN_FONT_PT (docs/check_browser.py checks
+# that this text stays readable at the width the performance page shows the plots).
+DPI = 130
+MIN_FONT_PT = 8
+WIDTH_IN = 8  # every figure is at most this wide: the page shows it at ~690 px, text stays >= 9 px
+FONTS = {"font.size": 10, "axes.titlesize": 10.5, "axes.labelsize": 10, "xtick.labelsize": 9,
+         "ytick.labelsize": 9, "legend.fontsize": 9, "figure.titlesize": MIN_FONT_PT}
 SDPA_DEFAULT, SDPA_FLASH = "SDPA (default dispatch)", "SDPA (flash backend)"
 STYLE = {  # provider (display name) -> (color, marker); anything else gets matplotlib's cycle
     "ours": ("C3", "o"), "ours_auto": ("C3", "o"), "ours_fused": ("C1", "^"), "ours_separate": ("C5", "v"),
@@ -127,10 +134,12 @@ def plain_log_y(ax):
     lo, hi = ax.get_ylim()
     if lo > 0 and hi / lo < 30:
         ax.yaxis.set_minor_formatter(fmt)
-        ax.tick_params(axis="y", which="minor", labelsize=7)
+        ax.tick_params(axis="y", which="minor", labelsize=MIN_FONT_PT)
 
 
-def draw(ax, data, title, ylabel, xlabel="N (= N_Q = N_K)", legend_out=False):
+def draw(ax, data, title, ylabel, xlabel="N (= N_Q = N_K)", legend="in"):
+    """One log-log panel; ``legend``: "in" (inside the axes), "below" (under them) or None (the
+    figure's shared legend, see shared_legend)."""
     import matplotlib.ticker as mt
     for label, pts in data.items():
         xs = [p[0] for p in pts]
@@ -143,18 +152,36 @@ def draw(ax, data, title, ylabel, xlabel="N (= N_Q = N_K)", legend_out=False):
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.xaxis.set_major_formatter(mt.FuncFormatter(lambda v, _: f"{int(v) // 1024}K" if v >= 1024 else f"{int(v)}"))
-    ax.set_title(title, fontsize=10)
+    ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(True, which="both", alpha=0.3)
     if data:
         plain_log_y(ax)
-        if legend_out:
-            ax.legend(fontsize=7, bbox_to_anchor=(1.01, 1.0), loc="upper left", borderaxespad=0)
-        else:
-            ax.legend(fontsize=7)
+        if legend == "below":
+            ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
+        elif legend == "in":
+            ax.legend()
     else:
         ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+
+
+def shared_legend(fig, axes, ncol=3):
+    """One legend above the panels for every line of every panel (same label, same style)."""
+    seen = {}
+    for ax in axes:
+        for h, l in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(l, h)
+    if seen:
+        fig.legend(list(seen.values()), list(seen), loc="upper center", ncol=ncol, frameon=False,
+                   bbox_to_anchor=(0.5, 0.975))
+    return len(seen)
+
+
+def legend_rows(fig, n, ncol=3):
+    """The top fraction of the figure the shared legend (n entries) and the suptitle take."""
+    height = fig.get_figheight()
+    return min(0.3, (0.3 + 0.22 * -(-n // ncol)) / height)
 
 
 def subtitle(rows):
@@ -181,32 +208,33 @@ def backends_plot(path, out_path, plt):
     bars = [b for b in bars if any(r["provider"] == b[0] for r in rows)]
     groups = sorted({(int(r["n_q"]), int(r["n_k"]), r["causal"]) for r in rows}, key=lambda g: (g[0], g[1], g[2]))
     t = {(r["provider"], int(r["n_q"]), int(r["n_k"]), r["causal"]): fnum(r["p50_ms"]) for r in rows}
-    fig, ax = plt.subplots(figsize=(max(8, 2.3 * len(groups)), 5.2))
+    fig, ax = plt.subplots(figsize=(WIDTH_IN, 5.6))
     width = 0.8 / len(bars)
     for k, (prov, label, color) in enumerate(bars):
         for i, (nq, nk, c) in enumerate(groups):
             x = i + (k - (len(bars) - 1) / 2) * width
             v = t.get((prov, nq, nk, c))
             if v is None:
-                ax.text(x, 0.02, "no data", rotation=90, ha="center", va="bottom", fontsize=7, color="0.4",
+                ax.text(x, 0.02, "no data", rotation=90, ha="center", va="bottom", fontsize=MIN_FONT_PT, color="0.4",
                         transform=ax.get_xaxis_transform())
                 continue
             ax.bar(x, v, width, color=color, label=label if i == min(
                 j for j, g in enumerate(groups) if t.get((prov,) + g) is not None) else None)
-            ax.text(x, v * 1.04, f"{v:.3g}", ha="center", va="bottom", fontsize=7)
+            ax.text(x, v * 1.04, f"{v:.3g}", ha="center", va="bottom", fontsize=MIN_FONT_PT,
+                    rotation=90 if len(bars) * len(groups) > 12 else 0)
     ax.set_xticks(range(len(groups)))
     ax.set_xticklabels([f"N={fmt_n(nq)}" + (f", N_K={fmt_n(nk)}" if nk != nq else "") +
                         ("\ncausal" if c == "1" else "\nnon-causal") for nq, nk, c in groups])
     ax.set_yscale("log")
     ax.set_ylabel("time (ms, median; lower is better)")
-    ax.set_title(f"forward: ours vs SDPA backends vs torch.compile ({shape_note(rows)})", fontsize=10)
+    ax.set_title(f"forward: ours vs SDPA backends vs torch.compile\n({shape_note(rows)})")
     ax.grid(True, axis="y", which="both", alpha=0.3)
-    ax.legend(fontsize=8, ncol=3, loc="upper left")
-    ax.set_ylim(top=ax.get_ylim()[1] * 3)  # room for the legend above the tallest bar
+    ax.legend(ncol=2, loc="upper left")
+    ax.set_ylim(top=ax.get_ylim()[1] * 6)  # room for the legend above the tallest bar
     plain_log_y(ax)
-    fig.suptitle(subtitle(rows) + f"  [{os.path.basename(path)}]", fontsize=8, y=0.995)
+    fig.suptitle(subtitle(rows) + f"\n[{os.path.basename(path)}]", y=0.995)
     fig.tight_layout()
-    fig.savefig(out_path, dpi=130)
+    fig.savefig(out_path, dpi=DPI)
     plt.close(fig)
     return True
 
@@ -223,6 +251,7 @@ def main(argv=None):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    plt.rcParams.update(FONTS)
 
     os.makedirs(a.out, exist_ok=True)
     written = []
@@ -253,47 +282,51 @@ def main(argv=None):
                        + ("; default dispatch vs flash vs cuDNN: sdpa_backends.png" if backends else "") + ".")
         print("note: " + legacy_note)
 
-    def save(fig, name, rows_in=None):
-        fig.suptitle(sub, fontsize=8, y=0.995)
+    def save(fig, name, rows_in=None, top=1.0):
+        """``top``: the fraction of the height left to the panels (a shared legend takes the rest)."""
+        fig.suptitle(sub, y=0.995)
         note = legacy_note if legacy_note and any(
             r["provider"] == "sdpa" and r["_file"] in legacy and ok(r) for r in (rows_in or [])) else ""
+        bottom = 0.0
         if note:
-            fig.text(0.5, 0.004, note, ha="center", va="bottom", fontsize=7, style="italic", wrap=True)
-            fig.tight_layout(rect=(0, 0.035, 1, 1))
-        else:
-            fig.tight_layout()
+            fig.text(0.5, 0.004, note, ha="center", va="bottom", fontsize=MIN_FONT_PT, style="italic", wrap=True)
+            bottom = 0.5 / fig.get_figheight()
+        fig.tight_layout(rect=(0, bottom, 1, min(top, 0.98)))
         path = os.path.join(a.out, name)
-        fig.savefig(path, dpi=130)
+        fig.savefig(path, dpi=DPI)
         plt.close(fig)
         written.append(path)
 
     # forward
     fwd = [r for r in rows if r["kernel"] == "fwd" and r["mode"] == "fwd"]
     if any(ok(r) for r in fwd):
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
+        fig, axes = plt.subplots(2, 1, figsize=(WIDTH_IN, 8.5), sharex=True)
         for ax, c in zip(axes, ("0", "1")):
             sel = [r for r in fwd if r["causal"] == c]
             draw(ax, series(sel, multi), f"forward, {'causal' if c == '1' else 'non-causal'} ({shape_note(sel)})",
-                 "time (ms, median; band p20-p80)")
-        save(fig, "fwd_time.png", fwd)
+                 "time (ms, median; band p20-p80)", legend=None)
+        n = shared_legend(fig, axes)
+        save(fig, "fwd_time.png", fwd, top=1 - legend_rows(fig, n))
 
     # forward + backward
     fb = [r for r in rows if r["kernel"] == "fwd_bwd"]
     if any(ok(r) for r in fb):
-        fig, axes = plt.subplots(2, 3, figsize=(16, 9), sharey=True)
-        for i, c in enumerate(("0", "1")):
-            for j, st in enumerate(("s1", "s2", "both")):
+        # rows: settings s1 / s2 / both; columns: non-causal / causal
+        fig, axes = plt.subplots(3, 2, figsize=(WIDTH_IN, 11), sharey=True, sharex=True)
+        for j, c in enumerate(("0", "1")):
+            for i, st in enumerate(("s1", "s2", "both")):
                 sel = [r for r in fb if r["causal"] == c and r["mode"] in (f"fwd_bwd_{st}", "fwd_bwd_sdpa")]
                 # SDPA fwd+bwd does not depend on the setting: drawn in every panel as the reference
                 draw(axes[i][j], series(sel, multi),
-                     f"fwd+bwd setting {st}, {'causal' if c == '1' else 'non-causal'}", "time (ms)")
-        save(fig, "fwd_bwd_time.png", fb)
+                     f"setting {st}, {'causal' if c == '1' else 'non-causal'}", "fwd+bwd time (ms)", legend=None)
+        n = shared_legend(fig, axes.flat)
+        save(fig, "fwd_bwd_time.png", fb, top=1 - legend_rows(fig, n))
 
     # peak extra memory vs N
     mem = [r for r in rows if ok(r, "peak_extra_gib") and (
         (r["kernel"] == "fwd" and r["mode"] == "fwd") or r["kernel"] == "long")]
     if mem:
-        fig, ax = plt.subplots(figsize=(10.5, 5))
+        fig, ax = plt.subplots(figsize=(WIDTH_IN, 7.5))
         data = {}
         for r in mem:
             tag = "fwd" if r["kernel"] == "fwd" else r["mode"]
@@ -303,8 +336,8 @@ def main(argv=None):
             v = max(fnum(r["peak_extra_gib"]), 1e-4)  # log axis: an O(N_Q) output can be ~0 GiB
             data.setdefault(label, []).append((int(r["n_k"]), v, None, None))
         data = {k: sorted(v) for k, v in sorted(data.items())}
-        draw(ax, data, "peak extra memory (max_memory_allocated - inputs; includes outputs/grads)",
-             "GiB (floored at 1e-4 for the log axis)", legend_out=True)
+        draw(ax, data, "peak extra memory\n(max_memory_allocated - inputs; includes outputs/grads)",
+             "GiB (floored at 1e-4 for the log axis)", legend="below")
         save(fig, "peak_memory.png", mem)
 
     # decode
@@ -318,7 +351,7 @@ def main(argv=None):
         provs = sorted({r["_prov"] for r in dec},
                        key=lambda p: (next((order.index(n) for n in sorted(order, key=len, reverse=True)
                                             if p == n or p.startswith(n + " ")), 99), p))
-        fig, ax = plt.subplots(figsize=(max(7, 2.2 * len(shapes)), 4.8))
+        fig, ax = plt.subplots(figsize=(WIDTH_IN, 5))
         width = 0.8 / max(1, len(provs))
         for k, prov in enumerate(provs):
             ys = []
@@ -332,20 +365,22 @@ def main(argv=None):
         ax.set_yscale("log")
         plain_log_y(ax)
         ax.set_ylabel("time (ms, median)")
-        ax.set_title("small query blocks, forward, non-causal (floor = K1+K2 bytes / copy bandwidth)", fontsize=10)
-        ax.legend(fontsize=8)
+        ax.set_title("small query blocks, forward, non-causal\n(floor = K1+K2 bytes / copy bandwidth)")
+        ax.legend()
         ax.grid(True, axis="y", which="both", alpha=0.3)
         save(fig, "decode.png", dec)
 
     # fused vs separate at small N_Q
     sq = [r for r in rows if r["kernel"] == "smallq_bwd"]
     if any(ok(r) for r in sq):
-        fig, axes = plt.subplots(1, 3, figsize=(15, 4.5), sharey=True)
+        fig, axes = plt.subplots(3, 1, figsize=(WIDTH_IN, 10), sharex=True)
         for ax, st in zip(axes, ("s1", "s2", "both")):
             sel = [r for r in sq if r["mode"] == f"fwd_bwd_{st}"]
             nk = sorted({r["n_k"] for r in sel})
-            draw(ax, series(sel, multi, x="n_q"), f"fwd+bwd {st}, N_K={','.join(nk)}", "time (ms)", xlabel="N_Q")
-        save(fig, "smallq_bwd.png", sq)
+            draw(ax, series(sel, multi, x="n_q"), f"fwd+bwd {st}, N_K={','.join(nk)}", "time (ms)", xlabel="N_Q",
+                 legend=None)
+        n = shared_legend(fig, axes)
+        save(fig, "smallq_bwd.png", sq, top=1 - legend_rows(fig, n))
 
     plot_backends()
     for w in written:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 sys.path.insert(0, os.getcwd())
 import streamkl_gpu
-from streamkl_gpu import api, _fwd
+from streamkl_gpu import _fwd, _launch, _tuning
 from streamkl_gpu.naive import attention_kl_naive
 OUT = os.environ.get("OUT", "/tmp/out")
 LIMIT = float(os.environ.get("PROBE_LIMIT", "480"))
@@ -22,14 +22,14 @@ def mk(B, H, HK1, HK2, NQ, NK, D1, D2, dt):
     g = torch.Generator(device=dev).manual_seed(NQ * 7 + NK)
     r = lambda *s: torch.randn(*s, device=dev, dtype=torch.float32, generator=g).to(dt)
     return [r(B, H, NQ, D1), r(B, HK1, NK, D1), r(B, H, NQ, D2), r(B, HK2, NK, D2)]
-orig = api._fwd_candidates
+orig = _launch.fwd_candidates
 def run_cfg(cfg, xs, causal):
-    api._fwd_candidates = lambda *a, **k: [cfg]
-    api._TUNED.clear()
+    _launch.fwd_candidates = lambda *a, **k: [cfg]
+    _tuning._TUNED.clear()
     try:
         return streamkl_gpu.attention_kl(*xs, causal=causal)
     finally:
-        api._fwd_candidates = orig
+        _launch.fwd_candidates = orig
 def rel(a, b):
     return ((a.double() - b).norm() / (b.norm() + 1e-30)).item()
 CFGS = [(128, 64, 8, 3, False), (128, 64, 8, 1, True), (128, 64, 8, 2, True), (128, 64, 8, 3, True),
@@ -65,11 +65,11 @@ for D in (64, 80, 256):
     for causal in (False, True):
         ref = attention_kl_naive(*[x.double() for x in xs], causal=causal, compute_dtype=torch.float64)
         same = attention_kl_naive(*xs, causal=causal, compute_dtype=torch.bfloat16)
-        os.environ["STREAMKL_AUTOTUNE"] = "1"; api._TUNED.clear()
+        os.environ["STREAMKL_AUTOTUNE"] = "1"; _tuning._TUNED.clear()
         out = streamkl_gpu.attention_kl(*xs, causal=causal)
         e = rel(out, ref); tol = 3 * rel(same, ref) + 1e-3; ok = e <= tol
         fails += not ok
-        print("check auto D", D, causal, f"{e:.2e} tol {tol:.2e}", "ok" if ok else "FAIL", dict(api._TUNED), flush=True)
+        print("check auto D", D, causal, f"{e:.2e} tol {tol:.2e}", "ok" if ok else "FAIL", dict(_tuning._TUNED), flush=True)
 print("correctness fails:", fails, f"t={time.time()-t0:.0f}s", flush=True)
 # --- timing ---------------------------------------------------------------------------------------
 def bench(name, fn, N, causal, extra=""):
@@ -93,21 +93,21 @@ for N in (8192,):
         bench("sdpa(default dispatch)", lambda: F.scaled_dot_product_attention(xs[0], xs[1], xs[2], is_causal=causal), N, causal)
         for cfg in CFGS:
             name = "streamkl cfg=" + "/".join(map(str, cfg))
-            api._fwd_candidates = lambda *a, cfg=cfg, **k: [cfg]; api._TUNED.clear()
+            _launch.fwd_candidates = lambda *a, cfg=cfg, **k: [cfg]; _tuning._TUNED.clear()
             res[(cfg, causal)] = bench(name, lambda: streamkl_gpu.attention_kl(*xs, causal=causal), N, causal)
-            api._fwd_candidates = orig
-        api._TUNED.clear()
-        bench("streamkl(autotuned)", lambda: streamkl_gpu.attention_kl(*xs, causal=causal), N, causal, extra=str(dict(api._TUNED)))
-        print("TUNED", api._TUNED, flush=True)
+            _launch.fwd_candidates = orig
+        _tuning._TUNED.clear()
+        bench("streamkl(autotuned)", lambda: streamkl_gpu.attention_kl(*xs, causal=causal), N, causal, extra=str(dict(_tuning._TUNED)))
+        print("TUNED", _tuning._TUNED, flush=True)
 # 16K with the three best 8K non-causal configs
 best = sorted([c for c in CFGS if not math.isnan(res.get((c, False), float("nan")))], key=lambda c: res[(c, False)])[:3]
 for causal in (False, True):
     xs = mk(B, H, H, H, 16384, 16384, D, D, torch.bfloat16)
     bench("sdpa(default dispatch)", lambda: F.scaled_dot_product_attention(xs[0], xs[1], xs[2], is_causal=causal), 16384, causal)
     for cfg in best + [CFGS[0]]:
-        api._fwd_candidates = lambda *a, cfg=cfg, **k: [cfg]; api._TUNED.clear()
+        _launch.fwd_candidates = lambda *a, cfg=cfg, **k: [cfg]; _tuning._TUNED.clear()
         bench("streamkl cfg=" + "/".join(map(str, cfg)), lambda: streamkl_gpu.attention_kl(*xs, causal=causal), 16384, causal)
-        api._fwd_candidates = orig
+        _launch.fwd_candidates = orig
 # compiled kernels: registers, spills, shared memory
 try:
     for dcache in _fwd._kl_fwd_kernel.device_caches.values():

@@ -69,7 +69,15 @@ def command(args: list[str]) -> str:
     return "streamkl trace " + " ".join(args)
 
 
-def state_table(row: dict, units: str) -> list[str]:
+def status_cell(t: dict, block_k: int) -> str:
+    """The tile's status for this row (``streamkl trace``'s legend) and how many of the tile's
+    ``block_k`` key columns the row sees."""
+    if t["status"] == "skipped":
+        return "skipped"
+    return f"{t['status']} ({t['keys_seen']} of {block_k})"
+
+
+def state_table(row: dict, units: str, block_k: int) -> list[str]:
     out = [
         f"| tile | keys | status | $m_1$ | $\\ell_1$ | $m_2$ | $\\ell_2$ | $\\mathrm{{acc}}$ |",
         "|---:|:---:|:---|---:|---:|---:|---:|---:|",
@@ -77,7 +85,8 @@ def state_table(row: dict, units: str) -> list[str]:
     ]
     for t in row["tiles"]:
         keys = f"{t['key_start']}–{t['key_stop'] - 1}"
-        out.append(f"| {t['k_tile']} | {keys} | {t['status']} | " + " | ".join(f(t[c]) for c in STATE) + " |")
+        out.append(f"| {t['k_tile']} | {keys} | {status_cell(t, block_k)} | "
+                   + " | ".join(f(t[c]) for c in STATE) + " |")
     out.append("")
     out.append(f"*State after each key tile of row {row['row']}, in {units}.*")
     return out
@@ -125,7 +134,13 @@ def main_section(tr: dict) -> list[str]:
         f"by {p['block_k']} keys, so row {row['row']} meets {len(row['tiles'])} key tiles; the last "
         f"one has only {last['key_stop'] - last['key_start']} real keys and runs with a mask.",
         "",
-        *state_table(row, tr["state_units"]),
+        "The status of a tile is the row's own view of it (`streamkl trace` prints this legend):",
+        "",
+        *[f"- **{name}**: {text}." for name, text in tr["status_legend"].items()],
+        "",
+        "The number in brackets is how many of the tile's key columns the row sees.",
+        "",
+        *state_table(row, tr["state_units"], p["block_k"]),
         "",
         "### The rescale factors",
         "",
@@ -143,8 +158,8 @@ def main_section(tr: dict) -> list[str]:
         "\\begin{aligned}",
         f"\\mathrm{{LSE}}_1 &= m_1 + \\ln \\ell_1 = {f(last['m1'])} + \\ln {f(last['l1'])} = {f(lse1)},\\\\",
         f"\\mathrm{{LSE}}_2 &= m_2 + \\ln \\ell_2 = {f(last['m2'])} + \\ln {f(last['l2'])} = {f(lse2)},\\\\",
-        f"\\mathrm{{KL}} &= \\frac{{\\mathrm{{acc}}}}{{\\ell_1}} + \\mathrm{{LSE}}_2 - \\mathrm{{LSE}}_1 "
-        f"= \\frac{{{f(last['acc'])}}}{{{f(last['l1'])}}} + {f(lse2)} - {f(lse1)} = {f(kl)}.",
+        "\\mathrm{KL} &= \\frac{\\mathrm{acc}}{\\ell_1} + \\mathrm{LSE}_2 - \\mathrm{LSE}_1\\\\",
+        f"&= \\frac{{{f(last['acc'])}}}{{{f(last['l1'])}}} + {f(lse2)} - {f(lse1)} = {f(kl)}.",
         "\\end{aligned}",
         "$$",
         "",
@@ -177,7 +192,7 @@ def base2_section(tr2: dict, tr_e: dict) -> list[str]:
         f"$ {command(BASE2_ARGS)}",
         "```",
         "",
-        *state_table(row2, tr2["state_units"]),
+        *state_table(row2, tr2["state_units"], tr2["params"]["block_k"]),
         "",
         f"The maxima are the base-$e$ ones times $\\log_2 e$ "
         f"({f(last2['m1'])} / {f(last_e['m1'])} = {f(last2['m1'] / last_e['m1'])} "
@@ -186,9 +201,12 @@ def base2_section(tr2: dict, tr_e: dict) -> list[str]:
         "before: $2^{x \\log_2 e - m \\log_2 e} = e^{x - m}$. Finishing in bits:",
         "",
         "$$",
-        f"\\mathrm{{KL}}_{{\\text{{bits}}}} = \\frac{{{f(last2['acc'])}}}{{{f(last2['l1'])}}} "
-        f"+ {f(lse2)} - {f(lse1)} = {f(kl_bits)},\\qquad "
-        f"\\ln 2 \\cdot \\mathrm{{KL}}_{{\\text{{bits}}}} = {f(math.log(2) * kl_bits)}\\ \\text{{nats}},",
+        "\\begin{aligned}",
+        "\\mathrm{KL}_{\\text{bits}} &= \\frac{\\mathrm{acc}}{\\ell_1} + \\mathrm{LSE}_2 - \\mathrm{LSE}_1"
+        " \\quad\\text{(LSEs in bits: } m_t + \\log_2 \\ell_t)\\\\",
+        f"&= \\frac{{{f(last2['acc'])}}}{{{f(last2['l1'])}}} + {f(lse2)} - {f(lse1)} = {f(kl_bits)},\\\\",
+        f"\\ln 2 \\cdot \\mathrm{{KL}}_{{\\text{{bits}}}} &= {f(math.log(2) * kl_bits)}\\ \\text{{nats}},",
+        "\\end{aligned}",
         "$$",
         "",
         f"the same KL as in base $e$ ({f(row_e['kl_online'])} nats; the trace reports "
@@ -208,14 +226,15 @@ def causal_section(tr: dict) -> list[str]:
         f"$N_Q = N_K = {p['nq']}$ with {p['block_q']}×{p['block_k']} tiles: "
         f"{tr['tiles_visited']} (query block, key tile) pairs are computed and "
         f"{tr['tiles_skipped']} lie entirely past the causal frontier and are skipped "
-        "(the state passes through unchanged).",
+        "(the state passes through unchanged). A tile on the diagonal runs with a mask, but a row "
+        "that sees all of its keys counts it as whole: the status is the row's, not the block's.",
         "",
     ]
     for row in tr["rows"]:
         out.append(f"Row {row['row']} (query block {row['q_block']}, sees {row['visible_keys']} "
                    f"key{'s' if row['visible_keys'] != 1 else ''}):")
         out.append("")
-        out += state_table(row, tr["state_units"])
+        out += state_table(row, tr["state_units"], p["block_k"])
         out.append("")
         out.append(f"KL: streaming {f(row['kl_online'], 17)}, dense {f(row['kl_dense'], 17)}, "
                    f"mpmath {row['kl_mp_digits']}.")

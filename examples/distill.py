@@ -14,6 +14,7 @@ No N x N attention matrix is ever stored, so the sequence can be long: the GPU d
 16K tokens, where materialising the two 16K x 16K score matrices per head and layer in fp32
 (plus log-softmax and autograd copies) would need several hundred GB.
 
+    pip install -e ".[examples]"                  # torch, triton (the gpu extra) and tqdm
     python examples/distill.py                    # GPU: 16K tokens, bf16 autocast
     python examples/distill.py --device cpu --tiny  # CPU, Triton interpreter: seconds
 

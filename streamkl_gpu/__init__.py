@@ -2,7 +2,7 @@
 
 ``attention_kl(q1, k1, q2, k2, *, causal=False, scale1=None, scale2=None)`` -> float32
 ``[B, H, N_Q]``. Runs on NVIDIA GPUs, and on CPU tensors under the Triton interpreter
-(set ``TRITON_INTERPRET=1`` before the kernels are first used). Conventions: MATH.md.
+(set ``TRITON_INTERPRET=1`` before the kernels are first used). Conventions: docs/math.md.
 
 The kernel modules are imported lazily, on first use of the API: Triton decides at kernel
 definition time whether to interpret, so ``streamkl verify`` (``streamkl_gpu.verify``) can still
@@ -10,10 +10,12 @@ choose the interpreter after ``import streamkl_gpu``.
 """
 import importlib
 
-__version__ = "0.1.0"
+from streamkl_ref import __version__  # one version for both packages
+
 __all__ = [
     "attention_kl",
     "attention_kl_with_lse",
+    "attention_kl_varlen",
     "indexer_kl",
     "auto_split_k",
     "auto_bwd_mode",
@@ -24,16 +26,17 @@ __all__ = [
 ]
 
 
-_MODULE_OF = {"indexer_kl": "._indexer"}
+_HOMES = {"attention_kl_varlen": "._varlen", "indexer_kl": "._indexer"}  # the rest lives in .api
 
 
 def __getattr__(name):
-    if name in _MODULE_OF:
-        return getattr(importlib.import_module(_MODULE_OF[name], __name__), name)
     if name in __all__:
-        return getattr(importlib.import_module(".api", __name__), name)
+        value = getattr(importlib.import_module(_HOMES.get(name, ".api"), __name__), name)
+        globals()[name] = value  # later lookups skip this hook (it ran on every call)
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(set(globals()) | set(__all__))
+    # the public API only (the private modules are implementation)
+    return sorted(__all__)

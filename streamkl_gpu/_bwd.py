@@ -1,4 +1,4 @@
-"""Backward Triton kernels: recompute P1, P2 tile by tile from the saved LSEs (MATH.md).
+"""Backward Triton kernels: recompute P1, P2 tile by tile from the saved LSEs (docs/math.md).
 
 Per tile, with scores in bits (``s_t = sigma_t * log2(e) * q_t.k_t``, the forward's fold):
 
@@ -11,7 +11,15 @@ Per tile, with scores in bits (``s_t = sigma_t * log2(e) * q_t.k_t``, the forwar
 The log-ratio comes from the two logits and the saved LSEs, never from log(P). sigma_t and g
 are folded into dS before the two matmuls. Rows with no visible key get lse = EMPTY_LSE (1e30) here,
 so P1 = P2 = 0 exactly and their gradient is 0; masked entries get s = -inf and P = 0, and their
-log-ratio is taken before masking (finite), so no -inf - -inf or 0 * inf is formed.
+log-ratio is taken before masking, so no -inf - -inf is formed.
+
+Invisible values never reach a row (docs/math.md), in the *masked* stage only (whole tiles are seen
+by every row of the tile: no guard there): masked entries of dS are selected to 0, never
+multiplied (an invisible key's score, or a row's NaN log-ratio, may be NaN); and the operands of
+the dS matmuls are made finite (``_finite``), since a 0 in dS times a NaN/inf key row (dQ = dS K)
+or query row (dK = dS^T Q) is NaN in the matmul. That loses nothing a row sees: a NaN key or query
+that a row does see already makes its dS entries NaN (its scores and saved LSE are NaN).
+Padded query rows (past N_Q) load as 0 with g = 0 and lse = -inf, so they add exactly 0.
 
 Two kernels:
 - ``_kl_bwd_dk_kernel``: one program per (key tile, batch, query head); loops over the query
@@ -28,7 +36,7 @@ order (deterministic).
 import triton
 import triton.language as tl
 
-from ._fwd import LN2, LOG2E, _dot, _key_stages
+from ._fwd import LN2, LOG2E, _batch_offsets, _dot, _key_stages, _row_layout, _sequence
 
 
 # For rows with no visible key (and padding rows) the LSE is replaced by this finite "+infinity":
@@ -49,6 +57,12 @@ def _row_consts(LSE1, LSE2, KL, G, rows, row_ok):
     kl_bits = tl.where(empty, 0.0, kl * LOG2E)
     g = tl.where(empty, 0.0, g)
     return lse1_bits, lse2_bits, kl_bits, g
+
+
+@triton.jit
+def _finite(x):
+    """x with NaN and +-inf replaced by 0: a matmul operand of the masked stage (see the docstring)."""
+    return tl.where(tl.abs(x) < float("inf"), x, 0.0)
 
 
 @triton.jit
@@ -80,15 +94,23 @@ def _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, kl_bits, g, offs_m, cols, N_K
         ds2 = (p2 - p1) * (g * scale2)[:, None]
     if TRAIN1:
         ds1 = p1 * log_ratio * (g * (scale1 * LN2))[:, None]
+    if MASKED:  # select, never multiply: 0 * NaN = NaN (an invisible key's score, a NaN row's g)
+        ds1 = tl.where(visible, ds1, 0.0)
+        ds2 = tl.where(visible, ds2, 0.0)
     return ds1, ds2
 
 
 @triton.jit
-def _dk_dq_side(dk, ds, q, k, dq_ptrs, dq_mask, FUSED_DQ: tl.constexpr, IEEE: tl.constexpr):
+def _dk_dq_side(dk, ds, q, k, dq_ptrs, dq_mask, MASKED: tl.constexpr, FUSED_DQ: tl.constexpr,
+                IEEE: tl.constexpr):
     """One side's share of a tile: dK += dS^T Q in registers; with FUSED_DQ, dQ += dS K by atomics."""
     ds = ds.to(q.dtype)  # the tensor-core operand precision, as FlashAttention's backward
+    if MASKED:  # a NaN query row must not reach the dK of keys it cannot see
+        q = _finite(q)
     dk += _dot(tl.trans(ds), q, IEEE)
     if FUSED_DQ:
+        if MASKED:  # nor a NaN key the dQ of rows that cannot see it
+            k = _finite(k)
         tl.atomic_add(dq_ptrs, _dot(ds, k, IEEE), mask=dq_mask, sem="relaxed")
     return dk
 
@@ -96,7 +118,7 @@ def _dk_dq_side(dk, ds, q, k, dq_ptrs, dq_mask, FUSED_DQ: tl.constexpr, IEEE: tl
 @triton.jit
 def _dk_query_range(
     dk1, dk2, k1, k2, start_n, cols, lo, hi,
-    Q1, Q2, DQ1, DQ2, LSE1, LSE2, KL, G, row_base,
+    Q1, Q2, DQ1, DQ2, LSE1, LSE2, KL, G, row_base, row_step,
     stride_q1n, stride_q1d, stride_q2n, stride_q2d, stride_dq1n, stride_dq2n,
     N_Q, N_K, D1: tl.constexpr, D2: tl.constexpr, diag_offset, qk_scale1, qk_scale2, scale1, scale2,
     BLOCK_M: tl.constexpr, D1_PAD: tl.constexpr, D2_PAD: tl.constexpr,
@@ -113,16 +135,16 @@ def _dk_query_range(
                      mask=row_ok[:, None] & (offs_d1[None, :] < D1), other=0.0)
         q2 = tl.load(Q2 + rows64[:, None] * stride_q2n + offs_d2[None, :] * stride_q2d,
                      mask=row_ok[:, None] & (offs_d2[None, :] < D2), other=0.0)
-        lse1_bits, lse2_bits, kl_bits, g = _row_consts(LSE1, LSE2, KL, G, row_base + offs_m, row_ok)
+        lse1_bits, lse2_bits, kl_bits, g = _row_consts(LSE1, LSE2, KL, G, row_base + offs_m * row_step, row_ok)
         ds1, ds2 = _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, kl_bits, g, offs_m, cols, N_K,
                             diag_offset, qk_scale1, qk_scale2, scale1, scale2,
                             MASKED, CAUSAL, TRAIN1, TRAIN2, IEEE1, IEEE2)
         if TRAIN1:
             dk1 = _dk_dq_side(dk1, ds1, q1, k1, DQ1 + rows64[:, None] * stride_dq1n + offs_d1[None, :],
-                              row_ok[:, None] & (offs_d1[None, :] < D1), FUSED_DQ, IEEE1)
+                              row_ok[:, None] & (offs_d1[None, :] < D1), MASKED, FUSED_DQ, IEEE1)
         if TRAIN2:
             dk2 = _dk_dq_side(dk2, ds2, q2, k2, DQ2 + rows64[:, None] * stride_dq2n + offs_d2[None, :],
-                              row_ok[:, None] & (offs_d2[None, :] < D2), FUSED_DQ, IEEE2)
+                              row_ok[:, None] & (offs_d2[None, :] < D2), MASKED, FUSED_DQ, IEEE2)
     return dk1, dk2
 
 
@@ -143,7 +165,11 @@ def _kl_bwd_dk_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D1_PAD: tl.constexpr, D2_PAD: tl.constexpr,
     CAUSAL: tl.constexpr, TRAIN1: tl.constexpr, TRAIN2: tl.constexpr, FUSED_DQ: tl.constexpr,
     DK1_ATOMIC: tl.constexpr, DK2_ATOMIC: tl.constexpr, IEEE1: tl.constexpr, IEEE2: tl.constexpr,
+    CU_SEQLENS_Q=None, CU_SEQLENS_K=None,  # int32 [batch + 1] (used when VARLEN)
+    VARLEN: tl.constexpr = False,
 ):
+    # VARLEN: as in _kl_fwd_kernel (b is the sequence, N_Q/N_K the totals, [total, H, D] tensors
+    # as [1, H, total, D] views); the grid covers the longest sequence's key tiles.
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -151,28 +177,35 @@ def _kl_bwd_dk_kernel(
     kh1 = h // GROUP1
     kh2 = h // GROUP2
     start_n = pid_n * BLOCK_N
+    q_lo, N_Q, k_lo, N_K = _sequence(CU_SEQLENS_Q, CU_SEQLENS_K, b, N_Q, N_K, VARLEN)
+    if VARLEN:
+        if start_n >= N_K:  # a key tile past this sequence's end: no work, nothing to write
+            return
     cols = start_n + tl.arange(0, BLOCK_N)
     col_ok = cols < N_K
     cols64 = cols.to(tl.int64)
     offs_d1 = tl.arange(0, D1_PAD)
     offs_d2 = tl.arange(0, D2_PAD)
-    b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
+    off_q1, off_k1 = _batch_offsets(b, q_lo, k_lo, stride_q1b, stride_q1n, stride_k1b, stride_k1n, VARLEN)
+    off_q2, off_k2 = _batch_offsets(b, q_lo, k_lo, stride_q2b, stride_q2n, stride_k2b, stride_k2n, VARLEN)
+    off_dq1, off_dk1 = _batch_offsets(b, q_lo, k_lo, stride_dq1b, stride_dq1n, stride_dk1b, stride_dk1n, VARLEN)
+    off_dq2, off_dk2 = _batch_offsets(b, q_lo, k_lo, stride_dq2b, stride_dq2n, stride_dk2b, stride_dk2n, VARLEN)
 
-    k1 = tl.load(K1 + b64 * stride_k1b + kh1.to(tl.int64) * stride_k1h
+    k1 = tl.load(K1 + off_k1 + kh1.to(tl.int64) * stride_k1h
                  + cols64[:, None] * stride_k1n + offs_d1[None, :] * stride_k1d,
                  mask=col_ok[:, None] & (offs_d1[None, :] < D1), other=0.0)
-    k2 = tl.load(K2 + b64 * stride_k2b + kh2.to(tl.int64) * stride_k2h
+    k2 = tl.load(K2 + off_k2 + kh2.to(tl.int64) * stride_k2h
                  + cols64[:, None] * stride_k2n + offs_d2[None, :] * stride_k2d,
                  mask=col_ok[:, None] & (offs_d2[None, :] < D2), other=0.0)
     dk1 = tl.zeros([BLOCK_N, D1_PAD], tl.float32)
     dk2 = tl.zeros([BLOCK_N, D2_PAD], tl.float32)
 
-    q1_base = Q1 + b64 * stride_q1b + h64 * stride_q1h
-    q2_base = Q2 + b64 * stride_q2b + h64 * stride_q2h
-    dq1_base = DQ1 + b64 * stride_dq1b + h64 * stride_dq1h
-    dq2_base = DQ2 + b64 * stride_dq2b + h64 * stride_dq2h
-    row_base = pid_bh.to(tl.int64) * N_Q
+    q1_base = Q1 + off_q1 + h64 * stride_q1h
+    q2_base = Q2 + off_q2 + h64 * stride_q2h
+    dq1_base = DQ1 + off_dq1 + h64 * stride_dq1h
+    dq2_base = DQ2 + off_dq2 + h64 * stride_dq2h
+    row_base, row_step = _row_layout(pid_bh, h, H, q_lo, N_Q, VARLEN)
 
     diag_offset = N_K - N_Q
     m_lo = 0
@@ -186,38 +219,38 @@ def _kl_bwd_dk_kernel(
         m_full = tl.maximum(tl.minimum(m_full, N_Q), m_lo)
     dk1, dk2 = _dk_query_range(
         dk1, dk2, k1, k2, start_n, cols, m_lo, m_full,
-        q1_base, q2_base, dq1_base, dq2_base, LSE1, LSE2, KL, G, row_base,
+        q1_base, q2_base, dq1_base, dq2_base, LSE1, LSE2, KL, G, row_base, row_step,
         stride_q1n, stride_q1d, stride_q2n, stride_q2d, stride_dq1n, stride_dq2n,
         N_Q, N_K, D1, D2, diag_offset, qk_scale1, qk_scale2, scale1, scale2,
         BLOCK_M, D1_PAD, D2_PAD, True, CAUSAL, TRAIN1, TRAIN2, FUSED_DQ, IEEE1, IEEE2)
     if start_n + BLOCK_N <= N_K:
         dk1, dk2 = _dk_query_range(
             dk1, dk2, k1, k2, start_n, cols, m_full, N_Q,
-            q1_base, q2_base, dq1_base, dq2_base, LSE1, LSE2, KL, G, row_base,
+            q1_base, q2_base, dq1_base, dq2_base, LSE1, LSE2, KL, G, row_base, row_step,
             stride_q1n, stride_q1d, stride_q2n, stride_q2d, stride_dq1n, stride_dq2n,
             N_Q, N_K, D1, D2, diag_offset, qk_scale1, qk_scale2, scale1, scale2,
             BLOCK_M, D1_PAD, D2_PAD, False, CAUSAL, TRAIN1, TRAIN2, FUSED_DQ, IEEE1, IEEE2)
     else:  # the ragged last key tile: keys past N_K must be masked out of every query tile
         dk1, dk2 = _dk_query_range(
             dk1, dk2, k1, k2, start_n, cols, m_full, N_Q,
-            q1_base, q2_base, dq1_base, dq2_base, LSE1, LSE2, KL, G, row_base,
+            q1_base, q2_base, dq1_base, dq2_base, LSE1, LSE2, KL, G, row_base, row_step,
             stride_q1n, stride_q1d, stride_q2n, stride_q2d, stride_dq1n, stride_dq2n,
             N_Q, N_K, D1, D2, diag_offset, qk_scale1, qk_scale2, scale1, scale2,
             BLOCK_M, D1_PAD, D2_PAD, True, CAUSAL, TRAIN1, TRAIN2, FUSED_DQ, IEEE1, IEEE2)
 
     if TRAIN1:
         if DK1_ATOMIC:  # GQA: add into the shared key head's fp32 buffer
-            ptr = DK1 + b64 * stride_dk1b + kh1.to(tl.int64) * stride_dk1h + cols64[:, None] * stride_dk1n + offs_d1[None, :]
+            ptr = DK1 + off_dk1 + kh1.to(tl.int64) * stride_dk1h + cols64[:, None] * stride_dk1n + offs_d1[None, :]
             tl.atomic_add(ptr, dk1, mask=col_ok[:, None] & (offs_d1[None, :] < D1), sem="relaxed")
         else:  # one query head per key head, or a per-query-head buffer summed by the caller
-            ptr = DK1 + b64 * stride_dk1b + h64 * stride_dk1h + cols64[:, None] * stride_dk1n + offs_d1[None, :]
+            ptr = DK1 + off_dk1 + h64 * stride_dk1h + cols64[:, None] * stride_dk1n + offs_d1[None, :]
             tl.store(ptr, dk1.to(DK1.dtype.element_ty), mask=col_ok[:, None] & (offs_d1[None, :] < D1))
     if TRAIN2:
         if DK2_ATOMIC:
-            ptr = DK2 + b64 * stride_dk2b + kh2.to(tl.int64) * stride_dk2h + cols64[:, None] * stride_dk2n + offs_d2[None, :]
+            ptr = DK2 + off_dk2 + kh2.to(tl.int64) * stride_dk2h + cols64[:, None] * stride_dk2n + offs_d2[None, :]
             tl.atomic_add(ptr, dk2, mask=col_ok[:, None] & (offs_d2[None, :] < D2), sem="relaxed")
         else:
-            ptr = DK2 + b64 * stride_dk2b + h64 * stride_dk2h + cols64[:, None] * stride_dk2n + offs_d2[None, :]
+            ptr = DK2 + off_dk2 + h64 * stride_dk2h + cols64[:, None] * stride_dk2n + offs_d2[None, :]
             tl.store(ptr, dk2.to(DK2.dtype.element_ty), mask=col_ok[:, None] & (offs_d2[None, :] < D2))
 
 
@@ -246,6 +279,9 @@ def _dq_key_range(
         ds1, ds2 = _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, kl_bits, g, offs_m, cols, N_K,
                             diag_offset, qk_scale1, qk_scale2, scale1, scale2,
                             MASKED, CAUSAL, TRAIN1, TRAIN2, IEEE1, IEEE2)
+        if MASKED:  # a NaN/inf key must not reach the dQ of rows that cannot see it
+            k1 = _finite(k1)
+            k2 = _finite(k2)
         if TRAIN1:
             dq1 += _dot(ds1.to(k1.dtype), k1, IEEE1)
         if TRAIN2:
@@ -269,29 +305,39 @@ def _kl_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D1_PAD: tl.constexpr, D2_PAD: tl.constexpr,
     CAUSAL: tl.constexpr, TRAIN1: tl.constexpr, TRAIN2: tl.constexpr,
     IEEE1: tl.constexpr, IEEE2: tl.constexpr,
+    CU_SEQLENS_Q=None, CU_SEQLENS_K=None,  # int32 [batch + 1] (used when VARLEN)
+    VARLEN: tl.constexpr = False,
 ):
+    # VARLEN: as in _kl_fwd_kernel
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
     start_m = pid_m * BLOCK_M
+    q_lo, N_Q, k_lo, N_K = _sequence(CU_SEQLENS_Q, CU_SEQLENS_K, b, N_Q, N_K, VARLEN)
+    if VARLEN:
+        if start_m >= N_Q:  # a query block past this sequence's end
+            return
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d1 = tl.arange(0, D1_PAD)
     offs_d2 = tl.arange(0, D2_PAD)
     row_ok = offs_m < N_Q
     rows64 = offs_m.to(tl.int64)
-    b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
+    off_q1, off_k1 = _batch_offsets(b, q_lo, k_lo, stride_q1b, stride_q1n, stride_k1b, stride_k1n, VARLEN)
+    off_q2, off_k2 = _batch_offsets(b, q_lo, k_lo, stride_q2b, stride_q2n, stride_k2b, stride_k2n, VARLEN)
+    off_dq1, off_dq2 = _batch_offsets(b, q_lo, q_lo, stride_dq1b, stride_dq1n, stride_dq2b, stride_dq2n, VARLEN)
 
-    q1 = tl.load(Q1 + b64 * stride_q1b + h64 * stride_q1h + rows64[:, None] * stride_q1n + offs_d1[None, :] * stride_q1d,
+    q1 = tl.load(Q1 + off_q1 + h64 * stride_q1h + rows64[:, None] * stride_q1n + offs_d1[None, :] * stride_q1d,
                  mask=row_ok[:, None] & (offs_d1[None, :] < D1), other=0.0)
-    q2 = tl.load(Q2 + b64 * stride_q2b + h64 * stride_q2h + rows64[:, None] * stride_q2n + offs_d2[None, :] * stride_q2d,
+    q2 = tl.load(Q2 + off_q2 + h64 * stride_q2h + rows64[:, None] * stride_q2n + offs_d2[None, :] * stride_q2d,
                  mask=row_ok[:, None] & (offs_d2[None, :] < D2), other=0.0)
-    lse1_bits, lse2_bits, kl_bits, g = _row_consts(LSE1, LSE2, KL, G, pid_bh.to(tl.int64) * N_Q + offs_m, row_ok)
-    k1_ptrs = (K1 + b64 * stride_k1b + (h // GROUP1).to(tl.int64) * stride_k1h
+    row_base, row_step = _row_layout(pid_bh, h, H, q_lo, N_Q, VARLEN)
+    lse1_bits, lse2_bits, kl_bits, g = _row_consts(LSE1, LSE2, KL, G, row_base + offs_m * row_step, row_ok)
+    k1_ptrs = (K1 + off_k1 + (h // GROUP1).to(tl.int64) * stride_k1h
                + offs_n[:, None] * stride_k1n + offs_d1[None, :] * stride_k1d)
-    k2_ptrs = (K2 + b64 * stride_k2b + (h // GROUP2).to(tl.int64) * stride_k2h
+    k2_ptrs = (K2 + off_k2 + (h // GROUP2).to(tl.int64) * stride_k2h
                + offs_n[:, None] * stride_k2n + offs_d2[None, :] * stride_k2d)
     dq1 = tl.zeros([BLOCK_M, D1_PAD], tl.float32)
     dq2 = tl.zeros([BLOCK_M, D2_PAD], tl.float32)
@@ -312,8 +358,8 @@ def _kl_bwd_dq_kernel(
         BLOCK_N, D1_PAD, D2_PAD, True, CAUSAL, TRAIN1, TRAIN2, IEEE1, IEEE2)
 
     if TRAIN1:
-        tl.store(DQ1 + b64 * stride_dq1b + h64 * stride_dq1h + rows64[:, None] * stride_dq1n + offs_d1[None, :],
+        tl.store(DQ1 + off_dq1 + h64 * stride_dq1h + rows64[:, None] * stride_dq1n + offs_d1[None, :],
                  dq1.to(DQ1.dtype.element_ty), mask=row_ok[:, None] & (offs_d1[None, :] < D1))
     if TRAIN2:
-        tl.store(DQ2 + b64 * stride_dq2b + h64 * stride_dq2h + rows64[:, None] * stride_dq2n + offs_d2[None, :],
+        tl.store(DQ2 + off_dq2 + h64 * stride_dq2h + rows64[:, None] * stride_dq2n + offs_d2[None, :],
                  dq2.to(DQ2.dtype.element_ty), mask=row_ok[:, None] & (offs_d2[None, :] < D2))

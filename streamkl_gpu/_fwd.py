@@ -1,12 +1,12 @@
 """Forward Triton kernels: the one-pass streaming KL and its split-K variant.
 
-Conventions (../shared/design/MATH.md): per (batch b, query head h) the kernel streams the key
+Conventions (docs/math.md): per (batch b, query head h) the kernel streams the key
 tiles of side 1 (``k1``, key head ``h // group1``) and side 2 (``k2``, key head ``h // group2``)
 past one block of query rows and keeps five running scalars per row:
 
     m1, l1   running max and rescaled sum of exp(S1)       (the teacher's softmax normaliser)
     m2, l2   the same for S2                               (the student's)
-    acc      sum of exp(S1 - m1) * ((S1 - m1) - (S2 - m2)), rescaled with l1 (MATH.md's acc
+    acc      sum of exp(S1 - m1) * ((S1 - m1) - (S2 - m2)), rescaled with l1 (docs/math.md's acc
              re-referenced to the two maxima: acc_MATH - l1 * (m1 - m2); see _finalize)
 
 Base 2: the scores are multiplied by ``sigma_t * log2(e)`` in fp32 right after each ``tl.dot``
@@ -17,10 +17,13 @@ query element (relative 2^-9 for bf16) that the reference does not make; and we 
 the max, not inside the exponent's FFMA, so that the max's own exponent is exactly 0.
 
 Masks: out-of-range keys and keys past the bottom-right causal frontier get exponent -inf on
-both sides in the *masked* stage only. The log-ratio is taken before masking, from finite
-scores, so a masked entry contributes ``0 * finite = 0`` and ``-inf - -inf`` is never formed. A
-row whose running max is still -inf uses 0 as its shift (``_safe``), so ``exp2(-inf - -inf)`` is
-never evaluated either: an all-masked tile leaves the state unchanged.
+both sides in the *masked* stage only. The log-ratio is taken before masking, so ``-inf - -inf``
+is never formed, and the masked entries' terms ``p1 * log_ratio`` are *selected* to 0, never
+multiplied: a key a row cannot see may hold NaN or inf, and ``0 * NaN = NaN`` would reach the
+row (docs/math.md, "Invisible keys never reach a row"). Whole tiles need no guard: every row of the
+block sees every key there. A row whose running max is still -inf uses 0 as its shift
+(``_safe``), so ``exp2(-inf - -inf)`` is never evaluated either: an all-masked tile leaves the
+state unchanged.
 
 Offsets: batch/head base offsets are int64 and the key pointers are advanced tile by tile in
 64-bit pointer arithmetic, so 512K tokens x 32 heads x 128 dims (> 2^31 elements) is fine.
@@ -83,11 +86,58 @@ def _safe(m):
 
 
 @triton.jit
+def _sequence(CU_SEQLENS_Q, CU_SEQLENS_K, b, N_Q, N_K, VARLEN: tl.constexpr):
+    """``(first query row, query rows, first key, keys)`` of batch entry ``b``.
+
+    Padded batches: ``(0, N_Q, 0, N_K)``. VARLEN (packed sequences, docs/math.md "Packed sequences"):
+    ``b`` is a sequence, ``N_Q``/``N_K`` are the packed totals, and the bounds come from
+    ``cu_seqlens``, clamped into ``[0, total]`` with end >= start, so a cu_seqlens the host did
+    not check (``check_seqlens=False``) never makes a kernel read or write out of bounds.
+    """
+    q_lo = 0
+    k_lo = 0
+    n_q = N_Q
+    n_k = N_K
+    if VARLEN:
+        q_lo = tl.minimum(tl.maximum(tl.load(CU_SEQLENS_Q + b), 0), N_Q)
+        n_q = tl.minimum(tl.maximum(tl.load(CU_SEQLENS_Q + b + 1), q_lo), N_Q) - q_lo
+        k_lo = tl.minimum(tl.maximum(tl.load(CU_SEQLENS_K + b), 0), N_K)
+        n_k = tl.minimum(tl.maximum(tl.load(CU_SEQLENS_K + b + 1), k_lo), N_K) - k_lo
+    return q_lo, n_q, k_lo, n_k
+
+
+@triton.jit
+def _batch_offsets(b, q_lo, k_lo, stride_qb, stride_qn, stride_kb, stride_kn, VARLEN: tl.constexpr):
+    """int64 element offsets of batch entry ``b``'s queries and keys (VARLEN: of the sequence's
+    first row and key in the packed tensors)."""
+    if VARLEN:
+        off_q = q_lo.to(tl.int64) * stride_qn
+        off_k = k_lo.to(tl.int64) * stride_kn
+    else:
+        off_q = b.to(tl.int64) * stride_qb
+        off_k = b.to(tl.int64) * stride_kb
+    return off_q, off_k
+
+
+@triton.jit
+def _row_layout(pid_bh, h, H, q_lo, N_Q, VARLEN: tl.constexpr):
+    """``(base, step)``: query row ``i`` of this (batch, head) lives at ``base + i * step`` in the
+    per-row buffers (KL, LSE*, G, PART planes): ``[B * H, N_Q]``, or VARLEN ``[total_q, H]``."""
+    if VARLEN:
+        base = q_lo.to(tl.int64) * H + h
+        step = H
+    else:
+        base = pid_bh.to(tl.int64) * N_Q
+        step = 1
+    return base, step
+
+
+@triton.jit
 def _finalize(m1, l1, m2, l2, acc):
     """(m1, l1, m2, l2, acc) in bits -> (kl in nats, lse1, lse2 in bits). Empty rows -> (0, -inf, -inf).
 
     The kernels keep acc *shifted*: acc = sum_j p1_j * ((s1_j - m1) - (s2_j - m2)), which is
-    MATH.md's acc minus l1 * (m1 - m2). Then KL = acc/l1 + LSE2 - LSE1 becomes
+    docs/math.md's acc minus l1 * (m1 - m2). Then KL = acc/l1 + LSE2 - LSE1 becomes
     KL_bits = acc/l1 + log2(l2/l1): the maxima cancel exactly and large logits cost no accuracy.
     The LSEs stay in bits (log2 of the sums of 2^s): the backward recomputes P = exp2(s - lse)
     from them, and a round trip through nats would add two roundings of a possibly large number.
@@ -105,7 +155,7 @@ def _finalize(m1, l1, m2, l2, acc):
 @triton.jit
 def _fwd_key_range(
     m1, l1, m2, l2, acc,
-    q1, q2, k1_ptrs, k2_ptrs, stride_k1n, stride_k2n, k1_desc, k2_desc, b, kv_head1, kv_head2,
+    q1, q2, k1_ptrs, k2_ptrs, stride_k1n, stride_k2n, k1_desc, k2_desc, tma_b, tma_key0, kv_head1, kv_head2,
     offs_m, offs_n, offs_d1, offs_d2, D1: tl.constexpr, D2: tl.constexpr, N_K, diag_offset,
     lo, hi, qk_scale1, qk_scale2,
     BLOCK_N: tl.constexpr, D1_PAD: tl.constexpr, D2_PAD: tl.constexpr,
@@ -114,7 +164,8 @@ def _fwd_key_range(
 ):
     """Fold key tiles [lo, hi) into the row states. MASKED=False: every key of every tile is
     visible to every row (no mask work at all); MASKED=True: bounds and causal masks applied.
-    Keys come through ``k*_ptrs`` or, with USE_TMA, the tensor descriptors ``k*_desc``."""
+    Keys come through ``k*_ptrs`` or, with USE_TMA, the tensor descriptors ``k*_desc`` (key
+    ``start_n`` of batch entry ``tma_b`` is descriptor row ``tma_key0 + start_n``)."""
     k1_ptrs += lo.to(tl.int64) * stride_k1n
     k2_ptrs += lo.to(tl.int64) * stride_k2n
     for start_n in range(lo, hi, BLOCK_N):
@@ -122,8 +173,8 @@ def _fwd_key_range(
         if USE_TMA:
             # Hopper bulk tensor copies (TMA): keys past N_K and dims past D arrive as zeros, so
             # no mask and no per-thread address registers (measured: fewer registers per thread)
-            k1 = k1_desc.load([b, kv_head1, start_n, 0]).reshape(BLOCK_N, D1_PAD)
-            k2 = k2_desc.load([b, kv_head2, start_n, 0]).reshape(BLOCK_N, D2_PAD)
+            k1 = k1_desc.load([tma_b, kv_head1, tma_key0 + start_n, 0]).reshape(BLOCK_N, D1_PAD)
+            k2 = k2_desc.load([tma_b, kv_head2, tma_key0 + start_n, 0]).reshape(BLOCK_N, D2_PAD)
         elif MASKED:
             k1 = tl.load(k1_ptrs, mask=(cols[:, None] < N_K) & (offs_d1[None, :] < D1), other=0.0)
             k2 = tl.load(k2_ptrs, mask=(cols[:, None] < N_K) & (offs_d2[None, :] < D2), other=0.0)
@@ -155,18 +206,22 @@ def _fwd_key_range(
         x1 = s1 - shift1[:, None]  # log2 of the unnormalised P1 entries, <= 0 where visible
         x2 = s2 - shift2[:, None]
         # the shifted log-ratio (s1 - m1) - (s2 - m2): small where P1 matters, so the large maxima
-        # never enter the per-entry sum (see _finalize); from unmasked scores, hence finite
+        # never enter the per-entry sum (see _finalize); from unmasked scores, so never -inf - -inf
         log_ratio = x1 - x2
         if MASKED:
             x1 = tl.where(visible, x1, float("-inf"))  # exp2(-inf) = 0: masked entries add nothing
             x2 = tl.where(visible, x2, float("-inf"))
         p1 = tl.exp2(x1)
         p2 = tl.exp2(x2)
+        terms = p1 * log_ratio
+        if MASKED:
+            # select, never multiply: a key this row cannot see may hold NaN/inf (0 * NaN = NaN)
+            terms = tl.where(visible, terms, 0.0)
         alpha1 = tl.exp2(m1 - shift1)  # exp2(-inf) = 0 on the first visible tile: l1 = acc = 0 there
         alpha2 = tl.exp2(m2 - shift2)
         # re-reference the old acc to the new maxima: each old term moves by -(dm1 - dm2)
         moved = (shift1 - _safe(m1)) - (shift2 - _safe(m2))
-        acc = (acc - l1 * moved) * alpha1 + tl.sum(p1 * log_ratio, 1)
+        acc = (acc - l1 * moved) * alpha1 + tl.sum(terms, 1)
         l1 = l1 * alpha1 + tl.sum(p1, 1)
         l2 = l2 * alpha2 + tl.sum(p2, 1)
         m1 = m1_new
@@ -179,7 +234,7 @@ def _fwd_key_range(
 @triton.jit
 def _kl_fwd_kernel(
     Q1, K1, Q2, K2,
-    K1_DESC, K2_DESC,  # TMA descriptors of k1/k2 as [B, H_K, N_K, D] (used when USE_TMA)
+    K1_DESC, K2_DESC,  # TMA descriptors of k1/k2 as [B, H_K, N_K, D] (used when USE_TMA; VARLEN: [1, H_K, total_k, D])
     KL, LSE1, LSE2,  # outputs [B*H, N_Q] fp32: KL in nats, LSEs in bits (used when SPLIT == False)
     PART,  # partial states [5, SPLITS, B*H, N_Q] fp32 (used when SPLIT == True)
     stride_q1b, stride_q1h, stride_q1n, stride_q1d,
@@ -191,13 +246,32 @@ def _kl_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D1_PAD: tl.constexpr, D2_PAD: tl.constexpr,
     CAUSAL: tl.constexpr, SPLIT: tl.constexpr, IEEE1: tl.constexpr, IEEE2: tl.constexpr,
     USE_TMA: tl.constexpr, NO_CONTRACT: tl.constexpr,
+    CU_SEQLENS_Q=None, CU_SEQLENS_K=None,  # int32 [batch + 1] (used when VARLEN)
+    VARLEN: tl.constexpr = False,
 ):
+    # VARLEN (packed sequences): q/k are [1, H, total, D] views of the packed [total, H, D]
+    # tensors, "batch" b is the sequence, N_Q/N_K are the totals, and KL/LSE*/PART rows are laid
+    # out [total_q, H]; the grid covers the longest sequence and other programs exit at once.
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_split = tl.program_id(2)
     b = pid_bh // H
     h = pid_bh % H
     start_m = pid_m * BLOCK_M
+    rows_total = tl.num_programs(1) * N_Q  # rows of KL/LSE*, one state plane of PART
+    # TMA descriptor coordinates: [b, head, key, 0]; packed: the [1, H_K, total_k, D] view, so
+    # batch 0 and the sequence's first key (a tile may run into the next sequence: its keys are
+    # masked like keys past N_K; past total_k the descriptor returns zeros)
+    tma_b = b
+    tma_key0 = 0
+    if VARLEN:
+        rows_total = N_Q * H
+    q_lo, N_Q, k_lo, N_K = _sequence(CU_SEQLENS_Q, CU_SEQLENS_K, b, N_Q, N_K, VARLEN)
+    if VARLEN:
+        if start_m >= N_Q:  # a query block past this sequence's end: no work, nothing to write
+            return
+        tma_b = 0
+        tma_key0 = k_lo
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d1 = tl.arange(0, D1_PAD)
@@ -205,12 +279,14 @@ def _kl_fwd_kernel(
     row_ok = offs_m < N_Q
 
     # 64-bit base offsets: b * stride_b can exceed 2^31 at long contexts
-    q1_base = Q1 + b.to(tl.int64) * stride_q1b + h.to(tl.int64) * stride_q1h
-    q2_base = Q2 + b.to(tl.int64) * stride_q2b + h.to(tl.int64) * stride_q2h
+    off_q1, off_k1 = _batch_offsets(b, q_lo, k_lo, stride_q1b, stride_q1n, stride_k1b, stride_k1n, VARLEN)
+    off_q2, off_k2 = _batch_offsets(b, q_lo, k_lo, stride_q2b, stride_q2n, stride_k2b, stride_k2n, VARLEN)
+    q1_base = Q1 + off_q1 + h.to(tl.int64) * stride_q1h
+    q2_base = Q2 + off_q2 + h.to(tl.int64) * stride_q2h
     kv_head1 = h // GROUP1
     kv_head2 = h // GROUP2
-    k1_base = K1 + b.to(tl.int64) * stride_k1b + kv_head1.to(tl.int64) * stride_k1h
-    k2_base = K2 + b.to(tl.int64) * stride_k2b + kv_head2.to(tl.int64) * stride_k2h
+    k1_base = K1 + off_k1 + kv_head1.to(tl.int64) * stride_k1h
+    k2_base = K2 + off_k2 + kv_head2.to(tl.int64) * stride_k2h
     rows64 = offs_m.to(tl.int64)
     q1 = tl.load(q1_base + rows64[:, None] * stride_q1n + offs_d1[None, :] * stride_q1d,
                  mask=row_ok[:, None] & (offs_d1[None, :] < D1), other=0.0)
@@ -233,20 +309,21 @@ def _kl_fwd_kernel(
                                   N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL)
     m1, l1, m2, l2, acc = _fwd_key_range(
         m1, l1, m2, l2, acc, q1, q2, k1_ptrs, k2_ptrs, stride_k1n, stride_k2n,
-        K1_DESC, K2_DESC, b, kv_head1, kv_head2,
+        K1_DESC, K2_DESC, tma_b, tma_key0, kv_head1, kv_head2,
         offs_m, offs_n, offs_d1, offs_d2, D1, D2, N_K, diag_offset, key_lo, full_hi,
         qk_scale1, qk_scale2, BLOCK_N, D1_PAD, D2_PAD, False, CAUSAL, IEEE1, IEEE2, USE_TMA, NO_CONTRACT)
     m1, l1, m2, l2, acc = _fwd_key_range(
         m1, l1, m2, l2, acc, q1, q2, k1_ptrs, k2_ptrs, stride_k1n, stride_k2n,
-        K1_DESC, K2_DESC, b, kv_head1, kv_head2,
+        K1_DESC, K2_DESC, tma_b, tma_key0, kv_head1, kv_head2,
         offs_m, offs_n, offs_d1, offs_d2, D1, D2, N_K, diag_offset, full_hi, key_hi,
         qk_scale1, qk_scale2, BLOCK_N, D1_PAD, D2_PAD, True, CAUSAL, IEEE1, IEEE2, USE_TMA, NO_CONTRACT)
 
-    row_out = pid_bh.to(tl.int64) * N_Q + offs_m
+    row_base, row_step = _row_layout(pid_bh, h, H, q_lo, N_Q, VARLEN)
+    row_out = row_base + offs_m * row_step
     if SPLIT:
-        # partial state of this key range; merged by _kl_combine_kernel (the merge rule of MATH.md)
-        plane = num_splits.to(tl.int64) * (tl.num_programs(1) * N_Q)
-        part = PART + pid_split.to(tl.int64) * (tl.num_programs(1) * N_Q) + row_out
+        # partial state of this key range; merged by _kl_combine_kernel (the merge rule of docs/math.md)
+        plane = num_splits.to(tl.int64) * rows_total
+        part = PART + pid_split.to(tl.int64) * rows_total + row_out
         tl.store(part, m1, mask=row_ok)
         tl.store(part + plane, l1, mask=row_ok)
         tl.store(part + 2 * plane, m2, mask=row_ok)

@@ -1,4 +1,4 @@
-"""``indexer_kl``: the sparse-attention indexer loss, streamed (MATH.md, "The indexer loss").
+"""``indexer_kl``: the sparse-attention indexer loss, streamed (docs/math.md, "The indexer loss").
 
 Teacher ``q [B, H, N_Q, D]``, ``k [B, H_K, N_K, D]`` (a constant: no gradient), target
 ``p = (1/H) sum_h softmax(sigma q_h k^T)``; student ``q_idx [B, H_I, N_Q, D_I]``,
@@ -24,7 +24,7 @@ import triton
 from streamkl_ref._checks import check_indexer_inputs
 
 from . import _indexer_bwd, _indexer_fwd
-from . import api as _api
+from . import _checks, _runtime, _tuning
 
 __all__ = ["indexer_kl", "indexer_kl_naive", "MAX_TEACHER_HEAD_DIM", "MAX_INDEXER_HEAD_DIM", "REDUCTIONS"]
 
@@ -41,8 +41,8 @@ _IEEE_CONFIG = (32, 32, 32, 32, 4, 1)
 
 
 def _fresh(shape, dtype, device):
-    # read at call time, so the tests' poison fixture (api.POISON_FRESH) applies here too
-    if _api.POISON_FRESH:
+    # read at call time, so the tests' poison fixture (_runtime.POISON_FRESH) applies here too
+    if _runtime.POISON_FRESH:
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
 
@@ -68,13 +68,13 @@ def _check(q, k, q_idx, k_idx, weights, *, causal, scale, relu, lse, reduction):
     if len(devices) != 1:
         raise ValueError("q, k, q_idx, k_idx, weights must be on one device, got "
                          + ", ".join(f"{n}: {t.device}" for n, t in zip(_NAMES, tensors)))
-    if q.device.type == "cpu" and not _api.interpreting():
+    if q.device.type == "cpu" and not _runtime.interpreting():
         raise ValueError(
             "the inputs are CPU tensors, but the Triton kernels need a GPU. To run them on CPU "
             "(slowly, for testing), set the environment variable TRITON_INTERPRET=1 before "
             "importing streamkl_gpu.")
     for name, t in zip(_NAMES, tensors):
-        if t.dtype not in _api.SUPPORTED_DTYPES:
+        if t.dtype not in _checks.SUPPORTED_DTYPES:
             raise ValueError(f"{name} has dtype {t.dtype}; supported: float16, bfloat16, float32")
     if k.dtype != q.dtype:
         raise ValueError(f"k has dtype {k.dtype} but q has {q.dtype}: the teacher's q and k must match")
@@ -128,8 +128,8 @@ def _plan(dims, cfg, kind):
     return dict(
         HB=hb, IB=ib, GI_PAD=gi_pad, BLOCK_T=block_t, BLOCK_N=block_n,
         BLOCK_D=_d_chunk(dims.D, block_d),
-        BLOCK_DI=_d_chunk(dims.DI, block_d) if kind == "fwd" else _api._head_pad(dims.DI),
-        DI_PAD=_api._head_pad(dims.DI), warps=warps, stages=stages,
+        BLOCK_DI=_d_chunk(dims.DI, block_d) if kind == "fwd" else _checks.head_pad(dims.DI),
+        DI_PAD=_checks.head_pad(dims.DI), warps=warps, stages=stages,
         n_chunks=dims.HK * cpg, cpg=cpg, n_ichunks=dims.HKI * icpg, icpg=icpg,
     )
 
@@ -137,12 +137,12 @@ def _plan(dims, cfg, kind):
 def _d_chunk(d: int, block_d: int) -> int:
     """Width of the D chunks of a score tile: the whole (padded) head up to 128 wide when the
     config asks for >= 64-wide chunks (no K loop overhead), else ``block_d`` (D = 576: 9 x 64)."""
-    pad = _api._head_pad(d)
+    pad = _checks.head_pad(d)
     return pad if (pad <= 128 and block_d >= 64) else min(block_d, pad)
 
 
 def _candidates(kind, ieee):
-    if _api.interpreting():
+    if _runtime.interpreting():
         return [INTERPRETER_CONFIG]
     if ieee:
         return [_IEEE_CONFIG]
@@ -166,14 +166,14 @@ def _use_tma(*tensors) -> bool:
     api.INTERPRETER_TMA), unit stride in D, 16-byte aligned base and strides."""
     if os.environ.get("STREAMKL_INDEXER_TMA", "1") == "0":  # escape hatch: pointer loads
         return False
-    return all(_api._tma_ok(t) for t in tensors)
+    return all(_runtime.tma_ok(t) for t in tensors)
 
 
 def _descriptors(pl, use_tma, q, k, q_idx, k_idx):
     """(q, k, q_idx, k_idx) descriptors with the plan's boxes, or four Nones (pointer loads)."""
     if not use_tma:
         return None, None, None, None
-    TD = _api.TensorDescriptor
+    TD = _runtime.TensorDescriptor
 
     def desc(t, box):
         return TD(t, list(t.shape), list(t.stride()), box)
@@ -188,15 +188,15 @@ def _descriptors(pl, use_tma, q, k, q_idx, k_idx):
 
 def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
     dims = check_indexer_inputs(q, k, q_idx, k_idx, weights, scale=scale)
-    q, k, q_idx, k_idx, weights = (_api._compute_view(t) for t in (q, k, q_idx, k_idx, weights))
+    q, k, q_idx, k_idx, weights = (_checks.compute_view(t) for t in (q, k, q_idx, k_idx, weights))
     device = q.device
     ieee_t, ieee_i = q.dtype == torch.float32, q_idx.dtype == torch.float32
     qk_scale = dims.scale * LOG2E  # teacher scores in bits: sigma * log2(e) * q.k
     group, group_i = dims.H // dims.HK, dims.HI // dims.HKI
-    no_contract = not _api.interpreting()
+    no_contract = not _runtime.interpreting()
     use_tma = _use_tma(q, k, q_idx, k_idx)
     key_base = (dims.D, dims.DI, dims.H, dims.HK, dims.HI, dims.HKI, q.dtype, q_idx.dtype, causal, use_tma,
-                _api._bucket(dims.NQ), _api._bucket(dims.NK), _api._bucket(dims.B))
+                _tuning.bucket(dims.NQ), _tuning.bucket(dims.NK), _tuning.bucket(dims.B))
 
     if lse is None:  # first pass: the teacher's per-head LSEs, in bits
         lse_bits = _fresh((dims.B, dims.H, dims.NQ), torch.float32, device)
@@ -211,7 +211,7 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
                 BLOCK_N=pl["BLOCK_N"], CAUSAL=causal, IEEE=ieee_t, NO_CONTRACT=no_contract, USE_TMA=use_tma,
                 num_warps=pl["warps"], num_stages=pl["stages"])
 
-        launch_lse(_api._pick(("idx_lse",) + key_base, _candidates("lse", ieee_t), launch_lse))
+        launch_lse(_tuning.pick(("idx_lse",) + key_base, _candidates("lse", ieee_t), launch_lse))
     else:  # the caller's natural-log LSEs, once to bits (the kernels' unit)
         lse_bits = (lse * LOG2E).contiguous()
 
@@ -231,7 +231,7 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
             CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, NO_CONTRACT=no_contract,
             USE_TMA=use_tma, num_warps=pl["warps"], num_stages=pl["stages"])
 
-    launch(_api._pick(("idx_fwd", relu) + key_base, _candidates("fwd", ieee_t or ieee_i), launch))
+    launch(_tuning.pick(("idx_fwd", relu) + key_base, _candidates("fwd", ieee_t or ieee_i), launch))
     return kl, lse_idx, lse_bits
 
 
@@ -265,7 +265,7 @@ def dk_token_split(dims, block_t: int, key_programs: int, n_sm: int, causal: boo
     the tokens are cut into fixed-size splits until there are about 8 programs per SM (causal:
     about half exit at once), each split adding its partial dk with one fp32 atomic add.
     Reasoned, not yet measured."""
-    if _api.interpreting() and INTERPRETER_DK_SPLIT is not None:
+    if _runtime.interpreting() and INTERPRETER_DK_SPLIT is not None:
         per = INTERPRETER_DK_SPLIT
     else:
         want = 8 * n_sm * (2 if causal else 1)
@@ -277,12 +277,12 @@ def dk_token_split(dims, block_t: int, key_programs: int, n_sm: int, causal: boo
 def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, relu):
     dims = check_indexer_inputs(q, k, q_idx, k_idx, weights, scale=scale)
     out_dtypes = (q_idx.dtype, k_idx.dtype, weights.dtype)
-    q, k, q_idx, k_idx, weights = (_api._compute_view(t) for t in (q, k, q_idx, k_idx, weights))
+    q, k, q_idx, k_idx, weights = (_checks.compute_view(t) for t in (q, k, q_idx, k_idx, weights))
     device = q.device
     ieee_t, ieee_i = q.dtype == torch.float32, q_idx.dtype == torch.float32
     qk_scale = dims.scale * LOG2E
     group, group_i = dims.H // dims.HK, dims.HI // dims.HKI
-    no_contract = not _api.interpreting()
+    no_contract = not _runtime.interpreting()
     use_tma = _use_tma(q, k, q_idx, k_idx)
     g = g.to(torch.float32).contiguous()
     lse_bits, lse_idx = lse_bits.contiguous(), lse_idx.contiguous()
@@ -297,7 +297,7 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
         dq_idx = torch.zeros((dims.B, dims.HI, dims.NQ, dims.DI), dtype=torch.float32, device=device)
         dweights = torch.zeros((dims.B, dims.HI, dims.NQ), dtype=torch.float32, device=device)
     key_base = (mode, dims.D, dims.DI, dims.H, dims.HK, dims.HI, dims.HKI, q.dtype, q_idx.dtype, causal, relu, use_tma,
-                _api._bucket(dims.NQ), _api._bucket(dims.NK), _api._bucket(dims.B))
+                _tuning.bucket(dims.NQ), _tuning.bucket(dims.NK), _tuning.bucket(dims.B))
 
     def meta(pl):
         return dict(D=dims.D, BLOCK_D=pl["BLOCK_D"], DI=dims.DI, BLOCK_DI=pl["BLOCK_DI"], DI_PAD=pl["DI_PAD"],
@@ -317,7 +317,7 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
         nonlocal dk_idx
         pl = _plan(dims, cfg, "bwd")
         key_programs = triton.cdiv(dims.NK, pl["BLOCK_N"]) * dims.B * dims.HKI
-        per_split = dk_token_split(dims, pl["BLOCK_T"], key_programs, _api._n_sm(device), causal)
+        per_split = dk_token_split(dims, pl["BLOCK_T"], key_programs, _runtime.n_sm(device), causal)
         splits = triton.cdiv(dims.NQ, per_split)
         if splits > 1:
             dk_idx = torch.zeros((dims.B, dims.HKI, dims.NK, dims.DI), dtype=torch.float32, device=device)
@@ -332,8 +332,8 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
 
     ieee = ieee_t or ieee_i
     if not fused:
-        launch_dq(_api._pick(("idx_bwd_dq",) + key_base, _candidates("bwd", ieee), launch_dq))
-    launch_dk(_api._pick(("idx_bwd_dk",) + key_base, _candidates("bwd", ieee), launch_dk))
+        launch_dq(_tuning.pick(("idx_bwd_dq",) + key_base, _candidates("bwd", ieee), launch_dq))
+    launch_dk(_tuning.pick(("idx_bwd_dk",) + key_base, _candidates("bwd", ieee), launch_dk))
     return dq_idx.to(out_dtypes[0]), dk_idx.to(out_dtypes[1]), dweights.to(out_dtypes[2])
 
 
@@ -444,25 +444,9 @@ def indexer_kl_naive(q, k, q_idx, k_idx, weights, *, causal=False, scale=None, r
     """``[B, N_Q]`` KL in ``compute_dtype``, every score matrix materialised: teacher scores per
     head, softmax, head mean; indexer scores, ReLU, weights, log-softmax; KL. Products are formed
     from the inputs cast to ``compute_dtype`` (the anchors' baseline: bf16 inputs,
-    ``compute_dtype=torch.float32``). Rows with no visible key give 0."""
-    dims = check_indexer_inputs(q, k, q_idx, k_idx, weights, scale=scale)
-    cd = compute_dtype
-    kt = k.to(cd).repeat_interleave(dims.H // dims.HK, dim=1)
-    ki = k_idx.to(cd).repeat_interleave(dims.HI // dims.HKI, dim=1)
-    i = torch.arange(dims.NQ, device=q.device)[:, None]
-    j = torch.arange(dims.NK, device=q.device)[None, :]
-    visible = (j <= i + (dims.NK - dims.NQ)) if causal else torch.ones_like(i * j, dtype=torch.bool)
-    empty = ~visible.any(-1)
-    visible = visible | empty[:, None]  # an empty row is computed unmasked, then set to 0
-    s = (q.to(cd) @ kt.transpose(-1, -2)) * dims.scale
-    p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1).mean(dim=1)  # [B, N_Q, N_K]
-    a = q_idx.to(cd) @ ki.transpose(-1, -2)
-    act = torch.relu(a) if relu else a
-    logits = (weights.to(cd)[..., None] * act).sum(dim=1)
-    log_q = torch.log_softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
-    # 0 log 0 = 0: masked / underflowed entries are selected away before the product
-    pos = p > 0
-    log_p = torch.log(torch.where(pos, p, torch.ones((), dtype=p.dtype, device=p.device)))
-    zero = torch.zeros((), dtype=p.dtype, device=p.device)
-    kl = torch.where(pos, p * (log_p - torch.where(visible, log_q, zero)), zero).sum(-1)
-    return kl.masked_fill(empty, 0.0)
+    ``compute_dtype=torch.float32``). Rows with no visible key give 0. The formula has one home,
+    :func:`streamkl_ref.testing.indexer_kl_torch` (the conformance suite's baseline)."""
+    from streamkl_ref.testing import indexer_kl_torch
+
+    return indexer_kl_torch(q, k, q_idx, k_idx, weights, causal=causal, scale=scale, relu=relu,
+                            compute_dtype=compute_dtype)

@@ -1,4 +1,4 @@
-"""Backward Triton kernels of the indexer loss: recompute tile by tile (MATH.md, "The indexer loss").
+"""Backward Triton kernels of the indexer loss: recompute tile by tile (docs/math.md, "The indexer loss").
 
 Per (token block, key tile), from the teacher LSEs (bits) and the student's LSE_I (nats) that the
 forward saved:

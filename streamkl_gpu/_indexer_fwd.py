@@ -1,4 +1,4 @@
-"""Forward Triton kernels of the indexer loss (MATH.md, "The indexer loss").
+"""Forward Triton kernels of the indexer loss (docs/math.md, "The indexer loss").
 
 Layout: one program per (block of BLOCK_T query tokens, batch element). The GEMM's M dimension
 is (head, token) pairs: a *chunk* is HB teacher heads that share one key head times the BLOCK_T

@@ -2,7 +2,7 @@
 
 ``KL[b,h,i] = KL(P1[b,h,i,:] || P2[b,h,i,:])`` between two attention distributions
 ``P_t = softmax(σ_t · Q_t K_tᵀ)`` over the keys, per query row. Conventions (the contract is
-MATH.md in the shared design folder):
+docs/math.md, "Definitions and conventions"):
 
 - layout ``[B, H, N, D]``; ``q_t [B, H, N_Q, D_t]``, ``k_t [B, H_Kt, N_K, D_t]``; GQA per side
   (query head ``h`` reads key head ``h // (H // H_Kt)``); ``D1`` may differ from ``D2``,
@@ -18,9 +18,13 @@ Modules: ``_dense`` (materialised float64), ``_mp`` (mpmath ground truth), ``_on
 five-scalar streaming recurrence, tiled as a kernel runs it; ``accumulator="max_referenced"``
 for the exact form the ``streamkl_gpu`` kernels keep), ``_grad`` (closed-form and tiled
 backward), ``_indexer`` (the sparse-attention indexer loss: head-averaged teacher,
-weighted-ReLU student; dense, mpmath, online, gradient), ``_scores`` (scores, masks, GQA plumbing), ``_checks`` (input validation shared with
+weighted-ReLU student; dense, mpmath, online, gradient), ``_varlen`` (packed sequences with
+``cu_seqlens``, sequence by sequence), ``_scores`` (scores, masks, GQA plumbing), ``_checks``
+(input validation shared with
 streamkl_gpu), ``cli`` (the ``streamkl`` command).
 """
+__version__ = "0.1.0"  # the one home of the version (pyproject.toml reads it)
+
 from ._dense import attention_kl
 from ._grad import attention_kl_grad, attention_kl_grad_tiled
 from ._indexer import (
@@ -30,6 +34,8 @@ from ._indexer import (
     indexer_kl_grad,
     indexer_kl_mp,
     indexer_kl_online,
+    indexer_kl_topk,
+    indexer_kl_topk_grad,
 )
 from ._mp import attention_kl_mp
 from ._online import (
@@ -45,13 +51,17 @@ from ._online import (
     merge_states,
     update_state,
 )
+from ._varlen import attention_kl_varlen, attention_kl_varlen_grad
 
 __all__ = [
+    "__version__",
     "attention_kl",
     "attention_kl_mp",
     "attention_kl_online",
     "attention_kl_grad",
     "attention_kl_grad_tiled",
+    "attention_kl_varlen",
+    "attention_kl_varlen_grad",
     "OnlineState",
     "MaxReferencedState",
     "ACCUMULATORS",
@@ -66,6 +76,8 @@ __all__ = [
     "indexer_kl_mp",
     "indexer_kl_online",
     "indexer_kl_grad",
+    "indexer_kl_topk",
+    "indexer_kl_topk_grad",
     "IndexerOnlineResult",
     "IndexerTileStats",
 ]

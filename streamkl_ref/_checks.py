@@ -2,7 +2,7 @@
 
 Works on anything with ``.ndim`` and ``.shape`` (NumPy arrays, torch tensors), so importing it
 never needs torch. Every error is a ``ValueError`` that names the offending argument.
-Conventions: ../shared/design/MATH.md (shapes ``[B, H, N, D]``, GQA per side).
+Conventions: docs/math.md (shapes ``[B, H, N, D]``, GQA per side).
 """
 from __future__ import annotations
 

@@ -14,7 +14,9 @@ and with GQA the ``dK`` of a key head is the sum over the query heads that read 
 log-ratio is always formed from logits and log-sum-exps, never as ``log(P1) − log(P2)``.
 Masked entries and rows with no visible key get exactly zero gradient (selected away, never
 multiplied by ``−inf``). A NaN in an input or in ``g`` reaches the gradients of the rows and
-keys it touches.
+keys it touches and no others: a NaN or ±inf in a key reaches only the rows that see that key,
+and one in a query row (or its ``g``) only that row and the ``dK`` of the keys it sees
+(:func:`scores_backward`).
 
 :func:`attention_kl_grad` materialises everything; :func:`attention_kl_grad_tiled` is the
 tiled backward a kernel runs, recomputing ``P_t = exp(S_t − LSE_t)`` tile by tile from the
@@ -30,6 +32,7 @@ from ._scores import (
     as_float_array,
     check_float_dtype,
     expand_key_heads,
+    finite_or_zero,
     reduce_key_heads,
     scaled_scores,
     tile_past_frontier,
@@ -41,9 +44,14 @@ __all__ = ["attention_kl_grad", "attention_kl_grad_tiled", "scores_backward"]
 
 def scores_backward(ds: np.ndarray, q: np.ndarray, k_expanded: np.ndarray, scale):
     """From ``dS [..., R, C]`` to ``(dQ [..., R, D], dK [..., C, D])`` for ``S = scale · Q Kᵀ``
-    (per query head; reduce ``dK`` over a GQA group with ``reduce_key_heads``)."""
+    (per query head; reduce ``dK`` over a GQA group with ``reduce_key_heads``).
+
+    ``ds`` must be exactly 0 at masked entries; the non-finite entries of ``q`` and ``k`` are
+    zeroed in the products (:func:`~streamkl_ref._scores.finite_or_zero`), so a NaN key reaches
+    only the rows that see it and a NaN query row only the keys it sees."""
     sigma = ds.dtype.type(scale)
-    return sigma * (ds @ k_expanded), sigma * (np.swapaxes(ds, -1, -2) @ q)
+    return (sigma * (ds @ finite_or_zero(k_expanded)),
+            sigma * (np.swapaxes(ds, -1, -2) @ finite_or_zero(q)))
 
 
 def _as_inputs(q1, k1, q2, k2, dtype=np.float64):

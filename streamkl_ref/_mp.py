@@ -5,7 +5,7 @@ scale is the float64 value the other implementations use (``None`` -> the float6
 ``1/sqrt(D_t)``), taken as exact, so that comparisons measure only the arithmetic of the
 implementation under test. All arithmetic is done at ``dps`` decimal digits: dot products with
 ``fdot``, ``LSE = log Σ exp(S)`` (mpmath has no overflow, so no max is subtracted), and
-``KL = Σ_j P1·((S1 − LSE1) − (S2 − LSE2))``. Masking, GQA and empty rows follow MATH.md exactly as
+``KL = Σ_j P1·((S1 − LSE1) − (S2 − LSE2))``. Masking, GQA and empty rows follow docs/math.md exactly as
 in :mod:`streamkl_ref._dense` (empty row: ``KL = 0``, ``LSE = −inf``).
 
 Inputs may also be object arrays of ``mpf`` (or anything ``mpf`` accepts): the gradient tests

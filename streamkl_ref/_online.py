@@ -2,7 +2,7 @@
 
 (``accumulator="max_referenced"``, ``base2=True``, ``dtype=np.float32`` is the arithmetic of the
 ``streamkl_gpu`` forward kernels, operation for operation; the default ``"plain"`` accumulator is
-MATH.md's, described first.)
+docs/math.md's, described first.)
 
 Five running scalars per query row, ``(m1, l1, m2, l2, acc)``, start ``(−inf, 0, −inf, 0, 0)``
 (:func:`initial_state`). For each key tile ``T`` (:func:`update_state`, the one home of the
@@ -38,7 +38,7 @@ Two accumulator forms (``accumulator=`` of :func:`initial_state` and :func:`atte
 the state's class records which one it holds, so :func:`update_state`, :func:`merge_states` and
 :func:`finalize_state` need no flag and refuse to mix them):
 
-- ``"plain"`` (:class:`OnlineState`, the default): MATH.md's ``acc = Σ e^{s1−m1}·(s1 − s2)``,
+- ``"plain"`` (:class:`OnlineState`, the default): docs/math.md's ``acc = Σ e^{s1−m1}·(s1 − s2)``,
   as above.
 - ``"max_referenced"`` (:class:`MaxReferencedState`): what the Triton kernels of
   ``streamkl_gpu`` keep, the same sum with each log-ratio measured from the two running maxima,
@@ -101,7 +101,7 @@ class OnlineState(NamedTuple):
     """The five running scalars of every query row (arrays of one shape and dtype).
 
     ``m1, m2``: running maxima of ``S1, S2``; ``l1, l2``: ``Σ exp(S_t − m_t)``;
-    ``acc``: ``Σ exp(S1 − m1)·(S1 − S2)`` (the ``"plain"`` accumulator of MATH.md; the subclass
+    ``acc``: ``Σ exp(S1 − m1)·(S1 − S2)`` (the ``"plain"`` accumulator of docs/math.md; the subclass
     :class:`MaxReferencedState` holds the kernels' form). In base-2 mode all are in base-2 units.
     ``accumulator`` (a class attribute, not a field) names the form.
     """
@@ -399,7 +399,7 @@ def attention_kl_online(
         dtype: ``np.float64`` or ``np.float32``; every arithmetic step (the ``q·k`` products,
             the scaling, the recurrence, the finalisation) is done in it.
         base2: fold ``scale_t · log2(e)`` into the scores and use ``exp2``/``log2``.
-        accumulator: ``"plain"`` (default; MATH.md's ``acc = Σ e^{S1−m1}(S1 − S2)``) or
+        accumulator: ``"plain"`` (default; docs/math.md's ``acc = Σ e^{S1−m1}(S1 − S2)``) or
             ``"max_referenced"`` (the ``streamkl_gpu`` kernels' ``acc − l1·(m1 − m2)``; see the
             module docstring). ``base2=True, dtype=np.float32, accumulator="max_referenced"``
             is the arithmetic of the kernels on fp32 inputs.

@@ -1,6 +1,6 @@
 """Scores, masks and array plumbing shared by every algorithm in streamkl_ref (one home each).
 
-Conventions (the contract is ../shared/design/MATH.md):
+Conventions (the contract is docs/math.md):
 
 - Layout ``[B, H, N, D]``. Side ``t`` has queries ``q_t [B, H, N_Q, D_t]`` and keys
   ``k_t [B, H_Kt, N_K, D_t]``; query head ``h`` reads key head ``h // (H // H_Kt)`` (GQA/MQA),
@@ -13,6 +13,9 @@ Conventions (the contract is ../shared/design/MATH.md):
 - Masks are kept *beside* the scores as boolean arrays (``True`` = visible) instead of being
   written into the scores as ``-inf``; every consumer selects with ``np.where`` before doing
   arithmetic, so no ``-inf - -inf`` or ``0 * inf`` is ever evaluated.
+- Invisible values never reach a row (docs/math.md): a NaN or ±inf in a key a row cannot see, or in a
+  query row, is selected away before it meets that row's arithmetic. A matmul cannot select, so
+  the operands of the gradient matmuls go through :func:`finite_or_zero` (see there).
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ __all__ = [
     "visible",
     "tile_past_frontier",
     "check_float_dtype",
+    "finite_or_zero",
 ]
 
 LN2 = math.log(2.0)  # ln 2: converts base-2 quantities (bits) to nats
@@ -37,7 +41,14 @@ LOG2E = 1.0 / LN2  # log2(e): folded into the score scale in base-2 mode
 
 
 def as_float_array(x, name: str, dtype=np.float64) -> np.ndarray:
-    """``x`` as a NumPy array of ``dtype``; a ``ValueError`` naming ``name`` if it is not real."""
+    """``x`` as a NumPy array of ``dtype``; a ``ValueError`` naming ``name`` if it is not real.
+
+    A torch tensor (any device, any float dtype, requiring grad or not) is detached and copied to
+    a float64 CPU array first, without this package importing torch."""
+    if _is_torch_tensor(x):
+        if x.is_complex():
+            raise ValueError(f"{name} is a complex torch tensor; the references take real inputs")
+        x = x.detach().cpu().double().numpy()
     try:
         arr = np.asarray(x)
     except (TypeError, ValueError) as exc:  # ragged lists and the like
@@ -45,6 +56,11 @@ def as_float_array(x, name: str, dtype=np.float64) -> np.ndarray:
     if arr.dtype.kind not in "fiu":
         raise ValueError(f"{name} must hold real numbers, got dtype {arr.dtype}")
     return arr.astype(dtype, copy=False)
+
+
+def _is_torch_tensor(x) -> bool:
+    # duck-typed: streamkl_ref never imports torch
+    return type(x).__module__.split(".")[0] == "torch" and hasattr(x, "detach") and hasattr(x, "is_complex")
 
 
 def check_float_dtype(dtype, name: str = "dtype") -> type:
@@ -92,6 +108,18 @@ def visible(rows: np.ndarray, cols: np.ndarray, n_q: int, n_k: int, causal: bool
     if causal:
         mask &= cols <= rows + (n_k - n_q)
     return mask
+
+
+def finite_or_zero(x: np.ndarray) -> np.ndarray:
+    """``x`` with NaN and ±inf replaced by 0: a matmul operand beside a masked ``dS``.
+
+    In ``dQ = dS · K`` a key ``j`` that row ``i`` cannot see has ``dS[i, j] = 0``, but
+    ``0 · NaN = NaN`` would still carry a NaN key into row ``i`` (and a NaN query row into the
+    ``dK`` of keys it cannot see, through ``dSᵀ · Q``). Zeroing the non-finite operand entries
+    loses nothing a row sees: a NaN key or query that a row *does* see has already made that row's
+    ``dS`` NaN (its scores and log-sum-exp are NaN), so the NaN still arrives, through ``dS``.
+    """
+    return np.where(np.isfinite(x), x, x.dtype.type(0))
 
 
 def tile_past_frontier(row_start: int, row_stop: int, col_start: int, n_q: int, n_k: int) -> bool:

@@ -3,12 +3,16 @@
 - ``streamkl trace``: runs the streaming recurrence of :mod:`streamkl_ref._online` on a small
   random example (``B = H = 1``, inputs drawn from ``numpy.random.default_rng(seed)`` in the
   order ``q1, k1, q2, k2``, standard normal) and prints, for the chosen query rows, the five
-  running scalars after every key tile, then the final KL next to the dense float64 and the
-  mpmath values. Deterministic for a given set of options (no GPU, no torch). ``--json`` emits
-  the same trace as standard JSON (non-finite numbers as the strings ``"-inf"``, ``"inf"``,
-  ``"nan"``; mpmath values also as decimal strings). ``--accumulator max_referenced`` traces the form of
-  ``acc`` the GPU kernels keep (``Σ e^(s1−m1)·((s1−m1) − (s2−m2))``) instead of MATH.md's plain
-  ``Σ e^(s1−m1)·(s1 − s2)`` (the default; its output is unchanged).
+  running scalars after every key tile with the tile's status *for that row* (see
+  :data:`STATUS_LEGEND`), how the KL comes out of the final five numbers (the formula of the
+  accumulator form and base in use, then the same with the numbers put in), then the final KL
+  next to the dense float64 and the mpmath values. Deterministic for a given set of options (no
+  GPU, no torch). ``--json`` emits the same trace as standard JSON (non-finite numbers as the
+  strings ``"-inf"``, ``"inf"``, ``"nan"``; mpmath values also as decimal strings), with the
+  shapes and every option of the case. ``--accumulator max_referenced`` traces the form of
+  ``acc`` the GPU kernels keep (``Σ e^(s1−m1)·((s1−m1) − (s2−m2))``) instead of the plain
+  ``Σ e^(s1−m1)·(s1 − s2)`` of docs/math.md (the default). Output cut short by the reader
+  (``streamkl trace --json | head``) ends quietly.
 - ``streamkl verify ...``: hands every argument after ``verify`` to
   ``streamkl_gpu.verify.main(argv)`` (imported only then) and returns its exit code.
 
@@ -21,13 +25,14 @@ import argparse
 import importlib
 import json
 import math
+import os
 import sys
 from typing import Optional, Sequence
 
 import mpmath
 import numpy as np
 
-__all__ = ["main", "build_trace"]
+__all__ = ["main", "build_trace", "STATUS_LEGEND", "kl_formula"]
 
 GPU_PACKAGES = ("torch", "triton")
 INSTALL_HINT = "pip install 'streamkl[gpu]'"
@@ -67,6 +72,50 @@ def _parse_rows(text: str, nq: int) -> list[int]:
     return sorted(set(rows))
 
 
+# The status of a key tile, for one query row (not for the whole query block: a block's padding
+# rows past N_Q, or its other rows' causal frontier, do not make a row's visible keys "masked").
+STATUS_LEGEND = {
+    "whole": "the row sees every key column of the tile",
+    "masked": "computed, but the row sees only some (or none) of its key columns; the others are "
+              "past the row's causal frontier, or past N_K (ragged last tile)",
+    "skipped": "no row of the query block sees the tile: not computed, the state passes through",
+}
+
+
+def kl_formula(accumulator: str, base2: bool) -> dict:
+    """How the KL comes out of the final ``(m1, l1, m2, l2, acc)``, as :func:`finalize_state`
+    computes it, in words a reader can check: ``acc`` (the form of the accumulator), ``lse``,
+    ``kl`` (in the state's units), ``nats`` (the conversion, base 2 only)."""
+    if base2:  # the state is in bits: scores times log2(e), exp2/log2
+        acc = ("acc = sum_j 2^(s1_j - m1) * ((s1_j - m1) - (s2_j - m2))" if accumulator == "max_referenced"
+               else "acc = sum_j 2^(s1_j - m1) * (s1_j - s2_j)")
+        acc += "   (s_j: scores times log2(e), in bits)"
+        lse = "LSE1_bits = m1 + log2(l1), LSE2_bits = m2 + log2(l2)"
+        kl = ("KL_bits = acc/l1 + log2(l2/l1)" if accumulator == "max_referenced"
+              else "KL_bits = acc/l1 + (m2 - m1) + log2(l2/l1) = acc/l1 + LSE2_bits - LSE1_bits")
+        return {"acc": acc, "lse": lse, "kl": kl, "nats": "KL = ln(2) * KL_bits (nats)"}
+    acc = ("acc = sum_j exp(s1_j - m1) * ((s1_j - m1) - (s2_j - m2))" if accumulator == "max_referenced"
+           else "acc = sum_j exp(s1_j - m1) * (s1_j - s2_j)")
+    kl = ("KL = acc/l1 + ln(l2/l1)" if accumulator == "max_referenced"
+          else "KL = acc/l1 + (m2 - m1) + ln(l2/l1) = acc/l1 + LSE2 - LSE1")
+    return {"acc": acc, "lse": "LSE1 = m1 + ln(l1), LSE2 = m2 + ln(l2)", "kl": kl, "nats": None}
+
+
+def _finish(last: dict, accumulator: str, base2: bool) -> dict:
+    """:func:`kl_formula` evaluated on one row's final state (plain float arithmetic, in the
+    formula's order), for the printout; a row that saw no key has KL 0 by definition."""
+    log = math.log2 if base2 else math.log
+    if last["m1"] == -math.inf:
+        return {"empty": True, "kl": 0.0, "kl_nats": 0.0}
+    lse1, lse2 = last["m1"] + log(last["l1"]), last["m2"] + log(last["l2"])
+    if accumulator == "max_referenced":
+        kl = last["acc"] / last["l1"] + log(last["l2"] / last["l1"])
+    else:
+        kl = last["acc"] / last["l1"] + (last["m2"] - last["m1"]) + log(last["l2"] / last["l1"])
+    return {"empty": False, "lse1": lse1, "lse2": lse2, "kl": kl,
+            "kl_nats": kl * math.log(2) if base2 else kl}
+
+
 def _example_inputs(nq: int, nk: int, d1: int, d2: int, seed: int):
     rng = np.random.default_rng(seed)
     q1 = rng.standard_normal((1, 1, nq, d1))
@@ -85,6 +134,7 @@ def build_trace(*, nq=4, nk=10, d1=8, d2=4, seed=0, block_q=4, block_k=4, rows=N
     """
     from . import attention_kl, attention_kl_mp, attention_kl_online
     from ._checks import check_inputs
+    from ._scores import visible
 
     q1, k1, q2, k2 = _example_inputs(nq, nk, d1, d2, seed)
     dims = check_inputs(q1, k1, q2, k2)
@@ -103,8 +153,12 @@ def build_trace(*, nq=4, nk=10, d1=8, d2=4, seed=0, block_q=4, block_k=4, rows=N
             if not ev.row_start <= r < ev.row_stop:
                 continue
             local = r - ev.row_start
-            status = "skipped" if ev.skipped else ("masked" if ev.masked else "full")
-            entry = {"k_tile": ev.k_tile, "key_start": ev.key_start, "key_stop": ev.key_stop, "status": status}
+            # this row's view of the tile (block_k key columns, some maybe past N_K)
+            cols = np.arange(ev.key_start, ev.key_start + block_k)
+            seen = int(visible(np.array([r]), cols, nq, nk, causal).sum())
+            status = "skipped" if ev.skipped else ("whole" if seen == block_k else "masked")
+            entry = {"k_tile": ev.k_tile, "key_start": ev.key_start, "key_stop": ev.key_stop, "status": status,
+                     "keys_seen": 0 if ev.skipped else seen}
             for name, arr in zip(ev.state._fields, ev.state):
                 entry[name] = float(arr[0, 0, local])
             tiles.append(entry)
@@ -118,6 +172,7 @@ def build_trace(*, nq=4, nk=10, d1=8, d2=4, seed=0, block_q=4, block_k=4, rows=N
             "q_block": r // block_q,
             "visible_keys": max(n_visible, 0),
             "tiles": tiles,
+            "finish": _finish(tiles[-1], accumulator, base2),
             "kl_online": kl_o,
             "kl_dense": kl_d,
             "kl_mp": float(kl_m),
@@ -132,10 +187,14 @@ def build_trace(*, nq=4, nk=10, d1=8, d2=4, seed=0, block_q=4, block_k=4, rows=N
     return {
         "params": {"nq": nq, "nk": nk, "d1": d1, "d2": d2, "seed": seed, "block_q": block_q,
                    "block_k": block_k, "causal": causal, "base2": base2, "dps": dps,
-                   "accumulator": accumulator},
+                   "accumulator": accumulator, "rows": rows},
+        "shapes": {"q1": list(q1.shape), "k1": list(k1.shape), "q2": list(q2.shape), "k2": list(k2.shape),
+                   "kl": [1, 1, nq]},
         "scale1": dims.scale1,
         "scale2": dims.scale2,
         "state_units": "bits (base 2)" if base2 else "nats (base e)",
+        "status_legend": dict(STATUS_LEGEND),
+        "kl_formula": kl_formula(accumulator, base2),
         "tiles_visited": online.tiles_visited,
         "tiles_skipped": online.tiles_skipped,
         "inputs": {"q1": q1[0, 0].tolist(), "k1": k1[0, 0].tolist(), "q2": q2[0, 0].tolist(), "k2": k2[0, 0].tolist()},
@@ -166,19 +225,22 @@ def _render_text(trace: dict) -> str:
         f"scale1={trace['scale1']!r} scale2={trace['scale2']!r}; state (m1, l1, m2, l2, acc) in "
         f"{trace['state_units']}; causal is bottom-right aligned",
     ]
-    if p.get("accumulator", "plain") != "plain":  # the default header stays as it was
-        out.append("acc is max-referenced, as the GPU kernels keep it: "
-                   "acc = sum exp(s1 - m1) * ((s1 - m1) - (s2 - m2)); KL = acc/l1 + log(l2/l1)")
+    formula = trace["kl_formula"]
+    out.append(f"accumulator {p['accumulator']}: {formula['acc']}")
+    out.append("status of a key tile, for the row shown:")
+    out += [f"  {name:<8}{text}" for name, text in trace["status_legend"].items()]
     out.append(f"tiles per (batch, head): {trace['tiles_visited']} visited, {trace['tiles_skipped']} skipped")
     cols = ("m1", "l1", "m2", "l2", "acc")
     for row in trace["rows"]:
         out.append("")
         out.append(f"row {row['row']} (query block {row['q_block']}, sees {row['visible_keys']} keys): "
                    f"state after each key tile")
-        out.append(f"{'tile':>4}  {'keys':<9}{'status':<8}" + "".join(f"{c:>21}" for c in cols))
+        out.append(f"{'tile':>4}  {'keys':<9}{'status':<15}" + "".join(f"{c:>21}" for c in cols))
         for t in row["tiles"]:
             keys = f"{t['key_start']}-{t['key_stop'] - 1}"
-            out.append(f"{t['k_tile']:>4}  {keys:<9}{t['status']:<8}" + "".join(f"{_fmt(t[c]):>21}" for c in cols))
+            status = t["status"] if t["status"] == "skipped" else f"{t['status']} {t['keys_seen']}/{p['block_k']}"
+            out.append(f"{t['k_tile']:>4}  {keys:<9}{status:<15}" + "".join(f"{_fmt(t[c]):>21}" for c in cols))
+        out += _render_finish(row, trace)
     out.append("")
     out.append("final KL (nats)")
     out.append(f"{'row':>4}{'online float64':>25}{'dense float64':>25}{'mpmath':>30}{'online-dense':>14}{'dense-mpmath':>14}")
@@ -188,6 +250,29 @@ def _render_text(trace: dict) -> str:
             f"{row['kl_mp_digits']:>30}{_fmt(row['diff_online_dense'], '.2e'):>14}{_fmt(row['diff_dense_mp'], '.2e'):>14}"
         )
     return "\n".join(out)
+
+
+def _render_finish(row: dict, trace: dict) -> list[str]:
+    """How this row's KL comes out of its last state: the formula, then the numbers."""
+    formula, fin, last = trace["kl_formula"], row["finish"], row["tiles"][-1]
+    units = "bits" if trace["params"]["base2"] else "nats"
+    if fin["empty"]:
+        return ["KL of the row: it sees no key (m1 = -inf): KL = 0 and LSE = -inf by definition"]
+    log = "log2" if trace["params"]["base2"] else "ln"
+    out = [f"KL from the last state: {formula['lse']}; {formula['kl']}"]
+    lse_names = ("LSE1_bits", "LSE2_bits") if units == "bits" else ("LSE1", "LSE2")
+    out.append(f"  {lse_names[0]} = {_fmt(last['m1'])} + {log}({_fmt(last['l1'])}) = {_fmt(fin['lse1'])}, "
+               f"{lse_names[1]} = {_fmt(last['m2'])} + {log}({_fmt(last['l2'])}) = {_fmt(fin['lse2'])}")
+    name = "KL_bits" if units == "bits" else "KL"
+    if trace["params"]["accumulator"] == "max_referenced":
+        out.append(f"  {name} = {_fmt(last['acc'])}/{_fmt(last['l1'])} + {log}({_fmt(last['l2'])}/{_fmt(last['l1'])})"
+                   f" = {_fmt(fin['kl'])} {units}")
+    else:
+        out.append(f"  {name} = {_fmt(last['acc'])}/{_fmt(last['l1'])} + {_fmt(fin['lse2'])} - {_fmt(fin['lse1'])}"
+                   f" = {_fmt(fin['kl'])} {units}")
+    if formula["nats"]:
+        out.append(f"  {formula['nats']}: ln(2) * {_fmt(fin['kl'])} = {_fmt(fin['kl_nats'])} nats")
+    return out
 
 
 def _trace_parser(sub) -> argparse.ArgumentParser:
@@ -205,7 +290,7 @@ def _trace_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--causal", action="store_true", help="bottom-right aligned causal mask")
     p.add_argument("--base2", action="store_true", help="fold log2(e) into the scores, use exp2/log2")
     p.add_argument("--accumulator", choices=("plain", "max_referenced"), default="plain",
-                   help="form of acc: 'plain' (MATH.md, default) or 'max_referenced' "
+                   help="form of acc: 'plain' (docs/math.md, default) or 'max_referenced' "
                         "(re-referenced to the running maxima, as the GPU kernels keep it)")
     p.add_argument("--dps", type=_positive_int, default=50, help="mpmath digits (default 50)")
     p.add_argument("--json", action="store_true", help="emit the trace as JSON instead of a table")
@@ -222,10 +307,23 @@ def _run_trace(args, parser) -> int:
     trace = build_trace(nq=args.nq, nk=args.nk, d1=args.d1, d2=args.d2, seed=args.seed,
                         block_q=args.block_q, block_k=args.block_k, rows=rows, causal=args.causal,
                         base2=args.base2, dps=args.dps, accumulator=args.accumulator)
-    if args.json:
-        print(json.dumps(_jsonable(trace), indent=2, allow_nan=False))
-    else:
-        print(_render_text(trace))
+    text = json.dumps(_jsonable(trace), indent=2, allow_nan=False) if args.json else _render_text(trace)
+    return _write(text)
+
+
+def _write(text: str) -> int:
+    """Print ``text``; a reader that stops early (``| head``) ends it quietly, exit status 0."""
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python would report the broken pipe again when it flushes stdout at exit: point the
+        # file descriptor at /dev/null first (the recipe of Python's signal docs).
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):  # not a real file (e.g. captured)
+            pass
     return 0
 
 

@@ -2,7 +2,7 @@
 import mpmath
 import numpy as np
 
-from _ref_strategies import EPS64, logit_scale
+from streamkl_ref.strategies import EPS64, logit_scale
 from streamkl_ref import attention_kl_mp
 from streamkl_ref._dense import dense_scores, kl_from_log_probs, masked_log_softmax
 

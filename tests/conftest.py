@@ -9,15 +9,15 @@ def poison():
 
 
 def _override_api(name, value):
-    """Set ``streamkl_gpu.api.<name>`` for one test; yields the value, restores the old one."""
-    from streamkl_gpu import api
+    """Set the runtime setting ``streamkl_gpu._runtime.<name>`` for one test; yields the value, restores the old one."""
+    from streamkl_gpu import _runtime
 
-    old = getattr(api, name)
-    setattr(api, name, value)
+    old = getattr(_runtime, name)
+    setattr(_runtime, name, value)
     try:
         yield value
     finally:
-        setattr(api, name, old)
+        setattr(_runtime, name, old)
 
 
 @pytest.fixture

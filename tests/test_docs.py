@@ -6,8 +6,17 @@
 - `mkdocs build --strict` must succeed from the repository root into a temporary directory, with
   the proof pages (added by docs/hooks.py) and the worked example in the output, and every
   `$$ ... $$` block turned into MathJax markup.
+- The built pages load nothing from another host: no script, stylesheet, icon, font or image
+  whose address is on another host, in any page's HTML or in any stylesheet the site ships
+  (`url(...)`, `@import`); every local one exists in the site, MathJax and its fonts included.
+  Links (`<a href>`) to other sites are fine.
+- The README, the docs, the proofs and the packages' docstrings refer to nothing outside the
+  repository (the math contract is docs/math.md), and a number of proof statements written
+  in words is the real one. (docs/check_browser.py renders the pages in a real
+  Chromium with every other host unreachable; it needs a browser, so it is not part of CI.)
 """
 import glob
+import html.parser
 import importlib.util
 import json
 import math
@@ -15,6 +24,9 @@ import os
 import re
 import subprocess
 import sys
+import urllib.parse
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")
@@ -67,17 +79,22 @@ def test_plots_marker_lists_existing_pngs(tmp_path, monkeypatch):
     assert md.index("assets/fwd_time.png") < md.index("assets/decode.png")  # plot.py's order
 
 
-def test_mkdocs_build_strict(tmp_path):
-    site = tmp_path / "site"
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """The site, built once for this module by `mkdocs build --strict`."""
+    site = tmp_path_factory.mktemp("docs") / "site"
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
     proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return site
 
-    pages = ["index.html", "tutorial/index.html", "api/index.html", "verify/index.html",
-             "performance/index.html", "proofs/index.html"]
+
+def test_mkdocs_build_strict(site):
+    pages = ["index.html", "tutorial/index.html", "math/index.html", "api/index.html", "verify/index.html",
+             "performance/index.html", "proofs/index.html", "indexer/index.html"]
     proofs = sorted(os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(ROOT, "proofs", "0*.md")))
-    assert len(proofs) == 8  # statements 1-8
+    assert len(proofs) == 9  # statements 1-9
     with open(os.path.join(ROOT, "mkdocs.yml")) as fh:
         nav = fh.read()
     for name in proofs:  # every statement is in the site's navigation
@@ -115,3 +132,161 @@ def test_mkdocs_build_strict(tmp_path):
     # the search index knows the proof pages (they are real pages, not static files)
     index = json.loads((site / "search" / "search_index.json").read_text(encoding="utf-8"))
     assert any(doc["location"].startswith("proofs/02_online_update/") for doc in index["docs"])
+
+
+# --- nothing from another host ------------------------------------------------------------
+# (tag, attribute) pairs whose address the browser loads by itself (not a link one clicks)
+LOADS = {("script", "src"), ("link", "href"), ("img", "src"), ("img", "srcset"), ("source", "src"),
+         ("source", "srcset"), ("iframe", "src"), ("embed", "src"), ("object", "data"), ("video", "src"),
+         ("video", "poster"), ("audio", "src"), ("track", "src"), ("input", "src")}
+CSS_URL = re.compile(r"""url\(\s*['"]?([^'")]+)['"]?\s*\)|@import\s+['"]([^'"]+)['"]""")
+
+
+def is_external(url: str) -> bool:
+    """An address on another host: with a scheme (http:, https:, ...) or protocol-relative;
+    data: URIs and paths are local."""
+    url = url.strip()
+    if url.startswith("//"):
+        return True
+    scheme = urllib.parse.urlsplit(url).scheme
+    return bool(scheme) and scheme != "data"
+
+
+class _Loads(html.parser.HTMLParser):
+    """Collects the addresses an HTML page loads: LOADS attributes, and url(...) in inline
+    <style> blocks and style= attributes."""
+
+    def __init__(self):
+        super().__init__()
+        self.urls: list[tuple[str, str]] = []  # (where, address)
+        self._in_style = False
+
+    def handle_starttag(self, tag, attrs):
+        for name, value in attrs:
+            if value is None:
+                continue
+            if (tag, name) in LOADS:
+                for part in (value.split(",") if name == "srcset" else [value]):
+                    address = part.strip().split(" ")[0]
+                    if address:
+                        self.urls.append((f"<{tag} {name}>", address))
+            if name == "style":
+                self.urls += [(f"<{tag} style>", a or b) for a, b in CSS_URL.findall(value)]
+        self._in_style = tag == "style"
+
+    def handle_endtag(self, tag):
+        if tag == "style":
+            self._in_style = False
+
+    def handle_data(self, data):
+        if self._in_style:
+            self.urls += [("<style>", a or b) for a, b in CSS_URL.findall(data)]
+
+
+def page_loads(text: str) -> list[tuple[str, str]]:
+    parser = _Loads()
+    parser.feed(text)
+    return parser.urls
+
+
+def test_external_loads_are_detected():
+    """The checker below can fail: each kind of external load is found, links and data: are not."""
+    page = """<html><head>
+      <link rel="stylesheet" href="https://fonts.example.org/css?family=Roboto">
+      <link rel="preconnect" href="//fonts.example.org">
+      <script src="https://cdn.example.org/mathjax.js"></script>
+      <style>@font-face { font-family: X; src: url("https://cdn.example.org/x.woff2") }</style>
+      </head><body>
+      <img src="http://example.org/plot.png" srcset="a.png 1x, https://example.org/b.png 2x">
+      <a href="https://example.org/">a link is fine</a><img src="data:image/png;base64,AAAA">
+      <div style="background: url(https://example.org/bg.png)"></div><script src="local.js"></script>
+      </body></html>"""
+    external = sorted(u for _, u in page_loads(page) if is_external(u))
+    assert external == sorted(["https://fonts.example.org/css?family=Roboto", "//fonts.example.org",
+                               "https://cdn.example.org/mathjax.js", "https://cdn.example.org/x.woff2",
+                               "http://example.org/plot.png", "https://example.org/b.png",
+                               "https://example.org/bg.png"])
+    assert ("<script src>", "local.js") in page_loads(page)
+    assert not is_external("../assets/x.png") and not is_external("data:font/woff2;base64,AA")
+
+
+def test_site_loads_nothing_from_another_host(site):
+    external, missing, loads = [], [], 0
+    for path in glob.glob(str(site / "**" / "*.html"), recursive=True):
+        with open(path, encoding="utf-8") as fh:
+            found = page_loads(fh.read())
+        rel = os.path.relpath(path, site)
+        for where, url in found:
+            loads += 1
+            if is_external(url):
+                external.append(f"{rel}: {where} {url}")
+            elif not url.startswith("data:"):
+                target = urllib.parse.urlsplit(url).path
+                target = urllib.parse.unquote(target)
+                # root-relative (404.html) from the site's root, the rest from the page's folder
+                base = str(site) if target.startswith("/") else os.path.dirname(path)
+                target = os.path.normpath(os.path.join(base, target.lstrip("/")))
+                if os.path.isdir(target):
+                    target = os.path.join(target, "index.html")
+                if not os.path.exists(target):
+                    missing.append(f"{rel}: {where} {url}")
+    for path in glob.glob(str(site / "**" / "*.css"), recursive=True):
+        with open(path, encoding="utf-8") as fh:
+            for a, b in CSS_URL.findall(fh.read()):
+                if is_external(a or b):
+                    external.append(f"{os.path.relpath(path, site)}: {a or b}")
+    assert loads > 50  # the pages were parsed (scripts, stylesheets, images)
+    assert not external, "loaded from another host:\n" + "\n".join(sorted(set(external))[:20])
+    assert not missing, "loads of files the site does not have:\n" + "\n".join(sorted(set(missing))[:20])
+
+    # the math renderer is the site's own: the page loads it, its fonts are there
+    tutorial = (site / "tutorial" / "index.html").read_text(encoding="utf-8")
+    assert ("<script src>", "../javascripts/mathjax/tex-mml-chtml.js") in page_loads(tutorial)
+    fonts = site / "javascripts" / "mathjax" / "output" / "chtml" / "fonts" / "woff-v2"
+    assert (fonts / "MathJax_Main-Regular.woff").is_file() and (fonts / "MathJax_Math-Italic.woff").is_file()
+    assert (site / "javascripts" / "mathjax" / "input" / "tex" / "extensions").is_dir()  # \\boldsymbol etc.
+
+
+# --- everything a reader needs is in the repository -------------------------------------------
+def _texts():
+    """README, docs pages, proof pages, and the Python sources of the packages and examples."""
+    paths = [os.path.join(ROOT, "README.md")]
+    for pattern in ("docs/*.md", "docs/_generated/*.md", "proofs/*.md", "streamkl_ref/*.py",
+                    "streamkl_gpu/*.py", "examples/*.py"):
+        paths += glob.glob(os.path.join(ROOT, pattern))
+    for path in sorted(paths):
+        with open(path, encoding="utf-8") as fh:
+            yield os.path.relpath(path, ROOT), fh.read()
+
+
+def test_no_reference_outside_the_repository():
+    outside = re.compile(r"MATH\.md|shared/design|\.\./shared|shared design folder")
+    found = [f"{name}: {m.group(0)}" for name, text in _texts() for m in outside.finditer(text)]
+    assert not found, "point these at docs/math.md instead:\n" + "\n".join(found)
+    with open(os.path.join(DOCS, "math.md"), encoding="utf-8") as fh:
+        math_page = fh.read()
+    for section in ("Inputs", "Scores, masks and distributions", "The loss", "The online recurrence",
+                    "Merging two partial states", "Base 2", "Gradients", "What is saved for the backward",
+                    "Invisible keys never reach a row", "Packed sequences", "The indexer loss"):
+        assert f"\n## {section}" in math_page, section
+    with open(os.path.join(ROOT, "mkdocs.yml"), encoding="utf-8") as fh:
+        assert "math.md" in fh.read()
+
+
+NUMBERS = {w: i for i, w in enumerate(
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
+    "sixteen seventeen eighteen nineteen twenty".split())}
+
+
+def test_statement_counts_are_right():
+    """Wherever a text says how many statements the derivation has, it is the number of proof pages."""
+    n = len(glob.glob(os.path.join(ROOT, "proofs", "[0-9][0-9]_*.md")))
+    said = []
+    for name, text in _texts():
+        for m in re.finditer(r"\b(\w+) (?:machine-checked )?statements\b", text):
+            word = m.group(1).lower()
+            count = NUMBERS.get(word, int(word) if word.isdigit() else None)
+            if count is not None:
+                said.append((name, m.group(0), count))
+    wrong = [f"{name}: {phrase!r} (there are {n})" for name, phrase, count in said if count != n]
+    assert not wrong, "\n".join(wrong)

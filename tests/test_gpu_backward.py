@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import streamkl_gpu
 from streamkl_gpu import api
+from streamkl_ref._checks import check_inputs
 
 from _gpu_helpers import GRAD_NAMES, assert_close, make_inputs, reference, same_precision
 
@@ -144,7 +145,7 @@ def test_other_tile_shapes(block):
 
 
 def test_auto_mode_rule():
-    dims = api.check_inputs(*make_inputs(1, 32, 32, 32, 1, 1, 16, 16))
+    dims = check_inputs(*make_inputs(1, 32, 32, 32, 1, 1, 16, 16))
     big = type(dims)(**{**dims.__dict__, "NQ": 8192, "NK": 8192})
     assert api.auto_bwd_mode(big, 132, both=False) == "fused"
     assert api.auto_bwd_mode(big, 132, both=True) == "separate"

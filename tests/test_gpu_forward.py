@@ -12,7 +12,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 import streamkl_gpu
-from streamkl_gpu import api
+from streamkl_gpu import _runtime, api
+from streamkl_ref._checks import check_inputs
 
 from _gpu_helpers import assert_close, make_inputs, reference, same_precision
 
@@ -76,7 +77,7 @@ def test_split_k_equals_one_pass(splits, causal):
 
 
 def test_auto_split_rule():
-    dims = api.check_inputs(*make_inputs(1, 32, 32, 32, 1, 1, 16, 16))
+    dims = check_inputs(*make_inputs(1, 32, 32, 32, 1, 1, 16, 16))
     # 32 one-row programs cannot fill 132 SMs: split; 64 blocks of rows x 32 heads can
     big_k = type(dims)(**{**dims.__dict__, "NK": 131072})
     assert api.auto_split_k(big_k, 16, 128, 132) > 1
@@ -98,34 +99,34 @@ def test_deterministic_bitwise():
 def test_tma_path_equals_pointer_path(causal):
     """Keys read through TMA descriptors (zero-filled past N_K and D) give the pointer path's bits."""
     xs = make_inputs(2, 4, 2, 1, 37, 53, 80, 16, dtype=torch.float16, seed=9)
-    old = api.INTERPRETER_TMA
+    old = _runtime.INTERPRETER_TMA
     try:
-        api.INTERPRETER_TMA = False
+        _runtime.INTERPRETER_TMA = False
         ptr = streamkl_gpu.attention_kl(*xs, causal=causal)
-        api.INTERPRETER_TMA = True
-        assert api._tma_ok(xs[1]) and api._tma_ok(xs[3])
+        _runtime.INTERPRETER_TMA = True
+        assert _runtime.tma_ok(xs[1]) and _runtime.tma_ok(xs[3])
         via_tma = streamkl_gpu.attention_kl(*xs, causal=causal)
     finally:
-        api.INTERPRETER_TMA = old
+        _runtime.INTERPRETER_TMA = old
     assert torch.equal(ptr, via_tma)
 
 
 def test_tma_eligibility():
     """TMA needs unit stride in D and 16-byte aligned base and strides; anything else uses pointers."""
-    old = api.INTERPRETER_TMA
+    old = _runtime.INTERPRETER_TMA
     try:
-        api.INTERPRETER_TMA = True
+        _runtime.INTERPRETER_TMA = True
         k = torch.zeros(2, 3, 40, 16)
-        assert api._tma_ok(k)
-        assert api._tma_ok(torch.zeros(2, 40, 3, 16).transpose(1, 2))  # [B, N, H, D] view
-        assert not api._tma_ok(torch.zeros(2, 3, 40, 17)[..., :16])  # row stride 68 bytes
-        assert not api._tma_ok(torch.zeros(2, 3, 16, 40).transpose(2, 3))  # D not unit-stride
-        assert not api._tma_ok(torch.zeros(2 * 3 * 40 * 16 + 1)[1:].view(2, 3, 40, 16))  # base +4 bytes
-        assert not api._tma_ok(torch.zeros(1, 1, 40, 16).expand(2, 3, 40, 16))  # stride 0
-        api.INTERPRETER_TMA = False
-        assert not api._tma_ok(k)
+        assert _runtime.tma_ok(k)
+        assert _runtime.tma_ok(torch.zeros(2, 40, 3, 16).transpose(1, 2))  # [B, N, H, D] view
+        assert not _runtime.tma_ok(torch.zeros(2, 3, 40, 17)[..., :16])  # row stride 68 bytes
+        assert not _runtime.tma_ok(torch.zeros(2, 3, 16, 40).transpose(2, 3))  # D not unit-stride
+        assert not _runtime.tma_ok(torch.zeros(2 * 3 * 40 * 16 + 1)[1:].view(2, 3, 40, 16))  # base +4 bytes
+        assert not _runtime.tma_ok(torch.zeros(1, 1, 40, 16).expand(2, 3, 40, 16))  # stride 0
+        _runtime.INTERPRETER_TMA = False
+        assert not _runtime.tma_ok(k)
     finally:
-        api.INTERPRETER_TMA = old
+        _runtime.INTERPRETER_TMA = old
 
 
 def test_any_strides_transposed_layout():
@@ -145,7 +146,7 @@ def test_extreme_logits_no_nan():
     """Scores of order 1e4: finite wherever the math is finite, and as accurate as dense fp32.
 
     With |S| ~ 1e4 every fp32 score carries an absolute rounding of ~u|S| ~ 1e-3, so the scale
-    of the tolerance is the dense fp32 computation's own error (MATH.md / proofs statement 7).
+    of the tolerance is the dense fp32 computation's own error (docs/math.md / proofs statement 7).
     """
     xs = make_inputs(1, 2, 2, 2, 17, 33, 16, 16, seed=11)
     for scale in (50.0, 1e3):

@@ -7,7 +7,7 @@ import types
 import numpy as np
 import pytest
 
-from _ref_strategies import Problem, kl_tolerance, logit_scale
+from streamkl_ref.strategies import Problem, kl_tolerance, logit_scale
 from streamkl_ref import OnlineState, attention_kl, attention_kl_mp, finalize_state
 from streamkl_ref import cli
 
@@ -125,3 +125,126 @@ def test_reference_package_never_imports_torch():
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+# --- the status of a tile is the row's; the KL formula of every mode; shapes; quiet pipes ----
+def _trace(capsys, *argv):
+    code, out, err = run(capsys, "trace", "--json", *argv)
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_status_is_the_rows_not_the_query_blocks(capsys):
+    # non-causal, N_Q = 5 with block_q = 4: the second query block has 3 padding rows; row 4
+    # still sees every key of every tile (N_K = 8 = 2 tiles of 4)
+    trace = _trace(capsys, "--nq", "5", "--nk", "8", "--block-q", "4", "--block-k", "4")
+    for row in trace["rows"]:
+        assert [(t["status"], t["keys_seen"]) for t in row["tiles"]] == [("whole", 4), ("whole", 4)], row["row"]
+    # causal: per row, the keys seen add up to the keys the row sees; a tile is whole only when
+    # the row sees all block_k columns, skipped only when the kernel skipped it
+    trace = _trace(capsys, "--causal", "--nq", "7", "--nk", "9", "--block-q", "3", "--block-k", "2")
+    assert trace["tiles_skipped"] > 0
+    for row in trace["rows"]:
+        assert sum(t["keys_seen"] for t in row["tiles"]) == row["visible_keys"]
+        for t in row["tiles"]:
+            first, last = t["key_start"], t["key_start"] + 2  # the tile's columns
+            seen = sum(1 for j in range(first, last) if j < 9 and j <= row["row"] + 9 - 7)
+            if t["status"] != "skipped":
+                assert t["keys_seen"] == seen
+                assert (t["status"] == "whole") == (seen == 2)
+            else:
+                assert seen == 0
+    # the row with the diagonal tile whole for itself, masked for the block: row 6 sees keys 0-8
+    row6 = next(r for r in trace["rows"] if r["row"] == 6)
+    assert [t["status"] for t in row6["tiles"]] == ["whole"] * 4 + ["masked"]  # key 9 is past N_K
+    _, text, _ = run(capsys, "trace", "--nq", "5", "--nk", "8")
+    for name, meaning in cli.STATUS_LEGEND.items():
+        assert f"  {name:<8}{meaning}" in text
+    assert "whole 4/4" in text and "masked" not in text.split("tiles per")[1]
+
+
+def _evaluate(expression: str) -> float:
+    """The arithmetic of a printed line such as ``-2.16/5.99 + ln(3.4/5.9)`` (numbers, + - * /,
+    ln, log2 and nothing else)."""
+    import ast
+    import math
+    tree = ast.parse(expression.replace("ln(", "log(").strip(), mode="eval")
+    allowed = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Add, ast.Sub, ast.Mult, ast.Div, ast.USub,
+               ast.Constant, ast.Call, ast.Name, ast.Load)
+    assert all(isinstance(node, allowed) for node in ast.walk(tree)), expression
+    return eval(compile(tree, "<printed>", "eval"), {"__builtins__": {}}, {"log": math.log, "log2": math.log2})
+
+
+@pytest.mark.parametrize("accumulator", ["plain", "max_referenced"])
+@pytest.mark.parametrize("base2", [False, True])
+def test_kl_comes_out_of_the_five_numbers_in_every_mode(capsys, accumulator, base2):
+    argv = ["--nq", "3", "--nk", "7", "--seed", "5", "--accumulator", accumulator] + (["--base2"] if base2 else [])
+    trace = _trace(capsys, *argv)
+    formula = trace["kl_formula"]
+    assert formula == cli.kl_formula(accumulator, base2)
+    if base2:  # bits, then times ln 2
+        assert formula["kl"].startswith("KL_bits = ") and "log2(l2/l1)" in formula["kl"]
+        assert "2^(s1_j - m1)" in formula["acc"] and formula["nats"] == "KL = ln(2) * KL_bits (nats)"
+    else:
+        assert formula["kl"].startswith("KL = ") and "ln(l2/l1)" in formula["kl"] and formula["nats"] is None
+        assert "exp(s1_j - m1)" in formula["acc"] and "log2" not in " ".join(v for v in formula.values() if v)
+    assert ("(s1_j - m1) - (s2_j - m2)" in formula["acc"]) == (accumulator == "max_referenced")
+    for row in trace["rows"]:
+        assert abs(row["finish"]["kl_nats"] - row["kl_online"]) <= 1e-13 * max(1.0, abs(row["kl_online"]))
+
+    _, text, _ = run(capsys, "trace", *argv)
+    assert f"accumulator {accumulator}: {formula['acc']}" in text
+    assert text.count(f"KL from the last state: {formula['lse']}; {formula['kl']}") == 3
+    final = {int(l.split()[0]): float(l.split()[1]) for l in text[text.index("final KL"):].splitlines()[2:]}
+    name = "KL_bits" if base2 else "KL"
+    lines = text.splitlines()
+    checked = 0
+    for i, line in enumerate(lines):
+        if not line.startswith(f"  {name} = "):
+            continue
+        # "  KL = <arithmetic on the printed state> = <value> nats|bits": the printed numbers
+        # (12 digits) put through the printed formula give the printed value
+        lhs, value = line.split(" = ", 1)[1].rsplit(" = ", 1)
+        value = float(value.split()[0])
+        assert abs(_evaluate(lhs) - value) <= 1e-9 * max(1.0, abs(value)), line
+        row = int(next(l for l in reversed(lines[:i]) if l.startswith("row ")).split()[1])
+        nats = value
+        if base2:
+            nats_line = lines[i + 1]
+            assert nats_line.startswith("  KL = ln(2) * KL_bits (nats): ln(2) * ")
+            nats = float(nats_line.rsplit(" = ", 1)[1].split()[0])
+            assert abs(nats - value * 0.6931471805599453) <= 1e-11 * max(1.0, abs(nats))
+        assert abs(nats - final[row]) <= 1e-11 * max(1.0, abs(nats))
+        checked += 1
+    assert checked == 3
+
+
+def test_a_row_that_sees_no_key_says_so(capsys):
+    _, text, _ = run(capsys, "trace", "--causal", "--nq", "4", "--nk", "2", "--rows", "0")
+    assert "KL of the row: it sees no key (m1 = -inf): KL = 0 and LSE = -inf by definition" in text
+
+
+def test_json_records_shapes_and_options(capsys):
+    trace = _trace(capsys, "--nq", "3", "--nk", "5", "--d1", "6", "--d2", "2", "--seed", "4", "--block-q", "2",
+                   "--block-k", "3", "--causal", "--base2", "--accumulator", "max_referenced", "--dps", "30",
+                   "--rows", "1-2")
+    assert trace["shapes"] == {"q1": [1, 1, 3, 6], "k1": [1, 1, 5, 6], "q2": [1, 1, 3, 2], "k2": [1, 1, 5, 2],
+                               "kl": [1, 1, 3]}
+    assert trace["params"] == {"nq": 3, "nk": 5, "d1": 6, "d2": 2, "seed": 4, "block_q": 2, "block_k": 3,
+                               "causal": True, "base2": True, "dps": 30, "accumulator": "max_referenced",
+                               "rows": [1, 2]}
+    assert np.array(trace["inputs"]["k1"]).shape == (5, 6)
+    assert trace["status_legend"] == cli.STATUS_LEGEND
+
+
+def test_output_cut_short_by_the_reader_ends_quietly():
+    """`streamkl trace --json | head`: the reader goes away; no BrokenPipeError traceback."""
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-m", "streamkl_ref", "trace", "--json", "--nq", "48", "--nk", "48"],
+                            cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.readline()  # like head: read a little, then close the pipe
+    proc.stdout.close()     # the output (~1 MB) is far more than a pipe holds: the writer hits EPIPE
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0, err
+    assert err == "", err

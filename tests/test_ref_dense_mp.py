@@ -5,7 +5,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from _ref_strategies import EPS64, assert_close_rows, logit_scale, make_problem, problems
+from streamkl_ref.strategies import EPS64, assert_close_rows, logit_scale, make_problem, problems
 from streamkl_ref import attention_kl, attention_kl_mp
 
 pytestmark = pytest.mark.filterwarnings("error")  # no invalid-value / overflow warnings anywhere

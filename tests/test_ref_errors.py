@@ -3,7 +3,7 @@ reaches and nowhere else (never a silent 0)."""
 import numpy as np
 import pytest
 
-from _ref_strategies import make_problem
+from streamkl_ref.strategies import make_problem
 from streamkl_ref import (
     attention_kl,
     attention_kl_grad,

@@ -6,7 +6,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from _ref_gradcheck import GRADS, directional_fd, directional_tolerance, grad_tolerance
-from _ref_strategies import EPS32, EPS64, Problem, assert_close_rows, logit_scale, make_problem
+from streamkl_ref.strategies import EPS32, EPS64, Problem, assert_close_rows, logit_scale, make_problem
 from streamkl_ref import (
     attention_kl,
     attention_kl_grad,

@@ -14,7 +14,7 @@ from _ref_gradcheck import (
     fd_noise,
     grad_tolerance,
 )
-from _ref_strategies import EPS32, make_problem, problems
+from streamkl_ref.strategies import EPS32, make_problem, problems
 from streamkl_ref import attention_kl, attention_kl_grad, attention_kl_grad_tiled
 
 pytestmark = pytest.mark.filterwarnings("error")

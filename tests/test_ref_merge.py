@@ -4,7 +4,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from _ref_strategies import EPS64, ROWS, tiles
+from streamkl_ref.strategies import EPS64, ROWS, tiles
 from streamkl_ref import OnlineState, finalize_state, initial_state, merge_states, update_state
 
 pytestmark = pytest.mark.filterwarnings("error")

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from _ref_strategies import EPS32, Problem, assert_close_rows, logit_scale, make_problem, problems
+from streamkl_ref.strategies import EPS32, Problem, assert_close_rows, logit_scale, make_problem, problems
 from streamkl_ref import (
     OnlineResult,
     OnlineState,

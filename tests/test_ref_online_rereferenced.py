@@ -1,6 +1,6 @@
 """The kernels' accumulator in streamkl_ref: ``accumulator="max_referenced"``.
 
-The Triton kernels keep ``acc* = Σ e^{s1−m1}·((s1 − m1) − (s2 − m2))`` (MATH.md's ``acc`` minus
+The Triton kernels keep ``acc* = Σ e^{s1−m1}·((s1 − m1) − (s2 − m2))`` (docs/math.md's ``acc`` minus
 ``l1·(m1 − m2)``) and finalise ``KL = acc*/l1 + log(l2/l1)``. Checked here:
 
 - both forms equal the dense float64 reference over tilings, ragged and causal, base 2, split-K;
@@ -20,7 +20,7 @@ The Triton kernels keep ``acc* = Σ e^{s1−m1}·((s1 − m1) − (s2 − m2))``
 The float32 rounding model (:func:`f32_error_bound`), with ``u = 2^-24``, ``γ_n = n·u/(1 − n·u)``:
 a score of side ``t`` is a ``D_t``-term dot product, scaled once (and folded with ``log2 e``), so
 ``|δS_j| ≤ γ_{D_t+2}·σ_t·Σ_d |q_d k_jd|``; first order, the KL moves by
-``Σ_j |∂KL/∂S1_j|·|δS1_j| + |∂KL/∂S2_j|·|δS2_j|`` with MATH.md's derivatives
+``Σ_j |∂KL/∂S1_j|·|δS1_j| + |∂KL/∂S2_j|·|δS2_j|`` with docs/math.md's derivatives
 ``∂KL/∂S1_j = P1_j·(log P1_j − log P2_j − KL)`` and ``∂KL/∂S2_j = P2_j − P1_j``. The recurrence
 rounds every quantity it accumulates; its terms are ``P1_j·((s1_j − m1) − (s2_j − m2))`` and the
 re-referencing ``l1·moved``, bounded by ``M = 1 + |KL| + Σ_j P1_j·(|S1_j − m1| + |S2_j − m2|)``
@@ -38,7 +38,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from _ref_strategies import EPS64, ROWS, Problem, assert_close_rows, logit_scale, make_problem, problems, tiles
+from streamkl_ref.strategies import EPS64, ROWS, Problem, assert_close_rows, logit_scale, make_problem, problems, tiles
 from streamkl_ref import (
     ACCUMULATORS,
     MaxReferencedState,
@@ -331,11 +331,11 @@ def test_triton_forward_runs_the_max_referenced_recurrence(make, split_k, large)
     import torch  # a missing install step must fail here, not skip
     import triton  # noqa: F401
     import streamkl_gpu
-    from streamkl_gpu import api
+    from streamkl_gpu import _runtime, api
 
     if not api.interpreting():
         pytest.skip("the kernels are compiled for a GPU here; this check needs the Triton interpreter's fixed tiles")
-    block_q, block_k = api.INTERPRETER_BLOCK
+    block_q, block_k = _runtime.INTERPRETER_BLOCK
     assert (block_q, block_k) == (16, 16)
     p = make()
     kl, lse1, lse2 = streamkl_gpu.attention_kl_with_lse(
@@ -388,11 +388,11 @@ def test_triton_forward_bit_for_bit_when_the_dots_are_exact(make, split_k):
     import torch  # a missing install step must fail here, not skip
     import triton  # noqa: F401
     import streamkl_gpu
-    from streamkl_gpu import api
+    from streamkl_gpu import _runtime, api
 
     if not api.interpreting():
         pytest.skip("the kernels are compiled for a GPU here; this check needs the Triton interpreter")
-    block_q, block_k = api.INTERPRETER_BLOCK
+    block_q, block_k = _runtime.INTERPRETER_BLOCK
     p = make()
     out = streamkl_gpu.attention_kl_with_lse(
         *(torch.from_numpy(x.astype(np.float32)) for x in p.inputs), **p.kw, split_k=split_k)
@@ -419,7 +419,7 @@ def test_trace_shows_the_kernels_form_and_keeps_its_default(capsys):
     args = ["--causal", "--nq", "6", "--nk", "9", "--block-q", "2", "--block-k", "4", "--base2"]
     assert run(*args) == run(*args, "--accumulator", "plain")  # the default is the plain form
     text = run(*args, "--accumulator", "max_referenced")
-    assert "acc is max-referenced" in text and "acc is max-referenced" not in run(*args)
+    assert "accumulator max_referenced:" in text and "accumulator max_referenced:" not in run(*args)
     plain = json.loads(run(*args, "--json"))
     reref = json.loads(run(*args, "--json", "--accumulator", "max_referenced"))
     assert (plain["params"]["accumulator"], reref["params"]["accumulator"]) == ("plain", "max_referenced")

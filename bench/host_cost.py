@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""Host cost per call and first-call cost of streamkl_gpu.attention_kl (issue 9 §5).
+
+    python bench/host_cost.py OUT_DIR [--profile] [--first-call]
+
+- Host cost: wall time of 1000 back-to-back calls at B=1, H=1, N_Q=1, N_K=64, D=64, bf16 (GPU
+  time negligible), per call, custom-op dispatch and autograd included; forward and
+  forward+backward (setting 1), SDPA at the same shape for scale.
+- --profile: cProfile of 300 forward and 300 forward+backward calls, top functions by own and
+  cumulative time, to OUT_DIR/host_profile.txt.
+- --first-call: the first call at a new large shape (512K tokens, H=8, causal, bf16) and at
+  16K (H=32), each in a fresh process with an empty tuning cache, then the second call, and a
+  second process that finds the on-disk cache.
+Rows go to OUT_DIR/host_cost.csv (long format).
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LABEL = os.environ.get("STREAMKL_BENCH_LABEL", "")  # e.g. " [fec3a94]" for a legacy tree
+sys.path.insert(0, os.environ.get("STREAMKL_IMPORT_ROOT", ROOT))  # a legacy tree for before/after runs
+
+
+def _rows_writer(out_dir, name):
+    path = os.path.join(out_dir, name)
+    new = not os.path.exists(path)
+    f = open(path, "a", newline="")
+    w = csv.DictWriter(f, fieldnames=["measure", "provider", "shape", "value", "unit", "note"])
+    if new:
+        w.writeheader()
+    return f, w
+
+
+def host_cost(out_dir, n_calls=1000, profile=False):
+    import torch
+    import torch.nn.functional as F
+
+    import streamkl_gpu
+
+    dev = "cuda"
+    q = torch.randn(1, 1, 1, 64, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(1, 1, 64, 64, device=dev, dtype=torch.bfloat16)
+    q2 = q.clone().requires_grad_()
+    k2 = k.clone().requires_grad_()
+
+    def fwd():
+        return streamkl_gpu.attention_kl(q, k, q, k)
+
+    def fwd_bwd():
+        streamkl_gpu.attention_kl(q, k, q2, k2).sum().backward()
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q, k, k)
+
+    qs, ks = q.clone().requires_grad_(), k.clone().requires_grad_()
+
+    def sdpa_fwd_bwd():
+        F.scaled_dot_product_attention(qs, ks, ks).sum().backward()
+
+    results = {}
+    for name, fn in (("forward", fwd), ("forward+backward", fwd_bwd), ("sdpa_forward", sdpa),
+                     ("sdpa_forward+backward", sdpa_fwd_bwd)):
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n_calls):
+            fn()
+        torch.cuda.synchronize()
+        results[name] = (time.perf_counter() - t0) / n_calls * 1e6
+    f, w = _rows_writer(out_dir, "host_cost.csv")
+    for name, us in results.items():
+        w.writerow({"measure": "host_us_per_call", "provider": name + LABEL, "shape": "B1 H1 NQ1 NK64 D64 bf16",
+                    "value": f"{us:.1f}", "unit": "us", "note": f"{n_calls} back-to-back calls"})
+    f.close()
+    for name, us in results.items():
+        print(f"host cost {name + LABEL:30s} {us:8.1f} us/call", flush=True)
+    if profile:
+        import cProfile
+        import io
+        import pstats
+
+        buf = io.StringIO()
+        for name, fn in (("forward", fwd), ("forward+backward", fwd_bwd)):
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(300):
+                fn()
+            torch.cuda.synchronize()
+            pr.disable()
+            for sort in ("tottime", "cumulative"):
+                buf.write(f"\n===== {name}: 300 calls, sorted by {sort} =====\n")
+                pstats.Stats(pr, stream=buf).sort_stats(sort).print_stats(35)
+        with open(os.path.join(out_dir, "host_profile%s.txt" % LABEL.strip(" []").replace(" ", "_")), "w") as fh:
+            fh.write(buf.getvalue())
+    return results
+
+
+_FIRST_CALL_CHILD = r"""
+import json, os, sys, time, torch
+sys.path.insert(0, os.environ["STREAMKL_ROOT"])
+N, H, causal = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+g = torch.Generator(device="cuda").manual_seed(0)
+xs = [torch.randn(1, H, N, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4)]
+import triton, streamkl_gpu
+from streamkl_gpu import _fwd
+torch.cuda.synchronize()
+t0 = time.perf_counter(); streamkl_gpu.attention_kl(*xs, causal=causal); torch.cuda.synchronize()
+first = time.perf_counter() - t0
+t0 = time.perf_counter(); streamkl_gpu.attention_kl(*xs, causal=causal); torch.cuda.synchronize()
+second = time.perf_counter() - t0
+from streamkl_gpu import _tuning
+stats = getattr(_tuning, "TUNING_STATS", {})
+print(json.dumps({"first_s": first, "second_s": second, "tuning_compile_s": stats.get("compile_s"),
+                  "tuning_timing_s": stats.get("timing_s")}))
+"""
+
+
+def first_call(out_dir, shapes=((524288, 8, True), (16384, 32, True))):
+    """First and second call in a fresh process (empty cache), then again with the cache kept."""
+    f, w = _rows_writer(out_dir, "host_cost.csv")
+    cache = tempfile.mkdtemp(prefix="streamkl-cache-")
+    triton_cache = tempfile.mkdtemp(prefix="triton-cache-")
+    for N, H, causal in shapes:
+        for run in ("cold", "cached"):
+            env = dict(os.environ, STREAMKL_ROOT=ROOT, STREAMKL_CACHE_DIR=cache, TRITON_CACHE_DIR=triton_cache)
+            t0 = time.perf_counter()
+            out = subprocess.run([sys.executable, "-c", _FIRST_CALL_CHILD, str(N), str(H), "1" if causal else "0"],
+                                 env=env, capture_output=True, text=True, timeout=600)
+            wall = time.perf_counter() - t0
+            if out.returncode != 0:
+                print(out.stdout[-2000:], out.stderr[-4000:], flush=True)
+                w.writerow({"measure": "first_call_s", "provider": run, "shape": f"N{N} H{H} causal={causal}",
+                            "value": "", "unit": "s", "note": "FAILED"})
+                continue
+            res = json.loads(out.stdout.strip().splitlines()[-1])
+            shape = f"N{N} H{H} D128 bf16 causal={causal}"
+            note = ("fresh process; triton kernel cache shared between runs, streamkl tuning cache "
+                    + ("empty" if run == "cold" else "from the cold run"))
+            for m, name in (("first_s", "first_call_s"), ("second_s", "second_call_s"),
+                            ("tuning_compile_s", "first_call_compile_s"), ("tuning_timing_s", "first_call_tuning_s")):
+                if res.get(m) is not None:
+                    w.writerow({"measure": name, "provider": run, "shape": shape,
+                                "value": f"{res[m]:.3f}", "unit": "s", "note": note})
+            print(f"first call {shape:32s} {run:6s} first {res['first_s']:7.2f} s  second {res['second_s']:7.3f} s"
+                  f"  compiling candidates {res.get('tuning_compile_s') or 0:6.2f} s  timing them "
+                  f"{res.get('tuning_timing_s') or 0:5.2f} s  (process {wall:.1f} s)", flush=True)
+    f.close()
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    out_dir = argv[0] if argv else "."
+    os.makedirs(out_dir, exist_ok=True)
+    host_cost(out_dir, profile="--profile" in argv)
+    if "--first-call" in argv:
+        first_call(out_dir)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""Which forward runs: the Gluon kernel (Hopper, ``_gluon_fwd``) or the portable Triton one.
+
+``use_gluon`` is a pure function of the problem (sizes, dtypes, strides, alignment, device
+capability, split-K), testable on CPU. The override: ``FWD_BACKEND`` in this module (tests,
+benchmarks) or else the environment variable ``STREAMKL_FWD_BACKEND``: ``auto`` (default),
+``triton`` (never Gluon) or ``gluon`` (Gluon or a ``ValueError`` saying why not: a forced path
+never falls back silently, so a test of the Gluon path cannot pass on the Triton one).
+
+The Gluon import is guarded: triton builds without Gluon (or with an older API) leave
+``GLUON_AVAILABLE`` False and every problem on the Triton path.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+import torch
+
+try:
+    from . import _gluon_fwd
+except Exception as exc:  # no triton.experimental.gluon, or an API this kernel does not know
+    _gluon_fwd = None
+    GLUON_IMPORT_ERROR: Optional[str] = f"{type(exc).__name__}: {exc}"
+else:
+    GLUON_IMPORT_ERROR = None
+
+GLUON_AVAILABLE = _gluon_fwd is not None
+
+BACKENDS = ("auto", "triton", "gluon")
+ENV_VAR = "STREAMKL_FWD_BACKEND"
+FWD_BACKEND: Optional[str] = None  # module override; None: read ENV_VAR (default "auto")
+
+GLUON_CAPABILITY = (9, 0)  # wgmma + TMA + setmaxnreg: sm_90 only (sm_100 has no wgmma)
+GLUON_DTYPES = (torch.float16, torch.bfloat16)
+GLUON_HEAD_DIMS = (64, 128)  # per side; other head dims stay on the Triton path
+# Automatic choice only from these sizes on. Placeholders until the first H200 run of
+# bench/gluon_gpu.py (the Triton path switches to TMA keys from 2K keys for the same launch-cost
+# reason); forced "gluon" ignores them.
+GLUON_MIN_KEYS = 2048
+GLUON_MIN_QUERIES = 128  # one CTA holds 128 query rows
+
+
+def fwd_backend() -> str:
+    """The forward backend asked for: ``FWD_BACKEND`` if set, else ``$STREAMKL_FWD_BACKEND``."""
+    value = FWD_BACKEND if FWD_BACKEND is not None else os.environ.get(ENV_VAR, "auto")
+    value = str(value).strip().lower() or "auto"
+    if value not in BACKENDS:
+        raise ValueError(f"{ENV_VAR} (or _gluon_dispatch.FWD_BACKEND) must be one of {BACKENDS}, got {value!r}")
+    return value
+
+
+def _tma_legal(shape_strides, element_size: int, data_ptr: int) -> Optional[str]:
+    strides = tuple(shape_strides)
+    if strides[-1] != 1:
+        return "the last (head) dim is not contiguous"
+    if data_ptr % 16:
+        return "the base address is not 16-byte aligned"
+    for st in strides[:-1]:
+        if st <= 0 or (st * element_size) % 16 or st * element_size >= 2 ** 40:
+            return f"stride {st} is not a positive multiple of 16 bytes below 2^40"
+    return None
+
+
+def gluon_unsupported(dims, dtypes: Sequence[torch.dtype], strides: Sequence[Sequence[int]],
+                      device_capability, split: bool, data_ptrs: Sequence[int] = (0, 0, 0, 0)) -> Optional[str]:
+    """Why the Gluon forward cannot take this problem (a sentence), or None when it can.
+
+    ``dtypes``, ``strides``, ``data_ptrs``: of q1, k1, q2, k2. ``device_capability``: the CUDA
+    ``(major, minor)`` or None (CPU, interpreter). ``split``: split-K was chosen (short query
+    blocks): the Triton path's split kernel and merge take it.
+    """
+    if not GLUON_AVAILABLE:
+        return f"triton.experimental.gluon is not usable here ({GLUON_IMPORT_ERROR})"
+    if device_capability is None or tuple(device_capability) != GLUON_CAPABILITY:
+        return f"the Gluon forward needs an sm_90 GPU, got capability {device_capability}"
+    if split:
+        return "split-K (few query blocks) runs on the Triton path"
+    for name, dt in zip(("q1", "k1", "q2", "k2"), dtypes):
+        if dt not in GLUON_DTYPES:
+            return f"{name} has dtype {dt}; the Gluon forward takes float16 and bfloat16"
+    for name, d in (("q1", dims.D1), ("q2", dims.D2)):
+        if d not in GLUON_HEAD_DIMS:
+            return f"{name} has head dim {d}; the Gluon forward takes {GLUON_HEAD_DIMS}"
+    for name, dt, st, ptr in zip(("q1", "k1", "q2", "k2"), dtypes, strides, data_ptrs):
+        why = _tma_legal(st, torch.empty((), dtype=dt).element_size(), int(ptr))
+        if why:
+            return f"{name} cannot be read through a TMA descriptor: {why}"
+    return None
+
+
+def use_gluon(dims, dtypes, strides, device_capability, split: bool, data_ptrs=(0, 0, 0, 0),
+              backend: Optional[str] = None, split_explicit: bool = False) -> bool:
+    """True: run the Gluon forward. ``backend`` (default :func:`fwd_backend`): ``"triton"`` is
+    always False; ``"gluon"`` is True or raises ``ValueError`` with the reason; ``"auto"`` is True
+    when the kernel takes the problem and it is large enough (``GLUON_MIN_KEYS``/``_QUERIES``).
+
+    ``split``: more than one key split was chosen; ``split_explicit``: by the caller
+    (``split_k=n``), not by ``auto_split_k``. Forced ``"gluon"`` overrides only the automatic
+    split (the kernel then makes one pass over the keys); ``"auto"`` leaves every split to Triton.
+    """
+    backend = fwd_backend() if backend is None else backend
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "triton":
+        return False
+    if backend == "gluon" and not split_explicit:
+        split = False
+    why = gluon_unsupported(dims, dtypes, strides, device_capability, split, data_ptrs)
+    if backend == "gluon":
+        if why:
+            raise ValueError(f"{ENV_VAR}=gluon, but {why}")
+        return True
+    return why is None and dims.NK >= GLUON_MIN_KEYS and dims.NQ >= GLUON_MIN_QUERIES
+
+
+def device_capability(device):
+    """CUDA ``(major, minor)`` of ``device``, None for anything else."""
+    if device.type != "cuda":
+        return None
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+def gluon_forward(q1, k1, q2, k2, causal, scale1, scale2, out=None):
+    """(kl nats, lse1_bits, lse2_bits) from the Gluon kernel; see ``_gluon_fwd.gluon_forward``."""
+    if _gluon_fwd is None:
+        raise RuntimeError(f"the Gluon forward is not available: {GLUON_IMPORT_ERROR}")
+    return _gluon_fwd.gluon_forward(q1, k1, q2, k2, causal, scale1, scale2, out=out)

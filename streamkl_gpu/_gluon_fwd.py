@@ -1,0 +1,336 @@
+"""Hopper (sm_90) forward in Gluon: the one-pass streaming KL with overlapped score products.
+
+Same outputs and conventions as ``_fwd._kl_fwd_kernel`` (the portable Triton path and the
+reference this kernel is checked against on the GPU): per row the five scalars
+``m1, l1, m2, l2, acc`` in bits, ``acc`` re-referenced to both maxima, scores scaled with
+``mul.rn`` before the max, bottom-right causal with tile skipping (``_fwd._key_stages``),
+``_fwd._finalize`` at the end. The per-tile formulas are ``_fwd._fwd_key_range``'s, split in two
+halves so that the side-1 half runs while the side-2 product is still on the tensor cores.
+
+Schedule: one CTA owns 128 query rows of one (b, h).
+- a TMA producer warp loads Q1, Q2 (once) and the key tiles K1, K2 into an ``NUM_STAGES`` ring;
+- two consumer warpgroups (64 query rows each, Q read by the wgmma from shared memory) issue, per
+  key tile, ``S1 = Q1 K1^T`` and ``S2 = Q2 K2^T`` as async wgmma, wait for S1 only, fold S1 (max,
+  exponentials, l1) while S2 runs, then wait for S2 and fold it (l2, log-ratio, acc). Both waits
+  are inside the iteration: issuing across the loop back-edge made ptxas serialise every HGMMA
+  (the sketch's trap; tests/test_gluon_compile.py checks the SASS for it).
+
+Descriptors are 4-D over ``[B, H, N, D]`` with any TMA-legal strides: rows past ``N_Q`` and keys
+past ``N_K`` arrive as zeros (TMA zero fill). The ragged key tile and the causal band are folded in
+the masked stage; NaN isolation: a masked entry adds exactly 0 to every sum (``where``, never
+``0 * x``), and query rows past ``N_Q`` are never stored.
+
+This module imports Gluon unconditionally; ``_gluon_dispatch`` guards the import.
+"""
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.language.extra import libdevice
+
+from . import _fwd
+
+# TMA load, renamed in triton 3.8 (``async_load``); 3.6/3.7 have only the old name, 3.9 rejects it.
+if hasattr(tma, "async_load"):
+    _tma_load = tma.async_load
+else:  # pragma: no cover - triton < 3.8 (the GPU image: 3.6)
+    _tma_load = tma.async_copy_global_to_shared
+
+WG_M = gl.constexpr(64)  # query rows per consumer warpgroup (the wgmma M)
+BLOCK_M = gl.constexpr(128)  # query rows per CTA: two consumer warpgroups
+LOG2E = 1.4426950408889634
+
+
+@gluon.constexpr_function
+def _acc_layout(block_n):
+    # wgmma accumulator of one warpgroup: [64, block_n] fp32
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, int(block_n), 16])
+
+
+@gluon.jit
+def _load_partition(q1_desc, k1_desc, q2_desc, k2_desc, q1_smem, q2_smem, k1_smem, k2_smem,
+                    q_bar, k1_ready, k2_ready, k1_empty, k2_empty,
+                    b, h, kv_head1, kv_head2, start_m, n_tiles,
+                    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Producer warp: Q1, Q2 of both warpgroups once, then key tile i into ring slot i % NUM_STAGES."""
+    mbarrier.expect(q_bar, 2 * q1_desc.block_type.nbytes + 2 * q2_desc.block_type.nbytes)
+    _tma_load(q1_desc, [b, h, start_m, 0], q_bar, q1_smem.index(0))
+    _tma_load(q2_desc, [b, h, start_m, 0], q_bar, q2_smem.index(0))
+    _tma_load(q1_desc, [b, h, start_m + WG_M, 0], q_bar, q1_smem.index(1))
+    _tma_load(q2_desc, [b, h, start_m + WG_M, 0], q_bar, q2_smem.index(1))
+    for i in range(n_tiles):
+        s = i % NUM_STAGES
+        ph = (i // NUM_STAGES) & 1
+        mbarrier.wait(k1_empty.index(s), ph ^ 1)  # a fresh barrier passes the phase-1 wait
+        mbarrier.expect(k1_ready.index(s), k1_desc.block_type.nbytes)
+        _tma_load(k1_desc, [b, kv_head1, i * BLOCK_N, 0], k1_ready.index(s), k1_smem.index(s))
+        mbarrier.wait(k2_empty.index(s), ph ^ 1)
+        mbarrier.expect(k2_ready.index(s), k2_desc.block_type.nbytes)
+        _tma_load(k2_desc, [b, kv_head2, i * BLOCK_N, 0], k2_ready.index(s), k2_smem.index(s))
+
+
+# Timing variants (bench/gluon_gpu.py, the method of bench/NOTES.md): wrong results on purpose.
+VARIANTS = {"kernel": 0, "no_exp": 1, "no_second_product": 2, "no_acc": 3}
+
+
+@gluon.jit
+def _exp2(x, VARIANT: gl.constexpr):
+    if VARIANT == 1:  # no exponentials: what the tensor cores and the FP32 work alone cost
+        out = x
+    else:
+        out = gl.exp2(x)
+    return out
+
+
+@gluon.jit
+def _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, i, zero,
+               rows, N_K, diag_offset, qk_scale1, qk_scale2,
+               D1: gl.constexpr, D2: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+               MASKED: gl.constexpr, CAUSAL: gl.constexpr, VARIANT: gl.constexpr):
+    """Fold key tile i into the row states (the formulas of _fwd._fwd_key_range, same order).
+    VARIANT != 0: a deliberately wrong kernel for timing what bounds the real one (VARIANTS)."""
+    m1, l1, m2, l2, acc = st
+    acc_layout: gl.constexpr = _acc_layout(BLOCK_N)
+    s = i % NUM_STAGES
+    ph = (i // NUM_STAGES) & 1
+    k1 = k1_smem.index(s).reshape([BLOCK_N, D1])
+    k2 = k2_smem.index(s).reshape([BLOCK_N, D2])
+    mbarrier.wait(k1_ready.index(s), ph)
+    mbarrier.wait(k2_ready.index(s), ph)
+    t1 = warpgroup_mma(q1, k1.permute((1, 0)), zero, use_acc=False, is_async=True)
+    if VARIANT != 2:
+        t2 = warpgroup_mma(q2, k2.permute((1, 0)), zero, use_acc=False, is_async=True)
+    if MASKED:
+        cols = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+        visible = cols[None, :] < N_K
+        if CAUSAL:  # bottom-right causal: key j visible to query i iff j <= i + (N_K - N_Q)
+            visible = visible & (cols[None, :] <= rows[:, None] + diag_offset)
+
+    # ---- side 1, while S2 is still on the tensor cores
+    if VARIANT == 2:  # no second product: side 2 folds S1 again
+        s1, k1 = warpgroup_mma_wait(num_outstanding=0, deps=(t1, k1))
+        s2_raw = s1
+    else:
+        s1, k1 = warpgroup_mma_wait(num_outstanding=1, deps=(t1, k1))
+    mbarrier.arrive(k1_empty.index(s), count=1)
+    s1 = libdevice.mul_rn(s1, qk_scale1)  # scores in bits, rounded once, before the max
+    if MASKED:
+        m1_new = gl.maximum(m1, gl.max(gl.where(visible, s1, float("-inf")), axis=1))
+        shift1 = _fwd._safe(m1_new)
+    else:
+        m1_new = gl.maximum(m1, gl.max(s1, axis=1))
+        shift1 = m1_new
+    x1 = s1 - shift1[:, None]
+    if MASKED:
+        p1 = _exp2(gl.where(visible, x1, float("-inf")), VARIANT)
+    else:
+        p1 = _exp2(x1, VARIANT)
+    alpha1 = gl.exp2(m1 - shift1)
+    l1_new = l1 * alpha1 + gl.sum(p1, axis=1)
+
+    # ---- side 2
+    if VARIANT == 2:
+        s2 = s2_raw
+    else:
+        s2, k2 = warpgroup_mma_wait(num_outstanding=0, deps=(t2, k2))
+    mbarrier.arrive(k2_empty.index(s), count=1)
+    s2 = libdevice.mul_rn(s2, qk_scale2)
+    if MASKED:
+        m2_new = gl.maximum(m2, gl.max(gl.where(visible, s2, float("-inf")), axis=1))
+        shift2 = _fwd._safe(m2_new)
+    else:
+        m2_new = gl.maximum(m2, gl.max(s2, axis=1))
+        shift2 = m2_new
+    x2 = s2 - shift2[:, None]
+    log_ratio = x1 - x2  # the shifted log-ratio (see _fwd._finalize)
+    if MASKED:
+        p2 = _exp2(gl.where(visible, x2, float("-inf")), VARIANT)
+        # masked entries add exactly 0: p1 * log_ratio would be 0 * NaN for a NaN key
+        term = gl.where(visible, p1 * log_ratio, 0.0)
+    else:
+        p2 = _exp2(x2, VARIANT)
+        term = p1 * log_ratio
+    alpha2 = gl.exp2(m2 - shift2)
+    if VARIANT != 3:
+        # re-reference the old acc to the new maxima: each old term moves by -(dm1 - dm2)
+        moved = (shift1 - _fwd._safe(m1)) - (shift2 - _fwd._safe(m2))
+        acc = (acc - l1 * moved) * alpha1 + gl.sum(term, axis=1)
+    l2 = l2 * alpha2 + gl.sum(p2, axis=1)
+    return m1_new, l1_new, m2_new, l2, acc
+
+
+@gluon.jit
+def _consumer(WG: gl.constexpr, q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty,
+              k2_empty, KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2,
+              D1: gl.constexpr, D2: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr, VARIANT: gl.constexpr):
+    """Consumer warpgroup WG: query rows start_m + 64 WG .. +63, all key tiles of the CTA."""
+    acc_layout: gl.constexpr = _acc_layout(BLOCK_N)
+    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    mbarrier.wait(q_bar, 0)
+    q1 = q1_smem.index(WG).reshape([WG_M, D1])
+    q2 = q2_smem.index(WG).reshape([WG_M, D2])
+    zero = gl.zeros([WG_M, BLOCK_N], gl.float32, acc_layout)
+    rows = start_m + WG * WG_M + gl.arange(0, WG_M, layout=row_layout)
+    diag_offset = N_K - N_Q
+    m1 = gl.full([WG_M], float("-inf"), gl.float32, row_layout)
+    m2 = gl.full([WG_M], float("-inf"), gl.float32, row_layout)
+    l1 = gl.zeros([WG_M], gl.float32, row_layout)
+    l2 = gl.zeros([WG_M], gl.float32, row_layout)
+    acc = gl.zeros([WG_M], gl.float32, row_layout)
+    st = (m1, l1, m2, l2, acc)
+    # whole tiles every row of the CTA sees, then the causal band and the ragged last tile
+    for i in range(n_full):
+        st = _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, i, zero,
+                        rows, N_K, diag_offset, qk_scale1, qk_scale2, D1, D2, BLOCK_N, NUM_STAGES, False, CAUSAL,
+                        VARIANT)
+    for i in range(n_full, n_tiles):
+        st = _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, i, zero,
+                        rows, N_K, diag_offset, qk_scale1, qk_scale2, D1, D2, BLOCK_N, NUM_STAGES, True, CAUSAL,
+                        VARIANT)
+    m1, l1, m2, l2, acc = st
+    kl, lse1, lse2 = _fwd._finalize(m1, l1, m2, l2, acc)
+    row_ok = rows < N_Q  # padded query rows (TMA zero fill) are never written
+    out = pid_bh.to(gl.int64) * N_Q + rows
+    gl.store(KL + out, kl, mask=row_ok)
+    gl.store(LSE1 + out, lse1, mask=row_ok)
+    gl.store(LSE2 + out, lse2, mask=row_ok)
+
+
+@gluon.jit
+def _consumer0(q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty, KL, LSE1, LSE2,
+               pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2,
+               D1: gl.constexpr, D2: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+               CAUSAL: gl.constexpr, VARIANT: gl.constexpr):
+    _consumer(0, q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty, KL, LSE1, LSE2,
+              pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, D1, D2, BLOCK_N, NUM_STAGES, CAUSAL,
+              VARIANT)
+
+
+@gluon.jit
+def _consumer1(q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty, KL, LSE1, LSE2,
+               pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2,
+               D1: gl.constexpr, D2: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+               CAUSAL: gl.constexpr, VARIANT: gl.constexpr):
+    _consumer(1, q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty, KL, LSE1, LSE2,
+              pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, D1, D2, BLOCK_N, NUM_STAGES, CAUSAL,
+              VARIANT)
+
+
+@gluon.jit
+def _gluon_kl_fwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, KL, LSE1, LSE2,
+                         H, N_Q, N_K, GROUP1, GROUP2, qk_scale1, qk_scale2,
+                         D1: gl.constexpr, D2: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                         CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, VARIANT: gl.constexpr):
+    pid_m = gl.program_id(0)
+    if CAUSAL:  # the longest query blocks (most key tiles) first: fewer idle SMs in the last wave
+        pid_m = gl.num_programs(0) - 1 - pid_m
+    pid_bh = gl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    kv_head1 = h // GROUP1  # GQA per side
+    kv_head2 = h // GROUP2
+    start_m = pid_m * BLOCK_M
+    full_hi, key_hi = _fwd._key_stages(start_m, 0, N_K, N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL)
+    n_full = full_hi // BLOCK_N
+    n_tiles = gl.cdiv(key_hi, BLOCK_N)
+
+    q1_smem = gl.allocate_shared_memory(q1_desc.dtype, [2, 1, 1, WG_M, D1], q1_desc.layout)
+    q2_smem = gl.allocate_shared_memory(q2_desc.dtype, [2, 1, 1, WG_M, D2], q2_desc.layout)
+    k1_smem = gl.allocate_shared_memory(k1_desc.dtype, [NUM_STAGES, 1, 1, BLOCK_N, D1], k1_desc.layout)
+    k2_smem = gl.allocate_shared_memory(k2_desc.dtype, [NUM_STAGES, 1, 1, BLOCK_N, D2], k2_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k1_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k2_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k1_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k2_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k1_ready.index(i), count=1)
+        mbarrier.init(k2_ready.index(i), count=1)
+        mbarrier.init(k1_empty.index(i), count=2)  # both consumer warpgroups release a slot
+        mbarrier.init(k2_empty.index(i), count=2)
+
+    # argument tuples inline: a tuple bound to a local turns its constexprs into tensors (sketch)
+    gl.warp_specialize([
+        (_consumer0, (q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty,
+                      KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2,
+                      D1, D2, BLOCK_N, NUM_STAGES, CAUSAL, VARIANT)),
+        (_consumer1, (q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty,
+                      KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2,
+                      D1, D2, BLOCK_N, NUM_STAGES, CAUSAL, VARIANT)),
+        (_load_partition, (q1_desc, k1_desc, q2_desc, k2_desc, q1_smem, q2_smem, k1_smem, k2_smem,
+                           q_bar, k1_ready, k2_ready, k1_empty, k2_empty,
+                           b, h, kv_head1, kv_head2, start_m, n_tiles, BLOCK_N, NUM_STAGES)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------
+
+def kernel_config(d1: int, d2: int):
+    """Launch configuration for head dims (d1, d2). Not tuned on the GPU yet: 128-key tiles as
+    in the sketch; key-ring depth from the shared memory left after Q (per CTA: Q 256 (D1+D2)
+    bytes, each ring stage 256 (D1+D2) bytes; 227 KB in all on sm_90); 168 registers per thread
+    (the sketch's setting; 9 warps x 224 would also fit one CTA per SM)."""
+    stages = 2 if d1 + d2 > 192 else 3
+    return dict(BLOCK_N=128, NUM_STAGES=stages, CONSUMER_REGS=240, maxnreg=168)
+
+
+_GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _gl_dtype(dtype):
+    return getattr(gl, _GL_DTYPES[dtype])
+
+
+def make_descriptor(t, rows: int):
+    """4-D TMA descriptor over ``t`` ([B, H, N, D], any TMA-legal strides), block [1, 1, rows, D]."""
+    block = [1, 1, rows, t.shape[-1]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(t.dtype))
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def launch_args(q1, k1, q2, k2, causal, scale1, scale2, kl, lse1_bits, lse2_bits, config=None, variant="kernel"):
+    """(grid, positional args, constexprs, options) of one forward launch; also used by the CI
+    compile test, which passes the same descriptors to ``GluonASTSource``. ``config``: entries
+    that replace :func:`kernel_config`'s (the GPU script's config sweep); ``variant``: a key of
+    ``VARIANTS`` (anything but "kernel" computes wrong results, for timing only)."""
+    B, H, N_Q, D1 = q1.shape
+    N_K, D2 = k1.shape[2], q2.shape[3]
+    cfg = {**kernel_config(D1, D2), **(config or {})}
+    block_n = cfg["BLOCK_N"]
+    descs = (make_descriptor(q1, WG_M.value), make_descriptor(k1, block_n),
+             make_descriptor(q2, WG_M.value), make_descriptor(k2, block_n))
+    args = descs + (kl, lse1_bits, lse2_bits, H, N_Q, N_K, H // k1.shape[1], H // k2.shape[1],
+                    scale1 * LOG2E, scale2 * LOG2E)
+    constexprs = dict(D1=D1, D2=D2, BLOCK_N=block_n, NUM_STAGES=cfg["NUM_STAGES"], CAUSAL=bool(causal),
+                      CONSUMER_REGS=cfg["CONSUMER_REGS"], VARIANT=VARIANTS[variant])
+    options = dict(num_warps=4)
+    if cfg.get("maxnreg"):
+        options["maxnreg"] = cfg["maxnreg"]
+    grid = (triton.cdiv(N_Q, BLOCK_M.value), B * H)
+    return grid, args, constexprs, options
+
+
+LAST_KERNEL = None  # the compiled kernel of the latest launch (the GPU script reads its SASS)
+
+
+def gluon_forward(q1, k1, q2, k2, causal, scale1, scale2, out=None, config=None, variant="kernel"):
+    """Launch the Gluon forward: (kl nats, lse1_bits, lse2_bits), float32 [B, H, N_Q].
+
+    The caller (``use_gluon``) has checked the shapes, dtypes, strides and device. ``out``: an
+    optional triple of output buffers (the API passes NaN-poisoned ones in tests); ``config``,
+    ``variant``: see :func:`launch_args` (the API never passes them)."""
+    global LAST_KERNEL
+    B, H, N_Q, _ = q1.shape
+    if out is None:
+        out = tuple(torch.empty((B, H, N_Q), dtype=torch.float32, device=q1.device) for _ in range(3))
+    kl, lse1_bits, lse2_bits = out
+    grid, args, constexprs, options = launch_args(q1, k1, q2, k2, causal, scale1, scale2, kl, lse1_bits, lse2_bits,
+                                                  config, variant)
+    LAST_KERNEL = _gluon_kl_fwd_kernel[grid](*args, **constexprs, **options)
+    return kl, lse1_bits, lse2_bits

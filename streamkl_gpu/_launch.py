@@ -1,0 +1,268 @@
+"""Host side of the attention-KL launches: buffers, grids, tuned configs, the split-K combine.
+
+``forward`` returns ``(kl in nats, lse1, lse2 in bits)``; ``backward`` the four gradients (None
+for a side that is not trained). Both take resolved float scales (``api`` checks the arguments).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import torch
+
+from streamkl_ref._checks import check_inputs
+
+from . import _bwd, _fwd, _runtime
+from ._gluon_dispatch import device_capability, fwd_backend, gluon_forward, use_gluon
+from ._checks import check_bwd_mode, check_tensors, compute_view, head_pad, is_empty, strides
+from ._runtime import LOG2E, TensorDescriptor, cdiv, fresh, interpreting, n_sm, tma_ok
+from ._tuning import (TMA_MIN_KEYS, auto_bwd_mode, bucket, bwd_candidates, fwd_candidates, pick, split_choices,
+                      tuning_slice)
+
+
+def _empty_forward(dims, device):
+    """Empty in, empty out; no keys: KL 0 and LSE -inf for every row (docs/api.md, "Empty inputs")."""
+    shape = (dims.B, dims.H, dims.NQ)
+    kl = torch.zeros(shape, dtype=torch.float32, device=device)
+    lse = torch.full(shape, float("-inf"), dtype=torch.float32, device=device)
+    return kl, lse, lse.clone()
+
+
+def _fwd_runner(q1, k1, q2, k2, dims, causal, outs, d1_pad, d2_pad):
+    """``launch(cfg)`` for one problem: cfg = (BLOCK_M, BLOCK_N, warps, stages, use_tma, n_splits)."""
+    kl, lse1_bits, lse2_bits = outs
+    device = q1.device
+    BH = dims.B * dims.H
+    ieee1 = q1.dtype == torch.float32
+    ieee2 = q2.dtype == torch.float32
+    no_contract = not interpreting()
+    strides_in = (*strides(q1), *strides(k1), *strides(q2), *strides(k2))
+
+    def launch(cfg):
+        block_m, block_n, warps, stages, use_tma, n_splits = cfg
+        k1_desc = k2_desc = None
+        if use_tma:
+            k1_desc = TensorDescriptor(k1, list(k1.shape), list(k1.stride()), [1, 1, block_n, d1_pad])
+            k2_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [1, 1, block_n, d2_pad])
+        key_tiles = cdiv(dims.NK, block_n)
+        splits = min(n_splits, key_tiles)
+        keys_per_split = cdiv(key_tiles, splits) * block_n
+        splits = cdiv(dims.NK, keys_per_split)
+        part = fresh((5, splits, BH, dims.NQ), torch.float32, device) if splits > 1 else kl
+        grid = (cdiv(dims.NQ, block_m), BH, splits)
+        _fwd._kl_fwd_kernel[grid](
+            q1, k1, q2, k2, k1_desc, k2_desc, kl, lse1_bits, lse2_bits, part, *strides_in,
+            dims.H, dims.NQ, dims.NK, dims.D1, dims.D2, dims.group1, dims.group2,
+            keys_per_split, splits, dims.scale1 * LOG2E, dims.scale2 * LOG2E,
+            BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1_pad, D2_PAD=d2_pad,
+            CAUSAL=causal, SPLIT=splits > 1, IEEE1=ieee1, IEEE2=ieee2, USE_TMA=use_tma,
+            NO_CONTRACT=no_contract,
+            num_warps=warps, num_stages=stages,
+        )
+        if splits > 1:
+            rows = BH * dims.NQ
+            block = 256
+            _fwd._kl_combine_kernel[(cdiv(rows, block),)](
+                part, kl, lse1_bits, lse2_bits, rows, splits, BLOCK=block, num_warps=4)
+
+    return launch
+
+
+def _fwd_outputs(dims, device, one_buffer=True):
+    """kl, lse1_bits, lse2_bits: three [B, H, N_Q] views of one fresh buffer (one allocation), or
+    three buffers (a custom op's outputs may not alias each other)."""
+    if not one_buffer:
+        return tuple(fresh((dims.B, dims.H, dims.NQ), torch.float32, device) for _ in range(3))
+    buf = fresh((3, dims.B, dims.H, dims.NQ), torch.float32, device)
+    return buf[0], buf[1], buf[2]
+
+
+# Launch plans, per call signature: what depends only on shapes, strides, dtypes, alignment and
+# flags is decided once (candidates, tuning, the backend) and reused by every later call with
+# that signature, so a call's host work is the checks, the allocations and the launches.
+_PLANS: dict = {}
+_MAX_PLANS = 4096
+GLUON = "gluon"  # the forward plan that runs the Gluon kernel instead of a Triton config
+
+
+def _signature(kind, dims, flags, tensors):
+    settings = (os.environ.get("STREAMKL_AUTOTUNE"), _runtime.INTERPRETER_BLOCK, _runtime.INTERPRETER_TMA)
+    return (kind, dims, flags, settings) + tuple(
+        (t.dtype, t.stride(), t.data_ptr() % 16, t.device) for t in tensors)
+
+
+def _remember(sig, plan):
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[sig] = plan
+    return plan
+
+
+def forward(q1, k1, q2, k2, causal, scale1, scale2, split_k, dims=None, one_buffer=True):
+    """(kl in nats, lse1, lse2 in bits), float32 [B, H, N_Q]. ``dims``: already checked inputs;
+    ``one_buffer=False``: three separate output tensors (for the custom op)."""
+    if dims is None:
+        dims = check_tensors(q1, k1, q2, k2, scale1, scale2)
+    device = q1.device
+    if is_empty(dims):
+        return _empty_forward(dims, device)
+    q1, k1, q2, k2 = (compute_view(t) for t in (q1, k1, q2, k2))
+    d1_pad, d2_pad = head_pad(dims.D1), head_pad(dims.D2)
+    sig = _signature("fwd", dims, (causal, split_k, fwd_backend()), (q1, k1, q2, k2))
+    cfg = _PLANS.get(sig)
+    if cfg is None:
+        cfg = _remember(sig, _forward_config(q1, k1, q2, k2, dims, causal, split_k, d1_pad, d2_pad))
+    outs = _fwd_outputs(dims, device, one_buffer)
+    if cfg is GLUON:  # the Hopper kernel (_gluon_fwd), chosen by _gluon_dispatch.use_gluon
+        gluon_forward(q1, k1, q2, k2, causal, dims.scale1, dims.scale2, out=outs)
+    else:
+        _fwd_runner(q1, k1, q2, k2, dims, causal, outs, d1_pad, d2_pad)(cfg)
+    return outs
+
+
+def _forward_config(q1, k1, q2, k2, dims, causal, split_k, d1_pad, d2_pad):
+    """The forward's launch config for this signature: candidates pruned by shape, then tuned."""
+    device = q1.device
+    d_pad = max(d1_pad, d2_pad)
+    ieee = q1.dtype == torch.float32 or q2.dtype == torch.float32
+    tma = tma_ok(k1) and tma_ok(k2) and (interpreting() or dims.NK >= TMA_MIN_KEYS)
+    if split_k is not None and (not isinstance(split_k, int) or isinstance(split_k, bool) or split_k < 1):
+        raise ValueError(f"split_k must be None or a positive integer, got {split_k!r}")
+    splits = split_choices(dims, ieee, d_pad, n_sm(device)) if split_k is None else (split_k,)
+    inputs = (q1, k1, q2, k2)
+    if use_gluon(dims, tuple(t.dtype for t in inputs), tuple(strides(t) for t in inputs), device_capability(device),
+                 max(splits) > 1, tuple(t.data_ptr() for t in inputs), split_explicit=split_k is not None):
+        return GLUON
+    # one pass: the usual tiles; split keys (short query blocks): the split kernel's small query tiles
+    candidates = [c + (s,) for s in splits for c in fwd_candidates(dims, d_pad, s > 1, ieee, tma)]
+    if len(candidates) == 1:
+        return candidates[0]
+    launch = _fwd_runner(q1, k1, q2, k2, dims, causal, _fwd_outputs(dims, device), d1_pad, d2_pad)
+    proxy = None
+    sliced = tuning_slice(dims, causal)
+    if sliced is not None:  # time the candidates on a bounded slice (first call at long N)
+        nq, nk = sliced
+        pdims = replace(dims, NQ=nq, NK=nk)
+        views = (q1[:, :, :nq], k1[:, :, :nk], q2[:, :, :nq], k2[:, :, :nk])
+        proxy = _fwd_runner(*views, pdims, causal, _fwd_outputs(pdims, device), d1_pad, d2_pad)
+    key = ("fwd", dims.D1, dims.D2, q1.dtype, q2.dtype, causal, tma,
+           bucket(dims.NQ), bucket(dims.NK), bucket(dims.B * dims.H), dims.group1 > 1, dims.group2 > 1,
+           "auto" if split_k is None else split_k)
+    return pick(key, candidates, launch, proxy, device)
+
+
+def _empty_backward(dims, q1, k1, q2, k2, train1, train2):
+    """Zero gradients (no visible key anywhere) or empty ones (no row, no key)."""
+    def zeros(train, x):
+        return torch.zeros_like(x) if train else None
+    return zeros(train1, q1), zeros(train1, k1), zeros(train2, q2), zeros(train2, k2)
+
+
+def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2,
+             train1, train2, bwd_mode, deterministic, dims=None):
+    """(dq1, dk1, dq2, dk2), None for a side not trained. ``dims``: already checked inputs."""
+    if dims is None:
+        dims = check_inputs(q1, k1, q2, k2, scale1=scale1, scale2=scale2)
+    if is_empty(dims):
+        return _empty_backward(dims, q1, k1, q2, k2, train1, train2)
+    out_dtypes = (q1.dtype, k1.dtype, q2.dtype, k2.dtype)
+    q1, k1, q2, k2 = (compute_view(t) for t in (q1, k1, q2, k2))
+    device = q1.device
+    BH = dims.B * dims.H
+    d1_pad, d2_pad = head_pad(dims.D1), head_pad(dims.D2)
+    ieee1 = q1.dtype == torch.float32
+    ieee2 = q2.dtype == torch.float32
+    g = g.to(torch.float32).contiguous()
+    kl, lse1_bits, lse2_bits = kl.contiguous(), lse1_bits.contiguous(), lse2_bits.contiguous()
+    both = train1 and train2
+    sig = _signature("bwd", dims, (causal, train1, train2, bwd_mode, deterministic), (q1, k1, q2, k2))
+    plan = _PLANS.get(sig)
+    if plan is not None:
+        mode = plan[0]
+    else:
+        mode = check_bwd_mode(bwd_mode)
+        if deterministic:
+            mode = "separate"  # no atomics on dQ
+        elif mode == "auto":
+            mode = auto_bwd_mode(dims, n_sm(device), both)
+    fused = mode == "fused"
+    dummy = kl  # placeholder pointer for outputs a launch does not write
+
+    # dK outputs: direct (one query head per key head), fp32 atomics into the key head (GQA,
+    # default) or per-query-head fp32 buffers summed in a fixed order (GQA, deterministic).
+    def dk_buffer(train, k, group, d):
+        if not train:
+            return None, False
+        if group == 1:
+            return fresh((dims.B, dims.H, dims.NK, d), k.dtype, device), False
+        if deterministic:
+            return fresh((dims.B, dims.H, dims.NK, d), torch.float32, device), False
+        return torch.zeros((dims.B, k.shape[1], dims.NK, d), dtype=torch.float32, device=device), True
+
+    def dq_buffer(train, q, d):
+        if not train:
+            return None
+        if fused:
+            return torch.zeros((dims.B, dims.H, dims.NQ, d), dtype=torch.float32, device=device)
+        return fresh((dims.B, dims.H, dims.NQ, d), q.dtype, device)
+
+    def run(cfg_dk, cfg_dq):
+        dk1, dk1_atomic = dk_buffer(train1, k1, dims.group1, dims.D1)
+        dk2, dk2_atomic = dk_buffer(train2, k2, dims.group2, dims.D2)
+        dq1 = dq_buffer(train1, q1, dims.D1)
+        dq2 = dq_buffer(train2, q2, dims.D2)
+        t_dk1, t_dk2 = (dk1 if dk1 is not None else dummy), (dk2 if dk2 is not None else dummy)
+        t_dq1, t_dq2 = (dq1 if dq1 is not None else dummy), (dq2 if dq2 is not None else dummy)
+
+        def s3(t):  # strides b, h, n of a buffer (last dim contiguous)
+            return (t.stride(0), t.stride(1), t.stride(2)) if t.dim() == 4 else (0, 0, 0)
+
+        block_m, block_n, warps, stages = cfg_dk
+        _bwd._kl_bwd_dk_kernel[(cdiv(dims.NK, block_n), BH)](
+            q1, k1, q2, k2, lse1_bits, lse2_bits, kl, g, t_dk1, t_dk2, t_dq1, t_dq2,
+            *strides(q1), *strides(k1), *strides(q2), *strides(k2),
+            *s3(t_dk1), *s3(t_dk2), *s3(t_dq1), *s3(t_dq2),
+            dims.H, dims.NQ, dims.NK, dims.D1, dims.D2, dims.group1, dims.group2,
+            dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2,
+            BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1_pad, D2_PAD=d2_pad, CAUSAL=causal,
+            TRAIN1=train1, TRAIN2=train2, FUSED_DQ=fused, DK1_ATOMIC=dk1_atomic, DK2_ATOMIC=dk2_atomic,
+            IEEE1=ieee1, IEEE2=ieee2, num_warps=warps, num_stages=stages,
+        )
+        if not fused:
+            block_m, block_n, warps, stages = cfg_dq
+            _bwd._kl_bwd_dq_kernel[(cdiv(dims.NQ, block_m), BH)](
+                q1, k1, q2, k2, lse1_bits, lse2_bits, kl, g, t_dq1, t_dq2,
+                *strides(q1), *strides(k1), *strides(q2), *strides(k2),
+                *s3(t_dq1), *s3(t_dq2),
+                dims.H, dims.NQ, dims.NK, dims.D1, dims.D2, dims.group1, dims.group2,
+                dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2,
+                BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1_pad, D2_PAD=d2_pad, CAUSAL=causal,
+                TRAIN1=train1, TRAIN2=train2, IEEE1=ieee1, IEEE2=ieee2,
+                num_warps=warps, num_stages=stages,
+            )
+        return dq1, dk1, dq2, dk2
+
+    if plan is None:
+        dk_cands = bwd_candidates(max(d1_pad, d2_pad), both, "dk", ieee1 or ieee2)
+        dq_cands = bwd_candidates(max(d1_pad, d2_pad), both, "dq", ieee1 or ieee2)
+        base_key = (dims.D1, dims.D2, q1.dtype, q2.dtype, causal, train1, train2,
+                    bucket(dims.NQ), bucket(dims.NK), bucket(BH), dims.group1 > 1, dims.group2 > 1)
+        cfg_dk = pick(("bwd_dk", fused) + base_key, dk_cands, lambda c: run(c, dq_cands[0]), device=device)
+        cfg_dq = (dq_cands[0] if fused else
+                  pick(("bwd_dq",) + base_key, dq_cands, lambda c: run(cfg_dk, c), device=device))
+        plan = _remember(sig, (mode, cfg_dk, cfg_dq))
+    dq1, dk1, dq2, dk2 = run(plan[1], plan[2])
+
+    def finish(grad, group, dtype, n_key_heads):
+        if grad is None:
+            return None
+        if grad.shape[1] != n_key_heads:  # per-query-head buffer: sum each group in order
+            grad = grad.view(dims.B, n_key_heads, group, dims.NK, grad.shape[-1]).sum(dim=2)
+        return grad.to(dtype)
+
+    return (
+        None if dq1 is None else dq1.to(out_dtypes[0]),
+        finish(dk1, dims.group1, out_dtypes[1], dims.HK1),
+        None if dq2 is None else dq2.to(out_dtypes[2]),
+        finish(dk2, dims.group2, out_dtypes[3], dims.HK2),
+    )

@@ -1,0 +1,290 @@
+"""Launch configurations: a few candidates per shape class, timed once per key on the GPU.
+
+A small hand-rolled tuner (``triton.autotune`` cannot run in the interpreter, and pruning by shape
+keeps the tuning cost to a handful of compiles). ``STREAMKL_AUTOTUNE=0`` takes the first
+candidate. Also the two automatic rules: ``auto_split_k`` (forward) and ``auto_bwd_mode``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+
+from . import _runtime
+from ._runtime import cdiv, interpreting
+
+# Tuned choices: in memory for this process, and on disk for the next one (see _disk_cache_dir).
+_TUNED: dict = {}
+
+# Below this many keys the forward is launch-bound and the TMA path measured slower (H200, 1K
+# tokens: 0.21 ms vs 0.11 with pointer loads; 2K: 0.21 vs 0.24, TMA ahead from there on;
+# bench/results/h200_2026-11-29_tma_bench.csv vs session1/h200_2026-11-29_bench.csv). Presumably the
+# per-launch cost of encoding two host descriptors; not profiled.
+TMA_MIN_KEYS = 2048
+
+# fp32 inputs promise fp32 accuracy: their dots run in IEEE fp32 on the FMA units (no tensor
+# cores); large tiles then unroll into huge code that takes minutes to compile, so small tiles.
+_IEEE_CONFIG = (32, 32, 4, 2)
+
+# Tuning times every candidate; past this much work per call (score entries times head-dim
+# sum: 32 heads x 16K x 16K x (128 + 128), about 12 ms of forward on an H200) the candidates are
+# timed on a bounded slice of the problem instead (``tuning_slice``), so that a first call at
+# 512K tokens pays seconds, not a minute, beyond compiling.
+TUNING_WORK_LIMIT = 32 * 16384 * 16384 * 256
+
+
+def bucket(n: int) -> int:
+    """The shape bucket of a size: the next power of two (tuned choices are shared within it)."""
+    return 1 << max(0, int(n - 1).bit_length())
+
+
+def autotune_enabled() -> bool:
+    return not interpreting() and os.environ.get("STREAMKL_AUTOTUNE", "1") != "0"
+
+
+# ----------------------------------------------------------------------------------------------
+# The on-disk cache: one small JSON file per tuned key, under
+#   $STREAMKL_CACHE_DIR (default: $XDG_CACHE_HOME/streamkl, else ~/.cache/streamkl)
+#   / tuning-<hash of GPU name, torch, triton and streamkl versions> / <hash of the key>.json
+# written to a temporary file and renamed into place (atomic on POSIX), so any number of ranks
+# starting at once can write the same entry: each rename is whole, the last one wins, and all
+# of them hold a choice measured on this machine. STREAMKL_TUNING_CACHE=0 disables it.
+# ----------------------------------------------------------------------------------------------
+
+def _disk_cache_dir(device):
+    if os.environ.get("STREAMKL_TUNING_CACHE", "1") == "0":
+        return None
+    root = os.environ.get("STREAMKL_CACHE_DIR")
+    if not root:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(base, "streamkl")
+    import torch
+    import triton
+
+    from streamkl_ref import __version__
+
+    env = {"gpu": _runtime.device_name(device), "torch": torch.__version__, "triton": triton.__version__,
+           "streamkl": __version__}
+    tag = hashlib.sha1(json.dumps(env, sort_keys=True).encode()).hexdigest()[:16]
+    return os.path.join(root, f"tuning-{tag}"), env
+
+
+def _key_file(cache, key):
+    return os.path.join(cache, hashlib.sha1(repr(key).encode()).hexdigest()[:24] + ".json")
+
+
+def _disk_load(device, key, candidates):
+    where = _disk_cache_dir(device)
+    if where is None:
+        return None
+    try:
+        with open(_key_file(where[0], key)) as fh:
+            entry = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    if entry.get("key") != repr(key):  # a hash collision, or a file from elsewhere
+        return None
+    cfg = tuple(entry.get("config", ()))
+    return cfg if cfg in candidates else None  # candidates changed since: tune again
+
+
+def _disk_store(device, key, cfg):
+    where = _disk_cache_dir(device)
+    if where is None:
+        return
+    cache, env = where
+    try:
+        os.makedirs(cache, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=cache, prefix=".tmp-", suffix=".json")
+        with os.fdopen(fd, "w") as fh:
+            json.dump({"key": repr(key), "config": list(cfg), "env": env}, fh)
+        os.replace(tmp, _key_file(cache, key))
+    except OSError:  # a read-only or full cache directory only costs the next process a re-tune
+        pass
+
+
+def pick(key, candidates, launch, proxy=None, device=None):
+    """The fastest of ``candidates`` for ``key``: from memory, from the disk cache, or timed once.
+
+    ``launch(cfg)`` runs the real problem with ``cfg``; ``proxy(cfg)``, when given, a bounded slice
+    of it with the same kernels (then the candidates are timed on the slice). Nothing else is
+    launched. ``STREAMKL_AUTOTUNE=0`` (and the interpreter) take the first candidate.
+    """
+    if len(candidates) == 1 or not autotune_enabled():
+        return candidates[0]
+    cfg = _TUNED.get(key)
+    if cfg is not None:
+        return cfg
+    cfg = _disk_load(device, key, candidates)
+    if cfg is None:
+        cfg = _time_candidates(key, candidates, proxy or launch)
+        _disk_store(device, key, cfg)
+    _TUNED[key] = cfg
+    return cfg
+
+
+# Where first calls spend their time (bench/host_cost.py reports it): seconds in the first launch
+# of each candidate (compiling it, or loading it from Triton's cache) and in timing them.
+TUNING_STATS = {"compile_s": 0.0, "timing_s": 0.0, "keys": 0}
+TUNING_LOG: dict = {}  # key -> [(cfg, median ms)], what the tuner measured
+
+
+def _time_candidates(key, candidates, launch):
+    import time
+
+    import torch
+    from triton.testing import do_bench
+
+    best, best_t = None, float("inf")
+    TUNING_STATS["keys"] += 1
+    measured = TUNING_LOG.setdefault(key, [])
+    for cfg in candidates:
+        try:
+            t0 = time.perf_counter()
+            launch(cfg)  # compiles (or loads) this candidate: not part of the tuning budget
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            t = do_bench(lambda: launch(cfg), warmup=5, rep=20, return_mode="median")
+            TUNING_STATS["compile_s"] += t1 - t0
+            TUNING_STATS["timing_s"] += time.perf_counter() - t1
+        except Exception as exc:  # out of shared memory / registers: not a usable config
+            if "OutOfResources" not in type(exc).__name__ and "out of resource" not in str(exc).lower():
+                raise
+            continue
+        measured.append((cfg, t))
+        if t < best_t:
+            best, best_t = cfg, t
+    if best is None:
+        raise RuntimeError(f"no launch configuration fits for {key}")
+    return best
+
+
+def tuning_slice(dims, causal):
+    """``(n_q, n_k)`` of a bounded slice of the problem to time candidates on, or None (time the
+    problem itself). The slice keeps every batch and head, the first ``n_q`` query rows and the
+    keys they see: with bottom-right causal alignment, rows ``[0, n_q)`` see keys
+    ``< n_q + (N_K - N_Q)``, so the sliced problem is causal in the same way, tile for tile."""
+    def work(nq, nk):
+        pairs = nq * nk / 2 if causal and nq == nk else nq * nk
+        return dims.B * dims.H * pairs * (dims.D1 + dims.D2)
+
+    if work(dims.NQ, dims.NK) <= TUNING_WORK_LIMIT:
+        return None
+    nq = dims.NQ
+    while nq > 1024:
+        nq //= 2
+        nk = min(dims.NK, nq + max(0, dims.NK - dims.NQ)) if causal else min(dims.NK, max(nq, 16384))
+        if work(nq, nk) <= TUNING_WORK_LIMIT:
+            return nq, nk
+    return nq, (min(dims.NK, nq + max(0, dims.NK - dims.NQ)) if causal else min(dims.NK, 16384))
+
+
+def fwd_candidates(dims, d_pad, split, ieee=False, tma=False):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, use_tma) candidates, pruned by shape.
+
+    ``tma``: the key tensors can be read through TMA descriptors (Hopper, aligned strides). At
+    D = 128 the best TMA config beat the best pointer config in every measured case (H200, 8K/16K,
+    causal or not: bench/results/h200_2026-11-29_fwd_tma_configs.csv), so pointer configs are not
+    tried there; at other head dims both kinds are candidates (not measured at scale).
+    """
+    if interpreting():
+        return [_runtime.INTERPRETER_BLOCK + (1, 1, tma)]
+    if ieee:
+        return [(16, 32, 4, 2, False) if split else _IEEE_CONFIG + (False,)]
+    if split:
+        bm = 16 if dims.NQ <= 16 else (32 if dims.NQ <= 32 else 64)
+        cands = [(bm, 128, 4, 3), (bm, 64, 4, 3)] if d_pad <= 128 else [(bm, 64, 4, 2), (bm, 32, 4, 2)]
+        return [c + (False,) for c in cands]
+    tma_only = False
+    if d_pad <= 64:
+        cands = [(128, 64, 4, 3), (128, 128, 8, 3)]
+        tma_cands = [(128, 64, 4, 3), (128, 128, 8, 2)]
+    elif d_pad <= 128:
+        cands = [(128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (128, 128, 8, 2)]
+        # measured best: 128/32/8/3 (8K, 16K non-causal), 128/64/8/3 (16K causal), 64/64/4/2 (8K causal)
+        tma_cands = [(128, 32, 8, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2)]
+        tma_only = True
+    else:
+        cands = [(64, 64, 4, 2), (64, 32, 4, 2)]
+        tma_cands = [(64, 64, 4, 2), (64, 32, 4, 3)]
+    if not tma:
+        return [c + (False,) for c in cands]
+    return [c + (True,) for c in tma_cands] + ([] if tma_only else [c + (False,) for c in cands])
+
+
+def bwd_candidates(d_pad, both, kind, ieee=False):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the dK (``kind="dk"``) or dQ kernel."""
+    if interpreting():
+        return [_runtime.INTERPRETER_BLOCK + (1, 1)]
+    if ieee:
+        return [_IEEE_CONFIG]
+    if kind == "dq":
+        if d_pad <= 128 and not both:
+            return [(128, 64, 8, 2), (64, 64, 4, 2)]
+        return [(64, 64, 8, 2), (64, 32, 4, 2)]
+    # dk (BLOCK_M = query tile, BLOCK_N = key tile held in registers)
+    if d_pad <= 128 and not both:
+        return [(64, 128, 8, 2), (32, 128, 8, 3)]
+    return [(64, 64, 8, 2), (32, 64, 4, 2)]
+
+
+def auto_split_k(dims, block_m: int, block_n: int, n_sm: int) -> int:
+    """Split the keys across programs when the query blocks alone cannot fill the GPU.
+
+    Rule: with ``P = ceil(N_Q / BLOCK_M) * B * H`` query-block programs, split only when
+    ``P < n_sm``; then aim at about ``4 * n_sm`` programs in all, keeping at least 4 key tiles
+    per split (below that the merge traffic outweighs the parallelism).
+    """
+    programs = cdiv(dims.NQ, block_m) * dims.B * dims.H
+    if programs >= n_sm:
+        return 1
+    key_tiles = cdiv(dims.NK, block_n)
+    return max(1, min(cdiv(4 * n_sm, programs), key_tiles // 4))
+
+
+SPLIT_OPTIONS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def split_choices(dims, ieee, d_pad, n_sm):
+    """The forward's key splits to choose among when ``split_k=None``.
+
+    Without tuning (interpreter, ``STREAMKL_AUTOTUNE=0``): the one value of :func:`auto_split_k`.
+    With tuning, where the query blocks leave the GPU short of programs (fewer than 8 per SM) and
+    there are keys to split: every power of two up to 64 that keeps at least 4 key tiles per
+    split and at most 32 programs per SM, all timed on the real problem (decode calls are short).
+    ``1`` here means the one-pass kernel with its usual tiles. The measured reason (H200,
+    2026-12-01, N_Q = 1, N_K = 128K, B = 1, H = 32): the rule's single value ran at 1.12x the copy
+    floor where ``split_k=8`` ran at 0.98x: wave quantisation and occupancy, which a closed-form
+    rule does not capture.
+    """
+    probe = fwd_candidates(dims, d_pad, True, ieee)[0]
+    block_m, block_n = probe[0], probe[1]
+    rule = auto_split_k(dims, block_m, block_n, n_sm)
+    if not autotune_enabled():
+        return (rule,)
+    programs = cdiv(dims.NQ, block_m) * dims.B * dims.H
+    key_tiles = cdiv(dims.NK, block_n)
+    if programs >= 8 * n_sm or key_tiles < 8:
+        return (rule,)
+    options = tuple(s for s in SPLIT_OPTIONS if s == 1 or (s <= key_tiles // 4 and programs * s <= 32 * n_sm))
+    return options if rule in options else options + (rule,)
+
+
+def auto_bwd_mode(dims, n_sm: int, both: bool = False) -> str:
+    """Pick the fused kernel (each tile pair visited once, dQ by fp32 atomics) or the separate ones.
+
+    Measured on the H200 (bench/results/session1/h200_2026-11-29_bench.csv; B=1, H=32, D=128, bf16):
+    - one setting (s1 or s2): fused is as fast or faster at N = 4K..32K, causal or not
+      (s1, 8K non-causal: 12.84 ms fused vs 13.72 separate), and at N_Q = 16..512 with N_K = 32K;
+    - both settings: fused wins at small N_Q (N_K = 32K, N_Q = 16: 1.53 vs 1.79 ms; N_Q = 256:
+      2.83 vs 2.92), separate from N_Q = 512 on (N_Q = 512: 4.46 vs 5.24; N = 8K: 16.7 vs 20.5).
+    Not measured, reasoned: with fewer key-tile programs than SMs the fused kernel has too
+    little parallelism (each program walks every query tile), so the separate kernels run then.
+    """
+    key_programs = cdiv(dims.NK, 64) * dims.B * dims.H
+    if key_programs < n_sm:
+        return "separate"
+    if both and dims.NQ >= 512:
+        return "separate"
+    return "fused"
