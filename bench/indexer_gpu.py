@@ -65,7 +65,7 @@ def parse_args(argv=None):
     p.add_argument("--configs", default="dsa,gqa")
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
-    p.add_argument("--autotune-max-n", type=int, default=16384,
+    p.add_argument("--autotune-max-n", type=int, default=32768,
                    help="above this N take the first launch candidate (tuning a 128K point costs minutes)")
     return p.parse_args(argv)
 

@@ -144,6 +144,16 @@ def test_fused_backward_equals_separate(monkeypatch):
     assert torch.equal(fused_bad["dweights"][0, :, :9], fused["dweights"][0, :, :9])
 
 
+def test_one_head_chunks(monkeypatch):
+    """Plans with one teacher head per chunk (the 7th config field, tried for GQA on the GPU)."""
+    monkeypatch.setattr(_indexer, "INTERPRETER_CONFIG", (32, 32, 32, 32, 1, 1, 1))
+    xs = make(1, 4, 2, 11, 13, 16, 2, 1, 16, seed=25)
+    from streamkl_ref._checks import check_indexer_inputs
+
+    assert _indexer._plan(check_indexer_inputs(*xs), _indexer.INTERPRETER_CONFIG, "fwd")["HB"] == 1
+    check_case(xs, with_lse=False, causal=True, grad=False)
+
+
 def test_small_tiles_many_stages():
     """16-wide tiles: several key tiles, token blocks and D chunks per program (causal stages)."""
     old = _indexer.INTERPRETER_CONFIG
