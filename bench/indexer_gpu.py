@@ -65,9 +65,13 @@ def parse_args(argv=None):
     p.add_argument("--configs", default="dsa,gqa")
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
-    p.add_argument("--autotune-max-n", type=int, default=32768,
-                   help="above this N take the first launch candidate (tuning a 128K point costs minutes)")
-    return p.parse_args(argv)
+    p.add_argument("--autotune-max-n", type=int, default=None,
+                   help="above this N take the first launch candidate (tuning a 128K point costs "
+                        "minutes); default 32768, --quick 16384")
+    args = p.parse_args(argv)
+    if args.autotune_max_n is None:
+        args.autotune_max_n = 16384 if args.quick else 32768
+    return args
 
 
 class Run:
