@@ -9,6 +9,7 @@ The scripts themselves are not changed here; their owners keep them runnable on 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
@@ -113,9 +114,10 @@ def run(name, a, out_dir, limit_s, log):
         env["TRITON_INTERPRET"] = "1"
     try:
         os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "stdout.log"), "w") as f:
+        with open(os.path.join(out_dir, "stdout.log"), "w") as f, _stop_with_us() as group:
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
                                     start_new_session=True)  # its own process group: children stop with it
+            group.append(proc.pid)
             try:
                 rc = proc.wait(timeout=limit_s)
             except subprocess.TimeoutExpired:
@@ -134,6 +136,37 @@ def run(name, a, out_dir, limit_s, log):
         res["status"], res["note"] = "error", f"{type(e).__name__}: {e}"
     res["seconds"] = time.perf_counter() - t0
     return res
+
+
+@contextlib.contextmanager
+def _stop_with_us():
+    """The section's process group is not ours, so a signal that stops this process would not
+    reach it: on SIGTERM / SIGHUP (a wall-clock limit) or Ctrl-C, kill the group first."""
+    group = []
+
+    def kill_group():
+        for pgid in group:
+            _signal_group(pgid, signal.SIGKILL)
+
+    def on_signal(signum, frame):
+        kill_group()
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    old = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            old[sig] = signal.signal(sig, on_signal)
+        except ValueError:  # not the main thread: no handlers, the group may outlive us
+            pass
+    try:
+        yield group
+    except BaseException:
+        kill_group()
+        raise
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
 
 
 def _signal_group(pgid, sig):

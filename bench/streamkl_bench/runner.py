@@ -145,8 +145,16 @@ def main(argv=None, doc=None):
     r.log(f"streamkl bench: sections {','.join(args.sections)}; device {args.device}; "
           f"{'tiny' if args.tiny else 'quick' if args.quick else 'full'}; out {os.path.abspath(args.out)}; "
           f"budget {cfg['total']:.0f}s; section budgets (s) " + " ".join(f"{k}={v:g}" for k, v in est.items()))
+    if r.cuda and not args.tiny and cfg["total"] > 570:
+        r.log(f"WARNING: the plan is {cfg['total']:.0f}s, more than one GPU call (at most 600s): "
+              f"split the sections over several calls or pass --budget-s")
     for s in args.sections:
         run_section(r, s)
+        if args.pack:  # after every section: a run stopped at the call's limit still returns its archive
+            try:
+                delegated.pack(args.out)
+            except Exception as e:
+                r.log(f"WARNING: packing {args.out} failed: {type(e).__name__}: {e}")
     print_tails(r)
     r.summary()
     r.bench_f.close()
