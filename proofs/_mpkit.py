@@ -10,6 +10,9 @@ their own minimal implementations:
 - the first-order rounding-error bound of statement 7 (``first_order_bound``).
 - the re-referenced state the kernels keep (statement 8): the bijection ``to_rr``/``from_rr``,
   exact ``rr_update``/``rr_merge``/``rr_finalize`` and their NumPy emulations (``*_np``).
+- the indexer loss (statement 9): the head-averaged target ``mixture_target``, the definition
+  ``indexer_row``, the student's state ``ix_update``/``ix_merge``/``ix_finalize``, the kernel's
+  row in NumPy ``ix_row_np``, and the indexer-level loss and claimed gradients.
 
 Rows are sequences of scores; a masked entry is ``-inf`` on *both* sides.
 Every mpmath routine runs under ``mp.workdps(DPS)`` so the global precision is left alone.
@@ -617,3 +620,224 @@ def online_rr_np(s1, s2, B, dtype=np.float32, *, trace=None):
         if trace is not None:
             trace.append(state)
     return rr_finalize_np(state, dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Statement 9: the indexer loss (head-averaged teacher target, student logits I)
+#   A row: ``heads`` = H lists of teacher scores, ``logits`` = the student's I; a masked key is
+#   -inf in every head and in I (one mask). p = (1/H) sum_h softmax(heads[h]).
+#   State (m, l, mass, c, plogp): m, l of I as in statement 2; mass = sum p;
+#   c = sum p (I - m) (re-referenced to the student's running max); plogp = sum p log p.
+# --------------------------------------------------------------------------------------------
+class IxState(NamedTuple):
+    m: object
+    l: object
+    mass: object
+    c: object
+    plogp: object
+
+
+def ix_identity() -> IxState:
+    return IxState(NINF, mpf(0), mpf(0), mpf(0), mpf(0))
+
+
+def _check_ix_mask(heads, logits):
+    for h in heads:
+        assert len(h) == len(logits)
+        for a, b in zip(h, logits):
+            assert _is_masked(mpf(a)) == _is_masked(mpf(b)), "one mask for teacher and student"
+
+
+@hp
+def teacher_lses(heads):
+    """Every head's LSE (``-inf`` for an empty row), by its definition."""
+    out = []
+    for h in heads:
+        vis = [mpf(x) for x in h if not _is_masked(mpf(x))]
+        out.append(mpmath.log(mpmath.fsum(mpmath.exp(x) for x in vis)) if vis else NINF)
+    return out
+
+
+@hp
+def mixture_target(heads, lses=None):
+    """``p[s] = (1/H) sum_h exp(S_h[s] - LSE_h)`` (0 at masked keys), from the given LSEs or
+    the exact ones."""
+    lses = teacher_lses(heads) if lses is None else [mpf(x) for x in lses]
+    H, n = len(heads), len(heads[0])
+    return [mpf(0) if _is_masked(mpf(heads[0][s])) else
+            mpmath.fsum(mpmath.exp(mpf(heads[h][s]) - lses[h]) for h in range(H)) / H
+            for s in range(n)]
+
+
+@hp
+def indexer_row(heads, logits):
+    """``(KL, LSE_I)`` by the definition ``KL(p || softmax I) = sum_{p>0} p (log p - log q)``;
+    empty row ``(0, -inf)``."""
+    _check_ix_mask(heads, logits)
+    I = [mpf(x) for x in logits]
+    vis = [s for s, x in enumerate(I) if not _is_masked(x)]
+    if not vis:
+        return mpf(0), NINF
+    p = mixture_target(heads)
+    lse_i = mpmath.log(mpmath.fsum(mpmath.exp(I[s]) for s in vis))
+    kl = mpmath.fsum(p[s] * (mpmath.log(p[s]) - (I[s] - lse_i)) for s in vis if p[s] != 0)
+    return kl, lse_i
+
+
+@hp
+def ix_update(state: IxState, p_tile, i_tile, *, variant: str | None = None) -> IxState:
+    """One key tile of the student's recurrence, exact: ``p_tile`` the target's values (from the
+    teacher LSEs), ``i_tile`` the logits (``-inf`` = masked).
+
+    ``variant``: ``"no_move"`` (forget ``-mass * moved``), ``"rescale"`` (multiply ``c`` by the
+    rescale factor, as statement 8's weights need but absolute weights ``p`` do not)."""
+    I = [mpf(x) for x in i_tile]
+    p = [mpf(x) for x in p_tile]
+    vis = [j for j, x in enumerate(I) if not _is_masked(x)]
+    if not vis:
+        return state
+    m_new = max([state.m] + [I[j] for j in vis])
+    a = mpmath.exp(state.m - m_new)  # exp(-inf) = 0 for the first visible tile
+    moved = m_new - _safe(state.m)
+    c = state.c - (0 if variant == "no_move" else state.mass * moved)
+    if variant == "rescale":
+        c = c * a
+    return IxState(
+        m_new,
+        a * state.l + mpmath.fsum(mpmath.exp(I[j] - m_new) for j in vis),
+        state.mass + mpmath.fsum(p[j] for j in vis),
+        c + mpmath.fsum(p[j] * (I[j] - m_new) for j in vis),
+        state.plogp + mpmath.fsum(p[j] * mpmath.log(p[j]) for j in vis if p[j] != 0),
+    )
+
+
+@hp
+def ix_merge(A: IxState, B: IxState) -> IxState:
+    """Two states over disjoint key sets: ``l`` as in statement 3; each ``c`` re-referenced to
+    the merged max (``c_X - mass_X * (m - m_X)``); ``mass``, ``plogp`` add (no factors)."""
+    m = max(A.m, B.m)
+    ref = _safe(m)
+    c = mpf(0)
+    for X in (A, B):
+        c += X.c - X.mass * (ref - _safe(X.m))
+    return IxState(m, mpmath.exp(A.m - ref) * A.l + mpmath.exp(B.m - ref) * B.l,
+                   A.mass + B.mass, c, A.plogp + B.plogp)
+
+
+@hp
+def ix_finalize(state: IxState, *, use_mass: bool = False):
+    """``(KL, LSE_I)``: ``KL = plogp - c + log l`` (uses sum p = 1); ``use_mass`` keeps the exact
+    ``+ (1 - mass) m`` term (for a target that does not sum to 1). Empty: ``(0, -inf)``."""
+    if state.m == NINF:
+        return mpf(0), NINF
+    kl = state.plogp - state.c + mpmath.log(state.l)
+    if use_mass:
+        kl += (1 - state.mass) * state.m
+    return kl, state.m + mpmath.log(state.l)
+
+
+def ix_row_np(heads, logits, B, dtype=np.float64, *, lses=None, plain=False, p=None):
+    """The kernel's row in ``dtype``, no branches on empty states (``_safe`` shifts, exp(-inf) = 0),
+    masked entries selected away before any arithmetic: pass 1 (teacher LSEs by statement 2's
+    guarded recurrence, unless ``lses`` or ``p`` is given), pass 2 (``p`` per entry, the
+    student's state), ``(KL, LSE_I)``. ``plain``: ``c = sum p I`` and
+    ``KL = plogp - c + (m + log l)`` (no re-reference)."""
+    I = np.asarray(logits, dtype)
+    n = len(I)
+    ninf, zero = dtype(-np.inf), dtype(0)
+    vis_all = I > ninf
+    if p is None:
+        S = np.asarray(heads, dtype)
+        if lses is None:
+            lses = [online_np(h, h, B, dtype)[1] for h in S]
+        safe_lse = np.array([zero if x == ninf else x for x in lses], dtype)[:, None]
+        e = _fexp(np.where(vis_all[None], S, safe_lse) - safe_lse, dtype)  # exp(0) at masked
+        p = np.where(vis_all, (e.sum(axis=0) / dtype(len(S))).astype(dtype), zero)
+    p = np.asarray(p, dtype)
+    m, l, mass, c, plogp = ninf, zero, zero, zero, zero
+    for t0 in range(0, n, B):
+        x, q, vis = I[t0:t0 + B], p[t0:t0 + B], vis_all[t0:t0 + B]
+        m_new = dtype(max(m, np.where(vis, x, ninf).max(initial=ninf)))
+        ref = _safe(m_new)
+        a = _fexp(dtype(m - ref), dtype)[()]
+        y = (np.where(vis, x, ref) - ref).astype(dtype)  # I - m', 0 where masked
+        l = dtype(dtype(a * l) + _seqsum(np.where(vis, _fexp(y, dtype), zero), dtype))
+        logq = _flog(np.where(vis & (q > 0), q, dtype(1)), dtype)
+        plogp = dtype(plogp + _seqsum(np.where(vis, q * logq, zero).astype(dtype), dtype))
+        if plain:
+            c = dtype(c + _seqsum(np.where(vis, q * np.where(vis, x, zero), zero).astype(dtype), dtype))
+        else:
+            moved = dtype(ref - _safe(m))
+            c = dtype(dtype(c - dtype(mass * moved)) + _seqsum(np.where(vis, q * y, zero).astype(dtype), dtype))
+        mass = dtype(mass + _seqsum(np.where(vis, q, zero), dtype))
+        m = m_new
+    if m == ninf:
+        return zero, ninf
+    log_l = _flog(l, dtype)[()]
+    if plain:
+        return dtype(dtype(plogp - c) + dtype(m + log_l)), dtype(m + log_l)
+    return dtype(dtype(plogp - c) + log_l), dtype(m + log_l)
+
+
+@hp
+def indexer_student_logits(Qi, Ki, W, relu=True):
+    """``I[t][s] = sum_j W[j][t] * phi(<Qi[j][t], Ki[j // (H_I/H_KI)][s]>)``, ``phi`` = relu or id;
+    also ``a[j][t][s]``."""
+    HI, g = len(Qi), len(Qi) // len(Ki)
+    a = [[[mpmath.fsum(mpf(u) * mpf(v) for u, v in zip(q, k)) for k in Ki[j // g]] for q in Qi[j]]
+         for j in range(HI)]
+    NQ, NK = len(Qi[0]), len(Ki[0])
+    I = [[mpmath.fsum(mpf(W[j][t]) * (max(a[j][t][s], mpf(0)) if relu else a[j][t][s]) for j in range(HI))
+          for s in range(NK)] for t in range(NQ)]
+    return I, a
+
+
+def _masked(rows_, mask):
+    if mask is None:
+        return rows_
+    return [[x if mask[t][s] else NINF for s, x in enumerate(r)] for t, r in enumerate(rows_)]
+
+
+@hp
+def indexer_loss(S, Qi, Ki, W, G, mask=None, relu=True):
+    """``L = sum_t G[t] * KL_t`` for teacher scores ``S[h][t][s]`` (a constant) and the student."""
+    I, _ = indexer_student_logits(Qi, Ki, W, relu)
+    I = _masked(I, mask)
+    heads = [_masked(S[h], mask) for h in range(len(S))]
+    return mpmath.fsum(mpf(G[t]) * indexer_row([h[t] for h in heads], I[t])[0] for t in range(len(I)))
+
+
+@hp
+def indexer_grads(S, Qi, Ki, W, G, mask=None, relu=True, *, variant=None):
+    """The claimed ``dQi, dKi, dW`` of ``indexer_loss``: ``Gs = G (softmax(I) - p)`` per entry,
+    ``dW = sum_s Gs phi(a)``, ``A = Gs W phi'(a)``, ``dQi = sum_s A Ki``, ``dKi = sum_{j, t} A Qi``.
+    ``variant``: ``"no_indicator"`` (phi' = 1 even with relu), ``"no_gqa_sum"`` (dKi from the
+    first query head of each group only), ``"flipped"`` (``p - softmax(I)``)."""
+    I, a = indexer_student_logits(Qi, Ki, W, relu)
+    I = _masked(I, mask)
+    heads = [_masked(S[h], mask) for h in range(len(S))]
+    HI, g = len(Qi), len(Qi) // len(Ki)
+    NQ, NK, DI = len(Qi[0]), len(Ki[0]), len(Qi[0][0])
+    dQ = [[[mpf(0)] * DI for _ in range(NQ)] for _ in range(HI)]
+    dK = [[[mpf(0)] * DI for _ in range(NK)] for _ in Ki]
+    dW = [[mpf(0)] * NQ for _ in range(HI)]
+    for t in range(NQ):
+        vis = [s for s in range(NK) if not _is_masked(I[t][s])]
+        if not vis:
+            continue
+        p = mixture_target([h[t] for h in heads])
+        lse_i = mpmath.log(mpmath.fsum(mpmath.exp(I[t][s]) for s in vis))
+        for s in vis:
+            Gs = mpf(G[t]) * (mpmath.exp(I[t][s] - lse_i) - p[s])
+            if variant == "flipped":
+                Gs = -Gs
+            for j in range(HI):
+                x = a[j][t][s]
+                dW[j][t] += Gs * (max(x, mpf(0)) if relu else x)
+                slope = 1 if (not relu or variant == "no_indicator" or x > 0) else 0
+                A = Gs * mpf(W[j][t]) * slope
+                for d in range(DI):
+                    dQ[j][t][d] += A * mpf(Ki[j // g][s][d])
+                    if variant != "no_gqa_sum" or j % g == 0:
+                        dK[j // g][s][d] += A * mpf(Qi[j][t][d])
+    return dQ, dK, dW

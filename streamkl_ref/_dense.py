@@ -11,8 +11,9 @@ This is the plain, numerically careful reference that the streaming code is chec
 - Natural logarithms (nats) throughout.
 - NaN in an input yields NaN in every row whose visible scores it reaches (a NaN in ``q_t[b,h,i]``
   poisons row ``i``; a NaN in ``k_t[b,g,j]`` poisons the rows that see key ``j`` in the heads that
-  read key head ``g``); rows it does not reach are unaffected. Infinite inputs are outside the
-  contract.
+  read key head ``g``); rows it does not reach are unaffected, bit for bit. The same isolation
+  holds for ±inf (an infinite key a row cannot see never reaches it); what ±inf in an entry a
+  row *does* see gives is outside the contract.
 
 Every helper here works in whatever float dtype it is handed (tests use float32 to measure the
 rounding a float32 computation makes); the public :func:`attention_kl` always uses float64.

@@ -38,6 +38,8 @@ __all__ = [
     "Row", "Report", "check_attention_kl", "assert_attention_kl_conforms",
     "attention_kl_torch", "attention_kl_torch_chunked", "causal_mask",
     "SUPPORT_KEYS",
+    "IndexerCase", "INDEXER_CASES", "GPU_INDEXER_CASES", "indexer_cases", "INDEXER_SUPPORT_KEYS",
+    "check_indexer_kl", "assert_indexer_kl_conforms", "indexer_kl_torch",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -754,3 +756,403 @@ def _raise_unless_passed(report: Report, what: str) -> None:
     if report.failed:
         raise AssertionError(f"{what} does not conform: {report.summary()}\n{report.table(report.failed)}")
     raise AssertionError(f"{what}: no row passed ({report.summary()}): the claims in `supports` leave nothing to check")
+
+
+# =============================================================================================
+# The indexer loss (sparse-attention indexer training, DSA warm-up form; docs/math.md)
+# =============================================================================================
+def indexer_kl_torch(q, k, q_idx, k_idx, weights, *, causal=False, scale=None, relu=True, compute_dtype=None):
+    """``[B, N_Q]`` indexer KL ``KL(p || softmax(I))`` in ``compute_dtype`` (default float32),
+    every score matrix materialised: teacher scores per head, softmax, head mean; indexer scores,
+    ReLU, weights, log-softmax; KL. Products are formed from the inputs cast to ``compute_dtype``.
+    Rows with no visible key give 0. Differentiable through autograd (in ``q_idx, k_idx,
+    weights``; the teacher too, if its tensors require grad)."""
+    import torch
+
+    from ._checks import check_indexer_inputs
+
+    dims = check_indexer_inputs(q, k, q_idx, k_idx, weights, scale=scale)
+    cd = torch.float32 if compute_dtype is None else compute_dtype
+    kt = k.to(cd).repeat_interleave(dims.H // dims.HK, dim=1)
+    ki = k_idx.to(cd).repeat_interleave(dims.HI // dims.HKI, dim=1)
+    i = torch.arange(dims.NQ, device=q.device)[:, None]
+    j = torch.arange(dims.NK, device=q.device)[None, :]
+    visible = (j <= i + (dims.NK - dims.NQ)) if causal else torch.ones_like(i * j, dtype=torch.bool)
+    empty = ~visible.any(-1)
+    visible = visible | empty[:, None]  # an empty row is computed unmasked, then set to 0
+    s = (q.to(cd) @ kt.transpose(-1, -2)) * dims.scale
+    p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1).mean(dim=1)  # [B, N_Q, N_K]
+    a = q_idx.to(cd) @ ki.transpose(-1, -2)
+    act = torch.relu(a) if relu else a
+    logits = (weights.to(cd)[..., None] * act).sum(dim=1)
+    log_q = torch.log_softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+    # 0 log 0 = 0: masked / underflowed entries are selected away before the product
+    pos = p > 0
+    log_p = torch.log(torch.where(pos, p, torch.ones((), dtype=p.dtype, device=p.device)))
+    zero = torch.zeros((), dtype=p.dtype, device=p.device)
+    kl = torch.where(pos, p * (log_p - torch.where(visible, log_q, zero)), zero).sum(-1)
+    return kl.masked_fill(empty, 0.0)
+
+
+@dataclass(frozen=True)
+class IndexerCase:
+    """One indexer-loss problem: teacher ``q [B,H,NQ,D]``, ``k [B,HK,NK,D]``; indexer
+    ``q_idx [B,HI,NQ,DI]``, ``k_idx [B,HKI,NK,DI]``, ``weights [B,HI,NQ]`` (standard normal ×
+    ``amplitude``; weights × ``weight_amplitude``). ``plant`` as in :class:`Case` (keys: NaN in
+    teacher key ``plant_at``, +inf in indexer key ``plant_at + 3``; queries: NaN in row
+    ``plant_at`` of ``q`` and ``q_idx``)."""
+
+    name: str
+    B: int
+    H: int
+    HK: int
+    HI: int
+    HKI: int
+    NQ: int
+    NK: int
+    D: int
+    DI: int
+    causal: bool = False
+    scale: Optional[float] = None
+    relu: bool = True
+    amplitude: float = 1.0
+    weight_amplitude: float = 1.0
+    plant: Optional[str] = None
+    plant_at: int = 0
+    quick: bool = False
+    why: str = ""
+
+    @property
+    def shapes(self) -> dict:
+        return {"q": [self.B, self.H, self.NQ, self.D], "k": [self.B, self.HK, self.NK, self.D],
+                "q_idx": [self.B, self.HI, self.NQ, self.DI], "k_idx": [self.B, self.HKI, self.NK, self.DI],
+                "weights": [self.B, self.HI, self.NQ]}
+
+    def features(self) -> dict:
+        return {"gqa": self.HK != self.H or self.HKI != self.HI, "nq_ne_nk": self.NQ != self.NK,
+                "causal": self.causal, "head_dims": sorted({self.D, self.DI}), "no_relu": not self.relu}
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["shapes"] = self.shapes
+        return d
+
+
+INDEXER_CASES = (
+    IndexerCase("ragged", 1, 4, 1, 2, 1, 21, 37, 16, 8, quick=True,
+                why="N not a multiple of any tile; MQA teacher, MQA indexer"),
+    IndexerCase("gqa", 1, 4, 2, 4, 2, 19, 23, 32, 16, quick=True,
+                why="GQA on both sides (h // (H/H_K), not h % H_K)"),
+    IndexerCase("causal_nq<nk", 1, 2, 1, 2, 1, 13, 40, 16, 8, causal=True, quick=True,
+                why="bottom-right causal: top-left differs here"),
+    IndexerCase("causal_nq>nk", 1, 2, 2, 2, 2, 40, 13, 16, 8, causal=True,
+                why="the first N_Q - N_K rows see no key: KL 0, gradient 0"),
+    IndexerCase("causal_square", 2, 2, 1, 2, 1, 24, 24, 16, 8, causal=True, why="causal, N_Q == N_K"),
+    IndexerCase("no_relu", 1, 2, 1, 2, 1, 17, 29, 16, 8, relu=False, why="relu=False: I is linear in a"),
+    IndexerCase("n=1", 2, 2, 1, 2, 1, 1, 1, 16, 8, why="one key: KL exactly 0, gradient exactly 0"),
+    IndexerCase("large_logits", 1, 2, 1, 2, 1, 18, 33, 16, 8, scale=4.0, weight_amplitude=6.0,
+                why="teacher logits ~ +-60, indexer logits in the tens"),
+    IndexerCase("nan_keys", 1, 2, 1, 2, 1, 24, 24, 16, 8, causal=True, plant="keys", plant_at=10, quick=True,
+                why="NaN/inf in keys a row cannot see, and past N_K and D: never reach that row"),
+    IndexerCase("nan_queries", 1, 2, 1, 2, 1, 24, 24, 16, 8, causal=True, plant="queries", plant_at=16,
+                why="NaN in a query row never reaches dk_idx of keys that row cannot see"),
+)
+GPU_INDEXER_CASES = INDEXER_CASES + (
+    IndexerCase("big_mla_576", 1, 16, 1, 8, 1, 300, 500, 576, 128, causal=True, scale=192 ** -0.5),
+    IndexerCase("big_gqa", 2, 8, 2, 4, 1, 257, 389, 128, 64),
+)
+INDEXER_INPUTS = ("q", "k", "q_idx", "k_idx", "weights")
+INDEXER_GRADS = {"q_idx": "dq_idx", "k_idx": "dk_idx", "weights": "dweights"}
+
+
+def indexer_cases(device: str = "cpu", quick: bool = False, planted: bool = True) -> tuple:
+    """The indexer battery for a device (tiny on CPU, plus larger ones on a GPU)."""
+    cases = GPU_INDEXER_CASES if str(device).startswith("cuda") else INDEXER_CASES
+    if quick:
+        cases = tuple(c for c in cases if c.quick)
+    if not planted:
+        cases = tuple(c for c in cases if c.plant is None)
+    return cases
+
+
+INDEXER_SUPPORT_KEYS = {
+    "gqa": "bool: H_K != H or H_KI != H_I (default True)",
+    "nq_ne_nk": "bool: N_Q != N_K (default True)",
+    "causal": "bool: causal masking (default True)",
+    "no_relu": "bool: relu=False (default True)",
+    "head_dims": "iterable of ints: the head dims D and D_I it takes (default: any)",
+    "dtypes": "iterable of dtype names (default: any)",
+    "grad_inputs": "subset of ('q_idx','k_idx','weights') (default all three)",
+    "nan_isolation": "True (default), 'forward' or False",
+}
+
+
+def _check_indexer_supports(supports) -> dict:
+    s = {"gqa": True, "nq_ne_nk": True, "causal": True, "no_relu": True, "head_dims": None, "dtypes": None,
+         "grad_inputs": tuple(INDEXER_GRADS), "nan_isolation": True}
+    if supports is None:
+        return s
+    if not isinstance(supports, dict):
+        raise ValueError(f"supports must be a dict or None, got {type(supports).__name__}")
+    for key, value in supports.items():
+        if key not in s:
+            raise ValueError(f"supports: unknown claim {key!r}; known: {sorted(INDEXER_SUPPORT_KEYS)}")
+        if key in ("head_dims", "dtypes", "grad_inputs") and value is not None:
+            value = tuple(value)
+        if key == "grad_inputs" and any(v not in INDEXER_GRADS for v in value):
+            raise ValueError(f"supports['grad_inputs'] must name inputs of {tuple(INDEXER_GRADS)}, got {list(value)}")
+        if key == "nan_isolation" and value not in (True, False, "forward"):
+            raise ValueError(f"supports['nan_isolation'] must be True, False or 'forward', got {value!r}")
+        s[key] = value
+    return s
+
+
+def _indexer_unsupported(case: IndexerCase, dtype: str, s: dict) -> str:
+    f = case.features()
+    for key, label in (("gqa", "GQA"), ("nq_ne_nk", "N_Q != N_K"), ("causal", "causal"), ("no_relu", "relu=False")):
+        if f[key] and not s[key]:
+            return f"outside supports: {label}"
+    if s["head_dims"] is not None and not set(f["head_dims"]) <= set(s["head_dims"]):
+        return f"outside supports: head dims {f['head_dims']}"
+    if s["dtypes"] is not None and dtype not in s["dtypes"]:
+        return f"outside supports: dtype {dtype}"
+    if case.plant is not None and s["nan_isolation"] is False:
+        return "outside supports: NaN isolation not claimed"
+    return ""
+
+
+def check_indexer_kl(fn: Callable, *, device="cpu", dtypes=("float32",), grads=True, quick=False,
+                     layout="bhnd", causal_align="bottom-right", returns="rows", supports=None,
+                     cases=None, seed=0) -> Report:
+    """Run the indexer battery against ``fn(q, k, q_idx, k_idx, weights, *, causal, scale, relu)``.
+
+    ``fn`` returns the per-row loss ``[B, N_Q]`` (``returns="rows"``), its sum, or its mean over
+    the rows with at least one visible key (``"mean"``: Megatron's reduction). The teacher
+    (``q``, ``k``) is a constant: it gets no ``requires_grad``; ``q_idx``, ``k_idx``, ``weights``
+    do when ``grads=True``. ``layout="bnhd"``: the four 4-D tensors as ``[B, N, H, D]`` and
+    ``weights`` as ``[B, N_Q, H_I]``. ``causal_align``, ``supports`` (keys:
+    :data:`INDEXER_SUPPORT_KEYS`), ``cases`` and ``seed`` as in :func:`check_attention_kl` (with
+    ``"top-left"``, a causal case with ``N_Q < N_K`` is sent with ``N_K − N_Q`` zero query rows and
+    zero weights in front: the student's logits there are 0 and the teacher's uniform, so those
+    rows give KL 0 and no gradient). The reference is ``streamkl_ref.indexer_kl`` /
+    ``indexer_kl_grad`` in float64; the tolerance :func:`tolerance` against
+    :func:`indexer_kl_torch` at the inputs' precision.
+    """
+    import torch
+
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if causal_align not in CAUSAL_ALIGNS:
+        raise ValueError(f"causal_align must be one of {CAUSAL_ALIGNS}, got {causal_align!r}")
+    if returns not in RETURNS:
+        raise ValueError(f"returns must be one of {RETURNS}, got {returns!r}")
+    if isinstance(dtypes, (str, torch.dtype)):
+        dtypes = (dtypes,)
+    dnames = [_dtype_name(d) for d in dtypes]
+    claims = _check_indexer_supports(supports)
+    if cases is None:
+        cases = indexer_cases(device, quick)
+    report = Report(options={
+        "loss": "indexer", "device": str(device), "dtypes": dnames, "grads": bool(grads), "quick": bool(quick),
+        "layout": layout, "causal_align": causal_align, "returns": returns, "seed": seed,
+        "supports": {k: (list(v) if isinstance(v, tuple) else v) for k, v in claims.items()},
+        "fn": getattr(fn, "__qualname__", repr(fn)),
+    })
+    gen = torch.Generator().manual_seed(seed)
+    t0 = time.time()
+    for case in cases:
+        report.cases[case.name] = case.to_dict()
+        base = []
+        for name, shape in case.shapes.items():
+            amp = case.weight_amplitude if name == "weights" else case.amplitude
+            base.append(amp * torch.randn(*shape, generator=gen, dtype=torch.float64))
+        g_rows = torch.randn(case.B, case.NQ, generator=gen, dtype=torch.float64)
+        for dname in dnames:
+            _run_indexer_case(fn, case, dname, base, g_rows, report, device=device, grads=grads, layout=layout,
+                              causal_align=causal_align, returns=returns, claims=claims)
+    report.elapsed_s = time.time() - t0
+    return report
+
+
+def _run_indexer_case(fn, case, dname, base, g_rows, report, *, device, grads, layout, causal_align, returns, claims):
+    import torch
+
+    import streamkl_ref
+
+    def add(quantity, error, tol, status, why=""):
+        report.rows.append(Row(case.name, dname, quantity, float(error), float(tol), status, why))
+
+    why = _indexer_unsupported(case, dname, claims)
+    if why:
+        add("(all)", math.nan, math.nan, "skipped", why)
+        return
+    translate = case.causal and causal_align == "top-left" and case.NQ != case.NK
+    if translate and case.NQ > case.NK:
+        add("(all)", math.nan, math.nan, "skipped", "top-left causal cannot express bottom-right with N_Q > N_K")
+        return
+    pad_rows = case.NK - case.NQ if translate else 0
+    dtype = getattr(torch, dname)
+    xs = [x.to(dtype) for x in base]
+    x64 = [x.double().numpy() for x in xs]
+    kw = dict(causal=case.causal, scale=case.scale, relu=case.relu)
+    off = case.NK - case.NQ
+    n_keyed = case.B * int(np.sum(np.minimum(np.arange(case.NQ) + off + 1, case.NK) > 0)) if case.causal \
+        else case.B * case.NQ  # rows with at least one visible key (Megatron's mean)
+    g = {"rows": g_rows, "sum": torch.ones_like(g_rows),
+         "mean": torch.full_like(g_rows, 1.0 / max(n_keyed, 1))}[returns]
+    rows_ok, keys_ok = _plant_masks(case) if case.plant else (np.ones(case.NQ, bool), None)
+
+    ref_kl = streamkl_ref.indexer_kl(*x64, **kw)
+    want_grad = set(claims["grad_inputs"]) if grads else set()
+    ref_grad = streamkl_ref.indexer_kl_grad(*x64, g.numpy(), **kw) if want_grad else None
+    same = [x.clone().requires_grad_(n in want_grad) for x, n in zip(xs, INDEXER_INPUTS)]
+    same_kl = indexer_kl_torch(*same, compute_dtype=dtype, **kw)
+    if want_grad:
+        same_kl.backward(g.to(same_kl.dtype))
+
+    leaves, views = {}, []
+    pad_n, pad_d = PLANT_PAD
+    for name, x in zip(INDEXER_INPUTS, xs):
+        x = x.clone()
+        row_input = name in ("q", "q_idx", "weights")
+        if pad_rows and row_input:  # front-pad zero query rows (and zero weights) for top-left
+            x = torch.cat([torch.zeros(*x.shape[:2], pad_rows, *x.shape[3:], dtype=x.dtype), x], 2)
+        if case.plant == "keys" and name == "k":
+            x[:, :, case.plant_at] = float("nan")
+        if case.plant == "keys" and name == "k_idx":
+            x[:, :, case.plant_at + 3] = float("inf")
+        if case.plant == "queries" and name in ("q", "q_idx"):
+            x[:, :, pad_rows + case.plant_at] = float("nan")
+        if layout == "bnhd":
+            x = x.transpose(1, 2)
+        requires = name in want_grad
+        if case.plant is not None:  # a view into a NaN-filled buffer longer in N (and wider in D)
+            n_axis = 2 if layout == "bhnd" else 1
+            shape = list(x.shape)
+            shape[n_axis] += pad_n
+            idx = [slice(None)] * x.ndim
+            idx[n_axis] = slice(0, x.shape[n_axis])
+            if x.ndim == 4:
+                shape[3] += pad_d
+                idx[3] = slice(0, x.shape[3])
+            buf = torch.full(shape, float("nan"), dtype=x.dtype)
+            buf[tuple(idx)] = x
+            buf = buf.to(device).requires_grad_(requires)
+            leaves[name] = (buf, tuple(idx))
+            views.append(buf[tuple(idx)])
+        else:
+            leaf = x.contiguous().to(device).requires_grad_(requires)
+            leaves[name] = (leaf, (Ellipsis,))
+            views.append(leaf)
+    try:
+        out = fn(*views, **kw)
+    except Exception as exc:  # noqa: BLE001
+        add("(call)", math.inf, 0.0, "fail", f"fn raised {type(exc).__name__}: {str(exc)[:200]}")
+        return
+    if not isinstance(out, torch.Tensor):
+        add("(call)", math.inf, 0.0, "fail", f"fn returned {type(out).__name__}, not a torch tensor")
+        return
+    rows_sel = (slice(None), rows_ok)
+    if returns == "rows":
+        want_shape = (case.B, case.NQ + pad_rows)
+        if tuple(out.shape) != want_shape:
+            add("kl", math.inf, 0.0, "fail", f"returned shape {list(out.shape)}, expected {list(want_shape)} ([B, N_Q])")
+            return
+        got = _to_numpy(out)[:, pad_rows:]
+        err = relative_error(got[rows_sel], ref_kl[rows_sel])
+        tol = tolerance(relative_error(_to_numpy(same_kl)[rows_sel], ref_kl[rows_sel]), dname)
+        qname = "kl" if case.plant is None else f"kl of rows {_ranges(rows_ok)} (unreached)"
+        add(qname, err, tol, "pass" if err <= tol else "fail", _why_indexer(got, ref_kl, rows_ok, err, tol))
+        if case.causal and case.NQ > case.NK:
+            empty = got[:, : case.NQ - case.NK]
+            ok = bool((empty == 0).all())
+            add("kl of empty rows == 0", 0.0 if ok else 1.0, 0.0, "pass" if ok else "fail",
+                "" if ok else f"rows 0-{case.NQ - case.NK - 1} see no key; got max |KL| {np.abs(empty).max():.3e}")
+    else:
+        if out.numel() != 1:
+            add(returns, math.inf, 0.0, "fail", f"returns={returns!r} but fn returned shape {list(out.shape)}")
+            return
+        red = ref_kl.sum() if returns == "sum" else ref_kl.sum() / max(n_keyed, 1)
+        same_red = same_kl.sum() if returns == "sum" else same_kl.sum() / max(n_keyed, 1)
+        got = out.reshape(())
+        if pad_rows and returns == "mean":  # fn averaged over the padded rows too (all have keys)
+            got = got * ((case.NQ + pad_rows) * case.B / max(n_keyed, 1))
+        if case.plant is not None:
+            add(f"kl {returns}", math.nan, math.nan, "skipped",
+                f"a {returns} mixes the planted rows in: NaN isolation of the forward is checked with returns='rows'")
+        else:
+            err = relative_error(got, red)
+            tol = tolerance(relative_error(same_red, red), dname)
+            add(f"kl {returns}", err, tol, "pass" if err <= tol else "fail",
+                "" if err <= tol else f"got {got.item():.9g}, reference {float(red):.9g}")
+    if not grads:
+        return
+    if case.plant is not None and claims["nan_isolation"] == "forward":
+        add("(gradients)", math.nan, math.nan, "skipped", "outside supports: NaN isolation claimed for the forward only")
+        return
+    try:
+        if returns == "rows":
+            gu = g.to(out.dtype)
+            if pad_rows:
+                gu = torch.cat([torch.zeros(case.B, pad_rows, dtype=gu.dtype), gu], dim=-1)
+            out.backward(gu.to(out.device))
+        else:
+            scale = (max(n_keyed, 1) / ((case.NQ + pad_rows) * case.B)) if (pad_rows and returns == "mean") else 1.0
+            (out.reshape(()) * scale).backward()
+    except Exception as exc:  # noqa: BLE001
+        add("(backward)", math.inf, 0.0, "fail", f"backward raised {type(exc).__name__}: {str(exc)[:200]}")
+        return
+    for name, inp in zip(INDEXER_INPUTS, same):
+        if name not in INDEXER_GRADS:
+            continue
+        gname = INDEXER_GRADS[name]
+        if name not in want_grad:
+            add(gname, math.nan, math.nan, "skipped", f"outside supports: grad_inputs {list(claims['grad_inputs'])}")
+            continue
+        leaf, idx = leaves[name]
+        if leaf.grad is None:
+            add(gname, math.inf, 0.0, "fail", f"no gradient reached {name}")
+            continue
+        gr = leaf.grad[idx].detach().to("cpu")
+        if layout == "bnhd":
+            gr = gr.transpose(1, 2)
+        if pad_rows and name in ("q_idx", "weights"):
+            gr = gr[:, :, pad_rows:]
+        if case.plant is None:
+            sel, label = (Ellipsis,), gname
+        elif name == "k_idx":
+            if case.plant != "queries" or not keys_ok.any():
+                continue  # a planted key reaches every dk_idx through the rows that see it
+            sel, label = (slice(None), slice(None), keys_ok), f"{gname} of keys {_ranges(keys_ok)} (unreached)"
+        else:
+            sel, label = (slice(None), slice(None), rows_ok), f"{gname} of rows {_ranges(rows_ok)} (unreached)"
+        ref_sel, got_sel, same_sel = ref_grad[gname][sel], _to_numpy(gr)[sel], _to_numpy(inp.grad)[sel]
+        if not np.any(ref_sel):
+            err = float(np.max(np.abs(got_sel))) if got_sel.size else 0.0
+            ok = err <= ZERO_GRAD_TOL
+            add(f"{label} max|.|", err, ZERO_GRAD_TOL, "pass" if ok else "fail",
+                "reference gradient is exactly 0" + ("" if ok else "; got non-zero"))
+            continue
+        err = relative_error(got_sel, ref_sel)
+        tol = tolerance(relative_error(same_sel, ref_sel), dname)
+        add(label, err, tol, "pass" if err <= tol else "fail", "" if err <= tol else ("not finite" if math.isinf(err) else ""))
+
+
+def _why_indexer(got, ref, rows_ok, err, tol) -> str:
+    if err <= tol:
+        return ""
+    a, r = got[:, rows_ok], np.asarray(ref)[:, rows_ok]
+    bad = ~np.isfinite(a)
+    if bad.any():
+        return f"{int(bad.sum())} of {a.size} rows not finite"
+    d = np.abs(a - r)
+    b, t = np.unravel_index(int(np.argmax(d)), d.shape)
+    return f"worst [b={b}, row={np.flatnonzero(rows_ok)[t]}]: got {a[b, t]:.6g}, reference {r[b, t]:.6g}"
+
+
+def assert_indexer_kl_conforms(fn: Callable, **options) -> Report:
+    """:func:`check_indexer_kl`, raising ``AssertionError`` with a table of the failing rows (or
+    when nothing passed). Returns the report when it passes."""
+    report = check_indexer_kl(fn, **options)
+    _raise_unless_passed(report, "indexer KL")
+    return report

@@ -168,3 +168,75 @@ def correct_isolating(q1, k1, q2, k2, *, causal, scale1, scale2):
     logp2 = torch.log_softmax(scores(q2, k2, scale2).masked_fill(~vis, -math.inf), -1)
     kl = (logp1.exp() * torch.where(vis, logp1 - logp2, zero)).sum(-1)
     return kl.masked_fill(empty, 0.0)
+
+
+# ---- the indexer loss: a user's dense formula and wrong variants of it
+def indexer_formula(q, k, q_idx, k_idx, weights, *, causal=False, scale=None, relu=True, align="bottom-right",
+                    mapping="div", target="mixture", leak=False):
+    """``[B, N_Q]`` KL(p || softmax(I)), float32; the keyword arguments plant the bugs:
+    ``target="mean_log"`` averages the heads' log-probabilities (a geometric mean, not the
+    mixture), ``"mean_kl"`` averages per-head KLs; ``leak`` forms log softmax(I) from unmasked
+    logits, so the masked p = 0 multiplies a NaN."""
+    h, nq, nk = q.shape[1], q.shape[2], k.shape[2]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    vis = _visible(nq, nk, causal, align, q.device)
+    empty = ~vis.any(-1)
+    vis = vis | empty[:, None]
+    s = scale * (q.float() @ _expand(k, h, mapping).float().transpose(-1, -2))
+    logp_h = torch.log_softmax(s.masked_fill(~vis, -math.inf), -1)  # [B, H, NQ, NK]
+    a = q_idx.float() @ _expand(k_idx, q_idx.shape[1], mapping).float().transpose(-1, -2)
+    logits = (weights.float()[..., None] * (torch.relu(a) if relu else a)).sum(1)  # [B, NQ, NK]
+    log_q = torch.log_softmax(logits.masked_fill(~vis, -math.inf), -1)
+    if leak:
+        log_q = logits - torch.logsumexp(logits.masked_fill(~vis, -math.inf), -1, keepdim=True)
+    zero = torch.zeros((), device=q.device)
+    if target == "mean_kl":
+        p_h = logp_h.exp()
+        kl = (p_h * torch.where(vis, logp_h - log_q[:, None], zero)).sum(-1).mean(1)
+        return kl.masked_fill(empty, 0.0)
+    if target == "mean_log":
+        log_p = torch.where(vis, logp_h, zero).mean(1)
+        p = torch.where(vis, log_p.exp(), zero)
+    else:
+        p = logp_h.exp().mean(1)
+        log_p = torch.log(torch.where(p > 0, p, torch.ones((), device=q.device)))
+    if leak:
+        kl = (p * (log_p - log_q)).sum(-1)
+    else:
+        kl = torch.where(p > 0, p * (log_p - torch.where(vis, log_q, zero)), zero).sum(-1)
+    return kl.masked_fill(empty, 0.0)
+
+
+def idx_correct(q, k, q_idx, k_idx, weights, *, causal, scale, relu):
+    return indexer_formula(q, k, q_idx, k_idx, weights, causal=causal, scale=scale, relu=relu)
+
+
+def idx_top_left(q, k, q_idx, k_idx, weights, *, causal, scale, relu):
+    return indexer_formula(q, k, q_idx, k_idx, weights, causal=causal, scale=scale, relu=relu, align="top-left")
+
+
+def idx_gqa_mod(q, k, q_idx, k_idx, weights, *, causal, scale, relu):
+    return indexer_formula(q, k, q_idx, k_idx, weights, causal=causal, scale=scale, relu=relu, mapping="mod")
+
+
+def idx_mean_log_probs(q, k, q_idx, k_idx, weights, *, causal, scale, relu):
+    return indexer_formula(q, k, q_idx, k_idx, weights, causal=causal, scale=scale, relu=relu, target="mean_log")
+
+
+def idx_mean_of_head_kls(q, k, q_idx, k_idx, weights, *, causal, scale, relu):
+    return indexer_formula(q, k, q_idx, k_idx, weights, causal=causal, scale=scale, relu=relu, target="mean_kl")
+
+
+def idx_zero_times_nan(q, k, q_idx, k_idx, weights, *, causal, scale, relu):
+    return indexer_formula(q, k, q_idx, k_idx, weights, causal=causal, scale=scale, relu=relu, leak=True)
+
+
+def idx_always_relu(q, k, q_idx, k_idx, weights, *, causal, scale, relu):
+    """Ignores ``relu=False``."""
+    return indexer_formula(q, k, q_idx, k_idx, weights, causal=causal, scale=scale, relu=True)
+
+
+def idx_megatron_sum(q, k, q_idx, k_idx, weights, *, causal, scale, relu):
+    """Megatron-style ``[S, B, H, D]`` tensors arrive as bnhd here via the adapter; returns the sum."""
+    t = [x.transpose(1, 2) for x in (q, k, q_idx, k_idx, weights)]
+    return idx_correct(*t, causal=causal, scale=scale, relu=relu).sum()

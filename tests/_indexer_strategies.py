@@ -6,7 +6,7 @@ relu``. Shapes stay tiny so the mpmath ground truth is cheap; entries are bounde
 
 Tolerance scale (:func:`indexer_logit_scale`): per row, the largest visible ``|S_h|`` and
 ``|I|``. The KL is ``Σ p log p − Σ p·I + LSE_I``: terms of that size cancel, so a float
-computation of it errs by a few ulps of ``1 + scale`` (use ``_ref_strategies.kl_tolerance``).
+computation of it errs by a few ulps of ``1 + scale`` (use ``streamkl_ref.strategies.kl_tolerance``).
 """
 from __future__ import annotations
 

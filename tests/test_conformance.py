@@ -14,9 +14,12 @@ import _conformance_impls as impls
 from streamkl_ref import testing
 from streamkl_ref.testing import (
     ATTENTION_CASES,
+    INDEXER_CASES,
     assert_attention_kl_conforms,
+    assert_indexer_kl_conforms,
     attention_cases,
     check_attention_kl,
+    check_indexer_kl,
     tolerance,
 )
 
@@ -173,10 +176,9 @@ def test_streamkl_gpu_kernels_pass_the_quick_battery_under_the_interpreter():
     assert report.passed and not report.skipped, report.table(report.failed)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 9 §1: the kernels build log_ratio from unmasked scores "
-                                       "(0·NaN); remove this mark when the NaN-isolation fix lands")
 def test_streamkl_gpu_kernels_isolate_planted_nan():
-    cases = [c for c in attention_cases(quick=True) if c.plant]
+    """Before the issue-9 §1 fix this failed on nan_keys (kl, dq1, dq2 all NaN: 0·NaN)."""
+    cases = [c for c in ATTENTION_CASES if c.plant]
     report = check_attention_kl(__import__("streamkl_gpu").attention_kl, cases=cases)
     assert report.passed, report.table(report.failed)
 
@@ -239,3 +241,85 @@ def test_cli_verify_help_is_plain_text_and_every_option_has_help():
     assert all(a.help and a.help.strip() for a in actions), [a.dest for a in actions if not a.help]
     for a in actions:
         assert all(opt in proc.stdout for opt in a.option_strings)
+
+
+# ---- the indexer loss
+WRONG_INDEXER = [
+    (impls.idx_top_left, "causal_nq<nk", "kl"),
+    (impls.idx_gqa_mod, "gqa", "kl"),
+    (impls.idx_mean_log_probs, "ragged", "kl"),  # a geometric mean of the heads is not the mixture
+    (impls.idx_mean_of_head_kls, "ragged", "kl"),  # the same gradient, a different value
+    (impls.idx_zero_times_nan, "nan_keys", "kl of rows 0-9 (unreached)"),
+    (impls.idx_always_relu, "no_relu", "kl"),
+]
+
+
+@pytest.mark.parametrize("fn, case, quantity", WRONG_INDEXER, ids=[w[0].__name__ for w in WRONG_INDEXER])
+def test_each_wrong_indexer_loss_fails_naming_the_case_and_the_quantity(fn, case, quantity):
+    report = check_indexer_kl(fn, supports=FWD_ONLY)
+    assert {r.case for r in report.failed} <= {c.name for c in INDEXER_CASES}
+    with pytest.raises(AssertionError) as info:
+        assert_indexer_kl_conforms(fn, supports=FWD_ONLY, cases=[c for c in INDEXER_CASES if c.name == case])
+    line = next((ln for ln in str(info.value).splitlines()
+                 if ln.startswith(case + " ") and f" {quantity} " in ln), None)
+    assert line is not None and "FAIL" in line, str(info.value)
+    if fn in (impls.idx_zero_times_nan, impls.idx_always_relu, impls.idx_gqa_mod):
+        assert {r.case for r in report.failed} == {case}  # invisible to every other case
+
+
+def test_a_dense_indexer_loss_passes_through_the_adapters_and_isolates_the_forward_only():
+    assert_indexer_kl_conforms(impls.idx_correct, supports=FWD_ONLY)
+    assert_indexer_kl_conforms(impls.idx_megatron_sum, supports=FWD_ONLY, layout="bnhd", returns="sum")
+    report = assert_indexer_kl_conforms(impls.idx_top_left, supports=FWD_ONLY, causal_align="top-left")
+    assert {r.case for r in report.skipped if r.quantity == "(all)"} == {"causal_nq>nk"}
+    leaky = check_indexer_kl(impls.idx_correct)  # autograd's matmul backward: 0 * NaN
+    assert {r.case for r in leaky.failed} == {"nan_keys", "nan_queries"}
+    assert all(r.quantity.startswith(("dq_idx", "dk_idx", "dweights")) for r in leaky.failed)
+
+
+def test_streamkl_gpu_indexer_kernel_conforms_under_the_interpreter():
+    from streamkl_gpu import indexer_kl
+
+    report = check_indexer_kl(indexer_kl, quick=True)
+    assert report.passed and not report.skipped, report.table(report.failed)
+
+    def megatron_mean(*args, **kw):
+        return indexer_kl(*args, reduction="mean", **kw)
+
+    cases = [c for c in INDEXER_CASES if c.name == "causal_nq>nk"]  # mean over rows that see a key
+    assert check_indexer_kl(megatron_mean, returns="mean", cases=cases).passed
+
+
+def test_cli_verify_indexer(capsys):
+    from streamkl_gpu.verify import main
+
+    assert main(["--impl", "_conformance_impls:idx_gqa_mod", "--indexer", "--quick",
+                 "--supports", '{"nan_isolation": "forward"}']) == 1
+    out = capsys.readouterr().out
+    assert "gqa " in out and "FAIL" in out
+
+
+def test_the_peers_table_in_the_docs_is_rendered_from_the_committed_results():
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import conformance_peers
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    csv_path = ROOT / "bench" / "results" / "conformance_peers_cpu_2026-12-01.csv"
+    table = (ROOT / "docs" / "_generated" / "conformance_peers.md").read_text()
+    assert table == conformance_peers.render_markdown(csv_path)
+    data = json.loads(csv_path.with_suffix(".json").read_text())
+    assert data["peers"]["torch_kl_div_inf_mask"]["passed"] is False  # NaN from -inf masks
+    assert data["peers"]["torch_kl_div_finite_mask"]["passed"] is True
+    assert data["peers"]["fla_fused_kl_div"]["passed"] is True
+
+
+def test_the_peers_script_runs_and_finds_the_kl_div_nan(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "conformance_peers.py"), str(tmp_path),
+                           "--device", "cpu", "--quick", "--peers", "torch_kl_div_inf_mask,torch_kl_div_finite_mask"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = {ln.split()[0]: ln for ln in proc.stdout.splitlines() if ln.startswith("torch_")}
+    assert lines["torch_kl_div_inf_mask"].split()[1] == "False" and "causal_nq<nk:kl" in lines["torch_kl_div_inf_mask"]
+    assert lines["torch_kl_div_finite_mask"].split()[1] == "True"
+    assert (tmp_path / "conformance_peers.json").exists() and (tmp_path / "conformance_peers.md").exists()

@@ -16,7 +16,7 @@ from _indexer_strategies import (
     indexer_problems,
     make_indexer_problem,
 )
-from _ref_strategies import EPS32, EPS64, assert_close_rows, kl_tolerance
+from streamkl_ref.strategies import EPS32, EPS64, assert_close_rows, kl_tolerance
 from streamkl_ref import (
     attention_kl,
     indexer_kl,
