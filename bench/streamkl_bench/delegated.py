@@ -59,6 +59,8 @@ DELEGATED = {
                    budget_flag="--budget-s"),
     "nan": Delegate("nan_check.py", "NaN/inf isolation through the public API (bitwise vs the clean run)", 150,
                     tiny_args=("--tiny",), optional=True),
+    "nan_cost": Delegate("nan_cost.py", "what the NaN-isolation guards cost at 8K: this tree vs the legacy "
+                         "tree (.legacy/fec3a94, carry it), interleaved", 180, optional=True),
 }
 
 
