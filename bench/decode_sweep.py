@@ -15,7 +15,7 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.environ.get("STREAMKL_IMPORT_ROOT", ROOT))  # a legacy tree for before/after runs
 
 SPLITS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -51,7 +51,7 @@ def main(argv=None):
             g = torch.Generator(device="cuda").manual_seed(1)
             k1 = torch.randn(B, H, NK, D, device="cuda", dtype=torch.bfloat16, generator=g)
             k2 = torch.randn(B, H, NK, D, device="cuda", dtype=torch.bfloat16, generator=g)
-            floor = 2 * k1.numel() * k1.element_size() / (bw / 2) * 1e3  # read once at the copy rate
+            floor = 2 * k1.numel() * k1.element_size() / bw * 1e3  # K1 and K2 read once, at the copy rate (read + written bytes/s)
             for NQ in (1, 16, 64):
                 q1 = torch.randn(B, H, NQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
                 q2 = torch.randn(B, H, NQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -69,6 +69,10 @@ def main(argv=None):
             del k1, k2
             torch.cuda.empty_cache()
     f.close()
+    from streamkl_gpu import _tuning
+    with open(os.path.join(out_dir, "decode_tuning.txt"), "w") as fh:  # what the tuner measured per key
+        for key, measured in getattr(_tuning, "TUNING_LOG", {}).items():
+            fh.write(f"{key}\n" + "".join(f"    {cfg}  {ms:.4f} ms\n" for cfg, ms in sorted(measured, key=lambda x: x[1])))
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read + written)")
     print(f"{'B':>2} {'N_Q':>4} {'N_K':>7} {'auto ms':>8} {'best split':>10} {'best ms':>8} {'auto/best':>9} {'auto/floor':>10}")
     for B, NQ, NK, ta, best, tb, floor in table:

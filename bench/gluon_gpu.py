@@ -2,18 +2,20 @@
 
     python bench/gluon_gpu.py OUT_DIR [--quick] [--budget SECONDS] [--no-autotune]
 
-Sections, in priority order (a time budget skips what does not fit, recorded as ``skipped``):
+Sections (a time budget skips what does not fit, recorded as ``skipped``; the SASS always runs):
 1. check: the Gluon path (forced) vs the Triton path (forced) vs float64, every case class:
    bf16/fp16, ragged N, causal N_Q < N_K and N_Q > N_K (empty rows), GQA, D1 != D2 (64/128),
    transposed layouts, small N_Q, large logits, NaN in invisible keys / in one query row.
    Outputs are NaN-poisoned before the launch (_runtime.POISON_FRESH), so an unwritten row fails.
-2. sass: the SASS of every Gluon kernel the run compiled (triton's bundled cuobjdump), with the
-   HGMMA / WARPGROUP.DEPBAR / STL / LDL counts per main loop (files in OUT_DIR/sass/).
-3. targets: B=1, H=32, D=128 bf16 forward at N = 8K..64K, causal and not: gluon, triton (forced),
+2. targets: B=1, H=32, D=128 bf16 forward at N = 8K..64K, causal and not: gluon, triton (forced),
    auto, and SDPA (default dispatch, same shape, is_causal).
+3. variants: the Gluon kernel beside deliberately wrong variants (no exponentials, no second
+   product, no acc work) and other launch configs, 8K (bench/NOTES.md's variant-timing method).
 4. grid: the no-regression grid, auto vs forced triton (and gluon where it takes the shape):
    N = 1K..64K at D=128 bf16 and fp16, D in {64, 96, 256}, GQA 32:8, D1 != D2 = 128/64, decode
    N_Q in {1, 16}.
+5. sass: the SASS of every Gluon kernel the run compiled (triton's bundled cuobjdump), with the
+   HGMMA / WARPGROUP.DEPBAR / STL / LDL counts per main loop (files in OUT_DIR/sass/).
 A failing case is caught, printed (with the compile error) and recorded; the run goes on.
 Writes OUT_DIR/gluon_gpu.csv (long format: one row per case, provider and metric) and
 OUT_DIR/gluon_gpu.log; prints short tables last.
@@ -142,23 +144,30 @@ def check_cases(quick):
             (f"{dt} D1/D2 64/128 ragged 900x700 full", dict(B=1, H=4, HK1=4, HK2=1, NQ=900, NK=700, D1=64, D2=128), False, {}),
             (f"{dt} D 64/64 ragged 333x1000 causal", dict(B=1, H=3, HK1=3, HK2=3, NQ=333, NK=1000, D1=64, D2=64), True, {}),
         ]
+        cases += [
+            (f"{dt} transposed [B,N,H,D] 512x768 causal", dict(B=2, H=4, HK1=4, HK2=2, NQ=512, NK=768, D1=128, D2=128), True, dict(layout="bnhd")),
+            (f"{dt} N_Q 1 x 300 causal", dict(B=1, H=8, HK1=8, HK2=8, NQ=1, NK=300, D1=64, D2=128), True, {}),
+        ]
         if not quick:
             cases += [
-                (f"{dt} transposed [B,N,H,D] 512x768 causal", dict(B=2, H=4, HK1=4, HK2=2, NQ=512, NK=768, D1=128, D2=128), True, dict(layout="bnhd")),
                 (f"{dt} large logits x8 600x600 full", dict(B=1, H=2, HK1=2, HK2=2, NQ=600, NK=600, D1=128, D2=128), False, dict(scale=8.0)),
                 (f"{dt} small N_Q 16 x 5000 full", dict(B=1, H=8, HK1=8, HK2=8, NQ=16, NK=5000, D1=128, D2=128), False, {}),
-                (f"{dt} N_Q 1 x 300 causal", dict(B=1, H=8, HK1=8, HK2=8, NQ=1, NK=300, D1=64, D2=128), True, {}),
                 (f"{dt} N_K 1..100 tiny 130x100 causal", dict(B=1, H=2, HK1=2, HK2=2, NQ=130, NK=100, D1=128, D2=128), True, {}),
                 (f"{dt} 4096x4096 causal", dict(B=1, H=4, HK1=4, HK2=4, NQ=4096, NK=4096, D1=128, D2=128), True, {}),
             ]
+        if quick and dt == "fp16":  # fp16 in --quick: the dtype on three of the classes
+            cases = [c for c in cases if not c[0].startswith("fp16")] + [
+                c for c in cases if c[0].startswith("fp16") and ("aligned 1024x1024 causal" in c[0] or "128/64" in c[0])]
         cases += [(f"{dt} NaN in invisible keys 300x300 causal", dict(B=1, H=2, HK1=2, HK2=2, NQ=300, NK=300, D1=128, D2=128), True, dict(nan="keys")),
                   (f"{dt} NaN in one query row 260x700 full", dict(B=1, H=2, HK1=2, HK2=2, NQ=260, NK=700, D1=128, D2=128), False, dict(nan="query"))]
     return cases
 
 
 def run_check(quick):
-    log("== check: gluon vs triton vs float64 (outputs NaN-poisoned)")
+    log("== check: gluon vs triton vs float64 (outputs NaN-poisoned; Triton path untuned: first config)")
     _runtime.POISON_FRESH = True
+    tune = os.environ.get("STREAMKL_AUTOTUNE")
+    os.environ["STREAMKL_AUTOTUNE"] = "0"  # accuracy does not need tuned configs (saves compiles)
     results = []
     for i, (name, shape, causal, opts) in enumerate(check_cases(quick)):
         dtype = torch.bfloat16 if name.startswith("bf16") else torch.float16
@@ -211,6 +220,10 @@ def run_check(quick):
         finally:
             torch.cuda.empty_cache()
     _runtime.POISON_FRESH = False
+    if tune is None:
+        os.environ.pop("STREAMKL_AUTOTUNE")
+    else:
+        os.environ["STREAMKL_AUTOTUNE"] = tune
     return results
 
 
@@ -233,12 +246,14 @@ def run_sass(out_dir):
             spills = getattr(k, "n_spills", None)
             loops = [(lp["hgmma"], lp["depbar"], lp["ex2"], lp["ex2_between_waits"]) for lp in c["loops"]]
             ok = c["stl"] == 0 and c["ldl"] == 0 and c["hgmma"] > 0 and loops and all(1 <= d <= 2 for _, d, _, _ in loops)
+            if label.startswith("variant"):  # timing variants: reported, not judged
+                ok = None
             for m in ("hgmma", "depbar", "stl", "ldl", "ex2"):
                 record("sass", label, name, m, c[m])
             record("sass", label, name, "loops(hgmma,depbar,ex2,ex2_between_waits)", json.dumps(loops),
-                   "ok" if ok else "FAIL", f"regs={regs} spills={spills}")
+                   "ok" if ok else ("info" if ok is None else "FAIL"), f"regs={regs} spills={spills}")
             summary.append((name, label, ok, c, loops, regs, spills))
-            log(f"{'ok  ' if ok else 'FAIL'} {name} ({label}): HGMMA={c['hgmma']} DEPBAR={c['depbar']} STL={c['stl']} "
+            log(f"{'ok  ' if ok else ('info' if ok is None else 'FAIL')} {name} ({label}): HGMMA={c['hgmma']} DEPBAR={c['depbar']} STL={c['stl']} "
                 f"LDL={c['ldl']} regs={regs} spills={spills} loops={loops}")
         except Exception as exc:
             log(f"ERROR sass {label}: {type(exc).__name__}: {exc}")
@@ -335,6 +350,44 @@ def run_timing(section, points, warmup, rep, budget):
     return table
 
 
+def run_variants(quick, warmup, rep, budget):
+    """Time the Gluon kernel beside deliberately wrong variants of it (bench/NOTES.md's method:
+    what the time is made of) and a few launch configurations, at B=1, H=32, D=128, bf16, 8K."""
+    from streamkl_gpu import _gluon_fwd
+
+    log("== variants and configs of the Gluon kernel (8K, bf16, D=128; wrong results on purpose)")
+    table = []
+    sc = 1.0 / math.sqrt(128)
+    runs = [(v, None) for v in _gluon_fwd.VARIANTS if not (quick and v == "no_acc")]
+    if not quick:
+        runs += [("kernel", c) for c in (dict(maxnreg=224), dict(BLOCK_N=64, NUM_STAGES=4))]
+    for causal in ((False,) if quick else (False, True)):
+        sh = shape(8 * K)
+        sh.pop("dtype")
+        xs = make_case(**sh, dtype=torch.bfloat16, seed=3)
+        times = {}
+        for variant, config in runs:
+            name = variant if config is None else "kernel " + ",".join(f"{k}={v}" for k, v in config.items())
+            meta = dict(dtype="bf16", causal=int(causal), **{k.lower(): v for k, v in sh.items()})
+            if budget.left() < 10:
+                record("variants", name, "gluon", "ms", None, "skipped", "time budget", **meta)
+                continue
+            try:
+                fn = lambda: _gluon_fwd.gluon_forward(*xs, causal, sc, sc, config=config, variant=variant)  # noqa: E731
+                ms = time_ms(fn, warmup, rep)
+                note_gluon_kernel(f"variant {name} causal={int(causal)}")
+                times[name] = ms
+                record("variants", name, "gluon", "ms", ms, **meta)
+            except Exception as exc:
+                record("variants", name, "gluon", "ms", None, "ERROR", f"{type(exc).__name__}: {str(exc)[:2000]}", **meta)
+                log(f"ERROR variant {name}: {traceback.format_exc()[-3000:]}")
+        log(f"variants causal={int(causal)}: " + " ".join(f"{k}={v:.3f}" for k, v in times.items()))
+        table.append((causal, times))
+        xs = None
+        torch.cuda.empty_cache()
+    return table
+
+
 def shape(N, NQ=None, D1=128, D2=128, H=32, HK=None, dtype="bf16"):
     HK = HK or H
     return dict(B=1, H=H, HK1=HK, HK2=HK, NQ=NQ or N, NK=N, D1=D1, D2=D2, dtype=dtype)
@@ -379,6 +432,7 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="fewer cases and sizes (about 3 minutes)")
     p.add_argument("--budget", type=float, default=None, help="seconds for the whole run (default 170 quick, 540)")
     p.add_argument("--no-autotune", action="store_true", help="Triton path: first config, no tuning")
+    p.add_argument("--no-check", action="store_true", help="skip the correctness section (timing only)")
     a = p.parse_args(argv)
     os.makedirs(a.out_dir, exist_ok=True)
     if a.no_autotune:
@@ -391,10 +445,13 @@ def main(argv=None):
     log(f"env {env}")
     warmup, rep = (10, 40) if a.quick else (20, 80)
 
-    checks = run_check(a.quick)
+    checks = [] if a.no_check else run_check(a.quick)
     targets, grid = [], []
     if budget.left() > 20:
         targets = run_timing("targets", target_points(a.quick), warmup, rep, budget)
+    variants = []
+    if budget.left() > 30:
+        variants = run_variants(a.quick, warmup, rep, budget)
     if budget.left() > 20:
         grid = run_timing("grid", grid_points(a.quick), warmup, rep, budget)
     sass = run_sass(a.out_dir)
@@ -412,8 +469,10 @@ def main(argv=None):
     n_ok = sum(ok for _, ok, _ in checks)
     out.append(f"check: {n_ok}/{len(checks)} pass")
     out += [f"  FAIL {n}: {d}" for n, ok, d in checks if not ok]
-    out.append(f"sass: {sum(s[2] for s in sass)}/{len(sass)} kernels ok (no STL/LDL, HGMMA, 1-2 DEPBAR per loop)")
-    out += [f"  {s[0]} {'ok  ' if s[2] else 'FAIL'} {s[1]}: HGMMA={s[3]['hgmma']} DEPBAR={s[3]['depbar']} "
+    judged = [s for s in sass if s[2] is not None]
+    out.append(f"sass: {sum(bool(s[2]) for s in judged)}/{len(judged)} kernels ok (no STL/LDL, HGMMA, 1-2 DEPBAR "
+               "per loop; timing variants: info only)")
+    out += [f"  {s[0]} {'ok  ' if s[2] else ('info' if s[2] is None else 'FAIL')} {s[1]}: HGMMA={s[3]['hgmma']} DEPBAR={s[3]['depbar']} "
             f"STL={s[3]['stl']} LDL={s[3]['ldl']} regs={s[5]} loops={s[4]}" for s in sass]
     out.append("targets (ms; ratio to SDPA): case | gluon | triton | auto | sdpa | gluon/sdpa | triton/sdpa")
     for case, _, t in targets:
@@ -432,7 +491,12 @@ def main(argv=None):
         out.append(f"  {case:28s} | {f_('gluon')} | {f_('triton')} | {f_('auto')} | "
                    f"{'-' if at is None else f'{at:.3f}'}{' REGRESSION' if at and at > 1.03 else ''} | "
                    f"{'-' if gt is None else f'{gt:.3f}'}")
-    out.append(f"worst auto/triton: {worst:.3f}; total {time.time() - T0:.0f}s")
+    out.append(f"worst auto/triton: {worst:.3f}")
+    for causal, t in variants:
+        base = t.get("kernel")
+        out.append(f"variants causal={int(causal)} (ms; ratio to the kernel): " + ", ".join(
+            f"{k} {v:.3f}" + (f" ({v / base:.2f})" if base else "") for k, v in t.items()))
+    out.append(f"total {time.time() - T0:.0f}s")
     for line in out:
         log(line)
     with open(os.path.join(a.out_dir, "gluon_gpu.log"), "w") as f:

@@ -24,7 +24,8 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+LABEL = os.environ.get("STREAMKL_BENCH_LABEL", "")  # e.g. " [fec3a94]" for a legacy tree
+sys.path.insert(0, os.environ.get("STREAMKL_IMPORT_ROOT", ROOT))  # a legacy tree for before/after runs
 
 
 def _rows_writer(out_dir, name):
@@ -58,8 +59,14 @@ def host_cost(out_dir, n_calls=1000, profile=False):
     def sdpa():
         return F.scaled_dot_product_attention(q, k, k)
 
+    qs, ks = q.clone().requires_grad_(), k.clone().requires_grad_()
+
+    def sdpa_fwd_bwd():
+        F.scaled_dot_product_attention(qs, ks, ks).sum().backward()
+
     results = {}
-    for name, fn in (("forward", fwd), ("forward+backward", fwd_bwd), ("sdpa_forward", sdpa)):
+    for name, fn in (("forward", fwd), ("forward+backward", fwd_bwd), ("sdpa_forward", sdpa),
+                     ("sdpa_forward+backward", sdpa_fwd_bwd)):
         for _ in range(50):
             fn()
         torch.cuda.synchronize()
@@ -70,11 +77,11 @@ def host_cost(out_dir, n_calls=1000, profile=False):
         results[name] = (time.perf_counter() - t0) / n_calls * 1e6
     f, w = _rows_writer(out_dir, "host_cost.csv")
     for name, us in results.items():
-        w.writerow({"measure": "host_us_per_call", "provider": name, "shape": "B1 H1 NQ1 NK64 D64 bf16",
+        w.writerow({"measure": "host_us_per_call", "provider": name + LABEL, "shape": "B1 H1 NQ1 NK64 D64 bf16",
                     "value": f"{us:.1f}", "unit": "us", "note": f"{n_calls} back-to-back calls"})
     f.close()
     for name, us in results.items():
-        print(f"host cost {name:18s} {us:8.1f} us/call", flush=True)
+        print(f"host cost {name + LABEL:30s} {us:8.1f} us/call", flush=True)
     if profile:
         import cProfile
         import io
@@ -91,7 +98,7 @@ def host_cost(out_dir, n_calls=1000, profile=False):
             for sort in ("tottime", "cumulative"):
                 buf.write(f"\n===== {name}: 300 calls, sorted by {sort} =====\n")
                 pstats.Stats(pr, stream=buf).sort_stats(sort).print_stats(35)
-        with open(os.path.join(out_dir, "host_profile.txt"), "w") as fh:
+        with open(os.path.join(out_dir, "host_profile%s.txt" % LABEL.strip(" []").replace(" ", "_")), "w") as fh:
             fh.write(buf.getvalue())
     return results
 
@@ -109,11 +116,14 @@ t0 = time.perf_counter(); streamkl_gpu.attention_kl(*xs, causal=causal); torch.c
 first = time.perf_counter() - t0
 t0 = time.perf_counter(); streamkl_gpu.attention_kl(*xs, causal=causal); torch.cuda.synchronize()
 second = time.perf_counter() - t0
-print(json.dumps({"first_s": first, "second_s": second}))
+from streamkl_gpu import _tuning
+stats = getattr(_tuning, "TUNING_STATS", {})
+print(json.dumps({"first_s": first, "second_s": second, "tuning_compile_s": stats.get("compile_s"),
+                  "tuning_timing_s": stats.get("timing_s")}))
 """
 
 
-def first_call(out_dir, shapes=((524288, 8, True), (16384, 32, False), (16384, 32, True))):
+def first_call(out_dir, shapes=((524288, 8, True), (16384, 32, True))):
     """First and second call in a fresh process (empty cache), then again with the cache kept."""
     f, w = _rows_writer(out_dir, "host_cost.csv")
     cache = tempfile.mkdtemp(prefix="streamkl-cache-")
@@ -134,11 +144,14 @@ def first_call(out_dir, shapes=((524288, 8, True), (16384, 32, False), (16384, 3
             shape = f"N{N} H{H} D128 bf16 causal={causal}"
             note = ("fresh process; triton kernel cache shared between runs, streamkl tuning cache "
                     + ("empty" if run == "cold" else "from the cold run"))
-            for m in ("first_s", "second_s"):
-                w.writerow({"measure": m.replace("_s", "_call_s"), "provider": run, "shape": shape,
-                            "value": f"{res[m]:.3f}", "unit": "s", "note": note})
+            for m, name in (("first_s", "first_call_s"), ("second_s", "second_call_s"),
+                            ("tuning_compile_s", "first_call_compile_s"), ("tuning_timing_s", "first_call_tuning_s")):
+                if res.get(m) is not None:
+                    w.writerow({"measure": name, "provider": run, "shape": shape,
+                                "value": f"{res[m]:.3f}", "unit": "s", "note": note})
             print(f"first call {shape:32s} {run:6s} first {res['first_s']:7.2f} s  second {res['second_s']:7.3f} s"
-                  f"  (process {wall:.1f} s)", flush=True)
+                  f"  compiling candidates {res.get('tuning_compile_s') or 0:6.2f} s  timing them "
+                  f"{res.get('tuning_timing_s') or 0:5.2f} s  (process {wall:.1f} s)", flush=True)
     f.close()
 
 

@@ -3,14 +3,15 @@
     python bench/nan_check.py OUT_DIR            # on the GPU (about 30-60 s, mostly compiling)
     python bench/nan_check.py OUT_DIR --tiny     # CPU smoke run under the Triton interpreter
 
-For a few shapes (ragged, two tile-sized ones, N_Q > N_K with empty rows, 2K keys through the TMA
-path on Hopper, a decode shape that the forward splits over keys), causal, in bf16, fp16 and fp32:
+For a few shapes (ragged with GQA in bf16, fp16 and fp32; two tile-sized ones, 128 and 2K keys, the
+latter through the TMA path on Hopper; N_Q > N_K with empty rows; a decode shape that the forward
+splits over keys; the others in bf16), causal:
 every input is a strided view into a larger NaN-filled buffer (NaN just past N_K, past D and past
 the heads), and two poison sets are planted: "keys" (NaN and +-inf in keys past the causal
 frontier of most rows) and "rows" (NaN/inf in query rows, one an empty row when N_Q > N_K, and NaN
 in an upstream-gradient row). Against the clean run (same layout, finite padding):
 
-- forward (split_k=1 and the automatic split): KL, LSE1, LSE2 of every unreached row bitwise equal;
+- forward (Triton one pass, Triton split-K, Gluon): KL, LSE1, LSE2 of unreached rows bitwise equal;
 - backward, deterministic=True: dq1, dq2 of unreached rows and dk1, dk2 of unreached keys bitwise;
 - backward with atomics (bwd_mode="fused", and "separate" whose GQA dk adds atomically): the same
   entries within 2 ulp of the dtype relative plus 1e-4 of the tensor's largest entry;
@@ -20,7 +21,8 @@ A row is *reached* if it holds a poisoned query (or upstream gradient, for the g
 a poisoned key and sees at least one key; a key's dk is reached if a reached row sees it. Writes
 ``nan_check.csv`` (one line per compared tensor) to OUT_DIR and prints a pass/fail table last.
 Exit status 0 only if everything passed. STREAMKL_AUTOTUNE=0 is set (one fixed launch config per
-shape, the same for the clean and poisoned runs, no tuning time).
+shape, the same for the clean and poisoned runs, no tuning time); STREAMKL_FWD_BACKEND picks the
+forward kernel per path (Triton one pass, Triton split-K, Gluon where it takes the problem).
 """
 from __future__ import annotations
 
@@ -53,13 +55,12 @@ class Case:
 
 
 def gpu_cases():
-    all3 = ("bf16", "fp16", "fp32")
+    """Few dtype/shape combinations: each one compiles its own kernels (most of the run time)."""
     return [
-        Case("ragged-200", 1, 4, 1, 2, 200, 200, 64, 64, all3, layout="bnhd"),
-        Case("tile-128", 1, 2, 2, 2, 128, 128, 64, 64, all3, pad=(1, 0, 16, 8)),
-        Case("tile-256-d128", 1, 2, 1, 1, 256, 256, 128, 128, ("bf16", "fp16")),
-        Case("nq>nk", 1, 2, 1, 2, 300, 100, 64, 32, all3, layout="bnhd"),
-        Case("tma-2k", 1, 2, 1, 2, 2048, 2048, 128, 128, ("bf16", "fp16"), pad=(0, 1, 64, 8)),
+        Case("ragged-200-gqa", 1, 4, 1, 2, 200, 200, 64, 64, ("bf16", "fp16", "fp32"), layout="bnhd"),
+        Case("tile-128", 1, 2, 2, 2, 128, 128, 128, 128, ("bf16",), pad=(1, 0, 16, 8)),
+        Case("nq>nk", 1, 2, 1, 2, 300, 100, 64, 64, ("bf16",), layout="bnhd"),
+        Case("tma-2k", 1, 2, 1, 2, 2048, 2048, 128, 128, ("bf16",), pad=(0, 1, 64, 8)),
         Case("decode-16x4k", 1, 4, 1, 1, 16, 4096, 64, 64, ("bf16",)),
     ]
 
@@ -214,6 +215,24 @@ def main(out_dir, tiny: bool = False) -> bool:
                      "pass": int(passed), "detail": ""})
         return passed
 
+    # (name, kind, argument, forward backend): the forward on the Triton kernel in one pass (keys
+    # through TMA from 2K keys on Hopper) and split over keys as it picks, on the Gluon kernel
+    # (forced: "n/a" where it does not take the problem), and the backward paths (forward "auto")
+    paths = [("fwd triton", "fwd", 1, "triton"), ("fwd triton split=auto", "fwd", None, "triton"),
+             ("fwd gluon", "fwd", 1, "gluon"), ("bwd deterministic", "bwd", ("auto", True), "auto"),
+             ("bwd fused", "bwd", ("fused", False), "auto"), ("bwd separate", "bwd", ("separate", False), "auto")]
+
+    def run_path(kind, arg, backend, views, g):
+        saved = os.environ.get("STREAMKL_FWD_BACKEND")
+        os.environ["STREAMKL_FWD_BACKEND"] = backend
+        try:
+            return forward(views, arg) if kind == "fwd" else backward(views, g, *arg)
+        finally:
+            if saved is None:
+                os.environ.pop("STREAMKL_FWD_BACKEND", None)
+            else:
+                os.environ["STREAMKL_FWD_BACKEND"] = saved
+
     summary = {}
     cases = tiny_cases() if tiny else gpu_cases()
     for case in cases:
@@ -222,20 +241,28 @@ def main(out_dir, tiny: bool = False) -> bool:
             xs, g = make_inputs(case, dtype, seed=case.NQ * 7 + case.NK)
             clean_views = [place(case, x, 0.0) for x in xs]
             tma = tma_expected(case, clean_views)
-            paths = [("fwd split_k=1", "fwd", 1), ("fwd split_k=auto", "fwd", None),
-                     ("bwd deterministic", "bwd", ("auto", True)), ("bwd fused", "bwd", ("fused", False)),
-                     ("bwd separate", "bwd", ("separate", False))]
             clean_out = {}
-            for path, kind, arg in paths:
-                clean_out[path] = forward(clean_views, arg) if kind == "fwd" else backward(clean_views, g, *arg)
+            for path, kind, arg, backend in paths:
+                try:
+                    clean_out[path] = run_path(kind, arg, backend, clean_views, g)
+                except ValueError as exc:  # a forced backend that does not take this problem
+                    if backend != "gluon":
+                        raise
+                    clean_out[path] = f"n/a: {exc}"
             for poison in ("keys", "rows"):
                 bad_xs, bad_g = poisoned(case, xs, g, poison)
                 views = [place(case, x, math.nan) for x in bad_xs]
                 reach = taint(case, poison)
-                for path, kind, arg in paths:
-                    meta = dict(case=case.name, dtype=dname, poison=poison, path=path, tma_expected=int(tma))
+                for path, kind, arg, backend in paths:
+                    meta = dict(case=case.name, dtype=dname, poison=poison, path=path,
+                                tma_expected=int(tma and path == "fwd triton"))
+                    key = (case.name, dname, path)
+                    if isinstance(clean_out[path], str):
+                        rows.append({**meta, "tensor": "-", "pass": "", "detail": clean_out[path][:300]})
+                        summary.setdefault(key, None)
+                        continue
                     try:
-                        out = forward(views, arg) if kind == "fwd" else backward(views, bad_g, *arg)
+                        out = run_path(kind, arg, backend, views, bad_g)
                         exact = kind == "fwd" or arg[1]
                         ok = True
                         for name, x in out.items():
@@ -247,10 +274,9 @@ def main(out_dir, tiny: bool = False) -> bool:
                     except Exception as exc:  # report, keep checking the rest
                         rows.append({**meta, "tensor": "-", "pass": 0, "detail": f"{type(exc).__name__}: {exc}"[:300]})
                         ok = False
-                    key = (case.name, dname, path)
-                    summary[key] = summary.get(key, True) and ok
+                    summary[key] = summary.get(key, True) is not False and ok
             print(f"{case.name:14s} {dname}: done at {time.time() - t_start:.1f} s"
-                  + (" (TMA expected)" if tma else ""), flush=True)
+                  + (" (Triton TMA path expected)" if tma else ""), flush=True)
 
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "nan_check.csv"), "w", newline="") as f:
@@ -259,17 +285,20 @@ def main(out_dir, tiny: bool = False) -> bool:
         for r in rows:
             w.writerow({k: r.get(k, "") for k in COLUMNS})
     for r in rows:
-        if not r["pass"]:
+        if r["pass"] == 0:
             print("FAIL", {k: r.get(k, "") for k in COLUMNS if r.get(k, "") != ""}, flush=True)
     path_names = [p[0] for p in paths]
     print(f"\nNaN isolation check ({'CPU interpreter' if tiny else torch.cuda.get_device_name(device)}), "
-          f"{time.time() - t_start:.1f} s; each cell: both poison sets, every output", flush=True)
-    print(f"{'case':14s} {'dtype':5s} " + " ".join(f"{p:>17s}" for p in path_names))
+          f"{time.time() - t_start:.1f} s; each cell: both poison sets, every output "
+          f"(n/a: the forced Gluon forward does not take the problem; reason in the CSV)", flush=True)
+    width = max(len(p) for p in path_names)
+    print(f"{'case':15s} {'dtype':5s} " + " ".join(f"{p:>{width}s}" for p in path_names))
+    cell = {True: "pass", False: "FAIL", None: "n/a"}
     for case in cases:
         for dname in case.dtypes:
-            cells = ["pass" if summary[(case.name, dname, p)] else "FAIL" for p in path_names]
-            print(f"{case.name:14s} {dname:5s} " + " ".join(f"{c:>17s}" for c in cells))
-    all_ok = all(summary.values())
+            cells = [cell[summary[(case.name, dname, p)]] for p in path_names]
+            print(f"{case.name:15s} {dname:5s} " + " ".join(f"{c:>{width}s}" for c in cells))
+    all_ok = all(v is not False for v in summary.values())
     print("ALL PASS" if all_ok else "SOME FAILED (see the FAIL lines above and nan_check.csv)", flush=True)
     return all_ok
 

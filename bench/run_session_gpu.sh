@@ -18,8 +18,8 @@ for spec in "$@"; do
   timeout --signal=INT --kill-after=10 "$secs" python3 $cmd > "$work/$name/stdout.log" 2>&1
   rc=$?
   echo "$name rc=$rc $(( $(date +%s) - t0 ))s" >> "$work/status.txt"
+  tar czf "$OUT/results.tgz" -C "$work" .  # after every script: a run cut short keeps what it has
 done
-tar czf "$OUT/results.tgz" -C "$work" .
 cat "$work/env.txt" "$work/status.txt"
 for spec in "$@"; do
   name=${spec%%:*}

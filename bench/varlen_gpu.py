@@ -6,8 +6,9 @@
 (``--device cpu``: a smoke run of the whole script under the Triton interpreter at toy sizes,
 timed with a wall clock; its numbers mean nothing, it only checks that the script runs.)
 
-Checks (bf16, a small packing with zero-length, length-1 and N_Q != N_K sequences, GQA,
-D1 != D2, causal and not, fused and deterministic backward, split-K): the forward and the
+Checks (bf16, a small packing with zero-length, length-1 and N_Q != N_K sequences and one of
+2300 keys (TMA), GQA, D1 != D2, causal and not, fused, separate and deterministic backward,
+split-K): the forward and the
 setting-1 gradients (dq2, dk2) of ``attention_kl_varlen`` against ``streamkl_ref``'s float64
 ``attention_kl_varlen(_grad)``, with FlashAttention's tolerance rule (error <= 3x the error of
 the same math in bf16 PyTorch, sequence by sequence, + 5e-3).
@@ -16,7 +17,9 @@ Benchmark (H = 32, D = 128, bf16, causal): one packed batch of 80K tokens in 1x1
 4x4K + 8x2K + 16x1K documents, shuffled (seed 0); forward and forward+backward (setting 1:
 grads to q2, k2). Against
   (a) the same sequences, one ``attention_kl`` call each on ``[1, H, n, D]`` views of the packed
-      tensors (the kernel time of every call measured with do_bench, summed), and
+      tensors (the kernel time of every call measured with do_bench, summed; the forward also
+      with the Triton backend forced, since attention_kl may pick its Gluon forward on Hopper
+      while the packed path runs the Triton kernel), and
   (b) every sequence right-padded to 16K in one ``[31, H, 16K, D]`` causal ``attention_kl`` call.
 Peak extra memory: max_memory_allocated during the call minus what was allocated before it.
 Musts: packed <= 1.1x (a) and >= 2x faster than (b), forward and forward+backward.
@@ -114,7 +117,8 @@ def same_precision_bf16(xs, cu_q, cu_k, g, causal):
 
 
 def checks(out):
-    lens = [(100, 100), (0, 50), (257, 300), (1, 1), (64, 0), (513, 513), (300, 129), (7, 700)]
+    # the last sequence has >= 2048 keys: the forward reads keys through TMA descriptors there
+    lens = [(100, 100), (0, 50), (257, 300), (1, 1), (64, 0), (513, 513), (300, 129), (7, 700), (2100, 2300)]
     H, HK1, HK2, D1, D2 = 8, 4, 2, 128, 64
     if DEV == "cpu":
         lens = [(5, 5), (0, 3), (9, 12), (1, 1), (4, 0), (17, 17), (6, 3), (2, 20)]
@@ -238,7 +242,11 @@ def benchmark(out, quick=False, skip_padded=False):
 
     # (a) one attention_kl call per sequence, on [1, H, n, D] views of the packed tensors
     starts = np.concatenate([[0], np.cumsum(lens)])
-    fwd_sum = fb_sum = 0.0
+    fwd_sum = fb_sum = fwd_triton_sum = 0.0
+    try:  # attention_kl may run a Gluon forward on Hopper (streamkl_gpu._gluon_dispatch)
+        from streamkl_gpu import _gluon_dispatch as gluon_dispatch
+    except ImportError:
+        gluon_dispatch = None
     mem_a = 0
     for i, n in enumerate(lens):
         sl = slice(int(starts[i]), int(starts[i + 1]))
@@ -256,6 +264,13 @@ def benchmark(out, quick=False, skip_padded=False):
         with torch.no_grad():
             f_fwd()
             fwd_sum += timed(f_fwd)
+            if gluon_dispatch is not None:  # the same calls on the Triton forward (the kernel varlen runs)
+                gluon_dispatch.FWD_BACKEND = "triton"
+                try:
+                    f_fwd()
+                    fwd_triton_sum += timed(f_fwd)
+                finally:
+                    gluon_dispatch.FWD_BACKEND = None
         f_fb()
         fb_sum += timed(f_fb, grad_to_none=[v2, w2])
         v2.grad = w2.grad = None
@@ -263,6 +278,10 @@ def benchmark(out, quick=False, skip_padded=False):
         del v2, w2
     res["per_sequence", "fwd"] = fwd_sum
     res["per_sequence", "fwd_bwd"] = fb_sum
+    if gluon_dispatch is not None:
+        out.row("bench", "per_sequence", "attention_kl (STREAMKL_FWD_BACKEND=triton)", "fwd_ms",
+                f"{fwd_triton_sum:.4f}", "ms", "summed do_bench medians; varlen runs the Triton forward")
+        log(f"(a') per sequence, Triton forward forced, summed: fwd {fwd_triton_sum:.3f} ms")
     out.row("bench", "per_sequence", "attention_kl", "fwd_bwd_peak_extra", mem_a, "bytes",
             "largest single call (16K); its clones of q2/k2 not counted")
     log(f"(a) per sequence, summed: fwd {fwd_sum:.3f} ms, fwd+bwd {fb_sum:.3f} ms")

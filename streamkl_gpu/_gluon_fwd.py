@@ -71,12 +71,26 @@ def _load_partition(q1_desc, k1_desc, q2_desc, k2_desc, q1_smem, q2_smem, k1_sme
         _tma_load(k2_desc, [b, kv_head2, i * BLOCK_N, 0], k2_ready.index(s), k2_smem.index(s))
 
 
+# Timing variants (bench/gluon_gpu.py, the method of bench/NOTES.md): wrong results on purpose.
+VARIANTS = {"kernel": 0, "no_exp": 1, "no_second_product": 2, "no_acc": 3}
+
+
+@gluon.jit
+def _exp2(x, VARIANT: gl.constexpr):
+    if VARIANT == 1:  # no exponentials: what the tensor cores and the FP32 work alone cost
+        out = x
+    else:
+        out = gl.exp2(x)
+    return out
+
+
 @gluon.jit
 def _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, i, zero,
                rows, N_K, diag_offset, qk_scale1, qk_scale2,
                D1: gl.constexpr, D2: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-               MASKED: gl.constexpr, CAUSAL: gl.constexpr):
-    """Fold key tile i into the row states (the formulas of _fwd._fwd_key_range, same order)."""
+               MASKED: gl.constexpr, CAUSAL: gl.constexpr, VARIANT: gl.constexpr):
+    """Fold key tile i into the row states (the formulas of _fwd._fwd_key_range, same order).
+    VARIANT != 0: a deliberately wrong kernel for timing what bounds the real one (VARIANTS)."""
     m1, l1, m2, l2, acc = st
     acc_layout: gl.constexpr = _acc_layout(BLOCK_N)
     s = i % NUM_STAGES
@@ -86,7 +100,8 @@ def _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_em
     mbarrier.wait(k1_ready.index(s), ph)
     mbarrier.wait(k2_ready.index(s), ph)
     t1 = warpgroup_mma(q1, k1.permute((1, 0)), zero, use_acc=False, is_async=True)
-    t2 = warpgroup_mma(q2, k2.permute((1, 0)), zero, use_acc=False, is_async=True)
+    if VARIANT != 2:
+        t2 = warpgroup_mma(q2, k2.permute((1, 0)), zero, use_acc=False, is_async=True)
     if MASKED:
         cols = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
         visible = cols[None, :] < N_K
@@ -94,7 +109,11 @@ def _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_em
             visible = visible & (cols[None, :] <= rows[:, None] + diag_offset)
 
     # ---- side 1, while S2 is still on the tensor cores
-    s1, k1 = warpgroup_mma_wait(num_outstanding=1, deps=(t1, k1))
+    if VARIANT == 2:  # no second product: side 2 folds S1 again
+        s1, k1 = warpgroup_mma_wait(num_outstanding=0, deps=(t1, k1))
+        s2_raw = s1
+    else:
+        s1, k1 = warpgroup_mma_wait(num_outstanding=1, deps=(t1, k1))
     mbarrier.arrive(k1_empty.index(s), count=1)
     s1 = libdevice.mul_rn(s1, qk_scale1)  # scores in bits, rounded once, before the max
     if MASKED:
@@ -105,14 +124,17 @@ def _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_em
         shift1 = m1_new
     x1 = s1 - shift1[:, None]
     if MASKED:
-        p1 = gl.exp2(gl.where(visible, x1, float("-inf")))
+        p1 = _exp2(gl.where(visible, x1, float("-inf")), VARIANT)
     else:
-        p1 = gl.exp2(x1)
+        p1 = _exp2(x1, VARIANT)
     alpha1 = gl.exp2(m1 - shift1)
     l1_new = l1 * alpha1 + gl.sum(p1, axis=1)
 
     # ---- side 2
-    s2, k2 = warpgroup_mma_wait(num_outstanding=0, deps=(t2, k2))
+    if VARIANT == 2:
+        s2 = s2_raw
+    else:
+        s2, k2 = warpgroup_mma_wait(num_outstanding=0, deps=(t2, k2))
     mbarrier.arrive(k2_empty.index(s), count=1)
     s2 = libdevice.mul_rn(s2, qk_scale2)
     if MASKED:
@@ -124,16 +146,17 @@ def _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_em
     x2 = s2 - shift2[:, None]
     log_ratio = x1 - x2  # the shifted log-ratio (see _fwd._finalize)
     if MASKED:
-        p2 = gl.exp2(gl.where(visible, x2, float("-inf")))
+        p2 = _exp2(gl.where(visible, x2, float("-inf")), VARIANT)
         # masked entries add exactly 0: p1 * log_ratio would be 0 * NaN for a NaN key
         term = gl.where(visible, p1 * log_ratio, 0.0)
     else:
-        p2 = gl.exp2(x2)
+        p2 = _exp2(x2, VARIANT)
         term = p1 * log_ratio
     alpha2 = gl.exp2(m2 - shift2)
-    # re-reference the old acc to the new maxima: each old term moves by -(dm1 - dm2)
-    moved = (shift1 - _fwd._safe(m1)) - (shift2 - _fwd._safe(m2))
-    acc = (acc - l1 * moved) * alpha1 + gl.sum(term, axis=1)
+    if VARIANT != 3:
+        # re-reference the old acc to the new maxima: each old term moves by -(dm1 - dm2)
+        moved = (shift1 - _fwd._safe(m1)) - (shift2 - _fwd._safe(m2))
+        acc = (acc - l1 * moved) * alpha1 + gl.sum(term, axis=1)
     l2 = l2 * alpha2 + gl.sum(p2, axis=1)
     return m1_new, l1_new, m2_new, l2, acc
 
@@ -142,7 +165,7 @@ def _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_em
 def _consumer(WG: gl.constexpr, q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty,
               k2_empty, KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2,
               D1: gl.constexpr, D2: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr):
+              CAUSAL: gl.constexpr, VARIANT: gl.constexpr):
     """Consumer warpgroup WG: query rows start_m + 64 WG .. +63, all key tiles of the CTA."""
     acc_layout: gl.constexpr = _acc_layout(BLOCK_N)
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
@@ -161,10 +184,12 @@ def _consumer(WG: gl.constexpr, q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_re
     # whole tiles every row of the CTA sees, then the causal band and the ragged last tile
     for i in range(n_full):
         st = _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, i, zero,
-                        rows, N_K, diag_offset, qk_scale1, qk_scale2, D1, D2, BLOCK_N, NUM_STAGES, False, CAUSAL)
+                        rows, N_K, diag_offset, qk_scale1, qk_scale2, D1, D2, BLOCK_N, NUM_STAGES, False, CAUSAL,
+                        VARIANT)
     for i in range(n_full, n_tiles):
         st = _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, i, zero,
-                        rows, N_K, diag_offset, qk_scale1, qk_scale2, D1, D2, BLOCK_N, NUM_STAGES, True, CAUSAL)
+                        rows, N_K, diag_offset, qk_scale1, qk_scale2, D1, D2, BLOCK_N, NUM_STAGES, True, CAUSAL,
+                        VARIANT)
     m1, l1, m2, l2, acc = st
     kl, lse1, lse2 = _fwd._finalize(m1, l1, m2, l2, acc)
     row_ok = rows < N_Q  # padded query rows (TMA zero fill) are never written
@@ -178,26 +203,30 @@ def _consumer(WG: gl.constexpr, q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_re
 def _consumer0(q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty, KL, LSE1, LSE2,
                pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2,
                D1: gl.constexpr, D2: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-               CAUSAL: gl.constexpr):
+               CAUSAL: gl.constexpr, VARIANT: gl.constexpr):
     _consumer(0, q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty, KL, LSE1, LSE2,
-              pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, D1, D2, BLOCK_N, NUM_STAGES, CAUSAL)
+              pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, D1, D2, BLOCK_N, NUM_STAGES, CAUSAL,
+              VARIANT)
 
 
 @gluon.jit
 def _consumer1(q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty, KL, LSE1, LSE2,
                pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2,
                D1: gl.constexpr, D2: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-               CAUSAL: gl.constexpr):
+               CAUSAL: gl.constexpr, VARIANT: gl.constexpr):
     _consumer(1, q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty, KL, LSE1, LSE2,
-              pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, D1, D2, BLOCK_N, NUM_STAGES, CAUSAL)
+              pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, D1, D2, BLOCK_N, NUM_STAGES, CAUSAL,
+              VARIANT)
 
 
 @gluon.jit
 def _gluon_kl_fwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, KL, LSE1, LSE2,
                          H, N_Q, N_K, GROUP1, GROUP2, qk_scale1, qk_scale2,
                          D1: gl.constexpr, D2: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                         CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                         CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, VARIANT: gl.constexpr):
     pid_m = gl.program_id(0)
+    if CAUSAL:  # the longest query blocks (most key tiles) first: fewer idle SMs in the last wave
+        pid_m = gl.num_programs(0) - 1 - pid_m
     pid_bh = gl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
@@ -228,10 +257,10 @@ def _gluon_kl_fwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, KL, LSE1, LSE2,
     gl.warp_specialize([
         (_consumer0, (q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty,
                       KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2,
-                      D1, D2, BLOCK_N, NUM_STAGES, CAUSAL)),
+                      D1, D2, BLOCK_N, NUM_STAGES, CAUSAL, VARIANT)),
         (_consumer1, (q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty,
                       KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2,
-                      D1, D2, BLOCK_N, NUM_STAGES, CAUSAL)),
+                      D1, D2, BLOCK_N, NUM_STAGES, CAUSAL, VARIANT)),
         (_load_partition, (q1_desc, k1_desc, q2_desc, k2_desc, q1_smem, q2_smem, k1_smem, k2_smem,
                            q_bar, k1_ready, k2_ready, k1_empty, k2_empty,
                            b, h, kv_head1, kv_head2, start_m, n_tiles, BLOCK_N, NUM_STAGES)),
@@ -242,9 +271,13 @@ def _gluon_kl_fwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, KL, LSE1, LSE2,
 # Host side
 # ----------------------------------------------------------------------------------------------
 
-# Launch configuration per (D1, D2): (BLOCK_N, NUM_STAGES, CONSUMER_REGS, maxnreg). Not tuned yet.
 def kernel_config(d1: int, d2: int):
-    return dict(BLOCK_N=128, NUM_STAGES=2, CONSUMER_REGS=240, maxnreg=168)
+    """Launch configuration for head dims (d1, d2). Not tuned on the GPU yet: 128-key tiles as
+    in the sketch; key-ring depth from the shared memory left after Q (per CTA: Q 256 (D1+D2)
+    bytes, each ring stage 256 (D1+D2) bytes; 227 KB in all on sm_90); 168 registers per thread
+    (the sketch's setting; 9 warps x 224 would also fit one CTA per SM)."""
+    stages = 2 if d1 + d2 > 192 else 3
+    return dict(BLOCK_N=128, NUM_STAGES=stages, CONSUMER_REGS=240, maxnreg=168)
 
 
 _GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -261,20 +294,24 @@ def make_descriptor(t, rows: int):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
-def launch_args(q1, k1, q2, k2, causal, scale1, scale2, kl, lse1_bits, lse2_bits):
+def launch_args(q1, k1, q2, k2, causal, scale1, scale2, kl, lse1_bits, lse2_bits, config=None, variant="kernel"):
     """(grid, positional args, constexprs, options) of one forward launch; also used by the CI
-    compile test, which passes the same descriptors to ``GluonASTSource``."""
+    compile test, which passes the same descriptors to ``GluonASTSource``. ``config``: entries
+    that replace :func:`kernel_config`'s (the GPU script's config sweep); ``variant``: a key of
+    ``VARIANTS`` (anything but "kernel" computes wrong results, for timing only)."""
     B, H, N_Q, D1 = q1.shape
     N_K, D2 = k1.shape[2], q2.shape[3]
-    cfg = kernel_config(D1, D2)
+    cfg = {**kernel_config(D1, D2), **(config or {})}
     block_n = cfg["BLOCK_N"]
     descs = (make_descriptor(q1, WG_M.value), make_descriptor(k1, block_n),
              make_descriptor(q2, WG_M.value), make_descriptor(k2, block_n))
     args = descs + (kl, lse1_bits, lse2_bits, H, N_Q, N_K, H // k1.shape[1], H // k2.shape[1],
                     scale1 * LOG2E, scale2 * LOG2E)
     constexprs = dict(D1=D1, D2=D2, BLOCK_N=block_n, NUM_STAGES=cfg["NUM_STAGES"], CAUSAL=bool(causal),
-                      CONSUMER_REGS=cfg["CONSUMER_REGS"])
-    options = dict(num_warps=4, maxnreg=cfg["maxnreg"])
+                      CONSUMER_REGS=cfg["CONSUMER_REGS"], VARIANT=VARIANTS[variant])
+    options = dict(num_warps=4)
+    if cfg.get("maxnreg"):
+        options["maxnreg"] = cfg["maxnreg"]
     grid = (triton.cdiv(N_Q, BLOCK_M.value), B * H)
     return grid, args, constexprs, options
 
@@ -282,16 +319,18 @@ def launch_args(q1, k1, q2, k2, causal, scale1, scale2, kl, lse1_bits, lse2_bits
 LAST_KERNEL = None  # the compiled kernel of the latest launch (the GPU script reads its SASS)
 
 
-def gluon_forward(q1, k1, q2, k2, causal, scale1, scale2, out=None):
+def gluon_forward(q1, k1, q2, k2, causal, scale1, scale2, out=None, config=None, variant="kernel"):
     """Launch the Gluon forward: (kl nats, lse1_bits, lse2_bits), float32 [B, H, N_Q].
 
     The caller (``use_gluon``) has checked the shapes, dtypes, strides and device. ``out``: an
-    optional triple of output buffers (the API passes NaN-poisoned ones in tests)."""
+    optional triple of output buffers (the API passes NaN-poisoned ones in tests); ``config``,
+    ``variant``: see :func:`launch_args` (the API never passes them)."""
     global LAST_KERNEL
     B, H, N_Q, _ = q1.shape
     if out is None:
         out = tuple(torch.empty((B, H, N_Q), dtype=torch.float32, device=q1.device) for _ in range(3))
     kl, lse1_bits, lse2_bits = out
-    grid, args, constexprs, options = launch_args(q1, k1, q2, k2, causal, scale1, scale2, kl, lse1_bits, lse2_bits)
+    grid, args, constexprs, options = launch_args(q1, k1, q2, k2, causal, scale1, scale2, kl, lse1_bits, lse2_bits,
+                                                  config, variant)
     LAST_KERNEL = _gluon_kl_fwd_kernel[grid](*args, **constexprs, **options)
     return kl, lse1_bits, lse2_bits

@@ -18,7 +18,7 @@ def cuobjdump() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def compile_sm90(d1, d2, dtype, causal, n_q=256, n_k=256):
+def compile_sm90(d1, d2, dtype, causal, n_q=256, n_k=256, config=None, variant="kernel"):
     """Compile one specialisation of the Gluon forward for sm_90 (no GPU needed)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -31,7 +31,7 @@ def compile_sm90(d1, d2, dtype, causal, n_q=256, n_k=256):
     q2 = torch.empty(B, H, n_q, d2, dtype=dtype)
     k2 = torch.empty(B, 1, n_k, d2, dtype=dtype)
     out = torch.empty(B, H, n_q, dtype=torch.float32)
-    _, args, constexprs, options = g.launch_args(q1, k1, q2, k2, causal, 0.1, 0.1, out, out, out)
+    _, args, constexprs, options = g.launch_args(q1, k1, q2, k2, causal, 0.1, 0.1, out, out, out, config, variant)
     names = list(g._gluon_kl_fwd_kernel.arg_names)
     sig = {}
     for name, a in zip(names, args):

@@ -15,6 +15,7 @@ tile), and a backward of two recomputing kernels (dq_idx + dweights; dk_idx). Ex
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -120,11 +121,14 @@ def _plan(dims, cfg, kind):
         block_t = max(1, min(rows // hb, irows // gi_pad))
     ib = min(gi_pad, max(1, _pow2(irows) // block_t))
     block_t = max(block_t, 16 // hb, 16 // ib, 16 // gi_pad if kind != "fwd" else 1)
+    if kind != "fwd":  # the backward's q_idx rows / k_idx tiles are whole boxes (TMA: one descriptor each)
+        ib = gi_pad
     cpg = triton.cdiv(group, hb)
     icpg = triton.cdiv(group_i, ib)
     return dict(
         HB=hb, IB=ib, GI_PAD=gi_pad, BLOCK_T=block_t, BLOCK_N=block_n,
-        BLOCK_D=_d_chunk(dims.D, block_d), BLOCK_DI=_d_chunk(dims.DI, block_d),
+        BLOCK_D=_d_chunk(dims.D, block_d),
+        BLOCK_DI=_d_chunk(dims.DI, block_d) if kind == "fwd" else _checks.head_pad(dims.DI),
         DI_PAD=_checks.head_pad(dims.DI), warps=warps, stages=stages,
         n_chunks=dims.HK * cpg, cpg=cpg, n_ichunks=dims.HKI * icpg, icpg=icpg,
     )
@@ -143,8 +147,11 @@ def _candidates(kind, ieee):
     if ieee:
         return [_IEEE_CONFIG]
     # (teacher rows, indexer rows, BLOCK_N, BLOCK_D, warps, stages); not yet measured on the GPU
+    # Pruned by offline sm_90 compiles (triton 3.6 and 3.9, TMA path): BLOCK_N = 128 spills in the
+    # forward at both anchor configs (DSA 32 B, GQA 552 B of stack); 256 teacher rows spill 104 B
+    # at DSA on 3.6. The first candidate spills nowhere. Times not yet measured.
     if kind == "fwd":
-        return [(128, 128, 64, 64, 8, 2), (128, 128, 128, 64, 8, 2), (256, 128, 64, 64, 8, 2)]
+        return [(128, 128, 64, 64, 8, 2), (128, 128, 64, 64, 8, 3), (256, 128, 64, 64, 8, 2)]
     if kind == "lse":
         return [(128, 128, 64, 64, 8, 2), (128, 128, 128, 64, 8, 2)]
     return [(128, 128, 64, 64, 8, 2), (64, 64, 64, 64, 4, 2)]
@@ -154,8 +161,25 @@ def _strides(t):
     return tuple(t.stride())
 
 
-def _teacher_args(q, k):
-    return (q, k), _strides(q) + _strides(k)
+def _use_tma(*tensors) -> bool:
+    """Read the score tiles through TMA descriptors: Hopper (or the interpreter when a test asks,
+    api.INTERPRETER_TMA), unit stride in D, 16-byte aligned base and strides."""
+    if os.environ.get("STREAMKL_INDEXER_TMA", "1") == "0":  # escape hatch: pointer loads
+        return False
+    return all(_runtime.tma_ok(t) for t in tensors)
+
+
+def _descriptors(pl, use_tma, q, k, q_idx, k_idx):
+    """(q, k, q_idx, k_idx) descriptors with the plan's boxes, or four Nones (pointer loads)."""
+    if not use_tma:
+        return None, None, None, None
+    TD = _runtime.TensorDescriptor
+
+    def desc(t, box):
+        return TD(t, list(t.shape), list(t.stride()), box)
+
+    return (desc(q, [1, pl["HB"], pl["BLOCK_T"], pl["BLOCK_D"]]), desc(k, [1, 1, pl["BLOCK_N"], pl["BLOCK_D"]]),
+            desc(q_idx, [1, pl["IB"], pl["BLOCK_T"], pl["BLOCK_DI"]]), desc(k_idx, [1, 1, pl["BLOCK_N"], pl["BLOCK_DI"]]))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -170,7 +194,8 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
     qk_scale = dims.scale * LOG2E  # teacher scores in bits: sigma * log2(e) * q.k
     group, group_i = dims.H // dims.HK, dims.HI // dims.HKI
     no_contract = not _runtime.interpreting()
-    key_base = (dims.D, dims.DI, dims.H, dims.HK, dims.HI, dims.HKI, q.dtype, q_idx.dtype, causal,
+    use_tma = _use_tma(q, k, q_idx, k_idx)
+    key_base = (dims.D, dims.DI, dims.H, dims.HK, dims.HI, dims.HKI, q.dtype, q_idx.dtype, causal, use_tma,
                 _tuning.bucket(dims.NQ), _tuning.bucket(dims.NK), _tuning.bucket(dims.B))
 
     if lse is None:  # first pass: the teacher's per-head LSEs, in bits
@@ -179,10 +204,11 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
         def launch_lse(cfg):
             pl = _plan(dims, cfg, "fwd")
             grid = (triton.cdiv(dims.NQ, pl["BLOCK_T"]), pl["n_chunks"], dims.B)
+            q_desc, k_desc, _, _ = _descriptors(pl, use_tma, q, k, q_idx, k_idx)
             _indexer_fwd._teacher_lse_kernel[grid](
-                q, k, lse_bits, *_strides(q), *_strides(k), dims.H, group, dims.NQ, dims.NK, qk_scale,
+                q, k, q_desc, k_desc, lse_bits, *_strides(q), *_strides(k), dims.H, group, dims.NQ, dims.NK, qk_scale,
                 pl["cpg"], D=dims.D, BLOCK_D=pl["BLOCK_D"], HB=pl["HB"], BLOCK_T=pl["BLOCK_T"],
-                BLOCK_N=pl["BLOCK_N"], CAUSAL=causal, IEEE=ieee_t, NO_CONTRACT=no_contract,
+                BLOCK_N=pl["BLOCK_N"], CAUSAL=causal, IEEE=ieee_t, NO_CONTRACT=no_contract, USE_TMA=use_tma,
                 num_warps=pl["warps"], num_stages=pl["stages"])
 
         launch_lse(_tuning.pick(("idx_lse",) + key_base, _candidates("lse", ieee_t), launch_lse))
@@ -196,14 +222,14 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
         pl = _plan(dims, cfg, "fwd")
         grid = (triton.cdiv(dims.NQ, pl["BLOCK_T"]), dims.B)
         _indexer_fwd._indexer_fwd_kernel[grid](
-            q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx,
+            q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, *_descriptors(pl, use_tma, q, k, q_idx, k_idx),
             *_strides(q), *_strides(k), *_strides(q_idx), *_strides(k_idx), *_strides(weights),
             dims.H, group, group_i, dims.NQ, dims.NK, qk_scale, 1.0 / dims.H,
             pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"],
             D=dims.D, BLOCK_D=pl["BLOCK_D"], DI=dims.DI, BLOCK_DI=pl["BLOCK_DI"],
             HB=pl["HB"], IB=pl["IB"], BLOCK_T=pl["BLOCK_T"], BLOCK_N=pl["BLOCK_N"],
             CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, NO_CONTRACT=no_contract,
-            num_warps=pl["warps"], num_stages=pl["stages"])
+            USE_TMA=use_tma, num_warps=pl["warps"], num_stages=pl["stages"])
 
     launch(_tuning.pick(("idx_fwd", relu) + key_base, _candidates("fwd", ieee_t or ieee_i), launch))
     return kl, lse_idx, lse_bits
@@ -243,6 +269,7 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
     qk_scale = dims.scale * LOG2E
     group, group_i = dims.H // dims.HK, dims.HI // dims.HKI
     no_contract = not _runtime.interpreting()
+    use_tma = _use_tma(q, k, q_idx, k_idx)
     g = g.to(torch.float32).contiguous()
     lse_bits, lse_idx = lse_bits.contiguous(), lse_idx.contiguous()
     dq_idx = _fresh((dims.B, dims.HI, dims.NQ, dims.DI), torch.float32, device)
@@ -250,20 +277,20 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
     dk_idx = _fresh((dims.B, dims.HKI, dims.NK, dims.DI), torch.float32, device)
     common = (q, k, q_idx, k_idx, weights, lse_bits, lse_idx, g)
     strides = _strides(q) + _strides(k) + _strides(q_idx) + _strides(k_idx) + _strides(weights)
-    key_base = (dims.D, dims.DI, dims.H, dims.HK, dims.HI, dims.HKI, q.dtype, q_idx.dtype, causal, relu,
+    key_base = (dims.D, dims.DI, dims.H, dims.HK, dims.HI, dims.HKI, q.dtype, q_idx.dtype, causal, relu, use_tma,
                 _tuning.bucket(dims.NQ), _tuning.bucket(dims.NK), _tuning.bucket(dims.B))
 
     def meta(pl):
         return dict(D=dims.D, BLOCK_D=pl["BLOCK_D"], DI=dims.DI, BLOCK_DI=pl["BLOCK_DI"], DI_PAD=pl["DI_PAD"],
                     HB=pl["HB"], IB=pl["IB"], GI_PAD=pl["GI_PAD"], BLOCK_T=pl["BLOCK_T"], BLOCK_N=pl["BLOCK_N"],
                     CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, NO_CONTRACT=no_contract,
-                    num_warps=pl["warps"], num_stages=pl["stages"])
+                    USE_TMA=use_tma, num_warps=pl["warps"], num_stages=pl["stages"])
 
     def launch_dq(cfg):
         pl = _plan(dims, cfg, "bwd")
         grid = (triton.cdiv(dims.NQ, pl["BLOCK_T"]), dims.B * dims.HKI)
         _indexer_bwd._indexer_bwd_dq_kernel[grid](
-            *common, dq_idx, dweights, *strides,
+            *common, dq_idx, dweights, *_descriptors(pl, use_tma, q, k, q_idx, k_idx), *strides,
             dims.H, group, dims.HI, dims.HKI, group_i, dims.NQ, dims.NK, qk_scale, 1.0 / dims.H,
             pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"], **meta(pl))
 
@@ -277,7 +304,7 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
             dk_idx = torch.zeros((dims.B, dims.HKI, dims.NK, dims.DI), dtype=torch.float32, device=device)
         grid = (triton.cdiv(dims.NK, pl["BLOCK_N"]), dims.B * dims.HKI, splits)
         _indexer_bwd._indexer_bwd_dk_kernel[grid](
-            *common, dk_idx, *strides,
+            *common, dk_idx, *_descriptors(pl, use_tma, q, k, q_idx, k_idx), *strides,
             dims.H, group, dims.HKI, group_i, dims.NQ, dims.NK, qk_scale, 1.0 / dims.H,
             pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"], per_split, ATOMIC=splits > 1, **meta(pl))
 

@@ -35,8 +35,23 @@ def _finite_or_zero(x):
 
 
 @triton.jit
+def _query_rows(QI, QI_DESC, b, j0, t0, j, tok, row_ok, stride_qib, stride_qih, stride_qin, stride_qid,
+                DI: tl.constexpr, DI_PAD: tl.constexpr, ROWS: tl.constexpr, USE_TMA: tl.constexpr):
+    """q_idx rows ``r = (j - j0) * BLOCK_T + t`` as [ROWS, DI_PAD], 0 outside ``row_ok`` and past D_I."""
+    if USE_TMA:  # box [1, GI_PAD, BLOCK_T, DI_PAD] (the plan's IB = GI_PAD, BLOCK_DI = DI_PAD)
+        rows = QI_DESC.load([b, j0, t0, 0]).reshape(ROWS, DI_PAD)
+        rows = tl.where(row_ok[:, None], rows, 0.0)  # the box's rows past the group are other heads
+    else:
+        offs_d = tl.arange(0, DI_PAD)
+        off = b.to(tl.int64) * stride_qib + j.to(tl.int64) * stride_qih + tok.to(tl.int64) * stride_qin
+        rows = tl.load(QI + off[:, None] + offs_d[None, :] * stride_qid,
+                       mask=row_ok[:, None] & (offs_d < DI)[None, :], other=0.0)
+    return rows
+
+
+@triton.jit
 def _row_grad_coef(
-    Q, K, QI, KI, W, LSE_T, LSE_I, G_UP,
+    Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
     stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
     stride_wb, stride_wh, stride_wn,
@@ -45,22 +60,22 @@ def _row_grad_coef(
     D: tl.constexpr, BLOCK_D: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr,
     HB: tl.constexpr, IB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
-    IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, NO_CONTRACT: tl.constexpr,
+    IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """``(G, visible)`` of one [BLOCK_T, BLOCK_N] tile, broadcast to the indexer rows
     ``r = j * BLOCK_T + t`` ([GI_PAD * BLOCK_T, BLOCK_N]); G is 0 where not visible."""
     diag_offset = N_K - N_Q
     toks = t0 + tl.arange(0, BLOCK_T)
     keys = s0 + tl.arange(0, BLOCK_N)
-    p = _teacher_target(Q, K, LSE_T, stride_qb, stride_qh, stride_qn, stride_qd,
+    p = _teacher_target(Q, K, Q_DESC, K_DESC, LSE_T, stride_qb, stride_qh, stride_qn, stride_qd,
                         stride_kb, stride_kh, stride_kn, stride_kd,
                         b, t0, s0, H, GROUP, N_Q, N_K, diag_offset, qk_scale, inv_heads,
                         n_chunks, chunks_per_group, D, BLOCK_D, HB, BLOCK_T, BLOCK_N,
-                        MASKED, CAUSAL, IEEE_T, NO_CONTRACT)
-    logits = _indexer_logits(QI, KI, W, stride_qib, stride_qih, stride_qin, stride_qid,
+                        MASKED, CAUSAL, IEEE_T, NO_CONTRACT, USE_TMA)
+    logits = _indexer_logits(QI, KI, QI_DESC, KI_DESC, W, stride_qib, stride_qih, stride_qin, stride_qid,
                              stride_kib, stride_kih, stride_kin, stride_kid, stride_wb, stride_wh, stride_wn,
                              b, t0, s0, GROUP_I, N_Q, N_K, n_ichunks, ichunks_per_group,
-                             DI, BLOCK_DI, IB, BLOCK_T, BLOCK_N, RELU, IEEE_I)
+                             DI, BLOCK_DI, IB, BLOCK_T, BLOCK_N, RELU, IEEE_I, USE_TMA)
     tok_ok = toks < N_Q
     row = b.to(tl.int64) * N_Q + toks
     lse_i = tl.load(LSE_I + row, mask=tok_ok, other=float("-inf"))
@@ -90,8 +105,8 @@ def _coef_a(grad_rows, vis_rows, a, w, RELU: tl.constexpr):
 
 @triton.jit
 def _dq_key_range(
-    dq, dw, q_rows, w_rows, ki_base,
-    Q, K, QI, KI, W, LSE_T, LSE_I, G_UP,
+    dq, dw, q_rows, w_rows, ki_base, kvi,
+    Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
     stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
     stride_wb, stride_wh, stride_wn,
@@ -100,20 +115,23 @@ def _dq_key_range(
     D: tl.constexpr, BLOCK_D: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr, DI_PAD: tl.constexpr,
     HB: tl.constexpr, IB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
-    IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, NO_CONTRACT: tl.constexpr,
+    IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     offs_d = tl.arange(0, DI_PAD)
     for s0 in range(lo, hi, BLOCK_N):
         keys = s0 + tl.arange(0, BLOCK_N)
         grad_rows, vis_rows = _row_grad_coef(
-            Q, K, QI, KI, W, LSE_T, LSE_I, G_UP,
+            Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
             stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
             stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
             stride_wb, stride_wh, stride_wn, b, t0, s0, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
             n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI,
-            HB, IB, GI_PAD, BLOCK_T, BLOCK_N, MASKED, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT)
-        k_tile = tl.load(ki_base + keys.to(tl.int64)[:, None] * stride_kin + offs_d[None, :] * stride_kid,
-                         mask=(keys < N_K)[:, None] & (offs_d < DI)[None, :], other=0.0)
+            HB, IB, GI_PAD, BLOCK_T, BLOCK_N, MASKED, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA)
+        if USE_TMA:  # the plan makes this box [1, 1, BLOCK_N, DI_PAD] (BLOCK_DI = DI_PAD)
+            k_tile = KI_DESC.load([b, kvi, s0, 0]).reshape(BLOCK_N, DI_PAD)
+        else:
+            k_tile = tl.load(ki_base + keys.to(tl.int64)[:, None] * stride_kin + offs_d[None, :] * stride_kid,
+                             mask=(keys < N_K)[:, None] & (offs_d < DI)[None, :], other=0.0)
         if MASKED:  # a non-finite key that a row cannot see must not reach it through A @ k
             k_tile = _finite_or_zero(k_tile)
         a = _dot(q_rows, tl.trans(k_tile), IEEE_I)
@@ -126,6 +144,7 @@ def _dq_key_range(
 @triton.jit
 def _indexer_bwd_dq_kernel(
     Q, K, QI, KI, W, LSE_T, LSE_I, G_UP, DQ, DW,
+    Q_DESC, K_DESC, QI_DESC, KI_DESC,  # TMA descriptors (used when USE_TMA)
     stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
     stride_wb, stride_wh, stride_wn,
@@ -134,7 +153,7 @@ def _indexer_bwd_dq_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr, DI_PAD: tl.constexpr,
     HB: tl.constexpr, IB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, RELU: tl.constexpr, IEEE_T: tl.constexpr, IEEE_I: tl.constexpr,
-    NO_CONTRACT: tl.constexpr,
+    NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """dq_idx [B, H_I, N_Q, D_I] and dweights [B, H_I, N_Q] (fp32, contiguous) of the heads of
     indexer key head ``kvi`` for one token block."""
@@ -151,9 +170,8 @@ def _indexer_bwd_dq_kernel(
     row_ok = (j_in_group < GROUP_I) & (tok < N_Q)
     offs_d = tl.arange(0, DI_PAD)
     b64 = b.to(tl.int64)
-    q_off = b64 * stride_qib + j.to(tl.int64) * stride_qih + tok.to(tl.int64) * stride_qin
-    q_rows = tl.load(QI + q_off[:, None] + offs_d[None, :] * stride_qid,
-                     mask=row_ok[:, None] & (offs_d < DI)[None, :], other=0.0)
+    q_rows = _query_rows(QI, QI_DESC, b, kvi * GROUP_I, t0, j, tok, row_ok, stride_qib, stride_qih, stride_qin,
+                         stride_qid, DI, DI_PAD, ROWS, USE_TMA)
     w_rows = tl.load(W + b64 * stride_wb + j.to(tl.int64) * stride_wh + tok.to(tl.int64) * stride_wn,
                      mask=row_ok, other=0.0).to(tl.float32)
     ki_base = KI + b64 * stride_kib + kvi.to(tl.int64) * stride_kih
@@ -161,19 +179,19 @@ def _indexer_bwd_dq_kernel(
     dw = tl.zeros([ROWS], tl.float32)
     full_hi, key_hi = _key_stages(t0, 0, N_K, N_Q, N_K, BLOCK_T, BLOCK_N, CAUSAL)
     dq, dw = _dq_key_range(
-        dq, dw, q_rows, w_rows, ki_base, Q, K, QI, KI, W, LSE_T, LSE_I, G_UP,
+        dq, dw, q_rows, w_rows, ki_base, kvi, Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
         stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
         stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
         stride_wb, stride_wh, stride_wn, b, t0, 0, full_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
         n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI, DI_PAD,
-        HB, IB, GI_PAD, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT)
+        HB, IB, GI_PAD, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA)
     dq, dw = _dq_key_range(
-        dq, dw, q_rows, w_rows, ki_base, Q, K, QI, KI, W, LSE_T, LSE_I, G_UP,
+        dq, dw, q_rows, w_rows, ki_base, kvi, Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
         stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
         stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
         stride_wb, stride_wh, stride_wn, b, t0, full_hi, key_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale,
         inv_heads, n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI, DI_PAD,
-        HB, IB, GI_PAD, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT)
+        HB, IB, GI_PAD, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA)
     out_row = (b64 * H_I + j) * N_Q + tok
     tl.store(DQ + out_row[:, None] * DI + offs_d[None, :], dq, mask=row_ok[:, None] & (offs_d < DI)[None, :])
     tl.store(DW + out_row, dw, mask=row_ok)
@@ -181,8 +199,8 @@ def _indexer_bwd_dq_kernel(
 
 @triton.jit
 def _dk_token_range(
-    dk, k_tile, j, j_in_group, s0,
-    Q, K, QI, KI, W, LSE_T, LSE_I, G_UP,
+    dk, k_tile, j, j0, j_in_group, s0,
+    Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
     stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
     stride_wb, stride_wh, stride_wn,
@@ -191,7 +209,7 @@ def _dk_token_range(
     D: tl.constexpr, BLOCK_D: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr, DI_PAD: tl.constexpr,
     HB: tl.constexpr, IB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
-    IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, NO_CONTRACT: tl.constexpr,
+    IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     ROWS: tl.constexpr = GI_PAD * BLOCK_T
     offs_d = tl.arange(0, DI_PAD)
@@ -201,15 +219,14 @@ def _dk_token_range(
         tok = t0 + rows % BLOCK_T
         row_ok = (j_in_group < GROUP_I) & (tok < N_Q)
         grad_rows, vis_rows = _row_grad_coef(
-            Q, K, QI, KI, W, LSE_T, LSE_I, G_UP,
+            Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
             stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
             stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
             stride_wb, stride_wh, stride_wn, b, t0, s0, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
             n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI,
-            HB, IB, GI_PAD, BLOCK_T, BLOCK_N, MASKED, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT)
-        q_off = b64 * stride_qib + j.to(tl.int64) * stride_qih + tok.to(tl.int64) * stride_qin
-        q_rows = tl.load(QI + q_off[:, None] + offs_d[None, :] * stride_qid,
-                         mask=row_ok[:, None] & (offs_d < DI)[None, :], other=0.0)
+            HB, IB, GI_PAD, BLOCK_T, BLOCK_N, MASKED, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA)
+        q_rows = _query_rows(QI, QI_DESC, b, j0, t0, j, tok, row_ok, stride_qib, stride_qih, stride_qin,
+                             stride_qid, DI, DI_PAD, ROWS, USE_TMA)
         w_rows = tl.load(W + b64 * stride_wb + j.to(tl.int64) * stride_wh + tok.to(tl.int64) * stride_wn,
                          mask=row_ok, other=0.0).to(tl.float32)
         if MASKED:  # a non-finite query row must not reach the keys it cannot see through A^T @ q
@@ -223,6 +240,7 @@ def _dk_token_range(
 @triton.jit
 def _indexer_bwd_dk_kernel(
     Q, K, QI, KI, W, LSE_T, LSE_I, G_UP, DK,
+    Q_DESC, K_DESC, QI_DESC, KI_DESC,  # TMA descriptors (used when USE_TMA)
     stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
     stride_wb, stride_wh, stride_wn,
@@ -231,7 +249,7 @@ def _indexer_bwd_dk_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr, DI_PAD: tl.constexpr,
     HB: tl.constexpr, IB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, RELU: tl.constexpr, IEEE_T: tl.constexpr, IEEE_I: tl.constexpr,
-    NO_CONTRACT: tl.constexpr, ATOMIC: tl.constexpr,
+    NO_CONTRACT: tl.constexpr, ATOMIC: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """dk_idx [B, H_KI, N_K, D_I] (fp32, contiguous) of one key tile: the sum over the token blocks
     that see it (those in this program's token split, program axis 2) and over the indexer heads
@@ -253,8 +271,11 @@ def _indexer_bwd_dk_kernel(
     j = kvi * GROUP_I + j_in_group
     b64 = b.to(tl.int64)
     ki_base = KI + b64 * stride_kib + kvi.to(tl.int64) * stride_kih
-    k_tile = tl.load(ki_base + keys.to(tl.int64)[:, None] * stride_kin + offs_d[None, :] * stride_kid,
-                     mask=(keys < N_K)[:, None] & (offs_d < DI)[None, :], other=0.0)
+    if USE_TMA:
+        k_tile = KI_DESC.load([b, kvi, s0, 0]).reshape(BLOCK_N, DI_PAD)
+    else:
+        k_tile = tl.load(ki_base + keys.to(tl.int64)[:, None] * stride_kin + offs_d[None, :] * stride_kid,
+                         mask=(keys < N_K)[:, None] & (offs_d < DI)[None, :], other=0.0)
     dk = tl.zeros([BLOCK_N, DI_PAD], tl.float32)
     # token blocks: causal ones before the first token that sees s0 are skipped; from t_full on
     # every token sees every key of the tile (whole tile < N_K), no masks there
@@ -274,19 +295,19 @@ def _indexer_bwd_dk_kernel(
     mask_hi = tl.minimum(t_full, split_hi)
     full_lo = tl.maximum(t_full, split_lo)
     dk = _dk_token_range(
-        dk, k_tile, j, j_in_group, s0, Q, K, QI, KI, W, LSE_T, LSE_I, G_UP,
+        dk, k_tile, j, kvi * GROUP_I, j_in_group, s0, Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
         stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
         stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
         stride_wb, stride_wh, stride_wn, b, mask_lo, mask_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
         n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI, DI_PAD,
-        HB, IB, GI_PAD, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT)
+        HB, IB, GI_PAD, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA)
     dk = _dk_token_range(
-        dk, k_tile, j, j_in_group, s0, Q, K, QI, KI, W, LSE_T, LSE_I, G_UP,
+        dk, k_tile, j, kvi * GROUP_I, j_in_group, s0, Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
         stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
         stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
         stride_wb, stride_wh, stride_wn, b, full_lo, split_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
         n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI, DI_PAD,
-        HB, IB, GI_PAD, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT)
+        HB, IB, GI_PAD, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA)
     out_row = (b64 * H_KI + kvi) * N_K + keys
     out_ok = (keys < N_K)[:, None] & (offs_d < DI)[None, :]
     if ATOMIC:

@@ -37,27 +37,39 @@ __all__ = ["LN2", "LOG2E"]
 
 @triton.jit
 def _dot_rows(A, a_off, a_ok, B_, b_off, b_ok, stride_ad, stride_bd,
+              A_DESC, B_DESC, batch, a_head, a_tok, b_head, b_tok,
               D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
-              IEEE: tl.constexpr):
+              A_HEADS: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr):
     """``S[r, c] = sum_d A[a_off[r] + d] * B[b_off[c] + d]`` in fp32, D tiled in BLOCK_D chunks.
-    Rows/columns outside ``a_ok``/``b_ok`` and dims past D load as 0."""
+    Rows/columns outside ``a_ok``/``b_ok`` and dims past D load as 0.
+
+    USE_TMA (Hopper): the same tiles through tensor descriptors of the [B, H, N, D] tensors: A's
+    rows ``r = i * (ROWS // A_HEADS) + t`` are the box [1, A_HEADS, ROWS // A_HEADS, BLOCK_D] at
+    (batch, a_head, a_tok); B's the box [1, 1, COLS, BLOCK_D] at (batch, b_head, b_tok). Out of
+    range rows and dims arrive as zeros; rows past the caller's heads carry other heads' values,
+    which the caller masks by row (no pointer tensors: measured offline, the pointer form spills)."""
     acc = tl.zeros([ROWS, COLS], tl.float32)
     offs_d = tl.arange(0, BLOCK_D)
     for d0 in range(0, D, BLOCK_D):
-        d = d0 + offs_d
-        d_ok = d < D
-        a = tl.load(A + a_off[:, None] + d[None, :] * stride_ad, mask=a_ok[:, None] & d_ok[None, :], other=0.0)
-        b = tl.load(B_ + b_off[:, None] + d[None, :] * stride_bd, mask=b_ok[:, None] & d_ok[None, :], other=0.0)
+        if USE_TMA:
+            a = A_DESC.load([batch, a_head, a_tok, d0]).reshape(ROWS, BLOCK_D)
+            b = B_DESC.load([batch, b_head, b_tok, d0]).reshape(COLS, BLOCK_D)
+        else:
+            d = d0 + offs_d
+            d_ok = d < D
+            a = tl.load(A + a_off[:, None] + d[None, :] * stride_ad, mask=a_ok[:, None] & d_ok[None, :], other=0.0)
+            b = tl.load(B_ + b_off[:, None] + d[None, :] * stride_bd, mask=b_ok[:, None] & d_ok[None, :], other=0.0)
         acc += _dot(a, tl.trans(b), IEEE)
     return acc
 
 
 @triton.jit
 def _teacher_target(
-    Q, K, LSE_T, stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+    Q, K, Q_DESC, K_DESC, LSE_T, stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     b, t0, s0, H, GROUP, N_Q, N_K, diag_offset, qk_scale, inv_heads, n_chunks, chunks_per_group,
     D: tl.constexpr, BLOCK_D: tl.constexpr, HB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, NO_CONTRACT: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """The head-averaged target ``p [BLOCK_T, BLOCK_N]`` of tokens t0.. and keys s0..: exactly 0
     where masked (and in padding rows), ``(1/H) sum_h exp2(s_h - lse_h)`` elsewhere."""
@@ -73,12 +85,14 @@ def _teacher_target(
     p = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     for c in range(0, n_chunks):
         kv = c // chunks_per_group
+        h0 = kv * GROUP + (c % chunks_per_group) * HB
         h_in_group = (c % chunks_per_group) * HB + head_in_chunk
         h = kv * GROUP + h_in_group
         row_ok = (h_in_group < GROUP) & (tok < N_Q)
         s = _dot_rows(Q, q_off_base + h.to(tl.int64) * stride_qh, row_ok,
                       K, k_off_base + kv.to(tl.int64) * stride_kh, key_ok, stride_qd, stride_kd,
-                      D, BLOCK_D, ROWS, BLOCK_N, IEEE)
+                      Q_DESC, K_DESC, b, h0, t0, kv, s0,
+                      D, BLOCK_D, ROWS, BLOCK_N, HB, IEEE, USE_TMA)
         lse = tl.load(LSE_T + (b64 * H + h) * N_Q + tok, mask=row_ok, other=float("-inf"))
         # log2 P_h = s - lse (bits). "!= -inf" keeps a NaN LSE a NaN (a NaN row stays NaN)
         x = _to_bits(s, qk_scale, NO_CONTRACT) - lse[:, None]
@@ -94,11 +108,11 @@ def _teacher_target(
 
 @triton.jit
 def _indexer_logits(
-    QI, KI, W, stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
+    QI, KI, QI_DESC, KI_DESC, W, stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
     stride_wb, stride_wh, stride_wn,
     b, t0, s0, GROUP_I, N_Q, N_K, n_chunks, chunks_per_group,
     DI: tl.constexpr, BLOCK_DI: tl.constexpr, IB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-    RELU: tl.constexpr, IEEE: tl.constexpr,
+    RELU: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """The student's logits ``I [BLOCK_T, BLOCK_N] = sum_j w_j relu(q_idx_j . k_idx)`` (unmasked:
     the caller selects the visible entries)."""
@@ -114,12 +128,14 @@ def _indexer_logits(
     logits = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     for c in range(0, n_chunks):
         kv = c // chunks_per_group
+        j0 = kv * GROUP_I + (c % chunks_per_group) * IB
         j_in_group = (c % chunks_per_group) * IB + head_in_chunk
         j = kv * GROUP_I + j_in_group
         row_ok = (j_in_group < GROUP_I) & (tok < N_Q)
         a = _dot_rows(QI, q_off_base + j.to(tl.int64) * stride_qih, row_ok,
                       KI, k_off_base + kv.to(tl.int64) * stride_kih, key_ok, stride_qid, stride_kid,
-                      DI, BLOCK_DI, ROWS, BLOCK_N, IEEE)
+                      QI_DESC, KI_DESC, b, j0, t0, kv, s0,
+                      DI, BLOCK_DI, ROWS, BLOCK_N, IB, IEEE, USE_TMA)
         w = tl.load(W + b64 * stride_wb + j.to(tl.int64) * stride_wh + tok.to(tl.int64) * stride_wn,
                     mask=row_ok, other=0.0).to(tl.float32)
         if RELU:
@@ -142,7 +158,7 @@ def _token_visible(toks, keys, N_Q, N_K, diag_offset, MASKED: tl.constexpr, CAUS
 @triton.jit
 def _fwd_key_range(
     m, l, mass, acc, plogp,
-    Q, K, QI, KI, W, LSE_T,
+    Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T,
     stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
     stride_wb, stride_wh, stride_wn,
@@ -151,21 +167,21 @@ def _fwd_key_range(
     D: tl.constexpr, BLOCK_D: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr,
     HB: tl.constexpr, IB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
-    IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, NO_CONTRACT: tl.constexpr,
+    IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     diag_offset = N_K - N_Q
     toks = t0 + tl.arange(0, BLOCK_T)
     for s0 in range(lo, hi, BLOCK_N):
         keys = s0 + tl.arange(0, BLOCK_N)
-        p = _teacher_target(Q, K, LSE_T, stride_qb, stride_qh, stride_qn, stride_qd,
+        p = _teacher_target(Q, K, Q_DESC, K_DESC, LSE_T, stride_qb, stride_qh, stride_qn, stride_qd,
                             stride_kb, stride_kh, stride_kn, stride_kd,
                             b, t0, s0, H, GROUP, N_Q, N_K, diag_offset, qk_scale, inv_heads,
                             n_chunks, chunks_per_group, D, BLOCK_D, HB, BLOCK_T, BLOCK_N,
-                            MASKED, CAUSAL, IEEE_T, NO_CONTRACT)
-        logits = _indexer_logits(QI, KI, W, stride_qib, stride_qih, stride_qin, stride_qid,
+                            MASKED, CAUSAL, IEEE_T, NO_CONTRACT, USE_TMA)
+        logits = _indexer_logits(QI, KI, QI_DESC, KI_DESC, W, stride_qib, stride_qih, stride_qin, stride_qid,
                                  stride_kib, stride_kih, stride_kin, stride_kid, stride_wb, stride_wh, stride_wn,
                                  b, t0, s0, GROUP_I, N_Q, N_K, n_ichunks, ichunks_per_group,
-                                 DI, BLOCK_DI, IB, BLOCK_T, BLOCK_N, RELU, IEEE_I)
+                                 DI, BLOCK_DI, IB, BLOCK_T, BLOCK_N, RELU, IEEE_I, USE_TMA)
         visible = _token_visible(toks, keys, N_Q, N_K, diag_offset, MASKED, CAUSAL)
         m_new = tl.maximum(m, tl.max(tl.where(visible, logits, float("-inf")), 1))
         shift = _safe(m_new)
@@ -186,6 +202,7 @@ def _fwd_key_range(
 @triton.jit
 def _indexer_fwd_kernel(
     Q, K, QI, KI, W, LSE_T, KL, LSE_I,
+    Q_DESC, K_DESC, QI_DESC, KI_DESC,  # TMA descriptors of q, k, q_idx, k_idx (used when USE_TMA)
     stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
     stride_wb, stride_wh, stride_wn,
@@ -194,7 +211,7 @@ def _indexer_fwd_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr,
     HB: tl.constexpr, IB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, RELU: tl.constexpr, IEEE_T: tl.constexpr, IEEE_I: tl.constexpr,
-    NO_CONTRACT: tl.constexpr,
+    NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """KL [B, N_Q] (nats) and the student's LSE_I [B, N_Q] (nats) from the teacher LSEs (bits)."""
     pid_t = tl.program_id(0)
@@ -209,19 +226,19 @@ def _indexer_fwd_kernel(
     # whole tiles every token of the block sees (no masks), then the diagonal band / ragged tile
     full_hi, key_hi = _key_stages(t0, 0, N_K, N_Q, N_K, BLOCK_T, BLOCK_N, CAUSAL)
     m, l, mass, acc, plogp = _fwd_key_range(
-        m, l, mass, acc, plogp, Q, K, QI, KI, W, LSE_T,
+        m, l, mass, acc, plogp, Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T,
         stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
         stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
         stride_wb, stride_wh, stride_wn, b, t0, 0, full_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
         n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI,
-        HB, IB, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT)
+        HB, IB, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA)
     m, l, mass, acc, plogp = _fwd_key_range(
-        m, l, mass, acc, plogp, Q, K, QI, KI, W, LSE_T,
+        m, l, mass, acc, plogp, Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T,
         stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
         stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
         stride_wb, stride_wh, stride_wn, b, t0, full_hi, key_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale,
         inv_heads, n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI,
-        HB, IB, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT)
+        HB, IB, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA)
     # empty: no visible key (l = 0; a visible key adds exp(0) = 1 at the max). Not m == -inf: the
     # max ignores NaN, so a NaN row can keep m = -inf, but its l is NaN and its KL stays NaN
     empty = l == 0.0
@@ -235,15 +252,18 @@ def _indexer_fwd_kernel(
 
 
 @triton.jit
-def _lse_key_range(m, l, Q, K, q_off, row_ok, k_off_base, tok, lo, hi, N_Q, N_K, stride_qd, stride_kn, stride_kd,
+def _lse_key_range(m, l, Q, K, Q_DESC, K_DESC, q_off, row_ok, k_off_base, tok, b, h0, t0, kv,
+                   lo, hi, N_Q, N_K, stride_qd, stride_kn, stride_kd,
                    qk_scale, D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, NO_CONTRACT: tl.constexpr):
+                   HB: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+                   NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr):
     diag_offset = N_K - N_Q
     for s0 in range(lo, hi, BLOCK_N):
         keys = s0 + tl.arange(0, BLOCK_N)
         key_ok = keys < N_K
         s = _dot_rows(Q, q_off, row_ok, K, k_off_base + keys.to(tl.int64) * stride_kn, key_ok,
-                      stride_qd, stride_kd, D, BLOCK_D, ROWS, BLOCK_N, IEEE)
+                      stride_qd, stride_kd, Q_DESC, K_DESC, b, h0, t0, kv, s0,
+                      D, BLOCK_D, ROWS, BLOCK_N, HB, IEEE, USE_TMA)
         s = _to_bits(s, qk_scale, NO_CONTRACT)
         if MASKED:
             visible = key_ok[None, :] & (tok >= 0)[:, None]
@@ -259,10 +279,10 @@ def _lse_key_range(m, l, Q, K, q_off, row_ok, k_off_base, tok, lo, hi, N_Q, N_K,
 
 @triton.jit
 def _teacher_lse_kernel(
-    Q, K, LSE_T, stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+    Q, K, Q_DESC, K_DESC, LSE_T, stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     H, GROUP, N_Q, N_K, qk_scale, chunks_per_group,
     D: tl.constexpr, BLOCK_D: tl.constexpr, HB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, IEEE: tl.constexpr, NO_CONTRACT: tl.constexpr,
+    CAUSAL: tl.constexpr, IEEE: tl.constexpr, NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """The teacher's per-head LSEs in bits, ``[B, H, N_Q]`` (-inf for rows with no visible key):
     the first pass when the caller gives no ``lse``. One program per (token block, head chunk, b)."""
@@ -274,6 +294,7 @@ def _teacher_lse_kernel(
     rows = tl.arange(0, ROWS)
     tok = t0 + rows % BLOCK_T
     kv = c // chunks_per_group
+    h0 = kv * GROUP + (c % chunks_per_group) * HB
     h_in_group = (c % chunks_per_group) * HB + rows // BLOCK_T
     h = kv * GROUP + h_in_group
     row_ok = (h_in_group < GROUP) & (tok < N_Q)
@@ -283,11 +304,11 @@ def _teacher_lse_kernel(
     m = tl.full([ROWS], float("-inf"), tl.float32)
     l = tl.zeros([ROWS], tl.float32)
     full_hi, key_hi = _key_stages(t0, 0, N_K, N_Q, N_K, BLOCK_T, BLOCK_N, CAUSAL)
-    m, l = _lse_key_range(m, l, Q, K, q_off, row_ok, k_off_base, tok, 0, full_hi, N_Q, N_K,
-                          stride_qd, stride_kn, stride_kd, qk_scale, D, BLOCK_D, ROWS, BLOCK_N,
-                          False, CAUSAL, IEEE, NO_CONTRACT)
-    m, l = _lse_key_range(m, l, Q, K, q_off, row_ok, k_off_base, tok, full_hi, key_hi, N_Q, N_K,
-                          stride_qd, stride_kn, stride_kd, qk_scale, D, BLOCK_D, ROWS, BLOCK_N,
-                          True, CAUSAL, IEEE, NO_CONTRACT)
+    m, l = _lse_key_range(m, l, Q, K, Q_DESC, K_DESC, q_off, row_ok, k_off_base, tok, b, h0, t0, kv,
+                          0, full_hi, N_Q, N_K, stride_qd, stride_kn, stride_kd, qk_scale, D, BLOCK_D,
+                          ROWS, BLOCK_N, HB, False, CAUSAL, IEEE, NO_CONTRACT, USE_TMA)
+    m, l = _lse_key_range(m, l, Q, K, Q_DESC, K_DESC, q_off, row_ok, k_off_base, tok, b, h0, t0, kv,
+                          full_hi, key_hi, N_Q, N_K, stride_qd, stride_kn, stride_kd, qk_scale, D, BLOCK_D,
+                          ROWS, BLOCK_N, HB, True, CAUSAL, IEEE, NO_CONTRACT, USE_TMA)
     lse = tl.where(l == 0.0, float("-inf"), m + tl.log2(l))  # l is NaN (not 0) for a NaN row
     tl.store(LSE_T + (b64 * H + h) * N_Q + tok, lse, mask=row_ok)

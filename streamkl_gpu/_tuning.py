@@ -124,17 +124,35 @@ def pick(key, candidates, launch, proxy=None, device=None):
     return cfg
 
 
+# Where first calls spend their time (bench/host_cost.py reports it): seconds in the first launch
+# of each candidate (compiling it, or loading it from Triton's cache) and in timing them.
+TUNING_STATS = {"compile_s": 0.0, "timing_s": 0.0, "keys": 0}
+TUNING_LOG: dict = {}  # key -> [(cfg, median ms)], what the tuner measured
+
+
 def _time_candidates(key, candidates, launch):
+    import time
+
+    import torch
     from triton.testing import do_bench
 
     best, best_t = None, float("inf")
+    TUNING_STATS["keys"] += 1
+    measured = TUNING_LOG.setdefault(key, [])
     for cfg in candidates:
         try:
+            t0 = time.perf_counter()
+            launch(cfg)  # compiles (or loads) this candidate: not part of the tuning budget
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
             t = do_bench(lambda: launch(cfg), warmup=5, rep=20, return_mode="median")
+            TUNING_STATS["compile_s"] += t1 - t0
+            TUNING_STATS["timing_s"] += time.perf_counter() - t1
         except Exception as exc:  # out of shared memory / registers: not a usable config
             if "OutOfResources" not in type(exc).__name__ and "out of resource" not in str(exc).lower():
                 raise
             continue
+        measured.append((cfg, t))
         if t < best_t:
             best, best_t = cfg, t
     if best is None:

@@ -105,7 +105,7 @@ def _forward(q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, causal, scale1, scale2, s
     split = n_splits > 1
     # TMA: descriptors over the [1, H_K, total_k, D] views (a tile reaching into the next
     # sequence is masked in the kernel like keys past N_K)
-    tma = tma_ok(k1) and tma_ok(k2) and (interpreting() or max_k >= TMA_MIN_KEYS)
+    tma = dims.NK > 0 and tma_ok(k1) and tma_ok(k2) and (interpreting() or max_k >= TMA_MIN_KEYS)
     candidates = fwd_candidates(sched, max(d1_pad, d2_pad), split, ieee, tma)
 
     def launch(cfg):

@@ -20,7 +20,6 @@ the launch code.
 """
 from __future__ import annotations
 
-import math
 import struct
 from typing import Optional
 
@@ -175,7 +174,7 @@ def _check_across_ranks(group, world, rank, args):
     try:
         fields = _local_fields(q1, k1, q2, k2, causal, scale1, scale2, layout, bwd_mode,
                                deterministic, group)
-    except ValueError as exc:
+    except Exception as exc:  # noqa: BLE001 (any local failure must still join the collective)
         local_error, fields = exc, [0] * len(_FIELDS)
     meta = torch.tensor([int(local_error is not None)] + fields, dtype=torch.int64,
                         device=_meta_device(group, (q1,)))
@@ -184,7 +183,8 @@ def _check_across_ranks(group, world, rank, args):
     _log("check all_gather", meta.numel() * 8, world, meta.numel() * 8)
     table = torch.stack(gathered).cpu().tolist()
     if local_error is not None:
-        raise ValueError(f"distributed.attention_kl (rank {rank} of {world}): {local_error}") from local_error
+        kind = "" if isinstance(local_error, ValueError) else f"{type(local_error).__name__}: "
+        raise ValueError(f"distributed.attention_kl (rank {rank} of {world}): {kind}{local_error}") from local_error
     bad = [r for r in range(world) if table[r][0]]
     if bad:
         raise ValueError(
@@ -242,77 +242,82 @@ class _Slot:
     slot 1: the ranks in reverse order) into a staging block, copied into place on arrival."""
 
     def __init__(self, k_chunk, buffer, slot_rows0, chunk_of_rank, chunk_len, group, world):
+        from . import _runtime
+
         # the shard as one contiguous [L, B, H_K, D] block (the collectives need contiguous input)
         self.send = k_chunk.detach().permute(2, 0, 1, 3).contiguous()
         self.block = _alias(buffer, slot_rows0, world * chunk_len)  # this slot's rows, [B, H_K, W L, D]
         self.places = [c * chunk_len - slot_rows0 for c in chunk_of_rank]  # rank i's row in the block
         self.in_order = self.places == [i * chunk_len for i in range(world)]
         rows = self.block.permute(2, 0, 1, 3)  # [W L, B, H_K, D], contiguous
-        self.landing = rows if self.in_order else torch.empty_like(rows)
+        self.landing = rows if self.in_order else _runtime.fresh(rows.shape, rows.dtype, rows.device)
         self.work = _all_gather_single(self.landing, self.send, group=group, async_op=True)
         nbytes = self.send.numel() * self.send.element_size()
         _log("all_gather keys", nbytes, world, nbytes)
-        self.chunk_len, self.group, self.world = chunk_len, group, world
+        self.chunk_len, self.rows0, self.group, self.world = chunk_len, slot_rows0, group, world
 
     def wait(self):
-        """Block (the current stream, on CUDA) until the keys are in place; return [B, H_K, W L, D]."""
+        """Block (the current stream, on CUDA) until the keys are in place."""
         self.work.wait()
         if not self.in_order:
             rows, L = self.block.permute(2, 0, 1, 3), self.chunk_len
             for i, place in enumerate(self.places):
                 rows[place:place + L].copy_(self.landing[i * L:(i + 1) * L])
-        block = self.block
         del self.send, self.landing, self.work, self.block
-        return block
 
 
 class _Gathered(torch.autograd.Function):
-    """Forward: wait for a slot's all-gather and return its keys [B, H_K, W L, D].
-    Backward: reduce-scatter the keys' gradient (summed in float32) back to each rank's chunk."""
+    """Forward: wait for a slot's all-gather; return one alias of the slot's first ``m`` key rows
+    ([B, H_K, m, D]) for each consumer (each attention_kl call that reads the slot).
+    Backward: add the consumers' dK in float32 (so a rank's two chunks' contributions are not
+    rounded to the key dtype once more) and reduce-scatter it back to each rank's chunk."""
 
     @staticmethod
-    def forward(ctx, k_chunk, slot):
+    def forward(ctx, k_chunk, slot, buffer_info, lengths):
+        buffer, = buffer_info
+        slot.wait()
+        ctx.set_materialize_grads(False)
         ctx.slot_info = (slot.places, slot.chunk_len, slot.group, slot.world)
         ctx.k_dtype = k_chunk.dtype
-        return slot.wait()
+        return tuple(_alias(buffer, slot.rows0, m) for m in lengths)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, *grads):
         places, L, group, world = ctx.slot_info
-        B, HK, _, D = grad.shape
+        g0 = next(g for g in grads if g is not None)
+        B, HK, _, D = g0.shape
         # rank i's chunk of the gradient as the i-th block of a contiguous float32 [W L, B, H_K, D]
-        # (each rank's bf16/fp16 dK is rounded once, by the kernel; the sum over ranks is not)
-        rows = torch.empty((world * L, B, HK, D), dtype=torch.float32, device=grad.device)
-        for i, place in enumerate(places):
-            rows[i * L:(i + 1) * L].copy_(grad[:, :, place:place + L].permute(2, 0, 1, 3))
-        out = torch.empty((L, B, HK, D), dtype=torch.float32, device=grad.device)
+        rows = torch.zeros((world * L, B, HK, D), dtype=torch.float32, device=g0.device)
+        for g in grads:
+            if g is None:
+                continue
+            for i, place in enumerate(places):
+                m = min(L, g.shape[2] - place)
+                if m > 0:
+                    rows[i * L:i * L + m] += g[:, :, place:place + m].permute(2, 0, 1, 3)
+        out = torch.empty((L, B, HK, D), dtype=torch.float32, device=g0.device)
         _reduce_scatter_single(out, rows, group=group)
         _log("reduce_scatter dk", out.numel() * 4, world, out.numel() * 4)
-        return out.permute(1, 2, 0, 3).to(ctx.k_dtype), None
+        return out.permute(1, 2, 0, 3).to(ctx.k_dtype), None, None, None
 
 
 class _Prefix(torch.autograd.Function):
-    """Keys [0, P) spanning the slot blocks (adjacent in one buffer): a view, no copy.
-    Backward: the gradient split back into the slots (zero past P)."""
+    """Keys [0, P) spanning the slots' aliases (adjacent rows of one buffer): a view, no copy.
+    Backward: the gradient split back into the pieces (views)."""
 
     @staticmethod
-    def forward(ctx, buffer_info, prefix, *blocks):
+    def forward(ctx, buffer_info, *pieces):
         buffer, = buffer_info
-        ctx.sizes = [b.shape[2] for b in blocks]
-        ctx.prefix = prefix
-        return _alias(buffer, 0, prefix)
+        ctx.sizes = [p.shape[2] for p in pieces]
+        return _alias(buffer, 0, sum(ctx.sizes))
 
     @staticmethod
     def backward(ctx, grad):
         grads, start = [], 0
         for size in ctx.sizes:
-            part = grad[:, :, start:min(start + size, ctx.prefix)]
-            if part.shape[2] < size:
-                pad = grad.new_zeros(grad.shape[:2] + (size - part.shape[2], grad.shape[3]))
-                part = torch.cat([part, pad], dim=2)
-            grads.append(part)
+            grads.append(grad[:, :, start:start + size])
             start += size
-        return (None, None, *grads)
+        return (None, *grads)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -363,8 +368,10 @@ def attention_kl(q1, k1, q2, k2, *, group: Optional["dist.ProcessGroup"] = None,
     # slot s of every rank: global chunks {chunk_of_rank[s][i]} = rows [s W L, (s+1) W L)
     chunk_of_rank = [[_chunks(layout, i, world)[s] for i in range(world)] for s in range(len(chunks))]
 
-    buffers = [torch.empty((n_total,) + (k.shape[0], k.shape[1], k.shape[3]), dtype=k.dtype, device=k.device)
-               for k in (k1, k2)]
+    from . import _runtime  # (after the check: importing it defines the kernels)
+
+    # fresh(): NaN-filled under the tests' poison setting, so a key row no collective wrote shows
+    buffers = [_runtime.fresh((n_total, k.shape[0], k.shape[1], k.shape[3]), k.dtype, k.device) for k in (k1, k2)]
     # all gathers start now, slot-major (NCCL runs them in order on one stream): slot 0 of both
     # sides first, so the early query chunk waits only for those
     slots = [[None] * len(chunks) for _ in buffers]
@@ -372,27 +379,35 @@ def attention_kl(q1, k1, q2, k2, *, group: Optional["dist.ProcessGroup"] = None,
         for side, k in enumerate((k1, k2)):
             slots[side][s] = _Slot(k[:, :, s * chunk_len:(s + 1) * chunk_len], buffers[side],
                                    s * world * chunk_len, chunk_of_rank[s], chunk_len, group, world)
-    sides = [(k, buffers[i], slots[i]) for i, k in enumerate((k1, k2))]
-    blocks = [[None] * len(chunks) for _ in sides]
+    # the attention_kl calls: (local query rows, key prefix). Causal: one per local chunk c, keys
+    # [0, (c+1) L) (bottom-right alignment: query c L + i sees keys j <= c L + i); else one call.
+    if causal:
+        calls = [(slice(s * chunk_len, (s + 1) * chunk_len), (c + 1) * chunk_len) for s, c in enumerate(chunks)]
+    else:
+        calls = [(slice(0, n_local), n_total)]
+    slot_rows = world * chunk_len
+    # rows of slot s that call j reads (0: none)
+    reads = [[min(max(prefix - s * slot_rows, 0), slot_rows) for _, prefix in calls] for s in range(len(chunks))]
+    views = [[None] * len(chunks) for _ in buffers]  # [side][slot] -> {call: alias}
 
-    def keys(side: int, prefix: int):
-        """Side ``side``'s keys [0, prefix), waiting only for the slots they need."""
-        k, buffer, slots = sides[side]
-        need = -(-prefix // (world * chunk_len))
-        for s in range(need):
-            if blocks[side][s] is None:
-                blocks[side][s] = _Gathered.apply(k[:, :, s * chunk_len:(s + 1) * chunk_len], slots[s])
-        if need == 1:
-            return blocks[side][0][:, :, :prefix]
-        return _Prefix.apply((buffer,), prefix, *blocks[side][:need])
+    def keys(side: int, call: int):
+        """Side ``side``'s keys for call ``call``, waiting only for the slots it reads."""
+        k = (k1, k2)[side]
+        pieces = []
+        for s in range(len(chunks)):
+            if reads[s][call] == 0:
+                break
+            if views[side][s] is None:
+                consumers = [j for j, m in enumerate(reads[s]) if m > 0]
+                outs = _Gathered.apply(k[:, :, s * chunk_len:(s + 1) * chunk_len], slots[side][s],
+                                       (buffers[side],), tuple(reads[s][j] for j in consumers))
+                outs = (outs,) if isinstance(outs, torch.Tensor) else outs
+                views[side][s] = dict(zip(consumers, outs))
+            pieces.append(views[side][s][call])
+        return pieces[0] if len(pieces) == 1 else _Prefix.apply((buffers[side],), *pieces)
 
     kw = dict(causal=causal, scale1=scale1, scale2=scale2, bwd_mode=bwd_mode, deterministic=deterministic)
-    if not causal:
-        return streamkl_gpu.attention_kl(q1, keys(0, n_total), q2, keys(1, n_total), **kw)
     out = []
-    for s, c in enumerate(chunks):  # slot order: the early chunk first, while slot 1 travels
-        rows = slice(s * chunk_len, (s + 1) * chunk_len)
-        prefix = (c + 1) * chunk_len  # bottom-right alignment: query c L + i sees keys j <= c L + i
-        out.append(streamkl_gpu.attention_kl(q1[:, :, rows], keys(0, prefix), q2[:, :, rows],
-                                             keys(1, prefix), **kw))
+    for j, (rows, _) in enumerate(calls):  # the early chunk first, while slot 1 travels
+        out.append(streamkl_gpu.attention_kl(q1[:, :, rows], keys(0, j), q2[:, :, rows], keys(1, j), **kw))
     return out[0] if len(out) == 1 else torch.cat(out, dim=-1)

@@ -1,13 +1,14 @@
 """``streamkl verify``: kernels against the references, as a numerical gate.
 
-Without ``--impl`` it runs streamkl's own ``streamkl_gpu.attention_kl`` (forward, and backward in
-both the fused and separate modes; then the NaN-planting cases) and ``streamkl_gpu.indexer_kl``
-(the indexer battery of ``streamkl_ref.testing``, and its Megatron mean) on a battery of cases — shapes that don't divide the tiles,
-N = 1, GQA on either side, D1 != D2, causal with N_Q < N_K and N_Q > N_K (empty rows), split-K,
-large logits — and compares every output and gradient with ``streamkl_ref`` in float64 (and with
-mpmath for the small cases). On a GPU it runs fp32, fp16 and bf16; on CPU, under the Triton
-interpreter, fp32 and fp16 (the interpreter's bf16 dot is wrong, and the kernels compute bf16 in
-fp32 there).
+Without ``--impl`` it runs streamkl's own kernels: ``streamkl_gpu.attention_kl`` (forward, and
+backward in both the fused and separate modes) on a battery of cases — shapes that don't divide
+the tiles, N = 1, GQA on either side, D1 != D2, causal with N_Q < N_K and N_Q > N_K (empty rows),
+split-K, large logits — then packed sequences (``attention_kl_varlen``: zero-length, length-1
+and key-less sequences), the NaN-planting cases, and ``streamkl_gpu.indexer_kl`` (the indexer
+battery of ``streamkl_ref.testing``, and its Megatron mean). Every output and gradient is compared
+with ``streamkl_ref`` in float64 (and with mpmath for the small cases). On a GPU it runs fp32,
+fp16 and bf16; on CPU, under the Triton interpreter, fp32 and fp16 (the interpreter's bf16 dot
+is wrong, and the kernels compute bf16 in fp32 there).
 
 With ``--impl MODULE:FUNCTION`` it runs the conformance suite of ``streamkl_ref.testing``
 (``check_attention_kl``, or ``check_indexer_kl`` with ``--indexer``) against that callable: the
@@ -104,6 +105,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help='claims of FUNCTION as a JSON object, e.g. \'{"gqa": false, "causal": false}\'; '
                         "cases outside them are reported skipped (keys: see streamkl_ref.testing.SUPPORT_KEYS)")
     return p
+
+# packed sequences (attention_kl_varlen): (name, [(n_q, n_k), ...], H, HK1, HK2, D1, D2, causal, split_k)
+VARLEN_CPU_CASES = [
+    ("varlen_mixed", [(5, 9), (0, 4), (17, 17), (1, 1), (6, 0), (20, 7)], 4, 2, 1, 16, 24, True, None),
+    ("varlen_noncausal_splitk", [(3, 40), (9, 9), (0, 0), (12, 33)], 2, 1, 2, 16, 16, False, 3),
+]
+VARLEN_GPU_CASES = VARLEN_CPU_CASES + [
+    # >= 2048 keys in one sequence: the forward reads keys through TMA descriptors (Hopper)
+    ("varlen_big", [(300, 300), (0, 64), (1, 1), (513, 700), (129, 0), (2100, 2300)], 8, 2, 4, 128, 64, True, None),
+]
 
 
 def _parse(argv):
@@ -313,6 +324,58 @@ def _run_own(args, device: str) -> int:
                         record(name, dtype, f"{tname} ({mode}) max|.|", err, ZERO_GRAD_TOL,
                                note="reference gradient is exactly 0")
                         continue
+                    tol = tolerance(relative_error(s.grad, ref_grad[tname]), dname)
+                    record(name, dtype, f"{tname} ({mode})", relative_error(t.grad, ref_grad[tname]), tol)
+    from streamkl_gpu import attention_kl_varlen
+
+    varlen_cases = VARLEN_GPU_CASES if device == "cuda" else VARLEN_CPU_CASES
+    if args.quick:
+        varlen_cases = varlen_cases[:1]
+    for (name, lens, H, HK1, HK2, D1, D2, causal, split) in varlen_cases:
+        report.cases[name] = {"kind": "varlen", "seqlens_qk": [list(x) for x in lens], "H": H, "HK1": HK1,
+                              "HK2": HK2, "D1": D1, "D2": D2, "causal": causal, "split_k": split}
+        tq, tk = sum(a for a, _ in lens), sum(b for _, b in lens)
+        base = [torch.randn(tq, H, D1, generator=gen), torch.randn(tk, HK1, D1, generator=gen),
+                torch.randn(tq, H, D2, generator=gen), torch.randn(tk, HK2, D2, generator=gen)]
+        g = torch.randn(tq, H, generator=gen)
+        cu_q = torch.tensor([0] + list(np.cumsum([a for a, _ in lens])), dtype=torch.int32)
+        cu_k = torch.tensor([0] + list(np.cumsum([b for _, b in lens])), dtype=torch.int32)
+        mq, mk = max(a for a, _ in lens), max(b for _, b in lens)
+        for dtype in dtypes:
+            dname = str(dtype).replace("torch.", "")
+            if not args.quiet:
+                print(f"[{time.time() - t_start:6.1f}s] {name} {dname}", file=sys.stderr, flush=True)
+            xs = [x.to(dtype) for x in base]
+            x64 = [x.double().numpy() for x in xs]
+            packing = (cu_q.numpy(), cu_k.numpy(), mq, mk)
+            ref_kl = streamkl_ref.attention_kl_varlen(*x64, *packing, causal=causal)
+            ref_grad = streamkl_ref.attention_kl_varlen_grad(*x64, *packing, g.double().numpy(), causal=causal)
+            # the same math at the inputs' precision, sequence by sequence (tolerance scale)
+            same = [x.clone().requires_grad_(True) for x in xs]
+            same_kl = torch.zeros(tq, H, dtype=torch.float64)
+            for i in range(len(lens)):
+                rows_i, keys_i = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+                if rows_i.start == rows_i.stop or keys_i.start == keys_i.stop:
+                    continue
+                seq = [x[sl].transpose(0, 1)[None] for x, sl in zip(same, (rows_i, keys_i, rows_i, keys_i))]
+                out = attention_kl_torch(*seq, causal=causal, compute_dtype=dtype)
+                out.backward(g[rows_i].T[None].to(out.dtype))
+                same_kl[rows_i] = out[0].T.detach().double()
+            floor = FLOOR[dname]
+            kl_tol = tolerance(relative_error(same_kl, ref_kl), dname)
+            dev_xs = [x.to(device) for x in xs]
+            dev_cu = (cu_q.to(device), cu_k.to(device), mq, mk)
+            kl = attention_kl_varlen(*dev_xs, *dev_cu, causal=causal, split_k=split)
+            record(name, dtype, "kl", relative_error(kl, ref_kl), kl_tol)
+            no_keys = [i for i, (a, b) in enumerate(lens) if a and not b]
+            if no_keys:
+                ok = all(bool((kl[int(cu_q[i]):int(cu_q[i + 1])] == 0).all()) for i in no_keys)
+                record(name, dtype, "kl no-key seqs == 0", 0.0 if ok else 1.0, 0.0, ok)
+            for mode in ("fused", "separate"):
+                ins = [x.clone().requires_grad_(True) for x in dev_xs]
+                out = attention_kl_varlen(*ins, *dev_cu, causal=causal, bwd_mode=mode)
+                out.backward(g.to(device))
+                for tname, t, s in zip(("dq1", "dk1", "dq2", "dk2"), ins, same):
                     tol = tolerance(relative_error(s.grad, ref_grad[tname]), dname)
                     record(name, dtype, f"{tname} ({mode})", relative_error(t.grad, ref_grad[tname]), tol)
     # the NaN/inf isolation contract (planted cases) and the indexer loss, through the conformance suite

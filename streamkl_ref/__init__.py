@@ -34,6 +34,8 @@ from ._indexer import (
     indexer_kl_grad,
     indexer_kl_mp,
     indexer_kl_online,
+    indexer_kl_topk,
+    indexer_kl_topk_grad,
 )
 from ._mp import attention_kl_mp
 from ._online import (
@@ -74,6 +76,8 @@ __all__ = [
     "indexer_kl_mp",
     "indexer_kl_online",
     "indexer_kl_grad",
+    "indexer_kl_topk",
+    "indexer_kl_topk_grad",
     "IndexerOnlineResult",
     "IndexerTileStats",
 ]

@@ -44,6 +44,7 @@ def run_case(case, rank, world):
     idx = torch.tensor(positions(case["layout"], rank, world, case["N"]))
     train = case["train"]
     shards = [x.index_select(2, idx).clone().requires_grad_(t) for x, t in zip(xs, train)]
+    distributed.reset_comm_log()
     kl = distributed.attention_kl(*shards, causal=case["causal"], layout=case["layout"],
                                   scale1=case.get("scale1"), scale2=case.get("scale2"),
                                   bwd_mode=case.get("bwd_mode", "auto"),
@@ -53,6 +54,10 @@ def run_case(case, rank, world):
         (kl * g.index_select(2, idx)).sum().backward()
         for name, x in zip(("dq1", "dk1", "dq2", "dk2"), shards):
             out[name] = None if x.grad is None else x.grad.clone()
+    sent = {}
+    for op, _, nbytes in distributed.comm_log():
+        sent[op] = sent.get(op, 0) + nbytes
+    out["sent"] = sent
     return out
 
 
@@ -101,6 +106,9 @@ def run_error(case, rank, world):
 
 
 def worker(rank, world, init_file, cases, out_dir):
+    from streamkl_gpu import _runtime
+
+    _runtime.POISON_FRESH = True  # fresh buffers start as NaN: an unwritten key row cannot pass
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     results = []

@@ -116,9 +116,12 @@ class Taint:
     unseen_keys: np.ndarray  # [NK]: no row sees the key: dk exactly 0
 
 
-def taint(case: NanCase) -> Taint:
+def taint(case: NanCase, vis=None) -> Taint:
+    """``vis [NQ, NK]``: who sees whom (default: the case's causal or full mask; packed
+    sequences pass their block-diagonal one, :func:`packed_visible`)."""
     B, H, NQ, NK = case.B, case.H, case.NQ, case.NK
-    vis = visible(np.arange(NQ), np.arange(NK), NQ, NK, case.causal)  # [NQ, NK]
+    if vis is None:
+        vis = visible(np.arange(NQ), np.arange(NK), NQ, NK, case.causal)  # [NQ, NK]
     sees_any = vis.any(axis=1)  # a row with no visible key is empty whatever its query holds
 
     def key_marks(nan_only):
@@ -166,6 +169,15 @@ def taint(case: NanCase) -> Taint:
     )
 
 
+def packed_visible(cu_q, cu_k, causal: bool) -> np.ndarray:
+    """``[total_q, total_k]`` visibility of packed sequences: each sequence sees only its own keys
+    (bottom-right causal within it)."""
+    vis = np.zeros((cu_q[-1], cu_k[-1]), dtype=bool)
+    for q0, q1, k0, k1 in zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:]):
+        vis[q0:q1, k0:k1] = visible(np.arange(q1 - q0), np.arange(k1 - k0), q1 - q0, k1 - k0, causal)
+    return vis
+
+
 def _canonical_bits(x: np.ndarray) -> np.ndarray:
     """The bit patterns of ``x`` with -0 folded into +0 (a masked product may give either sign)."""
     x = np.asarray(x)
@@ -208,11 +220,13 @@ def assert_unseen_keys_zero(name, dk, unseen_keys):
 # Hypothesis strategy
 # ------------------------------------------------------------------------------------------------
 @st.composite
-def nan_cases(draw, max_n=40, max_d=24, max_b=2, max_bh=8, max_poisons=3, pad=True, layouts=("bhnd", "bnhd")):
+def nan_cases(draw, max_n=40, max_d=24, max_b=2, max_bh=8, max_poisons=3, pad=True, layouts=("bhnd", "bnhd"),
+              keys_need_causal=True):
     """Small problems with NaN/±inf planted in keys (biased towards the last keys: past the causal
     frontier of the most rows), query rows and upstream-gradient rows (biased towards the first
     rows: the empty rows of ``N_Q > N_K``), and NaN storage around every input. At most
-    ``max_bh`` (batch, query head) slices (the interpreter's cost grows with them)."""
+    ``max_bh`` (batch, query head) slices (the interpreter's cost grows with them).
+    ``keys_need_causal=False``: poison keys without causal too (packed sequences hide them)."""
     B = draw(st.integers(1, max_b))
     H = draw(st.sampled_from([h for h in (1, 2, 4) if B * h <= max_bh]))
     HK1 = draw(st.sampled_from([d for d in (1, 2, 4) if H % d == 0]))
@@ -245,7 +259,7 @@ def nan_cases(draw, max_n=40, max_d=24, max_b=2, max_bh=8, max_poisons=3, pad=Tr
     # every key, so one poisoned key usually leaves no dK to compare; without causal it taints
     # every row. Hence three kinds: keys only (causal), rows only (the dK isolation), or both.
     kind = draw(st.sampled_from(["rows", "keys", "both"]))
-    n_keys = draw(st.integers(1, max_poisons)) if causal and kind != "rows" else 0
+    n_keys = draw(st.integers(1, max_poisons)) if (causal or not keys_need_causal) and kind != "rows" else 0
     n_queries = draw(st.integers(0, max_poisons)) if kind != "keys" else 0
     n_grads = draw(st.integers(0 if n_queries else 1, max_poisons)) if kind != "keys" else 0
     pads = (draw(st.integers(0, 1)), draw(st.integers(0, 1)), draw(st.integers(0, 17)), draw(st.integers(0, 9))) \
@@ -258,6 +272,20 @@ def nan_cases(draw, max_n=40, max_d=24, max_b=2, max_bh=8, max_poisons=3, pad=Tr
         grad_poison=tuple(grad_entry() for _ in range(n_grads)),
         pad=pads, layout=draw(st.sampled_from(layouts)),
     )
+
+
+@st.composite
+def packed_nan_cases(draw, max_sequences=3, **kw):
+    """``(case, cu_seqlens_q, cu_seqlens_k)``: a B = 1 case whose rows and keys are cut into up to
+    ``max_sequences`` packed sequences (zero-length ones allowed)."""
+    case = draw(nan_cases(max_b=1, keys_need_causal=False, **kw))
+    n = draw(st.integers(1, max_sequences))
+
+    def cuts(total):
+        inner = sorted(draw(st.lists(st.integers(0, total), min_size=n - 1, max_size=n - 1)))
+        return [0] + inner + [total]
+
+    return case, cuts(case.NQ), cuts(case.NK)
 
 
 def reported_case_key7(side=1):

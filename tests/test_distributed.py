@@ -124,6 +124,23 @@ def test_matches_single_process(world, index):
             assert err <= REL_TOL, f"{name}: max relative difference {err:.2e} > {REL_TOL:.0e} (run {run})"
 
 
+@pytest.mark.parametrize("world,index", [(w, i) for w in CASES for i in range(len(CASES[w]))],
+                         ids=[f"W{w}-{n}" for w in CASES for n in _case_ids(w)])
+def test_bytes_sent_match_the_docs_formula(world, index):
+    """docs/distributed.md: forward (W-1) N/W B (H_K1 D1 e1 + H_K2 D2 e2), backward (W-1) N/W B
+    4 H_Kt D_t per side whose keys train, the check (W-1) 23 * 8, as logged by comm_log()."""
+    cases, results = _run(world)
+    c = cases[index]
+    n, e = c["N"] // world, 4  # float32 inputs
+    want = {"all_gather keys": (world - 1) * n * c["B"] * (c["HK1"] * c["D1"] + c["HK2"] * c["D2"]) * e,
+            "check all_gather": (world - 1) * 23 * 8}
+    dk = (world - 1) * n * c["B"] * 4 * (c["HK1"] * c["D1"] * c["train"][1] + c["HK2"] * c["D2"] * c["train"][3])
+    if dk:
+        want["reduce_scatter dk"] = dk
+    for res in results:
+        assert res[index]["sent"] == want
+
+
 @pytest.mark.parametrize("world,kind", [(w, c["bad"]) for w in (2, 3) for c in _error_cases(w)])
 def test_errors_raise_on_every_rank(world, kind):
     cases, results = _run(world)

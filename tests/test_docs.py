@@ -92,7 +92,7 @@ def site(tmp_path_factory):
 
 def test_mkdocs_build_strict(site):
     pages = ["index.html", "tutorial/index.html", "math/index.html", "api/index.html", "verify/index.html",
-             "performance/index.html", "proofs/index.html"]
+             "performance/index.html", "proofs/index.html", "indexer/index.html"]
     proofs = sorted(os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(ROOT, "proofs", "0*.md")))
     assert len(proofs) == 9  # statements 1-9
     with open(os.path.join(ROOT, "mkdocs.yml")) as fh:

@@ -98,6 +98,15 @@ def test_forward_and_gradients_match_reference(shape, causal, with_lse):
     check_case(xs, with_lse=with_lse, causal=causal)
 
 
+@pytest.mark.parametrize("tma", [True], indirect=True)
+def test_tma_descriptor_path(tma):
+    """Score tiles through TMA descriptors (the Hopper path). Groups of 3 in boxes of 4 heads: a
+    teacher box's 4th row is the next group's first head, counted twice unless masked by row."""
+    xs = make(1, 6, 2, 11, 13, 16, 3, 1, 16, seed=23)
+    assert _indexer._use_tma(*xs[:4])
+    check_case(xs, with_lse=False, causal=True)
+
+
 def test_dk_token_splits_equal_one_pass():
     """The dk kernel's token splits (fp32 atomics) give the single-split dk_idx (to rounding)."""
     xs = make(1, 2, 1, 23, 23, 16, 2, 1, 8, seed=22)

@@ -5,7 +5,8 @@ split-K, keys through TMA descriptors), the fused backward (dQ by atomics), the 
 ``deterministic=True`` (GQA dK per query head, summed in order), each setting, GQA. NaN/±inf
 planted in keys past a row's causal frontier, in query rows (the empty rows of ``N_Q > N_K``
 included), in upstream-gradient rows, and in the storage just past ``N_K``, ``D`` and the heads
-(the inputs are strided views into NaN-filled buffers, so a load that forgets its mask reads NaN)
+(the inputs are strided views into NaN-filled buffers, so a load that forgets its mask reads NaN),
+and, for packed sequences (``attention_kl_varlen``), in the other sequences,
 leave every output the poisons cannot reach *bitwise* equal to the clean run (the interpreter
 runs programs one after another, so even the atomics add in a fixed order); where a NaN does
 reach a row or key it gives NaN there; dK of a key no row sees is exactly 0. The model of what a
@@ -29,6 +30,8 @@ from _nan_cases import (
     assert_same_bits,
     assert_unseen_keys_zero,
     nan_cases,
+    packed_nan_cases,
+    packed_visible,
     padded_view,
     reported_case_key7,
     reported_case_key40,
@@ -92,8 +95,12 @@ def check(case, out, clean, grads=None, clean_grads=None):
     for what, x, c in zip(("kl", "lse1", "lse2"), out, clean):
         assert_same_bits(what, x, c, t.rows_fwd)
     assert_all_nan("kl", out[0], t.rows_fwd_nan)
-    if grads is None:
-        return
+    if grads is not None:
+        check_grads(t, grads, clean_grads)
+
+
+def check_grads(t, grads, clean_grads):
+    """Unreached gradient rows / keys bitwise clean, NaN-reached ones all NaN, unseen keys 0."""
     reach = {"dq1": (t.rows_bwd, t.rows_bwd_nan), "dq2": (t.rows_bwd, t.rows_bwd_nan),
              "dk1": (t.keys1, t.keys1_nan), "dk2": (t.keys2, t.keys2_nan)}
     assert set(grads) == set(clean_grads)
@@ -167,3 +174,57 @@ def test_reported_cases(case, first):
     assert np.array_equal(np.isnan(out[0][0, 0]), expected)
     for name in ("dq1", "dq2"):
         assert np.array_equal(np.isnan(grads[name][0, 0]).any(axis=-1), expected), name
+
+
+# Packed sequences: NaN in one sequence never reaches another. Two sequences of 9 + 14 rows and
+# 12 + 11 keys: a NaN key of sequence 0 and a NaN query row of sequence 1 (non-causal: each
+# taints its own sequence only), in a 16 x 16 tile that straddles both; a key-only sequence at
+# the end (no row sees its keys: dk exactly 0).
+PACKED = (NanCase(H=2, HK1=1, HK2=2, NQ=23, NK=27, D1=8, D2=8, causal=False, seed=9,
+                  key_poison=((1, 0, 0, 5, 2, math.nan),), query_poison=((2, 0, 1, 12, 0, math.nan),),
+                  pad=(0, 1, 5, 3)),
+          [0, 9, 23, 23], [0, 12, 23, 27])
+
+
+def packed(x: np.ndarray, pad, dtype, nan_storage):
+    """``[1, H, N, D]`` -> the packed ``[N, H, D]``; with ``nan_storage`` a strided view into a
+    NaN buffer larger by ``pad`` (rows, heads, dims)."""
+    t = torch.from_numpy(x[0]).to(dtype).transpose(0, 1)
+    if not nan_storage:
+        return t.contiguous()
+    _, ph, pn, pd = pad
+    buf = torch.full((t.shape[0] + pn, t.shape[1] + ph, t.shape[2] + pd), math.nan, dtype=dtype)
+    view = buf[:t.shape[0], :t.shape[1], :t.shape[2]]
+    view.copy_(t)
+    return view
+
+
+@FEW
+@given(packed_case=packed_nan_cases(max_bh=4), setting=st.sampled_from(list(SETTINGS)),
+       path=st.sampled_from(BWD_PATHS))
+@example(packed_case=PACKED, setting="both", path=("fused", False))
+@example(packed_case=PACKED, setting="both", path=("auto", True))
+def test_varlen(packed_case, setting, path):
+    case, cu_q, cu_k = packed_case
+    bwd_mode, deterministic = path
+    clean = case.clean()
+    bad = case.poisoned(clean)
+    train = SETTINGS[setting]
+    cu = [torch.tensor(c, dtype=torch.int32) for c in (cu_q, cu_k)]
+    max_q, max_k = max(np.diff(cu_q)), max(np.diff(cu_k))
+
+    def run_packed(arrays, nan_storage):
+        ins = [packed(x, case.pad, torch.float32, nan_storage).requires_grad_(t) for x, t in zip(arrays, train)]
+        kl = streamkl_gpu.attention_kl_varlen(*ins, *cu, int(max_q), int(max_k), causal=case.causal,
+                                              bwd_mode=bwd_mode, deterministic=deterministic)
+        kl.backward(torch.from_numpy(arrays[4][0].T.copy()).to(torch.float32))
+        # back to the padded layout of the taint model: [1, H, N] and [1, H, N, D]
+        grads = {n: x.grad.transpose(0, 1)[None].numpy() for n, x, t in zip(GRADS, ins, train) if t}
+        return kl.detach().T[None].numpy(), grads
+
+    kl, grads = run_packed(bad, True)
+    clean_kl, clean_grads = run_packed(clean, False)
+    t = taint(case, packed_visible(cu_q, cu_k, case.causal))
+    assert_same_bits("kl", kl, clean_kl, t.rows_fwd)
+    assert_all_nan("kl", kl, t.rows_fwd_nan)
+    check_grads(t, grads, clean_grads)

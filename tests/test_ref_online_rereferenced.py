@@ -419,7 +419,7 @@ def test_trace_shows_the_kernels_form_and_keeps_its_default(capsys):
     args = ["--causal", "--nq", "6", "--nk", "9", "--block-q", "2", "--block-k", "4", "--base2"]
     assert run(*args) == run(*args, "--accumulator", "plain")  # the default is the plain form
     text = run(*args, "--accumulator", "max_referenced")
-    assert "acc is max-referenced" in text and "acc is max-referenced" not in run(*args)
+    assert "accumulator max_referenced:" in text and "accumulator max_referenced:" not in run(*args)
     plain = json.loads(run(*args, "--json"))
     reref = json.loads(run(*args, "--json", "--accumulator", "max_referenced"))
     assert (plain["params"]["accumulator"], reref["params"]["accumulator"]) == ("plain", "max_referenced")

@@ -1,0 +1,105 @@
+"""Offline compile of the indexer kernels for sm_90, no GPU needed: compile errors, shared memory,
+registers and spills (STACK > 0) of every launch candidate the host code would try.
+
+    python bench/indexer_aot_check.py dsa gqa fp32 odd      # from the repository root
+    TMA=0 python bench/indexer_aot_check.py dsa             # the pointer-load path
+    PYTHONPATH=/path/to/triton-3.6 python bench/indexer_aot_check.py dsa   # another triton
+
+It intercepts the launches of streamkl_gpu._indexer (CPU tensors, no kernel runs) and compiles
+each with triton.compile for GPUTarget("cuda", 90); cuobjdump -res-usage gives the counts.
+"""
+import os, sys, itertools
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ["STREAMKL_AUTOTUNE"] = "0"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch, triton
+from triton.compiler import ASTSource
+from triton.backends.compiler import GPUTarget
+from streamkl_gpu import _indexer, _indexer_fwd, _indexer_bwd, api
+from triton.runtime.jit import mangle_type
+api._tma_ok = lambda t: os.environ.get('TMA', '1') == '1'
+
+TARGET = GPUTarget("cuda", int(os.environ.get("ARCH", "90")), 32)
+records = []
+
+class Rec:
+    def __init__(self, name, fn): self.name, self.fn = name, fn
+    def __getitem__(self, grid):
+        def call(*args, **kw):
+            records.append((self.name, self.fn, grid, args, kw))
+        return call
+
+for mod, name in ((_indexer_fwd, "_indexer_fwd_kernel"), (_indexer_fwd, "_teacher_lse_kernel"),
+                  (_indexer_bwd, "_indexer_bwd_dq_kernel"), (_indexer_bwd, "_indexer_bwd_dk_kernel")):
+    setattr(mod, name, Rec(name, getattr(mod, name)))
+
+def pick_all(key, cands, launch):
+    for c in cands: launch(c)
+    return cands[0]
+api._pick = pick_all
+api._n_sm = lambda d: 132
+
+TY = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
+
+def compile_rec(rec):
+    name, fn, grid, args, kw = rec
+    names = fn.arg_names
+    sig, consts = {}, {}
+    kw = dict(kw)
+    opts = {"num_warps": kw.pop("num_warps", 4), "num_stages": kw.pop("num_stages", 2)}
+    vals = dict(zip(names, args)); vals.update(kw)
+    for i, n in enumerate(names):
+        v = vals[n]
+        p = fn.params[i]
+        if p.is_constexpr:
+            sig[n] = "constexpr"; consts[(i,)] = v
+        elif v is None:
+            sig[n] = "constexpr"; consts[(i,)] = None
+        else:
+            sig[n] = mangle_type(v)
+    src = ASTSource(fn, sig, constexprs=consts)
+    k = triton.compile(src, target=TARGET, options=opts)
+    md = k.metadata
+    n_regs = n_spills = None
+    try:
+        from triton.backends.nvidia.driver import CudaUtils  # needs a driver: skip
+    except Exception:
+        pass
+    asm = k.asm.get("sass") or ""
+    ptx = k.asm["ptx"]
+    # registers from ptxas via cubin info is not available without the driver; parse ptx .maxnreg? use cuobjdump
+    import subprocess, tempfile
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"]); cub = f.name
+    info = subprocess.run([os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump") if os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")) else "/work/main/.venv/lib/python3.11/site-packages/triton/backends/nvidia/bin/cuobjdump", "-res-usage", cub],
+                          capture_output=True, text=True).stdout
+    line = [l.strip() for l in info.splitlines() if "REG" in l]
+    cfg = {k2: vals[k2] for k2 in ("BLOCK_T", "BLOCK_N", "BLOCK_D", "HB", "IB") if k2 in vals}
+    print(f"{name:26s} warps={opts['num_warps']} stages={opts['num_stages']} {cfg} smem={md.shared} {line[0] if line else ''}", flush=True)
+
+def run(cfgname, H, HK, D, HI, HKI, DI, dtype, causal=True, lse=True, N=256):
+    q = torch.empty(1, H, N, D, dtype=dtype); k = torch.empty(1, HK, N, D, dtype=dtype)
+    qi = torch.empty(1, HI, N, DI, dtype=dtype); ki = torch.empty(1, HKI, N, DI, dtype=dtype)
+    w = torch.empty(1, HI, N, dtype=dtype)
+    lse_t = torch.zeros(1, H, N) if lse else None
+    records.clear()
+    _indexer._forward(q, k, qi, ki, w, lse_t, causal, 0.07, True)
+    if lse:
+        _indexer._forward(q, k, qi, ki, w, None, causal, 0.07, True)
+    _indexer._backward(torch.zeros(1, N), q, k, qi, ki, w, torch.zeros(1, H, N), torch.zeros(1, N), causal, 0.07, True)
+    print(f"== {cfgname} {dtype}")
+    seen = set()
+    for r in records:
+        key = (r[0], repr(sorted((k2, v) for k2, v in r[4].items())))
+        if key in seen: continue
+        seen.add(key)
+        try:
+            compile_rec(r)
+        except Exception as e:
+            print(f"{r[0]} FAILED: {type(e).__name__}: {str(e)[:2000]}", flush=True)
+
+which = sys.argv[1:] or ["dsa", "gqa"]
+if "dsa" in which: run("dsa", 128, 1, 576, 64, 1, 128, torch.bfloat16)
+if "gqa" in which: run("gqa", 32, 8, 128, 16, 1, 64, torch.bfloat16)
+if "fp32" in which: run("gqa", 32, 8, 128, 16, 1, 64, torch.float32)
+if "odd" in which: run("odd", 6, 3, 40, 3, 1, 24, torch.float16)
