@@ -15,9 +15,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch, triton
 from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
-from streamkl_gpu import _indexer, _indexer_fwd, _indexer_bwd, api
+from streamkl_gpu import _indexer, _indexer_fwd, _indexer_bwd, _runtime, _tuning
 from triton.runtime.jit import mangle_type
-api._tma_ok = lambda t: os.environ.get('TMA', '1') == '1'
+_runtime.tma_ok = lambda t: os.environ.get('TMA', '1') == '1'
 
 TARGET = GPUTarget("cuda", int(os.environ.get("ARCH", "90")), 32)
 records = []
@@ -33,11 +33,11 @@ for mod, name in ((_indexer_fwd, "_indexer_fwd_kernel"), (_indexer_fwd, "_teache
                   (_indexer_bwd, "_indexer_bwd_dq_kernel"), (_indexer_bwd, "_indexer_bwd_dk_kernel")):
     setattr(mod, name, Rec(name, getattr(mod, name)))
 
-def pick_all(key, cands, launch):
+def pick_all(key, cands, launch, *a, **k):
     for c in cands: launch(c)
     return cands[0]
-api._pick = pick_all
-api._n_sm = lambda d: 132
+_tuning.pick = pick_all
+_runtime.n_sm = lambda d: 132
 
 TY = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
 

@@ -12,7 +12,8 @@ Providers: ``eager`` / ``compile`` = the materialised PyTorch form (streamkl_gpu
 indexer_kl_naive: bf16 inputs, fp32 scores per head, softmax, head mean; indexer scores, ReLU,
 weights, log-softmax; KL; mean over rows), only where it fits (N <= 8K); ``ours`` =
 streamkl_gpu.indexer_kl (teacher LSE pass included), ``ours_lse`` = the same with ``lse`` given
-(the training case: FlashAttention returns it). Passes: ``fwd`` and ``fwd_bwd`` (gradients to
+(the training case: FlashAttention returns it); ``ours_lse_fused`` = the same with the fused
+backward (STREAMKL_INDEXER_BWD=fused: one kernel, dq_idx/dweights by atomics; fwd_bwd only). Passes: ``fwd`` and ``fwd_bwd`` (gradients to
 q_idx, k_idx, weights of the mean loss). All causal, B = 1, bf16.
 Floor = forward matmul FLOPs (teacher + indexer, causal half) at the bf16 rate of an 8192^3
 matmul measured in the same run; ``ratio`` = ms / floor (fwd_bwd too: the issue's goal is
@@ -64,9 +65,13 @@ def parse_args(argv=None):
     p.add_argument("--configs", default="dsa,gqa")
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
-    p.add_argument("--autotune-max-n", type=int, default=16384,
-                   help="above this N take the first launch candidate (tuning a 128K point costs minutes)")
-    return p.parse_args(argv)
+    p.add_argument("--autotune-max-n", type=int, default=None,
+                   help="above this N take the first launch candidate (tuning a 128K point costs "
+                        "minutes); default 32768, --quick 16384")
+    args = p.parse_args(argv)
+    if args.autotune_max_n is None:
+        args.autotune_max_n = 16384 if args.quick else 32768
+    return args
 
 
 class Run:
@@ -245,12 +250,12 @@ class Run:
         kw = dict(causal=causal, scale=cfg["scale"])
         os.environ["STREAMKL_AUTOTUNE"] = "1" if N <= self.args.autotune_max_n else "0"
         lse = None
-        if "ours_lse" in providers:
+        if any(p.startswith("ours_lse") for p in providers):
             lse = self.teacher_lse(xs, cfg, causal)
         train = [x.detach().clone().requires_grad_(r) for x, r in zip(xs, (False, False, True, True, True))]
         compiled = {}
         for provider in providers:
-            for pss in ("fwd", "fwd_bwd"):
+            for pss in (("fwd_bwd",) if provider == "ours_lse_fused" else ("fwd", "fwd_bwd")):
                 status, ms, peak, timer, extra = "ok", float("nan"), float("nan"), "", ""
                 try:
                     fn = self._fn(provider, pss, xs, train, lse, kw, compiled)
@@ -277,14 +282,19 @@ class Run:
         self.free()
 
     def _fn(self, provider, pss, xs, train, lse, kw, compiled):
-        if provider in ("ours", "ours_lse"):
-            lse_arg = lse if provider == "ours_lse" else None
+        if provider in ("ours", "ours_lse", "ours_lse_fused"):
+            lse_arg = None if provider == "ours" else lse
+            mode = "fused" if provider == "ours_lse_fused" else "separate"
             if pss == "fwd":
                 return lambda: streamkl_gpu.indexer_kl(*xs, lse=lse_arg, **kw)
 
             def fb():
-                loss = streamkl_gpu.indexer_kl(*train, lse=lse_arg, reduction="mean", **kw)
-                torch.autograd.grad(loss, train[2:])
+                os.environ["STREAMKL_INDEXER_BWD"] = mode  # the backward's kernels (_indexer.bwd_mode)
+                try:
+                    loss = streamkl_gpu.indexer_kl(*train, lse=lse_arg, reduction="mean", **kw)
+                    torch.autograd.grad(loss, train[2:])
+                finally:
+                    os.environ["STREAMKL_INDEXER_BWD"] = "separate"
             return fb
         # materialised: the mean over rows (causal, N_Q = N_K: every row sees a key)
         def loss_fn(q, k, qi, ki, w):
@@ -326,7 +336,7 @@ class Run:
               + ("" if n_ok == len(self.checks) else "  FAILED: " + ", ".join(
                   f"{c['case']}:{c['tensor']}" for c in self.checks if not c["pass"])))
         print("\n== indexer_kl timings (causal, bf16; ms, peak extra GiB, ratio to the fwd matmul floor) ==")
-        print(f"{'config':6s} {'N':>7s} {'provider':9s} {'fwd ms':>9s} {'GiB':>7s} {'ratio':>6s} "
+        print(f"{'config':6s} {'N':>7s} {'provider':14s} {'fwd ms':>9s} {'GiB':>7s} {'ratio':>6s} "
               f"{'fwd+bwd ms':>11s} {'GiB':>7s} {'ratio':>6s}")
         keys = []
         for r in self.rows:
@@ -341,7 +351,7 @@ class Run:
                 if r is None:
                     return "-"
                 return r[field] if r["status"] == "ok" else r["status"]
-            print(f"{key[0]:6s} {key[1]:7d} {key[2]:9s} {c('fwd', 'ms'):>9s} {c('fwd', 'peak_gib'):>7s} "
+            print(f"{key[0]:6s} {key[1]:7d} {key[2]:14s} {c('fwd', 'ms'):>9s} {c('fwd', 'peak_gib'):>7s} "
                   f"{c('fwd', 'ratio'):>6s} {c('fwd_bwd', 'ms'):>11s} {c('fwd_bwd', 'peak_gib'):>7s} "
                   f"{c('fwd_bwd', 'ratio'):>6s}")
         # speed-ups over torch.compile at the largest N where it ran
@@ -352,7 +362,7 @@ class Run:
                 if not comp:
                     continue
                 best = max(comp, key=lambda r: r["n"])
-                for prov in ("ours", "ours_lse"):
+                for prov in ("ours", "ours_lse", "ours_lse_fused"):
                     mine = [r for r in self.rows if r["config"] == cname and r["provider"] == prov
                             and r["pass"] == pss and r["n"] == best["n"] and r["status"] == "ok"]
                     if mine:
@@ -401,7 +411,7 @@ def main(argv=None):
         grid = [(c, n) for c in configs for n in (2048, 4096, 8192, 16384, 32768, 65536, 131072)]
     for cname, N in grid:
         cfg = tiny_cfg[cname] if args.tiny else CONFIGS[cname]
-        providers = ["ours_lse", "ours"]
+        providers = ["ours_lse", "ours_lse_fused", "ours"]
         if N <= MATERIALISED_MAX_N and not args.tiny or (args.tiny and N <= 64):
             providers = ["eager"] + ([] if args.no_compile or args.tiny else ["compile"]) + providers
             if args.quick and cname != "dsa" and "compile" in providers:

@@ -111,9 +111,10 @@ def _check(q, k, q_idx, k_idx, weights, *, causal, scale, relu, lse, reduction):
 def _plan(dims, cfg, kind):
     """Chunking of one launch: teacher heads per chunk HB, indexer heads per chunk IB, tokens per
     block BLOCK_T (all powers of two; every dot at least 16 wide)."""
-    rows, irows, block_n, block_d, warps, stages = cfg
+    rows, irows, block_n, block_d, warps, stages, *rest = cfg
+    hb_max = rest[0] if rest else rows  # optional 7th field: teacher heads per chunk at most
     group, group_i = dims.H // dims.HK, dims.HI // dims.HKI
-    hb = min(_pow2(group), _pow2(rows))
+    hb = min(_pow2(group), _pow2(rows), hb_max)
     gi_pad = _pow2(group_i)
     if kind == "fwd":
         block_t = max(1, rows // hb)
@@ -141,7 +142,7 @@ def _d_chunk(d: int, block_d: int) -> int:
     return pad if (pad <= 128 and block_d >= 64) else min(block_d, pad)
 
 
-def _candidates(kind, ieee):
+def _candidates(kind, ieee, dims=None):
     if _runtime.interpreting():
         return [INTERPRETER_CONFIG]
     if ieee:
@@ -150,10 +151,16 @@ def _candidates(kind, ieee):
     # Pruned by offline sm_90 compiles (triton 3.6 and 3.9, TMA path): BLOCK_N = 128 spills in the
     # forward at both anchor configs (DSA 32 B, GQA 552 B of stack); 256 teacher rows spill 104 B
     # at DSA on 3.6. The first candidate spills nowhere. Times not yet measured.
+    # Measured (H200, pointer loads, before TMA; bench/results/session3 r3): DSA-like 8K forward
+    # 3.6x the floor, GQA-like 17.6x. GQA's chunks of 4 heads x 32 tokens need a reshape-sum per
+    # chunk and 8 chunks per key tile; a 7th field of 1 makes chunks of one head x 128 tokens
+    # (no head sum inside a chunk), tried where there is more than one key head. Not yet measured.
+    gqa = dims is not None and dims.HK > 1
     if kind == "fwd":
-        return [(128, 128, 64, 64, 8, 2), (128, 128, 64, 64, 8, 3), (256, 128, 64, 64, 8, 2)]
+        second = (128, 128, 64, 64, 8, 2, 1) if gqa else (128, 128, 64, 64, 8, 3)
+        return [(128, 128, 64, 64, 8, 2), second, (256, 128, 64, 64, 8, 2)]
     if kind == "lse":
-        return [(128, 128, 64, 64, 8, 2), (128, 128, 128, 64, 8, 2)]
+        return [(128, 128, 64, 64, 8, 2), (128, 128, 64, 64, 8, 2, 1) if gqa else (128, 128, 128, 64, 8, 2)]
     return [(128, 128, 64, 64, 8, 2), (64, 64, 64, 64, 4, 2)]
 
 
@@ -211,7 +218,7 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
                 BLOCK_N=pl["BLOCK_N"], CAUSAL=causal, IEEE=ieee_t, NO_CONTRACT=no_contract, USE_TMA=use_tma,
                 num_warps=pl["warps"], num_stages=pl["stages"])
 
-        launch_lse(_tuning.pick(("idx_lse",) + key_base, _candidates("lse", ieee_t), launch_lse))
+        launch_lse(_tuning.pick(("idx_lse",) + key_base, _candidates("lse", ieee_t, dims), launch_lse))
     else:  # the caller's natural-log LSEs, once to bits (the kernels' unit)
         lse_bits = (lse * LOG2E).contiguous()
 
@@ -231,13 +238,27 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
             CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, NO_CONTRACT=no_contract,
             USE_TMA=use_tma, num_warps=pl["warps"], num_stages=pl["stages"])
 
-    launch(_tuning.pick(("idx_fwd", relu) + key_base, _candidates("fwd", ieee_t or ieee_i), launch))
+    launch(_tuning.pick(("idx_fwd", relu) + key_base, _candidates("fwd", ieee_t or ieee_i, dims), launch))
     return kl, lse_idx, lse_bits
 
 
 # ----------------------------------------------------------------------------------------------
 # Backward
 # ----------------------------------------------------------------------------------------------
+
+BWD_MODES = ("separate", "fused")
+
+
+def bwd_mode() -> str:
+    """The backward's kernels: ``STREAMKL_INDEXER_BWD`` = ``separate`` (default: a dq/dweights
+    kernel and a dk kernel, each recomputing the teacher; no atomics but dk's token splits) or
+    ``fused`` (the dk kernel alone, dq/dweights by fp32 atomics: the teacher read once per
+    backward). Which is faster is not yet measured; bench/indexer_gpu.py times both."""
+    mode = os.environ.get("STREAMKL_INDEXER_BWD", "separate")
+    if mode not in BWD_MODES:
+        raise ValueError(f"STREAMKL_INDEXER_BWD must be one of {BWD_MODES}, got {mode!r}")
+    return mode
+
 
 # Tests set this: the dk kernel's token split (tokens per program) instead of the rule below.
 INTERPRETER_DK_SPLIT = None
@@ -277,7 +298,12 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
     dk_idx = _fresh((dims.B, dims.HKI, dims.NK, dims.DI), torch.float32, device)
     common = (q, k, q_idx, k_idx, weights, lse_bits, lse_idx, g)
     strides = _strides(q) + _strides(k) + _strides(q_idx) + _strides(k_idx) + _strides(weights)
-    key_base = (dims.D, dims.DI, dims.H, dims.HK, dims.HI, dims.HKI, q.dtype, q_idx.dtype, causal, relu, use_tma,
+    mode = bwd_mode()
+    fused = mode == "fused"
+    if fused:  # dq_idx / dweights by atomics from the dk kernel
+        dq_idx = torch.zeros((dims.B, dims.HI, dims.NQ, dims.DI), dtype=torch.float32, device=device)
+        dweights = torch.zeros((dims.B, dims.HI, dims.NQ), dtype=torch.float32, device=device)
+    key_base = (mode, dims.D, dims.DI, dims.H, dims.HK, dims.HI, dims.HKI, q.dtype, q_idx.dtype, causal, relu, use_tma,
                 _tuning.bucket(dims.NQ), _tuning.bucket(dims.NK), _tuning.bucket(dims.B))
 
     def meta(pl):
@@ -302,14 +328,18 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
         splits = triton.cdiv(dims.NQ, per_split)
         if splits > 1:
             dk_idx = torch.zeros((dims.B, dims.HKI, dims.NK, dims.DI), dtype=torch.float32, device=device)
+        if fused:
+            dq_idx.zero_()
+            dweights.zero_()
         grid = (triton.cdiv(dims.NK, pl["BLOCK_N"]), dims.B * dims.HKI, splits)
         _indexer_bwd._indexer_bwd_dk_kernel[grid](
-            *common, dk_idx, *_descriptors(pl, use_tma, q, k, q_idx, k_idx), *strides,
-            dims.H, group, dims.HKI, group_i, dims.NQ, dims.NK, qk_scale, 1.0 / dims.H,
-            pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"], per_split, ATOMIC=splits > 1, **meta(pl))
+            *common, dk_idx, dq_idx, dweights, *_descriptors(pl, use_tma, q, k, q_idx, k_idx), *strides,
+            dims.H, group, dims.HI, dims.HKI, group_i, dims.NQ, dims.NK, qk_scale, 1.0 / dims.H,
+            pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"], per_split, ATOMIC=splits > 1, FUSED_DQ=fused, **meta(pl))
 
     ieee = ieee_t or ieee_i
-    launch_dq(_tuning.pick(("idx_bwd_dq",) + key_base, _candidates("bwd", ieee), launch_dq))
+    if not fused:
+        launch_dq(_tuning.pick(("idx_bwd_dq",) + key_base, _candidates("bwd", ieee), launch_dq))
     launch_dk(_tuning.pick(("idx_bwd_dk",) + key_base, _candidates("bwd", ieee), launch_dk))
     return dq_idx.to(out_dtypes[0]), dk_idx.to(out_dtypes[1]), dweights.to(out_dtypes[2])
 

@@ -14,8 +14,10 @@ Two kernels:
 - ``_indexer_bwd_dk_kernel``: one program per (key tile, b, indexer key head, token split): loops
   over the token blocks of its split that see the tile, dk_idx in registers; with more than one
   split the partial dk_idx are fp32 atomic adds (one [BLOCK_N, D_I] add per program).
-Each recomputes the teacher target (the dominant cost): the plain design reads the teacher
-twice per backward.
+Each recomputes the teacher target (the dominant cost): the plain ("separate") design reads
+the teacher twice per backward. ``FUSED_DQ`` ("fused"): the dk kernel alone, adding each tile's
+dq_idx / dweights share with fp32 atomics (the teacher read once per backward, at the price of
+about N_Q * N_K / BLOCK_N * H_I * D_I atomic adds).
 
 NaN isolation: every masked entry is selected to 0 (``tl.where``) before it is multiplied, and in
 the masked stage (the diagonal band) the operand rows of the contraction (k_idx rows in dq,
@@ -199,22 +201,27 @@ def _indexer_bwd_dq_kernel(
 
 @triton.jit
 def _dk_token_range(
-    dk, k_tile, j, j0, j_in_group, s0,
+    dk, k_tile, j, j0, j_in_group, s0, DQ, DW,
     Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
     stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
     stride_wb, stride_wh, stride_wn,
-    b, lo, hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
+    b, lo, hi, H, GROUP, H_I, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
     n_chunks, chunks_per_group, n_ichunks, ichunks_per_group,
     D: tl.constexpr, BLOCK_D: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr, DI_PAD: tl.constexpr,
     HB: tl.constexpr, IB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
     IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr,
+    FUSED_DQ: tl.constexpr,
 ):
     ROWS: tl.constexpr = GI_PAD * BLOCK_T
     offs_d = tl.arange(0, DI_PAD)
     rows = tl.arange(0, ROWS)
     b64 = b.to(tl.int64)
+    k_for_dq = k_tile
+    if FUSED_DQ:
+        if MASKED:  # a non-finite key that a row cannot see must not reach it through A @ k
+            k_for_dq = _finite_or_zero(k_tile)
     for t0 in range(lo, hi, BLOCK_T):
         tok = t0 + rows % BLOCK_T
         row_ok = (j_in_group < GROUP_I) & (tok < N_Q)
@@ -232,24 +239,31 @@ def _dk_token_range(
         if MASKED:  # a non-finite query row must not reach the keys it cannot see through A^T @ q
             q_rows = _finite_or_zero(q_rows)
         a = _dot(q_rows, tl.trans(k_tile), IEEE_I)
-        coef, _ = _coef_a(grad_rows, vis_rows, a, w_rows, RELU)
+        coef, dw_terms = _coef_a(grad_rows, vis_rows, a, w_rows, RELU)
         dk += _dot(tl.trans(coef.to(q_rows.dtype)), q_rows, IEEE_I)
+        if FUSED_DQ:  # this tile's share of dq_idx and dweights: fp32 atomic adds (zeroed buffers)
+            dq_part = _dot(coef.to(k_for_dq.dtype), k_for_dq, IEEE_I)
+            row_out = (b64 * H_I + j) * N_Q + tok
+            tl.atomic_add(DQ + row_out[:, None] * DI + offs_d[None, :], dq_part,
+                          mask=row_ok[:, None] & (offs_d < DI)[None, :])
+            tl.atomic_add(DW + row_out, tl.sum(dw_terms, 1), mask=row_ok)
     return dk
 
 
 @triton.jit
 def _indexer_bwd_dk_kernel(
     Q, K, QI, KI, W, LSE_T, LSE_I, G_UP, DK,
+    DQ, DW,  # FUSED_DQ: fp32 zeroed dq_idx [B, H_I, N_Q, D_I] and dweights [B, H_I, N_Q] (atomics)
     Q_DESC, K_DESC, QI_DESC, KI_DESC,  # TMA descriptors (used when USE_TMA)
     stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
     stride_wb, stride_wh, stride_wn,
-    H, GROUP, H_KI, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
+    H, GROUP, H_I, H_KI, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
     n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, tokens_per_split,
     D: tl.constexpr, BLOCK_D: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr, DI_PAD: tl.constexpr,
     HB: tl.constexpr, IB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, RELU: tl.constexpr, IEEE_T: tl.constexpr, IEEE_I: tl.constexpr,
-    NO_CONTRACT: tl.constexpr, ATOMIC: tl.constexpr, USE_TMA: tl.constexpr,
+    NO_CONTRACT: tl.constexpr, ATOMIC: tl.constexpr, USE_TMA: tl.constexpr, FUSED_DQ: tl.constexpr,
 ):
     """dk_idx [B, H_KI, N_K, D_I] (fp32, contiguous) of one key tile: the sum over the token blocks
     that see it (those in this program's token split, program axis 2) and over the indexer heads
@@ -295,19 +309,19 @@ def _indexer_bwd_dk_kernel(
     mask_hi = tl.minimum(t_full, split_hi)
     full_lo = tl.maximum(t_full, split_lo)
     dk = _dk_token_range(
-        dk, k_tile, j, kvi * GROUP_I, j_in_group, s0, Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
+        dk, k_tile, j, kvi * GROUP_I, j_in_group, s0, DQ, DW, Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
         stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
         stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
-        stride_wb, stride_wh, stride_wn, b, mask_lo, mask_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
+        stride_wb, stride_wh, stride_wn, b, mask_lo, mask_hi, H, GROUP, H_I, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
         n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI, DI_PAD,
-        HB, IB, GI_PAD, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA)
+        HB, IB, GI_PAD, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, FUSED_DQ)
     dk = _dk_token_range(
-        dk, k_tile, j, kvi * GROUP_I, j_in_group, s0, Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
+        dk, k_tile, j, kvi * GROUP_I, j_in_group, s0, DQ, DW, Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
         stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
         stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
-        stride_wb, stride_wh, stride_wn, b, full_lo, split_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
+        stride_wb, stride_wh, stride_wn, b, full_lo, split_hi, H, GROUP, H_I, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
         n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI, DI_PAD,
-        HB, IB, GI_PAD, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA)
+        HB, IB, GI_PAD, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, FUSED_DQ)
     out_row = (b64 * H_KI + kvi) * N_K + keys
     out_ok = (keys < N_K)[:, None] & (offs_d < DI)[None, :]
     if ATOMIC:

@@ -123,6 +123,37 @@ def test_dk_token_splits_equal_one_pass():
     assert torch.equal(out[1]["dq_idx"], out[1000]["dq_idx"])
 
 
+def test_fused_backward_equals_separate(monkeypatch):
+    """STREAMKL_INDEXER_BWD=fused (dq_idx, dweights by atomics from the dk kernel) against the
+    reference, with token splits, and against the separate kernels; NaN in a key rows 0..8 cannot
+    see stays out of their dq_idx (the masked stage zeroes non-finite key rows)."""
+    xs = make(1, 4, 2, 13, 21, 24, 4, 1, 16, seed=24)
+    monkeypatch.setattr(_indexer, "INTERPRETER_DK_SPLIT", 8)
+    monkeypatch.setenv("STREAMKL_INDEXER_BWD", "fused")
+    check_case(xs, with_lse=True, causal=True)
+    g = torch.ones(1, 13)
+    fused = run(xs, g, causal=True)[1]
+    bad = [x.clone() for x in xs]
+    bad[3][0, 0, 17, 1] = float("nan")  # key 17 of 21: rows 0..8 cannot see it
+    fused_bad = run(bad, g, causal=True)[1]
+    monkeypatch.setenv("STREAMKL_INDEXER_BWD", "separate")
+    sep = run(xs, g, causal=True)[1]
+    for name in GRADS:
+        assert torch.allclose(fused[name], sep[name], rtol=1e-5, atol=1e-6), name
+    assert torch.equal(fused_bad["dq_idx"][0, :, :9], fused["dq_idx"][0, :, :9])
+    assert torch.equal(fused_bad["dweights"][0, :, :9], fused["dweights"][0, :, :9])
+
+
+def test_one_head_chunks(monkeypatch):
+    """Plans with one teacher head per chunk (the 7th config field, tried for GQA on the GPU)."""
+    monkeypatch.setattr(_indexer, "INTERPRETER_CONFIG", (32, 32, 32, 32, 1, 1, 1))
+    xs = make(1, 4, 2, 11, 13, 16, 2, 1, 16, seed=25)
+    from streamkl_ref._checks import check_indexer_inputs
+
+    assert _indexer._plan(check_indexer_inputs(*xs), _indexer.INTERPRETER_CONFIG, "fwd")["HB"] == 1
+    check_case(xs, with_lse=False, causal=True, grad=False)
+
+
 def test_small_tiles_many_stages():
     """16-wide tiles: several key tiles, token blocks and D chunks per program (causal stages)."""
     old = _indexer.INTERPRETER_CONFIG
