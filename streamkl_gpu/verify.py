@@ -33,7 +33,6 @@ import sys
 import time
 
 from streamkl_ref.testing import (
-    C_TOL,
     FLOOR,
     ZERO_GRAD_TOL,
     Report,

@@ -108,6 +108,15 @@ def test_the_wrong_implementations_fail_only_where_their_bug_shows():
     assert all(r.status != "fail" for r in detached.rows if not r.quantity.startswith(("dq1", "dk1")))
 
 
+def test_an_lse_kept_in_bf16_hides_in_bf16_tolerances_except_where_the_logits_are_large():
+    """With bf16 inputs the tolerance follows bf16 rounding, so a bf16 LSE passes ordinary cases;
+    it shows where LSE ~ 60 (spacing 0.25) and where KL must be exactly 0 (one key)."""
+    report = check_attention_kl(impls.lse_in_bf16, dtypes=("bfloat16",), supports=FWD_ONLY)
+    assert {r.case for r in report.failed} == {"large_logits", "n=1"}
+    assert any(r.case == "large_logits" and r.quantity == "kl" for r in report.failed)
+    assert check_attention_kl(impls.correct, dtypes=("bfloat16",), supports=FWD_ONLY).passed
+
+
 @pytest.mark.parametrize("fn, options", [
     (impls.correct_bnhd, {"layout": "bnhd"}),
     (impls.correct_sum, {"returns": "sum"}),

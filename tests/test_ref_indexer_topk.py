@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from _indexer_strategies import GRADS, indexer_logit_scale, indexer_problems, make_indexer_problem
-from _ref_strategies import assert_close_rows
+from streamkl_ref.strategies import assert_close_rows
 from streamkl_ref import indexer_kl, indexer_kl_grad, indexer_kl_topk, indexer_kl_topk_grad
 
 pytestmark = pytest.mark.filterwarnings("error")

@@ -53,3 +53,21 @@ def test_planted_values_never_reach_the_rows_that_cannot_see_them(pp):
     assert not np.isfinite(planted).all()  # something was planted
     clean = np.concatenate([x.ravel() for x in pp.clean.inputs])
     assert np.isfinite(clean).all()  # and the clean problem kept its values
+
+
+def test_the_docs_property_example_runs_against_an_isolating_torch_formula():
+    """docs/conformance.md section 6, verbatim but for the function under test."""
+    import re
+
+    import pytest
+
+    import _conformance_impls as impls
+
+    text = (ROOT / "docs" / "conformance.md").read_text()
+    block = re.search(r"## 6\..*?```python\n(.*?)```", text, re.S).group(1)
+    scope = {"my_kl": impls.correct_isolating}
+    exec(compile(block, "docs/conformance.md", "exec"), scope)  # defines the test
+    scope["test_invisible_values_never_reach_a_row"]()
+    scope["my_kl"] = impls.zero_times_nan  # and it catches a 0 * NaN leak
+    with pytest.raises(AssertionError):
+        scope["test_invisible_values_never_reach_a_row"]()
