@@ -9,30 +9,12 @@
 import os
 import shutil
 
-from hypothesis import HealthCheck, settings
+from hypothesis import settings
 
-settings.register_profile(
-    "ci",
-    derandomize=True,
-    deadline=None,
-    max_examples=12,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-settings.register_profile(
-    "dev",
-    deadline=None,
-    max_examples=30,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-settings.register_profile(
-    "thorough",
-    deadline=None,
-    max_examples=500,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+from streamkl_ref.strategies import register_profiles
+
+# one home for the profiles (streamkl_ref.strategies.PROFILES); registered here under their plain names
+register_profiles(prefix="")
 settings.load_profile(
     os.environ.get("STREAMKL_HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev")
 )
