@@ -499,6 +499,19 @@ def check_attention_kl(fn: Callable, *, device="cpu", dtypes=("float32",), grads
     return report
 
 
+def _check_reduction(add, case, returns, got, red, same_red, dname):
+    """One row for a scalar ("sum"/"mean") result: skipped for planted cases (the reduction mixes
+    the planted rows in), else its error against the reference under the tolerance rule."""
+    if case.plant is not None:
+        add(f"kl {returns}", math.nan, math.nan, "skipped",
+            f"a {returns} mixes the planted rows in: NaN isolation of the forward is checked with returns='rows'")
+        return
+    err = relative_error(got, red)
+    tol = tolerance(relative_error(same_red, red), dname)
+    add(f"kl {returns}", err, tol, "pass" if err <= tol else "fail",
+        "" if err <= tol else f"got {got.item():.9g}, reference {float(red):.9g}")
+
+
 def _run_case(fn, case, dname, base, g_rows, report, *, device, grads, layout, causal_align, returns, claims):
     import torch
 
@@ -583,14 +596,7 @@ def _run_case(fn, case, dname, base, g_rows, report, *, device, grads, layout, c
         got = out.reshape(())
         if translate and returns == "mean":  # fn averaged over N_K rows, N_K - N_Q of them zero
             got = got * (case.NK / case.NQ)
-        if case.plant is not None:
-            add(f"kl {returns}", math.nan, math.nan, "skipped",
-                f"a {returns} mixes the planted rows in: NaN isolation of the forward is checked with returns='rows'")
-        else:
-            err = relative_error(got, red)
-            tol = tolerance(relative_error(same_red, red), dname)
-            add(f"kl {returns}", err, tol, "pass" if err <= tol else "fail",
-                "" if err <= tol else f"got {got.item():.9g}, reference {float(red):.9g}")
+        _check_reduction(add, case, returns, got, red, same_red, dname)
 
     if not grads:
         return
@@ -1077,14 +1083,7 @@ def _run_indexer_case(fn, case, dname, base, g_rows, report, *, device, grads, l
         got = out.reshape(())
         if pad_rows and returns == "mean":  # fn averaged over the padded rows too (all have keys)
             got = got * ((case.NQ + pad_rows) * case.B / max(n_keyed, 1))
-        if case.plant is not None:
-            add(f"kl {returns}", math.nan, math.nan, "skipped",
-                f"a {returns} mixes the planted rows in: NaN isolation of the forward is checked with returns='rows'")
-        else:
-            err = relative_error(got, red)
-            tol = tolerance(relative_error(same_red, red), dname)
-            add(f"kl {returns}", err, tol, "pass" if err <= tol else "fail",
-                "" if err <= tol else f"got {got.item():.9g}, reference {float(red):.9g}")
+        _check_reduction(add, case, returns, got, red, same_red, dname)
     if not grads:
         return
     if case.plant is not None and claims["nan_isolation"] == "forward":
