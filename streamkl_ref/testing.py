@@ -433,6 +433,21 @@ def _plant_masks(case: Case):
     return rows_ok, keys_ok
 
 
+def _check_adapters(layout, causal_align, returns, dtypes):
+    """The adapter arguments of the check functions, validated; returns the dtype names."""
+    import torch
+
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if causal_align not in CAUSAL_ALIGNS:
+        raise ValueError(f"causal_align must be one of {CAUSAL_ALIGNS}, got {causal_align!r}")
+    if returns not in RETURNS:
+        raise ValueError(f"returns must be one of {RETURNS}, got {returns!r}")
+    if isinstance(dtypes, (str, torch.dtype)):
+        dtypes = (dtypes,)
+    return [_dtype_name(d) for d in dtypes]
+
+
 def check_attention_kl(fn: Callable, *, device="cpu", dtypes=("float32",), grads=True, quick=False,
                        layout="bhnd", causal_align="bottom-right", returns="rows", supports=None,
                        cases=None, seed=0) -> Report:
@@ -467,15 +482,7 @@ def check_attention_kl(fn: Callable, *, device="cpu", dtypes=("float32",), grads
     """
     import torch
 
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if causal_align not in CAUSAL_ALIGNS:
-        raise ValueError(f"causal_align must be one of {CAUSAL_ALIGNS}, got {causal_align!r}")
-    if returns not in RETURNS:
-        raise ValueError(f"returns must be one of {RETURNS}, got {returns!r}")
-    if isinstance(dtypes, (str, torch.dtype)):
-        dtypes = (dtypes,)
-    dnames = [_dtype_name(d) for d in dtypes]
+    dnames = _check_adapters(layout, causal_align, returns, dtypes)
     claims = _check_supports(supports)
     if cases is None:
         cases = attention_cases(device, quick)
@@ -946,15 +953,7 @@ def check_indexer_kl(fn: Callable, *, device="cpu", dtypes=("float32",), grads=T
     """
     import torch
 
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if causal_align not in CAUSAL_ALIGNS:
-        raise ValueError(f"causal_align must be one of {CAUSAL_ALIGNS}, got {causal_align!r}")
-    if returns not in RETURNS:
-        raise ValueError(f"returns must be one of {RETURNS}, got {returns!r}")
-    if isinstance(dtypes, (str, torch.dtype)):
-        dtypes = (dtypes,)
-    dnames = [_dtype_name(d) for d in dtypes]
+    dnames = _check_adapters(layout, causal_align, returns, dtypes)
     claims = _check_indexer_supports(supports)
     if cases is None:
         cases = indexer_cases(device, quick)
