@@ -64,19 +64,88 @@ def host_cost(out_dir, n_calls=1000, profile=False):
     def sdpa_fwd_bwd():
         F.scaled_dot_product_attention(qs, ks, ks).sum().backward()
 
-    results = {}
-    for name, fn in (("forward", fwd), ("forward+backward", fwd_bwd), ("sdpa_forward", sdpa),
-                     ("sdpa_forward+backward", sdpa_fwd_bwd)):
+    # floors of the autograd engine on this host: a one-op C++ graph, and a Python Function
+    # that does no work (what any custom-kernel loss pays for .sum().backward())
+    x = q.clone().requires_grad_()
+
+    def engine_floor():
+        (x * 2.0).sum().backward()
+
+    class _Identity(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    def python_function_floor():
+        _Identity.apply(x).sum().backward()
+
+    def timed(fn, n):
         for _ in range(50):
             fn()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for _ in range(n_calls):
+        for _ in range(n):
             fn()
         torch.cuda.synchronize()
-        results[name] = (time.perf_counter() - t0) / n_calls * 1e6
+        return (time.perf_counter() - t0) / n * 1e6
+
+    results = {}
+    for name, fn in (("forward", fwd), ("forward+backward", fwd_bwd), ("sdpa_forward", sdpa),
+                     ("sdpa_forward+backward", sdpa_fwd_bwd), ("engine_floor_one_op_fwd+bwd", engine_floor),
+                     ("engine_floor_python_function_fwd+bwd", python_function_floor)):
+        results[name] = timed(fn, n_calls)
+    # the same calls through Triton's own launcher (no direct launch): what _fast_launch saves
+    from streamkl_gpu import _fast_launch
+    if _fast_launch.enabled():
+        os.environ["STREAMKL_FAST_LAUNCH"] = "0"
+        try:
+            results["forward [binder launch]"] = timed(fwd, n_calls)
+            results["forward+backward [binder launch]"] = timed(fwd_bwd, n_calls)
+        finally:
+            del os.environ["STREAMKL_FAST_LAUNCH"]
+        # the direct path must give the very same numbers as the binder path
+        ref = fwd()
+        os.environ["STREAMKL_FAST_LAUNCH"] = "0"
+        try:
+            ref_binder = fwd()
+        finally:
+            del os.environ["STREAMKL_FAST_LAUNCH"]
+        same = bool(torch.equal(ref, ref_binder))
+        print(f"direct launch equals binder launch: {same}  (launches so far: {_fast_launch.STATS})", flush=True)
+        results["direct_equals_binder"] = float(same)
+    # where the forward+backward time goes: inside the launches' host code vs the rest (engine)
+    from streamkl_gpu import api as _api
+    spent = {"forward": 0.0, "backward": 0.0}
+    orig_f, orig_b = _api._forward, _api._backward
+
+    def wrap(name, f):
+        def inner(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                spent[name] += time.perf_counter() - t0
+        return inner
+
+    _api._forward, _api._backward = wrap("forward", orig_f), wrap("backward", orig_b)
+    try:
+        total = timed(fwd_bwd, n_calls)
+    finally:
+        _api._forward, _api._backward = orig_f, orig_b
+    n_total = n_calls + 50
+    results["fwd+bwd: inside _launch.forward"] = spent["forward"] / n_total * 1e6
+    results["fwd+bwd: inside _launch.backward"] = spent["backward"] / n_total * 1e6
+    results["fwd+bwd: total (same loop)"] = total
     f, w = _rows_writer(out_dir, "host_cost.csv")
     for name, us in results.items():
+        if name == "direct_equals_binder":
+            w.writerow({"measure": "check", "provider": name + LABEL, "shape": "B1 H1 NQ1 NK64 D64 bf16",
+                        "value": int(us), "unit": "bool", "note": "torch.equal of the two forwards"})
+            continue
         w.writerow({"measure": "host_us_per_call", "provider": name + LABEL, "shape": "B1 H1 NQ1 NK64 D64 bf16",
                     "value": f"{us:.1f}", "unit": "us", "note": f"{n_calls} back-to-back calls"})
     f.close()
@@ -98,6 +167,14 @@ def host_cost(out_dir, n_calls=1000, profile=False):
             for sort in ("tottime", "cumulative"):
                 buf.write(f"\n===== {name}: 300 calls, sorted by {sort} =====\n")
                 pstats.Stats(pr, stream=buf).sort_stats(sort).print_stats(35)
+        # the autograd engine's side (C++ ops, the backward node's own time): torch.profiler, CPU only
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(200):
+                fwd_bwd()
+            torch.cuda.synchronize()
+        buf.write("\n===== forward+backward: 200 calls, torch.profiler CPU, by self CPU time =====\n")
+        buf.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
         with open(os.path.join(out_dir, "host_profile%s.txt" % LABEL.strip(" []").replace(" ", "_")), "w") as fh:
             fh.write(buf.getvalue())
     return results

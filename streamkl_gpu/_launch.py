@@ -13,6 +13,7 @@ import torch
 from streamkl_ref._checks import check_inputs
 
 from . import _bwd, _fwd, _runtime
+from ._fast_launch import launch as fast_launch
 from ._gluon_dispatch import device_capability, fwd_backend, gluon_forward, use_gluon
 from ._checks import check_bwd_mode, check_tensors, compute_view, head_pad, is_empty, strides
 from ._runtime import LOG2E, TensorDescriptor, cdiv, fresh, interpreting, n_sm, tma_ok
@@ -50,20 +51,18 @@ def _fwd_runner(q1, k1, q2, k2, dims, causal, outs, d1_pad, d2_pad):
         splits = cdiv(dims.NK, keys_per_split)
         part = fresh((5, splits, BH, dims.NQ), torch.float32, device) if splits > 1 else kl
         grid = (cdiv(dims.NQ, block_m), BH, splits)
-        _fwd._kl_fwd_kernel[grid](
+        fast_launch(_fwd._kl_fwd_kernel, grid, (
             q1, k1, q2, k2, k1_desc, k2_desc, kl, lse1_bits, lse2_bits, part, *strides_in,
             dims.H, dims.NQ, dims.NK, dims.D1, dims.D2, dims.group1, dims.group2,
-            keys_per_split, splits, dims.scale1 * LOG2E, dims.scale2 * LOG2E,
+            keys_per_split, splits, dims.scale1 * LOG2E, dims.scale2 * LOG2E), dict(
             BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1_pad, D2_PAD=d2_pad,
             CAUSAL=causal, SPLIT=splits > 1, IEEE1=ieee1, IEEE2=ieee2, USE_TMA=use_tma,
-            NO_CONTRACT=no_contract,
-            num_warps=warps, num_stages=stages,
-        )
+            NO_CONTRACT=no_contract), warps, stages)
         if splits > 1:
             rows = BH * dims.NQ
             block = 256
-            _fwd._kl_combine_kernel[(cdiv(rows, block),)](
-                part, kl, lse1_bits, lse2_bits, rows, splits, BLOCK=block, num_warps=4)
+            fast_launch(_fwd._kl_combine_kernel, (cdiv(rows, block), 1, 1),
+                        (part, kl, lse1_bits, lse2_bits, rows, splits), dict(BLOCK=block), 4, 3)
 
     return launch
 
@@ -218,28 +217,25 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
             return (t.stride(0), t.stride(1), t.stride(2)) if t.dim() == 4 else (0, 0, 0)
 
         block_m, block_n, warps, stages = cfg_dk
-        _bwd._kl_bwd_dk_kernel[(cdiv(dims.NK, block_n), BH)](
+        fast_launch(_bwd._kl_bwd_dk_kernel, (cdiv(dims.NK, block_n), BH, 1), (
             q1, k1, q2, k2, lse1_bits, lse2_bits, kl, g, t_dk1, t_dk2, t_dq1, t_dq2,
             *strides(q1), *strides(k1), *strides(q2), *strides(k2),
             *s3(t_dk1), *s3(t_dk2), *s3(t_dq1), *s3(t_dq2),
             dims.H, dims.NQ, dims.NK, dims.D1, dims.D2, dims.group1, dims.group2,
-            dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2,
+            dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2), dict(
             BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1_pad, D2_PAD=d2_pad, CAUSAL=causal,
             TRAIN1=train1, TRAIN2=train2, FUSED_DQ=fused, DK1_ATOMIC=dk1_atomic, DK2_ATOMIC=dk2_atomic,
-            IEEE1=ieee1, IEEE2=ieee2, num_warps=warps, num_stages=stages,
-        )
+            IEEE1=ieee1, IEEE2=ieee2), warps, stages)
         if not fused:
             block_m, block_n, warps, stages = cfg_dq
-            _bwd._kl_bwd_dq_kernel[(cdiv(dims.NQ, block_m), BH)](
+            fast_launch(_bwd._kl_bwd_dq_kernel, (cdiv(dims.NQ, block_m), BH, 1), (
                 q1, k1, q2, k2, lse1_bits, lse2_bits, kl, g, t_dq1, t_dq2,
                 *strides(q1), *strides(k1), *strides(q2), *strides(k2),
                 *s3(t_dq1), *s3(t_dq2),
                 dims.H, dims.NQ, dims.NK, dims.D1, dims.D2, dims.group1, dims.group2,
-                dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2,
+                dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2), dict(
                 BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1_pad, D2_PAD=d2_pad, CAUSAL=causal,
-                TRAIN1=train1, TRAIN2=train2, IEEE1=ieee1, IEEE2=ieee2,
-                num_warps=warps, num_stages=stages,
-            )
+                TRAIN1=train1, TRAIN2=train2, IEEE1=ieee1, IEEE2=ieee2), warps, stages)
         return dq1, dk1, dq2, dk2
 
     if plan is None:
