@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Host cost per call and first-call cost of streamkl_gpu.attention_kl (issue 9 §5).
 
-    python bench/host_cost.py OUT_DIR [--profile] [--first-call]
+    python bench/host_cost.py OUT_DIR [--profile] [--first-call] [--check-direct]
 
 - Host cost: wall time of 1000 back-to-back calls at B=1, H=1, N_Q=1, N_K=64, D=64, bf16 (GPU
   time negligible), per call, custom-op dispatch and autograd included; forward and
@@ -11,6 +11,8 @@
 - --first-call: the first call at a new large shape (512K tokens, H=8, causal, bf16) and at
   16K (H=32), each in a fresh process with an empty tuning cache, then the second call, and a
   second process that finds the on-disk cache.
+- --check-direct: the direct launch path (streamkl_gpu._fast_launch) against Triton's binder on
+  shapes that take every kernel (split-K, fused/separate backward, GQA, D1 != D2, causal).
 Rows go to OUT_DIR/host_cost.csv (long format).
 """
 from __future__ import annotations
@@ -232,10 +234,62 @@ def first_call(out_dir, shapes=((524288, 8, True), (16384, 32, True))):
     f.close()
 
 
+def check_direct(out_dir):
+    """The direct launch path against Triton's binder, bitwise, on shapes that take each kernel:
+    forward one pass and split-K (+ combine), fused and separate backward, GQA, D1 != D2, causal."""
+    import torch
+
+    import streamkl_gpu
+    from streamkl_gpu import _fast_launch
+
+    cases = [  # (name, B, H, HK1, HK2, NQ, NK, D1, D2, causal, split_k, bwd_mode)
+        ("mha-causal-fused", 1, 4, 4, 4, 256, 256, 64, 64, True, None, "fused"),
+        ("gqa-d1ned2-separate", 2, 4, 2, 1, 200, 300, 128, 64, False, None, "separate"),
+        ("decode-split", 1, 8, 8, 8, 1, 4096, 128, 128, False, 4, "auto"),
+        ("nq>nk-causal", 1, 2, 2, 2, 130, 70, 64, 64, True, None, "auto"),
+    ]
+    f, w = _rows_writer(out_dir, "host_cost.csv")
+    all_ok = True
+    for name, B, H, HK1, HK2, NQ, NK, D1, D2, causal, split_k, mode in cases:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        mk = lambda h, n, d: torch.randn(B, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        q1, k1, q2, k2 = mk(H, NQ, D1), mk(HK1, NK, D1), mk(H, NQ, D2), mk(HK2, NK, D2)
+
+        def run():
+            a, b = q2.clone().requires_grad_(), k2.clone().requires_grad_()
+            kl = streamkl_gpu.attention_kl(q1, k1, a, b, causal=causal, split_k=split_k, bwd_mode=mode)
+            kl.sum().backward()
+            return kl.detach(), a.grad, b.grad
+
+        os.environ["STREAMKL_FAST_LAUNCH"] = "0"
+        try:
+            ref = run()
+        finally:
+            del os.environ["STREAMKL_FAST_LAUNCH"]
+        before = _fast_launch.STATS["direct"]
+        run()  # binds (first direct-path call of these specialisations)
+        got = run()
+        direct = _fast_launch.STATS["direct"] - before
+        # fp32 atomics (fused dQ, GQA dK) may sum in another order between runs: compare those
+        # to a tolerance, everything else bitwise
+        exact = mode == "separate" or HK2 == H and mode != "fused"
+        ok = direct > 0 and all(
+            torch.equal(x, y) if (i == 0 or exact) else torch.allclose(x.float(), y.float(), rtol=2e-2, atol=1e-3)
+            for i, (x, y) in enumerate(zip(ref, got)))
+        all_ok &= ok
+        w.writerow({"measure": "check", "provider": "direct_vs_binder", "shape": name, "value": int(ok),
+                    "unit": "bool", "note": f"{direct} direct launches; " + ("bitwise" if exact else "kl bitwise, grads allclose")})
+        print(f"direct launch vs binder {name:24s} {'pass' if ok else 'FAIL'} ({direct} direct launches)", flush=True)
+    f.close()
+    return all_ok
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     out_dir = argv[0] if argv else "."
     os.makedirs(out_dir, exist_ok=True)
+    if "--check-direct" in argv:
+        check_direct(out_dir)
     host_cost(out_dir, profile="--profile" in argv)
     if "--first-call" in argv:
         first_call(out_dir)

@@ -28,6 +28,7 @@ except ImportError:  # pragma: no cover - triton < 3.4
 _KERNELS: dict = {}
 _TAILS: dict = {}
 _MAX_KERNELS = 4096
+CHECK = os.environ.get("STREAMKL_FAST_LAUNCH_CHECK", "0") == "1"
 STATS = {"direct": 0, "bound": 0}  # launches by each path (tests and the host-cost bench read it)
 
 
@@ -75,23 +76,42 @@ def _tail(fn, n_positional, constexprs):
     return out
 
 
-def launch(fn, grid, args, constexprs, num_warps, num_stages):
+def _full_key(fn, args, constexprs, num_warps, num_stages):
+    return (fn, num_warps, num_stages, tuple(constexprs.items()), tuple(_spec(a) for a in args))
+
+
+def launch(fn, grid, args, constexprs, num_warps, num_stages, key=None, tensors=()):
     """``fn[grid](*args, **constexprs, num_warps=, num_stages=)``, bypassing the binder after the
-    first launch of each specialisation. ``grid``: three ints."""
+    first launch of each specialisation. ``grid``: three ints.
+
+    ``key``: optional, from the caller, a value that determines every argument's specialisation
+    except the alignment of ``tensors`` (a launch plan's signature and config); it saves computing
+    the specialisation of every argument per call. Without it the key is derived from the
+    arguments. ``STREAMKL_FAST_LAUNCH_CHECK=1`` derives it anyway and raises if a caller's key
+    ever maps to a different specialisation (the GPU checks run with it)."""
     if not enabled():
         return fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
-    key = (fn, num_warps, num_stages, tuple(constexprs.items()), tuple(_spec(a) for a in args))
-    hit = _KERNELS.get(key)
+    if key is None:
+        lookup = _full_key(fn, args, constexprs, num_warps, num_stages)
+    else:
+        lookup = (fn, key, tuple(t.data_ptr() % 16 == 0 for t in tensors))
+    hit = _KERNELS.get(lookup)
+    if hit is not None and key is not None and CHECK:
+        full = _full_key(fn, args, constexprs, num_warps, num_stages)
+        if full != hit[2]:
+            raise RuntimeError(f"streamkl fast launch: the caller's key {key!r} maps to two specialisations "
+                               f"of {getattr(fn, '__name__', fn)}: {hit[2]!r} and {full!r}")
     if hit is None:
         kernel = fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
         if hasattr(kernel, "result"):  # an asynchronous compile (triton >= 3.5)
             kernel = kernel.result()
         if len(_KERNELS) >= _MAX_KERNELS:
             _KERNELS.clear()
-        _KERNELS[key] = (kernel, _tail(fn, len(args), constexprs))
+        full = _full_key(fn, args, constexprs, num_warps, num_stages) if (key is not None and CHECK) else None
+        _KERNELS[lookup] = (kernel, _tail(fn, len(args), constexprs), full)
         STATS["bound"] += 1
         return kernel
-    kernel, tail = hit
+    kernel, tail, _ = hit
     stream = _raw_stream(torch.cuda.current_device())
     exit_hook = _knobs.runtime.launch_exit_hook if _knobs is not None else None
     kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, exit_hook,

@@ -29,8 +29,12 @@ def _empty_forward(dims, device):
     return kl, lse, lse.clone()
 
 
-def _fwd_runner(q1, k1, q2, k2, dims, causal, outs, d1_pad, d2_pad):
-    """``launch(cfg)`` for one problem: cfg = (BLOCK_M, BLOCK_N, warps, stages, use_tma, n_splits)."""
+def _fwd_runner(q1, k1, q2, k2, dims, causal, outs, d1_pad, d2_pad, plan_key=None):
+    """``launch(cfg)`` for one problem: cfg = (BLOCK_M, BLOCK_N, warps, stages, use_tma, n_splits).
+
+    ``plan_key``: the call's plan signature (inputs' shapes, strides, dtypes, alignment, flags),
+    which with ``cfg`` fixes every launch argument's specialisation but the outputs' alignment:
+    the launches then skip Triton's binder (``_fast_launch``)."""
     kl, lse1_bits, lse2_bits = outs
     device = q1.device
     BH = dims.B * dims.H
@@ -51,18 +55,20 @@ def _fwd_runner(q1, k1, q2, k2, dims, causal, outs, d1_pad, d2_pad):
         splits = cdiv(dims.NK, keys_per_split)
         part = fresh((5, splits, BH, dims.NQ), torch.float32, device) if splits > 1 else kl
         grid = (cdiv(dims.NQ, block_m), BH, splits)
+        key = None if plan_key is None else (plan_key, cfg)
         fast_launch(_fwd._kl_fwd_kernel, grid, (
             q1, k1, q2, k2, k1_desc, k2_desc, kl, lse1_bits, lse2_bits, part, *strides_in,
             dims.H, dims.NQ, dims.NK, dims.D1, dims.D2, dims.group1, dims.group2,
             keys_per_split, splits, dims.scale1 * LOG2E, dims.scale2 * LOG2E), dict(
             BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1_pad, D2_PAD=d2_pad,
             CAUSAL=causal, SPLIT=splits > 1, IEEE1=ieee1, IEEE2=ieee2, USE_TMA=use_tma,
-            NO_CONTRACT=no_contract), warps, stages)
+            NO_CONTRACT=no_contract), warps, stages, key, (kl, lse1_bits, lse2_bits, part))
         if splits > 1:
             rows = BH * dims.NQ
             block = 256
             fast_launch(_fwd._kl_combine_kernel, (cdiv(rows, block), 1, 1),
-                        (part, kl, lse1_bits, lse2_bits, rows, splits), dict(BLOCK=block), 4, 3)
+                        (part, kl, lse1_bits, lse2_bits, rows, splits), dict(BLOCK=block), 4, 3,
+                        key, (part, kl, lse1_bits, lse2_bits))
 
     return launch
 
@@ -115,7 +121,7 @@ def forward(q1, k1, q2, k2, causal, scale1, scale2, split_k, dims=None, one_buff
     if cfg is GLUON:  # the Hopper kernel (_gluon_fwd), chosen by _gluon_dispatch.use_gluon
         gluon_forward(q1, k1, q2, k2, causal, dims.scale1, dims.scale2, out=outs)
     else:
-        _fwd_runner(q1, k1, q2, k2, dims, causal, outs, d1_pad, d2_pad)(cfg)
+        _fwd_runner(q1, k1, q2, k2, dims, causal, outs, d1_pad, d2_pad, plan_key=(sig, one_buffer))(cfg)
     return outs
 
 
@@ -205,7 +211,7 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
             return torch.zeros((dims.B, dims.H, dims.NQ, d), dtype=torch.float32, device=device)
         return fresh((dims.B, dims.H, dims.NQ, d), q.dtype, device)
 
-    def run(cfg_dk, cfg_dq):
+    def run(cfg_dk, cfg_dq, plan_key=None):  # plan_key: as in _fwd_runner (direct launches)
         dk1, dk1_atomic = dk_buffer(train1, k1, dims.group1, dims.D1)
         dk2, dk2_atomic = dk_buffer(train2, k2, dims.group2, dims.D2)
         dq1 = dq_buffer(train1, q1, dims.D1)
@@ -217,6 +223,8 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
             return (t.stride(0), t.stride(1), t.stride(2)) if t.dim() == 4 else (0, 0, 0)
 
         block_m, block_n, warps, stages = cfg_dk
+        key = None if plan_key is None else (plan_key, mode, cfg_dk, cfg_dq)
+        aligned = (g, kl, lse1_bits, lse2_bits, t_dk1, t_dk2, t_dq1, t_dq2)
         fast_launch(_bwd._kl_bwd_dk_kernel, (cdiv(dims.NK, block_n), BH, 1), (
             q1, k1, q2, k2, lse1_bits, lse2_bits, kl, g, t_dk1, t_dk2, t_dq1, t_dq2,
             *strides(q1), *strides(k1), *strides(q2), *strides(k2),
@@ -225,7 +233,7 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
             dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2), dict(
             BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1_pad, D2_PAD=d2_pad, CAUSAL=causal,
             TRAIN1=train1, TRAIN2=train2, FUSED_DQ=fused, DK1_ATOMIC=dk1_atomic, DK2_ATOMIC=dk2_atomic,
-            IEEE1=ieee1, IEEE2=ieee2), warps, stages)
+            IEEE1=ieee1, IEEE2=ieee2), warps, stages, key, aligned)
         if not fused:
             block_m, block_n, warps, stages = cfg_dq
             fast_launch(_bwd._kl_bwd_dq_kernel, (cdiv(dims.NQ, block_m), BH, 1), (
@@ -235,7 +243,7 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
                 dims.H, dims.NQ, dims.NK, dims.D1, dims.D2, dims.group1, dims.group2,
                 dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2), dict(
                 BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1_pad, D2_PAD=d2_pad, CAUSAL=causal,
-                TRAIN1=train1, TRAIN2=train2, IEEE1=ieee1, IEEE2=ieee2), warps, stages)
+                TRAIN1=train1, TRAIN2=train2, IEEE1=ieee1, IEEE2=ieee2), warps, stages, key, aligned)
         return dq1, dk1, dq2, dk2
 
     if plan is None:
@@ -247,7 +255,7 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
         cfg_dq = (dq_cands[0] if fused else
                   pick(("bwd_dq",) + base_key, dq_cands, lambda c: run(cfg_dk, c), device=device))
         plan = _remember(sig, (mode, cfg_dk, cfg_dq))
-    dq1, dk1, dq2, dk2 = run(plan[1], plan[2])
+    dq1, dk1, dq2, dk2 = run(plan[1], plan[2], plan_key=sig)
 
     def finish(grad, group, dtype, n_key_heads):
         if grad is None:

@@ -99,3 +99,23 @@ def test_off_under_the_interpreter_and_by_variable(monkeypatch):
     _fast_launch.launch(fn, (1, 1, 1), (torch.zeros(4), 3, 1.0), {"BLOCK": 16}, 4, 2)
     _fast_launch.launch(fn, (1, 1, 1), (torch.zeros(4), 3, 1.0), {"BLOCK": 16}, 4, 2)
     assert [e[0] for e in fn.log] == ["bound", "bound"]
+
+
+def test_a_caller_key_skips_deriving_specialisations_but_not_tensor_alignment(direct):
+    fn = _FakeJIT()
+    buf = torch.zeros(64)
+    _fast_launch.launch(fn, (1, 1, 1), (buf[:8], 32, 1.0), {"BLOCK": 16}, 4, 2, key="plan-A", tensors=(buf[:8],))
+    _fast_launch.launch(fn, (1, 1, 1), (buf[:8], 32, 2.0), {"BLOCK": 16}, 4, 2, key="plan-A", tensors=(buf[:8],))
+    assert [e[0] for e in fn.log] == ["bound", "direct"]
+    _fast_launch.launch(fn, (1, 1, 1), (buf[1:9], 32, 1.0), {"BLOCK": 16}, 4, 2, key="plan-A", tensors=(buf[1:9],))
+    assert fn.log[-1][0] == "bound"  # misaligned tensor: a new binding even under the same plan key
+
+
+def test_check_mode_catches_a_caller_key_that_hides_a_specialisation(direct, monkeypatch):
+    monkeypatch.setattr(_fast_launch, "CHECK", True)
+    fn = _FakeJIT()
+    x = torch.zeros(8)
+    _fast_launch.launch(fn, (1, 1, 1), (x, 32, 1.0), {"BLOCK": 16}, 4, 2, key="plan-B", tensors=(x,))
+    _fast_launch.launch(fn, (1, 1, 1), (x, 32, 3.0), {"BLOCK": 16}, 4, 2, key="plan-B", tensors=(x,))  # floats: fine
+    with pytest.raises(RuntimeError, match="two specialisations"):
+        _fast_launch.launch(fn, (1, 1, 1), (x, 1, 1.0), {"BLOCK": 16}, 4, 2, key="plan-B", tensors=(x,))
