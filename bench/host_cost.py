@@ -202,25 +202,28 @@ print(json.dumps({"first_s": first, "second_s": second, "tuning_compile_s": stat
 """
 
 
-def first_call(out_dir, shapes=((524288, 8, True), (16384, 32, True))):
+def first_call(out_dir, shapes=((524288, 8, True, "auto"), (16384, 32, True, "auto"),
+                                (524288, 8, True, "triton"), (16384, 32, True, "triton"))):
     """First and second call in a fresh process (empty cache), then again with the cache kept."""
     f, w = _rows_writer(out_dir, "host_cost.csv")
     cache = tempfile.mkdtemp(prefix="streamkl-cache-")
     triton_cache = tempfile.mkdtemp(prefix="triton-cache-")
-    for N, H, causal in shapes:
+    for N, H, causal, backend in shapes:
         for run in ("cold", "cached"):
-            env = dict(os.environ, STREAMKL_ROOT=ROOT, STREAMKL_CACHE_DIR=cache, TRITON_CACHE_DIR=triton_cache)
+            # backend "triton": the Triton forward (its launch configs are tuned; Gluon's are not)
+            env = dict(os.environ, STREAMKL_ROOT=ROOT, STREAMKL_CACHE_DIR=cache, TRITON_CACHE_DIR=triton_cache,
+                       STREAMKL_FWD_BACKEND=backend)
             t0 = time.perf_counter()
             out = subprocess.run([sys.executable, "-c", _FIRST_CALL_CHILD, str(N), str(H), "1" if causal else "0"],
                                  env=env, capture_output=True, text=True, timeout=600)
             wall = time.perf_counter() - t0
             if out.returncode != 0:
                 print(out.stdout[-2000:], out.stderr[-4000:], flush=True)
-                w.writerow({"measure": "first_call_s", "provider": run, "shape": f"N{N} H{H} causal={causal}",
-                            "value": "", "unit": "s", "note": "FAILED"})
+                w.writerow({"measure": "first_call_s", "provider": run, "shape": f"N{N} H{H} causal={causal} {backend}",
+                            "value": "", "unit": "s", "note": f"FAILED (fwd_backend={backend})"})
                 continue
             res = json.loads(out.stdout.strip().splitlines()[-1])
-            shape = f"N{N} H{H} D128 bf16 causal={causal}"
+            shape = f"N{N} H{H} D128 bf16 causal={causal} fwd_backend={backend}"
             note = ("fresh process; triton kernel cache shared between runs, streamkl tuning cache "
                     + ("empty" if run == "cold" else "from the cold run"))
             for m, name in (("first_s", "first_call_s"), ("second_s", "second_call_s"),
@@ -228,7 +231,7 @@ def first_call(out_dir, shapes=((524288, 8, True), (16384, 32, True))):
                 if res.get(m) is not None:
                     w.writerow({"measure": name, "provider": run, "shape": shape,
                                 "value": f"{res[m]:.3f}", "unit": "s", "note": note})
-            print(f"first call {shape:32s} {run:6s} first {res['first_s']:7.2f} s  second {res['second_s']:7.3f} s"
+            print(f"first call {shape:52s} {run:6s} first {res['first_s']:7.2f} s  second {res['second_s']:7.3f} s"
                   f"  compiling candidates {res.get('tuning_compile_s') or 0:6.2f} s  timing them "
                   f"{res.get('tuning_timing_s') or 0:5.2f} s  (process {wall:.1f} s)", flush=True)
     f.close()

@@ -10,7 +10,8 @@ specialisation call its launcher directly with the arguments in the kernel's par
 The key is computed from the arguments themselves (never trusted from the caller), with the
 properties Triton specialises on, so a reused kernel is exactly the one ``fn[grid]`` would pick.
 Off under the interpreter, while a Triton launch hook is installed (profilers read the metadata
-``JITFunction.run`` builds) and with ``STREAMKL_FAST_LAUNCH=0``.
+``JITFunction.run`` builds; triton >= 3.5 keeps the hooks in always-present, usually empty
+``HookChain`` objects) and with ``STREAMKL_FAST_LAUNCH=0``.
 """
 from __future__ import annotations
 
@@ -42,7 +43,15 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _raw_strea
 def enabled() -> bool:
     if os.environ.get("STREAMKL_FAST_LAUNCH", "1") == "0" or interpreting():
         return False
-    return _knobs is None or _knobs.runtime.launch_enter_hook is None
+    return _knobs is None or not (_hooked(_knobs.runtime.launch_enter_hook) or _hooked(_knobs.runtime.launch_exit_hook))
+
+
+def _hooked(hook) -> bool:
+    """A launch hook is installed: a callable, or (triton >= 3.5) a non-empty ``HookChain``."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if calls is not None else True
 
 
 def _spec(a):
@@ -113,8 +122,8 @@ def launch(fn, grid, args, constexprs, num_warps, num_stages, key=None, tensors=
         return kernel
     kernel, tail, _ = hit
     stream = _raw_stream(torch.cuda.current_device())
-    exit_hook = _knobs.runtime.launch_exit_hook if _knobs is not None else None
-    kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, exit_hook,
+    # no launch metadata and no hooks: enabled() found none installed
+    kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
                *args, *tail)
     STATS["direct"] += 1
     return kernel

@@ -29,47 +29,63 @@ def _empty_forward(dims, device):
     return kl, lse, lse.clone()
 
 
-def _fwd_runner(q1, k1, q2, k2, dims, causal, outs, d1_pad, d2_pad, plan_key=None):
-    """``launch(cfg)`` for one problem: cfg = (BLOCK_M, BLOCK_N, warps, stages, use_tma, n_splits).
+class _TritonForward:
+    """One Triton forward config bound to a call signature: grid, integer arguments and
+    constexprs computed once, so a call only allocates and launches.
 
-    ``plan_key``: the call's plan signature (inputs' shapes, strides, dtypes, alignment, flags),
-    which with ``cfg`` fixes every launch argument's specialisation but the outputs' alignment:
-    the launches then skip Triton's binder (``_fast_launch``)."""
-    kl, lse1_bits, lse2_bits = outs
-    device = q1.device
-    BH = dims.B * dims.H
-    ieee1 = q1.dtype == torch.float32
-    ieee2 = q2.dtype == torch.float32
-    no_contract = not interpreting()
-    strides_in = (*strides(q1), *strides(k1), *strides(q2), *strides(k2))
+    ``cfg = (BLOCK_M, BLOCK_N, warps, stages, use_tma, n_splits)``. ``key``: the call's plan
+    signature (inputs' shapes, strides, dtypes, alignment, flags), which with ``cfg`` fixes every
+    launch argument's specialisation but the outputs' alignment: the launches then skip Triton's
+    binder (``_fast_launch``). None (tuning, proxies): the binder or a derived key."""
 
-    def launch(cfg):
+    __slots__ = ("grid", "ints", "constexprs", "warps", "stages", "boxes", "part_shape", "combine", "key")
+
+    def __init__(self, cfg, dims, causal, d1_pad, d2_pad, in_strides, ieee1, ieee2, key=None):
         block_m, block_n, warps, stages, use_tma, n_splits = cfg
-        k1_desc = k2_desc = None
-        if use_tma:
-            k1_desc = TensorDescriptor(k1, list(k1.shape), list(k1.stride()), [1, 1, block_n, d1_pad])
-            k2_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [1, 1, block_n, d2_pad])
+        BH = dims.B * dims.H
         key_tiles = cdiv(dims.NK, block_n)
         splits = min(n_splits, key_tiles)
         keys_per_split = cdiv(key_tiles, splits) * block_n
         splits = cdiv(dims.NK, keys_per_split)
-        part = fresh((5, splits, BH, dims.NQ), torch.float32, device) if splits > 1 else kl
-        grid = (cdiv(dims.NQ, block_m), BH, splits)
-        key = None if plan_key is None else (plan_key, cfg)
-        fast_launch(_fwd._kl_fwd_kernel, grid, (
-            q1, k1, q2, k2, k1_desc, k2_desc, kl, lse1_bits, lse2_bits, part, *strides_in,
-            dims.H, dims.NQ, dims.NK, dims.D1, dims.D2, dims.group1, dims.group2,
-            keys_per_split, splits, dims.scale1 * LOG2E, dims.scale2 * LOG2E), dict(
-            BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1_pad, D2_PAD=d2_pad,
-            CAUSAL=causal, SPLIT=splits > 1, IEEE1=ieee1, IEEE2=ieee2, USE_TMA=use_tma,
-            NO_CONTRACT=no_contract), warps, stages, key, (kl, lse1_bits, lse2_bits, part))
-        if splits > 1:
-            rows = BH * dims.NQ
-            block = 256
-            fast_launch(_fwd._kl_combine_kernel, (cdiv(rows, block), 1, 1),
-                        (part, kl, lse1_bits, lse2_bits, rows, splits), dict(BLOCK=block), 4, 3,
-                        key, (part, kl, lse1_bits, lse2_bits))
+        self.grid = (cdiv(dims.NQ, block_m), BH, splits)
+        self.ints = (*in_strides, dims.H, dims.NQ, dims.NK, dims.D1, dims.D2, dims.group1, dims.group2,
+                     keys_per_split, splits, dims.scale1 * LOG2E, dims.scale2 * LOG2E)
+        self.constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1_pad, D2_PAD=d2_pad,
+                               CAUSAL=causal, SPLIT=splits > 1, IEEE1=ieee1, IEEE2=ieee2, USE_TMA=use_tma,
+                               NO_CONTRACT=not interpreting())
+        self.warps, self.stages = warps, stages
+        self.boxes = ([1, 1, block_n, d1_pad], [1, 1, block_n, d2_pad]) if use_tma else None
+        self.part_shape = (5, splits, BH, dims.NQ) if splits > 1 else None
+        rows = BH * dims.NQ
+        self.combine = ((cdiv(rows, 256), 1, 1), (rows, splits)) if splits > 1 else None
+        self.key = None if key is None else (key, cfg)
 
+    def __call__(self, q1, k1, q2, k2, outs):
+        kl, lse1_bits, lse2_bits = outs
+        k1_desc = k2_desc = None
+        if self.boxes is not None:
+            k1_desc = TensorDescriptor(k1, list(k1.shape), list(k1.stride()), self.boxes[0])
+            k2_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), self.boxes[1])
+        part = kl if self.part_shape is None else fresh(self.part_shape, torch.float32, kl.device)
+        fast_launch(_fwd._kl_fwd_kernel, self.grid,
+                    (q1, k1, q2, k2, k1_desc, k2_desc, kl, lse1_bits, lse2_bits, part) + self.ints,
+                    self.constexprs, self.warps, self.stages, self.key, (kl, lse1_bits, lse2_bits, part))
+        if self.combine is not None:
+            grid, (rows, splits) = self.combine
+            fast_launch(_fwd._kl_combine_kernel, grid, (part, kl, lse1_bits, lse2_bits, rows, splits),
+                        dict(BLOCK=256), 4, 3, self.key, (part, kl, lse1_bits, lse2_bits))
+
+
+def _bind_forward(cfg, q1, k1, q2, k2, dims, causal, d1_pad, d2_pad, key=None):
+    strides_in = (*strides(q1), *strides(k1), *strides(q2), *strides(k2))
+    return _TritonForward(cfg, dims, causal, d1_pad, d2_pad, strides_in,
+                          q1.dtype == torch.float32, q2.dtype == torch.float32, key)
+
+
+def _fwd_runner(q1, k1, q2, k2, dims, causal, outs, d1_pad, d2_pad):
+    """``launch(cfg)`` for one problem (what the tuner times): binds ``cfg`` and runs it."""
+    def launch(cfg):
+        _bind_forward(cfg, q1, k1, q2, k2, dims, causal, d1_pad, d2_pad)(q1, k1, q2, k2, outs)
     return launch
 
 
@@ -78,8 +94,7 @@ def _fwd_outputs(dims, device, one_buffer=True):
     three buffers (a custom op's outputs may not alias each other)."""
     if not one_buffer:
         return tuple(fresh((dims.B, dims.H, dims.NQ), torch.float32, device) for _ in range(3))
-    buf = fresh((3, dims.B, dims.H, dims.NQ), torch.float32, device)
-    return buf[0], buf[1], buf[2]
+    return fresh((3, dims.B, dims.H, dims.NQ), torch.float32, device).unbind(0)
 
 
 # Launch plans, per call signature: what depends only on shapes, strides, dtypes, alignment and
@@ -114,14 +129,16 @@ def forward(q1, k1, q2, k2, causal, scale1, scale2, split_k, dims=None, one_buff
     q1, k1, q2, k2 = (compute_view(t) for t in (q1, k1, q2, k2))
     d1_pad, d2_pad = head_pad(dims.D1), head_pad(dims.D2)
     sig = _signature("fwd", dims, (causal, split_k, fwd_backend()), (q1, k1, q2, k2))
-    cfg = _PLANS.get(sig)
-    if cfg is None:
-        cfg = _remember(sig, _forward_config(q1, k1, q2, k2, dims, causal, split_k, d1_pad, d2_pad))
+    plan = _PLANS.get(sig)
+    if plan is None:
+        cfg = _forward_config(q1, k1, q2, k2, dims, causal, split_k, d1_pad, d2_pad)
+        plan = _remember(sig, cfg if cfg is GLUON else
+                         _bind_forward(cfg, q1, k1, q2, k2, dims, causal, d1_pad, d2_pad, key=sig))
     outs = _fwd_outputs(dims, device, one_buffer)
-    if cfg is GLUON:  # the Hopper kernel (_gluon_fwd), chosen by _gluon_dispatch.use_gluon
+    if plan is GLUON:  # the Hopper kernel (_gluon_fwd), chosen by _gluon_dispatch.use_gluon
         gluon_forward(q1, k1, q2, k2, causal, dims.scale1, dims.scale2, out=outs)
     else:
-        _fwd_runner(q1, k1, q2, k2, dims, causal, outs, d1_pad, d2_pad, plan_key=(sig, one_buffer))(cfg)
+        plan(q1, k1, q2, k2, outs)
     return outs
 
 
