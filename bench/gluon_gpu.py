@@ -656,6 +656,10 @@ def main(argv=None):
                 specs = [_spec("kernel", c) for c in configs] + [
                     _spec(v, default) for v in variant_names if v != "kernel"]
                 status = prewarm(specs, budget, a.out_dir)
+                if all(status.get(sp) and "killed" not in status[sp] for sp in specs):
+                    # every worker failed without hanging: the prewarm itself is broken here
+                    log("prewarm: every worker failed; compiling in this process instead")
+                    status = {}
                 failed_cfg = {c: status[_spec("kernel", c)] for c in configs if status.get(_spec("kernel", c))}
                 configs = [c for c in configs if c not in failed_cfg]
                 if failed_cfg:  # keep the API's tuner off them too (a hang there would stop the run)
