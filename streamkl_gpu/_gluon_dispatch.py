@@ -33,11 +33,15 @@ FWD_BACKEND: Optional[str] = None  # module override; None: read ENV_VAR (defaul
 GLUON_CAPABILITY = (9, 0)  # wgmma + TMA + setmaxnreg: sm_90 only (sm_100 has no wgmma)
 GLUON_DTYPES = (torch.float16, torch.bfloat16)
 GLUON_HEAD_DIMS = (64, 128)  # per side; other head dims stay on the Triton path
-# Automatic choice only from these sizes on. Placeholders until the first H200 run of
-# bench/gluon_gpu.py (the Triton path switches to TMA keys from 2K keys for the same launch-cost
-# reason); forced "gluon" ignores them.
+# Automatic choice only from these sizes on (forced "gluon" ignores them). H200, 2026-12-01
+# (bench/results/session3/h200_2026-12-01_r3_gluon_timing.log, B=1, H=32, D=128 bf16): at 1K
+# keys Gluon 0.094 ms vs Triton 0.072 (launch-bound); at 2K 0.179 vs 0.201; 4K 0.652 vs 0.750.
 GLUON_MIN_KEYS = 2048
 GLUON_MIN_QUERIES = 128  # one CTA holds 128 query rows
+# Enough CTAs to fill the GPU without splitting keys. H200, 2026-12-01 (r3_gluon_timing.log):
+# B=1, H=32, N=2K (512 CTAs, 3.9 per SM): Gluon 0.179 ms, tuned Triton (split choices) 0.201;
+# N_Q=16, N_K=32K (32 CTAs): Gluon 0.655, split Triton 0.140.
+GLUON_MIN_CTAS_PER_SM = 2
 
 
 def fwd_backend() -> str:
@@ -89,21 +93,24 @@ def gluon_unsupported(dims, dtypes: Sequence[torch.dtype], strides: Sequence[Seq
 
 
 def use_gluon(dims, dtypes, strides, device_capability, split: bool, data_ptrs=(0, 0, 0, 0),
-              backend: Optional[str] = None, split_explicit: bool = False) -> bool:
+              backend: Optional[str] = None, split_explicit: bool = False, n_sm: int = 132) -> bool:
     """True: run the Gluon forward. ``backend`` (default :func:`fwd_backend`): ``"triton"`` is
     always False; ``"gluon"`` is True or raises ``ValueError`` with the reason; ``"auto"`` is True
     when the kernel takes the problem and it is large enough (``GLUON_MIN_KEYS``/``_QUERIES``).
 
-    ``split``: more than one key split was chosen; ``split_explicit``: by the caller
-    (``split_k=n``), not by ``auto_split_k``. Forced ``"gluon"`` overrides only the automatic
-    split (the kernel then makes one pass over the keys); ``"auto"`` leaves every split to Triton.
+    ``split``: the Triton path would consider splitting the keys (short query blocks);
+    ``split_explicit``: the caller asked for it (``split_k=n``). Forced ``"gluon"`` overrides only
+    the automatic split (the kernel then makes one pass over the keys). ``"auto"`` overrides it
+    too when the Gluon kernel alone has ``GLUON_MIN_CTAS_PER_SM * n_sm`` CTAs (``n_sm``: the
+    device's SMs); fewer, and the split Triton kernel takes the problem.
     """
     backend = fwd_backend() if backend is None else backend
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "triton":
         return False
-    if backend == "gluon" and not split_explicit:
+    ctas = -(-dims.NQ // 128) * dims.B * dims.H
+    if not split_explicit and (backend == "gluon" or ctas >= GLUON_MIN_CTAS_PER_SM * n_sm):
         split = False
     why = gluon_unsupported(dims, dtypes, strides, device_capability, split, data_ptrs)
     if backend == "gluon":
@@ -120,8 +127,43 @@ def device_capability(device):
     return tuple(torch.cuda.get_device_capability(device))
 
 
-def gluon_forward(q1, k1, q2, k2, causal, scale1, scale2, out=None):
-    """(kl nats, lse1_bits, lse2_bits) from the Gluon kernel; see ``_gluon_fwd.gluon_forward``."""
+_PICKED: dict = {}  # tuning key -> the chosen candidate (what pick found; skips its slicing work)
+
+
+def gluon_forward(q1, k1, q2, k2, causal, scale1, scale2, out=None, dims=None):
+    """(kl nats, lse1_bits, lse2_bits) from the Gluon kernel with a tuned launch configuration
+    (``_gluon_fwd.candidates``, timed once per shape bucket by ``_tuning.pick``, on a bounded
+    slice of long problems like the Triton path); see ``_gluon_fwd.gluon_forward``.
+    ``dims``: the checked sizes, when the caller has them."""
     if _gluon_fwd is None:
         raise RuntimeError(f"the Gluon forward is not available: {GLUON_IMPORT_ERROR}")
-    return _gluon_fwd.gluon_forward(q1, k1, q2, k2, causal, scale1, scale2, out=out)
+    from ._tuning import bucket, pick, tuning_slice
+
+    if dims is None:
+        from streamkl_ref._checks import check_inputs
+
+        dims = check_inputs(q1, k1, q2, k2, scale1=scale1, scale2=scale2)
+    if out is None:
+        out = tuple(torch.empty((dims.B, dims.H, dims.NQ), dtype=torch.float32, device=q1.device) for _ in range(3))
+
+    def runner(xs, outs):
+        return lambda cand: _gluon_fwd.gluon_forward(*xs, causal, scale1, scale2, out=outs,
+                                                     config=_gluon_fwd.config_of(cand))
+
+    launch = runner((q1, k1, q2, k2), out)
+    key = ("gluon_fwd", dims.D1, dims.D2, q1.dtype, q2.dtype, bool(causal), bucket(dims.NQ), bucket(dims.NK),
+           bucket(dims.B * dims.H), dims.group1 > 1, dims.group2 > 1)
+    cand = _PICKED.get(key)
+    if cand is None:
+        proxy = None
+        sliced = tuning_slice(dims, causal)
+        if sliced is not None:  # time the candidates on a bounded slice (first call at long N)
+            nq, nk = sliced
+            pouts = tuple(torch.empty((dims.B, dims.H, nq), dtype=torch.float32, device=q1.device)
+                          for _ in range(3))
+            proxy = runner((q1[:, :, :nq], k1[:, :, :nk], q2[:, :, :nq], k2[:, :, :nk]), pouts)
+        cand = pick(key, _gluon_fwd.candidates(dims.D1, dims.D2), launch, proxy, q1.device)
+        if os.environ.get("STREAMKL_AUTOTUNE", "1") != "0":  # untuned picks are not remembered
+            _PICKED[key] = cand
+    launch(cand)
+    return out

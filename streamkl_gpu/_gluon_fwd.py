@@ -85,10 +85,11 @@ def _exp2(x, VARIANT: gl.constexpr):
 
 
 @gluon.jit
-def _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, i, zero,
+def _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars, i, zero,
                rows, N_K, diag_offset, qk_scale1, qk_scale2,
                D1: gl.constexpr, D2: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-               MASKED: gl.constexpr, CAUSAL: gl.constexpr, VARIANT: gl.constexpr):
+               MASKED: gl.constexpr, CAUSAL: gl.constexpr, VARIANT: gl.constexpr, WG: gl.constexpr,
+               PINGPONG: gl.constexpr):
     """Fold key tile i into the row states (the formulas of _fwd._fwd_key_range, same order).
     VARIANT != 0: a deliberately wrong kernel for timing what bounds the real one (VARIANTS)."""
     m1, l1, m2, l2, acc = st
@@ -99,9 +100,13 @@ def _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_em
     k2 = k2_smem.index(s).reshape([BLOCK_N, D2])
     mbarrier.wait(k1_ready.index(s), ph)
     mbarrier.wait(k2_ready.index(s), ph)
+    if PINGPONG:  # FA3's turnstile: the two warpgroups take turns on the tensor cores
+        mbarrier.wait(turn_bars.index(WG), i & 1)
     t1 = warpgroup_mma(q1, k1.permute((1, 0)), zero, use_acc=False, is_async=True)
     if VARIANT != 2:
         t2 = warpgroup_mma(q2, k2.permute((1, 0)), zero, use_acc=False, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(turn_bars.index(1 - WG), count=1)
     if MASKED:
         cols = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
         visible = cols[None, :] < N_K
@@ -163,9 +168,9 @@ def _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_em
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty,
-              k2_empty, KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2,
-              D1: gl.constexpr, D2: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, VARIANT: gl.constexpr):
+              k2_empty, turn_bars, KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1,
+              qk_scale2, D1: gl.constexpr, D2: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr, VARIANT: gl.constexpr, PINGPONG: gl.constexpr):
     """Consumer warpgroup WG: query rows start_m + 64 WG .. +63, all key tiles of the CTA."""
     acc_layout: gl.constexpr = _acc_layout(BLOCK_N)
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
@@ -183,13 +188,13 @@ def _consumer(WG: gl.constexpr, q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_re
     st = (m1, l1, m2, l2, acc)
     # whole tiles every row of the CTA sees, then the causal band and the ragged last tile
     for i in range(n_full):
-        st = _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, i, zero,
-                        rows, N_K, diag_offset, qk_scale1, qk_scale2, D1, D2, BLOCK_N, NUM_STAGES, False, CAUSAL,
-                        VARIANT)
+        st = _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars, i,
+                        zero, rows, N_K, diag_offset, qk_scale1, qk_scale2, D1, D2, BLOCK_N, NUM_STAGES, False,
+                        CAUSAL, VARIANT, WG, PINGPONG)
     for i in range(n_full, n_tiles):
-        st = _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, i, zero,
-                        rows, N_K, diag_offset, qk_scale1, qk_scale2, D1, D2, BLOCK_N, NUM_STAGES, True, CAUSAL,
-                        VARIANT)
+        st = _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars, i,
+                        zero, rows, N_K, diag_offset, qk_scale1, qk_scale2, D1, D2, BLOCK_N, NUM_STAGES, True,
+                        CAUSAL, VARIANT, WG, PINGPONG)
     m1, l1, m2, l2, acc = st
     kl, lse1, lse2 = _fwd._finalize(m1, l1, m2, l2, acc)
     row_ok = rows < N_Q  # padded query rows (TMA zero fill) are never written
@@ -200,30 +205,31 @@ def _consumer(WG: gl.constexpr, q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_re
 
 
 @gluon.jit
-def _consumer0(q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty, KL, LSE1, LSE2,
-               pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2,
+def _consumer0(q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars,
+               KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2,
                D1: gl.constexpr, D2: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-               CAUSAL: gl.constexpr, VARIANT: gl.constexpr):
-    _consumer(0, q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty, KL, LSE1, LSE2,
-              pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, D1, D2, BLOCK_N, NUM_STAGES, CAUSAL,
-              VARIANT)
+               CAUSAL: gl.constexpr, VARIANT: gl.constexpr, PINGPONG: gl.constexpr):
+    _consumer(0, q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars,
+              KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, D1, D2, BLOCK_N,
+              NUM_STAGES, CAUSAL, VARIANT, PINGPONG)
 
 
 @gluon.jit
-def _consumer1(q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty, KL, LSE1, LSE2,
-               pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2,
+def _consumer1(q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars,
+               KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2,
                D1: gl.constexpr, D2: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-               CAUSAL: gl.constexpr, VARIANT: gl.constexpr):
-    _consumer(1, q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty, KL, LSE1, LSE2,
-              pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, D1, D2, BLOCK_N, NUM_STAGES, CAUSAL,
-              VARIANT)
+               CAUSAL: gl.constexpr, VARIANT: gl.constexpr, PINGPONG: gl.constexpr):
+    _consumer(1, q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars,
+              KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, D1, D2, BLOCK_N,
+              NUM_STAGES, CAUSAL, VARIANT, PINGPONG)
 
 
 @gluon.jit
 def _gluon_kl_fwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, KL, LSE1, LSE2,
                          H, N_Q, N_K, GROUP1, GROUP2, qk_scale1, qk_scale2,
                          D1: gl.constexpr, D2: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                         CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, VARIANT: gl.constexpr):
+                         CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, VARIANT: gl.constexpr,
+                         PINGPONG: gl.constexpr):
     pid_m = gl.program_id(0)
     if CAUSAL:  # the longest query blocks (most key tiles) first: fewer idle SMs in the last wave
         pid_m = gl.num_programs(0) - 1 - pid_m
@@ -252,15 +258,20 @@ def _gluon_kl_fwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, KL, LSE1, LSE2,
         mbarrier.init(k2_ready.index(i), count=1)
         mbarrier.init(k1_empty.index(i), count=2)  # both consumer warpgroups release a slot
         mbarrier.init(k2_empty.index(i), count=2)
+    turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(turn_bars.index(0), count=1)
+    mbarrier.init(turn_bars.index(1), count=1)
+    if PINGPONG:
+        mbarrier.arrive(turn_bars.index(0), count=1)  # warpgroup 0 goes first
 
     # argument tuples inline: a tuple bound to a local turns its constexprs into tensors (sketch)
     gl.warp_specialize([
         (_consumer0, (q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty,
-                      KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2,
-                      D1, D2, BLOCK_N, NUM_STAGES, CAUSAL, VARIANT)),
+                      turn_bars, KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2,
+                      D1, D2, BLOCK_N, NUM_STAGES, CAUSAL, VARIANT, PINGPONG)),
         (_consumer1, (q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty,
-                      KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2,
-                      D1, D2, BLOCK_N, NUM_STAGES, CAUSAL, VARIANT)),
+                      turn_bars, KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2,
+                      D1, D2, BLOCK_N, NUM_STAGES, CAUSAL, VARIANT, PINGPONG)),
         (_load_partition, (q1_desc, k1_desc, q2_desc, k2_desc, q1_smem, q2_smem, k1_smem, k2_smem,
                            q_bar, k1_ready, k2_ready, k1_empty, k2_empty,
                            b, h, kv_head1, kv_head2, start_m, n_tiles, BLOCK_N, NUM_STAGES)),
@@ -271,13 +282,61 @@ def _gluon_kl_fwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, KL, LSE1, LSE2,
 # Host side
 # ----------------------------------------------------------------------------------------------
 
+def _ring_stages(d1: int, d2: int, block_n: int) -> int:
+    """Key-ring depth that fits beside Q: per CTA Q takes 256 (D1+D2) bytes, a ring stage
+    2 block_n (D1+D2) bytes; 227 KB of shared memory per CTA on sm_90; at most 4 stages."""
+    budget = 227 * 1024 - 2048 - 256 * (d1 + d2)
+    return max(2, min(4, budget // (2 * block_n * (d1 + d2))))
+
+
 def kernel_config(d1: int, d2: int):
-    """Launch configuration for head dims (d1, d2). Not tuned on the GPU yet: 128-key tiles as
-    in the sketch; key-ring depth from the shared memory left after Q (per CTA: Q 256 (D1+D2)
-    bytes, each ring stage 256 (D1+D2) bytes; 227 KB in all on sm_90); 168 registers per thread
-    (the sketch's setting; 9 warps x 224 would also fit one CTA per SM)."""
-    stages = 2 if d1 + d2 > 192 else 3
-    return dict(BLOCK_N=128, NUM_STAGES=stages, CONSUMER_REGS=240, maxnreg=168)
+    """Default launch configuration for head dims (d1, d2): 128-key tiles, the deepest key ring
+    that fits, 168 registers per thread (the sketch's setting)."""
+    return config_of(candidates(d1, d2)[0])
+
+
+def candidates(d1: int, d2: int):
+    """Launch configurations the tuner times, as (BLOCK_N, NUM_STAGES, maxnreg, PINGPONG) tuples,
+    default first. H200, 2026-12-01 (bench/results/session3/h200_2026-12-01_r3_gluon_timing.log): the
+    default ran 8K bf16 D=128 at 1.51x SDPA non-causal, 1.40x causal; the others are the
+    plausible knobs (more registers for ptxas' scheduling; 64-key tiles: half the live score
+    registers, twice the tiles; the sketch's turnstile, which orders the two warpgroups' turns on
+    the tensor cores) that run 2 measures next."""
+    s128, s64 = _ring_stages(d1, d2, 128), _ring_stages(d1, d2, 64)
+    return [(128, s128, 168, 0), (128, s128, 224, 0), (64, s64, 168, 0), (128, s128, 168, 1)]
+
+
+def experiments(d1: int, d2: int):
+    """Schedules the GPU script measures beside the tuner's candidates (not chosen by the tuner
+    until a run shows they pay), same tuple form as :func:`candidates`."""
+    return []
+
+
+def configs_to_measure(d1: int, d2: int):
+    """The tuner's candidates, then the experiments: what bench/gluon_gpu.py checks and times."""
+    cands = candidates(d1, d2)
+    return cands + [c for c in experiments(d1, d2) if c not in cands]
+
+
+# The fields of a candidate tuple, in order; trailing ones may be left out (their defaults).
+CAND_FIELDS = ("BLOCK_N", "NUM_STAGES", "maxnreg", "PINGPONG")
+CAND_DEFAULTS = dict(PINGPONG=0)
+_FLAG_NAMES = dict(PINGPONG="pingpong")
+
+
+def config_of(cand) -> dict:
+    """The launch configuration (``launch_args``' ``config``) of a candidate tuple."""
+    if len(cand) > len(CAND_FIELDS) or len(cand) < 3:
+        raise ValueError(f"a Gluon candidate has 3..{len(CAND_FIELDS)} fields {CAND_FIELDS}, got {cand!r}")
+    cfg = {**CAND_DEFAULTS, **dict(zip(CAND_FIELDS, cand))}
+    return dict(cfg, CONSUMER_REGS=240)
+
+
+def describe(cand) -> str:
+    """A short name of a candidate for tables: ``n128 s2 r168`` plus its switched-on flags."""
+    cfg = config_of(cand)
+    flags = [_FLAG_NAMES[k] + ("" if cfg[k] == 1 else str(cfg[k])) for k in _FLAG_NAMES if cfg[k]]
+    return " ".join([f"n{cfg['BLOCK_N']} s{cfg['NUM_STAGES']} r{cfg['maxnreg']}"] + flags)
 
 
 _GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -308,7 +367,7 @@ def launch_args(q1, k1, q2, k2, causal, scale1, scale2, kl, lse1_bits, lse2_bits
     args = descs + (kl, lse1_bits, lse2_bits, H, N_Q, N_K, H // k1.shape[1], H // k2.shape[1],
                     scale1 * LOG2E, scale2 * LOG2E)
     constexprs = dict(D1=D1, D2=D2, BLOCK_N=block_n, NUM_STAGES=cfg["NUM_STAGES"], CAUSAL=bool(causal),
-                      CONSUMER_REGS=cfg["CONSUMER_REGS"], VARIANT=VARIANTS[variant])
+                      CONSUMER_REGS=cfg["CONSUMER_REGS"], VARIANT=VARIANTS[variant], PINGPONG=bool(cfg.get("PINGPONG", 0)))
     options = dict(num_warps=4)
     if cfg.get("maxnreg"):
         options["maxnreg"] = cfg["maxnreg"]

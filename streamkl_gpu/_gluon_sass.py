@@ -121,16 +121,20 @@ def spec_name(dtype: str, causal: bool, d1: int, d2: int) -> str:
 
 
 def _main(argv):
-    """``python -m streamkl_gpu._gluon_sass SPEC...`` (SPEC = bf16|fp16 : causal|full : D1 : D2):
+    """``python -m streamkl_gpu._gluon_sass SPEC...`` (SPEC = bf16|fp16 : causal|full : D1 : D2, then
+    optionally : BLOCK_N : NUM_STAGES : maxnreg, a tuning candidate; default: the first candidate):
     compile each for sm_90 and print one JSON object per line (the CI test runs this in a fresh
     process: the test session runs under TRITON_INTERPRET=1, which Gluon does not support)."""
     import json
     import time
 
+    from . import _gluon_fwd
+
     for spec in argv:
-        dtype, mode, d1, d2 = spec.split(":")
+        dtype, mode, d1, d2, *cand = spec.split(":")
+        config = _gluon_fwd.config_of(tuple(map(int, cand))) if cand else None
         t0 = time.time()
-        kernel = compile_sm90(int(d1), int(d2), DTYPES[dtype], mode == "causal")
+        kernel = compile_sm90(int(d1), int(d2), DTYPES[dtype], mode == "causal", config=config)
         sass = sass_of(kernel)
         row = dict(spec=spec, seconds=round(time.time() - t0, 1), triton=triton.__version__,
                    resources=resource_usage(kernel), **sass_counts(sass))

@@ -136,7 +136,7 @@ def forward(q1, k1, q2, k2, causal, scale1, scale2, split_k, dims=None, one_buff
                          _bind_forward(cfg, q1, k1, q2, k2, dims, causal, d1_pad, d2_pad, key=sig))
     outs = _fwd_outputs(dims, device, one_buffer)
     if plan is GLUON:  # the Hopper kernel (_gluon_fwd), chosen by _gluon_dispatch.use_gluon
-        gluon_forward(q1, k1, q2, k2, causal, dims.scale1, dims.scale2, out=outs)
+        gluon_forward(q1, k1, q2, k2, causal, dims.scale1, dims.scale2, out=outs, dims=dims)
     else:
         plan(q1, k1, q2, k2, outs)
     return outs
@@ -153,7 +153,8 @@ def _forward_config(q1, k1, q2, k2, dims, causal, split_k, d1_pad, d2_pad):
     splits = split_choices(dims, ieee, d_pad, n_sm(device)) if split_k is None else (split_k,)
     inputs = (q1, k1, q2, k2)
     if use_gluon(dims, tuple(t.dtype for t in inputs), tuple(strides(t) for t in inputs), device_capability(device),
-                 max(splits) > 1, tuple(t.data_ptr() for t in inputs), split_explicit=split_k is not None):
+                 max(splits) > 1, tuple(t.data_ptr() for t in inputs), split_explicit=split_k is not None,
+                 n_sm=n_sm(device)):
         return GLUON
     # one pass: the usual tiles; split keys (short query blocks): the split kernel's small query tiles
     candidates = [c + (s,) for s in splits for c in fwd_candidates(dims, d_pad, s > 1, ieee, tma)]

@@ -15,14 +15,19 @@ import pytest
 import torch
 
 from streamkl_gpu import _gluon_dispatch as dispatch
+from streamkl_gpu import _gluon_fwd
 from streamkl_ref._checks import Dims
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Specialisations compiled on CI: every dispatchable axis is covered at least once (dtype,
-# causal, D1 != D2 both ways would be 16 compiles; GQA and strides do not change the code).
-# The GPU script compiles (and checks the SASS of) every one it runs.
-CI_SPECS = ["bf16:full:128:128", "fp16:causal:128:128", "bf16:causal:64:128"]
+# causal, D1 != D2 both ways would be 16 compiles; GQA and strides do not change the code), and
+# the tuner's other launch configurations that change the code (_gluon_fwd.candidates, D = 128:
+# 64-key tiles, the turnstile; the 224-register one is the default's code under a higher ptxas
+# register cap, left out to keep this near 50 s of CPU). The GPU script compiles (and checks the
+# SASS of) every one it runs.
+CI_SPECS = ["bf16:full:128:128", "fp16:causal:128:128", "bf16:causal:64:128"] + [
+    "bf16:causal:128:128:" + ":".join(map(str, c)) for c in _gluon_fwd.candidates(128, 128)[1:] if c[2] == 168]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +46,7 @@ def compiled():
 @pytest.mark.parametrize("spec", CI_SPECS)
 def test_sass_no_spills_and_two_waits_per_key_tile(compiled, spec):
     row = compiled[spec]
-    _, mode, d1, d2 = spec.split(":")
+    _, mode, d1, d2, *_ = spec.split(":")
     assert row["stl"] == 0 and row["ldl"] == 0, f"{spec}: local-memory spills in the SASS: {row}"
     assert row["resources"]["local"] == 0, f"{spec}: ptxas reports local memory: {row['resources']}"
     assert row["hgmma"] > 0, f"{spec}: no HGMMA in the SASS (wgmma lowered to something else)"
@@ -54,7 +59,8 @@ def test_sass_no_spills_and_two_waits_per_key_tile(compiled, spec):
         # the source waits twice per key tile (S1, then S2); one DEPBAR per HGMMA is ptxas
         # serialising the products (the back-edge trap of the sketch)
         assert 1 <= loop["depbar"] <= 2, f"{spec}: {loop['depbar']} WARPGROUP.DEPBAR per key tile: {loop}"
-        assert loop["ex2"] >= 2 * 64 * 128 // 128, f"{spec}: too few MUFU.EX2 per key tile: {loop}"
+        block_n = int(spec.split(":")[4]) if spec.count(":") > 3 else 128
+        assert loop["ex2"] >= 2 * 64 * block_n // 128, f"{spec}: too few MUFU.EX2 per key tile: {loop}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -118,7 +124,7 @@ def test_auto_takes_gqa_mixed_half_dtypes_and_transposed_layouts():
     (dict(cap=None), "sm_90"),
     (dict(cap=(8, 0)), "sm_90"),
     (dict(cap=(10, 0)), "sm_90"),
-    (dict(split=True), "split-K"),
+    (dict(split=True, dims=_dims(NQ=128, NK=32768)), "split-K"),  # 32 CTAs
     (dict(dtypes=(torch.float32,) * 4), "dtype"),
     (dict(dims=_dims(D1=96)), "head dim 96"),
     (dict(dims=_dims(D2=256)), "head dim 256"),
@@ -159,8 +165,18 @@ def test_auto_needs_enough_keys_and_queries_forced_does_not():
                               backend="auto")
 
 
+def test_auto_overrides_the_automatic_split_when_gluon_fills_the_gpu():
+    # B=1, H=32, N=2K: 16 x 32 = 512 CTAs of 128 rows >= 2 per SM on 132 SMs
+    many = _args(_dims(NQ=2048, NK=2048), split=True)
+    assert dispatch.use_gluon(*many, backend="auto", n_sm=132)
+    assert not dispatch.use_gluon(*many, backend="auto", n_sm=512)  # 1 CTA per SM: split Triton
+    assert not dispatch.use_gluon(*many, backend="auto", n_sm=132, split_explicit=True)
+    few = _args(_dims(NQ=128, NK=32768), split=True)  # 32 CTAs: decode-like, Triton splits the keys
+    assert not dispatch.use_gluon(*few, backend="auto", n_sm=132)
+
+
 def test_forced_gluon_overrides_only_the_automatic_split():
-    args = _args(split=True)
+    args = _args(_dims(NQ=128, NK=32768), split=True)
     assert dispatch.use_gluon(*args, backend="gluon", split_explicit=False)
     with pytest.raises(ValueError, match="split-K"):
         dispatch.use_gluon(*args, backend="gluon", split_explicit=True)
@@ -203,3 +219,56 @@ def test_api_forward_consults_the_dispatch(backend):
     backend("triton")
     kl = attention_kl(x, x, x, x)
     assert torch.equal(kl, torch.zeros_like(kl))  # same inputs on both sides: KL exactly 0
+
+
+# ----------------------------------------------------------------------------------------------
+# launch configurations and the GPU script's plan (pure, CPU)
+# ----------------------------------------------------------------------------------------------
+
+def test_candidates_fit_shared_memory_and_round_trip():
+    for d1, d2 in ((128, 128), (64, 64), (64, 128), (128, 64)):
+        measured = _gluon_fwd.configs_to_measure(d1, d2)
+        assert measured[:len(_gluon_fwd.candidates(d1, d2))] == _gluon_fwd.candidates(d1, d2)
+        assert len(set(measured)) == len(measured)
+        names = [_gluon_fwd.describe(c) for c in measured]
+        assert len(set(names)) == len(names), names  # the GPU script's provider names are unique
+        for cand in measured:
+            cfg = _gluon_fwd.config_of(cand)
+            assert tuple(cfg[f] for f in _gluon_fwd.CAND_FIELDS[:len(cand)]) == tuple(cand)
+            # Q (two warpgroups) + the key ring + barriers within sm_90's 227 KB per CTA
+            smem = 2 * 64 * (d1 + d2) * 2 + cfg["NUM_STAGES"] * cfg["BLOCK_N"] * (d1 + d2) * 2
+            assert smem <= 227 * 1024 - 1024, (cand, smem)
+    with pytest.raises(ValueError, match="candidate"):
+        _gluon_fwd.config_of((128, 2))
+
+
+def _bench_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gluon_gpu", os.path.join(ROOT, "bench", "gluon_gpu.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gpu_script_grid_is_the_issues_no_regression_grid():
+    g = _bench_script()
+    pts = {name: (sh, causal) for name, sh, causal, _ in g.grid_points()}
+    K = 1024
+    for dt in ("bf16", "fp16"):
+        for n in (1, 2, 4, 8, 16, 32, 64):
+            for mode in ("full", "causal"):
+                sh, causal = pts[f"{dt} D128 N={n}K {mode}"]
+                assert (sh["NQ"], sh["NK"], sh["D1"], sh["dtype"], causal) == (n * K, n * K, 128, dt, mode == "causal")
+    for d in (64, 96, 256):
+        assert pts[f"bf16 D{d} N=8K causal"][0]["D2"] == d
+    assert pts["bf16 GQA 32:8 N=8K full"][0]["HK1"] == 8
+    assert pts["bf16 D128/64 N=8K causal"][0]["D2"] == 64
+    assert {sh["NQ"] for name, (sh, _) in pts.items() if "decode" in name} == {1, 16}
+    # the prewarm jobs parse back into (variant, candidate, dtype, d1, d2, group)
+    for spec in g.grid_prewarm_specs():
+        variant, cand, dtype, d1, d2, group = spec.split(":")
+        assert variant == "kernel" and dtype in ("bf16", "fp16") and int(d1) in (64, 128) and int(group) >= 1
+        assert tuple(map(int, cand.split(","))) in _gluon_fwd.candidates(int(d1), int(d2))
+    assert g._select_configs("all") == _gluon_fwd.configs_to_measure(128, 128)
+    assert g._select_configs("128,2,168;64,4,168,0") == [(128, 2, 168), (64, 4, 168, 0)]
