@@ -21,6 +21,7 @@ _runtime.tma_ok = lambda t: os.environ.get('TMA', '1') == '1'
 
 TARGET = GPUTarget("cuda", int(os.environ.get("ARCH", "90")), 32)
 records = []
+FWD_ONLY = os.environ.get("FWD_ONLY", "0") == "1"  # the forward with lse given only
 
 class Rec:
     def __init__(self, name, fn): self.name, self.fn = name, fn
@@ -74,19 +75,22 @@ def compile_rec(rec):
     info = subprocess.run([os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump") if os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")) else "/work/main/.venv/lib/python3.11/site-packages/triton/backends/nvidia/bin/cuobjdump", "-res-usage", cub],
                           capture_output=True, text=True).stdout
     line = [l.strip() for l in info.splitlines() if "REG" in l]
-    cfg = {k2: vals[k2] for k2 in ("BLOCK_T", "BLOCK_N", "BLOCK_D", "HB", "IB") if k2 in vals}
+    cfg = {k2: vals[k2] for k2 in ("BLOCK_T", "BLOCK_N", "BLOCK_D", "HB", "IB", "SPLIT", "RESIDENT") if k2 in vals}
     print(f"{name:26s} warps={opts['num_warps']} stages={opts['num_stages']} {cfg} smem={md.shared} {line[0] if line else ''}", flush=True)
 
-def run(cfgname, H, HK, D, HI, HKI, DI, dtype, causal=True, lse=True, N=256):
+def run(cfgname, H, HK, D, HI, HKI, DI, dtype, causal=True, lse=True, N=int(os.environ.get("N", "256"))):
     q = torch.empty(1, H, N, D, dtype=dtype); k = torch.empty(1, HK, N, D, dtype=dtype)
     qi = torch.empty(1, HI, N, DI, dtype=dtype); ki = torch.empty(1, HKI, N, DI, dtype=dtype)
     w = torch.empty(1, HI, N, dtype=dtype)
     lse_t = torch.zeros(1, H, N) if lse else None
     records.clear()
     _indexer._forward(q, k, qi, ki, w, lse_t, causal, 0.07, True)
-    if lse:
+    if FWD_ONLY:
+        pass
+    elif lse:
         _indexer._forward(q, k, qi, ki, w, None, causal, 0.07, True)
-    _indexer._backward(torch.zeros(1, N), q, k, qi, ki, w, torch.zeros(1, H, N), torch.zeros(1, N), causal, 0.07, True)
+    if not FWD_ONLY:
+        _indexer._backward(torch.zeros(1, N), q, k, qi, ki, w, torch.zeros(1, H, N), torch.zeros(1, N), causal, 0.07, True)
     print(f"== {cfgname} {dtype}")
     seen = set()
     for r in records:

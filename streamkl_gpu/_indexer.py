@@ -112,7 +112,8 @@ def _plan(dims, cfg, kind):
     """Chunking of one launch: teacher heads per chunk HB, indexer heads per chunk IB, tokens per
     block BLOCK_T (all powers of two; every dot at least 16 wide)."""
     rows, irows, block_n, block_d, warps, stages, *rest = cfg
-    hb_max = rest[0] if rest else rows  # optional 7th field: teacher heads per chunk at most
+    # optional 7th field: teacher heads per chunk at most (None: no cap)
+    hb_max = rest[0] if rest and rest[0] is not None else rows
     group, group_i = dims.H // dims.HK, dims.HI // dims.HKI
     hb = min(_pow2(group), _pow2(rows), hb_max)
     gi_pad = _pow2(group_i)
@@ -132,7 +133,36 @@ def _plan(dims, cfg, kind):
         BLOCK_DI=_d_chunk(dims.DI, block_d) if kind == "fwd" else _checks.head_pad(dims.DI),
         DI_PAD=_checks.head_pad(dims.DI), warps=warps, stages=stages,
         n_chunks=dims.HK * cpg, cpg=cpg, n_ichunks=dims.HKI * icpg, icpg=icpg,
+        splits=int(rest[1]) if len(rest) > 1 else 1, variant=rest[2] if len(rest) > 2 else "tiles",
     )
+
+
+def _key_splits(dims, pl):
+    """(splits, keys per split) of a forward launch: the plan's key splits, each a whole number
+    of BLOCK_N tiles, never more splits than key tiles."""
+    key_tiles = triton.cdiv(dims.NK, pl["BLOCK_N"])
+    splits = max(1, min(pl["splits"], key_tiles))
+    per = triton.cdiv(key_tiles, splits) * pl["BLOCK_N"]
+    return triton.cdiv(dims.NK, per), per
+
+
+def _merge_splits(part):
+    """(KL, LSE_I) [B, N_Q] from the key splits' states ``part [5, splits, B, N_Q]`` (m, l, mass,
+    acc, plogp; acc re-referenced to its split's max): the online merge of
+    streamkl_ref.indexer_kl_online's state, re-referenced to the common max, then the kernel's
+    finalisation (``_indexer_fwd._finish``). A NaN state gives a NaN row."""
+    m, l, mass, acc, plogp = part.unbind(0)
+    m_all = m.amax(0)  # NaN propagates (the kernel's own max ignores NaN; its l is NaN then)
+    shift = torch.where(m_all == float("-inf"), 0.0, m_all)
+    m_safe = torch.where(m == float("-inf"), 0.0, m)
+    l_all = (l * torch.exp(m - shift)).sum(0)  # exp(-inf) = 0 for a split that saw no key
+    acc_all = (acc - mass * (shift - m_safe)).sum(0)
+    plogp_all = plogp.sum(0)
+    empty = l_all == 0.0
+    log_l = torch.log(torch.where(empty, 1.0, l_all))
+    kl = torch.where(empty, 0.0, plogp_all - acc_all + log_l)
+    lse_i = torch.where(empty, float("-inf"), m_all + log_l)
+    return kl, lse_i
 
 
 def _d_chunk(d: int, block_d: int) -> int:
@@ -142,7 +172,36 @@ def _d_chunk(d: int, block_d: int) -> int:
     return pad if (pad <= 128 and block_d >= 64) else min(block_d, pad)
 
 
-def _candidates(kind, ieee, dims=None):
+def _fwd_split(dims, cfg, n_sm, waves=4):
+    """Key splits that bring a forward launch to about ``waves`` programs per SM (1: enough
+    token blocks already)."""
+    blocks = triton.cdiv(dims.NQ, _plan(dims, cfg, "fwd")["BLOCK_T"]) * dims.B
+    return max(1, min(16, triton.cdiv(waves * n_sm, blocks)))
+
+
+def _new_fwd_candidates(dims, gqa, n_sm):
+    """Session 4's forward candidates (issue 10's targets; chosen by offline sm_90 compiles and
+    the FLOP-per-byte count of a score tile, not yet timed; bench/indexer_perf_gpu.py times each).
+
+    The score tile of ``rows`` (head, token) pairs by BLOCK_N keys re-reads its q rows from L2 for
+    every key tile: about rows * BLOCK_N / (rows + BLOCK_N) FLOP per byte (43 at 128 x 64, the
+    measured DSA forward ran at ~4 TB/s of it). BLOCK_N = 128 takes it to 64 (no spills at DSA:
+    234 registers on triton 3.9; 256 rows x 128 keys would give 85 but spills 144 B). GQA at 8K had 64-256 programs for 132 SMs, each a serial chain of small tiles: key
+    splits (8th field) bring it to ~4 programs per SM."""
+    if dims is None:
+        return []
+    if not gqa:
+        # (256 rows x 128 keys spills 144 B on triton 3.9: left out)
+        out = [(128, 128, 128, 64, 8, 2), (128, 128, 128, 64, 8, 3)]
+    else:
+        out = []
+        for base in ((128, 128, 64, 64, 8, 2, None), (128, 128, 64, 64, 8, 2, 1), (128, 128, 128, 64, 8, 2, 1),
+                     (64, 64, 64, 64, 4, 2, None), (128, 128, 128, 64, 8, 2, None)):
+            out.append(base + (_fwd_split(dims, base, n_sm),))
+    return [c for c in dict.fromkeys(out)]
+
+
+def _candidates(kind, ieee, dims=None, n_sm=132):
     if _runtime.interpreting():
         return [INTERPRETER_CONFIG]
     if ieee:
@@ -158,7 +217,7 @@ def _candidates(kind, ieee, dims=None):
     gqa = dims is not None and dims.HK > 1
     if kind == "fwd":
         second = (128, 128, 64, 64, 8, 2, 1) if gqa else (128, 128, 64, 64, 8, 3)
-        return [(128, 128, 64, 64, 8, 2), second, (256, 128, 64, 64, 8, 2)]
+        return [(128, 128, 64, 64, 8, 2), second, (256, 128, 64, 64, 8, 2)] + _new_fwd_candidates(dims, gqa, n_sm)
     if kind == "lse":
         return [(128, 128, 64, 64, 8, 2), (128, 128, 64, 64, 8, 2, 1) if gqa else (128, 128, 128, 64, 8, 2)]
     return [(128, 128, 64, 64, 8, 2), (64, 64, 64, 64, 4, 2)]
@@ -227,18 +286,26 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
 
     def launch(cfg):
         pl = _plan(dims, cfg, "fwd")
-        grid = (triton.cdiv(dims.NQ, pl["BLOCK_T"]), dims.B)
+        splits, per_split = _key_splits(dims, pl)
+        part = _fresh((5, splits, dims.B, dims.NQ), torch.float32, device) if splits > 1 else kl
+        grid = (triton.cdiv(dims.NQ, pl["BLOCK_T"]), splits, dims.B)
         _indexer_fwd._indexer_fwd_kernel[grid](
-            q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, *_descriptors(pl, use_tma, q, k, q_idx, k_idx),
+            q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, part,
+            *_descriptors(pl, use_tma, q, k, q_idx, k_idx),
             *_strides(q), *_strides(k), *_strides(q_idx), *_strides(k_idx), *_strides(weights),
             dims.H, group, group_i, dims.NQ, dims.NK, qk_scale, 1.0 / dims.H,
-            pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"],
+            pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"], per_split,
             D=dims.D, BLOCK_D=pl["BLOCK_D"], DI=dims.DI, BLOCK_DI=pl["BLOCK_DI"],
             HB=pl["HB"], IB=pl["IB"], BLOCK_T=pl["BLOCK_T"], BLOCK_N=pl["BLOCK_N"],
             CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, NO_CONTRACT=no_contract,
-            USE_TMA=use_tma, num_warps=pl["warps"], num_stages=pl["stages"])
+            USE_TMA=use_tma, SPLIT=splits > 1, num_warps=pl["warps"], num_stages=pl["stages"])
+        if splits > 1:
+            merged_kl, merged_lse = _merge_splits(part)
+            kl.copy_(merged_kl)
+            lse_idx.copy_(merged_lse)
 
-    launch(_tuning.pick(("idx_fwd", relu) + key_base, _candidates("fwd", ieee_t or ieee_i, dims), launch))
+    candidates = _candidates("fwd", ieee_t or ieee_i, dims, _runtime.n_sm(device))
+    launch(_tuning.pick(("idx_fwd", relu) + key_base, candidates, launch))
     return kl, lse_idx, lse_bits
 
 
