@@ -60,6 +60,10 @@ def parse_args(argv=None):
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     p.add_argument("--no-bwd", action="store_true", help="forward candidates only")
     p.add_argument("--budget", type=float, default=None, help="seconds; default 95 (--quick), 600")
+    p.add_argument("--parallel", type=int, default=None, help="warm-up compile processes (default: CPUs)")
+    p.add_argument("--no-warm", action="store_true", help="compile in the timing process (one at a time)")
+    p.add_argument("--warm-job", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--tiny-warm", action="store_true", help=argparse.SUPPRESS)  # CPU smoke of the warm-up
     a = p.parse_args(argv)
     if a.budget is None:
         a.budget = 95.0 if a.quick else 600.0
@@ -86,13 +90,116 @@ class Force:
         _indexer._candidates = _ORIG_CANDIDATES
 
 
-def fwd_candidates(xs, ieee=False):
-    dims = check_indexer_inputs(*xs)
-    return _ORIG_CANDIDATES("fwd", ieee, dims, streamkl_gpu._runtime.n_sm(xs[0].device))
+def shapes(cfg, N):
+    return [(1, cfg["H"], N, cfg["D"]), (1, cfg["HK"], N, cfg["D"]), (1, cfg["HI"], N, cfg["DI"]),
+            (1, cfg["HKI"], N, cfg["DI"]), (1, cfg["HI"], N)]
+
+
+def fwd_candidates(cfg, N, device):
+    """The forward candidates the tuner would try at this N (the ones timed; the checks run them
+    on a small problem, where the plan caps the key splits at the key tiles)."""
+    dims = check_indexer_inputs(*[torch.empty(s, device="meta") for s in shapes(cfg, N)],
+                                scale=cfg["scale"])
+    n_sm = streamkl_gpu._runtime.n_sm(torch.device(device))
+    return _ORIG_CANDIDATES("fwd", False, dims, n_sm)
 
 
 def bwd_candidates(ieee=False):
     return _ORIG_CANDIDATES("bwd", ieee)
+
+
+def bwd_variants():
+    """(STREAMKL_INDEXER_BWD mode, backward config) pairs timed in fwd+bwd."""
+    return [("separate", b) for b in bwd_candidates()] + [("fused", bwd_candidates()[0])]
+
+
+# ----------------------------------------------------------------------------------------------
+# Warm-up: every kernel the run will launch is compiled first by parallel child processes
+# (Triton's and Inductor's on-disk caches are shared), so the compile time of ~20 candidates is
+# paid once in parallel, not one after another.
+# ----------------------------------------------------------------------------------------------
+
+def warm_jobs(args, configs, ns, device):
+    jobs = []
+    for cname in configs:
+        for N in ns:
+            cfg = tiny_config(CONFIGS[cname]) if args.tiny else CONFIGS[cname]
+            for i, _ in enumerate(fwd_candidates(cfg, N, device)):
+                jobs.append(f"{cname}:{N}:fwd:{i}")
+            if not args.no_bwd:
+                for i, _ in enumerate(bwd_variants()):
+                    jobs.append(f"{cname}:{N}:bwd:{i}")
+            if not args.no_compile and N <= 8192 and not args.tiny:
+                jobs.append(f"{cname}:{N}:compile:fwd")
+                if cname == "dsa" or not args.quick:
+                    jobs.append(f"{cname}:{N}:compile:fwd_bwd")
+    return jobs
+
+
+def tiny_config(cfg):
+    return dict(cfg, H=min(cfg["H"], 8), HI=min(cfg["HI"], 4), DI=16, D=min(cfg["D"], 32), HK=min(cfg["HK"], 2))
+
+
+def check_n(cname, tiny):
+    return 24 if tiny else (256 if cname == "dsa" else 320)
+
+
+def run_warm_job(job, tiny=False):
+    """One child's work: the small check problem (or, for torch.compile, the real one) once."""
+    cname, N, kind, which = job.split(":")
+    N = int(N)
+    cfg = tiny_config(CONFIGS[cname]) if tiny else CONFIGS[cname]
+    bench = Bench(argparse.Namespace(out_dir=os.environ.get("TMPDIR", "/tmp"), tiny=tiny, quick=True, budget=1e9,
+                                     no_bwd=False, no_compile=False))
+    scale = cfg["scale"] if cfg["scale"] is not None else cfg["D"] ** -0.5
+    kw = dict(causal=True, scale=scale)
+    cands = fwd_candidates(cfg, N, bench.device)
+    if kind == "compile":
+        xs = bench.inputs(cfg, N)
+        bench.compiled_ms(xs, kw, which, reps=0)
+        return
+    xs = bench.inputs(cfg, check_n(cname, tiny))
+    lse = bench.teacher_lse(xs[0], xs[1], scale)
+    if kind == "fwd":
+        with Force(fwd=cands[int(which)]):
+            streamkl_gpu.indexer_kl(*xs, lse=lse, **kw)
+    else:
+        mode, bc = bwd_variants()[int(which)]
+        os.environ["STREAMKL_INDEXER_BWD"] = mode
+        train = [x.detach().clone().requires_grad_(r) for x, r in zip(xs, (False, False, True, True, True))]
+        with Force(fwd=cands[0], bwd=bc):
+            torch.autograd.grad(streamkl_gpu.indexer_kl(*train, lse=lse, reduction="mean", **kw), train[2:])
+    bench.sync()
+
+
+def warm_up(bench, jobs, parallel):
+    import subprocess
+    t0 = time.time()
+    pending, running, failed = list(jobs), [], []
+    while pending or running:
+        while pending and len(running) < parallel:
+            job = pending.pop(0)
+            cmd = [sys.executable, os.path.abspath(__file__), "-", "--warm-job", job] + (["--tiny"] if bench.args.tiny else [])
+            proc = subprocess.Popen(cmd,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            running.append((job, proc, time.time()))
+        still = []
+        for job, proc, start in running:
+            if proc.poll() is None:
+                if time.time() - t0 > bench.args.budget * 0.6:  # a stuck compile must not eat the run
+                    proc.kill()
+                    failed.append(job)
+                    bench.log(f"warm-up {job}: killed (over {bench.args.budget * 0.6:.0f} s)")
+                else:
+                    still.append((job, proc, start))
+                continue
+            out = proc.stdout.read()
+            if proc.returncode != 0:
+                failed.append(job)
+                bench.log(f"warm-up {job}: exit {proc.returncode}\n{out[-1500:]}")
+        running = still
+        time.sleep(0.2)
+    bench.log(f"warm-up: {len(jobs)} jobs, {parallel} at a time, {time.time() - t0:.0f} s, {len(failed)} failed")
 
 
 class Bench:
@@ -181,12 +288,12 @@ class Bench:
         self.record("matmul_rate", "torch", "8192^3", f"{self.rate / 1e12:.1f}", "TFLOP/s")
 
     # ------------------------------------------------------------------------------------------
-    def check_candidates(self, cname, cfg):
-        """KL of every forward candidate vs float64 on a small causal problem with lse given."""
+    def check_candidates(self, cname, cfg, cands):
+        """KL of every forward candidate vs float64 on a small causal problem with lse given
+        (N = 256 / 320: strides divisible by 16, so the kernels compiled here are the 8K ones)."""
         t = self.args.tiny
-        small = dict(cfg, H=min(cfg["H"], 8), HI=min(cfg["HI"], 4), DI=16, D=min(cfg["D"], 32),
-                     HK=min(cfg["HK"], 2)) if t else cfg
-        N = 24 if t else (256 if cname == "dsa" else 300)
+        small = cfg
+        N = check_n(cname, t)
         xs = self.inputs(small, N, seed=1, dtype=torch.float16 if t else torch.bfloat16)
         scale = cfg["scale"] if cfg["scale"] is not None else small["D"] ** -0.5
         kw = dict(causal=True, scale=scale)
@@ -197,7 +304,7 @@ class Bench:
         tol = 3.0 * (base if math.isfinite(base) else 0.0) + 1e-2
         lse = torch.from_numpy(lse_ref).float().to(self.device)
         ok_cfgs = []
-        for c in fwd_candidates(xs):
+        for c in cands:
             try:
                 with Force(fwd=c):
                     kl = streamkl_gpu.indexer_kl(*xs, lse=lse, **kw)
@@ -216,7 +323,7 @@ class Bench:
                 ok_cfgs.append(c)
         return ok_cfgs
 
-    def bench_config(self, cname, cfg, N, ok_cfgs, results):
+    def bench_config(self, cname, cfg, N, cands, ok_cfgs, results):
         xs = self.inputs(cfg, N)
         scale = cfg["scale"] if cfg["scale"] is not None else cfg["D"] ** -0.5
         kw = dict(causal=True, scale=scale)
@@ -226,7 +333,7 @@ class Bench:
         self.record("floor", "matmul", shape, f"{floor:.4f}", "ms", "fwd matmul FLOPs at the measured bf16 rate")
         res = results.setdefault((cname, N), dict(floor=floor, fwd={}, fwd_bwd={}, compile={}))
         # 1. every forward candidate, forced
-        for c in fwd_candidates(xs):
+        for c in cands:
             if c not in ok_cfgs:
                 res["fwd"][c] = "check-failed"
                 continue
@@ -249,7 +356,7 @@ class Bench:
         # 2. fwd+bwd with the fastest forward, per backward candidate, and the fused backward
         if not self.args.no_bwd:
             train = [x.detach().clone().requires_grad_(r) for x, r in zip(xs, (False, False, True, True, True))]
-            variants = [("separate", b) for b in bwd_candidates()] + [("fused", bwd_candidates()[0])]
+            variants = bwd_variants()
             for mode, bc in variants:
                 name = f"{mode} bwd{list(bc)}"
                 if self.over():
@@ -293,7 +400,7 @@ class Bench:
         del xs, lse
         self.free()
 
-    def compiled_ms(self, xs, kw, pss):
+    def compiled_ms(self, xs, kw, pss, reps=3):
         def loss_fn(q, k, qi, ki, w):
             return indexer_kl_naive(q, k, qi, ki, w, compute_dtype=torch.float32, **kw).mean()
         comp = torch.compile(loss_fn, fullgraph=True, dynamic=False)
@@ -306,7 +413,10 @@ class Bench:
 
             def f():
                 torch.autograd.grad(comp(*train), train[2:])
-        return self.time_ms(f, reps=3)
+        if reps == 0:  # warm-up only: compile and run once
+            f()
+            return float("nan")
+        return self.time_ms(f, reps=reps)
 
     def free(self):
         import gc
@@ -340,6 +450,9 @@ class Bench:
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.warm_job:
+        run_warm_job(args.warm_job, args.tiny)
+        return 0
     bench = Bench(args)
     import triton
     bench.log(f"indexer perf: {torch.cuda.get_device_name() if bench.device == 'cuda' else 'cpu'}, "
@@ -348,20 +461,26 @@ def main(argv=None):
     bench.matmul_rate()
     configs = [c for c in args.configs.split(",") if c]
     ns = [int(n) for n in args.ns.split(",")] if args.ns else ([32] if args.tiny else [8192] if args.quick else [8192, 16384])
+    if (bench.device == "cuda" or args.tiny_warm) and not args.no_warm:
+        try:
+            warm_up(bench, warm_jobs(args, configs, ns, bench.device), args.parallel or max(1, min(16, os.cpu_count() or 1)))
+        except Exception as exc:  # noqa: BLE001 - then the timing process compiles
+            bench.log(f"warm-up raised {type(exc).__name__}: {exc}")
     results = {}
     for cname in configs:
         cfg = CONFIGS[cname]
         if args.tiny:
-            cfg = dict(cfg, H=min(cfg["H"], 8), HI=min(cfg["HI"], 4), DI=16, D=min(cfg["D"], 32), HK=min(cfg["HK"], 2))
-        try:
-            ok_cfgs = bench.check_candidates(cname, cfg)
-        except Exception as exc:  # noqa: BLE001
-            bench.log(f"checks of {cname} raised {type(exc).__name__}: {exc}")
-            bench.logf.write(traceback.format_exc())
-            continue
+            cfg = tiny_config(cfg)
         for N in ns:
             try:
-                bench.bench_config(cname, cfg, N, ok_cfgs, results)
+                cands = fwd_candidates(cfg, N, bench.device)
+                ok_cfgs = bench.check_candidates(cname, cfg, cands)
+            except Exception as exc:  # noqa: BLE001
+                bench.log(f"checks of {cname} raised {type(exc).__name__}: {exc}")
+                bench.logf.write(traceback.format_exc())
+                continue
+            try:
+                bench.bench_config(cname, cfg, N, cands, ok_cfgs, results)
             except Exception as exc:  # noqa: BLE001
                 bench.log(f"{cname} N={N} raised {type(exc).__name__}: {exc}")
                 bench.logf.write(traceback.format_exc())
