@@ -109,8 +109,34 @@ def bwd_candidates(ieee=False):
 
 
 def bwd_variants():
-    """(STREAMKL_INDEXER_BWD mode, backward config) pairs timed in fwd+bwd."""
-    return [("separate", b) for b in bwd_candidates()] + [("fused", bwd_candidates()[0])]
+    """(label, environment, forced configs) of the fwd+bwd variants: the plain design (forward,
+    then a backward that recomputes the teacher: "separate" kernels per backward candidate, or
+    "fused"), and the accumulating one (STREAMKL_INDEXER_PACC=1: the forward adds the target's
+    share of the gradient, the backward runs the indexer alone) per accumulating candidate."""
+    out = [(f"plain separate bwd{list(b)}", {"STREAMKL_INDEXER_BWD": "separate"}, dict(bwd=b)) for b in bwd_candidates()]
+    out.append((f"plain fused bwd{list(bwd_candidates()[0])}", {"STREAMKL_INDEXER_BWD": "fused"}, dict(bwd=bwd_candidates()[0])))
+    for c in _ORIG_CANDIDATES("pacc", False):
+        out.append((f"pacc fwd{list(c)}", {"STREAMKL_INDEXER_PACC": "1"}, dict(pacc=c)))
+    return out
+
+
+class Env:
+    """Set environment variables for a block (restored after)."""
+
+    def __init__(self, env):
+        self.env, self.old = env, {}
+
+    def __enter__(self):
+        for k, v in self.env.items():
+            self.old[k] = os.environ.get(k)
+            os.environ[k] = v
+
+    def __exit__(self, *exc):
+        for k, v in self.old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 # ----------------------------------------------------------------------------------------------
@@ -164,10 +190,9 @@ def run_warm_job(job, tiny=False):
         with Force(fwd=cands[int(which)]):
             streamkl_gpu.indexer_kl(*xs, lse=lse, **kw)
     else:
-        mode, bc = bwd_variants()[int(which)]
-        os.environ["STREAMKL_INDEXER_BWD"] = mode
+        _, env, forced = bwd_variants()[int(which)]
         train = [x.detach().clone().requires_grad_(r) for x, r in zip(xs, (False, False, True, True, True))]
-        with Force(fwd=cands[0], bwd=bc):
+        with Env(env), Force(fwd=cands[0], **forced):
             torch.autograd.grad(streamkl_gpu.indexer_kl(*train, lse=lse, reduction="mean", **kw), train[2:])
     bench.sync()
 
@@ -323,6 +348,46 @@ class Bench:
                 ok_cfgs.append(c)
         return ok_cfgs
 
+    def check_fwd_bwd(self, cname, cfg):
+        """Loss and gradients of every fwd+bwd variant (plain and accumulating, reduction "mean",
+        lse given) vs float64 on the small causal problem; same tolerance rule (the materialised
+        form's gradients at the inputs' precision)."""
+        t = self.args.tiny
+        N = check_n(cname, t)
+        xs = self.inputs(cfg, N, seed=2, dtype=torch.float16 if t else torch.bfloat16)
+        scale = cfg["scale"] if cfg["scale"] is not None else cfg["D"] ** -0.5
+        kw = dict(causal=True, scale=scale)
+        x64 = [x.double().cpu().numpy() for x in xs]
+        kl_ref, _, lse_ref = streamkl_ref.indexer_kl(*x64, return_lse=True, **kw)
+        ref = dict(loss=float(kl_ref.mean()), **streamkl_ref.indexer_kl_grad(*x64, np.full(kl_ref.shape, 1.0 / N), **kw))
+        train_flags = (False, False, True, True, True)
+        sp_in = [x.detach().clone().requires_grad_(r) for x, r in zip(xs, train_flags)]
+        sp_loss = indexer_kl_naive(*sp_in, compute_dtype=xs[0].dtype, **kw).mean()
+        sp = dict(loss=sp_loss.detach(), **dict(zip(("dq_idx", "dk_idx", "dweights"), torch.autograd.grad(sp_loss, sp_in[2:]))))
+        lse = torch.from_numpy(lse_ref).float().to(self.device)
+        for name, env, forced in bwd_variants():
+            try:
+                ins = [x.detach().clone().requires_grad_(r) for x, r in zip(xs, train_flags)]
+                with Env(env), Force(**forced):
+                    loss = streamkl_gpu.indexer_kl(*ins, lse=lse, reduction="mean", **kw)
+                    grads = torch.autograd.grad(loss, ins[2:])
+                ours = dict(loss=loss.detach(), **dict(zip(("dq_idx", "dk_idx", "dweights"), grads)))
+                bad = []
+                for tensor in ("loss", "dq_idx", "dk_idx", "dweights"):
+                    err = _rel_err(ours[tensor], ref[tensor])
+                    base = _rel_err(sp[tensor], ref[tensor])
+                    tol = 3.0 * (base if math.isfinite(base) else 0.0) + 1e-2
+                    self.record("check_rel_err", f"fwd_bwd {name} {tensor}", f"{cname} N={N} causal lse mean",
+                                f"{err:.3e}", "rel", f"tol {tol:.3e} {'ok' if err <= tol else 'FAIL'}")
+                    if not err <= tol:
+                        bad.append(f"{tensor} {err:.2e} > {tol:.2e}")
+                ok = not bad
+            except Exception as exc:  # noqa: BLE001 - printed, the run goes on
+                ok, bad = False, [f"raised {type(exc).__name__}: {str(exc)[:300]}"]
+                self.logf.write(traceback.format_exc())
+            self.failed += not ok
+            self.log(f"check {cname} fwd+bwd {name}: {'ok' if ok else 'FAIL ' + '; '.join(bad)}")
+
     def bench_config(self, cname, cfg, N, cands, ok_cfgs, results):
         xs = self.inputs(cfg, N)
         scale = cfg["scale"] if cfg["scale"] is not None else cfg["D"] ** -0.5
@@ -356,9 +421,7 @@ class Bench:
         # 2. fwd+bwd with the fastest forward, per backward candidate, and the fused backward
         if not self.args.no_bwd:
             train = [x.detach().clone().requires_grad_(r) for x, r in zip(xs, (False, False, True, True, True))]
-            variants = bwd_variants()
-            for mode, bc in variants:
-                name = f"{mode} bwd{list(bc)}"
+            for name, env, forced in bwd_variants():
                 if self.over():
                     res["fwd_bwd"][name] = "budget"
                     continue
@@ -367,8 +430,7 @@ class Bench:
                     loss = streamkl_gpu.indexer_kl(*train, lse=lse, reduction="mean", **kw)
                     torch.autograd.grad(loss, train[2:])
                 try:
-                    os.environ["STREAMKL_INDEXER_BWD"] = mode
-                    with Force(fwd=best, bwd=bc):
+                    with Env(env), Force(fwd=best, **forced):
                         ms = self.time_ms(fb, reps=3 if self.args.quick else 10)
                     res["fwd_bwd"][name] = ms
                     self.record("fwd_bwd_ms", f"ours_lse fwd{list(best or ())} {name}", shape, f"{ms:.4f}", "ms",
@@ -378,8 +440,6 @@ class Bench:
                     res["fwd_bwd"][name] = "error"
                     self.log(f"{shape} fwd+bwd {name} raised {type(exc).__name__}: {str(exc)[:300]}")
                     self.logf.write(traceback.format_exc())
-                finally:
-                    os.environ["STREAMKL_INDEXER_BWD"] = "separate"
                 self.free()
             del train
         # 3. torch.compile of the materialised form (the targets' baseline)
@@ -475,6 +535,8 @@ def main(argv=None):
             try:
                 cands = fwd_candidates(cfg, N, bench.device)
                 ok_cfgs = bench.check_candidates(cname, cfg, cands)
+                if not args.no_bwd:
+                    bench.check_fwd_bwd(cname, cfg)
             except Exception as exc:  # noqa: BLE001
                 bench.log(f"checks of {cname} raised {type(exc).__name__}: {exc}")
                 bench.logf.write(traceback.format_exc())

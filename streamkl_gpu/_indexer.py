@@ -23,7 +23,7 @@ import triton
 
 from streamkl_ref._checks import check_indexer_inputs
 
-from . import _indexer_bwd, _indexer_fwd
+from . import _indexer_bwd, _indexer_fwd, _indexer_pacc
 from . import _checks, _runtime, _tuning
 
 __all__ = ["indexer_kl", "indexer_kl_naive", "MAX_TEACHER_HEAD_DIM", "MAX_INDEXER_HEAD_DIM", "REDUCTIONS"]
@@ -119,6 +119,8 @@ def _plan(dims, cfg, kind):
     gi_pad = _pow2(group_i)
     if kind == "fwd":
         block_t = max(1, rows // hb)
+    elif kind == "bwd_student":  # no teacher tiles (TEACHER=False): the indexer rows alone
+        block_t = max(1, irows // gi_pad)
     else:  # the backward holds every indexer head of a key head (dq/dk accumulators): <= irows rows
         block_t = max(1, min(rows // hb, irows // gi_pad))
     ib = min(gi_pad, max(1, _pow2(irows) // block_t))
@@ -218,6 +220,8 @@ def _candidates(kind, ieee, dims=None, n_sm=132):
     if kind == "fwd":
         second = (128, 128, 64, 64, 8, 2, 1) if gqa else (128, 128, 64, 64, 8, 3)
         return [(128, 128, 64, 64, 8, 2), second, (256, 128, 64, 64, 8, 2)] + _new_fwd_candidates(dims, gqa, n_sm)
+    if kind == "pacc":  # planned as the backward ("bwd"): all indexer heads x BLOCK_T tokens per tile
+        return [(128, 128, 64, 64, 8, 2), (128, 128, 128, 64, 8, 2), (256, 128, 64, 64, 8, 2), (128, 256, 64, 64, 8, 2)]
     if kind == "lse":
         return [(128, 128, 64, 64, 8, 2), (128, 128, 64, 64, 8, 2, 1) if gqa else (128, 128, 128, 64, 8, 2)]
     return [(128, 128, 64, 64, 8, 2), (64, 64, 64, 64, 4, 2)]
@@ -348,7 +352,13 @@ def dk_token_split(dims, block_t: int, key_programs: int, n_sm: int, causal: boo
     return max(block_t, triton.cdiv(per, block_t) * block_t)
 
 
-def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, relu):
+def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, relu, target_part=None):
+    """(dq_idx, dk_idx, dweights) of ``sum_t g[t] KL[t]``. ``target_part = (g0, dq_p, dk_p,
+    dweights_p)``: the forward accumulated the target's share (``_indexer_pacc``, g = g0 for
+    every row): the kernels then skip the teacher (TEACHER=False, the student's share
+    ``g softmax(I)`` only) and ``g0 * target_part`` is subtracted here; ``lse_bits`` is unused."""
+    teacher = target_part is None
+    plan_kind = "bwd" if teacher else "bwd_student"
     dims = check_indexer_inputs(q, k, q_idx, k_idx, weights, scale=scale)
     out_dtypes = (q_idx.dtype, k_idx.dtype, weights.dtype)
     q, k, q_idx, k_idx, weights = (_checks.compute_view(t) for t in (q, k, q_idx, k_idx, weights))
@@ -370,17 +380,17 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
     if fused:  # dq_idx / dweights by atomics from the dk kernel
         dq_idx = torch.zeros((dims.B, dims.HI, dims.NQ, dims.DI), dtype=torch.float32, device=device)
         dweights = torch.zeros((dims.B, dims.HI, dims.NQ), dtype=torch.float32, device=device)
-    key_base = (mode, dims.D, dims.DI, dims.H, dims.HK, dims.HI, dims.HKI, q.dtype, q_idx.dtype, causal, relu, use_tma,
-                _tuning.bucket(dims.NQ), _tuning.bucket(dims.NK), _tuning.bucket(dims.B))
+    key_base = (mode, teacher, dims.D, dims.DI, dims.H, dims.HK, dims.HI, dims.HKI, q.dtype, q_idx.dtype, causal, relu,
+                use_tma, _tuning.bucket(dims.NQ), _tuning.bucket(dims.NK), _tuning.bucket(dims.B))
 
     def meta(pl):
         return dict(D=dims.D, BLOCK_D=pl["BLOCK_D"], DI=dims.DI, BLOCK_DI=pl["BLOCK_DI"], DI_PAD=pl["DI_PAD"],
                     HB=pl["HB"], IB=pl["IB"], GI_PAD=pl["GI_PAD"], BLOCK_T=pl["BLOCK_T"], BLOCK_N=pl["BLOCK_N"],
                     CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, NO_CONTRACT=no_contract,
-                    USE_TMA=use_tma, num_warps=pl["warps"], num_stages=pl["stages"])
+                    USE_TMA=use_tma, TEACHER=teacher, num_warps=pl["warps"], num_stages=pl["stages"])
 
     def launch_dq(cfg):
-        pl = _plan(dims, cfg, "bwd")
+        pl = _plan(dims, cfg, plan_kind)
         grid = (triton.cdiv(dims.NQ, pl["BLOCK_T"]), dims.B * dims.HKI)
         _indexer_bwd._indexer_bwd_dq_kernel[grid](
             *common, dq_idx, dweights, *_descriptors(pl, use_tma, q, k, q_idx, k_idx), *strides,
@@ -389,7 +399,7 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
 
     def launch_dk(cfg):
         nonlocal dk_idx
-        pl = _plan(dims, cfg, "bwd")
+        pl = _plan(dims, cfg, plan_kind)
         key_programs = triton.cdiv(dims.NK, pl["BLOCK_N"]) * dims.B * dims.HKI
         per_split = dk_token_split(dims, pl["BLOCK_T"], key_programs, _runtime.n_sm(device), causal)
         splits = triton.cdiv(dims.NQ, per_split)
@@ -408,6 +418,10 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
     if not fused:
         launch_dq(_tuning.pick(("idx_bwd_dq",) + key_base, _candidates("bwd", ieee), launch_dq))
     launch_dk(_tuning.pick(("idx_bwd_dk",) + key_base, _candidates("bwd", ieee), launch_dk))
+    if not teacher:
+        g0, dq_p, dk_p, dw_p = target_part
+        g0 = g0.to(torch.float32)
+        dq_idx, dk_idx, dweights = dq_idx - g0 * dq_p, dk_idx - g0 * dk_p, dweights - g0 * dw_p
     return dq_idx.to(out_dtypes[0]), dk_idx.to(out_dtypes[1]), dweights.to(out_dtypes[2])
 
 
@@ -465,6 +479,114 @@ def _indexer_backward(ctx, g_kl, g_lse_idx, g_lse_bits):
 _indexer_fwd_op.register_autograd(_indexer_backward, setup_context=_setup_context)
 
 
+# ----------------------------------------------------------------------------------------------
+# Scalar reductions with lse given: the forward accumulates the target's share of the gradient
+# (_indexer_pacc), the backward runs the indexer alone. STREAMKL_INDEXER_PACC=1 turns it on.
+# ----------------------------------------------------------------------------------------------
+
+def pacc_enabled() -> bool:
+    """``STREAMKL_INDEXER_PACC``: ``1`` = the accumulating design for ``"sum"``/``"mean"`` with
+    ``lse`` given and one indexer key head; ``0`` (default until timed on the GPU: bench/
+    indexer_perf_gpu.py measures both) = the plain forward and a recomputing backward."""
+    mode = os.environ.get("STREAMKL_INDEXER_PACC", "0")
+    if mode not in ("0", "1"):
+        raise ValueError(f"STREAMKL_INDEXER_PACC must be 0 or 1, got {mode!r}")
+    return mode == "1"
+
+
+def _forward_pacc(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
+    """(sum of KL, LSE_I, dq_p, dk_p, dweights_p): the forward plus the target's share of the
+    gradient of the sum with g = 1 (``_indexer_pacc``; fp32, contiguous)."""
+    dims = check_indexer_inputs(q, k, q_idx, k_idx, weights, scale=scale)
+    q, k, q_idx, k_idx, weights = (_checks.compute_view(t) for t in (q, k, q_idx, k_idx, weights))
+    device = q.device
+    ieee_t, ieee_i = q.dtype == torch.float32, q_idx.dtype == torch.float32
+    group = dims.H // dims.HK
+    no_contract = not _runtime.interpreting()
+    use_tma = _use_tma(q, k, q_idx, k_idx)
+    lse_bits = (lse * LOG2E).contiguous()
+    kl = _fresh((dims.B, dims.NQ), torch.float32, device)
+    lse_idx = _fresh((dims.B, dims.NQ), torch.float32, device)
+    dq_p = _fresh((dims.B, dims.HI, dims.NQ, dims.DI), torch.float32, device)
+    dw_p = _fresh((dims.B, dims.HI, dims.NQ), torch.float32, device)
+    dk_p = torch.zeros((dims.B, 1, dims.NK, dims.DI), dtype=torch.float32, device=device)
+    key = ("idx_pacc", relu, dims.D, dims.DI, dims.H, dims.HK, dims.HI, q.dtype, q_idx.dtype, causal, use_tma,
+           _tuning.bucket(dims.NQ), _tuning.bucket(dims.NK), _tuning.bucket(dims.B))
+
+    def launch(cfg):
+        pl = _plan(dims, cfg, "bwd")  # every indexer head x BLOCK_T tokens in one tile
+        dk_p.zero_()
+        grid = (triton.cdiv(dims.NQ, pl["BLOCK_T"]), dims.B)
+        _indexer_pacc._indexer_fwd_pacc_kernel[grid](
+            q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, dq_p, dw_p, dk_p,
+            *_descriptors(pl, use_tma, q, k, q_idx, k_idx),
+            *_strides(q), *_strides(k), *_strides(q_idx), *_strides(k_idx), *_strides(weights),
+            dims.H, group, dims.HI, dims.NQ, dims.NK, dims.scale * LOG2E, 1.0 / dims.H, pl["n_chunks"], pl["cpg"],
+            D=dims.D, BLOCK_D=pl["BLOCK_D"], DI=dims.DI, DI_PAD=pl["DI_PAD"], HB=pl["HB"], GI_PAD=pl["GI_PAD"],
+            BLOCK_T=pl["BLOCK_T"], BLOCK_N=pl["BLOCK_N"], CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i,
+            NO_CONTRACT=no_contract, USE_TMA=use_tma, num_warps=pl["warps"], num_stages=pl["stages"])
+
+    launch(_tuning.pick(key, _candidates("pacc", ieee_t or ieee_i, dims), launch))
+    return kl.sum(), lse_idx, dq_p, dk_p, dw_p
+
+
+@torch.library.custom_op("streamkl::indexer_loss_fwd", mutates_args=())
+def _indexer_loss_fwd_op(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, k_idx: torch.Tensor,
+                         weights: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
+                         relu: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _forward_pacc(q, k, q_idx, k_idx, weights, lse, causal, scale, relu)
+
+
+@_indexer_loss_fwd_op.register_fake
+def _indexer_loss_fwd_fake(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
+    B, NQ, NK, HI, DI = q.shape[0], q.shape[2], k.shape[2], q_idx.shape[1], q_idx.shape[3]
+    f32 = torch.float32
+    return (q.new_empty((), dtype=f32), q.new_empty((B, NQ), dtype=f32), q.new_empty((B, HI, NQ, DI), dtype=f32),
+            q.new_empty((B, 1, NK, DI), dtype=f32), q.new_empty((B, HI, NQ), dtype=f32))
+
+
+@torch.library.custom_op("streamkl::indexer_loss_bwd", mutates_args=())
+def _indexer_loss_bwd_op(g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor,
+                         k_idx: torch.Tensor, weights: torch.Tensor, lse_idx: torch.Tensor, dq_p: torch.Tensor,
+                         dk_p: torch.Tensor, dw_p: torch.Tensor, causal: bool, scale: float,
+                         relu: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows = g.to(torch.float32).expand(q.shape[0], q.shape[2]).contiguous()
+    return _backward(rows, q, k, q_idx, k_idx, weights, lse_idx, lse_idx, causal, scale, relu,
+                     target_part=(g, dq_p, dk_p, dw_p))
+
+
+@_indexer_loss_bwd_op.register_fake
+def _indexer_loss_bwd_fake(g, q, k, q_idx, k_idx, weights, lse_idx, dq_p, dk_p, dw_p, causal, scale, relu):
+    return torch.empty_like(q_idx), torch.empty_like(k_idx), torch.empty_like(weights)
+
+
+def _loss_setup_context(ctx, inputs, output):
+    q, k, q_idx, k_idx, weights, lse, causal, scale, relu = inputs
+    _, lse_idx, dq_p, dk_p, dw_p = output
+    ctx.save_for_backward(q, k, q_idx, k_idx, weights, lse_idx, dq_p, dk_p, dw_p)
+    ctx.args = (causal, scale, relu)
+
+
+def _loss_backward(ctx, g_total, g_lse_idx, g_dq, g_dk, g_dw):
+    q, k, q_idx, k_idx, weights, lse_idx, dq_p, dk_p, dw_p = ctx.saved_tensors
+    causal, scale, relu = ctx.args
+    need = ctx.needs_input_grad
+    if not (need[2] or need[3] or need[4]):
+        return (None,) * 9
+    dq_idx, dk_idx, dweights = _indexer_loss_bwd_op(g_total, q, k, q_idx, k_idx, weights, lse_idx, dq_p, dk_p,
+                                                    dw_p, causal, scale, relu)
+    return (None, None, dq_idx if need[2] else None, dk_idx if need[3] else None,
+            dweights if need[4] else None, None, None, None, None)
+
+
+_indexer_loss_fwd_op.register_autograd(_loss_backward, setup_context=_loss_setup_context)
+
+
+def _use_pacc(dims, lse, reduction, q_idx, k_idx, weights) -> bool:
+    return (reduction != "none" and lse is not None and dims.HKI == 1 and pacc_enabled()
+            and torch.is_grad_enabled() and any(t.requires_grad for t in (q_idx, k_idx, weights)))
+
+
 def _rows_with_keys(dims, causal: bool) -> int:
     """Rows with at least one visible key (bottom-right causal: the last min(N_Q, N_K) rows)."""
     return dims.B * (min(dims.NQ, dims.NK) if causal else dims.NQ)
@@ -499,6 +621,9 @@ def indexer_kl(q, k, q_idx, k_idx, weights, *, causal=False, scale=None, relu=Tr
     """
     dims = _check(q, k, q_idx, k_idx, weights, causal=causal, scale=scale, relu=relu, lse=lse,
                   reduction=reduction)
+    if _use_pacc(dims, lse, reduction, q_idx, k_idx, weights):
+        total = _indexer_loss_fwd_op(q, k, q_idx, k_idx, weights, lse, causal, dims.scale, relu)[0]
+        return total if reduction == "sum" else total / _rows_with_keys(dims, causal)
     kl = _indexer_fwd_op(q, k, q_idx, k_idx, weights, lse, causal, dims.scale, relu)[0]
     if reduction == "none":
         return kl

@@ -183,20 +183,27 @@ def _fwd_key_range(
                                  b, t0, s0, GROUP_I, N_Q, N_K, n_ichunks, ichunks_per_group,
                                  DI, BLOCK_DI, IB, BLOCK_T, BLOCK_N, RELU, IEEE_I, USE_TMA)
         visible = _token_visible(toks, keys, N_Q, N_K, diag_offset, MASKED, CAUSAL)
-        m_new = tl.maximum(m, tl.max(tl.where(visible, logits, float("-inf")), 1))
-        shift = _safe(m_new)
-        centred = logits - shift[:, None]  # I - m'
-        e = tl.exp2(tl.where(visible, centred, float("-inf")) * LOG2E)
-        alpha = tl.exp2((m - shift) * LOG2E)  # 0 while the row was empty, 1 if the max did not move
-        l = l * alpha + tl.sum(e, 1)
-        # p log p with 0 log 0 = 0; a NaN p stays NaN (NaN > 0 is False, then NaN * 0 = NaN)
-        log_p = tl.log(tl.where(visible & (p > 0), p, 1.0))
-        plogp += tl.sum(tl.where(visible, p * log_p, 0.0), 1)
-        # every old term p (I - m) moves by -(m' - m) when the max moves: -mass * moved in all
-        acc = acc - mass * (shift - _safe(m)) + tl.sum(tl.where(visible, p * centred, 0.0), 1)
-        mass += tl.sum(tl.where(visible, p, 0.0), 1)
-        m = m_new
+        m, l, mass, acc, plogp = _online_update(m, l, mass, acc, plogp, p, logits, visible)
     return m, l, mass, acc, plogp
+
+
+@triton.jit
+def _online_update(m, l, mass, acc, plogp, p, logits, visible):
+    """The five-scalar state of each token after one [BLOCK_T, BLOCK_N] tile of target ``p`` and
+    student logits (streamkl_ref.indexer_kl_online's recurrence)."""
+    m_new = tl.maximum(m, tl.max(tl.where(visible, logits, float("-inf")), 1))
+    shift = _safe(m_new)
+    centred = logits - shift[:, None]  # I - m'
+    e = tl.exp2(tl.where(visible, centred, float("-inf")) * LOG2E)
+    alpha = tl.exp2((m - shift) * LOG2E)  # 0 while the row was empty, 1 if the max did not move
+    l = l * alpha + tl.sum(e, 1)
+    # p log p with 0 log 0 = 0; a NaN p stays NaN (NaN > 0 is False, then NaN * 0 = NaN)
+    log_p = tl.log(tl.where(visible & (p > 0), p, 1.0))
+    plogp += tl.sum(tl.where(visible, p * log_p, 0.0), 1)
+    # every old term p (I - m) moves by -(m' - m) when the max moves: -mass * moved in all
+    acc = acc - mass * (shift - _safe(m)) + tl.sum(tl.where(visible, p * centred, 0.0), 1)
+    mass += tl.sum(tl.where(visible, p, 0.0), 1)
+    return m_new, l, mass, acc, plogp
 
 
 @triton.jit
