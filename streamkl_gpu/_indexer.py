@@ -8,10 +8,15 @@ The float64 reference is ``streamkl_ref.indexer_kl`` (gradient: ``indexer_kl_gra
 
 Kernels (``_indexer_fwd``, ``_indexer_bwd``): an optional first pass for the teacher LSEs, one
 forward pass over key tiles per token block (all teacher heads of a key head share each key
-tile), and a backward of two recomputing kernels (dq_idx + dweights; dk_idx). Extra memory
-``O(N_Q (H + 1))`` floats in the forward. Two custom ops (``streamkl::indexer_fwd``,
-``streamkl::indexer_bwd``) with fake implementations make the function traceable by
-``torch.compile(fullgraph=True)``.
+tile; optionally the keys split over programs and merged here, the 8th config field), and a
+backward of two recomputing kernels (dq_idx + dweights; dk_idx). Extra memory ``O(N_Q (H + 1))``
+floats in the forward. Two custom ops (``streamkl::indexer_fwd``, ``streamkl::indexer_bwd``) with
+fake implementations make the function traceable by ``torch.compile(fullgraph=True)``.
+
+The accumulating design (``STREAMKL_INDEXER_PACC=1``; ``"sum"``/``"mean"`` with ``lse`` given, one
+indexer key head, a gradient wanted): ``_indexer_pacc``'s forward also sums the target's share of
+the gradient, and the backward runs the indexer alone: the teacher is read once per training
+step (custom ops ``streamkl::indexer_loss_fwd`` / ``streamkl::indexer_loss_bwd``).
 """
 from __future__ import annotations
 
@@ -220,8 +225,11 @@ def _candidates(kind, ieee, dims=None, n_sm=132):
     if kind == "fwd":
         second = (128, 128, 64, 64, 8, 2, 1) if gqa else (128, 128, 64, 64, 8, 3)
         return [(128, 128, 64, 64, 8, 2), second, (256, 128, 64, 64, 8, 2)] + _new_fwd_candidates(dims, gqa, n_sm)
-    if kind == "pacc":  # planned as the backward ("bwd"): all indexer heads x BLOCK_T tokens per tile
-        return [(128, 128, 64, 64, 8, 2), (128, 128, 128, 64, 8, 2), (256, 128, 64, 64, 8, 2), (128, 256, 64, 64, 8, 2)]
+    if kind == "pacc":
+        # planned as the backward ("bwd"): all indexer heads x BLOCK_T tokens per tile. Offline
+        # sm_90 compiles (triton 3.9, DSA 8K): BLOCK_N = 64 spills 392 B of stack (the dk share's
+        # [BLOCK_N, D_I] tile on top of dq_p), BLOCK_N = 32 spills 56 B. Not yet timed.
+        return [(128, 128, 32, 64, 8, 2), (128, 128, 64, 64, 8, 2), (128, 128, 32, 64, 8, 3), (256, 128, 32, 64, 8, 2)]
     if kind == "lse":
         return [(128, 128, 64, 64, 8, 2), (128, 128, 64, 64, 8, 2, 1) if gqa else (128, 128, 128, 64, 8, 2)]
     return [(128, 128, 64, 64, 8, 2), (64, 64, 64, 64, 4, 2)]
