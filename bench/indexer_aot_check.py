@@ -21,6 +21,8 @@ _runtime.tma_ok = lambda t: os.environ.get('TMA', '1') == '1'
 
 TARGET = GPUTarget("cuda", int(os.environ.get("ARCH", "90")), 32)
 records = []
+FWD_ONLY = os.environ.get("FWD_ONLY", "0") == "1"  # the forward with lse given only
+PACC = os.environ.get("PACC", "0") == "1"  # the accumulating forward + teacher-free backward only
 
 class Rec:
     def __init__(self, name, fn): self.name, self.fn = name, fn
@@ -29,9 +31,25 @@ class Rec:
             records.append((self.name, self.fn, grid, args, kw))
         return call
 
-for mod, name in ((_indexer_fwd, "_indexer_fwd_kernel"), (_indexer_fwd, "_teacher_lse_kernel"),
+from streamkl_gpu import _indexer_pacc
+for mod, name in ((_indexer_pacc, "_indexer_fwd_pacc_kernel"),
+                  (_indexer_fwd, "_indexer_fwd_kernel"), (_indexer_fwd, "_teacher_lse_kernel"),
                   (_indexer_bwd, "_indexer_bwd_dq_kernel"), (_indexer_bwd, "_indexer_bwd_dk_kernel")):
     setattr(mod, name, Rec(name, getattr(mod, name)))
+
+if os.environ.get("FWD_CONFIGS"):  # e.g. FWD_CONFIGS="128,128,256,64,16,2;256,128,128,64,16,2": these instead
+    _want = [tuple(None if v == "None" else (int(v) if v.lstrip("-").isdigit() else v) for v in c.split(","))
+             for c in os.environ["FWD_CONFIGS"].split(";")]
+    _orig_cands = _indexer._candidates
+    _indexer._candidates = lambda kind, *a, **k: _want if kind == "fwd" else _orig_cands(kind, *a, **k)
+
+
+if os.environ.get("PACC_CONFIGS"):  # the accumulating forward's candidates, as FWD_CONFIGS
+    _pwant = [tuple(None if v == "None" else (int(v) if v.lstrip("-").isdigit() else v) for v in c.split(","))
+              for c in os.environ["PACC_CONFIGS"].split(";")]
+    _orig_cands2 = _indexer._candidates
+    _indexer._candidates = lambda kind, *a, **k: _pwant if kind == "pacc" else _orig_cands2(kind, *a, **k)
+
 
 def pick_all(key, cands, launch, *a, **k):
     for c in cands: launch(c)
@@ -74,19 +92,35 @@ def compile_rec(rec):
     info = subprocess.run([os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump") if os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")) else "/work/main/.venv/lib/python3.11/site-packages/triton/backends/nvidia/bin/cuobjdump", "-res-usage", cub],
                           capture_output=True, text=True).stdout
     line = [l.strip() for l in info.splitlines() if "REG" in l]
-    cfg = {k2: vals[k2] for k2 in ("BLOCK_T", "BLOCK_N", "BLOCK_D", "HB", "IB") if k2 in vals}
+    cfg = {k2: vals[k2] for k2 in ("BLOCK_T", "BLOCK_N", "BLOCK_D", "HB", "IB", "GI_PAD", "SPLIT", "TEACHER", "ATOMIC")
+           if k2 in vals}
     print(f"{name:26s} warps={opts['num_warps']} stages={opts['num_stages']} {cfg} smem={md.shared} {line[0] if line else ''}", flush=True)
 
-def run(cfgname, H, HK, D, HI, HKI, DI, dtype, causal=True, lse=True, N=256):
+def run(cfgname, H, HK, D, HI, HKI, DI, dtype, causal=True, lse=True, N=int(os.environ.get("N", "256"))):
     q = torch.empty(1, H, N, D, dtype=dtype); k = torch.empty(1, HK, N, D, dtype=dtype)
     qi = torch.empty(1, HI, N, DI, dtype=dtype); ki = torch.empty(1, HKI, N, DI, dtype=dtype)
     w = torch.empty(1, HI, N, dtype=dtype)
     lse_t = torch.zeros(1, H, N) if lse else None
     records.clear()
-    _indexer._forward(q, k, qi, ki, w, lse_t, causal, 0.07, True)
-    if lse:
+    if PACC:  # the accumulating forward and the teacher-free backward only
+        _indexer._forward_pacc(q, k, qi, ki, w, lse_t, causal, 0.07, True)
+        if FWD_ONLY:
+            return _compile_all(cfgname, dtype)
+        z = torch.zeros(())
+        _indexer._backward(torch.zeros(1, N), q, k, qi, ki, w, lse_t, torch.zeros(1, N), causal, 0.07, True,
+                           target_part=(z, torch.zeros(1, HI, N, DI), torch.zeros(1, 1, N, DI), torch.zeros(1, HI, N)))
+    elif True:
+        _indexer._forward(q, k, qi, ki, w, lse_t, causal, 0.07, True)
+    if FWD_ONLY or PACC:
+        pass
+    elif lse:
         _indexer._forward(q, k, qi, ki, w, None, causal, 0.07, True)
-    _indexer._backward(torch.zeros(1, N), q, k, qi, ki, w, torch.zeros(1, H, N), torch.zeros(1, N), causal, 0.07, True)
+    if not (FWD_ONLY or PACC):
+        _indexer._backward(torch.zeros(1, N), q, k, qi, ki, w, torch.zeros(1, H, N), torch.zeros(1, N), causal, 0.07, True)
+    _compile_all(cfgname, dtype)
+
+
+def _compile_all(cfgname, dtype):
     print(f"== {cfgname} {dtype}")
     seen = set()
     for r in records:

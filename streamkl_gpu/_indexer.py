@@ -8,10 +8,15 @@ The float64 reference is ``streamkl_ref.indexer_kl`` (gradient: ``indexer_kl_gra
 
 Kernels (``_indexer_fwd``, ``_indexer_bwd``): an optional first pass for the teacher LSEs, one
 forward pass over key tiles per token block (all teacher heads of a key head share each key
-tile), and a backward of two recomputing kernels (dq_idx + dweights; dk_idx). Extra memory
-``O(N_Q (H + 1))`` floats in the forward. Two custom ops (``streamkl::indexer_fwd``,
-``streamkl::indexer_bwd``) with fake implementations make the function traceable by
-``torch.compile(fullgraph=True)``.
+tile; optionally the keys split over programs and merged here, the 8th config field), and a
+backward of two recomputing kernels (dq_idx + dweights; dk_idx). Extra memory ``O(N_Q (H + 1))``
+floats in the forward. Two custom ops (``streamkl::indexer_fwd``, ``streamkl::indexer_bwd``) with
+fake implementations make the function traceable by ``torch.compile(fullgraph=True)``.
+
+The accumulating design (``STREAMKL_INDEXER_PACC=1``; ``"sum"``/``"mean"`` with ``lse`` given, one
+indexer key head, a gradient wanted): ``_indexer_pacc``'s forward also sums the target's share of
+the gradient, and the backward runs the indexer alone: the teacher is read once per training
+step (custom ops ``streamkl::indexer_loss_fwd`` / ``streamkl::indexer_loss_bwd``).
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ import triton
 
 from streamkl_ref._checks import check_indexer_inputs
 
-from . import _indexer_bwd, _indexer_fwd
+from . import _indexer_bwd, _indexer_fwd, _indexer_pacc
 from . import _checks, _runtime, _tuning
 
 __all__ = ["indexer_kl", "indexer_kl_naive", "MAX_TEACHER_HEAD_DIM", "MAX_INDEXER_HEAD_DIM", "REDUCTIONS"]
@@ -112,12 +117,15 @@ def _plan(dims, cfg, kind):
     """Chunking of one launch: teacher heads per chunk HB, indexer heads per chunk IB, tokens per
     block BLOCK_T (all powers of two; every dot at least 16 wide)."""
     rows, irows, block_n, block_d, warps, stages, *rest = cfg
-    hb_max = rest[0] if rest else rows  # optional 7th field: teacher heads per chunk at most
+    # optional 7th field: teacher heads per chunk at most (None: no cap)
+    hb_max = rest[0] if rest and rest[0] is not None else rows
     group, group_i = dims.H // dims.HK, dims.HI // dims.HKI
     hb = min(_pow2(group), _pow2(rows), hb_max)
     gi_pad = _pow2(group_i)
     if kind == "fwd":
         block_t = max(1, rows // hb)
+    elif kind == "bwd_student":  # no teacher tiles (TEACHER=False): the indexer rows alone
+        block_t = max(1, irows // gi_pad)
     else:  # the backward holds every indexer head of a key head (dq/dk accumulators): <= irows rows
         block_t = max(1, min(rows // hb, irows // gi_pad))
     ib = min(gi_pad, max(1, _pow2(irows) // block_t))
@@ -132,7 +140,36 @@ def _plan(dims, cfg, kind):
         BLOCK_DI=_d_chunk(dims.DI, block_d) if kind == "fwd" else _checks.head_pad(dims.DI),
         DI_PAD=_checks.head_pad(dims.DI), warps=warps, stages=stages,
         n_chunks=dims.HK * cpg, cpg=cpg, n_ichunks=dims.HKI * icpg, icpg=icpg,
+        splits=int(rest[1]) if len(rest) > 1 else 1, variant=rest[2] if len(rest) > 2 else "tiles",
     )
+
+
+def _key_splits(dims, pl):
+    """(splits, keys per split) of a forward launch: the plan's key splits, each a whole number
+    of BLOCK_N tiles, never more splits than key tiles."""
+    key_tiles = triton.cdiv(dims.NK, pl["BLOCK_N"])
+    splits = max(1, min(pl["splits"], key_tiles))
+    per = triton.cdiv(key_tiles, splits) * pl["BLOCK_N"]
+    return triton.cdiv(dims.NK, per), per
+
+
+def _merge_splits(part):
+    """(KL, LSE_I) [B, N_Q] from the key splits' states ``part [5, splits, B, N_Q]`` (m, l, mass,
+    acc, plogp; acc re-referenced to its split's max): the online merge of
+    streamkl_ref.indexer_kl_online's state, re-referenced to the common max, then the kernel's
+    finalisation (``_indexer_fwd._finish``). A NaN state gives a NaN row."""
+    m, l, mass, acc, plogp = part.unbind(0)
+    m_all = m.amax(0)  # NaN propagates (the kernel's own max ignores NaN; its l is NaN then)
+    shift = torch.where(m_all == float("-inf"), 0.0, m_all)
+    m_safe = torch.where(m == float("-inf"), 0.0, m)
+    l_all = (l * torch.exp(m - shift)).sum(0)  # exp(-inf) = 0 for a split that saw no key
+    acc_all = (acc - mass * (shift - m_safe)).sum(0)
+    plogp_all = plogp.sum(0)
+    empty = l_all == 0.0
+    log_l = torch.log(torch.where(empty, 1.0, l_all))
+    kl = torch.where(empty, 0.0, plogp_all - acc_all + log_l)
+    lse_i = torch.where(empty, float("-inf"), m_all + log_l)
+    return kl, lse_i
 
 
 def _d_chunk(d: int, block_d: int) -> int:
@@ -142,7 +179,36 @@ def _d_chunk(d: int, block_d: int) -> int:
     return pad if (pad <= 128 and block_d >= 64) else min(block_d, pad)
 
 
-def _candidates(kind, ieee, dims=None):
+def _fwd_split(dims, cfg, n_sm, waves=4):
+    """Key splits that bring a forward launch to about ``waves`` programs per SM (1: enough
+    token blocks already)."""
+    blocks = triton.cdiv(dims.NQ, _plan(dims, cfg, "fwd")["BLOCK_T"]) * dims.B
+    return max(1, min(16, triton.cdiv(waves * n_sm, blocks)))
+
+
+def _new_fwd_candidates(dims, gqa, n_sm):
+    """Session 4's forward candidates (issue 10's targets; chosen by offline sm_90 compiles and
+    the FLOP-per-byte count of a score tile, not yet timed; bench/indexer_perf_gpu.py times each).
+
+    The score tile of ``rows`` (head, token) pairs by BLOCK_N keys re-reads its q rows from L2 for
+    every key tile: about rows * BLOCK_N / (rows + BLOCK_N) FLOP per byte (43 at 128 x 64, the
+    measured DSA forward ran at ~4 TB/s of it). BLOCK_N = 128 takes it to 64 (no spills at DSA:
+    234 registers on triton 3.9; 256 rows x 128 keys would give 85 but spills 144 B). GQA at 8K had 64-256 programs for 132 SMs, each a serial chain of small tiles: key
+    splits (8th field) bring it to ~4 programs per SM."""
+    if dims is None:
+        return []
+    if not gqa:
+        # (256 rows x 128 keys spills 144 B on triton 3.9: left out)
+        out = [(128, 128, 128, 64, 8, 2), (128, 128, 128, 64, 8, 3)]
+    else:
+        out = []
+        for base in ((128, 128, 64, 64, 8, 2, None), (128, 128, 64, 64, 8, 2, 1), (128, 128, 128, 64, 8, 2, 1),
+                     (64, 64, 64, 64, 4, 2, None), (128, 128, 128, 64, 8, 2, None)):
+            out.append(base + (_fwd_split(dims, base, n_sm),))
+    return [c for c in dict.fromkeys(out)]
+
+
+def _candidates(kind, ieee, dims=None, n_sm=132):
     if _runtime.interpreting():
         return [INTERPRETER_CONFIG]
     if ieee:
@@ -158,7 +224,12 @@ def _candidates(kind, ieee, dims=None):
     gqa = dims is not None and dims.HK > 1
     if kind == "fwd":
         second = (128, 128, 64, 64, 8, 2, 1) if gqa else (128, 128, 64, 64, 8, 3)
-        return [(128, 128, 64, 64, 8, 2), second, (256, 128, 64, 64, 8, 2)]
+        return [(128, 128, 64, 64, 8, 2), second, (256, 128, 64, 64, 8, 2)] + _new_fwd_candidates(dims, gqa, n_sm)
+    if kind == "pacc":
+        # planned as the backward ("bwd"): all indexer heads x BLOCK_T tokens per tile. Offline
+        # sm_90 compiles (triton 3.9, DSA 8K): BLOCK_N = 64 spills 392 B of stack (the dk share's
+        # [BLOCK_N, D_I] tile on top of dq_p), BLOCK_N = 32 spills 56 B. Not yet timed.
+        return [(128, 128, 32, 64, 8, 2), (128, 128, 64, 64, 8, 2), (128, 128, 32, 64, 8, 3), (256, 128, 32, 64, 8, 2)]
     if kind == "lse":
         return [(128, 128, 64, 64, 8, 2), (128, 128, 64, 64, 8, 2, 1) if gqa else (128, 128, 128, 64, 8, 2)]
     return [(128, 128, 64, 64, 8, 2), (64, 64, 64, 64, 4, 2)]
@@ -227,18 +298,26 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
 
     def launch(cfg):
         pl = _plan(dims, cfg, "fwd")
-        grid = (triton.cdiv(dims.NQ, pl["BLOCK_T"]), dims.B)
+        splits, per_split = _key_splits(dims, pl)
+        part = _fresh((5, splits, dims.B, dims.NQ), torch.float32, device) if splits > 1 else kl
+        grid = (triton.cdiv(dims.NQ, pl["BLOCK_T"]), splits, dims.B)
         _indexer_fwd._indexer_fwd_kernel[grid](
-            q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, *_descriptors(pl, use_tma, q, k, q_idx, k_idx),
+            q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, part,
+            *_descriptors(pl, use_tma, q, k, q_idx, k_idx),
             *_strides(q), *_strides(k), *_strides(q_idx), *_strides(k_idx), *_strides(weights),
             dims.H, group, group_i, dims.NQ, dims.NK, qk_scale, 1.0 / dims.H,
-            pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"],
+            pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"], per_split,
             D=dims.D, BLOCK_D=pl["BLOCK_D"], DI=dims.DI, BLOCK_DI=pl["BLOCK_DI"],
             HB=pl["HB"], IB=pl["IB"], BLOCK_T=pl["BLOCK_T"], BLOCK_N=pl["BLOCK_N"],
             CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, NO_CONTRACT=no_contract,
-            USE_TMA=use_tma, num_warps=pl["warps"], num_stages=pl["stages"])
+            USE_TMA=use_tma, SPLIT=splits > 1, num_warps=pl["warps"], num_stages=pl["stages"])
+        if splits > 1:
+            merged_kl, merged_lse = _merge_splits(part)
+            kl.copy_(merged_kl)
+            lse_idx.copy_(merged_lse)
 
-    launch(_tuning.pick(("idx_fwd", relu) + key_base, _candidates("fwd", ieee_t or ieee_i, dims), launch))
+    candidates = _candidates("fwd", ieee_t or ieee_i, dims, _runtime.n_sm(device))
+    launch(_tuning.pick(("idx_fwd", relu) + key_base, candidates, launch))
     return kl, lse_idx, lse_bits
 
 
@@ -281,7 +360,13 @@ def dk_token_split(dims, block_t: int, key_programs: int, n_sm: int, causal: boo
     return max(block_t, triton.cdiv(per, block_t) * block_t)
 
 
-def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, relu):
+def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, relu, target_part=None):
+    """(dq_idx, dk_idx, dweights) of ``sum_t g[t] KL[t]``. ``target_part = (g0, dq_p, dk_p,
+    dweights_p)``: the forward accumulated the target's share (``_indexer_pacc``, g = g0 for
+    every row): the kernels then skip the teacher (TEACHER=False, the student's share
+    ``g softmax(I)`` only) and ``g0 * target_part`` is subtracted here; ``lse_bits`` is unused."""
+    teacher = target_part is None
+    plan_kind = "bwd" if teacher else "bwd_student"
     dims = check_indexer_inputs(q, k, q_idx, k_idx, weights, scale=scale)
     out_dtypes = (q_idx.dtype, k_idx.dtype, weights.dtype)
     q, k, q_idx, k_idx, weights = (_checks.compute_view(t) for t in (q, k, q_idx, k_idx, weights))
@@ -303,17 +388,17 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
     if fused:  # dq_idx / dweights by atomics from the dk kernel
         dq_idx = torch.zeros((dims.B, dims.HI, dims.NQ, dims.DI), dtype=torch.float32, device=device)
         dweights = torch.zeros((dims.B, dims.HI, dims.NQ), dtype=torch.float32, device=device)
-    key_base = (mode, dims.D, dims.DI, dims.H, dims.HK, dims.HI, dims.HKI, q.dtype, q_idx.dtype, causal, relu, use_tma,
-                _tuning.bucket(dims.NQ), _tuning.bucket(dims.NK), _tuning.bucket(dims.B))
+    key_base = (mode, teacher, dims.D, dims.DI, dims.H, dims.HK, dims.HI, dims.HKI, q.dtype, q_idx.dtype, causal, relu,
+                use_tma, _tuning.bucket(dims.NQ), _tuning.bucket(dims.NK), _tuning.bucket(dims.B))
 
     def meta(pl):
         return dict(D=dims.D, BLOCK_D=pl["BLOCK_D"], DI=dims.DI, BLOCK_DI=pl["BLOCK_DI"], DI_PAD=pl["DI_PAD"],
                     HB=pl["HB"], IB=pl["IB"], GI_PAD=pl["GI_PAD"], BLOCK_T=pl["BLOCK_T"], BLOCK_N=pl["BLOCK_N"],
                     CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, NO_CONTRACT=no_contract,
-                    USE_TMA=use_tma, num_warps=pl["warps"], num_stages=pl["stages"])
+                    USE_TMA=use_tma, TEACHER=teacher, num_warps=pl["warps"], num_stages=pl["stages"])
 
     def launch_dq(cfg):
-        pl = _plan(dims, cfg, "bwd")
+        pl = _plan(dims, cfg, plan_kind)
         grid = (triton.cdiv(dims.NQ, pl["BLOCK_T"]), dims.B * dims.HKI)
         _indexer_bwd._indexer_bwd_dq_kernel[grid](
             *common, dq_idx, dweights, *_descriptors(pl, use_tma, q, k, q_idx, k_idx), *strides,
@@ -322,7 +407,7 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
 
     def launch_dk(cfg):
         nonlocal dk_idx
-        pl = _plan(dims, cfg, "bwd")
+        pl = _plan(dims, cfg, plan_kind)
         key_programs = triton.cdiv(dims.NK, pl["BLOCK_N"]) * dims.B * dims.HKI
         per_split = dk_token_split(dims, pl["BLOCK_T"], key_programs, _runtime.n_sm(device), causal)
         splits = triton.cdiv(dims.NQ, per_split)
@@ -341,6 +426,10 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
     if not fused:
         launch_dq(_tuning.pick(("idx_bwd_dq",) + key_base, _candidates("bwd", ieee), launch_dq))
     launch_dk(_tuning.pick(("idx_bwd_dk",) + key_base, _candidates("bwd", ieee), launch_dk))
+    if not teacher:
+        g0, dq_p, dk_p, dw_p = target_part
+        g0 = g0.to(torch.float32)
+        dq_idx, dk_idx, dweights = dq_idx - g0 * dq_p, dk_idx - g0 * dk_p, dweights - g0 * dw_p
     return dq_idx.to(out_dtypes[0]), dk_idx.to(out_dtypes[1]), dweights.to(out_dtypes[2])
 
 
@@ -398,6 +487,114 @@ def _indexer_backward(ctx, g_kl, g_lse_idx, g_lse_bits):
 _indexer_fwd_op.register_autograd(_indexer_backward, setup_context=_setup_context)
 
 
+# ----------------------------------------------------------------------------------------------
+# Scalar reductions with lse given: the forward accumulates the target's share of the gradient
+# (_indexer_pacc), the backward runs the indexer alone. STREAMKL_INDEXER_PACC=1 turns it on.
+# ----------------------------------------------------------------------------------------------
+
+def pacc_enabled() -> bool:
+    """``STREAMKL_INDEXER_PACC``: ``1`` = the accumulating design for ``"sum"``/``"mean"`` with
+    ``lse`` given and one indexer key head; ``0`` (default until timed on the GPU: bench/
+    indexer_perf_gpu.py measures both) = the plain forward and a recomputing backward."""
+    mode = os.environ.get("STREAMKL_INDEXER_PACC", "0")
+    if mode not in ("0", "1"):
+        raise ValueError(f"STREAMKL_INDEXER_PACC must be 0 or 1, got {mode!r}")
+    return mode == "1"
+
+
+def _forward_pacc(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
+    """(sum of KL, LSE_I, dq_p, dk_p, dweights_p): the forward plus the target's share of the
+    gradient of the sum with g = 1 (``_indexer_pacc``; fp32, contiguous)."""
+    dims = check_indexer_inputs(q, k, q_idx, k_idx, weights, scale=scale)
+    q, k, q_idx, k_idx, weights = (_checks.compute_view(t) for t in (q, k, q_idx, k_idx, weights))
+    device = q.device
+    ieee_t, ieee_i = q.dtype == torch.float32, q_idx.dtype == torch.float32
+    group = dims.H // dims.HK
+    no_contract = not _runtime.interpreting()
+    use_tma = _use_tma(q, k, q_idx, k_idx)
+    lse_bits = (lse * LOG2E).contiguous()
+    kl = _fresh((dims.B, dims.NQ), torch.float32, device)
+    lse_idx = _fresh((dims.B, dims.NQ), torch.float32, device)
+    dq_p = _fresh((dims.B, dims.HI, dims.NQ, dims.DI), torch.float32, device)
+    dw_p = _fresh((dims.B, dims.HI, dims.NQ), torch.float32, device)
+    dk_p = torch.zeros((dims.B, 1, dims.NK, dims.DI), dtype=torch.float32, device=device)
+    key = ("idx_pacc", relu, dims.D, dims.DI, dims.H, dims.HK, dims.HI, q.dtype, q_idx.dtype, causal, use_tma,
+           _tuning.bucket(dims.NQ), _tuning.bucket(dims.NK), _tuning.bucket(dims.B))
+
+    def launch(cfg):
+        pl = _plan(dims, cfg, "bwd")  # every indexer head x BLOCK_T tokens in one tile
+        dk_p.zero_()
+        grid = (triton.cdiv(dims.NQ, pl["BLOCK_T"]), dims.B)
+        _indexer_pacc._indexer_fwd_pacc_kernel[grid](
+            q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, dq_p, dw_p, dk_p,
+            *_descriptors(pl, use_tma, q, k, q_idx, k_idx),
+            *_strides(q), *_strides(k), *_strides(q_idx), *_strides(k_idx), *_strides(weights),
+            dims.H, group, dims.HI, dims.NQ, dims.NK, dims.scale * LOG2E, 1.0 / dims.H, pl["n_chunks"], pl["cpg"],
+            D=dims.D, BLOCK_D=pl["BLOCK_D"], DI=dims.DI, DI_PAD=pl["DI_PAD"], HB=pl["HB"], GI_PAD=pl["GI_PAD"],
+            BLOCK_T=pl["BLOCK_T"], BLOCK_N=pl["BLOCK_N"], CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i,
+            NO_CONTRACT=no_contract, USE_TMA=use_tma, num_warps=pl["warps"], num_stages=pl["stages"])
+
+    launch(_tuning.pick(key, _candidates("pacc", ieee_t or ieee_i, dims), launch))
+    return kl.sum(), lse_idx, dq_p, dk_p, dw_p
+
+
+@torch.library.custom_op("streamkl::indexer_loss_fwd", mutates_args=())
+def _indexer_loss_fwd_op(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, k_idx: torch.Tensor,
+                         weights: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
+                         relu: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _forward_pacc(q, k, q_idx, k_idx, weights, lse, causal, scale, relu)
+
+
+@_indexer_loss_fwd_op.register_fake
+def _indexer_loss_fwd_fake(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
+    B, NQ, NK, HI, DI = q.shape[0], q.shape[2], k.shape[2], q_idx.shape[1], q_idx.shape[3]
+    f32 = torch.float32
+    return (q.new_empty((), dtype=f32), q.new_empty((B, NQ), dtype=f32), q.new_empty((B, HI, NQ, DI), dtype=f32),
+            q.new_empty((B, 1, NK, DI), dtype=f32), q.new_empty((B, HI, NQ), dtype=f32))
+
+
+@torch.library.custom_op("streamkl::indexer_loss_bwd", mutates_args=())
+def _indexer_loss_bwd_op(g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor,
+                         k_idx: torch.Tensor, weights: torch.Tensor, lse_idx: torch.Tensor, dq_p: torch.Tensor,
+                         dk_p: torch.Tensor, dw_p: torch.Tensor, causal: bool, scale: float,
+                         relu: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows = g.to(torch.float32).expand(q.shape[0], q.shape[2]).contiguous()
+    return _backward(rows, q, k, q_idx, k_idx, weights, lse_idx, lse_idx, causal, scale, relu,
+                     target_part=(g, dq_p, dk_p, dw_p))
+
+
+@_indexer_loss_bwd_op.register_fake
+def _indexer_loss_bwd_fake(g, q, k, q_idx, k_idx, weights, lse_idx, dq_p, dk_p, dw_p, causal, scale, relu):
+    return torch.empty_like(q_idx), torch.empty_like(k_idx), torch.empty_like(weights)
+
+
+def _loss_setup_context(ctx, inputs, output):
+    q, k, q_idx, k_idx, weights, lse, causal, scale, relu = inputs
+    _, lse_idx, dq_p, dk_p, dw_p = output
+    ctx.save_for_backward(q, k, q_idx, k_idx, weights, lse_idx, dq_p, dk_p, dw_p)
+    ctx.args = (causal, scale, relu)
+
+
+def _loss_backward(ctx, g_total, g_lse_idx, g_dq, g_dk, g_dw):
+    q, k, q_idx, k_idx, weights, lse_idx, dq_p, dk_p, dw_p = ctx.saved_tensors
+    causal, scale, relu = ctx.args
+    need = ctx.needs_input_grad
+    if not (need[2] or need[3] or need[4]):
+        return (None,) * 9
+    dq_idx, dk_idx, dweights = _indexer_loss_bwd_op(g_total, q, k, q_idx, k_idx, weights, lse_idx, dq_p, dk_p,
+                                                    dw_p, causal, scale, relu)
+    return (None, None, dq_idx if need[2] else None, dk_idx if need[3] else None,
+            dweights if need[4] else None, None, None, None, None)
+
+
+_indexer_loss_fwd_op.register_autograd(_loss_backward, setup_context=_loss_setup_context)
+
+
+def _use_pacc(dims, lse, reduction, q_idx, k_idx, weights) -> bool:
+    return (reduction != "none" and lse is not None and dims.HKI == 1 and pacc_enabled()
+            and torch.is_grad_enabled() and any(t.requires_grad for t in (q_idx, k_idx, weights)))
+
+
 def _rows_with_keys(dims, causal: bool) -> int:
     """Rows with at least one visible key (bottom-right causal: the last min(N_Q, N_K) rows)."""
     return dims.B * (min(dims.NQ, dims.NK) if causal else dims.NQ)
@@ -432,6 +629,9 @@ def indexer_kl(q, k, q_idx, k_idx, weights, *, causal=False, scale=None, relu=Tr
     """
     dims = _check(q, k, q_idx, k_idx, weights, causal=causal, scale=scale, relu=relu, lse=lse,
                   reduction=reduction)
+    if _use_pacc(dims, lse, reduction, q_idx, k_idx, weights):
+        total = _indexer_loss_fwd_op(q, k, q_idx, k_idx, weights, lse, causal, dims.scale, relu)[0]
+        return total if reduction == "sum" else total / _rows_with_keys(dims, causal)
     kl = _indexer_fwd_op(q, k, q_idx, k_idx, weights, lse, causal, dims.scale, relu)[0]
     if reduction == "none":
         return kl

@@ -183,39 +183,52 @@ def _fwd_key_range(
                                  b, t0, s0, GROUP_I, N_Q, N_K, n_ichunks, ichunks_per_group,
                                  DI, BLOCK_DI, IB, BLOCK_T, BLOCK_N, RELU, IEEE_I, USE_TMA)
         visible = _token_visible(toks, keys, N_Q, N_K, diag_offset, MASKED, CAUSAL)
-        m_new = tl.maximum(m, tl.max(tl.where(visible, logits, float("-inf")), 1))
-        shift = _safe(m_new)
-        centred = logits - shift[:, None]  # I - m'
-        e = tl.exp2(tl.where(visible, centred, float("-inf")) * LOG2E)
-        alpha = tl.exp2((m - shift) * LOG2E)  # 0 while the row was empty, 1 if the max did not move
-        l = l * alpha + tl.sum(e, 1)
-        # p log p with 0 log 0 = 0; a NaN p stays NaN (NaN > 0 is False, then NaN * 0 = NaN)
-        log_p = tl.log(tl.where(visible & (p > 0), p, 1.0))
-        plogp += tl.sum(tl.where(visible, p * log_p, 0.0), 1)
-        # every old term p (I - m) moves by -(m' - m) when the max moves: -mass * moved in all
-        acc = acc - mass * (shift - _safe(m)) + tl.sum(tl.where(visible, p * centred, 0.0), 1)
-        mass += tl.sum(tl.where(visible, p, 0.0), 1)
-        m = m_new
+        m, l, mass, acc, plogp = _online_update(m, l, mass, acc, plogp, p, logits, visible)
     return m, l, mass, acc, plogp
 
 
 @triton.jit
+def _online_update(m, l, mass, acc, plogp, p, logits, visible):
+    """The five-scalar state of each token after one [BLOCK_T, BLOCK_N] tile of target ``p`` and
+    student logits (streamkl_ref.indexer_kl_online's recurrence)."""
+    m_new = tl.maximum(m, tl.max(tl.where(visible, logits, float("-inf")), 1))
+    shift = _safe(m_new)
+    centred = logits - shift[:, None]  # I - m'
+    e = tl.exp2(tl.where(visible, centred, float("-inf")) * LOG2E)
+    alpha = tl.exp2((m - shift) * LOG2E)  # 0 while the row was empty, 1 if the max did not move
+    l = l * alpha + tl.sum(e, 1)
+    # p log p with 0 log 0 = 0; a NaN p stays NaN (NaN > 0 is False, then NaN * 0 = NaN)
+    log_p = tl.log(tl.where(visible & (p > 0), p, 1.0))
+    plogp += tl.sum(tl.where(visible, p * log_p, 0.0), 1)
+    # every old term p (I - m) moves by -(m' - m) when the max moves: -mass * moved in all
+    acc = acc - mass * (shift - _safe(m)) + tl.sum(tl.where(visible, p * centred, 0.0), 1)
+    mass += tl.sum(tl.where(visible, p, 0.0), 1)
+    return m_new, l, mass, acc, plogp
+
+
+@triton.jit
 def _indexer_fwd_kernel(
-    Q, K, QI, KI, W, LSE_T, KL, LSE_I,
+    Q, K, QI, KI, W, LSE_T, KL, LSE_I, PART,
     Q_DESC, K_DESC, QI_DESC, KI_DESC,  # TMA descriptors of q, k, q_idx, k_idx (used when USE_TMA)
     stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
     stride_wb, stride_wh, stride_wn,
     H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
-    n_chunks, chunks_per_group, n_ichunks, ichunks_per_group,
+    n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, keys_per_split,
     D: tl.constexpr, BLOCK_D: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr,
     HB: tl.constexpr, IB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, RELU: tl.constexpr, IEEE_T: tl.constexpr, IEEE_I: tl.constexpr,
-    NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr,
+    NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    """KL [B, N_Q] (nats) and the student's LSE_I [B, N_Q] (nats) from the teacher LSEs (bits)."""
+    """KL [B, N_Q] (nats) and the student's LSE_I [B, N_Q] (nats) from the teacher LSEs (bits).
+
+    Grid (token blocks, key splits, B). SPLIT: program ``(., s, .)`` walks the keys
+    ``[s * keys_per_split, (s + 1) * keys_per_split)`` only and stores its five-scalar state in
+    ``PART [5, splits, B, N_Q]`` (m, l, mass, acc, plogp); the host merges the splits
+    (``_indexer._merge_splits``, the merge rule of streamkl_ref.indexer_kl_online's state)."""
     pid_t = tl.program_id(0)
-    b = tl.program_id(1)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
     t0 = pid_t * BLOCK_T
     toks = t0 + tl.arange(0, BLOCK_T)
     m = tl.full([BLOCK_T], float("-inf"), tl.float32)
@@ -223,13 +236,16 @@ def _indexer_fwd_kernel(
     mass = tl.zeros([BLOCK_T], tl.float32)
     acc = tl.zeros([BLOCK_T], tl.float32)
     plogp = tl.zeros([BLOCK_T], tl.float32)
+    key_lo = split * keys_per_split  # a multiple of BLOCK_N (the host rounds keys_per_split)
     # whole tiles every token of the block sees (no masks), then the diagonal band / ragged tile
-    full_hi, key_hi = _key_stages(t0, 0, N_K, N_Q, N_K, BLOCK_T, BLOCK_N, CAUSAL)
+    full_hi, key_hi = _key_stages(t0, key_lo, tl.minimum(key_lo + keys_per_split, N_K), N_Q, N_K,
+                                  BLOCK_T, BLOCK_N, CAUSAL)
+    key_hi = tl.maximum(key_hi, key_lo)  # a split past the causal frontier walks nothing
     m, l, mass, acc, plogp = _fwd_key_range(
         m, l, mass, acc, plogp, Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T,
         stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
         stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
-        stride_wb, stride_wh, stride_wn, b, t0, 0, full_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
+        stride_wb, stride_wh, stride_wn, b, t0, key_lo, full_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
         n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI,
         HB, IB, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA)
     m, l, mass, acc, plogp = _fwd_key_range(
@@ -239,16 +255,32 @@ def _indexer_fwd_kernel(
         stride_wb, stride_wh, stride_wn, b, t0, full_hi, key_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale,
         inv_heads, n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI,
         HB, IB, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA)
-    # empty: no visible key (l = 0; a visible key adds exp(0) = 1 at the max). Not m == -inf: the
-    # max ignores NaN, so a NaN row can keep m = -inf, but its l is NaN and its KL stays NaN
+    ok = toks < N_Q
+    out = b.to(tl.int64) * N_Q + toks
+    if SPLIT:
+        plane = tl.num_programs(1).to(tl.int64) * tl.num_programs(2) * N_Q
+        at = PART + split.to(tl.int64) * tl.num_programs(2) * N_Q + out
+        tl.store(at, m, mask=ok)
+        tl.store(at + plane, l, mask=ok)
+        tl.store(at + 2 * plane, mass, mask=ok)
+        tl.store(at + 3 * plane, acc, mask=ok)
+        tl.store(at + 4 * plane, plogp, mask=ok)
+    else:
+        kl, lse_i = _finish(m, l, acc, plogp)
+        tl.store(KL + out, kl, mask=ok)
+        tl.store(LSE_I + out, lse_i, mask=ok)
+
+
+@triton.jit
+def _finish(m, l, acc, plogp):
+    """(KL, LSE_I) of a row from its final state. Empty: no visible key (l = 0; a visible key
+    adds exp(0) = 1 at the max). Not m == -inf: the max ignores NaN, so a NaN row can keep
+    m = -inf, but its l is NaN and its KL stays NaN."""
     empty = l == 0.0
     log_l = tl.log(tl.where(empty, 1.0, l))
     kl = tl.where(empty, 0.0, plogp - acc + log_l)  # uses sum p = 1: the max m never enters
     lse_i = tl.where(empty, float("-inf"), m + log_l)
-    ok = toks < N_Q
-    out = b.to(tl.int64) * N_Q + toks
-    tl.store(KL + out, kl, mask=ok)
-    tl.store(LSE_I + out, lse_i, mask=ok)
+    return kl, lse_i
 
 
 @triton.jit

@@ -1,0 +1,588 @@
+#!/usr/bin/env python3
+"""Every forward launch candidate of the indexer loss, forced one at a time (issue 10's targets).
+
+    python bench/indexer_perf_gpu.py OUT_DIR --quick      # <= ~100 s on one H200 (compiles included)
+    python bench/indexer_perf_gpu.py OUT_DIR              # the same with longer timings, N = 8K and 16K
+    TRITON_INTERPRET=1 python bench/indexer_perf_gpu.py /tmp/x --tiny   # CPU smoke of the script
+
+For each anchor config (DSA-like, GQA-like; bench/indexer_gpu.py's CONFIGS) and each candidate of
+``streamkl_gpu._indexer._candidates("fwd", ...)`` (old and new: the tuner's full list):
+  1. check: a small causal problem with ``lse`` given, KL vs float64 (streamkl_ref.indexer_kl),
+     FlashAttention's rule: error <= 3 x the materialised bf16 form's error + 1e-2;
+  2. time the forward with ``lse`` given at N = 8K causal, that candidate forced.
+Then fwd+bwd (``reduction="mean"``, ``lse`` given; each variant first checked vs float64, loss and
+the three gradients): the plain design with the fastest forward forced, once per backward
+candidate (dq and dk kernels forced to the same config) and once with the fused backward; and
+the accumulating design (STREAMKL_INDEXER_PACC=1) once per candidate of its forward
+(--quick: the first backward candidate, fused, and two accumulating candidates). Last the
+materialised form under torch.compile at 8K (fwd; fwd+bwd at DSA only under --quick); if it is
+skipped (budget, --no-compile) the table's speed-ups use last session's recorded numbers, labelled.
+Kernels are compiled first by parallel child processes (--parallel, default min(16, CPUs)).
+A candidate that fails (compile error, resources, wrong numbers) is printed and skipped; past
+``--budget`` seconds the remaining timings are skipped and marked so.
+
+Outputs in OUT_DIR: indexer_perf.csv (long format: measure, provider, shape, value, unit, note),
+indexer_perf.log. Short table last: ms, ratio to the forward matmul floor (bf16 rate of an
+8192^3 matmul measured in this run) and speed-up over torch.compile.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import sys
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+os.environ.setdefault("STREAMKL_TUNING_CACHE", "0")  # forced configs only: no stale disk choices
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import streamkl_ref  # noqa: E402
+import streamkl_gpu  # noqa: E402
+from streamkl_gpu import _indexer  # noqa: E402
+from streamkl_gpu._indexer import indexer_kl_naive  # noqa: E402
+from streamkl_ref._checks import check_indexer_inputs  # noqa: E402
+
+from indexer_gpu import CONFIGS, _floor_flops, _rel_err  # noqa: E402
+
+COLUMNS = ["measure", "provider", "shape", "value", "unit", "note"]
+_ORIG_CANDIDATES = _indexer._candidates
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out_dir")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--tiny", action="store_true", help="CPU smoke (TRITON_INTERPRET=1)")
+    p.add_argument("--configs", default="dsa,gqa")
+    p.add_argument("--ns", default=None, help="N list (default 8192; full: 8192,16384)")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    p.add_argument("--no-bwd", action="store_true", help="forward candidates only")
+    p.add_argument("--budget", type=float, default=None, help="seconds; default 95 (--quick), 600")
+    p.add_argument("--parallel", type=int, default=None, help="warm-up compile processes (default: CPUs)")
+    p.add_argument("--no-warm", action="store_true", help="compile in the timing process (one at a time)")
+    p.add_argument("--warm-job", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--tiny-warm", action="store_true", help=argparse.SUPPRESS)  # CPU smoke of the warm-up
+    a = p.parse_args(argv)
+    if a.budget is None:
+        a.budget = 95.0 if a.quick else 600.0
+    return a
+
+
+class Force:
+    """Force one launch config per kernel kind (others: the tuner's first candidate)."""
+
+    def __init__(self, **by_kind):
+        self.by_kind = by_kind
+
+    def __enter__(self):
+        def cands(kind, ieee, dims=None, n_sm=132):
+            full = _ORIG_CANDIDATES(kind, ieee, dims, n_sm) if kind == "fwd" else _ORIG_CANDIDATES(kind, ieee, dims)
+            want = self.by_kind.get(kind)
+            if want is None:
+                return full[:1]
+            return [want]
+        _indexer._candidates = cands
+        return self
+
+    def __exit__(self, *exc):
+        _indexer._candidates = _ORIG_CANDIDATES
+
+
+def shapes(cfg, N):
+    return [(1, cfg["H"], N, cfg["D"]), (1, cfg["HK"], N, cfg["D"]), (1, cfg["HI"], N, cfg["DI"]),
+            (1, cfg["HKI"], N, cfg["DI"]), (1, cfg["HI"], N)]
+
+
+def fwd_candidates(cfg, N, device):
+    """The forward candidates the tuner would try at this N (the ones timed; the checks run them
+    on a small problem, where the plan caps the key splits at the key tiles)."""
+    dims = check_indexer_inputs(*[torch.empty(s, device="meta") for s in shapes(cfg, N)],
+                                scale=cfg["scale"])
+    n_sm = streamkl_gpu._runtime.n_sm(torch.device(device))
+    return _ORIG_CANDIDATES("fwd", False, dims, n_sm)
+
+
+def bwd_candidates(ieee=False):
+    return _ORIG_CANDIDATES("bwd", ieee)
+
+
+QUICK = "--quick" in sys.argv  # the --quick budget: fewer fwd+bwd variants (bwd_variants)
+
+
+def bwd_variants():
+    """(label, environment, forced configs) of the fwd+bwd variants: the plain design (forward,
+    then a backward that recomputes the teacher: "separate" kernels per backward candidate, or
+    "fused"), and the accumulating one (STREAMKL_INDEXER_PACC=1: the forward adds the target's
+    share of the gradient, the backward runs the indexer alone) per accumulating candidate."""
+    out = [(f"plain separate bwd{list(b)}", {"STREAMKL_INDEXER_BWD": "separate"}, dict(bwd=b)) for b in bwd_candidates()]
+    out.append((f"plain fused bwd{list(bwd_candidates()[0])}", {"STREAMKL_INDEXER_BWD": "fused"}, dict(bwd=bwd_candidates()[0])))
+    for c in _ORIG_CANDIDATES("pacc", False):
+        out.append((f"pacc fwd{list(c)}", {"STREAMKL_INDEXER_PACC": "1"}, dict(pacc=c)))
+    if QUICK:  # plain separate with the first backward candidate, plain fused, two accumulating
+        out = [out[0], out[len(bwd_candidates())]] + out[len(bwd_candidates()) + 1:][:2]
+    return out
+
+
+class Env:
+    """Set environment variables for a block (restored after)."""
+
+    def __init__(self, env):
+        self.env, self.old = env, {}
+
+    def __enter__(self):
+        for k, v in self.env.items():
+            self.old[k] = os.environ.get(k)
+            os.environ[k] = v
+
+    def __exit__(self, *exc):
+        for k, v in self.old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+# ----------------------------------------------------------------------------------------------
+# Warm-up: every kernel the run will launch is compiled first by parallel child processes
+# (Triton's and Inductor's on-disk caches are shared), so the compile time of ~20 candidates is
+# paid once in parallel, not one after another.
+# ----------------------------------------------------------------------------------------------
+
+def warm_jobs(args, configs, ns, device):
+    """The children's jobs, longest first: torch.compile, then fwd+bwd (three kernels each), then
+    the forward candidates."""
+    compile_jobs, fb_jobs, fwd_jobs = [], [], []
+    for cname in configs:
+        for N in ns:
+            cfg = tiny_config(CONFIGS[cname]) if args.tiny else CONFIGS[cname]
+            for i, _ in enumerate(fwd_candidates(cfg, N, device)):
+                fwd_jobs.append(f"{cname}:{N}:fwd:{i}")
+            if not args.no_bwd:
+                for i, _ in enumerate(bwd_variants()):
+                    fb_jobs.append(f"{cname}:{N}:bwd:{i}")
+            if not args.no_compile and N <= 8192 and not args.tiny:
+                compile_jobs.append(f"{cname}:{N}:compile:fwd")
+                if cname == "dsa" or not args.quick:
+                    compile_jobs.append(f"{cname}:{N}:compile:fwd_bwd")
+    return compile_jobs + fb_jobs + fwd_jobs
+
+
+def tiny_config(cfg):
+    return dict(cfg, H=min(cfg["H"], 8), HI=min(cfg["HI"], 4), DI=16, D=min(cfg["D"], 32), HK=min(cfg["HK"], 2))
+
+
+def check_n(cname, tiny):
+    return 24 if tiny else (256 if cname == "dsa" else 320)
+
+
+def run_warm_job(job, tiny=False):
+    """One child's work: the small check problem (or, for torch.compile, the real one) once."""
+    cname, N, kind, which = job.split(":")
+    N = int(N)
+    cfg = tiny_config(CONFIGS[cname]) if tiny else CONFIGS[cname]
+    bench = Bench(argparse.Namespace(out_dir=os.environ.get("TMPDIR", "/tmp"), tiny=tiny, quick=True, budget=1e9,
+                                     no_bwd=False, no_compile=False))
+    scale = cfg["scale"] if cfg["scale"] is not None else cfg["D"] ** -0.5
+    kw = dict(causal=True, scale=scale)
+    cands = fwd_candidates(cfg, N, bench.device)
+    if kind == "compile":
+        xs = bench.inputs(cfg, N)
+        bench.compiled_ms(xs, kw, which, reps=0)
+        return
+    xs = bench.inputs(cfg, check_n(cname, tiny))
+    lse = bench.teacher_lse(xs[0], xs[1], scale)
+    if kind == "fwd":
+        with Force(fwd=cands[int(which)]):
+            streamkl_gpu.indexer_kl(*xs, lse=lse, **kw)
+    else:
+        _, env, forced = bwd_variants()[int(which)]
+        train = [x.detach().clone().requires_grad_(r) for x, r in zip(xs, (False, False, True, True, True))]
+        with Env(env), Force(fwd=cands[0], **forced):
+            torch.autograd.grad(streamkl_gpu.indexer_kl(*train, lse=lse, reduction="mean", **kw), train[2:])
+    bench.sync()
+
+
+def warm_up(bench, jobs, parallel):
+    import subprocess
+    t0 = time.time()
+    pending, running, failed = list(jobs), [], []
+    while pending or running:
+        while pending and len(running) < parallel:
+            job = pending.pop(0)
+            cmd = [sys.executable, os.path.abspath(__file__), "-", "--warm-job", job] + (["--tiny"] if bench.args.tiny else [])
+            proc = subprocess.Popen(cmd,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            running.append((job, proc, time.time()))
+        still = []
+        for job, proc, start in running:
+            if proc.poll() is None:
+                if time.time() - t0 > bench.args.budget * 0.6:  # a stuck compile must not eat the run
+                    proc.kill()
+                    failed.append(job)
+                    bench.log(f"warm-up {job}: killed (over {bench.args.budget * 0.6:.0f} s)")
+                else:
+                    still.append((job, proc, start))
+                continue
+            out = proc.stdout.read()
+            if proc.returncode != 0:
+                failed.append(job)
+                bench.log(f"warm-up {job}: exit {proc.returncode}\n{out[-1500:]}")
+        running = still
+        time.sleep(0.2)
+    bench.log(f"warm-up: {len(jobs)} jobs, {parallel} at a time, {time.time() - t0:.0f} s, {len(failed)} failed")
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        os.makedirs(args.out_dir, exist_ok=True)
+        self.device = "cpu" if args.tiny else "cuda"
+        self.logf = open(os.path.join(args.out_dir, "indexer_perf.log"), "a")
+        self.rows = []
+        self.t0 = time.time()
+        self.failed = 0
+        self.rate = None
+
+    def log(self, msg):
+        line = f"[{time.time() - self.t0:6.1f}s] {msg}"
+        print(line, flush=True)
+        self.logf.write(line + "\n")
+        self.logf.flush()
+
+    def over(self):
+        return time.time() - self.t0 > self.args.budget
+
+    def sync(self):
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def record(self, measure, provider, shape, value, unit, note=""):
+        self.rows.append(dict(measure=measure, provider=provider, shape=shape, value=value, unit=unit, note=note))
+        with open(os.path.join(self.args.out_dir, "indexer_perf.csv"), "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=COLUMNS)
+            w.writeheader()
+            w.writerows(self.rows)
+
+    def inputs(self, cfg, N, seed=0, dtype=torch.bfloat16):
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+
+        def rnd(*shape, std=1.0):
+            return (std * torch.randn(shape, generator=gen, device=self.device)).to(dtype)
+        return [rnd(1, cfg["H"], N, cfg["D"]), rnd(1, cfg["HK"], N, cfg["D"]), rnd(1, cfg["HI"], N, cfg["DI"]),
+                rnd(1, cfg["HKI"], N, cfg["DI"]), rnd(1, cfg["HI"], N, std=(cfg["HI"] * cfg["DI"]) ** -0.5)]
+
+    def teacher_lse(self, q, k, scale):
+        """Natural-log causal teacher LSEs [B, H, N] by PyTorch (head chunks; not our kernels)."""
+        B, H, N, D = q.shape
+        g = H // k.shape[1]
+        out = torch.empty(B, H, N, dtype=torch.float32, device=q.device)
+        mask = torch.ones(N, N, dtype=torch.bool, device=q.device).tril()
+        step = max(1, (1 << 31) // (N * N * 4))
+        for h0 in range(0, H, step):
+            hs = range(h0, min(H, h0 + step))
+            kk = torch.stack([k[:, h // g] for h in hs], 1).float()
+            s = torch.matmul(q[:, h0:h0 + len(hs)].float(), kk.transpose(-1, -2)) * scale
+            out[:, h0:h0 + len(hs)] = s.masked_fill(~mask, float("-inf")).logsumexp(-1)
+            del s, kk
+        return out
+
+    def time_ms(self, fn, reps=None):
+        """Median ms of ``reps`` event-timed calls after one warm-up (compiles)."""
+        fn()
+        self.sync()
+        if self.device != "cuda":
+            t = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t) * 1e3
+        reps = reps or (5 if self.args.quick else 20)
+        ts = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            ts.append(a.elapsed_time(b))
+        return float(np.median(ts))
+
+    def matmul_rate(self):
+        if self.device != "cuda":
+            self.rate = 1e12
+            return
+        n = 8192
+        a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        ms = self.time_ms(lambda: a @ b, reps=20)
+        self.rate = 2 * n ** 3 / (ms * 1e-3)
+        self.log(f"bf16 matmul 8192^3: {ms:.3f} ms = {self.rate / 1e12:.0f} TFLOP/s")
+        self.record("matmul_rate", "torch", "8192^3", f"{self.rate / 1e12:.1f}", "TFLOP/s")
+
+    # ------------------------------------------------------------------------------------------
+    def check_candidates(self, cname, cfg, cands):
+        """KL of every forward candidate vs float64 on a small causal problem with lse given
+        (N = 256 / 320: strides divisible by 16, so the kernels compiled here are the 8K ones)."""
+        t = self.args.tiny
+        small = cfg
+        N = check_n(cname, t)
+        xs = self.inputs(small, N, seed=1, dtype=torch.float16 if t else torch.bfloat16)
+        scale = cfg["scale"] if cfg["scale"] is not None else small["D"] ** -0.5
+        kw = dict(causal=True, scale=scale)
+        x64 = [x.double().cpu().numpy() for x in xs]
+        kl_ref, _, lse_ref = streamkl_ref.indexer_kl(*x64, return_lse=True, **kw)
+        sp = indexer_kl_naive(*xs, compute_dtype=xs[0].dtype, **kw)
+        base = _rel_err(sp, kl_ref)
+        tol = 3.0 * (base if math.isfinite(base) else 0.0) + 1e-2
+        lse = torch.from_numpy(lse_ref).float().to(self.device)
+        ok_cfgs = []
+        for c in cands:
+            try:
+                with Force(fwd=c):
+                    kl = streamkl_gpu.indexer_kl(*xs, lse=lse, **kw)
+                self.sync()
+                err = _rel_err(kl, kl_ref)
+                ok = err <= tol
+            except Exception as exc:  # noqa: BLE001 - printed, the run goes on
+                err, ok = float("nan"), False
+                self.log(f"check {cname} {c} raised {type(exc).__name__}: {str(exc)[:300]}")
+                self.logf.write(traceback.format_exc())
+            self.failed += not ok
+            self.log(f"check {cname} N={N} {c}: err {err:.2e} tol {tol:.2e} {'ok' if ok else 'FAIL'}")
+            self.record("check_kl_rel_err", f"fwd{list(c)}", f"{cname} N={N} causal lse", f"{err:.3e}", "rel",
+                        f"tol {tol:.3e} {'ok' if ok else 'FAIL'}")
+            if ok:
+                ok_cfgs.append(c)
+        return ok_cfgs
+
+    def check_fwd_bwd(self, cname, cfg):
+        """Loss and gradients of every fwd+bwd variant (plain and accumulating, reduction "mean",
+        lse given) vs float64 on the small causal problem; same tolerance rule (the materialised
+        form's gradients at the inputs' precision)."""
+        t = self.args.tiny
+        N = check_n(cname, t)
+        xs = self.inputs(cfg, N, seed=2, dtype=torch.float16 if t else torch.bfloat16)
+        scale = cfg["scale"] if cfg["scale"] is not None else cfg["D"] ** -0.5
+        kw = dict(causal=True, scale=scale)
+        x64 = [x.double().cpu().numpy() for x in xs]
+        kl_ref, _, lse_ref = streamkl_ref.indexer_kl(*x64, return_lse=True, **kw)
+        ref = dict(loss=float(kl_ref.mean()), **streamkl_ref.indexer_kl_grad(*x64, np.full(kl_ref.shape, 1.0 / N), **kw))
+        train_flags = (False, False, True, True, True)
+        sp_in = [x.detach().clone().requires_grad_(r) for x, r in zip(xs, train_flags)]
+        sp_loss = indexer_kl_naive(*sp_in, compute_dtype=xs[0].dtype, **kw).mean()
+        sp = dict(loss=sp_loss.detach(), **dict(zip(("dq_idx", "dk_idx", "dweights"), torch.autograd.grad(sp_loss, sp_in[2:]))))
+        lse = torch.from_numpy(lse_ref).float().to(self.device)
+        for name, env, forced in bwd_variants():
+            try:
+                ins = [x.detach().clone().requires_grad_(r) for x, r in zip(xs, train_flags)]
+                with Env(env), Force(**forced):
+                    loss = streamkl_gpu.indexer_kl(*ins, lse=lse, reduction="mean", **kw)
+                    grads = torch.autograd.grad(loss, ins[2:])
+                ours = dict(loss=loss.detach(), **dict(zip(("dq_idx", "dk_idx", "dweights"), grads)))
+                bad = []
+                for tensor in ("loss", "dq_idx", "dk_idx", "dweights"):
+                    err = _rel_err(ours[tensor], ref[tensor])
+                    base = _rel_err(sp[tensor], ref[tensor])
+                    tol = 3.0 * (base if math.isfinite(base) else 0.0) + 1e-2
+                    self.record("check_rel_err", f"fwd_bwd {name} {tensor}", f"{cname} N={N} causal lse mean",
+                                f"{err:.3e}", "rel", f"tol {tol:.3e} {'ok' if err <= tol else 'FAIL'}")
+                    if not err <= tol:
+                        bad.append(f"{tensor} {err:.2e} > {tol:.2e}")
+                ok = not bad
+            except Exception as exc:  # noqa: BLE001 - printed, the run goes on
+                ok, bad = False, [f"raised {type(exc).__name__}: {str(exc)[:300]}"]
+                self.logf.write(traceback.format_exc())
+            self.failed += not ok
+            self.log(f"check {cname} fwd+bwd {name}: {'ok' if ok else 'FAIL ' + '; '.join(bad)}")
+
+    def bench_config(self, cname, cfg, N, cands, ok_cfgs, results):
+        xs = self.inputs(cfg, N)
+        scale = cfg["scale"] if cfg["scale"] is not None else cfg["D"] ** -0.5
+        kw = dict(causal=True, scale=scale)
+        lse = self.teacher_lse(xs[0], xs[1], scale)
+        floor = _floor_flops(cfg, N, True) / self.rate * 1e3
+        shape = f"{cname} N={N} causal"
+        self.record("floor", "matmul", shape, f"{floor:.4f}", "ms", "fwd matmul FLOPs at the measured bf16 rate")
+        res = results.setdefault((cname, N), dict(floor=floor, fwd={}, fwd_bwd={}, compile={}))
+        # 1. every forward candidate, forced
+        for c in cands:
+            if c not in ok_cfgs:
+                res["fwd"][c] = "check-failed"
+                continue
+            if self.over():
+                res["fwd"][c] = "budget"
+                continue
+            try:
+                with Force(fwd=c):
+                    ms = self.time_ms(lambda: streamkl_gpu.indexer_kl(*xs, lse=lse, **kw))
+                res["fwd"][c] = ms
+                self.record("fwd_ms", f"ours_lse fwd{list(c)}", shape, f"{ms:.4f}", "ms", f"ratio {ms / floor:.2f}")
+                self.log(f"{shape} fwd {c}: {ms:.3f} ms = {ms / floor:.2f}x floor")
+            except Exception as exc:  # noqa: BLE001
+                res["fwd"][c] = "error"
+                self.log(f"{shape} fwd {c} raised {type(exc).__name__}: {str(exc)[:300]}")
+                self.logf.write(traceback.format_exc())
+            self.free()
+        timed = {c: v for c, v in res["fwd"].items() if isinstance(v, float)}
+        best = min(timed, key=timed.get) if timed else None
+        # 2. fwd+bwd with the fastest forward, per backward candidate, and the fused backward
+        if not self.args.no_bwd:
+            train = [x.detach().clone().requires_grad_(r) for x, r in zip(xs, (False, False, True, True, True))]
+            for name, env, forced in bwd_variants():
+                if self.over():
+                    res["fwd_bwd"][name] = "budget"
+                    continue
+
+                def fb():
+                    loss = streamkl_gpu.indexer_kl(*train, lse=lse, reduction="mean", **kw)
+                    torch.autograd.grad(loss, train[2:])
+                try:
+                    with Env(env), Force(fwd=best, **forced):
+                        ms = self.time_ms(fb, reps=3 if self.args.quick else 10)
+                    res["fwd_bwd"][name] = ms
+                    self.record("fwd_bwd_ms", f"ours_lse fwd{list(best or ())} {name}", shape, f"{ms:.4f}", "ms",
+                                f"ratio {ms / floor:.2f}")
+                    self.log(f"{shape} fwd+bwd {name}: {ms:.3f} ms = {ms / floor:.2f}x floor")
+                except Exception as exc:  # noqa: BLE001
+                    res["fwd_bwd"][name] = "error"
+                    self.log(f"{shape} fwd+bwd {name} raised {type(exc).__name__}: {str(exc)[:300]}")
+                    self.logf.write(traceback.format_exc())
+                self.free()
+            del train
+        # 3. torch.compile of the materialised form (the targets' baseline)
+        if not self.args.no_compile and not self.args.tiny and N <= 8192:
+            passes = ("fwd", "fwd_bwd") if cname == "dsa" or not self.args.quick else ("fwd",)
+            for pss in passes:
+                if self.over():
+                    res["compile"][pss] = "budget"
+                    continue
+                try:
+                    res["compile"][pss] = ms = self.compiled_ms(xs, kw, pss)
+                    self.record(f"{pss}_ms", "compile", shape, f"{ms:.4f}", "ms", f"ratio {ms / floor:.2f}")
+                    self.log(f"{shape} torch.compile {pss}: {ms:.3f} ms")
+                except Exception as exc:  # noqa: BLE001
+                    res["compile"][pss] = "oom" if isinstance(exc, torch.cuda.OutOfMemoryError) else "error"
+                    self.log(f"{shape} torch.compile {pss} raised {type(exc).__name__}: {str(exc)[:300]}")
+                self.free()
+        del xs, lse
+        self.free()
+
+    def compiled_ms(self, xs, kw, pss, reps=3):
+        def loss_fn(q, k, qi, ki, w):
+            return indexer_kl_naive(q, k, qi, ki, w, compute_dtype=torch.float32, **kw).mean()
+        comp = torch.compile(loss_fn, fullgraph=True, dynamic=False)
+        if pss == "fwd":
+            def f():
+                with torch.no_grad():
+                    comp(*xs)
+        else:
+            train = [x.detach().clone().requires_grad_(r) for x, r in zip(xs, (False, False, True, True, True))]
+
+            def f():
+                torch.autograd.grad(comp(*train), train[2:])
+        if reps == 0:  # warm-up only: compile and run once
+            f()
+            return float("nan")
+        return self.time_ms(f, reps=reps)
+
+    def free(self):
+        import gc
+        gc.collect()
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
+
+    # ------------------------------------------------------------------------------------------
+    @staticmethod
+    def recorded_compile(cname, N, pss):
+        """torch.compile of the materialised form as measured last session (H200, same script
+        family: bench/indexer_gpu.py), for the speed-up column when this run skipped it."""
+        path = os.path.join(ROOT, "bench", "results", "h200_2026-12-01_final_indexer_timing_partial.csv")
+        try:
+            with open(path) as f:
+                for r in csv.DictReader(f):
+                    if (r["config"], int(r["n"]), r["provider"], r["pass"], r["status"]) == (cname, N, "compile", pss, "ok"):
+                        return float(r["ms"])
+        except (OSError, KeyError, ValueError):
+            pass
+        return None
+
+    def table(self, results):
+        print("\n== indexer_kl forward candidates, forced (causal, bf16, lse given) ==")
+        print(f"{'shape':18s} {'pass':8s} {'variant':52s} {'ms':>9s} {'x floor':>8s} {'x faster than compile':>22s}")
+        for (cname, N), res in results.items():
+            shape = f"{cname} N={N}"
+            floor = res["floor"]
+            for pss in ("fwd", "fwd_bwd"):
+                comp = res["compile"].get(pss)
+                if not isinstance(comp, float):
+                    rec = self.recorded_compile(cname, N, pss)
+                    if rec is not None:
+                        print(f"{shape:18s} {pss:8s} {'torch.compile: recorded (session 3, H200)':52s} {rec:9.3f} "
+                              f"{rec / floor:8.2f}")
+                        comp = rec
+                entries = sorted(res[pss].items(), key=lambda kv: kv[1] if isinstance(kv[1], float) else math.inf)
+                for name, ms in entries:
+                    label = f"fwd{list(name)}" if isinstance(name, tuple) else name
+                    if isinstance(ms, float):
+                        speed = f"{comp / ms:.1f}x" if isinstance(comp, float) else "-"
+                        print(f"{shape:18s} {pss:8s} {label:52s} {ms:9.3f} {ms / floor:8.2f} {speed:>22s}")
+                    else:
+                        print(f"{shape:18s} {pss:8s} {label:52s} {ms:>9s}")
+                got = res["compile"].get(pss)
+                if got is not None:
+                    txt = f"{got:9.3f} {got / floor:8.2f}" if isinstance(got, float) else f"{got:>9s}"
+                    print(f"{shape:18s} {pss:8s} {'torch.compile (materialised, this run)':52s} {txt}")
+        print(f"floor: forward matmul FLOPs (teacher + indexer, causal half) at {self.rate / 1e12:.0f} TFLOP/s; "
+              f"{self.failed} check(s) failed; {time.time() - self.t0:.0f} s")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.warm_job:
+        run_warm_job(args.warm_job, args.tiny)
+        return 0
+    bench = Bench(args)
+    import triton
+    bench.log(f"indexer perf: {torch.cuda.get_device_name() if bench.device == 'cuda' else 'cpu'}, "
+              f"torch {torch.__version__}, triton {triton.__version__}, quick={args.quick}")
+    os.environ["STREAMKL_AUTOTUNE"] = "1"
+    bench.matmul_rate()
+    configs = [c for c in args.configs.split(",") if c]
+    ns = [int(n) for n in args.ns.split(",")] if args.ns else ([32] if args.tiny else [8192] if args.quick else [8192, 16384])
+    if (bench.device == "cuda" or args.tiny_warm) and not args.no_warm:
+        try:
+            warm_up(bench, warm_jobs(args, configs, ns, bench.device), args.parallel or max(1, min(16, os.cpu_count() or 1)))
+        except Exception as exc:  # noqa: BLE001 - then the timing process compiles
+            bench.log(f"warm-up raised {type(exc).__name__}: {exc}")
+    results = {}
+    for cname in configs:
+        cfg = CONFIGS[cname]
+        if args.tiny:
+            cfg = tiny_config(cfg)
+        for N in ns:
+            try:
+                cands = fwd_candidates(cfg, N, bench.device)
+                ok_cfgs = bench.check_candidates(cname, cfg, cands)
+                if not args.no_bwd:
+                    bench.check_fwd_bwd(cname, cfg)
+            except Exception as exc:  # noqa: BLE001
+                bench.log(f"checks of {cname} raised {type(exc).__name__}: {exc}")
+                bench.logf.write(traceback.format_exc())
+                continue
+            try:
+                bench.bench_config(cname, cfg, N, cands, ok_cfgs, results)
+            except Exception as exc:  # noqa: BLE001
+                bench.log(f"{cname} N={N} raised {type(exc).__name__}: {exc}")
+                bench.logf.write(traceback.format_exc())
+            bench.free()
+    bench.table(results)
+    return 1 if bench.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

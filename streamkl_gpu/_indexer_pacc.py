@@ -1,0 +1,154 @@
+"""The indexer loss's forward that also accumulates the ``-p`` part of the gradient (issue 10).
+
+With a scalar reduction (``"sum"`` / ``"mean"``) the upstream gradient ``g`` is one number for
+every row, so ``G = g (softmax(I) - p)`` splits into a student part ``g softmax(I)`` (needs only
+the indexer: the backward's ``TEACHER=False`` kernels) and a target part ``-g p`` whose
+contractions do not depend on ``g`` beyond a factor:
+
+    dweights_p[j, t] = sum_s p relu(a_j),      dq_p[j, t] = sum_s p w_j 1[a_j > 0] k_idx[s],
+    dk_p[s]          = sum_{j, t} p w_j 1[a_j > 0] q_idx[j, t]         (no indicator: relu=False)
+
+This kernel is the forward (the online KL state of ``_indexer_fwd``) plus those three sums, so
+the teacher is read once per training step: the backward then subtracts ``g * (dq_p, dk_p,
+dweights_p)`` from the student part (``_indexer._loss_backward``). Extra memory: fp32 buffers of
+the gradients' sizes.
+
+Layout: one program per (block of BLOCK_T tokens, batch element); the teacher as in the forward
+(chunks of HB heads x BLOCK_T tokens, ``_teacher_target``); the indexer as in the backward's dq
+kernel: all GI_PAD heads of the one indexer key head (H_KI = 1: the host checks) x BLOCK_T tokens
+as the rows of one tile, q_idx rows and weights loaded once. dq_p and dweights_p stay in
+registers; each key tile's dk_p share is one fp32 atomic add of [BLOCK_N, D_I] into a zeroed
+buffer.
+
+NaN isolation as in the backward: in the masked stage the contraction operands (k_idx rows for
+dq_p, q_idx rows for dk_p) are set to 0 where non-finite, so what a row cannot see never reaches
+it as 0 * NaN.
+"""
+import triton
+import triton.language as tl
+
+from ._fwd import LOG2E, _dot, _key_stages
+from ._indexer_bwd import _coef_a, _finite_or_zero, _query_rows
+from ._indexer_fwd import _finish, _online_update, _teacher_target, _token_visible
+
+__all__ = ["LOG2E"]
+
+
+@triton.jit
+def _pacc_key_range(
+    m, l, mass, acc, plogp, dq_p, dw_p, q_rows, w_rows, row_ok,
+    Q, K, KI, Q_DESC, K_DESC, KI_DESC, LSE_T, DK_P,
+    stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_kib, stride_kin, stride_kid,
+    b, t0, lo, hi, H, GROUP, N_Q, N_K, qk_scale, inv_heads, n_chunks, chunks_per_group,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, DI: tl.constexpr, DI_PAD: tl.constexpr,
+    HB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
+    IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    ROWS: tl.constexpr = GI_PAD * BLOCK_T
+    diag_offset = N_K - N_Q
+    toks = t0 + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, DI_PAD)
+    b64 = b.to(tl.int64)
+    ki_base = KI + b64 * stride_kib
+    q_for_dk = q_rows
+    if MASKED:  # a non-finite query row must not reach the keys it cannot see through A^T @ q
+        q_for_dk = _finite_or_zero(q_rows)
+    for s0 in range(lo, hi, BLOCK_N):
+        keys = s0 + tl.arange(0, BLOCK_N)
+        p = _teacher_target(Q, K, Q_DESC, K_DESC, LSE_T, stride_qb, stride_qh, stride_qn, stride_qd,
+                            stride_kb, stride_kh, stride_kn, stride_kd,
+                            b, t0, s0, H, GROUP, N_Q, N_K, diag_offset, qk_scale, inv_heads,
+                            n_chunks, chunks_per_group, D, BLOCK_D, HB, BLOCK_T, BLOCK_N,
+                            MASKED, CAUSAL, IEEE_T, NO_CONTRACT, USE_TMA)
+        if USE_TMA:  # box [1, 1, BLOCK_N, DI_PAD]
+            k_tile = KI_DESC.load([b, 0, s0, 0]).reshape(BLOCK_N, DI_PAD)
+        else:
+            k_tile = tl.load(ki_base + keys.to(tl.int64)[:, None] * stride_kin + offs_d[None, :] * stride_kid,
+                             mask=(keys < N_K)[:, None] & (offs_d < DI)[None, :], other=0.0)
+        a = _dot(q_rows, tl.trans(k_tile), IEEE_I)  # [ROWS, BLOCK_N]: row r = j * BLOCK_T + t
+        if RELU:
+            act = tl.maximum(a, 0.0, propagate_nan=tl.PropagateNan.ALL)  # relu(NaN) stays NaN
+        else:
+            act = a
+        contrib = tl.where(row_ok[:, None], w_rows[:, None] * act, 0.0)
+        logits = tl.sum(tl.reshape(contrib, [GI_PAD, BLOCK_T, BLOCK_N]), axis=0)
+        visible = _token_visible(toks, keys, N_Q, N_K, diag_offset, MASKED, CAUSAL)
+        m, l, mass, acc, plogp = _online_update(m, l, mass, acc, plogp, p, logits, visible)
+        # the target part of G with g = 1, broadcast to the indexer rows (0 where not visible)
+        p_vis = tl.where(visible, p, 0.0)
+        p_rows = tl.reshape(tl.broadcast_to(p_vis[None, :, :], [GI_PAD, BLOCK_T, BLOCK_N]), [ROWS, BLOCK_N])
+        vis_rows = tl.reshape(tl.broadcast_to(visible[None, :, :], [GI_PAD, BLOCK_T, BLOCK_N]), [ROWS, BLOCK_N])
+        vis_rows = vis_rows & row_ok[:, None]
+        coef, dw_terms = _coef_a(p_rows, vis_rows, a, w_rows, RELU)
+        dw_p += tl.sum(dw_terms, 1)
+        k_for_dq = k_tile
+        if MASKED:  # a non-finite key that a row cannot see must not reach it through A @ k
+            k_for_dq = _finite_or_zero(k_tile)
+        dq_p += _dot(coef.to(k_tile.dtype), k_for_dq, IEEE_I)
+        dk_part = _dot(tl.trans(coef.to(q_rows.dtype)), q_for_dk, IEEE_I)  # [BLOCK_N, DI_PAD]
+        out = b64 * N_K + keys
+        tl.atomic_add(DK_P + out[:, None] * DI + offs_d[None, :], dk_part,
+                      mask=(keys < N_K)[:, None] & (offs_d < DI)[None, :])
+    return m, l, mass, acc, plogp, dq_p, dw_p
+
+
+@triton.jit
+def _indexer_fwd_pacc_kernel(
+    Q, K, QI, KI, W, LSE_T, KL, LSE_I, DQ_P, DW_P, DK_P,
+    Q_DESC, K_DESC, QI_DESC, KI_DESC,  # TMA descriptors of q, k, q_idx, k_idx (used when USE_TMA)
+    stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
+    stride_wb, stride_wh, stride_wn,
+    H, GROUP, H_I, N_Q, N_K, qk_scale, inv_heads, n_chunks, chunks_per_group,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, DI: tl.constexpr, DI_PAD: tl.constexpr,
+    HB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, RELU: tl.constexpr, IEEE_T: tl.constexpr, IEEE_I: tl.constexpr,
+    NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    """KL and LSE_I [B, N_Q] as ``_indexer_fwd_kernel``; dq_p [B, H_I, N_Q, D_I] and dweights_p
+    [B, H_I, N_Q] stored, dk_p [B, 1, N_K, D_I] added (fp32, contiguous; dk_p zeroed)."""
+    ROWS: tl.constexpr = GI_PAD * BLOCK_T
+    pid_t = tl.program_id(0)
+    b = tl.program_id(1)
+    t0 = pid_t * BLOCK_T
+    toks = t0 + tl.arange(0, BLOCK_T)
+    rows = tl.arange(0, ROWS)
+    tok = t0 + rows % BLOCK_T
+    j = rows // BLOCK_T
+    row_ok = (j < H_I) & (tok < N_Q)
+    b64 = b.to(tl.int64)
+    q_rows = _query_rows(QI, QI_DESC, b, 0, t0, j, tok, row_ok, stride_qib, stride_qih, stride_qin,
+                         stride_qid, DI, DI_PAD, ROWS, USE_TMA)
+    w_rows = tl.load(W + b64 * stride_wb + j.to(tl.int64) * stride_wh + tok.to(tl.int64) * stride_wn,
+                     mask=row_ok, other=0.0).to(tl.float32)
+    m = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_T], tl.float32)
+    mass = tl.zeros([BLOCK_T], tl.float32)
+    acc = tl.zeros([BLOCK_T], tl.float32)
+    plogp = tl.zeros([BLOCK_T], tl.float32)
+    dq_p = tl.zeros([ROWS, DI_PAD], tl.float32)
+    dw_p = tl.zeros([ROWS], tl.float32)
+    full_hi, key_hi = _key_stages(t0, 0, N_K, N_Q, N_K, BLOCK_T, BLOCK_N, CAUSAL)
+    m, l, mass, acc, plogp, dq_p, dw_p = _pacc_key_range(
+        m, l, mass, acc, plogp, dq_p, dw_p, q_rows, w_rows, row_ok, Q, K, KI, Q_DESC, K_DESC, KI_DESC, LSE_T, DK_P,
+        stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+        stride_kib, stride_kin, stride_kid, b, t0, 0, full_hi, H, GROUP, N_Q, N_K, qk_scale, inv_heads,
+        n_chunks, chunks_per_group, D, BLOCK_D, DI, DI_PAD, HB, GI_PAD, BLOCK_T, BLOCK_N,
+        False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA)
+    m, l, mass, acc, plogp, dq_p, dw_p = _pacc_key_range(
+        m, l, mass, acc, plogp, dq_p, dw_p, q_rows, w_rows, row_ok, Q, K, KI, Q_DESC, K_DESC, KI_DESC, LSE_T, DK_P,
+        stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+        stride_kib, stride_kin, stride_kid, b, t0, full_hi, key_hi, H, GROUP, N_Q, N_K, qk_scale, inv_heads,
+        n_chunks, chunks_per_group, D, BLOCK_D, DI, DI_PAD, HB, GI_PAD, BLOCK_T, BLOCK_N,
+        True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA)
+    kl, lse_i = _finish(m, l, acc, plogp)
+    ok = toks < N_Q
+    out = b64 * N_Q + toks
+    tl.store(KL + out, kl, mask=ok)
+    tl.store(LSE_I + out, lse_i, mask=ok)
+    offs_d = tl.arange(0, DI_PAD)
+    out_row = (b64 * H_I + j) * N_Q + tok
+    tl.store(DQ_P + out_row[:, None] * DI + offs_d[None, :], dq_p, mask=row_ok[:, None] & (offs_d < DI)[None, :])
+    tl.store(DW_P + out_row, dw_p, mask=row_ok)
