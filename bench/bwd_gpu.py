@@ -34,16 +34,19 @@ sys.path.insert(0, HERE)
 os.environ.setdefault("STREAMKL_TUNING_CACHE", "0")  # tune in this run (no stale on-disk choices)
 
 K = 1024
-# (name, bwd_mode, STREAMKL_BWD_VARIANT or None for the default candidate set)
-OLD = [("old-fused", "fused", "ptr"), ("old-separate", "separate", "ptr")]
-NEW_QUICK = [("tma+trans+fold+reduce/fused", "fused", "tma+trans+fold+reduce"),
-             ("tma+trans+reduce/fused", "fused", "tma+trans+reduce"),
-             ("tma+trans+fold/separate", "separate", "tma+trans+fold")]
-NEW_FULL = NEW_QUICK + [("tma+trans/fused", "fused", "tma+trans"),
-                        ("tma/separate", "separate", "tma"),
-                        ("tma+fold/separate", "separate", "tma+fold"),
-                        ("trans+fold/fused", "fused", "trans+fold"),
-                        ("auto", "auto", None)]
+# (name, bwd_mode, STREAMKL_BWD_VARIANT or None for the default candidate set, tuned): tuned = the
+# tuner times every tile config of that variant (_tuning.bwd_variant_candidates); untuned = its
+# first config (quick mode keeps compiles down: each tile config is one more compile per shape class)
+OLD = [("old-fused", "fused", "ptr", True), ("old-separate", "separate", "ptr", True)]
+NEW_QUICK = [("tma+trans+fold+reduce/fused", "fused", "tma+trans+fold+reduce", True),
+             ("tma+trans+reduce/fused", "fused", "tma+trans+reduce", False),
+             ("tma+trans+fold/separate", "separate", "tma+trans+fold", False)]
+NEW_FULL = [v[:3] + (True,) for v in NEW_QUICK] + [
+    ("tma+trans/fused", "fused", "tma+trans", True),
+    ("tma/separate", "separate", "tma", True),
+    ("tma+fold/separate", "separate", "tma+fold", True),
+    ("trans+fold/fused", "fused", "trans+fold", True),
+    ("auto", "auto", None, True)]
 SET_TRAIN = {"s1": ("q2", "k2"), "s2": ("q1", "k1"), "both": ("q1", "k1", "q2", "k2")}
 
 
@@ -73,7 +76,7 @@ class Run:
         self.H, self.D = (2, 32) if a.tiny else (32, 128)
         os.makedirs(a.out, exist_ok=True)
         self.rows = []
-        self.logf = open(os.path.join(a.out, "bwd_gpu.log" if not a._worker else f"worker_{os.getpid()}.log"), "a")
+        self.logf = open(os.path.join(a.out, "bwd_gpu.log") if not a._worker else os.devnull, "a")
         self.t0 = time.perf_counter()
         self.budget = a.budget_s if a.budget_s is not None else (95.0 if a.quick else 420.0)
 
@@ -109,17 +112,18 @@ class Run:
         d["g"] = torch.randn((1, H, NQ), generator=gen, device=self.dev, dtype=torch.float32)
         return d
 
-    def ours_fb(self, d, causal, setting, mode, variant):
+    def ours_fb(self, d, causal, setting, mode, variant, tuned=False):
         """Gradients of the trained side through attention_kl with ``variant`` forced."""
         torch = self.torch
         set_variant(variant)
+        os.environ["STREAMKL_AUTOTUNE"] = "1" if tuned else "0"
         x = {n: d[n].detach().requires_grad_(n in SET_TRAIN[setting]) for n in ("q1", "k1", "q2", "k2")}
         kl = self.ak(x["q1"], x["k1"], x["q2"], x["k2"], causal=causal, bwd_mode=mode)
         return torch.autograd.grad(kl, [x[n] for n in SET_TRAIN[setting]], d["g"])
 
     def sync(self):
         if not self.a.tiny:
-            self.self.sync()
+            self.torch.cuda.synchronize()
 
     def bench(self, fn, n):
         if self.a.tiny:  # CPU smoke run: one timed call
@@ -163,7 +167,7 @@ class Run:
             ref = torch.autograd.grad(kl64, [x64[n] for n in req], d["g"].double())
             old_err = None
             results = {}
-            for vname, mode, variant in self.check_variants():
+            for vname, mode, variant, _ in self.check_variants():
                 try:
                     gr = self.ours_fb(d, causal, setting, mode, variant)
                     self.sync()
@@ -195,7 +199,6 @@ class Run:
 
     def run_timing(self):
         torch = self.torch
-        F = torch.nn.functional
         H, D = self.H, self.D
         bwd = {}  # (shape, provider) -> ms
         for n in self.ns:
@@ -216,36 +219,41 @@ class Run:
                     self.log(f"{shape:14s} sdpa fwd {t_f:.3f} fwd+bwd {t_fb:.3f} bwd {t_fb - t_f:.3f} ms")
                 except Exception as exc:
                     self.log(f"{shape} sdpa: ERROR {type(exc).__name__}: {str(exc)[:300]}")
-                set_variant("ptr")
-                t_fwd = self.bench(lambda: self.ak(d["q1"], d["k1"], d["q2"], d["k2"], causal=causal), n)
-                self.row("fwd", "ours", shape, t_fwd, "ms")
+                # the forward alone, tuned and untuned (each fwd+bwd subtracts the one it ran with)
+                fwd_ms = {}
+                for tuned in sorted({v[3] for v in self.variants}, reverse=True):
+                    os.environ["STREAMKL_AUTOTUNE"] = "1" if tuned else "0"
+                    fwd_ms[tuned] = self.bench(
+                        lambda: self.ak(d["q1"], d["k1"], d["q2"], d["k2"], causal=causal), n)
+                    self.row("fwd", "ours" if tuned else "ours(untuned)", shape, fwd_ms[tuned], "ms")
                 for setting in self.settings:
                     sshape = f"{shape} {setting}"
                     base = None
-                    for vname, mode, variant in self.variants:
+                    for vname, mode, variant, tuned in self.variants:
                         if self.left() < 0:
                             self.log(f"{sshape} {vname}: skipped (budget)")
                             self.row("bwd", vname, sshape, float("nan"), "ms", "skipped(budget)")
                             continue
                         try:
-                            gr = self.ours_fb(d, causal, setting, mode, variant)  # compiles / tunes
+                            gr = self.ours_fb(d, causal, setting, mode, variant, tuned)  # compiles / tunes
                             self.sync()
                             if base is None and vname == "old-fused":
                                 base = gr
                             diff = max(rel(a, b) for a, b in zip(gr, base)) if base is not None else float("nan")
                             del gr
-                            t = self.bench(lambda: self.ours_fb(d, causal, setting, mode, variant), n)
-                            b_ms = t - t_fwd
+                            t = self.bench(lambda: self.ours_fb(d, causal, setting, mode, variant, tuned), n)
+                            b_ms = t - fwd_ms[tuned]
                             bwd[(sshape, vname)] = b_ms
                             sd = bwd.get((shape, "sdpa"))
-                            note = f"vs_old_fused_grad={diff:.2e} plan={plan_of(variant, mode)}"
+                            plan = plan_of(variant, mode, tuned)
+                            note = f"vs_old_fused_grad={diff:.2e} plan={plan}"
                             self.row("fwd+bwd", vname, sshape, t, "ms", note)
                             self.row("bwd", vname, sshape, b_ms, "ms", note)
                             if sd:
                                 self.row("bwd_ratio_sdpa", vname, sshape, b_ms / sd, "x")
                             self.log(f"{sshape:17s} {vname:30s} fwd+bwd {t:8.3f} bwd {b_ms:8.3f} ms"
                                      f"{'' if not sd else f' = {b_ms / sd:.2f}x sdpa'}  grad vs old {diff:.1e}"
-                                     f"  {plan_of(variant, mode)}")
+                                     f"  {plan}")
                         except Exception as exc:
                             self.row("bwd", vname, sshape, float("nan"), "ms", f"ERROR {type(exc).__name__}")
                             self.log(f"{sshape} {vname}: ERROR {type(exc).__name__}: {str(exc)[:400]}")
@@ -254,8 +262,11 @@ class Run:
                 del d
                 if not self.a.tiny:
                     torch.cuda.empty_cache()
-        if not self.a.no_compile:
-            self.time_compile(bwd)
+            if n == 8 * K and not self.a.no_compile:  # the issue's torch.compile target is at 8K
+                if self.left() > 10:
+                    self.time_compile(bwd)
+                else:
+                    self.log("torch.compile: skipped (budget)")
         return bwd
 
     def time_compile(self, bwd):
@@ -324,11 +335,11 @@ def set_variant(v):
         os.environ["STREAMKL_BWD_VARIANT"] = v
 
 
-def plan_of(variant, mode):
+def plan_of(variant, mode, tuned):
     """The (mode, dK config, dQ config) the last plan under ``variant`` chose (what was timed)."""
     from streamkl_gpu import _launch
     got = [p for sig, p in _launch._PLANS.items() if sig[0] == "bwd" and sig[2][-1] == variant
-           and sig[2][3] == mode]
+           and sig[2][3] == mode and sig[3][0] == ("1" if tuned else "0")]
     return "/".join(map(str, got[-1])).replace(" ", "") if got else "?"
 
 
@@ -356,6 +367,17 @@ def prewarm_jobs(r):
     return jobs
 
 
+def job_cost(r, j):
+    """Estimated compiles of a prewarm job (tile configs the tuner tries, both kernels if separate)."""
+    if j["t"] == "compile":
+        return 8.0
+    if j["t"] == "check":
+        return 2.0 if r.check_variants()[j["v"]][1] == "separate" else 1.0
+    _, mode, variant, tuned = r.variants[j["v"]]
+    per_kernel = (2 if variant == "ptr" else 3) if tuned else 1
+    return 1.0 + per_kernel * (2 if mode != "fused" else 1)
+
+
 def worker(r, jobfile):
     with open(jobfile) as f:
         jobs = json.load(f)
@@ -364,22 +386,23 @@ def worker(r, jobfile):
         try:
             if j["t"] == "check":
                 (name, H, HK1, HK2, NQ, NK, D1, D2, dt, causal, setting) = r.check_cases()[j["i"]]
-                vname, mode, variant = r.check_variants()[j["v"]]
+                vname, mode, variant, _ = r.check_variants()[j["v"]]
                 d = r.inputs(H, NQ, NK, D1, D2, dt, HK1, HK2)
                 r.ours_fb(d, causal, setting, mode, variant)
             elif j["t"] == "fb":
-                vname, mode, variant = r.variants[j["v"]]
+                vname, mode, variant, tuned = r.variants[j["v"]]
                 n = 64 if r.a.tiny else 2048
                 d = r.inputs(r.H, n, n, r.D, r.D, r.torch.bfloat16)
+                os.environ["STREAMKL_AUTOTUNE"] = "1"  # the tuned forward's candidates too
                 r.ak(d["q1"], d["k1"], d["q2"], d["k2"], causal=j["causal"])
-                r.ours_fb(d, j["causal"], j["setting"], mode, variant)
+                r.ours_fb(d, j["causal"], j["setting"], mode, variant, tuned)
             elif j["t"] == "compile":
                 d = r.inputs(32, 8 * K, 8 * K, 128, 128, r.torch.bfloat16)
                 comp = r.prov.compiled_kl()
                 d2 = {k: (v.detach().requires_grad_(k in SET_TRAIN["s1"]) if k != "g" else v) for k, v in d.items()}
                 r.prov.f_eager_fb(False, "s1", comp)(d2)
                 r.prov.f_eager_fwd(False, comp)(d)
-            self.sync()
+            r.sync()
             print(f"JOB ok {json.dumps(j)} {time.perf_counter() - t:.1f}s", flush=True)
         except Exception as exc:
             print(f"JOB fail {json.dumps(j)} {type(exc).__name__}: {str(exc)[:300]}", flush=True)
@@ -393,8 +416,11 @@ def prewarm(r, limit_s):
     n = r.a.workers or max(1, min(15, (os.cpu_count() or 4) - 2))
     n = min(n, len(jobs))
     plans = [[] for _ in range(n)]
-    for i, j in enumerate(jobs):
-        plans[i % n].append(j)
+    loads = [0.0] * n
+    for est, j in sorted(((job_cost(r, j), j) for j in jobs), key=lambda x: -x[0]):  # longest first
+        w = loads.index(min(loads))
+        plans[w].append(j)
+        loads[w] += est
     procs = []
     tmp = os.path.join(r.a.out, "prewarm")
     os.makedirs(tmp, exist_ok=True)
