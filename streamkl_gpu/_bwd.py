@@ -66,34 +66,83 @@ def _finite(x):
 
 
 @triton.jit
+def _along_rows(v, TRANS: tl.constexpr):
+    """A per-query-row vector broadcast over a tile: rows are dim 0, or dim 1 if TRANS (key-major)."""
+    if TRANS:
+        out = v[None, :]
+    else:
+        out = v[:, None]
+    return out
+
+
+@triton.jit
 def _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, kl_bits, g, offs_m, cols, N_K, diag_offset,
              qk_scale1, qk_scale2, scale1, scale2,
              MASKED: tl.constexpr, CAUSAL: tl.constexpr, TRAIN1: tl.constexpr, TRAIN2: tl.constexpr,
-             IEEE1: tl.constexpr, IEEE2: tl.constexpr):
-    """dS1 (if TRAIN1) and dS2 (if TRAIN2) of one [BLOCK_M, BLOCK_N] tile, sigma and g folded in."""
-    s1 = _dot(q1, tl.trans(k1), IEEE1)
-    s2 = _dot(q2, tl.trans(k2), IEEE2)
+             IEEE1: tl.constexpr, IEEE2: tl.constexpr,
+             TRANS: tl.constexpr = False, FOLD: tl.constexpr = False, ROW_SCALE: tl.constexpr = True):
+    """dS1 (if TRAIN1) and dS2 (if TRAIN2) of one [BLOCK_M, BLOCK_N] tile, sigma and g folded in.
+
+    TRANS: the tile is computed key-major, dS^T [BLOCK_N, BLOCK_M] (S^T = K Q^T), so that dK += dS^T Q
+    takes dS^T straight from registers (the wgmma A operand), as FlashAttention's dK/dV loop.
+    FOLD: the same formulas in fewer fp32 ops per score (per-row constants formed once per tile):
+        setting 2:  ds1 = P1 * (s1*a1 - (s2*a2 + r1)),  a_t = c1 * qk_scale_t,  r1 = c1 * (lse1 - lse2 + KL)
+        (c1 = g * sigma1 * ln2; 2 FFMA + 1 FMUL instead of 2 FFMA + 2 FADD + 2 FMUL)
+    ROW_SCALE=False (FOLD only): the per-row factor (g * sigma_t, times ln2 for side 1) is left out,
+    for a caller that applies it once to its dQ rows after the key loop (the dQ kernel).
+    """
+    if TRANS:
+        s1 = _dot(k1, tl.trans(q1), IEEE1)
+        s2 = _dot(k2, tl.trans(q2), IEEE2)
+    else:
+        s1 = _dot(q1, tl.trans(k1), IEEE1)
+        s2 = _dot(q2, tl.trans(k2), IEEE2)
     # log2 P_t = s_t * sigma_t * log2(e) - lse_t (bits; one FFMA, the forward's fold)
-    x1 = s1 * qk_scale1 - lse1_bits[:, None]
-    x2 = s2 * qk_scale2 - lse2_bits[:, None]
-    if TRAIN1:
-        # (S1 - S2) - (LSE1 - LSE2) - KL = log P1 - log P2 - KL, formed from logits and saved LSEs
-        # (never log of a probability), before masking: finite
-        log_ratio = x1 - x2 - kl_bits[:, None]
+    x1 = s1 * qk_scale1 - _along_rows(lse1_bits, TRANS)
+    if FOLD:
+        if TRAIN1:
+            # (x1 - x2 - KL) * c1 with the row terms summed first: lse1 - lse2 + KL is a row constant
+            row1 = lse1_bits - lse2_bits + kl_bits
+            if ROW_SCALE:
+                c1 = g * (scale1 * LN2)
+                log_ratio = (s1 * _along_rows(c1 * qk_scale1, TRANS)
+                             - (s2 * _along_rows(c1 * qk_scale2, TRANS) + _along_rows(c1 * row1, TRANS)))
+            else:
+                log_ratio = s1 * qk_scale1 - (s2 * qk_scale2 + _along_rows(row1, TRANS))
+        if TRAIN2:
+            x2 = s2 * qk_scale2 - _along_rows(lse2_bits, TRANS)
+    else:
+        x2 = s2 * qk_scale2 - _along_rows(lse2_bits, TRANS)
+        if TRAIN1:
+            # (S1 - S2) - (LSE1 - LSE2) - KL = log P1 - log P2 - KL, formed from logits and saved LSEs
+            # (never log of a probability), before masking: finite
+            log_ratio = x1 - x2 - _along_rows(kl_bits, TRANS)
     if MASKED:
-        visible = cols[None, :] < N_K
-        if CAUSAL:
-            visible = visible & (cols[None, :] <= offs_m[:, None] + diag_offset)
+        if TRANS:
+            visible = cols[:, None] < N_K
+            if CAUSAL:
+                visible = visible & (cols[:, None] <= offs_m[None, :] + diag_offset)
+        else:
+            visible = cols[None, :] < N_K
+            if CAUSAL:
+                visible = visible & (cols[None, :] <= offs_m[:, None] + diag_offset)
         x1 = tl.where(visible, x1, float("-inf"))
-        x2 = tl.where(visible, x2, float("-inf"))
+        if TRAIN2:
+            x2 = tl.where(visible, x2, float("-inf"))
     p1 = tl.exp2(x1)
     ds1 = p1
     ds2 = p1
     if TRAIN2:
         p2 = tl.exp2(x2)
-        ds2 = (p2 - p1) * (g * scale2)[:, None]
+        if FOLD and not ROW_SCALE:
+            ds2 = p2 - p1
+        else:
+            ds2 = (p2 - p1) * _along_rows(g * scale2, TRANS)
     if TRAIN1:
-        ds1 = p1 * log_ratio * (g * (scale1 * LN2))[:, None]
+        if FOLD:
+            ds1 = p1 * log_ratio
+        else:
+            ds1 = p1 * log_ratio * _along_rows(g * (scale1 * LN2), TRANS)
     if MASKED:  # select, never multiply: 0 * NaN = NaN (an invisible key's score, a NaN row's g)
         ds1 = tl.where(visible, ds1, 0.0)
         ds2 = tl.where(visible, ds2, 0.0)
@@ -101,17 +150,30 @@ def _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, kl_bits, g, offs_m, cols, N_K
 
 
 @triton.jit
-def _dk_dq_side(dk, ds, q, k, dq_ptrs, dq_mask, MASKED: tl.constexpr, FUSED_DQ: tl.constexpr,
-                IEEE: tl.constexpr):
-    """One side's share of a tile: dK += dS^T Q in registers; with FUSED_DQ, dQ += dS K by atomics."""
+def _dk_dq_side(dk, ds, q, k, dq_ptrs, dq_mask, dq_desc, tma_b, h, start_m,
+                MASKED: tl.constexpr, FUSED_DQ: tl.constexpr, IEEE: tl.constexpr,
+                TRANS: tl.constexpr = False, DQ_REDUCE: tl.constexpr = False):
+    """One side's share of a tile: dK += dS^T Q in registers; with FUSED_DQ, dQ += dS K by atomics
+    (per element, or with DQ_REDUCE one TMA bulk reduce-add of the whole [BLOCK_M, D] tile; rows
+    past N_Q and dims past D fall outside the descriptor and are dropped). TRANS: ``ds`` holds dS^T."""
     ds = ds.to(q.dtype)  # the tensor-core operand precision, as FlashAttention's backward
     if MASKED:  # a NaN query row must not reach the dK of keys it cannot see
         q = _finite(q)
-    dk += _dot(tl.trans(ds), q, IEEE)
+    if TRANS:
+        dk += _dot(ds, q, IEEE)
+    else:
+        dk += _dot(tl.trans(ds), q, IEEE)
     if FUSED_DQ:
         if MASKED:  # nor a NaN key the dQ of rows that cannot see it
             k = _finite(k)
-        tl.atomic_add(dq_ptrs, _dot(ds, k, IEEE), mask=dq_mask, sem="relaxed")
+        if TRANS:
+            dq = _dot(tl.trans(ds), k, IEEE)
+        else:
+            dq = _dot(ds, k, IEEE)
+        if DQ_REDUCE:
+            dq_desc.atomic_add([tma_b, h, start_m, 0], dq.reshape(1, 1, dq.shape[0], dq.shape[1]))
+        else:
+            tl.atomic_add(dq_ptrs, dq, mask=dq_mask, sem="relaxed")
     return dk
 
 
@@ -124,6 +186,8 @@ def _dk_query_range(
     BLOCK_M: tl.constexpr, D1_PAD: tl.constexpr, D2_PAD: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, TRAIN1: tl.constexpr, TRAIN2: tl.constexpr,
     FUSED_DQ: tl.constexpr, IEEE1: tl.constexpr, IEEE2: tl.constexpr,
+    q1_desc, q2_desc, dq1_desc, dq2_desc, tma_b, h,
+    USE_TMA: tl.constexpr, TRANS: tl.constexpr, FOLD: tl.constexpr, DQ_REDUCE: tl.constexpr,
 ):
     offs_d1 = tl.arange(0, D1_PAD)
     offs_d2 = tl.arange(0, D2_PAD)
@@ -131,20 +195,26 @@ def _dk_query_range(
         offs_m = start_m + tl.arange(0, BLOCK_M)
         row_ok = offs_m < N_Q
         rows64 = offs_m.to(tl.int64)
-        q1 = tl.load(Q1 + rows64[:, None] * stride_q1n + offs_d1[None, :] * stride_q1d,
-                     mask=row_ok[:, None] & (offs_d1[None, :] < D1), other=0.0)
-        q2 = tl.load(Q2 + rows64[:, None] * stride_q2n + offs_d2[None, :] * stride_q2d,
-                     mask=row_ok[:, None] & (offs_d2[None, :] < D2), other=0.0)
+        if USE_TMA:  # rows past N_Q and dims past D arrive as zeros, as the masked loads give
+            q1 = q1_desc.load([tma_b, h, start_m, 0]).reshape(BLOCK_M, D1_PAD)
+            q2 = q2_desc.load([tma_b, h, start_m, 0]).reshape(BLOCK_M, D2_PAD)
+        else:
+            q1 = tl.load(Q1 + rows64[:, None] * stride_q1n + offs_d1[None, :] * stride_q1d,
+                         mask=row_ok[:, None] & (offs_d1[None, :] < D1), other=0.0)
+            q2 = tl.load(Q2 + rows64[:, None] * stride_q2n + offs_d2[None, :] * stride_q2d,
+                         mask=row_ok[:, None] & (offs_d2[None, :] < D2), other=0.0)
         lse1_bits, lse2_bits, kl_bits, g = _row_consts(LSE1, LSE2, KL, G, row_base + offs_m * row_step, row_ok)
         ds1, ds2 = _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, kl_bits, g, offs_m, cols, N_K,
                             diag_offset, qk_scale1, qk_scale2, scale1, scale2,
-                            MASKED, CAUSAL, TRAIN1, TRAIN2, IEEE1, IEEE2)
+                            MASKED, CAUSAL, TRAIN1, TRAIN2, IEEE1, IEEE2, TRANS, FOLD, True)
         if TRAIN1:
             dk1 = _dk_dq_side(dk1, ds1, q1, k1, DQ1 + rows64[:, None] * stride_dq1n + offs_d1[None, :],
-                              row_ok[:, None] & (offs_d1[None, :] < D1), MASKED, FUSED_DQ, IEEE1)
+                              row_ok[:, None] & (offs_d1[None, :] < D1), dq1_desc, tma_b, h, start_m,
+                              MASKED, FUSED_DQ, IEEE1, TRANS, DQ_REDUCE)
         if TRAIN2:
             dk2 = _dk_dq_side(dk2, ds2, q2, k2, DQ2 + rows64[:, None] * stride_dq2n + offs_d2[None, :],
-                              row_ok[:, None] & (offs_d2[None, :] < D2), MASKED, FUSED_DQ, IEEE2)
+                              row_ok[:, None] & (offs_d2[None, :] < D2), dq2_desc, tma_b, h, start_m,
+                              MASKED, FUSED_DQ, IEEE2, TRANS, DQ_REDUCE)
     return dk1, dk2
 
 
@@ -167,6 +237,13 @@ def _kl_bwd_dk_kernel(
     DK1_ATOMIC: tl.constexpr, DK2_ATOMIC: tl.constexpr, IEEE1: tl.constexpr, IEEE2: tl.constexpr,
     CU_SEQLENS_Q=None, CU_SEQLENS_K=None,  # int32 [batch + 1] (used when VARLEN)
     VARLEN: tl.constexpr = False,
+    # TMA descriptors (USE_TMA; never with VARLEN): q*/k* as [B, H(_K), N, D] with blocks
+    # [1, 1, BLOCK_M or BLOCK_N, D_PAD]; dq* (DQ_REDUCE) of the fp32 dQ buffers, blocks [1, 1, BLOCK_M, D_PAD]
+    Q1_DESC=None, K1_DESC=None, Q2_DESC=None, K2_DESC=None, DQ1_DESC=None, DQ2_DESC=None,
+    USE_TMA: tl.constexpr = False,  # every operand tile through TMA descriptors
+    TRANS: tl.constexpr = False,  # key-major tiles (dS^T in registers for dK += dS^T Q)
+    FOLD: tl.constexpr = False,  # fewer fp32 ops per score (see _tile_ds)
+    DQ_REDUCE: tl.constexpr = False,  # fused dQ by TMA bulk reduce-add (needs FUSED_DQ)
 ):
     # VARLEN: as in _kl_fwd_kernel (b is the sequence, N_Q/N_K the totals, [total, H, D] tensors
     # as [1, H, total, D] views); the grid covers the longest sequence's key tiles.
@@ -192,12 +269,16 @@ def _kl_bwd_dk_kernel(
     off_dq1, off_dk1 = _batch_offsets(b, q_lo, k_lo, stride_dq1b, stride_dq1n, stride_dk1b, stride_dk1n, VARLEN)
     off_dq2, off_dk2 = _batch_offsets(b, q_lo, k_lo, stride_dq2b, stride_dq2n, stride_dk2b, stride_dk2n, VARLEN)
 
-    k1 = tl.load(K1 + off_k1 + kh1.to(tl.int64) * stride_k1h
-                 + cols64[:, None] * stride_k1n + offs_d1[None, :] * stride_k1d,
-                 mask=col_ok[:, None] & (offs_d1[None, :] < D1), other=0.0)
-    k2 = tl.load(K2 + off_k2 + kh2.to(tl.int64) * stride_k2h
-                 + cols64[:, None] * stride_k2n + offs_d2[None, :] * stride_k2d,
-                 mask=col_ok[:, None] & (offs_d2[None, :] < D2), other=0.0)
+    if USE_TMA:  # keys past N_K and dims past D arrive as zeros
+        k1 = K1_DESC.load([b, kh1, start_n, 0]).reshape(BLOCK_N, D1_PAD)
+        k2 = K2_DESC.load([b, kh2, start_n, 0]).reshape(BLOCK_N, D2_PAD)
+    else:
+        k1 = tl.load(K1 + off_k1 + kh1.to(tl.int64) * stride_k1h
+                     + cols64[:, None] * stride_k1n + offs_d1[None, :] * stride_k1d,
+                     mask=col_ok[:, None] & (offs_d1[None, :] < D1), other=0.0)
+        k2 = tl.load(K2 + off_k2 + kh2.to(tl.int64) * stride_k2h
+                     + cols64[:, None] * stride_k2n + offs_d2[None, :] * stride_k2d,
+                     mask=col_ok[:, None] & (offs_d2[None, :] < D2), other=0.0)
     dk1 = tl.zeros([BLOCK_N, D1_PAD], tl.float32)
     dk2 = tl.zeros([BLOCK_N, D2_PAD], tl.float32)
 
@@ -222,21 +303,24 @@ def _kl_bwd_dk_kernel(
         q1_base, q2_base, dq1_base, dq2_base, LSE1, LSE2, KL, G, row_base, row_step,
         stride_q1n, stride_q1d, stride_q2n, stride_q2d, stride_dq1n, stride_dq2n,
         N_Q, N_K, D1, D2, diag_offset, qk_scale1, qk_scale2, scale1, scale2,
-        BLOCK_M, D1_PAD, D2_PAD, True, CAUSAL, TRAIN1, TRAIN2, FUSED_DQ, IEEE1, IEEE2)
+        BLOCK_M, D1_PAD, D2_PAD, True, CAUSAL, TRAIN1, TRAIN2, FUSED_DQ, IEEE1, IEEE2,
+        Q1_DESC, Q2_DESC, DQ1_DESC, DQ2_DESC, b, h, USE_TMA, TRANS, FOLD, DQ_REDUCE)
     if start_n + BLOCK_N <= N_K:
         dk1, dk2 = _dk_query_range(
             dk1, dk2, k1, k2, start_n, cols, m_full, N_Q,
             q1_base, q2_base, dq1_base, dq2_base, LSE1, LSE2, KL, G, row_base, row_step,
             stride_q1n, stride_q1d, stride_q2n, stride_q2d, stride_dq1n, stride_dq2n,
             N_Q, N_K, D1, D2, diag_offset, qk_scale1, qk_scale2, scale1, scale2,
-            BLOCK_M, D1_PAD, D2_PAD, False, CAUSAL, TRAIN1, TRAIN2, FUSED_DQ, IEEE1, IEEE2)
+            BLOCK_M, D1_PAD, D2_PAD, False, CAUSAL, TRAIN1, TRAIN2, FUSED_DQ, IEEE1, IEEE2,
+            Q1_DESC, Q2_DESC, DQ1_DESC, DQ2_DESC, b, h, USE_TMA, TRANS, FOLD, DQ_REDUCE)
     else:  # the ragged last key tile: keys past N_K must be masked out of every query tile
         dk1, dk2 = _dk_query_range(
             dk1, dk2, k1, k2, start_n, cols, m_full, N_Q,
             q1_base, q2_base, dq1_base, dq2_base, LSE1, LSE2, KL, G, row_base, row_step,
             stride_q1n, stride_q1d, stride_q2n, stride_q2d, stride_dq1n, stride_dq2n,
             N_Q, N_K, D1, D2, diag_offset, qk_scale1, qk_scale2, scale1, scale2,
-            BLOCK_M, D1_PAD, D2_PAD, True, CAUSAL, TRAIN1, TRAIN2, FUSED_DQ, IEEE1, IEEE2)
+            BLOCK_M, D1_PAD, D2_PAD, True, CAUSAL, TRAIN1, TRAIN2, FUSED_DQ, IEEE1, IEEE2,
+            Q1_DESC, Q2_DESC, DQ1_DESC, DQ2_DESC, b, h, USE_TMA, TRANS, FOLD, DQ_REDUCE)
 
     if TRAIN1:
         if DK1_ATOMIC:  # GQA: add into the shared key head's fp32 buffer
@@ -262,6 +346,8 @@ def _dq_key_range(
     BLOCK_N: tl.constexpr, D1_PAD: tl.constexpr, D2_PAD: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, TRAIN1: tl.constexpr, TRAIN2: tl.constexpr,
     IEEE1: tl.constexpr, IEEE2: tl.constexpr,
+    k1_desc, k2_desc, tma_b, kh1, kh2,
+    USE_TMA: tl.constexpr, FOLD: tl.constexpr,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     offs_d1 = tl.arange(0, D1_PAD)
@@ -270,15 +356,19 @@ def _dq_key_range(
     k2_ptrs += lo.to(tl.int64) * stride_k2n
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        if MASKED:
+        if USE_TMA:  # keys past N_K and dims past D arrive as zeros
+            k1 = k1_desc.load([tma_b, kh1, start_n, 0]).reshape(BLOCK_N, D1_PAD)
+            k2 = k2_desc.load([tma_b, kh2, start_n, 0]).reshape(BLOCK_N, D2_PAD)
+        elif MASKED:
             k1 = tl.load(k1_ptrs, mask=(cols[:, None] < N_K) & (offs_d1[None, :] < D1), other=0.0)
             k2 = tl.load(k2_ptrs, mask=(cols[:, None] < N_K) & (offs_d2[None, :] < D2), other=0.0)
         else:  # whole tiles: bounds masks only on padded head dims
             k1 = tl.load(k1_ptrs, mask=offs_d1[None, :] < D1, other=0.0)
             k2 = tl.load(k2_ptrs, mask=offs_d2[None, :] < D2, other=0.0)
+        # FOLD: the per-row factors g * sigma (* ln2) wait for the end of the key loop (the caller)
         ds1, ds2 = _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, kl_bits, g, offs_m, cols, N_K,
                             diag_offset, qk_scale1, qk_scale2, scale1, scale2,
-                            MASKED, CAUSAL, TRAIN1, TRAIN2, IEEE1, IEEE2)
+                            MASKED, CAUSAL, TRAIN1, TRAIN2, IEEE1, IEEE2, False, FOLD, not FOLD)
         if MASKED:  # a NaN/inf key must not reach the dQ of rows that cannot see it
             k1 = _finite(k1)
             k2 = _finite(k2)
@@ -307,6 +397,10 @@ def _kl_bwd_dq_kernel(
     IEEE1: tl.constexpr, IEEE2: tl.constexpr,
     CU_SEQLENS_Q=None, CU_SEQLENS_K=None,  # int32 [batch + 1] (used when VARLEN)
     VARLEN: tl.constexpr = False,
+    # TMA descriptors (USE_TMA; never with VARLEN), as in _kl_bwd_dk_kernel
+    Q1_DESC=None, K1_DESC=None, Q2_DESC=None, K2_DESC=None,
+    USE_TMA: tl.constexpr = False,  # every operand tile through TMA descriptors
+    FOLD: tl.constexpr = False,  # fewer fp32 ops per score; the row factors applied once to dQ
 ):
     # VARLEN: as in _kl_fwd_kernel
     pid_m = tl.program_id(0)
@@ -325,19 +419,25 @@ def _kl_bwd_dq_kernel(
     row_ok = offs_m < N_Q
     rows64 = offs_m.to(tl.int64)
     h64 = h.to(tl.int64)
+    kh1 = h // GROUP1
+    kh2 = h // GROUP2
     off_q1, off_k1 = _batch_offsets(b, q_lo, k_lo, stride_q1b, stride_q1n, stride_k1b, stride_k1n, VARLEN)
     off_q2, off_k2 = _batch_offsets(b, q_lo, k_lo, stride_q2b, stride_q2n, stride_k2b, stride_k2n, VARLEN)
     off_dq1, off_dq2 = _batch_offsets(b, q_lo, q_lo, stride_dq1b, stride_dq1n, stride_dq2b, stride_dq2n, VARLEN)
 
-    q1 = tl.load(Q1 + off_q1 + h64 * stride_q1h + rows64[:, None] * stride_q1n + offs_d1[None, :] * stride_q1d,
-                 mask=row_ok[:, None] & (offs_d1[None, :] < D1), other=0.0)
-    q2 = tl.load(Q2 + off_q2 + h64 * stride_q2h + rows64[:, None] * stride_q2n + offs_d2[None, :] * stride_q2d,
-                 mask=row_ok[:, None] & (offs_d2[None, :] < D2), other=0.0)
+    if USE_TMA:  # rows past N_Q and dims past D arrive as zeros
+        q1 = Q1_DESC.load([b, h, start_m, 0]).reshape(BLOCK_M, D1_PAD)
+        q2 = Q2_DESC.load([b, h, start_m, 0]).reshape(BLOCK_M, D2_PAD)
+    else:
+        q1 = tl.load(Q1 + off_q1 + h64 * stride_q1h + rows64[:, None] * stride_q1n + offs_d1[None, :] * stride_q1d,
+                     mask=row_ok[:, None] & (offs_d1[None, :] < D1), other=0.0)
+        q2 = tl.load(Q2 + off_q2 + h64 * stride_q2h + rows64[:, None] * stride_q2n + offs_d2[None, :] * stride_q2d,
+                     mask=row_ok[:, None] & (offs_d2[None, :] < D2), other=0.0)
     row_base, row_step = _row_layout(pid_bh, h, H, q_lo, N_Q, VARLEN)
     lse1_bits, lse2_bits, kl_bits, g = _row_consts(LSE1, LSE2, KL, G, row_base + offs_m * row_step, row_ok)
-    k1_ptrs = (K1 + off_k1 + (h // GROUP1).to(tl.int64) * stride_k1h
+    k1_ptrs = (K1 + off_k1 + kh1.to(tl.int64) * stride_k1h
                + offs_n[:, None] * stride_k1n + offs_d1[None, :] * stride_k1d)
-    k2_ptrs = (K2 + off_k2 + (h // GROUP2).to(tl.int64) * stride_k2h
+    k2_ptrs = (K2 + off_k2 + kh2.to(tl.int64) * stride_k2h
                + offs_n[:, None] * stride_k2n + offs_d2[None, :] * stride_k2d)
     dq1 = tl.zeros([BLOCK_M, D1_PAD], tl.float32)
     dq2 = tl.zeros([BLOCK_M, D2_PAD], tl.float32)
@@ -350,12 +450,17 @@ def _kl_bwd_dq_kernel(
         dq1, dq2, q1, q2, lse1_bits, lse2_bits, kl_bits, g, offs_m, k1_ptrs, k2_ptrs,
         stride_k1n, stride_k2n, key_lo, full_hi, N_K, D1, D2, diag_offset,
         qk_scale1, qk_scale2, scale1, scale2,
-        BLOCK_N, D1_PAD, D2_PAD, False, CAUSAL, TRAIN1, TRAIN2, IEEE1, IEEE2)
+        BLOCK_N, D1_PAD, D2_PAD, False, CAUSAL, TRAIN1, TRAIN2, IEEE1, IEEE2,
+        K1_DESC, K2_DESC, b, kh1, kh2, USE_TMA, FOLD)
     dq1, dq2 = _dq_key_range(
         dq1, dq2, q1, q2, lse1_bits, lse2_bits, kl_bits, g, offs_m, k1_ptrs, k2_ptrs,
         stride_k1n, stride_k2n, full_hi, key_hi, N_K, D1, D2, diag_offset,
         qk_scale1, qk_scale2, scale1, scale2,
-        BLOCK_N, D1_PAD, D2_PAD, True, CAUSAL, TRAIN1, TRAIN2, IEEE1, IEEE2)
+        BLOCK_N, D1_PAD, D2_PAD, True, CAUSAL, TRAIN1, TRAIN2, IEEE1, IEEE2,
+        K1_DESC, K2_DESC, b, kh1, kh2, USE_TMA, FOLD)
+    if FOLD:  # the per-row factors left out of dS (g = 0 on empty and padding rows: their sums are 0)
+        dq1 = dq1 * (g * (scale1 * LN2))[:, None]
+        dq2 = dq2 * (g * scale2)[:, None]
 
     if TRAIN1:
         tl.store(DQ1 + off_dq1 + h64 * stride_dq1h + rows64[:, None] * stride_dq1n + offs_d1[None, :],

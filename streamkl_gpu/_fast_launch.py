@@ -72,24 +72,30 @@ def _spec(a):
             getattr(base, "dtype", None), base.data_ptr() % 16 == 0 if isinstance(base, torch.Tensor) else None)
 
 
-def _tail(fn, n_positional, constexprs):
-    """The arguments after the positional ones, in parameter order, defaults filled in."""
+def _tail(fn, n_positional, constexprs, runtime):
+    """The arguments after the positional ones, in parameter order: ``(values, slots)``, where
+    ``values`` has the constexprs and defaults filled in and ``slots`` lists (index, name) of the
+    per-call keyword arguments (``runtime``: tensor descriptors) to put in at each launch."""
     names = fn.arg_names[n_positional:]
     params = {p.name: p for p in fn.params}
-    out = []
-    for name in names:
-        if name in constexprs:
+    out, slots = [], []
+    for i, name in enumerate(names):
+        if name in runtime:
+            slots.append((i, name))
+            out.append(None)
+        elif name in constexprs:
             out.append(constexprs[name])
         else:
             out.append(params[name].default)
-    return out
+    return out, tuple(slots)
 
 
-def _full_key(fn, args, constexprs, num_warps, num_stages):
-    return (fn, num_warps, num_stages, tuple(constexprs.items()), tuple(_spec(a) for a in args))
+def _full_key(fn, args, constexprs, num_warps, num_stages, runtime=None):
+    extra = tuple((k, _spec(v)) for k, v in runtime.items()) if runtime else ()
+    return (fn, num_warps, num_stages, tuple(constexprs.items()), tuple(_spec(a) for a in args), extra)
 
 
-def launch(fn, grid, args, constexprs, num_warps, num_stages, key=None, tensors=()):
+def launch(fn, grid, args, constexprs, num_warps, num_stages, key=None, tensors=(), runtime=None):
     """``fn[grid](*args, **constexprs, num_warps=, num_stages=)``, bypassing the binder after the
     first launch of each specialisation. ``grid``: three ints.
 
@@ -97,30 +103,37 @@ def launch(fn, grid, args, constexprs, num_warps, num_stages, key=None, tensors=
     except the alignment of ``tensors`` (a launch plan's signature and config); it saves computing
     the specialisation of every argument per call. Without it the key is derived from the
     arguments. ``STREAMKL_FAST_LAUNCH_CHECK=1`` derives it anyway and raises if a caller's key
-    ever maps to a different specialisation (the GPU checks run with it)."""
+    ever maps to a different specialisation (the GPU checks run with it). ``runtime``: keyword
+    arguments that change per call (host TMA descriptors), never part of a caller's key (their
+    block shapes come from the config, their tensors' alignment from ``tensors``)."""
+    runtime = runtime or {}
     if not enabled():
-        return fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+        return fn[grid](*args, **constexprs, **runtime, num_warps=num_warps, num_stages=num_stages)
     if key is None:
-        lookup = _full_key(fn, args, constexprs, num_warps, num_stages)
+        lookup = _full_key(fn, args, constexprs, num_warps, num_stages, runtime)
     else:
         lookup = (fn, key, tuple(t.data_ptr() % 16 == 0 for t in tensors))
     hit = _KERNELS.get(lookup)
     if hit is not None and key is not None and CHECK:
-        full = _full_key(fn, args, constexprs, num_warps, num_stages)
+        full = _full_key(fn, args, constexprs, num_warps, num_stages, runtime)
         if full != hit[2]:
             raise RuntimeError(f"streamkl fast launch: the caller's key {key!r} maps to two specialisations "
                                f"of {getattr(fn, '__name__', fn)}: {hit[2]!r} and {full!r}")
     if hit is None:
-        kernel = fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+        kernel = fn[grid](*args, **constexprs, **runtime, num_warps=num_warps, num_stages=num_stages)
         if hasattr(kernel, "result"):  # an asynchronous compile (triton >= 3.5)
             kernel = kernel.result()
         if len(_KERNELS) >= _MAX_KERNELS:
             _KERNELS.clear()
-        full = _full_key(fn, args, constexprs, num_warps, num_stages) if (key is not None and CHECK) else None
-        _KERNELS[lookup] = (kernel, _tail(fn, len(args), constexprs), full)
+        full = _full_key(fn, args, constexprs, num_warps, num_stages, runtime) if (key is not None and CHECK) else None
+        _KERNELS[lookup] = (kernel, _tail(fn, len(args), constexprs, runtime), full)
         STATS["bound"] += 1
         return kernel
-    kernel, tail, _ = hit
+    kernel, (tail, slots), _ = hit
+    if slots:
+        tail = list(tail)
+        for i, name in slots:
+            tail[i] = runtime[name]
     stream = _raw_stream(torch.cuda.current_device())
     # no launch metadata and no hooks: enabled() found none installed
     kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, None,

@@ -17,8 +17,8 @@ from ._fast_launch import launch as fast_launch
 from ._gluon_dispatch import device_capability, fwd_backend, gluon_forward, use_gluon
 from ._checks import check_bwd_mode, check_tensors, compute_view, head_pad, is_empty, strides
 from ._runtime import LOG2E, TensorDescriptor, cdiv, fresh, interpreting, n_sm, tma_ok
-from ._tuning import (TMA_MIN_KEYS, auto_bwd_mode, bucket, bwd_candidates, fwd_candidates, pick, split_choices,
-                      tuning_slice)
+from ._tuning import (TMA_MIN_KEYS, UnusableConfig, auto_bwd_mode, bucket, bwd_variant, bwd_variant_candidates,
+                      fwd_candidates, pick, split_choices, tuning_slice)
 
 
 def _empty_forward(dims, device):
@@ -174,6 +174,12 @@ def _forward_config(q1, k1, q2, k2, dims, causal, split_k, d1_pad, d2_pad):
     return pick(key, candidates, launch, proxy, device)
 
 
+def _desc(t, block_rows, d_pad):
+    """A TMA descriptor of a [B, H, N, D] tensor with [1, 1, block_rows, d_pad] blocks (rows past N
+    and dims past D read as zeros; a reduce-add drops them)."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_rows, d_pad])
+
+
 def _empty_backward(dims, q1, k1, q2, k2, train1, train2):
     """Zero gradients (no visible key anywhere) or empty ones (no row, no key)."""
     def zeros(train, x):
@@ -198,7 +204,7 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
     g = g.to(torch.float32).contiguous()
     kl, lse1_bits, lse2_bits = kl.contiguous(), lse1_bits.contiguous(), lse2_bits.contiguous()
     both = train1 and train2
-    sig = _signature("bwd", dims, (causal, train1, train2, bwd_mode, deterministic), (q1, k1, q2, k2))
+    sig = _signature("bwd", dims, (causal, train1, train2, bwd_mode, deterministic, bwd_variant()), (q1, k1, q2, k2))
     plan = _PLANS.get(sig)
     if plan is not None:
         mode = plan[0]
@@ -240,7 +246,17 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
         def s3(t):  # strides b, h, n of a buffer (last dim contiguous)
             return (t.stride(0), t.stride(1), t.stride(2)) if t.dim() == 4 else (0, 0, 0)
 
-        block_m, block_n, warps, stages = cfg_dk
+        block_m, block_n, warps, stages, variant = cfg_dk
+        parts = variant.split("+")
+        use_tma = "tma" in parts
+        reduce_dq = fused and "reduce" in parts
+        descs = {}
+        if use_tma:
+            descs = dict(Q1_DESC=_desc(q1, block_m, d1_pad), K1_DESC=_desc(k1, block_n, d1_pad),
+                         Q2_DESC=_desc(q2, block_m, d2_pad), K2_DESC=_desc(k2, block_n, d2_pad))
+        if reduce_dq:
+            descs.update(DQ1_DESC=_desc(dq1, block_m, d1_pad) if dq1 is not None else None,
+                         DQ2_DESC=_desc(dq2, block_m, d2_pad) if dq2 is not None else None)
         key = None if plan_key is None else (plan_key, mode, cfg_dk, cfg_dq)
         aligned = (g, kl, lse1_bits, lse2_bits, t_dk1, t_dk2, t_dq1, t_dq2)
         fast_launch(_bwd._kl_bwd_dk_kernel, (cdiv(dims.NK, block_n), BH, 1), (
@@ -251,9 +267,17 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
             dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2), dict(
             BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1_pad, D2_PAD=d2_pad, CAUSAL=causal,
             TRAIN1=train1, TRAIN2=train2, FUSED_DQ=fused, DK1_ATOMIC=dk1_atomic, DK2_ATOMIC=dk2_atomic,
-            IEEE1=ieee1, IEEE2=ieee2), warps, stages, key, aligned)
+            IEEE1=ieee1, IEEE2=ieee2,
+            USE_TMA=use_tma, TRANS="trans" in parts, FOLD="fold" in parts, DQ_REDUCE=reduce_dq),
+            warps, stages, key, aligned, runtime=descs)
         if not fused:
-            block_m, block_n, warps, stages = cfg_dq
+            block_m, block_n, warps, stages, variant = cfg_dq
+            parts = variant.split("+")
+            use_tma = "tma" in parts
+            descs = {}
+            if use_tma:
+                descs = dict(Q1_DESC=_desc(q1, block_m, d1_pad), K1_DESC=_desc(k1, block_n, d1_pad),
+                             Q2_DESC=_desc(q2, block_m, d2_pad), K2_DESC=_desc(k2, block_n, d2_pad))
             fast_launch(_bwd._kl_bwd_dq_kernel, (cdiv(dims.NQ, block_m), BH, 1), (
                 q1, k1, q2, k2, lse1_bits, lse2_bits, kl, g, t_dq1, t_dq2,
                 *strides(q1), *strides(k1), *strides(q2), *strides(k2),
@@ -261,17 +285,34 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
                 dims.H, dims.NQ, dims.NK, dims.D1, dims.D2, dims.group1, dims.group2,
                 dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2), dict(
                 BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1_pad, D2_PAD=d2_pad, CAUSAL=causal,
-                TRAIN1=train1, TRAIN2=train2, IEEE1=ieee1, IEEE2=ieee2), warps, stages, key, aligned)
+                TRAIN1=train1, TRAIN2=train2, IEEE1=ieee1, IEEE2=ieee2,
+                USE_TMA=use_tma, FOLD="fold" in parts), warps, stages, key, aligned, runtime=descs)
         return dq1, dk1, dq2, dk2
 
     if plan is None:
-        dk_cands = bwd_candidates(max(d1_pad, d2_pad), both, "dk", ieee1 or ieee2)
-        dq_cands = bwd_candidates(max(d1_pad, d2_pad), both, "dq", ieee1 or ieee2)
+        # TMA descriptors for every operand tile (and the fused dQ's reduce-add into its fp32
+        # buffer, rows of D * 4 bytes: D % 4 == 0)
+        tma = all(tma_ok(t) for t in (q1, k1, q2, k2)) and dims.D1 % 4 == 0 and dims.D2 % 4 == 0
+        dk_cands = bwd_variant_candidates(max(d1_pad, d2_pad), both, "dk", ieee1 or ieee2, tma, fused)
+        dq_cands = bwd_variant_candidates(max(d1_pad, d2_pad), both, "dq", ieee1 or ieee2, tma, fused)
         base_key = (dims.D1, dims.D2, q1.dtype, q2.dtype, causal, train1, train2,
-                    bucket(dims.NQ), bucket(dims.NK), bucket(BH), dims.group1 > 1, dims.group2 > 1)
-        cfg_dk = pick(("bwd_dk", fused) + base_key, dk_cands, lambda c: run(c, dq_cands[0]), device=device)
+                    bucket(dims.NQ), bucket(dims.NK), bucket(BH), dims.group1 > 1, dims.group2 > 1,
+                    tma, bwd_variant())
+
+        def tolerant(launch):
+            def attempt(cfg):  # a new variant that fails to compile here is skipped by the tuner
+                try:
+                    return launch(cfg)
+                except Exception as exc:
+                    if cfg[-1] == "ptr" or "OutOfResources" in type(exc).__name__:
+                        raise
+                    raise UnusableConfig(f"{cfg}: {type(exc).__name__}: {exc}") from exc
+            return attempt
+
+        cfg_dk = pick(("bwd_dk", fused) + base_key, dk_cands, tolerant(lambda c: run(c, dq_cands[0])),
+                      device=device)
         cfg_dq = (dq_cands[0] if fused else
-                  pick(("bwd_dq",) + base_key, dq_cands, lambda c: run(cfg_dk, c), device=device))
+                  pick(("bwd_dq",) + base_key, dq_cands, tolerant(lambda c: run(cfg_dk, c)), device=device))
         plan = _remember(sig, (mode, cfg_dk, cfg_dq))
     dq1, dk1, dq2, dk2 = run(plan[1], plan[2], plan_key=sig)
 

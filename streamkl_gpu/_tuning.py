@@ -153,7 +153,8 @@ def _time_candidates(key, candidates, launch):
             TUNING_STATS["compile_s"] += t1 - t0
             TUNING_STATS["timing_s"] += time.perf_counter() - t1
         except Exception as exc:  # out of shared memory / registers: not a usable config
-            if "OutOfResources" not in type(exc).__name__ and "out of resource" not in str(exc).lower():
+            if (not isinstance(exc, UnusableConfig) and "OutOfResources" not in type(exc).__name__
+                    and "out of resource" not in str(exc).lower()):
                 raise
             continue
         measured.append((cfg, t))
@@ -246,6 +247,79 @@ def bwd_candidates(d_pad, both, kind, ieee=False):
     if d_pad <= 128 and not both:
         return [(64, 128, 8, 2), (32, 128, 8, 3)]
     return [(64, 64, 8, 2), (32, 64, 4, 2)]
+
+
+# Backward kernel variants (streamkl_gpu/_bwd.py constexprs), named by their parts joined with "+":
+#   "ptr"     pointer loads, query-major tiles (the kernels as measured up to 2026-12-01)
+#   "tma"     every operand tile through TMA tensor descriptors (Hopper; USE_TMA)
+#   "trans"   dK kernel on key-major tiles, dS^T in registers for dK += dS^T Q (TRANS)
+#   "fold"    fewer fp32 ops per score; the dQ kernel applies the row factors once (FOLD)
+#   "reduce"  fused dQ by one TMA reduce-add per tile instead of per-element atomics (DQ_REDUCE)
+# STREAMKL_BWD_VARIANT=<name> restricts the candidates to that variant (tests, the GPU bench);
+# unset, the tuner times all of them and keeps the fastest.
+BWD_VARIANTS = ("ptr", "tma", "tma+trans", "tma+fold", "tma+trans+fold", "tma+trans+reduce",
+                "tma+trans+fold+reduce", "trans", "fold", "trans+fold")
+
+
+class UnusableConfig(Exception):
+    """A candidate that cannot run here (a new kernel variant failing to compile on this Triton):
+    the tuner skips it like one that is out of resources."""
+
+
+def bwd_variant(forced=None):
+    """The variant STREAMKL_BWD_VARIANT forces, or None."""
+    name = forced if forced is not None else os.environ.get("STREAMKL_BWD_VARIANT")
+    if not name:
+        return None
+    if name not in BWD_VARIANTS:
+        raise ValueError(f"STREAMKL_BWD_VARIANT must be one of {BWD_VARIANTS}, got {name!r}")
+    return name
+
+
+def bwd_variant_candidates(d_pad, both, kind, ieee=False, tma=False, fused=False):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, variant) of the dK (``kind="dk"``) or dQ kernel.
+
+    The old configs (``bwd_candidates``, variant "ptr") stay candidates; with TMA-capable inputs
+    (``tma``) the descriptor variants join them. Not measured yet on a GPU (bench/bwd_gpu.py
+    measures them against each other): FlashAttention-2/3's choice at D = 128 for the key-stationary
+    loop is 128 keys x 64 queries, 8 warps; the dQ loop 128 queries x 64 keys.
+    """
+    forced = bwd_variant()
+    if forced is not None:
+        forced = _kernel_variant(forced, kind, fused)
+        if "tma" in forced.split("+") and not tma:
+            if not interpreting():
+                raise ValueError(f"STREAMKL_BWD_VARIANT={forced!r} needs TMA-capable inputs (Hopper, aligned)")
+            # CPU tensors not aligned: the same variant without descriptors (and so without the reduce)
+            forced = _kernel_variant(forced.replace("tma", "").replace("reduce", ""), kind, fused)
+    if interpreting():
+        return [_runtime.INTERPRETER_BLOCK + (1, 1, forced or "ptr")]
+    old = [c + ("ptr",) for c in bwd_candidates(d_pad, both, kind, ieee)]
+    if ieee:
+        return old
+    if d_pad <= 128 and not both:
+        tiles = {"dk": [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 3)],
+                 "dq": [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3)]}[kind]
+    else:
+        tiles = {"dk": [(64, 64, 8, 2), (32, 64, 4, 3)], "dq": [(64, 64, 8, 2), (64, 32, 4, 3)]}[kind]
+    if forced is not None:  # every tile shape of that variant (the old configs for "ptr")
+        return old if forced == "ptr" else [t + (forced,) for t in tiles]
+    # the tuner's default set: the old configs and the expected best new ones
+    if kind == "dk":
+        names = ["tma+trans+fold", "tma+trans"] + (["tma+trans+fold+reduce"] if fused else [])
+        if not tma:
+            names = ["trans+fold"]
+    else:
+        names = ["tma+fold"] if tma else ["fold"]
+    return old + [tiles[0] + (n,) for n in names] + [tiles[1] + (names[0],)]
+
+
+def _kernel_variant(name, kind, fused):
+    """The part of a variant that applies to one kernel: the dQ kernel has no key-major or reduce
+    form, and "reduce" applies only to the fused dK kernel's dQ."""
+    keep = ("tma", "fold") if kind == "dq" else (("tma", "trans", "fold", "reduce") if fused else
+                                                  ("tma", "trans", "fold"))
+    return "+".join(p for p in name.split("+") if p in keep) or "ptr"
 
 
 def auto_split_k(dims, block_m: int, block_n: int, n_sm: int) -> int:

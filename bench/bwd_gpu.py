@@ -1,0 +1,488 @@
+"""The backward kernel variants on the GPU (issue 14, the Triton half): checks, then timings.
+
+    python bench/bwd_gpu.py OUT [--quick] [--no-compile] [--workers N]
+
+1. prewarm: every call below once, at small shapes with the same Triton specialisations, in
+   parallel worker processes (fills Triton's on-disk cache, so the serial part compiles nothing).
+2. check: each variant (STREAMKL_BWD_VARIANT) vs float64 (``dense_kl`` in float64, small shapes)
+   and vs the old kernels ("ptr"), bf16/fp16, settings 1/2/both, causal or not, GQA, D1 != D2.
+   Pass: relative error vs float64 <= 1.5x the old kernels' + 1e-3 (both printed).
+3. time: backward = fwd+bwd - fwd (``do_bench`` medians) of the old kernels (fused, separate;
+   their configs tuned as today), each new variant, SDPA fwd and fwd+bwd (default dispatch), and
+   torch.compile of the eager materialised loss (setting 1, 8K, non-causal); at every timed shape
+   the variant's gradients are also compared with the old fused kernel's (max rel. Frobenius).
+Writes OUT/bwd_gpu.csv (measure, provider, shape, value, unit, note), OUT/bwd_gpu.log; the table
+of backward times and ratios to SDPA's backward is printed last. A failing variant is reported
+and skipped; the run goes on. --quick: N = 8K, 16K; settings 1 and 2 (about 100 s on one H200).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+os.environ.setdefault("STREAMKL_TUNING_CACHE", "0")  # tune in this run (no stale on-disk choices)
+
+K = 1024
+# (name, bwd_mode, STREAMKL_BWD_VARIANT or None for the default candidate set, tuned): tuned = the
+# tuner times every tile config of that variant (_tuning.bwd_variant_candidates); untuned = its
+# first config (quick mode keeps compiles down: each tile config is one more compile per shape class)
+OLD = [("old-fused", "fused", "ptr", True), ("old-separate", "separate", "ptr", True)]
+NEW_QUICK = [("tma+trans+fold+reduce/fused", "fused", "tma+trans+fold+reduce", True),
+             ("tma+trans+reduce/fused", "fused", "tma+trans+reduce", False),
+             ("tma+trans+fold/separate", "separate", "tma+trans+fold", False)]
+NEW_FULL = [v[:3] + (True,) for v in NEW_QUICK] + [
+    ("tma+trans/fused", "fused", "tma+trans", True),
+    ("tma/separate", "separate", "tma", True),
+    ("tma+fold/separate", "separate", "tma+fold", True),
+    ("trans+fold/fused", "fused", "trans+fold", True),
+    ("auto", "auto", None, True)]
+SET_TRAIN = {"s1": ("q2", "k2"), "s2": ("q1", "k1"), "both": ("q1", "k1", "q2", "k2")}
+
+
+def parse(argv):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    ap.add_argument("--workers", type=int, default=0, help="prewarm processes (0: CPU count - 2, at most 15)")
+    ap.add_argument("--budget-s", type=float, default=None, help="stop timing past this many seconds")
+    ap.add_argument("--tiny", action="store_true",
+                    help="CPU smoke run of this script under TRITON_INTERPRET=1 (tiny shapes, no GPU)")
+    ap.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+class Run:
+    def __init__(self, a):
+        import torch
+
+        import streamkl_gpu
+        from streamkl_bench.providers import ProvidersMixin, dense_kl
+
+        self.a, self.torch, self.dense_kl = a, torch, dense_kl
+        self.ak = streamkl_gpu.attention_kl
+        self.dev = torch.device("cpu" if a.tiny else "cuda")
+        self.H, self.D = (2, 32) if a.tiny else (32, 128)
+        os.makedirs(a.out, exist_ok=True)
+        self.rows = []
+        self.logf = open(os.path.join(a.out, "bwd_gpu.log") if not a._worker else os.devnull, "a")
+        self.t0 = time.perf_counter()
+        self.budget = a.budget_s if a.budget_s is not None else (95.0 if a.quick else 420.0)
+
+        class _P(ProvidersMixin):  # the bench's SDPA / torch.compile closures (self.torch, self.ak, self.get)
+            pass
+        self.prov = _P()
+        self.prov.torch, self.prov.ak, self.prov.get = torch, self.ak, (lambda *x, **k: None)
+        self.ns = [64] if a.tiny else [8 * K, 16 * K]
+        self.settings = ["s1", "s2"] if a.quick else ["s1", "s2", "both"]
+        self.variants = OLD + (NEW_QUICK if a.quick else NEW_FULL)
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def log(self, msg):
+        line = f"[{time.perf_counter() - self.t0:6.1f}s] {msg}"
+        print(line, flush=True)
+        self.logf.write(line + "\n")
+        self.logf.flush()
+
+    def row(self, measure, provider, shape, value, unit, note=""):
+        self.rows.append(dict(measure=measure, provider=provider, shape=shape, value=value, unit=unit, note=note))
+
+    def left(self):
+        return self.budget - (time.perf_counter() - self.t0)
+
+    def inputs(self, H, NQ, NK, D1, D2, dtype, HK1=None, HK2=None, seed=0):
+        torch = self.torch
+        gen = torch.Generator(device=self.dev)
+        gen.manual_seed(1234 + seed)
+        d = {}
+        for name, shp in (("q1", (1, H, NQ, D1)), ("k1", (1, HK1 or H, NK, D1)),
+                          ("q2", (1, H, NQ, D2)), ("k2", (1, HK2 or H, NK, D2))):
+            d[name] = torch.randn(shp, generator=gen, device=self.dev, dtype=dtype)
+        d["g"] = torch.randn((1, H, NQ), generator=gen, device=self.dev, dtype=torch.float32)
+        return d
+
+    def ours_fb(self, d, causal, setting, mode, variant, tuned=False):
+        """Gradients of the trained side through attention_kl with ``variant`` forced."""
+        torch = self.torch
+        set_variant(variant)
+        os.environ["STREAMKL_AUTOTUNE"] = "1" if tuned else "0"
+        x = {n: d[n].detach().requires_grad_(n in SET_TRAIN[setting]) for n in ("q1", "k1", "q2", "k2")}
+        kl = self.ak(x["q1"], x["k1"], x["q2"], x["k2"], causal=causal, bwd_mode=mode)
+        return torch.autograd.grad(kl, [x[n] for n in SET_TRAIN[setting]], d["g"])
+
+    def sync(self):
+        if not self.a.tiny:
+            self.torch.cuda.synchronize()
+
+    def bench(self, fn, n):
+        if self.a.tiny:  # CPU smoke run: one timed call
+            t = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t) * 1e3
+        from triton.testing import do_bench
+        rep = 60 if self.a.quick else 150
+        if n >= 16 * K:
+            rep *= 2
+        return do_bench(fn, warmup=10, rep=rep, return_mode="median")
+
+    # -- checks ------------------------------------------------------------------------------------
+    def check_cases(self):
+        torch = self.torch
+        bf, fp = torch.bfloat16, torch.float16
+        # name, H, HK1, HK2, NQ, NK, D1, D2, dtype, causal, setting
+        cases = [("s1-causal-bf16", 4, 4, 4, 320, 320, 128, 128, bf, True, "s1"),
+                 ("s2-gqa-nq<nk-bf16", 4, 2, 2, 256, 384, 128, 128, bf, False, "s2"),
+                 ("both-gqa-d128/64-nq>nk-fp16", 4, 4, 1, 384, 256, 128, 64, fp, True, "both")]
+        if not self.a.quick:
+            cases += [("s1-ragged-d64/128-fp16", 2, 2, 2, 250, 250, 64, 128, fp, False, "s1"),
+                      ("s2-causal-gqa-bf16", 4, 1, 4, 300, 300, 128, 128, bf, True, "s2"),
+                      ("both-full-bf16", 2, 2, 2, 256, 256, 128, 128, bf, False, "both")]
+        if self.a.tiny:  # the same cases at interpreter sizes (bf16 dots run in fp32 there)
+            cases = [(c[0], c[1], c[2], c[3], c[4] // 10, c[5] // 10, c[6] // 8, c[7] // 8, c[8], c[9], c[10])
+                     for c in cases]
+        return cases
+
+    def check_variants(self):
+        return [v for v in self.variants if v[2] is not None]
+
+    def run_checks(self):
+        torch = self.torch
+        fails = 0
+        for (name, H, HK1, HK2, NQ, NK, D1, D2, dt, causal, setting) in self.check_cases():
+            d = self.inputs(H, NQ, NK, D1, D2, dt, HK1, HK2, seed=NQ + NK)
+            req = SET_TRAIN[setting]
+            x64 = {n: d[n].detach().double().requires_grad_(n in req) for n in ("q1", "k1", "q2", "k2")}
+            kl64 = self.dense_kl(x64["q1"], x64["k1"], x64["q2"], x64["k2"], causal=causal, cdt=torch.float64)
+            ref = torch.autograd.grad(kl64, [x64[n] for n in req], d["g"].double())
+            old_err = None
+            results = {}
+            for vname, mode, variant, _ in self.check_variants():
+                try:
+                    gr = self.ours_fb(d, causal, setting, mode, variant)
+                    self.sync()
+                    err = max(rel(a, b) for a, b in zip(gr, ref))
+                    results[vname] = gr
+                    if vname == "old-fused":
+                        old_err = err
+                    vs_old = (max(rel(a, b) for a, b in zip(gr, results["old-fused"]))
+                              if "old-fused" in results else float("nan"))
+                    tol = 1.5 * old_err + 1e-3 if old_err is not None else 3e-2
+                    ok = math.isfinite(err) and err <= tol
+                    fails += not ok
+                    self.row("check_err_vs_f64", vname, name, err, "rel", f"tol={tol:.2e} vs_old={vs_old:.2e}"
+                             + ("" if ok else " FAIL"))
+                    self.log(f"check {name:28s} {vname:30s} err {err:.2e} (tol {tol:.2e}) vs old {vs_old:.2e}"
+                             f" {'ok' if ok else 'FAIL'}")
+                except Exception as exc:
+                    fails += 1
+                    self.row("check_err_vs_f64", vname, name, float("nan"), "rel", f"ERROR {type(exc).__name__}")
+                    self.log(f"check {name} {vname}: ERROR {type(exc).__name__}: {str(exc)[:300]}")
+                    self.logf.write(traceback.format_exc())
+        set_variant(None)
+        self.log(f"checks: {fails} failed")
+        return fails
+
+    # -- timing ----------------------------------------------------------------------------------
+    def timed_shapes(self):
+        return [(n, c, s) for n in self.ns for c in (False, True) for s in self.settings]
+
+    def run_timing(self):
+        torch = self.torch
+        H, D = self.H, self.D
+        bwd = {}  # (shape, provider) -> ms
+        for n in self.ns:
+            for causal in (False, True):
+                shape = f"N={fmt_n(n)}{' causal' if causal else ''}"
+                d = self.inputs(H, n, n, D, D, torch.bfloat16, seed=n)
+                # SDPA (default dispatch; q = q1, k = k1, v = k2 as in bench_gpu.py)
+                try:
+                    self.prov.prep_sdpa_bwd([d])
+                    f_fwd = self.prov.f_sdpa(causal)
+                    f_fb = self.prov.f_sdpa(causal, backward=True)
+                    t_f = self.bench(lambda: f_fwd(d), n)
+                    t_fb = self.bench(lambda: f_fb(d), n)
+                    self.row("fwd", "sdpa", shape, t_f, "ms")
+                    self.row("fwd+bwd", "sdpa", shape, t_fb, "ms")
+                    self.row("bwd", "sdpa", shape, t_fb - t_f, "ms", "fwd+bwd - fwd")
+                    bwd[(shape, "sdpa")] = t_fb - t_f
+                    self.log(f"{shape:14s} sdpa fwd {t_f:.3f} fwd+bwd {t_fb:.3f} bwd {t_fb - t_f:.3f} ms")
+                except Exception as exc:
+                    self.log(f"{shape} sdpa: ERROR {type(exc).__name__}: {str(exc)[:300]}")
+                # the forward alone, tuned and untuned (each fwd+bwd subtracts the one it ran with)
+                fwd_ms = {}
+                for tuned in sorted({v[3] for v in self.variants}, reverse=True):
+                    os.environ["STREAMKL_AUTOTUNE"] = "1" if tuned else "0"
+                    fwd_ms[tuned] = self.bench(
+                        lambda: self.ak(d["q1"], d["k1"], d["q2"], d["k2"], causal=causal), n)
+                    self.row("fwd", "ours" if tuned else "ours(untuned)", shape, fwd_ms[tuned], "ms")
+                for setting in self.settings:
+                    sshape = f"{shape} {setting}"
+                    base = None
+                    for vname, mode, variant, tuned in self.variants:
+                        if self.left() < 0:
+                            self.log(f"{sshape} {vname}: skipped (budget)")
+                            self.row("bwd", vname, sshape, float("nan"), "ms", "skipped(budget)")
+                            continue
+                        try:
+                            gr = self.ours_fb(d, causal, setting, mode, variant, tuned)  # compiles / tunes
+                            self.sync()
+                            if base is None and vname == "old-fused":
+                                base = gr
+                            diff = max(rel(a, b) for a, b in zip(gr, base)) if base is not None else float("nan")
+                            del gr
+                            t = self.bench(lambda: self.ours_fb(d, causal, setting, mode, variant, tuned), n)
+                            b_ms = t - fwd_ms[tuned]
+                            bwd[(sshape, vname)] = b_ms
+                            sd = bwd.get((shape, "sdpa"))
+                            plan = plan_of(variant, mode, tuned)
+                            note = f"vs_old_fused_grad={diff:.2e} plan={plan}"
+                            self.row("fwd+bwd", vname, sshape, t, "ms", note)
+                            self.row("bwd", vname, sshape, b_ms, "ms", note)
+                            if sd:
+                                self.row("bwd_ratio_sdpa", vname, sshape, b_ms / sd, "x")
+                            self.log(f"{sshape:17s} {vname:30s} fwd+bwd {t:8.3f} bwd {b_ms:8.3f} ms"
+                                     f"{'' if not sd else f' = {b_ms / sd:.2f}x sdpa'}  grad vs old {diff:.1e}"
+                                     f"  {plan}")
+                        except Exception as exc:
+                            self.row("bwd", vname, sshape, float("nan"), "ms", f"ERROR {type(exc).__name__}")
+                            self.log(f"{sshape} {vname}: ERROR {type(exc).__name__}: {str(exc)[:400]}")
+                            self.logf.write(traceback.format_exc())
+                    set_variant(None)
+                del d
+                if not self.a.tiny:
+                    torch.cuda.empty_cache()
+            if n == 8 * K and not self.a.no_compile:  # the issue's torch.compile target is at 8K
+                if self.left() > 10:
+                    self.time_compile(bwd)
+                else:
+                    self.log("torch.compile: skipped (budget)")
+        return bwd
+
+    def time_compile(self, bwd):
+        torch = self.torch
+        n, shape = 8 * K, "N=8K s1"
+        try:
+            d = self.inputs(32, n, n, 128, 128, torch.bfloat16, seed=n)
+            comp = self.prov.compiled_kl()
+            d2 = {k: (v.detach().requires_grad_(k in SET_TRAIN["s1"]) if k != "g" else v) for k, v in d.items()}
+            f_fb = self.prov.f_eager_fb(False, "s1", comp)
+            f_fwd = self.prov.f_eager_fwd(False, comp)
+            f_fb(d2)
+            f_fwd(d)
+            self.sync()
+            t_fb = self.bench(lambda: f_fb(d2), n)
+            t_f = self.bench(lambda: f_fwd(d), n)
+            self.row("fwd", "torch.compile", shape, t_f, "ms")
+            self.row("fwd+bwd", "torch.compile", shape, t_fb, "ms")
+            self.row("bwd", "torch.compile", shape, t_fb - t_f, "ms", "fwd+bwd - fwd")
+            bwd[(shape, "torch.compile")] = t_fb - t_f
+            bwd[(shape, "torch.compile fwd+bwd")] = t_fb
+            self.log(f"{shape} torch.compile fwd {t_f:.3f} fwd+bwd {t_fb:.3f} ms")
+        except Exception as exc:
+            self.log(f"torch.compile: ERROR {type(exc).__name__}: {str(exc)[:300]}")
+
+    # -- output ------------------------------------------------------------------------------------
+    def write(self):
+        with open(os.path.join(self.a.out, "bwd_gpu.csv"), "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=["measure", "provider", "shape", "value", "unit", "note"])
+            w.writeheader()
+            for r in self.rows:
+                w.writerow(r)
+
+    def table(self, bwd, fails):
+        names = [v[0] for v in self.variants]
+        lines = ["", f"backward = fwd+bwd - fwd, ms (x SDPA's backward); B=1 H=32 D=128 bf16; checks failed: {fails}"]
+        lines.append(f"{'shape':18s} {'sdpa':>7s} " + " ".join(f"{nm[:22]:>22s}" for nm in names))
+        for n, causal, setting in self.timed_shapes():
+            shape = f"N={fmt_n(n)}{' causal' if causal else ''}"
+            sshape = f"{shape} {setting}"
+            sd = bwd.get((shape, "sdpa"))
+            cells = []
+            for nm in names:
+                t = bwd.get((sshape, nm))
+                cells.append(f"{'-':>22s}" if t is None else
+                             f"{t:9.2f} ({t / sd:5.2f}x)".rjust(22) if sd else f"{t:22.2f}")
+            lines.append(f"{sshape:18s} {sd if sd else float('nan'):7.2f} " + " ".join(cells))
+        tc = bwd.get(("N=8K s1", "torch.compile fwd+bwd"))
+        if tc:
+            best = min((bwd[k] for k in bwd if k[0] == "N=8K s1" and k[1] in names), default=None)
+            fwd = next((r["value"] for r in self.rows if r["measure"] == "fwd" and r["provider"] == "ours"
+                        and r["shape"] == "N=8K"), None)
+            if best is not None and fwd is not None:
+                lines.append(f"torch.compile fwd+bwd s1 8K: {tc:.2f} ms; ours (best bwd + fwd) {best + fwd:.2f} ms "
+                             f"= {tc / (best + fwd):.2f}x faster")
+        text = "\n".join(lines)
+        with open(os.path.join(self.a.out, "bwd_gpu_table.txt"), "w") as f:
+            f.write(text + "\n")
+        print(text, flush=True)
+
+
+def set_variant(v):
+    if v is None:
+        os.environ.pop("STREAMKL_BWD_VARIANT", None)
+    else:
+        os.environ["STREAMKL_BWD_VARIANT"] = v
+
+
+def plan_of(variant, mode, tuned):
+    """The (mode, dK config, dQ config) the last plan under ``variant`` chose (what was timed)."""
+    from streamkl_gpu import _launch
+    got = [p for sig, p in _launch._PLANS.items() if sig[0] == "bwd" and sig[2][-1] == variant
+           and sig[2][3] == mode and sig[3][0] == ("1" if tuned else "0")]
+    return "/".join(map(str, got[-1])).replace(" ", "") if got else "?"
+
+
+def fmt_n(n):
+    return f"{n // K}K" if n >= K else str(n)
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / max(b.norm().item(), 1e-30)).item()
+
+
+# -- prewarm --------------------------------------------------------------------------------------
+def prewarm_jobs(r):
+    """Every kernel specialisation the serial part uses, at small shapes (N = 2048: the same Triton
+    integer specialisations as 8K/16K, all % 16; H = 32)."""
+    jobs = [{"t": "check", "i": i, "v": j} for i in range(len(r.check_cases()))
+            for j in range(len(r.check_variants()))]
+    for c in (False, True):
+        for s in r.settings:
+            for j in range(len(r.variants)):
+                jobs.append({"t": "fb", "causal": c, "setting": s, "v": j})
+    if not r.a.no_compile:
+        jobs.insert(0, {"t": "compile"})
+    return jobs
+
+
+def job_cost(r, j):
+    """Estimated compiles of a prewarm job (tile configs the tuner tries, both kernels if separate)."""
+    if j["t"] == "compile":
+        return 8.0
+    if j["t"] == "check":
+        return 2.0 if r.check_variants()[j["v"]][1] == "separate" else 1.0
+    _, mode, variant, tuned = r.variants[j["v"]]
+    per_kernel = (2 if variant == "ptr" else 3) if tuned else 1
+    return 1.0 + per_kernel * (2 if mode != "fused" else 1)
+
+
+def worker(r, jobfile):
+    with open(jobfile) as f:
+        jobs = json.load(f)
+    for j in jobs:
+        t = time.perf_counter()
+        try:
+            if j["t"] == "check":
+                (name, H, HK1, HK2, NQ, NK, D1, D2, dt, causal, setting) = r.check_cases()[j["i"]]
+                vname, mode, variant, _ = r.check_variants()[j["v"]]
+                d = r.inputs(H, NQ, NK, D1, D2, dt, HK1, HK2)
+                r.ours_fb(d, causal, setting, mode, variant)
+            elif j["t"] == "fb":
+                vname, mode, variant, tuned = r.variants[j["v"]]
+                n = 64 if r.a.tiny else 2048
+                d = r.inputs(r.H, n, n, r.D, r.D, r.torch.bfloat16)
+                os.environ["STREAMKL_AUTOTUNE"] = "1"  # the tuned forward's candidates too
+                r.ak(d["q1"], d["k1"], d["q2"], d["k2"], causal=j["causal"])
+                r.ours_fb(d, j["causal"], j["setting"], mode, variant, tuned)
+            elif j["t"] == "compile":
+                d = r.inputs(32, 8 * K, 8 * K, 128, 128, r.torch.bfloat16)
+                comp = r.prov.compiled_kl()
+                d2 = {k: (v.detach().requires_grad_(k in SET_TRAIN["s1"]) if k != "g" else v) for k, v in d.items()}
+                r.prov.f_eager_fb(False, "s1", comp)(d2)
+                r.prov.f_eager_fwd(False, comp)(d)
+            r.sync()
+            print(f"JOB ok {json.dumps(j)} {time.perf_counter() - t:.1f}s", flush=True)
+        except Exception as exc:
+            print(f"JOB fail {json.dumps(j)} {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        if not r.a.tiny:
+            r.torch.cuda.empty_cache()
+    return 0
+
+
+def prewarm(r, limit_s):
+    jobs = prewarm_jobs(r)
+    n = r.a.workers or max(1, min(15, (os.cpu_count() or 4) - 2))
+    n = min(n, len(jobs))
+    plans = [[] for _ in range(n)]
+    loads = [0.0] * n
+    for est, j in sorted(((job_cost(r, j), j) for j in jobs), key=lambda x: -x[0]):  # longest first
+        w = loads.index(min(loads))
+        plans[w].append(j)
+        loads[w] += est
+    procs = []
+    tmp = os.path.join(r.a.out, "prewarm")
+    os.makedirs(tmp, exist_ok=True)
+    for i, p in enumerate(plans):
+        jf = os.path.join(tmp, f"jobs_{i}.json")
+        with open(jf, "w") as f:
+            json.dump(p, f)
+        lf = open(os.path.join(tmp, f"worker_{i}.out"), "w")
+        args = [sys.executable, os.path.abspath(__file__), r.a.out, "--_worker", jf]
+        if r.a.quick:
+            args.append("--quick")
+        if r.a.no_compile:
+            args.append("--no-compile")
+        if r.a.tiny:
+            args.append("--tiny")
+        procs.append((subprocess.Popen(args, stdout=lf, stderr=subprocess.STDOUT, start_new_session=True), lf))
+    r.log(f"prewarm: {len(jobs)} jobs on {n} workers (limit {limit_s:.0f} s)")
+    end = time.perf_counter() + limit_s
+    for p, lf in procs:
+        try:
+            p.wait(timeout=max(0.1, end - time.perf_counter()))
+        except subprocess.TimeoutExpired:
+            p.kill()  # a worker this script started, by its own handle
+            p.wait()
+        lf.close()
+    ok = fail = 0
+    for i in range(len(plans)):
+        with open(os.path.join(tmp, f"worker_{i}.out")) as f:
+            for line in f:
+                if line.startswith("JOB ok"):
+                    ok += 1
+                elif line.startswith("JOB fail"):
+                    fail += 1
+                    r.log(f"prewarm {line.strip()[:300]}")
+    r.log(f"prewarm: {ok} ok, {fail} failed, {len(jobs) - ok - fail} not finished")
+
+
+def main(argv=None):
+    a = parse(argv)
+    if a.tiny:
+        os.environ["TRITON_INTERPRET"] = "1"
+        a.no_compile = True
+    else:
+        os.environ.pop("TRITON_INTERPRET", None)
+    r = Run(a)
+    if a._worker:
+        return worker(r, a._worker)
+    import torch
+    import triton
+    r.log(f"device {'cpu' if a.tiny else torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    prewarm(r, 30.0 if a.tiny else 45.0 if a.quick else 150.0)
+    fails = r.run_checks()
+    bwd = {}
+    try:
+        bwd = r.run_timing()
+    except Exception as exc:
+        r.log(f"timing: ERROR {type(exc).__name__}: {exc}")
+        r.logf.write(traceback.format_exc())
+    r.write()
+    r.table(bwd, fails)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""The backward kernel variants (streamkl_gpu/_tuning.py BWD_VARIANTS), each forced by
+STREAMKL_BWD_VARIANT, under the interpreter: gradients vs the float64 reference (every setting's
+code path, fused and separate, GQA, D1 != D2, causal with empty rows), the NaN-isolation contract
+(docs/math.md) bitwise as tests/test_nan_isolation.py checks it, extreme logits for the folded
+formulas, and that the forced variant is really the one launched (TMA descriptors included).
+
+The interpreter has no TMA reduce-add: tests/_tma_reduce_shim.py adds it (relaxed fp32 atomic
+adds of the in-bounds elements, the hardware's semantics).
+"""
+import numpy as np
+import pytest
+import torch
+
+import streamkl_gpu
+from streamkl_gpu import _launch, _runtime, _tuning
+
+import _tma_reduce_shim
+from _gpu_helpers import GRAD_NAMES, assert_close, make_inputs, reference, same_precision
+from test_nan_isolation import (DIAGONAL_ROWS, KEY7, KEY40, SETTINGS as NAN_SETTINGS, check, contiguous, run,
+                                torch_views)
+
+pytestmark = [pytest.mark.usefixtures("poison"), pytest.mark.filterwarnings("ignore::RuntimeWarning")]
+
+SETTINGS = {"s1": (False, False, True, True), "s2": (True, True, False, False), "both": (True, True, True, True)}
+# every new code path at least once: TMA loads, key-major tiles, folds (dK kernel pre-scaled,
+# dQ kernel post-scaled), the TMA reduce of the fused dQ, each with and without the others
+VARIANTS = ["tma+trans+fold+reduce", "tma+trans+reduce", "tma", "trans", "fold"]
+
+
+@pytest.fixture
+def variant(request, monkeypatch):
+    """Force one backward variant, with TMA descriptors available under the interpreter."""
+    _tma_reduce_shim.install()
+    monkeypatch.setenv("STREAMKL_BWD_VARIANT", request.param)
+    monkeypatch.setattr(_runtime, "INTERPRETER_TMA", True)
+    yield request.param
+
+
+def launched(variant, mode):
+    """The (dK, dQ) kernel variants of the cached plans made under ``variant`` in ``mode``."""
+    plans = {(p[1][-1], p[2][-1]) for sig, p in _launch._PLANS.items()
+             if sig[0] == "bwd" and sig[2][-1] == variant and p[0] == mode}
+    assert len(plans) == 1, plans
+    return plans.pop()
+
+
+def expected(variant, mode, tma=True):
+    name = variant if tma else variant.replace("tma", "").replace("reduce", "")
+    return (_tuning._kernel_variant(name, "dk", mode == "fused"),
+            _tuning._kernel_variant(name, "dq", mode == "fused"))
+
+
+def grads_of(xs, train, g, **kw):
+    ins = [x.clone().requires_grad_(t) for x, t in zip(xs, train)]
+    streamkl_gpu.attention_kl(*ins, **kw).backward(g)
+    return {n: x.grad for n, x in zip(GRAD_NAMES, ins)}
+
+
+SHAPES = [
+    # B, H, HK1, HK2, NQ, NK, D1, D2, causal
+    pytest.param(1, 4, 2, 1, 19, 37, 32, 16, False, id="gqa-ragged-d1>d2"),
+    pytest.param(1, 2, 2, 1, 40, 13, 16, 24, True, id="causal-nq>nk-empty-rows"),
+]
+
+
+@pytest.mark.parametrize("variant", VARIANTS, indirect=True)
+@pytest.mark.parametrize("mode", ["fused", "separate"])
+@pytest.mark.parametrize("B,H,HK1,HK2,NQ,NK,D1,D2,causal", SHAPES)
+def test_variant_gradients(variant, mode, B, H, HK1, HK2, NQ, NK, D1, D2, causal):
+    _launch._PLANS.clear()
+    train = SETTINGS["both"]
+    xs = make_inputs(B, H, HK1, HK2, NQ, NK, D1, D2, seed=NQ + 7 * NK)
+    g = torch.randn(B, H, NQ, generator=torch.Generator().manual_seed(1))
+    grads = grads_of(xs, train, g, causal=causal, bwd_mode=mode)
+    assert launched(variant, mode) == expected(variant, mode)
+    *_, ref = reference(xs, g, causal=causal)
+    _, same = same_precision(xs, g, train=train, causal=causal)
+    for name in GRAD_NAMES:
+        assert_close(name, grads[name], ref[name], same[name], dtype=torch.float32)
+    if causal and NQ > NK:  # rows with no visible key: zero gradient, no NaN
+        for name in ("dq1", "dq2"):
+            assert (grads[name][:, :, : NQ - NK] == 0).all()
+
+
+@pytest.mark.parametrize("variant", ["tma+trans+fold+reduce", "fold"], indirect=True)
+@pytest.mark.parametrize("mode", ["fused", "separate"])
+@pytest.mark.parametrize("setting", ["s1", "s2"])
+def test_variant_one_setting(variant, mode, setting):
+    """One trained side: the folds and the key-major tiles specialise on TRAIN1 / TRAIN2 alone."""
+    train = SETTINGS[setting]
+    xs = make_inputs(1, 2, 1, 2, 24, 35, 16, 32, dtype=torch.float16, seed=12)
+    g = torch.randn(1, 2, 24, generator=torch.Generator().manual_seed(2))
+    grads = grads_of(xs, train, g, causal=True, bwd_mode=mode)
+    *_, ref = reference(xs, g, causal=True)
+    _, same = same_precision(xs, g, train=train, causal=True)
+    for name, t in zip(GRAD_NAMES, train):
+        if t:
+            assert grads[name].dtype == torch.float16
+            assert_close(name, grads[name], ref[name], same[name], dtype=torch.float16)
+        else:
+            assert grads[name] is None
+
+
+@pytest.mark.parametrize("variant", ["tma+trans+fold+reduce", "fold"], indirect=True)
+def test_variant_extreme_logits(variant):
+    """Logits of order 1e3 (test_gpu_backward.test_extreme_logits_gradients' bound): the folded
+    log-ratio s1*a1 - (s2*a2 + r) keeps the error model of the unfolded one."""
+    xs = make_inputs(1, 2, 2, 2, 15, 27, 16, 16, seed=30)
+    g = torch.randn(1, 2, 15, generator=torch.Generator().manual_seed(5))
+    kw = dict(scale1=200.0, scale2=80.0)
+    for mode in ("fused", "separate"):
+        grads = grads_of(xs, SETTINGS["both"], g, bwd_mode=mode, **kw)
+        _, lse1, lse2, ref = reference(xs, g, **kw)
+        u = 2.0 ** -24
+        lse_bits = max(abs(lse1).max(), abs(lse2).max()) / 0.6931471805599453
+        for name, scale, k in (("dq1", 200.0, xs[1]), ("dk1", 200.0, xs[0]),
+                               ("dq2", 80.0, xs[3]), ("dk2", 80.0, xs[2])):
+            assert torch.isfinite(grads[name]).all(), name
+            err = (grads[name].double() - torch.as_tensor(ref[name])).norm().item()
+            natural = scale * g.norm().item() * k.norm().item()
+            assert err <= 16 * u * (1 + lse_bits) * natural, (mode, name, err, natural)
+
+
+@pytest.mark.parametrize("variant", ["tma+trans+fold+reduce", "tma", "trans", "fold"], indirect=True)
+@pytest.mark.parametrize("mode", ["fused", "separate"])
+@pytest.mark.parametrize("case", [KEY7, KEY40, DIAGONAL_ROWS], ids=["n8-key7", "n64-key40", "diagonal-rows"])
+def test_variant_nan_isolation(variant, mode, case):
+    """Poisons reach only what they may (``_nan_cases.taint``): unreached outputs bitwise equal to
+    the clean run, reached ones NaN, dK of unseen keys exactly 0; inputs as strided views into
+    NaN-filled buffers (TMA-aligned rows, so the descriptors really read them)."""
+    _launch._PLANS.clear()
+    dtype = torch.float32
+    clean = case.clean(np.float32)
+    bad = case.poisoned(clean)
+    kw = dict(causal=case.causal, train=NAN_SETTINGS["both"], bwd_mode=mode)
+    views = torch_views(case, bad, dtype, tma_aligned=True)
+    assert all(_runtime.tma_ok(v) for v in views)
+    out, grads = run(views, bad[4], **kw)
+    assert launched(variant, mode) == expected(variant, mode)
+    ref, ref_grads = run(contiguous(clean, dtype), clean[4], **kw)
+    check(case, out, ref, grads, ref_grads)
+
+
+def test_variant_names():
+    """Every listed variant is accepted; an unknown name is refused with the variable's name."""
+    for name in _tuning.BWD_VARIANTS:
+        assert _tuning.bwd_variant(name) == name
+    with pytest.raises(ValueError, match="STREAMKL_BWD_VARIANT"):
+        _tuning.bwd_variant("tma+warp")
