@@ -438,4 +438,4 @@ def gluon_backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, 
     grid, args, constexprs, options = launch_args(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1,
                                                   scale2, train, dq, dk, config, variant)
     LAST_KERNEL = _gluon_kl_bwd_kernel[grid](*args, **constexprs, **options)
-    return dq[:, :, :N_Q].to(q_t.dtype), dk
+    return dq[:, :, :N_Q].to(q_t.dtype, memory_format=torch.contiguous_format), dk
