@@ -12,7 +12,7 @@ import torch
 
 from streamkl_ref._checks import check_inputs
 
-from . import _bwd, _fwd, _runtime
+from . import _bwd, _fwd, _gluon_bwd_dispatch, _runtime
 from ._fast_launch import launch as fast_launch
 from ._gluon_dispatch import device_capability, fwd_backend, gluon_forward, use_gluon
 from ._checks import check_bwd_mode, check_tensors, compute_view, head_pad, is_empty, strides
@@ -203,6 +203,10 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
     ieee2 = q2.dtype == torch.float32
     g = g.to(torch.float32).contiguous()
     kl, lse1_bits, lse2_bits = kl.contiguous(), lse1_bits.contiguous(), lse2_bits.contiguous()
+    grads = _gluon_bwd_dispatch.try_gluon_backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, dims, train1,
+                                                   train2, bwd_mode, deterministic, strides)
+    if grads is not None:  # the Hopper kernel (_gluon_bwd), chosen by use_gluon_bwd (STREAMKL_BWD_BACKEND)
+        return grads
     both = train1 and train2
     sig = _signature("bwd", dims, (causal, train1, train2, bwd_mode, deterministic, bwd_variant()), (q1, k1, q2, k2))
     plan = _PLANS.get(sig)

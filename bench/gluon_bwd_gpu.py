@@ -1,0 +1,439 @@
+"""GPU check and timing of the Gluon backward (issue 14, the Gluon half), for one H200 run.
+
+    python bench/gluon_bwd_gpu.py OUT_DIR [--quick] [--budget SECONDS] [--no-autotune]
+
+Sections (a time budget skips what does not fit, recorded as ``skipped``; the SASS always runs):
+1. check: the Gluon backward (forced, ``_gluon_bwd_dispatch.BWD_BACKEND = "gluon"``) vs the
+   Triton backward (forced) vs float64 autograd, through ``_launch.backward`` on the same saved
+   forward: settings 1 (train side 2) and 2 (train side 1), bf16/fp16, D = 64/128, causal and not,
+   ragged N, N_Q < N_K and N_Q > N_K (empty rows), a [B, N, H, D] layout; NaN isolation: a NaN key
+   that some rows cannot see (causal) stays out of their dQ, a NaN query row stays out of the dK of
+   the keys it cannot see (both compared with the clean run), NaN pattern equal to Triton's.
+   Error measure: relative Frobenius error vs float64; pass: gluon <= 2 x triton + 2e-3.
+2. sass: the SASS (GPU ptxas, triton's bundled cuobjdump) of every Gluon backward kernel the run
+   launched: STL/LDL, HGMMA / WARPGROUP.DEPBAR / MUFU.EX2 / dQ atomics per main loop (files in
+   OUT_DIR/sass/).
+3. timing: B=1, H=32, D=128 bf16, N = 8K and 16K, causal and not, settings 1 and 2:
+   backward = (forward + backward) - forward, for gluon, triton (forced) and SDPA (default
+   dispatch: cuDNN/flash, q, k, v all trained); plus ours' backward alone (``_launch.backward``
+   on saved forward outputs) and a timing variant without the dQ atomics (wrong on purpose).
+A failing case is caught, printed (with the error) and recorded; the run goes on.
+Writes OUT_DIR/gluon_bwd_gpu.csv (long format: measure, provider, shape, value, unit, note, ...)
+and OUT_DIR/gluon_bwd_gpu.log; prints a short table last.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import math
+import os
+import sys
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+import streamkl_gpu  # noqa: E402
+from streamkl_gpu import _gluon_bwd_dispatch as dispatch  # noqa: E402
+from streamkl_gpu import _gluon_dispatch  # noqa: E402
+from streamkl_gpu import _launch  # noqa: E402
+from streamkl_gpu.naive import attention_kl_naive  # noqa: E402
+
+K = 1024
+T0 = time.time()
+ROWS = []
+LOG = []
+KERNELS = {}  # label -> compiled Gluon backward kernel (first launch of each specialisation)
+
+
+def log(msg=""):
+    line = f"[{time.time() - T0:6.0f}s] {msg}"
+    print(line, flush=True)
+    LOG.append(line)
+
+
+def record(measure, provider, shape, value, unit="", note="", status="ok", **meta):
+    ROWS.append(dict(measure=measure, provider=provider, shape=shape, value="" if value is None else value,
+                     unit=unit, note=note, status=status, **meta))
+
+
+class Budget:
+    def __init__(self, seconds):
+        self.end = T0 + seconds
+
+    def left(self):
+        return self.end - time.time()
+
+
+def note_kernel(label):
+    from streamkl_gpu import _gluon_bwd
+
+    k = _gluon_bwd.LAST_KERNEL
+    if k is not None:
+        key = getattr(k, "hash", None) or id(k)
+        if key not in {getattr(v, "hash", None) or id(v) for v in KERNELS.values()}:
+            KERNELS[label] = k
+
+
+def backward_grads(provider, g, xs, fwd_out, causal, train):
+    """(dq, dk) of the trained side from ``_launch.backward`` with the backward backend forced."""
+    q1, k1, q2, k2 = xs
+    kl, lse1, lse2 = fwd_out
+    dispatch.BWD_BACKEND = provider
+    try:
+        s1, s2 = 1.0 / math.sqrt(q1.shape[-1]), 1.0 / math.sqrt(q2.shape[-1])
+        dq1, dk1, dq2, dk2 = _launch.backward(g, q1, k1, q2, k2, kl, lse1, lse2, causal, s1, s2,
+                                              train == 1, train == 2, "auto", False)
+    finally:
+        dispatch.BWD_BACKEND = None
+    if provider == "gluon":
+        note_kernel(f"{q1.dtype}:D{q1.shape[-1]}:{'causal' if causal else 'full'}:s{3 - train}")
+    return (dq1, dk1) if train == 1 else (dq2, dk2)
+
+
+def forward_saved(xs, causal):
+    q1, k1, q2, k2 = xs
+    s1, s2 = 1.0 / math.sqrt(q1.shape[-1]), 1.0 / math.sqrt(q2.shape[-1])
+    _gluon_dispatch.FWD_BACKEND = "triton"  # the same saved LSEs for every backward
+    try:
+        return _launch.forward(q1, k1, q2, k2, causal, s1, s2, None)
+    finally:
+        _gluon_dispatch.FWD_BACKEND = None
+
+
+def reference64(g, xs, causal, train):
+    """float64 autograd of sum(g * KL) through the materialised formula (streamkl_ref.testing)."""
+    leaves = [x.detach().double().requires_grad_(i // 2 + 1 == train) for i, x in enumerate(xs)]
+    kl = attention_kl_naive(*leaves, causal=causal, compute_dtype=torch.float64)
+    (kl * g.double()).sum().backward()
+    q, k = (leaves[0], leaves[1]) if train == 1 else (leaves[2], leaves[3])
+    return q.grad, k.grad
+
+
+def rel_err(ours, ref):
+    ours, ref = ours.double(), ref.double()
+    fin = torch.isfinite(ref)
+    if not fin.any():
+        return 0.0
+    return ((ours[fin] - ref[fin]).norm() / max(ref[fin].norm().item(), 1e-30)).item()
+
+
+def make_inputs(B, H, NQ, NK, D, dtype, seed=0, layout="bhnd"):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def t(n):
+        if layout == "bnhd":  # [B, N, H, D] storage viewed as [B, H, N, D]
+            return torch.randn(B, n, H, D, device="cuda", generator=gen).to(dtype).transpose(1, 2)
+        return torch.randn(B, H, n, D, device="cuda", generator=gen).to(dtype)
+
+    xs = [t(NQ), t(NK), t(NQ), t(NK)]
+    g = torch.rand(B, H, NQ, device="cuda", generator=gen) + 0.5
+    return xs, g
+
+
+DT = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def check_cases(quick):
+    # (dtype, D, causal, NQ, NK, layout)
+    shapes = [("bf16", 128, False, 256, 256, "bhnd"), ("bf16", 128, True, 256, 256, "bhnd"),
+              ("fp16", 64, True, 200, 333, "bhnd"), ("fp16", 128, True, 333, 200, "bhnd"),
+              ("bf16", 64, False, 77, 130, "bhnd"), ("bf16", 128, True, 256, 384, "bnhd")]
+    if not quick:
+        shapes += [("fp16", 128, False, 1000, 1000, "bhnd"), ("bf16", 64, True, 513, 1100, "bhnd"),
+                   ("bf16", 128, True, 1100, 513, "bhnd")]
+    return [(s, train) for s in shapes for train in (2, 1)]
+
+
+def run_check(quick, budget):
+    log("== check: gluon vs triton vs float64 (through _launch.backward)")
+    results = []
+    for (dt, D, causal, NQ, NK, layout), train in check_cases(quick):
+        name = f"{dt}:D{D}:{'causal' if causal else 'full'}:{NQ}x{NK}:{layout}:setting{3 - train}"
+        if budget.left() < 30:
+            record("check", "gluon", name, None, status="skipped", note="time budget")
+            continue
+        try:
+            xs, g = make_inputs(2, 2, NQ, NK, D, DT[dt], seed=NQ + NK + train, layout=layout)
+            fwd = forward_saved(xs, causal)
+            ref = reference64(g, xs, causal, train)
+            tri = backward_grads("triton", g, xs, fwd, causal, train)
+            glu = backward_grads("gluon", g, xs, fwd, causal, train)
+            torch.cuda.synchronize()
+            ok = True
+            detail = []
+            for nm, r, t, o in zip(("dq", "dk"), ref, tri, glu):
+                e_t, e_g = rel_err(t, r), rel_err(o, r)
+                same_nan = bool(torch.equal(torch.isfinite(o), torch.isfinite(t)))
+                good = same_nan and e_g <= 2 * e_t + 2e-3
+                ok &= good
+                detail.append(f"{nm}: gluon {e_g:.2e} triton {e_t:.2e} finite-pattern {'=' if same_nan else '!='}")
+                record("check_rel_err", "gluon", name, e_g, "rel", nm, "ok" if good else "FAIL")
+                record("check_rel_err", "triton", name, e_t, "rel", nm)
+            results.append((name, ok, "; ".join(detail)))
+            log(f"{'ok  ' if ok else 'FAIL'} {name}: {'; '.join(detail)}")
+        except Exception as exc:
+            results.append((name, False, f"{type(exc).__name__}: {str(exc)[:300]}"))
+            record("check", "gluon", name, None, status="ERROR", note=str(exc)[:2000])
+            log(f"ERROR {name}: {type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}")
+    results += run_nan_checks(budget)
+    return results
+
+
+def run_nan_checks(budget):
+    """NaN isolation, against the clean run of the same inputs (Gluon forced; Triton's pattern)."""
+    out = []
+    cases = [("nan_key_side1", 1, 2), ("nan_key_side2", 2, 2), ("nan_key_side1", 1, 1),
+             ("nan_query_side1", 1, 1), ("nan_query_side2", 2, 2), ("nan_query_side1", 1, 2)]
+    NQ, NK, D = 256, 320, 128
+    diag = NK - NQ
+    for what, side, train in cases:
+        name = f"{what}:causal:{NQ}x{NK}:setting{3 - train}"
+        if budget.left() < 25:
+            record("nan", "gluon", name, None, status="skipped", note="time budget")
+            continue
+        try:
+            xs, g = make_inputs(1, 2, NQ, NK, D, torch.bfloat16, seed=7)
+            clean = backward_grads("gluon", g, xs, forward_saved(xs, True), True, train)
+            bad = [x.clone() for x in xs]
+            if what.startswith("nan_key"):
+                j = NK // 2  # visible to rows i >= j - diag only
+                bad[2 * (side - 1) + 1][:, :, j, 3] = float("nan")
+            else:
+                i = NQ // 2  # sees keys 0 .. i + diag only
+                bad[2 * (side - 1)][:, :, i, 5] = float("nan")
+            fwd = forward_saved(bad, True)
+            dq, dk = backward_grads("gluon", g, bad, fwd, True, train)
+            tdq, tdk = backward_grads("triton", g, bad, fwd, True, train)
+            torch.cuda.synchronize()
+            if what.startswith("nan_key"):
+                rows = slice(0, j - diag)  # rows that cannot see key j
+                iso = bool(torch.isfinite(dq[:, :, rows]).all()) and torch.allclose(
+                    dq[:, :, rows].float(), clean[0][:, :, rows].float(), rtol=2e-2, atol=2e-2)
+            else:
+                keys = slice(i + diag + 1, NK)  # keys row i cannot see
+                iso = bool(torch.isfinite(dk[:, :, keys]).all()) and torch.allclose(
+                    dk[:, :, keys].float(), clean[1][:, :, keys].float(), rtol=2e-2, atol=2e-2)
+            same = bool(torch.equal(torch.isfinite(dq), torch.isfinite(tdq))
+                        and torch.equal(torch.isfinite(dk), torch.isfinite(tdk)))
+            ok = iso and same
+            detail = f"isolated={iso} finite-pattern-as-triton={same}"
+            out.append((name, ok, detail))
+            record("nan", "gluon", name, int(ok), "bool", detail, "ok" if ok else "FAIL")
+            log(f"{'ok  ' if ok else 'FAIL'} {name}: {detail}")
+        except Exception as exc:
+            out.append((name, False, f"{type(exc).__name__}: {str(exc)[:300]}"))
+            record("nan", "gluon", name, None, status="ERROR", note=str(exc)[:2000])
+            log(f"ERROR {name}: {type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}")
+    return out
+
+
+def run_sass(out_dir):
+    from streamkl_gpu import _gluon_bwd_sass as gs
+
+    log("== sass of the Gluon backward kernels this run launched (GPU ptxas)")
+    os.makedirs(os.path.join(out_dir, "sass"), exist_ok=True)
+    summary = []
+    for n, (label, k) in enumerate(KERNELS.items()):
+        try:
+            sass = gs.sass_of(k)
+            with open(os.path.join(out_dir, "sass", f"gluon_bwd_{n:02d}.sass"), "w") as f:
+                f.write(f"// {label}\n" + sass)
+            c = gs.bwd_counts(sass)
+            loops = [(lp["hgmma"], lp["depbar"], lp["ex2"], lp["red"], lp["bssy"]) for lp in c["loops"]]
+            ok = (c["stl"] == 0 and c["ldl"] == 0 and len(loops) == 4
+                  and all(1 <= d <= 3 and b == 0 for _, d, _, _, b in loops))
+            if "variant" in label:
+                ok = None
+            regs = getattr(k, "n_regs", None)
+            for m in ("hgmma", "depbar", "stl", "ldl", "ex2"):
+                record("sass", f"gluon_bwd_{n:02d}", label, c[m])
+            record("sass", f"gluon_bwd_{n:02d}", label, str(loops), "loops(hgmma,depbar,ex2,red,bssy)",
+                   f"regs={regs} spills={getattr(k, 'n_spills', None)}", "ok" if ok else ("info" if ok is None else "FAIL"))
+            summary.append((label, ok, c, loops, regs))
+            log(f"{'ok  ' if ok else ('info' if ok is None else 'FAIL')} {label}: HGMMA={c['hgmma']} "
+                f"DEPBAR={c['depbar']} STL={c['stl']} LDL={c['ldl']} regs={regs} loops={loops}")
+        except Exception as exc:
+            log(f"ERROR sass {label}: {type(exc).__name__}: {exc}")
+            record("sass", "", label, None, status="ERROR", note=str(exc)[:2000])
+    return summary
+
+
+def time_ms(fn, warmup, rep):
+    fn()
+    torch.cuda.synchronize()
+    return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def run_timing(quick, warmup, rep, budget):
+    log("== timing: backward = (fwd+bwd) - fwd, B=1 H=32 D=128 bf16")
+    B, H, D = 1, 32, 128
+    table = []
+    for N in (8 * K, 16 * K):
+        for causal in (False, True):
+            shape = f"N={N // K}K:{'causal' if causal else 'full'}"
+            times = {}
+            if budget.left() < 15:
+                record("bwd", "all", shape, None, status="skipped", note="time budget")
+                continue
+            xs, g = make_inputs(B, H, N, N, D, torch.bfloat16, seed=1)
+            # SDPA: default dispatch (cuDNN / flash on an H200), q, k, v trained
+            try:
+                q, k, v = (x.detach().clone().requires_grad_(True) for x in xs[:3])
+                do = torch.randn_like(q)
+
+                def sdpa_fwd():
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+                def sdpa_fb():
+                    q.grad = k.grad = v.grad = None
+                    sdpa_fwd().backward(do)
+
+                f_ms, fb_ms = time_ms(sdpa_fwd, warmup, rep), time_ms(sdpa_fb, warmup, rep)
+                times[("sdpa", 0)] = fb_ms - f_ms
+                record("fwd", "sdpa", shape, f_ms, "ms")
+                record("fwd+bwd", "sdpa", shape, fb_ms, "ms")
+                record("bwd", "sdpa", shape, fb_ms - f_ms, "ms", "fwd+bwd - fwd")
+                del q, k, v, do
+            except Exception as exc:
+                log(f"ERROR sdpa {shape}: {type(exc).__name__}: {exc}")
+                record("bwd", "sdpa", shape, None, status="ERROR", note=str(exc)[:1000])
+            for train in (2, 1):
+                setting = 3 - train
+                fwd_out = forward_saved(xs, causal)
+                for prov in ("gluon", "triton", "gluon_no_dq_atomics"):
+                    if prov == "gluon_no_dq_atomics" and quick:
+                        continue
+                    if budget.left() < 10:
+                        record("bwd", prov, f"{shape}:setting{setting}", None, status="skipped", note="time budget")
+                        continue
+                    try:
+                        if prov == "gluon_no_dq_atomics":
+                            from streamkl_gpu import _gluon_bwd
+
+                            q1, k1, q2, k2 = xs
+                            s1, s2 = 1.0 / math.sqrt(D), 1.0 / math.sqrt(D)
+                            kl, l1, l2 = fwd_out
+
+                            def bwd_only():
+                                _gluon_bwd.gluon_backward(g, q1, k1, q2, k2, kl, l1, l2, causal, s1, s2, train,
+                                                          variant="no_dq_atomics")
+                            ms = time_ms(bwd_only, warmup, rep)
+                            note_kernel(f"variant:no_dq_atomics:{shape}:setting{setting}")
+                            record("bwd_alone", prov, f"{shape}:setting{setting}", ms, "ms", "wrong on purpose")
+                            times[(prov, setting)] = ms
+                            continue
+                        backend = prov
+                        leaves = [x.detach().clone().requires_grad_(i // 2 + 1 == train) for i, x in enumerate(xs)]
+
+                        def fwd():
+                            dispatch.BWD_BACKEND = backend
+                            return streamkl_gpu.attention_kl(*leaves, causal=causal)
+
+                        def fb():
+                            for x in leaves:
+                                x.grad = None
+                            fwd().backward(g)
+
+                        def bwd_only():
+                            backward_grads(backend, g, xs, fwd_out, causal, train)
+
+                        f_ms = time_ms(fwd, warmup, rep)
+                        fb_ms = time_ms(fb, warmup, rep)
+                        b_ms = time_ms(bwd_only, warmup, rep)
+                        dispatch.BWD_BACKEND = None
+                        times[(prov, setting)] = fb_ms - f_ms
+                        times[(prov + "_alone", setting)] = b_ms
+                        record("fwd", prov, f"{shape}:setting{setting}", f_ms, "ms")
+                        record("fwd+bwd", prov, f"{shape}:setting{setting}", fb_ms, "ms")
+                        record("bwd", prov, f"{shape}:setting{setting}", fb_ms - f_ms, "ms", "fwd+bwd - fwd")
+                        record("bwd_alone", prov, f"{shape}:setting{setting}", b_ms, "ms", "_launch.backward")
+                        log(f"{shape} setting{setting} {prov}: fwd {f_ms:.3f} fwd+bwd {fb_ms:.3f} "
+                            f"bwd {fb_ms - f_ms:.3f} (alone {b_ms:.3f}) ms")
+                        del leaves
+                    except Exception as exc:
+                        dispatch.BWD_BACKEND = None
+                        log(f"ERROR {prov} {shape} setting{setting}: {type(exc).__name__}: {exc}\n"
+                            f"{traceback.format_exc()[-2000:]}")
+                        record("bwd", prov, f"{shape}:setting{setting}", None, status="ERROR", note=str(exc)[:1000])
+            table.append((shape, times))
+            del xs, g
+            torch.cuda.empty_cache()
+    return table
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("out_dir")
+    p.add_argument("--quick", action="store_true", help="fewer check cases, no timing variant (<= 100 s)")
+    p.add_argument("--budget", type=float, default=None, help="seconds for the whole run (default 95 quick, 400)")
+    p.add_argument("--no-autotune", action="store_true", help="Triton path: first config, no tuning")
+    a = p.parse_args(argv)
+    os.makedirs(a.out_dir, exist_ok=True)
+    if a.no_autotune:
+        os.environ["STREAMKL_AUTOTUNE"] = "0"
+    budget = Budget(a.budget if a.budget is not None else (95 if a.quick else 400))
+    env = dict(gpu=torch.cuda.get_device_name(), capability=str(torch.cuda.get_device_capability()),
+               torch=torch.__version__, triton=triton.__version__, gluon_bwd=dispatch.GLUON_BWD_AVAILABLE,
+               gluon_bwd_error=dispatch.GLUON_BWD_IMPORT_ERROR,
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    log(f"env {env}")
+    warmup, rep = (5, 25) if a.quick else (10, 60)
+    checks, table = [], []
+    try:
+        checks = run_check(a.quick, budget)
+    except Exception as exc:  # keep going: the timing and the SASS still tell something
+        log(f"ERROR check section: {type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}")
+    try:
+        table = run_timing(a.quick, warmup, rep, budget)
+    except Exception as exc:
+        log(f"ERROR timing section: {type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}")
+    sass = run_sass(a.out_dir)
+
+    keys = ["measure", "provider", "shape", "value", "unit", "note", "status"]
+    with open(os.path.join(a.out_dir, "gluon_bwd_gpu.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, keys + list(env))
+        w.writeheader()
+        for r in ROWS:
+            w.writerow({**{k: "" for k in keys}, **r, **env})
+
+    out = ["", "== summary (gluon_bwd_gpu)", f"env: {env}"]
+    out.append(f"check: {sum(ok for _, ok, _ in checks)}/{len(checks)} pass")
+    out += [f"  FAIL {n}: {d}" for n, ok, d in checks if not ok]
+    judged = [s for s in sass if s[1] is not None]
+    out.append(f"sass: {sum(bool(s[1]) for s in judged)}/{len(judged)} kernels ok (no STL/LDL, 4 loops, 1-3 DEPBAR, "
+               "no BSSY per loop)")
+    out += [f"  {'ok  ' if s[1] else ('info' if s[1] is None else 'FAIL')} {s[0]}: STL={s[2]['stl']} LDL={s[2]['ldl']} "
+            f"regs={s[4]} loops(hgmma,depbar,ex2,red,bssy)={s[3]}" for s in sass]
+    out.append("backward ms (= fwd+bwd - fwd; 'alone' = _launch.backward on saved outputs) and ratio to SDPA's backward"
+               " (target <= 1.4)")
+    out.append("  shape           | set | gluon  (alone) | triton (alone) | sdpa   | gluon/sdpa | triton/sdpa | no-atomics")
+    for shape, t in table:
+        sd = t.get(("sdpa", 0))
+        for setting in (1, 2):
+            def f_(k):
+                v = t.get((k, setting))
+                return f"{v:6.3f}" if v is not None else "  -   "
+
+            def r_(k):
+                v = t.get((k, setting))
+                return f"{v / sd:10.2f}" if (v is not None and sd) else "     -    "
+            out.append(f"  {shape:15s} |  {setting}  | {f_('gluon')} ({f_('gluon_alone')}) | {f_('triton')} "
+                       f"({f_('triton_alone')}) | {sd if sd is None else round(sd, 3)!s:6} | {r_('gluon')} | "
+                       f"{r_('triton')}  | {f_('gluon_no_dq_atomics')}")
+    out.append(f"total {time.time() - T0:.0f}s")
+    for line in out:
+        log(line)
+    with open(os.path.join(a.out_dir, "gluon_bwd_gpu.log"), "w") as f:
+        f.write("\n".join(LOG) + "\n")
+
+
+if __name__ == "__main__":
+    main()

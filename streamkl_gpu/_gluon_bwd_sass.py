@@ -1,0 +1,93 @@
+"""Compile the Gluon backward for sm_90 without a GPU, and count its SASS (CI and the GPU script).
+
+Same method as ``_gluon_sass`` (the forward's): ``triton.compile(GluonASTSource(...),
+target=GPUTarget("cuda", 90, 32))`` on CPU tensors' descriptors, the SASS from triton's bundled
+``cuobjdump``, counts per main loop (innermost loops holding HGMMA).
+
+    python -m streamkl_gpu._gluon_bwd_sass SPEC...   SPEC = bf16|fp16 : causal|full : D : train side (1|2)
+
+prints one JSON object per line (the CI test runs it in a fresh process without TRITON_INTERPRET).
+"""
+import torch
+import triton
+
+import re
+
+from ._gluon_sass import DTYPES, main_loops, resource_usage, sass_counts, sass_of
+
+SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90
+
+
+def bwd_counts(sass):
+    """``sass_counts`` plus, per main loop, the dQ atomics (REDG/ATOMG) and the divergent-branch
+    scopes (BSSY: a masked atomic is one per element)."""
+    counts = sass_counts(sass)
+    for loop, body in zip(counts["loops"], main_loops(sass)):
+        loop["red"] = sum(bool(re.search(r"\b(REDG|ATOMG|RED)\.", t)) for t in body)
+        loop["bssy"] = sum("BSSY" in t for t in body)
+    return counts
+
+
+def compile_sm90(d, dtype, causal, train, n_q=256, n_k=256, config=None, variant="kernel"):
+    """Compile one specialisation of the Gluon backward for sm_90 (no GPU needed)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from . import _gluon_bwd as gb
+
+    B, H = 1, 2
+    q = torch.empty(B, H, n_q, d, dtype=dtype)
+    k = torch.empty(B, H, n_k, d, dtype=dtype)
+    rows = torch.empty(B, H, n_q, dtype=torch.float32)
+    dq = torch.empty(B, H, triton.cdiv(n_q, 64) * 64, d, dtype=torch.float32)
+    dk = torch.empty(B, H, n_k, d, dtype=dtype)
+    _, args, constexprs, options = gb.launch_args(rows, q, k, q, k, rows, rows, rows, causal, 0.1, 0.1, train,
+                                                  dq, dk, config, variant)
+    sig = {}
+    for name, a in zip(gb._gluon_kl_bwd_kernel.arg_names, args):
+        if hasattr(a, "__mangle__"):
+            sig[name] = a.__mangle__()
+        elif hasattr(a, "block_shape"):  # triton < 3.9 descriptors: the same type string by hand
+            from triton._utils import canonicalize_dtype
+
+            block = ",".join(map(str, a.block_shape))
+            sig[name] = f"tensordesc<{canonicalize_dtype(a.base.dtype)}[{block}],{a.layout!r}>"
+        elif isinstance(a, torch.Tensor):
+            sig[name] = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}[a.dtype]
+        elif isinstance(a, float):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    for name in constexprs:
+        sig[name] = "constexpr"
+    src = GluonASTSource(gb._gluon_kl_bwd_kernel, sig, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def spec_name(dtype: str, causal: bool, d: int, train: int) -> str:
+    return f"{dtype}:{'causal' if causal else 'full'}:{d}:{train}"
+
+
+def parse_spec(spec):
+    dtype, mode, d, train = spec.split(":")
+    return DTYPES[dtype], mode == "causal", int(d), int(train)
+
+
+def _main(argv):
+    import json
+    import time
+
+    for spec in argv:
+        dtype, causal, d, train = parse_spec(spec)
+        t0 = time.time()
+        kernel = compile_sm90(d, dtype, causal, train)
+        sass = sass_of(kernel)
+        row = dict(spec=spec, seconds=round(time.time() - t0, 1), triton=triton.__version__,
+                   resources=resource_usage(kernel), shared_bytes=int(kernel.metadata.shared), **bwd_counts(sass))
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    import sys
+
+    _main(sys.argv[1:])
