@@ -129,3 +129,15 @@ def test_hook_detection_handles_hook_chains_and_plain_callables():
     assert not _fast_launch._hooked(Chain([]))  # triton >= 3.5: the chain is always there, empty
     assert _fast_launch._hooked(Chain([print]))
     assert _fast_launch._hooked(print)  # triton < 3.5: the hook itself or None
+
+
+def test_per_call_keyword_arguments_are_put_in_their_parameter_slots(direct):
+    fn = _FakeJIT()
+    x = torch.zeros(8)
+    # FLAG stands for a descriptor argument that changes per call
+    _fast_launch.launch(fn, (1, 1, 1), (x, 32, 1.0), {"BLOCK": 16}, 4, 2, key="plan-C", tensors=(x,),
+                        runtime={"FLAG": "desc-1"})
+    assert fn.log[0][3]["FLAG"] == "desc-1"
+    _fast_launch.launch(fn, (1, 1, 1), (x, 32, 1.0), {"BLOCK": 16}, 4, 2, key="plan-C", tensors=(x,),
+                        runtime={"FLAG": "desc-2"})
+    assert fn.log[-1][0] == "direct" and fn.log[-1][1][9:] == (x, 32, 1.0, 16, "desc-2")
