@@ -128,6 +128,10 @@ def pick(key, candidates, launch, proxy=None, device=None):
 # of each candidate (compiling it, or loading it from Triton's cache) and in timing them.
 TUNING_STATS = {"compile_s": 0.0, "timing_s": 0.0, "keys": 0}
 TUNING_LOG: dict = {}  # key -> [(cfg, median ms)], what the tuner measured
+# A candidate whose one timed call takes longer than this is not timed again: do_bench would run
+# it about 8 more times (its estimate, warm-up and repeat calls), which is what made the first
+# fused both-settings backward at N = 32K take 4.9 s in session 1's bench (bench/NOTES.md).
+LONG_CALL_S = 0.05
 TUNING_RETIMED: dict = {}  # key -> {cfg: median of the interleaved re-timings, ms}
 RETIME_MARGIN = 0.15  # candidates within 15 % of the first pass's best are timed again
 RETIME_ROUNDS = 3
@@ -149,7 +153,13 @@ def _time_candidates(key, candidates, launch):
             launch(cfg)  # compiles (or loads) this candidate: not part of the tuning budget
             torch.cuda.synchronize()
             t1 = time.perf_counter()
-            t = do_bench(lambda: launch(cfg), warmup=5, rep=20, return_mode="median")
+            launch(cfg)  # one timed call: a long one is its own measurement
+            torch.cuda.synchronize()
+            once = time.perf_counter() - t1
+            if once < LONG_CALL_S:
+                t = do_bench(lambda: launch(cfg), warmup=5, rep=20, return_mode="median")
+            else:
+                t = once * 1e3
             TUNING_STATS["compile_s"] += t1 - t0
             TUNING_STATS["timing_s"] += time.perf_counter() - t1
         except Exception as exc:  # out of shared memory / registers: not a usable config

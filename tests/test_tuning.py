@@ -156,7 +156,7 @@ def test_close_candidates_are_retimed_interleaved_and_the_retimed_best_wins(monk
     monkeypatch.setattr(_tuning, "TUNING_RETIMED", {})
     best = _tuning._time_candidates(("decode",), [a, b, c], launch=lambda cfg: cfg)
     assert best == b
-    # launches: a, b, c once each for compiling (not timed), their first-pass timing, then a b a b a b
+    # launches: a, b, c twice each (compiling, one timed call; not do_bench), their first-pass do_bench, then a b a b a b
     timed_after_first_pass = [x for x in calls[3:]]
     assert timed_after_first_pass == [a, b] * _tuning.RETIME_ROUNDS
     assert set(_tuning.TUNING_RETIMED[("decode",)]) == {a, b}
@@ -167,3 +167,17 @@ def test_a_clear_winner_is_not_retimed(monkeypatch):
     calls = _scripted_timing(monkeypatch, {a: 0.100, b: 0.300}, {})
     assert _tuning._time_candidates(("k2",), [a, b], launch=lambda cfg: cfg) == a
     assert len(calls) == 2
+
+
+def test_a_long_call_is_its_own_measurement(monkeypatch):
+    import time as _time
+    a, b = ("slow",), ("fast",)
+    calls = _scripted_timing(monkeypatch, {b: 0.01}, {})
+
+    def launch(cfg):
+        if cfg == a:
+            _time.sleep(_tuning.LONG_CALL_S * 1.5)  # a long call: timed once, never handed to do_bench
+        return cfg
+
+    assert _tuning._time_candidates(("long",), [a, b], launch=launch) == b
+    assert calls == [b]
