@@ -203,9 +203,18 @@ def _new_fwd_candidates(dims, gqa, n_sm):
     else:
         out = []
         for base in ((128, 128, 64, 64, 8, 2, None), (128, 128, 64, 64, 8, 2, 1), (128, 128, 128, 64, 8, 2, 1),
-                     (64, 64, 64, 64, 4, 2, None), (128, 128, 128, 64, 8, 2, None)):
-            out.append(base + (_fwd_split(dims, base, n_sm),))
-    return [c for c in dict.fromkeys(out)]
+                     (64, 64, 64, 64, 4, 2, None), (64, 64, 64, 64, 4, 2, 1)):
+            out.append(_canonical(base + (_fwd_split(dims, base, n_sm),)))
+    return out
+
+
+def _canonical(cfg):
+    """A config without its trailing default fields (key splits 1, heads cap None), so that
+    equal plans are one candidate."""
+    cfg = tuple(cfg)
+    while len(cfg) > 6 and cfg[-1] == (1 if len(cfg) == 8 else None):
+        cfg = cfg[:-1]
+    return cfg
 
 
 def _candidates(kind, ieee, dims=None, n_sm=132):
@@ -224,12 +233,13 @@ def _candidates(kind, ieee, dims=None, n_sm=132):
     gqa = dims is not None and dims.HK > 1
     if kind == "fwd":
         second = (128, 128, 64, 64, 8, 2, 1) if gqa else (128, 128, 64, 64, 8, 3)
-        return [(128, 128, 64, 64, 8, 2), second, (256, 128, 64, 64, 8, 2)] + _new_fwd_candidates(dims, gqa, n_sm)
+        old = [(128, 128, 64, 64, 8, 2), second, (256, 128, 64, 64, 8, 2)]
+        return list(dict.fromkeys(old + _new_fwd_candidates(dims, gqa, n_sm)))  # old first, no duplicates
     if kind == "pacc":
         # planned as the backward ("bwd"): all indexer heads x BLOCK_T tokens per tile. Offline
-        # sm_90 compiles (triton 3.9, DSA 8K): BLOCK_N = 64 spills 392 B of stack (the dk share's
-        # [BLOCK_N, D_I] tile on top of dq_p), BLOCK_N = 32 spills 56 B. Not yet timed.
-        return [(128, 128, 32, 64, 8, 2), (128, 128, 64, 64, 8, 2), (128, 128, 32, 64, 8, 3), (256, 128, 32, 64, 8, 2)]
+        # sm_90 compiles (triton 3.9, DSA 8K, dk shares by TMA reduction): BLOCK_N = 32 spills
+        # nothing (254 registers), BLOCK_N = 64 spills 216 B of stack. Not yet timed.
+        return [(128, 128, 32, 64, 8, 2), (128, 128, 64, 64, 8, 2), (128, 128, 32, 64, 8, 3), (128, 128, 32, 64, 4, 2)]
     if kind == "lse":
         return [(128, 128, 64, 64, 8, 2), (128, 128, 64, 64, 8, 2, 1) if gqa else (128, 128, 128, 64, 8, 2)]
     return [(128, 128, 64, 64, 8, 2), (64, 64, 64, 64, 4, 2)]
@@ -512,6 +522,9 @@ def _forward_pacc(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
     group = dims.H // dims.HK
     no_contract = not _runtime.interpreting()
     use_tma = _use_tma(q, k, q_idx, k_idx)
+    # dk_p's shares by one TMA bulk reduction per tile (Hopper; the interpreter has no reductions
+    # through descriptors); STREAMKL_INDEXER_DK_TMA=0: per-element atomics
+    dk_tma = use_tma and not _runtime.interpreting() and os.environ.get("STREAMKL_INDEXER_DK_TMA", "1") != "0"
     lse_bits = (lse * LOG2E).contiguous()
     kl = _fresh((dims.B, dims.NQ), torch.float32, device)
     lse_idx = _fresh((dims.B, dims.NQ), torch.float32, device)
@@ -525,14 +538,16 @@ def _forward_pacc(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
         pl = _plan(dims, cfg, "bwd")  # every indexer head x BLOCK_T tokens in one tile
         dk_p.zero_()
         grid = (triton.cdiv(dims.NQ, pl["BLOCK_T"]), dims.B)
+        dk_desc = (_runtime.TensorDescriptor(dk_p, list(dk_p.shape), list(dk_p.stride()), [1, 1, pl["BLOCK_N"], pl["DI_PAD"]])
+                   if dk_tma else None)
         _indexer_pacc._indexer_fwd_pacc_kernel[grid](
             q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, dq_p, dw_p, dk_p,
-            *_descriptors(pl, use_tma, q, k, q_idx, k_idx),
+            *_descriptors(pl, use_tma, q, k, q_idx, k_idx), dk_desc,
             *_strides(q), *_strides(k), *_strides(q_idx), *_strides(k_idx), *_strides(weights),
             dims.H, group, dims.HI, dims.NQ, dims.NK, dims.scale * LOG2E, 1.0 / dims.H, pl["n_chunks"], pl["cpg"],
             D=dims.D, BLOCK_D=pl["BLOCK_D"], DI=dims.DI, DI_PAD=pl["DI_PAD"], HB=pl["HB"], GI_PAD=pl["GI_PAD"],
             BLOCK_T=pl["BLOCK_T"], BLOCK_N=pl["BLOCK_N"], CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i,
-            NO_CONTRACT=no_contract, USE_TMA=use_tma, num_warps=pl["warps"], num_stages=pl["stages"])
+            NO_CONTRACT=no_contract, USE_TMA=use_tma, DK_TMA=dk_tma, num_warps=pl["warps"], num_stages=pl["stages"])
 
     launch(_tuning.pick(key, _candidates("pacc", ieee_t or ieee_i, dims), launch))
     return kl.sum(), lse_idx, dq_p, dk_p, dw_p

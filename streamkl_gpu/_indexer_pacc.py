@@ -18,7 +18,8 @@ Layout: one program per (block of BLOCK_T tokens, batch element); the teacher as
 kernel: all GI_PAD heads of the one indexer key head (H_KI = 1: the host checks) x BLOCK_T tokens
 as the rows of one tile, q_idx rows and weights loaded once. dq_p and dweights_p stay in
 registers; each key tile's dk_p share is one fp32 atomic add of [BLOCK_N, D_I] into a zeroed
-buffer.
+buffer: on Hopper (DK_TMA) one bulk TMA reduction; elsewhere per-element atomics, whose
+[BLOCK_N, D_I] pointer tensor cost ~350 B of spills in an offline DSA compile.
 
 NaN isolation as in the backward: in the masked stage the contraction operands (k_idx rows for
 dq_p, q_idx rows for dk_p) are set to 0 where non-finite, so what a row cannot see never reaches
@@ -37,7 +38,7 @@ __all__ = ["LOG2E"]
 @triton.jit
 def _pacc_key_range(
     m, l, mass, acc, plogp, dq_p, dw_p, q_rows, w_rows, row_ok,
-    Q, K, KI, Q_DESC, K_DESC, KI_DESC, LSE_T, DK_P,
+    Q, K, KI, Q_DESC, K_DESC, KI_DESC, LSE_T, DK_P, DK_DESC,
     stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_kib, stride_kin, stride_kid,
     b, t0, lo, hi, H, GROUP, N_Q, N_K, qk_scale, inv_heads, n_chunks, chunks_per_group,
@@ -45,6 +46,7 @@ def _pacc_key_range(
     HB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
     IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr,
+    DK_TMA: tl.constexpr,
 ):
     ROWS: tl.constexpr = GI_PAD * BLOCK_T
     diag_offset = N_K - N_Q
@@ -88,9 +90,12 @@ def _pacc_key_range(
             k_for_dq = _finite_or_zero(k_tile)
         dq_p += _dot(coef.to(k_tile.dtype), k_for_dq, IEEE_I)
         dk_part = _dot(tl.trans(coef.to(q_rows.dtype)), q_for_dk, IEEE_I)  # [BLOCK_N, DI_PAD]
-        out = b64 * N_K + keys
-        tl.atomic_add(DK_P + out[:, None] * DI + offs_d[None, :], dk_part,
-                      mask=(keys < N_K)[:, None] & (offs_d < DI)[None, :])
+        if DK_TMA:  # one bulk reduction (cp.reduce.async.bulk): no [BLOCK_N, D_I] pointer tensor
+            DK_DESC.atomic_add([b, 0, s0, 0], dk_part.reshape(1, 1, BLOCK_N, DI_PAD))
+        else:
+            out = b64 * N_K + keys
+            tl.atomic_add(DK_P + out[:, None] * DI + offs_d[None, :], dk_part,
+                          mask=(keys < N_K)[:, None] & (offs_d < DI)[None, :])
     return m, l, mass, acc, plogp, dq_p, dw_p
 
 
@@ -98,6 +103,7 @@ def _pacc_key_range(
 def _indexer_fwd_pacc_kernel(
     Q, K, QI, KI, W, LSE_T, KL, LSE_I, DQ_P, DW_P, DK_P,
     Q_DESC, K_DESC, QI_DESC, KI_DESC,  # TMA descriptors of q, k, q_idx, k_idx (used when USE_TMA)
+    DK_DESC,  # dk_p's descriptor, box [1, 1, BLOCK_N, DI_PAD] (used when DK_TMA)
     stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
     stride_wb, stride_wh, stride_wn,
@@ -105,7 +111,7 @@ def _indexer_fwd_pacc_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, DI: tl.constexpr, DI_PAD: tl.constexpr,
     HB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, RELU: tl.constexpr, IEEE_T: tl.constexpr, IEEE_I: tl.constexpr,
-    NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr,
+    NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr, DK_TMA: tl.constexpr,
 ):
     """KL and LSE_I [B, N_Q] as ``_indexer_fwd_kernel``; dq_p [B, H_I, N_Q, D_I] and dweights_p
     [B, H_I, N_Q] stored, dk_p [B, 1, N_K, D_I] added (fp32, contiguous; dk_p zeroed)."""
@@ -132,17 +138,17 @@ def _indexer_fwd_pacc_kernel(
     dw_p = tl.zeros([ROWS], tl.float32)
     full_hi, key_hi = _key_stages(t0, 0, N_K, N_Q, N_K, BLOCK_T, BLOCK_N, CAUSAL)
     m, l, mass, acc, plogp, dq_p, dw_p = _pacc_key_range(
-        m, l, mass, acc, plogp, dq_p, dw_p, q_rows, w_rows, row_ok, Q, K, KI, Q_DESC, K_DESC, KI_DESC, LSE_T, DK_P,
+        m, l, mass, acc, plogp, dq_p, dw_p, q_rows, w_rows, row_ok, Q, K, KI, Q_DESC, K_DESC, KI_DESC, LSE_T, DK_P, DK_DESC,
         stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
         stride_kib, stride_kin, stride_kid, b, t0, 0, full_hi, H, GROUP, N_Q, N_K, qk_scale, inv_heads,
         n_chunks, chunks_per_group, D, BLOCK_D, DI, DI_PAD, HB, GI_PAD, BLOCK_T, BLOCK_N,
-        False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA)
+        False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, DK_TMA)
     m, l, mass, acc, plogp, dq_p, dw_p = _pacc_key_range(
-        m, l, mass, acc, plogp, dq_p, dw_p, q_rows, w_rows, row_ok, Q, K, KI, Q_DESC, K_DESC, KI_DESC, LSE_T, DK_P,
+        m, l, mass, acc, plogp, dq_p, dw_p, q_rows, w_rows, row_ok, Q, K, KI, Q_DESC, K_DESC, KI_DESC, LSE_T, DK_P, DK_DESC,
         stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
         stride_kib, stride_kin, stride_kid, b, t0, full_hi, key_hi, H, GROUP, N_Q, N_K, qk_scale, inv_heads,
         n_chunks, chunks_per_group, D, BLOCK_D, DI, DI_PAD, HB, GI_PAD, BLOCK_T, BLOCK_N,
-        True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA)
+        True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, DK_TMA)
     kl, lse_i = _finish(m, l, acc, plogp)
     ok = toks < N_Q
     out = b64 * N_Q + toks
