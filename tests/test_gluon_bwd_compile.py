@@ -61,8 +61,8 @@ def test_sass_no_spills_three_waits_per_query_tile(compiled, spec):
         # one DEPBAR per HGMMA would be ptxas serialising the products (the sketch's back-edge trap)
         assert 1 <= loop["depbar"] <= WAITS_PER_TILE, f"{spec}: {loop['depbar']} WARPGROUP.DEPBAR per tile: {loop}"
         assert loop["ex2"] == exps * 64 * 64 // 128, f"{spec}: MUFU.EX2 per tile and thread: {loop}"
-        # dQ: 64 rows x D/2 fp32 atomics per warpgroup, unmasked (no branch around each one)
-        assert loop["red"] == 64 * (d // 2) // 128, f"{spec}: dQ atomics per tile and thread: {loop}"
+        # dQ: 64 rows x D/2 fp32 per warpgroup, two per red.v2, unmasked (no branch around each)
+        assert loop["red"] == 64 * (d // 2) // 128 // 2, f"{spec}: dQ atomics per tile and thread: {loop}"
         assert loop["bssy"] == 0, f"{spec}: divergent branches in the main loop (masked atomics?): {loop}"
 
 
