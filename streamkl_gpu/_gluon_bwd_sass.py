@@ -19,12 +19,13 @@ SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90
 
 
 def bwd_counts(sass):
-    """``sass_counts`` plus, per main loop, the dQ atomics (REDG/ATOMG) and the divergent-branch
-    scopes (BSSY: a masked atomic is one per element)."""
+    """``sass_counts`` plus, per main loop, the dQ atomics (REDG/ATOMG), the divergent-branch
+    scopes (BSSY: a masked atomic is one per element) and the local-memory accesses (STL/LDL)."""
     counts = sass_counts(sass)
     for loop, body in zip(counts["loops"], main_loops(sass)):
         loop["red"] = sum(bool(re.search(r"\b(REDG|ATOMG|RED)\.", t)) for t in body)
         loop["bssy"] = sum("BSSY" in t for t in body)
+        loop["spill"] = sum(bool(re.search(r"\b(STL|LDL)\b", t)) for t in body)
     return counts
 
 
