@@ -11,7 +11,7 @@ Sections (a time budget skips what does not fit, recorded as ``skipped``; the SA
 1. check: the Gluon backward (forced, ``_gluon_bwd_dispatch.BWD_BACKEND = "gluon"``) vs the
    Triton backward (forced) vs float64 autograd, through ``_launch.backward`` on the same saved
    forward: settings 1 (train side 2) and 2 (train side 1), bf16/fp16, D = 64/128, causal and not,
-   ragged N, N_Q < N_K and N_Q > N_K (empty rows), a [B, N, H, D] layout; NaN isolation: a NaN key
+   ragged N, N_Q < N_K and N_Q > N_K (empty rows), a [B, N, H, D] layout, GQA; NaN isolation: a NaN key
    that some rows cannot see (causal) stays out of their dQ, a NaN query row stays out of the dK of
    the keys it cannot see (both compared with the clean run), NaN pattern equal to Triton's.
    Error measure: relative Frobenius error vs float64; pass: gluon <= 2 x triton + 2e-3.
@@ -130,15 +130,16 @@ def rel_err(ours, ref):
     return ((ours[fin] - ref[fin]).norm() / max(ref[fin].norm().item(), 1e-30)).item()
 
 
-def make_inputs(B, H, NQ, NK, D, dtype, seed=0, layout="bhnd"):
+def make_inputs(B, H, NQ, NK, D, dtype, seed=0, layout="bhnd", hk1=None, hk2=None):
+    """q1, k1, q2, k2 and g; ``hk1``, ``hk2``: key heads per side (GQA), default H."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
 
-    def t(n):
+    def t(n, h):
         if layout == "bnhd":  # [B, N, H, D] storage viewed as [B, H, N, D]
-            return torch.randn(B, n, H, D, device="cuda", generator=gen).to(dtype).transpose(1, 2)
-        return torch.randn(B, H, n, D, device="cuda", generator=gen).to(dtype)
+            return torch.randn(B, n, h, D, device="cuda", generator=gen).to(dtype).transpose(1, 2)
+        return torch.randn(B, h, n, D, device="cuda", generator=gen).to(dtype)
 
-    xs = [t(NQ), t(NK), t(NQ), t(NK)]
+    xs = [t(NQ, H), t(NK, hk1 or H), t(NQ, H), t(NK, hk2 or H)]
     g = torch.rand(B, H, NQ, device="cuda", generator=gen) + 0.5
     return xs, g
 
@@ -150,27 +151,36 @@ VARIANT_PROVIDERS = ("gluon:no_dq_atomics", "gluon:scalar_dq_atomics")
 
 
 def check_cases(quick):
-    # (dtype, D, causal, NQ, NK, layout)
-    # quick: three specialisations per setting (bf16/128 full and causal, fp16/64 causal)
-    shapes = [("bf16", 128, False, 256, 256, "bhnd"), ("bf16", 128, True, 256, 256, "bhnd"),
-              ("fp16", 64, True, 200, 333, "bhnd"), ("bf16", 128, True, 333, 200, "bhnd"),
-              ("bf16", 128, True, 256, 384, "bnhd")]
+    """((dtype, D, causal, NQ, NK, layout, hk1, hk2), trained side); H = 4 query heads.
+    quick: three specialisations per setting (bf16/128 full and causal, fp16/64 causal) and a
+    GQA one (setting 1)."""
+    both = (2, 1)
+    shapes = [(("bf16", 128, False, 256, 256, "bhnd", None, None), both),
+              (("bf16", 128, True, 256, 256, "bhnd", None, None), both),
+              (("fp16", 64, True, 200, 333, "bhnd", None, None), both),
+              (("bf16", 128, True, 333, 200, "bhnd", None, None), both),
+              (("bf16", 128, True, 256, 384, "bnhd", None, None), both),
+              (("bf16", 128, True, 300, 300, "bhnd", 1, 2), (2,))]  # GQA 4:1 and 4:2
     if not quick:
-        shapes += [("fp16", 128, False, 1000, 1000, "bhnd"), ("bf16", 64, False, 77, 130, "bhnd"),
-                   ("bf16", 64, True, 513, 1100, "bhnd"), ("fp16", 128, True, 1100, 513, "bhnd")]
-    return [(s, train) for s in shapes for train in (2, 1)]
+        shapes += [(("fp16", 128, False, 1000, 1000, "bhnd", None, None), both),
+                   (("bf16", 64, False, 77, 130, "bhnd", None, None), both),
+                   (("bf16", 64, True, 513, 1100, "bhnd", None, None), both),
+                   (("fp16", 128, True, 1100, 513, "bhnd", None, None), both),
+                   (("bf16", 128, False, 300, 500, "bhnd", 2, 1), (1, 2))]
+    return [(s, train) for s, trains in shapes for train in trains]
 
 
 def run_check(quick, budget):
     log("== check: gluon vs triton vs float64 (through _launch.backward)")
     results = []
-    for (dt, D, causal, NQ, NK, layout), train in check_cases(quick):
-        name = f"{dt}:D{D}:{'causal' if causal else 'full'}:{NQ}x{NK}:{layout}:setting{3 - train}"
+    for (dt, D, causal, NQ, NK, layout, hk1, hk2), train in check_cases(quick):
+        gqa = f":gqa{hk1}-{hk2}" if (hk1 or hk2) else ""
+        name = f"{dt}:D{D}:{'causal' if causal else 'full'}:{NQ}x{NK}:{layout}{gqa}:setting{3 - train}"
         if budget.left() < 8:
             record("check", "gluon", name, None, status="skipped", note="time budget")
             continue
         try:
-            xs, g = make_inputs(2, 2, NQ, NK, D, DT[dt], seed=NQ + NK + train, layout=layout)
+            xs, g = make_inputs(2, 4, NQ, NK, D, DT[dt], seed=NQ + NK + train, layout=layout, hk1=hk1, hk2=hk2)
             fwd = forward_saved(xs, causal)
             ref = reference64(g, xs, causal, train)
             tri = backward_grads("triton", g, xs, fwd, causal, train)

@@ -77,8 +77,6 @@ def gluon_bwd_unsupported(dims, dtypes: Sequence[torch.dtype], strides: Sequence
         return f"q1, k1, q2, k2 have dtypes {tuple(dtypes)}; the Gluon backward takes one dtype for all four"
     if dims.D1 != dims.D2 or dims.D1 not in GLUON_BWD_HEAD_DIMS:
         return f"head dims D1={dims.D1}, D2={dims.D2}; the Gluon backward takes D1 = D2 in {GLUON_BWD_HEAD_DIMS}"
-    if dims.HK1 != dims.H or dims.HK2 != dims.H:
-        return f"GQA (key heads {dims.HK1}, {dims.HK2} for {dims.H} query heads) runs on the Triton path"
     for name, dt, st, ptr in zip(("q1", "k1", "q2", "k2"), dtypes, strides, data_ptrs):
         why = _tma_legal(st, torch.empty((), dtype=dt).element_size(), int(ptr))
         if why:
