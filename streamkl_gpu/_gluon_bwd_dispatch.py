@@ -78,7 +78,7 @@ def gluon_bwd_unsupported(dims, dtypes: Sequence[torch.dtype], strides: Sequence
     if dims.D1 != dims.D2 or dims.D1 not in GLUON_BWD_HEAD_DIMS:
         return f"head dims D1={dims.D1}, D2={dims.D2}; the Gluon backward takes D1 = D2 in {GLUON_BWD_HEAD_DIMS}"
     for name, dt, st, ptr in zip(("q1", "k1", "q2", "k2"), dtypes, strides, data_ptrs):
-        why = _tma_legal(st, torch.empty((), dtype=dt).element_size(), int(ptr))
+        why = _tma_legal(st, dt.itemsize, int(ptr))
         if why:
             return f"{name} cannot be read through a TMA descriptor: {why}"
     return None
@@ -93,7 +93,7 @@ def use_gluon_bwd(dims, dtypes, strides, device_capability, train1, train2, bwd_
     backend = bwd_backend() if backend is None else backend
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "triton":
+    if backend == "triton" or (backend == "auto" and not GLUON_BWD_AUTO):
         return False
     why = gluon_bwd_unsupported(dims, dtypes, strides, device_capability, train1, train2, bwd_mode, deterministic,
                                 data_ptrs)
@@ -110,10 +110,13 @@ def try_gluon_backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, dims
     """``_launch.backward``'s hook: (dq1, dk1, dq2, dk2) from the Gluon kernel when the dispatch
     takes the problem, else None (the Triton path runs). ``g``, ``kl``, ``lse*_bits``: contiguous
     fp32 [B, H, N_Q]; ``strides_of``: ``_checks.strides``."""
+    backend = bwd_backend()
+    if backend == "triton" or (backend == "auto" and not GLUON_BWD_AUTO):
+        return None  # the default today: no further host work on the Triton path
     inputs = (q1, k1, q2, k2)
     if not use_gluon_bwd(dims, tuple(t.dtype for t in inputs), tuple(strides_of(t) for t in inputs),
                          device_capability(q1.device), train1, train2, bwd_mode, deterministic,
-                         tuple(t.data_ptr() for t in inputs)):
+                         tuple(t.data_ptr() for t in inputs), backend=backend):
         return None
     side = 1 if train1 else 2
     dq, dk = _gluon_bwd.gluon_backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, dims.scale1,
