@@ -11,14 +11,15 @@ Sections (a time budget skips what does not fit, recorded as ``skipped``; the SA
 1. check: the Gluon backward (forced, ``_gluon_bwd_dispatch.BWD_BACKEND = "gluon"``) vs the
    Triton backward (forced) vs float64 autograd, through ``_launch.backward`` on the same saved
    forward: settings 1 (train side 2) and 2 (train side 1), bf16/fp16, D = 64/128, causal and not,
-   ragged N, N_Q < N_K and N_Q > N_K (empty rows), a [B, N, H, D] layout, GQA; NaN isolation: a NaN key
+   ragged N, N_Q < N_K and N_Q > N_K (empty rows), a [B, N, H, D] layout, GQA, both sides (setting 3:
+   one launch per side); NaN isolation: a NaN key
    that some rows cannot see (causal) stays out of their dQ, a NaN query row stays out of the dK of
    the keys it cannot see (both compared with the clean run), NaN pattern equal to Triton's.
    Error measure: relative Frobenius error vs float64; pass: gluon <= 2 x triton + 2e-3.
 2. sass: the SASS (GPU ptxas, triton's bundled cuobjdump) of every Gluon backward kernel the run
    launched: STL/LDL, HGMMA / WARPGROUP.DEPBAR / MUFU.EX2 / dQ atomics per main loop (files in
    OUT_DIR/sass/).
-3. timing: B=1, H=32, D=128 bf16, N = 8K and 16K, causal and not, settings 1 and 2:
+3. timing: B=1, H=32, D=128 bf16, N = 8K and 16K, causal and not, settings 1 and 2 (and 3 at 8K):
    backward = (forward + backward) - forward, for gluon, triton (forced) and SDPA (default
    dispatch: cuDNN/flash, q, k, v all trained); plus ours' backward alone (``_launch.backward``
    on saved forward outputs) and a timing variant without the dQ atomics (wrong on purpose).
@@ -87,19 +88,34 @@ def note_kernel(label):
             KERNELS[label] = k
 
 
+def _setting(train):  # trained side 2 -> setting 1, side 1 -> setting 2, BOTH -> setting 3
+    return {2: 1, 1: 2, BOTH: 3}[train]
+
+
+BOTH = 3  # "train" value for both sides
+
+
+def _trains(train, side):
+    return train == side or train == BOTH
+
+
 def backward_grads(provider, g, xs, fwd_out, causal, train):
-    """(dq, dk) of the trained side from ``_launch.backward`` with the backward backend forced."""
+    """(dq, dk) of the trained side (all four for ``BOTH``) from ``_launch.backward`` with the
+    backward backend forced."""
     q1, k1, q2, k2 = xs
     kl, lse1, lse2 = fwd_out
     dispatch.BWD_BACKEND = provider
     try:
         s1, s2 = 1.0 / math.sqrt(q1.shape[-1]), 1.0 / math.sqrt(q2.shape[-1])
         dq1, dk1, dq2, dk2 = _launch.backward(g, q1, k1, q2, k2, kl, lse1, lse2, causal, s1, s2,
-                                              train == 1, train == 2, "auto", False)
+                                              _trains(train, 1), _trains(train, 2), "auto", False)
     finally:
         dispatch.BWD_BACKEND = None
     if provider == "gluon":
-        note_kernel(f"{q1.dtype}:D{q1.shape[-1]}:{'causal' if causal else 'full'}:s{3 - train}")
+        note_kernel(f"{q1.dtype}:D{q1.shape[-1]}:{'causal' if causal else 'full'}:setting{_setting(train)}"
+                    f"{':gqa' if k1.shape[1] != q1.shape[1] or k2.shape[1] != q2.shape[1] else ''}")
+    if train == BOTH:
+        return dq1, dk1, dq2, dk2
     return (dq1, dk1) if train == 1 else (dq2, dk2)
 
 
@@ -115,9 +131,11 @@ def forward_saved(xs, causal):
 
 def reference64(g, xs, causal, train):
     """float64 autograd of sum(g * KL) through the materialised formula (streamkl_ref.testing)."""
-    leaves = [x.detach().double().requires_grad_(i // 2 + 1 == train) for i, x in enumerate(xs)]
+    leaves = [x.detach().double().requires_grad_(_trains(train, i // 2 + 1)) for i, x in enumerate(xs)]
     kl = attention_kl_naive(*leaves, causal=causal, compute_dtype=torch.float64)
     (kl * g.double()).sum().backward()
+    if train == BOTH:
+        return tuple(x.grad for x in leaves)
     q, k = (leaves[0], leaves[1]) if train == 1 else (leaves[2], leaves[3])
     return q.grad, k.grad
 
@@ -160,7 +178,8 @@ def check_cases(quick):
               (("fp16", 64, True, 200, 333, "bhnd", None, None), both),
               (("bf16", 128, True, 333, 200, "bhnd", None, None), both),
               (("bf16", 128, True, 256, 384, "bnhd", None, None), both),
-              (("bf16", 128, True, 300, 300, "bhnd", 1, 2), (2,))]  # GQA 4:1 and 4:2
+              (("bf16", 128, True, 300, 300, "bhnd", 1, 2), (2,)),  # GQA 4:1 and 4:2
+              (("bf16", 128, True, 256, 256, "bhnd", None, None), (BOTH,))]  # one launch per side
     if not quick:
         shapes += [(("fp16", 128, False, 1000, 1000, "bhnd", None, None), both),
                    (("bf16", 64, False, 77, 130, "bhnd", None, None), both),
@@ -175,7 +194,7 @@ def run_check(quick, budget):
     results = []
     for (dt, D, causal, NQ, NK, layout, hk1, hk2), train in check_cases(quick):
         gqa = f":gqa{hk1}-{hk2}" if (hk1 or hk2) else ""
-        name = f"{dt}:D{D}:{'causal' if causal else 'full'}:{NQ}x{NK}:{layout}{gqa}:setting{3 - train}"
+        name = f"{dt}:D{D}:{'causal' if causal else 'full'}:{NQ}x{NK}:{layout}{gqa}:setting{_setting(train)}"
         if budget.left() < 8:
             record("check", "gluon", name, None, status="skipped", note="time budget")
             continue
@@ -188,7 +207,8 @@ def run_check(quick, budget):
             torch.cuda.synchronize()
             ok = True
             detail = []
-            for nm, r, t, o in zip(("dq", "dk"), ref, tri, glu):
+            names = ("dq1", "dk1", "dq2", "dk2") if train == BOTH else ("dq", "dk")
+            for nm, r, t, o in zip(names, ref, tri, glu):
                 e_t, e_g = rel_err(t, r), rel_err(o, r)
                 same_nan = bool(torch.equal(torch.isfinite(o), torch.isfinite(t)))
                 good = same_nan and e_g <= 2 * e_t + 2e-3
@@ -364,11 +384,11 @@ def run_timing(quick, warmup, rep, budget, gluon_ok=True, table=None):
             except Exception as exc:
                 log(f"ERROR sdpa {shape}: {type(exc).__name__}: {exc}")
                 record("bwd", "sdpa", shape, None, status="ERROR", note=str(exc)[:1000])
-            for train in (2, 1):
-                setting = 3 - train
+            for train in ((2, 1, BOTH) if (N == 8 * K or not quick) else (2, 1)):
+                setting = _setting(train)
                 fwd_out = forward_saved(xs, causal)
                 for prov in ("gluon", "triton") + VARIANT_PROVIDERS:
-                    if prov in VARIANT_PROVIDERS and quick:  # 8 more compiles: not in the 100 s
+                    if prov in VARIANT_PROVIDERS and (quick or train == BOTH):  # 8 more compiles: not in 100 s
                         continue
                     if prov.startswith("gluon") and not gluon_ok:
                         record("bwd", prov, f"{shape}:setting{setting}", None, status="skipped",
@@ -397,7 +417,8 @@ def run_timing(quick, warmup, rep, budget, gluon_ok=True, table=None):
                             log(f"{shape} setting{setting} {prov}: bwd alone {ms:.3f} ms")
                             continue
                         backend = prov
-                        leaves = [x.detach().clone().requires_grad_(i // 2 + 1 == train) for i, x in enumerate(xs)]
+                        leaves = [x.detach().clone().requires_grad_(_trains(train, i // 2 + 1))
+                                  for i, x in enumerate(xs)]
 
                         def fwd():
                             dispatch.BWD_BACKEND = backend
@@ -490,7 +511,10 @@ def finish(out_dir, env, checks, table, sass):
                "alone: no-dQ-atomics (wrong) | scalar atomics")
     for shape, t in table:
         sd = t.get(("sdpa", 0))
-        for setting in (1, 2):
+        for setting in (1, 2, 3):
+            if not any(key[1] == setting for key in t):
+                continue
+
             def f_(k):
                 v = t.get((k, setting))
                 return f"{v:6.3f}" if v is not None else "  -   "

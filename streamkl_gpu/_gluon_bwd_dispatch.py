@@ -59,13 +59,14 @@ def gluon_bwd_unsupported(dims, dtypes: Sequence[torch.dtype], strides: Sequence
     ``dtypes``, ``strides``, ``data_ptrs``: of q1, k1, q2, k2. ``device_capability``: the CUDA
     ``(major, minor)`` or None (CPU, interpreter). ``bwd_mode``, ``deterministic``: the API's
     arguments (the Gluon kernel adds dQ with atomics: it is a "fused", non-deterministic path).
+    Both sides trained: one launch per side (``try_gluon_backward``).
     """
     if not GLUON_BWD_AVAILABLE:
         return f"triton.experimental.gluon is not usable here ({GLUON_BWD_IMPORT_ERROR})"
     if device_capability is None or tuple(device_capability) != GLUON_CAPABILITY:
         return f"the Gluon backward needs an sm_90 GPU, got capability {device_capability}"
-    if train1 == train2:
-        return "the Gluon backward trains one side (settings 1 and 2); both sides run on the Triton path"
+    if not (train1 or train2):
+        return "no side is trained"
     if deterministic:
         return "deterministic=True: the Gluon backward adds dQ with atomics"
     if bwd_mode == "separate":
@@ -118,7 +119,9 @@ def try_gluon_backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, dims
                          device_capability(q1.device), train1, train2, bwd_mode, deterministic,
                          tuple(t.data_ptr() for t in inputs), backend=backend):
         return None
-    side = 1 if train1 else 2
-    dq, dk = _gluon_bwd.gluon_backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, dims.scale1,
-                                       dims.scale2, side)
-    return (dq, dk, None, None) if side == 1 else (None, None, dq, dk)
+    grads = [None, None, None, None]
+    for side, trained in ((1, train1), (2, train2)):  # both sides: one launch per side (8 products, not 6)
+        if trained:
+            grads[2 * side - 2: 2 * side] = _gluon_bwd.gluon_backward(
+                g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, dims.scale1, dims.scale2, side)
+    return tuple(grads)
