@@ -577,6 +577,16 @@ def main(argv=None):
     timer = threading.Timer(seconds + 30, watchdog)
     timer.daemon = True
     timer.start()
+
+    def interrupted(signum, frame):  # a section runner's SIGINT / SIGTERM past its limit
+        log(f"ERROR signal {signum}: writing what there is")
+        finish(a.out_dir, env, state["checks"], state["table"], state["sass"])
+        os._exit(3)
+
+    import signal
+
+    signal.signal(signal.SIGINT, interrupted)
+    signal.signal(signal.SIGTERM, interrupted)
     warmup, rep = (5, 25) if a.quick else (10, 60)
     check_s = 45 if a.quick else 200
     state["checks"], state["sass"] = _child_check(a.out_dir, a.quick, check_s)
