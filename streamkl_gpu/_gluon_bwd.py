@@ -1,4 +1,5 @@
 """Hopper (sm_90) backward in Gluon for one trained side (settings 1 and 2), FA3's schedule.
+(``tests/test_gluon_bwd_schedule.py`` replays the schedule in PyTorch: keep the two in step.)
 
 Same math and conventions as ``_bwd`` (the portable Triton kernels, the reference this one is
 checked against on the GPU by ``bench/gluon_bwd_gpu.py``): P1, P2 recomputed from the saved LSEs
@@ -14,16 +15,19 @@ their dS is exactly 0.
 Schedule: one CTA owns 128 keys of one (b, h); two consumer warpgroups own 64 keys each (K1, K2
 stationary in shared memory, loaded once by TMA); a producer warp streams 64-row query tiles
 (Q1, Q2) through an ``NUM_STAGES`` mbarrier ring. Per query tile each warpgroup
-- issues ``S1^T = K1 Q1^T`` and ``S2^T = K2 Q2^T`` as async wgmma (the transposed scores: keys
-  along rows, so the dK accumulator and dS^T share the wgmma layout), waits for S1, then S2;
-- forms dS_t^T [64 keys, 64 queries] in registers (row constants loaded beside the products);
-- ``dK_t += dS_t^T Q_t`` with dS_t^T from registers (RS wgmma), accumulated in registers;
-- writes dS_t^T to shared memory; the two warpgroups meet on an mbarrier (``ds_ready``), and
-  warpgroup w computes ``dQ_t[:, w-th half of D] = dS_t [64 q, 128 keys] K_t[:, half]`` (SS
-  wgmma), added with fp32 atomics into a [B, H, N_Q, D] buffer that the host converts.
+- issues ``S1 = Q1 K1^T`` and ``S2 = Q2 K2^T`` [64 queries, 64 keys] as async wgmma, waits for
+  S1, forms its exponential while S2 runs, then waits for S2;
+- forms dS_t in registers (row constants loaded beside the products) and writes it to shared
+  memory (its 64-key half of a [64, 128] dS tile);
+- ``dK_t += dS_t^T Q_t``: the transposed shared-memory view of its own dS half as the A operand,
+  accumulated in registers over the query tiles;
+- meets the other warpgroup on an mbarrier (``ds_ready``: both halves written) and computes
+  ``dQ_t[:, w-th half of D] = dS_t [64 q, 128 keys] K_t[:, w-th half]``, added with fp32 vector
+  atomics (``_add_pairs``) into a [B, H, N_Q rounded up to 64, D] buffer the host converts.
 Three waits per tile, all inside the iteration (tests/test_gluon_bwd_compile.py checks the SASS).
 Head dims are held as two chunks of D/2 (TMA boxes [64, D/2]) so that every operand is a whole
-shared-memory tile: the dQ split across the warpgroups needs no sub-tile slicing.
+shared-memory tile: the dQ split across the warpgroups needs no sub-tile slicing. Both sides
+trained (setting 3): one launch per side (``_gluon_bwd_dispatch.try_gluon_backward``).
 
 Causal (bottom-right) with tile skipping: a key block sees query rows from ``start_n - (N_K - N_Q)``
 on; the band of query tiles that see the block partly is the masked stage, the rest is unmasked
@@ -122,15 +126,17 @@ def _load_partition(q1_desc, k1_desc, q2_desc, k2_desc, q1_ring, q2_ring, k1_sme
             _tma_load(q2_desc, [b, h, start_m, c * DC], q_ready.index(s), q2_ring.index(s * 2 + c))
 
 
-# Timing variants (bench/gluon_bwd_gpu.py): wrong results on purpose, for what bounds the kernel.
+# Variants (bench/gluon_bwd_gpu.py): no_dq_atomics is wrong on purpose (what the dQ atomics
+# cost); scalar_dq_atomics adds dQ with gl.atomic_add instead of _add_pairs (right, slower).
 VARIANTS = {"kernel": 0, "no_dq_atomics": 1, "scalar_dq_atomics": 2}
 
 
 @gluon.jit
 def _add_pairs(ptrs, x):
     """``*ptrs += x`` with one ``red.global.add.v2.f32`` per two adjacent columns: in the wgmma
-    accumulator layout a thread's registers come in pairs (row r, columns 2t and 2t + 1), so
-    ``pack=2`` hands the asm two neighbours (8-byte aligned: even column, fp32 rows of D).
+    accumulator layout a thread's registers come in pairs (row r, columns 2t and 2t + 1: the
+    first register basis of its linear layout is [0, 1]), so ``pack=2`` hands the asm two
+    neighbours (8-byte aligned: even column, fp32 rows of D).
     Half the instructions of ``gl.atomic_add``'s scalar ones, and every 32-byte sector a warp
     touches is whole. The address goes in as an integer (triton 3.6 takes no pointer operand)."""
     gl.inline_asm_elementwise(
