@@ -333,7 +333,10 @@ def _consumer1(q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem
               D, DC, NUM_STAGES, DS_BUFS, TRAIN, CAUSAL, DK_ATOMIC, VARIANT)
 
 
-@gluon.jit
+# sizes are not specialised on (divisibility by 16, == 1): one compile per dtype, D, side, causal
+# and config serves every shape (nothing here gains from it: the row-constant loads are two
+# strided values per thread, the dK/dQ rows are aligned by D)
+@gluon.jit(do_not_specialize=["H", "N_Q", "N_K", "GROUP1", "GROUP2"])
 def _gluon_kl_bwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, LSE1, LSE2, KL, G, DQ, DK,
                          H, N_Q, N_K, GROUP1, GROUP2, qk_scale1, qk_scale2, coef,
                          D: gl.constexpr, NUM_STAGES: gl.constexpr, DS_BUFS: gl.constexpr, TRAIN: gl.constexpr,
