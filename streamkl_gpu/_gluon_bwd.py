@@ -1,4 +1,5 @@
 """Hopper (sm_90) backward in Gluon for one trained side (settings 1 and 2), FA3's schedule.
+(``tests/test_gluon_bwd_schedule.py`` replays the schedule in PyTorch: keep the two in step.)
 
 Same math and conventions as ``_bwd`` (the portable Triton kernels, the reference this one is
 checked against on the GPU by ``bench/gluon_bwd_gpu.py``): P1, P2 recomputed from the saved LSEs
@@ -14,16 +15,19 @@ their dS is exactly 0.
 Schedule: one CTA owns 128 keys of one (b, h); two consumer warpgroups own 64 keys each (K1, K2
 stationary in shared memory, loaded once by TMA); a producer warp streams 64-row query tiles
 (Q1, Q2) through an ``NUM_STAGES`` mbarrier ring. Per query tile each warpgroup
-- issues ``S1^T = K1 Q1^T`` and ``S2^T = K2 Q2^T`` as async wgmma (the transposed scores: keys
-  along rows, so the dK accumulator and dS^T share the wgmma layout), waits for S1, then S2;
-- forms dS_t^T [64 keys, 64 queries] in registers (row constants loaded beside the products);
-- ``dK_t += dS_t^T Q_t`` with dS_t^T from registers (RS wgmma), accumulated in registers;
-- writes dS_t^T to shared memory; the two warpgroups meet on an mbarrier (``ds_ready``), and
-  warpgroup w computes ``dQ_t[:, w-th half of D] = dS_t [64 q, 128 keys] K_t[:, half]`` (SS
-  wgmma), added with fp32 atomics into a [B, H, N_Q, D] buffer that the host converts.
+- issues ``S1 = Q1 K1^T`` and ``S2 = Q2 K2^T`` [64 queries, 64 keys] as async wgmma, waits for
+  S1, forms its exponential while S2 runs, then waits for S2;
+- forms dS_t in registers (row constants loaded beside the products) and writes it to shared
+  memory (its 64-key half of a [64, 128] dS tile);
+- ``dK_t += dS_t^T Q_t``: the transposed shared-memory view of its own dS half as the A operand,
+  accumulated in registers over the query tiles;
+- meets the other warpgroup on an mbarrier (``ds_ready``: both halves written) and computes
+  ``dQ_t[:, w-th half of D] = dS_t [64 q, 128 keys] K_t[:, w-th half]``, added with fp32 vector
+  atomics (``_add_pairs``) into a [B, H, N_Q rounded up to 64, D] buffer the host converts.
 Three waits per tile, all inside the iteration (tests/test_gluon_bwd_compile.py checks the SASS).
 Head dims are held as two chunks of D/2 (TMA boxes [64, D/2]) so that every operand is a whole
-shared-memory tile: the dQ split across the warpgroups needs no sub-tile slicing.
+shared-memory tile: the dQ split across the warpgroups needs no sub-tile slicing. Both sides
+trained (setting 3): one launch per side (``_gluon_bwd_dispatch.try_gluon_backward``).
 
 Causal (bottom-right) with tile skipping: a key block sees query rows from ``start_n - (N_K - N_Q)``
 on; the band of query tiles that see the block partly is the masked stage, the rest is unmasked
@@ -34,8 +38,9 @@ K_t of the dQ product is a finite copy (made once; a row that sees a NaN key has
 and the Q_t of the dK product in the causal band is a finite copy per tile. Without CAUSAL the
 only masked entries are TMA zero fill (keys past N_K, rows past N_Q).
 
-MHA only (GQA falls back to Triton: ``_gluon_bwd_dispatch``). This module imports Gluon
-unconditionally; ``_gluon_bwd_dispatch`` guards the import.
+GQA per side: K_s is read at key head h // GROUP_s; with more than one query head per key head
+on the trained side dK is added with fp32 atomics into the key head (``DK_ATOMIC``; the host
+converts). This module imports Gluon unconditionally; ``_gluon_bwd_dispatch`` guards the import.
 """
 import torch
 import triton
@@ -101,15 +106,15 @@ def _finite_copy(src, dst, DC: gl.constexpr):
 
 @gluon.jit
 def _load_partition(q1_desc, k1_desc, q2_desc, k2_desc, q1_ring, q2_ring, k1_smem, k2_smem,
-                    k_bar, q_ready, q_empty, b, h, start_n, m_lo, n_tiles,
+                    k_bar, q_ready, q_empty, b, h, kv_head1, kv_head2, start_n, m_lo, n_tiles,
                     DC: gl.constexpr, NUM_STAGES: gl.constexpr):
     """Producer warp: the CTA's K1, K2 once ([key half, D chunk] tiles), then query tile i
     (rows m_lo + 64 i) into ring slot i % NUM_STAGES."""
     mbarrier.expect(k_bar, 4 * k1_desc.block_type.nbytes + 4 * k2_desc.block_type.nbytes)
     for kh in gl.static_range(2):
         for c in gl.static_range(2):
-            _tma_load(k1_desc, [b, h, start_n + kh * WG_N, c * DC], k_bar, k1_smem.index(kh * 2 + c))
-            _tma_load(k2_desc, [b, h, start_n + kh * WG_N, c * DC], k_bar, k2_smem.index(kh * 2 + c))
+            _tma_load(k1_desc, [b, kv_head1, start_n + kh * WG_N, c * DC], k_bar, k1_smem.index(kh * 2 + c))
+            _tma_load(k2_desc, [b, kv_head2, start_n + kh * WG_N, c * DC], k_bar, k2_smem.index(kh * 2 + c))
     for i in range(n_tiles):
         s = i % NUM_STAGES
         ph = (i // NUM_STAGES) & 1
@@ -121,8 +126,22 @@ def _load_partition(q1_desc, k1_desc, q2_desc, k2_desc, q1_ring, q2_ring, k1_sme
             _tma_load(q2_desc, [b, h, start_m, c * DC], q_ready.index(s), q2_ring.index(s * 2 + c))
 
 
-# Timing variants (bench/gluon_bwd_gpu.py): wrong results on purpose, for what bounds the kernel.
-VARIANTS = {"kernel": 0, "no_dq_atomics": 1}
+# Variants (bench/gluon_bwd_gpu.py): no_dq_atomics is wrong on purpose (what the dQ atomics
+# cost); scalar_dq_atomics adds dQ with gl.atomic_add instead of _add_pairs (right, slower).
+VARIANTS = {"kernel": 0, "no_dq_atomics": 1, "scalar_dq_atomics": 2}
+
+
+@gluon.jit
+def _add_pairs(ptrs, x):
+    """``*ptrs += x`` with one ``red.global.add.v2.f32`` per two adjacent columns: in the wgmma
+    accumulator layout a thread's registers come in pairs (row r, columns 2t and 2t + 1: the
+    first register basis of its linear layout is [0, 1]), so ``pack=2`` hands the asm two
+    neighbours (8-byte aligned: even column, fp32 rows of D).
+    Half the instructions of ``gl.atomic_add``'s scalar ones, and every 32-byte sector a warp
+    touches is whole. The address goes in as an integer (triton 3.6 takes no pointer operand)."""
+    gl.inline_asm_elementwise(
+        "red.relaxed.gpu.global.add.v2.f32 [$2], {$4, $5};\n\tmov.u32 $0, 0;\n\tmov.u32 $1, 0;",
+        "=r,=r,l,l,f,f", [ptrs.to(gl.int64), x], dtype=gl.int32, is_pure=False, pack=2)
 
 
 @gluon.jit
@@ -237,16 +256,19 @@ def _bwd_tile(WG: gl.constexpr, dk0, dk1, i, m_lo, q1_ring, q2_ring, k1_smem, k2
         cols = WG * DC + gl.arange(0, DC, layout=gl.SliceLayout(0, c_layout))
         # the buffer has whole 64-row tiles (rows past N_Q add zeros): no mask, no branches
         ptrs = DQ + (pid_bh.to(gl.int64) * N_Q_PAD + q_rows)[:, None] * D + cols[None, :]
-        gl.atomic_add(ptrs, dq, sem="relaxed")
+        if VARIANT == 2:
+            gl.atomic_add(ptrs, dq, sem="relaxed")
+        else:
+            _add_pairs(ptrs, dq)
     return dk0, dk1
 
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem,
               k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK,
-              pid_bh, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
+              pid_bh, dk_row0, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
               D: gl.constexpr, DC: gl.constexpr, NUM_STAGES: gl.constexpr, DS_BUFS: gl.constexpr,
-              TRAIN: gl.constexpr, CAUSAL: gl.constexpr, VARIANT: gl.constexpr):
+              TRAIN: gl.constexpr, CAUSAL: gl.constexpr, DK_ATOMIC: gl.constexpr, VARIANT: gl.constexpr):
     """Consumer warpgroup WG: keys start_n + 64 WG .. +63, every query tile of the CTA."""
     s_layout: gl.constexpr = _mma_layout(WG_N)
     c_layout: gl.constexpr = _mma_layout(DC)
@@ -277,46 +299,63 @@ def _consumer(WG: gl.constexpr, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, q
                              CAUSAL, VARIANT)
     out_keys = start_n + WG * WG_N + gl.arange(0, WG_N, layout=gl.SliceLayout(1, c_layout))
     cols = gl.arange(0, DC, layout=gl.SliceLayout(0, c_layout))
-    ptrs = DK + (pid_bh.to(gl.int64) * N_K + out_keys)[:, None] * D + cols[None, :]
-    key_ok = (out_keys < N_K)[:, None]
-    gl.store(ptrs, dk0.to(DK.dtype.element_ty), mask=key_ok)
-    gl.store(ptrs + DC, dk1.to(DK.dtype.element_ty), mask=key_ok)
+    ptrs = DK + (dk_row0 + out_keys)[:, None] * D + cols[None, :]
+    if DK_ATOMIC:  # GQA: the query heads of a key head add into one fp32 buffer (whole key blocks)
+        _add_pairs(ptrs, dk0)
+        _add_pairs(ptrs + DC, dk1)
+    else:
+        key_ok = (out_keys < N_K)[:, None]
+        gl.store(ptrs, dk0.to(DK.dtype.element_ty), mask=key_ok)
+        gl.store(ptrs + DC, dk1.to(DK.dtype.element_ty), mask=key_ok)
 
 
 @gluon.jit
 def _consumer0(q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem,
                k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK,
-               pid_bh, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
+               pid_bh, dk_row0, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
                D: gl.constexpr, DC: gl.constexpr, NUM_STAGES: gl.constexpr, DS_BUFS: gl.constexpr,
-               TRAIN: gl.constexpr, CAUSAL: gl.constexpr, VARIANT: gl.constexpr):
+               TRAIN: gl.constexpr, CAUSAL: gl.constexpr, DK_ATOMIC: gl.constexpr, VARIANT: gl.constexpr):
     _consumer(0, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem,
               k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK,
-              pid_bh, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
-              D, DC, NUM_STAGES, DS_BUFS, TRAIN, CAUSAL, VARIANT)
+              pid_bh, dk_row0, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
+              D, DC, NUM_STAGES, DS_BUFS, TRAIN, CAUSAL, DK_ATOMIC, VARIANT)
 
 
 @gluon.jit
 def _consumer1(q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem,
                k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK,
-               pid_bh, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
+               pid_bh, dk_row0, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
                D: gl.constexpr, DC: gl.constexpr, NUM_STAGES: gl.constexpr, DS_BUFS: gl.constexpr,
-               TRAIN: gl.constexpr, CAUSAL: gl.constexpr, VARIANT: gl.constexpr):
+               TRAIN: gl.constexpr, CAUSAL: gl.constexpr, DK_ATOMIC: gl.constexpr, VARIANT: gl.constexpr):
     _consumer(1, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem,
               k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK,
-              pid_bh, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
-              D, DC, NUM_STAGES, DS_BUFS, TRAIN, CAUSAL, VARIANT)
+              pid_bh, dk_row0, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
+              D, DC, NUM_STAGES, DS_BUFS, TRAIN, CAUSAL, DK_ATOMIC, VARIANT)
 
 
-@gluon.jit
+# sizes are not specialised on (divisibility by 16, == 1): one compile per dtype, D, side, causal
+# and config serves every shape (nothing here gains from it: the row-constant loads are two
+# strided values per thread, the dK/dQ rows are aligned by D)
+@gluon.jit(do_not_specialize=["H", "N_Q", "N_K", "GROUP1", "GROUP2"])
 def _gluon_kl_bwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, LSE1, LSE2, KL, G, DQ, DK,
-                         H, N_Q, N_K, qk_scale1, qk_scale2, coef,
+                         H, N_Q, N_K, GROUP1, GROUP2, qk_scale1, qk_scale2, coef,
                          D: gl.constexpr, NUM_STAGES: gl.constexpr, DS_BUFS: gl.constexpr, TRAIN: gl.constexpr,
-                         CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, VARIANT: gl.constexpr):
+                         CAUSAL: gl.constexpr, DK_ATOMIC: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                         VARIANT: gl.constexpr):
     DC: gl.constexpr = D // 2
     pid_n = gl.program_id(0)  # causal: the first key blocks have the most query tiles, and run first
     pid_bh = gl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
+    kv_head1 = h // GROUP1  # GQA per side
+    kv_head2 = h // GROUP2
+    if DK_ATOMIC:  # dK rows of the trained side's key head in an fp32 [B, H_K, N_K rounded up to 128, D] buffer
+        if TRAIN == 1:
+            dk_row0 = (b * (H // GROUP1) + kv_head1).to(gl.int64) * (gl.cdiv(N_K, BLOCK_N) * BLOCK_N)
+        else:
+            dk_row0 = (b * (H // GROUP2) + kv_head2).to(gl.int64) * (gl.cdiv(N_K, BLOCK_N) * BLOCK_N)
+    else:
+        dk_row0 = pid_bh.to(gl.int64) * N_K
     start_n = pid_n * BLOCK_N
     n_q_tiles = gl.cdiv(N_Q, BLOCK_M)
     m_lo = 0
@@ -361,14 +400,15 @@ def _gluon_kl_bwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, LSE1, LSE2, KL, G, 
     gl.warp_specialize([
         (_consumer0, (q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem,
                       k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK,
-                      pid_bh, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
-                      D, DC, NUM_STAGES, DS_BUFS, TRAIN, CAUSAL, VARIANT)),
+                      pid_bh, dk_row0, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
+                      D, DC, NUM_STAGES, DS_BUFS, TRAIN, CAUSAL, DK_ATOMIC, VARIANT)),
         (_consumer1, (q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem,
                       k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK,
-                      pid_bh, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
-                      D, DC, NUM_STAGES, DS_BUFS, TRAIN, CAUSAL, VARIANT)),
+                      pid_bh, dk_row0, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
+                      D, DC, NUM_STAGES, DS_BUFS, TRAIN, CAUSAL, DK_ATOMIC, VARIANT)),
         (_load_partition, (q1_desc, k1_desc, q2_desc, k2_desc, q1_ring, q2_ring, k1_smem, k2_smem,
-                           k_bar, q_ready, q_empty, b, h, start_n, m_lo, n_tiles, DC, NUM_STAGES)),
+                           k_bar, q_ready, q_empty, b, h, kv_head1, kv_head2, start_n, m_lo, n_tiles, DC,
+                           NUM_STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -381,8 +421,10 @@ def kernel_config(d: int, causal: bool):
     per CTA (16-bit, 227 KB on sm_90): K1, K2 512 d bytes; each ring stage 256 d; dS 16 KB per
     buffer; with CAUSAL the finite copies 512 d. maxnreg 184: no spills with triton 3.6 and 3.9
     (168, the forward's, spills a few registers under 3.6)."""
-    if d == 128:
-        return dict(NUM_STAGES=2, DS_BUFS=1 if causal else 2, CONSUMER_REGS=240, maxnreg=184)
+    if d == 128:  # causal: 213 KB with the finite copies; full: 197 KB
+        if causal:
+            return dict(NUM_STAGES=2, DS_BUFS=1, CONSUMER_REGS=240, maxnreg=184)
+        return dict(NUM_STAGES=3, DS_BUFS=2, CONSUMER_REGS=240, maxnreg=184)
     return dict(NUM_STAGES=3, DS_BUFS=2, CONSUMER_REGS=240, maxnreg=184)
 
 
@@ -400,8 +442,8 @@ def launch_args(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, sca
                 config=None, variant="kernel"):
     """(grid, positional args, constexprs, options) of one backward launch for trained side
     ``train`` (1 or 2); also used by the CI compile test. ``dq``: fp32 zeros [B, H, N_Q rounded up to
-    a multiple of 64, D] (atomics, no row mask);
-    ``dk``: [B, H, N_K, D] contiguous, the key dtype. ``config``: entries replacing
+    a multiple of 64, D] (atomics, no row mask); ``dk``: [B, H, N_K, D] contiguous in the key
+    dtype, or with GQA on the trained side fp32 zeros [B, H_K, N_K rounded up to 128, D]. ``config``: entries replacing
     :func:`kernel_config`'s; ``variant``: a key of ``VARIANTS`` (anything else than "kernel" is wrong)."""
     B, H, N_Q, D = q1.shape
     N_K = k1.shape[2]
@@ -409,9 +451,13 @@ def launch_args(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, sca
     descs = (make_descriptor(q1, BLOCK_M.value), make_descriptor(k1, WG_N.value),
              make_descriptor(q2, BLOCK_M.value), make_descriptor(k2, WG_N.value))
     coef = scale2 if train == 2 else scale1 * LN2
-    args = descs + (lse1_bits, lse2_bits, kl, g, dq, dk, H, N_Q, N_K, scale1 * LOG2E, scale2 * LOG2E, coef)
+    group1, group2 = H // k1.shape[1], H // k2.shape[1]
+    args = descs + (lse1_bits, lse2_bits, kl, g, dq, dk, H, N_Q, N_K, group1, group2, scale1 * LOG2E,
+                    scale2 * LOG2E, coef)
+    dk_atomic = (group1 if train == 1 else group2) > 1
     constexprs = dict(D=D, NUM_STAGES=cfg["NUM_STAGES"], DS_BUFS=cfg["DS_BUFS"], TRAIN=int(train),
-                      CAUSAL=bool(causal), CONSUMER_REGS=cfg["CONSUMER_REGS"], VARIANT=VARIANTS[variant])
+                      CAUSAL=bool(causal), DK_ATOMIC=dk_atomic, CONSUMER_REGS=cfg["CONSUMER_REGS"],
+                      VARIANT=VARIANTS[variant])
     options = dict(num_warps=4)
     if cfg.get("maxnreg"):
         options["maxnreg"] = cfg["maxnreg"]
@@ -434,8 +480,14 @@ def gluon_backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, 
     q_t, k_t = (q1, k1) if train == 1 else (q2, k2)
     dq = torch.zeros((B, H, triton.cdiv(N_Q, BLOCK_M.value) * BLOCK_M.value, D), dtype=torch.float32,
                      device=q1.device)
-    dk = torch.empty((B, H, N_K, D), dtype=k_t.dtype, device=q1.device)
+    if k_t.shape[1] != H:  # GQA: fp32 atomics into the key head, whole 128-key blocks
+        dk = torch.zeros((B, k_t.shape[1], triton.cdiv(N_K, BLOCK_N.value) * BLOCK_N.value, D), dtype=torch.float32,
+                         device=q1.device)
+    else:
+        dk = torch.empty((B, H, N_K, D), dtype=k_t.dtype, device=q1.device)
     grid, args, constexprs, options = launch_args(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1,
                                                   scale2, train, dq, dk, config, variant)
     LAST_KERNEL = _gluon_kl_bwd_kernel[grid](*args, **constexprs, **options)
+    if k_t.shape[1] != H:
+        dk = dk[:, :, :N_K].to(k_t.dtype, memory_format=torch.contiguous_format)
     return dq[:, :, :N_Q].to(q_t.dtype, memory_format=torch.contiguous_format), dk

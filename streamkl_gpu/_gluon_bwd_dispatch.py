@@ -59,13 +59,14 @@ def gluon_bwd_unsupported(dims, dtypes: Sequence[torch.dtype], strides: Sequence
     ``dtypes``, ``strides``, ``data_ptrs``: of q1, k1, q2, k2. ``device_capability``: the CUDA
     ``(major, minor)`` or None (CPU, interpreter). ``bwd_mode``, ``deterministic``: the API's
     arguments (the Gluon kernel adds dQ with atomics: it is a "fused", non-deterministic path).
+    Both sides trained: one launch per side (``try_gluon_backward``).
     """
     if not GLUON_BWD_AVAILABLE:
         return f"triton.experimental.gluon is not usable here ({GLUON_BWD_IMPORT_ERROR})"
     if device_capability is None or tuple(device_capability) != GLUON_CAPABILITY:
         return f"the Gluon backward needs an sm_90 GPU, got capability {device_capability}"
-    if train1 == train2:
-        return "the Gluon backward trains one side (settings 1 and 2); both sides run on the Triton path"
+    if not (train1 or train2):
+        return "no side is trained"
     if deterministic:
         return "deterministic=True: the Gluon backward adds dQ with atomics"
     if bwd_mode == "separate":
@@ -77,10 +78,8 @@ def gluon_bwd_unsupported(dims, dtypes: Sequence[torch.dtype], strides: Sequence
         return f"q1, k1, q2, k2 have dtypes {tuple(dtypes)}; the Gluon backward takes one dtype for all four"
     if dims.D1 != dims.D2 or dims.D1 not in GLUON_BWD_HEAD_DIMS:
         return f"head dims D1={dims.D1}, D2={dims.D2}; the Gluon backward takes D1 = D2 in {GLUON_BWD_HEAD_DIMS}"
-    if dims.HK1 != dims.H or dims.HK2 != dims.H:
-        return f"GQA (key heads {dims.HK1}, {dims.HK2} for {dims.H} query heads) runs on the Triton path"
     for name, dt, st, ptr in zip(("q1", "k1", "q2", "k2"), dtypes, strides, data_ptrs):
-        why = _tma_legal(st, torch.empty((), dtype=dt).element_size(), int(ptr))
+        why = _tma_legal(st, dt.itemsize, int(ptr))
         if why:
             return f"{name} cannot be read through a TMA descriptor: {why}"
     return None
@@ -95,7 +94,7 @@ def use_gluon_bwd(dims, dtypes, strides, device_capability, train1, train2, bwd_
     backend = bwd_backend() if backend is None else backend
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "triton":
+    if backend == "triton" or (backend == "auto" and not GLUON_BWD_AUTO):
         return False
     why = gluon_bwd_unsupported(dims, dtypes, strides, device_capability, train1, train2, bwd_mode, deterministic,
                                 data_ptrs)
@@ -112,12 +111,17 @@ def try_gluon_backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, dims
     """``_launch.backward``'s hook: (dq1, dk1, dq2, dk2) from the Gluon kernel when the dispatch
     takes the problem, else None (the Triton path runs). ``g``, ``kl``, ``lse*_bits``: contiguous
     fp32 [B, H, N_Q]; ``strides_of``: ``_checks.strides``."""
+    backend = bwd_backend()
+    if backend == "triton" or (backend == "auto" and not GLUON_BWD_AUTO):
+        return None  # the default today: no further host work on the Triton path
     inputs = (q1, k1, q2, k2)
     if not use_gluon_bwd(dims, tuple(t.dtype for t in inputs), tuple(strides_of(t) for t in inputs),
                          device_capability(q1.device), train1, train2, bwd_mode, deterministic,
-                         tuple(t.data_ptr() for t in inputs)):
+                         tuple(t.data_ptr() for t in inputs), backend=backend):
         return None
-    side = 1 if train1 else 2
-    dq, dk = _gluon_bwd.gluon_backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, dims.scale1,
-                                       dims.scale2, side)
-    return (dq, dk, None, None) if side == 1 else (None, None, dq, dk)
+    grads = [None, None, None, None]
+    for side, trained in ((1, train1), (2, train2)):  # both sides: one launch per side (8 products, not 6)
+        if trained:
+            grads[2 * side - 2: 2 * side] = _gluon_bwd.gluon_backward(
+                g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, dims.scale1, dims.scale2, side)
+    return tuple(grads)

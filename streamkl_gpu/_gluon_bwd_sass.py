@@ -4,7 +4,7 @@ Same method as ``_gluon_sass`` (the forward's): ``triton.compile(GluonASTSource(
 target=GPUTarget("cuda", 90, 32))`` on CPU tensors' descriptors, the SASS from triton's bundled
 ``cuobjdump``, counts per main loop (innermost loops holding HGMMA).
 
-    python -m streamkl_gpu._gluon_bwd_sass SPEC...   SPEC = bf16|fp16 : causal|full : D : train side (1|2)
+    python -m streamkl_gpu._gluon_bwd_sass SPEC...   SPEC = bf16|fp16 : causal|full : D : train side (1|2) [: gqa]
 
 prints one JSON object per line (the CI test runs it in a fresh process without TRITON_INTERPRET).
 """
@@ -19,17 +19,19 @@ SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90
 
 
 def bwd_counts(sass):
-    """``sass_counts`` plus, per main loop, the dQ atomics (REDG/ATOMG) and the divergent-branch
-    scopes (BSSY: a masked atomic is one per element)."""
+    """``sass_counts`` plus, per main loop, the dQ atomics (REDG/ATOMG), the divergent-branch
+    scopes (BSSY: a masked atomic is one per element) and the local-memory accesses (STL/LDL)."""
     counts = sass_counts(sass)
     for loop, body in zip(counts["loops"], main_loops(sass)):
         loop["red"] = sum(bool(re.search(r"\b(REDG|ATOMG|RED)\.", t)) for t in body)
         loop["bssy"] = sum("BSSY" in t for t in body)
+        loop["spill"] = sum(bool(re.search(r"\b(STL|LDL)\b", t)) for t in body)
     return counts
 
 
-def compile_sm90(d, dtype, causal, train, n_q=256, n_k=256, config=None, variant="kernel"):
-    """Compile one specialisation of the Gluon backward for sm_90 (no GPU needed)."""
+def compile_sm90(d, dtype, causal, train, n_q=256, n_k=256, config=None, variant="kernel", gqa=False):
+    """Compile one specialisation of the Gluon backward for sm_90 (no GPU needed); ``gqa``: two
+    query heads per key head (the trained side's dK by atomics)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -37,10 +39,11 @@ def compile_sm90(d, dtype, causal, train, n_q=256, n_k=256, config=None, variant
 
     B, H = 1, 2
     q = torch.empty(B, H, n_q, d, dtype=dtype)
-    k = torch.empty(B, H, n_k, d, dtype=dtype)
+    k = torch.empty(B, 1 if gqa else H, n_k, d, dtype=dtype)
     rows = torch.empty(B, H, n_q, dtype=torch.float32)
     dq = torch.empty(B, H, triton.cdiv(n_q, 64) * 64, d, dtype=torch.float32)
-    dk = torch.empty(B, H, n_k, d, dtype=dtype)
+    dk = (torch.empty(B, 1, triton.cdiv(n_k, 128) * 128, d, dtype=torch.float32) if gqa
+          else torch.empty(B, H, n_k, d, dtype=dtype))
     _, args, constexprs, options = gb.launch_args(rows, q, k, q, k, rows, rows, rows, causal, 0.1, 0.1, train,
                                                   dq, dk, config, variant)
     sig = {}
@@ -64,13 +67,14 @@ def compile_sm90(d, dtype, causal, train, n_q=256, n_k=256, config=None, variant
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def spec_name(dtype: str, causal: bool, d: int, train: int) -> str:
-    return f"{dtype}:{'causal' if causal else 'full'}:{d}:{train}"
+def spec_name(dtype: str, causal: bool, d: int, train: int, gqa: bool = False) -> str:
+    return f"{dtype}:{'causal' if causal else 'full'}:{d}:{train}" + (":gqa" if gqa else "")
 
 
 def parse_spec(spec):
-    dtype, mode, d, train = spec.split(":")
-    return DTYPES[dtype], mode == "causal", int(d), int(train)
+    """dtype, causal, D, trained side, gqa from ``bf16|fp16 : causal|full : D : 1|2 [: gqa]``."""
+    dtype, mode, d, train, *rest = spec.split(":")
+    return DTYPES[dtype], mode == "causal", int(d), int(train), rest == ["gqa"]
 
 
 def _main(argv):
@@ -78,9 +82,9 @@ def _main(argv):
     import time
 
     for spec in argv:
-        dtype, causal, d, train = parse_spec(spec)
+        dtype, causal, d, train, gqa = parse_spec(spec)
         t0 = time.time()
-        kernel = compile_sm90(d, dtype, causal, train)
+        kernel = compile_sm90(d, dtype, causal, train, gqa=gqa)
         sass = sass_of(kernel)
         row = dict(spec=spec, seconds=round(time.time() - t0, 1), triton=triton.__version__,
                    resources=resource_usage(kernel), shared_bytes=int(kernel.metadata.shared), **bwd_counts(sass))
