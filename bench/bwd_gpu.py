@@ -38,13 +38,14 @@ K = 1024
 # tuner times every tile config of that variant (_tuning.bwd_variant_candidates); untuned = its
 # first config (quick mode keeps compiles down: each tile config is one more compile per shape class)
 OLD = [("old-fused", "fused", "ptr", True), ("old-separate", "separate", "ptr", True)]
-NEW_QUICK = [("tma+trans+fold+reduce/fused", "fused", "tma+trans+fold+reduce", True),
-             ("tma+trans+reduce/fused", "fused", "tma+trans+reduce", False),
-             ("tma+trans+fold/separate", "separate", "tma+trans+fold", False)]
+NEW_QUICK = [("tma+trans+fold+rows+reduce/fused", "fused", "tma+trans+fold+rows+reduce", True),
+             ("tma+trans+fold+reduce/fused", "fused", "tma+trans+fold+reduce", False),
+             ("tma+trans+fold+rows/separate", "separate", "tma+trans+fold+rows", False)]
 NEW_FULL = [v[:3] + (True,) for v in NEW_QUICK] + [
+    ("tma+trans+reduce/fused", "fused", "tma+trans+reduce", True),
+    ("tma+trans+fold/separate", "separate", "tma+trans+fold", True),
     ("tma+trans/fused", "fused", "tma+trans", True),
     ("tma/separate", "separate", "tma", True),
-    ("tma+fold/separate", "separate", "tma+fold", True),
     ("trans+fold/fused", "fused", "trans+fold", True),
     ("auto", "auto", None, True)]
 SET_TRAIN = {"s1": ("q2", "k2"), "s2": ("q1", "k1"), "both": ("q1", "k1", "q2", "k2")}
