@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from streamkl_gpu import _bwd, _gluon_sass, _launch, _runtime, _tuning  # noqa: E402
@@ -55,15 +55,31 @@ def compile_rec(rec):
     opts = {"num_warps": kw.pop("num_warps", 4), "num_stages": kw.pop("num_stages", 2)}
     vals = dict(zip(fn.arg_names, args))
     vals.update(kw)
-    sig, consts = {}, {}
+    sig, consts, attrs = {}, {}, {}
     for i, n in enumerate(fn.arg_names):
         v = vals.get(n, fn.params[i].default)
         if fn.params[i].is_constexpr or v is None:
             sig[n] = "constexpr"
             consts[(i,)] = v
+        elif isinstance(v, (int, torch.Tensor)) and not isinstance(v, bool):
+            # the JIT's own specialisation: ints equal to 1 become constants, ints and pointers
+            # divisible by 16 carry tt.divisibility (what lets it vectorise the pointer loads)
+            ty, key = _specialize(v)
+            if ty == "constexpr":
+                sig[n] = "constexpr"
+                consts[(i,)] = key
+            else:
+                sig[n] = ty
+                if isinstance(key, str) and key:
+                    attrs[(i,)] = BaseBackend.parse_attr(key)
         else:
             sig[n] = _mangle(v)
-    return triton.compile(ASTSource(fn, sig, constexprs=consts), target=TARGET, options=opts)
+    return triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=TARGET, options=opts)
+
+
+def _specialize(v):
+    from triton._C.libtriton import native_specialize_impl
+    return native_specialize_impl(BaseBackend, v, False, True, True)[:2]
 
 
 def analyse(kernel):
