@@ -38,13 +38,14 @@ K = 1024
 # tuner times every tile config of that variant (_tuning.bwd_variant_candidates); untuned = its
 # first config (quick mode keeps compiles down: each tile config is one more compile per shape class)
 OLD = [("old-fused", "fused", "ptr", True), ("old-separate", "separate", "ptr", True)]
-NEW_QUICK = [("tma+trans+fold+reduce/fused", "fused", "tma+trans+fold+reduce", True),
-             ("tma+trans+reduce/fused", "fused", "tma+trans+reduce", False),
-             ("tma+trans+fold/separate", "separate", "tma+trans+fold", False)]
+NEW_QUICK = [("tma+trans+fold+rows+reduce/fused", "fused", "tma+trans+fold+rows+reduce", True),
+             ("tma+trans+fold+reduce/fused", "fused", "tma+trans+fold+reduce", False),
+             ("tma+trans+fold+rows/separate", "separate", "tma+trans+fold+rows", False)]
 NEW_FULL = [v[:3] + (True,) for v in NEW_QUICK] + [
+    ("tma+trans+reduce/fused", "fused", "tma+trans+reduce", True),
+    ("tma+trans+fold/separate", "separate", "tma+trans+fold", True),
     ("tma+trans/fused", "fused", "tma+trans", True),
     ("tma/separate", "separate", "tma", True),
-    ("tma+fold/separate", "separate", "tma+fold", True),
     ("trans+fold/fused", "fused", "trans+fold", True),
     ("auto", "auto", None, True)]
 SET_TRAIN = {"s1": ("q2", "k2"), "s2": ("q1", "k1"), "both": ("q1", "k1", "q2", "k2")}
@@ -227,38 +228,8 @@ class Run:
                         lambda: self.ak(d["q1"], d["k1"], d["q2"], d["k2"], causal=causal), n)
                     self.row("fwd", "ours" if tuned else "ours(untuned)", shape, fwd_ms[tuned], "ms")
                 for setting in self.settings:
-                    sshape = f"{shape} {setting}"
-                    base = None
-                    for vname, mode, variant, tuned in self.variants:
-                        if self.left() < 0:
-                            self.log(f"{sshape} {vname}: skipped (budget)")
-                            self.row("bwd", vname, sshape, float("nan"), "ms", "skipped(budget)")
-                            continue
-                        try:
-                            gr = self.ours_fb(d, causal, setting, mode, variant, tuned)  # compiles / tunes
-                            self.sync()
-                            if base is None and vname == "old-fused":
-                                base = gr
-                            diff = max(rel(a, b) for a, b in zip(gr, base)) if base is not None else float("nan")
-                            del gr
-                            t = self.bench(lambda: self.ours_fb(d, causal, setting, mode, variant, tuned), n)
-                            b_ms = t - fwd_ms[tuned]
-                            bwd[(sshape, vname)] = b_ms
-                            sd = bwd.get((shape, "sdpa"))
-                            plan = plan_of(variant, mode, tuned)
-                            note = f"vs_old_fused_grad={diff:.2e} plan={plan}"
-                            self.row("fwd+bwd", vname, sshape, t, "ms", note)
-                            self.row("bwd", vname, sshape, b_ms, "ms", note)
-                            if sd:
-                                self.row("bwd_ratio_sdpa", vname, sshape, b_ms / sd, "x")
-                            self.log(f"{sshape:17s} {vname:30s} fwd+bwd {t:8.3f} bwd {b_ms:8.3f} ms"
-                                     f"{'' if not sd else f' = {b_ms / sd:.2f}x sdpa'}  grad vs old {diff:.1e}"
-                                     f"  {plan}")
-                        except Exception as exc:
-                            self.row("bwd", vname, sshape, float("nan"), "ms", f"ERROR {type(exc).__name__}")
-                            self.log(f"{sshape} {vname}: ERROR {type(exc).__name__}: {str(exc)[:400]}")
-                            self.logf.write(traceback.format_exc())
-                    set_variant(None)
+                    self.time_variants(d, f"{shape} {setting}", causal, setting, fwd_ms, bwd.get((shape, "sdpa")),
+                                       self.variants, bwd)
                 del d
                 if not self.a.tiny:
                     torch.cuda.empty_cache()
@@ -268,6 +239,78 @@ class Run:
                 else:
                     self.log("torch.compile: skipped (budget)")
         return bwd
+
+    def time_variants(self, d, sshape, causal, setting, fwd_ms, sd, variants, bwd):
+        """fwd+bwd of each variant on inputs ``d``; backward = that minus the forward (``fwd_ms``,
+        per tuning flag); gradients compared with the first variant's (the old fused kernels)."""
+        base = None
+        for vname, mode, variant, tuned in variants:
+            if self.left() < 0:
+                self.log(f"{sshape} {vname}: skipped (budget)")
+                self.row("bwd", vname, sshape, float("nan"), "ms", "skipped(budget)")
+                continue
+            try:
+                gr = self.ours_fb(d, causal, setting, mode, variant, tuned)  # compiles / tunes
+                self.sync()
+                if base is None:
+                    base = gr
+                diff = max(rel(a, b) for a, b in zip(gr, base))
+                del gr
+                t = self.bench(lambda: self.ours_fb(d, causal, setting, mode, variant, tuned), d["q1"].shape[2])
+                b_ms = t - fwd_ms[tuned]
+                bwd[(sshape, vname)] = b_ms
+                plan = plan_of(variant, mode, tuned)
+                note = f"vs_{variants[0][0]}_grad={diff:.2e} plan={plan}"
+                self.row("fwd+bwd", vname, sshape, t, "ms", note)
+                self.row("bwd", vname, sshape, b_ms, "ms", note)
+                if sd:
+                    self.row("bwd_ratio_sdpa", vname, sshape, b_ms / sd, "x")
+                self.log(f"{sshape:17s} {vname:30s} fwd+bwd {t:8.3f} bwd {b_ms:8.3f} ms"
+                         f"{'' if not sd else f' = {b_ms / sd:.2f}x sdpa'}  grad vs {variants[0][0]} {diff:.1e}"
+                         f"  {plan}")
+            except Exception as exc:
+                self.row("bwd", vname, sshape, float("nan"), "ms", f"ERROR {type(exc).__name__}")
+                self.log(f"{sshape} {vname}: ERROR {type(exc).__name__}: {str(exc)[:400]}")
+                self.logf.write(traceback.format_exc())
+        set_variant(None)
+
+    # the no-regression grid of issue 14 (full mode): both settings, GQA, D1 != D2, small N_Q
+    # with N_K = 32K; (label, H, HK1, HK2, NQ, NK, D1, D2, causal, setting)
+    GRID = [("both N=8K", 32, 32, 32, 8 * K, 8 * K, 128, 128, False, "both"),
+            ("both N=8K causal", 32, 32, 32, 8 * K, 8 * K, 128, 128, True, "both"),
+            ("gqa8 N=8K s1", 32, 8, 8, 8 * K, 8 * K, 128, 128, False, "s1"),
+            ("gqa8 N=8K causal s2", 32, 8, 8, 8 * K, 8 * K, 128, 128, True, "s2"),
+            ("d128/64 N=8K s1", 32, 32, 32, 8 * K, 8 * K, 128, 64, False, "s1"),
+            ("d64/128 N=8K s2", 32, 32, 32, 8 * K, 8 * K, 64, 128, False, "s2"),
+            ("nq16 nk32K s1", 32, 32, 32, 16, 32 * K, 128, 128, False, "s1"),
+            ("nq512 nk32K s2", 32, 32, 32, 512, 32 * K, 128, 128, False, "s2"),
+            ("nq512 nk32K both", 32, 32, 32, 512, 32 * K, 128, 128, False, "both")]
+    GRID_VARIANTS = [("old-fused", "fused", "ptr", True), ("old-separate", "separate", "ptr", True),
+                     ("auto", "auto", None, True),
+                     ("tma+trans+fold+rows+reduce/fused", "fused", "tma+trans+fold+rows+reduce", True),
+                     ("tma+trans+fold+rows/separate", "separate", "tma+trans+fold+rows", True)]
+
+    def run_grid(self, bwd):
+        torch = self.torch
+        for (label, H, HK1, HK2, NQ, NK, D1, D2, causal, setting) in self.GRID:
+            if self.left() < 0:
+                self.log(f"grid {label}: skipped (budget)")
+                continue
+            try:
+                d = self.inputs(H, NQ, NK, D1, D2, torch.bfloat16, HK1, HK2, seed=NQ + NK)
+                os.environ["STREAMKL_AUTOTUNE"] = "1"
+                fwd_ms = {True: self.bench(lambda: self.ak(d["q1"], d["k1"], d["q2"], d["k2"], causal=causal), NK)}
+                self.row("fwd", "ours", label, fwd_ms[True], "ms")
+                self.time_variants(d, label, causal, setting, fwd_ms, None, self.GRID_VARIANTS, bwd)
+                old = min((bwd[(label, v)] for v in ("old-fused", "old-separate") if (label, v) in bwd), default=None)
+                for v in self.GRID_VARIANTS[2:]:
+                    if old and (label, v[0]) in bwd:
+                        self.row("bwd_vs_old_best", v[0], label, bwd[(label, v[0])] / old, "x",
+                                 "regression" if bwd[(label, v[0])] > 1.03 * old else "")
+                del d
+                torch.cuda.empty_cache()
+            except Exception as exc:
+                self.log(f"grid {label}: ERROR {type(exc).__name__}: {str(exc)[:300]}")
 
     def time_compile(self, bwd):
         torch = self.torch
@@ -362,6 +405,10 @@ def prewarm_jobs(r):
         for s in r.settings:
             for j in range(len(r.variants)):
                 jobs.append({"t": "fb", "causal": c, "setting": s, "v": j})
+    if not r.a.quick and not r.a.tiny:
+        for i in range(len(r.GRID)):
+            for j in range(len(r.GRID_VARIANTS)):
+                jobs.append({"t": "grid", "i": i, "v": j})
     if not r.a.no_compile:
         jobs.insert(0, {"t": "compile"})
     return jobs
@@ -373,7 +420,9 @@ def job_cost(r, j):
         return 8.0
     if j["t"] == "check":
         return 2.0 if r.check_variants()[j["v"]][1] == "separate" else 1.0
-    _, mode, variant, tuned = r.variants[j["v"]]
+    _, mode, variant, tuned = (r.GRID_VARIANTS if j["t"] == "grid" else r.variants)[j["v"]]
+    if variant is None:  # the default candidate set: old and new
+        return 8.0
     per_kernel = (2 if variant == "ptr" else 3) if tuned else 1
     return 1.0 + per_kernel * (2 if mode != "fused" else 1)
 
@@ -396,6 +445,13 @@ def worker(r, jobfile):
                 os.environ["STREAMKL_AUTOTUNE"] = "1"  # the tuned forward's candidates too
                 r.ak(d["q1"], d["k1"], d["q2"], d["k2"], causal=j["causal"])
                 r.ours_fb(d, j["causal"], j["setting"], mode, variant, tuned)
+            elif j["t"] == "grid":  # the same specialisations at N <= 2048
+                (label, H, HK1, HK2, NQ, NK, D1, D2, causal, setting) = r.GRID[j["i"]]
+                vname, mode, variant, tuned = r.GRID_VARIANTS[j["v"]]
+                d = r.inputs(H, min(NQ, 2048), min(NK, 2048), D1, D2, r.torch.bfloat16, HK1, HK2)
+                os.environ["STREAMKL_AUTOTUNE"] = "1"
+                r.ak(d["q1"], d["k1"], d["q2"], d["k2"], causal=causal)
+                r.ours_fb(d, causal, setting, mode, variant, tuned)
             elif j["t"] == "compile":
                 d = r.inputs(32, 8 * K, 8 * K, 128, 128, r.torch.bfloat16)
                 comp = r.prov.compiled_kl()
@@ -476,6 +532,8 @@ def main(argv=None):
     bwd = {}
     try:
         bwd = r.run_timing()
+        if not a.quick and not a.tiny:
+            r.run_grid(bwd)
     except Exception as exc:
         r.log(f"timing: ERROR {type(exc).__name__}: {exc}")
         r.logf.write(traceback.format_exc())

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from streamkl_gpu import _bwd, _gluon_sass, _launch, _runtime, _tuning  # noqa: E402
@@ -55,15 +55,31 @@ def compile_rec(rec):
     opts = {"num_warps": kw.pop("num_warps", 4), "num_stages": kw.pop("num_stages", 2)}
     vals = dict(zip(fn.arg_names, args))
     vals.update(kw)
-    sig, consts = {}, {}
+    sig, consts, attrs = {}, {}, {}
     for i, n in enumerate(fn.arg_names):
         v = vals.get(n, fn.params[i].default)
         if fn.params[i].is_constexpr or v is None:
             sig[n] = "constexpr"
             consts[(i,)] = v
+        elif isinstance(v, (int, torch.Tensor)) and not isinstance(v, bool):
+            # the JIT's own specialisation: ints equal to 1 become constants, ints and pointers
+            # divisible by 16 carry tt.divisibility (what lets it vectorise the pointer loads)
+            ty, key = _specialize(v)
+            if ty == "constexpr":
+                sig[n] = "constexpr"
+                consts[(i,)] = key
+            else:
+                sig[n] = ty
+                if isinstance(key, str) and key:
+                    attrs[(i,)] = BaseBackend.parse_attr(key)
         else:
             sig[n] = _mangle(v)
-    return triton.compile(ASTSource(fn, sig, constexprs=consts), target=TARGET, options=opts)
+    return triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=TARGET, options=opts)
+
+
+def _specialize(v):
+    from triton._C.libtriton import native_specialize_impl
+    return native_specialize_impl(BaseBackend, v, False, True, True)[:2]
 
 
 def analyse(kernel):
@@ -87,7 +103,7 @@ def main(argv=None):
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--first", action="store_true", help="only the first candidate of each kernel")
     a = ap.parse_args(argv)
-    _bwd_kernels = {n: getattr(_bwd, n) for n in ("_kl_bwd_dk_kernel", "_kl_bwd_dq_kernel")}
+    _bwd_kernels = {n: getattr(_bwd, n) for n in ("_kl_bwd_dk_kernel", "_kl_bwd_dq_kernel", "_kl_bwd_rows_kernel")}
     for n, fn in _bwd_kernels.items():
         setattr(_bwd, n, _Rec(n, fn))
     _runtime.tma_ok = lambda t: True
@@ -121,6 +137,8 @@ def main(argv=None):
                     seen = set()
                     for rec in records:
                         kw = rec[3]
+                        if "BLOCK_M" not in kw:  # the rows pre-pass: O(N), not a main loop
+                            continue
                         cfg = (kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw["num_stages"])
                         key = (rec[0], cfg)
                         if key in seen:

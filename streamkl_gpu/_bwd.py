@@ -60,6 +60,16 @@ def _row_consts(LSE1, LSE2, KL, G, rows, row_ok):
 
 
 @triton.jit
+def _fold_factors(lse1_bits, lse2_bits, kl_bits, g, qk_scale1, qk_scale2, scale1, scale2):
+    """Per-row factors of the folded dS formulas (``_tile_ds`` with FOLD), from ``_row_consts``:
+    c2 = g * sigma2;  c1 = g * sigma1 * ln2,  a_t = c1 * qk_scale_t,  rc = c1 * (lse1 - lse2 + KL)
+    (the row terms summed first: a row constant). Empty rows: g = 0, so all four are 0."""
+    c2 = g * scale2
+    c1 = g * (scale1 * LN2)
+    return c2, c1 * qk_scale1, c1 * qk_scale2, c1 * (lse1_bits - lse2_bits + kl_bits)
+
+
+@triton.jit
 def _finite(x):
     """x with NaN and +-inf replaced by 0: a matmul operand of the masked stage (see the docstring)."""
     return tl.where(tl.abs(x) < float("inf"), x, 0.0)
@@ -80,16 +90,19 @@ def _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, kl_bits, g, offs_m, cols, N_K
              qk_scale1, qk_scale2, scale1, scale2,
              MASKED: tl.constexpr, CAUSAL: tl.constexpr, TRAIN1: tl.constexpr, TRAIN2: tl.constexpr,
              IEEE1: tl.constexpr, IEEE2: tl.constexpr,
-             TRANS: tl.constexpr = False, FOLD: tl.constexpr = False, ROW_SCALE: tl.constexpr = True):
+             TRANS: tl.constexpr = False, FOLD: tl.constexpr = False, ROW_SCALE: tl.constexpr = True,
+             c2=None, a1=None, a2=None, rc=None):
     """dS1 (if TRAIN1) and dS2 (if TRAIN2) of one [BLOCK_M, BLOCK_N] tile, sigma and g folded in.
 
     TRANS: the tile is computed key-major, dS^T [BLOCK_N, BLOCK_M] (S^T = K Q^T), so that dK += dS^T Q
     takes dS^T straight from registers (the wgmma A operand), as FlashAttention's dK/dV loop.
-    FOLD: the same formulas in fewer fp32 ops per score (per-row constants formed once per tile):
-        setting 2:  ds1 = P1 * (s1*a1 - (s2*a2 + r1)),  a_t = c1 * qk_scale_t,  r1 = c1 * (lse1 - lse2 + KL)
-        (c1 = g * sigma1 * ln2; 2 FFMA + 1 FMUL instead of 2 FFMA + 2 FADD + 2 FMUL)
+    FOLD: the same formulas in fewer fp32 ops per score, with the per-row factors ``c2, a1, a2, rc``
+    of ``_fold_factors`` (formed by the caller once per query tile, or once per row by a pre-pass):
+        setting 2:  ds1 = P1 * (s1*a1 - (s2*a2 + rc))   (2 FFMA + 1 FMUL instead of 2 FFMA + 2 FADD + 2 FMUL)
+        setting 1:  ds2 = (P2 - P1) * c2
     ROW_SCALE=False (FOLD only): the per-row factor (g * sigma_t, times ln2 for side 1) is left out,
-    for a caller that applies it once to its dQ rows after the key loop (the dQ kernel).
+    for a caller that applies it once to its dQ rows after the key loop (the dQ kernel); then
+    ds1 = P1 * (s1*qk_scale1 - (s2*qk_scale2 + (lse1 - lse2 + KL))), ds2 = P2 - P1.
     """
     if TRANS:
         s1 = _dot(k1, tl.trans(q1), IEEE1)
@@ -102,12 +115,10 @@ def _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, kl_bits, g, offs_m, cols, N_K
     if FOLD:
         if TRAIN1:
             # (x1 - x2 - KL) * c1 with the row terms summed first: lse1 - lse2 + KL is a row constant
-            row1 = lse1_bits - lse2_bits + kl_bits
             if ROW_SCALE:
-                c1 = g * (scale1 * LN2)
-                log_ratio = (s1 * _along_rows(c1 * qk_scale1, TRANS)
-                             - (s2 * _along_rows(c1 * qk_scale2, TRANS) + _along_rows(c1 * row1, TRANS)))
+                log_ratio = s1 * _along_rows(a1, TRANS) - (s2 * _along_rows(a2, TRANS) + _along_rows(rc, TRANS))
             else:
+                row1 = lse1_bits - lse2_bits + kl_bits
                 log_ratio = s1 * qk_scale1 - (s2 * qk_scale2 + _along_rows(row1, TRANS))
         if TRAIN2:
             x2 = s2 * qk_scale2 - _along_rows(lse2_bits, TRANS)
@@ -136,6 +147,8 @@ def _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, kl_bits, g, offs_m, cols, N_K
         p2 = tl.exp2(x2)
         if FOLD and not ROW_SCALE:
             ds2 = p2 - p1
+        elif FOLD:
+            ds2 = (p2 - p1) * _along_rows(c2, TRANS)
         else:
             ds2 = (p2 - p1) * _along_rows(g * scale2, TRANS)
     if TRAIN1:
@@ -188,6 +201,7 @@ def _dk_query_range(
     FUSED_DQ: tl.constexpr, IEEE1: tl.constexpr, IEEE2: tl.constexpr,
     q1_desc, q2_desc, dq1_desc, dq2_desc, tma_b, h,
     USE_TMA: tl.constexpr, TRANS: tl.constexpr, FOLD: tl.constexpr, DQ_REDUCE: tl.constexpr,
+    rows_desc, pid_bh, ROWS: tl.constexpr,
 ):
     offs_d1 = tl.arange(0, D1_PAD)
     offs_d2 = tl.arange(0, D2_PAD)
@@ -203,10 +217,30 @@ def _dk_query_range(
                          mask=row_ok[:, None] & (offs_d1[None, :] < D1), other=0.0)
             q2 = tl.load(Q2 + rows64[:, None] * stride_q2n + offs_d2[None, :] * stride_q2d,
                          mask=row_ok[:, None] & (offs_d2[None, :] < D2), other=0.0)
-        lse1_bits, lse2_bits, kl_bits, g = _row_consts(LSE1, LSE2, KL, G, row_base + offs_m * row_step, row_ok)
+        c2 = None
+        a1 = None
+        a2 = None
+        rc = None
+        if ROWS:  # the pre-pass's per-row planes (_kl_bwd_rows_kernel), one TMA load each
+            lse1_bits = rows_desc.load([0, pid_bh, start_m]).reshape(BLOCK_M)
+            lse2_bits = lse1_bits
+            kl_bits = lse1_bits
+            g = lse1_bits
+            if TRAIN2:
+                lse2_bits = rows_desc.load([1, pid_bh, start_m]).reshape(BLOCK_M)
+                c2 = rows_desc.load([2, pid_bh, start_m]).reshape(BLOCK_M)
+            if TRAIN1:
+                a1 = rows_desc.load([3, pid_bh, start_m]).reshape(BLOCK_M)
+                a2 = rows_desc.load([4, pid_bh, start_m]).reshape(BLOCK_M)
+                rc = rows_desc.load([5, pid_bh, start_m]).reshape(BLOCK_M)
+        else:
+            lse1_bits, lse2_bits, kl_bits, g = _row_consts(LSE1, LSE2, KL, G, row_base + offs_m * row_step, row_ok)
+            if FOLD:
+                c2, a1, a2, rc = _fold_factors(lse1_bits, lse2_bits, kl_bits, g, qk_scale1, qk_scale2,
+                                               scale1, scale2)
         ds1, ds2 = _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, kl_bits, g, offs_m, cols, N_K,
                             diag_offset, qk_scale1, qk_scale2, scale1, scale2,
-                            MASKED, CAUSAL, TRAIN1, TRAIN2, IEEE1, IEEE2, TRANS, FOLD, True)
+                            MASKED, CAUSAL, TRAIN1, TRAIN2, IEEE1, IEEE2, TRANS, FOLD, True, c2, a1, a2, rc)
         if TRAIN1:
             dk1 = _dk_dq_side(dk1, ds1, q1, k1, DQ1 + rows64[:, None] * stride_dq1n + offs_d1[None, :],
                               row_ok[:, None] & (offs_d1[None, :] < D1), dq1_desc, tma_b, h, start_m,
@@ -244,6 +278,8 @@ def _kl_bwd_dk_kernel(
     TRANS: tl.constexpr = False,  # key-major tiles (dS^T in registers for dK += dS^T Q)
     FOLD: tl.constexpr = False,  # fewer fp32 ops per score (see _tile_ds)
     DQ_REDUCE: tl.constexpr = False,  # fused dQ by TMA bulk reduce-add (needs FUSED_DQ)
+    ROWS_DESC=None,  # [6, B*H, N_Q] planes of _kl_bwd_rows_kernel, blocks [1, 1, BLOCK_M] (ROWS)
+    ROWS: tl.constexpr = False,  # per-row constants precomputed by the pre-pass (needs FOLD, USE_TMA)
 ):
     # VARLEN: as in _kl_fwd_kernel (b is the sequence, N_Q/N_K the totals, [total, H, D] tensors
     # as [1, H, total, D] views); the grid covers the longest sequence's key tiles.
@@ -304,7 +340,7 @@ def _kl_bwd_dk_kernel(
         stride_q1n, stride_q1d, stride_q2n, stride_q2d, stride_dq1n, stride_dq2n,
         N_Q, N_K, D1, D2, diag_offset, qk_scale1, qk_scale2, scale1, scale2,
         BLOCK_M, D1_PAD, D2_PAD, True, CAUSAL, TRAIN1, TRAIN2, FUSED_DQ, IEEE1, IEEE2,
-        Q1_DESC, Q2_DESC, DQ1_DESC, DQ2_DESC, b, h, USE_TMA, TRANS, FOLD, DQ_REDUCE)
+        Q1_DESC, Q2_DESC, DQ1_DESC, DQ2_DESC, b, h, USE_TMA, TRANS, FOLD, DQ_REDUCE, ROWS_DESC, pid_bh, ROWS)
     if start_n + BLOCK_N <= N_K:
         dk1, dk2 = _dk_query_range(
             dk1, dk2, k1, k2, start_n, cols, m_full, N_Q,
@@ -312,7 +348,7 @@ def _kl_bwd_dk_kernel(
             stride_q1n, stride_q1d, stride_q2n, stride_q2d, stride_dq1n, stride_dq2n,
             N_Q, N_K, D1, D2, diag_offset, qk_scale1, qk_scale2, scale1, scale2,
             BLOCK_M, D1_PAD, D2_PAD, False, CAUSAL, TRAIN1, TRAIN2, FUSED_DQ, IEEE1, IEEE2,
-            Q1_DESC, Q2_DESC, DQ1_DESC, DQ2_DESC, b, h, USE_TMA, TRANS, FOLD, DQ_REDUCE)
+            Q1_DESC, Q2_DESC, DQ1_DESC, DQ2_DESC, b, h, USE_TMA, TRANS, FOLD, DQ_REDUCE, ROWS_DESC, pid_bh, ROWS)
     else:  # the ragged last key tile: keys past N_K must be masked out of every query tile
         dk1, dk2 = _dk_query_range(
             dk1, dk2, k1, k2, start_n, cols, m_full, N_Q,
@@ -320,7 +356,7 @@ def _kl_bwd_dk_kernel(
             stride_q1n, stride_q1d, stride_q2n, stride_q2d, stride_dq1n, stride_dq2n,
             N_Q, N_K, D1, D2, diag_offset, qk_scale1, qk_scale2, scale1, scale2,
             BLOCK_M, D1_PAD, D2_PAD, True, CAUSAL, TRAIN1, TRAIN2, FUSED_DQ, IEEE1, IEEE2,
-            Q1_DESC, Q2_DESC, DQ1_DESC, DQ2_DESC, b, h, USE_TMA, TRANS, FOLD, DQ_REDUCE)
+            Q1_DESC, Q2_DESC, DQ1_DESC, DQ2_DESC, b, h, USE_TMA, TRANS, FOLD, DQ_REDUCE, ROWS_DESC, pid_bh, ROWS)
 
     if TRAIN1:
         if DK1_ATOMIC:  # GQA: add into the shared key head's fp32 buffer
@@ -468,3 +504,24 @@ def _kl_bwd_dq_kernel(
     if TRAIN2:
         tl.store(DQ2 + off_dq2 + h64 * stride_dq2h + rows64[:, None] * stride_dq2n + offs_d2[None, :],
                  dq2.to(DQ2.dtype.element_ty), mask=row_ok[:, None] & (offs_d2[None, :] < D2))
+
+
+@triton.jit
+def _kl_bwd_rows_kernel(LSE1, LSE2, KL, G, ROWS, n_rows, N_Q, row_pitch, plane,
+                        qk_scale1, qk_scale2, scale1, scale2, BLOCK: tl.constexpr):
+    """Pre-pass of the ROWS variant: the dK kernel's per-row constants, once per row instead of once
+    per (row, key tile): planes lse1', lse2', c2, a1, a2, rc (``_row_consts``, ``_fold_factors``) of
+    ``ROWS[6, B*H, row_pitch]``. Rows past N_Q are never written: the dK kernel's TMA loads stop
+    at N_Q and return zeros there (g = 0: those rows add exactly 0, their Q rows being zeros too)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n_rows
+    bh = offs // N_Q
+    out = ROWS + bh.to(tl.int64) * row_pitch + offs % N_Q
+    lse1_bits, lse2_bits, kl_bits, g = _row_consts(LSE1, LSE2, KL, G, offs, ok)
+    c2, a1, a2, rc = _fold_factors(lse1_bits, lse2_bits, kl_bits, g, qk_scale1, qk_scale2, scale1, scale2)
+    tl.store(out, lse1_bits, mask=ok)
+    tl.store(out + plane, lse2_bits, mask=ok)
+    tl.store(out + 2 * plane, c2, mask=ok)
+    tl.store(out + 3 * plane, a1, mask=ok)
+    tl.store(out + 4 * plane, a2, mask=ok)
+    tl.store(out + 5 * plane, rc, mask=ok)

@@ -258,6 +258,13 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
         if use_tma:
             descs = dict(Q1_DESC=_desc(q1, block_m, d1_pad), K1_DESC=_desc(k1, block_n, d1_pad),
                          Q2_DESC=_desc(q2, block_m, d2_pad), K2_DESC=_desc(k2, block_n, d2_pad))
+        if "rows" in parts:  # the per-row constants, once per row (_bwd._kl_bwd_rows_kernel)
+            pitch = cdiv(dims.NQ, 4) * 4  # 16-byte rows for the descriptor
+            rows = fresh((6, BH, pitch), torch.float32, device)
+            _bwd._kl_bwd_rows_kernel[(cdiv(BH * dims.NQ, 1024),)](
+                lse1_bits, lse2_bits, kl, g, rows, BH * dims.NQ, dims.NQ, pitch, BH * pitch,
+                dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2, BLOCK=1024, num_warps=4)
+            descs["ROWS_DESC"] = TensorDescriptor(rows, [6, BH, dims.NQ], list(rows.stride()), [1, 1, block_m])
         if reduce_dq:
             descs.update(DQ1_DESC=_desc(dq1, block_m, d1_pad) if dq1 is not None else None,
                          DQ2_DESC=_desc(dq2, block_m, d2_pad) if dq2 is not None else None)
@@ -272,8 +279,8 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
             BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1_pad, D2_PAD=d2_pad, CAUSAL=causal,
             TRAIN1=train1, TRAIN2=train2, FUSED_DQ=fused, DK1_ATOMIC=dk1_atomic, DK2_ATOMIC=dk2_atomic,
             IEEE1=ieee1, IEEE2=ieee2,
-            USE_TMA=use_tma, TRANS="trans" in parts, FOLD="fold" in parts, DQ_REDUCE=reduce_dq),
-            warps, stages, key, aligned, runtime=descs)
+            USE_TMA=use_tma, TRANS="trans" in parts, FOLD="fold" in parts, DQ_REDUCE=reduce_dq,
+            ROWS="rows" in parts), warps, stages, key, aligned, runtime=descs)
         if not fused:
             block_m, block_n, warps, stages, variant = cfg_dq
             parts = variant.split("+")

@@ -265,10 +265,13 @@ def bwd_candidates(d_pad, both, kind, ieee=False):
 #   "trans"   dK kernel on key-major tiles, dS^T in registers for dK += dS^T Q (TRANS)
 #   "fold"    fewer fp32 ops per score; the dQ kernel applies the row factors once (FOLD)
 #   "reduce"  fused dQ by one TMA reduce-add per tile instead of per-element atomics (DQ_REDUCE)
+#   "rows"    the dK kernel's per-row constants precomputed by a pre-pass, read by TMA (ROWS; needs
+#             "tma" and "fold")
 # STREAMKL_BWD_VARIANT=<name> restricts the candidates to that variant (tests, the GPU bench);
 # unset, the tuner times all of them and keeps the fastest.
 BWD_VARIANTS = ("ptr", "tma", "tma+trans", "tma+fold", "tma+trans+fold", "tma+trans+reduce",
-                "tma+trans+fold+reduce", "trans", "fold", "trans+fold")
+                "tma+trans+fold+reduce", "tma+trans+fold+rows", "tma+trans+fold+rows+reduce",
+                "trans", "fold", "trans+fold")
 
 
 class UnusableConfig(Exception):
@@ -301,22 +304,28 @@ def bwd_variant_candidates(d_pad, both, kind, ieee=False, tma=False, fused=False
             if not interpreting():
                 raise ValueError(f"STREAMKL_BWD_VARIANT={forced!r} needs TMA-capable inputs (Hopper, aligned)")
             # CPU tensors not aligned: the same variant without descriptors (and so without the reduce)
-            forced = _kernel_variant(forced.replace("tma", "").replace("reduce", ""), kind, fused)
+            forced = _kernel_variant(forced.replace("tma", "").replace("reduce", "").replace("rows", ""),
+                                     kind, fused)
     if interpreting():
         return [_runtime.INTERPRETER_BLOCK + (1, 1, forced or "ptr")]
     old = [c + ("ptr",) for c in bwd_candidates(d_pad, both, kind, ieee)]
     if ieee:
         return old
     if d_pad <= 128 and not both:
-        tiles = {"dk": [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 3)],
+        tiles = {"dk": [(64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 2)],
                  "dq": [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3)]}[kind]
     else:
-        tiles = {"dk": [(64, 64, 8, 2), (32, 64, 4, 3)], "dq": [(64, 64, 8, 2), (64, 32, 4, 3)]}[kind]
+        # dK: 64 keys make one warpgroup's rows (key-major tiles): 4 warps; 8 warps would split the
+        # 64 rows over two warpgroups
+        tiles = {"dk": [(64, 64, 4, 2), (32, 64, 4, 3), (64, 64, 8, 2)], "dq": [(64, 64, 8, 2), (64, 32, 4, 3)]}[kind]
     if forced is not None:  # every tile shape of that variant (the old configs for "ptr")
         return old if forced == "ptr" else [t + (forced,) for t in tiles]
-    # the tuner's default set: the old configs and the expected best new ones
+    # the tuner's default set: the old configs and the expected best new ones (SASS from the
+    # offline sm_90 compile, bench/bwd_sass.py, triton 3.6, D = 128, setting 1 fused: old 1718 / 2400
+    # instructions per key-tile loop (whole / masked) with 259 spill stores, rows+reduce 529 / 766
+    # and none; tile 32 x 128 / 4 warps spills, 64 x 64 / 4 warps is twice the instructions per score)
     if kind == "dk":
-        names = ["tma+trans+fold", "tma+trans"] + (["tma+trans+fold+reduce"] if fused else [])
+        names = ["tma+trans+fold+rows" + ("+reduce" if fused else ""), "tma+trans+fold" + ("+reduce" if fused else "")]
         if not tma:
             names = ["trans+fold"]
     else:
@@ -325,10 +334,10 @@ def bwd_variant_candidates(d_pad, both, kind, ieee=False, tma=False, fused=False
 
 
 def _kernel_variant(name, kind, fused):
-    """The part of a variant that applies to one kernel: the dQ kernel has no key-major or reduce
-    form, and "reduce" applies only to the fused dK kernel's dQ."""
-    keep = ("tma", "fold") if kind == "dq" else (("tma", "trans", "fold", "reduce") if fused else
-                                                  ("tma", "trans", "fold"))
+    """The part of a variant that applies to one kernel: the dQ kernel has no key-major, rows or
+    reduce form, and "reduce" applies only to the fused dK kernel's dQ."""
+    keep = ("tma", "fold") if kind == "dq" else (("tma", "trans", "fold", "rows", "reduce") if fused else
+                                                  ("tma", "trans", "fold", "rows"))
     return "+".join(p for p in name.split("+") if p in keep) or "ptr"
 
 

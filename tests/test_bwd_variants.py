@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.usefixtures("poison"), pytest.mark.filterwarnings("ign
 SETTINGS = {"s1": (False, False, True, True), "s2": (True, True, False, False), "both": (True, True, True, True)}
 # every new code path at least once: TMA loads, key-major tiles, folds (dK kernel pre-scaled,
 # dQ kernel post-scaled), the TMA reduce of the fused dQ, each with and without the others
-VARIANTS = ["tma+trans+fold+reduce", "tma+trans+reduce", "tma", "trans", "fold"]
+VARIANTS = ["tma+trans+fold+rows+reduce", "tma+trans+fold+reduce", "tma+trans+reduce", "tma", "trans", "fold"]
 
 
 @pytest.fixture
@@ -45,7 +45,7 @@ def launched(variant, mode):
 
 
 def expected(variant, mode, tma=True):
-    name = variant if tma else variant.replace("tma", "").replace("reduce", "")
+    name = variant if tma else variant.replace("tma", "").replace("reduce", "").replace("rows", "")
     return (_tuning._kernel_variant(name, "dk", mode == "fused"),
             _tuning._kernel_variant(name, "dq", mode == "fused"))
 
@@ -82,7 +82,7 @@ def test_variant_gradients(variant, mode, B, H, HK1, HK2, NQ, NK, D1, D2, causal
             assert (grads[name][:, :, : NQ - NK] == 0).all()
 
 
-@pytest.mark.parametrize("variant", ["tma+trans+fold+reduce", "fold"], indirect=True)
+@pytest.mark.parametrize("variant", ["tma+trans+fold+rows+reduce", "fold"], indirect=True)
 @pytest.mark.parametrize("mode", ["fused", "separate"])
 @pytest.mark.parametrize("setting", ["s1", "s2"])
 def test_variant_one_setting(variant, mode, setting):
@@ -101,7 +101,7 @@ def test_variant_one_setting(variant, mode, setting):
             assert grads[name] is None
 
 
-@pytest.mark.parametrize("variant", ["tma+trans+fold+reduce", "fold"], indirect=True)
+@pytest.mark.parametrize("variant", ["tma+trans+fold+rows+reduce", "fold"], indirect=True)
 def test_variant_extreme_logits(variant):
     """Logits of order 1e3 (test_gpu_backward.test_extreme_logits_gradients' bound): the folded
     log-ratio s1*a1 - (s2*a2 + r) keeps the error model of the unfolded one."""
@@ -121,7 +121,8 @@ def test_variant_extreme_logits(variant):
             assert err <= 16 * u * (1 + lse_bits) * natural, (mode, name, err, natural)
 
 
-@pytest.mark.parametrize("variant", ["tma+trans+fold+reduce", "tma", "trans", "fold"], indirect=True)
+@pytest.mark.parametrize("variant", ["tma+trans+fold+rows+reduce", "tma+trans+fold+reduce", "tma", "fold"],
+                         indirect=True)
 @pytest.mark.parametrize("mode", ["fused", "separate"])
 @pytest.mark.parametrize("case", [KEY7, KEY40, DIAGONAL_ROWS], ids=["n8-key7", "n64-key40", "diagonal-rows"])
 def test_variant_nan_isolation(variant, mode, case):
@@ -147,3 +148,65 @@ def test_variant_names():
         assert _tuning.bwd_variant(name) == name
     with pytest.raises(ValueError, match="STREAMKL_BWD_VARIANT"):
         _tuning.bwd_variant("tma+warp")
+
+
+@pytest.fixture
+def gpu_rules(monkeypatch):
+    """The candidate lists as on a GPU (the interpreter's single fixed config switched off)."""
+    monkeypatch.setattr(_tuning, "interpreting", lambda: False)
+    monkeypatch.delenv("STREAMKL_BWD_VARIANT", raising=False)
+    return monkeypatch
+
+
+def test_default_candidates_keep_the_old_configs(gpu_rules):
+    """Unforced, the tuner times the old configs ("ptr", exactly bwd_candidates') and new ones;
+    without TMA no descriptor variant; fp32 (IEEE) only the old ones."""
+    for kind in ("dk", "dq"):
+        for both in (False, True):
+            for fused in (False, True):
+                old = [c + ("ptr",) for c in _tuning.bwd_candidates(128, both, kind)]
+                with_tma = _tuning.bwd_variant_candidates(128, both, kind, False, True, fused)
+                assert with_tma[:len(old)] == old and len(with_tma) > len(old)
+                for c in with_tma[len(old):]:
+                    parts = c[-1].split("+")
+                    assert "tma" in parts
+                    assert ("reduce" in parts) <= (fused and kind == "dk"), c
+                    assert ("trans" in parts or "rows" in parts) <= (kind == "dk"), c
+                no_tma = _tuning.bwd_variant_candidates(128, both, kind, False, False, fused)
+                assert all("tma" not in c[-1] for c in no_tma)
+                assert _tuning.bwd_variant_candidates(128, both, kind, True, True, fused) == [
+                    c + ("ptr",) for c in _tuning.bwd_candidates(128, both, kind, True)]
+
+
+def test_forced_variant_restricts_the_candidates(gpu_rules):
+    gpu_rules.setenv("STREAMKL_BWD_VARIANT", "tma+trans+fold+rows+reduce")
+    dk = _tuning.bwd_variant_candidates(128, False, "dk", False, True, True)
+    assert dk and {c[-1] for c in dk} == {"tma+trans+fold+rows+reduce"}
+    assert {c[-1] for c in _tuning.bwd_variant_candidates(128, False, "dk", False, True, False)} == {
+        "tma+trans+fold+rows"}  # separate kernels: no reduce
+    assert {c[-1] for c in _tuning.bwd_variant_candidates(128, False, "dq", False, True, False)} == {"tma+fold"}
+    with pytest.raises(ValueError, match="TMA"):  # on a GPU a descriptor variant without TMA is an error
+        _tuning.bwd_variant_candidates(128, False, "dk", False, False, True)
+    gpu_rules.setenv("STREAMKL_BWD_VARIANT", "ptr")
+    assert _tuning.bwd_variant_candidates(128, False, "dk", False, True, True) == [
+        c + ("ptr",) for c in _tuning.bwd_candidates(128, False, "dk")]
+
+
+def test_tuner_skips_an_unusable_variant(monkeypatch):
+    """A new variant that fails to compile (UnusableConfig) is skipped; an old config's failure is raised."""
+    import triton.testing
+
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), 1.0)[1])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+    def launch(cfg):
+        if cfg[-1] != "ptr":
+            raise _tuning.UnusableConfig(f"{cfg}: CompilationError")
+
+    cands = [(64, 128, 8, 2, "ptr"), (64, 128, 8, 2, "tma+trans")]
+    assert _tuning._time_candidates(("k",), cands, launch) == cands[0]
+
+    def broken(cfg):
+        raise RuntimeError("a bug in the old kernels")
+    with pytest.raises(RuntimeError, match="a bug"):
+        _tuning._time_candidates(("k2",), cands, broken)
