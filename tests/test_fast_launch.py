@@ -129,3 +129,15 @@ def test_hook_detection_handles_hook_chains_and_plain_callables():
     assert not _fast_launch._hooked(Chain([]))  # triton >= 3.5: the chain is always there, empty
     assert _fast_launch._hooked(Chain([print]))
     assert _fast_launch._hooked(print)  # triton < 3.5: the hook itself or None
+
+
+def test_the_fast_environment_read_follows_os_environ(monkeypatch):
+    from streamkl_gpu import _runtime
+    monkeypatch.delenv("STREAMKL_TEST_ENV_READ", raising=False)
+    assert _runtime.env("STREAMKL_TEST_ENV_READ", "unset") == "unset"
+    monkeypatch.setenv("STREAMKL_TEST_ENV_READ", "0")
+    assert _runtime.env("STREAMKL_TEST_ENV_READ") == "0"
+    monkeypatch.setenv("STREAMKL_TEST_ENV_READ", "é1")
+    assert _runtime.env("STREAMKL_TEST_ENV_READ") == "é1"
+    monkeypatch.delenv("STREAMKL_TEST_ENV_READ")
+    assert _runtime.env("STREAMKL_TEST_ENV_READ") is None
