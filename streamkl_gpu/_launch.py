@@ -5,6 +5,7 @@ for a side that is not trained). Both take resolved float scales (``api`` checks
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import torch
@@ -26,6 +27,9 @@ def _empty_forward(dims, device):
     kl = torch.zeros(shape, dtype=torch.float32, device=device)
     lse = torch.full(shape, float("-inf"), dtype=torch.float32, device=device)
     return kl, lse, lse.clone()
+
+
+_PLAN_TOKENS = itertools.count()
 
 
 class _TritonForward:
@@ -57,7 +61,8 @@ class _TritonForward:
         self.part_shape = (5, splits, BH, dims.NQ) if splits > 1 else None
         rows = BH * dims.NQ
         self.combine = ((cdiv(rows, 256), 1, 1), (rows, splits)) if splits > 1 else None
-        self.key = None if key is None else (key, cfg)
+        # a token per bound plan stands for (signature, cfg): cheaper to hash on every call
+        self.key = None if key is None else ("fwd", next(_PLAN_TOKENS))
 
     def __call__(self, q1, k1, q2, k2, outs):
         kl, lse1_bits, lse2_bits = outs
