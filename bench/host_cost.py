@@ -2,6 +2,7 @@
 """Host cost per call and first-call cost of streamkl_gpu.attention_kl (issue 9 §5).
 
     python bench/host_cost.py OUT_DIR [--profile] [--first-call] [--check-direct]
+    python bench/host_cost.py OUT_DIR --check-only
 
 - Host cost: wall time of 1000 back-to-back calls at B=1, H=1, N_Q=1, N_K=64, D=64, bf16 (GPU
   time negligible), per call, custom-op dispatch and autograd included; forward and
@@ -13,6 +14,9 @@
   second process that finds the on-disk cache.
 - --check-direct: the direct launch path (streamkl_gpu._fast_launch) against Triton's binder on
   shapes that take every kernel (split-K, fused/separate backward, GQA, D1 != D2, causal).
+  --check-only: those checks alone, with STREAMKL_FAST_LAUNCH_CHECK=1 (every cached launch's key
+  re-derived and compared); time host cost in a process without it (the check costs ~20 us per
+  launch).
 Rows go to OUT_DIR/host_cost.csv (long format).
 """
 from __future__ import annotations
@@ -291,6 +295,10 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     out_dir = argv[0] if argv else "."
     os.makedirs(out_dir, exist_ok=True)
+    if "--check-only" in argv:  # the direct path's checks alone, with its key check on
+        os.environ["STREAMKL_FAST_LAUNCH_CHECK"] = "1"  # read when streamkl_gpu is imported
+        ok = check_direct(out_dir)
+        sys.exit(0 if ok else 1)
     if "--check-direct" in argv:
         check_direct(out_dir)
     host_cost(out_dir, profile="--profile" in argv)

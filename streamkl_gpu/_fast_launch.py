@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from ._runtime import interpreting
+from ._runtime import env, interpreting
 
 try:
     from triton import knobs as _knobs
@@ -41,7 +41,7 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _raw_strea
 
 
 def enabled() -> bool:
-    if os.environ.get("STREAMKL_FAST_LAUNCH", "1") == "0" or interpreting():
+    if env("STREAMKL_FAST_LAUNCH", "1") == "0" or interpreting():
         return False
     return _knobs is None or not (_hooked(_knobs.runtime.launch_enter_hook) or _hooked(_knobs.runtime.launch_exit_hook))
 

@@ -16,6 +16,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from . import _runtime
+
 try:
     from . import _gluon_fwd
 except Exception as exc:  # no triton.experimental.gluon, or an API this kernel does not know
@@ -46,7 +48,7 @@ GLUON_MIN_CTAS_PER_SM = 2
 
 def fwd_backend() -> str:
     """The forward backend asked for: ``FWD_BACKEND`` if set, else ``$STREAMKL_FWD_BACKEND``."""
-    value = FWD_BACKEND if FWD_BACKEND is not None else os.environ.get(ENV_VAR, "auto")
+    value = FWD_BACKEND if FWD_BACKEND is not None else _runtime.env(ENV_VAR, "auto")
     value = str(value).strip().lower() or "auto"
     if value not in BACKENDS:
         raise ValueError(f"{ENV_VAR} (or _gluon_dispatch.FWD_BACKEND) must be one of {BACKENDS}, got {value!r}")

@@ -5,7 +5,7 @@ for a side that is not trained). Both take resolved float scales (``api`` checks
 """
 from __future__ import annotations
 
-import os
+import itertools
 from dataclasses import replace
 
 import torch
@@ -27,6 +27,9 @@ def _empty_forward(dims, device):
     kl = torch.zeros(shape, dtype=torch.float32, device=device)
     lse = torch.full(shape, float("-inf"), dtype=torch.float32, device=device)
     return kl, lse, lse.clone()
+
+
+_PLAN_TOKENS = itertools.count()
 
 
 class _TritonForward:
@@ -58,7 +61,8 @@ class _TritonForward:
         self.part_shape = (5, splits, BH, dims.NQ) if splits > 1 else None
         rows = BH * dims.NQ
         self.combine = ((cdiv(rows, 256), 1, 1), (rows, splits)) if splits > 1 else None
-        self.key = None if key is None else (key, cfg)
+        # a token per bound plan stands for (signature, cfg): cheaper to hash on every call
+        self.key = None if key is None else ("fwd", next(_PLAN_TOKENS))
 
     def __call__(self, q1, k1, q2, k2, outs):
         kl, lse1_bits, lse2_bits = outs
@@ -106,7 +110,7 @@ GLUON = "gluon"  # the forward plan that runs the Gluon kernel instead of a Trit
 
 
 def _signature(kind, dims, flags, tensors):
-    settings = (os.environ.get("STREAMKL_AUTOTUNE"), _runtime.INTERPRETER_BLOCK, _runtime.INTERPRETER_TMA)
+    settings = (_runtime.env("STREAMKL_AUTOTUNE"), _runtime.INTERPRETER_BLOCK, _runtime.INTERPRETER_TMA)
     return (kind, dims, flags, settings) + tuple(
         (t.dtype, t.stride(), t.data_ptr() % 16, t.device) for t in tensors)
 
@@ -126,7 +130,8 @@ def forward(q1, k1, q2, k2, causal, scale1, scale2, split_k, dims=None, one_buff
     device = q1.device
     if is_empty(dims):
         return _empty_forward(dims, device)
-    q1, k1, q2, k2 = (compute_view(t) for t in (q1, k1, q2, k2))
+    if interpreting():  # bf16 computed in fp32 there (compute_view)
+        q1, k1, q2, k2 = (compute_view(t) for t in (q1, k1, q2, k2))
     d1_pad, d2_pad = head_pad(dims.D1), head_pad(dims.D2)
     sig = _signature("fwd", dims, (causal, split_k, fwd_backend()), (q1, k1, q2, k2))
     plan = _PLANS.get(sig)
@@ -195,7 +200,8 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
     if is_empty(dims):
         return _empty_backward(dims, q1, k1, q2, k2, train1, train2)
     out_dtypes = (q1.dtype, k1.dtype, q2.dtype, k2.dtype)
-    q1, k1, q2, k2 = (compute_view(t) for t in (q1, k1, q2, k2))
+    if interpreting():  # bf16 computed in fp32 there (compute_view)
+        q1, k1, q2, k2 = (compute_view(t) for t in (q1, k1, q2, k2))
     device = q1.device
     BH = dims.B * dims.H
     d1_pad, d2_pad = head_pad(dims.D1), head_pad(dims.D2)

@@ -141,3 +141,14 @@ def test_per_call_keyword_arguments_are_put_in_their_parameter_slots(direct):
     _fast_launch.launch(fn, (1, 1, 1), (x, 32, 1.0), {"BLOCK": 16}, 4, 2, key="plan-C", tensors=(x,),
                         runtime={"FLAG": "desc-2"})
     assert fn.log[-1][0] == "direct" and fn.log[-1][1][9:] == (x, 32, 1.0, 16, "desc-2")
+
+def test_the_fast_environment_read_follows_os_environ(monkeypatch):
+    from streamkl_gpu import _runtime
+    monkeypatch.delenv("STREAMKL_TEST_ENV_READ", raising=False)
+    assert _runtime.env("STREAMKL_TEST_ENV_READ", "unset") == "unset"
+    monkeypatch.setenv("STREAMKL_TEST_ENV_READ", "0")
+    assert _runtime.env("STREAMKL_TEST_ENV_READ") == "0"
+    monkeypatch.setenv("STREAMKL_TEST_ENV_READ", "é1")
+    assert _runtime.env("STREAMKL_TEST_ENV_READ") == "é1"
+    monkeypatch.delenv("STREAMKL_TEST_ENV_READ")
+    assert _runtime.env("STREAMKL_TEST_ENV_READ") is None
