@@ -122,7 +122,8 @@ def spec_name(dtype: str, causal: bool, d1: int, d2: int) -> str:
 
 def _main(argv):
     """``python -m streamkl_gpu._gluon_sass SPEC...`` (SPEC = bf16|fp16 : causal|full : D1 : D2, then
-    optionally : BLOCK_N : NUM_STAGES : maxnreg, a tuning candidate; default: the first candidate):
+    optionally a candidate tuple ``_gluon_fwd.CAND_FIELDS`` as : BLOCK_N : NUM_STAGES : maxnreg
+    [: PINGPONG : SPLIT : POLY : RESCALE : FENCE]; default: the first tuning candidate):
     compile each for sm_90 and print one JSON object per line (the CI test runs this in a fresh
     process: the test session runs under TRITON_INTERPRET=1, which Gluon does not support)."""
     import json
