@@ -108,7 +108,8 @@ def sass_counts(sass):
         dep = [k for k, t in enumerate(body) if "WARPGROUP.DEPBAR" in t]
         between = sum("MUFU.EX2" in t for t in body[dep[0]:dep[1]]) if len(dep) >= 2 else 0
         loops.append(dict(hgmma=sum("HGMMA" in t for t in body), depbar=len(dep),
-                          ex2=sum("MUFU.EX2" in t for t in body), ex2_between_waits=between))
+                          ex2=sum("MUFU.EX2" in t for t in body), ex2_between_waits=between,
+                          spills=sum(bool(re.search(r"\b(STL|LDL)\b", t)) for t in body)))
     return dict(hgmma=count(r"\bHGMMA\b"), depbar=count(r"WARPGROUP\.DEPBAR"), stl=count(r"\bSTL\b"),
                 ldl=count(r"\bLDL\b"), ex2=count(r"MUFU\.EX2"), loops=loops)
 

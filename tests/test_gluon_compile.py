@@ -69,8 +69,10 @@ def test_sass_no_spills_and_two_waits_per_key_tile(compiled, spec):
         # is ptxas serialising the products (the back-edge trap of the sketch)
         assert 1 <= loop["depbar"] <= waits, f"{spec}: {loop['depbar']} WARPGROUP.DEPBAR per key tile: {loop}"
         assert loop["ex2"] >= per_side + mufu_side2, f"{spec}: too few MUFU.EX2 per key tile: {loop}"
-        if cfg["FENCE"]:  # its point: side 1's exponentials issued before the S2 wait
+        if cfg["FENCE"] == 1:  # its point: side 1's exponentials issued before the S2 wait
             assert loop["ex2_between_waits"] >= per_side, f"{spec}: FENCE did not keep the overlap: {loop}"
+    if cfg["FENCE"] == 2:  # whole tiles only: the two whole-tile loops
+        assert sum(lp["ex2_between_waits"] >= per_side for lp in loops) == 2, f"{spec}: {loops}"
 
 
 # ----------------------------------------------------------------------------------------------
