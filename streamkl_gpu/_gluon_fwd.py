@@ -486,6 +486,12 @@ def experiments(d1: int, d2: int):
     ]
 
 
+def configs_to_measure(d1: int, d2: int):
+    """The tuner's candidates, then the experiments: what bench/gluon_gpu.py checks and times."""
+    cands = candidates(d1, d2)
+    return cands + [c for c in experiments(d1, d2) if c not in cands]
+
+
 # The fields of a candidate tuple, in order; trailing ones may be left out (their defaults).
 CAND_FIELDS = ("BLOCK_N", "NUM_STAGES", "maxnreg") + tuple(SCHED_BITS)
 CAND_DEFAULTS = {k: 0 for k in SCHED_BITS}
