@@ -762,6 +762,19 @@ def write_outputs(a, env, checks, targets, grid, variants, sass, failed_cfg):
     out.append(f"check: {sum(bool(ok) for _, ok, _ in ran)}/{len(ran)} pass"
                + (f" ({len(checks) - len(ran)} skipped: time budget)" if len(ran) < len(checks) else ""))
     out += [f"  FAIL {n}: {d[:600]}" for n, ok, d in ran if not ok]
+    # per configuration: the worst relative error against float64 over the check cases, and the
+    # same ratio for the Triton path on the same cases (the POLY / RESCALE accuracy question)
+    errs = {}
+    for r in ROWS:
+        if r["section"] == "check" and r["metric"] in ("kl_rel_err", "lse2_bits_rel_err") and r["value"] != "":
+            key = (r["provider"], r["metric"])
+            errs[key] = max(errs.get(key, 0.0), float(r["value"]))
+    provs = sorted({p for p, _ in errs if p.startswith("gluon")})
+    if provs:
+        out.append(f"check, worst rel. error vs float64 (kl, lse2_bits); triton: "
+                   f"{errs.get(('triton', 'kl_rel_err'), 0):.1e}, {errs.get(('triton', 'lse2_bits_rel_err'), 0):.1e}")
+        out += [f"  {p:40s} {errs.get((p, 'kl_rel_err'), 0):.1e}, {errs.get((p, 'lse2_bits_rel_err'), 0):.1e}"
+                for p in provs]
     judged = [s for s in sass if s[2] is not None]
     out.append(f"sass: {sum(s[2] is True for s in judged)}/{len(judged)} kernels ok, "
                f"{sum(s[2] == 'warn' for s in judged)} warn (ok: HGMMA, at most the source's waits (2, split 4) as "
