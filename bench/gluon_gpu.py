@@ -14,11 +14,14 @@ Sections (a time budget skips what does not fit, recorded as ``skipped``; the SA
    and in one query row). Without --quick, also every case class for the API's choice:
    bf16/fp16, ragged N, causal N_Q < N_K and N_Q > N_K (empty rows), GQA, D1 != D2 (64/128),
    transposed layouts, small N_Q, large logits.
-2. targets: B=1, H=32, D=128 bf16 forward at N = 8K, 16K (--quick) or 8K..64K, causal and not:
-   each configuration forced (``gluon[...]``), the API's Gluon path (``gluon``: the tuned pick),
-   ``auto``, the Triton path forced (``triton``) and SDPA (default dispatch, ``is_causal``).
-3. variants: the default kernel beside deliberately wrong variants (no exponentials, no second
-   product, no acc work) at 8K (bench/NOTES.md's variant-timing method).
+2. targets: B=1, H=32, D=128 bf16 forward at N = 8K and 16K, causal and not: each configuration
+   forced (``gluon[...]``), the API's Gluon path (``gluon``: the tuned pick), ``auto``, the
+   Triton path forced (``triton``) and SDPA (default dispatch, ``is_causal``); then at 32K and
+   64K the best configuration at 8K/16K (three, without --quick), the API's Gluon path and SDPA
+   (and auto, triton without --quick).
+3. variants: the default kernel and the FENCE+PINGPONG schedules (``VARIANT_CONFIGS``) beside
+   deliberately wrong variants of each (no exponentials, no second product, no acc work) at 8K
+   (bench/NOTES.md's variant-timing method).
 4. grid (--grid: this section alone, then the SASS): the issue's no-regression grid, auto vs forced triton (and forced gluon where it takes the shape):
    N = 1K..64K causal and not at D=128 bf16 and fp16, D in {64, 96, 256}, GQA 32:8,
    D1 != D2 = 128/64, decode N_Q in {1, 16}.
@@ -91,7 +94,7 @@ def note_gluon_kernel(label):
     k = _gluon_fwd.LAST_KERNEL
     if k is not None:
         h = getattr(k, "hash", None) or id(k)
-        SASS_SEEN.setdefault(h, (label, k))
+        SASS_SEEN.setdefault(h, (label, k, _gluon_fwd.waits_per_tile(_gluon_fwd.LAST_KERNEL_SCHED)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -287,11 +290,15 @@ def run_check(quick, configs, budget):
 # 2. SASS
 # ----------------------------------------------------------------------------------------------
 
+def _verdict(ok):
+    return {None: "info", "warn": "warn", True: "ok", False: "FAIL"}[ok]
+
+
 def run_sass(out_dir):
     log("== sass of the Gluon kernels this run compiled")
     os.makedirs(os.path.join(out_dir, "sass"), exist_ok=True)
     summary = []
-    for n, (h, (label, k)) in enumerate(SASS_SEEN.items()):
+    for n, (h, (label, k, waits)) in enumerate(SASS_SEEN.items()):
         try:
             sass = _gluon_sass.sass_of(k)
             name = f"gluon_{n:02d}"
@@ -301,15 +308,22 @@ def run_sass(out_dir):
             regs = getattr(k, "n_regs", None)
             spills = getattr(k, "n_spills", None)
             loops = [(lp["hgmma"], lp["depbar"], lp["ex2"], lp["ex2_between_waits"]) for lp in c["loops"]]
-            ok = c["stl"] == 0 and c["ldl"] == 0 and c["hgmma"] > 0 and loops and all(1 <= d <= 2 for _, d, _, _ in loops)
+            # at most the source's waits per key tile (2, or 4 with SPLIT), not one per HGMMA, and
+            # no spills in the key-tile loops; spills elsewhere (the prologue, after the loops)
+            # make it "warn": a dispatchable configuration must have none (tests/test_gluon_compile.py)
+            ok = (c["hgmma"] > 0 and bool(loops) and all(1 <= d <= waits for _, d, _, _ in loops)
+                  and not any(lp["spills"] for lp in c["loops"]))
+            if ok and (c["stl"] or c["ldl"]):
+                ok = "warn"
             if label.startswith("variant"):  # timing variants: reported, not judged
                 ok = None
             for m in ("hgmma", "depbar", "stl", "ldl", "ex2"):
                 record("sass", label, name, m, c[m])
+            verdict = _verdict(ok)
             record("sass", label, name, "loops(hgmma,depbar,ex2,ex2_between_waits)", json.dumps(loops),
-                   "ok" if ok else ("info" if ok is None else "FAIL"), f"regs={regs} spills={spills}")
+                   verdict, f"regs={regs} spills={spills}")
             summary.append((name, label, ok, c, loops, regs, spills))
-            log(f"{'ok  ' if ok else ('info' if ok is None else 'FAIL')} {name} ({label}): HGMMA={c['hgmma']} DEPBAR={c['depbar']} STL={c['stl']} "
+            log(f"{verdict:4s} {name} ({label}): HGMMA={c['hgmma']} DEPBAR={c['depbar']} STL={c['stl']} "
                 f"LDL={c['ldl']} regs={regs} spills={spills} loops={loops}")
         except Exception as exc:
             log(f"ERROR sass {label}: {type(exc).__name__}: {exc}")
@@ -363,22 +377,24 @@ def _probe(specs):
             print(json.dumps(dict(spec=spec, ok=False, error=f"{type(exc).__name__}: {str(exc)[:1500]}")), flush=True)
 
 
-def prewarm(specs, budget, out_dir, workers=8, limit=150):
+def prewarm(specs, budget, out_dir, workers=None, limit=90):
     """Run each spec in its own worker process (``workers`` at a time, each at most ``limit`` s):
     compiles in parallel, and a configuration that hangs or faults the GPU is lost there, not
     here. Returns {spec: None (ok) or the reason it failed}."""
     import subprocess
 
+    workers = workers or max(4, min(16, os.cpu_count() or 4))  # ptxas is one thread per compile
     log(f"== prewarm: {len(specs)} kernels (variant:config:dtype:d1:d2:group), {workers} worker processes")
     os.makedirs(os.path.join(out_dir, "prewarm"), exist_ok=True)
     status = {}
+    unknown = set()  # stopped or never started: neither passed nor failed
     pending = list(specs)
     running = []  # (spec, process, start)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("TRITON_INTERPRET", None)
-    stop = time.time() + max(20.0, min(limit + 30.0, budget.left() - 45.0))
-    while pending or running:
-        while pending and len(running) < workers:
+    stop = time.time() + max(30.0, min(limit + 30.0, budget.left() - 45.0))
+    while running or (pending and time.time() < stop):
+        while pending and len(running) < workers and time.time() < stop:
             spec = pending.pop(0)
             # output into files: a worker blocked on a full pipe would look like a hang
             base = os.path.join(out_dir, "prewarm", spec.replace(":", "_").replace(",", "-"))
@@ -388,8 +404,8 @@ def prewarm(specs, budget, out_dir, workers=8, limit=150):
         time.sleep(0.2)
         for item in list(running):
             spec, proc, t0, base = item
-            timed_out = time.time() - t0 > limit or time.time() > stop
-            if proc.poll() is None and not timed_out:
+            own_limit = time.time() - t0 > limit
+            if proc.poll() is None and not (own_limit or time.time() > stop):
                 continue
             killed = proc.poll() is None
             if killed:
@@ -401,15 +417,29 @@ def prewarm(specs, budget, out_dir, workers=8, limit=150):
                 status[spec] = None
             elif rows:
                 status[spec] = rows[-1].get("error", "failed")
-            elif killed:
+            elif killed and own_limit:
                 status[spec] = f"no answer in {time.time() - t0:.0f} s (a hang, or a slow compile): killed"
+            elif killed:  # the run's budget for the prewarm ran out first: compiled in this process later
+                status[spec] = None
+                unknown.add(spec)
             else:
                 status[spec] = f"worker exit {proc.returncode}: {err.strip()[-1500:]}"
             running.remove(item)
-            log(f"prewarm {spec}: {'ok' if status[spec] is None else 'FAIL ' + status[spec][:500]}"
-                f" ({time.time() - t0:.0f} s)")
+            verdict = ("not finished at the prewarm's time limit: compiles in the main process" if spec in unknown
+                       else "ok" if status[spec] is None else "FAIL " + status[spec][:500])
+            log(f"prewarm {spec}: {verdict} ({time.time() - t0:.0f} s)")
             record("prewarm", spec, "gluon", "seconds", round(time.time() - t0, 1),
                    "ok" if status[spec] is None else "FAIL", status[spec] or "")
+    for spec in pending:  # never started (the prewarm's time limit): compiled in the main process
+        status[spec] = None
+        unknown.add(spec)
+        log(f"prewarm {spec}: not started (time limit); it compiles in the main process")
+    finished_ok = [sp for sp in status if status[sp] is None and sp not in unknown]
+    failed = [sp for sp in status if status[sp]]
+    if failed and not finished_ok and not any("killed" in status[sp] for sp in failed):
+        # every worker that finished failed, none hung: the prewarm itself is broken here
+        log("prewarm: every finished worker failed; compiling in the main process instead")
+        return {}
     return status
 
 
@@ -488,9 +518,10 @@ def supported(xs):
                                       [t.data_ptr() for t in xs]) is None
 
 
-def run_timing(section, points, warmup, rep, budget, config_providers=()):
+def run_timing(section, points, warmup, rep, budget, config_providers=(), api=("gluon", "auto", "triton")):
     """Time each point: (forced) configurations first (on the targets: each compiled in the
-    prewarm), then the API's gluon, auto, triton, and SDPA where it computes the same shape."""
+    prewarm), then the API's providers ``api`` (gluon: forced, the tuned pick; auto; triton:
+    forced), and SDPA where it computes the same shape."""
     log(f"== {section}")
     table = []
     for case, shape, causal, with_sdpa in points:
@@ -506,9 +537,9 @@ def run_timing(section, points, warmup, rep, budget, config_providers=()):
         xs = None
         try:
             xs = make_case(**shape, dtype=dtype, seed=7)
-            provs = ["auto", "triton"]
+            provs = [p for p in api if p != "gluon"]
             if supported(xs) and shape["NQ"] >= dispatch.GLUON_MIN_QUERIES:
-                provs = list(config_providers) + ["gluon"] + provs
+                provs = list(config_providers) + [p for p in api if p == "gluon"] + provs
             if with_sdpa and shape["HK1"] == shape["H"] and shape["D1"] == shape["D2"]:
                 provs.append("sdpa")
             time_point(section, case, meta, xs, causal, provs, warmup, rep, budget, times)
@@ -522,9 +553,9 @@ def run_timing(section, points, warmup, rep, budget, config_providers=()):
     return table
 
 
-def run_variants(quick, warmup, rep, budget, variants):
-    """Time the default kernel beside deliberately wrong variants of it (bench/NOTES.md's method:
-    what the time is made of) at B=1, H=32, D=128, bf16, 8K."""
+def run_variants(quick, warmup, rep, budget, variants, configs):
+    """Time each configuration of ``configs`` beside deliberately wrong variants of it
+    (bench/NOTES.md's method: what the time is made of) at B=1, H=32, D=128, bf16, 8K."""
     from streamkl_gpu import _gluon_fwd
 
     log("== variants of the Gluon kernel (8K, bf16, D=128; wrong results on purpose)")
@@ -534,26 +565,35 @@ def run_variants(quick, warmup, rep, budget, variants):
         sh = shape(8 * K)
         sh.pop("dtype")
         xs = make_case(**sh, dtype=torch.bfloat16, seed=3)
-        times = {}
         meta = dict(dtype="bf16", causal=int(causal), **{k.lower(): v for k, v in sh.items()})
-        for variant in variants:
-            if budget.left() < 10:
-                record("variants", variant, "gluon", "ms", None, "skipped", "time budget", **meta)
-                continue
-            try:
-                fn = lambda: _gluon_fwd.gluon_forward(*xs, causal, sc, sc, variant=variant)  # noqa: E731
-                ms = time_ms(fn, warmup, rep)
-                note_gluon_kernel(f"variant {variant} causal={int(causal)}")
-                times[variant] = ms
-                record("variants", variant, "gluon", "ms", ms, **meta)
-            except Exception as exc:
-                record("variants", variant, "gluon", "ms", None, "ERROR", f"{type(exc).__name__}: {str(exc)[:2000]}", **meta)
-                log(f"ERROR variant {variant}: {traceback.format_exc()[-3000:]}")
-        log(f"variants causal={int(causal)}: " + " ".join(f"{k}={v:.3f}" for k, v in times.items()))
-        table.append((causal, times))
+        for cand in configs:
+            name = _gluon_fwd.describe(cand)
+            cfg = _gluon_fwd.config_of(cand)
+            times = {}
+            for variant in variants.get(cand, ()):
+                if budget.left() < 10:
+                    record("variants", variant, name, "ms", None, "skipped", "time budget", **meta)
+                    continue
+                try:
+                    fn = lambda: _gluon_fwd.gluon_forward(*xs, causal, sc, sc, config=cfg, variant=variant)  # noqa: E731
+                    ms = time_ms(fn, warmup, rep)
+                    note_gluon_kernel(f"variant {variant} [{name}] causal={int(causal)}")
+                    times[variant] = ms
+                    record("variants", variant, name, "ms", ms, **meta)
+                except Exception as exc:
+                    record("variants", variant, name, "ms", None, "ERROR", f"{type(exc).__name__}: {str(exc)[:2000]}",
+                           **meta)
+                    log(f"ERROR variant {variant} [{name}]: {traceback.format_exc()[-3000:]}")
+            log(f"variants [{name}] causal={int(causal)}: " + " ".join(f"{k}={v:.3f}" for k, v in times.items()))
+            table.append((causal, name, times))
         xs = None
         torch.cuda.empty_cache()
     return table
+
+
+# the configurations the variants section takes apart: the default, and the schedules with both
+# overlaps (FENCE inside a warpgroup, PINGPONG between them) at 64- and 128-key tiles
+VARIANT_CONFIGS = [(128, 2, 168, 0), (64, 4, 168, 1, 0, 0, 0, 1), (128, 2, 168, 1, 0, 0, 0, 2)]
 
 
 def shape(N, NQ=None, D1=128, D2=128, H=32, HK=None, dtype="bf16"):
@@ -561,9 +601,18 @@ def shape(N, NQ=None, D1=128, D2=128, H=32, HK=None, dtype="bf16"):
     return dict(B=1, H=H, HK1=HK, HK2=HK, NQ=NQ or N, NK=N, D1=D1, D2=D2, dtype=dtype)
 
 
-def target_points(quick):
-    ns = [8 * K, 16 * K] if quick else [8 * K, 16 * K, 32 * K, 64 * K]
+def target_points(ns):
     return [(f"bf16 D128 N={n // K}K {'causal' if c else 'full'}", shape(n), c, True) for n in ns for c in (False, True)]
+
+
+def best_configs(table, providers, n):
+    """The ``n`` configurations with the lowest mean time ratio to SDPA over the timed points."""
+    score = {}
+    for prov in providers:
+        r = [t[prov] / t["sdpa"] for _, _, t in table if prov in t and t.get("sdpa")]
+        if r:
+            score[prov] = sum(r) / len(r)
+    return sorted(score, key=score.get)[:n]
 
 
 def grid_points():
@@ -620,7 +669,7 @@ def main(argv=None):
     p.add_argument("out_dir")
     p.add_argument("--quick", action="store_true", help="configuration checks, 8K/16K targets, variants (<= 100 s)")
     p.add_argument("--grid", action="store_true", help="only the no-regression grid (auto vs forced triton), then SASS")
-    p.add_argument("--budget", type=float, default=None, help="seconds for the whole run (default 95 quick, 540)")
+    p.add_argument("--budget", type=float, default=None, help="seconds for the sections before the SASS one (default 85 quick, 540)")
     p.add_argument("--no-autotune", action="store_true", help="Triton path: first config, no tuning")
     p.add_argument("--no-check", action="store_true", help="skip the correctness section (timing only)")
     p.add_argument("--no-prewarm", action="store_true", help="compile in this process, one kernel after another")
@@ -631,49 +680,62 @@ def main(argv=None):
     os.makedirs(a.out_dir, exist_ok=True)
     if a.no_autotune:
         os.environ["STREAMKL_AUTOTUNE"] = "0"
-    budget = Budget(a.budget if a.budget is not None else (95 if a.quick else 540))
+    budget = Budget(a.budget if a.budget is not None else (85 if a.quick else 540))  # + the SASS section
     env = dict(gpu=torch.cuda.get_device_name(), capability=str(torch.cuda.get_device_capability()),
                torch=torch.__version__, triton=triton.__version__, gluon=dispatch.GLUON_AVAILABLE,
                gluon_error=dispatch.GLUON_IMPORT_ERROR,
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     log(f"env {env}")
-    warmup, rep = (10, 40) if a.quick else (20, 80)
+    warmup, rep = (5, 25) if a.quick else (20, 80)
 
     checks, targets, grid, variants, sass, failed_cfg = [], [], [], [], [], {}
     try:
         if a.grid:
             if dispatch.GLUON_AVAILABLE and not a.no_prewarm:
-                prewarm(grid_prewarm_specs(), budget, a.out_dir)
+                status = prewarm(grid_prewarm_specs(), budget, a.out_dir)
+                bad = {tuple(int(c) for c in sp.split(":")[1].split(",")) for sp, why in status.items() if why}
+                if bad:  # keep the API's tuner off them (a hang there would stop the run)
+                    from streamkl_gpu import _gluon_fwd
+
+                    tuner = _gluon_fwd.candidates
+                    _gluon_fwd.candidates = lambda d1, d2: [c for c in tuner(d1, d2) if c not in bad] or tuner(d1, d2)[:1]
+                    failed_cfg = {c: "failed in a grid prewarm worker" for c in bad}
+                    log(f"left out of the API's tuner: {sorted(bad)}")
             grid = run_timing("grid", grid_points(), warmup, rep, budget)
         else:
             configs = _select_configs(a.configs) if dispatch.GLUON_AVAILABLE else []
             variant_names = [v for v in ("kernel", "no_exp", "no_second_product", "no_acc")
                              if not (a.quick and v == "no_acc")]
+            vconfigs = [c for c in VARIANT_CONFIGS if c in configs] if dispatch.GLUON_AVAILABLE else []
+            variants_of = {c: list(variant_names) for c in vconfigs}
             if configs and not a.no_prewarm:
                 from streamkl_gpu import _gluon_fwd
 
-                default = _gluon_fwd.candidates(128, 128)[0]  # the variants' configuration
                 specs = [_spec("kernel", c) for c in configs] + [
-                    _spec(v, default) for v in variant_names if v != "kernel"]
+                    _spec(v, c) for c in vconfigs for v in variant_names if v != "kernel"]
                 status = prewarm(specs, budget, a.out_dir)
-                if all(status.get(sp) and "killed" not in status[sp] for sp in specs):
-                    # every worker failed without hanging: the prewarm itself is broken here
-                    log("prewarm: every worker failed; compiling in this process instead")
-                    status = {}
                 failed_cfg = {c: status[_spec("kernel", c)] for c in configs if status.get(_spec("kernel", c))}
                 configs = [c for c in configs if c not in failed_cfg]
                 if failed_cfg:  # keep the API's tuner off them too (a hang there would stop the run)
                     tuner = _gluon_fwd.candidates
                     _gluon_fwd.candidates = lambda d1, d2: [c for c in tuner(d1, d2) if c not in failed_cfg] or tuner(d1, d2)[:1]
                     log(f"left out of the run (and of the API's tuner): {sorted(failed_cfg)}")
-                variant_names = [v for v in variant_names if v == "kernel" or not status.get(_spec(v, default))]
+                variants_of = {c: [v for v in vs if not status.get(_spec(v, c))]
+                               for c, vs in variants_of.items() if c in configs}
             providers = [provider_of(c) for c in configs]
             if not a.no_check:
                 checks = run_check(a.quick, configs, budget)
             if budget.left() > 20:
-                targets = run_timing("targets", target_points(a.quick), warmup, rep, budget, providers)
+                targets = run_timing("targets", target_points([8 * K, 16 * K]), warmup, rep, budget, providers)
+            # 32K and 64K (the Must covers 8K..64K): the best configurations at 8K/16K, the API's
+            # Gluon path and SDPA (--quick); without --quick also the top 3, auto and triton
+            if budget.left() > 30 and providers:
+                best = best_configs(targets, providers, 1 if a.quick else 3)
+                log(f"best configurations at 8K/16K: {best}")
+                targets += run_timing("targets 32K-64K", target_points([32 * K, 64 * K]), warmup, rep, budget, best,
+                                      api=("gluon",) if a.quick else ("gluon", "auto", "triton"))
             if budget.left() > 15 and dispatch.GLUON_AVAILABLE:
-                variants = run_variants(a.quick, warmup, rep, budget, variant_names)
+                variants = run_variants(a.quick, warmup, rep, budget, variants_of, list(variants_of))
     except KeyboardInterrupt:  # the section limit of bench_gpu.py: write what ran
         log("interrupted: writing what ran")
     try:
@@ -700,14 +762,30 @@ def write_outputs(a, env, checks, targets, grid, variants, sass, failed_cfg):
     out.append(f"check: {sum(bool(ok) for _, ok, _ in ran)}/{len(ran)} pass"
                + (f" ({len(checks) - len(ran)} skipped: time budget)" if len(ran) < len(checks) else ""))
     out += [f"  FAIL {n}: {d[:600]}" for n, ok, d in ran if not ok]
+    # per configuration: the worst relative error against float64 over the check cases, and the
+    # same ratio for the Triton path on the same cases (the POLY / RESCALE accuracy question)
+    errs = {}
+    for r in ROWS:
+        if r["section"] == "check" and r["metric"] in ("kl_rel_err", "lse2_bits_rel_err") and r["value"] != "":
+            key = (r["provider"], r["metric"])
+            errs[key] = max(errs.get(key, 0.0), float(r["value"]))
+    provs = sorted({p for p, _ in errs if p.startswith("gluon")})
+    if provs:
+        out.append(f"check, worst rel. error vs float64 (kl, lse2_bits); triton: "
+                   f"{errs.get(('triton', 'kl_rel_err'), 0):.1e}, {errs.get(('triton', 'lse2_bits_rel_err'), 0):.1e}")
+        out += [f"  {p:40s} {errs.get((p, 'kl_rel_err'), 0):.1e}, {errs.get((p, 'lse2_bits_rel_err'), 0):.1e}"
+                for p in provs]
     judged = [s for s in sass if s[2] is not None]
-    out.append(f"sass: {sum(bool(s[2]) for s in judged)}/{len(judged)} kernels ok (no STL/LDL, HGMMA, 1-2 DEPBAR "
-               "per loop; timing variants: info only)")
-    out += [f"  {s[0]} FAIL {s[1]}: HGMMA={s[3]['hgmma']} DEPBAR={s[3]['depbar']} "
-            f"STL={s[3]['stl']} LDL={s[3]['ldl']} regs={s[5]} loops={s[4]}" for s in judged if not s[2]]
-    for causal, t in variants:
+    out.append(f"sass: {sum(s[2] is True for s in judged)}/{len(judged)} kernels ok, "
+               f"{sum(s[2] == 'warn' for s in judged)} warn (ok: HGMMA, at most the source's waits (2, split 4) as "
+               "DEPBAR per key-tile loop, no STL/LDL; warn: STL/LDL outside the loops only; variants: info)")
+    # one line per kernel: the first key-tile loop's (HGMMA, DEPBAR, MUFU.EX2, EX2 between the first
+    # two waits: the side-1 exponentials that overlap the S2 product)
+    out += [f"  {s[0]} {_verdict(s[2]):4s} {s[1][:70]}: regs={s[5]} "
+            f"STL/LDL={s[3]['stl']}/{s[3]['ldl']} loop={s[4][0] if s[4] else '-'}" for s in sass]
+    for causal, name, t in variants:
         base = t.get("kernel")
-        out.append(f"variants 8K causal={int(causal)} (ms; ratio to the kernel): " + ", ".join(
+        out.append(f"variants 8K causal={int(causal)} [{name}] (ms; ratio to the kernel): " + ", ".join(
             f"{k} {v:.3f}" + (f" ({v / base:.2f})" if base else "") for k, v in t.items()))
     if grid:
         out.append("grid (ms): case | gluon | triton | auto | auto/triton (must be <= 1.03) | gluon/triton")
@@ -727,16 +805,26 @@ def write_outputs(a, env, checks, targets, grid, variants, sass, failed_cfg):
         provs = []
         for _, _, t in targets:
             provs += [p for p in t if p not in provs and p != "sdpa"]
-        out.append("targets, B=1 H=32 D=128 bf16 (ms, and / SDPA; must <= 1.45, goal 1.15):")
-        out.append(f"  {'case':24s} | sdpa ms | " + " | ".join(provs))
+        cases = [case for case, _, _ in targets]
+        short = [c.replace("bf16 D128 N=", "").replace(" causal", " c").replace(" full", " f") for c in cases]
+        out.append("targets, B=1 H=32 D=128 bf16: ms (ratio to SDPA; Must <= 1.45, goal 1.15)")
+        out.append(f"  {'provider':40s} | " + " | ".join(f"{c:14s}" for c in short))
+        for prov in ["sdpa"] + provs:
+            cells = []
+            for _, _, t in targets:
+                sd = t.get("sdpa")
+                if prov not in t:
+                    cells.append(f"{'-':14s}")
+                elif prov == "sdpa" or not sd:
+                    cells.append(f"{t[prov]:7.3f}       ")
+                else:
+                    cells.append(f"{t[prov]:7.3f} ({t[prov] / sd:.2f})")
+            out.append(f"  {prov:40s} | " + " | ".join(cells))
         for case, _, t in targets:
-            sd = t.get("sdpa")
-            cells = [(f"{t[p]:.3f} ({t[p] / sd:.2f})" if sd else f"{t[p]:.3f}") if p in t else "-" for p in provs]
-            out.append(f"  {case:24s} | {'-' if sd is None else f'{sd:.3f}'} | " + " | ".join(cells))
-        best = [(case, min((v, p) for p, v in t.items() if p.startswith("gluon")), t.get("sdpa"))
-                for case, _, t in targets if any(p.startswith("gluon") for p in t)]
-        out += [f"  best gluon {case}: {p} {v:.3f} ms" + (f" = {v / sd:.2f}x SDPA" if sd else "")
-                for case, (v, p), sd in best]
+            g = [(v, p) for p, v in t.items() if p.startswith("gluon")]
+            if g and t.get("sdpa"):
+                v, p = min(g)
+                out.append(f"  best {case}: {p} {v:.3f} ms = {v / t['sdpa']:.2f}x SDPA")
     out.append(f"total {time.time() - T0:.0f}s")
     for line in out:
         log(line)

@@ -84,16 +84,188 @@ def _exp2(x, VARIANT: gl.constexpr):
     return out
 
 
+# Schedule knobs, packed into one constexpr ``SCHED`` (bit offset, width); see ``config_of``.
+SCHED_BITS = dict(PINGPONG=(0, 1), SPLIT=(1, 1), POLY=(2, 2), RESCALE=(4, 1), FENCE=(5, 2))
+RESCALE_BITS = gl.constexpr(8.0)  # conditional rescaling: a new reference max only when the max grows by more
+
+
+@gluon.constexpr_function
+def _knob(sched, name):
+    off, width = SCHED_BITS[str(name)]
+    return (int(sched) >> off) & ((1 << width) - 1)
+
+
+# 2^f on [-0.5, 0.5], degree 5, fitted for the relative error (max 2.3e-7 evaluated in fp32)
+EXP2_POLY = (1.0000001192092896, 0.6931469440460205, 0.24022120237350464, 0.05550713464617729,
+             0.009675540961325169, 0.0013276456156745553)
+_P0, _P1, _P2, _P3, _P4, _P5 = (gl.constexpr(c) for c in EXP2_POLY)
+
+
+@gluon.jit
+def _exp2_poly(x):
+    """2^x on the FMA pipe (FA4's trick: the MUFU is the scarcer unit), for x <= 0: x = j + f,
+    j = rint(x) by the 1.5 * 2^23 rounding trick, f in [-0.5, 0.5]; 2^f by a degree-5 polynomial
+    (max relative error 2.3e-7 in fp32, as MUFU.EX2's ~2^-22), times 2^j built from j's bits.
+    x <= -127 (masked entries are -inf) gives exactly 0; NaN stays NaN (the clamp is a where, not
+    a max, and the power of two is multiplied, not added to NaN's bits)."""
+    x = gl.where(x < -127.0, -127.0, x)
+    t = x + 12582912.0
+    j = t - 12582912.0
+    f = x - j
+    p = _P5 * f + _P4
+    p = p * f + _P3
+    p = p * f + _P2
+    p = p * f + _P1
+    p = p * f + _P0
+    two_j = ((t.to(gl.int32, bitcast=True) - 0x4B400000 + 127) << 23).to(gl.float32, bitcast=True)
+    return p * two_j
+
+
+def exp2_poly_reference(x):
+    """NumPy float32 twin of ``_exp2_poly`` (same steps and constants), for the CPU tests."""
+    import numpy as np
+
+    x = np.asarray(x, dtype=np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        x = np.where(x < np.float32(-127.0), np.float32(-127.0), x)
+        t = (x + np.float32(12582912.0)).astype(np.float32)
+        j = (t - np.float32(12582912.0)).astype(np.float32)
+        f = (x - j).astype(np.float32)
+        p = np.float32(EXP2_POLY[5])
+        for c in EXP2_POLY[4::-1]:
+            p = (p * f + np.float32(c)).astype(np.float32)
+        bits = ((t.view(np.int32).astype(np.int64) - 0x4B400000 + 127) << 23) & 0xFFFFFFFF
+        two_j = bits.astype(np.uint32).view(np.float32)
+        return (p * two_j).astype(np.float32)
+
+
+@gluon.jit
+def _sum_exp2(x, VARIANT: gl.constexpr, POLY: gl.constexpr):
+    """Row sums of 2^x (side 2's exponentials feed only l2). POLY 1: all by the polynomial;
+    2: every other column by the polynomial, the rest on the MUFU."""
+    if POLY == 1:
+        out = gl.sum(_exp2_poly(x), axis=1)
+    elif POLY == 2:
+        xa, xb = gl.split(gl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
+        out = gl.convert_layout(gl.sum(_exp2(xa, VARIANT), axis=1) + gl.sum(_exp2_poly(xb), axis=1),
+                                gl.SliceLayout(1, x.type.layout))
+    else:
+        out = gl.sum(_exp2(x, VARIANT), axis=1)
+    return out
+
+
+@gluon.jit
+def _new_max(m, s, visible, MASKED: gl.constexpr, RESCALE: gl.constexpr):
+    """The row reference after a tile: the running max, or with RESCALE the old reference kept
+    while the max grows by at most RESCALE_BITS (FA4's conditional rescaling: exact in exact
+    arithmetic, since the reference cancels in lse and KL; the exponentials are then <= 2^8)."""
+    if MASKED:
+        m_new = gl.maximum(m, gl.max(gl.where(visible, s, float("-inf")), axis=1))
+    else:
+        m_new = gl.maximum(m, gl.max(s, axis=1))
+    if RESCALE:
+        m_new = gl.where(m_new > m + RESCALE_BITS, m_new, m)
+    return m_new
+
+
+@gluon.jit
+def _side1_exps(x1, m1, l1, shift1, visible, MASKED: gl.constexpr, VARIANT: gl.constexpr):
+    """Side 1's exponentials of a tile: (p1, the new l1, alpha1 = the old l1's rescale factor)."""
+    if MASKED:
+        p1 = _exp2(gl.where(visible, x1, float("-inf")), VARIANT)
+    else:
+        p1 = _exp2(x1, VARIANT)
+    alpha1 = gl.exp2(m1 - shift1)
+    l1_new = l1 * alpha1 + gl.sum(p1, axis=1)
+    return p1, l1_new, alpha1
+
+
+@gluon.jit
+def _fold_sub(st, t1, t2, k1, k2, k1_free, k2_free, visible, qk_scale1, qk_scale2, zero, ONE,
+              W1: gl.constexpr, W2: gl.constexpr, RELEASE: gl.constexpr,
+              MASKED: gl.constexpr, VARIANT: gl.constexpr, SCHED: gl.constexpr):
+    """Fold one (sub-)tile's scores into the row states (the formulas of _fwd._fwd_key_range,
+    same order): wait for S1 (W1 products still in flight after it), fold side 1, then wait for
+    S2 (W2 in flight) and fold side 2. RELEASE: this is the slot's last sub-tile; free K1 and K2."""
+    m1, l1, m2, l2, acc = st
+    RESCALE: gl.constexpr = _knob(SCHED, "RESCALE")
+    s1, k1 = warpgroup_mma_wait(num_outstanding=W1, deps=(t1, k1))
+    if RELEASE:
+        mbarrier.arrive(k1_free, count=1)
+    s2_raw = s1  # VARIANT 2 (no second product): side 2 folds S1 again
+    # ---- side 1, while S2 is still on the tensor cores
+    s1 = libdevice.mul_rn(s1, qk_scale1)  # scores in bits, rounded once, before the max
+    m1_new = _new_max(m1, s1, visible, MASKED, RESCALE)
+    if MASKED:
+        shift1 = _fwd._safe(m1_new)
+    else:
+        shift1 = m1_new
+    x1 = s1 - shift1[:, None]
+    FENCE: gl.constexpr = _knob(SCHED, "FENCE")
+    if FENCE == 1 or (FENCE == 2 and not MASKED):  # 2: whole tiles only (the masked loop spills)
+        # the exponentials inside a loop of one trip (ONE is a runtime 1): ptxas schedules
+        # within blocks, so it cannot hoist the S2 wait (after the loop) above them
+        p1 = zero
+        l1_new = l1
+        alpha1 = l1
+        for _ in range(ONE):
+            p1, l1_new, alpha1 = _side1_exps(x1, m1, l1, shift1, visible, MASKED, VARIANT)
+    else:
+        p1, l1_new, alpha1 = _side1_exps(x1, m1, l1, shift1, visible, MASKED, VARIANT)
+
+    # ---- side 2
+    if VARIANT != 2:
+        s2_raw, k2 = warpgroup_mma_wait(num_outstanding=W2, deps=(t2, k2))
+    if RELEASE:
+        mbarrier.arrive(k2_free, count=1)
+    s2 = libdevice.mul_rn(s2_raw, qk_scale2)
+    m2_new = _new_max(m2, s2, visible, MASKED, RESCALE)
+    if MASKED:
+        shift2 = _fwd._safe(m2_new)
+    else:
+        shift2 = m2_new
+    x2 = s2 - shift2[:, None]
+    log_ratio = x1 - x2  # the shifted log-ratio (see _fwd._finalize)
+    if MASKED:
+        sum2 = _sum_exp2(gl.where(visible, x2, float("-inf")), VARIANT, _knob(SCHED, "POLY"))
+        # masked entries add exactly 0: p1 * log_ratio would be 0 * NaN for a NaN key
+        term = gl.where(visible, p1 * log_ratio, 0.0)
+    else:
+        sum2 = _sum_exp2(x2, VARIANT, _knob(SCHED, "POLY"))
+        term = p1 * log_ratio
+    alpha2 = gl.exp2(m2 - shift2)
+    if VARIANT != 3:
+        # re-reference the old acc to the new maxima: each old term moves by -(dm1 - dm2)
+        moved = (shift1 - _fwd._safe(m1)) - (shift2 - _fwd._safe(m2))
+        acc = (acc - l1 * moved) * alpha1 + gl.sum(term, axis=1)
+    l2 = l2 * alpha2 + sum2
+    return m1_new, l1_new, m2_new, l2, acc
+
+
+@gluon.jit
+def _visible(i, h, rows, N_K, diag_offset, BLOCK_N: gl.constexpr, SUB_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Which entries of sub-tile h of key tile i a row sees: keys < N_K, and the causal band."""
+    cols = i * BLOCK_N + h * SUB_N + gl.arange(0, SUB_N, layout=gl.SliceLayout(0, _acc_layout(SUB_N)))
+    visible = cols[None, :] < N_K
+    if CAUSAL:  # bottom-right causal: key j visible to query i iff j <= i + (N_K - N_Q)
+        visible = visible & (cols[None, :] <= rows[:, None] + diag_offset)
+    return visible
+
+
 @gluon.jit
 def _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars, i, zero,
-               rows, N_K, diag_offset, qk_scale1, qk_scale2,
+               rows, N_K, diag_offset, qk_scale1, qk_scale2, ONE,
                D1: gl.constexpr, D2: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                MASKED: gl.constexpr, CAUSAL: gl.constexpr, VARIANT: gl.constexpr, WG: gl.constexpr,
-               PINGPONG: gl.constexpr):
-    """Fold key tile i into the row states (the formulas of _fwd._fwd_key_range, same order).
-    VARIANT != 0: a deliberately wrong kernel for timing what bounds the real one (VARIANTS)."""
-    m1, l1, m2, l2, acc = st
-    acc_layout: gl.constexpr = _acc_layout(BLOCK_N)
+               SCHED: gl.constexpr):
+    """Fold key tile i into the row states. The products of the tile are issued together (SPLIT:
+    as two halves of BLOCK_N / 2 keys, S1a S2a S1b S2b, each half folded as it lands while the
+    rest run), then folded in issue order. VARIANT != 0: a deliberately wrong kernel for timing
+    what bounds the real one (VARIANTS)."""
+    SPLIT: gl.constexpr = _knob(SCHED, "SPLIT")
+    PINGPONG: gl.constexpr = _knob(SCHED, "PINGPONG")
+    SUB_N: gl.constexpr = BLOCK_N // (1 + SPLIT)
+    P: gl.constexpr = 1 if VARIANT == 2 else 2  # products per sub-tile
     s = i % NUM_STAGES
     ph = (i // NUM_STAGES) & 1
     k1 = k1_smem.index(s).reshape([BLOCK_N, D1])
@@ -102,82 +274,56 @@ def _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_em
     mbarrier.wait(k2_ready.index(s), ph)
     if PINGPONG:  # FA3's turnstile: the two warpgroups take turns on the tensor cores
         mbarrier.wait(turn_bars.index(WG), i & 1)
-    t1 = warpgroup_mma(q1, k1.permute((1, 0)), zero, use_acc=False, is_async=True)
-    if VARIANT != 2:
-        t2 = warpgroup_mma(q2, k2.permute((1, 0)), zero, use_acc=False, is_async=True)
+    if SPLIT:
+        k1a = k1.slice(0, SUB_N)
+        k2a = k2.slice(0, SUB_N)
+        k1b = k1.slice(SUB_N, SUB_N)
+        k2b = k2.slice(SUB_N, SUB_N)
+        t1a = warpgroup_mma(q1, k1a.permute((1, 0)), zero, use_acc=False, is_async=True)
+        t2a = t1a
+        if VARIANT != 2:
+            t2a = warpgroup_mma(q2, k2a.permute((1, 0)), zero, use_acc=False, is_async=True)
+        t1b = warpgroup_mma(q1, k1b.permute((1, 0)), zero, use_acc=False, is_async=True)
+        t2b = t1b
+        if VARIANT != 2:
+            t2b = warpgroup_mma(q2, k2b.permute((1, 0)), zero, use_acc=False, is_async=True)
+    else:
+        t1 = warpgroup_mma(q1, k1.permute((1, 0)), zero, use_acc=False, is_async=True)
+        t2 = t1
+        if VARIANT != 2:
+            t2 = warpgroup_mma(q2, k2.permute((1, 0)), zero, use_acc=False, is_async=True)
     if PINGPONG:
         mbarrier.arrive(turn_bars.index(1 - WG), count=1)
+    visible_a = 0
+    visible_b = 0
     if MASKED:
-        cols = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-        visible = cols[None, :] < N_K
-        if CAUSAL:  # bottom-right causal: key j visible to query i iff j <= i + (N_K - N_Q)
-            visible = visible & (cols[None, :] <= rows[:, None] + diag_offset)
-
-    # ---- side 1, while S2 is still on the tensor cores
-    if VARIANT == 2:  # no second product: side 2 folds S1 again
-        s1, k1 = warpgroup_mma_wait(num_outstanding=0, deps=(t1, k1))
-        s2_raw = s1
+        visible_a = _visible(i, 0, rows, N_K, diag_offset, BLOCK_N, SUB_N, CAUSAL)
+        if SPLIT:
+            visible_b = _visible(i, 1, rows, N_K, diag_offset, BLOCK_N, SUB_N, CAUSAL)
+    if SPLIT:
+        st = _fold_sub(st, t1a, t2a, k1a, k2a, k1_empty.index(s), k2_empty.index(s), visible_a, qk_scale1,
+                       qk_scale2, zero, ONE, 2 * P - 1, 2 * P - 2, False, MASKED, VARIANT, SCHED)
+        st = _fold_sub(st, t1b, t2b, k1b, k2b, k1_empty.index(s), k2_empty.index(s), visible_b, qk_scale1,
+                       qk_scale2, zero, ONE, P - 1, 0, True, MASKED, VARIANT, SCHED)
     else:
-        s1, k1 = warpgroup_mma_wait(num_outstanding=1, deps=(t1, k1))
-    mbarrier.arrive(k1_empty.index(s), count=1)
-    s1 = libdevice.mul_rn(s1, qk_scale1)  # scores in bits, rounded once, before the max
-    if MASKED:
-        m1_new = gl.maximum(m1, gl.max(gl.where(visible, s1, float("-inf")), axis=1))
-        shift1 = _fwd._safe(m1_new)
-    else:
-        m1_new = gl.maximum(m1, gl.max(s1, axis=1))
-        shift1 = m1_new
-    x1 = s1 - shift1[:, None]
-    if MASKED:
-        p1 = _exp2(gl.where(visible, x1, float("-inf")), VARIANT)
-    else:
-        p1 = _exp2(x1, VARIANT)
-    alpha1 = gl.exp2(m1 - shift1)
-    l1_new = l1 * alpha1 + gl.sum(p1, axis=1)
-
-    # ---- side 2
-    if VARIANT == 2:
-        s2 = s2_raw
-    else:
-        s2, k2 = warpgroup_mma_wait(num_outstanding=0, deps=(t2, k2))
-    mbarrier.arrive(k2_empty.index(s), count=1)
-    s2 = libdevice.mul_rn(s2, qk_scale2)
-    if MASKED:
-        m2_new = gl.maximum(m2, gl.max(gl.where(visible, s2, float("-inf")), axis=1))
-        shift2 = _fwd._safe(m2_new)
-    else:
-        m2_new = gl.maximum(m2, gl.max(s2, axis=1))
-        shift2 = m2_new
-    x2 = s2 - shift2[:, None]
-    log_ratio = x1 - x2  # the shifted log-ratio (see _fwd._finalize)
-    if MASKED:
-        p2 = _exp2(gl.where(visible, x2, float("-inf")), VARIANT)
-        # masked entries add exactly 0: p1 * log_ratio would be 0 * NaN for a NaN key
-        term = gl.where(visible, p1 * log_ratio, 0.0)
-    else:
-        p2 = _exp2(x2, VARIANT)
-        term = p1 * log_ratio
-    alpha2 = gl.exp2(m2 - shift2)
-    if VARIANT != 3:
-        # re-reference the old acc to the new maxima: each old term moves by -(dm1 - dm2)
-        moved = (shift1 - _fwd._safe(m1)) - (shift2 - _fwd._safe(m2))
-        acc = (acc - l1 * moved) * alpha1 + gl.sum(term, axis=1)
-    l2 = l2 * alpha2 + gl.sum(p2, axis=1)
-    return m1_new, l1_new, m2_new, l2, acc
+        st = _fold_sub(st, t1, t2, k1, k2, k1_empty.index(s), k2_empty.index(s), visible_a, qk_scale1,
+                       qk_scale2, zero, ONE, P - 1, 0, True, MASKED, VARIANT, SCHED)
+    return st
 
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty,
               k2_empty, turn_bars, KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1,
-              qk_scale2, D1: gl.constexpr, D2: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, VARIANT: gl.constexpr, PINGPONG: gl.constexpr):
+              qk_scale2, ONE, D1: gl.constexpr, D2: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr, VARIANT: gl.constexpr, SCHED: gl.constexpr):
     """Consumer warpgroup WG: query rows start_m + 64 WG .. +63, all key tiles of the CTA."""
-    acc_layout: gl.constexpr = _acc_layout(BLOCK_N)
+    SUB_N: gl.constexpr = BLOCK_N // (1 + _knob(SCHED, "SPLIT"))  # keys per wgmma
+    acc_layout: gl.constexpr = _acc_layout(SUB_N)
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
     mbarrier.wait(q_bar, 0)
     q1 = q1_smem.index(WG).reshape([WG_M, D1])
     q2 = q2_smem.index(WG).reshape([WG_M, D2])
-    zero = gl.zeros([WG_M, BLOCK_N], gl.float32, acc_layout)
+    zero = gl.zeros([WG_M, SUB_N], gl.float32, acc_layout)
     rows = start_m + WG * WG_M + gl.arange(0, WG_M, layout=row_layout)
     diag_offset = N_K - N_Q
     m1 = gl.full([WG_M], float("-inf"), gl.float32, row_layout)
@@ -189,12 +335,12 @@ def _consumer(WG: gl.constexpr, q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_re
     # whole tiles every row of the CTA sees, then the causal band and the ragged last tile
     for i in range(n_full):
         st = _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars, i,
-                        zero, rows, N_K, diag_offset, qk_scale1, qk_scale2, D1, D2, BLOCK_N, NUM_STAGES, False,
-                        CAUSAL, VARIANT, WG, PINGPONG)
+                        zero, rows, N_K, diag_offset, qk_scale1, qk_scale2, ONE, D1, D2, BLOCK_N, NUM_STAGES,
+                        False, CAUSAL, VARIANT, WG, SCHED)
     for i in range(n_full, n_tiles):
         st = _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars, i,
-                        zero, rows, N_K, diag_offset, qk_scale1, qk_scale2, D1, D2, BLOCK_N, NUM_STAGES, True,
-                        CAUSAL, VARIANT, WG, PINGPONG)
+                        zero, rows, N_K, diag_offset, qk_scale1, qk_scale2, ONE, D1, D2, BLOCK_N, NUM_STAGES,
+                        True, CAUSAL, VARIANT, WG, SCHED)
     m1, l1, m2, l2, acc = st
     kl, lse1, lse2 = _fwd._finalize(m1, l1, m2, l2, acc)
     row_ok = rows < N_Q  # padded query rows (TMA zero fill) are never written
@@ -206,30 +352,33 @@ def _consumer(WG: gl.constexpr, q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_re
 
 @gluon.jit
 def _consumer0(q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars,
-               KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2,
+               KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, ONE,
                D1: gl.constexpr, D2: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-               CAUSAL: gl.constexpr, VARIANT: gl.constexpr, PINGPONG: gl.constexpr):
+               CAUSAL: gl.constexpr, VARIANT: gl.constexpr, SCHED: gl.constexpr):
     _consumer(0, q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars,
-              KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, D1, D2, BLOCK_N,
-              NUM_STAGES, CAUSAL, VARIANT, PINGPONG)
+              KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, ONE, D1, D2,
+              BLOCK_N, NUM_STAGES, CAUSAL, VARIANT, SCHED)
 
 
 @gluon.jit
 def _consumer1(q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars,
-               KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2,
+               KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, ONE,
                D1: gl.constexpr, D2: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-               CAUSAL: gl.constexpr, VARIANT: gl.constexpr, PINGPONG: gl.constexpr):
+               CAUSAL: gl.constexpr, VARIANT: gl.constexpr, SCHED: gl.constexpr):
     _consumer(1, q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars,
-              KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, D1, D2, BLOCK_N,
-              NUM_STAGES, CAUSAL, VARIANT, PINGPONG)
+              KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, ONE, D1, D2,
+              BLOCK_N, NUM_STAGES, CAUSAL, VARIANT, SCHED)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["ONE"])
 def _gluon_kl_fwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, KL, LSE1, LSE2,
-                         H, N_Q, N_K, GROUP1, GROUP2, qk_scale1, qk_scale2,
+                         H, N_Q, N_K, GROUP1, GROUP2, qk_scale1, qk_scale2, ONE,
                          D1: gl.constexpr, D2: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                          CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, VARIANT: gl.constexpr,
-                         PINGPONG: gl.constexpr):
+                         SCHED: gl.constexpr):
+    """One CTA: 128 query rows of one (b, h). ``ONE``: the runtime integer 1 (never specialised:
+    the FENCE schedule's one-trip loop must stay a loop); ``SCHED``: the schedule knobs
+    (``SCHED_BITS``)."""
     pid_m = gl.program_id(0)
     if CAUSAL:  # the longest query blocks (most key tiles) first: fewer idle SMs in the last wave
         pid_m = gl.num_programs(0) - 1 - pid_m
@@ -261,17 +410,17 @@ def _gluon_kl_fwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, KL, LSE1, LSE2,
     turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(turn_bars.index(0), count=1)
     mbarrier.init(turn_bars.index(1), count=1)
-    if PINGPONG:
+    if _knob(SCHED, "PINGPONG"):
         mbarrier.arrive(turn_bars.index(0), count=1)  # warpgroup 0 goes first
 
     # argument tuples inline: a tuple bound to a local turns its constexprs into tensors (sketch)
     gl.warp_specialize([
         (_consumer0, (q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty,
                       turn_bars, KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2,
-                      D1, D2, BLOCK_N, NUM_STAGES, CAUSAL, VARIANT, PINGPONG)),
+                      ONE, D1, D2, BLOCK_N, NUM_STAGES, CAUSAL, VARIANT, SCHED)),
         (_consumer1, (q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty,
                       turn_bars, KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2,
-                      D1, D2, BLOCK_N, NUM_STAGES, CAUSAL, VARIANT, PINGPONG)),
+                      ONE, D1, D2, BLOCK_N, NUM_STAGES, CAUSAL, VARIANT, SCHED)),
         (_load_partition, (q1_desc, k1_desc, q2_desc, k2_desc, q1_smem, q2_smem, k1_smem, k2_smem,
                            q_bar, k1_ready, k2_ready, k1_empty, k2_empty,
                            b, h, kv_head1, kv_head2, start_m, n_tiles, BLOCK_N, NUM_STAGES)),
@@ -308,8 +457,33 @@ def candidates(d1: int, d2: int):
 
 def experiments(d1: int, d2: int):
     """Schedules the GPU script measures beside the tuner's candidates (not chosen by the tuner
-    until a run shows they pay), same tuple form as :func:`candidates`."""
-    return []
+    until a run shows they pay), same tuple form as :func:`candidates` (fields ``CAND_FIELDS``).
+    SASS on CPU (sm_90, triton 3.9 and 3.6, bf16 D = 128, bench/NOTES.md): no spills in any
+    main loop; FENCE keeps all side-1 exponentials between the two waits (0 in every schedule
+    without it). SPLIT (hoisted waits and spills in a masked loop) is not measured any more."""
+    s128, s64 = _ring_stages(d1, d2, 128), _ring_stages(d1, d2, 64)
+    f = dict(zip(CAND_FIELDS, range(len(CAND_FIELDS))))
+
+    def cand(block_n, maxnreg, **knobs):
+        out = [block_n, s128 if block_n == 128 else s64, maxnreg] + [0] * (len(CAND_FIELDS) - 3)
+        for name, value in knobs.items():
+            out[f[name]] = value
+        while len(out) > 4 and out[-1] == 0:  # trailing defaults left out (shorter names on disk)
+            out.pop()
+        return tuple(out)
+
+    return [
+        cand(128, 224, PINGPONG=1),
+        cand(64, 168, PINGPONG=1),
+        cand(64, 168, FENCE=1),  # intra-warpgroup overlap: side-1 exponentials before the S2 wait
+        cand(64, 168, PINGPONG=1, FENCE=1),
+        cand(128, 168, FENCE=2),  # the same on whole 128-key tiles only (masked ones spill)
+        cand(128, 168, PINGPONG=1, FENCE=2),
+        cand(128, 224, PINGPONG=1, FENCE=2),
+        cand(128, 168, POLY=2),  # half of side 2's exponentials on the FMA pipe
+        cand(128, 168, PINGPONG=1, FENCE=2, POLY=2),
+        cand(128, 168, RESCALE=1),  # conditional rescaling
+    ]
 
 
 def configs_to_measure(d1: int, d2: int):
@@ -319,9 +493,20 @@ def configs_to_measure(d1: int, d2: int):
 
 
 # The fields of a candidate tuple, in order; trailing ones may be left out (their defaults).
-CAND_FIELDS = ("BLOCK_N", "NUM_STAGES", "maxnreg", "PINGPONG")
-CAND_DEFAULTS = dict(PINGPONG=0)
-_FLAG_NAMES = dict(PINGPONG="pingpong")
+CAND_FIELDS = ("BLOCK_N", "NUM_STAGES", "maxnreg") + tuple(SCHED_BITS)
+CAND_DEFAULTS = {k: 0 for k in SCHED_BITS}
+_FLAG_NAMES = dict(PINGPONG="pingpong", SPLIT="split", POLY="poly", RESCALE="rescale", FENCE="fence")
+
+
+def sched_of(cfg) -> int:
+    """The ``SCHED`` constexpr of a launch configuration: its knobs packed by ``SCHED_BITS``."""
+    out = 0
+    for name, (off, width) in SCHED_BITS.items():
+        v = int(cfg.get(name, 0))
+        if not 0 <= v < (1 << width):
+            raise ValueError(f"{name}={v} does not fit in {width} bit(s)")
+        out |= v << off
+    return out
 
 
 def config_of(cand) -> dict:
@@ -365,9 +550,9 @@ def launch_args(q1, k1, q2, k2, causal, scale1, scale2, kl, lse1_bits, lse2_bits
     descs = (make_descriptor(q1, WG_M.value), make_descriptor(k1, block_n),
              make_descriptor(q2, WG_M.value), make_descriptor(k2, block_n))
     args = descs + (kl, lse1_bits, lse2_bits, H, N_Q, N_K, H // k1.shape[1], H // k2.shape[1],
-                    scale1 * LOG2E, scale2 * LOG2E)
+                    scale1 * LOG2E, scale2 * LOG2E, 1)
     constexprs = dict(D1=D1, D2=D2, BLOCK_N=block_n, NUM_STAGES=cfg["NUM_STAGES"], CAUSAL=bool(causal),
-                      CONSUMER_REGS=cfg["CONSUMER_REGS"], VARIANT=VARIANTS[variant], PINGPONG=bool(cfg.get("PINGPONG", 0)))
+                      CONSUMER_REGS=cfg["CONSUMER_REGS"], VARIANT=VARIANTS[variant], SCHED=sched_of(cfg))
     options = dict(num_warps=4)
     if cfg.get("maxnreg"):
         options["maxnreg"] = cfg["maxnreg"]
@@ -376,6 +561,12 @@ def launch_args(q1, k1, q2, k2, causal, scale1, scale2, kl, lse1_bits, lse2_bits
 
 
 LAST_KERNEL = None  # the compiled kernel of the latest launch (the GPU script reads its SASS)
+LAST_KERNEL_SCHED = 0  # and its SCHED constexpr
+
+
+def waits_per_tile(sched: int) -> int:
+    """The wgmma waits in the source of one key-tile loop body: two per (sub-)tile product pair."""
+    return 2 * (1 + ((sched >> SCHED_BITS["SPLIT"][0]) & 1))
 
 
 def gluon_forward(q1, k1, q2, k2, causal, scale1, scale2, out=None, config=None, variant="kernel"):
@@ -384,7 +575,7 @@ def gluon_forward(q1, k1, q2, k2, causal, scale1, scale2, out=None, config=None,
     The caller (``use_gluon``) has checked the shapes, dtypes, strides and device. ``out``: an
     optional triple of output buffers (the API passes NaN-poisoned ones in tests); ``config``,
     ``variant``: see :func:`launch_args` (the API never passes them)."""
-    global LAST_KERNEL
+    global LAST_KERNEL, LAST_KERNEL_SCHED
     B, H, N_Q, _ = q1.shape
     if out is None:
         out = tuple(torch.empty((B, H, N_Q), dtype=torch.float32, device=q1.device) for _ in range(3))
@@ -392,4 +583,5 @@ def gluon_forward(q1, k1, q2, k2, causal, scale1, scale2, out=None, config=None,
     grid, args, constexprs, options = launch_args(q1, k1, q2, k2, causal, scale1, scale2, kl, lse1_bits, lse2_bits,
                                                   config, variant)
     LAST_KERNEL = _gluon_kl_fwd_kernel[grid](*args, **constexprs, **options)
+    LAST_KERNEL_SCHED = constexprs["SCHED"]
     return kl, lse1_bits, lse2_bits

@@ -108,7 +108,8 @@ def sass_counts(sass):
         dep = [k for k, t in enumerate(body) if "WARPGROUP.DEPBAR" in t]
         between = sum("MUFU.EX2" in t for t in body[dep[0]:dep[1]]) if len(dep) >= 2 else 0
         loops.append(dict(hgmma=sum("HGMMA" in t for t in body), depbar=len(dep),
-                          ex2=sum("MUFU.EX2" in t for t in body), ex2_between_waits=between))
+                          ex2=sum("MUFU.EX2" in t for t in body), ex2_between_waits=between,
+                          spills=sum(bool(re.search(r"\b(STL|LDL)\b", t)) for t in body)))
     return dict(hgmma=count(r"\bHGMMA\b"), depbar=count(r"WARPGROUP\.DEPBAR"), stl=count(r"\bSTL\b"),
                 ldl=count(r"\bLDL\b"), ex2=count(r"MUFU\.EX2"), loops=loops)
 
@@ -122,7 +123,8 @@ def spec_name(dtype: str, causal: bool, d1: int, d2: int) -> str:
 
 def _main(argv):
     """``python -m streamkl_gpu._gluon_sass SPEC...`` (SPEC = bf16|fp16 : causal|full : D1 : D2, then
-    optionally : BLOCK_N : NUM_STAGES : maxnreg, a tuning candidate; default: the first candidate):
+    optionally a candidate tuple ``_gluon_fwd.CAND_FIELDS`` as : BLOCK_N : NUM_STAGES : maxnreg
+    [: PINGPONG : SPLIT : POLY : RESCALE : FENCE]; default: the first tuning candidate):
     compile each for sm_90 and print one JSON object per line (the CI test runs this in a fresh
     process: the test session runs under TRITON_INTERPRET=1, which Gluon does not support)."""
     import json

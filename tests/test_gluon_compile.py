@@ -26,8 +26,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 64-key tiles, the turnstile; the 224-register one is the default's code under a higher ptxas
 # register cap, left out to keep this near 50 s of CPU). The GPU script compiles (and checks the
 # SASS of) every one it runs.
+# Also one experiment (_gluon_fwd.experiments): FENCE at 64-key tiles, the schedule whose point
+# is in the SASS (side 1's exponentials between the two waits).
+FENCE_SPEC = "bf16:causal:128:128:64:4:168:0:0:0:0:1"
 CI_SPECS = ["bf16:full:128:128", "fp16:causal:128:128", "bf16:causal:64:128"] + [
-    "bf16:causal:128:128:" + ":".join(map(str, c)) for c in _gluon_fwd.candidates(128, 128)[1:] if c[2] == 168]
+    "bf16:causal:128:128:" + ":".join(map(str, c)) for c in _gluon_fwd.candidates(128, 128)[1:] if c[2] == 168] + [
+    FENCE_SPEC]
 
 
 @pytest.fixture(scope="module")
@@ -46,21 +50,29 @@ def compiled():
 @pytest.mark.parametrize("spec", CI_SPECS)
 def test_sass_no_spills_and_two_waits_per_key_tile(compiled, spec):
     row = compiled[spec]
-    _, mode, d1, d2, *_ = spec.split(":")
+    _, mode, d1, d2, *cand = spec.split(":")
+    cfg = _gluon_fwd.config_of(tuple(map(int, cand))) if cand else _gluon_fwd.kernel_config(int(d1), int(d2))
+    waits = _gluon_fwd.waits_per_tile(_gluon_fwd.sched_of(cfg))
     assert row["stl"] == 0 and row["ldl"] == 0, f"{spec}: local-memory spills in the SASS: {row}"
     assert row["resources"]["local"] == 0, f"{spec}: ptxas reports local memory: {row['resources']}"
     assert row["hgmma"] > 0, f"{spec}: no HGMMA in the SASS (wgmma lowered to something else)"
     # the main loops: whole-tile and masked stage, in each of the two consumer warpgroups
     loops = row["loops"]
     assert len(loops) == 4, f"{spec}: expected 4 key-tile loops with HGMMA, found {len(loops)}: {loops}"
-    k_steps = (int(d1) + int(d2)) // 16  # one HGMMA 64xNx16 per 16 of each side's head dim
+    # one HGMMA 64xNx16 per 16 of each side's head dim, per (sub-)tile
+    k_steps = (int(d1) + int(d2)) // 16 * (1 + cfg["SPLIT"])
+    per_side = 64 * cfg["BLOCK_N"] // 128  # exponentials per thread and side per key tile
+    mufu_side2 = {0: per_side, 1: 0, 2: per_side // 2}[cfg["POLY"]]  # POLY: on the FMA pipe instead
     for loop in loops:
         assert loop["hgmma"] == k_steps, f"{spec}: {loop['hgmma']} HGMMA per key tile, expected {k_steps}"
-        # the source waits twice per key tile (S1, then S2); one DEPBAR per HGMMA is ptxas
-        # serialising the products (the back-edge trap of the sketch)
-        assert 1 <= loop["depbar"] <= 2, f"{spec}: {loop['depbar']} WARPGROUP.DEPBAR per key tile: {loop}"
-        block_n = int(spec.split(":")[4]) if spec.count(":") > 3 else 128
-        assert loop["ex2"] >= 2 * 64 * block_n // 128, f"{spec}: too few MUFU.EX2 per key tile: {loop}"
+        # the source waits twice per key tile (S1, then S2; four with SPLIT); one DEPBAR per HGMMA
+        # is ptxas serialising the products (the back-edge trap of the sketch)
+        assert 1 <= loop["depbar"] <= waits, f"{spec}: {loop['depbar']} WARPGROUP.DEPBAR per key tile: {loop}"
+        assert loop["ex2"] >= per_side + mufu_side2, f"{spec}: too few MUFU.EX2 per key tile: {loop}"
+        if cfg["FENCE"] == 1:  # its point: side 1's exponentials issued before the S2 wait
+            assert loop["ex2_between_waits"] >= per_side, f"{spec}: FENCE did not keep the overlap: {loop}"
+    if cfg["FENCE"] == 2:  # whole tiles only: the two whole-tile loops
+        assert sum(lp["ex2_between_waits"] >= per_side for lp in loops) == 2, f"{spec}: {loops}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -271,4 +283,36 @@ def test_gpu_script_grid_is_the_issues_no_regression_grid():
         assert variant == "kernel" and dtype in ("bf16", "fp16") and int(d1) in (64, 128) and int(group) >= 1
         assert tuple(map(int, cand.split(","))) in _gluon_fwd.candidates(int(d1), int(d2))
     assert g._select_configs("all") == _gluon_fwd.configs_to_measure(128, 128)
+    assert all(c in _gluon_fwd.configs_to_measure(128, 128) for c in g.VARIANT_CONFIGS)
+    # the configuration checks reuse the timed kernels: the same specialisation as B=1, H=32,
+    # N = 8K (B == 1, H, N_Q, N_K multiples of 16, one key head per query head, D = 128)
+    for name, sh, causal, _ in g.config_check_cases():
+        assert sh["B"] == 1 and sh["H"] % 16 == 0 and sh["NQ"] % 16 == 0 and sh["NK"] % 16 == 0, name
+        assert sh["HK1"] == sh["HK2"] == sh["H"] and sh["D1"] == sh["D2"] == 128, name
     assert g._select_configs("128,2,168;64,4,168,0") == [(128, 2, 168), (64, 4, 168, 0)]
+
+
+def test_exp2_polynomial_twin_accuracy_zeros_and_nan():
+    """The FMA-pipe 2^x of the POLY schedules (its NumPy twin, same steps): within 3e-7 relative
+    of 2^x on [-126, 0] (MUFU.EX2 is ~2^-22), exactly 0 at and below -127 (masked entries are
+    -inf and must add exactly 0), NaN stays NaN (a NaN score must reach the row)."""
+    import numpy as np
+
+    x = np.concatenate([np.linspace(-126.0, 0.0, 400001), -np.geomspace(1e-8, 1.0, 1000), [0.0, -0.5, -1.5]])
+    x = x.astype(np.float32)
+    got = _gluon_fwd.exp2_poly_reference(x).astype(np.float64)
+    want = np.exp2(x.astype(np.float64))
+    assert np.max(np.abs(got / want - 1.0)) < 3e-7
+    assert np.all(_gluon_fwd.exp2_poly_reference(np.float32([-127.0, -200.0, -1e30, -np.inf])) == 0.0)
+    assert np.isnan(_gluon_fwd.exp2_poly_reference(np.float32([np.nan]))).all()
+
+
+def test_schedule_knobs_pack_into_sched():
+    cfg = _gluon_fwd.config_of((64, 4, 168, 1, 0, 2, 1, 1))
+    sched = _gluon_fwd.sched_of(cfg)
+    for name, (off, width) in _gluon_fwd.SCHED_BITS.items():
+        assert (sched >> off) & ((1 << width) - 1) == cfg[name]
+    assert _gluon_fwd.waits_per_tile(sched) == 2
+    assert _gluon_fwd.waits_per_tile(_gluon_fwd.sched_of(_gluon_fwd.config_of((128, 2, 224, 1, 1)))) == 4
+    with pytest.raises(ValueError, match="POLY"):
+        _gluon_fwd.sched_of(dict(POLY=4))
