@@ -19,6 +19,7 @@ from streamkl_gpu import _gluon_fwd
 from streamkl_ref._checks import Dims
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CTA_THREADS = 384  # what the H200 reported for a Gluon forward CTA (OutOfResources: threads, Required: 384)
 
 # Specialisations compiled on CI: every dispatchable axis is covered at least once (dtype,
 # causal, D1 != D2 both ways would be 16 compiles; GQA and strides do not change the code), and
@@ -250,6 +251,9 @@ def test_candidates_fit_shared_memory_and_round_trip():
             # Q (two warpgroups) + the key ring + barriers within sm_90's 227 KB per CTA
             smem = 2 * 64 * (d1 + d2) * 2 + cfg["NUM_STAGES"] * cfg["BLOCK_N"] * (d1 + d2) * 2
             assert smem <= 227 * 1024 - 1024, (cand, smem)
+            # registers: the CTA (two consumer warpgroups + the producer's, 384 threads as the GPU
+            # reported when a 224-register config failed to launch) within the SM's 65536
+            assert cfg["maxnreg"] * CTA_THREADS <= 65536, (cand, cfg["maxnreg"])
     with pytest.raises(ValueError, match="candidate"):
         _gluon_fwd.config_of((128, 2))
 
