@@ -62,7 +62,7 @@ TY = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
 def compile_rec(rec):
     name, fn, grid, args, kw = rec
     names = fn.arg_names
-    sig, consts = {}, {}
+    sig, consts, attrs = {}, {}, {}
     kw = dict(kw)
     opts = {"num_warps": kw.pop("num_warps", 4), "num_stages": kw.pop("num_stages", 2)}
     vals = dict(zip(names, args)); vals.update(kw)
@@ -73,9 +73,14 @@ def compile_rec(rec):
             sig[n] = "constexpr"; consts[(i,)] = v
         elif v is None:
             sig[n] = "constexpr"; consts[(i,)] = None
+        elif isinstance(v, int) and not isinstance(v, bool) and v == 1 and not p.do_not_specialize:
+            sig[n] = "constexpr"; consts[(i,)] = 1  # what the JIT does with an int equal to 1
         else:
             sig[n] = mangle_type(v)
-    src = ASTSource(fn, sig, constexprs=consts)
+            # the JIT's divisibility specialisation: ints divisible by 16, 16-byte aligned pointers
+            if (isinstance(v, int) and not isinstance(v, bool) and v % 16 == 0) or isinstance(v, torch.Tensor):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn, sig, constexprs=consts, attrs=attrs)
     k = triton.compile(src, target=TARGET, options=opts)
     md = k.metadata
     n_regs = n_spills = None

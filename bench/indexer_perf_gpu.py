@@ -202,10 +202,15 @@ def run_warm_job(job, tiny=False):
         with Force(fwd=cands[int(which)]):
             streamkl_gpu.indexer_kl(*xs, lse=lse, **kw)
     else:
-        _, env, forced = bwd_variants()[int(which)]
-        train = [x.detach().clone().requires_grad_(r) for x, r in zip(xs, (False, False, True, True, True))]
+        name, env, forced = bwd_variants()[int(which)]
         with Env(env), Force(fwd=cands[0], **forced):
-            torch.autograd.grad(streamkl_gpu.indexer_kl(*train, lse=lse, reduction="mean", **kw), train[2:])
+            if name.startswith("plain"):  # the backward's kernels alone (the forward is a fwd job)
+                g = torch.ones(xs[0].shape[0], xs[0].shape[2], device=xs[0].device)
+                lse_idx = torch.zeros_like(g)
+                _indexer._backward(g, *xs, (lse * 1.4426950408889634).contiguous(), lse_idx, True, scale, True)
+            else:
+                train = [x.detach().clone().requires_grad_(r) for x, r in zip(xs, (False, False, True, True, True))]
+                torch.autograd.grad(streamkl_gpu.indexer_kl(*train, lse=lse, reduction="mean", **kw), train[2:])
     bench.sync()
 
 

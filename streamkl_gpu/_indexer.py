@@ -144,6 +144,15 @@ def _plan(dims, cfg, kind):
     )
 
 
+def _load_mode(pl, use_tma):
+    """(TMA loads, q rows through L1) of a launch: the "l1" variant (9th config field) reads the
+    score tiles by pointers, the teacher's (and indexer's) q rows cached in L1 (cp.async.ca), which
+    TMA cannot do: a token's 147 KB of DSA q rows, re-read for every key tile, then come from L1."""
+    if pl["variant"] == "l1":
+        return False, True
+    return use_tma, False
+
+
 def _key_splits(dims, pl):
     """(splits, keys per split) of a forward launch: the plan's key splits, each a whole number
     of BLOCK_N tiles, never more splits than key tiles."""
@@ -198,8 +207,13 @@ def _new_fwd_candidates(dims, gqa, n_sm):
     if dims is None:
         return []
     if not gqa:
-        # (256 rows x 128 keys spills 144 B on triton 3.9: left out)
+        # (256 rows x 128 keys spills 144 B on triton 3.9: left out). "l1": pointer loads, the
+        # token's q rows (147 KB at DSA) cached in L1 across key tiles, L2 then serves k alone
+        # (158 registers, no spills, BLOCK_N = 32 offline; only where one token's rows fit L1)
         out = [(128, 128, 128, 64, 8, 2), (128, 128, 128, 64, 8, 3)]
+        if _plan(dims, (128, 128, 64, 64, 8, 2), "fwd")["BLOCK_T"] == 1 and dims.H * dims.D * 2 <= 160 * 1024:
+            out += [(128, 128, 64, 64, 8, 2, None, 1, "l1"), (128, 128, 128, 64, 8, 2, None, 1, "l1"),
+                    (128, 128, 32, 64, 8, 2, None, 1, "l1")]
     else:
         out = []
         for base in ((128, 128, 64, 64, 8, 2, None), (128, 128, 64, 64, 8, 2, 1), (128, 128, 128, 64, 8, 2, 1),
@@ -239,7 +253,8 @@ def _candidates(kind, ieee, dims=None, n_sm=132):
         # planned as the backward ("bwd"): all indexer heads x BLOCK_T tokens per tile. Offline
         # sm_90 compiles (triton 3.9, DSA 8K, dk shares by TMA reduction): BLOCK_N = 32 spills
         # nothing (254 registers), BLOCK_N = 64 spills 216 B of stack. Not yet timed.
-        return [(128, 128, 32, 64, 8, 2), (128, 128, 64, 64, 8, 2), (128, 128, 32, 64, 8, 3), (128, 128, 32, 64, 4, 2)]
+        return [(128, 128, 32, 64, 8, 2), (128, 128, 64, 64, 8, 2, None, 1, "l1"), (128, 128, 64, 64, 8, 2),
+                (128, 128, 32, 64, 8, 2, None, 1, "l1"), (128, 128, 32, 64, 8, 3), (128, 128, 32, 64, 4, 2)]
     if kind == "lse":
         return [(128, 128, 64, 64, 8, 2), (128, 128, 64, 64, 8, 2, 1) if gqa else (128, 128, 128, 64, 8, 2)]
     return [(128, 128, 64, 64, 8, 2), (64, 64, 64, 64, 4, 2)]
@@ -311,16 +326,17 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
         splits, per_split = _key_splits(dims, pl)
         part = _fresh((5, splits, dims.B, dims.NQ), torch.float32, device) if splits > 1 else kl
         grid = (triton.cdiv(dims.NQ, pl["BLOCK_T"]), splits, dims.B)
+        tma, a_l1 = _load_mode(pl, use_tma)
         _indexer_fwd._indexer_fwd_kernel[grid](
             q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, part,
-            *_descriptors(pl, use_tma, q, k, q_idx, k_idx),
+            *_descriptors(pl, tma, q, k, q_idx, k_idx),
             *_strides(q), *_strides(k), *_strides(q_idx), *_strides(k_idx), *_strides(weights),
             dims.H, group, group_i, dims.NQ, dims.NK, qk_scale, 1.0 / dims.H,
             pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"], per_split,
             D=dims.D, BLOCK_D=pl["BLOCK_D"], DI=dims.DI, BLOCK_DI=pl["BLOCK_DI"],
             HB=pl["HB"], IB=pl["IB"], BLOCK_T=pl["BLOCK_T"], BLOCK_N=pl["BLOCK_N"],
             CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, NO_CONTRACT=no_contract,
-            USE_TMA=use_tma, SPLIT=splits > 1, num_warps=pl["warps"], num_stages=pl["stages"])
+            USE_TMA=tma, SPLIT=splits > 1, A_L1=a_l1, num_warps=pl["warps"], num_stages=pl["stages"])
         if splits > 1:
             merged_kl, merged_lse = _merge_splits(part)
             kl.copy_(merged_kl)
@@ -540,14 +556,16 @@ def _forward_pacc(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
         grid = (triton.cdiv(dims.NQ, pl["BLOCK_T"]), dims.B)
         dk_desc = (_runtime.TensorDescriptor(dk_p, list(dk_p.shape), list(dk_p.stride()), [1, 1, pl["BLOCK_N"], pl["DI_PAD"]])
                    if dk_tma else None)
+        tma, a_l1 = _load_mode(pl, use_tma)
         _indexer_pacc._indexer_fwd_pacc_kernel[grid](
             q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, dq_p, dw_p, dk_p,
-            *_descriptors(pl, use_tma, q, k, q_idx, k_idx), dk_desc,
+            *_descriptors(pl, tma, q, k, q_idx, k_idx), dk_desc,
             *_strides(q), *_strides(k), *_strides(q_idx), *_strides(k_idx), *_strides(weights),
             dims.H, group, dims.HI, dims.NQ, dims.NK, dims.scale * LOG2E, 1.0 / dims.H, pl["n_chunks"], pl["cpg"],
             D=dims.D, BLOCK_D=pl["BLOCK_D"], DI=dims.DI, DI_PAD=pl["DI_PAD"], HB=pl["HB"], GI_PAD=pl["GI_PAD"],
             BLOCK_T=pl["BLOCK_T"], BLOCK_N=pl["BLOCK_N"], CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i,
-            NO_CONTRACT=no_contract, USE_TMA=use_tma, DK_TMA=dk_tma, num_warps=pl["warps"], num_stages=pl["stages"])
+            NO_CONTRACT=no_contract, USE_TMA=tma, DK_TMA=dk_tma, A_L1=a_l1, num_warps=pl["warps"],
+            num_stages=pl["stages"])
 
     launch(_tuning.pick(key, _candidates("pacc", ieee_t or ieee_i, dims), launch))
     return kl.sum(), lse_idx, dq_p, dk_p, dw_p

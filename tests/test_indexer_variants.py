@@ -179,3 +179,25 @@ def test_accumulated_design_traceable_fullgraph(monkeypatch):
     assert torch.equal(l_e, l_c)
     for a, b in zip(g_e, g_c):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("tma", [True], indirect=True)
+def test_l1_variant_pointer_loads(monkeypatch, tma):
+    """The "l1" variant (9th field): pointer loads (q rows cached in L1 on the GPU) even where TMA
+    is available; forward and the accumulating forward vs the reference."""
+    xs = make(1, 4, 1, 13, 21, 24, 4, 1, 16, seed=44)
+    assert _indexer._use_tma(*xs[:4])
+    cfg = (32, 32, 16, 32, 1, 1, None, 1, "l1")
+    pl = _indexer._plan(check_indexer_inputs(*xs), cfg, "fwd")
+    assert _indexer._load_mode(pl, True) == (False, True)
+    _with_config(monkeypatch, cfg)
+    check_case(xs, with_lse=True, causal=True, grad=False)
+    import streamkl_ref
+    lse = torch.from_numpy(streamkl_ref.indexer_kl(*[x.double().numpy() for x in xs], return_lse=True, causal=True)[2]).float()
+    monkeypatch.setenv("STREAMKL_INDEXER_PACC", "1")
+    loss, grads = _loss_and_grads(xs, lse, "sum", causal=True)
+    monkeypatch.setenv("STREAMKL_INDEXER_PACC", "0")
+    loss0, grads0 = _loss_and_grads(xs, lse, "sum", causal=True)
+    assert torch.allclose(loss, loss0, rtol=1e-5)
+    for name in grads:
+        assert torch.allclose(grads[name], grads0[name], rtol=1e-4, atol=1e-6), name
