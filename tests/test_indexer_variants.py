@@ -201,3 +201,24 @@ def test_l1_variant_pointer_loads(monkeypatch, tma):
     assert torch.allclose(loss, loss0, rtol=1e-5)
     for name in grads:
         assert torch.allclose(grads[name], grads0[name], rtol=1e-4, atol=1e-6), name
+
+
+def test_accumulated_rotated_key_order(monkeypatch):
+    """Several whole key tiles per token block (16-wide tiles, N_K > N_Q causal): the
+    accumulating forward walks them from a block-dependent tile; loss and gradients still match
+    the plain design."""
+    import streamkl_ref
+
+    _with_config(monkeypatch, (16, 16, 16, 16, 1, 1))
+    xs = make(1, 2, 1, 20, 70, 16, 2, 1, 8, seed=45)
+    pl = _indexer._plan(check_indexer_inputs(*xs), _indexer.INTERPRETER_CONFIG, "bwd")
+    assert pl["BLOCK_N"] == 16 and pl["BLOCK_T"] < 20  # several token blocks, each with >= 3 whole tiles
+    lse = torch.from_numpy(streamkl_ref.indexer_kl(*[x.double().numpy() for x in xs], return_lse=True,
+                                                   causal=True)[2]).float()
+    monkeypatch.setenv("STREAMKL_INDEXER_PACC", "1")
+    loss, grads = _loss_and_grads(xs, lse, "mean", causal=True)
+    monkeypatch.setenv("STREAMKL_INDEXER_PACC", "0")
+    loss0, grads0 = _loss_and_grads(xs, lse, "mean", causal=True)
+    assert torch.allclose(loss, loss0, rtol=1e-5)
+    for name in grads:
+        assert torch.allclose(grads[name], grads0[name], rtol=1e-4, atol=1e-6), name
