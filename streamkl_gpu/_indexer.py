@@ -195,6 +195,12 @@ def _fwd_split(dims, cfg, n_sm, waves=4):
     return max(1, min(16, triton.cdiv(waves * n_sm, blocks)))
 
 
+def _l1_fits(dims) -> bool:
+    """The "l1" variant only where one token's teacher q rows (all heads, one key head) fit in L1
+    beside the kernel's shared memory: H * D * 2 bytes <= 160 KB (DSA: 147 KB)."""
+    return dims.HK == 1 and _plan(dims, (128, 128, 64, 64, 8, 2), "fwd")["BLOCK_T"] == 1 and dims.H * dims.D * 2 <= 160 * 1024
+
+
 def _new_fwd_candidates(dims, gqa, n_sm):
     """Session 4's forward candidates (issue 10's targets; chosen by offline sm_90 compiles and
     the FLOP-per-byte count of a score tile, not yet timed; bench/indexer_perf_gpu.py times each).
@@ -211,7 +217,7 @@ def _new_fwd_candidates(dims, gqa, n_sm):
         # token's q rows (147 KB at DSA) cached in L1 across key tiles, L2 then serves k alone
         # (158 registers, no spills, BLOCK_N = 32 offline; only where one token's rows fit L1)
         out = [(128, 128, 128, 64, 8, 2), (128, 128, 128, 64, 8, 3)]
-        if _plan(dims, (128, 128, 64, 64, 8, 2), "fwd")["BLOCK_T"] == 1 and dims.H * dims.D * 2 <= 160 * 1024:
+        if _l1_fits(dims):
             out += [(128, 128, 64, 64, 8, 2, None, 1, "l1"), (128, 128, 128, 64, 8, 2, None, 1, "l1"),
                     (128, 128, 32, 64, 8, 2, None, 1, "l1")]
     else:
@@ -256,7 +262,10 @@ def _candidates(kind, ieee, dims=None, n_sm=132):
         return [(128, 128, 32, 64, 8, 2), (128, 128, 64, 64, 8, 2, None, 1, "l1"), (128, 128, 64, 64, 8, 2),
                 (128, 128, 32, 64, 8, 2, None, 1, "l1"), (128, 128, 32, 64, 8, 3), (128, 128, 32, 64, 4, 2)]
     if kind == "lse":
-        return [(128, 128, 64, 64, 8, 2), (128, 128, 64, 64, 8, 2, 1) if gqa else (128, 128, 128, 64, 8, 2)]
+        out = [(128, 128, 64, 64, 8, 2), (128, 128, 64, 64, 8, 2, 1) if gqa else (128, 128, 128, 64, 8, 2)]
+        if dims is not None and _l1_fits(dims):  # the "l1" variant, as for the forward (not yet timed)
+            out += [(128, 128, 64, 64, 8, 2, None, 1, "l1"), (128, 128, 32, 64, 8, 2, None, 1, "l1")]
+        return out
     return [(128, 128, 64, 64, 8, 2), (64, 64, 64, 64, 4, 2)]
 
 
@@ -307,12 +316,13 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
         def launch_lse(cfg):
             pl = _plan(dims, cfg, "fwd")
             grid = (triton.cdiv(dims.NQ, pl["BLOCK_T"]), pl["n_chunks"], dims.B)
-            q_desc, k_desc, _, _ = _descriptors(pl, use_tma, q, k, q_idx, k_idx)
+            tma, a_l1 = _load_mode(pl, use_tma)
+            q_desc, k_desc, _, _ = _descriptors(pl, tma, q, k, q_idx, k_idx)
             _indexer_fwd._teacher_lse_kernel[grid](
                 q, k, q_desc, k_desc, lse_bits, *_strides(q), *_strides(k), dims.H, group, dims.NQ, dims.NK, qk_scale,
                 pl["cpg"], D=dims.D, BLOCK_D=pl["BLOCK_D"], HB=pl["HB"], BLOCK_T=pl["BLOCK_T"],
-                BLOCK_N=pl["BLOCK_N"], CAUSAL=causal, IEEE=ieee_t, NO_CONTRACT=no_contract, USE_TMA=use_tma,
-                num_warps=pl["warps"], num_stages=pl["stages"])
+                BLOCK_N=pl["BLOCK_N"], CAUSAL=causal, IEEE=ieee_t, NO_CONTRACT=no_contract, USE_TMA=tma,
+                A_L1=a_l1, num_warps=pl["warps"], num_stages=pl["stages"])
 
         launch_lse(_tuning.pick(("idx_lse",) + key_base, _candidates("lse", ieee_t, dims), launch_lse))
     else:  # the caller's natural-log LSEs, once to bits (the kernels' unit)

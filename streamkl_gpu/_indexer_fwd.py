@@ -299,14 +299,14 @@ def _lse_key_range(m, l, Q, K, Q_DESC, K_DESC, q_off, row_ok, k_off_base, tok, b
                    lo, hi, N_Q, N_K, stride_qd, stride_kn, stride_kd,
                    qk_scale, D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                    HB: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
-                   NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr):
+                   NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr, A_L1: tl.constexpr):
     diag_offset = N_K - N_Q
     for s0 in range(lo, hi, BLOCK_N):
         keys = s0 + tl.arange(0, BLOCK_N)
         key_ok = keys < N_K
         s = _dot_rows(Q, q_off, row_ok, K, k_off_base + keys.to(tl.int64) * stride_kn, key_ok,
                       stride_qd, stride_kd, Q_DESC, K_DESC, b, h0, t0, kv, s0,
-                      D, BLOCK_D, ROWS, BLOCK_N, HB, IEEE, USE_TMA)
+                      D, BLOCK_D, ROWS, BLOCK_N, HB, IEEE, USE_TMA, A_L1)
         s = _to_bits(s, qk_scale, NO_CONTRACT)
         if MASKED:
             visible = key_ok[None, :] & (tok >= 0)[:, None]
@@ -326,6 +326,7 @@ def _teacher_lse_kernel(
     H, GROUP, N_Q, N_K, qk_scale, chunks_per_group,
     D: tl.constexpr, BLOCK_D: tl.constexpr, HB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, IEEE: tl.constexpr, NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr,
+    A_L1: tl.constexpr = False,
 ):
     """The teacher's per-head LSEs in bits, ``[B, H, N_Q]`` (-inf for rows with no visible key):
     the first pass when the caller gives no ``lse``. One program per (token block, head chunk, b)."""
@@ -349,9 +350,9 @@ def _teacher_lse_kernel(
     full_hi, key_hi = _key_stages(t0, 0, N_K, N_Q, N_K, BLOCK_T, BLOCK_N, CAUSAL)
     m, l = _lse_key_range(m, l, Q, K, Q_DESC, K_DESC, q_off, row_ok, k_off_base, tok, b, h0, t0, kv,
                           0, full_hi, N_Q, N_K, stride_qd, stride_kn, stride_kd, qk_scale, D, BLOCK_D,
-                          ROWS, BLOCK_N, HB, False, CAUSAL, IEEE, NO_CONTRACT, USE_TMA)
+                          ROWS, BLOCK_N, HB, False, CAUSAL, IEEE, NO_CONTRACT, USE_TMA, A_L1)
     m, l = _lse_key_range(m, l, Q, K, Q_DESC, K_DESC, q_off, row_ok, k_off_base, tok, b, h0, t0, kv,
                           full_hi, key_hi, N_Q, N_K, stride_qd, stride_kn, stride_kd, qk_scale, D, BLOCK_D,
-                          ROWS, BLOCK_N, HB, True, CAUSAL, IEEE, NO_CONTRACT, USE_TMA)
+                          ROWS, BLOCK_N, HB, True, CAUSAL, IEEE, NO_CONTRACT, USE_TMA, A_L1)
     lse = tl.where(l == 0.0, float("-inf"), m + tl.log2(l))  # l is NaN (not 0) for a NaN row
     tl.store(LSE_T + (b64 * H + h) * N_Q + tok, lse, mask=row_ok)

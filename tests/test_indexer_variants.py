@@ -222,3 +222,10 @@ def test_accumulated_rotated_key_order(monkeypatch):
     assert torch.allclose(loss, loss0, rtol=1e-5)
     for name in grads:
         assert torch.allclose(grads[name], grads0[name], rtol=1e-4, atol=1e-6), name
+
+
+def test_l1_variant_teacher_lse_pass(monkeypatch):
+    """The teacher-LSE first pass (no lse given) with the "l1" variant's pointer loads."""
+    _with_config(monkeypatch, (32, 32, 16, 32, 1, 1, None, 1, "l1"))
+    xs = make(1, 4, 1, 13, 21, 24, 4, 1, 16, seed=46)
+    check_case(xs, with_lse=False, causal=True, grad=False)
