@@ -82,8 +82,8 @@ class Force:
         self.by_kind = by_kind
 
     def __enter__(self):
-        def cands(kind, ieee, dims=None, n_sm=132):
-            full = _ORIG_CANDIDATES(kind, ieee, dims, n_sm) if kind == "fwd" else _ORIG_CANDIDATES(kind, ieee, dims)
+        def cands(kind, ieee, dims=None, n_sm=132, **kw):
+            full = _ORIG_CANDIDATES(kind, ieee, dims, n_sm, **kw)
             want = self.by_kind.get(kind)
             if want is None:
                 return full[:1]
@@ -109,25 +109,32 @@ def fwd_candidates(cfg, N, device):
     return _ORIG_CANDIDATES("fwd", False, dims, n_sm)
 
 
-def bwd_candidates(ieee=False):
-    return _ORIG_CANDIDATES("bwd", ieee)
+def config_dims(cfg, N=8192):
+    return check_indexer_inputs(*[torch.empty(s, device="meta") for s in shapes(cfg, N)], scale=cfg["scale"])
+
+
+def bwd_candidates(cfg):
+    """The plain backward's candidates (the teacher-recomputing kernels) of this config."""
+    return _ORIG_CANDIDATES("bwd", False, config_dims(cfg))
 
 
 QUICK = "--quick" in sys.argv  # the --quick budget: fewer fwd+bwd variants (bwd_variants)
 
 
-def bwd_variants():
+def bwd_variants(cfg):
     """(label, environment, forced configs) of the fwd+bwd variants: the plain design (forward,
     then a backward that recomputes the teacher: "separate" kernels per backward candidate, or
     "fused"), and the accumulating one (STREAMKL_INDEXER_PACC=1: the forward adds the target's
     share of the gradient, the backward runs the indexer alone) per accumulating candidate."""
-    out = [(f"plain separate bwd{list(b)}", {"STREAMKL_INDEXER_BWD": "separate"}, dict(bwd=b)) for b in bwd_candidates()]
-    out.append((f"plain fused bwd{list(bwd_candidates()[0])}", {"STREAMKL_INDEXER_BWD": "fused"}, dict(bwd=bwd_candidates()[0])))
-    for c in _ORIG_CANDIDATES("pacc", False):
-        out.append((f"pacc fwd{list(c)}", {"STREAMKL_INDEXER_PACC": "1"}, dict(pacc=c)))
-    if QUICK:  # plain separate with the first backward candidate, plain fused, two accumulating
-        out = [out[0], out[len(bwd_candidates())]] + out[len(bwd_candidates()) + 1:][:2]
-    return out
+    bc = bwd_candidates(cfg)
+    sep = [(f"plain separate bwd{list(b)}", {"STREAMKL_INDEXER_BWD": "separate"}, dict(bwd=b)) for b in bc]
+    fused = [(f"plain fused bwd{list(bc[0])}", {"STREAMKL_INDEXER_BWD": "fused"}, dict(bwd=bc[0]))]
+    pacc = [(f"pacc fwd{list(c)}", {"STREAMKL_INDEXER_PACC": "1"}, dict(pacc=c))
+            for c in _ORIG_CANDIDATES("pacc", False, config_dims(cfg))]
+    if QUICK:  # the first plain candidate, the first "l1" one, fused, two accumulating
+        l1 = [v for v in sep if "'l1'" in v[0]][:1]
+        return sep[:1] + l1 + fused + pacc[:2]
+    return sep + fused + pacc
 
 
 class Env:
@@ -165,7 +172,7 @@ def warm_jobs(args, configs, ns, device):
             for i, _ in enumerate(fwd_candidates(cfg, N, device)):
                 fwd_jobs.append(f"{cname}:{N}:fwd:{i}")
             if not args.no_bwd:
-                for i, _ in enumerate(bwd_variants()):
+                for i, _ in enumerate(bwd_variants(cfg)):
                     fb_jobs.append(f"{cname}:{N}:bwd:{i}")
             if not args.no_compile and N <= 8192 and not args.tiny:
                 compile_jobs.append(f"{cname}:{N}:compile:fwd")
@@ -202,7 +209,7 @@ def run_warm_job(job, tiny=False):
         with Force(fwd=cands[int(which)]):
             streamkl_gpu.indexer_kl(*xs, lse=lse, **kw)
     else:
-        name, env, forced = bwd_variants()[int(which)]
+        name, env, forced = bwd_variants(cfg)[int(which)]
         with Env(env), Force(fwd=cands[0], **forced):
             if name.startswith("plain"):  # the backward's kernels alone (the forward is a fwd job)
                 g = torch.ones(xs[0].shape[0], xs[0].shape[2], device=xs[0].device)
@@ -221,7 +228,8 @@ def warm_up(bench, jobs, parallel):
     while pending or running:
         while pending and len(running) < parallel:
             job = pending.pop(0)
-            cmd = [sys.executable, os.path.abspath(__file__), "-", "--warm-job", job] + (["--tiny"] if bench.args.tiny else [])
+            cmd = ([sys.executable, os.path.abspath(__file__), "-", "--warm-job", job] + (["--tiny"] if bench.args.tiny else [])
+                   + (["--quick"] if bench.args.quick else []))  # the same variant lists as here
             proc = subprocess.Popen(cmd,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             running.append((job, proc, time.time()))
@@ -382,7 +390,7 @@ class Bench:
         sp_loss = indexer_kl_naive(*sp_in, compute_dtype=xs[0].dtype, **kw).mean()
         sp = dict(loss=sp_loss.detach(), **dict(zip(("dq_idx", "dk_idx", "dweights"), torch.autograd.grad(sp_loss, sp_in[2:]))))
         lse = torch.from_numpy(lse_ref).float().to(self.device)
-        for name, env, forced in bwd_variants():
+        for name, env, forced in bwd_variants(cfg):
             try:
                 ins = [x.detach().clone().requires_grad_(r) for x, r in zip(xs, train_flags)]
                 with Env(env), Force(**forced):
@@ -438,7 +446,7 @@ class Bench:
         # 2. fwd+bwd with the fastest forward, per backward candidate, and the fused backward
         if not self.args.no_bwd:
             train = [x.detach().clone().requires_grad_(r) for x, r in zip(xs, (False, False, True, True, True))]
-            for name, env, forced in bwd_variants():
+            for name, env, forced in bwd_variants(cfg):
                 if self.over():
                     res["fwd_bwd"][name] = "budget"
                     continue

@@ -237,7 +237,7 @@ def _canonical(cfg):
     return cfg
 
 
-def _candidates(kind, ieee, dims=None, n_sm=132):
+def _candidates(kind, ieee, dims=None, n_sm=132, teacher=True):
     if _runtime.interpreting():
         return [INTERPRETER_CONFIG]
     if ieee:
@@ -266,7 +266,11 @@ def _candidates(kind, ieee, dims=None, n_sm=132):
         if dims is not None and _l1_fits(dims):  # the "l1" variant, as for the forward (not yet timed)
             out += [(128, 128, 64, 64, 8, 2, None, 1, "l1"), (128, 128, 32, 64, 8, 2, None, 1, "l1")]
         return out
-    return [(128, 128, 64, 64, 8, 2), (64, 64, 64, 64, 4, 2)]
+    out = [(128, 128, 64, 64, 8, 2), (64, 64, 64, 64, 4, 2)]
+    if dims is not None and teacher and _l1_fits(dims):
+        # the "l1" variant: the dq kernel's q rows / the dk kernel's key tile cached in L1 (not yet timed)
+        out += [(128, 128, 64, 64, 8, 2, None, 1, "l1"), (128, 128, 32, 64, 8, 2, None, 1, "l1")]
+    return out
 
 
 def _strides(t):
@@ -427,19 +431,20 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
     key_base = (mode, teacher, dims.D, dims.DI, dims.H, dims.HK, dims.HI, dims.HKI, q.dtype, q_idx.dtype, causal, relu,
                 use_tma, _tuning.bucket(dims.NQ), _tuning.bucket(dims.NK), _tuning.bucket(dims.B))
 
-    def meta(pl):
+    def meta(pl, tma, l1):
         return dict(D=dims.D, BLOCK_D=pl["BLOCK_D"], DI=dims.DI, BLOCK_DI=pl["BLOCK_DI"], DI_PAD=pl["DI_PAD"],
                     HB=pl["HB"], IB=pl["IB"], GI_PAD=pl["GI_PAD"], BLOCK_T=pl["BLOCK_T"], BLOCK_N=pl["BLOCK_N"],
                     CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, NO_CONTRACT=no_contract,
-                    USE_TMA=use_tma, TEACHER=teacher, num_warps=pl["warps"], num_stages=pl["stages"])
+                    USE_TMA=tma, TEACHER=teacher, L1=l1, num_warps=pl["warps"], num_stages=pl["stages"])
 
     def launch_dq(cfg):
         pl = _plan(dims, cfg, plan_kind)
         grid = (triton.cdiv(dims.NQ, pl["BLOCK_T"]), dims.B * dims.HKI)
+        tma, l1 = _load_mode(pl, use_tma)
         _indexer_bwd._indexer_bwd_dq_kernel[grid](
-            *common, dq_idx, dweights, *_descriptors(pl, use_tma, q, k, q_idx, k_idx), *strides,
+            *common, dq_idx, dweights, *_descriptors(pl, tma, q, k, q_idx, k_idx), *strides,
             dims.H, group, dims.HI, dims.HKI, group_i, dims.NQ, dims.NK, qk_scale, 1.0 / dims.H,
-            pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"], **meta(pl))
+            pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"], **meta(pl, tma, l1))
 
     def launch_dk(cfg):
         nonlocal dk_idx
@@ -453,15 +458,17 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
             dq_idx.zero_()
             dweights.zero_()
         grid = (triton.cdiv(dims.NK, pl["BLOCK_N"]), dims.B * dims.HKI, splits)
+        tma, l1 = _load_mode(pl, use_tma)
         _indexer_bwd._indexer_bwd_dk_kernel[grid](
-            *common, dk_idx, dq_idx, dweights, *_descriptors(pl, use_tma, q, k, q_idx, k_idx), *strides,
+            *common, dk_idx, dq_idx, dweights, *_descriptors(pl, tma, q, k, q_idx, k_idx), *strides,
             dims.H, group, dims.HI, dims.HKI, group_i, dims.NQ, dims.NK, qk_scale, 1.0 / dims.H,
-            pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"], per_split, ATOMIC=splits > 1, FUSED_DQ=fused, **meta(pl))
+            pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"], per_split, ATOMIC=splits > 1, FUSED_DQ=fused,
+            **meta(pl, tma, l1))
 
     ieee = ieee_t or ieee_i
     if not fused:
-        launch_dq(_tuning.pick(("idx_bwd_dq",) + key_base, _candidates("bwd", ieee), launch_dq))
-    launch_dk(_tuning.pick(("idx_bwd_dk",) + key_base, _candidates("bwd", ieee), launch_dk))
+        launch_dq(_tuning.pick(("idx_bwd_dq",) + key_base, _candidates("bwd", ieee, dims, teacher=teacher), launch_dq))
+    launch_dk(_tuning.pick(("idx_bwd_dk",) + key_base, _candidates("bwd", ieee, dims, teacher=teacher), launch_dk))
     if not teacher:
         g0, dq_p, dk_p, dw_p = target_part
         g0 = g0.to(torch.float32)

@@ -40,7 +40,7 @@ def _dot_rows(A, a_off, a_ok, B_, b_off, b_ok, stride_ad, stride_bd,
               A_DESC, B_DESC, batch, a_head, a_tok, b_head, b_tok,
               D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
               A_HEADS: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr,
-              A_L1: tl.constexpr = False):
+              A_L1: tl.constexpr = False, B_L1: tl.constexpr = False):
     """``S[r, c] = sum_d A[a_off[r] + d] * B[b_off[c] + d]`` in fp32, D tiled in BLOCK_D chunks.
     Rows/columns outside ``a_ok``/``b_ok`` and dims past D load as 0.
 
@@ -66,6 +66,11 @@ def _dot_rows(A, a_off, a_ok, B_, b_off, b_ok, stride_ad, stride_bd,
                             other=0.0, cache_modifier=".ca")
                 b = tl.load(B_ + b_off[:, None] + d[None, :] * stride_bd, mask=b_ok[:, None] & d_ok[None, :],
                             other=0.0, cache_modifier=".cg")
+            elif B_L1:  # the other way round (the dk kernel: one key tile, re-read for every token block)
+                a = tl.load(A + a_off[:, None] + d[None, :] * stride_ad, mask=a_ok[:, None] & d_ok[None, :],
+                            other=0.0, cache_modifier=".cg")
+                b = tl.load(B_ + b_off[:, None] + d[None, :] * stride_bd, mask=b_ok[:, None] & d_ok[None, :],
+                            other=0.0, cache_modifier=".ca")
             else:
                 a = tl.load(A + a_off[:, None] + d[None, :] * stride_ad, mask=a_ok[:, None] & d_ok[None, :], other=0.0)
                 b = tl.load(B_ + b_off[:, None] + d[None, :] * stride_bd, mask=b_ok[:, None] & d_ok[None, :], other=0.0)
@@ -79,7 +84,7 @@ def _teacher_target(
     b, t0, s0, H, GROUP, N_Q, N_K, diag_offset, qk_scale, inv_heads, n_chunks, chunks_per_group,
     D: tl.constexpr, BLOCK_D: tl.constexpr, HB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, NO_CONTRACT: tl.constexpr,
-    USE_TMA: tl.constexpr, A_L1: tl.constexpr = False,
+    USE_TMA: tl.constexpr, A_L1: tl.constexpr = False, B_L1: tl.constexpr = False,
 ):
     """The head-averaged target ``p [BLOCK_T, BLOCK_N]`` of tokens t0.. and keys s0..: exactly 0
     where masked (and in padding rows), ``(1/H) sum_h exp2(s_h - lse_h)`` elsewhere."""
@@ -102,7 +107,7 @@ def _teacher_target(
         s = _dot_rows(Q, q_off_base + h.to(tl.int64) * stride_qh, row_ok,
                       K, k_off_base + kv.to(tl.int64) * stride_kh, key_ok, stride_qd, stride_kd,
                       Q_DESC, K_DESC, b, h0, t0, kv, s0,
-                      D, BLOCK_D, ROWS, BLOCK_N, HB, IEEE, USE_TMA, A_L1)
+                      D, BLOCK_D, ROWS, BLOCK_N, HB, IEEE, USE_TMA, A_L1, B_L1)
         lse = tl.load(LSE_T + (b64 * H + h) * N_Q + tok, mask=row_ok, other=float("-inf"))
         # log2 P_h = s - lse (bits). "!= -inf" keeps a NaN LSE a NaN (a NaN row stays NaN)
         x = _to_bits(s, qk_scale, NO_CONTRACT) - lse[:, None]

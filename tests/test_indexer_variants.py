@@ -229,3 +229,13 @@ def test_l1_variant_teacher_lse_pass(monkeypatch):
     _with_config(monkeypatch, (32, 32, 16, 32, 1, 1, None, 1, "l1"))
     xs = make(1, 4, 1, 13, 21, 24, 4, 1, 16, seed=46)
     check_case(xs, with_lse=False, causal=True, grad=False)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_l1_variant_backward(monkeypatch, fused):
+    """The plain backward's kernels with the "l1" variant's pointer loads (q rows of the dq
+    kernel / key tile of the dk kernel cached in L1 on the GPU): gradients vs the reference."""
+    _with_config(monkeypatch, (32, 32, 16, 32, 1, 1, None, 1, "l1"))
+    monkeypatch.setenv("STREAMKL_INDEXER_BWD", "fused" if fused else "separate")
+    xs = make(1, 4, 1, 13, 21, 24, 4, 1, 16, seed=47)
+    check_case(xs, with_lse=True, causal=True, grad=True)
