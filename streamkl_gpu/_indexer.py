@@ -213,9 +213,10 @@ def _new_fwd_candidates(dims, gqa, n_sm):
     if dims is None:
         return []
     if not gqa:
-        # (256 rows x 128 keys spills 144 B on triton 3.9: left out). "l1": pointer loads, the
-        # token's q rows (147 KB at DSA) cached in L1 across key tiles, L2 then serves k alone
-        # (158 registers, no spills, BLOCK_N = 32 offline; only where one token's rows fit L1)
+        # (256 rows x 128 keys spills 144 B on triton 3.9: left out; 128 x 128 spills 176 B on
+        # 3.6, none on 3.9). "l1": pointer loads, the token's q rows (147 KB at DSA) cached in L1
+        # across key tiles, L2 then serves k alone (offline, 3.6 and 3.9: no spills at BLOCK_N =
+        # 32, 64, 128; only where one token's rows fit L1)
         out = [(128, 128, 128, 64, 8, 2), (128, 128, 128, 64, 8, 3)]
         if _l1_fits(dims):
             out += [(128, 128, 64, 64, 8, 2, None, 1, "l1"), (128, 128, 128, 64, 8, 2, None, 1, "l1"),
@@ -268,7 +269,8 @@ def _candidates(kind, ieee, dims=None, n_sm=132, teacher=True):
         return out
     out = [(128, 128, 64, 64, 8, 2), (64, 64, 64, 64, 4, 2)]
     if dims is not None and teacher and _l1_fits(dims):
-        # the "l1" variant: the dq kernel's q rows / the dk kernel's key tile cached in L1 (not yet timed)
+        # the "l1" variant: the dq kernel's q rows / the dk kernel's key tile cached in L1 (not yet
+        # timed; offline, triton 3.6, DSA 8K: dq no spills, dk 272 B (BLOCK_N 64) / 160 B (32))
         out += [(128, 128, 64, 64, 8, 2, None, 1, "l1"), (128, 128, 32, 64, 8, 2, None, 1, "l1")]
     return out
 
