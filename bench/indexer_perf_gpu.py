@@ -14,7 +14,7 @@ Then fwd+bwd (``reduction="mean"``, ``lse`` given; each variant first checked vs
 the three gradients): the plain design with the fastest forward forced, once per backward
 candidate (dq and dk kernels forced to the same config) and once with the fused backward; and
 the accumulating design (STREAMKL_INDEXER_PACC=1) once per candidate of its forward
-(--quick: the first backward candidate, fused, and two accumulating candidates). Last the
+(--quick: the first backward candidate, the first "l1" one, fused, two accumulating). Last the
 materialised form under torch.compile at 8K (fwd; fwd+bwd at DSA only under --quick); if it is
 skipped (budget, --no-compile) the table's speed-ups use last session's recorded numbers, labelled.
 Kernels are compiled first by parallel child processes (--parallel, default min(16, CPUs)).
