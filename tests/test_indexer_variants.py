@@ -134,9 +134,15 @@ def test_accumulated_design_only_where_it_applies(monkeypatch):
     assert not _indexer._use_pacc(d, lse, "sum", *xs[2:])
     with torch.no_grad():
         assert not _indexer._use_pacc(d, lse, "mean", *train[2:])
+    monkeypatch.setenv("STREAMKL_INDEXER_PACC", "auto")  # the default: on for an MQA teacher only
+    assert _indexer._use_pacc(d, lse, "sum", *train[2:])
+    gqa = dims_of(*make(1, 4, 2, 5, 5, 8, 2, 1, 8, seed=41))
+    assert not _indexer._use_pacc(gqa, torch.zeros(1, 4, 5), "sum", *train[2:])
+    monkeypatch.setenv("STREAMKL_INDEXER_PACC", "0")
+    assert not _indexer._use_pacc(d, lse, "sum", *train[2:])
     monkeypatch.setenv("STREAMKL_INDEXER_PACC", "2")
     with pytest.raises(ValueError, match="STREAMKL_INDEXER_PACC"):
-        _indexer.pacc_enabled()
+        _indexer.pacc_enabled(d)
 
 
 def test_accumulated_nan_isolation(monkeypatch):
