@@ -23,6 +23,7 @@ TARGET = GPUTarget("cuda", int(os.environ.get("ARCH", "90")), 32)
 records = []
 FWD_ONLY = os.environ.get("FWD_ONLY", "0") == "1"  # the forward with lse given only
 PACC = os.environ.get("PACC", "0") == "1"  # the accumulating forward + teacher-free backward only
+BWD_ONLY = os.environ.get("BWD_ONLY", "0") == "1"
 
 class Rec:
     def __init__(self, name, fn): self.name, self.fn = name, fn
@@ -51,6 +52,13 @@ if os.environ.get("PACC_CONFIGS"):  # the accumulating forward's candidates, as 
     _indexer._candidates = lambda kind, *a, **k: _pwant if kind == "pacc" else _orig_cands2(kind, *a, **k)
 
 
+if os.environ.get("BWD_CONFIGS"):  # the plain backward's candidates, as FWD_CONFIGS
+    _bwant = [tuple(None if v == "None" else (int(v) if v.lstrip("-").isdigit() else v) for v in c.split(","))
+              for c in os.environ["BWD_CONFIGS"].split(";")]
+    _orig_cands3 = _indexer._candidates
+    _indexer._candidates = lambda kind, *a, **k: _bwant if kind == "bwd" else _orig_cands3(kind, *a, **k)
+
+
 def pick_all(key, cands, launch, *a, **k):
     for c in cands: launch(c)
     return cands[0]
@@ -62,7 +70,7 @@ TY = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
 def compile_rec(rec):
     name, fn, grid, args, kw = rec
     names = fn.arg_names
-    sig, consts = {}, {}
+    sig, consts, attrs = {}, {}, {}
     kw = dict(kw)
     opts = {"num_warps": kw.pop("num_warps", 4), "num_stages": kw.pop("num_stages", 2)}
     vals = dict(zip(names, args)); vals.update(kw)
@@ -73,9 +81,14 @@ def compile_rec(rec):
             sig[n] = "constexpr"; consts[(i,)] = v
         elif v is None:
             sig[n] = "constexpr"; consts[(i,)] = None
+        elif isinstance(v, int) and not isinstance(v, bool) and v == 1 and not p.do_not_specialize:
+            sig[n] = "constexpr"; consts[(i,)] = 1  # what the JIT does with an int equal to 1
         else:
             sig[n] = mangle_type(v)
-    src = ASTSource(fn, sig, constexprs=consts)
+            # the JIT's divisibility specialisation: ints divisible by 16, 16-byte aligned pointers
+            if (isinstance(v, int) and not isinstance(v, bool) and v % 16 == 0) or isinstance(v, torch.Tensor):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn, sig, constexprs=consts, attrs=attrs)
     k = triton.compile(src, target=TARGET, options=opts)
     md = k.metadata
     n_regs = n_spills = None
@@ -109,7 +122,10 @@ def run(cfgname, H, HK, D, HI, HKI, DI, dtype, causal=True, lse=True, N=int(os.e
         z = torch.zeros(())
         _indexer._backward(torch.zeros(1, N), q, k, qi, ki, w, lse_t, torch.zeros(1, N), causal, 0.07, True,
                            target_part=(z, torch.zeros(1, HI, N, DI), torch.zeros(1, 1, N, DI), torch.zeros(1, HI, N)))
-    elif True:
+    elif BWD_ONLY:  # the plain backward's kernels only (BWD_CONFIGS: these candidates instead)
+        _indexer._backward(torch.zeros(1, N), q, k, qi, ki, w, torch.zeros(1, H, N), torch.zeros(1, N), causal, 0.07, True)
+        return _compile_all(cfgname, dtype)
+    else:
         _indexer._forward(q, k, qi, ki, w, lse_t, causal, 0.07, True)
     if FWD_ONLY or PACC:
         pass

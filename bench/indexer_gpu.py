@@ -12,8 +12,10 @@ Providers: ``eager`` / ``compile`` = the materialised PyTorch form (streamkl_gpu
 indexer_kl_naive: bf16 inputs, fp32 scores per head, softmax, head mean; indexer scores, ReLU,
 weights, log-softmax; KL; mean over rows), only where it fits (N <= 8K); ``ours`` =
 streamkl_gpu.indexer_kl (teacher LSE pass included), ``ours_lse`` = the same with ``lse`` given
-(the training case: FlashAttention returns it); ``ours_lse_fused`` = the same with the fused
-backward (STREAMKL_INDEXER_BWD=fused: one kernel, dq_idx/dweights by atomics; fwd_bwd only). Passes: ``fwd`` and ``fwd_bwd`` (gradients to
+(the training case: FlashAttention returns it; its fwd_bwd takes the default design, the
+accumulating one for an MQA teacher: STREAMKL_INDEXER_PACC=auto); ``ours_lse_fused`` = the plain
+design with the fused backward (STREAMKL_INDEXER_PACC=0, STREAMKL_INDEXER_BWD=fused: one kernel,
+dq_idx/dweights by atomics; fwd_bwd only). Passes: ``fwd`` and ``fwd_bwd`` (gradients to
 q_idx, k_idx, weights of the mean loss). All causal, B = 1, bf16.
 Floor = forward matmul FLOPs (teacher + indexer, causal half) at the bf16 rate of an 8192^3
 matmul measured in the same run; ``ratio`` = ms / floor (fwd_bwd too: the issue's goal is
@@ -290,11 +292,14 @@ class Run:
 
             def fb():
                 os.environ["STREAMKL_INDEXER_BWD"] = mode  # the backward's kernels (_indexer.bwd_mode)
+                if mode == "fused":  # the plain design's fused backward, not the accumulating one
+                    os.environ["STREAMKL_INDEXER_PACC"] = "0"
                 try:
                     loss = streamkl_gpu.indexer_kl(*train, lse=lse_arg, reduction="mean", **kw)
                     torch.autograd.grad(loss, train[2:])
                 finally:
                     os.environ["STREAMKL_INDEXER_BWD"] = "separate"
+                    os.environ.pop("STREAMKL_INDEXER_PACC", None)
             return fb
         # materialised: the mean over rows (causal, N_Q = N_K: every row sees a key)
         def loss_fn(q, k, qi, ki, w):

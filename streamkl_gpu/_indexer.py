@@ -13,8 +13,8 @@ backward of two recomputing kernels (dq_idx + dweights; dk_idx). Extra memory ``
 floats in the forward. Two custom ops (``streamkl::indexer_fwd``, ``streamkl::indexer_bwd``) with
 fake implementations make the function traceable by ``torch.compile(fullgraph=True)``.
 
-The accumulating design (``STREAMKL_INDEXER_PACC=1``; ``"sum"``/``"mean"`` with ``lse`` given, one
-indexer key head, a gradient wanted): ``_indexer_pacc``'s forward also sums the target's share of
+The accumulating design (``STREAMKL_INDEXER_PACC``, default ``auto``: on for an MQA teacher;
+``"sum"``/``"mean"`` with ``lse`` given, one indexer key head, a gradient wanted): ``_indexer_pacc``'s forward also sums the target's share of
 the gradient, and the backward runs the indexer alone: the teacher is read once per training
 step (custom ops ``streamkl::indexer_loss_fwd`` / ``streamkl::indexer_loss_bwd``).
 """
@@ -144,6 +144,15 @@ def _plan(dims, cfg, kind):
     )
 
 
+def _load_mode(pl, use_tma):
+    """(TMA loads, q rows through L1) of a launch: the "l1" variant (9th config field) reads the
+    score tiles by pointers, the teacher's (and indexer's) q rows cached in L1 (cp.async.ca), which
+    TMA cannot do: a token's 147 KB of DSA q rows, re-read for every key tile, then come from L1."""
+    if pl["variant"] == "l1":
+        return False, True
+    return use_tma, False
+
+
 def _key_splits(dims, pl):
     """(splits, keys per split) of a forward launch: the plan's key splits, each a whole number
     of BLOCK_N tiles, never more splits than key tiles."""
@@ -186,6 +195,12 @@ def _fwd_split(dims, cfg, n_sm, waves=4):
     return max(1, min(16, triton.cdiv(waves * n_sm, blocks)))
 
 
+def _l1_fits(dims) -> bool:
+    """The "l1" variant only where one token's teacher q rows (all heads, one key head) fit in L1
+    beside the kernel's shared memory: H * D * 2 bytes <= 160 KB (DSA: 147 KB)."""
+    return dims.HK == 1 and _plan(dims, (128, 128, 64, 64, 8, 2), "fwd")["BLOCK_T"] == 1 and dims.H * dims.D * 2 <= 160 * 1024
+
+
 def _new_fwd_candidates(dims, gqa, n_sm):
     """Session 4's forward candidates (issue 10's targets; chosen by offline sm_90 compiles and
     the FLOP-per-byte count of a score tile, not yet timed; bench/indexer_perf_gpu.py times each).
@@ -198,8 +213,14 @@ def _new_fwd_candidates(dims, gqa, n_sm):
     if dims is None:
         return []
     if not gqa:
-        # (256 rows x 128 keys spills 144 B on triton 3.9: left out)
+        # (256 rows x 128 keys spills 144 B on triton 3.9: left out; 128 x 128 spills 176 B on
+        # 3.6, none on 3.9). "l1": pointer loads, the token's q rows (147 KB at DSA) cached in L1
+        # across key tiles, L2 then serves k alone (offline, 3.6 and 3.9: no spills at BLOCK_N =
+        # 32, 64, 128; only where one token's rows fit L1)
         out = [(128, 128, 128, 64, 8, 2), (128, 128, 128, 64, 8, 3)]
+        if _l1_fits(dims):
+            out += [(128, 128, 64, 64, 8, 2, None, 1, "l1"), (128, 128, 128, 64, 8, 2, None, 1, "l1"),
+                    (128, 128, 32, 64, 8, 2, None, 1, "l1")]
     else:
         out = []
         for base in ((128, 128, 64, 64, 8, 2, None), (128, 128, 64, 64, 8, 2, 1), (128, 128, 128, 64, 8, 2, 1),
@@ -217,7 +238,7 @@ def _canonical(cfg):
     return cfg
 
 
-def _candidates(kind, ieee, dims=None, n_sm=132):
+def _candidates(kind, ieee, dims=None, n_sm=132, teacher=True):
     if _runtime.interpreting():
         return [INTERPRETER_CONFIG]
     if ieee:
@@ -238,11 +259,22 @@ def _candidates(kind, ieee, dims=None, n_sm=132):
     if kind == "pacc":
         # planned as the backward ("bwd"): all indexer heads x BLOCK_T tokens per tile. Offline
         # sm_90 compiles (triton 3.9, DSA 8K, dk shares by TMA reduction): BLOCK_N = 32 spills
-        # nothing (254 registers), BLOCK_N = 64 spills 216 B of stack. Not yet timed.
-        return [(128, 128, 32, 64, 8, 2), (128, 128, 64, 64, 8, 2), (128, 128, 32, 64, 8, 3), (128, 128, 32, 64, 4, 2)]
+        # nothing (254 registers), BLOCK_N = 64 spills 216 B of stack, yet measured the faster.
+        # Measured (H200, DSA 8K causal fwd+bwd, 12:49 run): BLOCK_N = 64 73.2 ms, 32 101.3 ms.
+        return [(128, 128, 64, 64, 8, 2), (128, 128, 64, 64, 8, 2, None, 1, "l1"), (128, 128, 64, 64, 8, 3),
+                (128, 128, 32, 64, 8, 2),
+                (128, 128, 32, 64, 8, 2, None, 1, "l1"), (128, 128, 32, 64, 8, 3), (128, 128, 32, 64, 4, 2)]
     if kind == "lse":
-        return [(128, 128, 64, 64, 8, 2), (128, 128, 64, 64, 8, 2, 1) if gqa else (128, 128, 128, 64, 8, 2)]
-    return [(128, 128, 64, 64, 8, 2), (64, 64, 64, 64, 4, 2)]
+        out = [(128, 128, 64, 64, 8, 2), (128, 128, 64, 64, 8, 2, 1) if gqa else (128, 128, 128, 64, 8, 2)]
+        if dims is not None and _l1_fits(dims):  # the "l1" variant, as for the forward (not yet timed)
+            out += [(128, 128, 64, 64, 8, 2, None, 1, "l1"), (128, 128, 32, 64, 8, 2, None, 1, "l1")]
+        return out
+    out = [(128, 128, 64, 64, 8, 2), (64, 64, 64, 64, 4, 2)]
+    if dims is not None and teacher and _l1_fits(dims):
+        # the "l1" variant: the dq kernel's q rows / the dk kernel's key tile cached in L1 (not yet
+        # timed; offline, triton 3.6, DSA 8K: dq no spills, dk 272 B (BLOCK_N 64) / 160 B (32))
+        out += [(128, 128, 64, 64, 8, 2, None, 1, "l1"), (128, 128, 32, 64, 8, 2, None, 1, "l1")]
+    return out
 
 
 def _strides(t):
@@ -292,12 +324,13 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
         def launch_lse(cfg):
             pl = _plan(dims, cfg, "fwd")
             grid = (triton.cdiv(dims.NQ, pl["BLOCK_T"]), pl["n_chunks"], dims.B)
-            q_desc, k_desc, _, _ = _descriptors(pl, use_tma, q, k, q_idx, k_idx)
+            tma, a_l1 = _load_mode(pl, use_tma)
+            q_desc, k_desc, _, _ = _descriptors(pl, tma, q, k, q_idx, k_idx)
             _indexer_fwd._teacher_lse_kernel[grid](
                 q, k, q_desc, k_desc, lse_bits, *_strides(q), *_strides(k), dims.H, group, dims.NQ, dims.NK, qk_scale,
                 pl["cpg"], D=dims.D, BLOCK_D=pl["BLOCK_D"], HB=pl["HB"], BLOCK_T=pl["BLOCK_T"],
-                BLOCK_N=pl["BLOCK_N"], CAUSAL=causal, IEEE=ieee_t, NO_CONTRACT=no_contract, USE_TMA=use_tma,
-                num_warps=pl["warps"], num_stages=pl["stages"])
+                BLOCK_N=pl["BLOCK_N"], CAUSAL=causal, IEEE=ieee_t, NO_CONTRACT=no_contract, USE_TMA=tma,
+                A_L1=a_l1, num_warps=pl["warps"], num_stages=pl["stages"])
 
         launch_lse(_tuning.pick(("idx_lse",) + key_base, _candidates("lse", ieee_t, dims), launch_lse))
     else:  # the caller's natural-log LSEs, once to bits (the kernels' unit)
@@ -311,16 +344,17 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
         splits, per_split = _key_splits(dims, pl)
         part = _fresh((5, splits, dims.B, dims.NQ), torch.float32, device) if splits > 1 else kl
         grid = (triton.cdiv(dims.NQ, pl["BLOCK_T"]), splits, dims.B)
+        tma, a_l1 = _load_mode(pl, use_tma)
         _indexer_fwd._indexer_fwd_kernel[grid](
             q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, part,
-            *_descriptors(pl, use_tma, q, k, q_idx, k_idx),
+            *_descriptors(pl, tma, q, k, q_idx, k_idx),
             *_strides(q), *_strides(k), *_strides(q_idx), *_strides(k_idx), *_strides(weights),
             dims.H, group, group_i, dims.NQ, dims.NK, qk_scale, 1.0 / dims.H,
             pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"], per_split,
             D=dims.D, BLOCK_D=pl["BLOCK_D"], DI=dims.DI, BLOCK_DI=pl["BLOCK_DI"],
             HB=pl["HB"], IB=pl["IB"], BLOCK_T=pl["BLOCK_T"], BLOCK_N=pl["BLOCK_N"],
             CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, NO_CONTRACT=no_contract,
-            USE_TMA=use_tma, SPLIT=splits > 1, num_warps=pl["warps"], num_stages=pl["stages"])
+            USE_TMA=tma, SPLIT=splits > 1, A_L1=a_l1, num_warps=pl["warps"], num_stages=pl["stages"])
         if splits > 1:
             merged_kl, merged_lse = _merge_splits(part)
             kl.copy_(merged_kl)
@@ -401,19 +435,20 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
     key_base = (mode, teacher, dims.D, dims.DI, dims.H, dims.HK, dims.HI, dims.HKI, q.dtype, q_idx.dtype, causal, relu,
                 use_tma, _tuning.bucket(dims.NQ), _tuning.bucket(dims.NK), _tuning.bucket(dims.B))
 
-    def meta(pl):
+    def meta(pl, tma, l1):
         return dict(D=dims.D, BLOCK_D=pl["BLOCK_D"], DI=dims.DI, BLOCK_DI=pl["BLOCK_DI"], DI_PAD=pl["DI_PAD"],
                     HB=pl["HB"], IB=pl["IB"], GI_PAD=pl["GI_PAD"], BLOCK_T=pl["BLOCK_T"], BLOCK_N=pl["BLOCK_N"],
                     CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, NO_CONTRACT=no_contract,
-                    USE_TMA=use_tma, TEACHER=teacher, num_warps=pl["warps"], num_stages=pl["stages"])
+                    USE_TMA=tma, TEACHER=teacher, L1=l1, num_warps=pl["warps"], num_stages=pl["stages"])
 
     def launch_dq(cfg):
         pl = _plan(dims, cfg, plan_kind)
         grid = (triton.cdiv(dims.NQ, pl["BLOCK_T"]), dims.B * dims.HKI)
+        tma, l1 = _load_mode(pl, use_tma)
         _indexer_bwd._indexer_bwd_dq_kernel[grid](
-            *common, dq_idx, dweights, *_descriptors(pl, use_tma, q, k, q_idx, k_idx), *strides,
+            *common, dq_idx, dweights, *_descriptors(pl, tma, q, k, q_idx, k_idx), *strides,
             dims.H, group, dims.HI, dims.HKI, group_i, dims.NQ, dims.NK, qk_scale, 1.0 / dims.H,
-            pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"], **meta(pl))
+            pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"], **meta(pl, tma, l1))
 
     def launch_dk(cfg):
         nonlocal dk_idx
@@ -427,15 +462,17 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
             dq_idx.zero_()
             dweights.zero_()
         grid = (triton.cdiv(dims.NK, pl["BLOCK_N"]), dims.B * dims.HKI, splits)
+        tma, l1 = _load_mode(pl, use_tma)
         _indexer_bwd._indexer_bwd_dk_kernel[grid](
-            *common, dk_idx, dq_idx, dweights, *_descriptors(pl, use_tma, q, k, q_idx, k_idx), *strides,
+            *common, dk_idx, dq_idx, dweights, *_descriptors(pl, tma, q, k, q_idx, k_idx), *strides,
             dims.H, group, dims.HI, dims.HKI, group_i, dims.NQ, dims.NK, qk_scale, 1.0 / dims.H,
-            pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"], per_split, ATOMIC=splits > 1, FUSED_DQ=fused, **meta(pl))
+            pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"], per_split, ATOMIC=splits > 1, FUSED_DQ=fused,
+            **meta(pl, tma, l1))
 
     ieee = ieee_t or ieee_i
     if not fused:
-        launch_dq(_tuning.pick(("idx_bwd_dq",) + key_base, _candidates("bwd", ieee), launch_dq))
-    launch_dk(_tuning.pick(("idx_bwd_dk",) + key_base, _candidates("bwd", ieee), launch_dk))
+        launch_dq(_tuning.pick(("idx_bwd_dq",) + key_base, _candidates("bwd", ieee, dims, teacher=teacher), launch_dq))
+    launch_dk(_tuning.pick(("idx_bwd_dk",) + key_base, _candidates("bwd", ieee, dims, teacher=teacher), launch_dk))
     if not teacher:
         g0, dq_p, dk_p, dw_p = target_part
         g0 = g0.to(torch.float32)
@@ -499,16 +536,23 @@ _indexer_fwd_op.register_autograd(_indexer_backward, setup_context=_setup_contex
 
 # ----------------------------------------------------------------------------------------------
 # Scalar reductions with lse given: the forward accumulates the target's share of the gradient
-# (_indexer_pacc), the backward runs the indexer alone. STREAMKL_INDEXER_PACC=1 turns it on.
+# (_indexer_pacc), the backward runs the indexer alone. STREAMKL_INDEXER_PACC chooses (pacc_enabled).
 # ----------------------------------------------------------------------------------------------
 
-def pacc_enabled() -> bool:
+PACC_MODES = ("auto", "0", "1")
+
+
+def pacc_enabled(dims=None) -> bool:
     """``STREAMKL_INDEXER_PACC``: ``1`` = the accumulating design for ``"sum"``/``"mean"`` with
-    ``lse`` given and one indexer key head; ``0`` (default until timed on the GPU: bench/
-    indexer_perf_gpu.py measures both) = the plain forward and a recomputing backward."""
-    mode = os.environ.get("STREAMKL_INDEXER_PACC", "0")
-    if mode not in ("0", "1"):
-        raise ValueError(f"STREAMKL_INDEXER_PACC must be 0 or 1, got {mode!r}")
+    ``lse`` given and one indexer key head; ``0`` = the plain forward and a recomputing backward;
+    ``auto`` (default) = the accumulating design where it was measured faster: an MQA teacher
+    (H200, DSA-like 8K causal fwd+bwd: 73.2 ms against 132.9 (plain fused) and 136.7 (plain
+    separate); GQA not yet measured, plain there)."""
+    mode = os.environ.get("STREAMKL_INDEXER_PACC", "auto")
+    if mode not in PACC_MODES:
+        raise ValueError(f"STREAMKL_INDEXER_PACC must be one of {PACC_MODES}, got {mode!r}")
+    if mode == "auto":
+        return dims is not None and dims.HK == 1
     return mode == "1"
 
 
@@ -540,14 +584,16 @@ def _forward_pacc(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
         grid = (triton.cdiv(dims.NQ, pl["BLOCK_T"]), dims.B)
         dk_desc = (_runtime.TensorDescriptor(dk_p, list(dk_p.shape), list(dk_p.stride()), [1, 1, pl["BLOCK_N"], pl["DI_PAD"]])
                    if dk_tma else None)
+        tma, a_l1 = _load_mode(pl, use_tma)
         _indexer_pacc._indexer_fwd_pacc_kernel[grid](
             q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, dq_p, dw_p, dk_p,
-            *_descriptors(pl, use_tma, q, k, q_idx, k_idx), dk_desc,
+            *_descriptors(pl, tma, q, k, q_idx, k_idx), dk_desc,
             *_strides(q), *_strides(k), *_strides(q_idx), *_strides(k_idx), *_strides(weights),
             dims.H, group, dims.HI, dims.NQ, dims.NK, dims.scale * LOG2E, 1.0 / dims.H, pl["n_chunks"], pl["cpg"],
             D=dims.D, BLOCK_D=pl["BLOCK_D"], DI=dims.DI, DI_PAD=pl["DI_PAD"], HB=pl["HB"], GI_PAD=pl["GI_PAD"],
             BLOCK_T=pl["BLOCK_T"], BLOCK_N=pl["BLOCK_N"], CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i,
-            NO_CONTRACT=no_contract, USE_TMA=use_tma, DK_TMA=dk_tma, num_warps=pl["warps"], num_stages=pl["stages"])
+            NO_CONTRACT=no_contract, USE_TMA=tma, DK_TMA=dk_tma, A_L1=a_l1, num_warps=pl["warps"],
+            num_stages=pl["stages"])
 
     launch(_tuning.pick(key, _candidates("pacc", ieee_t or ieee_i, dims), launch))
     return kl.sum(), lse_idx, dq_p, dk_p, dw_p
@@ -606,7 +652,7 @@ _indexer_loss_fwd_op.register_autograd(_loss_backward, setup_context=_loss_setup
 
 
 def _use_pacc(dims, lse, reduction, q_idx, k_idx, weights) -> bool:
-    return (reduction != "none" and lse is not None and dims.HKI == 1 and pacc_enabled()
+    return (reduction != "none" and lse is not None and dims.HKI == 1 and pacc_enabled(dims)
             and torch.is_grad_enabled() and any(t.requires_grad for t in (q_idx, k_idx, weights)))
 
 

@@ -23,6 +23,10 @@ NaN isolation: every masked entry is selected to 0 (``tl.where``) before it is m
 the masked stage (the diagonal band) the operand rows of the contraction (k_idx rows in dq,
 q_idx rows in dk) are set to 0 where non-finite: a key (query row) that a row (key) cannot
 see then contributes 0, never 0 * NaN; rows that do see it get the NaN through A.
+
+``L1`` (the "l1" config variant, pointer loads): the teacher tile operand each kernel re-reads
+is cached in L1: the token block's q rows in the dq kernel (re-read for every key tile), the key
+tile in the dk kernel (re-read for every token block).
 """
 import triton
 import triton.language as tl
@@ -63,6 +67,7 @@ def _row_grad_coef(
     HB: tl.constexpr, IB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
     IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr, TEACHER: tl.constexpr,
+    L1_Q: tl.constexpr, L1_K: tl.constexpr,
 ):
     """``(G, visible)`` of one [BLOCK_T, BLOCK_N] tile, broadcast to the indexer rows
     ``r = j * BLOCK_T + t`` ([GI_PAD * BLOCK_T, BLOCK_N]); G is 0 where not visible."""
@@ -74,7 +79,7 @@ def _row_grad_coef(
                             stride_kb, stride_kh, stride_kn, stride_kd,
                             b, t0, s0, H, GROUP, N_Q, N_K, diag_offset, qk_scale, inv_heads,
                             n_chunks, chunks_per_group, D, BLOCK_D, HB, BLOCK_T, BLOCK_N,
-                            MASKED, CAUSAL, IEEE_T, NO_CONTRACT, USE_TMA)
+                            MASKED, CAUSAL, IEEE_T, NO_CONTRACT, USE_TMA, L1_Q, L1_K)
     else:  # the student's part only: the forward accumulated the -p part (_indexer_pacc)
         p = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     logits = _indexer_logits(QI, KI, QI_DESC, KI_DESC, W, stride_qib, stride_qih, stride_qin, stride_qid,
@@ -121,6 +126,7 @@ def _dq_key_range(
     HB: tl.constexpr, IB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
     IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr, TEACHER: tl.constexpr,
+    L1_Q: tl.constexpr,
 ):
     offs_d = tl.arange(0, DI_PAD)
     for s0 in range(lo, hi, BLOCK_N):
@@ -131,7 +137,8 @@ def _dq_key_range(
             stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
             stride_wb, stride_wh, stride_wn, b, t0, s0, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
             n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI,
-            HB, IB, GI_PAD, BLOCK_T, BLOCK_N, MASKED, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, TEACHER)
+            HB, IB, GI_PAD, BLOCK_T, BLOCK_N, MASKED, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, TEACHER,
+            L1_Q, False)
         if USE_TMA:  # the plan makes this box [1, 1, BLOCK_N, DI_PAD] (BLOCK_DI = DI_PAD)
             k_tile = KI_DESC.load([b, kvi, s0, 0]).reshape(BLOCK_N, DI_PAD)
         else:
@@ -158,7 +165,7 @@ def _indexer_bwd_dq_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr, DI_PAD: tl.constexpr,
     HB: tl.constexpr, IB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, RELU: tl.constexpr, IEEE_T: tl.constexpr, IEEE_I: tl.constexpr,
-    NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr, TEACHER: tl.constexpr = True,
+    NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr, TEACHER: tl.constexpr = True, L1: tl.constexpr = False,
 ):
     """dq_idx [B, H_I, N_Q, D_I] and dweights [B, H_I, N_Q] (fp32, contiguous) of the heads of
     indexer key head ``kvi`` for one token block."""
@@ -189,14 +196,16 @@ def _indexer_bwd_dq_kernel(
         stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
         stride_wb, stride_wh, stride_wn, b, t0, 0, full_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
         n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI, DI_PAD,
-        HB, IB, GI_PAD, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, TEACHER)
+        HB, IB, GI_PAD, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, TEACHER,
+        L1)
     dq, dw = _dq_key_range(
         dq, dw, q_rows, w_rows, ki_base, kvi, Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
         stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
         stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
         stride_wb, stride_wh, stride_wn, b, t0, full_hi, key_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale,
         inv_heads, n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI, DI_PAD,
-        HB, IB, GI_PAD, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, TEACHER)
+        HB, IB, GI_PAD, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, TEACHER,
+        L1)
     out_row = (b64 * H_I + j) * N_Q + tok
     tl.store(DQ + out_row[:, None] * DI + offs_d[None, :], dq, mask=row_ok[:, None] & (offs_d < DI)[None, :])
     tl.store(DW + out_row, dw, mask=row_ok)
@@ -215,7 +224,7 @@ def _dk_token_range(
     HB: tl.constexpr, IB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
     IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr,
-    FUSED_DQ: tl.constexpr, TEACHER: tl.constexpr,
+    FUSED_DQ: tl.constexpr, TEACHER: tl.constexpr, L1_K: tl.constexpr,
 ):
     ROWS: tl.constexpr = GI_PAD * BLOCK_T
     offs_d = tl.arange(0, DI_PAD)
@@ -234,7 +243,8 @@ def _dk_token_range(
             stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
             stride_wb, stride_wh, stride_wn, b, t0, s0, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
             n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI,
-            HB, IB, GI_PAD, BLOCK_T, BLOCK_N, MASKED, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, TEACHER)
+            HB, IB, GI_PAD, BLOCK_T, BLOCK_N, MASKED, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, TEACHER,
+            False, L1_K)
         q_rows = _query_rows(QI, QI_DESC, b, j0, t0, j, tok, row_ok, stride_qib, stride_qih, stride_qin,
                              stride_qid, DI, DI_PAD, ROWS, USE_TMA)
         w_rows = tl.load(W + b64 * stride_wb + j.to(tl.int64) * stride_wh + tok.to(tl.int64) * stride_wn,
@@ -267,6 +277,7 @@ def _indexer_bwd_dk_kernel(
     HB: tl.constexpr, IB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, RELU: tl.constexpr, IEEE_T: tl.constexpr, IEEE_I: tl.constexpr,
     NO_CONTRACT: tl.constexpr, ATOMIC: tl.constexpr, USE_TMA: tl.constexpr, FUSED_DQ: tl.constexpr, TEACHER: tl.constexpr = True,
+    L1: tl.constexpr = False,
 ):
     """dk_idx [B, H_KI, N_K, D_I] (fp32, contiguous) of one key tile: the sum over the token blocks
     that see it (those in this program's token split, program axis 2) and over the indexer heads
@@ -317,14 +328,16 @@ def _indexer_bwd_dk_kernel(
         stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
         stride_wb, stride_wh, stride_wn, b, mask_lo, mask_hi, H, GROUP, H_I, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
         n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI, DI_PAD,
-        HB, IB, GI_PAD, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, FUSED_DQ, TEACHER)
+        HB, IB, GI_PAD, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, FUSED_DQ, TEACHER,
+        L1)
     dk = _dk_token_range(
         dk, k_tile, j, kvi * GROUP_I, j_in_group, s0, DQ, DW, Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
         stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
         stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
         stride_wb, stride_wh, stride_wn, b, full_lo, split_hi, H, GROUP, H_I, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
         n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI, DI_PAD,
-        HB, IB, GI_PAD, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, FUSED_DQ, TEACHER)
+        HB, IB, GI_PAD, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, FUSED_DQ, TEACHER,
+        L1)
     out_row = (b64 * H_KI + kvi) * N_K + keys
     out_ok = (keys < N_K)[:, None] & (offs_d < DI)[None, :]
     if ATOMIC:

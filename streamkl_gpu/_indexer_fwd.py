@@ -39,7 +39,8 @@ __all__ = ["LN2", "LOG2E"]
 def _dot_rows(A, a_off, a_ok, B_, b_off, b_ok, stride_ad, stride_bd,
               A_DESC, B_DESC, batch, a_head, a_tok, b_head, b_tok,
               D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
-              A_HEADS: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr):
+              A_HEADS: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr,
+              A_L1: tl.constexpr = False, B_L1: tl.constexpr = False):
     """``S[r, c] = sum_d A[a_off[r] + d] * B[b_off[c] + d]`` in fp32, D tiled in BLOCK_D chunks.
     Rows/columns outside ``a_ok``/``b_ok`` and dims past D load as 0.
 
@@ -47,7 +48,10 @@ def _dot_rows(A, a_off, a_ok, B_, b_off, b_ok, stride_ad, stride_bd,
     rows ``r = i * (ROWS // A_HEADS) + t`` are the box [1, A_HEADS, ROWS // A_HEADS, BLOCK_D] at
     (batch, a_head, a_tok); B's the box [1, 1, COLS, BLOCK_D] at (batch, b_head, b_tok). Out of
     range rows and dims arrive as zeros; rows past the caller's heads carry other heads' values,
-    which the caller masks by row (no pointer tensors: measured offline, the pointer form spills)."""
+    which the caller masks by row (no pointer tensors: measured offline, the pointer form spills).
+
+    A_L1 (pointer loads only): A through L1, B not. At DSA a token's q rows are 128 x 576 bf16 =
+    147 KB, re-read for every key tile: from L1 instead of L2 if they stay resident there."""
     acc = tl.zeros([ROWS, COLS], tl.float32)
     offs_d = tl.arange(0, BLOCK_D)
     for d0 in range(0, D, BLOCK_D):
@@ -57,8 +61,19 @@ def _dot_rows(A, a_off, a_ok, B_, b_off, b_ok, stride_ad, stride_bd,
         else:
             d = d0 + offs_d
             d_ok = d < D
-            a = tl.load(A + a_off[:, None] + d[None, :] * stride_ad, mask=a_ok[:, None] & d_ok[None, :], other=0.0)
-            b = tl.load(B_ + b_off[:, None] + d[None, :] * stride_bd, mask=b_ok[:, None] & d_ok[None, :], other=0.0)
+            if A_L1:  # A's rows through L1 (cp.async.ca: re-read every key tile), B's around it (.cg)
+                a = tl.load(A + a_off[:, None] + d[None, :] * stride_ad, mask=a_ok[:, None] & d_ok[None, :],
+                            other=0.0, cache_modifier=".ca")
+                b = tl.load(B_ + b_off[:, None] + d[None, :] * stride_bd, mask=b_ok[:, None] & d_ok[None, :],
+                            other=0.0, cache_modifier=".cg")
+            elif B_L1:  # the other way round (the dk kernel: one key tile, re-read for every token block)
+                a = tl.load(A + a_off[:, None] + d[None, :] * stride_ad, mask=a_ok[:, None] & d_ok[None, :],
+                            other=0.0, cache_modifier=".cg")
+                b = tl.load(B_ + b_off[:, None] + d[None, :] * stride_bd, mask=b_ok[:, None] & d_ok[None, :],
+                            other=0.0, cache_modifier=".ca")
+            else:
+                a = tl.load(A + a_off[:, None] + d[None, :] * stride_ad, mask=a_ok[:, None] & d_ok[None, :], other=0.0)
+                b = tl.load(B_ + b_off[:, None] + d[None, :] * stride_bd, mask=b_ok[:, None] & d_ok[None, :], other=0.0)
         acc += _dot(a, tl.trans(b), IEEE)
     return acc
 
@@ -69,7 +84,7 @@ def _teacher_target(
     b, t0, s0, H, GROUP, N_Q, N_K, diag_offset, qk_scale, inv_heads, n_chunks, chunks_per_group,
     D: tl.constexpr, BLOCK_D: tl.constexpr, HB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, NO_CONTRACT: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, A_L1: tl.constexpr = False, B_L1: tl.constexpr = False,
 ):
     """The head-averaged target ``p [BLOCK_T, BLOCK_N]`` of tokens t0.. and keys s0..: exactly 0
     where masked (and in padding rows), ``(1/H) sum_h exp2(s_h - lse_h)`` elsewhere."""
@@ -92,7 +107,7 @@ def _teacher_target(
         s = _dot_rows(Q, q_off_base + h.to(tl.int64) * stride_qh, row_ok,
                       K, k_off_base + kv.to(tl.int64) * stride_kh, key_ok, stride_qd, stride_kd,
                       Q_DESC, K_DESC, b, h0, t0, kv, s0,
-                      D, BLOCK_D, ROWS, BLOCK_N, HB, IEEE, USE_TMA)
+                      D, BLOCK_D, ROWS, BLOCK_N, HB, IEEE, USE_TMA, A_L1, B_L1)
         lse = tl.load(LSE_T + (b64 * H + h) * N_Q + tok, mask=row_ok, other=float("-inf"))
         # log2 P_h = s - lse (bits). "!= -inf" keeps a NaN LSE a NaN (a NaN row stays NaN)
         x = _to_bits(s, qk_scale, NO_CONTRACT) - lse[:, None]
@@ -112,7 +127,7 @@ def _indexer_logits(
     stride_wb, stride_wh, stride_wn,
     b, t0, s0, GROUP_I, N_Q, N_K, n_chunks, chunks_per_group,
     DI: tl.constexpr, BLOCK_DI: tl.constexpr, IB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-    RELU: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr,
+    RELU: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr, A_L1: tl.constexpr = False,
 ):
     """The student's logits ``I [BLOCK_T, BLOCK_N] = sum_j w_j relu(q_idx_j . k_idx)`` (unmasked:
     the caller selects the visible entries)."""
@@ -135,7 +150,7 @@ def _indexer_logits(
         a = _dot_rows(QI, q_off_base + j.to(tl.int64) * stride_qih, row_ok,
                       KI, k_off_base + kv.to(tl.int64) * stride_kih, key_ok, stride_qid, stride_kid,
                       QI_DESC, KI_DESC, b, j0, t0, kv, s0,
-                      DI, BLOCK_DI, ROWS, BLOCK_N, IB, IEEE, USE_TMA)
+                      DI, BLOCK_DI, ROWS, BLOCK_N, IB, IEEE, USE_TMA, A_L1)
         w = tl.load(W + b64 * stride_wb + j.to(tl.int64) * stride_wh + tok.to(tl.int64) * stride_wn,
                     mask=row_ok, other=0.0).to(tl.float32)
         if RELU:
@@ -168,6 +183,7 @@ def _fwd_key_range(
     HB: tl.constexpr, IB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
     IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr,
+    A_L1: tl.constexpr,
 ):
     diag_offset = N_K - N_Q
     toks = t0 + tl.arange(0, BLOCK_T)
@@ -177,11 +193,11 @@ def _fwd_key_range(
                             stride_kb, stride_kh, stride_kn, stride_kd,
                             b, t0, s0, H, GROUP, N_Q, N_K, diag_offset, qk_scale, inv_heads,
                             n_chunks, chunks_per_group, D, BLOCK_D, HB, BLOCK_T, BLOCK_N,
-                            MASKED, CAUSAL, IEEE_T, NO_CONTRACT, USE_TMA)
+                            MASKED, CAUSAL, IEEE_T, NO_CONTRACT, USE_TMA, A_L1)
         logits = _indexer_logits(QI, KI, QI_DESC, KI_DESC, W, stride_qib, stride_qih, stride_qin, stride_qid,
                                  stride_kib, stride_kih, stride_kin, stride_kid, stride_wb, stride_wh, stride_wn,
                                  b, t0, s0, GROUP_I, N_Q, N_K, n_ichunks, ichunks_per_group,
-                                 DI, BLOCK_DI, IB, BLOCK_T, BLOCK_N, RELU, IEEE_I, USE_TMA)
+                                 DI, BLOCK_DI, IB, BLOCK_T, BLOCK_N, RELU, IEEE_I, USE_TMA, A_L1)
         visible = _token_visible(toks, keys, N_Q, N_K, diag_offset, MASKED, CAUSAL)
         m, l, mass, acc, plogp = _online_update(m, l, mass, acc, plogp, p, logits, visible)
     return m, l, mass, acc, plogp
@@ -218,7 +234,7 @@ def _indexer_fwd_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr,
     HB: tl.constexpr, IB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, RELU: tl.constexpr, IEEE_T: tl.constexpr, IEEE_I: tl.constexpr,
-    NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr, SPLIT: tl.constexpr,
+    NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr, SPLIT: tl.constexpr, A_L1: tl.constexpr = False,
 ):
     """KL [B, N_Q] (nats) and the student's LSE_I [B, N_Q] (nats) from the teacher LSEs (bits).
 
@@ -247,14 +263,14 @@ def _indexer_fwd_kernel(
         stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
         stride_wb, stride_wh, stride_wn, b, t0, key_lo, full_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
         n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI,
-        HB, IB, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA)
+        HB, IB, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, A_L1)
     m, l, mass, acc, plogp = _fwd_key_range(
         m, l, mass, acc, plogp, Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T,
         stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
         stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
         stride_wb, stride_wh, stride_wn, b, t0, full_hi, key_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale,
         inv_heads, n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI,
-        HB, IB, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA)
+        HB, IB, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, A_L1)
     ok = toks < N_Q
     out = b.to(tl.int64) * N_Q + toks
     if SPLIT:
@@ -288,14 +304,14 @@ def _lse_key_range(m, l, Q, K, Q_DESC, K_DESC, q_off, row_ok, k_off_base, tok, b
                    lo, hi, N_Q, N_K, stride_qd, stride_kn, stride_kd,
                    qk_scale, D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                    HB: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
-                   NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr):
+                   NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr, A_L1: tl.constexpr):
     diag_offset = N_K - N_Q
     for s0 in range(lo, hi, BLOCK_N):
         keys = s0 + tl.arange(0, BLOCK_N)
         key_ok = keys < N_K
         s = _dot_rows(Q, q_off, row_ok, K, k_off_base + keys.to(tl.int64) * stride_kn, key_ok,
                       stride_qd, stride_kd, Q_DESC, K_DESC, b, h0, t0, kv, s0,
-                      D, BLOCK_D, ROWS, BLOCK_N, HB, IEEE, USE_TMA)
+                      D, BLOCK_D, ROWS, BLOCK_N, HB, IEEE, USE_TMA, A_L1)
         s = _to_bits(s, qk_scale, NO_CONTRACT)
         if MASKED:
             visible = key_ok[None, :] & (tok >= 0)[:, None]
@@ -315,6 +331,7 @@ def _teacher_lse_kernel(
     H, GROUP, N_Q, N_K, qk_scale, chunks_per_group,
     D: tl.constexpr, BLOCK_D: tl.constexpr, HB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, IEEE: tl.constexpr, NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr,
+    A_L1: tl.constexpr = False,
 ):
     """The teacher's per-head LSEs in bits, ``[B, H, N_Q]`` (-inf for rows with no visible key):
     the first pass when the caller gives no ``lse``. One program per (token block, head chunk, b)."""
@@ -338,9 +355,9 @@ def _teacher_lse_kernel(
     full_hi, key_hi = _key_stages(t0, 0, N_K, N_Q, N_K, BLOCK_T, BLOCK_N, CAUSAL)
     m, l = _lse_key_range(m, l, Q, K, Q_DESC, K_DESC, q_off, row_ok, k_off_base, tok, b, h0, t0, kv,
                           0, full_hi, N_Q, N_K, stride_qd, stride_kn, stride_kd, qk_scale, D, BLOCK_D,
-                          ROWS, BLOCK_N, HB, False, CAUSAL, IEEE, NO_CONTRACT, USE_TMA)
+                          ROWS, BLOCK_N, HB, False, CAUSAL, IEEE, NO_CONTRACT, USE_TMA, A_L1)
     m, l = _lse_key_range(m, l, Q, K, Q_DESC, K_DESC, q_off, row_ok, k_off_base, tok, b, h0, t0, kv,
                           full_hi, key_hi, N_Q, N_K, stride_qd, stride_kn, stride_kd, qk_scale, D, BLOCK_D,
-                          ROWS, BLOCK_N, HB, True, CAUSAL, IEEE, NO_CONTRACT, USE_TMA)
+                          ROWS, BLOCK_N, HB, True, CAUSAL, IEEE, NO_CONTRACT, USE_TMA, A_L1)
     lse = tl.where(l == 0.0, float("-inf"), m + tl.log2(l))  # l is NaN (not 0) for a NaN row
     tl.store(LSE_T + (b64 * H + h) * N_Q + tok, lse, mask=row_ok)

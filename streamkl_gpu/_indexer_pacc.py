@@ -41,12 +41,12 @@ def _pacc_key_range(
     Q, K, KI, Q_DESC, K_DESC, KI_DESC, LSE_T, DK_P, DK_DESC,
     stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_kib, stride_kin, stride_kid,
-    b, t0, lo, hi, H, GROUP, N_Q, N_K, qk_scale, inv_heads, n_chunks, chunks_per_group,
+    b, t0, lo, hi, rot, H, GROUP, N_Q, N_K, qk_scale, inv_heads, n_chunks, chunks_per_group,
     D: tl.constexpr, BLOCK_D: tl.constexpr, DI: tl.constexpr, DI_PAD: tl.constexpr,
     HB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
     IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr,
-    DK_TMA: tl.constexpr,
+    DK_TMA: tl.constexpr, A_L1: tl.constexpr,
 ):
     ROWS: tl.constexpr = GI_PAD * BLOCK_T
     diag_offset = N_K - N_Q
@@ -57,13 +57,21 @@ def _pacc_key_range(
     q_for_dk = q_rows
     if MASKED:  # a non-finite query row must not reach the keys it cannot see through A^T @ q
         q_for_dk = _finite_or_zero(q_rows)
-    for s0 in range(lo, hi, BLOCK_N):
+    n_tiles = tl.cdiv(hi - lo, BLOCK_N)
+    for i in range(0, n_tiles):
+        # the unmasked stage starts at a tile that depends on the token block (then wraps), so
+        # the programs running at once add their dk shares into different rows of dk_p, not all
+        # into the same [BLOCK_N, D_I] rows at the same time (the online state is order-free)
+        if MASKED:
+            s0 = lo + i * BLOCK_N
+        else:
+            s0 = lo + ((i + rot) % n_tiles) * BLOCK_N
         keys = s0 + tl.arange(0, BLOCK_N)
         p = _teacher_target(Q, K, Q_DESC, K_DESC, LSE_T, stride_qb, stride_qh, stride_qn, stride_qd,
                             stride_kb, stride_kh, stride_kn, stride_kd,
                             b, t0, s0, H, GROUP, N_Q, N_K, diag_offset, qk_scale, inv_heads,
                             n_chunks, chunks_per_group, D, BLOCK_D, HB, BLOCK_T, BLOCK_N,
-                            MASKED, CAUSAL, IEEE_T, NO_CONTRACT, USE_TMA)
+                            MASKED, CAUSAL, IEEE_T, NO_CONTRACT, USE_TMA, A_L1)
         if USE_TMA:  # box [1, 1, BLOCK_N, DI_PAD]
             k_tile = KI_DESC.load([b, 0, s0, 0]).reshape(BLOCK_N, DI_PAD)
         else:
@@ -111,7 +119,7 @@ def _indexer_fwd_pacc_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, DI: tl.constexpr, DI_PAD: tl.constexpr,
     HB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, RELU: tl.constexpr, IEEE_T: tl.constexpr, IEEE_I: tl.constexpr,
-    NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr, DK_TMA: tl.constexpr,
+    NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr, DK_TMA: tl.constexpr, A_L1: tl.constexpr = False,
 ):
     """KL and LSE_I [B, N_Q] as ``_indexer_fwd_kernel``; dq_p [B, H_I, N_Q, D_I] and dweights_p
     [B, H_I, N_Q] stored, dk_p [B, 1, N_K, D_I] added (fp32, contiguous; dk_p zeroed)."""
@@ -140,15 +148,15 @@ def _indexer_fwd_pacc_kernel(
     m, l, mass, acc, plogp, dq_p, dw_p = _pacc_key_range(
         m, l, mass, acc, plogp, dq_p, dw_p, q_rows, w_rows, row_ok, Q, K, KI, Q_DESC, K_DESC, KI_DESC, LSE_T, DK_P, DK_DESC,
         stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
-        stride_kib, stride_kin, stride_kid, b, t0, 0, full_hi, H, GROUP, N_Q, N_K, qk_scale, inv_heads,
+        stride_kib, stride_kin, stride_kid, b, t0, 0, full_hi, pid_t, H, GROUP, N_Q, N_K, qk_scale, inv_heads,
         n_chunks, chunks_per_group, D, BLOCK_D, DI, DI_PAD, HB, GI_PAD, BLOCK_T, BLOCK_N,
-        False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, DK_TMA)
+        False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, DK_TMA, A_L1)
     m, l, mass, acc, plogp, dq_p, dw_p = _pacc_key_range(
         m, l, mass, acc, plogp, dq_p, dw_p, q_rows, w_rows, row_ok, Q, K, KI, Q_DESC, K_DESC, KI_DESC, LSE_T, DK_P, DK_DESC,
         stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
-        stride_kib, stride_kin, stride_kid, b, t0, full_hi, key_hi, H, GROUP, N_Q, N_K, qk_scale, inv_heads,
+        stride_kib, stride_kin, stride_kid, b, t0, full_hi, key_hi, 0, H, GROUP, N_Q, N_K, qk_scale, inv_heads,
         n_chunks, chunks_per_group, D, BLOCK_D, DI, DI_PAD, HB, GI_PAD, BLOCK_T, BLOCK_N,
-        True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, DK_TMA)
+        True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, DK_TMA, A_L1)
     kl, lse_i = _finish(m, l, acc, plogp)
     ok = toks < N_Q
     out = b64 * N_Q + toks

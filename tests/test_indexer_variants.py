@@ -134,9 +134,15 @@ def test_accumulated_design_only_where_it_applies(monkeypatch):
     assert not _indexer._use_pacc(d, lse, "sum", *xs[2:])
     with torch.no_grad():
         assert not _indexer._use_pacc(d, lse, "mean", *train[2:])
+    monkeypatch.setenv("STREAMKL_INDEXER_PACC", "auto")  # the default: on for an MQA teacher only
+    assert _indexer._use_pacc(d, lse, "sum", *train[2:])
+    gqa = dims_of(*make(1, 4, 2, 5, 5, 8, 2, 1, 8, seed=41))
+    assert not _indexer._use_pacc(gqa, torch.zeros(1, 4, 5), "sum", *train[2:])
+    monkeypatch.setenv("STREAMKL_INDEXER_PACC", "0")
+    assert not _indexer._use_pacc(d, lse, "sum", *train[2:])
     monkeypatch.setenv("STREAMKL_INDEXER_PACC", "2")
     with pytest.raises(ValueError, match="STREAMKL_INDEXER_PACC"):
-        _indexer.pacc_enabled()
+        _indexer.pacc_enabled(d)
 
 
 def test_accumulated_nan_isolation(monkeypatch):
@@ -179,3 +185,63 @@ def test_accumulated_design_traceable_fullgraph(monkeypatch):
     assert torch.equal(l_e, l_c)
     for a, b in zip(g_e, g_c):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("tma", [True], indirect=True)
+def test_l1_variant_pointer_loads(monkeypatch, tma):
+    """The "l1" variant (9th field): pointer loads (q rows cached in L1 on the GPU) even where TMA
+    is available; forward and the accumulating forward vs the reference."""
+    xs = make(1, 4, 1, 13, 21, 24, 4, 1, 16, seed=44)
+    assert _indexer._use_tma(*xs[:4])
+    cfg = (32, 32, 16, 32, 1, 1, None, 1, "l1")
+    pl = _indexer._plan(check_indexer_inputs(*xs), cfg, "fwd")
+    assert _indexer._load_mode(pl, True) == (False, True)
+    _with_config(monkeypatch, cfg)
+    check_case(xs, with_lse=True, causal=True, grad=False)
+    import streamkl_ref
+    lse = torch.from_numpy(streamkl_ref.indexer_kl(*[x.double().numpy() for x in xs], return_lse=True, causal=True)[2]).float()
+    monkeypatch.setenv("STREAMKL_INDEXER_PACC", "1")
+    loss, grads = _loss_and_grads(xs, lse, "sum", causal=True)
+    monkeypatch.setenv("STREAMKL_INDEXER_PACC", "0")
+    loss0, grads0 = _loss_and_grads(xs, lse, "sum", causal=True)
+    assert torch.allclose(loss, loss0, rtol=1e-5)
+    for name in grads:
+        assert torch.allclose(grads[name], grads0[name], rtol=1e-4, atol=1e-6), name
+
+
+def test_accumulated_rotated_key_order(monkeypatch):
+    """Several whole key tiles per token block (16-wide tiles, N_K > N_Q causal): the
+    accumulating forward walks them from a block-dependent tile; loss and gradients still match
+    the plain design."""
+    import streamkl_ref
+
+    _with_config(monkeypatch, (16, 16, 16, 16, 1, 1))
+    xs = make(1, 2, 1, 20, 70, 16, 2, 1, 8, seed=45)
+    pl = _indexer._plan(check_indexer_inputs(*xs), _indexer.INTERPRETER_CONFIG, "bwd")
+    assert pl["BLOCK_N"] == 16 and pl["BLOCK_T"] < 20  # several token blocks, each with >= 3 whole tiles
+    lse = torch.from_numpy(streamkl_ref.indexer_kl(*[x.double().numpy() for x in xs], return_lse=True,
+                                                   causal=True)[2]).float()
+    monkeypatch.setenv("STREAMKL_INDEXER_PACC", "1")
+    loss, grads = _loss_and_grads(xs, lse, "mean", causal=True)
+    monkeypatch.setenv("STREAMKL_INDEXER_PACC", "0")
+    loss0, grads0 = _loss_and_grads(xs, lse, "mean", causal=True)
+    assert torch.allclose(loss, loss0, rtol=1e-5)
+    for name in grads:
+        assert torch.allclose(grads[name], grads0[name], rtol=1e-4, atol=1e-6), name
+
+
+def test_l1_variant_teacher_lse_pass(monkeypatch):
+    """The teacher-LSE first pass (no lse given) with the "l1" variant's pointer loads."""
+    _with_config(monkeypatch, (32, 32, 16, 32, 1, 1, None, 1, "l1"))
+    xs = make(1, 4, 1, 13, 21, 24, 4, 1, 16, seed=46)
+    check_case(xs, with_lse=False, causal=True, grad=False)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_l1_variant_backward(monkeypatch, fused):
+    """The plain backward's kernels with the "l1" variant's pointer loads (q rows of the dq
+    kernel / key tile of the dk kernel cached in L1 on the GPU): gradients vs the reference."""
+    _with_config(monkeypatch, (32, 32, 16, 32, 1, 1, None, 1, "l1"))
+    monkeypatch.setenv("STREAMKL_INDEXER_BWD", "fused" if fused else "separate")
+    xs = make(1, 4, 1, 13, 21, 24, 4, 1, 16, seed=47)
+    check_case(xs, with_lse=True, causal=True, grad=True)
