@@ -88,6 +88,7 @@ class Run:
         self.ns = [64] if a.tiny else [8 * K, 16 * K]
         self.settings = ["s1", "s2"] if a.quick else ["s1", "s2", "both"]
         self.variants = OLD + (NEW_QUICK if a.quick else NEW_FULL)
+        self.compile_warm = False  # the prewarm workers compiled the torch.compile baseline
 
     # -- helpers ---------------------------------------------------------------------------------
     def log(self, msg):
@@ -234,7 +235,9 @@ class Run:
                 if not self.a.tiny:
                     torch.cuda.empty_cache()
             if n == 8 * K and not self.a.no_compile:  # the torch.compile target is at 8K
-                if self.left() > 10:
+                if self.a.quick and not self.compile_warm:  # compiling it here would take the budget
+                    self.log("torch.compile: skipped (its prewarm compile did not finish)")
+                elif self.left() > 10:
                     self.time_compile(bwd)
                 else:
                     self.log("torch.compile: skipped (budget)")
@@ -508,6 +511,8 @@ def prewarm(r, limit_s):
             for line in f:
                 if line.startswith("JOB ok"):
                     ok += 1
+                    if '"t": "compile"' in line:
+                        r.compile_warm = True
                 elif line.startswith("JOB fail"):
                     fail += 1
                     r.log(f"prewarm {line.strip()[:300]}")
