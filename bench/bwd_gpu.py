@@ -63,6 +63,10 @@ def parse(argv):
     ap.add_argument("--budget-s", type=float, default=None, help="stop timing past this many seconds")
     ap.add_argument("--tiny", action="store_true",
                     help="CPU smoke run of this script under TRITON_INTERPRET=1 (tiny shapes, no GPU)")
+    ap.add_argument("--grid", action="store_true",
+                    help="also time the no-regression grid (both settings, GQA, D1 != D2, small N_Q at N_K = 32K); "
+                         "on by default without --quick")
+    ap.add_argument("--grid-only", action="store_true", help="checks, then only the no-regression grid")
     ap.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -82,7 +86,8 @@ class Run:
         self.rows = []
         self.logf = open(os.path.join(a.out, "bwd_gpu.log") if not a._worker else os.devnull, "a")
         self.t0 = time.perf_counter()
-        self.budget = a.budget_s if a.budget_s is not None else (95.0 if a.quick else 420.0)
+        quick_budget = 95.0 + (60.0 if a.grid and not a.grid_only else 15.0 if a.grid_only else 0.0)
+        self.budget = a.budget_s if a.budget_s is not None else (quick_budget if a.quick else 420.0)
 
         class _P(ProvidersMixin):  # the bench's SDPA / torch.compile closures (self.torch, self.ak, self.get)
             pass
@@ -91,6 +96,7 @@ class Run:
         self.ns = [64] if a.tiny else [8 * K, 16 * K]
         self.settings = ["s1", "s2"] if a.quick else ["s1", "s2", "both"]
         self.variants = OLD + (NEW_QUICK if a.quick else NEW_FULL)
+        self.grid = a.grid or a.grid_only or (not a.quick and not a.tiny)
         self.mismatches = 0  # timed shapes where a variant's gradients differ from the old kernels'
         self.compile_warm = False  # the prewarm workers compiled the torch.compile baseline
 
@@ -300,9 +306,15 @@ class Run:
                      ("tma+trans+fold+rows+reduce/fused", "fused", "tma+trans+fold+rows+reduce", True),
                      ("tma+trans+fold+rows/separate", "separate", "tma+trans+fold+rows", True)]
 
+    def grid_cases(self):
+        if not self.a.tiny:
+            return self.GRID
+        return [(c[0], 2, max(1, c[2] // 16), max(1, c[3] // 16), max(16, c[4] // 128), max(16, c[5] // 128),
+                 c[6] // 4, c[7] // 4) + c[8:] for c in self.GRID]  # CPU smoke sizes
+
     def run_grid(self, bwd):
         torch = self.torch
-        for (label, H, HK1, HK2, NQ, NK, D1, D2, causal, setting) in self.GRID:
+        for (label, H, HK1, HK2, NQ, NK, D1, D2, causal, setting) in self.grid_cases():
             if self.left() < 0:
                 self.log(f"grid {label}: skipped (budget)")
                 continue
@@ -318,7 +330,8 @@ class Run:
                         self.row("bwd_vs_old_best", v[0], label, bwd[(label, v[0])] / old, "x",
                                  "regression" if bwd[(label, v[0])] > 1.03 * old else "")
                 del d
-                torch.cuda.empty_cache()
+                if not self.a.tiny:
+                    torch.cuda.empty_cache()
             except Exception as exc:
                 self.log(f"grid {label}: ERROR {type(exc).__name__}: {str(exc)[:300]}")
 
@@ -367,7 +380,16 @@ class Run:
                 t = bwd.get((sshape, nm))
                 cells.append(f"{'-':>22s}" if t is None else
                              f"{t:9.2f} ({t / sd:5.2f}x)".rjust(22) if sd else f"{t:22.2f}")
-            lines.append(f"{sshape:18s} {sd if sd else float('nan'):7.2f} " + " ".join(cells))
+            new = [bwd[(sshape, nm)] for nm in names[len(OLD):] if (sshape, nm) in bwd]
+            verdict = ""
+            if new and sd:
+                verdict = f"  best new {min(new) / sd:.2f}x sdpa ({'meets' if min(new) <= 1.4 * sd else 'misses'} 1.4x)"
+            lines.append(f"{sshape:18s} {sd if sd else float('nan'):7.2f} " + " ".join(cells) + verdict)
+        grid_rows = [r for r in self.rows if r["measure"] == "bwd_vs_old_best"]
+        if grid_rows:
+            lines.append("no-regression grid: backward / best old backward (> 1.03 = regression)")
+            for r in grid_rows:
+                lines.append(f"  {r['shape']:20s} {r['provider']:34s} {r['value']:.3f} {r['note']}")
         tc = bwd.get(("N=8K s1", "torch.compile fwd+bwd"))
         if tc:
             best = min((bwd[k] for k in bwd if k[0] == "N=8K s1" and k[1] in names), default=None)
@@ -416,11 +438,13 @@ def prewarm_jobs(r):
         for s in r.settings:
             for j in range(len(r.variants)):
                 jobs.append({"t": "fb", "causal": c, "setting": s, "v": j})
-    if not r.a.quick and not r.a.tiny:
-        for i in range(len(r.GRID)):
+    if r.a.grid_only:
+        jobs = [j for j in jobs if j["t"] == "check"]
+    if r.grid:
+        for i in range(len(r.grid_cases())):
             for j in range(len(r.GRID_VARIANTS)):
                 jobs.append({"t": "grid", "i": i, "v": j})
-    if not r.a.no_compile:
+    if not r.a.no_compile and not r.a.grid_only:
         jobs.insert(0, {"t": "compile"})
     return jobs
 
@@ -457,7 +481,7 @@ def worker(r, jobfile):
                 r.ak(d["q1"], d["k1"], d["q2"], d["k2"], causal=j["causal"])
                 r.ours_fb(d, j["causal"], j["setting"], mode, variant, tuned)
             elif j["t"] == "grid":  # the same specialisations at N <= 2048
-                (label, H, HK1, HK2, NQ, NK, D1, D2, causal, setting) = r.GRID[j["i"]]
+                (label, H, HK1, HK2, NQ, NK, D1, D2, causal, setting) = r.grid_cases()[j["i"]]
                 vname, mode, variant, tuned = r.GRID_VARIANTS[j["v"]]
                 d = r.inputs(H, min(NQ, 2048), min(NK, 2048), D1, D2, r.torch.bfloat16, HK1, HK2)
                 os.environ["STREAMKL_AUTOTUNE"] = "1"
@@ -503,6 +527,10 @@ def prewarm(r, limit_s):
             args.append("--no-compile")
         if r.a.tiny:
             args.append("--tiny")
+        if r.a.grid:
+            args.append("--grid")
+        if r.a.grid_only:
+            args.append("--grid-only")
         procs.append((subprocess.Popen(args, stdout=lf, stderr=subprocess.STDOUT, start_new_session=True), lf))
     r.log(f"prewarm: {len(jobs)} jobs on {n} workers (limit {limit_s:.0f} s)")
     end = time.perf_counter() + limit_s
@@ -544,8 +572,9 @@ def main(argv=None):
     fails = r.run_checks()
     bwd = {}
     try:
-        bwd = r.run_timing()
-        if not a.quick and not a.tiny:
+        if not a.grid_only:
+            bwd = r.run_timing()
+        if r.grid:
             r.run_grid(bwd)
     except Exception as exc:
         r.log(f"timing: ERROR {type(exc).__name__}: {exc}")
