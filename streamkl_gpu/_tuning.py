@@ -288,7 +288,8 @@ def bwd_variant_candidates(d_pad, both, kind, ieee=False, tma=False, fused=False
     else:
         # dK: 64 keys make one warpgroup's rows (key-major tiles): 4 warps; 8 warps would split the
         # 64 rows over two warpgroups
-        tiles = {"dk": [(64, 64, 4, 2), (32, 64, 4, 3), (64, 64, 8, 2)], "dq": [(64, 64, 8, 2), (64, 32, 4, 3)]}[kind]
+        tiles = {"dk": [(32, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 2), (64, 64, 8, 2)],
+                 "dq": [(64, 64, 8, 2), (64, 32, 4, 3)]}[kind]
     if forced is not None:  # every tile shape of that variant (the old configs for "ptr")
         return old if forced == "ptr" else [t + (forced,) for t in tiles]
     # the tuner's default set: the old configs and the expected best new ones (SASS from the
