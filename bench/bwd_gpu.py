@@ -38,10 +38,12 @@ K = 1024
 # tuner times every tile config of that variant (_tuning.bwd_variant_candidates); untuned = its
 # first config (quick mode keeps compiles down: each tile config is one more compile per shape class)
 OLD = [("old-fused", "fused", "ptr", True), ("old-separate", "separate", "ptr", True)]
+# --quick: timed first (the table's columns), in this order; then, budget permitting, EXTRA_QUICK at 8K
 NEW_QUICK = [("tma+trans+fold+rows+reduce/fused", "fused", "tma+trans+fold+rows+reduce", True),
-             ("tma+trans+fold+reduce/fused", "fused", "tma+trans+fold+reduce", False),
              ("tma+trans+fold+rows/separate", "separate", "tma+trans+fold+rows", False)]
-NEW_FULL = [v[:3] + (True,) for v in NEW_QUICK] + [
+EXTRA_QUICK = [("auto", "auto", None, True),
+               ("tma+trans+fold+reduce/fused", "fused", "tma+trans+fold+reduce", False)]
+NEW_FULL = [v[:3] + (True,) for v in NEW_QUICK + EXTRA_QUICK[1:]] + [
     ("tma+trans+reduce/fused", "fused", "tma+trans+reduce", True),
     ("tma+trans+fold/separate", "separate", "tma+trans+fold", True),
     ("tma+trans/fused", "fused", "tma+trans", True),
@@ -96,6 +98,7 @@ class Run:
         self.ns = [64] if a.tiny else [8 * K, 16 * K]
         self.settings = ["s1", "s2"] if a.quick else ["s1", "s2", "both"]
         self.variants = OLD + (NEW_QUICK if a.quick else NEW_FULL)
+        self.extras = EXTRA_QUICK if a.quick else []  # timed after everything else, at 8K only
         self.grid = a.grid or a.grid_only or (not a.quick and not a.tiny)
         self.mismatches = 0  # timed shapes where a variant's gradients differ from the old kernels'
         self.compile_warm = False  # the prewarm workers compiled the torch.compile baseline
@@ -153,20 +156,22 @@ class Run:
         torch = self.torch
         bf, fp = torch.bfloat16, torch.float16
         # name, H, HK1, HK2, NQ, NK, D1, D2, dtype, causal, setting
-        cases = [("s1-causal-bf16", 4, 4, 4, 320, 320, 128, 128, bf, True, "s1"),
-                 ("s2-gqa-nq<nk-bf16", 4, 2, 2, 256, 384, 128, 128, bf, False, "s2"),
-                 ("both-gqa-d128/64-nq>nk-fp16", 4, 4, 1, 384, 256, 128, 64, fp, True, "both")]
+        # --quick: two cases with the timed kernels' specialisations (H = 16, N % 16 == 0, bf16,
+        # D = 128), so they compile nothing new; the full list adds fp16, GQA, D1 != D2, ragged N
+        cases = [("s1-causal-bf16", 16, 16, 16, 384, 384, 128, 128, bf, True, "s1"),
+                 ("s2-nq<nk-bf16", 16, 16, 16, 256, 384, 128, 128, bf, False, "s2")]
         if not self.a.quick:
-            cases += [("s1-ragged-d64/128-fp16", 2, 2, 2, 250, 250, 64, 128, fp, False, "s1"),
+            cases += [("s2-gqa-nq<nk-bf16", 4, 2, 2, 256, 384, 128, 128, bf, False, "s2"),
+                      ("both-gqa-d128/64-nq>nk-fp16", 4, 4, 1, 384, 256, 128, 64, fp, True, "both"),("s1-ragged-d64/128-fp16", 2, 2, 2, 250, 250, 64, 128, fp, False, "s1"),
                       ("s2-causal-gqa-bf16", 4, 1, 4, 300, 300, 128, 128, bf, True, "s2"),
                       ("both-full-bf16", 2, 2, 2, 256, 256, 128, 128, bf, False, "both")]
         if self.a.tiny:  # the same cases at interpreter sizes (bf16 dots run in fp32 there)
-            cases = [(c[0], c[1], c[2], c[3], c[4] // 10, c[5] // 10, c[6] // 8, c[7] // 8, c[8], c[9], c[10])
-                     for c in cases]
+            cases = [(c[0], 2, max(1, c[2] * 2 // c[1]), max(1, c[3] * 2 // c[1]), c[4] // 10, c[5] // 10,
+                      c[6] // 8, c[7] // 8, c[8], c[9], c[10]) for c in cases]
         return cases
 
     def check_variants(self):
-        return [v for v in self.variants if v[2] is not None]
+        return [v for v in self.variants + self.extras if v[2] is not None]
 
     def run_checks(self):
         torch = self.torch
@@ -180,6 +185,10 @@ class Run:
             old_err = None
             results = {}
             for vname, mode, variant, _ in self.check_variants():
+                if self.left() < -10:  # past the budget (the checks come after the timings)
+                    self.log(f"check {name} {vname}: skipped (budget)")
+                    self.row("check_err_vs_f64", vname, name, float("nan"), "rel", "skipped(budget)")
+                    continue
                 try:
                     gr = self.ours_fb(d, causal, setting, mode, variant)
                     self.sync()
@@ -213,6 +222,7 @@ class Run:
         torch = self.torch
         H, D = self.H, self.D
         bwd = {}  # (shape, provider) -> ms
+        d_keep = {}
         for n in self.ns:
             for causal in (False, True):
                 shape = f"N={fmt_n(n)}{' causal' if causal else ''}"
@@ -241,6 +251,9 @@ class Run:
                 for setting in self.settings:
                     self.time_variants(d, f"{shape} {setting}", causal, setting, fwd_ms, bwd.get((shape, "sdpa")),
                                        self.variants, bwd)
+                d_keep[(n, causal)] = (d, fwd_ms)
+                if n != self.ns[0]:
+                    d_keep.pop((n, causal))
                 del d
                 if not self.a.tiny:
                     torch.cuda.empty_cache()
@@ -251,13 +264,31 @@ class Run:
                     self.time_compile(bwd)
                 else:
                     self.log("torch.compile: skipped (budget)")
+        # optional: the extra variants at the first N (after every main measurement)
+        for (n, causal), (d, fwd_ms) in list(d_keep.items()):
+            shape = f"N={fmt_n(n)}{' causal' if causal else ''}"
+            for tuned in {v[3] for v in self.extras} - set(fwd_ms):
+                os.environ["STREAMKL_AUTOTUNE"] = "1" if tuned else "0"
+                fwd_ms[tuned] = self.bench(lambda: self.ak(d["q1"], d["k1"], d["q2"], d["k2"], causal=causal), n)
+            for setting in self.settings:
+                if self.extras and self.left() > 5:
+                    self.time_variants(d, f"{shape} {setting}", causal, setting, fwd_ms, bwd.get((shape, "sdpa")),
+                                       OLD[:1] + self.extras, bwd, skip_first=True)
+        d_keep.clear()
         return bwd
 
-    def time_variants(self, d, sshape, causal, setting, fwd_ms, sd, variants, bwd):
+    def time_variants(self, d, sshape, causal, setting, fwd_ms, sd, variants, bwd, skip_first=False):
         """fwd+bwd of each variant on inputs ``d``; backward = that minus the forward (``fwd_ms``,
-        per tuning flag); gradients compared with the first variant's (the old fused kernels)."""
+        per tuning flag); gradients compared with the first variant's (the old fused kernels;
+        ``skip_first``: that one only as the gradient reference, not timed again)."""
         base = None
-        for vname, mode, variant, tuned in variants:
+        for i, (vname, mode, variant, tuned) in enumerate(variants):
+            if skip_first and i == 0:
+                try:
+                    base = self.ours_fb(d, causal, setting, mode, variant, tuned)
+                except Exception as exc:
+                    self.log(f"{sshape} {vname} (reference): ERROR {type(exc).__name__}: {str(exc)[:200]}")
+                continue
             if self.left() < 0:
                 self.log(f"{sshape} {vname}: skipped (budget)")
                 self.row("bwd", vname, sshape, float("nan"), "ms", "skipped(budget)")
@@ -367,7 +398,7 @@ class Run:
                 w.writerow(r)
 
     def table(self, bwd, fails):
-        names = [v[0] for v in self.variants]
+        names = [v[0] for v in self.variants + self.extras]
         lines = ["", f"backward = fwd+bwd - fwd, ms (x SDPA's backward); B=1 H=32 D=128 bf16; checks failed: {fails};"
                  f" gradient mismatches at the timed shapes: {self.mismatches}"]
         lines.append(f"{'shape':18s} {'sdpa':>7s} " + " ".join(f"{nm[:22]:>22s}" for nm in names))
@@ -432,20 +463,24 @@ def rel(a, b):
 def prewarm_jobs(r):
     """Every kernel specialisation the serial part uses, at small shapes (N = 2048: the same Triton
     integer specialisations as 8K/16K, all % 16; H = 32)."""
-    jobs = [{"t": "check", "i": i, "v": j} for i in range(len(r.check_cases()))
-            for j in range(len(r.check_variants()))]
-    for c in (False, True):
-        for s in r.settings:
-            for j in range(len(r.variants)):
-                jobs.append({"t": "fb", "causal": c, "setting": s, "v": j})
+    # in priority order (prewarm() keeps it per worker): the main variants, the extras, the checks
+    # (--quick: its checks share the timed kernels' specialisations, nothing to prewarm)
+    jobs = []
+    for j, v in enumerate(r.variants + r.extras):
+        for c in (False, True):
+            for s in r.settings:
+                jobs.append({"t": "fb", "causal": c, "setting": s, "v": j, "tier": 0 if j < len(r.variants) else 1})
+    if not r.a.quick:
+        jobs += [{"t": "check", "i": i, "v": j, "tier": 2} for i in range(len(r.check_cases()))
+                 for j in range(len(r.check_variants()))]
     if r.a.grid_only:
         jobs = [j for j in jobs if j["t"] == "check"]
     if r.grid:
         for i in range(len(r.grid_cases())):
             for j in range(len(r.GRID_VARIANTS)):
-                jobs.append({"t": "grid", "i": i, "v": j})
+                jobs.append({"t": "grid", "i": i, "v": j, "tier": 3})
     if not r.a.no_compile and not r.a.grid_only:
-        jobs.insert(0, {"t": "compile"})
+        jobs.insert(0, {"t": "compile", "tier": 0})
     return jobs
 
 
@@ -455,7 +490,7 @@ def job_cost(r, j):
         return 8.0
     if j["t"] == "check":
         return 2.0 if r.check_variants()[j["v"]][1] == "separate" else 1.0
-    _, mode, variant, tuned = (r.GRID_VARIANTS if j["t"] == "grid" else r.variants)[j["v"]]
+    _, mode, variant, tuned = (r.GRID_VARIANTS if j["t"] == "grid" else r.variants + r.extras)[j["v"]]
     if variant is None:  # the default candidate set: old and new
         return 8.0
     per_kernel = (2 if variant == "ptr" else 3) if tuned else 1
@@ -474,7 +509,7 @@ def worker(r, jobfile):
                 d = r.inputs(H, NQ, NK, D1, D2, dt, HK1, HK2)
                 r.ours_fb(d, causal, setting, mode, variant)
             elif j["t"] == "fb":
-                vname, mode, variant, tuned = r.variants[j["v"]]
+                vname, mode, variant, tuned = (r.variants + r.extras)[j["v"]]
                 n = 64 if r.a.tiny else 2048
                 d = r.inputs(r.H, n, n, r.D, r.D, r.torch.bfloat16)
                 os.environ["STREAMKL_AUTOTUNE"] = "1"  # the tuned forward's candidates too
@@ -508,7 +543,9 @@ def prewarm(r, limit_s):
     n = min(n, len(jobs))
     plans = [[] for _ in range(n)]
     loads = [0.0] * n
-    for est, j in sorted(((job_cost(r, j), j) for j in jobs), key=lambda x: -x[0]):  # longest first
+    # by priority tier, longest first within a tier, each to the least loaded worker: every
+    # worker's queue is in tier order, so the main measurements' kernels compile first
+    for est, j in sorted(((job_cost(r, j), j) for j in jobs), key=lambda x: (x[1]["tier"], -x[0])):
         w = loads.index(min(loads))
         plans[w].append(j)
         loads[w] += est
@@ -568,16 +605,22 @@ def main(argv=None):
     import torch
     import triton
     r.log(f"device {'cpu' if a.tiny else torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    prewarm(r, 30.0 if a.tiny else 45.0 if a.quick else 150.0)
-    fails = r.run_checks()
+    # the prewarm gets up to 40 % of the budget (the workers are stopped then: they would share
+    # the GPU with the timings)
+    prewarm(r, 30.0 if a.tiny else min(100.0, 0.4 * r.budget) if a.quick else 150.0)
     bwd = {}
-    try:
+    try:  # timings first (the budget may run out), then the checks, then the grid
         if not a.grid_only:
             bwd = r.run_timing()
+    except Exception as exc:
+        r.log(f"timing: ERROR {type(exc).__name__}: {exc}")
+        r.logf.write(traceback.format_exc())
+    fails = r.run_checks()
+    try:
         if r.grid:
             r.run_grid(bwd)
     except Exception as exc:
-        r.log(f"timing: ERROR {type(exc).__name__}: {exc}")
+        r.log(f"grid: ERROR {type(exc).__name__}: {exc}")
         r.logf.write(traceback.format_exc())
     r.write()
     r.table(bwd, fails)
