@@ -178,6 +178,14 @@ def test_default_candidates_keep_the_old_configs(gpu_rules):
                     c + ("ptr",) for c in _tuning.bwd_candidates(128, both, kind, True)]
 
 
+def test_long_problems_get_one_new_candidate(gpu_rules):
+    for kind in ("dk", "dq"):
+        old = [c + ("ptr",) for c in _tuning.bwd_candidates(128, False, kind)]
+        few = _tuning.bwd_variant_candidates(128, False, kind, False, True, True, few=True)
+        assert few[:len(old)] == old and len(few) == len(old) + 1
+        assert few[-1] == _tuning.bwd_variant_candidates(128, False, kind, False, True, True)[len(old)]
+
+
 def test_forced_variant_restricts_the_candidates(gpu_rules):
     gpu_rules.setenv("STREAMKL_BWD_VARIANT", "tma+trans+fold+rows+reduce")
     dk = _tuning.bwd_variant_candidates(128, False, "dk", False, True, True)
