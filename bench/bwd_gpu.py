@@ -38,16 +38,21 @@ K = 1024
 # tuner times every tile config of that variant (_tuning.bwd_variant_candidates); untuned = its
 # first config (quick mode keeps compiles down: each tile config is one more compile per shape class)
 OLD = [("old-fused", "fused", "ptr", True), ("old-separate", "separate", "ptr", True)]
+# --quick: timed first (the table's columns), in this order; then, budget permitting, EXTRA_QUICK at 8K
 NEW_QUICK = [("tma+trans+fold+rows+reduce/fused", "fused", "tma+trans+fold+rows+reduce", True),
-             ("tma+trans+fold+reduce/fused", "fused", "tma+trans+fold+reduce", False),
              ("tma+trans+fold+rows/separate", "separate", "tma+trans+fold+rows", False)]
-NEW_FULL = [v[:3] + (True,) for v in NEW_QUICK] + [
+EXTRA_QUICK = [("auto", "auto", None, True),
+               ("tma+trans+fold+reduce/fused", "fused", "tma+trans+fold+reduce", False)]
+NEW_FULL = [v[:3] + (True,) for v in NEW_QUICK + EXTRA_QUICK[1:]] + [
     ("tma+trans+reduce/fused", "fused", "tma+trans+reduce", True),
     ("tma+trans+fold/separate", "separate", "tma+trans+fold", True),
     ("tma+trans/fused", "fused", "tma+trans", True),
     ("tma/separate", "separate", "tma", True),
     ("trans+fold/fused", "fused", "trans+fold", True),
     ("auto", "auto", None, True)]
+# gradients of a variant vs the old fused kernels at a timed shape (bf16 outputs: a few roundings
+# of 2^-8 give ~4e-3 relative Frobenius): above this the variant is reported as a MISMATCH
+MISMATCH = 2e-2
 SET_TRAIN = {"s1": ("q2", "k2"), "s2": ("q1", "k1"), "both": ("q1", "k1", "q2", "k2")}
 
 
@@ -60,6 +65,10 @@ def parse(argv):
     ap.add_argument("--budget-s", type=float, default=None, help="stop timing past this many seconds")
     ap.add_argument("--tiny", action="store_true",
                     help="CPU smoke run of this script under TRITON_INTERPRET=1 (tiny shapes, no GPU)")
+    ap.add_argument("--grid", action="store_true",
+                    help="also time the no-regression grid (both settings, GQA, D1 != D2, small N_Q at N_K = 32K); "
+                         "on by default without --quick")
+    ap.add_argument("--grid-only", action="store_true", help="checks, then only the no-regression grid")
     ap.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -79,7 +88,8 @@ class Run:
         self.rows = []
         self.logf = open(os.path.join(a.out, "bwd_gpu.log") if not a._worker else os.devnull, "a")
         self.t0 = time.perf_counter()
-        self.budget = a.budget_s if a.budget_s is not None else (95.0 if a.quick else 420.0)
+        quick_budget = 95.0 + (60.0 if a.grid and not a.grid_only else 15.0 if a.grid_only else 0.0)
+        self.budget = a.budget_s if a.budget_s is not None else (quick_budget if a.quick else 420.0)
 
         class _P(ProvidersMixin):  # the bench's SDPA / torch.compile closures (self.torch, self.ak, self.get)
             pass
@@ -88,6 +98,10 @@ class Run:
         self.ns = [64] if a.tiny else [8 * K, 16 * K]
         self.settings = ["s1", "s2"] if a.quick else ["s1", "s2", "both"]
         self.variants = OLD + (NEW_QUICK if a.quick else NEW_FULL)
+        self.extras = EXTRA_QUICK if a.quick else []  # timed after everything else, at 8K only
+        self.grid = a.grid or a.grid_only or (not a.quick and not a.tiny)
+        self.mismatches = 0  # timed shapes where a variant's gradients differ from the old kernels'
+        self.compile_warm = False  # the prewarm workers compiled the torch.compile baseline
 
     # -- helpers ---------------------------------------------------------------------------------
     def log(self, msg):
@@ -142,20 +156,22 @@ class Run:
         torch = self.torch
         bf, fp = torch.bfloat16, torch.float16
         # name, H, HK1, HK2, NQ, NK, D1, D2, dtype, causal, setting
-        cases = [("s1-causal-bf16", 4, 4, 4, 320, 320, 128, 128, bf, True, "s1"),
-                 ("s2-gqa-nq<nk-bf16", 4, 2, 2, 256, 384, 128, 128, bf, False, "s2"),
-                 ("both-gqa-d128/64-nq>nk-fp16", 4, 4, 1, 384, 256, 128, 64, fp, True, "both")]
+        # --quick: two cases with the timed kernels' specialisations (H = 16, N % 16 == 0, bf16,
+        # D = 128), so they compile nothing new; the full list adds fp16, GQA, D1 != D2, ragged N
+        cases = [("s1-causal-bf16", 16, 16, 16, 384, 384, 128, 128, bf, True, "s1"),
+                 ("s2-nq<nk-bf16", 16, 16, 16, 256, 384, 128, 128, bf, False, "s2")]
         if not self.a.quick:
-            cases += [("s1-ragged-d64/128-fp16", 2, 2, 2, 250, 250, 64, 128, fp, False, "s1"),
+            cases += [("s2-gqa-nq<nk-bf16", 4, 2, 2, 256, 384, 128, 128, bf, False, "s2"),
+                      ("both-gqa-d128/64-nq>nk-fp16", 4, 4, 1, 384, 256, 128, 64, fp, True, "both"),("s1-ragged-d64/128-fp16", 2, 2, 2, 250, 250, 64, 128, fp, False, "s1"),
                       ("s2-causal-gqa-bf16", 4, 1, 4, 300, 300, 128, 128, bf, True, "s2"),
                       ("both-full-bf16", 2, 2, 2, 256, 256, 128, 128, bf, False, "both")]
         if self.a.tiny:  # the same cases at interpreter sizes (bf16 dots run in fp32 there)
-            cases = [(c[0], c[1], c[2], c[3], c[4] // 10, c[5] // 10, c[6] // 8, c[7] // 8, c[8], c[9], c[10])
-                     for c in cases]
+            cases = [(c[0], 2, max(1, c[2] * 2 // c[1]), max(1, c[3] * 2 // c[1]), c[4] // 10, c[5] // 10,
+                      c[6] // 8, c[7] // 8, c[8], c[9], c[10]) for c in cases]
         return cases
 
     def check_variants(self):
-        return [v for v in self.variants if v[2] is not None]
+        return [v for v in self.variants + self.extras if v[2] is not None]
 
     def run_checks(self):
         torch = self.torch
@@ -169,6 +185,10 @@ class Run:
             old_err = None
             results = {}
             for vname, mode, variant, _ in self.check_variants():
+                if self.left() < -10:  # past the budget (the checks come after the timings)
+                    self.log(f"check {name} {vname}: skipped (budget)")
+                    self.row("check_err_vs_f64", vname, name, float("nan"), "rel", "skipped(budget)")
+                    continue
                 try:
                     gr = self.ours_fb(d, causal, setting, mode, variant)
                     self.sync()
@@ -202,6 +222,7 @@ class Run:
         torch = self.torch
         H, D = self.H, self.D
         bwd = {}  # (shape, provider) -> ms
+        d_keep = {}
         for n in self.ns:
             for causal in (False, True):
                 shape = f"N={fmt_n(n)}{' causal' if causal else ''}"
@@ -230,21 +251,44 @@ class Run:
                 for setting in self.settings:
                     self.time_variants(d, f"{shape} {setting}", causal, setting, fwd_ms, bwd.get((shape, "sdpa")),
                                        self.variants, bwd)
+                d_keep[(n, causal)] = (d, fwd_ms)
+                if n != self.ns[0]:
+                    d_keep.pop((n, causal))
                 del d
                 if not self.a.tiny:
                     torch.cuda.empty_cache()
             if n == 8 * K and not self.a.no_compile:  # the issue's torch.compile target is at 8K
-                if self.left() > 10:
+                if self.a.quick and not self.compile_warm:  # compiling it here would take the budget
+                    self.log("torch.compile: skipped (its prewarm compile did not finish)")
+                elif self.left() > 10:
                     self.time_compile(bwd)
                 else:
                     self.log("torch.compile: skipped (budget)")
+        # optional: the extra variants at the first N (after every main measurement)
+        for (n, causal), (d, fwd_ms) in list(d_keep.items()):
+            shape = f"N={fmt_n(n)}{' causal' if causal else ''}"
+            for tuned in {v[3] for v in self.extras} - set(fwd_ms):
+                os.environ["STREAMKL_AUTOTUNE"] = "1" if tuned else "0"
+                fwd_ms[tuned] = self.bench(lambda: self.ak(d["q1"], d["k1"], d["q2"], d["k2"], causal=causal), n)
+            for setting in self.settings:
+                if self.extras and self.left() > 5:
+                    self.time_variants(d, f"{shape} {setting}", causal, setting, fwd_ms, bwd.get((shape, "sdpa")),
+                                       OLD[:1] + self.extras, bwd, skip_first=True)
+        d_keep.clear()
         return bwd
 
-    def time_variants(self, d, sshape, causal, setting, fwd_ms, sd, variants, bwd):
+    def time_variants(self, d, sshape, causal, setting, fwd_ms, sd, variants, bwd, skip_first=False):
         """fwd+bwd of each variant on inputs ``d``; backward = that minus the forward (``fwd_ms``,
-        per tuning flag); gradients compared with the first variant's (the old fused kernels)."""
+        per tuning flag); gradients compared with the first variant's (the old fused kernels;
+        ``skip_first``: that one only as the gradient reference, not timed again)."""
         base = None
-        for vname, mode, variant, tuned in variants:
+        for i, (vname, mode, variant, tuned) in enumerate(variants):
+            if skip_first and i == 0:
+                try:
+                    base = self.ours_fb(d, causal, setting, mode, variant, tuned)
+                except Exception as exc:
+                    self.log(f"{sshape} {vname} (reference): ERROR {type(exc).__name__}: {str(exc)[:200]}")
+                continue
             if self.left() < 0:
                 self.log(f"{sshape} {vname}: skipped (budget)")
                 self.row("bwd", vname, sshape, float("nan"), "ms", "skipped(budget)")
@@ -255,6 +299,9 @@ class Run:
                 if base is None:
                     base = gr
                 diff = max(rel(a, b) for a, b in zip(gr, base))
+                if not diff <= MISMATCH:  # NaN included
+                    self.mismatches += 1
+                    self.log(f"{sshape} {vname}: MISMATCH gradients vs {variants[0][0]}: rel {diff:.2e} > {MISMATCH}")
                 del gr
                 t = self.bench(lambda: self.ours_fb(d, causal, setting, mode, variant, tuned), d["q1"].shape[2])
                 b_ms = t - fwd_ms[tuned]
@@ -290,9 +337,15 @@ class Run:
                      ("tma+trans+fold+rows+reduce/fused", "fused", "tma+trans+fold+rows+reduce", True),
                      ("tma+trans+fold+rows/separate", "separate", "tma+trans+fold+rows", True)]
 
+    def grid_cases(self):
+        if not self.a.tiny:
+            return self.GRID
+        return [(c[0], 2, max(1, c[2] // 16), max(1, c[3] // 16), max(16, c[4] // 128), max(16, c[5] // 128),
+                 c[6] // 4, c[7] // 4) + c[8:] for c in self.GRID]  # CPU smoke sizes
+
     def run_grid(self, bwd):
         torch = self.torch
-        for (label, H, HK1, HK2, NQ, NK, D1, D2, causal, setting) in self.GRID:
+        for (label, H, HK1, HK2, NQ, NK, D1, D2, causal, setting) in self.grid_cases():
             if self.left() < 0:
                 self.log(f"grid {label}: skipped (budget)")
                 continue
@@ -308,7 +361,8 @@ class Run:
                         self.row("bwd_vs_old_best", v[0], label, bwd[(label, v[0])] / old, "x",
                                  "regression" if bwd[(label, v[0])] > 1.03 * old else "")
                 del d
-                torch.cuda.empty_cache()
+                if not self.a.tiny:
+                    torch.cuda.empty_cache()
             except Exception as exc:
                 self.log(f"grid {label}: ERROR {type(exc).__name__}: {str(exc)[:300]}")
 
@@ -344,10 +398,11 @@ class Run:
                 w.writerow(r)
 
     def table(self, bwd, fails):
-        names = [v[0] for v in self.variants]
-        lines = ["", f"backward = fwd+bwd - fwd, ms (x SDPA's backward); B=1 H=32 D=128 bf16; checks failed: {fails}"]
+        names = [v[0] for v in self.variants + self.extras]
+        lines = ["", f"backward = fwd+bwd - fwd, ms (x SDPA's backward); B=1 H=32 D=128 bf16; checks failed: {fails};"
+                 f" gradient mismatches at the timed shapes: {self.mismatches}"]
         lines.append(f"{'shape':18s} {'sdpa':>7s} " + " ".join(f"{nm[:22]:>22s}" for nm in names))
-        for n, causal, setting in self.timed_shapes():
+        for n, causal, setting in ([] if self.a.grid_only else self.timed_shapes()):
             shape = f"N={fmt_n(n)}{' causal' if causal else ''}"
             sshape = f"{shape} {setting}"
             sd = bwd.get((shape, "sdpa"))
@@ -356,7 +411,16 @@ class Run:
                 t = bwd.get((sshape, nm))
                 cells.append(f"{'-':>22s}" if t is None else
                              f"{t:9.2f} ({t / sd:5.2f}x)".rjust(22) if sd else f"{t:22.2f}")
-            lines.append(f"{sshape:18s} {sd if sd else float('nan'):7.2f} " + " ".join(cells))
+            new = [bwd[(sshape, nm)] for nm in names[len(OLD):] if (sshape, nm) in bwd]
+            verdict = ""
+            if new and sd:
+                verdict = f"  best new {min(new) / sd:.2f}x sdpa ({'meets' if min(new) <= 1.4 * sd else 'misses'} 1.4x)"
+            lines.append(f"{sshape:18s} {sd if sd else float('nan'):7.2f} " + " ".join(cells) + verdict)
+        grid_rows = [r for r in self.rows if r["measure"] == "bwd_vs_old_best"]
+        if grid_rows:
+            lines.append("no-regression grid: backward / best old backward (> 1.03 = regression)")
+            for r in grid_rows:
+                lines.append(f"  {r['shape']:20s} {r['provider']:34s} {r['value']:.3f} {r['note']}")
         tc = bwd.get(("N=8K s1", "torch.compile fwd+bwd"))
         if tc:
             best = min((bwd[k] for k in bwd if k[0] == "N=8K s1" and k[1] in names), default=None)
@@ -399,18 +463,24 @@ def rel(a, b):
 def prewarm_jobs(r):
     """Every kernel specialisation the serial part uses, at small shapes (N = 2048: the same Triton
     integer specialisations as 8K/16K, all % 16; H = 32)."""
-    jobs = [{"t": "check", "i": i, "v": j} for i in range(len(r.check_cases()))
-            for j in range(len(r.check_variants()))]
-    for c in (False, True):
-        for s in r.settings:
-            for j in range(len(r.variants)):
-                jobs.append({"t": "fb", "causal": c, "setting": s, "v": j})
-    if not r.a.quick and not r.a.tiny:
-        for i in range(len(r.GRID)):
+    # in priority order (prewarm() keeps it per worker): the main variants, the extras, the checks
+    # (--quick: its checks share the timed kernels' specialisations, nothing to prewarm)
+    jobs = []
+    for j, v in enumerate(r.variants + r.extras):
+        for c in (False, True):
+            for s in r.settings:
+                jobs.append({"t": "fb", "causal": c, "setting": s, "v": j, "tier": 0 if j < len(r.variants) else 1})
+    if not r.a.quick:
+        jobs += [{"t": "check", "i": i, "v": j, "tier": 2} for i in range(len(r.check_cases()))
+                 for j in range(len(r.check_variants()))]
+    if r.a.grid_only:
+        jobs = [j for j in jobs if j["t"] == "check"]
+    if r.grid:
+        for i in range(len(r.grid_cases())):
             for j in range(len(r.GRID_VARIANTS)):
-                jobs.append({"t": "grid", "i": i, "v": j})
-    if not r.a.no_compile:
-        jobs.insert(0, {"t": "compile"})
+                jobs.append({"t": "grid", "i": i, "v": j, "tier": 3})
+    if not r.a.no_compile and not r.a.grid_only:
+        jobs.insert(0, {"t": "compile", "tier": 0})
     return jobs
 
 
@@ -420,7 +490,7 @@ def job_cost(r, j):
         return 8.0
     if j["t"] == "check":
         return 2.0 if r.check_variants()[j["v"]][1] == "separate" else 1.0
-    _, mode, variant, tuned = (r.GRID_VARIANTS if j["t"] == "grid" else r.variants)[j["v"]]
+    _, mode, variant, tuned = (r.GRID_VARIANTS if j["t"] == "grid" else r.variants + r.extras)[j["v"]]
     if variant is None:  # the default candidate set: old and new
         return 8.0
     per_kernel = (2 if variant == "ptr" else 3) if tuned else 1
@@ -439,14 +509,14 @@ def worker(r, jobfile):
                 d = r.inputs(H, NQ, NK, D1, D2, dt, HK1, HK2)
                 r.ours_fb(d, causal, setting, mode, variant)
             elif j["t"] == "fb":
-                vname, mode, variant, tuned = r.variants[j["v"]]
+                vname, mode, variant, tuned = (r.variants + r.extras)[j["v"]]
                 n = 64 if r.a.tiny else 2048
                 d = r.inputs(r.H, n, n, r.D, r.D, r.torch.bfloat16)
                 os.environ["STREAMKL_AUTOTUNE"] = "1"  # the tuned forward's candidates too
                 r.ak(d["q1"], d["k1"], d["q2"], d["k2"], causal=j["causal"])
                 r.ours_fb(d, j["causal"], j["setting"], mode, variant, tuned)
             elif j["t"] == "grid":  # the same specialisations at N <= 2048
-                (label, H, HK1, HK2, NQ, NK, D1, D2, causal, setting) = r.GRID[j["i"]]
+                (label, H, HK1, HK2, NQ, NK, D1, D2, causal, setting) = r.grid_cases()[j["i"]]
                 vname, mode, variant, tuned = r.GRID_VARIANTS[j["v"]]
                 d = r.inputs(H, min(NQ, 2048), min(NK, 2048), D1, D2, r.torch.bfloat16, HK1, HK2)
                 os.environ["STREAMKL_AUTOTUNE"] = "1"
@@ -473,7 +543,9 @@ def prewarm(r, limit_s):
     n = min(n, len(jobs))
     plans = [[] for _ in range(n)]
     loads = [0.0] * n
-    for est, j in sorted(((job_cost(r, j), j) for j in jobs), key=lambda x: -x[0]):  # longest first
+    # by priority tier, longest first within a tier, each to the least loaded worker: every
+    # worker's queue is in tier order, so the main measurements' kernels compile first
+    for est, j in sorted(((job_cost(r, j), j) for j in jobs), key=lambda x: (x[1]["tier"], -x[0])):
         w = loads.index(min(loads))
         plans[w].append(j)
         loads[w] += est
@@ -492,6 +564,10 @@ def prewarm(r, limit_s):
             args.append("--no-compile")
         if r.a.tiny:
             args.append("--tiny")
+        if r.a.grid:
+            args.append("--grid")
+        if r.a.grid_only:
+            args.append("--grid-only")
         procs.append((subprocess.Popen(args, stdout=lf, stderr=subprocess.STDOUT, start_new_session=True), lf))
     r.log(f"prewarm: {len(jobs)} jobs on {n} workers (limit {limit_s:.0f} s)")
     end = time.perf_counter() + limit_s
@@ -508,6 +584,8 @@ def prewarm(r, limit_s):
             for line in f:
                 if line.startswith("JOB ok"):
                     ok += 1
+                    if '"t": "compile"' in line:
+                        r.compile_warm = True
                 elif line.startswith("JOB fail"):
                     fail += 1
                     r.log(f"prewarm {line.strip()[:300]}")
@@ -527,15 +605,22 @@ def main(argv=None):
     import torch
     import triton
     r.log(f"device {'cpu' if a.tiny else torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    prewarm(r, 30.0 if a.tiny else 45.0 if a.quick else 150.0)
-    fails = r.run_checks()
+    # the prewarm gets up to 40 % of the budget (the workers are stopped then: they would share
+    # the GPU with the timings)
+    prewarm(r, 30.0 if a.tiny else min(100.0, 0.4 * r.budget) if a.quick else 150.0)
     bwd = {}
-    try:
-        bwd = r.run_timing()
-        if not a.quick and not a.tiny:
-            r.run_grid(bwd)
+    try:  # timings first (the budget may run out), then the checks, then the grid
+        if not a.grid_only:
+            bwd = r.run_timing()
     except Exception as exc:
         r.log(f"timing: ERROR {type(exc).__name__}: {exc}")
+        r.logf.write(traceback.format_exc())
+    fails = r.run_checks()
+    try:
+        if r.grid:
+            r.run_grid(bwd)
+    except Exception as exc:
+        r.log(f"grid: ERROR {type(exc).__name__}: {exc}")
         r.logf.write(traceback.format_exc())
     r.write()
     r.table(bwd, fails)

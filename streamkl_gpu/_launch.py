@@ -310,8 +310,9 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
         # TMA descriptors for every operand tile (and the fused dQ's reduce-add into its fp32
         # buffer, rows of D * 4 bytes: D % 4 == 0)
         tma = all(tma_ok(t) for t in (q1, k1, q2, k2)) and dims.D1 % 4 == 0 and dims.D2 % 4 == 0
-        dk_cands = bwd_variant_candidates(max(d1_pad, d2_pad), both, "dk", ieee1 or ieee2, tma, fused)
-        dq_cands = bwd_variant_candidates(max(d1_pad, d2_pad), both, "dq", ieee1 or ieee2, tma, fused)
+        few = tuning_slice(dims, causal) is not None  # long problems: tuned on themselves, so fewer candidates
+        dk_cands = bwd_variant_candidates(max(d1_pad, d2_pad), both, "dk", ieee1 or ieee2, tma, fused, few)
+        dq_cands = bwd_variant_candidates(max(d1_pad, d2_pad), both, "dq", ieee1 or ieee2, tma, fused, few)
         base_key = (dims.D1, dims.D2, q1.dtype, q2.dtype, causal, train1, train2,
                     bucket(dims.NQ), bucket(dims.NK), bucket(BH), dims.group1 > 1, dims.group2 > 1,
                     tma, bwd_variant())

@@ -289,13 +289,15 @@ def bwd_variant(forced=None):
     return name
 
 
-def bwd_variant_candidates(d_pad, both, kind, ieee=False, tma=False, fused=False):
+def bwd_variant_candidates(d_pad, both, kind, ieee=False, tma=False, fused=False, few=False):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages, variant) of the dK (``kind="dk"``) or dQ kernel.
 
     The old configs (``bwd_candidates``, variant "ptr") stay candidates; with TMA-capable inputs
     (``tma``) the descriptor variants join them. Not measured yet on a GPU (bench/bwd_gpu.py
     measures them against each other): FlashAttention-2/3's choice at D = 128 for the key-stationary
-    loop is 128 keys x 64 queries, 8 warps; the dQ loop 128 queries x 64 keys.
+    loop is 128 keys x 64 queries, 8 warps; the dQ loop 128 queries x 64 keys. ``few`` (problems
+    past TUNING_WORK_LIMIT, where the backward is timed on the whole problem): one new candidate,
+    so that a first call at long N pays one more timing, not three.
     """
     forced = bwd_variant()
     if forced is not None:
@@ -317,7 +319,8 @@ def bwd_variant_candidates(d_pad, both, kind, ieee=False, tma=False, fused=False
     else:
         # dK: 64 keys make one warpgroup's rows (key-major tiles): 4 warps; 8 warps would split the
         # 64 rows over two warpgroups
-        tiles = {"dk": [(64, 64, 4, 2), (32, 64, 4, 3), (64, 64, 8, 2)], "dq": [(64, 64, 8, 2), (64, 32, 4, 3)]}[kind]
+        tiles = {"dk": [(32, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 2), (64, 64, 8, 2)],
+                 "dq": [(64, 64, 8, 2), (64, 32, 4, 3)]}[kind]
     if forced is not None:  # every tile shape of that variant (the old configs for "ptr")
         return old if forced == "ptr" else [t + (forced,) for t in tiles]
     # the tuner's default set: the old configs and the expected best new ones (SASS from the
@@ -330,6 +333,8 @@ def bwd_variant_candidates(d_pad, both, kind, ieee=False, tma=False, fused=False
             names = ["trans+fold"]
     else:
         names = ["tma+fold"] if tma else ["fold"]
+    if few:
+        return old + [tiles[0] + (names[0],)]
     return old + [tiles[0] + (n,) for n in names] + [tiles[1] + (names[0],)]
 
 

@@ -178,6 +178,14 @@ def test_default_candidates_keep_the_old_configs(gpu_rules):
                     c + ("ptr",) for c in _tuning.bwd_candidates(128, both, kind, True)]
 
 
+def test_long_problems_get_one_new_candidate(gpu_rules):
+    for kind in ("dk", "dq"):
+        old = [c + ("ptr",) for c in _tuning.bwd_candidates(128, False, kind)]
+        few = _tuning.bwd_variant_candidates(128, False, kind, False, True, True, few=True)
+        assert few[:len(old)] == old and len(few) == len(old) + 1
+        assert few[-1] == _tuning.bwd_variant_candidates(128, False, kind, False, True, True)[len(old)]
+
+
 def test_forced_variant_restricts_the_candidates(gpu_rules):
     gpu_rules.setenv("STREAMKL_BWD_VARIANT", "tma+trans+fold+rows+reduce")
     dk = _tuning.bwd_variant_candidates(128, False, "dk", False, True, True)
@@ -210,3 +218,20 @@ def test_tuner_skips_an_unusable_variant(monkeypatch):
         raise RuntimeError("a bug in the old kernels")
     with pytest.raises(RuntimeError, match="a bug"):
         _tuning._time_candidates(("k2",), cands, broken)
+
+
+@pytest.mark.parametrize("variant", ["tma+trans+fold+rows+reduce"], indirect=True)
+@pytest.mark.parametrize("mode", ["fused", "separate"])
+def test_variant_strided_inputs(variant, mode):
+    """[B, N, H, D]-laid-out inputs seen as [B, H, N, D] views (the descriptors take the strides)."""
+    _launch._PLANS.clear()
+    xs = [x.transpose(1, 2).contiguous().transpose(1, 2)
+          for x in make_inputs(2, 2, 1, 2, 21, 30, 16, 8, seed=9)]
+    assert not xs[0].is_contiguous() and all(_runtime.tma_ok(x) for x in xs)
+    g = torch.randn(2, 2, 21, generator=torch.Generator().manual_seed(3))
+    grads = grads_of(xs, SETTINGS["both"], g, causal=True, bwd_mode=mode)
+    assert launched(variant, mode) == expected(variant, mode)
+    *_, ref = reference([x.contiguous() for x in xs], g, causal=True)
+    _, same = same_precision([x.contiguous() for x in xs], g, causal=True)
+    for name in GRAD_NAMES:
+        assert_close(name, grads[name], ref[name], same[name], dtype=torch.float32)
