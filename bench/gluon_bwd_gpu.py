@@ -231,13 +231,15 @@ def run_check(quick, budget):
 
 
 def run_variant_checks(budget):
-    """The scalar-atomics variant (``gl.atomic_add`` for dQ) is right too: the fallback if red.v2
-    were not."""
+    """The scalar-atomics variant (``gl.atomic_add`` for dQ) is right too (the fallback if red.v2
+    were not), and so is the smaller-shared-memory config (``_gluon_bwd.FALLBACK``)."""
     from streamkl_gpu import _gluon_bwd
 
     out = []
-    for train in (2, 1):
-        name = f"variant:scalar_dq_atomics:bf16:D128:causal:256x256:setting{3 - train}"
+    for train, variant, config in ((2, "scalar_dq_atomics", None), (1, "scalar_dq_atomics", None),
+                                   (2, "kernel", _gluon_bwd.FALLBACK)):
+        label = variant if config is None else "config:" + ",".join(f"{k}={v}" for k, v in config.items())
+        name = f"variant:{label}:bf16:D128:causal:256x256:setting{3 - train}"
         if budget.left() < 6:
             record("check", "gluon", name, None, status="skipped", note="time budget")
             continue
@@ -247,20 +249,20 @@ def run_variant_checks(budget):
             ref = reference64(g, xs, True, train)
             tri = backward_grads("triton", g, xs, (kl, l1, l2), True, train)
             got = _gluon_bwd.gluon_backward(g, *xs, kl, l1, l2, True, 1 / math.sqrt(128), 1 / math.sqrt(128), train,
-                                            variant="scalar_dq_atomics")
-            note_kernel(f"variant:scalar_dq_atomics:check:setting{3 - train}")
+                                            config=config, variant=variant)
+            note_kernel(f"variant:{label}:check:setting{3 - train}")
             ok, detail = True, []
             for nm, r, t, o in zip(("dq", "dk"), ref, tri, got):
                 e_t, e_g = rel_err(t, r), rel_err(o, r)
                 good = e_g <= 2 * e_t + 2e-3
                 ok &= good
                 detail.append(f"{nm}: gluon {e_g:.2e} triton {e_t:.2e}")
-                record("check_rel_err", "gluon:scalar_dq_atomics", name, e_g, "rel", nm, "ok" if good else "FAIL")
+                record("check_rel_err", f"gluon:{label}", name, e_g, "rel", nm, "ok" if good else "FAIL")
             out.append((name, ok, "; ".join(detail)))
             log(f"{'ok  ' if ok else 'FAIL'} {name}: {'; '.join(detail)}")
         except Exception as exc:
             out.append((name, False, f"{type(exc).__name__}: {str(exc)[:300]}"))
-            record("check", "gluon:scalar_dq_atomics", name, None, status="ERROR", note=str(exc)[:2000])
+            record("check", f"gluon:{label}", name, None, status="ERROR", note=str(exc)[:2000])
             log(f"ERROR {name}: {type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}")
     return out
 

@@ -49,6 +49,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.runtime.errors import OutOfResources
 
 # TMA load, renamed in triton 3.8 (``async_load``); 3.6/3.7 have only the old name, 3.9 rejects it.
 if hasattr(tma, "async_load"):
@@ -419,11 +420,12 @@ def _gluon_kl_bwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, LSE1, LSE2, KL, G, 
 def kernel_config(d: int, causal: bool):
     """Launch configuration for head dim d (= D1 = D2). Not tuned on the GPU yet. Shared memory
     per CTA (16-bit, 227 KB on sm_90): K1, K2 512 d bytes; each ring stage 256 d; dS 16 KB per
-    buffer; with CAUSAL the finite copies 512 d. maxnreg 184: no spills with triton 3.6 and 3.9
+    buffer (two: a warpgroup may run one tile ahead of the other); with CAUSAL the finite copies
+    512 d. maxnreg 184: no spills with triton 3.6 and 3.9
     (168, the forward's, spills a few registers under 3.6)."""
-    if d == 128:  # causal: 213 KB with the finite copies; full: 197 KB
+    if d == 128:  # causal: 225 KB of 227 with the finite copies (FALLBACK: DS_BUFS=1, 209 KB); full: 193 KB
         if causal:
-            return dict(NUM_STAGES=2, DS_BUFS=1, CONSUMER_REGS=240, maxnreg=184)
+            return dict(NUM_STAGES=2, DS_BUFS=2, CONSUMER_REGS=240, maxnreg=184)
         return dict(NUM_STAGES=3, DS_BUFS=2, CONSUMER_REGS=240, maxnreg=184)
     return dict(NUM_STAGES=3, DS_BUFS=2, CONSUMER_REGS=240, maxnreg=184)
 
@@ -466,6 +468,10 @@ def launch_args(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, sca
 
 
 LAST_KERNEL = None  # the compiled kernel of the latest launch (the GPU script reads its SASS)
+# if a default config does not fit the device's shared memory (OutOfResources at the launch):
+# the entries that replace it, and the (D, causal) that needed them
+FALLBACK = dict(DS_BUFS=1)
+_FELL_BACK: set = set()
 
 
 def gluon_backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2, train,
@@ -485,9 +491,20 @@ def gluon_backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, 
                          device=q1.device)
     else:
         dk = torch.empty((B, H, N_K, D), dtype=k_t.dtype, device=q1.device)
+    key = (D, bool(causal))
+    if config is None and key in _FELL_BACK:
+        config = FALLBACK
     grid, args, constexprs, options = launch_args(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1,
                                                   scale2, train, dq, dk, config, variant)
-    LAST_KERNEL = _gluon_kl_bwd_kernel[grid](*args, **constexprs, **options)
+    try:
+        LAST_KERNEL = _gluon_kl_bwd_kernel[grid](*args, **constexprs, **options)
+    except OutOfResources:
+        if config is not None:
+            raise
+        _FELL_BACK.add(key)  # nothing was launched: the same buffers serve the smaller config
+        grid, args, constexprs, options = launch_args(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1,
+                                                      scale2, train, dq, dk, FALLBACK, variant)
+        LAST_KERNEL = _gluon_kl_bwd_kernel[grid](*args, **constexprs, **options)
     if k_t.shape[1] != H:
         dk = dk[:, :, :N_K].to(k_t.dtype, memory_format=torch.contiguous_format)
     return dq[:, :, :N_Q].to(q_t.dtype, memory_format=torch.contiguous_format), dk
