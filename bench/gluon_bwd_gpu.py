@@ -248,8 +248,8 @@ def run_variant_checks(budget):
             kl, l1, l2 = forward_saved(xs, True)
             ref = reference64(g, xs, True, train)
             tri = backward_grads("triton", g, xs, (kl, l1, l2), True, train)
-            got = _gluon_bwd.gluon_backward(g, *xs, kl, l1, l2, True, 1 / math.sqrt(128), 1 / math.sqrt(128), train,
-                                            config=config, variant=variant)
+            sc = 1 / math.sqrt(xs[0].shape[-1])
+            got = _gluon_bwd.gluon_backward(g, *xs, kl, l1, l2, True, sc, sc, train, config=config, variant=variant)
             note_kernel(f"variant:{label}:check:setting{3 - train}")
             ok, detail = True, []
             for nm, r, t, o in zip(("dq", "dk"), ref, tri, got):
