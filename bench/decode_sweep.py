@@ -73,6 +73,10 @@ def main(argv=None):
     with open(os.path.join(out_dir, "decode_tuning.txt"), "w") as fh:  # what the tuner measured per key
         for key, measured in getattr(_tuning, "TUNING_LOG", {}).items():
             fh.write(f"{key}\n" + "".join(f"    {cfg}  {ms:.4f} ms\n" for cfg, ms in sorted(measured, key=lambda x: x[1])))
+            retimed = getattr(_tuning, "TUNING_RETIMED", {}).get(key)
+            if retimed:
+                fh.write("  re-timed (interleaved, median):\n" + "".join(
+                    f"    {cfg}  {ms:.4f} ms\n" for cfg, ms in sorted(retimed.items(), key=lambda x: x[1])))
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read + written)")
     print(f"{'B':>2} {'N_Q':>4} {'N_K':>7} {'auto ms':>8} {'best split':>10} {'best ms':>8} {'auto/best':>9} {'auto/floor':>10}")
     for B, NQ, NK, ta, best, tb, floor in table:

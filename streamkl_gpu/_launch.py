@@ -13,6 +13,7 @@ import torch
 from streamkl_ref._checks import check_inputs
 
 from . import _bwd, _fwd, _gluon_bwd_dispatch, _runtime
+from ._fast_launch import launch as fast_launch
 from ._gluon_dispatch import device_capability, fwd_backend, gluon_forward, use_gluon
 from ._checks import check_bwd_mode, check_tensors, compute_view, head_pad, is_empty, strides
 from ._runtime import LOG2E, TensorDescriptor, cdiv, fresh, interpreting, n_sm, tma_ok
@@ -28,43 +29,63 @@ def _empty_forward(dims, device):
     return kl, lse, lse.clone()
 
 
-def _fwd_runner(q1, k1, q2, k2, dims, causal, outs, d1_pad, d2_pad):
-    """``launch(cfg)`` for one problem: cfg = (BLOCK_M, BLOCK_N, warps, stages, use_tma, n_splits)."""
-    kl, lse1_bits, lse2_bits = outs
-    device = q1.device
-    BH = dims.B * dims.H
-    ieee1 = q1.dtype == torch.float32
-    ieee2 = q2.dtype == torch.float32
-    no_contract = not interpreting()
-    strides_in = (*strides(q1), *strides(k1), *strides(q2), *strides(k2))
+class _TritonForward:
+    """One Triton forward config bound to a call signature: grid, integer arguments and
+    constexprs computed once, so a call only allocates and launches.
 
-    def launch(cfg):
+    ``cfg = (BLOCK_M, BLOCK_N, warps, stages, use_tma, n_splits)``. ``key``: the call's plan
+    signature (inputs' shapes, strides, dtypes, alignment, flags), which with ``cfg`` fixes every
+    launch argument's specialisation but the outputs' alignment: the launches then skip Triton's
+    binder (``_fast_launch``). None (tuning, proxies): the binder or a derived key."""
+
+    __slots__ = ("grid", "ints", "constexprs", "warps", "stages", "boxes", "part_shape", "combine", "key")
+
+    def __init__(self, cfg, dims, causal, d1_pad, d2_pad, in_strides, ieee1, ieee2, key=None):
         block_m, block_n, warps, stages, use_tma, n_splits = cfg
-        k1_desc = k2_desc = None
-        if use_tma:
-            k1_desc = TensorDescriptor(k1, list(k1.shape), list(k1.stride()), [1, 1, block_n, d1_pad])
-            k2_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [1, 1, block_n, d2_pad])
+        BH = dims.B * dims.H
         key_tiles = cdiv(dims.NK, block_n)
         splits = min(n_splits, key_tiles)
         keys_per_split = cdiv(key_tiles, splits) * block_n
         splits = cdiv(dims.NK, keys_per_split)
-        part = fresh((5, splits, BH, dims.NQ), torch.float32, device) if splits > 1 else kl
-        grid = (cdiv(dims.NQ, block_m), BH, splits)
-        _fwd._kl_fwd_kernel[grid](
-            q1, k1, q2, k2, k1_desc, k2_desc, kl, lse1_bits, lse2_bits, part, *strides_in,
-            dims.H, dims.NQ, dims.NK, dims.D1, dims.D2, dims.group1, dims.group2,
-            keys_per_split, splits, dims.scale1 * LOG2E, dims.scale2 * LOG2E,
-            BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1_pad, D2_PAD=d2_pad,
-            CAUSAL=causal, SPLIT=splits > 1, IEEE1=ieee1, IEEE2=ieee2, USE_TMA=use_tma,
-            NO_CONTRACT=no_contract,
-            num_warps=warps, num_stages=stages,
-        )
-        if splits > 1:
-            rows = BH * dims.NQ
-            block = 256
-            _fwd._kl_combine_kernel[(cdiv(rows, block),)](
-                part, kl, lse1_bits, lse2_bits, rows, splits, BLOCK=block, num_warps=4)
+        self.grid = (cdiv(dims.NQ, block_m), BH, splits)
+        self.ints = (*in_strides, dims.H, dims.NQ, dims.NK, dims.D1, dims.D2, dims.group1, dims.group2,
+                     keys_per_split, splits, dims.scale1 * LOG2E, dims.scale2 * LOG2E)
+        self.constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1_pad, D2_PAD=d2_pad,
+                               CAUSAL=causal, SPLIT=splits > 1, IEEE1=ieee1, IEEE2=ieee2, USE_TMA=use_tma,
+                               NO_CONTRACT=not interpreting())
+        self.warps, self.stages = warps, stages
+        self.boxes = ([1, 1, block_n, d1_pad], [1, 1, block_n, d2_pad]) if use_tma else None
+        self.part_shape = (5, splits, BH, dims.NQ) if splits > 1 else None
+        rows = BH * dims.NQ
+        self.combine = ((cdiv(rows, 256), 1, 1), (rows, splits)) if splits > 1 else None
+        self.key = None if key is None else (key, cfg)
 
+    def __call__(self, q1, k1, q2, k2, outs):
+        kl, lse1_bits, lse2_bits = outs
+        k1_desc = k2_desc = None
+        if self.boxes is not None:
+            k1_desc = TensorDescriptor(k1, list(k1.shape), list(k1.stride()), self.boxes[0])
+            k2_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), self.boxes[1])
+        part = kl if self.part_shape is None else fresh(self.part_shape, torch.float32, kl.device)
+        fast_launch(_fwd._kl_fwd_kernel, self.grid,
+                    (q1, k1, q2, k2, k1_desc, k2_desc, kl, lse1_bits, lse2_bits, part) + self.ints,
+                    self.constexprs, self.warps, self.stages, self.key, (kl, lse1_bits, lse2_bits, part))
+        if self.combine is not None:
+            grid, (rows, splits) = self.combine
+            fast_launch(_fwd._kl_combine_kernel, grid, (part, kl, lse1_bits, lse2_bits, rows, splits),
+                        dict(BLOCK=256), 4, 3, self.key, (part, kl, lse1_bits, lse2_bits))
+
+
+def _bind_forward(cfg, q1, k1, q2, k2, dims, causal, d1_pad, d2_pad, key=None):
+    strides_in = (*strides(q1), *strides(k1), *strides(q2), *strides(k2))
+    return _TritonForward(cfg, dims, causal, d1_pad, d2_pad, strides_in,
+                          q1.dtype == torch.float32, q2.dtype == torch.float32, key)
+
+
+def _fwd_runner(q1, k1, q2, k2, dims, causal, outs, d1_pad, d2_pad):
+    """``launch(cfg)`` for one problem (what the tuner times): binds ``cfg`` and runs it."""
+    def launch(cfg):
+        _bind_forward(cfg, q1, k1, q2, k2, dims, causal, d1_pad, d2_pad)(q1, k1, q2, k2, outs)
     return launch
 
 
@@ -73,8 +94,7 @@ def _fwd_outputs(dims, device, one_buffer=True):
     three buffers (a custom op's outputs may not alias each other)."""
     if not one_buffer:
         return tuple(fresh((dims.B, dims.H, dims.NQ), torch.float32, device) for _ in range(3))
-    buf = fresh((3, dims.B, dims.H, dims.NQ), torch.float32, device)
-    return buf[0], buf[1], buf[2]
+    return fresh((3, dims.B, dims.H, dims.NQ), torch.float32, device).unbind(0)
 
 
 # Launch plans, per call signature: what depends only on shapes, strides, dtypes, alignment and
@@ -109,14 +129,16 @@ def forward(q1, k1, q2, k2, causal, scale1, scale2, split_k, dims=None, one_buff
     q1, k1, q2, k2 = (compute_view(t) for t in (q1, k1, q2, k2))
     d1_pad, d2_pad = head_pad(dims.D1), head_pad(dims.D2)
     sig = _signature("fwd", dims, (causal, split_k, fwd_backend()), (q1, k1, q2, k2))
-    cfg = _PLANS.get(sig)
-    if cfg is None:
-        cfg = _remember(sig, _forward_config(q1, k1, q2, k2, dims, causal, split_k, d1_pad, d2_pad))
+    plan = _PLANS.get(sig)
+    if plan is None:
+        cfg = _forward_config(q1, k1, q2, k2, dims, causal, split_k, d1_pad, d2_pad)
+        plan = _remember(sig, cfg if cfg is GLUON else
+                         _bind_forward(cfg, q1, k1, q2, k2, dims, causal, d1_pad, d2_pad, key=sig))
     outs = _fwd_outputs(dims, device, one_buffer)
-    if cfg is GLUON:  # the Hopper kernel (_gluon_fwd), chosen by _gluon_dispatch.use_gluon
+    if plan is GLUON:  # the Hopper kernel (_gluon_fwd), chosen by _gluon_dispatch.use_gluon
         gluon_forward(q1, k1, q2, k2, causal, dims.scale1, dims.scale2, out=outs)
     else:
-        _fwd_runner(q1, k1, q2, k2, dims, causal, outs, d1_pad, d2_pad)(cfg)
+        plan(q1, k1, q2, k2, outs)
     return outs
 
 
@@ -210,7 +232,7 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
             return torch.zeros((dims.B, dims.H, dims.NQ, d), dtype=torch.float32, device=device)
         return fresh((dims.B, dims.H, dims.NQ, d), q.dtype, device)
 
-    def run(cfg_dk, cfg_dq):
+    def run(cfg_dk, cfg_dq, plan_key=None):  # plan_key: as in _fwd_runner (direct launches)
         dk1, dk1_atomic = dk_buffer(train1, k1, dims.group1, dims.D1)
         dk2, dk2_atomic = dk_buffer(train2, k2, dims.group2, dims.D2)
         dq1 = dq_buffer(train1, q1, dims.D1)
@@ -222,28 +244,27 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
             return (t.stride(0), t.stride(1), t.stride(2)) if t.dim() == 4 else (0, 0, 0)
 
         block_m, block_n, warps, stages = cfg_dk
-        _bwd._kl_bwd_dk_kernel[(cdiv(dims.NK, block_n), BH)](
+        key = None if plan_key is None else (plan_key, mode, cfg_dk, cfg_dq)
+        aligned = (g, kl, lse1_bits, lse2_bits, t_dk1, t_dk2, t_dq1, t_dq2)
+        fast_launch(_bwd._kl_bwd_dk_kernel, (cdiv(dims.NK, block_n), BH, 1), (
             q1, k1, q2, k2, lse1_bits, lse2_bits, kl, g, t_dk1, t_dk2, t_dq1, t_dq2,
             *strides(q1), *strides(k1), *strides(q2), *strides(k2),
             *s3(t_dk1), *s3(t_dk2), *s3(t_dq1), *s3(t_dq2),
             dims.H, dims.NQ, dims.NK, dims.D1, dims.D2, dims.group1, dims.group2,
-            dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2,
+            dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2), dict(
             BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1_pad, D2_PAD=d2_pad, CAUSAL=causal,
             TRAIN1=train1, TRAIN2=train2, FUSED_DQ=fused, DK1_ATOMIC=dk1_atomic, DK2_ATOMIC=dk2_atomic,
-            IEEE1=ieee1, IEEE2=ieee2, num_warps=warps, num_stages=stages,
-        )
+            IEEE1=ieee1, IEEE2=ieee2), warps, stages, key, aligned)
         if not fused:
             block_m, block_n, warps, stages = cfg_dq
-            _bwd._kl_bwd_dq_kernel[(cdiv(dims.NQ, block_m), BH)](
+            fast_launch(_bwd._kl_bwd_dq_kernel, (cdiv(dims.NQ, block_m), BH, 1), (
                 q1, k1, q2, k2, lse1_bits, lse2_bits, kl, g, t_dq1, t_dq2,
                 *strides(q1), *strides(k1), *strides(q2), *strides(k2),
                 *s3(t_dq1), *s3(t_dq2),
                 dims.H, dims.NQ, dims.NK, dims.D1, dims.D2, dims.group1, dims.group2,
-                dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2,
+                dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2), dict(
                 BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1_pad, D2_PAD=d2_pad, CAUSAL=causal,
-                TRAIN1=train1, TRAIN2=train2, IEEE1=ieee1, IEEE2=ieee2,
-                num_warps=warps, num_stages=stages,
-            )
+                TRAIN1=train1, TRAIN2=train2, IEEE1=ieee1, IEEE2=ieee2), warps, stages, key, aligned)
         return dq1, dk1, dq2, dk2
 
     if plan is None:
@@ -255,7 +276,7 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
         cfg_dq = (dq_cands[0] if fused else
                   pick(("bwd_dq",) + base_key, dq_cands, lambda c: run(cfg_dk, c), device=device))
         plan = _remember(sig, (mode, cfg_dk, cfg_dq))
-    dq1, dk1, dq2, dk2 = run(plan[1], plan[2])
+    dq1, dk1, dq2, dk2 = run(plan[1], plan[2], plan_key=sig)
 
     def finish(grad, group, dtype, n_key_heads):
         if grad is None:

@@ -106,6 +106,7 @@ class _EagerAttentionKL(torch.autograd.Function):
         ctx.save_for_backward(q1, k1, q2, k2, kl, lse1_bits, lse2_bits)
         ctx.args = (causal, dims, bwd_mode, deterministic)
         ctx.mark_non_differentiable(lse1_bits, lse2_bits)
+        ctx.set_materialize_grads(False)  # no zero tensors for the LSE outputs (never differentiated)
         return kl, lse1_bits, lse2_bits
 
     @staticmethod
@@ -114,7 +115,7 @@ class _EagerAttentionKL(torch.autograd.Function):
         causal, dims, bwd_mode, deterministic = ctx.args
         need = ctx.needs_input_grad
         train1, train2 = _trained_sides(need)
-        if not (train1 or train2):
+        if not (train1 or train2) or g_kl is None:  # None: the KL output took no part in the loss
             return (None,) * 9
         dq1, dk1, dq2, dk2 = _backward(g_kl, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, dims.scale1,
                                        dims.scale2, train1, train2, bwd_mode, deterministic, dims=dims)

@@ -126,3 +126,58 @@ def test_split_choices(monkeypatch):
     assert 1 in opts and 8 in opts and rule in opts and max(opts) <= 64
     many = replace(decode, B=8, NQ=512)  # enough query blocks: one pass only
     assert _tuning.split_choices(many, False, 128, 132) == (1,)
+
+
+def _scripted_timing(monkeypatch, first_pass, retimes):
+    """do_bench replaced by a script: the first pass's medians, then each re-timing's per config."""
+    import torch
+    import triton.testing
+
+    calls = []
+    queue = {cfg: list(v) for cfg, v in retimes.items()}
+
+    def fake_do_bench(fn, warmup=None, rep=None, return_mode=None):
+        cfg = fn()
+        calls.append(cfg)
+        if calls.count(cfg) == 1:
+            return first_pass[cfg]
+        return queue[cfg].pop(0)
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    return calls
+
+
+def test_close_candidates_are_retimed_interleaved_and_the_retimed_best_wins(monkeypatch):
+    a, b, c = ("a",), ("b",), ("c",)
+    # first pass: a looks best by a hair, c is far behind (not re-timed)
+    calls = _scripted_timing(monkeypatch, {a: 0.100, b: 0.105, c: 0.200},
+                             {a: [0.110, 0.111, 0.112], b: [0.101, 0.102, 0.099]})
+    monkeypatch.setattr(_tuning, "TUNING_RETIMED", {})
+    best = _tuning._time_candidates(("decode",), [a, b, c], launch=lambda cfg: cfg)
+    assert best == b
+    # launches: a, b, c twice each (compiling, one timed call; not do_bench), their first-pass do_bench, then a b a b a b
+    timed_after_first_pass = [x for x in calls[3:]]
+    assert timed_after_first_pass == [a, b] * _tuning.RETIME_ROUNDS
+    assert set(_tuning.TUNING_RETIMED[("decode",)]) == {a, b}
+
+
+def test_a_clear_winner_is_not_retimed(monkeypatch):
+    a, b = ("a",), ("b",)
+    calls = _scripted_timing(monkeypatch, {a: 0.100, b: 0.300}, {})
+    assert _tuning._time_candidates(("k2",), [a, b], launch=lambda cfg: cfg) == a
+    assert len(calls) == 2
+
+
+def test_a_long_call_is_its_own_measurement(monkeypatch):
+    import time as _time
+    a, b = ("slow",), ("fast",)
+    calls = _scripted_timing(monkeypatch, {b: 0.01}, {})
+
+    def launch(cfg):
+        if cfg == a:
+            _time.sleep(_tuning.LONG_CALL_S * 1.5)  # a long call: timed once, never handed to do_bench
+        return cfg
+
+    assert _tuning._time_candidates(("long",), [a, b], launch=launch) == b
+    assert calls == [b]

@@ -1,0 +1,131 @@
+"""The direct launch path (streamkl_gpu._fast_launch): the same kernel, the same arguments, in the
+kernel's parameter order, and a new binding whenever a specialisation property changes.
+
+The real path only runs on a GPU (the interpreter has no compiled kernels); here a stand-in
+JIT function records what each path receives, so the bookkeeping is checked on CPU."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from streamkl_gpu import _fast_launch
+
+
+class _Param:
+    def __init__(self, name, default=inspect.Parameter.empty):
+        self.name, self.default = name, default
+
+
+class _Compiled:
+    function, packed_metadata = "fn-handle", "meta"
+
+    def __init__(self, log):
+        self.log = log
+
+    def run(self, *args):
+        self.log.append(("direct", args))
+
+
+class _FakeJIT:
+    """Like a JITFunction: fn[grid](*args, **kw) binds, compiles once per key and launches."""
+    arg_names = ["X", "n", "scale", "BLOCK", "FLAG"]
+    params = [_Param("X"), _Param("n"), _Param("scale"), _Param("BLOCK"), _Param("FLAG", default=True)]
+
+    def __init__(self):
+        self.log, self.compiled = [], 0
+
+    def __getitem__(self, grid):
+        def call(*args, **kw):
+            self.log.append(("bound", grid, args, kw))
+            self.compiled += 1
+            return _Compiled(self.log)
+        return call
+
+
+@pytest.fixture
+def direct(monkeypatch):
+    monkeypatch.setattr(_fast_launch, "enabled", lambda: True)
+    monkeypatch.setattr(_fast_launch, "_raw_stream", lambda device: 1234)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(_fast_launch, "_KERNELS", {})
+
+
+def test_second_launch_is_direct_with_arguments_in_parameter_order(direct):
+    fn = _FakeJIT()
+    x = torch.zeros(8)
+    _fast_launch.launch(fn, (2, 3, 1), (x, 5, 0.5), {"BLOCK": 16}, 4, 2)
+    _fast_launch.launch(fn, (7, 1, 1), (x, 5, 0.25), {"BLOCK": 16}, 4, 2)
+    assert [e[0] for e in fn.log] == ["bound", "direct"]
+    assert fn.log[0][3] == {"BLOCK": 16, "num_warps": 4, "num_stages": 2}
+    args = fn.log[1][1]
+    # grid, stream, function, metadata, launch metadata, enter hook, exit hook, then every parameter
+    assert args[:6] == (7, 1, 1, 1234, "fn-handle", "meta")
+    assert args[6:8] == (None, None)
+    assert args[9:] == (x, 5, 0.25, 16, True)  # the constexpr and the default filled in, in order
+
+
+@pytest.mark.parametrize("change", ["alignment", "int_one", "int_mod16", "dtype", "constexpr", "warps", "none"])
+def test_a_changed_specialisation_binds_again(direct, change):
+    fn = _FakeJIT()
+    buf = torch.zeros(64)
+    first = (buf[:8], 32, 1.0)
+    _fast_launch.launch(fn, (1, 1, 1), first, {"BLOCK": 16}, 4, 2)
+    args, kw, warps = first, {"BLOCK": 16}, 4
+    if change == "alignment":
+        args = (buf[1:9], 32, 1.0)  # 4-byte offset: not 16-byte aligned
+    elif change == "int_one":
+        args = (buf[:8], 1, 1.0)
+    elif change == "int_mod16":
+        args = (buf[:8], 33, 1.0)
+    elif change == "dtype":
+        args = (buf[:8].double(), 32, 1.0)
+    elif change == "constexpr":
+        kw = {"BLOCK": 32}
+    elif change == "warps":
+        warps = 8
+    _fast_launch.launch(fn, (1, 1, 1), args, kw, warps, 2)
+    expected = "direct" if change == "none" else "bound"
+    assert fn.log[-1][0] == expected
+    assert fn.compiled == (1 if change == "none" else 2)
+
+
+def test_off_under_the_interpreter_and_by_variable(monkeypatch):
+    assert not _fast_launch.enabled()  # the suite runs under TRITON_INTERPRET=1
+    monkeypatch.setenv("STREAMKL_FAST_LAUNCH", "0")
+    assert not _fast_launch.enabled()
+    fn = _FakeJIT()
+    _fast_launch.launch(fn, (1, 1, 1), (torch.zeros(4), 3, 1.0), {"BLOCK": 16}, 4, 2)
+    _fast_launch.launch(fn, (1, 1, 1), (torch.zeros(4), 3, 1.0), {"BLOCK": 16}, 4, 2)
+    assert [e[0] for e in fn.log] == ["bound", "bound"]
+
+
+def test_a_caller_key_skips_deriving_specialisations_but_not_tensor_alignment(direct):
+    fn = _FakeJIT()
+    buf = torch.zeros(64)
+    _fast_launch.launch(fn, (1, 1, 1), (buf[:8], 32, 1.0), {"BLOCK": 16}, 4, 2, key="plan-A", tensors=(buf[:8],))
+    _fast_launch.launch(fn, (1, 1, 1), (buf[:8], 32, 2.0), {"BLOCK": 16}, 4, 2, key="plan-A", tensors=(buf[:8],))
+    assert [e[0] for e in fn.log] == ["bound", "direct"]
+    _fast_launch.launch(fn, (1, 1, 1), (buf[1:9], 32, 1.0), {"BLOCK": 16}, 4, 2, key="plan-A", tensors=(buf[1:9],))
+    assert fn.log[-1][0] == "bound"  # misaligned tensor: a new binding even under the same plan key
+
+
+def test_check_mode_catches_a_caller_key_that_hides_a_specialisation(direct, monkeypatch):
+    monkeypatch.setattr(_fast_launch, "CHECK", True)
+    fn = _FakeJIT()
+    x = torch.zeros(8)
+    _fast_launch.launch(fn, (1, 1, 1), (x, 32, 1.0), {"BLOCK": 16}, 4, 2, key="plan-B", tensors=(x,))
+    _fast_launch.launch(fn, (1, 1, 1), (x, 32, 3.0), {"BLOCK": 16}, 4, 2, key="plan-B", tensors=(x,))  # floats: fine
+    with pytest.raises(RuntimeError, match="two specialisations"):
+        _fast_launch.launch(fn, (1, 1, 1), (x, 1, 1.0), {"BLOCK": 16}, 4, 2, key="plan-B", tensors=(x,))
+
+
+def test_hook_detection_handles_hook_chains_and_plain_callables():
+    class Chain:
+        def __init__(self, calls):
+            self.calls = calls
+    assert not _fast_launch._hooked(None)
+    assert not _fast_launch._hooked(Chain([]))  # triton >= 3.5: the chain is always there, empty
+    assert _fast_launch._hooked(Chain([print]))
+    assert _fast_launch._hooked(print)  # triton < 3.5: the hook itself or None
