@@ -168,6 +168,9 @@ DT = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # timed alone beside the kernel (not with --quick): no_dq_atomics is wrong on purpose (what
 # the atomics cost), scalar_dq_atomics the plain gl.atomic_add instead of red.v2 (also checked)
 VARIANT_PROVIDERS = ("gluon:no_dq_atomics", "gluon:scalar_dq_atomics")
+# launch configs timed alone beside the default (not with --quick; at 8K, setting 1)
+CONFIGS = {"stages2": dict(NUM_STAGES=2), "stages3": dict(NUM_STAGES=3), "ds_bufs1": dict(DS_BUFS=1),
+           "regs232": dict(CONSUMER_REGS=232, maxnreg=176)}
 
 
 def check_cases(quick):
@@ -392,9 +395,10 @@ def run_timing(quick, warmup, rep, budget, gluon_ok=True, table=None):
             for train in ((2, 1) if quick else (2, 1, BOTH)):
                 setting = _setting(train)
                 fwd_out = forward_saved(xs, causal)
-                for prov in ("gluon", "triton") + VARIANT_PROVIDERS:
-                    if prov in VARIANT_PROVIDERS and (quick or train == BOTH):  # 8 more compiles: not in 100 s
-                        continue
+                configs = tuple("gluon:config:" + c for c in CONFIGS) if (N == 8 * K and train == 2) else ()
+                for prov in ("gluon", "triton") + VARIANT_PROVIDERS + configs:
+                    if (prov in VARIANT_PROVIDERS or prov in configs) and (quick or train == BOTH):
+                        continue  # more compiles: not in the 100 s
                     if prov.startswith("gluon") and not gluon_ok:
                         record("bwd", prov, f"{shape}:setting{setting}", None, status="skipped",
                                note="the check child did not finish")
@@ -403,21 +407,24 @@ def run_timing(quick, warmup, rep, budget, gluon_ok=True, table=None):
                         record("bwd", prov, f"{shape}:setting{setting}", None, status="skipped", note="time budget")
                         continue
                     try:
-                        if prov in VARIANT_PROVIDERS:
+                        if prov in VARIANT_PROVIDERS or prov in configs:
                             from streamkl_gpu import _gluon_bwd
 
                             q1, k1, q2, k2 = xs
                             s1, s2 = 1.0 / math.sqrt(D), 1.0 / math.sqrt(D)
                             kl, l1, l2 = fwd_out
                             variant = prov.split(":", 1)[1]
+                            config = None
+                            if prov in configs:
+                                variant, config = "kernel", CONFIGS[prov.rsplit(":", 1)[1]]
 
                             def bwd_only():
                                 _gluon_bwd.gluon_backward(g, q1, k1, q2, k2, kl, l1, l2, causal, s1, s2, train,
-                                                          variant=variant)
+                                                          config=config, variant=variant)
                             ms = time_ms(bwd_only, warmup, rep)
-                            note_kernel(f"variant:{variant}:{shape}:setting{setting}")
+                            note_kernel(f"variant:{prov}:{shape}:setting{setting}")
                             record("bwd_alone", prov, f"{shape}:setting{setting}", ms, "ms",
-                                   "wrong on purpose" if variant == "no_dq_atomics" else "variant")
+                                   "wrong on purpose" if variant == "no_dq_atomics" else f"variant {config or ''}")
                             times[(prov, setting)] = ms
                             log(f"{shape} setting{setting} {prov}: bwd alone {ms:.3f} ms")
                             continue
@@ -531,6 +538,12 @@ def finish(out_dir, env, checks, table, sass):
             out.append(f"  {shape:15s} |  {setting}  | {f_('gluon')} ({f_('gluon_alone')}) | {f_('triton')} "
                        f"({f_('triton_alone')}) | {sd if sd is None else round(sd, 3)!s:6} | {r_('gluon')} | "
                        f"{r_('triton')}  | {f_('gluon:no_dq_atomics')} | {f_('gluon:scalar_dq_atomics')}")
+    for shape, t in table:
+        cfgs = {k[0]: v for k, v in t.items() if k[0].startswith("gluon:config:")}
+        if cfgs:
+            base = t.get(("gluon_alone", 1))
+            out.append(f"  configs {shape} setting 1, bwd alone ms (default {base if base is None else round(base, 3)}): "
+                       + ", ".join(f"{k.rsplit(':', 1)[1]} {v:.3f}" for k, v in cfgs.items()))
     out.append(f"total {time.time() - T0:.0f}s")
     for line in out:
         log(line)
