@@ -183,6 +183,11 @@ def _bwd_tile(WG: gl.constexpr, dk0, dk1, i, m_lo, q1_ring, q2_ring, k1_smem, k2
         kl_bits = gl.where(empty, 0.0, kl * LOG2E_C)
 
     mbarrier.wait(q_ready.index(s), ph)
+    if MASKED:
+        if CAUSAL:  # the dK product's Q: a finite copy (a NaN query row vs the keys it cannot see),
+            # made before the score products so that its registers are not live beside theirs
+            _finite_copy(_tile(q_t, s * 2, DC), qfin_smem.index(WG * 2), DC)
+            _finite_copy(_tile(q_t, s * 2 + 1, DC), qfin_smem.index(WG * 2 + 1), DC)
     zero = gl.zeros([BLOCK_M, WG_N], gl.float32, s_layout)
     t1 = warpgroup_mma(_tile(q1_ring, s * 2, DC), _tile(k1_smem, WG * 2, DC).permute((1, 0)), zero,
                        use_acc=False, is_async=True)
@@ -196,9 +201,6 @@ def _bwd_tile(WG: gl.constexpr, dk0, dk1, i, m_lo, q1_ring, q2_ring, k1_smem, k2
         visible = keys[None, :] < N_K
         if CAUSAL:  # bottom-right causal: key j visible to query i iff j <= i + (N_K - N_Q)
             visible = visible & (keys[None, :] <= rows[:, None] + diag_offset)
-        if CAUSAL:  # the dK product's Q: a finite copy (a NaN query row vs the keys it cannot see)
-            _finite_copy(_tile(q_t, s * 2, DC), qfin_smem.index(WG * 2), DC)
-            _finite_copy(_tile(q_t, s * 2 + 1, DC), qfin_smem.index(WG * 2 + 1), DC)
 
     # ---- S1 (side 1's exponent) while S2 is still on the tensor cores
     s1 = warpgroup_mma_wait(num_outstanding=2, deps=(t1,))
@@ -417,17 +419,23 @@ def _gluon_kl_bwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, LSE1, LSE2, KL, G, 
 # Host side
 # ----------------------------------------------------------------------------------------------
 
+# Registers per thread as compiled: Triton launches a warp-specialised CTA as 12 warps (384
+# threads: the 1-warp producer padded to a warpgroup) and refuses registers x threads > 65536,
+# so at most 170 (168 in steps of 8), as the Gluon forward (tests/test_gluon_bwd_compile.py
+# checks it for every compiled specialisation; 184 failed every launch on the H200).
+MAX_REGS = 168
+
+
 def kernel_config(d: int, causal: bool):
     """Launch configuration for head dim d (= D1 = D2). Not tuned on the GPU yet. Shared memory
     per CTA (16-bit, 227 KB on sm_90): K1, K2 512 d bytes; each ring stage 256 d; dS 16 KB per
     buffer (two: a warpgroup may run one tile ahead of the other); with CAUSAL the finite copies
-    512 d. maxnreg 184: no spills with triton 3.6 and 3.9
-    (168, the forward's, spills a few registers under 3.6)."""
+    512 d. maxnreg: ``MAX_REGS``."""
     if d == 128:  # causal: 225 KB of 227 with the finite copies (FALLBACK: DS_BUFS=1, 209 KB); full: 193 KB
         if causal:
-            return dict(NUM_STAGES=2, DS_BUFS=2, CONSUMER_REGS=240, maxnreg=184)
-        return dict(NUM_STAGES=3, DS_BUFS=2, CONSUMER_REGS=240, maxnreg=184)
-    return dict(NUM_STAGES=3, DS_BUFS=2, CONSUMER_REGS=240, maxnreg=184)
+            return dict(NUM_STAGES=2, DS_BUFS=2, CONSUMER_REGS=240, maxnreg=MAX_REGS)
+        return dict(NUM_STAGES=3, DS_BUFS=2, CONSUMER_REGS=240, maxnreg=MAX_REGS)
+    return dict(NUM_STAGES=3, DS_BUFS=2, CONSUMER_REGS=240, maxnreg=MAX_REGS)
 
 
 _GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
