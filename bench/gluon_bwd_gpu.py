@@ -168,6 +168,9 @@ DT = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # timed alone beside the kernel (not with --quick): no_dq_atomics is wrong on purpose (what
 # the atomics cost), scalar_dq_atomics the plain gl.atomic_add instead of red.v2 (also checked)
 VARIANT_PROVIDERS = ("gluon:no_dq_atomics", "gluon:scalar_dq_atomics")
+# launch configs timed alone beside the default (not with --quick; at 8K, setting 1)
+CONFIGS = {"stages2": dict(NUM_STAGES=2), "stages3": dict(NUM_STAGES=3), "ds_bufs1": dict(DS_BUFS=1),
+           "consumer_regs224": dict(CONSUMER_REGS=224)}
 
 
 def check_cases(quick):
@@ -231,13 +234,15 @@ def run_check(quick, budget):
 
 
 def run_variant_checks(budget):
-    """The scalar-atomics variant (``gl.atomic_add`` for dQ) is right too: the fallback if red.v2
-    were not."""
+    """The scalar-atomics variant (``gl.atomic_add`` for dQ) is right too (the fallback if red.v2
+    were not), and so is the smaller-shared-memory config (``_gluon_bwd.FALLBACK``)."""
     from streamkl_gpu import _gluon_bwd
 
     out = []
-    for train in (2, 1):
-        name = f"variant:scalar_dq_atomics:bf16:D128:causal:256x256:setting{3 - train}"
+    for train, variant, config in ((2, "scalar_dq_atomics", None), (1, "scalar_dq_atomics", None),
+                                   (2, "kernel", _gluon_bwd.FALLBACK)):
+        label = variant if config is None else "config:" + ",".join(f"{k}={v}" for k, v in config.items())
+        name = f"variant:{label}:bf16:D128:causal:256x256:setting{3 - train}"
         if budget.left() < 6:
             record("check", "gluon", name, None, status="skipped", note="time budget")
             continue
@@ -246,21 +251,21 @@ def run_variant_checks(budget):
             kl, l1, l2 = forward_saved(xs, True)
             ref = reference64(g, xs, True, train)
             tri = backward_grads("triton", g, xs, (kl, l1, l2), True, train)
-            got = _gluon_bwd.gluon_backward(g, *xs, kl, l1, l2, True, 1 / math.sqrt(128), 1 / math.sqrt(128), train,
-                                            variant="scalar_dq_atomics")
-            note_kernel(f"variant:scalar_dq_atomics:check:setting{3 - train}")
+            sc = 1 / math.sqrt(xs[0].shape[-1])
+            got = _gluon_bwd.gluon_backward(g, *xs, kl, l1, l2, True, sc, sc, train, config=config, variant=variant)
+            note_kernel(f"variant:{label}:check:setting{3 - train}")
             ok, detail = True, []
             for nm, r, t, o in zip(("dq", "dk"), ref, tri, got):
                 e_t, e_g = rel_err(t, r), rel_err(o, r)
                 good = e_g <= 2 * e_t + 2e-3
                 ok &= good
                 detail.append(f"{nm}: gluon {e_g:.2e} triton {e_t:.2e}")
-                record("check_rel_err", "gluon:scalar_dq_atomics", name, e_g, "rel", nm, "ok" if good else "FAIL")
+                record("check_rel_err", f"gluon:{label}", name, e_g, "rel", nm, "ok" if good else "FAIL")
             out.append((name, ok, "; ".join(detail)))
             log(f"{'ok  ' if ok else 'FAIL'} {name}: {'; '.join(detail)}")
         except Exception as exc:
             out.append((name, False, f"{type(exc).__name__}: {str(exc)[:300]}"))
-            record("check", "gluon:scalar_dq_atomics", name, None, status="ERROR", note=str(exc)[:2000])
+            record("check", f"gluon:{label}", name, None, status="ERROR", note=str(exc)[:2000])
             log(f"ERROR {name}: {type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}")
     return out
 
@@ -333,10 +338,14 @@ def run_sass(out_dir, prefix):
             if "variant" in label:
                 ok = None
             regs = getattr(k, "n_regs", None)
+            threads = int(k.metadata.num_warps) * 32
+            if regs and regs * threads > gs.REGS_PER_CTA:  # what Triton's launch refuses
+                ok = False
             for m in ("hgmma", "depbar", "stl", "ldl", "ex2"):
                 record("sass", f"gluon_bwd_{n:02d}", label, c[m])
             record("sass", f"gluon_bwd_{n:02d}", label, str(loops), "loops(hgmma,depbar,ex2,red,bssy)",
-                   f"regs={regs} spills={getattr(k, 'n_spills', None)}", "ok" if ok else ("info" if ok is None else "FAIL"))
+                   f"regs={regs} threads={threads} spills={getattr(k, 'n_spills', None)}",
+                   "ok" if ok else ("info" if ok is None else "FAIL"))
             summary.append((label, ok, c, loops, regs))
             log(f"{'ok  ' if ok else ('info' if ok is None else 'FAIL')} {label}: HGMMA={c['hgmma']} "
                 f"DEPBAR={c['depbar']} STL={c['stl']} LDL={c['ldl']} regs={regs} loops={loops}")
@@ -390,9 +399,10 @@ def run_timing(quick, warmup, rep, budget, gluon_ok=True, table=None):
             for train in ((2, 1) if quick else (2, 1, BOTH)):
                 setting = _setting(train)
                 fwd_out = forward_saved(xs, causal)
-                for prov in ("gluon", "triton") + VARIANT_PROVIDERS:
-                    if prov in VARIANT_PROVIDERS and (quick or train == BOTH):  # 8 more compiles: not in 100 s
-                        continue
+                configs = tuple("gluon:config:" + c for c in CONFIGS) if (N == 8 * K and train == 2) else ()
+                for prov in ("gluon", "triton") + VARIANT_PROVIDERS + configs:
+                    if (prov in VARIANT_PROVIDERS or prov in configs) and (quick or train == BOTH):
+                        continue  # more compiles: not in the 100 s
                     if prov.startswith("gluon") and not gluon_ok:
                         record("bwd", prov, f"{shape}:setting{setting}", None, status="skipped",
                                note="the check child did not finish")
@@ -401,21 +411,24 @@ def run_timing(quick, warmup, rep, budget, gluon_ok=True, table=None):
                         record("bwd", prov, f"{shape}:setting{setting}", None, status="skipped", note="time budget")
                         continue
                     try:
-                        if prov in VARIANT_PROVIDERS:
+                        if prov in VARIANT_PROVIDERS or prov in configs:
                             from streamkl_gpu import _gluon_bwd
 
                             q1, k1, q2, k2 = xs
                             s1, s2 = 1.0 / math.sqrt(D), 1.0 / math.sqrt(D)
                             kl, l1, l2 = fwd_out
                             variant = prov.split(":", 1)[1]
+                            config = None
+                            if prov in configs:
+                                variant, config = "kernel", CONFIGS[prov.rsplit(":", 1)[1]]
 
                             def bwd_only():
                                 _gluon_bwd.gluon_backward(g, q1, k1, q2, k2, kl, l1, l2, causal, s1, s2, train,
-                                                          variant=variant)
+                                                          config=config, variant=variant)
                             ms = time_ms(bwd_only, warmup, rep)
-                            note_kernel(f"variant:{variant}:{shape}:setting{setting}")
+                            note_kernel(f"variant:{prov}:{shape}:setting{setting}")
                             record("bwd_alone", prov, f"{shape}:setting{setting}", ms, "ms",
-                                   "wrong on purpose" if variant == "no_dq_atomics" else "variant")
+                                   "wrong on purpose" if variant == "no_dq_atomics" else f"variant {config or ''}")
                             times[(prov, setting)] = ms
                             log(f"{shape} setting{setting} {prov}: bwd alone {ms:.3f} ms")
                             continue
@@ -529,6 +542,12 @@ def finish(out_dir, env, checks, table, sass):
             out.append(f"  {shape:15s} |  {setting}  | {f_('gluon')} ({f_('gluon_alone')}) | {f_('triton')} "
                        f"({f_('triton_alone')}) | {sd if sd is None else round(sd, 3)!s:6} | {r_('gluon')} | "
                        f"{r_('triton')}  | {f_('gluon:no_dq_atomics')} | {f_('gluon:scalar_dq_atomics')}")
+    for shape, t in table:
+        cfgs = {k[0]: v for k, v in t.items() if k[0].startswith("gluon:config:")}
+        if cfgs:
+            base = t.get(("gluon_alone", 1))
+            out.append(f"  configs {shape} setting 1, bwd alone ms (default {base if base is None else round(base, 3)}): "
+                       + ", ".join(f"{k.rsplit(':', 1)[1]} {v:.3f}" for k, v in cfgs.items()))
     out.append(f"total {time.time() - T0:.0f}s")
     for line in out:
         log(line)

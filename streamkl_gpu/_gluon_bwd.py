@@ -49,6 +49,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.runtime.errors import OutOfResources
 
 # TMA load, renamed in triton 3.8 (``async_load``); 3.6/3.7 have only the old name, 3.9 rejects it.
 if hasattr(tma, "async_load"):
@@ -182,6 +183,11 @@ def _bwd_tile(WG: gl.constexpr, dk0, dk1, i, m_lo, q1_ring, q2_ring, k1_smem, k2
         kl_bits = gl.where(empty, 0.0, kl * LOG2E_C)
 
     mbarrier.wait(q_ready.index(s), ph)
+    if MASKED:
+        if CAUSAL:  # the dK product's Q: a finite copy (a NaN query row vs the keys it cannot see),
+            # made before the score products so that its registers are not live beside theirs
+            _finite_copy(_tile(q_t, s * 2, DC), qfin_smem.index(WG * 2), DC)
+            _finite_copy(_tile(q_t, s * 2 + 1, DC), qfin_smem.index(WG * 2 + 1), DC)
     zero = gl.zeros([BLOCK_M, WG_N], gl.float32, s_layout)
     t1 = warpgroup_mma(_tile(q1_ring, s * 2, DC), _tile(k1_smem, WG * 2, DC).permute((1, 0)), zero,
                        use_acc=False, is_async=True)
@@ -195,9 +201,6 @@ def _bwd_tile(WG: gl.constexpr, dk0, dk1, i, m_lo, q1_ring, q2_ring, k1_smem, k2
         visible = keys[None, :] < N_K
         if CAUSAL:  # bottom-right causal: key j visible to query i iff j <= i + (N_K - N_Q)
             visible = visible & (keys[None, :] <= rows[:, None] + diag_offset)
-        if CAUSAL:  # the dK product's Q: a finite copy (a NaN query row vs the keys it cannot see)
-            _finite_copy(_tile(q_t, s * 2, DC), qfin_smem.index(WG * 2), DC)
-            _finite_copy(_tile(q_t, s * 2 + 1, DC), qfin_smem.index(WG * 2 + 1), DC)
 
     # ---- S1 (side 1's exponent) while S2 is still on the tensor cores
     s1 = warpgroup_mma_wait(num_outstanding=2, deps=(t1,))
@@ -416,16 +419,23 @@ def _gluon_kl_bwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, LSE1, LSE2, KL, G, 
 # Host side
 # ----------------------------------------------------------------------------------------------
 
+# Registers per thread as compiled: Triton launches a warp-specialised CTA as 12 warps (384
+# threads: the 1-warp producer padded to a warpgroup) and refuses registers x threads > 65536,
+# so at most 170 (168 in steps of 8), as the Gluon forward (tests/test_gluon_bwd_compile.py
+# checks it for every compiled specialisation; 184 failed every launch on the H200).
+MAX_REGS = 168
+
+
 def kernel_config(d: int, causal: bool):
     """Launch configuration for head dim d (= D1 = D2). Not tuned on the GPU yet. Shared memory
     per CTA (16-bit, 227 KB on sm_90): K1, K2 512 d bytes; each ring stage 256 d; dS 16 KB per
-    buffer; with CAUSAL the finite copies 512 d. maxnreg 184: no spills with triton 3.6 and 3.9
-    (168, the forward's, spills a few registers under 3.6)."""
-    if d == 128:  # causal: 213 KB with the finite copies; full: 197 KB
+    buffer (two: a warpgroup may run one tile ahead of the other); with CAUSAL the finite copies
+    512 d. maxnreg: ``MAX_REGS``."""
+    if d == 128:  # causal: 225 KB of 227 with the finite copies (FALLBACK: DS_BUFS=1, 209 KB); full: 193 KB
         if causal:
-            return dict(NUM_STAGES=2, DS_BUFS=1, CONSUMER_REGS=240, maxnreg=184)
-        return dict(NUM_STAGES=3, DS_BUFS=2, CONSUMER_REGS=240, maxnreg=184)
-    return dict(NUM_STAGES=3, DS_BUFS=2, CONSUMER_REGS=240, maxnreg=184)
+            return dict(NUM_STAGES=2, DS_BUFS=2, CONSUMER_REGS=240, maxnreg=MAX_REGS)
+        return dict(NUM_STAGES=3, DS_BUFS=2, CONSUMER_REGS=240, maxnreg=MAX_REGS)
+    return dict(NUM_STAGES=3, DS_BUFS=2, CONSUMER_REGS=240, maxnreg=MAX_REGS)
 
 
 _GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -466,6 +476,10 @@ def launch_args(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, sca
 
 
 LAST_KERNEL = None  # the compiled kernel of the latest launch (the GPU script reads its SASS)
+# if a default config does not fit the device's shared memory (OutOfResources at the launch):
+# the entries that replace it, and the (D, causal) that needed them
+FALLBACK = dict(DS_BUFS=1)
+_FELL_BACK: set = set()
 
 
 def gluon_backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2, train,
@@ -485,9 +499,20 @@ def gluon_backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, 
                          device=q1.device)
     else:
         dk = torch.empty((B, H, N_K, D), dtype=k_t.dtype, device=q1.device)
+    key = (D, bool(causal))
+    if config is None and key in _FELL_BACK:
+        config = FALLBACK
     grid, args, constexprs, options = launch_args(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1,
                                                   scale2, train, dq, dk, config, variant)
-    LAST_KERNEL = _gluon_kl_bwd_kernel[grid](*args, **constexprs, **options)
+    try:
+        LAST_KERNEL = _gluon_kl_bwd_kernel[grid](*args, **constexprs, **options)
+    except OutOfResources:
+        if config is not None:
+            raise
+        _FELL_BACK.add(key)  # nothing was launched: the same buffers serve the smaller config
+        grid, args, constexprs, options = launch_args(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1,
+                                                      scale2, train, dq, dk, FALLBACK, variant)
+        LAST_KERNEL = _gluon_kl_bwd_kernel[grid](*args, **constexprs, **options)
     if k_t.shape[1] != H:
         dk = dk[:, :, :N_K].to(k_t.dtype, memory_format=torch.contiguous_format)
     return dq[:, :, :N_Q].to(q_t.dtype, memory_format=torch.contiguous_format), dk

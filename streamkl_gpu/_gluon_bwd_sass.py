@@ -16,6 +16,7 @@ import re
 from ._gluon_sass import DTYPES, main_loops, resource_usage, sass_counts, sass_of
 
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90
+REGS_PER_CTA = 65536  # Triton's launch check: registers per thread x threads per CTA
 
 
 def bwd_counts(sass):
@@ -87,7 +88,8 @@ def _main(argv):
         kernel = compile_sm90(d, dtype, causal, train, gqa=gqa)
         sass = sass_of(kernel)
         row = dict(spec=spec, seconds=round(time.time() - t0, 1), triton=triton.__version__,
-                   resources=resource_usage(kernel), shared_bytes=int(kernel.metadata.shared), **bwd_counts(sass))
+                   resources=resource_usage(kernel), shared_bytes=int(kernel.metadata.shared),
+                   threads=int(kernel.metadata.num_warps) * 32, **bwd_counts(sass))
         print(json.dumps(row), flush=True)
 
 

@@ -5,7 +5,8 @@ Gluon does not run under the interpreter, so the kernel's numbers are checked on
 (bench/gluon_bwd_gpu.py: against the Triton backward and float64). Here a broken kernel fails at
 compile time or in the SASS: spills to local memory (STL/LDL), ptxas serialising the wgmma (a
 WARPGROUP.DEPBAR per HGMMA instead of the three waits per query tile the source has), a masked
-(branchy) dQ atomic, or more shared memory than an sm_90 CTA has.
+(branchy) dQ atomic, more shared memory than an sm_90 CTA has, or more registers x threads than a
+CTA may hold (Triton's launch check).
 """
 import json
 import os
@@ -41,7 +42,7 @@ def compiled():
 
 @pytest.mark.parametrize("spec", CI_SPECS)
 def test_sass_no_spills_three_waits_per_query_tile(compiled, spec):
-    from streamkl_gpu._gluon_bwd_sass import SMEM_LIMIT
+    from streamkl_gpu._gluon_bwd_sass import REGS_PER_CTA, SMEM_LIMIT
 
     row = compiled[spec]
     _, mode, d, train, *gqa = spec.split(":")
@@ -49,6 +50,9 @@ def test_sass_no_spills_three_waits_per_query_tile(compiled, spec):
     assert row["stl"] == 0 and row["ldl"] == 0, f"{spec}: local-memory spills in the SASS: {row}"
     assert row["resources"]["local"] == 0, f"{spec}: ptxas reports local memory: {row['resources']}"
     assert 0 < row["shared_bytes"] <= SMEM_LIMIT, f"{spec}: {row['shared_bytes']} bytes of shared memory"
+    # the launch check that refused every launch on the H200 at 184 registers (384 threads)
+    assert row["resources"]["reg"] * row["threads"] <= REGS_PER_CTA, (
+        f"{spec}: {row['resources']['reg']} registers x {row['threads']} threads > {REGS_PER_CTA}")
     # the main loops: masked and unmasked query-tile loops, in each of the two consumer warpgroups
     loops = row["loops"]
     assert len(loops) == 4, f"{spec}: expected 4 query-tile loops with HGMMA, found {len(loops)}: {loops}"
