@@ -11,7 +11,8 @@
 Sections (see bench/README.md), run in the order given:
   in-process (the default, 'core'): env, check, fwd, bwd, decode, smallq, long;
   delegated ('extra'; each runs one bench script as a subprocess with a time limit, output under
-  --out/<section>/): host, decode_sweep, gluon, indexer, varlen, cp, nan, nan_cost.
+  --out/<section>/): host, decode_sweep, gluon, indexer, varlen, cp, bwd_variants, gluon_bwd,
+  indexer_perf, nan, nan_cost.
 Outputs under --out: bench.csv (long format, one row per measurement), check.csv (one row per
 compared tensor), sections.csv (one row per section: status, seconds, limit), summary.txt (ratios
 vs the anchors' targets), env.json, bench.log; with --pack also results.tgz (all of it).

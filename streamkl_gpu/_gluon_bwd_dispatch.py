@@ -12,11 +12,11 @@ builds without Gluon leave ``GLUON_BWD_AVAILABLE`` False and every problem on th
 """
 from __future__ import annotations
 
-import os
 from typing import Optional, Sequence
 
 import torch
 
+from . import _runtime
 from ._gluon_dispatch import GLUON_CAPABILITY, _tma_legal, device_capability
 
 try:
@@ -44,7 +44,7 @@ GLUON_BWD_MIN_QUERIES = 128
 
 def bwd_backend() -> str:
     """The backward backend asked for: ``BWD_BACKEND`` if set, else ``$STREAMKL_BWD_BACKEND``."""
-    value = BWD_BACKEND if BWD_BACKEND is not None else os.environ.get(ENV_VAR, "auto")
+    value = BWD_BACKEND if BWD_BACKEND is not None else _runtime.env(ENV_VAR, "auto")
     value = str(value).strip().lower() or "auto"
     if value not in BACKENDS:
         raise ValueError(f"{ENV_VAR} (or _gluon_bwd_dispatch.BWD_BACKEND) must be one of {BACKENDS}, got {value!r}")

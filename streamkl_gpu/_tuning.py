@@ -40,7 +40,7 @@ def bucket(n: int) -> int:
 
 
 def autotune_enabled() -> bool:
-    return not interpreting() and os.environ.get("STREAMKL_AUTOTUNE", "1") != "0"
+    return not interpreting() and _runtime.env("STREAMKL_AUTOTUNE", "1") != "0"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -281,7 +281,7 @@ class UnusableConfig(Exception):
 
 def bwd_variant(forced=None):
     """The variant STREAMKL_BWD_VARIANT forces, or None."""
-    name = forced if forced is not None else os.environ.get("STREAMKL_BWD_VARIANT")
+    name = forced if forced is not None else _runtime.env("STREAMKL_BWD_VARIANT")
     if not name:
         return None
     if name not in BWD_VARIANTS:

@@ -57,6 +57,15 @@ DELEGATED = {
     "cp": Delegate("context_parallel_gpu.py", "context parallel, world of 1 (a 1-rank group): vs "
                    "attention_kl, overhead at 32K", 240, tiny_args=("--tiny",), cpu_args=("--device", "cpu"),
                    budget_flag="--budget-s"),
+    "bwd_variants": Delegate("bwd_gpu.py", "Triton backward variants: checks vs float64 and the previous "
+                             "kernels, backward vs SDPA's at 8K/16K, torch.compile 8K", 600, quick_budget_s=240,
+                             quick_args=("--quick",), tiny_args=("--tiny",), budget_flag="--budget-s"),
+    "gluon_bwd": Delegate("gluon_bwd_gpu.py", "Gluon backward (forced): checks vs Triton and float64, SASS, "
+                          "backward vs SDPA's", 450, quick_budget_s=130, quick_args=("--quick",),
+                          budget_flag="--budget"),
+    "indexer_perf": Delegate("indexer_perf_gpu.py", "indexer loss: every launch candidate forced, vs float64, "
+                             "the floor and torch.compile", 600, quick_budget_s=150, quick_args=("--quick",),
+                             tiny_args=("--tiny",), budget_flag="--budget"),
     "nan": Delegate("nan_check.py", "NaN/inf isolation through the public API (bitwise vs the clean run)", 150,
                     tiny_args=("--tiny",), optional=True),
     "nan_cost": Delegate("nan_cost.py", "what the NaN-isolation guards cost at 8K: this tree vs the legacy "
