@@ -13,7 +13,7 @@ import triton
 
 import re
 
-from ._gluon_sass import DTYPES, main_loops, resource_usage, sass_counts, sass_of
+from ._gluon_sass import DTYPES, gluon_signature, main_loops, resource_usage, sass_counts, sass_of
 
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90
 REGS_PER_CTA = 65536  # Triton's launch check: registers per thread x threads per CTA
@@ -47,23 +47,7 @@ def compile_sm90(d, dtype, causal, train, n_q=256, n_k=256, config=None, variant
           else torch.empty(B, H, n_k, d, dtype=dtype))
     _, args, constexprs, options = gb.launch_args(rows, q, k, q, k, rows, rows, rows, causal, 0.1, 0.1, train,
                                                   dq, dk, config, variant)
-    sig = {}
-    for name, a in zip(gb._gluon_kl_bwd_kernel.arg_names, args):
-        if hasattr(a, "__mangle__"):
-            sig[name] = a.__mangle__()
-        elif hasattr(a, "block_shape"):  # triton < 3.9 descriptors: the same type string by hand
-            from triton._utils import canonicalize_dtype
-
-            block = ",".join(map(str, a.block_shape))
-            sig[name] = f"tensordesc<{canonicalize_dtype(a.base.dtype)}[{block}],{a.layout!r}>"
-        elif isinstance(a, torch.Tensor):
-            sig[name] = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}[a.dtype]
-        elif isinstance(a, float):
-            sig[name] = "fp32"
-        else:
-            sig[name] = "i32"
-    for name in constexprs:
-        sig[name] = "constexpr"
+    sig = gluon_signature(gb._gluon_kl_bwd_kernel, args, constexprs)
     src = GluonASTSource(gb._gluon_kl_bwd_kernel, sig, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 

@@ -18,6 +18,29 @@ def cuobjdump() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
+def gluon_signature(kernel, args, constexprs) -> dict:
+    """The type signature ``GluonASTSource`` wants for a launch's arguments (what the JIT would
+    derive): descriptor type strings, pointer dtypes, fp32 scalars, i32 integers, constexprs."""
+    sig = {}
+    for name, a in zip(kernel.arg_names, args):
+        if hasattr(a, "__mangle__"):
+            sig[name] = a.__mangle__()
+        elif hasattr(a, "block_shape"):  # triton < 3.9 descriptors: the same type string by hand
+            from triton._utils import canonicalize_dtype
+
+            block = ",".join(map(str, a.block_shape))
+            sig[name] = f"tensordesc<{canonicalize_dtype(a.base.dtype)}[{block}],{a.layout!r}>"
+        elif isinstance(a, torch.Tensor):
+            sig[name] = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}[a.dtype]
+        elif isinstance(a, float):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    for name in constexprs:
+        sig[name] = "constexpr"
+    return sig
+
+
 def compile_sm90(d1, d2, dtype, causal, n_q=256, n_k=256, config=None, variant="kernel"):
     """Compile one specialisation of the Gluon forward for sm_90 (no GPU needed)."""
     from triton.backends.compiler import GPUTarget
@@ -32,24 +55,7 @@ def compile_sm90(d1, d2, dtype, causal, n_q=256, n_k=256, config=None, variant="
     k2 = torch.empty(B, 1, n_k, d2, dtype=dtype)
     out = torch.empty(B, H, n_q, dtype=torch.float32)
     _, args, constexprs, options = g.launch_args(q1, k1, q2, k2, causal, 0.1, 0.1, out, out, out, config, variant)
-    names = list(g._gluon_kl_fwd_kernel.arg_names)
-    sig = {}
-    for name, a in zip(names, args):
-        if hasattr(a, "__mangle__"):
-            sig[name] = a.__mangle__()
-        elif hasattr(a, "block_shape"):  # triton < 3.9 descriptors: the same type string by hand
-            from triton._utils import canonicalize_dtype
-
-            block = ",".join(map(str, a.block_shape))
-            sig[name] = f"tensordesc<{canonicalize_dtype(a.base.dtype)}[{block}],{a.layout!r}>"
-        elif isinstance(a, torch.Tensor):
-            sig[name] = "*fp32"
-        elif isinstance(a, float):
-            sig[name] = "fp32"
-        else:
-            sig[name] = "i32"
-    for name in constexprs:
-        sig[name] = "constexpr"
+    sig = gluon_signature(g._gluon_kl_fwd_kernel, args, constexprs)
     src = GluonASTSource(g._gluon_kl_fwd_kernel, sig, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
