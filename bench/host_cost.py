@@ -21,6 +21,7 @@ Rows go to OUT_DIR/host_cost.csv (long format).
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -42,6 +43,20 @@ def _rows_writer(out_dir, name):
     if new:
         w.writeheader()
     return f, w
+
+
+@contextlib.contextmanager
+def binder_launches():
+    """Every launch inside goes through Triton's own ``kernel[grid]`` binder (no direct launch)."""
+    saved = os.environ.get("STREAMKL_FAST_LAUNCH")
+    os.environ["STREAMKL_FAST_LAUNCH"] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["STREAMKL_FAST_LAUNCH"]
+        else:
+            os.environ["STREAMKL_FAST_LAUNCH"] = saved
 
 
 def host_cost(out_dir, n_calls=1000, profile=False):
@@ -107,19 +122,13 @@ def host_cost(out_dir, n_calls=1000, profile=False):
     # the same calls through Triton's own launcher (no direct launch): what _fast_launch saves
     from streamkl_gpu import _fast_launch
     if _fast_launch.enabled():
-        os.environ["STREAMKL_FAST_LAUNCH"] = "0"
-        try:
+        with binder_launches():
             results["forward [binder launch]"] = timed(fwd, n_calls)
             results["forward+backward [binder launch]"] = timed(fwd_bwd, n_calls)
-        finally:
-            del os.environ["STREAMKL_FAST_LAUNCH"]
         # the direct path must give the very same numbers as the binder path
         ref = fwd()
-        os.environ["STREAMKL_FAST_LAUNCH"] = "0"
-        try:
+        with binder_launches():
             ref_binder = fwd()
-        finally:
-            del os.environ["STREAMKL_FAST_LAUNCH"]
         same = bool(torch.equal(ref, ref_binder))
         print(f"direct launch equals binder launch: {same}  (launches so far: {_fast_launch.STATS})", flush=True)
         results["direct_equals_binder"] = float(same)
@@ -268,11 +277,8 @@ def check_direct(out_dir):
             kl.sum().backward()
             return kl.detach(), a.grad, b.grad
 
-        os.environ["STREAMKL_FAST_LAUNCH"] = "0"
-        try:
+        with binder_launches():
             ref = run()
-        finally:
-            del os.environ["STREAMKL_FAST_LAUNCH"]
         before = _fast_launch.STATS["direct"]
         run()  # binds (first direct-path call of these specialisations)
         got = run()
