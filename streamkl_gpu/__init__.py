@@ -17,6 +17,7 @@ __all__ = [
     "attention_kl_with_lse",
     "attention_kl_varlen",
     "indexer_kl",
+    "indexer_kl_topk",
     "auto_split_k",
     "auto_bwd_mode",
     "interpreting",
@@ -26,7 +27,11 @@ __all__ = [
 ]
 
 
-_HOMES = {"attention_kl_varlen": "._varlen", "indexer_kl": "._indexer"}  # the rest lives in .api
+_HOMES = {  # the rest lives in .api
+    "attention_kl_varlen": "._varlen",
+    "indexer_kl": "._indexer",
+    "indexer_kl_topk": "._indexer_topk",
+}
 
 
 def __getattr__(name):

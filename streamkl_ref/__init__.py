@@ -34,9 +34,8 @@ from ._indexer import (
     indexer_kl_grad,
     indexer_kl_mp,
     indexer_kl_online,
-    indexer_kl_topk,
-    indexer_kl_topk_grad,
 )
+from ._indexer_topk import indexer_kl_topk, indexer_kl_topk_grad, indexer_kl_topk_mp
 from ._mp import attention_kl_mp
 from ._online import (
     ACCUMULATORS,
@@ -78,6 +77,7 @@ __all__ = [
     "indexer_kl_grad",
     "indexer_kl_topk",
     "indexer_kl_topk_grad",
+    "indexer_kl_topk_mp",
     "IndexerOnlineResult",
     "IndexerTileStats",
 ]

@@ -56,9 +56,6 @@ __all__ = [
     "indexer_kl_mp",
     "indexer_kl_online",
     "indexer_kl_grad",
-    "indexer_kl_topk",
-    "indexer_kl_topk_grad",
-    "topk_mask",
     "IndexerOnlineResult",
     "IndexerTileStats",
     "indexer_logits",
@@ -458,81 +455,3 @@ def _grad_from_parts(parts, mask, log_p, log_q, arrays, dims: IndexerDims, g, re
         "dk_idx": reduce_key_heads(dk_idx, dims.group_idx),
         "dweights": dweights,
     }
-
-
-# --------------------------------------------------------------------------------------------
-# The sparse stage: the loss over each row's selected keys (top-k)
-# --------------------------------------------------------------------------------------------
-def topk_mask(topk_indices, dims: IndexerDims, causal: bool) -> np.ndarray:
-    """Boolean ``[B, N_Q, N_K]``: key ``s`` is in row ``t``'s set (listed in ``topk_indices[b, t]``
-    and visible). ``topk_indices`` ``[B, N_Q, K]`` integers, ``-1`` = unused slot; any other value
-    must lie in ``[0, N_K)`` and appear at most once per row (``ValueError`` otherwise). Listed
-    keys that the causal mask hides are left out."""
-    arr = np.asarray(topk_indices)
-    if arr.dtype.kind not in "iu":
-        raise ValueError(f"topk_indices must hold integers (int32, -1 = unused), got dtype {arr.dtype}")
-    if arr.ndim != 3 or arr.shape[:2] != (dims.B, dims.NQ):
-        raise ValueError(f"topk_indices must have shape [B, N_Q, K] = [{dims.B}, {dims.NQ}, K], got {list(arr.shape)}")
-    arr = arr.astype(np.int64)
-    if ((arr < -1) | (arr >= dims.NK)).any():
-        raise ValueError(f"topk_indices must be -1 (unused) or a key index in [0, {dims.NK}), "
-                         f"got values from {arr.min()} to {arr.max()}")
-    used = arr >= 0
-    srt = np.sort(np.where(used, arr, -1 - np.arange(arr.shape[-1])), axis=-1)  # unused slots distinct
-    if (srt[..., 1:] == srt[..., :-1]).any():
-        raise ValueError("topk_indices lists a key twice in one row; each key may appear at most once")
-    selected = np.zeros((dims.B, dims.NQ, dims.NK + 1), dtype=bool)  # column N_K catches the -1s
-    b, t, _ = np.indices(arr.shape)
-    selected[b, t, np.where(used, arr, dims.NK)] = True
-    return selected[..., : dims.NK] & visible(np.arange(dims.NQ), np.arange(dims.NK), dims.NQ, dims.NK, causal)
-
-
-def _topk_parts(q, k, q_idx, k_idx, weights, topk_indices, causal, scale, relu):
-    arrays, dims, relu = check_indexer_call(q, k, q_idx, k_idx, weights, scale=scale, relu=relu)
-    parts = _dense_parts(arrays, dims, causal, relu)
-    selected = topk_mask(topk_indices, dims, causal)
-    # both distributions renormalised over the set: a log-softmax over the set of log p (the
-    # full-row target, teacher softmax over all visible keys) and of I
-    log_p_set, _ = masked_log_softmax(parts["log_p"], selected)
-    log_q_set, lse_set = masked_log_softmax(parts["logits"], selected)
-    return arrays, dims, relu, parts, selected, log_p_set, log_q_set, lse_set
-
-
-def indexer_kl_topk(q, k, q_idx, k_idx, weights, topk_indices, *, causal=False, scale=None, relu=True,
-                    return_lse=False):
-    """The sparse stage's indexer loss: per row, the KL over the row's selected keys, with both
-    distributions renormalised over that set, materialised, in float64.
-
-    With ``T_t`` the keys listed in ``topk_indices[b, t]`` that row ``t`` sees, ``p`` the
-    head-averaged target of :func:`indexer_kl` (each head's softmax over *all* visible keys) and
-    ``I`` the student's logits::
-
-        p_T = p / Σ_{s∈T} p,   q_T = softmax over T of I,   KL_t = Σ_{s∈T} p_T (log p_T − log q_T)
-
-    (the renormalised mixture, not a mixture of per-head softmaxes over ``T``). Rows whose set is
-    empty give ``KL = 0``. When every visible key is listed this is :func:`indexer_kl`. A NaN in a
-    teacher input reaches a row through ``p``'s normalisation even at keys the row did not select.
-
-    Args:
-        q, k, q_idx, k_idx, weights, causal, scale, relu: as :func:`indexer_kl`.
-        topk_indices: ``[B, N_Q, K]`` integers (int32 in the GPU API), ``-1`` = unused slot; each
-            key at most once per row; keys hidden by the causal mask are left out.
-        return_lse: also return the student's log-sum-exp over each row's set, ``[B, N_Q]``.
-
-    Returns:
-        ``kl`` ``[B, N_Q]`` float64 (nats), or ``(kl, lse_idx_set)``.
-    """
-    *_, selected, log_p_set, log_q_set, lse_set = _topk_parts(q, k, q_idx, k_idx, weights, topk_indices,
-                                                               causal, scale, relu)
-    kl = kl_from_log_probs(log_p_set, log_q_set, selected)
-    return (kl, lse_set) if return_lse else kl
-
-
-def indexer_kl_topk_grad(q, k, q_idx, k_idx, weights, topk_indices, grad_kl, *, causal=False, scale=None,
-                         relu=True):
-    """Closed-form gradient of ``Σ grad_kl · KL_topk`` (:func:`indexer_kl_topk`): the closed forms
-    of :func:`indexer_kl_grad` with ``G = g·(q_T − p_T)`` on each row's set, 0 elsewhere."""
-    arrays, dims, relu, parts, selected, log_p_set, log_q_set, _ = _topk_parts(
-        q, k, q_idx, k_idx, weights, topk_indices, causal, scale, relu)
-    g = _row_array(grad_kl, "grad_kl", (dims.B, dims.NQ), "[B, N_Q]", np.float64)
-    return _grad_from_parts(parts, selected, log_p_set, log_q_set, arrays, dims, g, relu)

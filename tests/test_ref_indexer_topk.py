@@ -1,6 +1,6 @@
 """The sparse stage's indexer loss reference (streamkl_ref.indexer_kl_topk): the KL over each
-row's selected keys, both distributions renormalised over the set."""
-import mpmath
+row's selected keys, each teacher head's softmax and the student's taken over the set
+(Megatron-LM's sparse_loss convention)."""
 import numpy as np
 import pytest
 from hypothesis import given
@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from _indexer_strategies import GRADS, indexer_logit_scale, indexer_problems, make_indexer_problem
 from streamkl_ref.strategies import assert_close_rows
-from streamkl_ref import indexer_kl, indexer_kl_grad, indexer_kl_topk, indexer_kl_topk_grad
+from streamkl_ref import indexer_kl, indexer_kl_grad, indexer_kl_topk, indexer_kl_topk_grad, indexer_kl_topk_mp
 
 pytestmark = pytest.mark.filterwarnings("error")
 
@@ -24,46 +24,11 @@ def _random_sets(rng, B, NQ, NK, K):
     return out
 
 
-def _mp_topk(p, sets, dps=50):
-    """The definition in mpmath: per head softmax over the visible keys, head mean, restricted to
-    the row's set and renormalised; the student's softmax over the set; their KL."""
-    d = p.dims
-    q, k, q_idx, k_idx, w = p.inputs
-    out = np.zeros((d.B, d.NQ))
-    with mpmath.workdps(dps):
-        sigma = mpmath.mpf(d.scale)
-        for b in range(d.B):
-            for t in range(d.NQ):
-                vis = [s for s in range(d.NK) if p.mask[t, s]]
-                chosen = [s for s in vis if s in set(sets[b, t].tolist())]
-                if not chosen:
-                    continue
-                target = {s: mpmath.mpf(0) for s in vis}
-                for h in range(d.H):
-                    sc = {s: sigma * mpmath.fdot([mpmath.mpf(float(x)) for x in q[b, h, t]],
-                                                 [mpmath.mpf(float(x)) for x in k[b, h // d.group, s]]) for s in vis}
-                    lse = mpmath.log(mpmath.fsum(mpmath.exp(v) for v in sc.values()))
-                    for s in vis:
-                        target[s] += mpmath.exp(sc[s] - lse) / d.H
-                logits = {}
-                for s in chosen:
-                    total = mpmath.mpf(0)
-                    for j in range(d.HI):
-                        a = mpmath.fdot([mpmath.mpf(float(x)) for x in q_idx[b, j, t]],
-                                        [mpmath.mpf(float(x)) for x in k_idx[b, j // d.group_idx, s]])
-                        total += mpmath.mpf(float(w[b, j, t])) * (max(a, 0) if p.relu else a)
-                    logits[s] = total
-                z_p = mpmath.fsum(target[s] for s in chosen)
-                lse_i = mpmath.log(mpmath.fsum(mpmath.exp(v) for v in logits.values()))
-                out[b, t] = float(mpmath.fsum(
-                    (target[s] / z_p) * (mpmath.log(target[s] / z_p) - (logits[s] - lse_i)) for s in chosen))
-    return out
-
-
 @given(indexer_problems(max_n=5, max_d=3), st.integers(1, 6), st.integers(0, 2**32 - 1))
 def test_topk_matches_mpmath(p, K, seed):
     sets = _random_sets(np.random.default_rng(seed), p.dims.B, p.dims.NQ, p.dims.NK, K)
-    assert_close_rows(indexer_kl_topk(*p.inputs, sets, **p.kw), _mp_topk(p, sets), indexer_logit_scale(p))
+    assert_close_rows(indexer_kl_topk(*p.inputs, sets, **p.kw), indexer_kl_topk_mp(*p.inputs, sets, **p.kw),
+                      indexer_logit_scale(p))
 
 
 @given(indexer_problems(max_n=6), st.integers(0, 2**32 - 1))
@@ -104,7 +69,7 @@ def test_rows_with_an_empty_set_give_zero_loss_and_gradient():
     assert not grads["dk_idx"][:, :, 4].any()  # key 4 is in no row's visible set
 
 
-def test_renormalises_the_mixture_not_each_head():
+def test_each_head_renormalised_over_the_set_not_the_full_row_mixture():
     # two one-hot-ish heads on different keys; the set holds one of them plus a neutral key
     q = np.array([[[[1.0]], [[1.0]]]])
     k = np.array([[[[3.0], [0.0], [0.0]], [[0.0], [0.0], [3.0]]]])  # head 0 -> key 0, head 1 -> key 2
@@ -113,10 +78,10 @@ def test_renormalises_the_mixture_not_each_head():
     kl = indexer_kl_topk(q, k, zero, np.zeros((1, 1, 3, 1)), np.ones((1, 1, 1)), sets, scale=1.0, relu=False)
     P0 = np.exp([3.0, 0.0, 0.0]) / np.exp([3.0, 0.0, 0.0]).sum()
     P1 = np.exp([0.0, 0.0, 3.0]) / np.exp([0.0, 0.0, 3.0]).sum()
-    mix = (P0 + P1)[:2] / (P0 + P1)[:2].sum()  # the renormalised mixture over {0, 1}
-    want = float(np.sum(mix * np.log(mix / 0.5)))  # the student is uniform (all logits 0)
-    per_head = (P0[:2] / P0[:2].sum() + P1[:2] / P1[:2].sum()) / 2  # the other convention
-    other = float(np.sum(per_head * np.log(per_head / 0.5)))
+    per_head = (P0[:2] / P0[:2].sum() + P1[:2] / P1[:2].sum()) / 2  # Megatron: softmax per head over {0, 1}
+    want = float(np.sum(per_head * np.log(per_head / 0.5)))  # the student is uniform (all logits 0)
+    mix = (P0 + P1)[:2] / (P0 + P1)[:2].sum()  # the other convention: the full-row mixture renormalised
+    other = float(np.sum(mix * np.log(mix / 0.5)))
     assert abs(kl[0, 0] - want) <= 1e-14 and abs(want - other) > 1e-2
 
 
@@ -151,9 +116,9 @@ def test_nan_at_an_unselected_key():
     grads = indexer_kl_topk_grad(q, k, q_idx, k_idx, w, sets, np.ones((1, 3)), **p.kw)
     assert np.isnan(grads["dweights"][0, :, 2]).all() and not np.isnan(grads["dweights"][0, :, :2]).any()
     k = p.k.copy()
-    k[0, 0, 3] = np.nan  # the teacher's key 3: it enters every row's target through the LSEs
-    assert np.isnan(indexer_kl_topk(k=k, q=p.q, q_idx=p.q_idx, k_idx=p.k_idx, weights=p.weights,
-                                    topk_indices=sets, **p.kw)).all()
+    k[0, 0, 3] = np.nan  # the teacher's key 3: the LSEs are over each row's set, so only row 2
+    kl = indexer_kl_topk(k=k, q=p.q, q_idx=p.q_idx, k_idx=p.k_idx, weights=p.weights, topk_indices=sets, **p.kw)
+    assert np.isnan(kl).tolist() == [[False, False, True]]
 
 
 @pytest.mark.parametrize("bad", [

@@ -1,0 +1,354 @@
+#!/usr/bin/env python3
+"""The sparse stage's indexer loss (``indexer_kl_topk``) on one GPU: checks vs float64, then timings.
+
+    python bench/indexer_topk_gpu.py OUT_DIR --quick   # <= ~60-100 s on one H200
+    python bench/indexer_topk_gpu.py OUT_DIR           # also N = 16K and the GQA-like baselines
+    TRITON_INTERPRET=1 python bench/indexer_topk_gpu.py /tmp/x --tiny   # CPU smoke of the script
+
+Configs (issue 10's anchors): dsa = teacher H=128, D=576, H_K=1, scale 192^-0.5; indexer H_I=64,
+D_I=128, H_KI=1; gqa = teacher H=32, D=128, H_K=8; indexer H_I=16, D_I=64. Top-k: K = 2048 (DSA),
+each row's set K random distinct visible keys (causal; rows with fewer than K visible keys list
+them all and pad with -1), in random slot order (as torch.topk returns them). bf16, B = 1.
+
+Checks: (1) small shapes vs the float64 reference (streamkl_ref.indexer_kl_topk and _grad) for
+fp32/fp16/bf16 under the project's tolerance rule (ratio 3 x the same-precision PyTorch gather
+form's error + floor); (2) DSA-like at N = 8K, K = 2048: 32 sampled rows (incl. the first and the
+last) of ours vs the PyTorch gather form in float64 on those rows (the whole problem in float64
+does not fit), KL and the gradients' rows dq_idx, dweights; dk_idx vs the fp32 gather form.
+Timings (triton.testing.do_bench, median ms; peak extra GiB): ours fwd and fwd+bwd (mean loss),
+launch-config variants of the forward; the PyTorch gather form (eager, torch.compile) where it
+fits. floor_ms = the forward's matmul FLOPs over the used slots (teacher + indexer) at the bf16
+rate of an 8192^3 matmul measured in the same run (our forward does the teacher twice: >= 2x).
+
+Outputs: OUT_DIR/topk_bench.csv (long: measure, provider, shape, value, unit, note), topk.log.
+Every section survives a failing variant (printed as FAILED with its error). Exit 1 if a check failed.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import sys
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import streamkl_ref  # noqa: E402
+from streamkl_ref import testing  # noqa: E402
+from streamkl_gpu import _indexer_topk  # noqa: E402
+from streamkl_gpu._indexer_topk import indexer_kl_topk, indexer_kl_topk_naive  # noqa: E402
+
+CONFIGS = {
+    "dsa": dict(H=128, HK=1, D=576, HI=64, HKI=1, DI=128, scale=192 ** -0.5),
+    "gqa": dict(H=32, HK=8, D=128, HI=16, HKI=1, DI=64, scale=None),
+}
+COLUMNS = ["measure", "provider", "shape", "value", "unit", "note"]
+T0 = time.time()
+
+
+class Out:
+    def __init__(self, out_dir):
+        os.makedirs(out_dir, exist_ok=True)
+        self.csv = open(os.path.join(out_dir, "topk_bench.csv"), "w", newline="")
+        self.w = csv.DictWriter(self.csv, COLUMNS)
+        self.w.writeheader()
+        self.log_f = open(os.path.join(out_dir, "topk.log"), "w")
+        self.table = []
+        self.failed = []
+
+    def log(self, msg):
+        line = f"[{time.time() - T0:6.1f}s] {msg}"
+        print(line, flush=True)
+        self.log_f.write(line + "\n")
+        self.log_f.flush()
+
+    def row(self, measure, provider, shape, value, unit, note=""):
+        self.w.writerow(dict(measure=measure, provider=provider, shape=shape, value=value, unit=unit, note=note))
+        self.csv.flush()
+        self.table.append((measure, provider, shape, value, unit, note))
+
+
+def make_problem(cfg, N, K, dtype, device, seed=0, causal=True, B=1):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rnd(*shape, s=1.0):
+        return (s * torch.randn(*shape, generator=gen)).to(device=device, dtype=dtype)
+
+    q = rnd(B, cfg["H"], N, cfg["D"])
+    k = rnd(B, cfg["HK"], N, cfg["D"])
+    q_idx = rnd(B, cfg["HI"], N, cfg["DI"], s=cfg["DI"] ** -0.25)
+    k_idx = rnd(B, cfg["HKI"], N, cfg["DI"], s=cfg["DI"] ** -0.25)
+    w = rnd(B, cfg["HI"], N, s=cfg["HI"] ** -0.5)
+    topk = random_sets(B, N, N, K, causal, device, seed)
+    return q, k, q_idx, k_idx, w, topk
+
+
+def random_sets(B, NQ, NK, K, causal, device, seed):
+    """``[B, NQ, K]`` int32: per row min(K, visible) random distinct visible keys, -1 padding,
+    in random slot order (row by row in chunks: an [rows, NK] score matrix at a time)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = torch.empty((B, NQ, K), dtype=torch.int32, device=device)
+    K_eff = min(K, NK)
+    chunk = max(1, (1 << 26) // NK)
+    for b in range(B):
+        for t0 in range(0, NQ, chunk):
+            rows = torch.arange(t0, min(NQ, t0 + chunk), device=device)
+            r = torch.rand((len(rows), NK), generator=gen, device=device)
+            if causal:
+                r = r.masked_fill(torch.arange(NK, device=device)[None, :] > rows[:, None] + (NK - NQ), -1.0)
+            val, idx = r.topk(K_eff, dim=-1)  # random order of the chosen keys
+            idx = torch.where(val < 0, -1, idx).to(torch.int32)
+            if K_eff < K:
+                idx = torch.cat([idx, torch.full((len(rows), K - K_eff), -1, dtype=torch.int32, device=device)], -1)
+            out[b, t0:t0 + len(rows)] = idx
+    return out
+
+
+def rel(x, ref):
+    return testing.relative_error(x, ref)
+
+
+def bench(fn, quick):
+    import triton
+
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+    ms = triton.testing.do_bench(fn, warmup=5 if quick else 25, rep=20 if quick else 100)
+    return ms, peak
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks
+# ----------------------------------------------------------------------------------------------
+
+def check_small(out, device, tiny):
+    """Small shapes vs float64 (reference on CPU), each dtype, fwd + grads, causal and not."""
+    shapes = [dict(H=8, HK=1, D=72, HI=4, HKI=1, DI=32, N=40, K=13, relu=True, causal=True),
+              dict(H=4, HK=2, D=40, HI=6, HKI=2, DI=24, N=33, K=20, relu=False, causal=False)]
+    if not tiny:
+        shapes.append(dict(H=128, HK=1, D=576, HI=64, HKI=1, DI=128, N=160, K=100, relu=True, causal=True))
+    dtypes = [torch.float32] if tiny else [torch.float32, torch.float16, torch.bfloat16]
+    for sh in shapes:
+        cfg = {k_: sh[k_] for k_ in ("H", "HK", "D", "HI", "HKI", "DI")}
+        cfg["scale"] = None
+        for dtype in dtypes:
+            name = f"small H{sh['H']}/{sh['HK']} D{sh['D']} HI{sh['HI']}/{sh['HKI']} N{sh['N']} K{sh['K']} " \
+                   f"{'causal' if sh['causal'] else 'full'} relu={sh['relu']} {str(dtype)[6:]}"
+            try:
+                q, k, qi, ki, w, topk = make_problem(cfg, sh["N"], sh["K"], dtype, device, seed=3, causal=sh["causal"])
+                topk[:, 1, :] = -1  # an empty row
+                kw = dict(causal=sh["causal"], relu=sh["relu"])
+                x64 = [x.double().cpu().numpy() for x in (q, k, qi, ki, w)]
+                sets = topk.cpu().numpy()
+                g = torch.randn(topk.shape[:2], generator=torch.Generator().manual_seed(1)).to(device)
+                ref = streamkl_ref.indexer_kl_topk(*x64, sets, **kw)
+                rg = streamkl_ref.indexer_kl_topk_grad(*x64, sets, g.double().cpu().numpy(), **kw)
+                leaves = [t.detach().clone().requires_grad_(True) for t in (qi, ki, w)]
+                ours = indexer_kl_topk(q, k, *leaves, topk, **kw)
+                og = torch.autograd.grad((ours * g).sum(), leaves)
+                leaves2 = [t.detach().float().requires_grad_(True) for t in (qi, ki, w)]
+                same = indexer_kl_topk_naive(q.float(), k.float(), *leaves2, topk, **kw)
+                sg = torch.autograd.grad((same * g).sum(), leaves2)
+                ok_all = True
+                for tname, a, s, r in [("kl", ours, same, ref)] + [
+                        (n, a_, s_, rg[n]) for n, a_, s_ in zip(("dq_idx", "dk_idx", "dweights"), og, sg)]:
+                    err, base = rel(a, r), rel(s, r)
+                    tol = testing.tolerance(base, dtype)
+                    ok = err <= tol
+                    ok_all &= ok
+                    out.row("check_err", "ours", name, f"{err:.3e}", "rel", f"{tname} tol {tol:.2e} {'ok' if ok else 'FAIL'}")
+                if bool(ours[:, 1].ne(0).any()):
+                    ok_all = False
+                    out.log(f"FAIL {name}: the empty row's KL is not 0")
+                out.log(f"{'ok  ' if ok_all else 'FAIL'} {name}")
+                if not ok_all:
+                    out.failed.append(name)
+            except Exception as e:  # noqa: BLE001
+                out.failed.append(name)
+                out.log(f"FAILED {name}: {e!r}\n{traceback.format_exc()}")
+
+
+def check_dsa_rows(out, device, N, K, rows=32):
+    """DSA-like at N, K: sampled rows vs the float64 gather form on those rows."""
+    name = f"dsa N{N} K{K} bf16 rows"
+    try:
+        cfg = CONFIGS["dsa"]
+        q, k, qi, ki, w, topk = make_problem(cfg, N, K, torch.bfloat16, device, seed=5)
+        leaves = [t.detach().clone().requires_grad_(True) for t in (qi, ki, w)]
+        ours = indexer_kl_topk(q, k, *leaves, topk, causal=True, scale=cfg["scale"])
+        g = torch.ones_like(ours)
+        dq, dk, dw = torch.autograd.grad((ours * g).sum(), leaves)
+        sel = torch.unique(torch.cat([torch.tensor([0, N - 1]), torch.randint(0, N, (rows - 2,))])).to(device)
+        # the rows alone: causal folded into the sets (non-causal on a row subset)
+        sub = topk[:, sel]
+        visible = sub.long() <= sel[None, :, None]
+        sub = torch.where(visible, sub, -1)
+        ref = indexer_kl_topk_naive(q[:, :, sel].double(), k.double(), qi[:, :, sel].double(), ki.double(),
+                                    w[:, :, sel].double(), sub, causal=False, scale=cfg["scale"],
+                                    compute_dtype=torch.float64)
+        same = indexer_kl_topk_naive(q[:, :, sel], k, qi[:, :, sel], ki, w[:, :, sel], sub, causal=False,
+                                     scale=cfg["scale"], compute_dtype=torch.float32)
+        err, base = rel(ours[:, sel], ref), rel(same, ref)
+        tol = testing.tolerance(base, torch.bfloat16)
+        out.row("check_err", "ours", name, f"{err:.3e}", "rel", f"kl tol {tol:.2e} {'ok' if err <= tol else 'FAIL'}")
+        # gradient rows of q_idx / weights vs float64 autograd of the row subset
+        l64 = [qi[:, :, sel].double().requires_grad_(True), ki.double().requires_grad_(True),
+               w[:, :, sel].double().requires_grad_(True)]
+        kl64 = indexer_kl_topk_naive(q[:, :, sel].double(), k.double(), *l64, sub, causal=False,
+                                     scale=cfg["scale"], compute_dtype=torch.float64)
+        gq64, _, gw64 = torch.autograd.grad(kl64.sum(), l64)
+        ok = err <= tol
+        for tname, a, r in (("dq_idx", dq[:, :, sel], gq64), ("dweights", dw[:, :, sel], gw64)):
+            e = rel(a, r)
+            good = e <= 3e-2
+            ok &= good
+            out.row("check_err", "ours", name, f"{e:.3e}", "rel", f"{tname} rows, bound 3e-2 {'ok' if good else 'FAIL'}")
+        del l64, kl64
+        torch.cuda.empty_cache()
+        # dk_idx: every row adds to it: vs the fp32 gather form's autograd (same inputs) in chunks of rows
+        dk_ref = torch.zeros_like(dk, dtype=torch.float32)
+        for t0 in range(0, N, 512):
+            rs = slice(t0, min(N, t0 + 512))
+            subr = topk[:, rs]
+            ar = torch.arange(t0, min(N, t0 + 512), device=device)
+            subr = torch.where(subr.long() <= ar[None, :, None], subr, -1)
+            kk = ki.float().requires_grad_(True)
+            part = indexer_kl_topk_naive(q[:, :, rs], k, qi[:, :, rs].float(), kk, w[:, :, rs].float(), subr,
+                                         causal=False, scale=cfg["scale"], compute_dtype=None)
+            dk_ref += torch.autograd.grad(part.sum(), kk)[0]
+        e = rel(dk, dk_ref)
+        good = e <= 3e-2
+        ok &= good
+        out.row("check_err", "ours", name, f"{e:.3e}", "rel", f"dk_idx vs fp32 gather, bound 3e-2 {'ok' if good else 'FAIL'}")
+        out.log(f"{'ok  ' if ok else 'FAIL'} {name}: kl err {err:.2e} (tol {tol:.2e}); dk err {e:.2e}")
+        if not ok:
+            out.failed.append(name)
+    except Exception as e:  # noqa: BLE001
+        out.failed.append(name)
+        out.log(f"FAILED {name}: {e!r}\n{traceback.format_exc()}")
+    torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------------------
+# Timings
+# ----------------------------------------------------------------------------------------------
+
+def matmul_rate(device):
+    import triton
+
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: a @ b, warmup=5, rep=30)
+    return 2 * 8192 ** 3 / (ms * 1e-3)
+
+
+def time_point(out, device, cfg_name, N, K, quick, rate, baselines, variants=()):
+    cfg = CONFIGS[cfg_name]
+    shape = f"{cfg_name} N={N} K={K} causal bf16"
+    try:
+        q, k, qi, ki, w, topk = make_problem(cfg, N, K, torch.bfloat16, device, seed=7)
+    except Exception as e:  # noqa: BLE001
+        out.log(f"FAILED making {shape}: {e!r}")
+        return
+    used = int((topk >= 0).sum())
+    flops = 2.0 * used * (cfg["H"] * cfg["D"] + cfg["HI"] * cfg["DI"])
+    floor_ms = flops / rate * 1e3
+    out.row("floor", "matmul", shape, f"{floor_ms:.3f}", "ms", f"{used} used slots, bf16 rate {rate / 1e12:.0f} TFLOP/s")
+    leaves = [t.detach().clone().requires_grad_(True) for t in (qi, ki, w)]
+
+    def run(provider, fwd, fwd_bwd):
+        for pass_name, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
+            if fn is None:
+                continue
+            try:
+                ms, peak = bench(fn, quick)
+                out.row(f"{pass_name}_ms", provider, shape, f"{ms:.3f}", "ms", f"{ms / floor_ms:.2f}x floor")
+                out.row(f"{pass_name}_peak", provider, shape, f"{peak:.2f}", "GiB", "")
+                out.log(f"{shape} {provider} {pass_name}: {ms:.3f} ms ({ms / floor_ms:.2f}x floor), peak {peak:.2f} GiB")
+            except Exception as e:  # noqa: BLE001
+                out.row(f"{pass_name}_ms", provider, shape, "nan", "ms", f"FAILED {type(e).__name__}: {str(e)[:120]}")
+                out.log(f"FAILED {shape} {provider} {pass_name}: {e!r}")
+            torch.cuda.empty_cache()
+
+    kw = dict(causal=True, scale=cfg["scale"])
+
+    def ours_fwd():
+        with torch.no_grad():
+            indexer_kl_topk(q, k, qi, ki, w, topk, reduction="mean", **kw)
+
+    def ours_fb():
+        loss = indexer_kl_topk(q, k, *leaves, topk, reduction="mean", **kw)
+        torch.autograd.grad(loss, leaves)
+
+    run("ours", ours_fwd, ours_fb)
+    for v in variants:
+        _indexer_topk.CONFIG_OVERRIDE = v
+        try:
+            run(f"ours cfg={v}", ours_fwd, None)
+        finally:
+            _indexer_topk.CONFIG_OVERRIDE = None
+    if not baselines:
+        return
+    rows = (topk >= 0).any(-1).sum()
+
+    def naive_loss(*xs):
+        return indexer_kl_topk_naive(q, k, *xs, topk, compute_dtype=None, **kw).sum() / rows
+
+    compiled = torch.compile(naive_loss)
+    for provider, f in (("torch_gather_eager", naive_loss), ("torch_gather_compile", compiled)):
+        def fwd(f=f):
+            with torch.no_grad():
+                f(qi, ki, w)
+
+        def fb(f=f):
+            torch.autograd.grad(f(*leaves), leaves)
+
+        run(provider, fwd, fb)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out_dir")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--tiny", action="store_true", help="CPU smoke under TRITON_INTERPRET=1")
+    args = p.parse_args(argv)
+    out = Out(args.out_dir)
+    device = "cpu" if args.tiny else "cuda"
+    if not args.tiny:
+        out.log(f"gpu {torch.cuda.get_device_name()} torch {torch.__version__}")
+        import triton
+        out.log(f"triton {triton.__version__}")
+    check_small(out, device, args.tiny)
+    if not args.tiny:
+        check_dsa_rows(out, device, 8192, 2048)
+        try:
+            rate = matmul_rate(device)
+        except Exception as e:  # noqa: BLE001
+            out.log(f"FAILED matmul rate: {e!r}")
+            rate = 700e12
+        variants = [(32, 64, 128, 8, 2), (64, 64, 128, 4, 2), (128, 64, 128, 8, 2)]
+        time_point(out, device, "dsa", 8192, 2048, args.quick, rate, baselines=True, variants=variants)
+        time_point(out, device, "dsa", 4096, 2048, args.quick, rate, baselines=True)
+        time_point(out, device, "gqa", 8192, 2048, args.quick, rate, baselines=not args.quick)
+        if not args.quick:
+            time_point(out, device, "dsa", 16384, 2048, args.quick, rate, baselines=False)
+    print("\n=== indexer_kl_topk summary ===")
+    for measure, provider, shape, value, unit, note in out.table:
+        if measure.endswith("_ms") or measure == "floor" or "FAIL" in note:
+            print(f"{measure:12s} {provider:26s} {shape:30s} {value:>10s} {unit:4s} {note}")
+    print(f"checks failed: {out.failed if out.failed else 'none'}   total {time.time() - T0:.1f}s")
+    return 1 if out.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

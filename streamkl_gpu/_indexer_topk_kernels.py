@@ -1,0 +1,208 @@
+"""Triton kernels of the sparse stage's indexer loss (``indexer_kl_topk``, docs/indexer.md).
+
+One program per (query token, batch element): the token's selected keys ``topk_indices[b, t, :]``
+are gathered BLOCK_K slots at a time by pointer loads (Hopper's TMA has no row gather), a slot is
+*used* iff its index lies in ``[0, N_K)`` (``-1`` = unused; any other out-of-range value reads as
+unused, so a bad index never reads out of bounds) and, with ``causal``, the key is visible
+(``s <= t + N_K - N_Q``, bottom-right). The GEMM's M dimension is teacher heads: a *chunk* is HB
+heads of one key head (MQA at DSA: all 128 heads in one chunk, each gathered key row read once for
+them all); the indexer's rows are all its H_I heads at once (HI_PAD rows; per indexer key head the
+rows of the other key heads are masked out of the product).
+
+Forward (``_topk_fwd_kernel``), two passes over the slots:
+1. per teacher head the LSE over the token's set (bits), the online max/sum of a softmax;
+2. per slot tile the renormalised target ``p_s = (1/H) sum_h exp2(s_h - lse_h)`` (exact per entry,
+   sums to 1 over the set), the student's logits ``I_s`` and the five-scalar online state of
+   ``_indexer_fwd._online_update``; ``p`` is stored per slot (``P_SET [B, N_Q, K]`` fp32, 0 at
+   unused slots), so the backward never reads the teacher.
+
+Backward (``_topk_bwd_kernel``), one pass over the slots from ``P_SET`` and ``LSE_I``:
+``G = g (exp(I - LSE_I) - p)``, ``A_j = G w_j 1[a_j > 0]``; dweights and dq_idx in registers,
+``dk_idx[key] += A^T q_idx`` by fp32 atomic adds at the gathered rows (a scatter-add over rows;
+not deterministic in the order of the adds).
+
+NaN isolation: unused slots load 0 rows and are selected away (``tl.where``) before any product,
+so a NaN key reaches exactly the rows that selected it.
+"""
+import triton
+import triton.language as tl
+
+from ._fwd import LOG2E, _dot, _safe, _to_bits
+from ._indexer_bwd import _coef_a
+from ._indexer_fwd import _dot_rows, _finish, _online_update
+
+
+@triton.jit
+def _slots(TOPK, topk_row, s0, K_SEL, t, N_Q, N_K, stride_ts, BLOCK_K: tl.constexpr, CAUSAL: tl.constexpr):
+    """(slots, key index with unused slots at 0, used) of the slot tile starting at ``s0``."""
+    slots = s0 + tl.arange(0, BLOCK_K)
+    idx = tl.load(TOPK + topk_row + slots.to(tl.int64) * stride_ts, mask=slots < K_SEL, other=-1)
+    used = (idx >= 0) & (idx < N_K)
+    if CAUSAL:  # bottom-right: key s visible to token t iff s <= t + (N_K - N_Q)
+        used = used & (idx <= t + (N_K - N_Q))
+    return slots, tl.where(used, idx, 0).to(tl.int64), used
+
+
+@triton.jit
+def _indexer_rows_logits(QI, KI, W, b, t, idx, used, j, j_ok, GROUP_I, H_KI,
+                         stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
+                         stride_wb, stride_wh, stride_wn,
+                         DI: tl.constexpr, BLOCK_DI: tl.constexpr, HI_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
+                         RELU: tl.constexpr, IEEE: tl.constexpr):
+    """``(a [HI_PAD, BLOCK_K], I [BLOCK_K])``: per indexer head the score ``q_idx_j . k_idx`` of
+    the gathered keys (0 in padding rows), and the logits ``sum_j w_j relu(a_j)``."""
+    b64 = b.to(tl.int64)
+    q_off = b64 * stride_qib + j.to(tl.int64) * stride_qih + t.to(tl.int64) * stride_qin
+    a = tl.zeros([HI_PAD, BLOCK_K], tl.float32)
+    for kvi in range(0, H_KI):
+        rows_ok = j_ok & (j // GROUP_I == kvi)
+        k_off = b64 * stride_kib + kvi * stride_kih + idx * stride_kin
+        a += _dot_rows(QI, q_off, rows_ok, KI, k_off, used, stride_qid, stride_kid,
+                       None, None, b, 0, 0, 0, 0, DI, BLOCK_DI, HI_PAD, BLOCK_K, HI_PAD, IEEE, False)
+    w = tl.load(W + b64 * stride_wb + j.to(tl.int64) * stride_wh + t.to(tl.int64) * stride_wn,
+                mask=j_ok, other=0.0).to(tl.float32)
+    if RELU:
+        act = tl.maximum(a, 0.0, propagate_nan=tl.PropagateNan.ALL)  # relu(NaN) stays NaN
+    else:
+        act = a
+    logits = tl.sum(tl.where(j_ok[:, None], w[:, None] * act, 0.0), 0)
+    return a, w, logits
+
+
+@triton.jit
+def _topk_fwd_kernel(
+    Q, K, QI, KI, W, TOPK, LSE_T, KL, LSE_I, P_SET,
+    stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
+    stride_wb, stride_wh, stride_wn, stride_tb, stride_tn, stride_ts,
+    H, GROUP, H_I, H_KI, GROUP_I, N_Q, N_K, K_SEL, qk_scale, inv_heads, n_chunks, chunks_per_group,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr,
+    HB: tl.constexpr, HI_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
+    CAUSAL: tl.constexpr, RELU: tl.constexpr, IEEE_T: tl.constexpr, IEEE_I: tl.constexpr,
+    NO_CONTRACT: tl.constexpr,
+):
+    """KL [B, N_Q] and LSE_I [B, N_Q] (nats), the teacher's set LSEs LSE_T [B, H, N_Q] (bits) and
+    the target per slot P_SET [B, N_Q, K] (fp32). Grid (N_Q, B)."""
+    t = tl.program_id(0)
+    b = tl.program_id(1)
+    b64 = b.to(tl.int64)
+    topk_row = b64 * stride_tb + t.to(tl.int64) * stride_tn
+    hh = tl.arange(0, HB)
+    # pass 1: each teacher head's LSE over the set, in bits
+    for c in range(0, n_chunks):
+        kv = c // chunks_per_group
+        h_in_group = (c % chunks_per_group) * HB + hh
+        h = kv * GROUP + h_in_group
+        row_ok = h_in_group < GROUP
+        q_off = b64 * stride_qb + h.to(tl.int64) * stride_qh + t.to(tl.int64) * stride_qn
+        m = tl.full([HB], float("-inf"), tl.float32)
+        l = tl.zeros([HB], tl.float32)
+        for s0 in range(0, K_SEL, BLOCK_K):
+            slots, idx, used = _slots(TOPK, topk_row, s0, K_SEL, t, N_Q, N_K, stride_ts, BLOCK_K, CAUSAL)
+            k_off = b64 * stride_kb + kv * stride_kh + idx * stride_kn
+            s = _dot_rows(Q, q_off, row_ok, K, k_off, used, stride_qd, stride_kd,
+                          None, None, b, 0, 0, 0, 0, D, BLOCK_D, HB, BLOCK_K, HB, IEEE_T, False)
+            x = tl.where(used[None, :], _to_bits(s, qk_scale, NO_CONTRACT), float("-inf"))
+            m_new = tl.maximum(m, tl.max(x, 1))
+            shift = _safe(m_new)
+            l = l * tl.exp2(m - shift) + tl.sum(tl.exp2(x - shift[:, None]), 1)
+            m = m_new
+        # empty set: l = 0, LSE -inf; a NaN score makes l NaN (the max ignores NaN), LSE NaN
+        lse = tl.where(l == 0.0, float("-inf"), _safe(m) + tl.log2(tl.where(l == 0.0, 1.0, l)))
+        tl.store(LSE_T + (b64 * H + h) * N_Q + t, lse, mask=row_ok)
+    tl.debug_barrier()  # pass 2 reads the LSEs other threads of this program stored
+    # pass 2: target, student logits, online KL state
+    j = tl.arange(0, HI_PAD)
+    j_ok = j < H_I
+    m_i = tl.full([1], float("-inf"), tl.float32)
+    l_i = tl.zeros([1], tl.float32)
+    mass = tl.zeros([1], tl.float32)
+    acc = tl.zeros([1], tl.float32)
+    plogp = tl.zeros([1], tl.float32)
+    p_row = (b64 * N_Q + t) * K_SEL
+    for s0 in range(0, K_SEL, BLOCK_K):
+        slots, idx, used = _slots(TOPK, topk_row, s0, K_SEL, t, N_Q, N_K, stride_ts, BLOCK_K, CAUSAL)
+        p = tl.zeros([BLOCK_K], tl.float32)
+        for c in range(0, n_chunks):
+            kv = c // chunks_per_group
+            h_in_group = (c % chunks_per_group) * HB + hh
+            h = kv * GROUP + h_in_group
+            row_ok = h_in_group < GROUP
+            q_off = b64 * stride_qb + h.to(tl.int64) * stride_qh + t.to(tl.int64) * stride_qn
+            k_off = b64 * stride_kb + kv * stride_kh + idx * stride_kn
+            s = _dot_rows(Q, q_off, row_ok, K, k_off, used, stride_qd, stride_kd,
+                          None, None, b, 0, 0, 0, 0, D, BLOCK_D, HB, BLOCK_K, HB, IEEE_T, False)
+            lse = tl.load(LSE_T + (b64 * H + h) * N_Q + t, mask=row_ok, other=float("-inf"))
+            # "!= -inf" keeps a NaN LSE a NaN (a NaN row stays NaN)
+            vis = row_ok[:, None] & used[None, :] & (lse != float("-inf"))[:, None]
+            x = _to_bits(s, qk_scale, NO_CONTRACT) - lse[:, None]
+            p += tl.sum(tl.exp2(tl.where(vis, x, float("-inf"))), 0)
+        p = p * inv_heads
+        a, w, logits = _indexer_rows_logits(
+            QI, KI, W, b, t, idx, used, j, j_ok, GROUP_I, H_KI,
+            stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
+            stride_wb, stride_wh, stride_wn, DI, BLOCK_DI, HI_PAD, BLOCK_K, RELU, IEEE_I)
+        m_i, l_i, mass, acc, plogp = _online_update(m_i, l_i, mass, acc, plogp, p[None, :], logits[None, :],
+                                                    used[None, :])
+        tl.store(P_SET + p_row + slots, tl.where(used, p, 0.0), mask=slots < K_SEL)
+    kl, lse_i = _finish(m_i, l_i, acc, plogp)
+    zero = tl.arange(0, 1)
+    tl.store(KL + b64 * N_Q + t + zero, kl)
+    tl.store(LSE_I + b64 * N_Q + t + zero, lse_i)
+
+
+@triton.jit
+def _topk_bwd_kernel(
+    QI, KI, W, TOPK, P_SET, LSE_I, G_UP, DQ, DK, DW,
+    stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
+    stride_wb, stride_wh, stride_wn, stride_tb, stride_tn, stride_ts,
+    H_I, H_KI, GROUP_I, N_Q, N_K, K_SEL,
+    DI: tl.constexpr, DI_PAD: tl.constexpr, HI_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
+    CAUSAL: tl.constexpr, RELU: tl.constexpr, IEEE_I: tl.constexpr,
+):
+    """dq_idx [B, H_I, N_Q, D_I], dweights [B, H_I, N_Q] (fp32, contiguous, written) and dk_idx
+    [B, H_KI, N_K, D_I] (fp32, contiguous, zeroed by the host; atomic adds). Grid (N_Q, B)."""
+    t = tl.program_id(0)
+    b = tl.program_id(1)
+    b64 = b.to(tl.int64)
+    topk_row = b64 * stride_tb + t.to(tl.int64) * stride_tn
+    j = tl.arange(0, HI_PAD)
+    j_ok = j < H_I
+    offs_d = tl.arange(0, DI_PAD)
+    d_ok = offs_d < DI
+    q_off = b64 * stride_qib + j.to(tl.int64) * stride_qih + t.to(tl.int64) * stride_qin
+    q_rows = tl.load(QI + q_off[:, None] + offs_d[None, :] * stride_qid, mask=j_ok[:, None] & d_ok[None, :], other=0.0)
+    row = b64 * N_Q + t
+    zero = tl.arange(0, 1)
+    lse_i = tl.load(LSE_I + row + zero)
+    g = tl.load(G_UP + row + zero)
+    dq = tl.zeros([HI_PAD, DI_PAD], tl.float32)
+    dw = tl.zeros([HI_PAD], tl.float32)
+    p_row = row * K_SEL
+    for s0 in range(0, K_SEL, BLOCK_K):
+        slots, idx, used = _slots(TOPK, topk_row, s0, K_SEL, t, N_Q, N_K, stride_ts, BLOCK_K, CAUSAL)
+        p = tl.load(P_SET + p_row + slots, mask=used, other=0.0)
+        a, w, logits = _indexer_rows_logits(
+            QI, KI, W, b, t, idx, used, j, j_ok, GROUP_I, H_KI,
+            stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
+            stride_wb, stride_wh, stride_wn, DI, DI_PAD, HI_PAD, BLOCK_K, RELU, IEEE_I)
+        # an empty row (LSE_I = -inf) has no used slot; G = 0 off the set
+        vis = used & (lse_i != float("-inf"))
+        soft = tl.exp2((logits - lse_i) * LOG2E)
+        grad = tl.where(vis, g * (soft - p), 0.0)
+        grad_rows = tl.broadcast_to(grad[None, :], [HI_PAD, BLOCK_K])
+        vis_rows = tl.broadcast_to(vis[None, :], [HI_PAD, BLOCK_K]) & j_ok[:, None]
+        coef, dw_terms = _coef_a(grad_rows, vis_rows, a, w, RELU)
+        dw += tl.sum(dw_terms, 1)
+        for kvi in range(0, H_KI):
+            rows_ok = j_ok & (j // GROUP_I == kvi)
+            k_ptr = KI + b64 * stride_kib + kvi * stride_kih + idx[:, None] * stride_kin
+            k_tile = tl.load(k_ptr + offs_d[None, :] * stride_kid, mask=used[:, None] & d_ok[None, :], other=0.0)
+            c_kv = tl.where(rows_ok[:, None], coef, 0.0)
+            dq += _dot(c_kv.to(k_tile.dtype), k_tile, IEEE_I)
+            dk_part = _dot(tl.trans(c_kv).to(q_rows.dtype), q_rows, IEEE_I)  # [BLOCK_K, DI_PAD]
+            dk_ptr = DK + ((b64 * H_KI + kvi) * N_K + idx[:, None]) * DI + offs_d[None, :]
+            tl.atomic_add(dk_ptr, dk_part, mask=used[:, None] & d_ok[None, :], sem="relaxed")
+    out_rows = (b64 * H_I + j) * N_Q + t
+    tl.store(DQ + out_rows[:, None] * DI + offs_d[None, :], dq, mask=j_ok[:, None] & d_ok[None, :])
+    tl.store(DW + out_rows, dw, mask=j_ok)
