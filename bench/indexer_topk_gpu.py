@@ -133,15 +133,20 @@ def bench(fn, quick):
 
 def check_small(out, device, tiny):
     """Small shapes vs float64 (reference on CPU), each dtype, fwd + grads, causal and not."""
-    shapes = [dict(H=8, HK=1, D=72, HI=4, HKI=1, DI=32, N=40, K=13, relu=True, causal=True),
-              dict(H=4, HK=2, D=40, HI=6, HKI=2, DI=24, N=33, K=20, relu=False, causal=False)]
-    if not tiny:
-        shapes.append(dict(H=128, HK=1, D=576, HI=64, HKI=1, DI=128, N=160, K=100, relu=True, causal=True))
-    dtypes = [torch.float32] if tiny else [torch.float32, torch.float16, torch.bfloat16]
+    # (shape, dtypes): pruned to keep --quick's compiles few (each dtype/shape is a compile)
+    shapes = [dict(H=8, HK=1, D=72, HI=4, HKI=1, DI=32, N=40, K=13, relu=True, causal=True,
+                   dtypes=[torch.float32, torch.bfloat16]),
+              dict(H=4, HK=2, D=40, HI=6, HKI=2, DI=24, N=33, K=20, relu=False, causal=False,
+                   dtypes=[torch.float16])]
+    if tiny:  # the CPU smoke (tests/test_indexer_topk_bench.py): one shape
+        shapes = shapes[:1]
+    else:
+        shapes.append(dict(H=128, HK=1, D=576, HI=64, HKI=1, DI=128, N=160, K=100, relu=True, causal=True,
+                           dtypes=[torch.bfloat16]))
     for sh in shapes:
         cfg = {k_: sh[k_] for k_ in ("H", "HK", "D", "HI", "HKI", "DI")}
         cfg["scale"] = None
-        for dtype in dtypes:
+        for dtype in ([torch.float32] if tiny else sh["dtypes"]):
             name = f"small H{sh['H']}/{sh['HK']} D{sh['D']} HI{sh['HI']}/{sh['HKI']} N{sh['N']} K{sh['K']} " \
                    f"{'causal' if sh['causal'] else 'full'} relu={sh['relu']} {str(dtype)[6:]}"
             try:
@@ -252,7 +257,7 @@ def matmul_rate(device):
     return 2 * 8192 ** 3 / (ms * 1e-3)
 
 
-def time_point(out, device, cfg_name, N, K, quick, rate, baselines, variants=()):
+def time_point(out, device, cfg_name, N, K, quick, rate, baselines=False, variants=()):
     cfg = CONFIGS[cfg_name]
     shape = f"{cfg_name} N={N} K={K} causal bf16"
     try:
@@ -321,7 +326,10 @@ def main(argv=None):
     p.add_argument("out_dir")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--tiny", action="store_true", help="CPU smoke under TRITON_INTERPRET=1")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="skip the remaining timing points past this many seconds (default: --quick 80)")
     args = p.parse_args(argv)
+    budget = args.budget_s if args.budget_s is not None else (80.0 if args.quick else 1e9)
     out = Out(args.out_dir)
     device = "cpu" if args.tiny else "cuda"
     if not args.tiny:
@@ -336,12 +344,17 @@ def main(argv=None):
         except Exception as e:  # noqa: BLE001
             out.log(f"FAILED matmul rate: {e!r}")
             rate = 700e12
-        variants = [(32, 64, 128, 8, 2), (64, 64, 128, 4, 2), (128, 64, 128, 8, 2)]
-        time_point(out, device, "dsa", 8192, 2048, args.quick, rate, baselines=True, variants=variants)
-        time_point(out, device, "dsa", 4096, 2048, args.quick, rate, baselines=True)
-        time_point(out, device, "gqa", 8192, 2048, args.quick, rate, baselines=not args.quick)
+        # launch configs of the forward (BLOCK_K, BLOCK_D, heads per chunk, warps, stages) beside the default
+        variants = [(32, 64, 128, 8, 2), (64, 64, 128, 4, 2)]
+        points = [("dsa", 8192, dict(baselines=True, variants=variants)),
+                  ("gqa", 8192, dict(baselines=not args.quick))]
         if not args.quick:
-            time_point(out, device, "dsa", 16384, 2048, args.quick, rate, baselines=False)
+            points += [("dsa", 4096, dict(baselines=True)), ("dsa", 16384, dict(baselines=False))]
+        for cfg_name, n, kw in points:
+            if time.time() - T0 > budget:
+                out.log(f"SKIPPED {cfg_name} N={n}: past the {budget:.0f} s budget")
+                continue
+            time_point(out, device, cfg_name, n, 2048, args.quick, rate, **kw)
     print("\n=== indexer_kl_topk summary ===")
     for measure, provider, shape, value, unit, note in out.table:
         if measure.endswith("_ms") or measure == "floor" or "FAIL" in note:
