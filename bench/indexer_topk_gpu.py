@@ -257,7 +257,7 @@ def matmul_rate(device):
     return 2 * 8192 ** 3 / (ms * 1e-3)
 
 
-def time_point(out, device, cfg_name, N, K, quick, rate, baselines=False, variants=()):
+def time_point(out, device, cfg_name, N, K, quick, rate, baselines=False, variants=(), budget=1e9):
     cfg = CONFIGS[cfg_name]
     shape = f"{cfg_name} N={N} K={K} causal bf16"
     try:
@@ -296,14 +296,20 @@ def time_point(out, device, cfg_name, N, K, quick, rate, baselines=False, varian
         torch.autograd.grad(loss, leaves)
 
     run("ours", ours_fwd, ours_fb)
+    if baselines:
+        run_baselines(run, q, k, qi, ki, w, leaves, topk, kw)
     for v in variants:
+        if time.time() - T0 > budget:
+            out.log(f"SKIPPED variant {v}: past the {budget:.0f} s budget")
+            continue
         _indexer_topk.CONFIG_OVERRIDE = v
         try:
             run(f"ours cfg={v}", ours_fwd, None)
         finally:
             _indexer_topk.CONFIG_OVERRIDE = None
-    if not baselines:
-        return
+
+
+def run_baselines(run, q, k, qi, ki, w, leaves, topk, kw):
     rows = (topk >= 0).any(-1).sum()
 
     def naive_loss(*xs):
@@ -345,7 +351,7 @@ def main(argv=None):
             out.log(f"FAILED matmul rate: {e!r}")
             rate = 700e12
         # launch configs of the forward (BLOCK_K, BLOCK_D, heads per chunk, warps, stages) beside the default
-        variants = [(32, 64, 128, 8, 2), (64, 64, 128, 4, 2)]
+        variants = [(64, 64, 128, 8, 2, True), (128, 64, 128, 8, 2), (32, 64, 128, 8, 2)]
         points = [("dsa", 8192, dict(baselines=True, variants=variants)),
                   ("gqa", 8192, dict(baselines=not args.quick))]
         if not args.quick:
@@ -354,7 +360,7 @@ def main(argv=None):
             if time.time() - T0 > budget:
                 out.log(f"SKIPPED {cfg_name} N={n}: past the {budget:.0f} s budget")
                 continue
-            time_point(out, device, cfg_name, n, 2048, args.quick, rate, **kw)
+            time_point(out, device, cfg_name, n, 2048, args.quick, rate, budget=budget, **kw)
     print("\n=== indexer_kl_topk summary ===")
     for measure, provider, shape, value, unit, note in out.table:
         if measure.endswith("_ms") or measure == "floor" or "FAIL" in note:

@@ -79,10 +79,11 @@ def _topk_fwd_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr,
     HB: tl.constexpr, HI_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, RELU: tl.constexpr, IEEE_T: tl.constexpr, IEEE_I: tl.constexpr,
-    NO_CONTRACT: tl.constexpr,
+    NO_CONTRACT: tl.constexpr, A_L1: tl.constexpr = False,
 ):
     """KL [B, N_Q] and LSE_I [B, N_Q] (nats), the teacher's set LSEs LSE_T [B, H, N_Q] (bits) and
-    the target per slot P_SET [B, N_Q, K] (fp32). Grid (N_Q, B)."""
+    the target per slot P_SET [B, N_Q, K] (fp32). Grid (N_Q, B). A_L1: the token's teacher q
+    rows through L1 (``.ca``; re-read for every slot tile: 147 KB at DSA), the gathered keys not."""
     t = tl.program_id(0)
     b = tl.program_id(1)
     b64 = b.to(tl.int64)
@@ -101,7 +102,7 @@ def _topk_fwd_kernel(
             slots, idx, used = _slots(TOPK, topk_row, s0, K_SEL, t, N_Q, N_K, stride_ts, BLOCK_K, CAUSAL)
             k_off = b64 * stride_kb + kv * stride_kh + idx * stride_kn
             s = _dot_rows(Q, q_off, row_ok, K, k_off, used, stride_qd, stride_kd,
-                          None, None, b, 0, 0, 0, 0, D, BLOCK_D, HB, BLOCK_K, HB, IEEE_T, False)
+                          None, None, b, 0, 0, 0, 0, D, BLOCK_D, HB, BLOCK_K, HB, IEEE_T, False, A_L1)
             x = tl.where(used[None, :], _to_bits(s, qk_scale, NO_CONTRACT), float("-inf"))
             m_new = tl.maximum(m, tl.max(x, 1))
             shift = _safe(m_new)
@@ -131,7 +132,7 @@ def _topk_fwd_kernel(
             q_off = b64 * stride_qb + h.to(tl.int64) * stride_qh + t.to(tl.int64) * stride_qn
             k_off = b64 * stride_kb + kv * stride_kh + idx * stride_kn
             s = _dot_rows(Q, q_off, row_ok, K, k_off, used, stride_qd, stride_kd,
-                          None, None, b, 0, 0, 0, 0, D, BLOCK_D, HB, BLOCK_K, HB, IEEE_T, False)
+                          None, None, b, 0, 0, 0, 0, D, BLOCK_D, HB, BLOCK_K, HB, IEEE_T, False, A_L1)
             lse = tl.load(LSE_T + (b64 * H + h) * N_Q + t, mask=row_ok, other=float("-inf"))
             # "!= -inf" keeps a NaN LSE a NaN (a NaN row stays NaN)
             vis = row_ok[:, None] & used[None, :] & (lse != float("-inf"))[:, None]

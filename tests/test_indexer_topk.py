@@ -90,6 +90,16 @@ def test_forward_and_gradients_match_reference(shape, K, causal, relu):
     check_case(xs, topk, causal=causal, relu=relu)
 
 
+def test_other_launch_configs_l1_and_wide_slot_tiles(monkeypatch):
+    """The benchmark's variants: q rows through L1, 32-slot tiles, heads chunked 16 at a time."""
+    from streamkl_gpu import _indexer_topk
+
+    xs = make(1, 32, 1, 3, 20, 16, 4, 1, 16, seed=2)
+    topk = random_sets(1, 3, 20, 19, seed=2)
+    monkeypatch.setattr(_indexer_topk, "CONFIG_OVERRIDE", (32, 16, 16, 1, 1, True))
+    check_case(xs, topk, causal=False)
+
+
 def test_fp16_and_bf16():
     for dtype in (torch.float16, torch.bfloat16):
         xs = make(1, 4, 1, 7, 10, 16, 2, 1, 16, dtype=dtype, seed=3)
