@@ -44,6 +44,10 @@ from streamkl_ref import testing  # noqa: E402
 from streamkl_gpu import _indexer_topk  # noqa: E402
 from streamkl_gpu._indexer_topk import indexer_kl_topk, indexer_kl_topk_naive  # noqa: E402
 
+def _scale(cfg):
+    return cfg["scale"] if cfg["scale"] is not None else cfg["D"] ** -0.5
+
+
 CONFIGS = {
     "dsa": dict(H=128, HK=1, D=576, HI=64, HKI=1, DI=128, scale=192 ** -0.5),
     "gqa": dict(H=32, HK=8, D=128, HI=16, HKI=1, DI=64, scale=None),
@@ -107,6 +111,26 @@ def random_sets(B, NQ, NK, K, causal, device, seed):
             if K_eff < K:
                 idx = torch.cat([idx, torch.full((len(rows), K - K_eff), -1, dtype=torch.int32, device=device)], -1)
             out[b, t0:t0 + len(rows)] = idx
+    return out
+
+
+def set_lse(q, k, topk, scale, causal, chunk=512):
+    """The teacher's per-head LSEs over each row's set, float32 [B, H, N_Q] (natural log), by the
+    gather form in row chunks: what a sparse attention over the same indices returns."""
+    B, H, N, D = q.shape
+    HK, NK = k.shape[1], k.shape[2]
+    out = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
+    bidx = torch.arange(B, device=q.device)[:, None, None]
+    for t0 in range(0, N, chunk):
+        rows = torch.arange(t0, min(N, t0 + chunk), device=q.device)
+        idx = topk[:, rows].long()
+        used = (idx >= 0) & (idx < NK)
+        if causal:
+            used &= idx <= rows[None, :, None] + (NK - N)
+        kg = k[bidx, :, torch.where(used, idx, 0)]  # [B, R, K, HK, D]
+        qg = q[:, :, rows].reshape(B, HK, H // HK, len(rows), D)
+        s = torch.einsum("bzgtd,btszd->bzgts", qg, kg).reshape(B, H, len(rows), -1).float() * scale
+        out[:, :, rows] = torch.logsumexp(s.masked_fill(~used[:, None], float("-inf")), dim=-1)
     return out
 
 
@@ -296,6 +320,26 @@ def time_point(out, device, cfg_name, N, K, quick, rate, baselines=False, varian
         torch.autograd.grad(loss, leaves)
 
     run("ours", ours_fwd, ours_fb)
+    try:
+        lse = set_lse(q, k, topk, _scale(cfg), True)
+        with torch.no_grad():
+            a = indexer_kl_topk(q, k, qi, ki, w, topk, **kw)
+            b = indexer_kl_topk(q, k, qi, ki, w, topk, lse=lse, **kw)
+        e = rel(b, a)
+        out.row("check_err", "ours_lse", shape, f"{e:.3e}", "rel", f"kl with lse vs without, bound 1e-2 {'ok' if e <= 1e-2 else 'FAIL'}")
+        if e > 1e-2:
+            out.failed.append(f"{shape} lse")
+
+        def lse_fwd():
+            with torch.no_grad():
+                indexer_kl_topk(q, k, qi, ki, w, topk, lse=lse, reduction="mean", **kw)
+
+        def lse_fb():
+            torch.autograd.grad(indexer_kl_topk(q, k, *leaves, topk, lse=lse, reduction="mean", **kw), leaves)
+
+        run("ours_lse", lse_fwd, lse_fb)
+    except Exception as e:  # noqa: BLE001
+        out.log(f"FAILED {shape} ours_lse: {e!r}\n{traceback.format_exc()}")
     if baselines:
         run_baselines(run, q, k, qi, ki, w, leaves, topk, kw)
     for v in variants:
@@ -333,9 +377,9 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true")
     p.add_argument("--tiny", action="store_true", help="CPU smoke under TRITON_INTERPRET=1")
     p.add_argument("--budget-s", type=float, default=None,
-                   help="skip the remaining timing points past this many seconds (default: --quick 80)")
+                   help="skip the remaining timing points past this many seconds (default: --quick 70)")
     args = p.parse_args(argv)
-    budget = args.budget_s if args.budget_s is not None else (80.0 if args.quick else 1e9)
+    budget = args.budget_s if args.budget_s is not None else (70.0 if args.quick else 1e9)
     out = Out(args.out_dir)
     device = "cpu" if args.tiny else "cuda"
     if not args.tiny:

@@ -7,8 +7,9 @@ row sees), Megatron-LM's ``sparse_loss`` convention: every teacher head's softma
 
 Two custom ops (``streamkl::indexer_topk_fwd``, ``streamkl::indexer_topk_bwd``) with fake
 implementations make the function traceable by ``torch.compile(fullgraph=True)``. The forward saves
-the target per slot (``[B, N_Q, K]`` fp32, as large as ``topk_indices`` in int32 times one), so the
-backward reads the indexer alone.
+the target per slot (``[B, N_Q, K]`` fp32, as large as ``topk_indices`` in int32), so the
+backward reads the indexer alone. ``lse`` (the teacher's LSEs over the set, as a sparse attention
+over the same indices returns them) skips the forward's first pass over the teacher.
 """
 from __future__ import annotations
 
@@ -79,8 +80,9 @@ def _strides(t):
     return tuple(t.stride())
 
 
-def _forward(q, k, q_idx, k_idx, weights, topk_indices, causal, scale, relu):
-    """(KL [B, N_Q], LSE_I [B, N_Q], p_set [B, N_Q, K]) in fp32."""
+def _forward(q, k, q_idx, k_idx, weights, topk_indices, lse, causal, scale, relu):
+    """(KL [B, N_Q], LSE_I [B, N_Q], p_set [B, N_Q, K]) in fp32; ``lse``: the caller's set LSEs
+    (natural log) or None (the kernel's first pass computes them)."""
     dims = check_indexer_inputs(q, k, q_idx, k_idx, weights, scale=scale)
     q, k, q_idx, k_idx, weights = (_checks.compute_view(t) for t in (q, k, q_idx, k_idx, weights))
     device = q.device
@@ -95,7 +97,10 @@ def _forward(q, k, q_idx, k_idx, weights, topk_indices, causal, scale, relu):
     pad_i = _checks.head_pad(dims.DI)
     kl = _fresh((dims.B, dims.NQ), torch.float32, device)
     lse_i = _fresh((dims.B, dims.NQ), torch.float32, device)
-    lse_t = _fresh((dims.B, dims.H, dims.NQ), torch.float32, device)
+    if lse is None:
+        lse_t = _fresh((dims.B, dims.H, dims.NQ), torch.float32, device)
+    else:  # natural log -> bits, the kernels' unit
+        lse_t = (lse * LOG2E).contiguous()
     p_set = _fresh((dims.B, dims.NQ, n_sel), torch.float32, device)
     _kernels._topk_fwd_kernel[(dims.NQ, dims.B)](
         q, k, q_idx, k_idx, weights, topk_indices, lse_t, kl, lse_i, p_set,
@@ -105,7 +110,7 @@ def _forward(q, k, q_idx, k_idx, weights, topk_indices, causal, scale, relu):
         D=dims.D, BLOCK_D=min(block_d, pad), DI=dims.DI, BLOCK_DI=pad_i if pad_i <= 128 else min(block_d, pad_i),
         HB=hb, HI_PAD=max(16, _pow2(dims.HI)), BLOCK_K=block_k,
         CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, NO_CONTRACT=not _runtime.interpreting(),
-        A_L1=a_l1, num_warps=warps, num_stages=stages)
+        HAS_LSE=lse is not None, A_L1=a_l1, num_warps=warps, num_stages=stages)
     return kl, lse_i, p_set
 
 
@@ -138,13 +143,13 @@ def _backward(g, q_idx, k_idx, weights, topk_indices, p_set, lse_i, causal, relu
 
 @torch.library.custom_op("streamkl::indexer_topk_fwd", mutates_args=())
 def _topk_fwd_op(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, k_idx: torch.Tensor,
-                 weights: torch.Tensor, topk_indices: torch.Tensor, causal: bool, scale: float,
-                 relu: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _forward(q, k, q_idx, k_idx, weights, topk_indices, causal, scale, relu)
+                 weights: torch.Tensor, topk_indices: torch.Tensor, lse: Optional[torch.Tensor], causal: bool,
+                 scale: float, relu: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _forward(q, k, q_idx, k_idx, weights, topk_indices, lse, causal, scale, relu)
 
 
 @_topk_fwd_op.register_fake
-def _topk_fwd_fake(q, k, q_idx, k_idx, weights, topk_indices, causal, scale, relu):
+def _topk_fwd_fake(q, k, q_idx, k_idx, weights, topk_indices, lse, causal, scale, relu):
     B, NQ, KS = topk_indices.shape
     f32 = torch.float32
     return (q.new_empty((B, NQ), dtype=f32), q.new_empty((B, NQ), dtype=f32), q.new_empty((B, NQ, KS), dtype=f32))
@@ -163,7 +168,7 @@ def _topk_bwd_fake(g, q_idx, k_idx, weights, topk_indices, p_set, lse_i, causal,
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, q_idx, k_idx, weights, topk_indices, causal, scale, relu = inputs
+    q, k, q_idx, k_idx, weights, topk_indices, lse, causal, scale, relu = inputs
     _, lse_i, p_set = output
     ctx.save_for_backward(q_idx, k_idx, weights, topk_indices, p_set, lse_i)
     ctx.args = (causal, relu)
@@ -175,10 +180,10 @@ def _topk_backward(ctx, g_kl, g_lse_i, g_p_set):
     need = ctx.needs_input_grad
     # the teacher (q, k) is a constant: no gradient even if it requires one (documented)
     if not (need[2] or need[3] or need[4]):
-        return (None,) * 9
+        return (None,) * 10
     dq_idx, dk_idx, dweights = _topk_bwd_op(g_kl, q_idx, k_idx, weights, topk_indices, p_set, lse_i, causal, relu)
     return (None, None, dq_idx if need[2] else None, dk_idx if need[3] else None,
-            dweights if need[4] else None, None, None, None, None)
+            dweights if need[4] else None, None, None, None, None, None)
 
 
 _topk_fwd_op.register_autograd(_topk_backward, setup_context=_setup_context)
@@ -189,7 +194,7 @@ _topk_fwd_op.register_autograd(_topk_backward, setup_context=_setup_context)
 # ----------------------------------------------------------------------------------------------
 
 def indexer_kl_topk(q, k, q_idx, k_idx, weights, topk_indices, *, causal=False, scale=None, relu=True,
-                    reduction="none"):
+                    lse=None, reduction="none"):
     """The sparse stage's indexer loss: per row, ``KL(p_S || softmax_S(I))`` over the row's set ``S``.
 
     ``S_t`` = the keys listed in ``topk_indices[b, t]`` that row ``t`` sees (with ``causal``, keys
@@ -208,19 +213,22 @@ def indexer_kl_topk(q, k, q_idx, k_idx, weights, topk_indices, *, causal=False, 
         reduction: ``"none"`` (``[B, N_Q]``), ``"sum"``, or ``"mean"`` over the rows with at least
             one visible key (as :func:`indexer_kl`).
 
-    There is no ``lse`` argument: the teacher's LSEs are over each row's set, which a caller's
-    full-row ``softmax_lse`` does not give.
+        lse: optional teacher LSEs **over each row's set**, float32 ``[B, H, N_Q]``, natural log:
+            what a sparse attention over the same ``topk_indices`` returns (e.g. a sparse-MLA
+            prefill's ``softmax_lse``), *not* a dense FlashAttention's full-row LSE (that one
+            gives wrong rows: the target then sums to less than 1). Given, the forward skips its
+            first pass over the teacher. Shape, dtype and device are checked, values are not.
 
     Returns:
         float32 KL in nats; rows with an empty set give 0 and zero gradient. Differentiable in
         ``q_idx``, ``k_idx``, ``weights``.
     """
-    dims = _check(q, k, q_idx, k_idx, weights, causal=causal, scale=scale, relu=relu, lse=None,
+    dims = _check(q, k, q_idx, k_idx, weights, causal=causal, scale=scale, relu=relu, lse=lse,
                   reduction=reduction)
     if dims.HI > MAX_TOPK_INDEXER_HEADS:
         raise ValueError(f"q_idx has {dims.HI} heads; indexer_kl_topk supports up to {MAX_TOPK_INDEXER_HEADS}")
     _check_topk(topk_indices, dims, q.device)
-    kl = _topk_fwd_op(q, k, q_idx, k_idx, weights, topk_indices, causal, dims.scale, relu)[0]
+    kl = _topk_fwd_op(q, k, q_idx, k_idx, weights, topk_indices, lse, causal, dims.scale, relu)[0]
     if reduction == "none":
         return kl
     total = kl.sum()

@@ -79,38 +79,40 @@ def _topk_fwd_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr,
     HB: tl.constexpr, HI_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, RELU: tl.constexpr, IEEE_T: tl.constexpr, IEEE_I: tl.constexpr,
-    NO_CONTRACT: tl.constexpr, A_L1: tl.constexpr = False,
+    NO_CONTRACT: tl.constexpr, HAS_LSE: tl.constexpr = False, A_L1: tl.constexpr = False,
 ):
     """KL [B, N_Q] and LSE_I [B, N_Q] (nats), the teacher's set LSEs LSE_T [B, H, N_Q] (bits) and
     the target per slot P_SET [B, N_Q, K] (fp32). Grid (N_Q, B). A_L1: the token's teacher q
-    rows through L1 (``.ca``; re-read for every slot tile: 147 KB at DSA), the gathered keys not."""
+    rows through L1 (``.ca``; re-read for every slot tile: 147 KB at DSA), the gathered keys not.
+    HAS_LSE: LSE_T holds the caller's set LSEs (bits): pass 1 is skipped."""
     t = tl.program_id(0)
     b = tl.program_id(1)
     b64 = b.to(tl.int64)
     topk_row = b64 * stride_tb + t.to(tl.int64) * stride_tn
     hh = tl.arange(0, HB)
-    # pass 1: each teacher head's LSE over the set, in bits
-    for c in range(0, n_chunks):
-        kv = c // chunks_per_group
-        h_in_group = (c % chunks_per_group) * HB + hh
-        h = kv * GROUP + h_in_group
-        row_ok = h_in_group < GROUP
-        q_off = b64 * stride_qb + h.to(tl.int64) * stride_qh + t.to(tl.int64) * stride_qn
-        m = tl.full([HB], float("-inf"), tl.float32)
-        l = tl.zeros([HB], tl.float32)
-        for s0 in range(0, K_SEL, BLOCK_K):
-            slots, idx, used = _slots(TOPK, topk_row, s0, K_SEL, t, N_Q, N_K, stride_ts, BLOCK_K, CAUSAL)
-            k_off = b64 * stride_kb + kv * stride_kh + idx * stride_kn
-            s = _dot_rows(Q, q_off, row_ok, K, k_off, used, stride_qd, stride_kd,
-                          None, None, b, 0, 0, 0, 0, D, BLOCK_D, HB, BLOCK_K, HB, IEEE_T, False, A_L1)
-            x = tl.where(used[None, :], _to_bits(s, qk_scale, NO_CONTRACT), float("-inf"))
-            m_new = tl.maximum(m, tl.max(x, 1))
-            shift = _safe(m_new)
-            l = l * tl.exp2(m - shift) + tl.sum(tl.exp2(x - shift[:, None]), 1)
-            m = m_new
-        # empty set: l = 0, LSE -inf; a NaN score makes l NaN (the max ignores NaN), LSE NaN
-        lse = tl.where(l == 0.0, float("-inf"), _safe(m) + tl.log2(tl.where(l == 0.0, 1.0, l)))
-        tl.store(LSE_T + (b64 * H + h) * N_Q + t, lse, mask=row_ok)
+    # pass 1: each teacher head's LSE over the set, in bits (unless the caller gave them)
+    if not HAS_LSE:
+        for c in range(0, n_chunks):
+            kv = c // chunks_per_group
+            h_in_group = (c % chunks_per_group) * HB + hh
+            h = kv * GROUP + h_in_group
+            row_ok = h_in_group < GROUP
+            q_off = b64 * stride_qb + h.to(tl.int64) * stride_qh + t.to(tl.int64) * stride_qn
+            m = tl.full([HB], float("-inf"), tl.float32)
+            l = tl.zeros([HB], tl.float32)
+            for s0 in range(0, K_SEL, BLOCK_K):
+                slots, idx, used = _slots(TOPK, topk_row, s0, K_SEL, t, N_Q, N_K, stride_ts, BLOCK_K, CAUSAL)
+                k_off = b64 * stride_kb + kv * stride_kh + idx * stride_kn
+                s = _dot_rows(Q, q_off, row_ok, K, k_off, used, stride_qd, stride_kd,
+                              None, None, b, 0, 0, 0, 0, D, BLOCK_D, HB, BLOCK_K, HB, IEEE_T, False, A_L1)
+                x = tl.where(used[None, :], _to_bits(s, qk_scale, NO_CONTRACT), float("-inf"))
+                m_new = tl.maximum(m, tl.max(x, 1))
+                shift = _safe(m_new)
+                l = l * tl.exp2(m - shift) + tl.sum(tl.exp2(x - shift[:, None]), 1)
+                m = m_new
+            # empty set: l = 0, LSE -inf; a NaN score makes l NaN (the max ignores NaN), LSE NaN
+            lse = tl.where(l == 0.0, float("-inf"), _safe(m) + tl.log2(tl.where(l == 0.0, 1.0, l)))
+            tl.store(LSE_T + (b64 * H + h) * N_Q + t, lse, mask=row_ok)
     tl.debug_barrier()  # pass 2 reads the LSEs other threads of this program stored
     # pass 2: target, student logits, online KL state
     j = tl.arange(0, HI_PAD)

@@ -115,6 +115,24 @@ def test_every_visible_key_listed_equals_dense_indexer_kl():
     assert torch.allclose(ours, dense, rtol=1e-5, atol=1e-6)
 
 
+def test_lse_over_the_set_given_equals_computed():
+    """``lse`` = the teacher's LSEs over each row's set (what a sparse attention returns): the
+    forward skips its first pass; same KL and gradients (an empty row's -inf included)."""
+    xs = make(1, 4, 2, 7, 9, 16, 2, 1, 8, seed=15)
+    topk = random_sets(1, 7, 9, 5, seed=15, empty_rows=(3,))
+    g = torch.ones(1, 7)
+    kl, grads = run(xs, topk, g, causal=True)
+    _, _, lse_set = streamkl_ref.indexer_kl_topk(*[x.double().numpy() for x in xs], topk.numpy(), causal=True,
+                                                 return_lse=True)
+    assert np.isneginf(lse_set[0, :, 3]).all()
+    kl_l, grads_l = run(xs, topk, g, causal=True, lse=torch.from_numpy(lse_set).float())
+    assert torch.allclose(kl_l, kl, rtol=1e-5, atol=1e-6)
+    for name in GRADS:
+        assert torch.allclose(grads_l[name], grads[name], rtol=1e-5, atol=1e-6), name
+    with pytest.raises(ValueError, match=r"\blse\b"):
+        streamkl_gpu.indexer_kl_topk(*xs, topk, lse=torch.zeros(1, 4, 6))
+
+
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 def test_reductions(reduction):
     xs = make(2, 2, 1, 6, 8, 16, 2, 1, 8, seed=6)
