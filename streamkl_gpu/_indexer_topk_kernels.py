@@ -175,6 +175,8 @@ def _topk_bwd_kernel(
     d_ok = offs_d < DI
     q_off = b64 * stride_qib + j.to(tl.int64) * stride_qih + t.to(tl.int64) * stride_qin
     q_rows = tl.load(QI + q_off[:, None] + offs_d[None, :] * stride_qid, mask=j_ok[:, None] & d_ok[None, :], other=0.0)
+    w = tl.load(W + b64 * stride_wb + j.to(tl.int64) * stride_wh + t.to(tl.int64) * stride_wn,
+                mask=j_ok, other=0.0).to(tl.float32)
     row = b64 * N_Q + t
     zero = tl.arange(0, 1)
     lse_i = tl.load(LSE_I + row + zero)
@@ -185,10 +187,18 @@ def _topk_bwd_kernel(
     for s0 in range(0, K_SEL, BLOCK_K):
         slots, idx, used = _slots(TOPK, topk_row, s0, K_SEL, t, N_Q, N_K, stride_ts, BLOCK_K, CAUSAL)
         p = tl.load(P_SET + p_row + slots, mask=used, other=0.0)
-        a, w, logits = _indexer_rows_logits(
-            QI, KI, W, b, t, idx, used, j, j_ok, GROUP_I, H_KI,
-            stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
-            stride_wb, stride_wh, stride_wn, DI, DI_PAD, HI_PAD, BLOCK_K, RELU, IEEE_I)
+        # per indexer head the score of the gathered keys, from the q_idx rows held in registers
+        a = tl.zeros([HI_PAD, BLOCK_K], tl.float32)
+        for kvi in range(0, H_KI):
+            rows_ok = j_ok & (j // GROUP_I == kvi)
+            k_ptr = KI + b64 * stride_kib + kvi * stride_kih + idx[:, None] * stride_kin
+            k_tile = tl.load(k_ptr + offs_d[None, :] * stride_kid, mask=used[:, None] & d_ok[None, :], other=0.0)
+            a += tl.where(rows_ok[:, None], _dot(q_rows, tl.trans(k_tile), IEEE_I), 0.0)
+        if RELU:
+            act = tl.maximum(a, 0.0, propagate_nan=tl.PropagateNan.ALL)  # relu(NaN) stays NaN
+        else:
+            act = a
+        logits = tl.sum(tl.where(j_ok[:, None], w[:, None] * act, 0.0), 0)
         # an empty row (LSE_I = -inf) has no used slot; G = 0 off the set
         vis = used & (lse_i != float("-inf"))
         soft = tl.exp2((logits - lse_i) * LOG2E)
@@ -199,7 +209,7 @@ def _topk_bwd_kernel(
         dw += tl.sum(dw_terms, 1)
         for kvi in range(0, H_KI):
             rows_ok = j_ok & (j // GROUP_I == kvi)
-            k_ptr = KI + b64 * stride_kib + kvi * stride_kih + idx[:, None] * stride_kin
+            k_ptr = KI + b64 * stride_kib + kvi * stride_kih + idx[:, None] * stride_kin  # again (L1)
             k_tile = tl.load(k_ptr + offs_d[None, :] * stride_kid, mask=used[:, None] & d_ok[None, :], other=0.0)
             c_kv = tl.where(rows_ok[:, None], coef, 0.0)
             dq += _dot(c_kv.to(k_tile.dtype), k_tile, IEEE_I)
