@@ -51,6 +51,7 @@ def _scale(cfg):
 CONFIGS = {
     "dsa": dict(H=128, HK=1, D=576, HI=64, HKI=1, DI=128, scale=192 ** -0.5),
     "gqa": dict(H=32, HK=8, D=128, HI=16, HKI=1, DI=64, scale=None),
+    "tiny": dict(H=8, HK=1, D=24, HI=2, HKI=1, DI=16, scale=None),  # --tiny: the code paths on CPU
 }
 COLUMNS = ["measure", "provider", "shape", "value", "unit", "note"]
 T0 = time.time()
@@ -141,6 +142,11 @@ def rel(x, ref):
 def bench(fn, quick):
     import triton
 
+    if not torch.cuda.is_available():  # --tiny on CPU: one timed call (checks the code path only)
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3, 0.0
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -207,12 +213,12 @@ def check_small(out, device, tiny):
                 out.log(f"FAILED {name}: {e!r}\n{traceback.format_exc()}")
 
 
-def check_dsa_rows(out, device, N, K, rows=32):
+def check_dsa_rows(out, device, N, K, rows=32, cfg_name="dsa", dtype=torch.bfloat16, chunk=512):
     """DSA-like at N, K: sampled rows vs the float64 gather form on those rows."""
-    name = f"dsa N{N} K{K} bf16 rows"
+    name = f"{cfg_name} N{N} K{K} {str(dtype)[6:]} rows"
     try:
-        cfg = CONFIGS["dsa"]
-        q, k, qi, ki, w, topk = make_problem(cfg, N, K, torch.bfloat16, device, seed=5)
+        cfg = CONFIGS[cfg_name]
+        q, k, qi, ki, w, topk = make_problem(cfg, N, K, dtype, device, seed=5)
         leaves = [t.detach().clone().requires_grad_(True) for t in (qi, ki, w)]
         ours = indexer_kl_topk(q, k, *leaves, topk, causal=True, scale=cfg["scale"])
         g = torch.ones_like(ours)
@@ -228,7 +234,7 @@ def check_dsa_rows(out, device, N, K, rows=32):
         same = indexer_kl_topk_naive(q[:, :, sel], k, qi[:, :, sel], ki, w[:, :, sel], sub, causal=False,
                                      scale=cfg["scale"], compute_dtype=torch.float32)
         err, base = rel(ours[:, sel], ref), rel(same, ref)
-        tol = testing.tolerance(base, torch.bfloat16)
+        tol = testing.tolerance(base, dtype)
         out.row("check_err", "ours", name, f"{err:.3e}", "rel", f"kl tol {tol:.2e} {'ok' if err <= tol else 'FAIL'}")
         # gradient rows of q_idx / weights vs float64 autograd of the row subset
         l64 = [qi[:, :, sel].double().requires_grad_(True), ki.double().requires_grad_(True),
@@ -246,10 +252,10 @@ def check_dsa_rows(out, device, N, K, rows=32):
         torch.cuda.empty_cache()
         # dk_idx: every row adds to it: vs the fp32 gather form's autograd (same inputs) in chunks of rows
         dk_ref = torch.zeros_like(dk, dtype=torch.float32)
-        for t0 in range(0, N, 512):
-            rs = slice(t0, min(N, t0 + 512))
+        for t0 in range(0, N, chunk):
+            rs = slice(t0, min(N, t0 + chunk))
             subr = topk[:, rs]
-            ar = torch.arange(t0, min(N, t0 + 512), device=device)
+            ar = torch.arange(t0, min(N, t0 + chunk), device=device)
             subr = torch.where(subr.long() <= ar[None, :, None], subr, -1)
             kk = ki.float().requires_grad_(True)
             part = indexer_kl_topk_naive(q[:, :, rs], k, qi[:, :, rs].float(), kk, w[:, :, rs].float(), subr,
@@ -275,13 +281,17 @@ def check_dsa_rows(out, device, N, K, rows=32):
 def matmul_rate(device):
     import triton
 
+    if device == "cpu":
+        return 1e12
+
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     ms = triton.testing.do_bench(lambda: a @ b, warmup=5, rep=30)
     return 2 * 8192 ** 3 / (ms * 1e-3)
 
 
-def time_point(out, device, cfg_name, N, K, quick, rate, baselines=False, variants=(), budget=1e9):
+def time_point(out, device, cfg_name, N, K, quick, rate, baselines=False, variants=(), budget=1e9,
+               compile_baseline=True):
     cfg = CONFIGS[cfg_name]
     shape = f"{cfg_name} N={N} K={K} causal bf16"
     try:
@@ -341,7 +351,7 @@ def time_point(out, device, cfg_name, N, K, quick, rate, baselines=False, varian
     except Exception as e:  # noqa: BLE001
         out.log(f"FAILED {shape} ours_lse: {e!r}\n{traceback.format_exc()}")
     if baselines:
-        run_baselines(run, q, k, qi, ki, w, leaves, topk, kw)
+        run_baselines(run, q, k, qi, ki, w, leaves, topk, kw, compile_baseline)
     for v in variants:
         if time.time() - T0 > budget:
             out.log(f"SKIPPED variant {v}: past the {budget:.0f} s budget")
@@ -353,14 +363,16 @@ def time_point(out, device, cfg_name, N, K, quick, rate, baselines=False, varian
             _indexer_topk.CONFIG_OVERRIDE = None
 
 
-def run_baselines(run, q, k, qi, ki, w, leaves, topk, kw):
+def run_baselines(run, q, k, qi, ki, w, leaves, topk, kw, compile_baseline=True):
     rows = (topk >= 0).any(-1).sum()
 
     def naive_loss(*xs):
         return indexer_kl_topk_naive(q, k, *xs, topk, compute_dtype=None, **kw).sum() / rows
 
-    compiled = torch.compile(naive_loss)
-    for provider, f in (("torch_gather_eager", naive_loss), ("torch_gather_compile", compiled)):
+    providers = [("torch_gather_eager", naive_loss)]
+    if compile_baseline:
+        providers.append(("torch_gather_compile", torch.compile(naive_loss)))
+    for provider, f in providers:
         def fwd(f=f):
             with torch.no_grad():
                 f(qi, ki, w)
@@ -387,7 +399,11 @@ def main(argv=None):
         import triton
         out.log(f"triton {triton.__version__}")
     check_small(out, device, args.tiny)
-    if not args.tiny:
+    if args.tiny:  # the GPU-only sections' code paths, tiny, on CPU
+        check_dsa_rows(out, device, 12, 6, rows=4, cfg_name="tiny", dtype=torch.float32, chunk=5)
+        time_point(out, device, "tiny", 6, 4, True, matmul_rate(device), baselines=True,
+                   variants=[(16, 16, 16, 1, 1, True)], compile_baseline=False)
+    else:
         check_dsa_rows(out, device, 8192, 2048)
         try:
             rate = matmul_rate(device)

@@ -1,5 +1,5 @@
 """CPU smoke of bench/indexer_topk_gpu.py --tiny (the Triton interpreter): the script runs its
-checks end to end, writes its CSV and reports no failed check."""
+checks and (tiny) timing sections end to end, writes its CSV and reports no failed check."""
 import csv
 import importlib.util
 import os
@@ -16,4 +16,10 @@ def test_tiny_run_writes_checks(tmp_path):
         rows = list(csv.DictReader(f))
     names = {r["note"].split()[0] for r in rows if r["measure"] == "check_err"}
     assert names == {"kl", "dq_idx", "dk_idx", "dweights"}
+    providers = {r["provider"] for r in rows if r["measure"] == "check_err"}
+    assert providers == {"ours", "ours_lse"}
     assert all(r["note"].endswith("ok") for r in rows if r["measure"] == "check_err")
+    timed = {(r["measure"], r["provider"]) for r in rows if r["measure"].endswith("_ms")}
+    for provider in ("ours", "ours_lse", "torch_gather_eager"):
+        assert {("fwd_ms", provider), ("fwd_bwd_ms", provider)} <= timed, provider
+    assert all(r["value"] != "nan" for r in rows if r["measure"].endswith("_ms"))
