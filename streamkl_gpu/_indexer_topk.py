@@ -22,7 +22,7 @@ from streamkl_ref._checks import check_indexer_inputs
 
 from . import _checks, _runtime
 from . import _indexer_topk_kernels as _kernels
-from ._indexer import REDUCTIONS, _check, _fresh, _pow2, _rows_with_keys
+from ._indexer import _check, _fresh, _pow2, _rows_with_keys
 
 __all__ = ["indexer_kl_topk", "indexer_kl_topk_naive", "MAX_TOPK_INDEXER_HEADS", "TOPK_DTYPES"]
 
