@@ -1,6 +1,6 @@
-"""One call of a target kernel inside an NVTX range "profile", for Nsight Compute.
+"""One warm call of a target, between cudaProfilerStart/Stop (and an NVTX range "profile"), for Nsight Compute.
 
-    ncu --clock-control none --nvtx --nvtx-include "profile/" --section SpeedOfLight ... \
+    ncu --clock-control none --profile-from-start off --section SpeedOfLight ... \
         python bench/ncu_targets.py CASE
 
 CASE: fwd8k (attention_kl forward, B=1 H=32 N=8K D=128 bf16, non-causal, automatic backend),
@@ -68,10 +68,14 @@ def main():
     for _ in range(2):
         fn()
     torch.cuda.synchronize()
+    # cudaProfilerStart/Stop are process-wide (autograd runs the backward's kernels on its own
+    # thread, which a thread-local NVTX push/pop range does not cover)
+    torch.cuda.profiler.start()
     torch.cuda.nvtx.range_push("profile")
     fn()
     torch.cuda.synchronize()
     torch.cuda.nvtx.range_pop()
+    torch.cuda.profiler.stop()
     print(f"{a.case}: profiled call done", flush=True)
 
 
