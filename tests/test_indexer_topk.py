@@ -168,6 +168,25 @@ def test_int64_indices_and_any_strides():
     assert torch.equal(base, other)
 
 
+def test_unchecked_values_as_documented_for_gpu_tensors():
+    """What a GPU run (no value check) does, through the custom op: an out-of-range value reads as
+    an unused slot; a key listed twice counts twice (as the PyTorch gather form does)."""
+    from streamkl_gpu._indexer_topk import _topk_fwd_op
+
+    xs = make(1, 2, 1, 4, 6, 16, 2, 1, 8, seed=16)
+    topk = torch.tensor([[[0, 1, -1], [2, 0, -1], [3, 1, 5], [4, 2, 0]]], dtype=torch.int32)
+    base = _topk_fwd_op(*xs, topk, None, False, 0.25, True)[0]
+    wild = topk.clone()
+    wild[0, :2, 2] = torch.tensor([6, -5])  # outside [0, N_K)
+    assert torch.equal(_topk_fwd_op(*xs, wild, None, False, 0.25, True)[0], base)
+    twice = topk.clone()
+    twice[0, 0, 2] = 1  # key 1 listed twice in row 0
+    got = _topk_fwd_op(*xs, twice, None, False, 0.25, True)[0]
+    want = indexer_kl_topk_naive(*xs, twice, scale=0.25)
+    assert torch.equal(got[0, 1:], base[0, 1:]) and abs(got[0, 0] - base[0, 0]) > 1e-4
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_poisoned_outputs_are_all_written(poison):
     xs = make(1, 2, 1, 6, 7, 16, 2, 1, 8, seed=10)
     kl, grads = run(xs, random_sets(1, 6, 7, 5, seed=10, empty_rows=(3,)), torch.ones(1, 6), causal=True)
