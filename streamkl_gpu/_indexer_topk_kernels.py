@@ -14,7 +14,11 @@ Forward (``_topk_fwd_kernel``), two passes over the slots:
 2. per slot tile the renormalised target ``p_s = (1/H) sum_h exp2(s_h - lse_h)`` (exact per entry,
    sums to 1 over the set), the student's logits ``I_s`` and the five-scalar online state of
    ``_indexer_fwd._online_update``; ``p`` is stored per slot (``P_SET [B, N_Q, K]`` fp32, 0 at
-   unused slots), so the backward never reads the teacher.
+   unused slots; slots past the row's last used one are not written and never read), so the
+   backward never reads the teacher.
+
+Both kernels walk the slots up to the row's last used one (``_used_extent``: one cheap scan of
+the row's indices first).
 
 Backward (``_topk_bwd_kernel``), one pass over the slots from ``P_SET`` and ``LSE_I``:
 ``G = g (exp(I - LSE_I) - p)``, ``A_j = G w_j 1[a_j > 0]``; dweights and dq_idx in registers,
@@ -41,6 +45,18 @@ def _slots(TOPK, topk_row, s0, K_SEL, t, N_Q, N_K, stride_ts, BLOCK_K: tl.conste
     if CAUSAL:  # bottom-right: key s visible to token t iff s <= t + (N_K - N_Q)
         used = used & (idx <= t + (N_K - N_Q))
     return slots, tl.where(used, idx, 0).to(tl.int64), used
+
+
+@triton.jit
+def _used_extent(TOPK, topk_row, K_SEL, t, N_Q, N_K, stride_ts, CAUSAL: tl.constexpr, SCAN: tl.constexpr = 256):
+    """1 + the last used slot of the row (0: none): the slot loops stop there. ``torch.topk``'s
+    sorted output puts a short row's masked (``-1``) slots last (Megatron marks them so), so early
+    causal rows with fewer visible keys than ``K`` skip their trailing tiles."""
+    last = tl.full([SCAN], -1, tl.int32)
+    for s0 in range(0, K_SEL, SCAN):
+        slots, _, used = _slots(TOPK, topk_row, s0, K_SEL, t, N_Q, N_K, stride_ts, SCAN, CAUSAL)
+        last = tl.maximum(last, tl.where(used, slots, -1))
+    return tl.max(last, 0) + 1
 
 
 @triton.jit
@@ -89,6 +105,7 @@ def _topk_fwd_kernel(
     b = tl.program_id(1)
     b64 = b.to(tl.int64)
     topk_row = b64 * stride_tb + t.to(tl.int64) * stride_tn
+    extent = _used_extent(TOPK, topk_row, K_SEL, t, N_Q, N_K, stride_ts, CAUSAL)
     hh = tl.arange(0, HB)
     # pass 1: each teacher head's LSE over the set, in bits (unless the caller gave them)
     if not HAS_LSE:
@@ -100,7 +117,7 @@ def _topk_fwd_kernel(
             q_off = b64 * stride_qb + h.to(tl.int64) * stride_qh + t.to(tl.int64) * stride_qn
             m = tl.full([HB], float("-inf"), tl.float32)
             l = tl.zeros([HB], tl.float32)
-            for s0 in range(0, K_SEL, BLOCK_K):
+            for s0 in range(0, extent, BLOCK_K):
                 slots, idx, used = _slots(TOPK, topk_row, s0, K_SEL, t, N_Q, N_K, stride_ts, BLOCK_K, CAUSAL)
                 k_off = b64 * stride_kb + kv * stride_kh + idx * stride_kn
                 s = _dot_rows(Q, q_off, row_ok, K, k_off, used, stride_qd, stride_kd,
@@ -123,7 +140,7 @@ def _topk_fwd_kernel(
     acc = tl.zeros([1], tl.float32)
     plogp = tl.zeros([1], tl.float32)
     p_row = (b64 * N_Q + t) * K_SEL
-    for s0 in range(0, K_SEL, BLOCK_K):
+    for s0 in range(0, extent, BLOCK_K):
         slots, idx, used = _slots(TOPK, topk_row, s0, K_SEL, t, N_Q, N_K, stride_ts, BLOCK_K, CAUSAL)
         p = tl.zeros([BLOCK_K], tl.float32)
         for c in range(0, n_chunks):
@@ -169,6 +186,7 @@ def _topk_bwd_kernel(
     b = tl.program_id(1)
     b64 = b.to(tl.int64)
     topk_row = b64 * stride_tb + t.to(tl.int64) * stride_tn
+    extent = _used_extent(TOPK, topk_row, K_SEL, t, N_Q, N_K, stride_ts, CAUSAL)
     j = tl.arange(0, HI_PAD)
     j_ok = j < H_I
     offs_d = tl.arange(0, DI_PAD)
@@ -184,7 +202,7 @@ def _topk_bwd_kernel(
     dq = tl.zeros([HI_PAD, DI_PAD], tl.float32)
     dw = tl.zeros([HI_PAD], tl.float32)
     p_row = row * K_SEL
-    for s0 in range(0, K_SEL, BLOCK_K):
+    for s0 in range(0, extent, BLOCK_K):
         slots, idx, used = _slots(TOPK, topk_row, s0, K_SEL, t, N_Q, N_K, stride_ts, BLOCK_K, CAUSAL)
         p = tl.load(P_SET + p_row + slots, mask=used, other=0.0)
         # per indexer head the score of the gathered keys, from the q_idx rows held in registers
