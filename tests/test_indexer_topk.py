@@ -262,3 +262,9 @@ def test_bad_topk_indices_name_the_argument(bad, match):
         streamkl_gpu.indexer_kl_topk(*xs, topk.tolist())
     with pytest.raises(ValueError, match=r"\breduction\b"):
         streamkl_gpu.indexer_kl_topk(*xs, topk, reduction="avg")
+
+
+def test_too_many_indexer_heads_names_q_idx():
+    xs = make(1, 2, 1, 2, 3, 16, 129, 1, 8, seed=17)
+    with pytest.raises(ValueError, match=r"\bq_idx\b.*129"):
+        streamkl_gpu.indexer_kl_topk(*xs, torch.zeros(1, 2, 1, dtype=torch.int32))
