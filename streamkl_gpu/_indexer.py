@@ -214,19 +214,36 @@ def _new_fwd_candidates(dims, gqa, n_sm):
         return []
     if not gqa:
         # (256 rows x 128 keys spills 144 B on triton 3.9: left out; 128 x 128 spills 176 B on
-        # 3.6, none on 3.9). "l1": pointer loads, the token's q rows (147 KB at DSA) cached in L1
-        # across key tiles, L2 then serves k alone (offline, 3.6 and 3.9: no spills at BLOCK_N =
-        # 32, 64, 128; only where one token's rows fit L1)
-        out = [(128, 128, 128, 64, 8, 2), (128, 128, 128, 64, 8, 3)]
-        if _l1_fits(dims):
-            out += [(128, 128, 64, 64, 8, 2, None, 1, "l1"), (128, 128, 128, 64, 8, 2, None, 1, "l1"),
-                    (128, 128, 32, 64, 8, 2, None, 1, "l1")]
+        # 3.6, none on 3.9). Measured (H200, DSA 8K causal, lse given, s4r4 run): 8 warps, 3
+        # stages 25.05 ms (3.50x the floor), 2 stages 30.26. The "l1" variants (pointer loads, the
+        # token's q rows cached in L1) measured 46.1 / 30.9 / 71.0 ms at BLOCK_N = 64 / 128 / 32:
+        # no longer candidates (bench/indexer_perf_gpu.py still times them, forced).
+        # Session 5: 128 x 128 tiles on 4 warps (one warpgroup, two m64 wgmma per k-step): offline
+        # sm_90 compiles, triton 3.6 and 3.9, 255 registers, no spills, 49 KB (2 stages) / 82 KB
+        # (3 stages) of shared memory: two CTAs per SM, so one CTA's exponentials and head sums
+        # run while the other's products are on the tensor cores (8 warps x 253 registers: one
+        # CTA per SM, nothing to overlap with). 16 warps (256 rows, or 128 x 256): capped at 128
+        # registers, ~500 B of spills: left out.
+        out = [(128, 128, 128, 64, 8, 3), (128, 128, 128, 64, 4, 2), (128, 128, 128, 64, 4, 3),
+               (128, 128, 128, 64, 8, 2)]
     else:
         out = []
-        for base in ((128, 128, 64, 64, 8, 2, None), (128, 128, 64, 64, 8, 2, 1), (128, 128, 128, 64, 8, 2, 1),
-                     (64, 64, 64, 64, 4, 2, None), (64, 64, 64, 64, 4, 2, 1)):
+        # (64, 64, 64, 64, 4, 3, 1): 64 tokens x 64 keys of one head on 4 warps, 3 stages: 198
+        # registers, no spills (offline sm_90, triton 3.9), so two CTAs per SM (the measured best,
+        # (128, 128, 128, 64, 8, 2, 1), 2.29 ms at 8K, has 255 registers and 40 B of spills)
+        for base in ((128, 128, 128, 64, 8, 2, 1), (128, 128, 64, 64, 8, 2, None), (128, 128, 64, 64, 8, 2, 1),
+                     (64, 64, 64, 64, 4, 2, None), (64, 64, 64, 64, 4, 2, 1), (64, 64, 64, 64, 4, 3, 1)):
             out.append(_canonical(base + (_fwd_split(dims, base, n_sm),)))
     return out
+
+
+def l1_fwd_candidates(dims):
+    """The forward's "l1" variants (measured slower at DSA, s4r4: no longer the tuner's
+    candidates); bench/indexer_perf_gpu.py still times them, forced."""
+    if dims is None or not _l1_fits(dims):
+        return []
+    return [(128, 128, 64, 64, 8, 2, None, 1, "l1"), (128, 128, 128, 64, 8, 2, None, 1, "l1"),
+            (128, 128, 32, 64, 8, 2, None, 1, "l1")]
 
 
 def _canonical(cfg):
@@ -253,16 +270,20 @@ def _candidates(kind, ieee, dims=None, n_sm=132, teacher=True):
     # (no head sum inside a chunk), tried where there is more than one key head. Not yet measured.
     gqa = dims is not None and dims.HK > 1
     if kind == "fwd":
+        # the measured best first (the untuned choice, STREAMKL_AUTOTUNE=0), then the rest
         second = (128, 128, 64, 64, 8, 2, 1) if gqa else (128, 128, 64, 64, 8, 3)
         old = [(128, 128, 64, 64, 8, 2), second, (256, 128, 64, 64, 8, 2)]
-        return list(dict.fromkeys(old + _new_fwd_candidates(dims, gqa, n_sm)))  # old first, no duplicates
+        return list(dict.fromkeys(_new_fwd_candidates(dims, gqa, n_sm) + old))  # no duplicates
     if kind == "pacc":
         # planned as the backward ("bwd"): all indexer heads x BLOCK_T tokens per tile. Offline
         # sm_90 compiles (triton 3.9, DSA 8K, dk shares by TMA reduction): BLOCK_N = 32 spills
         # nothing (254 registers), BLOCK_N = 64 spills 216 B of stack, yet measured the faster.
         # Measured (H200, DSA 8K causal fwd+bwd, 12:49 run): BLOCK_N = 64 73.2 ms, 32 101.3 ms.
-        return [(128, 128, 64, 64, 8, 2), (128, 128, 64, 64, 8, 2, None, 1, "l1"), (128, 128, 64, 64, 8, 3),
-                (128, 128, 32, 64, 8, 2),
+        # s4r4 run: 3 stages 52.96 ms, 2 stages 61.79, "l1" 60.29. Session 5: BLOCK_N = 128 (the
+        # forward's best tile; offline sm_90, triton 3.9: ~1 KB of spills, BLOCK_N = 64 328 B),
+        # not yet timed.
+        return [(128, 128, 64, 64, 8, 3), (128, 128, 128, 64, 8, 3), (128, 128, 64, 64, 8, 2),
+                (128, 128, 64, 64, 8, 2, None, 1, "l1"), (128, 128, 128, 64, 8, 2), (128, 128, 32, 64, 8, 2),
                 (128, 128, 32, 64, 8, 2, None, 1, "l1"), (128, 128, 32, 64, 8, 3), (128, 128, 32, 64, 4, 2)]
     if kind == "lse":
         out = [(128, 128, 64, 64, 8, 2), (128, 128, 64, 64, 8, 2, 1) if gqa else (128, 128, 128, 64, 8, 2)]
@@ -545,14 +566,14 @@ PACC_MODES = ("auto", "0", "1")
 def pacc_enabled(dims=None) -> bool:
     """``STREAMKL_INDEXER_PACC``: ``1`` = the accumulating design for ``"sum"``/``"mean"`` with
     ``lse`` given and one indexer key head; ``0`` = the plain forward and a recomputing backward;
-    ``auto`` (default) = the accumulating design where it was measured faster: an MQA teacher
-    (H200, DSA-like 8K causal fwd+bwd: 73.2 ms against 132.9 (plain fused) and 136.7 (plain
-    separate); GQA not yet measured, plain there)."""
+    ``auto`` (default) = the accumulating design, measured faster at both anchor configs (H200,
+    8K causal fwd+bwd, s4r4 run: DSA-like 52.96 ms against 128.4 for the plain separate design;
+    GQA-like 12.86 against 18.29)."""
     mode = os.environ.get("STREAMKL_INDEXER_PACC", "auto")
     if mode not in PACC_MODES:
         raise ValueError(f"STREAMKL_INDEXER_PACC must be one of {PACC_MODES}, got {mode!r}")
     if mode == "auto":
-        return dims is not None and dims.HK == 1
+        return dims is not None
     return mode == "1"
 
 
