@@ -89,10 +89,36 @@ class Force:
                 return full[:1]
             return [want]
         _indexer._candidates = cands
+        gl_want = self.by_kind.get("gluon")
+        if gl_want is not None:  # the Gluon forward with this launch config, forced on
+            self.gl_old = (_indexer._gluon_indexer.candidates, os.environ.get("STREAMKL_INDEXER_GLUON"))
+            _indexer._gluon_indexer.candidates = lambda dims: [gl_want]
+            os.environ["STREAMKL_INDEXER_GLUON"] = "1"
         return self
 
     def __exit__(self, *exc):
         _indexer._candidates = _ORIG_CANDIDATES
+        if self.by_kind.get("gluon") is not None:
+            _indexer._gluon_indexer.candidates, env = self.gl_old
+            if env is None:
+                os.environ.pop("STREAMKL_INDEXER_GLUON", None)
+            else:
+                os.environ["STREAMKL_INDEXER_GLUON"] = env
+
+
+def gluon_candidates(cfg, N=8192):
+    """The Gluon forward's launch configs (BLOCK_N, NUM_STAGES, CONSUMER_REGS) at this config
+    ([] where it does not apply by shape, or Gluon is missing)."""
+    if _indexer._gluon_indexer is None:
+        return []
+    dims = config_dims(cfg, N)
+    if dims.HK != 1 or dims.HKI != 1 or dims.H > 128 or dims.HI > 64:
+        return []
+    return _indexer._gluon_indexer.candidates(dims)
+
+
+def gluon_label(c):
+    return f"gluon n{c[0]} s{c[1]} r{c[2]}"
 
 
 def shapes(cfg, N):
@@ -209,6 +235,8 @@ def warm_jobs(args, configs, ns, device):
             for i, c in enumerate(fwd_candidates(cfg, N, device)):
                 if not (args.quick and (cname, N, c) in MEASURED_SLOW):
                     fwd_jobs.append(f"{cname}:{N}:fwd:{i}")
+            if not args.tiny:
+                fwd_jobs += [f"{cname}:{N}:gluon:{i}" for i, _ in enumerate(gluon_candidates(cfg, N))]
             if not args.no_bwd:
                 for i, _ in enumerate(bwd_variants(cfg)):
                     fb_jobs.append(f"{cname}:{N}:bwd:{i}")
@@ -231,7 +259,7 @@ def run_warm_job(job, tiny=False):
     cname, N, kind, which = job.split(":")
     N = int(N)
     cfg = tiny_config(CONFIGS[cname]) if tiny else CONFIGS[cname]
-    bench = Bench(argparse.Namespace(out_dir=os.environ.get("TMPDIR", "/tmp"), tiny=tiny, quick=True, budget=1e9,
+    bench = Bench(argparse.Namespace(out_dir=os.environ.get("TMPDIR", "/tmp"), tiny=tiny, quick=QUICK, budget=1e9,
                                      no_bwd=False, no_compile=False))
     scale = cfg["scale"] if cfg["scale"] is not None else cfg["D"] ** -0.5
     kw = dict(causal=True, scale=scale)
@@ -245,6 +273,11 @@ def run_warm_job(job, tiny=False):
     if kind == "fwd":
         with Force(fwd=cands[int(which)]):
             streamkl_gpu.indexer_kl(*xs, lse=lse, **kw)
+    elif kind == "gluon":  # every check problem (and its Triton reference), with and without lse
+        for _, xs_c, kw_c, _, _, lse_c, _ in bench.gluon_cases(cname, cfg):
+            with Force(gluon=gluon_candidates(cfg, N)[int(which)]):  # as Bench.gluon_fwd
+                streamkl_gpu.indexer_kl(*xs_c, lse=lse_c, **kw_c)
+                streamkl_gpu.indexer_kl(*xs_c, **kw_c)
     else:
         name, env, forced = bwd_variants(cfg)[int(which)]
         with Env(env), Force(fwd=cands[0], **forced):
@@ -256,6 +289,10 @@ def run_warm_job(job, tiny=False):
                 train = [x.detach().clone().requires_grad_(r) for x, r in zip(xs, (False, False, True, True, True))]
                 torch.autograd.grad(streamkl_gpu.indexer_kl(*train, lse=lse, reduction="mean", **kw), train[2:])
     bench.sync()
+
+
+GLUON_WARM_S = 60.0  # seconds a Gluon warm-up job may take (compiles ~15-30 s, then small checks)
+GLUON_PHASE_S = 60.0  # the main process's Gluon phase: past this the table is printed and the run ends
 
 
 def warm_up(bench, jobs, parallel):
@@ -273,7 +310,9 @@ def warm_up(bench, jobs, parallel):
         still = []
         for job, proc, start in running:
             if proc.poll() is None:
-                if time.time() - t0 > bench.args.budget * 0.5:  # a stuck compile must not eat the run
+                # a stuck compile must not eat the run; a Gluon job (a new kernel: a deadlock in its
+                # barriers would hang) gets GLUON_WARM_S of its own
+                if time.time() - t0 > bench.args.budget * 0.5 or (":gluon:" in job and time.time() - start > GLUON_WARM_S):
                     proc.kill()
                     failed.append(job)
                     bench.log(f"warm-up {job}: killed (over {bench.args.budget * 0.5:.0f} s)")
@@ -287,6 +326,7 @@ def warm_up(bench, jobs, parallel):
         running = still
         time.sleep(0.2)
     bench.log(f"warm-up: {len(jobs)} jobs, {parallel} at a time, {time.time() - t0:.0f} s, {len(failed)} failed")
+    return failed
 
 
 class Bench:
@@ -491,6 +531,88 @@ class Bench:
                 self.logf.write(traceback.format_exc())
             self.free()
 
+    def gluon_cases(self, cname, cfg):
+        """The Gluon forward's check problems: (label, inputs, kwargs, float64 KL, tolerance,
+        lse, the Triton forward's KL). Square causal at the check size (the 8K specialisation),
+        N_Q < N_K non-causal, then ragged sizes (new specialisations: not under --quick)."""
+        scale = cfg["scale"] if cfg["scale"] is not None else cfg["D"] ** -0.5
+        sizes = [(check_n(cname, False), check_n(cname, False), True), (64, 320, False), (70, 133, False),
+                 (96, 150, True)]
+        cases = []
+        for seed, (nq, nk, causal) in enumerate(sizes[:2] if self.args.quick else sizes):
+            xs = self.inputs(cfg, nk, seed=10 + seed)
+            xs = [xs[0][:, :, :nq].contiguous(), xs[1], xs[2][:, :, :nq].contiguous(), xs[3],
+                  xs[4][:, :, :nq].contiguous()]
+            kw = dict(causal=causal, scale=scale)
+            x64 = [x.double().cpu().numpy() for x in xs]
+            kl_ref, _, lse_ref = streamkl_ref.indexer_kl(*x64, return_lse=True, **kw)
+            base = _rel_err(indexer_kl_naive(*xs, compute_dtype=xs[0].dtype, **kw), kl_ref)
+            tol = 3.0 * (base if math.isfinite(base) else 0.0) + 1e-2
+            lse = torch.from_numpy(lse_ref).float().to(self.device)
+            with Env({"STREAMKL_INDEXER_GLUON": "0"}), Force():  # the Triton forward, first candidate
+                kl_triton = streamkl_gpu.indexer_kl(*xs, lse=lse, **kw)
+            cases.append((f"NQ={nq} NK={nk} {'causal' if causal else 'full'}", xs, kw, kl_ref, tol, lse, kl_triton))
+        return cases
+
+    def gluon_fwd(self, cname, cfg, N, results, warm_failed=()):
+        """The Gluon forward (STREAMKL_INDEXER_GLUON=1), each launch config forced: KL vs float64
+        and vs the Triton forward on the small causal problem (and a non-causal one with
+        N_Q != N_K), then timed at N causal with lse given."""
+        cands = gluon_candidates(cfg, N)
+        if self.args.tiny or not cands:
+            self.log(f"gluon {cname}: {'skipped (cpu)' if self.args.tiny else 'does not apply (shape) / no Gluon'}")
+            return
+        xs_, lse_, kw_, floor, shape, res = self.problem(cname, cfg, N, results)
+        cases = self.gluon_cases(cname, cfg) if len(warm_failed) < len(cands) else []
+        for i, c in enumerate(cands):
+            name = gluon_label(c)
+            if i in warm_failed:
+                res["fwd"][name] = "warm-up-failed"
+                self.failed += 1
+                self.log(f"{name}: its warm-up job failed or hung (log above): not run here")
+                continue
+            ok = True
+            for label, xs, kw, kl_ref, tol, lse, kl_triton in cases:
+                try:
+                    with Force(gluon=c):  # (the LSE pass of the no-lse call: its first candidate)
+                        kl = streamkl_gpu.indexer_kl(*xs, lse=lse, **kw)
+                        kl_nolse = streamkl_gpu.indexer_kl(*xs, **kw)  # the LSE pass (Triton), then Gluon
+                    self.sync()
+                    err, err_nolse = _rel_err(kl, kl_ref), _rel_err(kl_nolse, kl_ref)
+                    vs_triton = _rel_err(kl, kl_triton.double().cpu().numpy())
+                    good = err <= tol and err_nolse <= tol
+                except Exception as exc:  # noqa: BLE001 - printed, the run goes on
+                    err = err_nolse = vs_triton = float("nan")
+                    good = False
+                    self.log(f"check {cname} {name} {label} raised {type(exc).__name__}: {str(exc)[:400]}")
+                    self.logf.write(traceback.format_exc())
+                ok &= good
+                self.failed += not good
+                self.log(f"check {cname} {name} {label}: err {err:.2e} (no lse {err_nolse:.2e}), vs Triton "
+                         f"{vs_triton:.2e}, tol {tol:.2e} {'ok' if good else 'FAIL'}")
+                self.record("check_kl_rel_err", name, f"{cname} {label} lse", f"{err:.3e}", "rel",
+                            f"tol {tol:.3e} no-lse {err_nolse:.3e} vs-triton {vs_triton:.3e} {'ok' if good else 'FAIL'}")
+            if not ok:
+                res["fwd"][name] = "check-failed"
+                continue
+            if self.over():
+                res["fwd"][name] = "budget"
+                continue
+            try:
+                with Force(gluon=c):
+                    ms = self.time_ms(lambda: streamkl_gpu.indexer_kl(*xs_, lse=lse_, **kw_))
+                res["fwd"][name] = ms
+                self.record("fwd_ms", f"ours_lse {name}", shape, f"{ms:.4f}", "ms", f"ratio {ms / floor:.2f}")
+                self.log(f"{shape} fwd {name}: {ms:.3f} ms = {ms / floor:.2f}x floor")
+                k = _indexer._gluon_indexer.LAST_KERNEL
+                if k is not None and hasattr(k, "n_regs"):
+                    self.log(f"  {name}: n_regs {k.n_regs}, n_spills {k.n_spills}, shared {k.metadata.shared}")
+            except Exception as exc:  # noqa: BLE001
+                res["fwd"][name] = "error"
+                self.log(f"{shape} fwd {name} raised {type(exc).__name__}: {str(exc)[:300]}")
+                self.logf.write(traceback.format_exc())
+            self.free()
+
     def bench_fwd_bwd(self, cname, cfg, N, results):
         """fwd+bwd (mean, lse given) per variant, the plain ones with the fastest forward forced."""
         xs, lse, kw, floor, shape, res = self.problem(cname, cfg, N, results)
@@ -601,7 +723,7 @@ class Bench:
                         comp = rec
                 entries = sorted(res[pss].items(), key=lambda kv: kv[1] if isinstance(kv[1], float) else math.inf)
                 for name, ms in entries:
-                    label = f"fwd{list(name)}" if isinstance(name, tuple) else name
+                    label = f"fwd{list(name)}" if isinstance(name, tuple) else name  # (Gluon: a string)
                     if isinstance(ms, float):
                         speed = f"{comp / ms:.1f}x" if isinstance(comp, float) else "-"
                         print(f"{shape:18s} {pss:8s} {label:52s} {ms:9.3f} {ms / floor:8.2f} {speed:>22s}")
@@ -630,9 +752,11 @@ def main(argv=None):
     bench.matmul_rate()
     configs = [c for c in args.configs.split(",") if c]
     ns = [int(n) for n in args.ns.split(",")] if args.ns else ([32] if args.tiny else [8192] if args.quick else [8192, 16384])
+    warm_failed = set()
     if (bench.device == "cuda" or args.tiny_warm) and not args.no_warm:
         try:
-            warm_up(bench, warm_jobs(args, configs, ns, bench.device), args.parallel or max(1, min(16, os.cpu_count() or 1)))
+            warm_failed = set(warm_up(bench, warm_jobs(args, configs, ns, bench.device),
+                                      args.parallel or max(1, min(16, os.cpu_count() or 1))))
         except Exception as exc:  # noqa: BLE001 - then the timing process compiles
             bench.log(f"warm-up raised {type(exc).__name__}: {exc}")
     results = {}
@@ -663,6 +787,22 @@ def main(argv=None):
     for cname in configs:
         for N in ns:
             guarded(f"{cname} N={N} torch.compile", bench.bench_compile, cname, cfgs[cname], N, results)
+    # the Gluon forward last (a new kernel: a hang must not cost the measurements above): only the
+    # launch configs whose warm-up job passed, under a watchdog that prints the table and exits
+    import threading
+
+    def watchdog():
+        bench.log(f"gluon phase over {GLUON_PHASE_S:.0f} s (hang?): table of what ran, then exit")
+        bench.table(results)
+        os._exit(3)
+    timer = threading.Timer(GLUON_PHASE_S, watchdog)
+    timer.daemon = True
+    timer.start()
+    for cname in configs:
+        for N in ns:
+            bad = {i for i in range(8) if f"{cname}:{N}:gluon:{i}" in warm_failed}
+            guarded(f"{cname} N={N} gluon fwd", bench.gluon_fwd, cname, cfgs[cname], N, results, bad)
+    timer.cancel()
     bench._problems.clear()
     bench.free()
     bench.table(results)

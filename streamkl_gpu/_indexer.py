@@ -31,6 +31,14 @@ from streamkl_ref._checks import check_indexer_inputs
 from . import _indexer_bwd, _indexer_fwd, _indexer_pacc
 from . import _checks, _runtime, _tuning
 
+try:  # the Hopper forward in Gluon (MQA teachers); triton builds without Gluon keep the Triton path
+    from . import _gluon_indexer
+except Exception as exc:  # noqa: BLE001 - no triton.experimental.gluon, or an API it does not know
+    _gluon_indexer = None
+    GLUON_IMPORT_ERROR: Optional[str] = f"{type(exc).__name__}: {exc}"
+else:
+    GLUON_IMPORT_ERROR = None
+
 __all__ = ["indexer_kl", "indexer_kl_naive", "MAX_TEACHER_HEAD_DIM", "MAX_INDEXER_HEAD_DIM", "REDUCTIONS"]
 
 MAX_TEACHER_HEAD_DIM = 576  # absorbed MLA: 512 + 64, tiled along D (never padded to 1024)
@@ -357,6 +365,9 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
     else:  # the caller's natural-log LSEs, once to bits (the kernels' unit)
         lse_bits = (lse * LOG2E).contiguous()
 
+    if _use_gluon(dims, q, k, q_idx, k_idx):
+        return (*_forward_gluon(dims, q, k, q_idx, k_idx, weights, lse_bits, causal, relu, key_base), lse_bits)
+
     kl = _fresh((dims.B, dims.NQ), torch.float32, device)
     lse_idx = _fresh((dims.B, dims.NQ), torch.float32, device)
 
@@ -384,6 +395,58 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
     candidates = _candidates("fwd", ieee_t or ieee_i, dims, _runtime.n_sm(device))
     launch(_tuning.pick(("idx_fwd", relu) + key_base, candidates, launch))
     return kl, lse_idx, lse_bits
+
+
+# ----------------------------------------------------------------------------------------------
+# The Gluon forward (Hopper, MQA teacher): STREAMKL_INDEXER_GLUON chooses
+# ----------------------------------------------------------------------------------------------
+
+GLUON_MODES = ("0", "1", "auto")
+
+
+def gluon_mode() -> str:
+    """``STREAMKL_INDEXER_GLUON``: ``0`` (default: not yet measured on the GPU) the Triton
+    forward; ``1`` the Gluon forward (``_gluon_indexer``) or a ``ValueError`` saying why it does
+    not apply (a forced path never falls back silently); ``auto`` the Gluon forward wherever it
+    applies."""
+    mode = _runtime.env("STREAMKL_INDEXER_GLUON", "0")
+    if mode not in GLUON_MODES:
+        raise ValueError(f"STREAMKL_INDEXER_GLUON must be one of {GLUON_MODES}, got {mode!r}")
+    return mode
+
+
+def gluon_why_not(dims, q, k, q_idx, k_idx) -> str:
+    """Why the Gluon forward does not apply ('' when it does)."""
+    if _gluon_indexer is None:
+        return f"Gluon is not available ({GLUON_IMPORT_ERROR})"
+    if _runtime.interpreting() or q.device.type != "cuda":
+        return "not a CUDA device (the Gluon forward does not run under the interpreter)"
+    cap = torch.cuda.get_device_capability(q.device)
+    return _gluon_indexer.why_not(dims, (q.dtype, k.dtype, q_idx.dtype, k_idx.dtype),
+                                  all(_runtime.tma_ok(t) for t in (q, k, q_idx, k_idx)), cap)
+
+
+def _use_gluon(dims, q, k, q_idx, k_idx) -> bool:
+    mode = gluon_mode()
+    if mode == "0":
+        return False
+    why = gluon_why_not(dims, q, k, q_idx, k_idx)
+    if why and mode == "1":
+        raise ValueError(f"STREAMKL_INDEXER_GLUON=1, but the Gluon forward does not apply: {why}")
+    return not why
+
+
+def _forward_gluon(dims, q, k, q_idx, k_idx, weights, lse_bits, causal, relu, key_base):
+    """(KL, LSE_I) by the Gluon forward: two key splits (its consumer warpgroups), merged here."""
+    part = _fresh((5, 2, dims.B, dims.NQ), torch.float32, q.device)
+
+    def launch(cfg):
+        _gluon_indexer.forward_states(q, k, q_idx, k_idx, weights, lse_bits, causal, dims.scale, relu,
+                                      config=cfg, part=part)
+
+    cands = _gluon_indexer.candidates(dims)
+    launch(_tuning.pick(("idx_gluon_fwd", relu) + key_base, cands, launch))
+    return _merge_splits(part)
 
 
 # ----------------------------------------------------------------------------------------------

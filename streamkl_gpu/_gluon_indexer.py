@@ -1,0 +1,369 @@
+"""Hopper (sm_90) forward of the indexer loss in Gluon, for an MQA teacher (issue 10's DSA-like
+config: H = 128, D = 576, H_K = 1; H_I = 64, D_I = 128, H_KI = 1).
+
+Same outputs and conventions as ``_indexer_fwd._indexer_fwd_kernel`` with two key splits (the
+Triton path is the reference this kernel is checked against on the GPU, beside float64): the
+five-scalar state ``m, l, mass, acc, plogp`` of ``streamkl_ref.indexer_kl_online`` per token,
+teacher scores in bits (``mul.rn``, then the head's LSE subtracted), the target ``p`` summed over
+heads on chip, the student's logits in nats, bottom-right causal. The host merges the two
+consumer warpgroups' states (``_indexer._merge_splits``).
+
+Why: the Triton forward re-reads a token's 128 x 576 teacher query rows (147 KB) from L2 for
+every key tile, as the A operand of each score tile: ~64 FLOP per byte of L2 traffic at 128 x 128
+tiles, and the measured forward (25 ms at 8K, 3.5x the matmul floor) runs at ~3 TB/s of it.
+Here one CTA owns one token and keeps its teacher query rows (all heads, all of D) and indexer
+query rows resident in shared memory for the whole key loop; only key tiles stream (TMA, in
+64-wide D chunks through one ring), ~116 FLOP per byte at DSA.
+
+Schedule: one CTA per (token, batch element), causal tokens longest first.
+- a producer warp loads q (cdiv(H, 64) x cdiv(D, 64) boxes of 64 heads x 64 dims) and q_idx
+  once, then for every key tile its cdiv(D, 64) teacher key chunks and cdiv(D_I, 64) indexer key
+  chunks ([BLOCK_N, 64] each) into one ring of NUM_STAGES slots, in tile order;
+- two consumer warpgroups take the key tiles in turn (tile i: warpgroup i % 2); each chains the
+  tile's wgmma over the D chunks (64 heads per wgmma, all heads), releasing a ring slot once the
+  products that read it have retired, then folds the tile: ``p[s] = (1/H) sum_h exp2(s_h - lse_h)``
+  (column sums of the score tiles), ``I[s] = sum_j w_j relu(a_j)``, and the online update. The
+  ring order makes the warpgroups take turns on the tensor cores: one's exponentials and head
+  sums run while the other's products do.
+
+Masks (keys >= N_K, the causal band) are selections on the per-key vectors after the head sums:
+a masked key adds exactly 0 to every sum, whatever its scores (NaN included). Heads past H and
+indexer heads past H_I are TMA zero fill; their LSE is +inf (teacher) and weight 0 (indexer).
+
+This module imports Gluon unconditionally; ``_indexer`` guards the import.
+"""
+from types import SimpleNamespace
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.language.extra import libdevice
+
+# TMA load, renamed in triton 3.8 (``async_load``); 3.6/3.7 have only the old name, 3.9 rejects it.
+if hasattr(tma, "async_load"):
+    _tma_load = tma.async_load
+else:  # pragma: no cover - triton < 3.8 (the GPU image: 3.6)
+    _tma_load = tma.async_copy_global_to_shared
+
+HEADS = gl.constexpr(64)  # heads per wgmma (its M), teacher and indexer
+DCH = gl.constexpr(64)  # D chunk of a box (128 bytes of bf16: the 128-byte swizzle)
+LOG2E = 1.4426950408889634
+_LOG2E = gl.constexpr(LOG2E)
+SMEM_BYTES = 227 * 1024  # dynamic shared memory per CTA on sm_90
+SMEM_RESERVE = 4096  # barriers and the compiler's reduction scratch
+
+
+@gluon.constexpr_function
+def _acc_layout(block_n):
+    # wgmma accumulator of one warpgroup: [64, block_n] fp32
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, int(block_n), 16])
+
+
+@gluon.jit
+def _load_partition(q_desc, k_desc, qi_desc, ki_desc, q_smem, qi_smem, ring, q_bar, ready, empty,
+                    b, t, n_tiles, HALVES: gl.constexpr, DC: gl.constexpr, DIC: gl.constexpr,
+                    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Producer warp: the token's q and q_idx rows once, then the key chunks of every tile."""
+    mbarrier.expect(q_bar, HALVES * DC * q_desc.block_type.nbytes + DIC * qi_desc.block_type.nbytes)
+    for hh in gl.static_range(HALVES):
+        for c in gl.static_range(DC):
+            _tma_load(q_desc, [b, hh * HEADS, t, c * DCH], q_bar, q_smem.index(hh * DC + c))
+    for c in gl.static_range(DIC):
+        _tma_load(qi_desc, [b, 0, t, c * DCH], q_bar, qi_smem.index(c))
+    NCH: gl.constexpr = DC + DIC
+    for i in range(n_tiles):
+        for c in gl.static_range(NCH):
+            g = i * NCH + c
+            s = g % NUM_STAGES
+            ph = (g // NUM_STAGES) & 1
+            mbarrier.wait(empty.index(s), ph ^ 1)  # a fresh barrier passes the phase-1 wait
+            mbarrier.expect(ready.index(s), k_desc.block_type.nbytes)
+            if c < DC:
+                _tma_load(k_desc, [b, 0, i * BLOCK_N, c * DCH], ready.index(s), ring.index(s))
+            else:
+                _tma_load(ki_desc, [b, 0, i * BLOCK_N, (c - DC) * DCH], ready.index(s), ring.index(s))
+
+
+@gluon.jit
+def _chunk(g, ring, ready, NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Ring slot of chunk ``g`` once it has landed, as the wgmma's B operand [64, BLOCK_N]."""
+    s = g % NUM_STAGES
+    mbarrier.wait(ready.index(s), (g // NUM_STAGES) & 1)
+    return ring.index(s).reshape([BLOCK_N, DCH]).permute((1, 0))
+
+
+@gluon.jit
+def _scores(q_smem, qi_smem, ring, ready, empty, g0, zero,
+            HALVES: gl.constexpr, DC: gl.constexpr, DIC: gl.constexpr, BLOCK_N: gl.constexpr,
+            NUM_STAGES: gl.constexpr):
+    """The score tiles of one key tile: teacher ``s_lo`` (heads 0..63), ``s_hi`` (64..127; s_lo
+    again when HALVES = 1) and indexer ``a``, each [64, BLOCK_N] fp32, chained over the D chunks.
+    A ring slot is released once the products reading it have retired (waits inside the tile)."""
+    s_lo = zero
+    s_hi = zero
+    for c in gl.static_range(DC):
+        kc = _chunk(g0 + c, ring, ready, NUM_STAGES, BLOCK_N)
+        s_lo = warpgroup_mma(q_smem.index(c).reshape([HEADS, DCH]), kc, s_lo, use_acc=c > 0, is_async=True)
+        if HALVES == 2:
+            s_hi = warpgroup_mma(q_smem.index(DC + c).reshape([HEADS, DCH]), kc, s_hi, use_acc=c > 0,
+                                 is_async=True)
+            s_lo, s_hi = warpgroup_mma_wait(num_outstanding=2, deps=(s_lo, s_hi))
+        else:
+            s_lo = warpgroup_mma_wait(num_outstanding=1, deps=(s_lo,))
+        if c > 0:  # chunk c - 1's products have retired: its slot is free
+            mbarrier.arrive(empty.index((g0 + c - 1) % NUM_STAGES), count=1)
+    a = zero
+    for c in gl.static_range(DIC):
+        kc = _chunk(g0 + DC + c, ring, ready, NUM_STAGES, BLOCK_N)
+        a = warpgroup_mma(qi_smem.index(c).reshape([HEADS, DCH]), kc, a, use_acc=c > 0, is_async=True)
+        if HALVES == 2:
+            s_lo, s_hi, a = warpgroup_mma_wait(num_outstanding=1, deps=(s_lo, s_hi, a))
+        else:
+            s_lo, a = warpgroup_mma_wait(num_outstanding=1, deps=(s_lo, a))
+        mbarrier.arrive(empty.index((g0 + DC + c - 1) % NUM_STAGES), count=1)
+    if HALVES == 2:
+        s_lo, s_hi, a = warpgroup_mma_wait(num_outstanding=0, deps=(s_lo, s_hi, a))
+    else:
+        s_lo, a = warpgroup_mma_wait(num_outstanding=0, deps=(s_lo, a))
+        s_hi = s_lo
+    mbarrier.arrive(empty.index((g0 + DC + DIC - 1) % NUM_STAGES), count=1)
+    return s_lo, s_hi, a
+
+
+@gluon.jit
+def _safe(m):
+    # shift to use for a running max: 0 while the row has seen no visible key (m == -inf)
+    return gl.where(m == float("-inf"), 0.0, m)
+
+
+@gluon.jit
+def _consumer(WG: gl.constexpr, q_smem, qi_smem, ring, q_bar, ready, empty, LSE_T, W, PART,
+              b, t, n_tiles, H, H_I, N_Q, N_K, stride_wb, stride_wh, stride_wn, qk_scale, inv_heads, part_plane,
+              HALVES: gl.constexpr, DC: gl.constexpr, DIC: gl.constexpr, BLOCK_N: gl.constexpr,
+              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, RELU: gl.constexpr):
+    """Key tiles WG, WG + 2, ... of token t: the online state, stored as key split WG."""
+    acc_layout: gl.constexpr = _acc_layout(BLOCK_N)
+    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
+    NCH: gl.constexpr = DC + DIC
+    heads = gl.arange(0, HEADS, layout=row_layout)
+    b64 = b.to(gl.int64)
+    # teacher LSEs (bits): +inf for heads past H and for -inf (a head without visible keys), so
+    # exp2(s - lse) = 0 there; a NaN LSE stays NaN
+    lse_lo = gl.load(LSE_T + (b64 * H + heads) * N_Q + t, mask=heads < H, other=float("inf"))
+    lse_lo = gl.where(lse_lo == float("-inf"), float("inf"), lse_lo)
+    lse_hi = lse_lo
+    if HALVES == 2:
+        lse_hi = gl.load(LSE_T + (b64 * H + HEADS + heads) * N_Q + t, mask=HEADS + heads < H, other=float("inf"))
+        lse_hi = gl.where(lse_hi == float("-inf"), float("inf"), lse_hi)
+    w = gl.load(W + b64 * stride_wb + heads.to(gl.int64) * stride_wh + t.to(gl.int64) * stride_wn,
+                mask=heads < H_I, other=0.0).to(gl.float32)
+    zero = gl.zeros([HEADS, BLOCK_N], gl.float32, acc_layout)
+    offs_n = gl.arange(0, BLOCK_N, layout=col_layout)
+    key_lim = N_K
+    if CAUSAL:  # bottom-right causal: key s visible to token t iff s <= t + (N_K - N_Q)
+        key_lim = gl.minimum(N_K, t + (N_K - N_Q) + 1)
+    m = gl.to_tensor(float("-inf"))
+    l = gl.to_tensor(0.0)
+    mass = gl.to_tensor(0.0)
+    acc = gl.to_tensor(0.0)
+    plogp = gl.to_tensor(0.0)
+    mbarrier.wait(q_bar, 0)
+    for i in range(WG, n_tiles, 2):
+        s_lo, s_hi, a = _scores(q_smem, qi_smem, ring, ready, empty, i * NCH, zero, HALVES, DC, DIC, BLOCK_N,
+                                NUM_STAGES)
+        # the target: column sums of 2^(s_h - lse_h) over the heads (scores in bits, rounded once)
+        e = gl.exp2(libdevice.mul_rn(s_lo, qk_scale) - lse_lo[:, None])
+        p = gl.sum(e, axis=0)
+        if HALVES == 2:
+            e = gl.exp2(libdevice.mul_rn(s_hi, qk_scale) - lse_hi[:, None])
+            p += gl.sum(e, axis=0)
+        if RELU:
+            a = gl.where(a < 0.0, 0.0, a)  # relu; NaN stays NaN
+        logits = gl.sum(w[:, None] * a, axis=0)
+        keys = i * BLOCK_N + offs_n
+        visible = keys < key_lim
+        p = gl.where(visible, p * inv_heads, 0.0)
+        # the online update (_indexer_fwd._online_update on one token)
+        m_new = gl.maximum(m, gl.max(gl.where(visible, logits, float("-inf")), axis=0))
+        shift = _safe(m_new)
+        centred = logits - shift
+        e_i = gl.exp2(gl.where(visible, centred, float("-inf")) * _LOG2E)
+        alpha = gl.exp2((m - shift) * _LOG2E)
+        l = l * alpha + gl.sum(e_i, axis=0)
+        log_p = gl.log(gl.where(visible & (p > 0), p, 1.0))
+        plogp += gl.sum(gl.where(visible, p * log_p, 0.0), axis=0)
+        acc = acc - mass * (shift - _safe(m)) + gl.sum(gl.where(visible, p * centred, 0.0), axis=0)
+        mass += gl.sum(p, axis=0)
+        m = m_new
+    at = PART + (WG * gl.num_programs(1) + b64) * N_Q + t  # PART [5, 2, B, N_Q]
+    gl.store(at, m)
+    gl.store(at + part_plane, l)
+    gl.store(at + 2 * part_plane, mass)
+    gl.store(at + 3 * part_plane, acc)
+    gl.store(at + 4 * part_plane, plogp)
+
+
+@gluon.jit
+def _consumer0(q_smem, qi_smem, ring, q_bar, ready, empty, LSE_T, W, PART,
+               b, t, n_tiles, H, H_I, N_Q, N_K, stride_wb, stride_wh, stride_wn, qk_scale, inv_heads, part_plane,
+               HALVES: gl.constexpr, DC: gl.constexpr, DIC: gl.constexpr, BLOCK_N: gl.constexpr,
+               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, RELU: gl.constexpr):
+    _consumer(0, q_smem, qi_smem, ring, q_bar, ready, empty, LSE_T, W, PART, b, t, n_tiles, H, H_I, N_Q, N_K,
+              stride_wb, stride_wh, stride_wn, qk_scale, inv_heads, part_plane, HALVES, DC, DIC, BLOCK_N,
+              NUM_STAGES, CAUSAL, RELU)
+
+
+@gluon.jit
+def _consumer1(q_smem, qi_smem, ring, q_bar, ready, empty, LSE_T, W, PART,
+               b, t, n_tiles, H, H_I, N_Q, N_K, stride_wb, stride_wh, stride_wn, qk_scale, inv_heads, part_plane,
+               HALVES: gl.constexpr, DC: gl.constexpr, DIC: gl.constexpr, BLOCK_N: gl.constexpr,
+               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, RELU: gl.constexpr):
+    _consumer(1, q_smem, qi_smem, ring, q_bar, ready, empty, LSE_T, W, PART, b, t, n_tiles, H, H_I, N_Q, N_K,
+              stride_wb, stride_wh, stride_wn, qk_scale, inv_heads, part_plane, HALVES, DC, DIC, BLOCK_N,
+              NUM_STAGES, CAUSAL, RELU)
+
+
+@gluon.jit
+def _gluon_indexer_fwd_kernel(q_desc, k_desc, qi_desc, ki_desc, LSE_T, W, PART,
+                              H, H_I, N_Q, N_K, stride_wb, stride_wh, stride_wn, qk_scale, inv_heads,
+                              HALVES: gl.constexpr, DC: gl.constexpr, DIC: gl.constexpr, BLOCK_N: gl.constexpr,
+                              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, RELU: gl.constexpr,
+                              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """Grid (N_Q, B): one CTA per token. PART [5, 2, B, N_Q] (m, l, mass, acc, plogp per
+    consumer warpgroup); LSE_T [B, H, N_Q] teacher LSEs in bits."""
+    t = gl.program_id(0)
+    if CAUSAL:  # the longest tokens (most key tiles) first: fewer idle SMs in the last wave
+        t = gl.num_programs(0) - 1 - t
+    b = gl.program_id(1)
+    key_hi = N_K
+    if CAUSAL:
+        key_hi = gl.maximum(gl.minimum(N_K, t + (N_K - N_Q) + 1), 0)
+    n_tiles = gl.cdiv(key_hi, BLOCK_N)
+    part_plane = 2 * gl.num_programs(1) * N_Q
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [HALVES * DC, 1, HEADS, 1, DCH], q_desc.layout)
+    qi_smem = gl.allocate_shared_memory(qi_desc.dtype, [DIC, 1, HEADS, 1, DCH], qi_desc.layout)
+    ring = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, 1, 1, BLOCK_N, DCH], k_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)  # the one warpgroup that read the slot releases it
+
+    # argument tuples inline: a tuple bound to a local turns its constexprs into tensors (sketch)
+    gl.warp_specialize([
+        (_consumer0, (q_smem, qi_smem, ring, q_bar, ready, empty, LSE_T, W, PART, b, t, n_tiles, H, H_I, N_Q, N_K,
+                      stride_wb, stride_wh, stride_wn, qk_scale, inv_heads, part_plane, HALVES, DC, DIC, BLOCK_N,
+                      NUM_STAGES, CAUSAL, RELU)),
+        (_consumer1, (q_smem, qi_smem, ring, q_bar, ready, empty, LSE_T, W, PART, b, t, n_tiles, H, H_I, N_Q, N_K,
+                      stride_wb, stride_wh, stride_wn, qk_scale, inv_heads, part_plane, HALVES, DC, DIC, BLOCK_N,
+                      NUM_STAGES, CAUSAL, RELU)),
+        (_load_partition, (q_desc, k_desc, qi_desc, ki_desc, q_smem, qi_smem, ring, q_bar, ready, empty,
+                           b, t, n_tiles, HALVES, DC, DIC, BLOCK_N, NUM_STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------
+
+# Registers: the CTA is 3 warpgroups (two consumers; the producer warp's group), launched at
+# maxnreg = 168 (168 x 384 threads = 64512 of the SM's 65536); setmaxnreg then gives each
+# consumer warpgroup CONSUMER_REGS and the producer's group the rest, a multiple of 8.
+CTA_THREADS = 384
+CTA_REGS = 168 * CTA_THREADS
+
+
+def producer_regs(consumer_regs: int) -> int:
+    return min(256, (CTA_REGS - 2 * 128 * consumer_regs) // 128 // 8 * 8)
+
+
+MAX_HEADS = 128  # two 64-head wgmma per D chunk
+MAX_INDEXER_HEADS = 64
+CHUNK_BYTES = 64 * 64 * 2  # one resident [64 heads, 64 dims] box of bf16/fp16
+
+
+def resident_bytes(H: int, D: int, DI: int) -> int:
+    """Shared memory of the resident q and q_idx rows of one token."""
+    return (triton.cdiv(H, 64) * triton.cdiv(D, 64) + triton.cdiv(DI, 64)) * CHUNK_BYTES
+
+
+def ring_stages(H: int, D: int, DI: int, block_n: int, most: int = 8) -> int:
+    """Ring slots that fit beside the resident rows (0: none fit, the kernel does not apply)."""
+    free = SMEM_BYTES - SMEM_RESERVE - resident_bytes(H, D, DI)
+    return max(0, min(most, free // (block_n * 64 * 2)))
+
+
+def why_not(dims, dtypes, tensors_tma_ok: bool, capability) -> str:
+    """Why the Gluon forward does not apply to a problem ('' when it does): pure, CPU-testable."""
+    if tuple(capability) != (9, 0):
+        return f"compute capability {tuple(capability)}, not (9, 0)"
+    if len(set(dtypes)) != 1 or dtypes[0] not in (torch.bfloat16, torch.float16):
+        return f"dtypes {dtypes}: q, k, q_idx, k_idx must all be float16 or all bfloat16"
+    if dims.HK != 1 or dims.HKI != 1:
+        return f"H_K = {dims.HK}, H_KI = {dims.HKI}: one teacher and one indexer key head only"
+    if dims.H > MAX_HEADS or dims.HI > MAX_INDEXER_HEADS:
+        return f"H = {dims.H}, H_I = {dims.HI}: at most {MAX_HEADS} and {MAX_INDEXER_HEADS}"
+    if not tensors_tma_ok:
+        return "a tensor is not TMA-legal (unit stride in D, 16-byte aligned base and strides)"
+    if ring_stages(dims.H, dims.D, dims.DI, 64) < 2:
+        return f"D = {dims.D}, D_I = {dims.DI}: the resident rows leave no room for a key ring"
+    return ""
+
+
+def candidates(dims):
+    """Launch configurations (BLOCK_N, NUM_STAGES, CONSUMER_REGS), default first: 64-key tiles,
+    the deepest ring that fits (DSA-like: 7 slots), and a 4-slot ring. 128-key tiles hold three
+    [64, 128] fp32 accumulators per thread: 66 local loads/stores per key tile in an offline
+    sm_90 compile (triton 3.9); 64-key tiles none but one reload. Not yet timed."""
+    stages = ring_stages(dims.H, dims.D, dims.DI, 64)
+    if stages < 2:
+        return []
+    return list(dict.fromkeys([(64, stages, 240), (64, min(stages, 4), 240)]))
+
+
+_GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def make_descriptor(t, block):
+    """4-D TMA descriptor over ``t`` ([B, H, N, D], TMA-legal strides) with box ``block``."""
+    layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, _GL_DTYPES[t.dtype]))
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def launch_args(q, k, q_idx, k_idx, weights, lse_bits, part, causal, scale, relu, config=None):
+    """(grid, positional args, constexprs, options) of one launch (the CI compile test passes the
+    same to ``GluonASTSource``). ``lse_bits``: [B, H, N_Q] fp32 contiguous, teacher LSEs in bits;
+    ``part``: [5, 2, B, N_Q] fp32."""
+    B, H, N_Q, D = q.shape
+    N_K, H_I, DI = k.shape[2], q_idx.shape[1], q_idx.shape[3]
+    block_n, stages, regs = config or candidates(SimpleNamespace(H=H, D=D, DI=DI))[0]
+    descs = (make_descriptor(q, [1, 64, 1, 64]), make_descriptor(k, [1, 1, block_n, 64]),
+             make_descriptor(q_idx, [1, 64, 1, 64]), make_descriptor(k_idx, [1, 1, block_n, 64]))
+    args = descs + (lse_bits, weights, part, H, H_I, N_Q, N_K, *weights.stride(), float(scale * LOG2E), 1.0 / H)
+    constexprs = dict(HALVES=triton.cdiv(H, 64), DC=triton.cdiv(D, 64), DIC=triton.cdiv(DI, 64), BLOCK_N=block_n,
+                      NUM_STAGES=stages, CAUSAL=bool(causal), RELU=bool(relu), CONSUMER_REGS=regs,
+                      PRODUCER_REGS=producer_regs(regs))
+    return (N_Q, B), args, constexprs, dict(num_warps=4, maxnreg=CTA_REGS // CTA_THREADS)
+
+
+LAST_KERNEL = None  # the compiled kernel of the latest launch (the GPU script reads its SASS)
+
+
+def forward_states(q, k, q_idx, k_idx, weights, lse_bits, causal, scale, relu, config=None, part=None):
+    """Launch: the two consumer warpgroups' states ``part [5, 2, B, N_Q]`` (merge with
+    ``_indexer._merge_splits``). The caller (``_indexer``) has checked applicability."""
+    global LAST_KERNEL
+    B, _, N_Q, _ = q.shape
+    if part is None:
+        part = torch.empty((5, 2, B, N_Q), dtype=torch.float32, device=q.device)
+    grid, args, constexprs, options = launch_args(q, k, q_idx, k_idx, weights, lse_bits, part, causal, scale, relu,
+                                                  config)
+    LAST_KERNEL = _gluon_indexer_fwd_kernel[grid](*args, **constexprs, **options)
+    return part
