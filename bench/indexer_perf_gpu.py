@@ -649,7 +649,7 @@ class Bench:
             self.free()
         del train
 
-    def bench_compile(self, cname, cfg, N, results):
+    def bench_compile(self, cname, cfg, N, results, warm_failed=()):
         """torch.compile of the materialised form (the targets' baseline; --quick: fwd only, the
         DSA fwd+bwd then from the recorded session-3 number, labelled)."""
         if self.args.no_compile or self.args.tiny or N > 8192:
@@ -658,6 +658,10 @@ class Bench:
         for pss in compile_passes(self.args, cname):
             if self.over():
                 res["compile"][pss] = "budget"
+                continue
+            if self.args.quick and f"{cname}:{N}:compile:{pss}" in warm_failed:  # compiling here would blow --quick
+                res["compile"][pss] = "warm-up-failed"
+                self.log(f"{shape} torch.compile {pss}: its warm-up job did not finish: not timed (--quick)")
                 continue
             try:
                 res["compile"][pss] = ms = self.compiled_ms(xs, kw, pss)
@@ -786,7 +790,7 @@ def main(argv=None):
                 guarded(f"{cname} N={N} fwd+bwd", bench.bench_fwd_bwd, cname, cfgs[cname], N, results)
     for cname in configs:
         for N in ns:
-            guarded(f"{cname} N={N} torch.compile", bench.bench_compile, cname, cfgs[cname], N, results)
+            guarded(f"{cname} N={N} torch.compile", bench.bench_compile, cname, cfgs[cname], N, results, warm_failed)
     # the Gluon forward last (a new kernel: a hang must not cost the measurements above): only the
     # launch configs whose warm-up job passed, under a watchdog that prints the table and exits
     import threading

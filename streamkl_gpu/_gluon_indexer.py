@@ -16,15 +16,18 @@ query rows resident in shared memory for the whole key loop; only key tiles stre
 64-wide D chunks through one ring), ~116 FLOP per byte at DSA.
 
 Schedule: one CTA per (token, batch element), causal tokens longest first.
-- a producer warp loads q (cdiv(H, 64) x cdiv(D, 64) boxes of 64 heads x 64 dims) and q_idx
-  once, then for every key tile its cdiv(D, 64) teacher key chunks and cdiv(D_I, 64) indexer key
-  chunks ([BLOCK_N, 64] each) into one ring of NUM_STAGES slots, in tile order;
-- two consumer warpgroups take the key tiles in turn (tile i: warpgroup i % 2); each chains the
-  tile's wgmma over the D chunks (64 heads per wgmma, all heads), releasing a ring slot once the
-  products that read it have retired, then folds the tile: ``p[s] = (1/H) sum_h exp2(s_h - lse_h)``
-  (column sums of the score tiles), ``I[s] = sum_j w_j relu(a_j)``, and the online update. The
-  ring order makes the warpgroups take turns on the tensor cores: one's exponentials and head
-  sums run while the other's products do.
+- a producer warp loads q (cdiv(D, 64) boxes of all heads x 64 dims) and q_idx once, then for
+  every key tile its cdiv(D, 64) teacher key chunks and cdiv(D_I, 64) indexer key chunks
+  ([BLOCK_N, 64] each) into one ring of NUM_STAGES slots, in tile order;
+- two consumer warpgroups take the key tiles in turn (tile i: warpgroup i % 2). The score tiles
+  are transposed, keys as rows: ``s [BLOCK_N keys, NT heads] = K_chunk q_chunk^T`` chained over
+  the D chunks (A: the streamed key chunk; B: the resident query chunk; N = all teacher heads,
+  64 or 128, so one m64 x N x k16 wgmma per 16 dims), ``a [BLOCK_N, 64]`` likewise for the
+  indexer. A ring slot is released once the products reading it have retired. Then the fold:
+  ``p[s] = (1/H) sum_h exp2(s_h - lse_h)`` and ``I[s] = sum_j w_j relu(a_j)`` are row sums
+  (within a thread and 4 lanes, no cross-warp reduction), and the online update. The ring order
+  makes the warpgroups take turns on the tensor cores: one's exponentials run while the other's
+  products do.
 
 Masks (keys >= N_K, the causal band) are selections on the per-key vectors after the head sums:
 a masked key adds exactly 0 to every sum, whatever its scores (NaN included). Heads past H and
@@ -57,20 +60,19 @@ SMEM_RESERVE = 4096  # barriers and the compiler's reduction scratch
 
 
 @gluon.constexpr_function
-def _acc_layout(block_n):
-    # wgmma accumulator of one warpgroup: [64, block_n] fp32
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, int(block_n), 16])
+def _acc_layout(n):
+    # wgmma accumulator of one warpgroup: [64 keys, n heads] fp32
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, int(n), 16])
 
 
 @gluon.jit
 def _load_partition(q_desc, k_desc, qi_desc, ki_desc, q_smem, qi_smem, ring, q_bar, ready, empty,
-                    b, t, n_tiles, HALVES: gl.constexpr, DC: gl.constexpr, DIC: gl.constexpr,
+                    b, t, n_tiles, DC: gl.constexpr, DIC: gl.constexpr,
                     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
     """Producer warp: the token's q and q_idx rows once, then the key chunks of every tile."""
-    mbarrier.expect(q_bar, HALVES * DC * q_desc.block_type.nbytes + DIC * qi_desc.block_type.nbytes)
-    for hh in gl.static_range(HALVES):
-        for c in gl.static_range(DC):
-            _tma_load(q_desc, [b, hh * HEADS, t, c * DCH], q_bar, q_smem.index(hh * DC + c))
+    mbarrier.expect(q_bar, DC * q_desc.block_type.nbytes + DIC * qi_desc.block_type.nbytes)
+    for c in gl.static_range(DC):
+        _tma_load(q_desc, [b, 0, t, c * DCH], q_bar, q_smem.index(c))
     for c in gl.static_range(DIC):
         _tma_load(qi_desc, [b, 0, t, c * DCH], q_bar, qi_smem.index(c))
     NCH: gl.constexpr = DC + DIC
@@ -89,48 +91,37 @@ def _load_partition(q_desc, k_desc, qi_desc, ki_desc, q_smem, qi_smem, ring, q_b
 
 @gluon.jit
 def _chunk(g, ring, ready, NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Ring slot of chunk ``g`` once it has landed, as the wgmma's B operand [64, BLOCK_N]."""
+    """Ring slot of chunk ``g`` once it has landed: the wgmma's A operand [BLOCK_N keys, 64]."""
     s = g % NUM_STAGES
     mbarrier.wait(ready.index(s), (g // NUM_STAGES) & 1)
-    return ring.index(s).reshape([BLOCK_N, DCH]).permute((1, 0))
+    return ring.index(s).reshape([BLOCK_N, DCH])
 
 
 @gluon.jit
-def _scores(q_smem, qi_smem, ring, ready, empty, g0, zero,
-            HALVES: gl.constexpr, DC: gl.constexpr, DIC: gl.constexpr, BLOCK_N: gl.constexpr,
+def _scores(q_smem, qi_smem, ring, ready, empty, g0, zero_t, zero_i,
+            NT: gl.constexpr, DC: gl.constexpr, DIC: gl.constexpr, BLOCK_N: gl.constexpr,
             NUM_STAGES: gl.constexpr):
-    """The score tiles of one key tile: teacher ``s_lo`` (heads 0..63), ``s_hi`` (64..127; s_lo
-    again when HALVES = 1) and indexer ``a``, each [64, BLOCK_N] fp32, chained over the D chunks.
-    A ring slot is released once the products reading it have retired (waits inside the tile)."""
-    s_lo = zero
-    s_hi = zero
+    """The score tiles of one key tile, keys as rows: teacher ``s [BLOCK_N, NT]`` (all heads in
+    one wgmma N) and indexer ``a [BLOCK_N, 64]``, fp32, chained over the D chunks (A: the
+    streamed key chunk; B: the resident query chunk, transposed). A ring slot is released once
+    the products reading it have retired (every wait inside the tile)."""
+    s = zero_t
     for c in gl.static_range(DC):
         kc = _chunk(g0 + c, ring, ready, NUM_STAGES, BLOCK_N)
-        s_lo = warpgroup_mma(q_smem.index(c).reshape([HEADS, DCH]), kc, s_lo, use_acc=c > 0, is_async=True)
-        if HALVES == 2:
-            s_hi = warpgroup_mma(q_smem.index(DC + c).reshape([HEADS, DCH]), kc, s_hi, use_acc=c > 0,
-                                 is_async=True)
-            s_lo, s_hi = warpgroup_mma_wait(num_outstanding=2, deps=(s_lo, s_hi))
-        else:
-            s_lo = warpgroup_mma_wait(num_outstanding=1, deps=(s_lo,))
-        if c > 0:  # chunk c - 1's products have retired: its slot is free
+        s = warpgroup_mma(kc, q_smem.index(c).reshape([NT, DCH]).permute((1, 0)), s, use_acc=c > 0, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+        if c > 0:  # chunk c - 1's product has retired: its slot is free
             mbarrier.arrive(empty.index((g0 + c - 1) % NUM_STAGES), count=1)
-    a = zero
+    a = zero_i
     for c in gl.static_range(DIC):
         kc = _chunk(g0 + DC + c, ring, ready, NUM_STAGES, BLOCK_N)
-        a = warpgroup_mma(qi_smem.index(c).reshape([HEADS, DCH]), kc, a, use_acc=c > 0, is_async=True)
-        if HALVES == 2:
-            s_lo, s_hi, a = warpgroup_mma_wait(num_outstanding=1, deps=(s_lo, s_hi, a))
-        else:
-            s_lo, a = warpgroup_mma_wait(num_outstanding=1, deps=(s_lo, a))
+        a = warpgroup_mma(kc, qi_smem.index(c).reshape([HEADS, DCH]).permute((1, 0)), a, use_acc=c > 0,
+                          is_async=True)
+        s, a = warpgroup_mma_wait(num_outstanding=1, deps=(s, a))
         mbarrier.arrive(empty.index((g0 + DC + c - 1) % NUM_STAGES), count=1)
-    if HALVES == 2:
-        s_lo, s_hi, a = warpgroup_mma_wait(num_outstanding=0, deps=(s_lo, s_hi, a))
-    else:
-        s_lo, a = warpgroup_mma_wait(num_outstanding=0, deps=(s_lo, a))
-        s_hi = s_lo
+    s, a = warpgroup_mma_wait(num_outstanding=0, deps=(s, a))
     mbarrier.arrive(empty.index((g0 + DC + DIC - 1) % NUM_STAGES), count=1)
-    return s_lo, s_hi, a
+    return s, a
 
 
 @gluon.jit
@@ -142,27 +133,25 @@ def _safe(m):
 @gluon.jit
 def _consumer(WG: gl.constexpr, q_smem, qi_smem, ring, q_bar, ready, empty, LSE_T, W, PART,
               b, t, n_tiles, H, H_I, N_Q, N_K, stride_wb, stride_wh, stride_wn, qk_scale, inv_heads, part_plane,
-              HALVES: gl.constexpr, DC: gl.constexpr, DIC: gl.constexpr, BLOCK_N: gl.constexpr,
+              NT: gl.constexpr, DC: gl.constexpr, DIC: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, RELU: gl.constexpr):
     """Key tiles WG, WG + 2, ... of token t: the online state, stored as key split WG."""
-    acc_layout: gl.constexpr = _acc_layout(BLOCK_N)
-    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
-    col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
+    t_layout: gl.constexpr = _acc_layout(NT)
+    i_layout: gl.constexpr = _acc_layout(HEADS)
+    key_layout: gl.constexpr = gl.SliceLayout(1, t_layout)
     NCH: gl.constexpr = DC + DIC
-    heads = gl.arange(0, HEADS, layout=row_layout)
     b64 = b.to(gl.int64)
-    # teacher LSEs (bits): +inf for heads past H and for -inf (a head without visible keys), so
-    # exp2(s - lse) = 0 there; a NaN LSE stays NaN
-    lse_lo = gl.load(LSE_T + (b64 * H + heads) * N_Q + t, mask=heads < H, other=float("inf"))
-    lse_lo = gl.where(lse_lo == float("-inf"), float("inf"), lse_lo)
-    lse_hi = lse_lo
-    if HALVES == 2:
-        lse_hi = gl.load(LSE_T + (b64 * H + HEADS + heads) * N_Q + t, mask=HEADS + heads < H, other=float("inf"))
-        lse_hi = gl.where(lse_hi == float("-inf"), float("inf"), lse_hi)
-    w = gl.load(W + b64 * stride_wb + heads.to(gl.int64) * stride_wh + t.to(gl.int64) * stride_wn,
-                mask=heads < H_I, other=0.0).to(gl.float32)
-    zero = gl.zeros([HEADS, BLOCK_N], gl.float32, acc_layout)
-    offs_n = gl.arange(0, BLOCK_N, layout=col_layout)
+    # teacher LSEs (bits), one per column: +inf for heads past H and for -inf (a head without
+    # visible keys), so exp2(s - lse) = 0 there; a NaN LSE stays NaN
+    heads = gl.arange(0, NT, layout=gl.SliceLayout(0, t_layout))
+    lse = gl.load(LSE_T + (b64 * H + heads) * N_Q + t, mask=heads < H, other=float("inf"))
+    lse = gl.where(lse == float("-inf"), float("inf"), lse)
+    iheads = gl.arange(0, HEADS, layout=gl.SliceLayout(0, i_layout))
+    w = gl.load(W + b64 * stride_wb + iheads.to(gl.int64) * stride_wh + t.to(gl.int64) * stride_wn,
+                mask=iheads < H_I, other=0.0).to(gl.float32)
+    zero_t = gl.zeros([BLOCK_N, NT], gl.float32, t_layout)
+    zero_i = gl.zeros([BLOCK_N, HEADS], gl.float32, i_layout)
+    offs_n = gl.arange(0, BLOCK_N, layout=key_layout)
     key_lim = N_K
     if CAUSAL:  # bottom-right causal: key s visible to token t iff s <= t + (N_K - N_Q)
         key_lim = gl.minimum(N_K, t + (N_K - N_Q) + 1)
@@ -173,17 +162,13 @@ def _consumer(WG: gl.constexpr, q_smem, qi_smem, ring, q_bar, ready, empty, LSE_
     plogp = gl.to_tensor(0.0)
     mbarrier.wait(q_bar, 0)
     for i in range(WG, n_tiles, 2):
-        s_lo, s_hi, a = _scores(q_smem, qi_smem, ring, ready, empty, i * NCH, zero, HALVES, DC, DIC, BLOCK_N,
-                                NUM_STAGES)
-        # the target: column sums of 2^(s_h - lse_h) over the heads (scores in bits, rounded once)
-        e = gl.exp2(libdevice.mul_rn(s_lo, qk_scale) - lse_lo[:, None])
-        p = gl.sum(e, axis=0)
-        if HALVES == 2:
-            e = gl.exp2(libdevice.mul_rn(s_hi, qk_scale) - lse_hi[:, None])
-            p += gl.sum(e, axis=0)
+        s, a = _scores(q_smem, qi_smem, ring, ready, empty, i * NCH, zero_t, zero_i, NT, DC, DIC, BLOCK_N,
+                       NUM_STAGES)
+        # the target: row sums of 2^(s_h - lse_h) over the heads (scores in bits, rounded once)
+        p = gl.sum(gl.exp2(libdevice.mul_rn(s, qk_scale) - lse[None, :]), axis=1)
         if RELU:
             a = gl.where(a < 0.0, 0.0, a)  # relu; NaN stays NaN
-        logits = gl.sum(w[:, None] * a, axis=0)
+        logits = gl.convert_layout(gl.sum(a * w[None, :], axis=1), key_layout)
         keys = i * BLOCK_N + offs_n
         visible = keys < key_lim
         p = gl.where(visible, p * inv_heads, 0.0)
@@ -210,27 +195,27 @@ def _consumer(WG: gl.constexpr, q_smem, qi_smem, ring, q_bar, ready, empty, LSE_
 @gluon.jit
 def _consumer0(q_smem, qi_smem, ring, q_bar, ready, empty, LSE_T, W, PART,
                b, t, n_tiles, H, H_I, N_Q, N_K, stride_wb, stride_wh, stride_wn, qk_scale, inv_heads, part_plane,
-               HALVES: gl.constexpr, DC: gl.constexpr, DIC: gl.constexpr, BLOCK_N: gl.constexpr,
+               NT: gl.constexpr, DC: gl.constexpr, DIC: gl.constexpr, BLOCK_N: gl.constexpr,
                NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, RELU: gl.constexpr):
     _consumer(0, q_smem, qi_smem, ring, q_bar, ready, empty, LSE_T, W, PART, b, t, n_tiles, H, H_I, N_Q, N_K,
-              stride_wb, stride_wh, stride_wn, qk_scale, inv_heads, part_plane, HALVES, DC, DIC, BLOCK_N,
+              stride_wb, stride_wh, stride_wn, qk_scale, inv_heads, part_plane, NT, DC, DIC, BLOCK_N,
               NUM_STAGES, CAUSAL, RELU)
 
 
 @gluon.jit
 def _consumer1(q_smem, qi_smem, ring, q_bar, ready, empty, LSE_T, W, PART,
                b, t, n_tiles, H, H_I, N_Q, N_K, stride_wb, stride_wh, stride_wn, qk_scale, inv_heads, part_plane,
-               HALVES: gl.constexpr, DC: gl.constexpr, DIC: gl.constexpr, BLOCK_N: gl.constexpr,
+               NT: gl.constexpr, DC: gl.constexpr, DIC: gl.constexpr, BLOCK_N: gl.constexpr,
                NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, RELU: gl.constexpr):
     _consumer(1, q_smem, qi_smem, ring, q_bar, ready, empty, LSE_T, W, PART, b, t, n_tiles, H, H_I, N_Q, N_K,
-              stride_wb, stride_wh, stride_wn, qk_scale, inv_heads, part_plane, HALVES, DC, DIC, BLOCK_N,
+              stride_wb, stride_wh, stride_wn, qk_scale, inv_heads, part_plane, NT, DC, DIC, BLOCK_N,
               NUM_STAGES, CAUSAL, RELU)
 
 
 @gluon.jit
 def _gluon_indexer_fwd_kernel(q_desc, k_desc, qi_desc, ki_desc, LSE_T, W, PART,
                               H, H_I, N_Q, N_K, stride_wb, stride_wh, stride_wn, qk_scale, inv_heads,
-                              HALVES: gl.constexpr, DC: gl.constexpr, DIC: gl.constexpr, BLOCK_N: gl.constexpr,
+                              NT: gl.constexpr, DC: gl.constexpr, DIC: gl.constexpr, BLOCK_N: gl.constexpr,
                               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, RELU: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """Grid (N_Q, B): one CTA per token. PART [5, 2, B, N_Q] (m, l, mass, acc, plogp per
@@ -245,7 +230,7 @@ def _gluon_indexer_fwd_kernel(q_desc, k_desc, qi_desc, ki_desc, LSE_T, W, PART,
     n_tiles = gl.cdiv(key_hi, BLOCK_N)
     part_plane = 2 * gl.num_programs(1) * N_Q
 
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [HALVES * DC, 1, HEADS, 1, DCH], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [DC, 1, NT, 1, DCH], q_desc.layout)
     qi_smem = gl.allocate_shared_memory(qi_desc.dtype, [DIC, 1, HEADS, 1, DCH], qi_desc.layout)
     ring = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, 1, 1, BLOCK_N, DCH], k_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -259,13 +244,13 @@ def _gluon_indexer_fwd_kernel(q_desc, k_desc, qi_desc, ki_desc, LSE_T, W, PART,
     # argument tuples inline: a tuple bound to a local turns its constexprs into tensors (sketch)
     gl.warp_specialize([
         (_consumer0, (q_smem, qi_smem, ring, q_bar, ready, empty, LSE_T, W, PART, b, t, n_tiles, H, H_I, N_Q, N_K,
-                      stride_wb, stride_wh, stride_wn, qk_scale, inv_heads, part_plane, HALVES, DC, DIC, BLOCK_N,
+                      stride_wb, stride_wh, stride_wn, qk_scale, inv_heads, part_plane, NT, DC, DIC, BLOCK_N,
                       NUM_STAGES, CAUSAL, RELU)),
         (_consumer1, (q_smem, qi_smem, ring, q_bar, ready, empty, LSE_T, W, PART, b, t, n_tiles, H, H_I, N_Q, N_K,
-                      stride_wb, stride_wh, stride_wn, qk_scale, inv_heads, part_plane, HALVES, DC, DIC, BLOCK_N,
+                      stride_wb, stride_wh, stride_wn, qk_scale, inv_heads, part_plane, NT, DC, DIC, BLOCK_N,
                       NUM_STAGES, CAUSAL, RELU)),
         (_load_partition, (q_desc, k_desc, qi_desc, ki_desc, q_smem, qi_smem, ring, q_bar, ready, empty,
-                           b, t, n_tiles, HALVES, DC, DIC, BLOCK_N, NUM_STAGES)),
+                           b, t, n_tiles, DC, DIC, BLOCK_N, NUM_STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -344,10 +329,11 @@ def launch_args(q, k, q_idx, k_idx, weights, lse_bits, part, causal, scale, relu
     B, H, N_Q, D = q.shape
     N_K, H_I, DI = k.shape[2], q_idx.shape[1], q_idx.shape[3]
     block_n, stages, regs = config or candidates(SimpleNamespace(H=H, D=D, DI=DI))[0]
-    descs = (make_descriptor(q, [1, 64, 1, 64]), make_descriptor(k, [1, 1, block_n, 64]),
+    nt = 64 if H <= 64 else 128  # all teacher heads in one wgmma N
+    descs = (make_descriptor(q, [1, nt, 1, 64]), make_descriptor(k, [1, 1, block_n, 64]),
              make_descriptor(q_idx, [1, 64, 1, 64]), make_descriptor(k_idx, [1, 1, block_n, 64]))
     args = descs + (lse_bits, weights, part, H, H_I, N_Q, N_K, *weights.stride(), float(scale * LOG2E), 1.0 / H)
-    constexprs = dict(HALVES=triton.cdiv(H, 64), DC=triton.cdiv(D, 64), DIC=triton.cdiv(DI, 64), BLOCK_N=block_n,
+    constexprs = dict(NT=nt, DC=triton.cdiv(D, 64), DIC=triton.cdiv(DI, 64), BLOCK_N=block_n,
                       NUM_STAGES=stages, CAUSAL=bool(causal), RELU=bool(relu), CONSUMER_REGS=regs,
                       PRODUCER_REGS=producer_regs(regs))
     return (N_Q, B), args, constexprs, dict(num_warps=4, maxnreg=CTA_REGS // CTA_THREADS)

@@ -31,9 +31,9 @@ def _expected(spec):
     H, D, HI, DI = map(int, (H, D, HI, DI))
     dims = SimpleNamespace(H=H, D=D, DI=DI)
     block_n, stages, regs = tuple(map(int, cand)) if cand else gluon.candidates(dims)[0]
-    halves, dc, dic = -(-H // 64), -(-D // 64), -(-DI // 64)
-    return dict(block_n=block_n, halves=halves, dc=dc, dic=dic,
-                hgmma=(halves * dc + dic) * 4,  # one m64 x BLOCK_N x k16 HGMMA per 16 of each 64-wide chunk
+    nt, dc, dic = 64 if H <= 64 else 128, -(-D // 64), -(-DI // 64)
+    return dict(block_n=block_n, nt=nt, dc=dc, dic=dic,
+                hgmma=(dc + dic) * 4,  # one m64 x N x k16 HGMMA per 16 of each 64-wide chunk (N: all heads)
                 waits=dc + dic + 1)
 
 
@@ -60,15 +60,15 @@ def test_sass_one_chain_of_wgmma_per_key_tile(compiled, spec):
     loops = row["loops"]
     # one key loop per consumer warpgroup (tiles WG, WG + 2, ...)
     assert len(loops) == 2, f"{spec}: expected 2 key-tile loops with HGMMA, found {len(loops)}: {loops}"
-    per_thread_exp = want["halves"] * 64 * want["block_n"] // 128  # teacher exponentials per thread and tile
+    per_thread_exp = want["nt"] * want["block_n"] // 128  # teacher exponentials per thread and tile
     for loop in loops:
         assert loop["hgmma"] == want["hgmma"], f"{spec}: {loop['hgmma']} HGMMA per key tile, expected {want['hgmma']}"
         # the source waits once per D chunk and once at the end; one DEPBAR per HGMMA would be
         # ptxas serialising the products
         assert 1 <= loop["depbar"] <= want["waits"], f"{spec}: {loop['depbar']} WARPGROUP.DEPBAR per tile: {loop}"
         assert loop["ex2"] >= per_thread_exp, f"{spec}: too few MUFU.EX2 per key tile: {loop}"
-        # a value of the prologue (spilled across setmaxnreg) is reloaded once per tile: at most a
-        # couple of local loads, never the accumulators
+        # (the 4-slot ring: one value of the prologue, spilled across setmaxnreg, reloaded once per
+        # tile; never the accumulators, which would be dozens per tile)
         assert loop["spills"] <= 2, f"{spec}: local-memory traffic in the key loop: {loop}"
     assert row["resources"]["local"] == 0, row["resources"]
 
