@@ -69,6 +69,8 @@ def parse_args(argv=None):
     p.add_argument("--no-warm", action="store_true", help="compile in the timing process (one at a time)")
     p.add_argument("--warm-job", default=None, help=argparse.SUPPRESS)
     p.add_argument("--tiny-warm", action="store_true", help=argparse.SUPPRESS)  # CPU smoke of the warm-up
+    # CPU smoke of the Gluon phase: _gluon_indexer.emulate_states stands in for the kernel
+    p.add_argument("--tiny-gluon-emulate", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.budget is None:
         a.budget = 110.0 if a.quick else 600.0
@@ -92,7 +94,7 @@ class Force:
         gl_want = self.by_kind.get("gluon")
         if gl_want is not None:  # the Gluon forward with this launch config, forced on
             self.gl_old = (_indexer._gluon_indexer.candidates, os.environ.get("STREAMKL_INDEXER_GLUON"))
-            _indexer._gluon_indexer.candidates = lambda dims: [gl_want]
+            _indexer._gluon_indexer.candidates = lambda dims, pacc=False: [gl_want]
             os.environ["STREAMKL_INDEXER_GLUON"] = "1"
         return self
 
@@ -106,15 +108,22 @@ class Force:
                 os.environ["STREAMKL_INDEXER_GLUON"] = env
 
 
-def gluon_candidates(cfg, N=8192):
-    """The Gluon forward's launch configs (BLOCK_N, NUM_STAGES, CONSUMER_REGS) at this config
-    ([] where it does not apply by shape, or Gluon is missing)."""
+def gluon_candidates(cfg, N=8192, pacc=False):
+    """The Gluon forward's (``pacc``: the accumulating forward's) launch configs (BLOCK_N,
+    NUM_STAGES, CONSUMER_REGS) at this config ([] where it does not apply by shape, or Gluon is
+    missing)."""
     if _indexer._gluon_indexer is None:
         return []
     dims = config_dims(cfg, N)
-    if dims.HK != 1 or dims.HKI != 1 or dims.H > 128 or dims.HI > 64:
+    if dims.HK != 1 or dims.HKI != 1 or dims.H > 128 or dims.HI > 64 or (pacc and dims.DI > 128):
         return []
-    return _indexer._gluon_indexer.candidates(dims)
+    return _indexer._gluon_indexer.candidates(dims, pacc)
+
+
+def gluon_pacc_variants(cfg, N=8192):
+    """(label, environment, forced) of the Gluon accumulating forward's fwd+bwd variants."""
+    env = {"STREAMKL_INDEXER_PACC": "1", "STREAMKL_INDEXER_GLUON_PACC": "1"}
+    return [("pacc " + gluon_label(c), env, dict(gluon=c)) for c in gluon_candidates(cfg, N, pacc=True)]
 
 
 def gluon_label(c):
@@ -237,6 +246,8 @@ def warm_jobs(args, configs, ns, device):
                     fwd_jobs.append(f"{cname}:{N}:fwd:{i}")
             if not args.tiny:
                 fwd_jobs += [f"{cname}:{N}:gluon:{i}" for i, _ in enumerate(gluon_candidates(cfg, N))]
+                if not args.no_bwd:
+                    fwd_jobs += [f"{cname}:{N}:gluonpacc:{i}" for i, _ in enumerate(gluon_pacc_variants(cfg, N))]
             if not args.no_bwd:
                 for i, _ in enumerate(bwd_variants(cfg)):
                     fb_jobs.append(f"{cname}:{N}:bwd:{i}")
@@ -278,6 +289,13 @@ def run_warm_job(job, tiny=False):
             with Force(gluon=gluon_candidates(cfg, N)[int(which)]):  # as Bench.gluon_fwd
                 streamkl_gpu.indexer_kl(*xs_c, lse=lse_c, **kw_c)
                 streamkl_gpu.indexer_kl(*xs_c, **kw_c)
+    elif kind == "gluonpacc":  # the check problem's fwd+bwd (as Bench.gluon_fwd_bwd)
+        name, env, forced = gluon_pacc_variants(cfg, N)[int(which)]
+        xs = bench.inputs(cfg, check_n(cname, tiny), seed=2)
+        lse = bench.teacher_lse(xs[0], xs[1], scale)
+        train = [x.detach().clone().requires_grad_(r) for x, r in zip(xs, (False, False, True, True, True))]
+        with Env(env), Force(**forced):
+            torch.autograd.grad(streamkl_gpu.indexer_kl(*train, lse=lse, reduction="mean", **kw), train[2:])
     else:
         name, env, forced = bwd_variants(cfg)[int(which)]
         with Env(env), Force(fwd=cands[0], **forced):
@@ -312,7 +330,7 @@ def warm_up(bench, jobs, parallel):
             if proc.poll() is None:
                 # a stuck compile must not eat the run; a Gluon job (a new kernel: a deadlock in its
                 # barriers would hang) gets GLUON_WARM_S of its own
-                if time.time() - t0 > bench.args.budget * 0.5 or (":gluon:" in job and time.time() - start > GLUON_WARM_S):
+                if time.time() - t0 > bench.args.budget * 0.5 or (":gluon" in job and time.time() - start > GLUON_WARM_S):
                     proc.kill()
                     failed.append(job)
                     bench.log(f"warm-up {job}: killed (over {bench.args.budget * 0.5:.0f} s)")
@@ -451,7 +469,7 @@ class Bench:
                 ok_cfgs.append(c)
         return ok_cfgs
 
-    def check_fwd_bwd(self, cname, cfg):
+    def check_fwd_bwd(self, cname, cfg, variants=None):
         """Loss and gradients of every fwd+bwd variant (plain and accumulating, reduction "mean",
         lse given) vs float64 on the small causal problem; same tolerance rule (the materialised
         form's gradients at the inputs' precision)."""
@@ -468,7 +486,8 @@ class Bench:
         sp_loss = indexer_kl_naive(*sp_in, compute_dtype=xs[0].dtype, **kw).mean()
         sp = dict(loss=sp_loss.detach(), **dict(zip(("dq_idx", "dk_idx", "dweights"), torch.autograd.grad(sp_loss, sp_in[2:]))))
         lse = torch.from_numpy(lse_ref).float().to(self.device)
-        for name, env, forced in bwd_variants(cfg):
+        ok_names = []
+        for name, env, forced in (bwd_variants(cfg) if variants is None else variants):
             try:
                 ins = [x.detach().clone().requires_grad_(r) for x, r in zip(xs, train_flags)]
                 with Env(env), Force(**forced):
@@ -490,6 +509,9 @@ class Bench:
                 self.logf.write(traceback.format_exc())
             self.failed += not ok
             self.log(f"check {cname} fwd+bwd {name}: {'ok' if ok else 'FAIL ' + '; '.join(bad)}")
+            if ok:
+                ok_names.append(name)
+        return ok_names
 
     def problem(self, cname, cfg, N, results):
         """(xs, lse, kw, floor, shape, res) of one timing point (inputs kept for the later phases)."""
@@ -538,6 +560,8 @@ class Bench:
         scale = cfg["scale"] if cfg["scale"] is not None else cfg["D"] ** -0.5
         sizes = [(check_n(cname, False), check_n(cname, False), True), (64, 320, False), (70, 133, False),
                  (96, 150, True)]
+        if self.args.tiny:  # the CPU smoke (emulated kernel)
+            sizes = [(check_n(cname, True), check_n(cname, True), True), (8, 40, False)]
         cases = []
         for seed, (nq, nk, causal) in enumerate(sizes[:2] if self.args.quick else sizes):
             xs = self.inputs(cfg, nk, seed=10 + seed)
@@ -554,12 +578,25 @@ class Bench:
             cases.append((f"NQ={nq} NK={nk} {'causal' if causal else 'full'}", xs, kw, kl_ref, tol, lse, kl_triton))
         return cases
 
+    def gluon_fwd_bwd(self, cname, cfg, N, results, warm_failed=()):
+        """The Gluon accumulating forward's fwd+bwd (reduction "mean", lse given): loss and
+        gradients vs float64 (check_fwd_bwd's rule), then timed with its fwd / bwd split."""
+        variants = [v for i, v in enumerate(gluon_pacc_variants(cfg, N)) if i not in warm_failed]
+        for i, v in enumerate(gluon_pacc_variants(cfg, N)):
+            if i in warm_failed:
+                self.failed += 1
+                self.log(f"{v[0]}: its warm-up job failed or hung (log above): not run here")
+        if not variants:
+            return
+        ok = set(self.check_fwd_bwd(cname, cfg, variants) or [])
+        self.bench_fwd_bwd(cname, cfg, N, results, [v for v in variants if v[0] in ok])
+
     def gluon_fwd(self, cname, cfg, N, results, warm_failed=()):
         """The Gluon forward (STREAMKL_INDEXER_GLUON=1), each launch config forced: KL vs float64
         and vs the Triton forward on the small causal problem (and a non-causal one with
         N_Q != N_K), then timed at N causal with lse given."""
         cands = gluon_candidates(cfg, N)
-        if self.args.tiny or not cands:
+        if (self.args.tiny and not getattr(self.args, "tiny_gluon_emulate", False)) or not cands:
             self.log(f"gluon {cname}: {'skipped (cpu)' if self.args.tiny else 'does not apply (shape) / no Gluon'}")
             return
         xs_, lse_, kw_, floor, shape, res = self.problem(cname, cfg, N, results)
@@ -613,13 +650,13 @@ class Bench:
                 self.logf.write(traceback.format_exc())
             self.free()
 
-    def bench_fwd_bwd(self, cname, cfg, N, results):
+    def bench_fwd_bwd(self, cname, cfg, N, results, variants=None):
         """fwd+bwd (mean, lse given) per variant, the plain ones with the fastest forward forced."""
         xs, lse, kw, floor, shape, res = self.problem(cname, cfg, N, results)
-        timed = {c: v for c, v in res["fwd"].items() if isinstance(v, float)}
+        timed = {c: v for c, v in res["fwd"].items() if isinstance(v, float) and isinstance(c, tuple)}
         best = min(timed, key=timed.get) if timed else None
         train = [x.detach().clone().requires_grad_(r) for x, r in zip(xs, (False, False, True, True, True))]
-        for name, env, forced in bwd_variants(cfg):
+        for name, env, forced in (bwd_variants(cfg) if variants is None else variants):
             if self.over():
                 res["fwd_bwd"][name] = "budget"
                 continue
@@ -765,6 +802,15 @@ def main(argv=None):
             bench.log(f"warm-up raised {type(exc).__name__}: {exc}")
     results = {}
     cfgs = {c: (tiny_config(CONFIGS[c]) if args.tiny else CONFIGS[c]) for c in configs}
+    if args.tiny and args.tiny_gluon_emulate and _indexer._gluon_indexer is not None:
+        g = _indexer._gluon_indexer
+        _indexer.gluon_why_not = lambda *a, **k: ""
+
+        def emulated(q, k, qi, ki, w, lse_bits, causal, scale, relu, config=None, part=None, grads=None):
+            part.copy_(g.emulate_states(q, k, qi, ki, w, lse_bits, causal, scale, relu, block_n=8, grads=grads))
+            return part
+        g.forward_states = emulated
+        bench.log("gluon: emulated (CPU smoke of the script, not the kernel)")
 
     def guarded(what, fn, *a):
         try:
@@ -806,6 +852,9 @@ def main(argv=None):
         for N in ns:
             bad = {i for i in range(8) if f"{cname}:{N}:gluon:{i}" in warm_failed}
             guarded(f"{cname} N={N} gluon fwd", bench.gluon_fwd, cname, cfgs[cname], N, results, bad)
+            if not args.no_bwd and (not args.tiny or args.tiny_gluon_emulate):
+                guarded(f"{cname} N={N} gluon fwd+bwd", bench.gluon_fwd_bwd, cname, cfgs[cname], N, results,
+                        {i for i in range(8) if f"{cname}:{N}:gluonpacc:{i}" in warm_failed})
     timer.cancel()
     bench._problems.clear()
     bench.free()

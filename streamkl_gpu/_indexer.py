@@ -404,35 +404,38 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
 GLUON_MODES = ("0", "1", "auto")
 
 
-def gluon_mode() -> str:
-    """``STREAMKL_INDEXER_GLUON``: ``0`` (default: not yet measured on the GPU) the Triton
-    forward; ``1`` the Gluon forward (``_gluon_indexer``) or a ``ValueError`` saying why it does
-    not apply (a forced path never falls back silently); ``auto`` the Gluon forward wherever it
-    applies."""
-    mode = _runtime.env("STREAMKL_INDEXER_GLUON", "0")
+def gluon_mode(pacc: bool = False) -> str:
+    """``STREAMKL_INDEXER_GLUON`` (the forward) / ``STREAMKL_INDEXER_GLUON_PACC`` (the
+    accumulating forward of the training case): ``0`` (default: not yet measured on the GPU) the
+    Triton kernel; ``1`` the Gluon kernel (``_gluon_indexer``) or a ``ValueError`` saying why it
+    does not apply (a forced path never falls back silently); ``auto`` the Gluon kernel wherever
+    it applies."""
+    var = "STREAMKL_INDEXER_GLUON_PACC" if pacc else "STREAMKL_INDEXER_GLUON"
+    mode = _runtime.env(var, "0")
     if mode not in GLUON_MODES:
-        raise ValueError(f"STREAMKL_INDEXER_GLUON must be one of {GLUON_MODES}, got {mode!r}")
+        raise ValueError(f"{var} must be one of {GLUON_MODES}, got {mode!r}")
     return mode
 
 
-def gluon_why_not(dims, q, k, q_idx, k_idx) -> str:
-    """Why the Gluon forward does not apply ('' when it does)."""
+def gluon_why_not(dims, q, k, q_idx, k_idx, pacc: bool = False) -> str:
+    """Why the Gluon forward (``pacc``: the accumulating one) does not apply ('' when it does)."""
     if _gluon_indexer is None:
         return f"Gluon is not available ({GLUON_IMPORT_ERROR})"
     if _runtime.interpreting() or q.device.type != "cuda":
         return "not a CUDA device (the Gluon forward does not run under the interpreter)"
     cap = torch.cuda.get_device_capability(q.device)
     return _gluon_indexer.why_not(dims, (q.dtype, k.dtype, q_idx.dtype, k_idx.dtype),
-                                  all(_runtime.tma_ok(t) for t in (q, k, q_idx, k_idx)), cap)
+                                  all(_runtime.tma_ok(t) for t in (q, k, q_idx, k_idx)), cap, pacc)
 
 
-def _use_gluon(dims, q, k, q_idx, k_idx) -> bool:
-    mode = gluon_mode()
+def _use_gluon(dims, q, k, q_idx, k_idx, pacc: bool = False) -> bool:
+    mode = gluon_mode(pacc)
     if mode == "0":
         return False
-    why = gluon_why_not(dims, q, k, q_idx, k_idx)
+    why = gluon_why_not(dims, q, k, q_idx, k_idx, pacc)
     if why and mode == "1":
-        raise ValueError(f"STREAMKL_INDEXER_GLUON=1, but the Gluon forward does not apply: {why}")
+        var = "STREAMKL_INDEXER_GLUON_PACC" if pacc else "STREAMKL_INDEXER_GLUON"
+        raise ValueError(f"{var}=1, but the Gluon {'accumulating ' if pacc else ''}forward does not apply: {why}")
     return not why
 
 
@@ -679,6 +682,19 @@ def _forward_pacc(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
             NO_CONTRACT=no_contract, USE_TMA=tma, DK_TMA=dk_tma, A_L1=a_l1, num_warps=pl["warps"],
             num_stages=pl["stages"])
 
+    if _use_gluon(dims, q, k, q_idx, k_idx, pacc=True):  # the Gluon accumulating forward (Hopper, MQA)
+        part = _fresh((5, 2, dims.B, dims.NQ), torch.float32, device)
+
+        def launch_gluon(cfg):
+            for buf in (dq_p, dw_p, dk_p):  # its shares are atomic adds
+                buf.zero_()
+            _gluon_indexer.forward_states(q, k, q_idx, k_idx, weights, lse_bits, causal, dims.scale, relu,
+                                          config=cfg, part=part, grads=(dq_p, dw_p, dk_p))
+
+        gl_key = ("idx_gluon_pacc",) + key[1:]
+        launch_gluon(_tuning.pick(gl_key, _gluon_indexer.candidates(dims, pacc=True), launch_gluon))
+        kl, lse_idx = _merge_splits(part)
+        return kl.sum(), lse_idx, dq_p, dk_p, dw_p
     launch(_tuning.pick(key, _candidates("pacc", ieee_t or ieee_i, dims), launch))
     return kl.sum(), lse_idx, dq_p, dk_p, dw_p
 
