@@ -94,7 +94,7 @@ class Force:
         gl_want = self.by_kind.get("gluon")
         if gl_want is not None:  # the Gluon forward with this launch config, forced on
             self.gl_old = (_indexer._gluon_indexer.candidates, os.environ.get("STREAMKL_INDEXER_GLUON"))
-            _indexer._gluon_indexer.candidates = lambda dims, pacc=False: [gl_want]
+            _indexer._gluon_indexer.candidates = lambda dims, pacc=False, student=False: [gl_want]
             os.environ["STREAMKL_INDEXER_GLUON"] = "1"
         return self
 
@@ -814,6 +814,11 @@ def main(argv=None):
             part.copy_(g.emulate_states(q, k, qi, ki, w, lse_bits, causal, scale, relu, block_n=8, grads=grads))
             return part
         g.forward_states = emulated
+
+        def emulated_student(q, k, qi, ki, w, lse_idx, causal, relu, grads, config=None):
+            g.emulate_states(q, k, qi, ki, w, lse_idx, causal, 1.0, relu, block_n=8, grads=grads, student=True)
+            return grads
+        g.student_grads = emulated_student
         bench.log("gluon: emulated (CPU smoke of the script, not the kernel)")
 
     def guarded(what, fn, *a):

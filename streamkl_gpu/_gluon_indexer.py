@@ -121,7 +121,7 @@ def _scores(q_smem, qi_smem, ring, ready, empty, g0, zero_t, zero_i,
         a = warpgroup_mma(kc, qi_smem.index(c).reshape([HEADS, DCH]).permute((1, 0)), a, use_acc=c > 0,
                           is_async=True)
         s, a = warpgroup_mma_wait(num_outstanding=1, deps=(s, a))
-        if c == 0 or not KEEP_KI:
+        if (c == 0 and DC > 0) or (c > 0 and not KEEP_KI):  # the previous chunk's slot
             mbarrier.arrive(empty.index((g0 + DC + c - 1) % NUM_STAGES), count=1)
     s, a = warpgroup_mma_wait(num_outstanding=0, deps=(s, a))
     if not KEEP_KI:
@@ -207,10 +207,13 @@ def _consumer(WG: gl.constexpr, q_smem, qi_smem, ring, coef_smem, vec_smem, q_ba
               DQ_P, DW_P, DK_P, b, t, n_tiles, rot, H, H_I, N_Q, N_K, stride_wb, stride_wh, stride_wn, qk_scale,
               inv_heads, part_plane,
               NT: gl.constexpr, DC: gl.constexpr, DIC: gl.constexpr, DI: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, RELU: gl.constexpr, PACC: gl.constexpr):
+              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, RELU: gl.constexpr, PACC: gl.constexpr,
+              STUDENT: gl.constexpr):
     """Walked tiles WG, WG + 2, ... of token t (tile ``(i + rot) % n_tiles``): the online state,
     stored as key split WG. PACC: also the target's share of the gradient (g = 1), added into
-    DQ_P [B, H_I, N_Q, DI], DW_P [B, H_I, N_Q], DK_P [B, 1, N_K, DI] (zeroed fp32)."""
+    DQ_P [B, H_I, N_Q, DI], DW_P [B, H_I, N_Q], DK_P [B, 1, N_K, DI] (zeroed fp32). STUDENT
+    (the backward, no teacher: DC = 0, PACC): the same sums with ``softmax(I)`` in place of
+    ``p``, from the student's LSE ``LSE_T [B, N_Q]`` (nats); no state stored."""
     t_layout: gl.constexpr = _acc_layout(NT)
     i_layout: gl.constexpr = _acc_layout(HEADS)
     key_layout: gl.constexpr = gl.SliceLayout(1, t_layout)
@@ -219,15 +222,20 @@ def _consumer(WG: gl.constexpr, q_smem, qi_smem, ring, coef_smem, vec_smem, q_ba
     # teacher LSEs (bits), one per column: +inf for heads past H and for -inf (a head without
     # visible keys), so exp2(s - lse) = 0 there; a NaN LSE stays NaN
     heads = gl.arange(0, NT, layout=gl.SliceLayout(0, t_layout))
-    lse = gl.load(LSE_T + (b64 * H + heads) * N_Q + t, mask=heads < H, other=float("inf"))
-    lse = gl.where(lse == float("-inf"), float("inf"), lse)
+    if STUDENT:
+        lse_i = gl.load(LSE_T + b64 * N_Q + t)  # the student's LSE (nats), a row with keys: finite
+        lse = gl.zeros([NT], gl.float32, gl.SliceLayout(0, t_layout))
+    else:
+        lse = gl.load(LSE_T + (b64 * H + heads) * N_Q + t, mask=heads < H, other=float("inf"))
+        lse = gl.where(lse == float("-inf"), float("inf"), lse)
     iheads = gl.arange(0, HEADS, layout=gl.SliceLayout(0, i_layout))
     w = gl.load(W + b64 * stride_wb + iheads.to(gl.int64) * stride_wh + t.to(gl.int64) * stride_wn,
                 mask=iheads < H_I, other=0.0).to(gl.float32)
     if PACC:  # LSEs and weights parked in shared memory, re-read per tile: the fold needs the registers
         lse_s = vec_smem.slice(2 * WG * 128, NT)
         w_s = vec_smem.slice((2 * WG + 1) * 128, HEADS)
-        lse_s.store(lse)
+        if not STUDENT:
+            lse_s.store(lse)
         w_s.store(w)
     zero_t = gl.zeros([BLOCK_N, NT], gl.float32, t_layout)
     zero_i = gl.zeros([BLOCK_N, HEADS], gl.float32, i_layout)
@@ -253,28 +261,33 @@ def _consumer(WG: gl.constexpr, q_smem, qi_smem, ring, coef_smem, vec_smem, q_ba
         s, a = _scores(q_smem, qi_smem, ring, ready, empty, g0, zero_t, zero_i, NT, DC, DIC, BLOCK_N,
                        NUM_STAGES, PACC)
         if PACC:
-            lse = lse_s.load(gl.SliceLayout(0, t_layout))
             w = w_s.load(gl.SliceLayout(0, i_layout))
-        # the target: row sums of 2^(s_h - lse_h) over the heads (scores in bits, rounded once)
-        p = gl.sum(gl.exp2(libdevice.mul_rn(s, qk_scale) - lse[None, :]), axis=1)
+        if not STUDENT:
+            if PACC:
+                lse = lse_s.load(gl.SliceLayout(0, t_layout))
+            # the target: row sums of 2^(s_h - lse_h) over the heads (scores in bits, rounded once)
+            p = gl.sum(gl.exp2(libdevice.mul_rn(s, qk_scale) - lse[None, :]), axis=1)
         if RELU:
             a = gl.where(a < 0.0, 0.0, a)  # relu; NaN stays NaN
         logits = gl.convert_layout(gl.sum(a * w[None, :], axis=1), key_layout)
         keys = tile * BLOCK_N + offs_n
         visible = keys < key_lim
-        p = gl.where(visible, p * inv_heads, 0.0)
-        # the online update (_indexer_fwd._online_update on one token)
-        m_new = gl.maximum(m, gl.max(gl.where(visible, logits, float("-inf")), axis=0))
-        shift = _safe(m_new)
-        centred = logits - shift
-        e_i = gl.exp2(gl.where(visible, centred, float("-inf")) * _LOG2E)
-        alpha = gl.exp2((m - shift) * _LOG2E)
-        l = l * alpha + gl.sum(e_i, axis=0)
-        log_p = gl.log(gl.where(visible & (p > 0), p, 1.0))
-        plogp += gl.sum(gl.where(visible, p * log_p, 0.0), axis=0)
-        acc = acc - mass * (shift - _safe(m)) + gl.sum(gl.where(visible, p * centred, 0.0), axis=0)
-        mass += gl.sum(p, axis=0)
-        m = m_new
+        if STUDENT:  # softmax(I) from the forward's LSE_I in place of the target
+            p = gl.where(visible, gl.exp2((logits - lse_i) * _LOG2E), 0.0)
+        else:
+            p = gl.where(visible, p * inv_heads, 0.0)
+            # the online update (_indexer_fwd._online_update on one token)
+            m_new = gl.maximum(m, gl.max(gl.where(visible, logits, float("-inf")), axis=0))
+            shift = _safe(m_new)
+            centred = logits - shift
+            e_i = gl.exp2(gl.where(visible, centred, float("-inf")) * _LOG2E)
+            alpha = gl.exp2((m - shift) * _LOG2E)
+            l = l * alpha + gl.sum(e_i, axis=0)
+            log_p = gl.log(gl.where(visible & (p > 0), p, 1.0))
+            plogp += gl.sum(gl.where(visible, p * log_p, 0.0), axis=0)
+            acc = acc - mass * (shift - _safe(m)) + gl.sum(gl.where(visible, p * centred, 0.0), axis=0)
+            mass += gl.sum(p, axis=0)
+            m = m_new
         if PACC:
             dq0, dq1, dw = _pacc_fold(p, visible, a, w, dq0, dq1, dw, cs, qi_smem, ring, empty, DK_P, b64, g0, tile,
                                       key_lim, N_K, zero_i, DC, DIC, DI, BLOCK_N, NUM_STAGES, RELU)
@@ -287,12 +300,13 @@ def _consumer(WG: gl.constexpr, q_smem, qi_smem, ring, coef_smem, vec_smem, q_ba
         if DIC == 2:
             gl.atomic_add(dq_at + DCH + cols[None, :], dq1, mask=ok & (DCH + cols < DI)[None, :], sem="relaxed")
         gl.atomic_add(DW_P + (b64 * H_I + iheads) * N_Q + t, dw, mask=iheads < H_I, sem="relaxed")
-    at = PART + (WG * gl.num_programs(1) + b64) * N_Q + t  # PART [5, 2, B, N_Q]
-    gl.store(at, m)
-    gl.store(at + part_plane, l)
-    gl.store(at + 2 * part_plane, mass)
-    gl.store(at + 3 * part_plane, acc)
-    gl.store(at + 4 * part_plane, plogp)
+    if not STUDENT:
+        at = PART + (WG * gl.num_programs(1) + b64) * N_Q + t  # PART [5, 2, B, N_Q]
+        gl.store(at, m)
+        gl.store(at + part_plane, l)
+        gl.store(at + 2 * part_plane, mass)
+        gl.store(at + 3 * part_plane, acc)
+        gl.store(at + 4 * part_plane, plogp)
 
 
 @gluon.jit
@@ -300,10 +314,10 @@ def _consumer0(q_smem, qi_smem, ring, coef_smem, vec_smem, q_bar, ready, empty, 
                b, t, n_tiles, rot, H, H_I, N_Q, N_K, stride_wb, stride_wh, stride_wn, qk_scale, inv_heads,
                part_plane, NT: gl.constexpr, DC: gl.constexpr, DIC: gl.constexpr, DI: gl.constexpr,
                BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, RELU: gl.constexpr,
-               PACC: gl.constexpr):
+               PACC: gl.constexpr, STUDENT: gl.constexpr):
     _consumer(0, q_smem, qi_smem, ring, coef_smem, vec_smem, q_bar, ready, empty, LSE_T, W, PART, DQ_P, DW_P, DK_P,
               b, t, n_tiles, rot, H, H_I, N_Q, N_K, stride_wb, stride_wh, stride_wn, qk_scale, inv_heads,
-              part_plane, NT, DC, DIC, DI, BLOCK_N, NUM_STAGES, CAUSAL, RELU, PACC)
+              part_plane, NT, DC, DIC, DI, BLOCK_N, NUM_STAGES, CAUSAL, RELU, PACC, STUDENT)
 
 
 @gluon.jit
@@ -311,10 +325,10 @@ def _consumer1(q_smem, qi_smem, ring, coef_smem, vec_smem, q_bar, ready, empty, 
                b, t, n_tiles, rot, H, H_I, N_Q, N_K, stride_wb, stride_wh, stride_wn, qk_scale, inv_heads,
                part_plane, NT: gl.constexpr, DC: gl.constexpr, DIC: gl.constexpr, DI: gl.constexpr,
                BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, RELU: gl.constexpr,
-               PACC: gl.constexpr):
+               PACC: gl.constexpr, STUDENT: gl.constexpr):
     _consumer(1, q_smem, qi_smem, ring, coef_smem, vec_smem, q_bar, ready, empty, LSE_T, W, PART, DQ_P, DW_P, DK_P,
               b, t, n_tiles, rot, H, H_I, N_Q, N_K, stride_wb, stride_wh, stride_wn, qk_scale, inv_heads,
-              part_plane, NT, DC, DIC, DI, BLOCK_N, NUM_STAGES, CAUSAL, RELU, PACC)
+              part_plane, NT, DC, DIC, DI, BLOCK_N, NUM_STAGES, CAUSAL, RELU, PACC, STUDENT)
 
 
 @gluon.jit
@@ -322,7 +336,7 @@ def _gluon_indexer_fwd_kernel(q_desc, k_desc, qi_desc, ki_desc, LSE_T, W, PART, 
                               H, H_I, N_Q, N_K, stride_wb, stride_wh, stride_wn, qk_scale, inv_heads,
                               NT: gl.constexpr, DC: gl.constexpr, DIC: gl.constexpr, DI: gl.constexpr,
                               BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                              RELU: gl.constexpr, PACC: gl.constexpr,
+                              RELU: gl.constexpr, PACC: gl.constexpr, STUDENT: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """Grid (N_Q, B): one CTA per token. PART [5, 2, B, N_Q] (m, l, mass, acc, plogp per
     consumer warpgroup); LSE_T [B, H, N_Q] teacher LSEs in bits. PACC: DQ_P, DW_P, DK_P get
@@ -342,9 +356,12 @@ def _gluon_indexer_fwd_kernel(q_desc, k_desc, qi_desc, ki_desc, LSE_T, W, PART, 
         rot = t % gl.maximum(n_tiles, 1)
     part_plane = 2 * gl.num_programs(1) * N_Q
 
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [DC, 1, NT, 1, DCH], q_desc.layout)
+    if DC > 0:
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [DC, 1, NT, 1, DCH], q_desc.layout)
     qi_smem = gl.allocate_shared_memory(qi_desc.dtype, [DIC, 1, HEADS, 1, DCH], qi_desc.layout)
     ring = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, 1, 1, BLOCK_N, DCH], k_desc.layout)
+    if DC == 0:  # STUDENT: no teacher rows (unused)
+        q_smem = ring
     if PACC:  # one coefficient tile per consumer warpgroup; its LSEs and weights
         coef_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BLOCK_N, HEADS], _coef_layout(k_desc.dtype))
         vec_smem = gl.allocate_shared_memory(gl.float32, [4 * 128], gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -363,10 +380,10 @@ def _gluon_indexer_fwd_kernel(q_desc, k_desc, qi_desc, ki_desc, LSE_T, W, PART, 
     gl.warp_specialize([
         (_consumer0, (q_smem, qi_smem, ring, coef_smem, vec_smem, q_bar, ready, empty, LSE_T, W, PART, DQ_P, DW_P, DK_P,
                       b, t, n_tiles, rot, H, H_I, N_Q, N_K, stride_wb, stride_wh, stride_wn, qk_scale, inv_heads,
-                      part_plane, NT, DC, DIC, DI, BLOCK_N, NUM_STAGES, CAUSAL, RELU, PACC)),
+                      part_plane, NT, DC, DIC, DI, BLOCK_N, NUM_STAGES, CAUSAL, RELU, PACC, STUDENT)),
         (_consumer1, (q_smem, qi_smem, ring, coef_smem, vec_smem, q_bar, ready, empty, LSE_T, W, PART, DQ_P, DW_P, DK_P,
                       b, t, n_tiles, rot, H, H_I, N_Q, N_K, stride_wb, stride_wh, stride_wn, qk_scale, inv_heads,
-                      part_plane, NT, DC, DIC, DI, BLOCK_N, NUM_STAGES, CAUSAL, RELU, PACC)),
+                      part_plane, NT, DC, DIC, DI, BLOCK_N, NUM_STAGES, CAUSAL, RELU, PACC, STUDENT)),
         (_load_partition, (q_desc, k_desc, qi_desc, ki_desc, q_smem, qi_smem, ring, q_bar, ready, empty,
                            b, t, n_tiles, rot, DC, DIC, BLOCK_N, NUM_STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -392,15 +409,16 @@ MAX_INDEXER_HEADS = 64
 CHUNK_BYTES = 64 * 64 * 2  # one resident [64 heads, 64 dims] box of bf16/fp16
 
 
-def resident_bytes(H: int, D: int, DI: int) -> int:
-    """Shared memory of the resident q and q_idx rows of one token."""
-    return (triton.cdiv(H, 64) * triton.cdiv(D, 64) + triton.cdiv(DI, 64)) * CHUNK_BYTES
+def resident_bytes(H: int, D: int, DI: int, student: bool = False) -> int:
+    """Shared memory of the resident q (not in the student backward) and q_idx rows of one token."""
+    return ((0 if student else triton.cdiv(H, 64) * triton.cdiv(D, 64)) + triton.cdiv(DI, 64)) * CHUNK_BYTES
 
 
-def ring_stages(H: int, D: int, DI: int, block_n: int, most: int = 8, pacc: bool = False) -> int:
+def ring_stages(H: int, D: int, DI: int, block_n: int, most: int = 8, pacc: bool = False, student: bool = False) -> int:
     """Ring slots that fit beside the resident rows (0: none fit, the kernel does not apply);
-    ``pacc``: beside the two coefficient tiles [block_n, 64] too."""
-    free = SMEM_BYTES - SMEM_RESERVE - resident_bytes(H, D, DI) - (2 * block_n * 64 * 2 if pacc else 0)
+    ``pacc`` (and ``student``, the backward): beside the two coefficient tiles [block_n, 64] too."""
+    free = (SMEM_BYTES - SMEM_RESERVE - resident_bytes(H, D, DI, student)
+            - (2 * block_n * 64 * 2 if (pacc or student) else 0))
     return max(0, min(most, free // (block_n * 64 * 2)))
 
 
@@ -424,12 +442,12 @@ def why_not(dims, dtypes, tensors_tma_ok: bool, capability, pacc: bool = False) 
     return ""
 
 
-def candidates(dims, pacc: bool = False):
+def candidates(dims, pacc: bool = False, student: bool = False):
     """Launch configurations (BLOCK_N, NUM_STAGES, CONSUMER_REGS), default first: 64-key tiles,
     the deepest ring that fits (DSA-like: 7 slots), and a 4-slot ring. 128-key tiles hold three
     [64, 128] fp32 accumulators per thread: 66 local loads/stores per key tile in an offline
     sm_90 compile (triton 3.9); 64-key tiles none but one reload. Not yet timed."""
-    stages = ring_stages(dims.H, dims.D, dims.DI, 64, pacc=pacc)
+    stages = ring_stages(dims.H, dims.D, dims.DI, 64, pacc=pacc, student=student)
     if stages < 2:
         return []
     return list(dict.fromkeys([(64, stages, 240), (64, min(stages, 4), 240)]))
@@ -444,28 +462,42 @@ def make_descriptor(t, block):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
-def launch_args(q, k, q_idx, k_idx, weights, lse_bits, part, causal, scale, relu, config=None, grads=None):
+def launch_args(q, k, q_idx, k_idx, weights, lse_bits, part, causal, scale, relu, config=None, grads=None,
+                student=False):
     """(grid, positional args, constexprs, options) of one launch (the CI compile test passes the
     same to ``GluonASTSource``). ``lse_bits``: [B, H, N_Q] fp32 contiguous, teacher LSEs in bits;
     ``part``: [5, 2, B, N_Q] fp32; ``grads``: the accumulating forward's zeroed fp32 buffers
-    (dq_p [B, H_I, N_Q, D_I], dw_p [B, H_I, N_Q], dk_p [B, 1, N_K, D_I]), or None."""
+    (dq_p [B, H_I, N_Q, D_I], dw_p [B, H_I, N_Q], dk_p [B, 1, N_K, D_I]), or None. ``student``:
+    the backward's student part into ``grads`` (no teacher; ``lse_bits`` is then the student's
+    LSE [B, N_Q] in nats, ``part`` unused)."""
     B, H, N_Q, D = q.shape
     N_K, H_I, DI = k.shape[2], q_idx.shape[1], q_idx.shape[3]
     pacc = grads is not None
-    block_n, stages, regs = config or candidates(SimpleNamespace(H=H, D=D, DI=DI), pacc)[0]
+    block_n, stages, regs = config or candidates(SimpleNamespace(H=H, D=D, DI=DI), pacc, student)[0]
     nt = 64 if H <= 64 else 128  # all teacher heads in one wgmma N
     descs = (make_descriptor(q, [1, nt, 1, 64]), make_descriptor(k, [1, 1, block_n, 64]),
              make_descriptor(q_idx, [1, 64, 1, 64]), make_descriptor(k_idx, [1, 1, block_n, 64]))
     dq_p, dw_p, dk_p = grads if pacc else (part, part, part)
     args = descs + (lse_bits, weights, part, dq_p, dw_p, dk_p, H, H_I, N_Q, N_K, *weights.stride(),
                     float(scale * LOG2E), 1.0 / H)
-    constexprs = dict(NT=nt, DC=triton.cdiv(D, 64), DIC=triton.cdiv(DI, 64), DI=DI, BLOCK_N=block_n,
-                      NUM_STAGES=stages, CAUSAL=bool(causal), RELU=bool(relu), PACC=pacc, CONSUMER_REGS=regs,
-                      PRODUCER_REGS=producer_regs(regs))
+    constexprs = dict(NT=nt, DC=0 if student else triton.cdiv(D, 64), DIC=triton.cdiv(DI, 64), DI=DI,
+                      BLOCK_N=block_n, NUM_STAGES=stages, CAUSAL=bool(causal), RELU=bool(relu), PACC=pacc,
+                      STUDENT=bool(student), CONSUMER_REGS=regs, PRODUCER_REGS=producer_regs(regs))
     return (N_Q, B), args, constexprs, dict(num_warps=4, maxnreg=CTA_REGS // CTA_THREADS)
 
 
 LAST_KERNEL = None  # the compiled kernel of the latest launch (the GPU script reads its SASS)
+
+
+def student_grads(q, k, q_idx, k_idx, weights, lse_idx, causal, relu, grads, config=None):
+    """The backward's student part with g = 1 (``g softmax(I)``'s contractions, no teacher), added
+    into ``grads`` = (dq_s, dw_s, dk_s), zeroed fp32 buffers shaped as the accumulating forward's
+    (``lse_idx``: the forward's student LSE [B, N_Q], nats, fp32 contiguous)."""
+    global LAST_KERNEL
+    grid, args, constexprs, options = launch_args(q, k, q_idx, k_idx, weights, lse_idx, lse_idx, causal, 1.0, relu,
+                                                  config, grads, student=True)
+    LAST_KERNEL = _gluon_indexer_fwd_kernel[grid](*args, **constexprs, **options)
+    return grads
 
 
 def forward_states(q, k, q_idx, k_idx, weights, lse_bits, causal, scale, relu, config=None, part=None, grads=None):
@@ -482,12 +514,14 @@ def forward_states(q, k, q_idx, k_idx, weights, lse_bits, causal, scale, relu, c
     return part
 
 
-def emulate_states(q, k, q_idx, k_idx, weights, lse_bits, causal, scale, relu, block_n=64, grads=None):
+def emulate_states(q, k, q_idx, k_idx, weights, lse_bits, causal, scale, relu, block_n=64, grads=None, student=False):
     """The kernel's schedule in float64 PyTorch, for CPU tests (Gluon does not run under the
     interpreter): per token, the key tiles walked in the kernel's order (rotated when ``grads``
     is given), tile i folded into warpgroup i % 2's state; returns ``part [5, 2, B, N_Q]`` and
-    adds the accumulating forward's shares into ``grads`` (dq_p, dw_p, dk_p). Checks the
-    decomposition (interleaved key splits, merge, rotation, the shares), not the Gluon code."""
+    adds the accumulating forward's shares into ``grads`` (dq_p, dw_p, dk_p); ``student``: the
+    backward's student shares instead (``lse_bits`` is then the student's LSE [B, N_Q], nats).
+    Checks the decomposition (interleaved key splits, merge, rotation, the shares), not the
+    Gluon code."""
     LN2 = 0.6931471805599453
     B, H, N_Q, D = q.shape
     N_K = k.shape[2]
@@ -501,17 +535,19 @@ def emulate_states(q, k, q_idx, k_idx, weights, lse_bits, causal, scale, relu, b
             key_lim = min(N_K, t + (N_K - N_Q) + 1) if causal else N_K
             n_tiles = -(-max(key_lim, 0) // block_n)
             rot = t % max(n_tiles, 1) if grads is not None else 0
-            lse_t = torch.where(lse[b, :, t] == float("-inf"), float("inf"), lse[b, :, t])
+            lse_t = None if student else torch.where(lse[b, :, t] == float("-inf"), float("inf"), lse[b, :, t])
             for i in range(n_tiles):
                 wg, tile = i % 2, (i + rot) % n_tiles
                 keys = torch.arange(tile * block_n, min((tile + 1) * block_n, N_K))
                 vis = keys < key_lim
-                s_bits = (kd[b, 0, keys] @ qd[b, :, t].T) * (scale / LN2)  # [keys, H]
-                p = torch.exp2(s_bits - lse_t[None, :]).sum(1) / H
                 a = kid[b, 0, keys] @ qid[b, :, t].T  # [keys, H_I]
                 act = a.clamp_min(0) if relu else a
                 logits = act @ wd[b, :, t]
-                p = torch.where(vis, p, 0.0)
+                if student:  # softmax(I) in place of the target
+                    p = torch.where(vis, torch.exp(logits - lse[b, t]), 0.0)
+                else:
+                    s_bits = (kd[b, 0, keys] @ qd[b, :, t].T) * (scale / LN2)  # [keys, H]
+                    p = torch.where(vis, torch.exp2(s_bits - lse_t[None, :]).sum(1) / H, 0.0)
                 m, l, mass, acc, plogp = part[:, wg, b, t].tolist()
                 m_new = max(m, logits[vis].max().item())
                 shift = 0.0 if m_new == float("-inf") else m_new

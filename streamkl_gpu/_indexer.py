@@ -719,9 +719,35 @@ def _indexer_loss_bwd_op(g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_id
                          k_idx: torch.Tensor, weights: torch.Tensor, lse_idx: torch.Tensor, dq_p: torch.Tensor,
                          dk_p: torch.Tensor, dw_p: torch.Tensor, causal: bool, scale: float,
                          relu: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dims = check_indexer_inputs(q, k, q_idx, k_idx, weights, scale=scale)
+    views = [_checks.compute_view(t) for t in (q, k, q_idx, k_idx, weights)]
+    if _use_gluon(dims, *views[:4], pacc=True):  # the Gluon forward accumulated: its student part too
+        return _backward_gluon_student(dims, g, *views, lse_idx, causal, relu, dq_p, dk_p, dw_p,
+                                       (q_idx.dtype, k_idx.dtype, weights.dtype))
     rows = g.to(torch.float32).expand(q.shape[0], q.shape[2]).contiguous()
     return _backward(rows, q, k, q_idx, k_idx, weights, lse_idx, lse_idx, causal, scale, relu,
                      target_part=(g, dq_p, dk_p, dw_p))
+
+
+def _backward_gluon_student(dims, g, q, k, q_idx, k_idx, weights, lse_idx, causal, relu, dq_p, dk_p, dw_p, out_dtypes):
+    """(dq_idx, dk_idx, dweights) = g * (student part - target part): the student part
+    ``softmax(I)``'s contractions by the Gluon kernel without its teacher (``student_grads``,
+    g = 1), the target part from the accumulating forward."""
+    dq_s, dw_s, dk_s = (torch.zeros_like(t) for t in (dq_p, dw_p, dk_p))
+    lse_idx = lse_idx.to(torch.float32).contiguous()
+
+    def launch(cfg):
+        for buf in (dq_s, dw_s, dk_s):  # atomic adds
+            buf.zero_()
+        _gluon_indexer.student_grads(q, k, q_idx, k_idx, weights, lse_idx, causal, relu, (dq_s, dw_s, dk_s),
+                                     config=cfg)
+
+    key = ("idx_gluon_student", relu, dims.D, dims.DI, dims.H, dims.HI, q.dtype, q_idx.dtype, causal,
+           _tuning.bucket(dims.NQ), _tuning.bucket(dims.NK), _tuning.bucket(dims.B))
+    launch(_tuning.pick(key, _gluon_indexer.candidates(dims, student=True), launch))
+    g0 = g.to(torch.float32)
+    return tuple(((s - p) * g0).to(dt) for s, p, dt in ((dq_s, dq_p, out_dtypes[0]), (dk_s, dk_p, out_dtypes[1]),
+                                                        (dw_s, dw_p, out_dtypes[2])))
 
 
 @_indexer_loss_bwd_op.register_fake

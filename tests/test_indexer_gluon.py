@@ -24,16 +24,18 @@ gluon = _indexer._gluon_indexer
 # DSA-like default config, a small fp16 non-causal case with 48 heads (N = 64), ragged head dims
 # (D = 40: one zero-filled chunk; D_I = 24) and H_I < 64, and the accumulating forward at DSA
 # (the 4-slot ring candidate differs from the default in NUM_STAGES only: left out, ~15 s each)
-CI_SPECS = ["bf16:causal:128:576:64:128", "fp16:full:48:40:24:24", "bf16:causal+pacc:128:576:64:128"]
+CI_SPECS = ["bf16:causal:128:576:64:128", "fp16:full:48:40:24:24", "bf16:causal+pacc:128:576:64:128",
+            "bf16:causal+student:128:576:64:128"]  # and the backward's student part (no teacher)
 
 
 def _expected(spec):
     _, mode, H, D, HI, DI, *cand = spec.split(":")
     H, D, HI, DI = map(int, (H, D, HI, DI))
-    pacc = mode.endswith("+pacc")
+    pacc, student = mode.endswith("+pacc"), mode.endswith("+student")
     dims = SimpleNamespace(H=H, D=D, DI=DI)
-    block_n, stages, regs = tuple(map(int, cand)) if cand else gluon.candidates(dims, pacc)[0]
-    nt, dc, dic = 64 if H <= 64 else 128, -(-D // 64), -(-DI // 64)
+    block_n, stages, regs = tuple(map(int, cand)) if cand else gluon.candidates(dims, pacc, student)[0]
+    nt, dc, dic = 64 if H <= 64 else 128, (0 if student else -(-D // 64)), -(-DI // 64)
+    pacc = pacc or student
     # one m64 x N x k16 HGMMA per 16 of each 64-wide chunk (N: all heads); the accumulating fold
     # adds coef^T k_idx and coef q_idx per D_I chunk (K = 64 keys / 64 heads: 4 each)
     return dict(block_n=block_n, nt=nt, dc=dc, dic=dic, pacc=pacc,
@@ -64,7 +66,7 @@ def test_sass_one_chain_of_wgmma_per_key_tile(compiled, spec):
     loops = row["loops"]
     # one key loop per consumer warpgroup (tiles WG, WG + 2, ...)
     assert len(loops) == 2, f"{spec}: expected 2 key-tile loops with HGMMA, found {len(loops)}: {loops}"
-    per_thread_exp = want["nt"] * want["block_n"] // 128  # teacher exponentials per thread and tile
+    per_thread_exp = want["nt"] * want["block_n"] // 128 if want["dc"] else 1  # teacher exponentials per thread and tile
     for loop in loops:
         assert loop["hgmma"] == want["hgmma"], f"{spec}: {loop['hgmma']} HGMMA per key tile, expected {want['hgmma']}"
         # the source waits once per D chunk and once at the end; one DEPBAR per HGMMA would be
@@ -204,3 +206,27 @@ def test_perf_script_gluon_phase_smoke(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "0 check(s) failed" in proc.stdout
     assert "fwd      gluon n64" in proc.stdout and "fwd_bwd  pacc gluon n64" in proc.stdout
+
+
+def test_emulated_student_backward_completes_the_gradient():
+    """The backward's student shares (g = 1) minus the accumulating forward's target shares is
+    the gradient of the summed KL (streamkl_ref.indexer_kl_grad with grad_kl = 1)."""
+    import numpy as np
+    import streamkl_ref
+
+    gen = torch.Generator().manual_seed(7)
+    nq, nk = 12, 20
+    xs = [torch.randn(s, generator=gen) for s in [(1, 3, nq, 8), (1, 1, nk, 8), (1, 2, nq, 4), (1, 1, nk, 4)]]
+    xs.append(torch.rand(1, 2, nq, generator=gen))
+    x64 = [x.double().numpy() for x in xs]
+    kl, lse_i, lse_t = streamkl_ref.indexer_kl(*x64, causal=True, scale=0.3, return_lse=True)
+    ref = streamkl_ref.indexer_kl_grad(*x64, np.ones_like(kl), causal=True, scale=0.3)
+    shapes = [(1, 2, nq, 4), (1, 2, nq), (1, 1, nk, 4)]
+    target = tuple(torch.zeros(s) for s in shapes)
+    student = tuple(torch.zeros(s) for s in shapes)
+    gluon.emulate_states(*xs, torch.from_numpy(lse_t).float() * _indexer.LOG2E, True, 0.3, True, block_n=8,
+                         grads=target)
+    gluon.emulate_states(*xs, torch.from_numpy(lse_i).float(), True, 0.3, True, block_n=8, grads=student,
+                         student=True)
+    for name, s_, t_ in zip(("dq_idx", "dweights", "dk_idx"), student, target):
+        np.testing.assert_allclose((s_ - t_).numpy(), ref[name], rtol=1e-4, atol=1e-5, err_msg=name)
