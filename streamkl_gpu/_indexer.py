@@ -746,8 +746,9 @@ def _backward_gluon_student(dims, g, q, k, q_idx, k_idx, weights, lse_idx, causa
            _tuning.bucket(dims.NQ), _tuning.bucket(dims.NK), _tuning.bucket(dims.B))
     launch(_tuning.pick(key, _gluon_indexer.candidates(dims, student=True), launch))
     g0 = g.to(torch.float32)
-    return tuple(((s - p) * g0).to(dt) for s, p, dt in ((dq_s, dq_p, out_dtypes[0]), (dk_s, dk_p, out_dtypes[1]),
-                                                        (dw_s, dw_p, out_dtypes[2])))
+    # in place (no gradient-sized temporaries): the student buffers become g * (student - target)
+    return tuple(s.sub_(p).mul_(g0).to(dt) for s, p, dt in ((dq_s, dq_p, out_dtypes[0]), (dk_s, dk_p, out_dtypes[1]),
+                                                            (dw_s, dw_p, out_dtypes[2])))
 
 
 @_indexer_loss_bwd_op.register_fake
