@@ -238,9 +238,13 @@ def _new_fwd_candidates(dims, gqa, n_sm):
         out = []
         # (64, 64, 64, 64, 4, 3, 1): 64 tokens x 64 keys of one head on 4 warps, 3 stages: 198
         # registers, no spills (offline sm_90, triton 3.9), so two CTAs per SM (the measured best,
-        # (128, 128, 128, 64, 8, 2, 1), 2.29 ms at 8K, has 255 registers and 40 B of spills)
+        # (128, 128, 128, 64, 8, 2, 1), 2.29 ms at 8K, has 255 registers and 40 B of spills; Nsight
+        # Compute of it, lead's r5b: tensor pipe 19 %, issue 24 %, stalls on waits and barriers:
+        # latency bound). Smaller tiles for more CTAs per SM: 32 x 64 (136 registers, 24 KB: three
+        # per SM), 64 x 32 (108 registers, 74 KB, 3 stages: three per SM). Not yet timed.
         for base in ((128, 128, 128, 64, 8, 2, 1), (128, 128, 64, 64, 8, 2, None), (128, 128, 64, 64, 8, 2, 1),
-                     (64, 64, 64, 64, 4, 2, None), (64, 64, 64, 64, 4, 2, 1), (64, 64, 64, 64, 4, 3, 1)):
+                     (64, 64, 64, 64, 4, 2, None), (64, 64, 64, 64, 4, 2, 1), (64, 64, 64, 64, 4, 3, 1),
+                     (32, 32, 64, 64, 4, 2, 1), (64, 64, 32, 64, 4, 3, 1)):
             out.append(_canonical(base + (_fwd_split(dims, base, n_sm),)))
     return out
 
