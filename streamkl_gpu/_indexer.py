@@ -232,8 +232,11 @@ def _new_fwd_candidates(dims, gqa, n_sm):
         # run while the other's products are on the tensor cores (8 warps x 253 registers: one
         # CTA per SM, nothing to overlap with). 16 warps (256 rows, or 128 x 256): capped at 128
         # registers, ~500 B of spills: left out.
+        # The lead's Nsight Compute of the best (r5a): tensor pipe 24 %, L2 36 %, 2 warps per
+        # scheduler: latency bound, not L2 bound; so also 64 heads x 64 keys (7th field: 64 heads
+        # per chunk) on 4 warps: 130 registers, 41 KB, three CTAs per SM (offline). Not yet timed.
         out = [(128, 128, 128, 64, 8, 3), (128, 128, 128, 64, 4, 2), (128, 128, 128, 64, 4, 3),
-               (128, 128, 128, 64, 8, 2)]
+               (128, 128, 128, 64, 8, 2), (64, 64, 64, 64, 4, 3, 64)]
     else:
         out = []
         # (64, 64, 64, 64, 4, 3, 1): 64 tokens x 64 keys of one head on 4 warps, 3 stages: 198
