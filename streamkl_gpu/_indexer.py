@@ -31,6 +31,14 @@ from streamkl_ref._checks import check_indexer_inputs
 from . import _indexer_bwd, _indexer_fwd, _indexer_pacc
 from . import _checks, _runtime, _tuning
 
+try:  # the Hopper forward in Gluon (MQA teachers); triton builds without Gluon keep the Triton path
+    from . import _gluon_indexer
+except Exception as exc:  # noqa: BLE001 - no triton.experimental.gluon, or an API it does not know
+    _gluon_indexer = None
+    GLUON_IMPORT_ERROR: Optional[str] = f"{type(exc).__name__}: {exc}"
+else:
+    GLUON_IMPORT_ERROR = None
+
 __all__ = ["indexer_kl", "indexer_kl_naive", "MAX_TEACHER_HEAD_DIM", "MAX_INDEXER_HEAD_DIM", "REDUCTIONS"]
 
 MAX_TEACHER_HEAD_DIM = 576  # absorbed MLA: 512 + 64, tiled along D (never padded to 1024)
@@ -214,19 +222,43 @@ def _new_fwd_candidates(dims, gqa, n_sm):
         return []
     if not gqa:
         # (256 rows x 128 keys spills 144 B on triton 3.9: left out; 128 x 128 spills 176 B on
-        # 3.6, none on 3.9). "l1": pointer loads, the token's q rows (147 KB at DSA) cached in L1
-        # across key tiles, L2 then serves k alone (offline, 3.6 and 3.9: no spills at BLOCK_N =
-        # 32, 64, 128; only where one token's rows fit L1)
-        out = [(128, 128, 128, 64, 8, 2), (128, 128, 128, 64, 8, 3)]
-        if _l1_fits(dims):
-            out += [(128, 128, 64, 64, 8, 2, None, 1, "l1"), (128, 128, 128, 64, 8, 2, None, 1, "l1"),
-                    (128, 128, 32, 64, 8, 2, None, 1, "l1")]
+        # 3.6, none on 3.9). Measured (H200, DSA 8K causal, lse given, s4r4 run): 8 warps, 3
+        # stages 25.05 ms (3.50x the floor), 2 stages 30.26. The "l1" variants (pointer loads, the
+        # token's q rows cached in L1) measured 46.1 / 30.9 / 71.0 ms at BLOCK_N = 64 / 128 / 32:
+        # no longer candidates (bench/indexer_perf_gpu.py still times them, forced).
+        # Session 5: 128 x 128 tiles on 4 warps (one warpgroup, two m64 wgmma per k-step): offline
+        # sm_90 compiles, triton 3.6 and 3.9, 255 registers, no spills, 49 KB (2 stages) / 82 KB
+        # (3 stages) of shared memory: two CTAs per SM, so one CTA's exponentials and head sums
+        # run while the other's products are on the tensor cores (8 warps x 253 registers: one
+        # CTA per SM, nothing to overlap with). 16 warps (256 rows, or 128 x 256): capped at 128
+        # registers, ~500 B of spills: left out.
+        # The lead's Nsight Compute of the best (r5a): tensor pipe 24 %, L2 36 %, 2 warps per
+        # scheduler: latency bound, not L2 bound; so also 64 heads x 64 keys (7th field: 64 heads
+        # per chunk) on 4 warps: 130 registers, 41 KB, three CTAs per SM (offline). Not yet timed.
+        out = [(128, 128, 128, 64, 8, 3), (128, 128, 128, 64, 4, 2), (128, 128, 128, 64, 4, 3),
+               (128, 128, 128, 64, 8, 2), (64, 64, 64, 64, 4, 3, 64)]
     else:
         out = []
-        for base in ((128, 128, 64, 64, 8, 2, None), (128, 128, 64, 64, 8, 2, 1), (128, 128, 128, 64, 8, 2, 1),
-                     (64, 64, 64, 64, 4, 2, None), (64, 64, 64, 64, 4, 2, 1)):
+        # (64, 64, 64, 64, 4, 3, 1): 64 tokens x 64 keys of one head on 4 warps, 3 stages: 198
+        # registers, no spills (offline sm_90, triton 3.9), so two CTAs per SM (the measured best,
+        # (128, 128, 128, 64, 8, 2, 1), 2.29 ms at 8K, has 255 registers and 40 B of spills; Nsight
+        # Compute of it, lead's r5b: tensor pipe 19 %, issue 24 %, stalls on waits and barriers:
+        # latency bound). Smaller tiles for more CTAs per SM: 32 x 64 (136 registers, 24 KB: three
+        # per SM), 64 x 32 (108 registers, 74 KB, 3 stages: three per SM). Not yet timed.
+        for base in ((128, 128, 128, 64, 8, 2, 1), (128, 128, 64, 64, 8, 2, None), (128, 128, 64, 64, 8, 2, 1),
+                     (64, 64, 64, 64, 4, 2, None), (64, 64, 64, 64, 4, 2, 1), (64, 64, 64, 64, 4, 3, 1),
+                     (32, 32, 64, 64, 4, 2, 1), (64, 64, 32, 64, 4, 3, 1)):
             out.append(_canonical(base + (_fwd_split(dims, base, n_sm),)))
     return out
+
+
+def l1_fwd_candidates(dims):
+    """The forward's "l1" variants (measured slower at DSA, s4r4: no longer the tuner's
+    candidates); bench/indexer_perf_gpu.py still times them, forced."""
+    if dims is None or not _l1_fits(dims):
+        return []
+    return [(128, 128, 64, 64, 8, 2, None, 1, "l1"), (128, 128, 128, 64, 8, 2, None, 1, "l1"),
+            (128, 128, 32, 64, 8, 2, None, 1, "l1")]
 
 
 def _canonical(cfg):
@@ -253,16 +285,20 @@ def _candidates(kind, ieee, dims=None, n_sm=132, teacher=True):
     # (no head sum inside a chunk), tried where there is more than one key head. Not yet measured.
     gqa = dims is not None and dims.HK > 1
     if kind == "fwd":
+        # the measured best first (the untuned choice, STREAMKL_AUTOTUNE=0), then the rest
         second = (128, 128, 64, 64, 8, 2, 1) if gqa else (128, 128, 64, 64, 8, 3)
         old = [(128, 128, 64, 64, 8, 2), second, (256, 128, 64, 64, 8, 2)]
-        return list(dict.fromkeys(old + _new_fwd_candidates(dims, gqa, n_sm)))  # old first, no duplicates
+        return list(dict.fromkeys(_new_fwd_candidates(dims, gqa, n_sm) + old))  # no duplicates
     if kind == "pacc":
         # planned as the backward ("bwd"): all indexer heads x BLOCK_T tokens per tile. Offline
         # sm_90 compiles (triton 3.9, DSA 8K, dk shares by TMA reduction): BLOCK_N = 32 spills
         # nothing (254 registers), BLOCK_N = 64 spills 216 B of stack, yet measured the faster.
         # Measured (H200, DSA 8K causal fwd+bwd, 12:49 run): BLOCK_N = 64 73.2 ms, 32 101.3 ms.
-        return [(128, 128, 64, 64, 8, 2), (128, 128, 64, 64, 8, 2, None, 1, "l1"), (128, 128, 64, 64, 8, 3),
-                (128, 128, 32, 64, 8, 2),
+        # s4r4 run: 3 stages 52.96 ms, 2 stages 61.79, "l1" 60.29. Session 5: BLOCK_N = 128 (the
+        # forward's best tile; offline sm_90, triton 3.9: ~1 KB of spills, BLOCK_N = 64 328 B),
+        # not yet timed.
+        return [(128, 128, 64, 64, 8, 3), (128, 128, 128, 64, 8, 3), (128, 128, 64, 64, 8, 2),
+                (128, 128, 64, 64, 8, 2, None, 1, "l1"), (128, 128, 128, 64, 8, 2), (128, 128, 32, 64, 8, 2),
                 (128, 128, 32, 64, 8, 2, None, 1, "l1"), (128, 128, 32, 64, 8, 3), (128, 128, 32, 64, 4, 2)]
     if kind == "lse":
         out = [(128, 128, 64, 64, 8, 2), (128, 128, 64, 64, 8, 2, 1) if gqa else (128, 128, 128, 64, 8, 2)]
@@ -336,6 +372,9 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
     else:  # the caller's natural-log LSEs, once to bits (the kernels' unit)
         lse_bits = (lse * LOG2E).contiguous()
 
+    if _use_gluon(dims, q, k, q_idx, k_idx):
+        return (*_forward_gluon(dims, q, k, q_idx, k_idx, weights, lse_bits, causal, relu, key_base), lse_bits)
+
     kl = _fresh((dims.B, dims.NQ), torch.float32, device)
     lse_idx = _fresh((dims.B, dims.NQ), torch.float32, device)
 
@@ -363,6 +402,61 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
     candidates = _candidates("fwd", ieee_t or ieee_i, dims, _runtime.n_sm(device))
     launch(_tuning.pick(("idx_fwd", relu) + key_base, candidates, launch))
     return kl, lse_idx, lse_bits
+
+
+# ----------------------------------------------------------------------------------------------
+# The Gluon forward (Hopper, MQA teacher): STREAMKL_INDEXER_GLUON chooses
+# ----------------------------------------------------------------------------------------------
+
+GLUON_MODES = ("0", "1", "auto")
+
+
+def gluon_mode(pacc: bool = False) -> str:
+    """``STREAMKL_INDEXER_GLUON`` (the forward) / ``STREAMKL_INDEXER_GLUON_PACC`` (the
+    accumulating forward of the training case): ``0`` (default: not yet measured on the GPU) the
+    Triton kernel; ``1`` the Gluon kernel (``_gluon_indexer``) or a ``ValueError`` saying why it
+    does not apply (a forced path never falls back silently); ``auto`` the Gluon kernel wherever
+    it applies."""
+    var = "STREAMKL_INDEXER_GLUON_PACC" if pacc else "STREAMKL_INDEXER_GLUON"
+    mode = _runtime.env(var, "0")
+    if mode not in GLUON_MODES:
+        raise ValueError(f"{var} must be one of {GLUON_MODES}, got {mode!r}")
+    return mode
+
+
+def gluon_why_not(dims, q, k, q_idx, k_idx, pacc: bool = False) -> str:
+    """Why the Gluon forward (``pacc``: the accumulating one) does not apply ('' when it does)."""
+    if _gluon_indexer is None:
+        return f"Gluon is not available ({GLUON_IMPORT_ERROR})"
+    if _runtime.interpreting() or q.device.type != "cuda":
+        return "not a CUDA device (the Gluon forward does not run under the interpreter)"
+    cap = torch.cuda.get_device_capability(q.device)
+    return _gluon_indexer.why_not(dims, (q.dtype, k.dtype, q_idx.dtype, k_idx.dtype),
+                                  all(_runtime.tma_ok(t) for t in (q, k, q_idx, k_idx)), cap, pacc)
+
+
+def _use_gluon(dims, q, k, q_idx, k_idx, pacc: bool = False) -> bool:
+    mode = gluon_mode(pacc)
+    if mode == "0":
+        return False
+    why = gluon_why_not(dims, q, k, q_idx, k_idx, pacc)
+    if why and mode == "1":
+        var = "STREAMKL_INDEXER_GLUON_PACC" if pacc else "STREAMKL_INDEXER_GLUON"
+        raise ValueError(f"{var}=1, but the Gluon {'accumulating ' if pacc else ''}forward does not apply: {why}")
+    return not why
+
+
+def _forward_gluon(dims, q, k, q_idx, k_idx, weights, lse_bits, causal, relu, key_base):
+    """(KL, LSE_I) by the Gluon forward: two key splits (its consumer warpgroups), merged here."""
+    part = _fresh((5, 2, dims.B, dims.NQ), torch.float32, q.device)
+
+    def launch(cfg):
+        _gluon_indexer.forward_states(q, k, q_idx, k_idx, weights, lse_bits, causal, dims.scale, relu,
+                                      config=cfg, part=part)
+
+    cands = _gluon_indexer.candidates(dims)
+    launch(_tuning.pick(("idx_gluon_fwd", relu) + key_base, cands, launch))
+    return _merge_splits(part)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -548,14 +642,14 @@ PACC_MODES = ("auto", "0", "1")
 def pacc_enabled(dims=None) -> bool:
     """``STREAMKL_INDEXER_PACC``: ``1`` = the accumulating design for ``"sum"``/``"mean"`` with
     ``lse`` given and one indexer key head; ``0`` = the plain forward and a recomputing backward;
-    ``auto`` (default) = the accumulating design where it was measured faster: an MQA teacher
-    (H200, DSA-like 8K causal fwd+bwd: 73.2 ms against 132.9 (plain fused) and 136.7 (plain
-    separate); GQA not yet measured, plain there)."""
+    ``auto`` (default) = the accumulating design, measured faster at both anchor configs (H200,
+    8K causal fwd+bwd, s4r4 run: DSA-like 52.96 ms against 128.4 for the plain separate design;
+    GQA-like 12.86 against 18.29)."""
     mode = os.environ.get("STREAMKL_INDEXER_PACC", "auto")
     if mode not in PACC_MODES:
         raise ValueError(f"STREAMKL_INDEXER_PACC must be one of {PACC_MODES}, got {mode!r}")
     if mode == "auto":
-        return dims is not None and dims.HK == 1
+        return dims is not None
     return mode == "1"
 
 
@@ -598,6 +692,19 @@ def _forward_pacc(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
             NO_CONTRACT=no_contract, USE_TMA=tma, DK_TMA=dk_tma, A_L1=a_l1, num_warps=pl["warps"],
             num_stages=pl["stages"])
 
+    if _use_gluon(dims, q, k, q_idx, k_idx, pacc=True):  # the Gluon accumulating forward (Hopper, MQA)
+        part = _fresh((5, 2, dims.B, dims.NQ), torch.float32, device)
+
+        def launch_gluon(cfg):
+            for buf in (dq_p, dw_p, dk_p):  # its shares are atomic adds
+                buf.zero_()
+            _gluon_indexer.forward_states(q, k, q_idx, k_idx, weights, lse_bits, causal, dims.scale, relu,
+                                          config=cfg, part=part, grads=(dq_p, dw_p, dk_p))
+
+        gl_key = ("idx_gluon_pacc",) + key[1:]
+        launch_gluon(_tuning.pick(gl_key, _gluon_indexer.candidates(dims, pacc=True), launch_gluon))
+        kl, lse_idx = _merge_splits(part)
+        return kl.sum(), lse_idx, dq_p, dk_p, dw_p
     launch(_tuning.pick(key, _candidates("pacc", ieee_t or ieee_i, dims), launch))
     return kl.sum(), lse_idx, dq_p, dk_p, dw_p
 
@@ -622,9 +729,36 @@ def _indexer_loss_bwd_op(g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_id
                          k_idx: torch.Tensor, weights: torch.Tensor, lse_idx: torch.Tensor, dq_p: torch.Tensor,
                          dk_p: torch.Tensor, dw_p: torch.Tensor, causal: bool, scale: float,
                          relu: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dims = check_indexer_inputs(q, k, q_idx, k_idx, weights, scale=scale)
+    views = [_checks.compute_view(t) for t in (q, k, q_idx, k_idx, weights)]
+    if _use_gluon(dims, *views[:4], pacc=True):  # the Gluon forward accumulated: its student part too
+        return _backward_gluon_student(dims, g, *views, lse_idx, causal, relu, dq_p, dk_p, dw_p,
+                                       (q_idx.dtype, k_idx.dtype, weights.dtype))
     rows = g.to(torch.float32).expand(q.shape[0], q.shape[2]).contiguous()
     return _backward(rows, q, k, q_idx, k_idx, weights, lse_idx, lse_idx, causal, scale, relu,
                      target_part=(g, dq_p, dk_p, dw_p))
+
+
+def _backward_gluon_student(dims, g, q, k, q_idx, k_idx, weights, lse_idx, causal, relu, dq_p, dk_p, dw_p, out_dtypes):
+    """(dq_idx, dk_idx, dweights) = g * (student part - target part): the student part
+    ``softmax(I)``'s contractions by the Gluon kernel without its teacher (``student_grads``,
+    g = 1), the target part from the accumulating forward."""
+    dq_s, dw_s, dk_s = (torch.zeros_like(t) for t in (dq_p, dw_p, dk_p))
+    lse_idx = lse_idx.to(torch.float32).contiguous()
+
+    def launch(cfg):
+        for buf in (dq_s, dw_s, dk_s):  # atomic adds
+            buf.zero_()
+        _gluon_indexer.student_grads(q, k, q_idx, k_idx, weights, lse_idx, causal, relu, (dq_s, dw_s, dk_s),
+                                     config=cfg)
+
+    key = ("idx_gluon_student", relu, dims.D, dims.DI, dims.H, dims.HI, q.dtype, q_idx.dtype, causal,
+           _tuning.bucket(dims.NQ), _tuning.bucket(dims.NK), _tuning.bucket(dims.B))
+    launch(_tuning.pick(key, _gluon_indexer.candidates(dims, student=True), launch))
+    g0 = g.to(torch.float32)
+    # in place (no gradient-sized temporaries): the student buffers become g * (student - target)
+    return tuple(s.sub_(p).mul_(g0).to(dt) for s, p, dt in ((dq_s, dq_p, out_dtypes[0]), (dk_s, dk_p, out_dtypes[1]),
+                                                            (dw_s, dw_p, out_dtypes[2])))
 
 
 @_indexer_loss_bwd_op.register_fake

@@ -134,10 +134,12 @@ def test_accumulated_design_only_where_it_applies(monkeypatch):
     assert not _indexer._use_pacc(d, lse, "sum", *xs[2:])
     with torch.no_grad():
         assert not _indexer._use_pacc(d, lse, "mean", *train[2:])
-    monkeypatch.setenv("STREAMKL_INDEXER_PACC", "auto")  # the default: on for an MQA teacher only
+    monkeypatch.setenv("STREAMKL_INDEXER_PACC", "auto")  # the default: on (MQA and GQA teachers)
     assert _indexer._use_pacc(d, lse, "sum", *train[2:])
     gqa = dims_of(*make(1, 4, 2, 5, 5, 8, 2, 1, 8, seed=41))
-    assert not _indexer._use_pacc(gqa, torch.zeros(1, 4, 5), "sum", *train[2:])
+    assert _indexer._use_pacc(gqa, torch.zeros(1, 4, 5), "sum", *train[2:])
+    two_key_heads = dims_of(*make(1, 4, 2, 5, 5, 8, 2, 2, 8, seed=41))  # H_KI = 2: the plain design
+    assert not _indexer._use_pacc(two_key_heads, torch.zeros(1, 4, 5), "sum", *train[2:])
     monkeypatch.setenv("STREAMKL_INDEXER_PACC", "0")
     assert not _indexer._use_pacc(d, lse, "sum", *train[2:])
     monkeypatch.setenv("STREAMKL_INDEXER_PACC", "2")
