@@ -1,0 +1,574 @@
+"""``bench/bwd_gpu.py OUT --sweep [--quick]``: the Triton backward's tile space and timing probes
+(issue 14), at the issue's weakest point, B=1 H=32 N=8K D=128 bf16 non-causal, settings 1 and 2.
+
+1. prewarm: every kernel below compiled once in parallel worker processes (N = 2048: the same
+   Triton specialisations as 8K), each reporting its registers and spills.
+2. sweep: the fused dK kernel ``tma+trans+fold+rows+reduce`` over (BLOCK_M, BLOCK_N, warps,
+   stages), and the separate pair (dK ``tma+trans+fold+rows`` + dQ ``tma+fold``), each config
+   launched directly (not through the tuner) with the host work of ``_launch.backward`` (fp32 dQ
+   zeros, rows pre-pass, dQ cast): the timed backward. Configs that spill are pruned before timing.
+   Every timed config's gradients are compared with the old fused kernels' (through attention_kl,
+   ``STREAMKL_BWD_VARIANT=ptr``) at 8K; the best of each setting also against float64 (small shape).
+3. probes (``_bwd.PROBE_*``, wrong gradients, timing only) of the session-4 winner config and of
+   the sweep's best: no exp2, one score product, no dK product, no dQ (the separate dK kernel),
+   and all of them together (what is left: loads, one product, dS arithmetic).
+4. baselines in the same run: SDPA fwd, fwd+bwd (backward = difference), torch.compile fwd+bwd of
+   setting 1, our forward through attention_kl (for fwd+bwd = ours fwd + best backward).
+CSV rows go to the Run's rows (bwd_gpu.csv); the table is printed last.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import traceback
+
+K = 1024
+FUSED = "tma+trans+fold+rows+reduce"
+SEP_DK = "tma+trans+fold+rows"
+SEP_DQ = "tma+fold"
+# session 4 run 5 winners (bench/results/session4/h200_2026-12-01_s4r5_bwd_variants.log)
+REF_FUSED = (64, 128, 8, 3)
+REF_SEP_DK, REF_SEP_DQ = (64, 128, 8, 2), (128, 64, 8, 2)
+PROBES = (("noexp", 1), ("onescore", 2), ("nodk", 4), ("nodq", 0), ("noexp+onescore+nodk+nodq", 7))
+SETTINGS = ("s1", "s2")
+TINY = False  # --tiny: CPU smoke run under the interpreter (configure())
+
+
+def configure(tiny):
+    """--tiny: interpreter-sized configs (the same code paths, tiles of 16 and 32), fp16 inputs."""
+    global TINY, REF_FUSED, REF_SEP_DK, REF_SEP_DQ
+    if tiny:
+        TINY = True
+        REF_FUSED, REF_SEP_DK, REF_SEP_DQ = (16, 32, 1, 1), (16, 32, 1, 1), (32, 16, 1, 1)
+SET_TRAIN = {"s1": ("q2", "k2"), "s2": ("q1", "k1")}
+
+
+def fused_space(quick):
+    """(BLOCK_M = query tile, BLOCK_N = key tile, warps, stages) of the fused key-major dK kernel."""
+    if TINY:
+        return [REF_FUSED, (32, 16, 1, 1)]
+    if quick:
+        cfgs = [(bm, 128, 8, st) for bm in (32, 64, 128) for st in (2, 3, 4)]
+        cfgs += [(bm, 128, 4, st) for bm in (32, 64) for st in (2, 3)]
+        cfgs += [(bm, 64, 4, st) for bm in (64, 128) for st in (2, 3)]
+        return cfgs
+    return [(bm, bn, w, st) for bn in (64, 128) for bm in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
+
+
+def sep_dk_space(quick):
+    if TINY:
+        return [REF_SEP_DK]
+    return [(bm, 128, 8, st) for bm in (32, 64, 128) for st in ((2, 3) if quick else (2, 3, 4))]
+
+
+def sep_dq_space(quick):
+    """(BLOCK_M = query tile held in registers, BLOCK_N = key tile, warps, stages) of the dQ kernel."""
+    if TINY:
+        return [REF_SEP_DQ]
+    if quick:
+        return [(128, bn, 8, st) for bn in (64, 128) for st in (2, 3)] + [(64, 64, 4, st) for st in (2, 3)]
+    return [(bm, bn, w, st) for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
+
+
+def jobs(quick):
+    """Every launch of the sweep: dicts with kind (fused / sepdk / sepdq), setting, cfg, probe."""
+    out = []
+    for s in SETTINGS:  # priority order: the reference configs and probes first
+        out.append(dict(kind="fused", setting=s, cfg=REF_FUSED, probe=0))
+        for _, p in PROBES:
+            if p:
+                out.append(dict(kind="fused", setting=s, cfg=REF_FUSED, probe=p))
+        out.append(dict(kind="sepdk", setting=s, cfg=REF_FUSED, probe=0))  # the "nodq" probe
+    for s in SETTINGS:
+        out += [dict(kind="fused", setting=s, cfg=c, probe=0) for c in fused_space(quick) if c != REF_FUSED]
+        out += [dict(kind="sepdk", setting=s, cfg=c, probe=0) for c in sep_dk_space(quick) if c != REF_FUSED]
+        out += [dict(kind="sepdq", setting=s, cfg=c, probe=0) for c in sep_dq_space(quick)]
+    for j in out:
+        j["cfg"] = list(j["cfg"])
+    return out
+
+
+def job_key(j):
+    return (j["kind"], j["setting"], tuple(j["cfg"]), j["probe"])
+
+
+class Direct:
+    """The backward of one setting launched with given configs (``_launch.backward``'s host work,
+    without its tuner and plan cache), for inputs ``d`` and the forward's saved ``fwd``."""
+
+    def __init__(self, torch, d, fwd, setting):
+        from streamkl_gpu import _checks
+        self.torch, self.d, self.setting = torch, d, setting
+        self.kl, self.lse1, self.lse2 = (t.contiguous() for t in fwd)
+        q1, k1, q2, k2 = d["q1"], d["k1"], d["q2"], d["k2"]
+        self.dims = _checks.check_tensors(q1, k1, q2, k2, None, None)
+        self.g = d["g"].to(torch.float32).contiguous()
+        self.train1, self.train2 = setting in ("s2", "both"), setting in ("s1", "both")
+        self.last = {}  # kind -> CompiledKernel of the last launch (registers, spills)
+
+    def _common(self):
+        dims = self.dims
+        return (dims.H, dims.NQ, dims.NK, dims.D1, dims.D2, dims.group1, dims.group2)
+
+    def dk(self, cfg, fused, probe=0, dq=None):
+        """One dK launch (fused: dQ reduce-added into the fp32 ``dq`` buffer). Returns (dq, dk)."""
+        import triton
+
+        from streamkl_gpu import _bwd
+        from streamkl_gpu._checks import head_pad, strides
+        from streamkl_gpu._launch import _desc
+        from streamkl_gpu._runtime import LOG2E, TensorDescriptor
+        torch, dims, d = self.torch, self.dims, self.d
+        q1, k1, q2, k2 = d["q1"], d["k1"], d["q2"], d["k2"]
+        block_m, block_n, warps, stages = cfg
+        d1p, d2p = head_pad(dims.D1), head_pad(dims.D2)
+        BH = dims.B * dims.H
+        dev = q1.device
+        dk1 = torch.empty_like(k1) if self.train1 else None
+        dk2 = torch.empty_like(k2) if self.train2 else None
+        if fused and dq is None:
+            q = q1 if self.train1 else q2
+            dq = torch.zeros(q.shape, dtype=torch.float32, device=dev)
+        dq1 = dq if self.train1 else None
+        dq2 = dq if self.train2 else None
+        dummy = self.kl
+        t = [x if x is not None else dummy for x in (dk1, dk2, dq1, dq2)]
+
+        def s3(x):
+            return (x.stride(0), x.stride(1), x.stride(2)) if x.dim() == 4 else (0, 0, 0)
+        descs = dict(Q1_DESC=_desc(q1, block_m, d1p), K1_DESC=_desc(k1, block_n, d1p),
+                     Q2_DESC=_desc(q2, block_m, d2p), K2_DESC=_desc(k2, block_n, d2p))
+        pitch = triton.cdiv(dims.NQ, 4) * 4
+        rows = torch.empty((6, BH, pitch), dtype=torch.float32, device=dev)
+        _bwd._kl_bwd_rows_kernel[(triton.cdiv(BH * dims.NQ, 1024),)](
+            self.lse1, self.lse2, self.kl, self.g, rows, BH * dims.NQ, dims.NQ, pitch, BH * pitch,
+            dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2, BLOCK=1024, num_warps=4)
+        descs["ROWS_DESC"] = TensorDescriptor(rows, [6, BH, dims.NQ], list(rows.stride()), [1, 1, block_m])
+        reduce_dq = fused and not TINY  # the interpreter has no TMA reduce-add: per-element atomics there
+        if reduce_dq:
+            descs.update(DQ1_DESC=_desc(dq1, block_m, d1p) if dq1 is not None else None,
+                         DQ2_DESC=_desc(dq2, block_m, d2p) if dq2 is not None else None)
+        k = _bwd._kl_bwd_dk_kernel[(triton.cdiv(dims.NK, block_n), BH, 1)](
+            q1, k1, q2, k2, self.lse1, self.lse2, self.kl, self.g, *t,
+            *strides(q1), *strides(k1), *strides(q2), *strides(k2),
+            *s3(t[0]), *s3(t[1]), *s3(t[2]), *s3(t[3]),
+            *self._common(), dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2,
+            BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1p, D2_PAD=d2p, CAUSAL=False,
+            TRAIN1=self.train1, TRAIN2=self.train2, FUSED_DQ=fused, DK1_ATOMIC=False, DK2_ATOMIC=False,
+            IEEE1=False, IEEE2=False, USE_TMA=True, TRANS=True, FOLD=True, DQ_REDUCE=reduce_dq, ROWS=True,
+            PROBE=probe, num_warps=warps, num_stages=stages, **descs)
+        self.last["sepdk" if not fused else "fused"] = k
+        return dq, (dk1 if self.train1 else dk2)
+
+    def dq(self, cfg):
+        """One launch of the separate dQ kernel (``tma+fold``). Returns dq in the input dtype."""
+        import triton
+
+        from streamkl_gpu import _bwd
+        from streamkl_gpu._checks import head_pad, strides
+        from streamkl_gpu._launch import _desc
+        from streamkl_gpu._runtime import LOG2E
+        torch, dims, d = self.torch, self.dims, self.d
+        q1, k1, q2, k2 = d["q1"], d["k1"], d["q2"], d["k2"]
+        block_m, block_n, warps, stages = cfg
+        d1p, d2p = head_pad(dims.D1), head_pad(dims.D2)
+        BH = dims.B * dims.H
+        dq1 = torch.empty_like(q1) if self.train1 else None
+        dq2 = torch.empty_like(q2) if self.train2 else None
+        t = [x if x is not None else self.kl for x in (dq1, dq2)]
+
+        def s3(x):
+            return (x.stride(0), x.stride(1), x.stride(2)) if x.dim() == 4 else (0, 0, 0)
+        descs = dict(Q1_DESC=_desc(q1, block_m, d1p), K1_DESC=_desc(k1, block_n, d1p),
+                     Q2_DESC=_desc(q2, block_m, d2p), K2_DESC=_desc(k2, block_n, d2p))
+        k = _bwd._kl_bwd_dq_kernel[(triton.cdiv(dims.NQ, block_m), BH, 1)](
+            q1, k1, q2, k2, self.lse1, self.lse2, self.kl, self.g, *t,
+            *strides(q1), *strides(k1), *strides(q2), *strides(k2), *s3(t[0]), *s3(t[1]),
+            *self._common(), dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2,
+            BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1p, D2_PAD=d2p, CAUSAL=False,
+            TRAIN1=self.train1, TRAIN2=self.train2, IEEE1=False, IEEE2=False, USE_TMA=True, FOLD=True,
+            num_warps=warps, num_stages=stages, **descs)
+        self.last["sepdq"] = k
+        return dq1 if self.train1 else dq2
+
+    def fused_bwd(self, cfg, probe=0):
+        """(dq, dk) of the trained side, as _launch.backward returns them (dq cast to the input dtype)."""
+        dq, dk = self.dk(cfg, True, probe)
+        return dq.to(self.d["q1"].dtype), dk
+
+    def separate_bwd(self, cfg_dk, cfg_dq):
+        _, dk = self.dk(cfg_dk, False)
+        return self.dq(cfg_dq), dk
+
+    def run_job(self, j):
+        cfg = tuple(j["cfg"])
+        if j["kind"] == "fused":
+            out = self.fused_bwd(cfg, j["probe"])
+        elif j["kind"] == "sepdk":
+            out = self.dk(cfg, False)
+        else:
+            out = self.dq(cfg)
+        k = self.last[j["kind"]]
+        return out, k
+
+
+def resources(k):
+    """(registers, spills) of a CompiledKernel (None where this Triton does not say)."""
+    return getattr(k, "n_regs", None), getattr(k, "n_spills", None)
+
+
+def inputs(torch, dev, H, N, D, seed=0, dtype=None):
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(4321 + seed)
+    dtype = dtype or (torch.float16 if TINY else torch.bfloat16)  # bf16 dots are garbage in the interpreter
+    d = {n: torch.randn((1, H, N, D), generator=gen, device=dev, dtype=dtype) for n in ("q1", "k1", "q2", "k2")}
+    d["g"] = torch.randn((1, H, N), generator=gen, device=dev, dtype=torch.float32)
+    return d
+
+
+def forward(r, d):
+    from streamkl_gpu import _launch
+    return _launch.forward(d["q1"], d["k1"], d["q2"], d["k2"], False, None, None, None)
+
+
+# -- prewarm worker ---------------------------------------------------------------------------------
+def worker(r, joblist):
+    """Compile (and run once at N = 2048) each job; print its registers and spills."""
+    torch = r.torch
+    configure(r.a.tiny)
+    n = 64 if r.a.tiny else 2048
+    d = inputs(torch, r.dev, r.H, n, r.D)
+    # the compile needs no real forward: saved values of the right shapes (zeros) run the kernels
+    fwd = tuple(torch.zeros((1, r.H, n), device=r.dev, dtype=torch.float32) for _ in range(3))
+    directs = {s: Direct(torch, d, fwd, s) for s in SETTINGS}
+    for j in joblist:
+        t = time.perf_counter()
+        try:
+            if j["kind"] == "compile":  # the torch.compile baseline (inductor's caches)
+                dd = inputs(torch, r.dev, 32, 8 * K, 128)
+                comp = r.prov.compiled_kl()
+                d2 = {k: (v.detach().requires_grad_(k in SET_TRAIN["s1"]) if k != "g" else v) for k, v in dd.items()}
+                r.prov.f_eager_fb(False, "s1", comp)(d2)
+                r.prov.f_eager_fwd(False, comp)(dd)
+                regs = spills = None
+            elif j["kind"] == "fwd":  # our tuned forward's candidates (attention_kl)
+                os.environ["STREAMKL_AUTOTUNE"] = "1"
+                r.ak(d["q1"], d["k1"], d["q2"], d["k2"])
+                regs = spills = None
+            elif j["kind"] == "api":  # the old fused kernels through attention_kl (the gradient reference)
+                os.environ["STREAMKL_BWD_VARIANT"] = "ptr"
+                os.environ["STREAMKL_AUTOTUNE"] = "0"
+                r.ours_fb(d, False, j["setting"], "fused", "ptr")
+                regs = spills = None
+            else:
+                _, k = directs[j["setting"]].run_job(j)
+                regs, spills = resources(k)
+            r.sync()
+            print(f"SWEEP ok {json.dumps(j)} regs={regs} spills={spills} {time.perf_counter() - t:.1f}s", flush=True)
+        except Exception as exc:
+            print(f"SWEEP fail {json.dumps(j)} {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    return 0
+
+
+def prewarm(r, limit_s):
+    """Worker processes compile every sweep job; returns {job_key: (regs, spills)} of those that
+    compiled, and the set of keys that failed."""
+    import subprocess
+    import sys
+    quick = r.a.quick
+    js = jobs(quick)
+    extra = [dict(kind="compile", setting="s1", cfg=[0, 0, 0, 0], probe=0)] if not r.a.no_compile else []
+    rest = [dict(kind="fwd", setting="s1", cfg=[0, 0, 0, 0], probe=0)]
+    rest += [dict(kind="api", setting=s, cfg=[0, 0, 0, 0], probe=0) for s in SETTINGS] + js
+    allj = extra + rest
+    nw = r.a.workers or max(1, min(15, (os.cpu_count() or 4) - 2))
+    nw = min(nw, len(allj))
+    # the torch.compile job (the longest) alone on worker 0, the rest round robin in priority order
+    plans = [[] for _ in range(nw)]
+    spread = nw - 1 if extra and nw > 1 else nw
+    if extra and nw > 1:
+        plans[0] = extra
+    else:
+        rest = allj
+    for i, j in enumerate(rest):
+        plans[nw - spread + i % spread].append(j)
+    tmp = os.path.join(r.a.out, "prewarm_sweep")
+    os.makedirs(tmp, exist_ok=True)
+    procs = []
+    for i, p in enumerate(plans):
+        jf = os.path.join(tmp, f"jobs_{i}.json")
+        with open(jf, "w") as f:
+            json.dump(p, f)
+        lf = open(os.path.join(tmp, f"worker_{i}.out"), "w")
+        args = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "bwd_gpu.py"),
+                r.a.out, "--sweep", "--_worker", jf] + (["--quick"] if quick else []) + (["--tiny"] if r.a.tiny else [])
+        procs.append((subprocess.Popen(args, stdout=lf, stderr=subprocess.STDOUT, start_new_session=True), lf))
+    r.log(f"sweep prewarm: {len(allj)} jobs on {nw} workers (limit {limit_s:.0f} s)")
+    end = time.perf_counter() + limit_s
+    for p, lf in procs:
+        try:
+            p.wait(timeout=max(0.1, end - time.perf_counter()))
+        except subprocess.TimeoutExpired:
+            p.kill()  # a worker this script started, by its own handle
+            p.wait()
+        lf.close()
+    res, failed = {}, set()
+    for i in range(len(plans)):
+        with open(os.path.join(tmp, f"worker_{i}.out")) as f:
+            for line in f:
+                if not line.startswith("SWEEP "):
+                    continue
+                status, rest = line[6:].split(" ", 1)
+                jtxt = rest[:rest.index("}") + 1]
+                j = json.loads(jtxt)
+                if status == "ok":
+                    tail = rest[len(jtxt):].split()
+                    regs = tail[0].split("=")[1]
+                    spills = tail[1].split("=")[1]
+                    res[job_key(j)] = (None if regs == "None" else int(regs), None if spills == "None" else int(spills))
+                    if j["kind"] == "compile":
+                        r.compile_warm = True
+                else:
+                    failed.add(job_key(j))
+                    r.log(f"sweep prewarm FAIL {line.strip()[:300]}")
+    r.log(f"sweep prewarm: {len(res)} ok, {len(failed)} failed, {len(allj) - len(res) - len(failed)} not finished")
+    return res, failed
+
+
+# -- the main process --------------------------------------------------------------------------------
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / max(b.norm().item(), 1e-30)).item()
+
+
+def cfg_s(c):
+    return "x".join(map(str, c))
+
+
+def run(r):
+    """The whole sweep (prewarm, baselines, sweep, probes, checks); prints the table last."""
+    torch = r.torch
+    configure(r.a.tiny)
+    quick = r.a.quick
+    res, failed = prewarm(r, 30.0 if r.a.tiny else min(45.0, 0.45 * r.budget) if quick else 150.0)
+    for key, (regs, spills) in sorted(res.items(), key=lambda kv: str(kv[0])):
+        if key[0] in ("fused", "sepdk", "sepdq"):
+            r.row("regs", f"{key[0]}/{key[1]}/p{key[3]}", cfg_s(key[2]), regs if regs is not None else float("nan"),
+                  "regs", f"spills={spills}")
+    n = 64 if r.a.tiny else 8 * K
+    H, D = r.H, r.D
+    shape = f"N={n // K}K" if n >= K else f"N={n}"
+    d = inputs(torch, r.dev, H, n, D, seed=n)
+    out = dict(sdpa=None, compile=None, fwd=None)
+    # baselines: SDPA, our forward, torch.compile (s1)
+    try:
+        r.prov.prep_sdpa_bwd([d])
+        f_fwd, f_fb = r.prov.f_sdpa(False), r.prov.f_sdpa(False, backward=True)
+        t_f, t_fb = r.bench(lambda: f_fwd(d), n), r.bench(lambda: f_fb(d), n)
+        out["sdpa"] = t_fb - t_f
+        r.row("fwd", "sdpa", shape, t_f, "ms")
+        r.row("fwd+bwd", "sdpa", shape, t_fb, "ms")
+        r.row("bwd", "sdpa", shape, t_fb - t_f, "ms", "fwd+bwd - fwd")
+        r.log(f"{shape} sdpa fwd {t_f:.3f} fwd+bwd {t_fb:.3f} bwd {t_fb - t_f:.3f} ms")
+    except Exception as exc:
+        r.log(f"sdpa: ERROR {type(exc).__name__}: {str(exc)[:300]}")
+    try:
+        os.environ["STREAMKL_AUTOTUNE"] = "1"
+        out["fwd"] = r.bench(lambda: r.ak(d["q1"], d["k1"], d["q2"], d["k2"]), n)
+        r.row("fwd", "ours", shape, out["fwd"], "ms", "attention_kl, tuned")
+        r.log(f"{shape} ours fwd {out['fwd']:.3f} ms")
+    except Exception as exc:
+        r.log(f"ours fwd: ERROR {type(exc).__name__}: {str(exc)[:300]}")
+    if not r.a.no_compile:
+        if r.compile_warm or not quick:
+            tcb = {}
+            r.time_compile(tcb)
+            out["compile"] = tcb.get(("N=8K s1", "torch.compile fwd+bwd"))
+        else:
+            r.log("torch.compile: skipped (its prewarm compile did not finish)")
+    fwd = forward(r, d)
+    best = {}  # setting -> (ms, label)
+    timed = {}  # (setting, label) -> ms
+    for s in SETTINGS:
+        try:
+            best.update(sweep_setting(r, d, fwd, s, res, failed, timed, shape))
+        except Exception as exc:
+            r.log(f"sweep {s}: ERROR {type(exc).__name__}: {str(exc)[:300]}")
+            r.logf.write(traceback.format_exc())
+    checks = check_best(r, best)
+    table(r, out, best, timed, checks, shape)
+
+
+def sweep_setting(r, d, fwd, s, res, failed, timed, shape):
+    torch = r.torch
+    n = d["q1"].shape[2]
+    direct = Direct(torch, d, fwd, s)
+    # the gradient reference: the old fused kernels through attention_kl
+    try:
+        ref = r.ours_fb(d, False, s, "fused", "ptr")
+    except Exception as exc:
+        ref = None
+        r.log(f"{s} reference (old fused): ERROR {type(exc).__name__}: {str(exc)[:200]}")
+    finally:
+        os.environ.pop("STREAMKL_BWD_VARIANT", None)
+    def usable(kind, cfg, probe=0):
+        key = (kind, s, tuple(cfg), probe)
+        if key in failed:
+            return False, "compile failed"
+        if key not in res:
+            return (not r.a.quick), "not prewarmed"
+        regs, spills = res[key]
+        if spills and tuple(cfg) not in (REF_FUSED, REF_SEP_DK, REF_SEP_DQ):
+            return False, f"spills {spills}"
+        return True, ""
+
+    def time_one(label, fn, check=True):
+        if r.left() < 0:
+            r.log(f"{s} {label}: skipped (budget)")
+            return None
+        try:
+            gr = fn()
+            r.sync()
+            diff = float("nan")
+            if check and ref is not None:
+                diff = max(rel(a, b) for a, b in zip(gr, ref))
+            del gr
+            t = r.bench(fn, n)
+            ok = (not check) or (ref is None) or diff <= 2e-2
+            timed[(s, label)] = t
+            r.row("bwd_direct", label, f"{shape} {s}", t, "ms", f"grad_vs_old={diff:.2e}" + ("" if ok else " MISMATCH"))
+            r.log(f"{shape} {s} {label:44s} {t:8.3f} ms  grad vs old {diff:.1e}{'' if ok else ' MISMATCH'}")
+            return t if ok else None
+        except Exception as exc:
+            r.row("bwd_direct", label, f"{shape} {s}", float("nan"), "ms", f"ERROR {type(exc).__name__}")
+            r.log(f"{s} {label}: ERROR {type(exc).__name__}: {str(exc)[:300]}")
+            return None
+
+    got = {}  # Direct returns (dq, dk) of the trained side: the reference's (SET_TRAIN) order
+    # the fused space
+    fused_t = {}
+    for c in [REF_FUSED] + [c for c in fused_space(r.a.quick) if c != REF_FUSED]:
+        ok, why = usable("fused", c)
+        if not ok:
+            r.log(f"{s} fused {cfg_s(c)}: pruned ({why})")
+            continue
+        t = time_one(f"fused {cfg_s(c)}", lambda c=c: direct.fused_bwd(c))
+        if t is not None:
+            fused_t[c] = t
+    # the separate pair: the dK kernel alone and the dQ kernel alone, then the best pair together
+    dk_t, dq_t = {}, {}
+    for c in [REF_SEP_DK] + [c for c in sep_dk_space(r.a.quick) if c != REF_SEP_DK]:
+        ok, why = usable("sepdk", c)
+        if ok:
+            t = time_one(f"sep-dK-only {cfg_s(c)}", lambda c=c: direct.dk(c, False), check=False)
+            if t is not None:
+                dk_t[c] = t
+        else:
+            r.log(f"{s} sepdk {cfg_s(c)}: pruned ({why})")
+    for c in sep_dq_space(r.a.quick):
+        ok, why = usable("sepdq", c)
+        if ok:
+            t = time_one(f"sep-dQ-only {cfg_s(c)}", lambda c=c: direct.dq(c), check=False)
+            if t is not None:
+                dq_t[c] = t
+        else:
+            r.log(f"{s} sepdq {cfg_s(c)}: pruned ({why})")
+    sep_best = None
+    if dk_t and dq_t:
+        cdk, cdq = min(dk_t, key=dk_t.get), min(dq_t, key=dq_t.get)
+        t = time_one(f"separate {cfg_s(cdk)}+{cfg_s(cdq)}", lambda: direct.separate_bwd(cdk, cdq))
+        if t is not None:
+            sep_best = (t, ("separate", cdk, cdq))
+    if fused_t:
+        cf = min(fused_t, key=fused_t.get)
+        got[s] = (fused_t[cf], ("fused", cf, None))
+        r.log(f"{s} best fused {cfg_s(cf)} {fused_t[cf]:.3f} ms (session-4 config {cfg_s(REF_FUSED)}: "
+              f"{fused_t.get(REF_FUSED, float('nan')):.3f})")
+    if sep_best and (s not in got or sep_best[0] < got[s][0]):
+        got[s] = sep_best
+    # probes of the reference config and of the best fused config
+    probe_cfgs = [REF_FUSED] + ([min(fused_t, key=fused_t.get)] if fused_t and min(fused_t, key=fused_t.get) != REF_FUSED else [])
+    for c in probe_cfgs:
+        for pname, p in PROBES:
+            if c != REF_FUSED and r.a.quick and r.left() < 15:
+                break
+            if pname == "nodq":
+                fn = (lambda c=c: direct.dk(c, False))
+            else:
+                fn = (lambda c=c, p=p: direct.fused_bwd(c, p))
+            time_one(f"probe {pname} {cfg_s(c)}", fn, check=False)
+    return got
+
+
+def check_best(r, best):
+    """The best config of each setting (and the session-4 one) vs float64 and vs the old kernels at a
+    small shape (H = 16, N = 384: the same Triton specialisations)."""
+    torch = r.torch
+    out = []
+    H, n, D = (2, 32, 32) if r.a.tiny else (16, 384, 128)
+    from streamkl_bench.providers import dense_kl
+    for s in SETTINGS:
+        plans = [("fused", REF_FUSED, None)] + ([best[s][1]] if s in best and best[s][1][1] != REF_FUSED else [])
+        d = inputs(torch, r.dev, H, n, D, seed=7)
+        names = SET_TRAIN[s]
+        x64 = {k: d[k].detach().double().requires_grad_(k in names) for k in ("q1", "k1", "q2", "k2")}
+        kl64 = dense_kl(x64["q1"], x64["k1"], x64["q2"], x64["k2"], causal=False, cdt=torch.float64)
+        ref64 = torch.autograd.grad(kl64, [x64[k] for k in names], d["g"].double())
+        try:
+            old = r.ours_fb(d, False, s, "fused", "ptr")
+            old_err = max(rel(a, b) for a, b in zip(old, ref64))
+        except Exception as exc:
+            r.log(f"check {s} old: ERROR {type(exc).__name__}: {str(exc)[:200]}")
+            old, old_err = None, None
+        finally:
+            os.environ.pop("STREAMKL_BWD_VARIANT", None)
+        fwd = forward(r, d)
+        direct = Direct(torch, d, fwd, s)
+        for plan in plans:
+            label = plan[0] + " " + cfg_s(plan[1]) + (f"+{cfg_s(plan[2])}" if plan[2] else "")
+            try:
+                gr = direct.fused_bwd(plan[1]) if plan[0] == "fused" else direct.separate_bwd(plan[1], plan[2])
+                r.sync()
+                err = max(rel(a, b) for a, b in zip(gr, ref64))
+                vs_old = max(rel(a, b) for a, b in zip(gr, old)) if old is not None else float("nan")
+                tol = 1.5 * old_err + 1e-3 if old_err is not None else 3e-2
+                ok = math.isfinite(err) and err <= tol
+                out.append((s, label, err, tol, vs_old, ok))
+                r.row("check_err_vs_f64", label, f"{s} H={H} N={n}", err, "rel",
+                      f"tol={tol:.2e} vs_old={vs_old:.2e}" + ("" if ok else " FAIL"))
+                r.log(f"check {s} {label:30s} err {err:.2e} (tol {tol:.2e}, old {old_err}) vs old {vs_old:.2e} "
+                      f"{'ok' if ok else 'FAIL'}")
+            except Exception as exc:
+                out.append((s, label, float("nan"), float("nan"), float("nan"), False))
+                r.log(f"check {s} {label}: ERROR {type(exc).__name__}: {str(exc)[:300]}")
+    return out
+
+
+def table(r, out, best, timed, checks, shape):
+    sd, tc, fwd = out["sdpa"], out["compile"], out["fwd"]
+    lines = ["", f"sweep: direct backward ms at {shape} B=1 H={r.H} D={r.D} bf16 non-causal "
+             f"(SDPA bwd {sd if sd else float('nan'):.3f} ms = fwd+bwd - fwd; our fwd {fwd if fwd else float('nan'):.3f};"
+             f" torch.compile s1 fwd+bwd {tc if tc else float('nan'):.3f})"]
+    for s in SETTINGS:
+        rows = sorted(((t, lab) for (ss, lab), t in timed.items() if ss == s and lab.startswith(("fused", "separate"))))
+        lines.append(f"{s}: top configs" + ("" if rows else " (none timed)"))
+        for t, lab in rows[:6]:
+            lines.append(f"  {lab:40s} {t:8.3f} ms" + (f" = {t / sd:.2f}x sdpa" if sd else ""))
+        ref = timed.get((s, f"fused {cfg_s(REF_FUSED)}"))
+        if ref:
+            lines.append(f"  probes (fused {cfg_s(REF_FUSED)} = {ref:.3f} ms; saving when removed):")
+            for pname, _ in PROBES:
+                t = timed.get((s, f"probe {pname} {cfg_s(REF_FUSED)}"))
+                if t is not None:
+                    lines.append(f"    {pname:28s} {t:8.3f} ms  (saves {ref - t:+.3f})")
+        if s in best and fwd:
+            b = best[s][0]
+            lines.append(f"  best {best[s][1][0]} {b:.3f} ms" + (f" = {b / sd:.2f}x sdpa ({'meets' if b <= 1.4 * sd else 'misses'} 1.4x)" if sd else "")
+                         + (f"; fwd+bwd {fwd + b:.3f} ms = {tc / (fwd + b):.2f}x faster than torch.compile" if tc and s == "s1" else ""))
+    lines.append("checks vs float64 (small shape): " + ", ".join(f"{c[0]} {c[1]} {'ok' if c[5] else 'FAIL'}" for c in checks))
+    text = "\n".join(lines)
+    with open(os.path.join(r.a.out, "bwd_sweep_table.txt"), "w") as f:
+        f.write(text + "\n")
+    print(text, flush=True)
