@@ -33,6 +33,9 @@ REF_FUSED = (64, 128, 8, 3)
 REF_SEP_DK, REF_SEP_DQ = (64, 128, 8, 2), (128, 64, 8, 2)
 PROBES = (("noexp", 1), ("onescore", 2), ("nodk", 4), ("nodq", 0), ("noexp+onescore+nodk+nodq", 7))
 SETTINGS = ("s1", "s2")
+# CompiledKernel.n_spills (local memory / 4 bytes) above which a config is not timed: the
+# session-4 winner of setting 2 (64x128x8x3) has 4 (16 bytes, 3 STL in the offline SASS)
+SPILL_LIMIT = 16
 CHECK_SHAPE, CHECK_SHAPE_TINY = (16, 384, 128), (2, 32, 32)  # (H, N, D) of the float64 checks
 TINY = False  # --tiny: CPU smoke run under the interpreter (configure())
 
@@ -94,16 +97,26 @@ def jobs(quick):
 
 
 def job_key(j):
-    return (j["kind"], j["setting"], tuple(j["cfg"]), j["probe"])
+    return (j["kind"], j["setting"], tuple(j["cfg"]), j["probe"]) + (("causal",) if j.get("causal") else ())
+
+
+def mode_jobs():
+    """The fused-vs-separate re-measure (``_tuning.auto_bwd_mode``): the session-4 configs, causal."""
+    out = []
+    for s in SETTINGS:
+        out += [dict(kind="fused", setting=s, cfg=list(REF_FUSED), probe=0, causal=True),
+                dict(kind="sepdk", setting=s, cfg=list(REF_SEP_DK), probe=0, causal=True),
+                dict(kind="sepdq", setting=s, cfg=list(REF_SEP_DQ), probe=0, causal=True)]
+    return out
 
 
 class Direct:
     """The backward of one setting launched with given configs (``_launch.backward``'s host work,
     without its tuner and plan cache), for inputs ``d`` and the forward's saved ``fwd``."""
 
-    def __init__(self, torch, d, fwd, setting):
+    def __init__(self, torch, d, fwd, setting, causal=False):
         from streamkl_gpu import _checks
-        self.torch, self.d, self.setting = torch, d, setting
+        self.torch, self.d, self.setting, self.causal = torch, d, setting, causal
         self.kl, self.lse1, self.lse2 = (t.contiguous() for t in fwd)
         q1, k1, q2, k2 = d["q1"], d["k1"], d["q2"], d["k2"]
         self.dims = _checks.check_tensors(q1, k1, q2, k2, None, None)
@@ -158,7 +171,7 @@ class Direct:
             *strides(q1), *strides(k1), *strides(q2), *strides(k2),
             *s3(t[0]), *s3(t[1]), *s3(t[2]), *s3(t[3]),
             *self._common(), dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2,
-            BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1p, D2_PAD=d2p, CAUSAL=False,
+            BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1p, D2_PAD=d2p, CAUSAL=self.causal,
             TRAIN1=self.train1, TRAIN2=self.train2, FUSED_DQ=fused, DK1_ATOMIC=False, DK2_ATOMIC=False,
             IEEE1=False, IEEE2=False, USE_TMA=True, TRANS=True, FOLD=True, DQ_REDUCE=reduce_dq, ROWS=True,
             PROBE=probe, num_warps=warps, num_stages=stages, **descs)
@@ -190,7 +203,7 @@ class Direct:
             q1, k1, q2, k2, self.lse1, self.lse2, self.kl, self.g, *t,
             *strides(q1), *strides(k1), *strides(q2), *strides(k2), *s3(t[0]), *s3(t[1]),
             *self._common(), dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2,
-            BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1p, D2_PAD=d2p, CAUSAL=False,
+            BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1p, D2_PAD=d2p, CAUSAL=self.causal,
             TRAIN1=self.train1, TRAIN2=self.train2, IEEE1=False, IEEE2=False, USE_TMA=True, FOLD=True,
             num_warps=warps, num_stages=stages, **descs)
         self.last["sepdq"] = k
@@ -245,7 +258,7 @@ def worker(r, joblist):
     d = inputs(torch, r.dev, r.H, n, r.D)
     # the compile needs no real forward: saved values of the right shapes (zeros) run the kernels
     fwd = tuple(torch.zeros((1, r.H, n), device=r.dev, dtype=torch.float32) for _ in range(3))
-    directs = {s: Direct(torch, d, fwd, s) for s in SETTINGS}
+    directs = {(s, c): Direct(torch, d, fwd, s, c) for s in SETTINGS for c in (False, True)}
     for j in joblist:
         t = time.perf_counter()
         try:
@@ -260,15 +273,16 @@ def worker(r, joblist):
                 os.environ["STREAMKL_AUTOTUNE"] = "1"
                 dd = inputs(torch, r.dev, r.H, 64 if r.a.tiny else 8 * K, r.D)
                 r.ak(dd["q1"], dd["k1"], dd["q2"], dd["k2"])
+                r.ak(dd["q1"], dd["k1"], dd["q2"], dd["k2"], causal=True)  # the mode re-measure's
                 regs = spills = None
             elif j["kind"] == "api":  # the old fused kernels through attention_kl (the gradient reference),
                 # at check_best's shape (its forward: the untuned Triton one; the backward: the same
                 # specialisation as at 8K)
                 H, n_c, D = CHECK_SHAPE_TINY if r.a.tiny else CHECK_SHAPE
-                r.ours_fb(inputs(torch, r.dev, H, n_c, D), False, j["setting"], "fused", "ptr")
+                r.ours_fb(inputs(torch, r.dev, H, n_c, D), bool(j.get("causal")), j["setting"], "fused", "ptr")
                 regs = spills = None
             else:
-                _, k = directs[j["setting"]].run_job(j)
+                _, k = directs[(j["setting"], bool(j.get("causal")))].run_job(j)
                 regs, spills = resources(k)
             r.sync()
             print(f"SWEEP ok {json.dumps(j)} regs={regs} spills={spills} {time.perf_counter() - t:.1f}s", flush=True)
@@ -286,7 +300,9 @@ def prewarm(r, limit_s):
     js = jobs(quick)
     extra = [dict(kind="compile", setting="s1", cfg=[0, 0, 0, 0], probe=0)] if not r.a.no_compile else []
     rest = [dict(kind="fwd", setting="s1", cfg=[0, 0, 0, 0], probe=0)]
-    rest += [dict(kind="api", setting=s, cfg=[0, 0, 0, 0], probe=0) for s in SETTINGS] + js
+    rest += [dict(kind="api", setting=s, cfg=[0, 0, 0, 0], probe=0, causal=c) for c in (False, True)
+             for s in SETTINGS]
+    rest += js[:len(js) // 3] + mode_jobs() + js[len(js) // 3:]  # the mode re-measure after the first third
     allj = extra + rest
     nw = r.a.workers or max(1, min(15, (os.cpu_count() or 4) - 2))
     nw = min(nw, len(allj))
@@ -360,7 +376,7 @@ def run(r):
     res, failed = prewarm(r, 30.0 if r.a.tiny else min(45.0, 0.45 * r.budget) if quick else 150.0)
     for key, (regs, spills) in sorted(res.items(), key=lambda kv: str(kv[0])):
         if key[0] in ("fused", "sepdk", "sepdq"):
-            r.row("regs", f"{key[0]}/{key[1]}/p{key[3]}", cfg_s(key[2]), regs if regs is not None else float("nan"),
+            r.row("regs", f"{key[0]}/{key[1]}/p{key[3]}" + ("/causal" if len(key) > 4 else ""), cfg_s(key[2]), regs if regs is not None else float("nan"),
                   "regs", f"spills={spills}")
     n = 64 if r.a.tiny else 8 * K
     H, D = r.H, r.D
@@ -402,8 +418,62 @@ def run(r):
         except Exception as exc:
             r.log(f"sweep {s}: ERROR {type(exc).__name__}: {str(exc)[:300]}")
             r.logf.write(traceback.format_exc())
+    modes = {}
+    try:
+        modes = mode_measure(r, res, failed, n)
+    except Exception as exc:
+        r.log(f"mode re-measure: ERROR {type(exc).__name__}: {str(exc)[:300]}")
+        r.logf.write(traceback.format_exc())
     checks = check_best(r, best)
-    table(r, out, best, timed, checks, shape)
+    table(r, out, best, timed, checks, shape, modes)
+
+
+def mode_measure(r, res, failed, n):
+    """Fused vs separate at the session-4 configs, causal (the non-causal pair is in the sweep):
+    {setting: (fused ms, separate ms)}, each checked against the old fused kernels' gradients."""
+    torch = r.torch
+    d = inputs(torch, r.dev, r.H, n, r.D, seed=n + 1)
+    fwd = _fwd_causal(d)
+    out = {}
+    for s in SETTINGS:
+        if r.left() < 5:
+            r.log(f"mode {s} causal: skipped (budget)")
+            continue
+        keys = [("fused", s, REF_FUSED, 0, "causal"), ("sepdk", s, REF_SEP_DK, 0, "causal"),
+                ("sepdq", s, REF_SEP_DQ, 0, "causal")]
+        if any(k in failed or (r.a.quick and k not in res) for k in keys):
+            r.log(f"mode {s} causal: skipped (not prewarmed or failed)")
+            continue
+        try:
+            ref = r.ours_fb(d, True, s, "fused", "ptr")
+        finally:
+            os.environ.pop("STREAMKL_BWD_VARIANT", None)
+        direct = Direct(torch, d, fwd, s, causal=True)
+        row = []
+        for label, fn in ((f"fused {cfg_s(REF_FUSED)}", lambda: direct.fused_bwd(REF_FUSED)),
+                          (f"separate {cfg_s(REF_SEP_DK)}+{cfg_s(REF_SEP_DQ)}",
+                           lambda: direct.separate_bwd(REF_SEP_DK, REF_SEP_DQ))):
+            try:
+                gr = fn()
+                r.sync()
+                diff = max(rel(a, b) for a, b in zip(gr, ref))
+                del gr
+                t = r.bench(fn, n)
+                ok = diff <= 2e-2
+                r.row("bwd_direct", label, f"N={n // K}K causal {s}", t, "ms",
+                      f"grad_vs_old={diff:.2e}" + ("" if ok else " MISMATCH"))
+                r.log(f"N={n // K}K causal {s} {label:40s} {t:8.3f} ms  grad vs old {diff:.1e}{'' if ok else ' MISMATCH'}")
+                row.append(t if ok else None)
+            except Exception as exc:
+                r.log(f"mode {s} causal {label}: ERROR {type(exc).__name__}: {str(exc)[:300]}")
+                row.append(None)
+        out[s] = tuple(row)
+    return out
+
+
+def _fwd_causal(d):
+    from streamkl_gpu import _launch
+    return _launch.forward(d["q1"], d["k1"], d["q2"], d["k2"], True, None, None, None)
 
 
 def sweep_setting(r, d, fwd, s, res, failed, timed, shape):
@@ -425,7 +495,7 @@ def sweep_setting(r, d, fwd, s, res, failed, timed, shape):
         if key not in res:
             return (not r.a.quick), "not prewarmed"
         regs, spills = res[key]
-        if spills and tuple(cfg) not in (REF_FUSED, REF_SEP_DK, REF_SEP_DQ):
+        if spills and spills > SPILL_LIMIT and tuple(cfg) not in (REF_FUSED, REF_SEP_DK, REF_SEP_DQ):
             return False, f"spills {spills}"
         return True, ""
 
@@ -551,7 +621,7 @@ def check_best(r, best):
     return out
 
 
-def table(r, out, best, timed, checks, shape):
+def table(r, out, best, timed, checks, shape, modes=None):
     sd, tc, fwd = out["sdpa"], out["compile"], out["fwd"]
     lines = ["", f"sweep: direct backward ms at {shape} B=1 H={r.H} D={r.D} bf16 non-causal "
              f"(SDPA bwd {sd if sd else float('nan'):.3f} ms = fwd+bwd - fwd; our fwd {fwd if fwd else float('nan'):.3f};"
@@ -572,6 +642,10 @@ def table(r, out, best, timed, checks, shape):
             b = best[s][0]
             lines.append(f"  best {best[s][1][0]} {b:.3f} ms" + (f" = {b / sd:.2f}x sdpa ({'meets' if b <= 1.4 * sd else 'misses'} 1.4x)" if sd else "")
                          + (f"; fwd+bwd {fwd + b:.3f} ms = {tc / (fwd + b):.2f}x faster than torch.compile" if tc and s == "s1" else ""))
+    for s, (tf, ts) in (modes or {}).items():
+        if tf and ts:
+            lines.append(f"mode re-measure {shape} causal {s}: fused {tf:.3f} ms, separate {ts:.3f} ms "
+                         f"-> {'separate' if ts < tf else 'fused'} ({min(tf, ts) / max(tf, ts):.3f}x)")
     lines.append("checks vs float64 (small shape): " + ", ".join(f"{c[0]} {c[1]} {'ok' if c[5] else 'FAIL'}" for c in checks))
     text = "\n".join(lines)
     with open(os.path.join(r.a.out, "bwd_sweep_table.txt"), "w") as f:
