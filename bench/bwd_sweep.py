@@ -9,11 +9,14 @@
    zeros, rows pre-pass, dQ cast): the timed backward. Configs that spill are pruned before timing.
    Every timed config's gradients are compared with the old fused kernels' (through attention_kl,
    ``STREAMKL_BWD_VARIANT=ptr``) at 8K; the best of each setting also against float64 (small shape).
-3. probes (``_bwd.PROBE_*``, wrong gradients, timing only) of the session-4 winner config and of
-   the sweep's best: no exp2, one score product, no dK product, no dQ (the separate dK kernel),
-   and all of them together (what is left: loads, one product, dS arithmetic).
-4. baselines in the same run: SDPA fwd, fwd+bwd (backward = difference), torch.compile fwd+bwd of
-   setting 1, our forward through attention_kl (for fwd+bwd = ours fwd + best backward).
+3. probes (``_bwd.PROBE_*``, wrong gradients, timing only) of the session-4 winner config (and,
+   without --quick, of the sweep's best): no exp2, one score product, both, no dQ (the separate dK
+   kernel), and all of them with no dK product (what is left: loads, one product, dS arithmetic).
+4. fused vs separate at 8K causal, the session-4 configs (the ``auto_bwd_mode`` re-measure; the
+   non-causal pair is in the sweep).
+5. baselines in the same run: SDPA fwd, fwd+bwd (backward = difference), torch.compile fwd+bwd of
+   setting 1 (last: its worker compiles while the sweep runs), our forward through attention_kl
+   (for fwd+bwd = ours fwd + best backward).
 CSV rows go to the Run's rows (bwd_gpu.csv); the table is printed last.
 """
 from __future__ import annotations
@@ -31,7 +34,9 @@ SEP_DQ = "tma+fold"
 # session 4 run 5 winners (bench/results/session4/h200_2026-12-01_s4r5_bwd_variants.log)
 REF_FUSED = (64, 128, 8, 3)
 REF_SEP_DK, REF_SEP_DQ = (64, 128, 8, 2), (128, 64, 8, 2)
-PROBES = (("noexp", 1), ("onescore", 2), ("nodk", 4), ("nodq", 0), ("noexp+onescore+nodk+nodq", 7))
+# (NO_DK alone is left out: without the dK accumulators the compiler pipelines deeper, 331 KB of
+# shared memory at 64x128x8x3 in the offline sm_90 compile, more than an SM has)
+PROBES = (("noexp", 1), ("onescore", 2), ("noexp+onescore", 3), ("nodq", 0), ("noexp+onescore+nodk+nodq", 7))
 SETTINGS = ("s1", "s2")
 # CompiledKernel.n_spills (local memory / 4 bytes) above which a config is not timed: the
 # session-4 winner of setting 2 (64x128x8x3) has 4 (16 bytes, 3 STL in the offline SASS)
@@ -328,6 +333,10 @@ def prewarm(r, limit_s):
         procs.append((subprocess.Popen(args, stdout=lf, stderr=subprocess.STDOUT, start_new_session=True), lf))
     r.log(f"sweep prewarm: {len(allj)} jobs on {nw} workers (limit {limit_s:.0f} s)")
     end = time.perf_counter() + limit_s
+    compile_proc = None
+    if extra and nw > 1:  # the torch.compile worker may go on past the limit (mostly CPU; see run())
+        compile_proc = procs.pop(0)
+        r.compile_proc = (compile_proc[0], compile_proc[1], os.path.join(tmp, "worker_0.out"))
     for p, lf in procs:
         try:
             p.wait(timeout=max(0.1, end - time.perf_counter()))
@@ -336,7 +345,7 @@ def prewarm(r, limit_s):
             p.wait()
         lf.close()
     res, failed = {}, set()
-    for i in range(len(plans)):
+    for i in range(1 if compile_proc else 0, len(plans)):
         with open(os.path.join(tmp, f"worker_{i}.out")) as f:
             for line in f:
                 if not line.startswith("SWEEP "):
@@ -402,19 +411,15 @@ def run(r):
         r.log(f"{shape} ours fwd {out['fwd']:.3f} ms")
     except Exception as exc:
         r.log(f"ours fwd: ERROR {type(exc).__name__}: {str(exc)[:300]}")
-    if not r.a.no_compile:
-        if r.compile_warm or not quick:
-            tcb = {}
-            r.time_compile(tcb)
-            out["compile"] = tcb.get(("N=8K s1", "torch.compile fwd+bwd"))
-        else:
-            r.log("torch.compile: skipped (its prewarm compile did not finish)")
     fwd = forward(r, d)
     best = {}  # setting -> (ms, label)
     timed = {}  # (setting, label) -> ms
-    for s in SETTINGS:
+    reserve = 25.0 if quick else 60.0  # for the mode re-measure, the checks and torch.compile
+    for idx, s in enumerate(SETTINGS):
+        left_after = len(SETTINGS) - idx - 1  # the budget shared between the settings still to sweep
+        floor = reserve + (r.left() - reserve) * left_after / (left_after + 1)
         try:
-            best.update(sweep_setting(r, d, fwd, s, res, failed, timed, shape))
+            best.update(sweep_setting(r, d, fwd, s, res, failed, timed, shape, floor))
         except Exception as exc:
             r.log(f"sweep {s}: ERROR {type(exc).__name__}: {str(exc)[:300]}")
             r.logf.write(traceback.format_exc())
@@ -425,7 +430,36 @@ def run(r):
         r.log(f"mode re-measure: ERROR {type(exc).__name__}: {str(exc)[:300]}")
         r.logf.write(traceback.format_exc())
     checks = check_best(r, best)
+    if not r.a.no_compile and not r.a.tiny:  # last: its worker may still be compiling
+        del d
+        torch.cuda.empty_cache()
+        if wait_compile(r):
+            tcb = {}
+            r.time_compile(tcb)
+            out["compile"] = tcb.get(("N=8K s1", "torch.compile fwd+bwd"))
+        else:
+            r.log("torch.compile: skipped (its worker did not finish within the budget)")
     table(r, out, best, timed, checks, shape, modes)
+
+
+def wait_compile(r):
+    """Wait (within the budget, 12 s kept for the timing) for the torch.compile worker; True if it
+    compiled (inductor's caches are warm: the timing's own compile is then short)."""
+    import subprocess
+    got = getattr(r, "compile_proc", None)
+    if got is None:
+        return r.compile_warm
+    p, lf, path = got
+    try:
+        p.wait(timeout=max(0.1, r.left() - 12))
+    except subprocess.TimeoutExpired:
+        p.kill()  # the worker this script started, by its own handle
+        p.wait()
+    lf.close()
+    with open(path) as f:
+        ok = any(line.startswith("SWEEP ok") and '"compile"' in line for line in f)
+    r.log(f"torch.compile worker: {'compiled' if ok else 'did not finish'}")
+    return ok
 
 
 def mode_measure(r, res, failed, n):
@@ -476,7 +510,8 @@ def _fwd_causal(d):
     return _launch.forward(d["q1"], d["k1"], d["q2"], d["k2"], True, None, None, None)
 
 
-def sweep_setting(r, d, fwd, s, res, failed, timed, shape):
+def sweep_setting(r, d, fwd, s, res, failed, timed, shape, floor=0.0):
+    """One setting's sweep, timing while more than ``floor`` seconds of the budget are left."""
     torch = r.torch
     n = d["q1"].shape[2]
     direct = Direct(torch, d, fwd, s)
@@ -500,7 +535,7 @@ def sweep_setting(r, d, fwd, s, res, failed, timed, shape):
         return True, ""
 
     def time_one(label, fn, check=True):
-        if r.left() < 0:
+        if r.left() < floor:
             r.log(f"{s} {label}: skipped (budget)")
             return None
         try:
@@ -521,8 +556,16 @@ def sweep_setting(r, d, fwd, s, res, failed, timed, shape):
             r.log(f"{s} {label}: ERROR {type(exc).__name__}: {str(exc)[:300]}")
             return None
 
+    def probes(c):
+        for pname, p in PROBES:
+            if pname == "nodq":
+                fn = (lambda c=c: direct.dk(c, False))
+            else:
+                fn = (lambda c=c, p=p: direct.fused_bwd(c, p))
+            time_one(f"probe {pname} {cfg_s(c)}", fn, check=False)
+
     got = {}  # Direct returns (dq, dk) of the trained side: the reference's (SET_TRAIN) order
-    # the fused space
+    # the session-4 config and its probes, then the fused space
     fused_t = {}
     for c in [REF_FUSED] + [c for c in fused_space(r.a.quick) if c != REF_FUSED]:
         ok, why = usable("fused", c)
@@ -532,6 +575,8 @@ def sweep_setting(r, d, fwd, s, res, failed, timed, shape):
         t = time_one(f"fused {cfg_s(c)}", lambda c=c: direct.fused_bwd(c))
         if t is not None:
             fused_t[c] = t
+        if c == REF_FUSED:
+            probes(c)
     # the separate pair: the dK kernel alone and the dQ kernel alone, then the best pair together
     dk_t, dq_t = {}, {}
     for c in [REF_SEP_DK] + [c for c in sep_dk_space(r.a.quick) if c != REF_SEP_DK]:
@@ -563,17 +608,10 @@ def sweep_setting(r, d, fwd, s, res, failed, timed, shape):
               f"{fused_t.get(REF_FUSED, float('nan')):.3f})")
     if sep_best and (s not in got or sep_best[0] < got[s][0]):
         got[s] = sep_best
-    # probes of the reference config and of the best fused config
-    probe_cfgs = [REF_FUSED] + ([min(fused_t, key=fused_t.get)] if fused_t and min(fused_t, key=fused_t.get) != REF_FUSED else [])
-    for c in probe_cfgs:
-        for pname, p in PROBES:
-            if c != REF_FUSED and r.a.quick and r.left() < 15:
-                break
-            if pname == "nodq":
-                fn = (lambda c=c: direct.dk(c, False))
-            else:
-                fn = (lambda c=c, p=p: direct.fused_bwd(c, p))
-            time_one(f"probe {pname} {cfg_s(c)}", fn, check=False)
+    # the probes of the best fused config too, where it is another one (its probe kernels were not
+    # prewarmed: compiled here, so only without --quick)
+    if fused_t and min(fused_t, key=fused_t.get) != REF_FUSED and not r.a.quick:
+        probes(min(fused_t, key=fused_t.get))
     return got
 
 
