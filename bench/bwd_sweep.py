@@ -21,6 +21,7 @@ CSV rows go to the Run's rows (bwd_gpu.csv); the table is printed last.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -54,31 +55,72 @@ def configure(tiny):
 SET_TRAIN = {"s1": ("q2", "k2"), "s2": ("q1", "k1")}
 
 
-def fused_space(quick):
+# The offline sm_90 compile of every launch below (bench/bwd_sweep_sm90.json, triton 3.6: ``python
+# bench/bwd_sweep.py --offline``): configs that spill more than OFFLINE_STACK_LIMIT bytes or need
+# more shared memory than an SM has are not compiled on the GPU at all; the rest are tried in
+# the order of SASS instructions per score of their whole-tile loop (fewest first).
+OFFLINE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bwd_sweep_sm90.json")
+OFFLINE_STACK_LIMIT = 64  # bytes (16 spills: the setting-2 winner has 16 bytes)
+SMEM_LIMIT = 227 * 1024
+
+
+def _offline():
+    try:
+        with open(OFFLINE_FILE) as f:
+            return json.load(f)["kernels"]
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
+OFFLINE = _offline()
+
+
+def offline_key(kind, setting, cfg, probe=0):
+    return f"{kind}:{setting}:{'x'.join(map(str, cfg))}:p{probe}"
+
+
+def viable(kind, setting, cfg, probe=0):
+    """(ok, why): False for a config the offline compile shows spilling or over the shared memory
+    (one the table does not have is tried)."""
+    k = OFFLINE.get(offline_key(kind, setting, cfg, probe))
+    if k is None:
+        return True, "not in the offline table"
+    if k["stack"] > OFFLINE_STACK_LIMIT:
+        return False, f"offline: {k['stack']} bytes of spills"
+    if k["smem"] > SMEM_LIMIT:
+        return False, f"offline: {k['smem'] // 1024} KB of shared memory"
+    return True, ""
+
+
+def _ordered(kind, setting, cfgs, ref):
+    """``ref`` first, then the viable configs, fewest offline SASS instructions per score first."""
+    def cost(c):
+        k = OFFLINE.get(offline_key(kind, setting, c))
+        return (k["loop_instr"] / (c[0] * c[1])) if k and k.get("loop_instr") else float("inf")
+    rest = sorted((c for c in cfgs if c != ref and viable(kind, setting, c)[0]), key=cost)
+    return [ref] + rest
+
+
+def fused_space(quick, setting="s1"):
     """(BLOCK_M = query tile, BLOCK_N = key tile, warps, stages) of the fused key-major dK kernel."""
     if TINY:
         return [REF_FUSED, (32, 16, 1, 1)]
-    if quick:
-        cfgs = [(bm, 128, 8, st) for bm in (32, 64, 128) for st in (2, 3, 4)]
-        cfgs += [(bm, 128, 4, st) for bm in (32, 64) for st in (2, 3)]
-        cfgs += [(bm, 64, 4, st) for bm in (64, 128) for st in (2, 3)]
-        return cfgs
-    return [(bm, bn, w, st) for bn in (64, 128) for bm in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
+    cfgs = [(bm, bn, w, st) for bn in (64, 128) for bm in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
+    return _ordered("fused", setting, cfgs, REF_FUSED)
 
 
-def sep_dk_space(quick):
+def sep_dk_space(quick, setting="s1"):
     if TINY:
         return [REF_SEP_DK]
-    return [(bm, 128, 8, st) for bm in (32, 64, 128) for st in ((2, 3) if quick else (2, 3, 4))]
+    return _ordered("sepdk", setting, [(bm, 128, 8, st) for bm in (32, 64, 128) for st in (2, 3, 4)], REF_SEP_DK)
 
 
-def sep_dq_space(quick):
+def sep_dq_space(quick, setting="s1"):
     """(BLOCK_M = query tile held in registers, BLOCK_N = key tile, warps, stages) of the dQ kernel."""
     if TINY:
         return [REF_SEP_DQ]
-    if quick:
-        return [(128, bn, 8, st) for bn in (64, 128) for st in (2, 3)] + [(64, 64, 4, st) for st in (2, 3)]
-    return [(bm, bn, w, st) for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
+    cfgs = [(bm, bn, w, st) for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
+    return _ordered("sepdq", setting, cfgs, REF_SEP_DQ)
 
 
 def jobs(quick):
@@ -91,11 +133,13 @@ def jobs(quick):
                 out.append(dict(kind="fused", setting=s, cfg=REF_FUSED, probe=p))
         out.append(dict(kind="sepdk", setting=s, cfg=REF_FUSED, probe=0))  # the "nodq" probe
     # then the spaces, both settings side by side (what the prewarm limit cuts off is the tail)
-    out += [dict(kind="fused", setting=s, cfg=c, probe=0) for c in fused_space(quick) if c != REF_FUSED
-            for s in SETTINGS]
-    out += [dict(kind="sepdq", setting=s, cfg=c, probe=0) for c in sep_dq_space(quick) for s in SETTINGS]
-    out += [dict(kind="sepdk", setting=s, cfg=c, probe=0) for c in sep_dk_space(quick) if c != REF_FUSED
-            for s in SETTINGS]
+    def zipped(space, kind, skip=()):  # both settings' spaces, entry by entry
+        lists = [[dict(kind=kind, setting=s, cfg=c, probe=0) for c in space(quick, s) if c not in skip]
+                 for s in SETTINGS]
+        return [j for pair in itertools.zip_longest(*lists) for j in pair if j is not None]
+    out += zipped(fused_space, "fused", (REF_FUSED,))
+    out += zipped(sep_dq_space, "sepdq")
+    out += zipped(sep_dk_space, "sepdk", (REF_FUSED,))
     for j in out:
         j["cfg"] = list(j["cfg"])
     return out
@@ -567,7 +611,7 @@ def sweep_setting(r, d, fwd, s, res, failed, timed, shape, floor=0.0):
     got = {}  # Direct returns (dq, dk) of the trained side: the reference's (SET_TRAIN) order
     # the session-4 config and its probes, then the fused space
     fused_t = {}
-    for c in [REF_FUSED] + [c for c in fused_space(r.a.quick) if c != REF_FUSED]:
+    for c in fused_space(r.a.quick, s):
         ok, why = usable("fused", c)
         if not ok:
             r.log(f"{s} fused {cfg_s(c)}: pruned ({why})")
@@ -579,7 +623,7 @@ def sweep_setting(r, d, fwd, s, res, failed, timed, shape, floor=0.0):
             probes(c)
     # the separate pair: the dK kernel alone and the dQ kernel alone, then the best pair together
     dk_t, dq_t = {}, {}
-    for c in [REF_SEP_DK] + [c for c in sep_dk_space(r.a.quick) if c != REF_SEP_DK]:
+    for c in sep_dk_space(r.a.quick, s):
         ok, why = usable("sepdk", c)
         if ok:
             t = time_one(f"sep-dK-only {cfg_s(c)}", lambda c=c: direct.dk(c, False), check=False)
@@ -587,7 +631,7 @@ def sweep_setting(r, d, fwd, s, res, failed, timed, shape, floor=0.0):
                 dk_t[c] = t
         else:
             r.log(f"{s} sepdk {cfg_s(c)}: pruned ({why})")
-    for c in sep_dq_space(r.a.quick):
+    for c in sep_dq_space(r.a.quick, s):
         ok, why = usable("sepdq", c)
         if ok:
             t = time_one(f"sep-dQ-only {cfg_s(c)}", lambda c=c: direct.dq(c), check=False)
@@ -689,3 +733,66 @@ def table(r, out, best, timed, checks, shape, modes=None):
     with open(os.path.join(r.a.out, "bwd_sweep_table.txt"), "w") as f:
         f.write(text + "\n")
     print(text, flush=True)
+
+
+# -- the offline table (no GPU) -------------------------------------------------------------------
+def offline_main():
+    """Compile every sweep launch for sm_90 on CPU (bench/bwd_sass.py's recorder and compiler) and
+    print the JSON of OFFLINE_FILE. Run with the GPU image's triton on PYTHONPATH."""
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, here)
+    sys.path.insert(0, os.path.dirname(here))
+    import bwd_sass as bs  # sets STREAMKL_* for recording, imports triton
+    import torch
+    import triton
+
+    from streamkl_gpu import _bwd, _checks
+    from streamkl_ref._checks import check_inputs
+    for n in ("_kl_bwd_dk_kernel", "_kl_bwd_dq_kernel", "_kl_bwd_rows_kernel"):
+        setattr(_bwd, n, bs._Rec(n, getattr(_bwd, n)))
+    _checks.check_tensors = lambda q1, k1, q2, k2, s1, s2: check_inputs(q1, k1, q2, k2, scale1=s1, scale2=s2)
+    H, N, D = 2, 1024, 128
+    d = {k: torch.empty(1, H, N, D, dtype=torch.bfloat16) for k in ("q1", "k1", "q2", "k2")}
+    d["g"] = torch.zeros(1, H, N)
+    fwd = tuple(torch.zeros(1, H, N) for _ in range(3))
+    global OFFLINE
+    OFFLINE = {}  # every config of the spaces, none pruned
+    js = jobs(False) + [dict(kind="fused", setting=s, cfg=list(REF_FUSED), probe=p) for s in SETTINGS for p in (3, 4)]
+    out, seen = {}, set()
+    for j in js:
+        key = offline_key(j["kind"], j["setting"], j["cfg"], j["probe"])
+        if key in seen:
+            continue
+        seen.add(key)
+        bs.records.clear()
+        try:
+            Direct(torch, d, fwd, j["setting"]).run_job(j)
+        except Exception:
+            pass  # the recorder returns no kernel: the bookkeeping after the recorded launch fails
+        recs = [rec for rec in bs.records if "BLOCK_M" in rec[3]]
+        try:
+            r = bs.analyse(bs.compile_rec(recs[-1]))
+        except Exception as exc:
+            print(f"{key}: FAILED {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
+            continue
+        loop = r["loops"][0] if r["loops"] else (None, None)
+        out[key] = dict(regs=r["reg"], stack=r["stack"], smem=r["smem"], stl=r["stl"], loop_instr=loop[0],
+                        loop_hgmma=loop[1])
+        print(f"{key}: {out[key]}", file=sys.stderr, flush=True)
+    about = (f"offline sm_90 compile (triton {triton.__version__}) of the bench/bwd_sweep.py launches, B=1 H=2 "
+             "N=1024 D=128 bf16 non-causal: registers, stack bytes (spills), shared memory bytes, STL count, SASS "
+             "instructions and HGMMA of the whole-tile loop; regenerate with: PYTHONPATH=<triton 3.6> python "
+             "bench/bwd_sweep.py --offline > bench/bwd_sweep_sm90.json")
+    items = sorted(out.items())
+    print("{\n" + f'"about": {json.dumps(about)},\n"kernels": {{')
+    print(",\n".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in items))
+    print("}\n}")
+
+
+if __name__ == "__main__":
+    import sys
+    if sys.argv[1:] == ["--offline"]:
+        offline_main()
+    else:
+        print("usage: python bench/bwd_gpu.py OUT --sweep [--quick]   |   python bench/bwd_sweep.py --offline")
