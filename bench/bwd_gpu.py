@@ -69,6 +69,8 @@ def parse(argv):
                     help="also time the no-regression grid (both settings, GQA, D1 != D2, small N_Q at N_K = 32K); "
                          "on by default without --quick")
     ap.add_argument("--grid-only", action="store_true", help="checks, then only the no-regression grid")
+    ap.add_argument("--sweep", action="store_true",
+                    help="only the tile sweep, timing probes and baselines at 8K non-causal s1/s2 (bench/bwd_sweep.py)")
     ap.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -600,6 +602,17 @@ def main(argv=None):
     else:
         os.environ.pop("TRITON_INTERPRET", None)
     r = Run(a)
+    if a.sweep:
+        import bwd_sweep
+        if a._worker:
+            with open(a._worker) as f:
+                return bwd_sweep.worker(r, json.load(f))
+        r.log(f"sweep; device {'cpu' if a.tiny else r.torch.cuda.get_device_name()}")
+        try:
+            bwd_sweep.run(r)
+        finally:
+            r.write()
+        return 0
     if a._worker:
         return worker(r, a._worker)
     import torch

@@ -15,6 +15,7 @@ import sys
 
 os.environ.pop("TRITON_INTERPRET", None)
 os.environ["STREAMKL_AUTOTUNE"] = "0"
+os.environ["STREAMKL_FAST_LAUNCH"] = "0"  # every launch through fn[grid] (the recorder below)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402

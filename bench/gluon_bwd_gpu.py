@@ -171,6 +171,11 @@ VARIANT_PROVIDERS = ("gluon:no_dq_atomics", "gluon:scalar_dq_atomics")
 # launch configs timed alone beside the default (not with --quick; at 8K, setting 1)
 CONFIGS = {"stages2": dict(NUM_STAGES=2), "stages3": dict(NUM_STAGES=3), "ds_bufs1": dict(DS_BUFS=1),
            "consumer_regs224": dict(CONSUMER_REGS=224)}
+# the lagged dQ (``_gluon_bwd`` DQ_LAG: a warpgroup adds tile i - 1's dQ half during tile i, so it
+# no longer waits for the other warpgroup's dS of the tile it is on), timed alone beside the
+# default kernel alone, also with --quick, at 8K, both settings, full and causal (bufs3: full only,
+# causal has no shared memory for a third dS buffer); checked against Triton and float64 first
+LAG_CONFIGS = {"default": {}, "dq_lag": dict(DQ_LAG=True), "dq_lag_bufs3": dict(DQ_LAG=True, DS_BUFS=3)}
 
 
 def check_cases(quick):
@@ -194,7 +199,9 @@ def check_cases(quick):
     return [(s, train) for s, trains in shapes for train in trains]
 
 
-def run_check(quick, budget):
+def run_check(quick, budget, progress=None):
+    """``progress(results)``: called before the variant checks (the child saves what it has, so that a
+    hang there, e.g. in the lagged-dQ kernel, loses only the variants)."""
     log("== check: gluon vs triton vs float64 (through _launch.backward)")
     results = []
     for n_case, ((dt, D, causal, NQ, NK, layout, hk1, hk2), train) in enumerate(check_cases(quick)):
@@ -229,6 +236,8 @@ def run_check(quick, budget):
             results.append((name, False, f"{type(exc).__name__}: {str(exc)[:300]}"))
             record("check", "gluon", name, None, status="ERROR", note=str(exc)[:2000])
             log(f"ERROR {name}: {type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}")
+    if progress is not None:
+        progress(results)
     results += run_variant_checks(budget)
     return results
 
@@ -239,20 +248,25 @@ def run_variant_checks(budget):
     from streamkl_gpu import _gluon_bwd
 
     out = []
-    for train, variant, config in ((2, "scalar_dq_atomics", None), (1, "scalar_dq_atomics", None),
-                                   (2, "kernel", _gluon_bwd.FALLBACK)):
-        label = variant if config is None else "config:" + ",".join(f"{k}={v}" for k, v in config.items())
-        name = f"variant:{label}:bf16:D128:causal:256x256:setting{3 - train}"
+    # the lagged dQ first (new): both settings, causal (masked band, finite copies) and full
+    cases = [(t, "kernel", LAG_CONFIGS["dq_lag"], c) for t in (2, 1) for c in (True, False)]
+    cases += [(t, "kernel", LAG_CONFIGS["dq_lag_bufs3"], False) for t in (2, 1)]
+    cases += [(2, "scalar_dq_atomics", None, True), (1, "scalar_dq_atomics", None, True),
+              (2, "kernel", _gluon_bwd.FALLBACK, True)]
+    for train, variant, config, causal in cases:
+        label = variant if config is None else config_label(config)
+        nq, nk = 256, 256
+        name = f"variant:{label}:bf16:D128:{'causal' if causal else 'full'}:{nq}x{nk}:setting{3 - train}"
         if budget.left() < 6:
             record("check", "gluon", name, None, status="skipped", note="time budget")
             continue
         try:
-            xs, g = make_inputs(2, 2, 256, 256, 128, torch.bfloat16, seed=11 + train)
-            kl, l1, l2 = forward_saved(xs, True)
-            ref = reference64(g, xs, True, train)
-            tri = backward_grads("triton", g, xs, (kl, l1, l2), True, train)
+            xs, g = make_inputs(2, 2, nq, nk, 128, torch.bfloat16, seed=11 + train)
+            kl, l1, l2 = forward_saved(xs, causal)
+            ref = reference64(g, xs, causal, train)
+            tri = backward_grads("triton", g, xs, (kl, l1, l2), causal, train)
             sc = 1 / math.sqrt(xs[0].shape[-1])
-            got = _gluon_bwd.gluon_backward(g, *xs, kl, l1, l2, True, sc, sc, train, config=config, variant=variant)
+            got = _gluon_bwd.gluon_backward(g, *xs, kl, l1, l2, causal, sc, sc, train, config=config, variant=variant)
             note_kernel(f"variant:{label}:check:setting{3 - train}")
             ok, detail = True, []
             for nm, r, t, o in zip(("dq", "dk"), ref, tri, got):
@@ -333,9 +347,10 @@ def run_sass(out_dir, prefix):
             loops = [(lp["hgmma"], lp["depbar"], lp["ex2"], lp["red"], lp["bssy"]) for lp in c["loops"]]
             # judged: no spill inside the main loops (triton 3.6 leaves a few STL/LDL around the
             # warp-specialised region of the causal D=128 kernels, once per CTA: reported, not judged)
+            lag = "DQ_LAG=True" in label or "dq_lag" in label  # one more wait per tile (_gluon_bwd._dq_tile)
             ok = (len(loops) == 4 and all(lp["spill"] == 0 for lp in c["loops"])
-                  and all(1 <= d <= 3 and b == 0 for _, d, _, _, b in loops))
-            if "variant" in label:
+                  and all(1 <= d <= (4 if lag else 3) and b == 0 for _, d, _, _, b in loops))
+            if "variant" in label and not lag:
                 ok = None
             regs = getattr(k, "n_regs", None)
             threads = int(k.metadata.num_warps) * 32
@@ -400,8 +415,15 @@ def run_timing(quick, warmup, rep, budget, gluon_ok=True, table=None):
                 setting = _setting(train)
                 fwd_out = forward_saved(xs, causal)
                 configs = tuple("gluon:config:" + c for c in CONFIGS) if (N == 8 * K and train == 2) else ()
-                for prov in ("gluon", "triton") + VARIANT_PROVIDERS + configs:
-                    if (prov in VARIANT_PROVIDERS or prov in configs) and (quick or train == BOTH):
+                lag = tuple("gluon:config:" + c for c in LAG_CONFIGS if not (causal and "bufs3" in c)) \
+                    if (N == 8 * K and train != BOTH) else ()
+                for prov in ("gluon", "triton") + VARIANT_PROVIDERS + configs + lag:
+                    if prov in lag:
+                        if not LAG_OK.get(prov.rsplit(":", 1)[1]) and prov != "gluon:config:default":
+                            record("bwd_alone", prov, f"{shape}:setting{setting}", None, status="skipped",
+                                   note="lagged-dQ checks missing or failed")
+                            continue  # the lagged dQ: timed with --quick too, once checked
+                    elif (prov in VARIANT_PROVIDERS or prov in configs) and (quick or train == BOTH):
                         continue  # more compiles: not in the 100 s
                     if prov.startswith("gluon") and not gluon_ok:
                         record("bwd", prov, f"{shape}:setting{setting}", None, status="skipped",
@@ -411,7 +433,7 @@ def run_timing(quick, warmup, rep, budget, gluon_ok=True, table=None):
                         record("bwd", prov, f"{shape}:setting{setting}", None, status="skipped", note="time budget")
                         continue
                     try:
-                        if prov in VARIANT_PROVIDERS or prov in configs:
+                        if prov in VARIANT_PROVIDERS or prov in configs or prov in lag:
                             from streamkl_gpu import _gluon_bwd
 
                             q1, k1, q2, k2 = xs
@@ -419,8 +441,10 @@ def run_timing(quick, warmup, rep, budget, gluon_ok=True, table=None):
                             kl, l1, l2 = fwd_out
                             variant = prov.split(":", 1)[1]
                             config = None
-                            if prov in configs:
-                                variant, config = "kernel", CONFIGS[prov.rsplit(":", 1)[1]]
+                            if prov in configs or prov in lag:
+                                name = prov.rsplit(":", 1)[1]
+                                variant, config = "kernel", (CONFIGS.get(name) if prov in configs else LAG_CONFIGS[name])
+                                config = config or None
 
                             def bwd_only():
                                 _gluon_bwd.gluon_backward(g, q1, k1, q2, k2, kl, l1, l2, causal, s1, s2, train,
@@ -501,7 +525,19 @@ def _child_check(out_dir, quick, seconds):
         print("  child " + line, flush=True)
     if rc != 0:
         log(f"WARNING check child rc={rc}\n{tail}")
+    if not data.get("complete", True):
+        log("WARNING check child: the variant checks did not finish (hang?); the variant timings are skipped")
+    for name, cfg in LAG_CONFIGS.items():  # a lag config is timed only if all its checks ran (>= 1) and passed
+        mine = [ok for n, ok, _ in data["checks"] if n.startswith(f"variant:{config_label(cfg)}:")]
+        LAG_OK[name] = bool(cfg) and data.get("complete", True) and bool(mine) and all(mine)
     return data["checks"], data["sass"]
+
+
+LAG_OK = {}  # LAG_CONFIGS name -> its checks ran and passed in the check child (else no timing)
+
+
+def config_label(config):
+    return "config:" + ",".join(f"{k}={v}" for k, v in config.items())
 
 
 def finish(out_dir, env, checks, table, sass):
@@ -519,7 +555,8 @@ def finish(out_dir, env, checks, table, sass):
     out.append(f"check: {sum(bool(ok) for _, ok, _ in checks)}/{len(checks)} pass")
     out += [f"  FAIL {n}: {d}" for n, ok, d in checks if not ok]
     judged = [x for x in sass if x[1] is not None]
-    out.append(f"sass: {sum(bool(x[1]) for x in judged)}/{len(judged)} kernels ok (4 loops; per loop no STL/LDL, 1-3 DEPBAR, "
+    out.append(f"sass: {sum(bool(x[1]) for x in judged)}/{len(judged)} kernels ok (4 loops; per loop no STL/LDL, 1-3 DEPBAR "
+               "(1-4 with DQ_LAG), "
                "no BSSY; whole-kernel STL/LDL reported)")
     out += [f"  {'ok  ' if x[1] else ('info' if x[1] is None else 'FAIL')} {x[0]}: {x[2]}" for x in sass]
     out.append("backward ms (= fwd+bwd - fwd; 'alone' = _launch.backward on saved outputs) and ratio to SDPA's backward"
@@ -542,8 +579,18 @@ def finish(out_dir, env, checks, table, sass):
             out.append(f"  {shape:15s} |  {setting}  | {f_('gluon')} ({f_('gluon_alone')}) | {f_('triton')} "
                        f"({f_('triton_alone')}) | {sd if sd is None else round(sd, 3)!s:6} | {r_('gluon')} | "
                        f"{r_('triton')}  | {f_('gluon:no_dq_atomics')} | {f_('gluon:scalar_dq_atomics')}")
+    for shape, t in table:  # the lagged dQ beside the default kernel, both timed alone, per setting
+        for setting in (1, 2):
+            lag = {k[0].rsplit(":", 1)[1]: v for k, v in t.items()
+                   if k[1] == setting and k[0].rsplit(":", 1)[-1] in LAG_CONFIGS and k[0].startswith("gluon:config:")}
+            if lag:
+                base, tri = lag.get("default"), t.get(("triton", setting))
+                out.append(f"  dQ lag {shape} setting {setting}, bwd alone ms: " + ", ".join(
+                    f"{k} {v:.3f}" + (f" ({v / base:.3f}x default)" if base and k != "default" else "")
+                    for k, v in lag.items()) + (f"; triton fwd+bwd - fwd {tri:.3f}" if tri else ""))
     for shape, t in table:
-        cfgs = {k[0]: v for k, v in t.items() if k[0].startswith("gluon:config:")}
+        cfgs = {k[0]: v for k, v in t.items() if k[0].startswith("gluon:config:")
+                and k[0].rsplit(":", 1)[1] in CONFIGS}
         if cfgs:
             base = t.get(("gluon_alone", 1))
             out.append(f"  configs {shape} setting 1, bwd alone ms (default {base if base is None else round(base, 3)}): "
@@ -579,10 +626,12 @@ def main(argv=None):
     budget = Budget(seconds)
 
     if a.child_check:
-        checks = run_check(a.quick, budget)
+        def save(checks, sass, complete):
+            with open(os.path.join(a.out_dir, "check_child.json"), "w") as f:
+                json.dump(dict(rows=ROWS, log=LOG, checks=checks, sass=sass, complete=complete), f)
+        checks = run_check(a.quick, budget, progress=lambda res: save(res, [], False))
         sass = _sass_summary(run_sass(a.out_dir, "check"))
-        with open(os.path.join(a.out_dir, "check_child.json"), "w") as f:
-            json.dump(dict(rows=ROWS, log=LOG, checks=checks, sass=sass), f)
+        save(checks, sass, True)
         return
 
     env = dict(gpu=torch.cuda.get_device_name(), capability=str(torch.cuda.get_device_capability()),

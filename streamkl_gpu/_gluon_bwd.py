@@ -25,6 +25,13 @@ stationary in shared memory, loaded once by TMA); a producer warp streams 64-row
   ``dQ_t[:, w-th half of D] = dS_t [64 q, 128 keys] K_t[:, w-th half]``, added with fp32 vector
   atomics (``_add_pairs``) into a [B, H, N_Q rounded up to 64, D] buffer the host converts.
 Three waits per tile, all inside the iteration (tests/test_gluon_bwd_compile.py checks the SASS).
+DQ_LAG (config entry, off by default until measured faster; bench/gluon_bwd_gpu.py times it): the
+meeting moves one tile later, so that a warpgroup no longer waits for the other's dS of the tile
+it is on: tile i waits for its dK product, releases its Q slot, then adds the dQ half of tile
+i - 1 (``_dq_tile``: by then the other warpgroup wrote that dS a tile ago), and the last tile's dQ
+comes after the loop. Four waits per tile; it needs DS_BUFS >= 2 (tile i's dS is written while
+tile i - 1's is read); the barrier protocol is replayed under random interleavings in
+tests/test_gluon_bwd_schedule.py.
 Head dims are held as two chunks of D/2 (TMA boxes [64, D/2]) so that every operand is a whole
 shared-memory tile: the dQ split across the warpgroups needs no sub-tile slicing. Both sides
 trained (setting 3): one launch per side (``_gluon_bwd_dispatch.try_gluon_backward``).
@@ -150,8 +157,10 @@ def _bwd_tile(WG: gl.constexpr, dk0, dk1, i, m_lo, q1_ring, q2_ring, k1_smem, k2
               q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, pid_bh, keys, N_Q, N_K, diag_offset,
               qk_scale1, qk_scale2, coef,
               D: gl.constexpr, DC: gl.constexpr, NUM_STAGES: gl.constexpr, DS_BUFS: gl.constexpr,
-              TRAIN: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, VARIANT: gl.constexpr):
-    """One query tile for warpgroup WG (keys ``keys``): dK chunks updated, dQ half added."""
+              TRAIN: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, VARIANT: gl.constexpr,
+              DQ_LAG: gl.constexpr):
+    """One query tile for warpgroup WG (keys ``keys``): dK chunks updated, dQ half added (with
+    DQ_LAG: the previous tile's dQ half, see ``_dq_tile``)."""
     s_layout: gl.constexpr = _mma_layout(WG_N)  # [64 queries, 64 keys]
     c_layout: gl.constexpr = _mma_layout(DC)  # [64, DC]: dK chunk, dQ half
     dtype: gl.constexpr = q1_ring.dtype
@@ -238,21 +247,47 @@ def _bwd_tile(WG: gl.constexpr, dk0, dk1, i, m_lo, q1_ring, q2_ring, k1_smem, k2
     else:
         dk0 = warpgroup_mma(ds_own.permute((1, 0)), _tile(q_t, s * 2, DC), dk0, is_async=True)
         dk1 = warpgroup_mma(ds_own.permute((1, 0)), _tile(q_t, s * 2 + 1, DC), dk1, is_async=True)
-    # dQ_t[:, WG-th half of D] = sum over the two key halves of dS[:, half] K_t[half, WG-th chunk]
+    if DQ_LAG:  # this tile's dQ waits for the next tile (or the epilogue); the previous tile's runs now
+        dk0, dk1 = warpgroup_mma_wait(num_outstanding=0, deps=(dk0, dk1))
+        mbarrier.arrive(q_empty.index(s), count=1)
+        if i > 0:
+            _dq_tile(WG, i - 1, m_lo, k1_smem, k2_smem, kfin_smem, ds_smem, ds_ready, ds_free, DQ, pid_bh, N_Q,
+                     D, DC, DS_BUFS, TRAIN, CAUSAL, VARIANT)
+    else:
+        kq0, kq1 = _dq_keys(WG, k1_smem, k2_smem, kfin_smem, DC, TRAIN, CAUSAL)
+        mbarrier.wait(ds_ready.index(buf), ds_ph)
+        zq = gl.zeros([BLOCK_M, DC], gl.float32, c_layout)
+        tq = warpgroup_mma(ds_smem.index(buf * 2), kq0, zq, use_acc=False, is_async=True)
+        tq = warpgroup_mma(ds_smem.index(buf * 2 + 1), kq1, tq, is_async=True)
+        dk0, dk1, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dk0, dk1, tq))
+        mbarrier.arrive(q_empty.index(s), count=1)
+        mbarrier.arrive(ds_free.index(buf), count=1)
+        _dq_add(WG, dq, start_m, DQ, pid_bh, N_Q, D, DC, VARIANT)
+    return dk0, dk1
+
+
+@gluon.jit
+def _dq_keys(WG: gl.constexpr, k1_smem, k2_smem, kfin_smem, DC: gl.constexpr, TRAIN: gl.constexpr,
+             CAUSAL: gl.constexpr):
+    """The K_t chunks of warpgroup WG's dQ half: [key half 0, chunk WG], [key half 1, chunk WG]."""
     if CAUSAL:
         kq0 = kfin_smem.index(WG)
         kq1 = kfin_smem.index(2 + WG)
     else:
+        if TRAIN == 1:
+            k_t = k1_smem
+        else:
+            k_t = k2_smem
         kq0 = _tile(k_t, WG, DC)
         kq1 = _tile(k_t, 2 + WG, DC)
-    mbarrier.wait(ds_ready.index(buf), ds_ph)
-    zq = gl.zeros([BLOCK_M, DC], gl.float32, c_layout)
-    tq = warpgroup_mma(ds_smem.index(buf * 2), kq0, zq, use_acc=False, is_async=True)
-    tq = warpgroup_mma(ds_smem.index(buf * 2 + 1), kq1, tq, is_async=True)
-    dk0, dk1, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dk0, dk1, tq))
-    mbarrier.arrive(q_empty.index(s), count=1)
-    mbarrier.arrive(ds_free.index(buf), count=1)
+    return kq0, kq1
 
+
+@gluon.jit
+def _dq_add(WG: gl.constexpr, dq, start_m, DQ, pid_bh, N_Q, D: gl.constexpr, DC: gl.constexpr,
+            VARIANT: gl.constexpr):
+    """dQ[start_m .. +63, WG-th half of D] += dq (fp32 atomics)."""
+    c_layout: gl.constexpr = _mma_layout(DC)
     if VARIANT != 1:
         N_Q_PAD = gl.cdiv(N_Q, BLOCK_M) * BLOCK_M
         q_rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, c_layout))
@@ -263,7 +298,25 @@ def _bwd_tile(WG: gl.constexpr, dk0, dk1, i, m_lo, q1_ring, q2_ring, k1_smem, k2
             gl.atomic_add(ptrs, dq, sem="relaxed")
         else:
             _add_pairs(ptrs, dq)
-    return dk0, dk1
+
+
+@gluon.jit
+def _dq_tile(WG: gl.constexpr, j, m_lo, k1_smem, k2_smem, kfin_smem, ds_smem, ds_ready, ds_free, DQ, pid_bh, N_Q,
+             D: gl.constexpr, DC: gl.constexpr, DS_BUFS: gl.constexpr, TRAIN: gl.constexpr, CAUSAL: gl.constexpr,
+             VARIANT: gl.constexpr):
+    """DQ_LAG: warpgroup WG's dQ half of query tile j, once both halves of its dS are written
+    (``ds_ready``; by now the other warpgroup is normally a tile past it: no wait), then the
+    buffer released (``ds_free``). Self-contained: no product is left in flight."""
+    c_layout: gl.constexpr = _mma_layout(DC)
+    buf = j % DS_BUFS
+    kq0, kq1 = _dq_keys(WG, k1_smem, k2_smem, kfin_smem, DC, TRAIN, CAUSAL)
+    mbarrier.wait(ds_ready.index(buf), (j // DS_BUFS) & 1)
+    zq = gl.zeros([BLOCK_M, DC], gl.float32, c_layout)
+    tq = warpgroup_mma(ds_smem.index(buf * 2), kq0, zq, use_acc=False, is_async=True)
+    tq = warpgroup_mma(ds_smem.index(buf * 2 + 1), kq1, tq, is_async=True)
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=(tq,))
+    mbarrier.arrive(ds_free.index(buf), count=1)
+    _dq_add(WG, dq, m_lo + j * BLOCK_M, DQ, pid_bh, N_Q, D, DC, VARIANT)
 
 
 @gluon.jit
@@ -271,7 +324,8 @@ def _consumer(WG: gl.constexpr, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, q
               k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK,
               pid_bh, dk_row0, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
               D: gl.constexpr, DC: gl.constexpr, NUM_STAGES: gl.constexpr, DS_BUFS: gl.constexpr,
-              TRAIN: gl.constexpr, CAUSAL: gl.constexpr, DK_ATOMIC: gl.constexpr, VARIANT: gl.constexpr):
+              TRAIN: gl.constexpr, CAUSAL: gl.constexpr, DK_ATOMIC: gl.constexpr, VARIANT: gl.constexpr,
+              DQ_LAG: gl.constexpr):
     """Consumer warpgroup WG: keys start_n + 64 WG .. +63, every query tile of the CTA."""
     s_layout: gl.constexpr = _mma_layout(WG_N)
     c_layout: gl.constexpr = _mma_layout(DC)
@@ -294,12 +348,16 @@ def _consumer(WG: gl.constexpr, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, q
         dk0, dk1 = _bwd_tile(WG, dk0, dk1, i, m_lo, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem,
                              q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, pid_bh, keys, N_Q, N_K,
                              diag_offset, qk_scale1, qk_scale2, coef, D, DC, NUM_STAGES, DS_BUFS, TRAIN, True,
-                             CAUSAL, VARIANT)
+                             CAUSAL, VARIANT, DQ_LAG)
     for i in range(n_masked, n_tiles):
         dk0, dk1 = _bwd_tile(WG, dk0, dk1, i, m_lo, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem,
                              q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, pid_bh, keys, N_Q, N_K,
                              diag_offset, qk_scale1, qk_scale2, coef, D, DC, NUM_STAGES, DS_BUFS, TRAIN, False,
-                             CAUSAL, VARIANT)
+                             CAUSAL, VARIANT, DQ_LAG)
+    if DQ_LAG:  # the last tile's dQ half
+        if n_tiles > 0:
+            _dq_tile(WG, n_tiles - 1, m_lo, k1_smem, k2_smem, kfin_smem, ds_smem, ds_ready, ds_free, DQ, pid_bh, N_Q,
+                     D, DC, DS_BUFS, TRAIN, CAUSAL, VARIANT)
     out_keys = start_n + WG * WG_N + gl.arange(0, WG_N, layout=gl.SliceLayout(1, c_layout))
     cols = gl.arange(0, DC, layout=gl.SliceLayout(0, c_layout))
     ptrs = DK + (dk_row0 + out_keys)[:, None] * D + cols[None, :]
@@ -317,11 +375,12 @@ def _consumer0(q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem
                k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK,
                pid_bh, dk_row0, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
                D: gl.constexpr, DC: gl.constexpr, NUM_STAGES: gl.constexpr, DS_BUFS: gl.constexpr,
-               TRAIN: gl.constexpr, CAUSAL: gl.constexpr, DK_ATOMIC: gl.constexpr, VARIANT: gl.constexpr):
+               TRAIN: gl.constexpr, CAUSAL: gl.constexpr, DK_ATOMIC: gl.constexpr, VARIANT: gl.constexpr,
+               DQ_LAG: gl.constexpr):
     _consumer(0, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem,
               k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK,
               pid_bh, dk_row0, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
-              D, DC, NUM_STAGES, DS_BUFS, TRAIN, CAUSAL, DK_ATOMIC, VARIANT)
+              D, DC, NUM_STAGES, DS_BUFS, TRAIN, CAUSAL, DK_ATOMIC, VARIANT, DQ_LAG)
 
 
 @gluon.jit
@@ -329,11 +388,12 @@ def _consumer1(q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem
                k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK,
                pid_bh, dk_row0, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
                D: gl.constexpr, DC: gl.constexpr, NUM_STAGES: gl.constexpr, DS_BUFS: gl.constexpr,
-               TRAIN: gl.constexpr, CAUSAL: gl.constexpr, DK_ATOMIC: gl.constexpr, VARIANT: gl.constexpr):
+               TRAIN: gl.constexpr, CAUSAL: gl.constexpr, DK_ATOMIC: gl.constexpr, VARIANT: gl.constexpr,
+               DQ_LAG: gl.constexpr):
     _consumer(1, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem,
               k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK,
               pid_bh, dk_row0, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
-              D, DC, NUM_STAGES, DS_BUFS, TRAIN, CAUSAL, DK_ATOMIC, VARIANT)
+              D, DC, NUM_STAGES, DS_BUFS, TRAIN, CAUSAL, DK_ATOMIC, VARIANT, DQ_LAG)
 
 
 # sizes are not specialised on (divisibility by 16, == 1): one compile per dtype, D, side, causal
@@ -344,7 +404,7 @@ def _gluon_kl_bwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, LSE1, LSE2, KL, G, 
                          H, N_Q, N_K, GROUP1, GROUP2, qk_scale1, qk_scale2, coef,
                          D: gl.constexpr, NUM_STAGES: gl.constexpr, DS_BUFS: gl.constexpr, TRAIN: gl.constexpr,
                          CAUSAL: gl.constexpr, DK_ATOMIC: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                         VARIANT: gl.constexpr):
+                         VARIANT: gl.constexpr, DQ_LAG: gl.constexpr = False):
     DC: gl.constexpr = D // 2
     pid_n = gl.program_id(0)  # causal: the first key blocks have the most query tiles, and run first
     pid_bh = gl.program_id(1)
@@ -404,11 +464,11 @@ def _gluon_kl_bwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, LSE1, LSE2, KL, G, 
         (_consumer0, (q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem,
                       k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK,
                       pid_bh, dk_row0, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
-                      D, DC, NUM_STAGES, DS_BUFS, TRAIN, CAUSAL, DK_ATOMIC, VARIANT)),
+                      D, DC, NUM_STAGES, DS_BUFS, TRAIN, CAUSAL, DK_ATOMIC, VARIANT, DQ_LAG)),
         (_consumer1, (q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem,
                       k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK,
                       pid_bh, dk_row0, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
-                      D, DC, NUM_STAGES, DS_BUFS, TRAIN, CAUSAL, DK_ATOMIC, VARIANT)),
+                      D, DC, NUM_STAGES, DS_BUFS, TRAIN, CAUSAL, DK_ATOMIC, VARIANT, DQ_LAG)),
         (_load_partition, (q1_desc, k1_desc, q2_desc, k2_desc, q1_ring, q2_ring, k1_smem, k2_smem,
                            k_bar, q_ready, q_empty, b, h, kv_head1, kv_head2, start_n, m_lo, n_tiles, DC,
                            NUM_STAGES)),
@@ -467,7 +527,9 @@ def launch_args(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, sca
     dk_atomic = (group1 if train == 1 else group2) > 1
     constexprs = dict(D=D, NUM_STAGES=cfg["NUM_STAGES"], DS_BUFS=cfg["DS_BUFS"], TRAIN=int(train),
                       CAUSAL=bool(causal), DK_ATOMIC=dk_atomic, CONSUMER_REGS=cfg["CONSUMER_REGS"],
-                      VARIANT=VARIANTS[variant])
+                      VARIANT=VARIANTS[variant], DQ_LAG=bool(cfg.get("DQ_LAG", False)))
+    if constexprs["DQ_LAG"] and cfg["DS_BUFS"] < 2:  # the lagged dQ reads tile i - 1's dS while tile i writes
+        raise ValueError("DQ_LAG needs DS_BUFS >= 2")
     options = dict(num_warps=4)
     if cfg.get("maxnreg"):
         options["maxnreg"] = cfg["maxnreg"]
@@ -478,7 +540,7 @@ def launch_args(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, sca
 LAST_KERNEL = None  # the compiled kernel of the latest launch (the GPU script reads its SASS)
 # if a default config does not fit the device's shared memory (OutOfResources at the launch):
 # the entries that replace it, and the (D, causal) that needed them
-FALLBACK = dict(DS_BUFS=1)
+FALLBACK = dict(DS_BUFS=1, DQ_LAG=False)
 _FELL_BACK: set = set()
 
 

@@ -56,10 +56,19 @@ def spec_name(dtype: str, causal: bool, d: int, train: int, gqa: bool = False) -
     return f"{dtype}:{'causal' if causal else 'full'}:{d}:{train}" + (":gqa" if gqa else "")
 
 
+# spec suffixes that change the launch config (``_gluon_bwd.kernel_config`` entries)
+SPEC_CONFIGS = {"lag": dict(DQ_LAG=True), "bufs3": dict(DS_BUFS=3)}
+
+
 def parse_spec(spec):
-    """dtype, causal, D, trained side, gqa from ``bf16|fp16 : causal|full : D : 1|2 [: gqa]``."""
+    """dtype, causal, D, trained side, gqa, config from
+    ``bf16|fp16 : causal|full : D : 1|2 [: gqa] [: lag] [: bufs3]``."""
     dtype, mode, d, train, *rest = spec.split(":")
-    return DTYPES[dtype], mode == "causal", int(d), int(train), rest == ["gqa"]
+    config = {}
+    for r in rest:
+        if r != "gqa":
+            config.update(SPEC_CONFIGS[r])
+    return DTYPES[dtype], mode == "causal", int(d), int(train), "gqa" in rest, config or None
 
 
 def _main(argv):
@@ -67,9 +76,9 @@ def _main(argv):
     import time
 
     for spec in argv:
-        dtype, causal, d, train, gqa = parse_spec(spec)
+        dtype, causal, d, train, gqa, config = parse_spec(spec)
         t0 = time.time()
-        kernel = compile_sm90(d, dtype, causal, train, gqa=gqa)
+        kernel = compile_sm90(d, dtype, causal, train, config=config, gqa=gqa)
         sass = sass_of(kernel)
         row = dict(spec=spec, seconds=round(time.time() - t0, 1), triton=triton.__version__,
                    resources=resource_usage(kernel), shared_bytes=int(kernel.metadata.shared),
