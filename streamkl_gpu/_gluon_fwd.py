@@ -85,7 +85,8 @@ def _exp2(x, VARIANT: gl.constexpr):
 
 
 # Schedule knobs, packed into one constexpr ``SCHED`` (bit offset, width); see ``config_of``.
-SCHED_BITS = dict(PINGPONG=(0, 1), SPLIT=(1, 1), POLY=(2, 2), RESCALE=(4, 1), FENCE=(5, 2))
+SCHED_BITS = dict(PINGPONG=(0, 1), SPLIT=(1, 1), POLY=(2, 2), RESCALE=(4, 1), FENCE=(5, 2), ORDER=(7, 1),
+                  LOOK=(8, 1))
 RESCALE_BITS = gl.constexpr(8.0)  # conditional rescaling: a new reference max only when the max grows by more
 
 
@@ -242,6 +243,134 @@ def _fold_sub(st, t1, t2, k1, k2, k1_free, k2_free, visible, qk_scale1, qk_scale
     return m1_new, l1_new, m2_new, l2, acc
 
 
+# ---- side 2 first (ORDER) and the two-tile lookahead (LOOK): the same formulas as _fold_sub,
+# with the products issued S2 then S1. Side 2 is folded while S1 runs; it leaves only x2 live (its
+# exponentials feed l2 alone), where side 1 first leaves p1 and x1 live across the S2 wait (192
+# registers with the S2 accumulator, the pressure under which ptxas sinks the exponentials).
+
+@gluon.jit
+def _half2(m2, l2, s2_raw, visible, qk_scale2, ONE, MASKED: gl.constexpr, VARIANT: gl.constexpr,
+           SCHED: gl.constexpr):
+    """Side 2 of a tile, folded first: (the new m2, the new l2, x2, moved2 = shift2 - safe(old m2))."""
+    RESCALE: gl.constexpr = _knob(SCHED, "RESCALE")
+    POLY: gl.constexpr = _knob(SCHED, "POLY")
+    FENCE: gl.constexpr = _knob(SCHED, "FENCE")
+    s2 = libdevice.mul_rn(s2_raw, qk_scale2)
+    m2_new = _new_max(m2, s2, visible, MASKED, RESCALE)
+    if MASKED:
+        shift2 = _fwd._safe(m2_new)
+    else:
+        shift2 = m2_new
+    x2 = s2 - shift2[:, None]
+    if MASKED:
+        e2 = gl.where(visible, x2, float("-inf"))
+    else:
+        e2 = x2
+    if FENCE == 1 or (FENCE == 2 and not MASKED):  # the one-trip loop of _fold_sub: ptxas cannot
+        sum2 = l2  # sink these exponentials below the S1 wait (after the loop)
+        for _ in range(ONE):
+            sum2 = _sum_exp2(e2, VARIANT, POLY)
+    else:
+        sum2 = _sum_exp2(e2, VARIANT, POLY)
+    alpha2 = gl.exp2(m2 - shift2)
+    l2_new = l2 * alpha2 + sum2
+    return m2_new, l2_new, x2, shift2 - _fwd._safe(m2)
+
+
+@gluon.jit
+def _half1(m1, l1, acc, s1_raw, x2, moved2, visible, qk_scale1, ONE, MASKED: gl.constexpr, VARIANT: gl.constexpr,
+           SCHED: gl.constexpr):
+    """Side 1 of a tile after side 2 (``_half2``'s x2, moved2): (the new m1, l1, acc). FENCE: its
+    exponentials in a one-trip loop (LOOK: so that they stay above the next product's wait)."""
+    RESCALE: gl.constexpr = _knob(SCHED, "RESCALE")
+    FENCE: gl.constexpr = _knob(SCHED, "FENCE")
+    s1 = libdevice.mul_rn(s1_raw, qk_scale1)
+    m1_new = _new_max(m1, s1, visible, MASKED, RESCALE)
+    if MASKED:
+        shift1 = _fwd._safe(m1_new)
+    else:
+        shift1 = m1_new
+    x1 = s1 - shift1[:, None]
+    if FENCE == 1 or (FENCE == 2 and not MASKED):
+        p1 = x1
+        l1_new = l1
+        alpha1 = l1
+        for _ in range(ONE):
+            p1, l1_new, alpha1 = _side1_exps(x1, m1, l1, shift1, visible, MASKED, VARIANT)
+    else:
+        p1, l1_new, alpha1 = _side1_exps(x1, m1, l1, shift1, visible, MASKED, VARIANT)
+    log_ratio = x1 - x2  # the shifted log-ratio (see _fwd._finalize)
+    if MASKED:
+        term = gl.where(visible, p1 * log_ratio, 0.0)  # masked entries add exactly 0 (NaN keys)
+    else:
+        term = p1 * log_ratio
+    if VARIANT != 3:
+        moved = (shift1 - _fwd._safe(m1)) - moved2  # as _fold_sub: (dm1) - (dm2)
+        acc = (acc - l1 * moved) * alpha1 + gl.sum(term, axis=1)
+    return m1_new, l1_new, acc
+
+
+@gluon.jit
+def _fold_sub_s2first(st, t1, t2, k1, k2, k1_free, k2_free, visible, qk_scale1, qk_scale2, ONE,
+                      RELEASE: gl.constexpr, MASKED: gl.constexpr, VARIANT: gl.constexpr, SCHED: gl.constexpr):
+    """ORDER: S2 was issued before S1; wait for S2 (S1 in flight), fold side 2, wait for S1, fold
+    side 1. VARIANT 2 (no second product): t1 is t2, side 2 folds S1."""
+    m1, l1, m2, l2, acc = st
+    if VARIANT == 2:
+        s2_raw, k1 = warpgroup_mma_wait(num_outstanding=0, deps=(t1, k1))
+    else:
+        s2_raw, k2 = warpgroup_mma_wait(num_outstanding=1, deps=(t2, k2))
+    if RELEASE:
+        mbarrier.arrive(k2_free, count=1)
+    m2, l2, x2, moved2 = _half2(m2, l2, s2_raw, visible, qk_scale2, ONE, MASKED, VARIANT, SCHED)
+    s1_raw = s2_raw
+    if VARIANT != 2:
+        s1_raw, k1 = warpgroup_mma_wait(num_outstanding=0, deps=(t1, k1))
+    if RELEASE:
+        mbarrier.arrive(k1_free, count=1)
+    m1, l1, acc = _half1(m1, l1, acc, s1_raw, x2, moved2, visible, qk_scale1, ONE, MASKED, VARIANT, SCHED)
+    return m1, l1, m2, l2, acc
+
+
+@gluon.jit
+def _fold_pair(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, i, zero,
+               qk_scale1, qk_scale2, ONE, D1: gl.constexpr, D2: gl.constexpr, BLOCK_N: gl.constexpr,
+               NUM_STAGES: gl.constexpr, VARIANT: gl.constexpr, SCHED: gl.constexpr):
+    """LOOK: whole key tiles i and i + 1 in one iteration, side 2 first, the next product issued
+    before each fold so that the tensor cores have this warpgroup's work during three of the four
+    folds (one today's two): S2a S1a | fold 2a | S2b | fold 1a | S1b | fold 2b | fold 1b. At most
+    two groups in flight, every one waited inside the iteration (no token over the back edge, the
+    sketch's trap). Not for VARIANT 2 (the caller folds single tiles then)."""
+    m1, l1, m2, l2, acc = st
+    sa = i % NUM_STAGES
+    sb = (i + 1) % NUM_STAGES
+    k1a = k1_smem.index(sa).reshape([BLOCK_N, D1])
+    k2a = k2_smem.index(sa).reshape([BLOCK_N, D2])
+    k1b = k1_smem.index(sb).reshape([BLOCK_N, D1])
+    k2b = k2_smem.index(sb).reshape([BLOCK_N, D2])
+    mbarrier.wait(k1_ready.index(sa), (i // NUM_STAGES) & 1)
+    mbarrier.wait(k2_ready.index(sa), (i // NUM_STAGES) & 1)
+    t2a = warpgroup_mma(q2, k2a.permute((1, 0)), zero, use_acc=False, is_async=True)
+    t1a = warpgroup_mma(q1, k1a.permute((1, 0)), zero, use_acc=False, is_async=True)
+    s2a, k2a = warpgroup_mma_wait(num_outstanding=1, deps=(t2a, k2a))
+    mbarrier.arrive(k2_empty.index(sa), count=1)
+    m2, l2, x2a, moved2a = _half2(m2, l2, s2a, 0, qk_scale2, ONE, False, VARIANT, SCHED)
+    mbarrier.wait(k1_ready.index(sb), ((i + 1) // NUM_STAGES) & 1)
+    mbarrier.wait(k2_ready.index(sb), ((i + 1) // NUM_STAGES) & 1)
+    t2b = warpgroup_mma(q2, k2b.permute((1, 0)), zero, use_acc=False, is_async=True)
+    s1a, k1a = warpgroup_mma_wait(num_outstanding=1, deps=(t1a, k1a))
+    mbarrier.arrive(k1_empty.index(sa), count=1)
+    m1, l1, acc = _half1(m1, l1, acc, s1a, x2a, moved2a, 0, qk_scale1, ONE, False, VARIANT, SCHED)
+    t1b = warpgroup_mma(q1, k1b.permute((1, 0)), zero, use_acc=False, is_async=True)
+    s2b, k2b = warpgroup_mma_wait(num_outstanding=1, deps=(t2b, k2b))
+    mbarrier.arrive(k2_empty.index(sb), count=1)
+    m2, l2, x2b, moved2b = _half2(m2, l2, s2b, 0, qk_scale2, ONE, False, VARIANT, SCHED)
+    s1b, k1b = warpgroup_mma_wait(num_outstanding=0, deps=(t1b, k1b))
+    mbarrier.arrive(k1_empty.index(sb), count=1)
+    m1, l1, acc = _half1(m1, l1, acc, s1b, x2b, moved2b, 0, qk_scale1, ONE, False, VARIANT, SCHED)
+    return m1, l1, m2, l2, acc
+
+
 @gluon.jit
 def _visible(i, h, rows, N_K, diag_offset, BLOCK_N: gl.constexpr, SUB_N: gl.constexpr, CAUSAL: gl.constexpr):
     """Which entries of sub-tile h of key tile i a row sees: keys < N_K, and the causal band."""
@@ -274,7 +403,15 @@ def _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_em
     mbarrier.wait(k2_ready.index(s), ph)
     if PINGPONG:  # FA3's turnstile: the two warpgroups take turns on the tensor cores
         mbarrier.wait(turn_bars.index(WG), i & 1)
-    if SPLIT:
+    ORDER: gl.constexpr = _knob(SCHED, "ORDER") and not SPLIT
+    if ORDER:  # side 2 first: S2 issued (and waited) before S1
+        if VARIANT != 2:
+            t2 = warpgroup_mma(q2, k2.permute((1, 0)), zero, use_acc=False, is_async=True)
+            t1 = warpgroup_mma(q1, k1.permute((1, 0)), zero, use_acc=False, is_async=True)
+        else:
+            t1 = warpgroup_mma(q1, k1.permute((1, 0)), zero, use_acc=False, is_async=True)
+            t2 = t1
+    elif SPLIT:
         k1a = k1.slice(0, SUB_N)
         k2a = k2.slice(0, SUB_N)
         k1b = k1.slice(SUB_N, SUB_N)
@@ -300,7 +437,10 @@ def _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_em
         visible_a = _visible(i, 0, rows, N_K, diag_offset, BLOCK_N, SUB_N, CAUSAL)
         if SPLIT:
             visible_b = _visible(i, 1, rows, N_K, diag_offset, BLOCK_N, SUB_N, CAUSAL)
-    if SPLIT:
+    if ORDER:
+        st = _fold_sub_s2first(st, t1, t2, k1, k2, k1_empty.index(s), k2_empty.index(s), visible_a, qk_scale1,
+                               qk_scale2, ONE, True, MASKED, VARIANT, SCHED)
+    elif SPLIT:
         st = _fold_sub(st, t1a, t2a, k1a, k2a, k1_empty.index(s), k2_empty.index(s), visible_a, qk_scale1,
                        qk_scale2, zero, ONE, 2 * P - 1, 2 * P - 2, False, MASKED, VARIANT, SCHED)
         st = _fold_sub(st, t1b, t2b, k1b, k2b, k1_empty.index(s), k2_empty.index(s), visible_b, qk_scale1,
@@ -333,10 +473,19 @@ def _consumer(WG: gl.constexpr, q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_re
     acc = gl.zeros([WG_M], gl.float32, row_layout)
     st = (m1, l1, m2, l2, acc)
     # whole tiles every row of the CTA sees, then the causal band and the ragged last tile
-    for i in range(n_full):
-        st = _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars, i,
-                        zero, rows, N_K, diag_offset, qk_scale1, qk_scale2, ONE, D1, D2, BLOCK_N, NUM_STAGES,
-                        False, CAUSAL, VARIANT, WG, SCHED)
+    if _knob(SCHED, "LOOK") and VARIANT != 2:  # whole tiles two at a time, the odd one alone
+        for j in range(n_full // 2):
+            st = _fold_pair(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, 2 * j, zero,
+                            qk_scale1, qk_scale2, ONE, D1, D2, BLOCK_N, NUM_STAGES, VARIANT, SCHED)
+        if n_full % 2 == 1:
+            st = _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars,
+                            n_full - 1, zero, rows, N_K, diag_offset, qk_scale1, qk_scale2, ONE, D1, D2, BLOCK_N,
+                            NUM_STAGES, False, CAUSAL, VARIANT, WG, SCHED)
+    else:
+        for i in range(n_full):
+            st = _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars, i,
+                            zero, rows, N_K, diag_offset, qk_scale1, qk_scale2, ONE, D1, D2, BLOCK_N, NUM_STAGES,
+                            False, CAUSAL, VARIANT, WG, SCHED)
     for i in range(n_full, n_tiles):
         st = _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars, i,
                         zero, rows, N_K, diag_offset, qk_scale1, qk_scale2, ONE, D1, D2, BLOCK_N, NUM_STAGES,
@@ -461,9 +610,14 @@ def candidates(d1: int, d2: int):
 def experiments(d1: int, d2: int):
     """Schedules the GPU script measures beside the tuner's candidates (not chosen by the tuner
     until a run shows they pay), same tuple form as :func:`candidates` (fields ``CAND_FIELDS``).
-    SASS on CPU (sm_90, triton 3.9 and 3.6, bf16 D = 128, bench/NOTES.md): no spills in any
-    main loop; FENCE keeps all side-1 exponentials between the two waits (0 in every schedule
-    without it). SPLIT (hoisted waits and spills in a masked loop) is not measured any more."""
+    Session 5 (fwd13): session 4's losers (64-key tiles with PINGPONG/FENCE, POLY, RESCALE, all
+    5-25 % slower than the default at 8K, bench/results/session4/..._s4r3_gluon.log) are no longer
+    measured; the side-2-first order (ORDER) and the two-tile lookahead (LOOK) are. SASS on CPU
+    (sm_90, triton 3.9, bf16 D = 128): ORDER no spills, 0 MUFU.EX2 between the waits (ptxas sinks
+    them, as in the default); ORDER+FENCE=2 64 of 64 there, no spills non-causal, 11 STL causal
+    (masked loop); LOOK at 64-key tiles no spills causal or not, 34 EX2 between the first two
+    waits, 4 DEPBAR per two-tile iteration; LOOK at 128-key tiles spills (~20 STL per loop, also
+    at maxnreg 240)."""
     s128, s64 = _ring_stages(d1, d2, 128), _ring_stages(d1, d2, 64)
     f = dict(zip(CAND_FIELDS, range(len(CAND_FIELDS))))
 
@@ -476,14 +630,11 @@ def experiments(d1: int, d2: int):
         return tuple(out)
 
     return [
-        cand(64, 168, PINGPONG=1),
-        cand(64, 168, FENCE=1),  # intra-warpgroup overlap: side-1 exponentials before the S2 wait
-        cand(64, 168, PINGPONG=1, FENCE=1),
-        cand(128, 168, FENCE=2),  # the same on whole 128-key tiles only (masked ones spill)
-        cand(128, 168, PINGPONG=1, FENCE=2),
-        cand(128, 168, POLY=2),  # half of side 2's exponentials on the FMA pipe
-        cand(128, 168, PINGPONG=1, FENCE=2, POLY=2),
-        cand(128, 168, RESCALE=1),  # conditional rescaling
+        cand(128, 168, FENCE=2),  # session 4's nearest to the default (2.510 vs 2.476 ms at 8K)
+        cand(128, 168, ORDER=1),  # side 2 first: only x2 live across the S1 wait
+        cand(128, 168, ORDER=1, FENCE=2),  # and side 2's exponentials kept before the S1 wait
+        cand(64, 168, ORDER=1, LOOK=1),  # two 64-key tiles per iteration, next product issued early
+        cand(64, 168, ORDER=1, LOOK=1, FENCE=2),  # and every fold's exponentials above the next wait
     ]
 
 
@@ -496,7 +647,8 @@ def configs_to_measure(d1: int, d2: int):
 # The fields of a candidate tuple, in order; trailing ones may be left out (their defaults).
 CAND_FIELDS = ("BLOCK_N", "NUM_STAGES", "maxnreg") + tuple(SCHED_BITS)
 CAND_DEFAULTS = {k: 0 for k in SCHED_BITS}
-_FLAG_NAMES = dict(PINGPONG="pingpong", SPLIT="split", POLY="poly", RESCALE="rescale", FENCE="fence")
+_FLAG_NAMES = dict(PINGPONG="pingpong", SPLIT="split", POLY="poly", RESCALE="rescale", FENCE="fence",
+                   ORDER="s2first", LOOK="look")
 
 
 def sched_of(cfg) -> int:
@@ -507,6 +659,12 @@ def sched_of(cfg) -> int:
         if not 0 <= v < (1 << width):
             raise ValueError(f"{name}={v} does not fit in {width} bit(s)")
         out |= v << off
+    if cfg.get("LOOK") and cfg.get("PINGPONG"):
+        raise ValueError("LOOK (two tiles per iteration) does not take the PINGPONG turnstile")
+    if cfg.get("LOOK") and not cfg.get("ORDER"):
+        raise ValueError("LOOK folds side 2 first: it needs ORDER=1")
+    if cfg.get("ORDER") and cfg.get("SPLIT"):
+        raise ValueError("ORDER (side 2 first) does not take SPLIT")
     return out
 
 
@@ -567,6 +725,8 @@ LAST_KERNEL_SCHED = 0  # and its SCHED constexpr
 
 def waits_per_tile(sched: int) -> int:
     """The wgmma waits in the source of one key-tile loop body: two per (sub-)tile product pair."""
+    if (sched >> SCHED_BITS["LOOK"][0]) & 1:  # two key tiles per iteration of the whole-tile loop
+        return 4
     return 2 * (1 + ((sched >> SCHED_BITS["SPLIT"][0]) & 1))
 
 

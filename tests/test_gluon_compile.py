@@ -29,10 +29,13 @@ CTA_THREADS = 384  # what the H200 reported for a Gluon forward CTA (OutOfResour
 # SASS of) every one it runs.
 # Also one experiment (_gluon_fwd.experiments): FENCE at 64-key tiles, the schedule whose point
 # is in the SASS (side 1's exponentials between the two waits).
+# And the two-tile lookahead (LOOK, side 2 first) at 64-key tiles: 4 waits per two-tile iteration,
+# side 2's exponentials of the first tile issued before the S1 wait.
 FENCE_SPEC = "bf16:causal:128:128:64:4:168:0:0:0:0:1"
+LOOK_SPEC = "bf16:causal:128:128:64:4:168:0:0:0:0:0:1:1"
 CI_SPECS = ["bf16:full:128:128", "fp16:causal:128:128", "bf16:causal:64:128"] + [
     "bf16:causal:128:128:" + ":".join(map(str, c)) for c in _gluon_fwd.candidates(128, 128)[1:] if c[2] == 168] + [
-    FENCE_SPEC]
+    FENCE_SPEC, LOOK_SPEC]
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +67,18 @@ def test_sass_no_spills_and_two_waits_per_key_tile(compiled, spec):
     k_steps = (int(d1) + int(d2)) // 16 * (1 + cfg["SPLIT"])
     per_side = 64 * cfg["BLOCK_N"] // 128  # exponentials per thread and side per key tile
     mufu_side2 = {0: per_side, 1: 0, 2: per_side // 2}[cfg["POLY"]]  # POLY: on the FMA pipe instead
-    for loop in loops:
-        assert loop["hgmma"] == k_steps, f"{spec}: {loop['hgmma']} HGMMA per key tile, expected {k_steps}"
+    # LOOK: the whole-tile loop folds two key tiles per iteration (one in each warpgroup)
+    tiles = [loop["hgmma"] // k_steps for loop in loops]
+    assert sorted(tiles) == ([1, 1, 2, 2] if cfg["LOOK"] else [1] * 4), f"{spec}: HGMMA per loop {loops}"
+    for loop, n in zip(loops, tiles):
+        assert loop["hgmma"] == n * k_steps, f"{spec}: {loop['hgmma']} HGMMA per loop, expected {n * k_steps}"
         # the source waits twice per key tile (S1, then S2; four with SPLIT); one DEPBAR per HGMMA
         # is ptxas serialising the products (the back-edge trap of the sketch)
-        assert 1 <= loop["depbar"] <= waits, f"{spec}: {loop['depbar']} WARPGROUP.DEPBAR per key tile: {loop}"
-        assert loop["ex2"] >= per_side + mufu_side2, f"{spec}: too few MUFU.EX2 per key tile: {loop}"
+        assert 1 <= loop["depbar"] <= min(waits, 2 * n * (1 + cfg["SPLIT"])), \
+            f"{spec}: {loop['depbar']} WARPGROUP.DEPBAR per loop of {n} key tile(s): {loop}"
+        assert loop["ex2"] >= n * (per_side + mufu_side2), f"{spec}: too few MUFU.EX2 per key tile: {loop}"
+        if cfg["LOOK"] and n == 2:  # its point: tile a's side-2 exponentials while S1a runs
+            assert loop["ex2_between_waits"] >= per_side, f"{spec}: LOOK lost the overlap: {loop}"
         if cfg["FENCE"] == 1:  # its point: side 1's exponentials issued before the S2 wait
             assert loop["ex2_between_waits"] >= per_side, f"{spec}: FENCE did not keep the overlap: {loop}"
     if cfg["FENCE"] == 2:  # whole tiles only: the two whole-tile loops
@@ -318,5 +327,11 @@ def test_schedule_knobs_pack_into_sched():
         assert (sched >> off) & ((1 << width) - 1) == cfg[name]
     assert _gluon_fwd.waits_per_tile(sched) == 2
     assert _gluon_fwd.waits_per_tile(_gluon_fwd.sched_of(_gluon_fwd.config_of((128, 2, 224, 1, 1)))) == 4
+    assert _gluon_fwd.waits_per_tile(_gluon_fwd.sched_of(dict(ORDER=1, LOOK=1))) == 4
     with pytest.raises(ValueError, match="POLY"):
         _gluon_fwd.sched_of(dict(POLY=4))
+    # combinations the kernel does not implement are refused, not silently run as another schedule
+    for bad, name in ((dict(LOOK=1), "ORDER"), (dict(LOOK=1, ORDER=1, PINGPONG=1), "PINGPONG"),
+                      (dict(ORDER=1, SPLIT=1), "SPLIT")):
+        with pytest.raises(ValueError, match=name):
+            _gluon_fwd.sched_of(bad)
