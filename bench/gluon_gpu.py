@@ -19,7 +19,7 @@ Sections (a time budget skips what does not fit, recorded as ``skipped``; the SA
    Triton path forced (``triton``) and SDPA (default dispatch, ``is_causal``); then at 32K and
    64K the best configuration at 8K/16K (three, without --quick), the API's Gluon path and SDPA
    (and auto, triton without --quick).
-3. variants: the default kernel and the two-tile lookahead (``VARIANT_CONFIGS``) beside
+3. variants: the default kernel, the late-turn ping-pong and the lookahead (``VARIANT_CONFIGS``) beside
    deliberately wrong variants of each (no exponentials, no second product, no acc work) at 8K
    (bench/NOTES.md's variant-timing method).
 4. grid (--grid: this section alone, then the SASS): the issue's no-regression grid, auto vs forced triton (and forced gluon where it takes the shape):
@@ -591,11 +591,11 @@ def run_variants(quick, warmup, rep, budget, variants, configs):
     return table
 
 
-# the configurations the variants section takes apart: the default, and the schedules with both
-# overlaps (FENCE inside a warpgroup, PINGPONG between them) at 64- and 128-key tiles
-VARIANT_CONFIGS = [(128, 2, 168, 0), (64, 4, 168, 0, 0, 0, 0, 0, 1, 1)]
+# the configurations the variants section takes apart: the default, the ping-pong with the late
+# turn (the overlap between the warpgroups) and the two-tile lookahead (inside a warpgroup)
+VARIANT_CONFIGS = [(128, 2, 168, 0), (128, 2, 168, 1, 0, 0, 0, 2, 0, 0, 1), (64, 4, 168, 0, 0, 0, 0, 2, 1, 1)]
 # variants a configuration does not run as its own schedule (LOOK: no second product folds single tiles)
-VARIANT_SKIP = {(64, 4, 168, 0, 0, 0, 0, 0, 1, 1): ("no_second_product",)}
+VARIANT_SKIP = {(64, 4, 168, 0, 0, 0, 0, 2, 1, 1): ("no_second_product",)}
 
 
 def shape(N, NQ=None, D1=128, D2=128, H=32, HK=None, dtype="bf16"):

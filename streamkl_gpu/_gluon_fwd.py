@@ -86,7 +86,7 @@ def _exp2(x, VARIANT: gl.constexpr):
 
 # Schedule knobs, packed into one constexpr ``SCHED`` (bit offset, width); see ``config_of``.
 SCHED_BITS = dict(PINGPONG=(0, 1), SPLIT=(1, 1), POLY=(2, 2), RESCALE=(4, 1), FENCE=(5, 2), ORDER=(7, 1),
-                  LOOK=(8, 1))
+                  LOOK=(8, 1), TURN=(9, 1))
 RESCALE_BITS = gl.constexpr(8.0)  # conditional rescaling: a new reference max only when the max grows by more
 
 
@@ -182,12 +182,13 @@ def _side1_exps(x1, m1, l1, shift1, visible, MASKED: gl.constexpr, VARIANT: gl.c
 
 
 @gluon.jit
-def _fold_sub(st, t1, t2, k1, k2, k1_free, k2_free, visible, qk_scale1, qk_scale2, zero, ONE,
+def _fold_sub(st, t1, t2, k1, k2, k1_free, k2_free, turn_next, visible, qk_scale1, qk_scale2, zero, ONE,
               W1: gl.constexpr, W2: gl.constexpr, RELEASE: gl.constexpr,
               MASKED: gl.constexpr, VARIANT: gl.constexpr, SCHED: gl.constexpr):
     """Fold one (sub-)tile's scores into the row states (the formulas of _fwd._fwd_key_range,
     same order): wait for S1 (W1 products still in flight after it), fold side 1, then wait for
-    S2 (W2 in flight) and fold side 2. RELEASE: this is the slot's last sub-tile; free K1 and K2."""
+    S2 (W2 in flight) and fold side 2. RELEASE: this is the slot's last sub-tile; free K1 and K2
+    (and with PINGPONG + TURN hand the tensor cores to the other warpgroup: ``turn_next``)."""
     m1, l1, m2, l2, acc = st
     RESCALE: gl.constexpr = _knob(SCHED, "RESCALE")
     s1, k1 = warpgroup_mma_wait(num_outstanding=W1, deps=(t1, k1))
@@ -217,6 +218,8 @@ def _fold_sub(st, t1, t2, k1, k2, k1_free, k2_free, visible, qk_scale1, qk_scale
     # ---- side 2
     if VARIANT != 2:
         s2_raw, k2 = warpgroup_mma_wait(num_outstanding=W2, deps=(t2, k2))
+    if RELEASE and _knob(SCHED, "PINGPONG") and _knob(SCHED, "TURN"):
+        mbarrier.arrive(turn_next, count=1)  # this tile's products are done: the other's turn
     if RELEASE:
         mbarrier.arrive(k2_free, count=1)
     s2 = libdevice.mul_rn(s2_raw, qk_scale2)
@@ -311,7 +314,7 @@ def _half1(m1, l1, acc, s1_raw, x2, moved2, visible, qk_scale1, ONE, MASKED: gl.
 
 
 @gluon.jit
-def _fold_sub_s2first(st, t1, t2, k1, k2, k1_free, k2_free, visible, qk_scale1, qk_scale2, ONE,
+def _fold_sub_s2first(st, t1, t2, k1, k2, k1_free, k2_free, turn_next, visible, qk_scale1, qk_scale2, ONE,
                       RELEASE: gl.constexpr, MASKED: gl.constexpr, VARIANT: gl.constexpr, SCHED: gl.constexpr):
     """ORDER: S2 was issued before S1; wait for S2 (S1 in flight), fold side 2, wait for S1, fold
     side 1. VARIANT 2 (no second product): t1 is t2, side 2 folds S1."""
@@ -326,6 +329,8 @@ def _fold_sub_s2first(st, t1, t2, k1, k2, k1_free, k2_free, visible, qk_scale1, 
     s1_raw = s2_raw
     if VARIANT != 2:
         s1_raw, k1 = warpgroup_mma_wait(num_outstanding=0, deps=(t1, k1))
+    if RELEASE and _knob(SCHED, "PINGPONG") and _knob(SCHED, "TURN"):
+        mbarrier.arrive(turn_next, count=1)  # this tile's products are done: the other's turn
     if RELEASE:
         mbarrier.arrive(k1_free, count=1)
     m1, l1, acc = _half1(m1, l1, acc, s1_raw, x2, moved2, visible, qk_scale1, ONE, MASKED, VARIANT, SCHED)
@@ -429,7 +434,8 @@ def _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_em
         t2 = t1
         if VARIANT != 2:
             t2 = warpgroup_mma(q2, k2.permute((1, 0)), zero, use_acc=False, is_async=True)
-    if PINGPONG:
+    turn_next = turn_bars.index(1 - WG)
+    if PINGPONG and not _knob(SCHED, "TURN"):  # TURN: handed over after the tile's last wait instead
         mbarrier.arrive(turn_bars.index(1 - WG), count=1)
     visible_a = 0
     visible_b = 0
@@ -438,15 +444,15 @@ def _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_em
         if SPLIT:
             visible_b = _visible(i, 1, rows, N_K, diag_offset, BLOCK_N, SUB_N, CAUSAL)
     if ORDER:
-        st = _fold_sub_s2first(st, t1, t2, k1, k2, k1_empty.index(s), k2_empty.index(s), visible_a, qk_scale1,
-                               qk_scale2, ONE, True, MASKED, VARIANT, SCHED)
+        st = _fold_sub_s2first(st, t1, t2, k1, k2, k1_empty.index(s), k2_empty.index(s), turn_next, visible_a,
+                               qk_scale1, qk_scale2, ONE, True, MASKED, VARIANT, SCHED)
     elif SPLIT:
-        st = _fold_sub(st, t1a, t2a, k1a, k2a, k1_empty.index(s), k2_empty.index(s), visible_a, qk_scale1,
+        st = _fold_sub(st, t1a, t2a, k1a, k2a, k1_empty.index(s), k2_empty.index(s), turn_next, visible_a, qk_scale1,
                        qk_scale2, zero, ONE, 2 * P - 1, 2 * P - 2, False, MASKED, VARIANT, SCHED)
-        st = _fold_sub(st, t1b, t2b, k1b, k2b, k1_empty.index(s), k2_empty.index(s), visible_b, qk_scale1,
+        st = _fold_sub(st, t1b, t2b, k1b, k2b, k1_empty.index(s), k2_empty.index(s), turn_next, visible_b, qk_scale1,
                        qk_scale2, zero, ONE, P - 1, 0, True, MASKED, VARIANT, SCHED)
     else:
-        st = _fold_sub(st, t1, t2, k1, k2, k1_empty.index(s), k2_empty.index(s), visible_a, qk_scale1,
+        st = _fold_sub(st, t1, t2, k1, k2, k1_empty.index(s), k2_empty.index(s), turn_next, visible_a, qk_scale1,
                        qk_scale2, zero, ONE, P - 1, 0, True, MASKED, VARIANT, SCHED)
     return st
 
@@ -631,10 +637,16 @@ def experiments(d1: int, d2: int):
 
     return [
         cand(128, 168, FENCE=2),  # session 4's nearest to the default (2.510 vs 2.476 ms at 8K)
-        cand(128, 168, ORDER=1),  # side 2 first: only x2 live across the S1 wait
-        cand(128, 168, ORDER=1, FENCE=2),  # and side 2's exponentials kept before the S1 wait
-        cand(64, 168, ORDER=1, LOOK=1),  # two 64-key tiles per iteration, next product issued early
-        cand(64, 168, ORDER=1, LOOK=1, FENCE=2),  # and every fold's exponentials above the next wait
+        cand(128, 168, ORDER=1, FENCE=2),  # side 2 first, its exponentials kept before the S1 wait
+        # two 64-key tiles per iteration, the next product issued before each fold, every fold's
+        # exponentials above the next wait (LOOK without FENCE: ptxas sinks half of them)
+        cand(64, 168, ORDER=1, LOOK=1, FENCE=2),
+        # FA3's ping-pong as meant: the turn passes when this warpgroup's products are done, so
+        # the other's products run while this one folds (PINGPONG alone passes it right after
+        # issuing: both warpgroups' products then share the tensor cores and end together)
+        cand(128, 168, PINGPONG=1, TURN=1),
+        cand(128, 168, PINGPONG=1, TURN=1, FENCE=2),
+        cand(128, 168, PINGPONG=1, TURN=1, ORDER=1, FENCE=2),
     ]
 
 
@@ -648,7 +660,7 @@ def configs_to_measure(d1: int, d2: int):
 CAND_FIELDS = ("BLOCK_N", "NUM_STAGES", "maxnreg") + tuple(SCHED_BITS)
 CAND_DEFAULTS = {k: 0 for k in SCHED_BITS}
 _FLAG_NAMES = dict(PINGPONG="pingpong", SPLIT="split", POLY="poly", RESCALE="rescale", FENCE="fence",
-                   ORDER="s2first", LOOK="look")
+                   ORDER="s2first", LOOK="look", TURN="lateturn")
 
 
 def sched_of(cfg) -> int:
@@ -661,6 +673,8 @@ def sched_of(cfg) -> int:
         out |= v << off
     if cfg.get("LOOK") and cfg.get("PINGPONG"):
         raise ValueError("LOOK (two tiles per iteration) does not take the PINGPONG turnstile")
+    if cfg.get("TURN") and not cfg.get("PINGPONG"):
+        raise ValueError("TURN (hand the turn over after the last wait) needs PINGPONG=1")
     if cfg.get("LOOK") and not cfg.get("ORDER"):
         raise ValueError("LOOK folds side 2 first: it needs ORDER=1")
     if cfg.get("ORDER") and cfg.get("SPLIT"):
