@@ -307,11 +307,12 @@ def run_sass(out_dir):
             c = _gluon_sass.sass_counts(sass)
             regs = getattr(k, "n_regs", None)
             spills = getattr(k, "n_spills", None)
-            loops = [(lp["hgmma"], lp["depbar"], lp["ex2"], lp["ex2_between_waits"]) for lp in c["loops"]]
+            loops = [(lp["hgmma"], lp["depbar"], lp["ex2"], lp["ex2_between_waits"], lp.get("bar"))
+                     for lp in c["loops"]]
             # at most the source's waits per key tile (2, or 4 with SPLIT), not one per HGMMA, and
             # no spills in the key-tile loops; spills elsewhere (the prologue, after the loops)
             # make it "warn": a dispatchable configuration must have none (tests/test_gluon_compile.py)
-            ok = (c["hgmma"] > 0 and bool(loops) and all(1 <= d <= waits for _, d, _, _ in loops)
+            ok = (c["hgmma"] > 0 and bool(loops) and all(1 <= lp[1] <= waits for lp in loops)
                   and not any(lp["spills"] for lp in c["loops"]))
             if ok and (c["stl"] or c["ldl"]):
                 ok = "warn"
@@ -320,7 +321,7 @@ def run_sass(out_dir):
             for m in ("hgmma", "depbar", "stl", "ldl", "ex2"):
                 record("sass", label, name, m, c[m])
             verdict = _verdict(ok)
-            record("sass", label, name, "loops(hgmma,depbar,ex2,ex2_between_waits)", json.dumps(loops),
+            record("sass", label, name, "loops(hgmma,depbar,ex2,ex2_between_waits,bar_sync)", json.dumps(loops),
                    verdict, f"regs={regs} spills={spills}")
             summary.append((name, label, ok, c, loops, regs, spills))
             log(f"{verdict:4s} {name} ({label}): HGMMA={c['hgmma']} DEPBAR={c['depbar']} STL={c['stl']} "

@@ -53,8 +53,9 @@ def _acc_layout(block_n):
 def _load_partition(q1_desc, k1_desc, q2_desc, k2_desc, q1_smem, q2_smem, k1_smem, k2_smem,
                     q_bar, k1_ready, k2_ready, k1_empty, k2_empty,
                     b, h, kv_head1, kv_head2, start_m, n_tiles,
-                    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """Producer warp: Q1, Q2 of both warpgroups once, then key tile i into ring slot i % NUM_STAGES."""
+                    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, SCHED: gl.constexpr):
+    """Producer warp: Q1, Q2 of both warpgroups once, then key tile i into ring slot i % NUM_STAGES.
+    MERGE: K1 and K2 of a slot share one ready and one empty barrier (k1_ready, k1_empty)."""
     mbarrier.expect(q_bar, 2 * q1_desc.block_type.nbytes + 2 * q2_desc.block_type.nbytes)
     _tma_load(q1_desc, [b, h, start_m, 0], q_bar, q1_smem.index(0))
     _tma_load(q2_desc, [b, h, start_m, 0], q_bar, q2_smem.index(0))
@@ -63,12 +64,18 @@ def _load_partition(q1_desc, k1_desc, q2_desc, k2_desc, q1_smem, q2_smem, k1_sme
     for i in range(n_tiles):
         s = i % NUM_STAGES
         ph = (i // NUM_STAGES) & 1
-        mbarrier.wait(k1_empty.index(s), ph ^ 1)  # a fresh barrier passes the phase-1 wait
-        mbarrier.expect(k1_ready.index(s), k1_desc.block_type.nbytes)
-        _tma_load(k1_desc, [b, kv_head1, i * BLOCK_N, 0], k1_ready.index(s), k1_smem.index(s))
-        mbarrier.wait(k2_empty.index(s), ph ^ 1)
-        mbarrier.expect(k2_ready.index(s), k2_desc.block_type.nbytes)
-        _tma_load(k2_desc, [b, kv_head2, i * BLOCK_N, 0], k2_ready.index(s), k2_smem.index(s))
+        if _knob(SCHED, "MERGE"):
+            mbarrier.wait(k1_empty.index(s), ph ^ 1)  # a fresh barrier passes the phase-1 wait
+            mbarrier.expect(k1_ready.index(s), k1_desc.block_type.nbytes + k2_desc.block_type.nbytes)
+            _tma_load(k1_desc, [b, kv_head1, i * BLOCK_N, 0], k1_ready.index(s), k1_smem.index(s))
+            _tma_load(k2_desc, [b, kv_head2, i * BLOCK_N, 0], k1_ready.index(s), k2_smem.index(s))
+        else:
+            mbarrier.wait(k1_empty.index(s), ph ^ 1)  # a fresh barrier passes the phase-1 wait
+            mbarrier.expect(k1_ready.index(s), k1_desc.block_type.nbytes)
+            _tma_load(k1_desc, [b, kv_head1, i * BLOCK_N, 0], k1_ready.index(s), k1_smem.index(s))
+            mbarrier.wait(k2_empty.index(s), ph ^ 1)
+            mbarrier.expect(k2_ready.index(s), k2_desc.block_type.nbytes)
+            _tma_load(k2_desc, [b, kv_head2, i * BLOCK_N, 0], k2_ready.index(s), k2_smem.index(s))
 
 
 # Timing variants (bench/gluon_gpu.py, the method of bench/NOTES.md): wrong results on purpose.
@@ -86,7 +93,7 @@ def _exp2(x, VARIANT: gl.constexpr):
 
 # Schedule knobs, packed into one constexpr ``SCHED`` (bit offset, width); see ``config_of``.
 SCHED_BITS = dict(PINGPONG=(0, 1), SPLIT=(1, 1), POLY=(2, 2), RESCALE=(4, 1), FENCE=(5, 2), ORDER=(7, 1),
-                  LOOK=(8, 1), TURN=(9, 1))
+                  LOOK=(8, 1), TURN=(9, 1), MERGE=(10, 1))
 RESCALE_BITS = gl.constexpr(8.0)  # conditional rescaling: a new reference max only when the max grows by more
 
 
@@ -192,7 +199,7 @@ def _fold_sub(st, t1, t2, k1, k2, k1_free, k2_free, turn_next, visible, qk_scale
     m1, l1, m2, l2, acc = st
     RESCALE: gl.constexpr = _knob(SCHED, "RESCALE")
     s1, k1 = warpgroup_mma_wait(num_outstanding=W1, deps=(t1, k1))
-    if RELEASE:
+    if RELEASE and not _knob(SCHED, "MERGE"):  # MERGE: one release after the last wait (k2_free)
         mbarrier.arrive(k1_free, count=1)
     s2_raw = s1  # VARIANT 2 (no second product): side 2 folds S1 again
     # ---- side 1, while S2 is still on the tensor cores
@@ -323,7 +330,7 @@ def _fold_sub_s2first(st, t1, t2, k1, k2, k1_free, k2_free, turn_next, visible, 
         s2_raw, k1 = warpgroup_mma_wait(num_outstanding=0, deps=(t1, k1))
     else:
         s2_raw, k2 = warpgroup_mma_wait(num_outstanding=1, deps=(t2, k2))
-    if RELEASE:
+    if RELEASE and not _knob(SCHED, "MERGE"):  # MERGE: one release after the last wait (k1_free)
         mbarrier.arrive(k2_free, count=1)
     m2, l2, x2, moved2 = _half2(m2, l2, s2_raw, visible, qk_scale2, ONE, MASKED, VARIANT, SCHED)
     s1_raw = s2_raw
@@ -353,22 +360,27 @@ def _fold_pair(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_em
     k2a = k2_smem.index(sa).reshape([BLOCK_N, D2])
     k1b = k1_smem.index(sb).reshape([BLOCK_N, D1])
     k2b = k2_smem.index(sb).reshape([BLOCK_N, D2])
+    MERGE: gl.constexpr = _knob(SCHED, "MERGE")
     mbarrier.wait(k1_ready.index(sa), (i // NUM_STAGES) & 1)
-    mbarrier.wait(k2_ready.index(sa), (i // NUM_STAGES) & 1)
+    if not MERGE:
+        mbarrier.wait(k2_ready.index(sa), (i // NUM_STAGES) & 1)
     t2a = warpgroup_mma(q2, k2a.permute((1, 0)), zero, use_acc=False, is_async=True)
     t1a = warpgroup_mma(q1, k1a.permute((1, 0)), zero, use_acc=False, is_async=True)
     s2a, k2a = warpgroup_mma_wait(num_outstanding=1, deps=(t2a, k2a))
-    mbarrier.arrive(k2_empty.index(sa), count=1)
+    if not MERGE:
+        mbarrier.arrive(k2_empty.index(sa), count=1)
     m2, l2, x2a, moved2a = _half2(m2, l2, s2a, 0, qk_scale2, ONE, False, VARIANT, SCHED)
     mbarrier.wait(k1_ready.index(sb), ((i + 1) // NUM_STAGES) & 1)
-    mbarrier.wait(k2_ready.index(sb), ((i + 1) // NUM_STAGES) & 1)
+    if not MERGE:
+        mbarrier.wait(k2_ready.index(sb), ((i + 1) // NUM_STAGES) & 1)
     t2b = warpgroup_mma(q2, k2b.permute((1, 0)), zero, use_acc=False, is_async=True)
     s1a, k1a = warpgroup_mma_wait(num_outstanding=1, deps=(t1a, k1a))
     mbarrier.arrive(k1_empty.index(sa), count=1)
     m1, l1, acc = _half1(m1, l1, acc, s1a, x2a, moved2a, 0, qk_scale1, ONE, False, VARIANT, SCHED)
     t1b = warpgroup_mma(q1, k1b.permute((1, 0)), zero, use_acc=False, is_async=True)
     s2b, k2b = warpgroup_mma_wait(num_outstanding=1, deps=(t2b, k2b))
-    mbarrier.arrive(k2_empty.index(sb), count=1)
+    if not MERGE:
+        mbarrier.arrive(k2_empty.index(sb), count=1)
     m2, l2, x2b, moved2b = _half2(m2, l2, s2b, 0, qk_scale2, ONE, False, VARIANT, SCHED)
     s1b, k1b = warpgroup_mma_wait(num_outstanding=0, deps=(t1b, k1b))
     mbarrier.arrive(k1_empty.index(sb), count=1)
@@ -405,7 +417,11 @@ def _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_em
     k1 = k1_smem.index(s).reshape([BLOCK_N, D1])
     k2 = k2_smem.index(s).reshape([BLOCK_N, D2])
     mbarrier.wait(k1_ready.index(s), ph)
-    mbarrier.wait(k2_ready.index(s), ph)
+    k2_free = k2_empty.index(s)
+    if _knob(SCHED, "MERGE"):  # one barrier pair per slot: each mbarrier op costs a BAR.SYNC (membar, 3.6)
+        k2_free = k1_empty.index(s)
+    else:
+        mbarrier.wait(k2_ready.index(s), ph)
     if PINGPONG:  # FA3's turnstile: the two warpgroups take turns on the tensor cores
         mbarrier.wait(turn_bars.index(WG), i & 1)
     ORDER: gl.constexpr = _knob(SCHED, "ORDER") and not SPLIT
@@ -444,15 +460,15 @@ def _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_em
         if SPLIT:
             visible_b = _visible(i, 1, rows, N_K, diag_offset, BLOCK_N, SUB_N, CAUSAL)
     if ORDER:
-        st = _fold_sub_s2first(st, t1, t2, k1, k2, k1_empty.index(s), k2_empty.index(s), turn_next, visible_a,
+        st = _fold_sub_s2first(st, t1, t2, k1, k2, k1_empty.index(s), k2_free, turn_next, visible_a,
                                qk_scale1, qk_scale2, ONE, True, MASKED, VARIANT, SCHED)
     elif SPLIT:
-        st = _fold_sub(st, t1a, t2a, k1a, k2a, k1_empty.index(s), k2_empty.index(s), turn_next, visible_a, qk_scale1,
+        st = _fold_sub(st, t1a, t2a, k1a, k2a, k1_empty.index(s), k2_free, turn_next, visible_a, qk_scale1,
                        qk_scale2, zero, ONE, 2 * P - 1, 2 * P - 2, False, MASKED, VARIANT, SCHED)
-        st = _fold_sub(st, t1b, t2b, k1b, k2b, k1_empty.index(s), k2_empty.index(s), turn_next, visible_b, qk_scale1,
+        st = _fold_sub(st, t1b, t2b, k1b, k2b, k1_empty.index(s), k2_free, turn_next, visible_b, qk_scale1,
                        qk_scale2, zero, ONE, P - 1, 0, True, MASKED, VARIANT, SCHED)
     else:
-        st = _fold_sub(st, t1, t2, k1, k2, k1_empty.index(s), k2_empty.index(s), turn_next, visible_a, qk_scale1,
+        st = _fold_sub(st, t1, t2, k1, k2, k1_empty.index(s), k2_free, turn_next, visible_a, qk_scale1,
                        qk_scale2, zero, ONE, P - 1, 0, True, MASKED, VARIANT, SCHED)
     return st
 
@@ -578,7 +594,7 @@ def _gluon_kl_fwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, KL, LSE1, LSE2,
                       ONE, D1, D2, BLOCK_N, NUM_STAGES, CAUSAL, VARIANT, SCHED)),
         (_load_partition, (q1_desc, k1_desc, q2_desc, k2_desc, q1_smem, q2_smem, k1_smem, k2_smem,
                            q_bar, k1_ready, k2_ready, k1_empty, k2_empty,
-                           b, h, kv_head1, kv_head2, start_m, n_tiles, BLOCK_N, NUM_STAGES)),
+                           b, h, kv_head1, kv_head2, start_m, n_tiles, BLOCK_N, NUM_STAGES, SCHED)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -651,9 +667,17 @@ def experiments(d1: int, d2: int):
         # FA3's ping-pong as meant: the turn passes when this warpgroup's products are done, so
         # the other's products run while this one folds (PINGPONG alone passes it right after
         # issuing: both warpgroups' products then share the tensor cores and end together)
-        cand(128, 168, PINGPONG=1, TURN=1),
         cand(128, 168, PINGPONG=1, TURN=1, FENCE=2),
         cand(128, 168, PINGPONG=1, TURN=1, ORDER=1, FENCE=2),
+        # MERGE: K1 and K2 of a slot behind one ready and one empty barrier. Triton 3.6's membar
+        # puts a BAR.SYNC (the warpgroup's 128 threads) before every mbarrier wait that follows an
+        # arrive and before every arrive: 3 per key tile in the default, 2 merged. Nsight Compute
+        # (run r5a, 8K full, the default): "Stall Barrier" is the largest stall (2.06 of 6.92
+        # cycles per issued instruction), tensor pipe 45.9 % and MUFU 47.3 % active
+        cand(128, 168, MERGE=1),
+        cand(128, 168, FENCE=2, MERGE=1),
+        cand(128, 168, PINGPONG=1, TURN=1, FENCE=2, MERGE=1),
+        cand(64, 168, ORDER=1, LOOK=1, FENCE=2, MERGE=1),
     ]
 
 
@@ -667,7 +691,7 @@ def configs_to_measure(d1: int, d2: int):
 CAND_FIELDS = ("BLOCK_N", "NUM_STAGES", "maxnreg") + tuple(SCHED_BITS)
 CAND_DEFAULTS = {k: 0 for k in SCHED_BITS}
 _FLAG_NAMES = dict(PINGPONG="pingpong", SPLIT="split", POLY="poly", RESCALE="rescale", FENCE="fence",
-                   ORDER="s2first", LOOK="look", TURN="lateturn")
+                   ORDER="s2first", LOOK="look", TURN="lateturn", MERGE="merged")
 
 
 def sched_of(cfg) -> int:

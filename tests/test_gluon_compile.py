@@ -32,9 +32,12 @@ CTA_THREADS = 384  # what the H200 reported for a Gluon forward CTA (OutOfResour
 # side 2's exponentials of the first tile issued before the S1 wait.
 FENCE_SPEC = "bf16:causal:128:128:64:4:168:0:0:0:0:1"
 LOOK_SPEC = "bf16:causal:128:128:64:4:168:0:0:0:0:0:1:1"
+# And MERGE (one ready and one empty barrier per ring slot): fewer BAR.SYNC per key tile than the
+# default (triton's membar puts one at each mbarrier op of the loop).
+MERGE_SPEC = "bf16:full:128:128:128:2:168:0:0:0:0:0:0:0:0:1"
 CI_SPECS = ["bf16:full:128:128", "fp16:causal:128:128", "bf16:causal:64:128"] + [
     "bf16:causal:64:64:" + ":".join(map(str, c)) for c in _gluon_fwd.candidates(64, 64)[1:] if c[2] == 168] + [
-    FENCE_SPEC, LOOK_SPEC]
+    FENCE_SPEC, LOOK_SPEC, MERGE_SPEC]
 
 
 @pytest.fixture(scope="module")
@@ -348,3 +351,12 @@ def test_tuner_candidates_measured_winner_at_d128():
         assert len(cands) == 3 and cands[0][:3] == (128, _gluon_fwd._ring_stages(d1, d2, 128), 168), cands
     # the turnstile stays measured at D = 128 (an experiment there: the control for TURN)
     assert (128, _gluon_fwd._ring_stages(128, 128, 128), 168, 1) in _gluon_fwd.configs_to_measure(128, 128)
+
+
+def test_merged_ring_barriers_cost_fewer_warpgroup_rendezvous(compiled):
+    """The point of MERGE in the SASS: fewer BAR.SYNC per key-tile loop than the default's (one
+    per mbarrier wait after an arrive and per arrive: 3 -> 2 on triton 3.6, 2 -> 1 on 3.9)."""
+    merged = [lp["bar"] for lp in compiled[MERGE_SPEC]["loops"]]
+    default = [lp["bar"] for lp in compiled["bf16:full:128:128"]["loops"]]
+    assert len(merged) == len(default) == 4, (merged, default)
+    assert all(1 <= m < d for m, d in zip(merged, default)), (merged, default)
