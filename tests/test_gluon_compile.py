@@ -334,7 +334,8 @@ def test_schedule_knobs_pack_into_sched():
         _gluon_fwd.sched_of(dict(POLY=4))
     # combinations the kernel does not implement are refused, not silently run as another schedule
     for bad, name in ((dict(LOOK=1), "ORDER"), (dict(LOOK=1, ORDER=1, PINGPONG=1), "PINGPONG"),
-                      (dict(ORDER=1, SPLIT=1), "SPLIT")):
+                      (dict(ORDER=1, SPLIT=1), "SPLIT"), (dict(TURN=1), "PINGPONG"),
+                      (dict(PINGPONG=1, TURN=1, RELTURN=1), "MERGE")):
         with pytest.raises(ValueError, match=name):
             _gluon_fwd.sched_of(bad)
 
