@@ -687,8 +687,9 @@ def experiments(d1: int, d2: int):
         # MERGE: K1 and K2 of a slot behind one ready and one empty barrier. Triton 3.6's membar
         # puts a BAR.SYNC (the warpgroup's 128 threads) before every mbarrier wait that follows an
         # arrive and before every arrive: 3 per key tile in the default, 2 merged. Nsight Compute
-        # (run r5a, 8K full, the default): "Stall Barrier" is the largest stall (2.06 of 6.92
-        # cycles per issued instruction), tensor pipe 45.9 % and MUFU 47.3 % active
+        # (run r5a, 8K full, the default) has "Stall Barrier" largest (2.06 of 6.92 cycles per
+        # issued instruction), but ~1.75 of it are the 3 padding warps parked at barrier 1
+        # (bench/NOTES.md): expect little
         cand(128, 168, MERGE=1),
         cand(128, 168, FENCE=2, MERGE=1),
         cand(128, 168, PINGPONG=1, TURN=1, FENCE=2, MERGE=1),
