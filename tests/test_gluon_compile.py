@@ -361,3 +361,34 @@ def test_merged_ring_barriers_cost_fewer_warpgroup_rendezvous(compiled):
     default = [lp["bar"] for lp in compiled["bf16:full:128:128"]["loops"]]
     assert len(merged) == len(default) == 4, (merged, default)
     assert all(1 <= m < d for m, d in zip(merged, default)), (merged, default)
+
+
+def test_gpu_script_times_interleaved_rounds_and_survives_a_failing_provider(monkeypatch):
+    """bench/gluon_gpu.py's time_point (mocked timer, no GPU): every provider timed in each of
+    ROUNDS rounds, forward then reversed order; the lowest round median kept; a provider that
+    raises is recorded as an error and the others go on."""
+    g = _bench_script()
+    order = []
+    values = iter([3.0, 2.0, 1.0, 1.5, 2.5, 2.9])  # a b sdpa | sdpa b a
+
+    def provider_fn(prov, xs, causal):
+        if prov == "bad":
+            raise RuntimeError("boom")
+        return prov
+
+    def time_ms(fn, warmup, rep):
+        order.append(fn)
+        return next(values)
+
+    class Budget:
+        def left(self):
+            return 100.0
+
+    monkeypatch.setattr(g, "_provider_fn", provider_fn)
+    monkeypatch.setattr(g, "time_ms", time_ms)
+    monkeypatch.setattr(g, "ROUNDS", 2)
+    times = {}
+    g.time_point("targets", "case", {}, None, False, ["a", "bad", "b", "sdpa"], 1, 1, Budget(), times)
+    assert order == ["a", "b", "sdpa", "sdpa", "b", "a"]
+    assert times == {"a": 2.9, "b": 2.0, "sdpa": 1.0}
+    assert any(r["provider"] == "bad" and r["status"] == "ERROR" for r in g.ROWS)
