@@ -19,7 +19,7 @@ Sections (a time budget skips what does not fit, recorded as ``skipped``; the SA
    Triton path forced (``triton``) and SDPA (default dispatch, ``is_causal``); then at 32K and
    64K the best configuration at 8K/16K (three, without --quick), the API's Gluon path and SDPA
    (and auto, triton without --quick).
-3. variants: the default kernel and the FENCE+PINGPONG schedules (``VARIANT_CONFIGS``) beside
+3. variants: the default kernel, the late-turn ping-pong and the lookahead (``VARIANT_CONFIGS``) beside
    deliberately wrong variants of each (no exponentials, no second product, no acc work) at 8K
    (bench/NOTES.md's variant-timing method).
 4. grid (--grid: this section alone, then the SASS): the issue's no-regression grid, auto vs forced triton (and forced gluon where it takes the shape):
@@ -307,11 +307,12 @@ def run_sass(out_dir):
             c = _gluon_sass.sass_counts(sass)
             regs = getattr(k, "n_regs", None)
             spills = getattr(k, "n_spills", None)
-            loops = [(lp["hgmma"], lp["depbar"], lp["ex2"], lp["ex2_between_waits"]) for lp in c["loops"]]
+            loops = [(lp["hgmma"], lp["depbar"], lp["ex2"], lp["ex2_between_waits"], lp.get("bar"))
+                     for lp in c["loops"]]
             # at most the source's waits per key tile (2, or 4 with SPLIT), not one per HGMMA, and
             # no spills in the key-tile loops; spills elsewhere (the prologue, after the loops)
             # make it "warn": a dispatchable configuration must have none (tests/test_gluon_compile.py)
-            ok = (c["hgmma"] > 0 and bool(loops) and all(1 <= d <= waits for _, d, _, _ in loops)
+            ok = (c["hgmma"] > 0 and bool(loops) and all(1 <= lp[1] <= waits for lp in loops)
                   and not any(lp["spills"] for lp in c["loops"]))
             if ok and (c["stl"] or c["ldl"]):
                 ok = "warn"
@@ -320,7 +321,7 @@ def run_sass(out_dir):
             for m in ("hgmma", "depbar", "stl", "ldl", "ex2"):
                 record("sass", label, name, m, c[m])
             verdict = _verdict(ok)
-            record("sass", label, name, "loops(hgmma,depbar,ex2,ex2_between_waits)", json.dumps(loops),
+            record("sass", label, name, "loops(hgmma,depbar,ex2,ex2_between_waits,bar_sync)", json.dumps(loops),
                    verdict, f"regs={regs} spills={spills}")
             summary.append((name, label, ok, c, loops, regs, spills))
             log(f"{verdict:4s} {name} ({label}): HGMMA={c['hgmma']} DEPBAR={c['depbar']} STL={c['stl']} "
@@ -485,27 +486,67 @@ def provider_of(cand):
     return prov
 
 
+ROUNDS = 2  # timing rounds per point, providers interleaved (main: --rounds)
+
+
 def time_point(section, case, meta, xs, causal, providers, warmup, rep, budget, times):
+    """Time each provider in ``ROUNDS`` interleaved rounds (forward, then reversed order, ...) and
+    keep the lowest of its round medians: the GPU's clock drifts within a run (session 4, run 3:
+    the API's tuned path ran 8K causal 8 % faster than every configuration it chooses from,
+    timed earlier, forced), and a drift can only make a round slower."""
+    rounds = {}
+    failed = set()
+    for r in range(ROUNDS):
+        for prov in (providers if r % 2 == 0 else providers[::-1]):
+            if prov in failed:
+                continue
+            if budget.left() < 5:
+                if prov not in rounds:
+                    record(section, case, prov, "ms", None, "skipped", "time budget", **meta)
+                    failed.add(prov)
+                continue
+            try:
+                fn = _provider_fn(prov, xs, causal)
+                with torch.no_grad():
+                    ms = time_ms(fn, warmup, rep)
+                if prov.startswith("gluon"):
+                    note_gluon_kernel(f"{case} {prov}")
+                rounds.setdefault(prov, []).append(ms)
+            except Exception as exc:
+                tb = traceback.format_exc()
+                failed.add(prov)
+                record(section, case, prov, "ms", None, "ERROR", f"{type(exc).__name__}: {str(exc)[:2000]}", **meta)
+                log(f"ERROR {section} {case} {prov}:\n{tb[-3000:]}")
+            finally:
+                set_backend("auto")
     for prov in providers:
-        if budget.left() < 5:
-            record(section, case, prov, "ms", None, "skipped", "time budget", **meta)
-            continue
-        try:
-            fn = _provider_fn(prov, xs, causal)
-            with torch.no_grad():
-                ms = time_ms(fn, warmup, rep)
-            if prov.startswith("gluon"):
-                note_gluon_kernel(f"{case} {prov}")
-            times[prov] = ms
-            record(section, case, prov, "ms", ms, **meta)
-        except Exception as exc:
-            tb = traceback.format_exc()
-            record(section, case, prov, "ms", None, "ERROR", f"{type(exc).__name__}: {str(exc)[:2000]}", **meta)
-            log(f"ERROR {section} {case} {prov}:\n{tb[-3000:]}")
-        finally:
-            set_backend("auto")
+        if prov in rounds:
+            times[prov] = min(rounds[prov])
+            record(section, case, prov, "ms", times[prov], detail="rounds " + " ".join(f"{v:.4f}" for v in rounds[prov]),
+                   **meta)
     line = " ".join(f"{p}={times[p]:.3f}" for p in providers if p in times)
     log(f"{section} {case}: {line}")
+    spread = {p: max(v) / min(v) - 1 for p, v in rounds.items() if len(v) > 1}
+    if spread:
+        worst = max(spread, key=spread.get)
+        log(f"  round-to-round spread: median {sorted(spread.values())[len(spread) // 2] * 100:.1f} %, "
+            f"max {spread[worst] * 100:.1f} % ({worst})")
+
+
+def log_tuner_picks():
+    """What the API's Gluon tuner measured and chose (``_tuning.TUNING_LOG``, ``_PICKED``)."""
+    from streamkl_gpu import _gluon_fwd, _tuning
+
+    for key, meas in _tuning.TUNING_LOG.items():
+        if key and key[0] == "gluon_fwd":
+            picked = dispatch._PICKED.get(key)
+            log(f"tuner {key[1:]}: " + ", ".join(f"{_gluon_fwd.describe(c)} {ms:.3f}" for c, ms in meas)
+                + (f" -> {_gluon_fwd.describe(picked)}" if picked else ""))
+            record("tuner", str(key[1:]), "gluon", "picked", _gluon_fwd.describe(picked) if picked else None,
+                   detail="; ".join(f"{_gluon_fwd.describe(c)}={ms:.4f}" for c, ms in meas))
+    for key, ret in getattr(_tuning, "TUNING_RETIMED", {}).items():
+        if key and key[0] == "gluon_fwd":
+            log(f"tuner re-timed {key[1:]}: " + ", ".join(f"{_gluon_fwd.describe(c)} {ms:.3f}" for c, ms in ret.items()))
 
 
 def supported(xs):
@@ -591,9 +632,11 @@ def run_variants(quick, warmup, rep, budget, variants, configs):
     return table
 
 
-# the configurations the variants section takes apart: the default, and the schedules with both
-# overlaps (FENCE inside a warpgroup, PINGPONG between them) at 64- and 128-key tiles
-VARIANT_CONFIGS = [(128, 2, 168, 0), (64, 4, 168, 1, 0, 0, 0, 1), (128, 2, 168, 1, 0, 0, 0, 2)]
+# the configurations the variants section takes apart: the default, the ping-pong with the late
+# turn (the overlap between the warpgroups) and the two-tile lookahead (inside a warpgroup)
+VARIANT_CONFIGS = [(128, 2, 168, 0), (128, 2, 168, 1, 0, 0, 0, 2, 0, 0, 1), (64, 4, 168, 0, 0, 0, 0, 2, 1, 1)]
+# variants a configuration does not run as its own schedule (LOOK: no second product folds single tiles)
+VARIANT_SKIP = {(64, 4, 168, 0, 0, 0, 0, 2, 1, 1): ("no_second_product",)}
 
 
 def shape(N, NQ=None, D1=128, D2=128, H=32, HK=None, dtype="bf16"):
@@ -662,6 +705,7 @@ def _select_configs(which, d1=128, d2=128):
 
 
 def main(argv=None):
+    global ROUNDS
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--probe":
         return _probe(argv[1:])
@@ -676,8 +720,11 @@ def main(argv=None):
     p.add_argument("--configs", default="all",
                    help="Gluon configurations checked and timed forced: all (tuner's + experiments), tuner, "
                         "default, or 'BLOCK_N,STAGES,MAXNREG,...;...'")
+    p.add_argument("--rounds", type=int, default=ROUNDS,
+                   help="interleaved timing rounds per 8K/16K target point (the lowest round median is kept)")
     a = p.parse_args(argv)
     os.makedirs(a.out_dir, exist_ok=True)
+    ROUNDS = max(1, a.rounds)
     if a.no_autotune:
         os.environ["STREAMKL_AUTOTUNE"] = "0"
     budget = Budget(a.budget if a.budget is not None else (85 if a.quick else 540))  # + the SASS section
@@ -707,12 +754,12 @@ def main(argv=None):
             variant_names = [v for v in ("kernel", "no_exp", "no_second_product", "no_acc")
                              if not (a.quick and v == "no_acc")]
             vconfigs = [c for c in VARIANT_CONFIGS if c in configs] if dispatch.GLUON_AVAILABLE else []
-            variants_of = {c: list(variant_names) for c in vconfigs}
+            variants_of = {c: [v for v in variant_names if v not in VARIANT_SKIP.get(c, ())] for c in vconfigs}
             if configs and not a.no_prewarm:
                 from streamkl_gpu import _gluon_fwd
 
                 specs = [_spec("kernel", c) for c in configs] + [
-                    _spec(v, c) for c in vconfigs for v in variant_names if v != "kernel"]
+                    _spec(v, c) for c in vconfigs for v in variants_of[c] if v != "kernel"]
                 status = prewarm(specs, budget, a.out_dir)
                 failed_cfg = {c: status[_spec("kernel", c)] for c in configs if status.get(_spec("kernel", c))}
                 configs = [c for c in configs if c not in failed_cfg]
@@ -727,11 +774,16 @@ def main(argv=None):
                 checks = run_check(a.quick, configs, budget)
             if budget.left() > 20:
                 targets = run_timing("targets", target_points([8 * K, 16 * K]), warmup, rep, budget, providers)
+                try:
+                    log_tuner_picks()
+                except Exception as exc:  # a report, never a reason to stop the run
+                    log(f"tuner log failed: {type(exc).__name__}: {exc}")
             # 32K and 64K (the Must covers 8K..64K): the best configurations at 8K/16K, the API's
             # Gluon path and SDPA (--quick); without --quick also the top 3, auto and triton
             if budget.left() > 30 and providers:
                 best = best_configs(targets, providers, 1 if a.quick else 3)
                 log(f"best configurations at 8K/16K: {best}")
+                ROUNDS = 1  # long calls: drift within one point matters less than the time they take
                 targets += run_timing("targets 32K-64K", target_points([32 * K, 64 * K]), warmup, rep, budget, best,
                                       api=("gluon",) if a.quick else ("gluon", "auto", "triton"))
             if budget.left() > 15 and dispatch.GLUON_AVAILABLE:

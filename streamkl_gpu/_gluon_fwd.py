@@ -53,8 +53,9 @@ def _acc_layout(block_n):
 def _load_partition(q1_desc, k1_desc, q2_desc, k2_desc, q1_smem, q2_smem, k1_smem, k2_smem,
                     q_bar, k1_ready, k2_ready, k1_empty, k2_empty,
                     b, h, kv_head1, kv_head2, start_m, n_tiles,
-                    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """Producer warp: Q1, Q2 of both warpgroups once, then key tile i into ring slot i % NUM_STAGES."""
+                    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, SCHED: gl.constexpr):
+    """Producer warp: Q1, Q2 of both warpgroups once, then key tile i into ring slot i % NUM_STAGES.
+    MERGE: K1 and K2 of a slot share one ready and one empty barrier (k1_ready, k1_empty)."""
     mbarrier.expect(q_bar, 2 * q1_desc.block_type.nbytes + 2 * q2_desc.block_type.nbytes)
     _tma_load(q1_desc, [b, h, start_m, 0], q_bar, q1_smem.index(0))
     _tma_load(q2_desc, [b, h, start_m, 0], q_bar, q2_smem.index(0))
@@ -63,12 +64,20 @@ def _load_partition(q1_desc, k1_desc, q2_desc, k2_desc, q1_smem, q2_smem, k1_sme
     for i in range(n_tiles):
         s = i % NUM_STAGES
         ph = (i // NUM_STAGES) & 1
-        mbarrier.wait(k1_empty.index(s), ph ^ 1)  # a fresh barrier passes the phase-1 wait
-        mbarrier.expect(k1_ready.index(s), k1_desc.block_type.nbytes)
-        _tma_load(k1_desc, [b, kv_head1, i * BLOCK_N, 0], k1_ready.index(s), k1_smem.index(s))
-        mbarrier.wait(k2_empty.index(s), ph ^ 1)
-        mbarrier.expect(k2_ready.index(s), k2_desc.block_type.nbytes)
-        _tma_load(k2_desc, [b, kv_head2, i * BLOCK_N, 0], k2_ready.index(s), k2_smem.index(s))
+        if _knob(SCHED, "MERGE"):
+            mbarrier.wait(k1_empty.index(s), ph ^ 1)  # a fresh barrier passes the phase-1 wait
+            if _knob(SCHED, "RELTURN"):  # per-warpgroup empty barriers
+                mbarrier.wait(k2_empty.index(s), ph ^ 1)
+            mbarrier.expect(k1_ready.index(s), k1_desc.block_type.nbytes + k2_desc.block_type.nbytes)
+            _tma_load(k1_desc, [b, kv_head1, i * BLOCK_N, 0], k1_ready.index(s), k1_smem.index(s))
+            _tma_load(k2_desc, [b, kv_head2, i * BLOCK_N, 0], k1_ready.index(s), k2_smem.index(s))
+        else:
+            mbarrier.wait(k1_empty.index(s), ph ^ 1)  # a fresh barrier passes the phase-1 wait
+            mbarrier.expect(k1_ready.index(s), k1_desc.block_type.nbytes)
+            _tma_load(k1_desc, [b, kv_head1, i * BLOCK_N, 0], k1_ready.index(s), k1_smem.index(s))
+            mbarrier.wait(k2_empty.index(s), ph ^ 1)
+            mbarrier.expect(k2_ready.index(s), k2_desc.block_type.nbytes)
+            _tma_load(k2_desc, [b, kv_head2, i * BLOCK_N, 0], k2_ready.index(s), k2_smem.index(s))
 
 
 # Timing variants (bench/gluon_gpu.py, the method of bench/NOTES.md): wrong results on purpose.
@@ -85,7 +94,8 @@ def _exp2(x, VARIANT: gl.constexpr):
 
 
 # Schedule knobs, packed into one constexpr ``SCHED`` (bit offset, width); see ``config_of``.
-SCHED_BITS = dict(PINGPONG=(0, 1), SPLIT=(1, 1), POLY=(2, 2), RESCALE=(4, 1), FENCE=(5, 2))
+SCHED_BITS = dict(PINGPONG=(0, 1), SPLIT=(1, 1), POLY=(2, 2), RESCALE=(4, 1), FENCE=(5, 2), ORDER=(7, 1),
+                  LOOK=(8, 1), TURN=(9, 1), MERGE=(10, 1), RELTURN=(11, 1))
 RESCALE_BITS = gl.constexpr(8.0)  # conditional rescaling: a new reference max only when the max grows by more
 
 
@@ -181,16 +191,17 @@ def _side1_exps(x1, m1, l1, shift1, visible, MASKED: gl.constexpr, VARIANT: gl.c
 
 
 @gluon.jit
-def _fold_sub(st, t1, t2, k1, k2, k1_free, k2_free, visible, qk_scale1, qk_scale2, zero, ONE,
+def _fold_sub(st, t1, t2, k1, k2, k1_free, k2_free, turn_next, visible, qk_scale1, qk_scale2, zero, ONE,
               W1: gl.constexpr, W2: gl.constexpr, RELEASE: gl.constexpr,
               MASKED: gl.constexpr, VARIANT: gl.constexpr, SCHED: gl.constexpr):
     """Fold one (sub-)tile's scores into the row states (the formulas of _fwd._fwd_key_range,
     same order): wait for S1 (W1 products still in flight after it), fold side 1, then wait for
-    S2 (W2 in flight) and fold side 2. RELEASE: this is the slot's last sub-tile; free K1 and K2."""
+    S2 (W2 in flight) and fold side 2. RELEASE: this is the slot's last sub-tile; free K1 and K2
+    (and with PINGPONG + TURN hand the tensor cores to the other warpgroup: ``turn_next``)."""
     m1, l1, m2, l2, acc = st
     RESCALE: gl.constexpr = _knob(SCHED, "RESCALE")
     s1, k1 = warpgroup_mma_wait(num_outstanding=W1, deps=(t1, k1))
-    if RELEASE:
+    if RELEASE and not _knob(SCHED, "MERGE"):  # MERGE: one release after the last wait (k2_free)
         mbarrier.arrive(k1_free, count=1)
     s2_raw = s1  # VARIANT 2 (no second product): side 2 folds S1 again
     # ---- side 1, while S2 is still on the tensor cores
@@ -216,6 +227,8 @@ def _fold_sub(st, t1, t2, k1, k2, k1_free, k2_free, visible, qk_scale1, qk_scale
     # ---- side 2
     if VARIANT != 2:
         s2_raw, k2 = warpgroup_mma_wait(num_outstanding=W2, deps=(t2, k2))
+    if RELEASE and _knob(SCHED, "PINGPONG") and _knob(SCHED, "TURN") and not _knob(SCHED, "RELTURN"):
+        mbarrier.arrive(turn_next, count=1)  # this tile's products are done: the other's turn
     if RELEASE:
         mbarrier.arrive(k2_free, count=1)
     s2 = libdevice.mul_rn(s2_raw, qk_scale2)
@@ -240,6 +253,141 @@ def _fold_sub(st, t1, t2, k1, k2, k1_free, k2_free, visible, qk_scale1, qk_scale
         acc = (acc - l1 * moved) * alpha1 + gl.sum(term, axis=1)
     l2 = l2 * alpha2 + sum2
     return m1_new, l1_new, m2_new, l2, acc
+
+
+# ---- side 2 first (ORDER) and the two-tile lookahead (LOOK): the same formulas as _fold_sub,
+# with the products issued S2 then S1. Side 2 is folded while S1 runs; it leaves only x2 live (its
+# exponentials feed l2 alone), where side 1 first leaves p1 and x1 live across the S2 wait (192
+# registers with the S2 accumulator, the pressure under which ptxas sinks the exponentials).
+
+@gluon.jit
+def _half2(m2, l2, s2_raw, visible, qk_scale2, ONE, MASKED: gl.constexpr, VARIANT: gl.constexpr,
+           SCHED: gl.constexpr):
+    """Side 2 of a tile, folded first: (the new m2, the new l2, x2, moved2 = shift2 - safe(old m2))."""
+    RESCALE: gl.constexpr = _knob(SCHED, "RESCALE")
+    POLY: gl.constexpr = _knob(SCHED, "POLY")
+    FENCE: gl.constexpr = _knob(SCHED, "FENCE")
+    s2 = libdevice.mul_rn(s2_raw, qk_scale2)
+    m2_new = _new_max(m2, s2, visible, MASKED, RESCALE)
+    if MASKED:
+        shift2 = _fwd._safe(m2_new)
+    else:
+        shift2 = m2_new
+    x2 = s2 - shift2[:, None]
+    if MASKED:
+        e2 = gl.where(visible, x2, float("-inf"))
+    else:
+        e2 = x2
+    if FENCE == 1 or (FENCE == 2 and not MASKED):  # the one-trip loop of _fold_sub: ptxas cannot
+        sum2 = l2  # sink these exponentials below the S1 wait (after the loop)
+        for _ in range(ONE):
+            sum2 = _sum_exp2(e2, VARIANT, POLY)
+    else:
+        sum2 = _sum_exp2(e2, VARIANT, POLY)
+    alpha2 = gl.exp2(m2 - shift2)
+    l2_new = l2 * alpha2 + sum2
+    return m2_new, l2_new, x2, shift2 - _fwd._safe(m2)
+
+
+@gluon.jit
+def _half1(m1, l1, acc, s1_raw, x2, moved2, visible, qk_scale1, ONE, MASKED: gl.constexpr, VARIANT: gl.constexpr,
+           SCHED: gl.constexpr):
+    """Side 1 of a tile after side 2 (``_half2``'s x2, moved2): (the new m1, l1, acc). FENCE: its
+    exponentials in a one-trip loop (LOOK: so that they stay above the next product's wait)."""
+    RESCALE: gl.constexpr = _knob(SCHED, "RESCALE")
+    FENCE: gl.constexpr = _knob(SCHED, "FENCE")
+    s1 = libdevice.mul_rn(s1_raw, qk_scale1)
+    m1_new = _new_max(m1, s1, visible, MASKED, RESCALE)
+    if MASKED:
+        shift1 = _fwd._safe(m1_new)
+    else:
+        shift1 = m1_new
+    x1 = s1 - shift1[:, None]
+    if FENCE == 1 or (FENCE == 2 and not MASKED):
+        p1 = x1
+        l1_new = l1
+        alpha1 = l1
+        for _ in range(ONE):
+            p1, l1_new, alpha1 = _side1_exps(x1, m1, l1, shift1, visible, MASKED, VARIANT)
+    else:
+        p1, l1_new, alpha1 = _side1_exps(x1, m1, l1, shift1, visible, MASKED, VARIANT)
+    log_ratio = x1 - x2  # the shifted log-ratio (see _fwd._finalize)
+    if MASKED:
+        term = gl.where(visible, p1 * log_ratio, 0.0)  # masked entries add exactly 0 (NaN keys)
+    else:
+        term = p1 * log_ratio
+    if VARIANT != 3:
+        moved = (shift1 - _fwd._safe(m1)) - moved2  # as _fold_sub: (dm1) - (dm2)
+        acc = (acc - l1 * moved) * alpha1 + gl.sum(term, axis=1)
+    return m1_new, l1_new, acc
+
+
+@gluon.jit
+def _fold_sub_s2first(st, t1, t2, k1, k2, k1_free, k2_free, turn_next, visible, qk_scale1, qk_scale2, ONE,
+                      RELEASE: gl.constexpr, MASKED: gl.constexpr, VARIANT: gl.constexpr, SCHED: gl.constexpr):
+    """ORDER: S2 was issued before S1; wait for S2 (S1 in flight), fold side 2, wait for S1, fold
+    side 1. VARIANT 2 (no second product): t1 is t2, side 2 folds S1."""
+    m1, l1, m2, l2, acc = st
+    if VARIANT == 2:
+        s2_raw, k1 = warpgroup_mma_wait(num_outstanding=0, deps=(t1, k1))
+    else:
+        s2_raw, k2 = warpgroup_mma_wait(num_outstanding=1, deps=(t2, k2))
+    if RELEASE and not _knob(SCHED, "MERGE"):  # MERGE: one release after the last wait (k1_free)
+        mbarrier.arrive(k2_free, count=1)
+    m2, l2, x2, moved2 = _half2(m2, l2, s2_raw, visible, qk_scale2, ONE, MASKED, VARIANT, SCHED)
+    s1_raw = s2_raw
+    if VARIANT != 2:
+        s1_raw, k1 = warpgroup_mma_wait(num_outstanding=0, deps=(t1, k1))
+    if RELEASE and _knob(SCHED, "PINGPONG") and _knob(SCHED, "TURN") and not _knob(SCHED, "RELTURN"):
+        mbarrier.arrive(turn_next, count=1)  # this tile's products are done: the other's turn
+    if RELEASE:
+        mbarrier.arrive(k1_free, count=1)
+    m1, l1, acc = _half1(m1, l1, acc, s1_raw, x2, moved2, visible, qk_scale1, ONE, MASKED, VARIANT, SCHED)
+    return m1, l1, m2, l2, acc
+
+
+@gluon.jit
+def _fold_pair(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, i, zero,
+               qk_scale1, qk_scale2, ONE, D1: gl.constexpr, D2: gl.constexpr, BLOCK_N: gl.constexpr,
+               NUM_STAGES: gl.constexpr, VARIANT: gl.constexpr, SCHED: gl.constexpr):
+    """LOOK: whole key tiles i and i + 1 in one iteration, side 2 first, the next product issued
+    before each fold so that the tensor cores have this warpgroup's work during three of the four
+    folds (one today's two): S2a S1a | fold 2a | S2b | fold 1a | S1b | fold 2b | fold 1b. At most
+    two groups in flight, every one waited inside the iteration (no token over the back edge, the
+    sketch's trap). Not for VARIANT 2 (the caller folds single tiles then)."""
+    m1, l1, m2, l2, acc = st
+    sa = i % NUM_STAGES
+    sb = (i + 1) % NUM_STAGES
+    k1a = k1_smem.index(sa).reshape([BLOCK_N, D1])
+    k2a = k2_smem.index(sa).reshape([BLOCK_N, D2])
+    k1b = k1_smem.index(sb).reshape([BLOCK_N, D1])
+    k2b = k2_smem.index(sb).reshape([BLOCK_N, D2])
+    MERGE: gl.constexpr = _knob(SCHED, "MERGE")
+    mbarrier.wait(k1_ready.index(sa), (i // NUM_STAGES) & 1)
+    if not MERGE:
+        mbarrier.wait(k2_ready.index(sa), (i // NUM_STAGES) & 1)
+    t2a = warpgroup_mma(q2, k2a.permute((1, 0)), zero, use_acc=False, is_async=True)
+    t1a = warpgroup_mma(q1, k1a.permute((1, 0)), zero, use_acc=False, is_async=True)
+    s2a, k2a = warpgroup_mma_wait(num_outstanding=1, deps=(t2a, k2a))
+    if not MERGE:
+        mbarrier.arrive(k2_empty.index(sa), count=1)
+    m2, l2, x2a, moved2a = _half2(m2, l2, s2a, 0, qk_scale2, ONE, False, VARIANT, SCHED)
+    mbarrier.wait(k1_ready.index(sb), ((i + 1) // NUM_STAGES) & 1)
+    if not MERGE:
+        mbarrier.wait(k2_ready.index(sb), ((i + 1) // NUM_STAGES) & 1)
+    t2b = warpgroup_mma(q2, k2b.permute((1, 0)), zero, use_acc=False, is_async=True)
+    s1a, k1a = warpgroup_mma_wait(num_outstanding=1, deps=(t1a, k1a))
+    mbarrier.arrive(k1_empty.index(sa), count=1)
+    m1, l1, acc = _half1(m1, l1, acc, s1a, x2a, moved2a, 0, qk_scale1, ONE, False, VARIANT, SCHED)
+    t1b = warpgroup_mma(q1, k1b.permute((1, 0)), zero, use_acc=False, is_async=True)
+    s2b, k2b = warpgroup_mma_wait(num_outstanding=1, deps=(t2b, k2b))
+    if not MERGE:
+        mbarrier.arrive(k2_empty.index(sb), count=1)
+    m2, l2, x2b, moved2b = _half2(m2, l2, s2b, 0, qk_scale2, ONE, False, VARIANT, SCHED)
+    s1b, k1b = warpgroup_mma_wait(num_outstanding=0, deps=(t1b, k1b))
+    mbarrier.arrive(k1_empty.index(sb), count=1)
+    m1, l1, acc = _half1(m1, l1, acc, s1b, x2b, moved2b, 0, qk_scale1, ONE, False, VARIANT, SCHED)
+    return m1, l1, m2, l2, acc
 
 
 @gluon.jit
@@ -271,10 +419,34 @@ def _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_em
     k1 = k1_smem.index(s).reshape([BLOCK_N, D1])
     k2 = k2_smem.index(s).reshape([BLOCK_N, D2])
     mbarrier.wait(k1_ready.index(s), ph)
-    mbarrier.wait(k2_ready.index(s), ph)
-    if PINGPONG:  # FA3's turnstile: the two warpgroups take turns on the tensor cores
+    RELTURN: gl.constexpr = _knob(SCHED, "RELTURN")
+    k1_free = k1_empty.index(s)
+    k2_free = k2_empty.index(s)
+    if RELTURN:  # per-warpgroup empty barriers (k1_empty: warpgroup 0's, k2_empty: 1's), one release
+        if WG == 1:
+            k1_free = k2_empty.index(s)
+        k2_free = k1_free
+    elif _knob(SCHED, "MERGE"):  # one barrier pair per slot: each mbarrier op costs a BAR.SYNC (membar, 3.6)
+        k2_free = k1_empty.index(s)
+    if not _knob(SCHED, "MERGE"):
+        mbarrier.wait(k2_ready.index(s), ph)
+    if RELTURN:  # the turn is the other warpgroup's release: 1 waits for 0's of tile i, 0 for 1's of i - 1
+        if WG == 1:
+            mbarrier.wait(k1_empty.index(s), ph)
+        else:
+            j = i + NUM_STAGES - 1
+            mbarrier.wait(k2_empty.index(j % NUM_STAGES), ((j // NUM_STAGES) + 1) & 1, pred=i > 0)
+    elif PINGPONG:  # FA3's turnstile: the two warpgroups take turns on the tensor cores
         mbarrier.wait(turn_bars.index(WG), i & 1)
-    if SPLIT:
+    ORDER: gl.constexpr = _knob(SCHED, "ORDER") and not SPLIT
+    if ORDER:  # side 2 first: S2 issued (and waited) before S1
+        if VARIANT != 2:
+            t2 = warpgroup_mma(q2, k2.permute((1, 0)), zero, use_acc=False, is_async=True)
+            t1 = warpgroup_mma(q1, k1.permute((1, 0)), zero, use_acc=False, is_async=True)
+        else:
+            t1 = warpgroup_mma(q1, k1.permute((1, 0)), zero, use_acc=False, is_async=True)
+            t2 = t1
+    elif SPLIT:
         k1a = k1.slice(0, SUB_N)
         k2a = k2.slice(0, SUB_N)
         k1b = k1.slice(SUB_N, SUB_N)
@@ -292,7 +464,8 @@ def _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_em
         t2 = t1
         if VARIANT != 2:
             t2 = warpgroup_mma(q2, k2.permute((1, 0)), zero, use_acc=False, is_async=True)
-    if PINGPONG:
+    turn_next = turn_bars.index(1 - WG)
+    if PINGPONG and not _knob(SCHED, "TURN"):  # TURN: handed over after the tile's last wait instead
         mbarrier.arrive(turn_bars.index(1 - WG), count=1)
     visible_a = 0
     visible_b = 0
@@ -300,13 +473,16 @@ def _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_em
         visible_a = _visible(i, 0, rows, N_K, diag_offset, BLOCK_N, SUB_N, CAUSAL)
         if SPLIT:
             visible_b = _visible(i, 1, rows, N_K, diag_offset, BLOCK_N, SUB_N, CAUSAL)
-    if SPLIT:
-        st = _fold_sub(st, t1a, t2a, k1a, k2a, k1_empty.index(s), k2_empty.index(s), visible_a, qk_scale1,
+    if ORDER:
+        st = _fold_sub_s2first(st, t1, t2, k1, k2, k1_free, k2_free, turn_next, visible_a,
+                               qk_scale1, qk_scale2, ONE, True, MASKED, VARIANT, SCHED)
+    elif SPLIT:
+        st = _fold_sub(st, t1a, t2a, k1a, k2a, k1_free, k2_free, turn_next, visible_a, qk_scale1,
                        qk_scale2, zero, ONE, 2 * P - 1, 2 * P - 2, False, MASKED, VARIANT, SCHED)
-        st = _fold_sub(st, t1b, t2b, k1b, k2b, k1_empty.index(s), k2_empty.index(s), visible_b, qk_scale1,
+        st = _fold_sub(st, t1b, t2b, k1b, k2b, k1_free, k2_free, turn_next, visible_b, qk_scale1,
                        qk_scale2, zero, ONE, P - 1, 0, True, MASKED, VARIANT, SCHED)
     else:
-        st = _fold_sub(st, t1, t2, k1, k2, k1_empty.index(s), k2_empty.index(s), visible_a, qk_scale1,
+        st = _fold_sub(st, t1, t2, k1, k2, k1_free, k2_free, turn_next, visible_a, qk_scale1,
                        qk_scale2, zero, ONE, P - 1, 0, True, MASKED, VARIANT, SCHED)
     return st
 
@@ -333,10 +509,19 @@ def _consumer(WG: gl.constexpr, q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_re
     acc = gl.zeros([WG_M], gl.float32, row_layout)
     st = (m1, l1, m2, l2, acc)
     # whole tiles every row of the CTA sees, then the causal band and the ragged last tile
-    for i in range(n_full):
-        st = _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars, i,
-                        zero, rows, N_K, diag_offset, qk_scale1, qk_scale2, ONE, D1, D2, BLOCK_N, NUM_STAGES,
-                        False, CAUSAL, VARIANT, WG, SCHED)
+    if _knob(SCHED, "LOOK") and VARIANT != 2:  # whole tiles two at a time, the odd one alone
+        for j in range(n_full // 2):
+            st = _fold_pair(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, 2 * j, zero,
+                            qk_scale1, qk_scale2, ONE, D1, D2, BLOCK_N, NUM_STAGES, VARIANT, SCHED)
+        if n_full % 2 == 1:
+            st = _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars,
+                            n_full - 1, zero, rows, N_K, diag_offset, qk_scale1, qk_scale2, ONE, D1, D2, BLOCK_N,
+                            NUM_STAGES, False, CAUSAL, VARIANT, WG, SCHED)
+    else:
+        for i in range(n_full):
+            st = _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars, i,
+                            zero, rows, N_K, diag_offset, qk_scale1, qk_scale2, ONE, D1, D2, BLOCK_N, NUM_STAGES,
+                            False, CAUSAL, VARIANT, WG, SCHED)
     for i in range(n_full, n_tiles):
         st = _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars, i,
                         zero, rows, N_K, diag_offset, qk_scale1, qk_scale2, ONE, D1, D2, BLOCK_N, NUM_STAGES,
@@ -405,12 +590,13 @@ def _gluon_kl_fwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, KL, LSE1, LSE2,
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k1_ready.index(i), count=1)
         mbarrier.init(k2_ready.index(i), count=1)
-        mbarrier.init(k1_empty.index(i), count=2)  # both consumer warpgroups release a slot
-        mbarrier.init(k2_empty.index(i), count=2)
+        # both consumer warpgroups release a slot; RELTURN: k1_empty warpgroup 0's, k2_empty 1's
+        mbarrier.init(k1_empty.index(i), count=1 if _knob(SCHED, "RELTURN") else 2)
+        mbarrier.init(k2_empty.index(i), count=1 if _knob(SCHED, "RELTURN") else 2)
     turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(turn_bars.index(0), count=1)
     mbarrier.init(turn_bars.index(1), count=1)
-    if _knob(SCHED, "PINGPONG"):
+    if _knob(SCHED, "PINGPONG") and not _knob(SCHED, "RELTURN"):
         mbarrier.arrive(turn_bars.index(0), count=1)  # warpgroup 0 goes first
 
     # argument tuples inline: a tuple bound to a local turns its constexprs into tensors (sketch)
@@ -423,7 +609,7 @@ def _gluon_kl_fwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, KL, LSE1, LSE2,
                       ONE, D1, D2, BLOCK_N, NUM_STAGES, CAUSAL, VARIANT, SCHED)),
         (_load_partition, (q1_desc, k1_desc, q2_desc, k2_desc, q1_smem, q2_smem, k1_smem, k2_smem,
                            q_bar, k1_ready, k2_ready, k1_empty, k2_empty,
-                           b, h, kv_head1, kv_head2, start_m, n_tiles, BLOCK_N, NUM_STAGES)),
+                           b, h, kv_head1, kv_head2, start_m, n_tiles, BLOCK_N, NUM_STAGES, SCHED)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -455,15 +641,26 @@ def candidates(d1: int, d2: int):
     # H200, 2026-12-01 (bench/results/session4/..._s4r2_gluon.log, _s4r3_): the 224-register
     # configs cannot launch (a CTA of 384 threads x 224 registers exceeds the SM's 65536:
     # "OutOfResources: threads, Required: 384, Hardware limit: 256"), so none is a candidate.
+    if (d1, d2) == (128, 128):
+        # the measured winner alone (session 5, fwd13): in session 4 (s4r2, s4r3) 64-key tiles
+        # lost at every D = 128 point by 10-18 % and the turnstile was within +-5 % of the default
+        # (won 8K causal by 3 %, lost 8K full by 5 %), while the tuned API path ran 8K full 6 %
+        # slower than the default forced (s4r3): timing noise picks, so do not time
+        return [(128, s128, 168, 0)]
     return [(128, s128, 168, 0), (64, s64, 168, 0), (128, s128, 168, 1)]
 
 
 def experiments(d1: int, d2: int):
     """Schedules the GPU script measures beside the tuner's candidates (not chosen by the tuner
     until a run shows they pay), same tuple form as :func:`candidates` (fields ``CAND_FIELDS``).
-    SASS on CPU (sm_90, triton 3.9 and 3.6, bf16 D = 128, bench/NOTES.md): no spills in any
-    main loop; FENCE keeps all side-1 exponentials between the two waits (0 in every schedule
-    without it). SPLIT (hoisted waits and spills in a masked loop) is not measured any more."""
+    Session 5 (fwd13): session 4's losers (64-key tiles with PINGPONG/FENCE, POLY, RESCALE, all
+    5-25 % slower than the default at 8K, bench/results/session4/..._s4r3_gluon.log) are no longer
+    measured; the side-2-first order (ORDER) and the two-tile lookahead (LOOK) are. SASS on CPU
+    (sm_90, triton 3.9, bf16 D = 128): ORDER no spills, 0 MUFU.EX2 between the waits (ptxas sinks
+    them, as in the default); ORDER+FENCE=2 64 of 64 there, no spills non-causal, 11 STL causal
+    (masked loop); LOOK at 64-key tiles no spills causal or not, 34 EX2 between the first two
+    waits, 4 DEPBAR per two-tile iteration; LOOK at 128-key tiles spills (~20 STL per loop, also
+    at maxnreg 240)."""
     s128, s64 = _ring_stages(d1, d2, 128), _ring_stages(d1, d2, 64)
     f = dict(zip(CAND_FIELDS, range(len(CAND_FIELDS))))
 
@@ -476,14 +673,30 @@ def experiments(d1: int, d2: int):
         return tuple(out)
 
     return [
-        cand(64, 168, PINGPONG=1),
-        cand(64, 168, FENCE=1),  # intra-warpgroup overlap: side-1 exponentials before the S2 wait
-        cand(64, 168, PINGPONG=1, FENCE=1),
-        cand(128, 168, FENCE=2),  # the same on whole 128-key tiles only (masked ones spill)
-        cand(128, 168, PINGPONG=1, FENCE=2),
-        cand(128, 168, POLY=2),  # half of side 2's exponentials on the FMA pipe
-        cand(128, 168, PINGPONG=1, FENCE=2, POLY=2),
-        cand(128, 168, RESCALE=1),  # conditional rescaling
+        cand(128, 168, PINGPONG=1),  # the turnstile (a tuner candidate at other head dims): the control for TURN
+        cand(128, 168, FENCE=2),  # session 4's nearest to the default (2.510 vs 2.476 ms at 8K)
+        cand(128, 168, ORDER=1, FENCE=2),  # side 2 first, its exponentials kept before the S1 wait
+        # two 64-key tiles per iteration, the next product issued before each fold, every fold's
+        # exponentials above the next wait (LOOK without FENCE: ptxas sinks half of them)
+        cand(64, 168, ORDER=1, LOOK=1, FENCE=2),
+        # FA3's ping-pong as meant: the turn passes when this warpgroup's products are done, so
+        # the other's products run while this one folds (PINGPONG alone passes it right after
+        # issuing: both warpgroups' products then share the tensor cores and end together)
+        cand(128, 168, PINGPONG=1, TURN=1, FENCE=2),
+        cand(128, 168, PINGPONG=1, TURN=1, ORDER=1, FENCE=2),
+        # MERGE: K1 and K2 of a slot behind one ready and one empty barrier. Triton 3.6's membar
+        # puts a BAR.SYNC (the warpgroup's 128 threads) before every mbarrier wait that follows an
+        # arrive and before every arrive: 3 per key tile in the default, 2 merged. Nsight Compute
+        # (run r5a, 8K full, the default) has "Stall Barrier" largest (2.06 of 6.92 cycles per
+        # issued instruction), but ~1.75 of it are the 3 padding warps parked at barrier 1
+        # (bench/NOTES.md): expect little
+        cand(128, 168, MERGE=1),
+        cand(128, 168, FENCE=2, MERGE=1),
+        cand(128, 168, PINGPONG=1, TURN=1, FENCE=2, MERGE=1),
+        # the late turn without turn barriers: a warpgroup's release of a slot is the other's turn
+        # (per-warpgroup empty barriers): 2 BAR.SYNC per key tile instead of 3 (CPU SASS, 3.6)
+        cand(128, 168, PINGPONG=1, TURN=1, FENCE=2, MERGE=1, RELTURN=1),
+        cand(64, 168, ORDER=1, LOOK=1, FENCE=2, MERGE=1),
     ]
 
 
@@ -496,7 +709,9 @@ def configs_to_measure(d1: int, d2: int):
 # The fields of a candidate tuple, in order; trailing ones may be left out (their defaults).
 CAND_FIELDS = ("BLOCK_N", "NUM_STAGES", "maxnreg") + tuple(SCHED_BITS)
 CAND_DEFAULTS = {k: 0 for k in SCHED_BITS}
-_FLAG_NAMES = dict(PINGPONG="pingpong", SPLIT="split", POLY="poly", RESCALE="rescale", FENCE="fence")
+_FLAG_NAMES = dict(PINGPONG="pingpong", SPLIT="split", POLY="poly", RESCALE="rescale", FENCE="fence",
+                   ORDER="s2first", LOOK="look", TURN="lateturn", MERGE="merged",
+                   RELTURN="relturn")
 
 
 def sched_of(cfg) -> int:
@@ -507,6 +722,16 @@ def sched_of(cfg) -> int:
         if not 0 <= v < (1 << width):
             raise ValueError(f"{name}={v} does not fit in {width} bit(s)")
         out |= v << off
+    if cfg.get("LOOK") and cfg.get("PINGPONG"):
+        raise ValueError("LOOK (two tiles per iteration) does not take the PINGPONG turnstile")
+    if cfg.get("RELTURN") and not (cfg.get("PINGPONG") and cfg.get("TURN") and cfg.get("MERGE")):
+        raise ValueError("RELTURN (the release as the turn) needs PINGPONG=1, TURN=1 and MERGE=1")
+    if cfg.get("TURN") and not cfg.get("PINGPONG"):
+        raise ValueError("TURN (hand the turn over after the last wait) needs PINGPONG=1")
+    if cfg.get("LOOK") and not cfg.get("ORDER"):
+        raise ValueError("LOOK folds side 2 first: it needs ORDER=1")
+    if cfg.get("ORDER") and cfg.get("SPLIT"):
+        raise ValueError("ORDER (side 2 first) does not take SPLIT")
     return out
 
 
@@ -567,6 +792,8 @@ LAST_KERNEL_SCHED = 0  # and its SCHED constexpr
 
 def waits_per_tile(sched: int) -> int:
     """The wgmma waits in the source of one key-tile loop body: two per (sub-)tile product pair."""
+    if (sched >> SCHED_BITS["LOOK"][0]) & 1:  # two key tiles per iteration of the whole-tile loop
+        return 4
     return 2 * (1 + ((sched >> SCHED_BITS["SPLIT"][0]) & 1))
 
 
