@@ -37,7 +37,8 @@ REF_FUSED = (64, 128, 8, 3)
 REF_SEP_DK, REF_SEP_DQ = (64, 128, 8, 2), (128, 64, 8, 2)
 # (NO_DK alone is left out: without the dK accumulators the compiler pipelines deeper, 331 KB of
 # shared memory at 64x128x8x3 in the offline sm_90 compile, more than an SM has)
-PROBES = (("noexp", 1), ("onescore", 2), ("noexp+onescore", 3), ("nodq", 0), ("noexp+onescore+nodk+nodq", 7))
+PROBES = (("noexp", 1), ("onescore", 2), ("noexp+onescore", 3), ("nodq", 0), ("noexp+onescore+nodk+nodq", 7),
+          ("atomicdq", 0))  # atomicdq: right, the fused dQ by per-element fp32 atomics instead of the TMA reduce
 SETTINGS = ("s1", "s2")
 # CompiledKernel.n_spills (local memory / 4 bytes) above which a config is not timed: the
 # session-4 winner of setting 2 (64x128x8x3) has 4 (16 bytes, 3 STL in the offline SASS)
@@ -132,6 +133,7 @@ def jobs(quick):
             if p:
                 out.append(dict(kind="fused", setting=s, cfg=REF_FUSED, probe=p))
         out.append(dict(kind="sepdk", setting=s, cfg=REF_FUSED, probe=0))  # the "nodq" probe
+        out.append(dict(kind="fusedatomic", setting=s, cfg=REF_FUSED, probe=0))  # the "atomicdq" variant
     # then the spaces, both settings side by side (what the prewarm limit cuts off is the tail)
     def zipped(space, kind, skip=()):  # both settings' spaces, entry by entry
         lists = [[dict(kind=kind, setting=s, cfg=c, probe=0) for c in space(quick, s) if c not in skip]
@@ -177,8 +179,9 @@ class Direct:
         dims = self.dims
         return (dims.H, dims.NQ, dims.NK, dims.D1, dims.D2, dims.group1, dims.group2)
 
-    def dk(self, cfg, fused, probe=0, dq=None):
-        """One dK launch (fused: dQ reduce-added into the fp32 ``dq`` buffer). Returns (dq, dk)."""
+    def dk(self, cfg, fused, probe=0, dq=None, reduce=True):
+        """One dK launch (fused: dQ reduce-added into the fp32 ``dq`` buffer, by one TMA reduce per
+        tile, or with ``reduce=False`` by per-element atomics). Returns (dq, dk)."""
         import triton
 
         from streamkl_gpu import _bwd
@@ -211,7 +214,7 @@ class Direct:
             self.lse1, self.lse2, self.kl, self.g, rows, BH * dims.NQ, dims.NQ, pitch, BH * pitch,
             dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2, BLOCK=1024, num_warps=4)
         descs["ROWS_DESC"] = TensorDescriptor(rows, [6, BH, dims.NQ], list(rows.stride()), [1, 1, block_m])
-        reduce_dq = fused and not TINY  # the interpreter has no TMA reduce-add: per-element atomics there
+        reduce_dq = fused and reduce and not TINY  # the interpreter has no TMA reduce-add: per-element atomics there
         if reduce_dq:
             descs.update(DQ1_DESC=_desc(dq1, block_m, d1p) if dq1 is not None else None,
                          DQ2_DESC=_desc(dq2, block_m, d2p) if dq2 is not None else None)
@@ -224,7 +227,7 @@ class Direct:
             TRAIN1=self.train1, TRAIN2=self.train2, FUSED_DQ=fused, DK1_ATOMIC=False, DK2_ATOMIC=False,
             IEEE1=False, IEEE2=False, USE_TMA=True, TRANS=True, FOLD=True, DQ_REDUCE=reduce_dq, ROWS=True,
             PROBE=probe, num_warps=warps, num_stages=stages, **descs)
-        self.last["sepdk" if not fused else "fused"] = k
+        self.last["sepdk" if not fused else "fused" if reduce else "fusedatomic"] = k
         return dq, (dk1 if self.train1 else dk2)
 
     def dq(self, cfg):
@@ -258,9 +261,9 @@ class Direct:
         self.last["sepdq"] = k
         return dq1 if self.train1 else dq2
 
-    def fused_bwd(self, cfg, probe=0):
+    def fused_bwd(self, cfg, probe=0, reduce=True):
         """(dq, dk) of the trained side, as _launch.backward returns them (dq cast to the input dtype)."""
-        dq, dk = self.dk(cfg, True, probe)
+        dq, dk = self.dk(cfg, True, probe, reduce=reduce)
         return dq.to(self.d["q1"].dtype), dk
 
     def separate_bwd(self, cfg_dk, cfg_dq):
@@ -271,6 +274,8 @@ class Direct:
         cfg = tuple(j["cfg"])
         if j["kind"] == "fused":
             out = self.fused_bwd(cfg, j["probe"])
+        elif j["kind"] == "fusedatomic":
+            out = self.fused_bwd(cfg, j["probe"], reduce=False)
         elif j["kind"] == "sepdk":
             out = self.dk(cfg, False)
         else:
@@ -602,11 +607,18 @@ def sweep_setting(r, d, fwd, s, res, failed, timed, shape, floor=0.0):
 
     def probes(c):
         for pname, p in PROBES:
+            kind = {"nodq": "sepdk", "atomicdq": "fusedatomic"}.get(pname, "fused")
+            ok, why = usable(kind, c, p)
+            if not ok:
+                r.log(f"{s} probe {pname} {cfg_s(c)}: skipped ({why})")
+                continue
             if pname == "nodq":
                 fn = (lambda c=c: direct.dk(c, False))
+            elif pname == "atomicdq":
+                fn = (lambda c=c: direct.fused_bwd(c, 0, reduce=False))
             else:
                 fn = (lambda c=c, p=p: direct.fused_bwd(c, p))
-            time_one(f"probe {pname} {cfg_s(c)}", fn, check=False)
+            time_one(f"probe {pname} {cfg_s(c)}", fn, check=(pname == "atomicdq"))
 
     got = {}  # Direct returns (dq, dk) of the trained side: the reference's (SET_TRAIN) order
     # the session-4 config and its probes, then the fused space
