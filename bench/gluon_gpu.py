@@ -802,7 +802,11 @@ def main(argv=None):
                                for c, vs in variants_of.items() if c in configs}
             providers = [provider_of(c) for c in configs]
             if a.quick:  # timings first (session 5 run r5c: the checks alone filled 105 s)
-                checks, targets, variants = run_quick(a, configs, providers, variants_of, warmup, rep, budget)
+                quick = {}  # filled as it goes: an interrupt keeps what ran
+                try:
+                    run_quick(a, configs, providers, variants_of, warmup, rep, budget, quick)
+                finally:
+                    checks, targets, variants = (quick.get(k, []) for k in ("checks", "targets", "variants"))
                 raise _Done
             if not a.no_check:
                 checks = run_check(a.quick, configs, budget)
@@ -840,26 +844,25 @@ class _Done(Exception):
 QUICK_CHECK_EXTRA = 2  # --quick checks the tuner's candidates and the this many fastest configurations
 
 
-def run_quick(a, configs, providers, variants_of, warmup, rep, budget):
+def run_quick(a, configs, providers, variants_of, warmup, rep, budget, out):
     """--quick, in order of what the run is for: (1) the targets, the points the Must misses
     first (8K full, 16K causal, then 8K causal, 16K full): every configuration forced, the API's
     Gluon path and SDPA (no auto / forced Triton: the Triton path's compiles and tuning cost more
     than all of this); (2) the variants; (3) the checks vs float64 and the Triton path of the
     configurations dispatch can choose and of the fastest ones; (4) 32K and 64K for the best
-    configuration if time is left. Returns (checks, targets, variants)."""
+    configuration if time is left. Fills ``out`` (checks, targets, variants) as it goes."""
     global ROUNDS
-    checks, targets, variants = [], [], []
     pts = {(name, c): (name, sh, c, sd) for name, sh, c, sd in target_points([8 * K, 16 * K])}
     order = [p for p in pts.values() if (p[1]["NK"], p[2]) == (8 * K, False)]
     order += [p for p in pts.values() if (p[1]["NK"], p[2]) == (16 * K, True)]
     order += [p for p in pts.values() if p not in order]
-    targets = run_timing("targets", order, warmup, rep, budget, providers, api=("gluon",))
+    targets = out["targets"] = run_timing("targets", order, warmup, rep, budget, providers, api=("gluon",))
     try:
         log_tuner_picks()
     except Exception as exc:  # a report, never a reason to stop the run
         log(f"tuner log failed: {type(exc).__name__}: {exc}")
     if budget.left() > 15 and dispatch.GLUON_AVAILABLE:
-        variants = run_variants(a.quick, warmup, rep, budget, variants_of, list(variants_of))
+        out["variants"] = run_variants(a.quick, warmup, rep, budget, variants_of, list(variants_of))
     best = best_configs(targets, providers, QUICK_CHECK_EXTRA)
     log(f"fastest configurations at 8K/16K (mean ratio to SDPA): {best}")
     if not a.no_check and budget.left() > 20:
@@ -867,12 +870,11 @@ def run_quick(a, configs, providers, variants_of, warmup, rep, budget):
 
         chosen = [c for c in _gluon_fwd.candidates(128, 128) if c in configs]
         chosen += [CONFIG_OF_PROVIDER[p] for p in best if CONFIG_OF_PROVIDER[p] not in chosen]
-        checks = run_check(a.quick, chosen, budget)
+        out["checks"] = run_check(a.quick, chosen, budget)
     if budget.left() > 40 and best:
         ROUNDS = 1  # long calls: drift within one point matters less than the time they take
-        targets += run_timing("targets 32K-64K", target_points([32 * K, 64 * K]), warmup, rep, budget, best[:1],
-                              api=("gluon",))
-    return checks, targets, variants
+        out["targets"] = targets + run_timing("targets 32K-64K", target_points([32 * K, 64 * K]), warmup, rep,
+                                              budget, best[:1], api=("gluon",))
 
 
 def write_outputs(a, env, checks, targets, grid, variants, sass, failed_cfg):
