@@ -27,10 +27,11 @@ Sections (a time budget skips what does not fit, recorded as ``skipped``; the SA
    D1 != D2 = 128/64, decode N_Q in {1, 16}.
 5. sass: the SASS of every Gluon kernel the run compiled (triton's bundled cuobjdump), with the
    HGMMA / WARPGROUP.DEPBAR / STL / LDL counts per main loop (files in OUT_DIR/sass/).
---quick (<= ~100 s; session 5 run r5c spent its whole limit in the checks) runs in another order:
+--quick (~125 s with imports and the SASS; session 5 run r5c spent its whole limit in the checks)
+runs in another order:
 prewarm (with the Triton path of the checks), the targets at 8K full and 16K causal first (every
-configuration, the API's Gluon path, SDPA; no auto / forced Triton), the variants, the checks of
-the tuner's candidates and the two fastest configurations, 32K/64K if time is left, SASS (15 s cap).
+configuration, the API's Gluon path, SDPA; no auto / forced Triton), the variants, 32K/64K for the
+best, the checks of the tuner's candidates and the two fastest configurations, SASS (15 s cap).
 A failing case or configuration is caught, printed (with the error) and recorded; the run goes
 on; SIGINT (the bench_gpu.py section limit) still writes the CSV and the summary of what ran.
 Writes OUT_DIR/gluon_gpu.csv (long format: one row per case, provider and metric) and
@@ -742,7 +743,7 @@ def main(argv=None):
     p.add_argument("out_dir")
     p.add_argument("--quick", action="store_true", help="configuration checks, 8K/16K targets, variants (<= 100 s)")
     p.add_argument("--grid", action="store_true", help="only the no-regression grid (auto vs forced triton), then SASS")
-    p.add_argument("--budget", type=float, default=None, help="seconds for the sections before the SASS one (default 85 quick, 540)")
+    p.add_argument("--budget", type=float, default=None, help="seconds for the sections before the SASS one (default 100 quick, 540)")
     p.add_argument("--no-autotune", action="store_true", help="Triton path: first config, no tuning")
     p.add_argument("--no-check", action="store_true", help="skip the correctness section (timing only)")
     p.add_argument("--no-prewarm", action="store_true", help="compile in this process, one kernel after another")
@@ -756,7 +757,7 @@ def main(argv=None):
     ROUNDS = max(1, a.rounds)
     if a.no_autotune:
         os.environ["STREAMKL_AUTOTUNE"] = "0"
-    budget = Budget(a.budget if a.budget is not None else (80 if a.quick else 540))  # + the SASS section
+    budget = Budget(a.budget if a.budget is not None else (100 if a.quick else 540))  # + the SASS section
     env = dict(gpu=torch.cuda.get_device_name(), capability=str(torch.cuda.get_device_capability()),
                torch=torch.__version__, triton=triton.__version__, gluon=dispatch.GLUON_AVAILABLE,
                gluon_error=dispatch.GLUON_IMPORT_ERROR,
@@ -848,9 +849,10 @@ def run_quick(a, configs, providers, variants_of, warmup, rep, budget, out):
     """--quick, in order of what the run is for: (1) the targets, the points the Must misses
     first (8K full, 16K causal, then 8K causal, 16K full): every configuration forced, the API's
     Gluon path and SDPA (no auto / forced Triton: the Triton path's compiles and tuning cost more
-    than all of this); (2) the variants; (3) the checks vs float64 and the Triton path of the
-    configurations dispatch can choose and of the fastest ones; (4) 32K and 64K for the best
-    configuration if time is left. Fills ``out`` (checks, targets, variants) as it goes."""
+    than all of this); (2) the variants; (3) 32K and 64K for the best configuration; (4) the
+    checks vs float64 and the Triton path of the configurations dispatch can choose and of the
+    two fastest (run r5c passed all configurations on the two ragged cases); each if time is
+    left. Fills ``out`` (checks, targets, variants) as it goes."""
     global ROUNDS
     pts = {(name, c): (name, sh, c, sd) for name, sh, c, sd in target_points([8 * K, 16 * K])}
     order = [p for p in pts.values() if (p[1]["NK"], p[2]) == (8 * K, False)]
@@ -865,16 +867,20 @@ def run_quick(a, configs, providers, variants_of, warmup, rep, budget, out):
         out["variants"] = run_variants(a.quick, warmup, rep, budget, variants_of, list(variants_of))
     best = best_configs(targets, providers, QUICK_CHECK_EXTRA)
     log(f"fastest configurations at 8K/16K (mean ratio to SDPA): {best}")
-    if not a.no_check and budget.left() > 20:
-        from streamkl_gpu import _gluon_fwd
-
-        chosen = [c for c in _gluon_fwd.candidates(128, 128) if c in configs]
-        chosen += [CONFIG_OF_PROVIDER[p] for p in best if CONFIG_OF_PROVIDER[p] not in chosen]
-        out["checks"] = run_check(a.quick, chosen, budget)
     if budget.left() > 40 and best:
         ROUNDS = 1  # long calls: drift within one point matters less than the time they take
         out["targets"] = targets + run_timing("targets 32K-64K", target_points([32 * K, 64 * K]), warmup, rep,
                                               budget, best[:1], api=("gluon",))
+    if not a.no_check and budget.left() > 40:
+        from streamkl_gpu import _gluon_fwd
+
+        class _Reserve:  # a check case starts only with 40 s left (one took ~35 s in run r5c)
+            def left(self):
+                return budget.left() - 25
+
+        chosen = [c for c in _gluon_fwd.candidates(128, 128) if c in configs]
+        chosen += [CONFIG_OF_PROVIDER[p] for p in best if CONFIG_OF_PROVIDER[p] not in chosen]
+        out["checks"] = run_check(a.quick, chosen, _Reserve())
 
 
 def write_outputs(a, env, checks, targets, grid, variants, sass, failed_cfg):
