@@ -750,11 +750,12 @@ def main(argv=None):
     p.add_argument("--configs", default="all",
                    help="Gluon configurations checked and timed forced: all (tuner's + experiments), tuner, "
                         "default, or 'BLOCK_N,STAGES,MAXNREG,...;...'")
-    p.add_argument("--rounds", type=int, default=ROUNDS,
-                   help="interleaved timing rounds per 8K/16K target point (the lowest round median is kept)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="interleaved timing rounds per 8K/16K target point (the lowest round median is kept; "
+                        "default 2, 1 with --grid)")
     a = p.parse_args(argv)
     os.makedirs(a.out_dir, exist_ok=True)
-    ROUNDS = max(1, a.rounds)
+    ROUNDS = max(1, a.rounds if a.rounds is not None else (1 if a.grid else 2))
     if a.no_autotune:
         os.environ["STREAMKL_AUTOTUNE"] = "0"
     budget = Budget(a.budget if a.budget is not None else (100 if a.quick else 540))  # + the SASS section
