@@ -884,6 +884,29 @@ def run_quick(a, configs, providers, variants_of, warmup, rep, budget, out):
         out["checks"] = run_check(a.quick, chosen, _Reserve())
 
 
+def default_verdict(targets, margin=0.02):
+    """Lines for the lead: each forced configuration against the default (the tuner's first
+    candidate at D = 128) over the 8K/16K points both timed; a configuration faster at every
+    such point by more than ``margin`` is named as the default to take (what decides a default)."""
+    from streamkl_gpu import _gluon_fwd
+
+    default = provider_of(_gluon_fwd.candidates(128, 128)[0])
+    pts = [t for case, _, t in targets if default in t and ("N=8K" in case or "N=16K" in case)]
+    if not pts:
+        return []
+    lines = [f"vs the default {default} (time ratio per 8K/16K point; < 1 is faster):"]
+    wins = []
+    for prov in sorted({p for t in pts for p in t if p.startswith("gluon[") and p != default}):
+        r = [t[prov] / t[default] for t in pts if prov in t]
+        if len(r) == len(pts):
+            lines.append(f"  {prov:60s} " + " ".join(f"{x:.3f}" for x in r) + f"  mean {sum(r) / len(r):.3f}")
+            if max(r) < 1 - margin:
+                wins.append((sum(r) / len(r), prov))
+    lines.append(f"  take as the default: {min(wins)[1]} (faster at every point by > {margin:.0%})" if wins
+                 else f"  no configuration beats the default at every point by > {margin:.0%}: keep it")
+    return lines
+
+
 def write_outputs(a, env, checks, targets, grid, variants, sass, failed_cfg):
     keys = ["section", "case", "provider", "metric", "value", "status", "detail", "dtype", "causal",
             "b", "h", "hk1", "hk2", "nq", "nk", "d1", "d2"]
@@ -964,6 +987,10 @@ def write_outputs(a, env, checks, targets, grid, variants, sass, failed_cfg):
             if g and t.get("sdpa"):
                 v, p = min(g)
                 out.append(f"  best {case}: {p} {v:.3f} ms = {v / t['sdpa']:.2f}x SDPA")
+        try:
+            out += default_verdict(targets)
+        except Exception as exc:  # a report line, never a reason to lose the summary
+            out.append(f"default verdict failed: {type(exc).__name__}: {exc}")
     out.append(f"total {time.time() - T0:.0f}s")
     for line in out:
         log(line)
