@@ -27,6 +27,11 @@ Sections (a time budget skips what does not fit, recorded as ``skipped``; the SA
    D1 != D2 = 128/64, decode N_Q in {1, 16}.
 5. sass: the SASS of every Gluon kernel the run compiled (triton's bundled cuobjdump), with the
    HGMMA / WARPGROUP.DEPBAR / STL / LDL counts per main loop (files in OUT_DIR/sass/).
+--quick (~125 s with imports and the SASS; session 5 run r5c spent its whole limit in the checks)
+runs in another order:
+prewarm (with the Triton path of the checks), the targets at 8K full and 16K causal first (every
+configuration, the API's Gluon path, SDPA; no auto / forced Triton), the variants, 32K/64K for the
+best, the checks of the tuner's candidates and the two fastest configurations, SASS (15 s cap).
 A failing case or configuration is caught, printed (with the error) and recorded; the run goes
 on; SIGINT (the bench_gpu.py section limit) still writes the CSV and the summary of what ran.
 Writes OUT_DIR/gluon_gpu.csv (long format: one row per case, provider and metric) and
@@ -294,11 +299,17 @@ def _verdict(ok):
     return {None: "info", "warn": "warn", True: "ok", False: "FAIL"}[ok]
 
 
-def run_sass(out_dir):
+def run_sass(out_dir, seconds=120.0):
+    """The SASS of every Gluon kernel the run launched, for at most ``seconds`` (then the rest is
+    listed as skipped)."""
     log("== sass of the Gluon kernels this run compiled")
+    stop = time.time() + seconds
     os.makedirs(os.path.join(out_dir, "sass"), exist_ok=True)
     summary = []
     for n, (h, (label, k, waits)) in enumerate(SASS_SEEN.items()):
+        if time.time() > stop:
+            log(f"sass: time cap ({seconds:.0f} s): {len(SASS_SEEN) - n} kernels not disassembled")
+            break
         try:
             sass = _gluon_sass.sass_of(k)
             name = f"gluon_{n:02d}"
@@ -360,6 +371,20 @@ def _probe(specs):
     from streamkl_gpu import _gluon_fwd
 
     for spec in specs:
+        if spec in TRITON_PREWARM:  # the Triton path of the checks (untuned: its first config)
+            t0 = time.time()
+            try:
+                os.environ["STREAMKL_AUTOTUNE"] = "0"
+                set_backend("triton")
+                for _, sh, causal, _ in config_check_cases()[:2]:
+                    if causal == (spec == "triton:causal"):
+                        forward_bits(*make_case(**sh, dtype=torch.bfloat16, seed=1), causal)
+                torch.cuda.synchronize()
+                print(json.dumps(dict(spec=spec, ok=True, seconds=round(time.time() - t0, 1))), flush=True)
+            except Exception as exc:
+                print(json.dumps(dict(spec=spec, ok=False, error=f"{type(exc).__name__}: {str(exc)[:1500]}")),
+                      flush=True)
+            continue
         variant, cand, dtype, d1, d2, group = spec.split(":")
         cand = tuple(int(c) for c in cand.split(","))
         t0 = time.time()
@@ -376,6 +401,11 @@ def _probe(specs):
             print(json.dumps(dict(spec=spec, ok=True, seconds=round(time.time() - t0, 1))), flush=True)
         except Exception as exc:
             print(json.dumps(dict(spec=spec, ok=False, error=f"{type(exc).__name__}: {str(exc)[:1500]}")), flush=True)
+
+
+# a prewarm job that compiles the Triton path the checks compare against (as slow to compile on
+# triton 3.6 as a dozen Gluon kernels: session 5 run r5c spent ~35 s per check case)
+TRITON_PREWARM = ("triton:causal", "triton:full")
 
 
 def prewarm(specs, budget, out_dir, workers=None, limit=90):
@@ -713,21 +743,22 @@ def main(argv=None):
     p.add_argument("out_dir")
     p.add_argument("--quick", action="store_true", help="configuration checks, 8K/16K targets, variants (<= 100 s)")
     p.add_argument("--grid", action="store_true", help="only the no-regression grid (auto vs forced triton), then SASS")
-    p.add_argument("--budget", type=float, default=None, help="seconds for the sections before the SASS one (default 85 quick, 540)")
+    p.add_argument("--budget", type=float, default=None, help="seconds for the sections before the SASS one (default 100 quick, 540)")
     p.add_argument("--no-autotune", action="store_true", help="Triton path: first config, no tuning")
     p.add_argument("--no-check", action="store_true", help="skip the correctness section (timing only)")
     p.add_argument("--no-prewarm", action="store_true", help="compile in this process, one kernel after another")
     p.add_argument("--configs", default="all",
                    help="Gluon configurations checked and timed forced: all (tuner's + experiments), tuner, "
                         "default, or 'BLOCK_N,STAGES,MAXNREG,...;...'")
-    p.add_argument("--rounds", type=int, default=ROUNDS,
-                   help="interleaved timing rounds per 8K/16K target point (the lowest round median is kept)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="interleaved timing rounds per 8K/16K target point (the lowest round median is kept; "
+                        "default 2, 1 with --grid)")
     a = p.parse_args(argv)
     os.makedirs(a.out_dir, exist_ok=True)
-    ROUNDS = max(1, a.rounds)
+    ROUNDS = max(1, a.rounds if a.rounds is not None else (1 if a.grid else 2))
     if a.no_autotune:
         os.environ["STREAMKL_AUTOTUNE"] = "0"
-    budget = Budget(a.budget if a.budget is not None else (85 if a.quick else 540))  # + the SASS section
+    budget = Budget(a.budget if a.budget is not None else (100 if a.quick else 540))  # + the SASS section
     env = dict(gpu=torch.cuda.get_device_name(), capability=str(torch.cuda.get_device_capability()),
                torch=torch.__version__, triton=triton.__version__, gluon=dispatch.GLUON_AVAILABLE,
                gluon_error=dispatch.GLUON_IMPORT_ERROR,
@@ -760,6 +791,8 @@ def main(argv=None):
 
                 specs = [_spec("kernel", c) for c in configs] + [
                     _spec(v, c) for c in vconfigs for v in variants_of[c] if v != "kernel"]
+                if not a.no_check:
+                    specs = list(TRITON_PREWARM) + specs
                 status = prewarm(specs, budget, a.out_dir)
                 failed_cfg = {c: status[_spec("kernel", c)] for c in configs if status.get(_spec("kernel", c))}
                 configs = [c for c in configs if c not in failed_cfg]
@@ -770,6 +803,13 @@ def main(argv=None):
                 variants_of = {c: [v for v in vs if not status.get(_spec(v, c))]
                                for c, vs in variants_of.items() if c in configs}
             providers = [provider_of(c) for c in configs]
+            if a.quick:  # timings first (session 5 run r5c: the checks alone filled 105 s)
+                quick = {}  # filled as it goes: an interrupt keeps what ran
+                try:
+                    run_quick(a, configs, providers, variants_of, warmup, rep, budget, quick)
+                finally:
+                    checks, targets, variants = (quick.get(k, []) for k in ("checks", "targets", "variants"))
+                raise _Done
             if not a.no_check:
                 checks = run_check(a.quick, configs, budget)
             if budget.left() > 20:
@@ -788,13 +828,83 @@ def main(argv=None):
                                       api=("gluon",) if a.quick else ("gluon", "auto", "triton"))
             if budget.left() > 15 and dispatch.GLUON_AVAILABLE:
                 variants = run_variants(a.quick, warmup, rep, budget, variants_of, list(variants_of))
+    except _Done:
+        pass
     except KeyboardInterrupt:  # the section limit of bench_gpu.py: write what ran
         log("interrupted: writing what ran")
     try:
-        sass = run_sass(a.out_dir)
+        sass = run_sass(a.out_dir, seconds=15 if a.quick else 120)
     except KeyboardInterrupt:
         log("interrupted during the SASS section")
     write_outputs(a, env, checks, targets, grid, variants, sass, failed_cfg)
+
+
+class _Done(Exception):
+    """The --quick plan ran to its end (control flow out of main's section block)."""
+
+
+QUICK_CHECK_EXTRA = 2  # --quick checks the tuner's candidates and the this many fastest configurations
+
+
+def run_quick(a, configs, providers, variants_of, warmup, rep, budget, out):
+    """--quick, in order of what the run is for: (1) the targets, the points the Must misses
+    first (8K full, 16K causal, then 8K causal, 16K full): every configuration forced, the API's
+    Gluon path and SDPA (no auto / forced Triton: the Triton path's compiles and tuning cost more
+    than all of this); (2) the variants; (3) 32K and 64K for the best configuration; (4) the
+    checks vs float64 and the Triton path of the configurations dispatch can choose and of the
+    two fastest (run r5c passed all configurations on the two ragged cases); each if time is
+    left. Fills ``out`` (checks, targets, variants) as it goes."""
+    global ROUNDS
+    pts = {(name, c): (name, sh, c, sd) for name, sh, c, sd in target_points([8 * K, 16 * K])}
+    order = [p for p in pts.values() if (p[1]["NK"], p[2]) == (8 * K, False)]
+    order += [p for p in pts.values() if (p[1]["NK"], p[2]) == (16 * K, True)]
+    order += [p for p in pts.values() if p not in order]
+    targets = out["targets"] = run_timing("targets", order, warmup, rep, budget, providers, api=("gluon",))
+    try:
+        log_tuner_picks()
+    except Exception as exc:  # a report, never a reason to stop the run
+        log(f"tuner log failed: {type(exc).__name__}: {exc}")
+    if budget.left() > 15 and dispatch.GLUON_AVAILABLE:
+        out["variants"] = run_variants(a.quick, warmup, rep, budget, variants_of, list(variants_of))
+    best = best_configs(targets, providers, QUICK_CHECK_EXTRA)
+    log(f"fastest configurations at 8K/16K (mean ratio to SDPA): {best}")
+    if budget.left() > 40 and best:
+        ROUNDS = 1  # long calls: drift within one point matters less than the time they take
+        out["targets"] = targets + run_timing("targets 32K-64K", target_points([32 * K, 64 * K]), warmup, rep,
+                                              budget, best[:1], api=("gluon",))
+    if not a.no_check and budget.left() > 40:
+        from streamkl_gpu import _gluon_fwd
+
+        class _Reserve:  # a check case starts only with 40 s left (one took ~35 s in run r5c)
+            def left(self):
+                return budget.left() - 25
+
+        chosen = [c for c in _gluon_fwd.candidates(128, 128) if c in configs]
+        chosen += [CONFIG_OF_PROVIDER[p] for p in best if CONFIG_OF_PROVIDER[p] not in chosen]
+        out["checks"] = run_check(a.quick, chosen, _Reserve())
+
+
+def default_verdict(targets, margin=0.02):
+    """Lines for the lead: each forced configuration against the default (the tuner's first
+    candidate at D = 128) over the 8K/16K points both timed; a configuration faster at every
+    such point by more than ``margin`` is named as the default to take (what decides a default)."""
+    from streamkl_gpu import _gluon_fwd
+
+    default = provider_of(_gluon_fwd.candidates(128, 128)[0])
+    pts = [t for case, _, t in targets if default in t and ("N=8K" in case or "N=16K" in case)]
+    if not pts:
+        return []
+    lines = [f"vs the default {default} (time ratio per 8K/16K point; < 1 is faster):"]
+    wins = []
+    for prov in sorted({p for t in pts for p in t if p.startswith("gluon[") and p != default}):
+        r = [t[prov] / t[default] for t in pts if prov in t]
+        if len(r) == len(pts):
+            lines.append(f"  {prov:60s} " + " ".join(f"{x:.3f}" for x in r) + f"  mean {sum(r) / len(r):.3f}")
+            if max(r) < 1 - margin:
+                wins.append((sum(r) / len(r), prov))
+    lines.append(f"  take as the default: {min(wins)[1]} (faster at every point by > {margin:.0%})" if wins
+                 else f"  no configuration beats the default at every point by > {margin:.0%}: keep it")
+    return lines
 
 
 def write_outputs(a, env, checks, targets, grid, variants, sass, failed_cfg):
@@ -877,6 +987,10 @@ def write_outputs(a, env, checks, targets, grid, variants, sass, failed_cfg):
             if g and t.get("sdpa"):
                 v, p = min(g)
                 out.append(f"  best {case}: {p} {v:.3f} ms = {v / t['sdpa']:.2f}x SDPA")
+        try:
+            out += default_verdict(targets)
+        except Exception as exc:  # a report line, never a reason to lose the summary
+            out.append(f"default verdict failed: {type(exc).__name__}: {exc}")
     out.append(f"total {time.time() - T0:.0f}s")
     for line in out:
         log(line)

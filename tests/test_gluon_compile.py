@@ -387,9 +387,9 @@ def test_gpu_script_times_interleaved_rounds_and_survives_a_failing_provider(mon
     monkeypatch.setattr(g, "_provider_fn", provider_fn)
     monkeypatch.setattr(g, "time_ms", time_ms)
     monkeypatch.setattr(g, "ROUNDS", 2)
-    # time_point resets the backend override after each provider: restore it after the test (a
-    # leftover "auto" would mask STREAMKL_FWD_BACKEND for every later test in the session)
-    monkeypatch.setattr(g.dispatch, "FWD_BACKEND", g.dispatch.FWD_BACKEND)
+    # time_point resets the backend after each provider: keep that off the process-wide setting
+    monkeypatch.setattr(dispatch, "FWD_BACKEND", dispatch.FWD_BACKEND)
+    monkeypatch.setattr(g, "set_backend", lambda name: None)
     times = {}
     g.time_point("targets", "case", {}, None, False, ["a", "bad", "b", "sdpa"], 1, 1, Budget(), times)
     assert order == ["a", "b", "sdpa", "sdpa", "b", "a"]
