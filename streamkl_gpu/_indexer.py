@@ -416,16 +416,25 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
 # ----------------------------------------------------------------------------------------------
 
 GLUON_MODES = ("0", "1", "auto")
+# "auto" only where measured faster: the DSA-like family (wide MQA teacher) from this many keys on
+GLUON_AUTO_MIN_KEYS = 2048
+GLUON_AUTO_MIN_TEACHER = 64 * 512  # H * D
+GLUON_DEFAULT = "0"  # STREAMKL_INDEXER_GLUON's default
+GLUON_PACC_DEFAULT = "0"  # STREAMKL_INDEXER_GLUON_PACC's default
+
+
+def _gluon_auto(dims) -> bool:
+    return dims.NK >= GLUON_AUTO_MIN_KEYS and dims.H * dims.D >= GLUON_AUTO_MIN_TEACHER
 
 
 def gluon_mode(pacc: bool = False) -> str:
     """``STREAMKL_INDEXER_GLUON`` (the forward) / ``STREAMKL_INDEXER_GLUON_PACC`` (the
     accumulating forward of the training case): ``0`` (default: not yet measured on the GPU) the
     Triton kernel; ``1`` the Gluon kernel (``_gluon_indexer``) or a ``ValueError`` saying why it
-    does not apply (a forced path never falls back silently); ``auto`` the Gluon kernel wherever
-    it applies."""
+    does not apply (a forced path never falls back silently); ``auto`` the Gluon kernel where it
+    applies and was measured faster (``_gluon_auto``: the DSA-like family, N_K >= 2048)."""
     var = "STREAMKL_INDEXER_GLUON_PACC" if pacc else "STREAMKL_INDEXER_GLUON"
-    mode = _runtime.env(var, "0")
+    mode = _runtime.env(var, GLUON_PACC_DEFAULT if pacc else GLUON_DEFAULT)
     if mode not in GLUON_MODES:
         raise ValueError(f"{var} must be one of {GLUON_MODES}, got {mode!r}")
     return mode
@@ -445,6 +454,8 @@ def gluon_why_not(dims, q, k, q_idx, k_idx, pacc: bool = False) -> str:
 def _use_gluon(dims, q, k, q_idx, k_idx, pacc: bool = False) -> bool:
     mode = gluon_mode(pacc)
     if mode == "0":
+        return False
+    if mode == "auto" and not _gluon_auto(dims):
         return False
     why = gluon_why_not(dims, q, k, q_idx, k_idx, pacc)
     if why and mode == "1":
