@@ -64,7 +64,9 @@ def parse_args(argv=None):
     p.add_argument("--ns", default=None, help="N list (default 8192; full: 8192,16384)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     p.add_argument("--no-bwd", action="store_true", help="forward candidates only")
-    p.add_argument("--budget", type=float, default=None, help="seconds; default 110 (--quick), 600")
+    p.add_argument("--budget", type=float, default=None, help="seconds; default 100 (--quick), 600")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="seconds after which the table of what ran is printed and the run ends (default budget + 8)")
     p.add_argument("--parallel", type=int, default=None, help="warm-up compile processes (default: CPUs)")
     p.add_argument("--no-warm", action="store_true", help="compile in the timing process (one at a time)")
     p.add_argument("--warm-job", default=None, help=argparse.SUPPRESS)
@@ -73,7 +75,9 @@ def parse_args(argv=None):
     p.add_argument("--tiny-gluon-emulate", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.budget is None:
-        a.budget = 110.0 if a.quick else 600.0
+        a.budget = 100.0 if a.quick else 600.0
+    if a.deadline is None:
+        a.deadline = a.budget + 8.0
     return a
 
 
@@ -327,7 +331,6 @@ def run_warm_job(job, tiny=False):
 
 
 GLUON_WARM_S = 65.0  # seconds a Gluon warm-up job may take (compiles ~15-60 s, then small checks)
-GLUON_PHASE_S = 90.0  # the main process's Gluon phase: past this the table is printed and the run ends
 
 
 def warm_up(bench, jobs, parallel):
@@ -350,7 +353,8 @@ def warm_up(bench, jobs, parallel):
                 if (time.time() - start > GLUON_WARM_S) if ":gluon" in job else (time.time() - t0 > bench.args.budget * 0.5):
                     proc.kill()
                     failed.append(job)
-                    bench.log(f"warm-up {job}: killed (over {bench.args.budget * 0.5:.0f} s)")
+                    limit = GLUON_WARM_S if ":gluon" in job else bench.args.budget * 0.5
+                    bench.log(f"warm-up {job}: killed (over {limit:.0f} s)")
                 else:
                     still.append((job, proc, start))
                 continue
@@ -809,6 +813,19 @@ def main(argv=None):
         run_warm_job(args.warm_job, args.tiny)
         return 0
     bench = Bench(args)
+    results = {}
+    # run-wide watchdog: past --deadline seconds (a hang, a slow compile) the table of what ran is
+    # printed and the run ends, before the caller's own timeout can kill it silently
+    import threading
+
+    def watchdog():
+        bench.log(f"past the {args.deadline:.0f} s deadline: table of what ran, then exit")
+        bench.table(results)
+        sys.stdout.flush()
+        os._exit(3)
+    timer = threading.Timer(args.deadline, watchdog)
+    timer.daemon = True
+    timer.start()
     import triton
     bench.log(f"indexer perf: {torch.cuda.get_device_name() if bench.device == 'cuda' else 'cpu'}, "
               f"torch {torch.__version__}, triton {triton.__version__}, quick={args.quick}")
@@ -823,7 +840,6 @@ def main(argv=None):
                                       args.parallel or max(1, min(16, os.cpu_count() or 1))))
         except Exception as exc:  # noqa: BLE001 - then the timing process compiles
             bench.log(f"warm-up raised {type(exc).__name__}: {exc}")
-    results = {}
     cfgs = {c: (tiny_config(CONFIGS[c]) if args.tiny else CONFIGS[c]) for c in configs}
     if args.tiny and args.tiny_gluon_emulate and _indexer._gluon_indexer is not None:
         g = _indexer._gluon_indexer
@@ -857,23 +873,10 @@ def main(argv=None):
             ok = guarded(f"checks of {cname}", bench.check_candidates, cname, cfgs[cname], cands) or []
             plan[(cname, N)] = (cands, ok)
             guarded(f"{cname} N={N} fwd", bench.bench_fwd, cname, cfgs[cname], N, cands, ok, results)
-    if not args.no_bwd:
-        for cname in configs:
-            guarded(f"fwd+bwd checks of {cname}", bench.check_fwd_bwd, cname, cfgs[cname])
-            for N in ns:
-                guarded(f"{cname} N={N} fwd+bwd", bench.bench_fwd_bwd, cname, cfgs[cname], N, results)
-    # the Gluon kernels after the Triton ones (a new kernel: a hang must not cost the measurements
-    # above) and before torch.compile (not timed under --quick: run r5c's numbers): only the
-    # launch configs whose warm-up job passed, under a watchdog that prints the table and exits
-    import threading
-
-    def watchdog():
-        bench.log(f"gluon phase over {GLUON_PHASE_S:.0f} s (hang?): table of what ran, then exit")
-        bench.table(results)
-        os._exit(3)
-    timer = threading.Timer(GLUON_PHASE_S, watchdog)
-    timer.daemon = True
-    timer.start()
+    # the Gluon kernels right after the Triton forwards (they decide the Gluon defaults and the
+    # DSA targets), then the Triton fwd+bwd, torch.compile last (not timed under --quick: run
+    # r5c's numbers). Only the Gluon launch configs whose warm-up job passed run here; the
+    # run-wide watchdog (--deadline) prints the table of what ran if a new kernel hangs
     for cname in configs:
         for N in ns:
             bad = {i for i in range(8) if f"{cname}:{N}:gluon:{i}" in warm_failed}
@@ -881,10 +884,15 @@ def main(argv=None):
             if not args.no_bwd and (not args.tiny or args.tiny_gluon_emulate):
                 guarded(f"{cname} N={N} gluon fwd+bwd", bench.gluon_fwd_bwd, cname, cfgs[cname], N, results,
                         {i for i in range(8) if f"{cname}:{N}:gluonpacc:{i}" in warm_failed})
-    timer.cancel()
+    if not args.no_bwd:
+        for cname in configs:
+            guarded(f"fwd+bwd checks of {cname}", bench.check_fwd_bwd, cname, cfgs[cname])
+            for N in ns:
+                guarded(f"{cname} N={N} fwd+bwd", bench.bench_fwd_bwd, cname, cfgs[cname], N, results)
     for cname in configs:
         for N in ns:
             guarded(f"{cname} N={N} torch.compile", bench.bench_compile, cname, cfgs[cname], N, results, warm_failed)
+    timer.cancel()
     bench._problems.clear()
     bench.free()
     bench.table(results)
