@@ -234,8 +234,11 @@ def _new_fwd_candidates(dims, gqa, n_sm):
         # registers, ~500 B of spills: left out.
         # The lead's Nsight Compute of the best (r5a): tensor pipe 24 %, L2 36 %, 2 warps per
         # scheduler: latency bound, not L2 bound; so also 64 heads x 64 keys (7th field: 64 heads
-        # per chunk) on 4 warps: 130 registers, 41 KB, three CTAs per SM (offline). Not yet timed.
-        out = [(128, 128, 128, 64, 8, 3), (128, 128, 128, 64, 4, 2), (128, 128, 128, 64, 4, 3),
+        # per chunk) on 4 warps: 130 registers, 41 KB, three CTAs per SM (offline).
+        # Measured (H200, triton 3.6, DSA 8K causal, lse given, run r5c): 4 warps 3 stages
+        # 17.48 ms = 2.34x the floor (the first: the untuned choice), 4 warps 2 stages 21.36,
+        # 8 warps 3 stages 24.89, 64 x 64 on 4 warps 28.25.
+        out = [(128, 128, 128, 64, 4, 3), (128, 128, 128, 64, 4, 2), (128, 128, 128, 64, 8, 3),
                (128, 128, 128, 64, 8, 2), (64, 64, 64, 64, 4, 3, 64)]
     else:
         out = []
@@ -244,9 +247,11 @@ def _new_fwd_candidates(dims, gqa, n_sm):
         # (128, 128, 128, 64, 8, 2, 1), 2.29 ms at 8K, has 255 registers and 40 B of spills; Nsight
         # Compute of it, lead's r5b: tensor pipe 19 %, issue 24 %, stalls on waits and barriers:
         # latency bound). Smaller tiles for more CTAs per SM: 32 x 64 (136 registers, 24 KB: three
-        # per SM), 64 x 32 (108 registers, 74 KB, 3 stages: three per SM). Not yet timed.
-        for base in ((128, 128, 128, 64, 8, 2, 1), (128, 128, 64, 64, 8, 2, None), (128, 128, 64, 64, 8, 2, 1),
-                     (64, 64, 64, 64, 4, 2, None), (64, 64, 64, 64, 4, 2, 1), (64, 64, 64, 64, 4, 3, 1),
+        # per SM), 64 x 32 (108 registers, 74 KB, 3 stages: three per SM).
+        # Measured (r5c, GQA 8K): 64 x 64 3 stages 2.341 ms = 5.02x (first), 128 x 128 8 warps
+        # 2.483, 64 x 32 2.700, 64 x 64 2 stages 3.256, 32 x 64 4.785.
+        for base in ((64, 64, 64, 64, 4, 3, 1), (128, 128, 128, 64, 8, 2, 1), (128, 128, 64, 64, 8, 2, None),
+                     (128, 128, 64, 64, 8, 2, 1), (64, 64, 64, 64, 4, 2, None), (64, 64, 64, 64, 4, 2, 1),
                      (32, 32, 64, 64, 4, 2, 1), (64, 64, 32, 64, 4, 3, 1)):
             out.append(_canonical(base + (_fwd_split(dims, base, n_sm),)))
     return out
@@ -296,8 +301,10 @@ def _candidates(kind, ieee, dims=None, n_sm=132, teacher=True):
         # Measured (H200, DSA 8K causal fwd+bwd, 12:49 run): BLOCK_N = 64 73.2 ms, 32 101.3 ms.
         # s4r4 run: 3 stages 52.96 ms, 2 stages 61.79, "l1" 60.29. Session 5: BLOCK_N = 128 (the
         # forward's best tile; offline sm_90, triton 3.9: ~1 KB of spills, BLOCK_N = 64 328 B),
-        # not yet timed.
-        return [(128, 128, 64, 64, 8, 3), (128, 128, 128, 64, 8, 3), (128, 128, 64, 64, 8, 2),
+        # r5c: BLOCK_N = 64 53.05 ms fwd+bwd (accumulating forward 38.71, backward 14.34), BLOCK_N
+        # = 128 54.13. 4 warps (two CTAs per SM, as the forward's best): spills 568 B offline at
+        # BLOCK_N = 64, not yet timed.
+        return [(128, 128, 64, 64, 8, 3), (128, 128, 64, 64, 4, 3), (128, 128, 128, 64, 8, 3), (128, 128, 64, 64, 8, 2),
                 (128, 128, 64, 64, 8, 2, None, 1, "l1"), (128, 128, 128, 64, 8, 2), (128, 128, 32, 64, 8, 2),
                 (128, 128, 32, 64, 8, 2, None, 1, "l1"), (128, 128, 32, 64, 8, 3), (128, 128, 32, 64, 4, 2)]
     if kind == "lse":
@@ -409,16 +416,25 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
 # ----------------------------------------------------------------------------------------------
 
 GLUON_MODES = ("0", "1", "auto")
+# "auto" only where measured faster: the DSA-like family (wide MQA teacher) from this many keys on
+GLUON_AUTO_MIN_KEYS = 2048
+GLUON_AUTO_MIN_TEACHER = 64 * 512  # H * D
+GLUON_DEFAULT = "0"  # STREAMKL_INDEXER_GLUON's default
+GLUON_PACC_DEFAULT = "0"  # STREAMKL_INDEXER_GLUON_PACC's default
+
+
+def _gluon_auto(dims) -> bool:
+    return dims.NK >= GLUON_AUTO_MIN_KEYS and dims.H * dims.D >= GLUON_AUTO_MIN_TEACHER
 
 
 def gluon_mode(pacc: bool = False) -> str:
     """``STREAMKL_INDEXER_GLUON`` (the forward) / ``STREAMKL_INDEXER_GLUON_PACC`` (the
     accumulating forward of the training case): ``0`` (default: not yet measured on the GPU) the
     Triton kernel; ``1`` the Gluon kernel (``_gluon_indexer``) or a ``ValueError`` saying why it
-    does not apply (a forced path never falls back silently); ``auto`` the Gluon kernel wherever
-    it applies."""
+    does not apply (a forced path never falls back silently); ``auto`` the Gluon kernel where it
+    applies and was measured faster (``_gluon_auto``: the DSA-like family, N_K >= 2048)."""
     var = "STREAMKL_INDEXER_GLUON_PACC" if pacc else "STREAMKL_INDEXER_GLUON"
-    mode = _runtime.env(var, "0")
+    mode = _runtime.env(var, GLUON_PACC_DEFAULT if pacc else GLUON_DEFAULT)
     if mode not in GLUON_MODES:
         raise ValueError(f"{var} must be one of {GLUON_MODES}, got {mode!r}")
     return mode
@@ -438,6 +454,8 @@ def gluon_why_not(dims, q, k, q_idx, k_idx, pacc: bool = False) -> str:
 def _use_gluon(dims, q, k, q_idx, k_idx, pacc: bool = False) -> bool:
     mode = gluon_mode(pacc)
     if mode == "0":
+        return False
+    if mode == "auto" and not _gluon_auto(dims):
         return False
     why = gluon_why_not(dims, q, k, q_idx, k_idx, pacc)
     if why and mode == "1":

@@ -230,3 +230,9 @@ def test_emulated_student_backward_completes_the_gradient():
                          student=True)
     for name, s_, t_ in zip(("dq_idx", "dweights", "dk_idx"), student, target):
         np.testing.assert_allclose((s_ - t_).numpy(), ref[name], rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_auto_only_for_the_measured_family():
+    assert _indexer._gluon_auto(_dims(N=8192))
+    assert not _indexer._gluon_auto(_dims(N=1024))  # short: launch-bound, not measured
+    assert not _indexer._gluon_auto(_dims(H=32, D=128, N=8192))  # a narrow teacher: not measured
