@@ -432,7 +432,7 @@ def main(argv=None):
             rate = 700e12
         # launch configs of the forward (BLOCK_K, BLOCK_D, heads per chunk, warps, stages) beside the default
         # r5c (H200, DSA 8K, K=2048): the default (64, 64, 128, 8, 2) fwd 26.1 ms, 16.5 with lse
-        variants = [(64, 64, 128, 8, 2, True), (128, 64, 128, 8, 2), (128, 64, 128, 8, 2, True)]
+        variants = [(64, 64, 128, 8, 2, True), (128, 64, 128, 8, 2), (128, 64, 128, 8, 2, True), (64, 64, 128, 8, 3)]
         points = [("dsa", 8192, dict(baselines=True, variants=variants)),
                   ("gqa", 8192, dict(baselines=not args.quick))]
         if not args.quick:
