@@ -17,9 +17,12 @@ last) of ours vs the PyTorch gather form in float64 on those rows (the whole pro
 does not fit), KL and the gradients' rows dq_idx, dweights; dk_idx vs the fp32 gather form.
 Timings (triton.testing.do_bench, median ms; a call over 50 ms: one warm call; peak extra GiB), in
 this order: ours and ours_lse fwd and fwd+bwd (mean loss), launch-config variants of the forward,
-the PyTorch gather form (torch.compile, then eager) where it fits. --quick keeps to ~60 s: past a
-50 s budget the later variants, points and compile are skipped (printed as SKIPPED), and the
-baselines' fwd_bwd run only while 25 s of it are left. floor_ms = the forward's matmul FLOPs over the used slots (teacher + indexer) at the bf16
+the PyTorch gather form (torch.compile, then eager) where it fits; each variant's KL is checked
+against the default's. --quick (the final run's limit: 50 s, then SIGINT) runs the DSA 8K point
+only, in the order that decides a default: ours and ours_lse, the variants (until 24 s), the
+torch.compile forward (if 12 s of the 44 s budget are left), eager; then the checks as far as the
+budget goes (skipped ones are printed as SKIPPED; the r5c run passed them all with the default
+config). SIGINT prints the summary of what finished. floor_ms = the forward's matmul FLOPs over the used slots (teacher + indexer) at the bf16
 rate of an 8192^3 matmul measured in the same run (our forward does the teacher twice: >= 2x).
 
 Outputs: OUT_DIR/topk_bench.csv (long: measure, provider, shape, value, unit, note), topk.log.
@@ -301,7 +304,7 @@ def matmul_rate(device):
 
 
 def time_point(out, device, cfg_name, N, K, quick, rate, baselines=False, variants=(), budget=1e9,
-               compile_baseline=True):
+               compile_baseline=True, variant_budget=None):
     cfg = CONFIGS[cfg_name]
     shape = f"{cfg_name} N={N} K={K} causal bf16"
     try:
@@ -361,13 +364,26 @@ def time_point(out, device, cfg_name, N, K, quick, rate, baselines=False, varian
         run("ours_lse", lse_fwd, lse_fb)
     except Exception as e:  # noqa: BLE001
         out.log(f"FAILED {shape} ours_lse: {e!r}\n{traceback.format_exc()}")
+    with torch.no_grad():
+        kl_default = indexer_kl_topk(q, k, qi, ki, w, topk, **kw)
+    v_budget = variant_budget if variant_budget is not None else budget - (15 if baselines else 0)
     for v in variants:
-        if time.time() - T0 > budget - (15 if baselines else 0):  # leave the compile baseline its time
-            out.log(f"SKIPPED variant {v}: past the {budget:.0f} s budget")
+        if time.time() - T0 > v_budget:  # leave the compile baseline its time
+            out.log(f"SKIPPED variant {v}: past {v_budget:.0f} s")
             continue
         _indexer_topk.CONFIG_OVERRIDE = v
         try:
+            with torch.no_grad():
+                e = rel(indexer_kl_topk(q, k, qi, ki, w, topk, **kw), kl_default)
+            good = e <= 1e-3
+            out.row("check_err", f"ours cfg={v}", shape, f"{e:.3e}", "rel",
+                    f"kl vs the default config, bound 1e-3 {'ok' if good else 'FAIL'}")
+            if not good:
+                out.failed.append(f"{shape} cfg={v}")
             run(f"ours cfg={v}", ours_fwd, None)
+        except Exception as e:  # noqa: BLE001
+            out.failed.append(f"{shape} cfg={v}")
+            out.log(f"FAILED {shape} cfg={v}: {e!r}")
         finally:
             _indexer_topk.CONFIG_OVERRIDE = None
     if baselines:
@@ -383,8 +399,8 @@ def run_baselines(run, q, k, qi, ki, w, leaves, topk, kw, compile_baseline=True,
         return indexer_kl_topk_naive(q, k, *xs, topk, compute_dtype=None, **kw).sum() / rows
 
     providers = []
-    if compile_baseline and time.time() - T0 > budget:
-        run.out.log(f"SKIPPED torch_gather_compile: past the {budget:.0f} s budget")
+    if compile_baseline and time.time() - T0 > budget - 12:
+        run.out.log(f"SKIPPED torch_gather_compile: within 12 s of the {budget:.0f} s budget")
     elif compile_baseline:
         providers.append(("torch_gather_compile", torch.compile(naive_loss)))
     providers.append(("torch_gather_eager", naive_loss))
@@ -409,22 +425,38 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true")
     p.add_argument("--tiny", action="store_true", help="CPU smoke under TRITON_INTERPRET=1")
     p.add_argument("--budget-s", type=float, default=None,
-                   help="skip the remaining timing points past this many seconds (default: --quick 50)")
+                   help="skip the remaining sections past this many seconds (default: --quick 44)")
     args = p.parse_args(argv)
-    budget = args.budget_s if args.budget_s is not None else (50.0 if args.quick else 1e9)
+    budget = args.budget_s if args.budget_s is not None else (44.0 if args.quick else 1e9)
     out = Out(args.out_dir)
+    try:
+        _main(args, out, budget)
+    except KeyboardInterrupt:  # the runner's timeout (SIGINT): keep what was measured
+        out.failed.append("interrupted")
+        out.log("INTERRUPTED (SIGINT): the summary below holds what finished")
+    print("\n=== indexer_kl_topk summary ===")
+    for measure, provider, shape, value, unit, note in out.table:
+        if measure.endswith("_ms") or measure == "floor" or "FAIL" in note:
+            print(f"{measure:12s} {provider:26s} {shape:30s} {value:>10s} {unit:4s} {note}")
+    print(f"checks failed: {out.failed if out.failed else 'none'}   total {time.time() - T0:.1f}s")
+    return 1 if out.failed else 0
+
+
+def _main(args, out, budget):
     device = "cpu" if args.tiny else "cuda"
     if not args.tiny:
         out.log(f"gpu {torch.cuda.get_device_name()} torch {torch.__version__}")
         import triton
         out.log(f"triton {triton.__version__}")
-    check_small(out, device, args.tiny, args.quick)
+    if not args.quick:  # --quick: the timings that decide the default first, then the checks
+        check_small(out, device, args.tiny, args.quick)
     if args.tiny:  # the GPU-only sections' code paths, tiny, on CPU
         check_dsa_rows(out, device, 12, 6, rows=4, cfg_name="tiny", dtype=torch.float32, chunk=5)
         time_point(out, device, "tiny", 6, 4, True, matmul_rate(device), baselines=True,
                    variants=[(16, 16, 16, 1, 1, True)], compile_baseline=False)
     else:
-        check_dsa_rows(out, device, 8192, 2048, chunk=1024)
+        if not args.quick:
+            check_dsa_rows(out, device, 8192, 2048, chunk=1024)
         try:
             rate = matmul_rate(device)
         except Exception as e:  # noqa: BLE001
@@ -435,21 +467,25 @@ def main(argv=None):
         # (BLOCK_K, BLOCK_D, heads per chunk, warps, stages, A_L1, SEPARATE student kernel), most promising first
         variants = [(64, 64, 128, 8, 2, False, True), (64, 64, 128, 8, 2, True), (128, 64, 128, 8, 2),
                     (64, 64, 128, 8, 2, True, True), (128, 64, 128, 8, 2, True), (64, 64, 128, 8, 3)]
-        points = [("dsa", 8192, dict(baselines=True, variants=variants)),
-                  ("gqa", 8192, dict(baselines=not args.quick))]
+        points = [("dsa", 8192, dict(baselines=True, variants=variants))]
         if not args.quick:
-            points += [("dsa", 4096, dict(baselines=True)), ("dsa", 16384, dict(baselines=False))]
+            points += [("gqa", 8192, dict(baselines=True)), ("dsa", 4096, dict(baselines=True)),
+                       ("dsa", 16384, dict(baselines=False))]
         for cfg_name, n, kw in points:
             if time.time() - T0 > budget:
                 out.log(f"SKIPPED {cfg_name} N={n}: past the {budget:.0f} s budget")
                 continue
-            time_point(out, device, cfg_name, n, 2048, args.quick, rate, budget=budget, **kw)
-    print("\n=== indexer_kl_topk summary ===")
-    for measure, provider, shape, value, unit, note in out.table:
-        if measure.endswith("_ms") or measure == "floor" or "FAIL" in note:
-            print(f"{measure:12s} {provider:26s} {shape:30s} {value:>10s} {unit:4s} {note}")
-    print(f"checks failed: {out.failed if out.failed else 'none'}   total {time.time() - T0:.1f}s")
-    return 1 if out.failed else 0
+            time_point(out, device, cfg_name, n, 2048, args.quick, rate, budget=budget,
+                       variant_budget=24.0 if args.quick else None, **kw)
+        if args.quick:  # the checks after the timings, as far as the budget goes (DSA 8K rows first)
+            if time.time() - T0 < budget - 8:
+                check_dsa_rows(out, device, 8192, 2048, chunk=1024)
+            else:
+                out.log("SKIPPED the DSA 8K row check: past the budget")
+            if time.time() - T0 < budget - 6:
+                check_small(out, device, False, True)
+            else:
+                out.log("SKIPPED the small-shape checks: past the budget")
 
 
 if __name__ == "__main__":
