@@ -24,7 +24,7 @@ class Rec:
     def __getitem__(self, grid):
         def call(*args, **kw): records.append((self.name, self.fn, args, kw))
         return call
-for n in ("_topk_fwd_kernel", "_topk_bwd_kernel"):
+for n in ("_topk_fwd_kernel", "_topk_bwd_kernel", "_topk_student_kernel"):
     setattr(K, n, Rec(n, getattr(K, n)))
 CUOBJ = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
 def compile_rec(rec):
@@ -67,7 +67,7 @@ def run(H, HK, D, HI, HKI, DI, dtype, N=256, KS=100, cfgs=(None,), lse=False):
             except Exception as e: print("COMPILE FAILED", r[0], c, repr(e)[:2000])
 which = sys.argv[1:] or ["dsa"]
 if "dsa" in which:
-    print("== dsa bf16"); run(128, 1, 576, 64, 1, 128, torch.bfloat16, cfgs=(None, (64, 64, 128, 8, 2, True), (128, 64, 128, 8, 2), (32, 64, 128, 8, 2)))
+    print("== dsa bf16"); run(128, 1, 576, 64, 1, 128, torch.bfloat16, cfgs=(None, (64, 64, 128, 8, 2, True), (128, 64, 128, 8, 2), (64, 64, 128, 8, 2, False, True)))
     run(128, 1, 576, 64, 1, 128, torch.bfloat16, lse=True)
 if "gqa" in which:
     print("== gqa bf16"); run(32, 8, 128, 16, 1, 64, torch.bfloat16)

@@ -15,9 +15,14 @@ fp32/fp16/bf16 under the project's tolerance rule (ratio 3 x the same-precision 
 form's error + floor); (2) DSA-like at N = 8K, K = 2048: 32 sampled rows (incl. the first and the
 last) of ours vs the PyTorch gather form in float64 on those rows (the whole problem in float64
 does not fit), KL and the gradients' rows dq_idx, dweights; dk_idx vs the fp32 gather form.
-Timings (triton.testing.do_bench, median ms; peak extra GiB): ours fwd and fwd+bwd (mean loss),
-launch-config variants of the forward; the PyTorch gather form (eager, torch.compile) where it
-fits. floor_ms = the forward's matmul FLOPs over the used slots (teacher + indexer) at the bf16
+Timings (triton.testing.do_bench, median ms; a call over 50 ms: one warm call; peak extra GiB), in
+this order: ours and ours_lse fwd and fwd+bwd (mean loss), launch-config variants of the forward,
+the PyTorch gather form (torch.compile, then eager) where it fits; each variant's KL is checked
+against the default's. --quick (the final run's limit: 50 s, then SIGINT) runs the DSA 8K point
+only, in the order that decides a default: ours and ours_lse, the variants (until 24 s), the
+torch.compile forward (if 12 s of the 44 s budget are left), eager; then the checks as far as the
+budget goes (skipped ones are printed as SKIPPED; the r5c run passed them all with the default
+config). SIGINT prints the summary of what finished. floor_ms = the forward's matmul FLOPs over the used slots (teacher + indexer) at the bf16
 rate of an 8192^3 matmul measured in the same run (our forward does the teacher twice: >= 2x).
 
 Outputs: OUT_DIR/topk_bench.csv (long: measure, provider, shape, value, unit, note), topk.log.
@@ -153,6 +158,14 @@ def bench(fn, quick):
     fn()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    one = start.elapsed_time(end)
+    if one > 50.0:  # a slow call (the eager gather form's backward: seconds): that one warm call
+        return one, peak
     ms = triton.testing.do_bench(fn, warmup=5 if quick else 25, rep=20 if quick else 100)
     return ms, peak
 
@@ -161,7 +174,7 @@ def bench(fn, quick):
 # Checks
 # ----------------------------------------------------------------------------------------------
 
-def check_small(out, device, tiny):
+def check_small(out, device, tiny, quick=False):
     """Small shapes vs float64 (reference on CPU), each dtype, fwd + grads, causal and not."""
     # (shape, dtypes): pruned to keep --quick's compiles few (each dtype/shape is a compile)
     shapes = [dict(H=8, HK=1, D=72, HI=4, HKI=1, DI=32, N=40, K=13, relu=True, causal=True,
@@ -170,7 +183,7 @@ def check_small(out, device, tiny):
                    dtypes=[torch.float16])]
     if tiny:  # the CPU smoke (tests/test_indexer_topk_bench.py): one shape
         shapes = shapes[:1]
-    else:
+    elif not quick:  # (--quick: the DSA shape is checked at 8K by check_dsa_rows)
         shapes.append(dict(H=128, HK=1, D=576, HI=64, HKI=1, DI=128, N=160, K=100, relu=True, causal=True,
                            dtypes=[torch.bfloat16]))
     for sh in shapes:
@@ -291,7 +304,7 @@ def matmul_rate(device):
 
 
 def time_point(out, device, cfg_name, N, K, quick, rate, baselines=False, variants=(), budget=1e9,
-               compile_baseline=True):
+               compile_baseline=True, variant_budget=None):
     cfg = CONFIGS[cfg_name]
     shape = f"{cfg_name} N={N} K={K} causal bf16"
     try:
@@ -319,6 +332,7 @@ def time_point(out, device, cfg_name, N, K, quick, rate, baselines=False, varian
                 out.log(f"FAILED {shape} {provider} {pass_name}: {e!r}")
             torch.cuda.empty_cache()
 
+    run.out = out
     kw = dict(causal=True, scale=cfg["scale"])
 
     def ours_fwd():
@@ -350,28 +364,46 @@ def time_point(out, device, cfg_name, N, K, quick, rate, baselines=False, varian
         run("ours_lse", lse_fwd, lse_fb)
     except Exception as e:  # noqa: BLE001
         out.log(f"FAILED {shape} ours_lse: {e!r}\n{traceback.format_exc()}")
-    if baselines:
-        run_baselines(run, q, k, qi, ki, w, leaves, topk, kw, compile_baseline)
+    with torch.no_grad():
+        kl_default = indexer_kl_topk(q, k, qi, ki, w, topk, **kw)
+    v_budget = variant_budget if variant_budget is not None else budget - (15 if baselines else 0)
     for v in variants:
-        if time.time() - T0 > budget:
-            out.log(f"SKIPPED variant {v}: past the {budget:.0f} s budget")
+        if time.time() - T0 > v_budget:  # leave the compile baseline its time
+            out.log(f"SKIPPED variant {v}: past {v_budget:.0f} s")
             continue
         _indexer_topk.CONFIG_OVERRIDE = v
         try:
+            with torch.no_grad():
+                e = rel(indexer_kl_topk(q, k, qi, ki, w, topk, **kw), kl_default)
+            good = e <= 1e-3
+            out.row("check_err", f"ours cfg={v}", shape, f"{e:.3e}", "rel",
+                    f"kl vs the default config, bound 1e-3 {'ok' if good else 'FAIL'}")
+            if not good:
+                out.failed.append(f"{shape} cfg={v}")
             run(f"ours cfg={v}", ours_fwd, None)
+        except Exception as e:  # noqa: BLE001
+            out.failed.append(f"{shape} cfg={v}")
+            out.log(f"FAILED {shape} cfg={v}: {e!r}")
         finally:
             _indexer_topk.CONFIG_OVERRIDE = None
+    if baselines:
+        run_baselines(run, q, k, qi, ki, w, leaves, topk, kw, compile_baseline, budget, quick)
 
 
-def run_baselines(run, q, k, qi, ki, w, leaves, topk, kw, compile_baseline=True):
+def run_baselines(run, q, k, qi, ki, w, leaves, topk, kw, compile_baseline=True, budget=1e9, quick=False):
+    """torch.compile first (the targets' baseline; with --quick its fwd_bwd only while more than
+    25 s of the budget are left: a second compile), then eager (a slow call is timed once)."""
     rows = (topk >= 0).any(-1).sum()
 
     def naive_loss(*xs):
         return indexer_kl_topk_naive(q, k, *xs, topk, compute_dtype=None, **kw).sum() / rows
 
-    providers = [("torch_gather_eager", naive_loss)]
-    if compile_baseline:
+    providers = []
+    if compile_baseline and time.time() - T0 > budget - 12:
+        run.out.log(f"SKIPPED torch_gather_compile: within 12 s of the {budget:.0f} s budget")
+    elif compile_baseline:
         providers.append(("torch_gather_compile", torch.compile(naive_loss)))
+    providers.append(("torch_gather_eager", naive_loss))
     for provider, f in providers:
         def fwd(f=f):
             with torch.no_grad():
@@ -380,7 +412,11 @@ def run_baselines(run, q, k, qi, ki, w, leaves, topk, kw, compile_baseline=True)
         def fb(f=f):
             torch.autograd.grad(f(*leaves), leaves)
 
-        run(provider, fwd, fb)
+        run(provider, fwd, None)
+        if quick and time.time() - T0 > budget - 25:
+            run.out.log(f"SKIPPED {provider} fwd_bwd: within 25 s of the {budget:.0f} s budget")
+            continue
+        run(provider, None, fb)
 
 
 def main(argv=None):
@@ -389,44 +425,67 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true")
     p.add_argument("--tiny", action="store_true", help="CPU smoke under TRITON_INTERPRET=1")
     p.add_argument("--budget-s", type=float, default=None,
-                   help="skip the remaining timing points past this many seconds (default: --quick 70)")
+                   help="skip the remaining sections past this many seconds (default: --quick 44)")
     args = p.parse_args(argv)
-    budget = args.budget_s if args.budget_s is not None else (70.0 if args.quick else 1e9)
+    budget = args.budget_s if args.budget_s is not None else (44.0 if args.quick else 1e9)
     out = Out(args.out_dir)
-    device = "cpu" if args.tiny else "cuda"
-    if not args.tiny:
-        out.log(f"gpu {torch.cuda.get_device_name()} torch {torch.__version__}")
-        import triton
-        out.log(f"triton {triton.__version__}")
-    check_small(out, device, args.tiny)
-    if args.tiny:  # the GPU-only sections' code paths, tiny, on CPU
-        check_dsa_rows(out, device, 12, 6, rows=4, cfg_name="tiny", dtype=torch.float32, chunk=5)
-        time_point(out, device, "tiny", 6, 4, True, matmul_rate(device), baselines=True,
-                   variants=[(16, 16, 16, 1, 1, True)], compile_baseline=False)
-    else:
-        check_dsa_rows(out, device, 8192, 2048)
-        try:
-            rate = matmul_rate(device)
-        except Exception as e:  # noqa: BLE001
-            out.log(f"FAILED matmul rate: {e!r}")
-            rate = 700e12
-        # launch configs of the forward (BLOCK_K, BLOCK_D, heads per chunk, warps, stages) beside the default
-        variants = [(64, 64, 128, 8, 2, True), (128, 64, 128, 8, 2), (32, 64, 128, 8, 2)]
-        points = [("dsa", 8192, dict(baselines=True, variants=variants)),
-                  ("gqa", 8192, dict(baselines=not args.quick))]
-        if not args.quick:
-            points += [("dsa", 4096, dict(baselines=True)), ("dsa", 16384, dict(baselines=False))]
-        for cfg_name, n, kw in points:
-            if time.time() - T0 > budget:
-                out.log(f"SKIPPED {cfg_name} N={n}: past the {budget:.0f} s budget")
-                continue
-            time_point(out, device, cfg_name, n, 2048, args.quick, rate, budget=budget, **kw)
+    try:
+        _main(args, out, budget)
+    except KeyboardInterrupt:  # the runner's timeout (SIGINT): keep what was measured
+        out.failed.append("interrupted")
+        out.log("INTERRUPTED (SIGINT): the summary below holds what finished")
     print("\n=== indexer_kl_topk summary ===")
     for measure, provider, shape, value, unit, note in out.table:
         if measure.endswith("_ms") or measure == "floor" or "FAIL" in note:
             print(f"{measure:12s} {provider:26s} {shape:30s} {value:>10s} {unit:4s} {note}")
     print(f"checks failed: {out.failed if out.failed else 'none'}   total {time.time() - T0:.1f}s")
     return 1 if out.failed else 0
+
+
+def _main(args, out, budget):
+    device = "cpu" if args.tiny else "cuda"
+    if not args.tiny:
+        out.log(f"gpu {torch.cuda.get_device_name()} torch {torch.__version__}")
+        import triton
+        out.log(f"triton {triton.__version__}")
+    if not args.quick:  # --quick: the timings that decide the default first, then the checks
+        check_small(out, device, args.tiny, args.quick)
+    if args.tiny:  # the GPU-only sections' code paths, tiny, on CPU
+        check_dsa_rows(out, device, 12, 6, rows=4, cfg_name="tiny", dtype=torch.float32, chunk=5)
+        time_point(out, device, "tiny", 6, 4, True, matmul_rate(device), baselines=True,
+                   variants=[(16, 16, 16, 1, 1, True)], compile_baseline=False)
+    else:
+        if not args.quick:
+            check_dsa_rows(out, device, 8192, 2048, chunk=1024)
+        try:
+            rate = matmul_rate(device)
+        except Exception as e:  # noqa: BLE001
+            out.log(f"FAILED matmul rate: {e!r}")
+            rate = 700e12
+        # launch configs of the forward (BLOCK_K, BLOCK_D, heads per chunk, warps, stages) beside the default
+        # r5c (H200, DSA 8K, K=2048): the default (64, 64, 128, 8, 2) fwd 26.1 ms, 16.5 with lse
+        # (BLOCK_K, BLOCK_D, heads per chunk, warps, stages, A_L1, SEPARATE student kernel), most promising first
+        variants = [(64, 64, 128, 8, 2, False, True), (64, 64, 128, 8, 2, True), (128, 64, 128, 8, 2),
+                    (64, 64, 128, 8, 2, True, True), (128, 64, 128, 8, 2, True), (64, 64, 128, 8, 3)]
+        points = [("dsa", 8192, dict(baselines=True, variants=variants))]
+        if not args.quick:
+            points += [("gqa", 8192, dict(baselines=True)), ("dsa", 4096, dict(baselines=True)),
+                       ("dsa", 16384, dict(baselines=False))]
+        for cfg_name, n, kw in points:
+            if time.time() - T0 > budget:
+                out.log(f"SKIPPED {cfg_name} N={n}: past the {budget:.0f} s budget")
+                continue
+            time_point(out, device, cfg_name, n, 2048, args.quick, rate, budget=budget,
+                       variant_budget=24.0 if args.quick else None, **kw)
+        if args.quick:  # the checks after the timings, as far as the budget goes (DSA 8K rows first)
+            if time.time() - T0 < budget - 8:
+                check_dsa_rows(out, device, 8192, 2048, chunk=1024)
+            else:
+                out.log("SKIPPED the DSA 8K row check: past the budget")
+            if time.time() - T0 < budget - 6:
+                check_small(out, device, False, True)
+            else:
+                out.log("SKIPPED the small-shape checks: past the budget")
 
 
 if __name__ == "__main__":

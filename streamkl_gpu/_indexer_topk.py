@@ -30,8 +30,10 @@ LOG2E = 1.4426950408889634
 MAX_TOPK_INDEXER_HEADS = 128  # all indexer heads of a token are one tile's rows
 TOPK_DTYPES = (torch.int32, torch.int64)
 
-# (BLOCK_K slots per tile, BLOCK_D, teacher heads per chunk at most, num_warps, num_stages[, A_L1])
-# A_L1 (optional 6th field, default False): the forward's teacher q rows through L1
+# (BLOCK_K slots per tile, BLOCK_D, teacher heads per chunk at most, num_warps, num_stages[, A_L1[,
+# SEPARATE]]). A_L1 (optional 6th field, default False): the forward's teacher q rows through L1.
+# SEPARATE (7th, default False): the student's logits and LSE by their own kernel first, the teacher
+# kernel's second pass then only reads them (_topk_student_kernel).
 INTERPRETER_CONFIG = (16, 32, 32, 1, 1)
 DEFAULT_CONFIG = (64, 64, 128, 8, 2)  # not yet measured (bench/indexer_topk_gpu.py times variants)
 IEEE_CONFIG = (32, 32, 64, 4, 1)
@@ -90,6 +92,7 @@ def _forward(q, k, q_idx, k_idx, weights, topk_indices, lse, causal, scale, relu
     ieee_t, ieee_i = q.dtype == torch.float32, q_idx.dtype == torch.float32
     block_k, block_d, hb_max, warps, stages, *rest = _config(ieee_t or ieee_i)
     a_l1 = bool(rest[0]) if rest else False
+    separate = bool(rest[1]) if len(rest) > 1 else False
     group, group_i = dims.H // dims.HK, dims.HI // dims.HKI
     hb = max(16, min(_pow2(group), _pow2(hb_max)))
     cpg = triton.cdiv(group, hb)
@@ -102,15 +105,25 @@ def _forward(q, k, q_idx, k_idx, weights, topk_indices, lse, causal, scale, relu
     else:  # natural log -> bits, the kernels' unit
         lse_t = (lse * LOG2E).contiguous()
     p_set = _fresh((dims.B, dims.NQ, n_sel), torch.float32, device)
+    block_di = pad_i if pad_i <= 128 else min(block_d, pad_i)
+    hi_pad = max(16, _pow2(dims.HI))
+    logits = p_set
+    if separate:
+        logits = _fresh((dims.B, dims.NQ, n_sel), torch.float32, device)
+        _kernels._topk_student_kernel[(dims.NQ, dims.B)](
+            q_idx, k_idx, weights, topk_indices, logits, lse_i,
+            *_strides(q_idx), *_strides(k_idx), *_strides(weights), *_strides(topk_indices),
+            dims.HI, dims.HKI, group_i, dims.NQ, dims.NK, n_sel,
+            DI=dims.DI, BLOCK_DI=block_di, HI_PAD=hi_pad, BLOCK_K=block_k, CAUSAL=causal, RELU=relu,
+            IEEE_I=ieee_i, num_warps=4, num_stages=2)
     _kernels._topk_fwd_kernel[(dims.NQ, dims.B)](
-        q, k, q_idx, k_idx, weights, topk_indices, lse_t, kl, lse_i, p_set,
+        q, k, q_idx, k_idx, weights, topk_indices, lse_t, kl, lse_i, p_set, logits,
         *_strides(q), *_strides(k), *_strides(q_idx), *_strides(k_idx), *_strides(weights), *_strides(topk_indices),
         dims.H, group, dims.HI, dims.HKI, group_i, dims.NQ, dims.NK, n_sel, dims.scale * LOG2E, 1.0 / dims.H,
         dims.HK * cpg, cpg,
-        D=dims.D, BLOCK_D=min(block_d, pad), DI=dims.DI, BLOCK_DI=pad_i if pad_i <= 128 else min(block_d, pad_i),
-        HB=hb, HI_PAD=max(16, _pow2(dims.HI)), BLOCK_K=block_k,
+        D=dims.D, BLOCK_D=min(block_d, pad), DI=dims.DI, BLOCK_DI=block_di, HB=hb, HI_PAD=hi_pad, BLOCK_K=block_k,
         CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, NO_CONTRACT=not _runtime.interpreting(),
-        HAS_LSE=lse is not None, A_L1=a_l1, num_warps=warps, num_stages=stages)
+        HAS_LSE=lse is not None, A_L1=a_l1, STUDENT_SEPARATE=separate, num_warps=warps, num_stages=stages)
     return kl, lse_i, p_set
 
 

@@ -86,8 +86,72 @@ def _indexer_rows_logits(QI, KI, W, b, t, idx, used, j, j_ok, GROUP_I, H_KI,
 
 
 @triton.jit
+def _target_tile(Q, K, LSE_T, b, t, idx, used, hh, H, GROUP, N_Q, qk_scale, inv_heads, n_chunks, chunks_per_group,
+                 stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+                 D: tl.constexpr, BLOCK_D: tl.constexpr, HB: tl.constexpr, BLOCK_K: tl.constexpr,
+                 IEEE_T: tl.constexpr, NO_CONTRACT: tl.constexpr, A_L1: tl.constexpr):
+    """The target ``p [BLOCK_K] = (1/H) sum_h exp2(s_h - lse_h)`` of one slot tile (0 at unused slots)."""
+    b64 = b.to(tl.int64)
+    p = tl.zeros([BLOCK_K], tl.float32)
+    for c in range(0, n_chunks):
+        kv = c // chunks_per_group
+        h_in_group = (c % chunks_per_group) * HB + hh
+        h = kv * GROUP + h_in_group
+        row_ok = h_in_group < GROUP
+        q_off = b64 * stride_qb + h.to(tl.int64) * stride_qh + t.to(tl.int64) * stride_qn
+        k_off = b64 * stride_kb + kv * stride_kh + idx * stride_kn
+        s = _dot_rows(Q, q_off, row_ok, K, k_off, used, stride_qd, stride_kd,
+                      None, None, b, 0, 0, 0, 0, D, BLOCK_D, HB, BLOCK_K, HB, IEEE_T, False, A_L1)
+        lse = tl.load(LSE_T + (b64 * H + h) * N_Q + t, mask=row_ok, other=float("-inf"))
+        # "!= -inf" keeps a NaN LSE a NaN (a NaN row stays NaN)
+        vis = row_ok[:, None] & used[None, :] & (lse != float("-inf"))[:, None]
+        x = _to_bits(s, qk_scale, NO_CONTRACT) - lse[:, None]
+        p += tl.sum(tl.exp2(tl.where(vis, x, float("-inf"))), 0)
+    return p * inv_heads
+
+
+@triton.jit
+def _topk_student_kernel(
+    QI, KI, W, TOPK, LOGITS, LSE_I,
+    stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
+    stride_wb, stride_wh, stride_wn, stride_tb, stride_tn, stride_ts,
+    H_I, H_KI, GROUP_I, N_Q, N_K, K_SEL,
+    DI: tl.constexpr, BLOCK_DI: tl.constexpr, HI_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
+    CAUSAL: tl.constexpr, RELU: tl.constexpr, IEEE_I: tl.constexpr,
+):
+    """The separate-student design (STUDENT_SEPARATE): the student's logits per slot LOGITS
+    [B, N_Q, K] (fp32) and LSE_I [B, N_Q] over the set (nats), before the teacher kernel.
+    Grid (N_Q, B)."""
+    t = tl.program_id(0)
+    b = tl.program_id(1)
+    b64 = b.to(tl.int64)
+    topk_row = b64 * stride_tb + t.to(tl.int64) * stride_tn
+    extent = _used_extent(TOPK, topk_row, K_SEL, t, N_Q, N_K, stride_ts, CAUSAL)
+    j = tl.arange(0, HI_PAD)
+    j_ok = j < H_I
+    m = tl.full([1], float("-inf"), tl.float32)
+    l = tl.zeros([1], tl.float32)
+    row = b64 * N_Q + t
+    for s0 in range(0, extent, BLOCK_K):
+        slots, idx, used = _slots(TOPK, topk_row, s0, K_SEL, t, N_Q, N_K, stride_ts, BLOCK_K, CAUSAL)
+        _, _, logits = _indexer_rows_logits(
+            QI, KI, W, b, t, idx, used, j, j_ok, GROUP_I, H_KI,
+            stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
+            stride_wb, stride_wh, stride_wn, DI, BLOCK_DI, HI_PAD, BLOCK_K, RELU, IEEE_I)
+        x = tl.where(used, logits, float("-inf"))
+        m_new = tl.maximum(m, tl.max(x, 0))
+        shift = _safe(m_new)
+        l = l * tl.exp2((m - shift) * LOG2E) + tl.sum(tl.exp2((x - shift) * LOG2E), 0)
+        m = m_new
+        tl.store(LOGITS + row * K_SEL + slots, logits, mask=slots < K_SEL)
+    # empty set: l = 0, LSE -inf; a NaN logit makes l NaN (the max ignores NaN)
+    lse_i = tl.where(l == 0.0, float("-inf"), _safe(m) + tl.log(tl.where(l == 0.0, 1.0, l)))
+    tl.store(LSE_I + row + tl.arange(0, 1), lse_i)
+
+
+@triton.jit
 def _topk_fwd_kernel(
-    Q, K, QI, KI, W, TOPK, LSE_T, KL, LSE_I, P_SET,
+    Q, K, QI, KI, W, TOPK, LSE_T, KL, LSE_I, P_SET, LOGITS,
     stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
     stride_wb, stride_wh, stride_wn, stride_tb, stride_tn, stride_ts,
@@ -96,11 +160,14 @@ def _topk_fwd_kernel(
     HB: tl.constexpr, HI_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, RELU: tl.constexpr, IEEE_T: tl.constexpr, IEEE_I: tl.constexpr,
     NO_CONTRACT: tl.constexpr, HAS_LSE: tl.constexpr = False, A_L1: tl.constexpr = False,
+    STUDENT_SEPARATE: tl.constexpr = False,
 ):
     """KL [B, N_Q] and LSE_I [B, N_Q] (nats), the teacher's set LSEs LSE_T [B, H, N_Q] (bits) and
     the target per slot P_SET [B, N_Q, K] (fp32). Grid (N_Q, B). A_L1: the token's teacher q
     rows through L1 (``.ca``; re-read for every slot tile: 147 KB at DSA), the gathered keys not.
-    HAS_LSE: LSE_T holds the caller's set LSEs (bits): pass 1 is skipped."""
+    HAS_LSE: LSE_T holds the caller's set LSEs (bits): pass 1 is skipped. STUDENT_SEPARATE:
+    ``_topk_student_kernel`` ran first (LOGITS per slot, LSE_I): pass 2 only reads them and sums
+    ``KL = sum p log p - sum p (I - LSE_I)`` (no online state, no student products here)."""
     t = tl.program_id(0)
     b = tl.program_id(1)
     b64 = b.to(tl.int64)
@@ -131,44 +198,51 @@ def _topk_fwd_kernel(
             lse = tl.where(l == 0.0, float("-inf"), _safe(m) + tl.log2(tl.where(l == 0.0, 1.0, l)))
             tl.store(LSE_T + (b64 * H + h) * N_Q + t, lse, mask=row_ok)
     tl.debug_barrier()  # pass 2 reads the LSEs other threads of this program stored
-    # pass 2: target, student logits, online KL state
-    j = tl.arange(0, HI_PAD)
-    j_ok = j < H_I
-    m_i = tl.full([1], float("-inf"), tl.float32)
-    l_i = tl.zeros([1], tl.float32)
-    mass = tl.zeros([1], tl.float32)
-    acc = tl.zeros([1], tl.float32)
-    plogp = tl.zeros([1], tl.float32)
     p_row = (b64 * N_Q + t) * K_SEL
-    for s0 in range(0, extent, BLOCK_K):
-        slots, idx, used = _slots(TOPK, topk_row, s0, K_SEL, t, N_Q, N_K, stride_ts, BLOCK_K, CAUSAL)
-        p = tl.zeros([BLOCK_K], tl.float32)
-        for c in range(0, n_chunks):
-            kv = c // chunks_per_group
-            h_in_group = (c % chunks_per_group) * HB + hh
-            h = kv * GROUP + h_in_group
-            row_ok = h_in_group < GROUP
-            q_off = b64 * stride_qb + h.to(tl.int64) * stride_qh + t.to(tl.int64) * stride_qn
-            k_off = b64 * stride_kb + kv * stride_kh + idx * stride_kn
-            s = _dot_rows(Q, q_off, row_ok, K, k_off, used, stride_qd, stride_kd,
-                          None, None, b, 0, 0, 0, 0, D, BLOCK_D, HB, BLOCK_K, HB, IEEE_T, False, A_L1)
-            lse = tl.load(LSE_T + (b64 * H + h) * N_Q + t, mask=row_ok, other=float("-inf"))
-            # "!= -inf" keeps a NaN LSE a NaN (a NaN row stays NaN)
-            vis = row_ok[:, None] & used[None, :] & (lse != float("-inf"))[:, None]
-            x = _to_bits(s, qk_scale, NO_CONTRACT) - lse[:, None]
-            p += tl.sum(tl.exp2(tl.where(vis, x, float("-inf"))), 0)
-        p = p * inv_heads
-        a, w, logits = _indexer_rows_logits(
-            QI, KI, W, b, t, idx, used, j, j_ok, GROUP_I, H_KI,
-            stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
-            stride_wb, stride_wh, stride_wn, DI, BLOCK_DI, HI_PAD, BLOCK_K, RELU, IEEE_I)
-        m_i, l_i, mass, acc, plogp = _online_update(m_i, l_i, mass, acc, plogp, p[None, :], logits[None, :],
-                                                    used[None, :])
-        tl.store(P_SET + p_row + slots, tl.where(used, p, 0.0), mask=slots < K_SEL)
-    kl, lse_i = _finish(m_i, l_i, acc, plogp)
     zero = tl.arange(0, 1)
-    tl.store(KL + b64 * N_Q + t + zero, kl)
-    tl.store(LSE_I + b64 * N_Q + t + zero, lse_i)
+    if STUDENT_SEPARATE:  # pass 2: target; the student's logits and LSE_I from _topk_student_kernel
+        lse_i = tl.load(LSE_I + b64 * N_Q + t + zero)
+        plogp = tl.zeros([1], tl.float32)
+        acc = tl.zeros([1], tl.float32)
+        for s0 in range(0, extent, BLOCK_K):
+            slots, idx, used = _slots(TOPK, topk_row, s0, K_SEL, t, N_Q, N_K, stride_ts, BLOCK_K, CAUSAL)
+            p = _target_tile(Q, K, LSE_T, b, t, idx, used, hh, H, GROUP, N_Q, qk_scale, inv_heads, n_chunks,
+                             chunks_per_group, stride_qb, stride_qh, stride_qn, stride_qd,
+                             stride_kb, stride_kh, stride_kn, stride_kd,
+                             D, BLOCK_D, HB, BLOCK_K, IEEE_T, NO_CONTRACT, A_L1)
+            logits = tl.load(LOGITS + p_row + slots, mask=used, other=0.0)
+            # p log p with 0 log 0 = 0; a NaN p stays NaN (NaN > 0 is False, then NaN * 0 = NaN)
+            log_p = tl.log(tl.where(used & (p > 0), p, 1.0))
+            plogp += tl.sum(tl.where(used, p * log_p, 0.0), 0)
+            acc += tl.sum(tl.where(used, p * (logits - lse_i), 0.0), 0)
+            tl.store(P_SET + p_row + slots, tl.where(used, p, 0.0), mask=slots < K_SEL)
+        kl = tl.where(lse_i == float("-inf"), 0.0, plogp - acc)  # sum p = 1 over a non-empty set
+        tl.store(KL + b64 * N_Q + t + zero, kl)
+    else:
+        # pass 2: target, student logits, online KL state
+        j = tl.arange(0, HI_PAD)
+        j_ok = j < H_I
+        m_i = tl.full([1], float("-inf"), tl.float32)
+        l_i = tl.zeros([1], tl.float32)
+        mass = tl.zeros([1], tl.float32)
+        acc = tl.zeros([1], tl.float32)
+        plogp = tl.zeros([1], tl.float32)
+        for s0 in range(0, extent, BLOCK_K):
+            slots, idx, used = _slots(TOPK, topk_row, s0, K_SEL, t, N_Q, N_K, stride_ts, BLOCK_K, CAUSAL)
+            p = _target_tile(Q, K, LSE_T, b, t, idx, used, hh, H, GROUP, N_Q, qk_scale, inv_heads, n_chunks,
+                             chunks_per_group, stride_qb, stride_qh, stride_qn, stride_qd,
+                             stride_kb, stride_kh, stride_kn, stride_kd,
+                             D, BLOCK_D, HB, BLOCK_K, IEEE_T, NO_CONTRACT, A_L1)
+            a, w, logits = _indexer_rows_logits(
+                QI, KI, W, b, t, idx, used, j, j_ok, GROUP_I, H_KI,
+                stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
+                stride_wb, stride_wh, stride_wn, DI, BLOCK_DI, HI_PAD, BLOCK_K, RELU, IEEE_I)
+            m_i, l_i, mass, acc, plogp = _online_update(m_i, l_i, mass, acc, plogp, p[None, :], logits[None, :],
+                                                        used[None, :])
+            tl.store(P_SET + p_row + slots, tl.where(used, p, 0.0), mask=slots < K_SEL)
+        kl, lse_i = _finish(m_i, l_i, acc, plogp)
+        tl.store(KL + b64 * N_Q + t + zero, kl)
+        tl.store(LSE_I + b64 * N_Q + t + zero, lse_i)
 
 
 @triton.jit

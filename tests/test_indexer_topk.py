@@ -100,6 +100,26 @@ def test_other_launch_configs_l1_and_wide_slot_tiles(monkeypatch):
     check_case(xs, topk, causal=False)
 
 
+def test_separate_student_kernel_equals_the_one_kernel_forward(monkeypatch):
+    """The 7th config field: the student's logits and LSE by their own kernel first; same KL,
+    gradients and empty/NaN rows as the default."""
+    from streamkl_gpu import _indexer_topk
+
+    xs = make(1, 4, 2, 7, 9, 16, 3, 1, 8, seed=18)
+    topk = random_sets(1, 7, 9, 20, seed=18, empty_rows=(2,))
+    g = torch.rand(1, 7) + 0.5
+    bad = [x.clone() for x in xs]
+    bad[2][0, 1, 4, 0] = float("nan")  # indexer query row 4
+    base = run(xs, topk, g, causal=True), run(bad, topk, g, causal=True)
+    monkeypatch.setattr(_indexer_topk, "CONFIG_OVERRIDE", (16, 32, 32, 1, 1, False, True))
+    check_case(xs, topk, causal=True)
+    for (kl0, gr0), (kl1, gr1) in zip(base, (run(xs, topk, g, causal=True), run(bad, topk, g, causal=True))):
+        assert torch.allclose(kl1, kl0, rtol=1e-5, atol=1e-6, equal_nan=True)
+        assert torch.equal(torch.isnan(kl1), torch.isnan(kl0)) and kl1[0, 2] == 0
+        for name in GRADS:
+            assert torch.allclose(gr1[name], gr0[name], rtol=1e-5, atol=1e-6, equal_nan=True), name
+
+
 def test_fp16_and_bf16():
     for dtype in (torch.float16, torch.bfloat16):
         xs = make(1, 4, 1, 7, 10, 16, 2, 1, 16, dtype=dtype, seed=3)

@@ -17,7 +17,7 @@ def test_tiny_run_writes_checks(tmp_path):
     names = {r["note"].split()[0] for r in rows if r["measure"] == "check_err"}
     assert names == {"kl", "dq_idx", "dk_idx", "dweights"}
     providers = {r["provider"] for r in rows if r["measure"] == "check_err"}
-    assert providers == {"ours", "ours_lse"}
+    assert providers == {"ours", "ours_lse", "ours cfg=(16, 16, 16, 1, 1, True)"}  # the variant vs the default
     assert all(r["note"].endswith("ok") for r in rows if r["measure"] == "check_err")
     timed = {(r["measure"], r["provider"]) for r in rows if r["measure"].endswith("_ms")}
     for provider in ("ours", "ours_lse", "torch_gather_eager"):
