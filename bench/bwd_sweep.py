@@ -34,7 +34,13 @@ SEP_DK = "tma+trans+fold+rows"
 SEP_DQ = "tma+fold"
 # session 4 run 5 winners (bench/results/session4/h200_2026-12-01_s4r5_bwd_variants.log)
 REF_FUSED = (64, 128, 8, 3)
-REF_SEP_DK, REF_SEP_DQ = (64, 128, 8, 2), (128, 64, 8, 2)
+REF_SEP_DK, REF_SEP_DQ = (64, 128, 8, 3), (128, 64, 8, 3)  # run r5c's best separate pair (s2: 5.80 ms)
+# --quick: the spaces cut to the best of run r5c (bench/results: the whole spaces' timings there;
+# fused 4-warp and 32-query tiles were 1.2-2.6x slower)
+QUICK_FUSED = [(64, 128, 8, 3)]
+QUICK_SEP_DK = [(64, 128, 8, 3), (64, 128, 8, 4)]
+QUICK_SEP_DQ = [(128, 64, 8, 3), (64, 64, 4, 2)]
+QUICK_PROBES = ("atomicdq",)  # the others measured in r5c (NOTES: probes)
 # (NO_DK alone is left out: without the dK accumulators the compiler pipelines deeper, 331 KB of
 # shared memory at 64x128x8x3 in the offline sm_90 compile, more than an SM has)
 PROBES = (("noexp", 1), ("onescore", 2), ("noexp+onescore", 3), ("nodq", 0), ("noexp+onescore+nodk+nodq", 7),
@@ -106,6 +112,8 @@ def fused_space(quick, setting="s1"):
     """(BLOCK_M = query tile, BLOCK_N = key tile, warps, stages) of the fused key-major dK kernel."""
     if TINY:
         return [REF_FUSED, (32, 16, 1, 1)]
+    if quick:
+        return QUICK_FUSED
     cfgs = [(bm, bn, w, st) for bn in (64, 128) for bm in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
     return _ordered("fused", setting, cfgs, REF_FUSED)
 
@@ -113,6 +121,8 @@ def fused_space(quick, setting="s1"):
 def sep_dk_space(quick, setting="s1"):
     if TINY:
         return [REF_SEP_DK]
+    if quick:
+        return QUICK_SEP_DK
     return _ordered("sepdk", setting, [(bm, 128, 8, st) for bm in (32, 64, 128) for st in (2, 3, 4)], REF_SEP_DK)
 
 
@@ -120,6 +130,8 @@ def sep_dq_space(quick, setting="s1"):
     """(BLOCK_M = query tile held in registers, BLOCK_N = key tile, warps, stages) of the dQ kernel."""
     if TINY:
         return [REF_SEP_DQ]
+    if quick:
+        return QUICK_SEP_DQ
     cfgs = [(bm, bn, w, st) for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
     return _ordered("sepdq", setting, cfgs, REF_SEP_DQ)
 
@@ -129,8 +141,8 @@ def jobs(quick):
     out = []
     for s in SETTINGS:  # priority order: the reference configs and probes first
         out.append(dict(kind="fused", setting=s, cfg=REF_FUSED, probe=0))
-        for _, p in PROBES:
-            if p:
+        for pname, p in PROBES:
+            if p and not (quick and pname not in QUICK_PROBES):
                 out.append(dict(kind="fused", setting=s, cfg=REF_FUSED, probe=p))
         out.append(dict(kind="sepdk", setting=s, cfg=REF_FUSED, probe=0))  # the "nodq" probe
         out.append(dict(kind="fusedatomic", setting=s, cfg=REF_FUSED, probe=0))  # the "atomicdq" variant
@@ -151,13 +163,33 @@ def job_key(j):
     return (j["kind"], j["setting"], tuple(j["cfg"]), j["probe"]) + (("causal",) if j.get("causal") else ())
 
 
+# The fused-vs-separate re-measure (``_tuning.auto_bwd_mode``): (label, N_Q, N_K, causal) with the
+# best configs of run r5c (8K non-causal): fused 64x128x8x3 (causal: 64x128x8x2, 8x3 needs 242 KB of
+# shared memory there), separate 64x128x8x3 + 128x64x8x3; then attention_kl's own choice ("auto",
+# tuned) at 8K, fwd+bwd - fwd.
+MODE_SHAPES = [("N=8K", 8 * K, 8 * K, False), ("N=8K causal", 8 * K, 8 * K, True), ("N=16K", 16 * K, 16 * K, False),
+               ("N=16K causal", 16 * K, 16 * K, True), ("nq512 nk32K", 512, 32 * K, False), ("N=4K", 4 * K, 4 * K, False),
+               ("nq2K nk32K", 2 * K, 32 * K, False)]
+MODE_FUSED, MODE_FUSED_CAUSAL = (64, 128, 8, 3), (64, 128, 8, 2)
+MODE_SEP = ((64, 128, 8, 3), (128, 64, 8, 3))
+
+
+def mode_cfgs(causal):
+    """(fused config, (separate dK config, dQ config)) of the mode re-measure."""
+    if TINY:
+        return REF_FUSED, (REF_SEP_DK, REF_SEP_DQ)
+    return (MODE_FUSED_CAUSAL if causal else MODE_FUSED), MODE_SEP
+
+
 def mode_jobs():
-    """The fused-vs-separate re-measure (``_tuning.auto_bwd_mode``): the session-4 configs, causal."""
     out = []
     for s in SETTINGS:
-        out += [dict(kind="fused", setting=s, cfg=list(REF_FUSED), probe=0, causal=True),
-                dict(kind="sepdk", setting=s, cfg=list(REF_SEP_DK), probe=0, causal=True),
-                dict(kind="sepdq", setting=s, cfg=list(REF_SEP_DQ), probe=0, causal=True)]
+        for c in (False, True):
+            cf, csep = mode_cfgs(c)
+            out += [dict(kind="fused", setting=s, cfg=list(cf), probe=0, causal=c),
+                    dict(kind="sepdk", setting=s, cfg=list(csep[0]), probe=0, causal=c),
+                    dict(kind="sepdq", setting=s, cfg=list(csep[1]), probe=0, causal=c)]
+        out += [dict(kind="apiauto", setting=s, cfg=[0, 0, 0, 0], probe=0, causal=c) for c in (False, True)]
     return out
 
 
@@ -329,6 +361,9 @@ def worker(r, joblist):
                 r.ak(dd["q1"], dd["k1"], dd["q2"], dd["k2"])
                 r.ak(dd["q1"], dd["k1"], dd["q2"], dd["k2"], causal=True)  # the mode re-measure's
                 regs = spills = None
+            elif j["kind"] == "apiauto":  # attention_kl's default (auto mode, tuned): every candidate
+                r.ours_fb(d, bool(j.get("causal")), j["setting"], "auto", None, tuned=True)
+                regs = spills = None
             elif j["kind"] == "api":  # the old fused kernels through attention_kl (the gradient reference),
                 # at check_best's shape (its forward: the untuned Triton one; the backward: the same
                 # specialisation as at 8K)
@@ -356,7 +391,7 @@ def prewarm(r, limit_s):
     rest = [dict(kind="fwd", setting="s1", cfg=[0, 0, 0, 0], probe=0)]
     rest += [dict(kind="api", setting=s, cfg=[0, 0, 0, 0], probe=0, causal=c) for c in (False, True)
              for s in SETTINGS]
-    rest += js[:len(js) // 3] + mode_jobs() + js[len(js) // 3:]  # the mode re-measure after the first third
+    rest += mode_jobs() + js  # the mode re-measure first (it runs first)
     allj = extra + rest
     nw = r.a.workers or max(1, min(15, (os.cpu_count() or 4) - 2))
     nw = min(nw, len(allj))
@@ -460,10 +495,16 @@ def run(r):
         r.log(f"{shape} ours fwd {out['fwd']:.3f} ms")
     except Exception as exc:
         r.log(f"ours fwd: ERROR {type(exc).__name__}: {str(exc)[:300]}")
+    modes = {}
+    try:  # first: the fused-vs-separate question decides the default
+        modes = mode_measure(r, res, failed, n)
+    except Exception as exc:
+        r.log(f"mode re-measure: ERROR {type(exc).__name__}: {str(exc)[:300]}")
+        r.logf.write(traceback.format_exc())
     fwd = forward(r, d)
     best = {}  # setting -> (ms, label)
     timed = {}  # (setting, label) -> ms
-    reserve = 25.0 if quick else 60.0  # for the mode re-measure, the checks and torch.compile
+    reserve = 15.0 if quick else 60.0  # for the checks and torch.compile
     for idx, s in enumerate(SETTINGS):
         left_after = len(SETTINGS) - idx - 1  # the budget shared between the settings still to sweep
         floor = reserve + (r.left() - reserve) * left_after / (left_after + 1)
@@ -472,12 +513,6 @@ def run(r):
         except Exception as exc:
             r.log(f"sweep {s}: ERROR {type(exc).__name__}: {str(exc)[:300]}")
             r.logf.write(traceback.format_exc())
-    modes = {}
-    try:
-        modes = mode_measure(r, res, failed, n)
-    except Exception as exc:
-        r.log(f"mode re-measure: ERROR {type(exc).__name__}: {str(exc)[:300]}")
-        r.logf.write(traceback.format_exc())
     checks = check_best(r, best)
     if not r.a.no_compile and not r.a.tiny:  # last: its worker may still be compiling
         del d
@@ -512,46 +547,86 @@ def wait_compile(r):
 
 
 def mode_measure(r, res, failed, n):
-    """Fused vs separate at the session-4 configs, causal (the non-causal pair is in the sweep):
-    {setting: (fused ms, separate ms)}, each checked against the old fused kernels' gradients."""
+    """Fused vs separate (direct launches) at MODE_SHAPES, both settings: {(label, setting): (fused
+    ms, separate ms, rel. gradient difference)}; then attention_kl's auto choice at 8K."""
     torch = r.torch
-    d = inputs(torch, r.dev, r.H, n, r.D, seed=n + 1)
-    fwd = _fwd_causal(d)
     out = {}
-    for s in SETTINGS:
-        if r.left() < 5:
-            r.log(f"mode {s} causal: skipped (budget)")
-            continue
-        keys = [("fused", s, REF_FUSED, 0, "causal"), ("sepdk", s, REF_SEP_DK, 0, "causal"),
-                ("sepdq", s, REF_SEP_DQ, 0, "causal")]
-        if any(k in failed or (r.a.quick and k not in res) for k in keys):
-            r.log(f"mode {s} causal: skipped (not prewarmed or failed)")
+    for label, nq, nk, causal in MODE_SHAPES if not r.a.tiny else [("N=64", 64, 64, False), ("N=64 causal", 64, 64, True)]:
+        if r.left() < 8:
+            r.log(f"mode {label}: skipped (budget)")
             continue
         try:
-            ref = r.ours_fb(d, True, s, "fused", "ptr")
-        finally:
-            os.environ.pop("STREAMKL_BWD_VARIANT", None)
-        direct = Direct(torch, d, fwd, s, causal=True)
-        row = []
-        for label, fn in ((f"fused {cfg_s(REF_FUSED)}", lambda: direct.fused_bwd(REF_FUSED)),
-                          (f"separate {cfg_s(REF_SEP_DK)}+{cfg_s(REF_SEP_DQ)}",
-                           lambda: direct.separate_bwd(REF_SEP_DK, REF_SEP_DQ))):
-            try:
-                gr = fn()
+            d = inputs_qk(torch, r.dev, r.H, nq, nk, r.D, seed=nq + nk)
+            fwd = _launch_forward(d, causal)
+            for s in SETTINGS:
+                cf, csep = mode_cfgs(causal)
+                keys = [("fused", s, cf, 0), ("sepdk", s, csep[0], 0), ("sepdq", s, csep[1], 0)]
+                keys = [k + (("causal",) if causal else ()) for k in keys]
+                if any(k in failed or (r.a.quick and k not in res) for k in keys):
+                    r.log(f"mode {label} {s}: skipped (not prewarmed or failed)")
+                    continue
+                direct = Direct(torch, d, fwd, s, causal=causal)
+                gf = direct.fused_bwd(cf)
+                gs = direct.separate_bwd(*csep)
                 r.sync()
-                diff = max(rel(a, b) for a, b in zip(gr, ref))
-                del gr
-                t = r.bench(fn, n)
+                diff = max(rel(a, b) for a, b in zip(gs, gf))
+                del gf, gs
+                tf = r.bench(lambda: direct.fused_bwd(cf), nk)
+                ts = r.bench(lambda: direct.separate_bwd(*csep), nk)
                 ok = diff <= 2e-2
-                r.row("bwd_direct", label, f"N={n // K}K causal {s}", t, "ms",
-                      f"grad_vs_old={diff:.2e}" + ("" if ok else " MISMATCH"))
-                r.log(f"N={n // K}K causal {s} {label:40s} {t:8.3f} ms  grad vs old {diff:.1e}{'' if ok else ' MISMATCH'}")
-                row.append(t if ok else None)
-            except Exception as exc:
-                r.log(f"mode {s} causal {label}: ERROR {type(exc).__name__}: {str(exc)[:300]}")
-                row.append(None)
-        out[s] = tuple(row)
+                out[(label, s)] = (tf, ts, diff)
+                for prov, t in ((f"fused {cfg_s(cf)}", tf), (f"separate {cfg_s(csep[0])}+{cfg_s(csep[1])}", ts)):
+                    r.row("bwd_mode", prov, f"{label} {s}", t, "ms", f"sep_vs_fused_grad={diff:.2e}" + ("" if ok else " MISMATCH"))
+                r.log(f"mode {label:13s} {s}: fused {tf:8.3f} separate {ts:8.3f} ms ({ts / tf:.3f}x)  grad sep vs fused "
+                      f"{diff:.1e}{'' if ok else ' MISMATCH'}")
+            del d, fwd
+            if not r.a.tiny:
+                torch.cuda.empty_cache()
+        except Exception as exc:
+            r.log(f"mode {label}: ERROR {type(exc).__name__}: {str(exc)[:300]}")
+            r.logf.write(traceback.format_exc())
+    # attention_kl's own choice (auto_bwd_mode, tuned candidates): backward = fwd+bwd - fwd
+    from bwd_gpu import plan_of
+    n = 64 if r.a.tiny else 8 * K
+    for causal in (False, True):
+        if r.left() < 8:
+            r.log("mode auto: skipped (budget)")
+            break
+        d = inputs_qk(torch, r.dev, r.H, n, n, r.D, seed=5)
+        try:
+            os.environ["STREAMKL_AUTOTUNE"] = "1"
+            t_f = r.bench(lambda: r.ak(d["q1"], d["k1"], d["q2"], d["k2"], causal=causal), n)
+            for s in SETTINGS:
+                if (r.a.quick and ("apiauto", s, (0, 0, 0, 0), 0) + (("causal",) if causal else ()) not in res):
+                    r.log(f"mode auto {s}: skipped (not prewarmed)")
+                    continue
+                r.ours_fb(d, causal, s, "auto", None, tuned=True)  # tunes
+                t = r.bench(lambda: r.ours_fb(d, causal, s, "auto", None, tuned=True), n)
+                plan = plan_of(None, "auto", True)
+                label = f"N={n // K}K{' causal' if causal else ''}" if n >= K else f"N={n}{' causal' if causal else ''}"
+                out[(label, s, "auto")] = (t - t_f, plan)
+                r.row("bwd", "auto", f"{label} {s}", t - t_f, "ms", f"fwd+bwd - fwd; plan={plan}")
+                r.log(f"mode auto {label} {s}: fwd+bwd {t:.3f} - fwd {t_f:.3f} = bwd {t - t_f:.3f} ms  plan {plan}")
+        except Exception as exc:
+            r.log(f"mode auto: ERROR {type(exc).__name__}: {str(exc)[:300]}")
+            r.logf.write(traceback.format_exc())
+        del d
     return out
+
+
+def inputs_qk(torch, dev, H, NQ, NK, D, seed=0):
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(77 + seed)
+    dt = torch.float16 if TINY else torch.bfloat16
+    d = {n: torch.randn((1, H, NQ if n[0] == "q" else NK, D), generator=gen, device=dev, dtype=dt)
+         for n in ("q1", "k1", "q2", "k2")}
+    d["g"] = torch.randn((1, H, NQ), generator=gen, device=dev, dtype=torch.float32)
+    return d
+
+
+def _launch_forward(d, causal):
+    from streamkl_gpu import _launch
+    return _launch.forward(d["q1"], d["k1"], d["q2"], d["k2"], causal, None, None, None)
 
 
 def _fwd_causal(d):
@@ -607,6 +682,8 @@ def sweep_setting(r, d, fwd, s, res, failed, timed, shape, floor=0.0):
 
     def probes(c):
         for pname, p in PROBES:
+            if r.a.quick and pname not in QUICK_PROBES:
+                continue
             kind = {"nodq": "sepdk", "atomicdq": "fusedatomic"}.get(pname, "fused")
             ok, why = usable(kind, c, p)
             if not ok:
@@ -736,10 +813,17 @@ def table(r, out, best, timed, checks, shape, modes=None):
             b = best[s][0]
             lines.append(f"  best {best[s][1][0]} {b:.3f} ms" + (f" = {b / sd:.2f}x sdpa ({'meets' if b <= 1.4 * sd else 'misses'} 1.4x)" if sd else "")
                          + (f"; fwd+bwd {fwd + b:.3f} ms = {tc / (fwd + b):.2f}x faster than torch.compile" if tc and s == "s1" else ""))
-    for s, (tf, ts) in (modes or {}).items():
-        if tf and ts:
-            lines.append(f"mode re-measure {shape} causal {s}: fused {tf:.3f} ms, separate {ts:.3f} ms "
-                         f"-> {'separate' if ts < tf else 'fused'} ({min(tf, ts) / max(tf, ts):.3f}x)")
+    if modes:
+        lines.append("fused vs separate (direct launches; separate/fused), and attention_kl's auto choice (fwd+bwd - fwd):")
+    for key, v in (modes or {}).items():
+        if len(key) == 2:
+            tf, ts, diff = v
+            lines.append(f"  {key[0]:13s} {key[1]}: fused {tf:8.3f} separate {ts:8.3f} ms ({ts / tf:.3f}x)"
+                         + (f" = {ts / sd:.2f}x sdpa-8K" if sd and key[0] == "N=8K" else "")
+                         + ("" if diff <= 2e-2 else " MISMATCH"))
+        else:
+            lines.append(f"  auto {key[0]:13s} {key[1]}: {v[0]:8.3f} ms  {v[1]}"
+                         + (f" = {v[0] / sd:.2f}x sdpa" if sd and key[0] == "N=8K" else ""))
     lines.append("checks vs float64 (small shape): " + ", ".join(f"{c[0]} {c[1]} {'ok' if c[5] else 'FAIL'}" for c in checks))
     text = "\n".join(lines)
     with open(os.path.join(r.a.out, "bwd_sweep_table.txt"), "w") as f:
