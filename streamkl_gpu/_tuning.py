@@ -315,7 +315,9 @@ def bwd_variant_candidates(d_pad, both, kind, ieee=False, tma=False, fused=False
         return old
     if d_pad <= 128 and not both:
         tiles = {"dk": [(64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 2)],
-                 "dq": [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3)]}[kind]
+                 # dQ: 3 stages first (run r5c, 8K, setting 2, the dQ kernel alone: 128x64x8x3 2.54 ms,
+                 # 128x64x8x2 2.91): the one new candidate of long problems ("few")
+                 "dq": [(128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3)]}[kind]
     else:
         # dK: 64 keys make one warpgroup's rows (key-major tiles): 4 warps; 8 warps would split the
         # 64 rows over two warpgroups
