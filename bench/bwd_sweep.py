@@ -361,8 +361,10 @@ def worker(r, joblist):
                 r.ak(dd["q1"], dd["k1"], dd["q2"], dd["k2"])
                 r.ak(dd["q1"], dd["k1"], dd["q2"], dd["k2"], causal=True)  # the mode re-measure's
                 regs = spills = None
-            elif j["kind"] == "apiauto":  # attention_kl's default (auto mode, tuned): every candidate
-                r.ours_fb(d, bool(j.get("causal")), j["setting"], "auto", None, tuned=True)
+            elif j["kind"] == "apiauto":  # attention_kl's default (auto mode, tuned): every candidate,
+                # at 4K (8K's mode under auto_bwd_mode: 2K would pick fused; the same specialisations)
+                da = inputs(torch, r.dev, r.H, 64 if r.a.tiny else 4 * K, r.D)
+                r.ours_fb(da, bool(j.get("causal")), j["setting"], "auto", None, tuned=True)
                 regs = spills = None
             elif j["kind"] == "api":  # the old fused kernels through attention_kl (the gradient reference),
                 # at check_best's shape (its forward: the untuned Triton one; the backward: the same
