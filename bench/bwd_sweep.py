@@ -171,6 +171,9 @@ MODE_SHAPES = [("N=8K", 8 * K, 8 * K, False), ("N=8K causal", 8 * K, 8 * K, True
                ("N=16K causal", 16 * K, 16 * K, True), ("nq512 nk32K", 512, 32 * K, False), ("N=4K", 4 * K, 4 * K, False),
                ("nq2K nk32K", 2 * K, 32 * K, False)]
 MODE_FUSED, MODE_FUSED_CAUSAL = (64, 128, 8, 3), (64, 128, 8, 2)
+# the Gluon backward (folded in from bench/gluon_bwd_gpu.py for the last run): the default kernel and
+# the lagged dQ (_gluon_bwd DQ_LAG), checked against each other and float64, timed alone at 8K
+GLUON_CONFIGS = {"default": None, "dq_lag": dict(DQ_LAG=True), "dq_lag_bufs3": dict(DQ_LAG=True, DS_BUFS=3)}
 MODE_SEP = ((64, 128, 8, 3), (128, 64, 8, 3))
 
 
@@ -360,6 +363,20 @@ def worker(r, joblist):
                 dd = inputs(torch, r.dev, r.H, 64 if r.a.tiny else 8 * K, r.D)
                 r.ak(dd["q1"], dd["k1"], dd["q2"], dd["k2"])
                 r.ak(dd["q1"], dd["k1"], dd["q2"], dd["k2"], causal=True)  # the mode re-measure's
+                del dd
+                regs = spills = None
+            elif j["kind"] == "fwdmode":  # the forward of one mode re-measure shape (tuned, as run there)
+                os.environ["STREAMKL_AUTOTUNE"] = "1"
+                _, nq, nk, causal = MODE_SHAPES[j["cfg"][0]]
+                dd = inputs_qk(torch, r.dev, r.H, nq, nk, r.D)
+                r.ak(dd["q1"], dd["k1"], dd["q2"], dd["k2"], causal=causal)
+                del dd
+                regs = spills = None
+            elif j["kind"] == "gluon":  # the Gluon backward, default or lagged dQ (compile only)
+                from streamkl_gpu import _gluon_bwd
+                sc = 1.0 / math.sqrt(r.D)
+                _gluon_bwd.gluon_backward(d["g"], d["q1"], d["k1"], d["q2"], d["k2"], *fwd, False, sc, sc,
+                                          2 if j["setting"] == "s1" else 1, config=GLUON_CONFIGS[j["cfg"][0]])
                 regs = spills = None
             elif j["kind"] == "apiauto":  # attention_kl's default (auto mode, tuned): every candidate,
                 # at 4K (8K's mode under auto_bwd_mode: 2K would pick fused; the same specialisations)
@@ -393,7 +410,11 @@ def prewarm(r, limit_s):
     rest = [dict(kind="fwd", setting="s1", cfg=[0, 0, 0, 0], probe=0)]
     rest += [dict(kind="api", setting=s, cfg=[0, 0, 0, 0], probe=0, causal=c) for c in (False, True)
              for s in SETTINGS]
-    rest += mode_jobs() + js  # the mode re-measure first (it runs first)
+    gl_jobs = [] if r.a.tiny else [dict(kind="gluon", setting=s_, cfg=[name, 0, 0, 0], probe=0)
+                                   for name in GLUON_CONFIGS for s_ in SETTINGS]
+    fwd_jobs = [] if r.a.tiny else [dict(kind="fwdmode", setting="s1", cfg=[i, 0, 0, 0], probe=0)
+                                    for i in range(len(MODE_SHAPES))]
+    rest += fwd_jobs + mode_jobs() + gl_jobs + js  # in the order they run: the mode re-measure, the Gluon lag, the sweep
     allj = extra + rest
     nw = r.a.workers or max(1, min(15, (os.cpu_count() or 4) - 2))
     nw = min(nw, len(allj))
@@ -503,6 +524,14 @@ def run(r):
     except Exception as exc:
         r.log(f"mode re-measure: ERROR {type(exc).__name__}: {str(exc)[:300]}")
         r.logf.write(traceback.format_exc())
+    gl = {}
+    if not r.a.tiny:
+        try:
+            gl = gluon_lag(r, res, failed)
+        except Exception as exc:
+            r.log(f"gluon lag: ERROR {type(exc).__name__}: {str(exc)[:300]}")
+            r.logf.write(traceback.format_exc())
+    out["gluon"] = gl
     fwd = forward(r, d)
     best = {}  # setting -> (ms, label)
     timed = {}  # (setting, label) -> ms
@@ -559,6 +588,7 @@ def mode_measure(r, res, failed, n):
             continue
         try:
             d = inputs_qk(torch, r.dev, r.H, nq, nk, r.D, seed=nq + nk)
+            os.environ["STREAMKL_AUTOTUNE"] = "1"  # the forward as the prewarm compiled it (tuned)
             fwd = _launch_forward(d, causal)
             for s in SETTINGS:
                 cf, csep = mode_cfgs(causal)
@@ -613,6 +643,69 @@ def mode_measure(r, res, failed, n):
             r.log(f"mode auto: ERROR {type(exc).__name__}: {str(exc)[:300]}")
             r.logf.write(traceback.format_exc())
         del d
+    return out
+
+
+def gluon_lag(r, res, failed):
+    """{(setting, config): ms} of the Gluon backward alone at 8K non-causal, each config first checked
+    at CHECK_SHAPE against float64 and the default kernel (lag <= 2 x default + 2e-3, lag vs default
+    <= 2e-2); a config whose check fails or errs is not timed."""
+    torch = r.torch
+    from streamkl_bench.providers import dense_kl
+
+    from streamkl_gpu import _gluon_bwd
+    sc = 1.0 / math.sqrt(r.D)
+    out = {}
+    for s in SETTINGS:
+        train = 2 if s == "s1" else 1
+        names = SET_TRAIN[s]
+        usable = [c for c in GLUON_CONFIGS if ("gluon", s, (c, 0, 0, 0), 0) in res]
+        if r.a.quick and "default" not in usable:
+            r.log(f"gluon {s}: skipped (not prewarmed)")
+            continue
+        H_c, n_c, _ = CHECK_SHAPE  # the shape whose (untuned Triton) forward the prewarm compiled
+        os.environ["STREAMKL_AUTOTUNE"] = "0"
+        d = inputs_qk(torch, r.dev, H_c, n_c, n_c, r.D, seed=3)
+        fwd = _launch_forward(d, False)
+        x64 = {k: d[k].detach().double().requires_grad_(k in names) for k in ("q1", "k1", "q2", "k2")}
+        kl64 = dense_kl(x64["q1"], x64["k1"], x64["q2"], x64["k2"], causal=False, cdt=torch.float64)
+        ref = torch.autograd.grad(kl64, [x64[k] for k in names], d["g"].double())
+        got = {}
+        for c in usable:
+            try:
+                got[c] = _gluon_bwd.gluon_backward(d["g"], d["q1"], d["k1"], d["q2"], d["k2"], *fwd, False, sc, sc,
+                                                   train, config=GLUON_CONFIGS[c])
+            except Exception as exc:
+                r.log(f"gluon {s} {c} check: ERROR {type(exc).__name__}: {str(exc)[:200]}")
+        r.sync()
+        ok_cfgs = []
+        if "default" in got:
+            e_b = max(rel(a, b) for a, b in zip(got["default"], ref))
+            for c, gr in got.items():
+                e = max(rel(a, b) for a, b in zip(gr, ref))
+                vs = max(rel(a, b) for a, b in zip(gr, got["default"]))
+                ok = math.isfinite(e) and e <= 2 * e_b + 2e-3 and vs <= 2e-2
+                r.row("check_err_vs_f64", f"gluon:{c}", f"{s} H={H_c} N={n_c}", e, "rel", f"vs_default={vs:.2e}"
+                      + ("" if ok else " FAIL"))
+                r.log(f"check gluon {s} {c:14s} err {e:.2e} (default {e_b:.2e}) vs default {vs:.2e} {'ok' if ok else 'FAIL'}")
+                if ok:
+                    ok_cfgs.append(c)
+        n = 8 * K
+        d = inputs_qk(torch, r.dev, r.H, n, n, r.D, seed=9)
+        fwd = _launch_forward(d, False)
+        for c in ok_cfgs:
+            if r.left() < 20:
+                r.log(f"gluon {s} {c}: skipped (budget)")
+                continue
+            try:
+                t = r.bench(lambda c=c: _gluon_bwd.gluon_backward(d["g"], d["q1"], d["k1"], d["q2"], d["k2"], *fwd,
+                                                                  False, sc, sc, train, config=GLUON_CONFIGS[c]), n)
+                out[(s, c)] = t
+                r.row("bwd_alone", f"gluon:{c}", f"N=8K {s}", t, "ms", "_gluon_bwd.gluon_backward alone")
+                r.log(f"N=8K {s} gluon {c:14s} bwd alone {t:8.3f} ms")
+            except Exception as exc:
+                r.log(f"gluon {s} {c}: ERROR {type(exc).__name__}: {str(exc)[:200]}")
+        del d, fwd
     return out
 
 
@@ -826,6 +919,14 @@ def table(r, out, best, timed, checks, shape, modes=None):
         else:
             lines.append(f"  auto {key[0]:13s} {key[1]}: {v[0]:8.3f} ms  {v[1]}"
                          + (f" = {v[0] / sd:.2f}x sdpa" if sd and key[0] == "N=8K" else ""))
+    gl = out.get("gluon") or {}
+    for s in SETTINGS:
+        row = {c: t for (ss, c), t in gl.items() if ss == s}
+        if row:
+            base = row.get("default")
+            lines.append(f"gluon backward alone N=8K {s}: " + ", ".join(
+                f"{c} {t:.3f} ms" + (f" ({t / base:.3f}x default)" if base and c != "default" else "")
+                for c, t in row.items()) + (f" = {min(row.values()) / sd:.2f}x sdpa (best)" if sd else ""))
     lines.append("checks vs float64 (small shape): " + ", ".join(f"{c[0]} {c[1]} {'ok' if c[5] else 'FAIL'}" for c in checks))
     text = "\n".join(lines)
     with open(os.path.join(r.a.out, "bwd_sweep_table.txt"), "w") as f:
