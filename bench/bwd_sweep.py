@@ -414,7 +414,9 @@ def prewarm(r, limit_s):
                                    for name in GLUON_CONFIGS for s_ in SETTINGS]
     fwd_jobs = [] if r.a.tiny else [dict(kind="fwdmode", setting="s1", cfg=[i, 0, 0, 0], probe=0)
                                     for i in range(len(MODE_SHAPES))]
-    rest += fwd_jobs + mode_jobs() + gl_jobs + js  # in the order they run: the mode re-measure, the Gluon lag, the sweep
+    mj = mode_jobs()  # attention_kl's tuned auto path first (the longest: every candidate), then in run order
+    rest += [j for j in mj if j["kind"] == "apiauto"] + fwd_jobs + [j for j in mj if j["kind"] != "apiauto"]
+    rest += gl_jobs + js
     allj = extra + rest
     nw = r.a.workers or max(1, min(15, (os.cpu_count() or 4) - 2))
     nw = min(nw, len(allj))
