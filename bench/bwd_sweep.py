@@ -534,6 +534,7 @@ def run(r):
             r.log(f"gluon lag: ERROR {type(exc).__name__}: {str(exc)[:300]}")
             r.logf.write(traceback.format_exc())
     out["gluon"] = gl
+    checks = check_best(r, {})  # the defaults (before the sweep: the budget may end in it)
     fwd = forward(r, d)
     best = {}  # setting -> (ms, label)
     timed = {}  # (setting, label) -> ms
@@ -546,7 +547,6 @@ def run(r):
         except Exception as exc:
             r.log(f"sweep {s}: ERROR {type(exc).__name__}: {str(exc)[:300]}")
             r.logf.write(traceback.format_exc())
-    checks = check_best(r, best)
     if not r.a.no_compile and not r.a.tiny:  # last: its worker may still be compiling
         del d
         torch.cuda.empty_cache()
@@ -846,46 +846,55 @@ def sweep_setting(r, d, fwd, s, res, failed, timed, shape, floor=0.0):
 
 
 def check_best(r, best):
-    """The best config of each setting (and the session-4 one) vs float64 and vs the old kernels at a
-    small shape (H = 16, N = 384: the same Triton specialisations)."""
+    """vs float64 and vs the old kernels at a small shape (CHECK_SHAPE: the same Triton
+    specialisations): the session-4 fused config, the separate pair the auto rule now takes
+    (MODE_SEP, causal and not), and the sweep's best of each setting."""
     torch = r.torch
     out = []
     H, n, D = CHECK_SHAPE_TINY if r.a.tiny else CHECK_SHAPE
     from streamkl_bench.providers import dense_kl
-    for s in SETTINGS:
-        plans = [("fused", REF_FUSED, None)] + ([best[s][1]] if s in best and best[s][1][1] != REF_FUSED else [])
-        d = inputs(torch, r.dev, H, n, D, seed=7)
-        names = SET_TRAIN[s]
-        x64 = {k: d[k].detach().double().requires_grad_(k in names) for k in ("q1", "k1", "q2", "k2")}
-        kl64 = dense_kl(x64["q1"], x64["k1"], x64["q2"], x64["k2"], causal=False, cdt=torch.float64)
-        ref64 = torch.autograd.grad(kl64, [x64[k] for k in names], d["g"].double())
-        try:
-            old = r.ours_fb(d, False, s, "fused", "ptr")
-            old_err = max(rel(a, b) for a, b in zip(old, ref64))
-        except Exception as exc:
-            r.log(f"check {s} old: ERROR {type(exc).__name__}: {str(exc)[:200]}")
-            old, old_err = None, None
-        finally:
-            os.environ.pop("STREAMKL_BWD_VARIANT", None)
-        fwd = forward(r, d)
-        direct = Direct(torch, d, fwd, s)
-        for plan in plans:
-            label = plan[0] + " " + cfg_s(plan[1]) + (f"+{cfg_s(plan[2])}" if plan[2] else "")
+    for causal in (False, True):
+        for s in SETTINGS:
+            cf, csep = mode_cfgs(causal)
+            plans = [("separate",) + tuple(csep)]
+            if not causal:
+                plans = [("fused", REF_FUSED, None)] + plans + (
+                    [best[s][1]] if s in best and best[s][1] not in [("fused", REF_FUSED, None), ("separate",) + tuple(csep)]
+                    else [])
+            os.environ["STREAMKL_AUTOTUNE"] = "0"  # the forward the prewarm compiled at this shape
+            d = inputs(torch, r.dev, H, n, D, seed=7)
+            names = SET_TRAIN[s]
+            x64 = {k: d[k].detach().double().requires_grad_(k in names) for k in ("q1", "k1", "q2", "k2")}
+            kl64 = dense_kl(x64["q1"], x64["k1"], x64["q2"], x64["k2"], causal=causal, cdt=torch.float64)
+            ref64 = torch.autograd.grad(kl64, [x64[k] for k in names], d["g"].double())
             try:
-                gr = direct.fused_bwd(plan[1]) if plan[0] == "fused" else direct.separate_bwd(plan[1], plan[2])
-                r.sync()
-                err = max(rel(a, b) for a, b in zip(gr, ref64))
-                vs_old = max(rel(a, b) for a, b in zip(gr, old)) if old is not None else float("nan")
-                tol = 1.5 * old_err + 1e-3 if old_err is not None else 3e-2
-                ok = math.isfinite(err) and err <= tol
-                out.append((s, label, err, tol, vs_old, ok))
-                r.row("check_err_vs_f64", label, f"{s} H={H} N={n}", err, "rel",
-                      f"tol={tol:.2e} vs_old={vs_old:.2e}" + ("" if ok else " FAIL"))
-                r.log(f"check {s} {label:30s} err {err:.2e} (tol {tol:.2e}, old {old_err}) vs old {vs_old:.2e} "
-                      f"{'ok' if ok else 'FAIL'}")
+                old = r.ours_fb(d, causal, s, "fused", "ptr")
+                old_err = max(rel(a, b) for a, b in zip(old, ref64))
             except Exception as exc:
-                out.append((s, label, float("nan"), float("nan"), float("nan"), False))
-                r.log(f"check {s} {label}: ERROR {type(exc).__name__}: {str(exc)[:300]}")
+                r.log(f"check {s} old: ERROR {type(exc).__name__}: {str(exc)[:200]}")
+                old, old_err = None, None
+            finally:
+                os.environ.pop("STREAMKL_BWD_VARIANT", None)
+            fwd = _launch_forward(d, causal)
+            direct = Direct(torch, d, fwd, s, causal=causal)
+            for plan in plans:
+                label = (plan[0] + " " + cfg_s(plan[1]) + (f"+{cfg_s(plan[2])}" if plan[2] else "")
+                         + (" causal" if causal else ""))
+                try:
+                    gr = direct.fused_bwd(plan[1]) if plan[0] == "fused" else direct.separate_bwd(plan[1], plan[2])
+                    r.sync()
+                    err = max(rel(a, b) for a, b in zip(gr, ref64))
+                    vs_old = max(rel(a, b) for a, b in zip(gr, old)) if old is not None else float("nan")
+                    tol = 1.5 * old_err + 1e-3 if old_err is not None else 3e-2
+                    ok = math.isfinite(err) and err <= tol
+                    out.append((s, label, err, tol, vs_old, ok))
+                    r.row("check_err_vs_f64", label, f"{s} H={H} N={n}", err, "rel",
+                          f"tol={tol:.2e} vs_old={vs_old:.2e}" + ("" if ok else " FAIL"))
+                    r.log(f"check {s} {label:38s} err {err:.2e} (tol {tol:.2e}) vs old {vs_old:.2e} "
+                          f"{'ok' if ok else 'FAIL'}")
+                except Exception as exc:
+                    out.append((s, label, float("nan"), float("nan"), float("nan"), False))
+                    r.log(f"check {s} {label}: ERROR {type(exc).__name__}: {str(exc)[:300]}")
     return out
 
 
