@@ -34,7 +34,13 @@ SEP_DK = "tma+trans+fold+rows"
 SEP_DQ = "tma+fold"
 # session 4 run 5 winners (bench/results/session4/h200_2026-12-01_s4r5_bwd_variants.log)
 REF_FUSED = (64, 128, 8, 3)
-REF_SEP_DK, REF_SEP_DQ = (64, 128, 8, 2), (128, 64, 8, 2)
+REF_SEP_DK, REF_SEP_DQ = (64, 128, 8, 3), (128, 64, 8, 3)  # run r5c's best separate pair (s2: 5.80 ms)
+# --quick: the spaces cut to the best of run r5c (bench/results: the whole spaces' timings there;
+# fused 4-warp and 32-query tiles were 1.2-2.6x slower)
+QUICK_FUSED = [(64, 128, 8, 3)]
+QUICK_SEP_DK = [(64, 128, 8, 3), (64, 128, 8, 4)]
+QUICK_SEP_DQ = [(128, 64, 8, 3), (64, 64, 4, 2)]
+QUICK_PROBES = ("atomicdq",)  # the others measured in r5c (NOTES: probes)
 # (NO_DK alone is left out: without the dK accumulators the compiler pipelines deeper, 331 KB of
 # shared memory at 64x128x8x3 in the offline sm_90 compile, more than an SM has)
 PROBES = (("noexp", 1), ("onescore", 2), ("noexp+onescore", 3), ("nodq", 0), ("noexp+onescore+nodk+nodq", 7),
@@ -106,6 +112,8 @@ def fused_space(quick, setting="s1"):
     """(BLOCK_M = query tile, BLOCK_N = key tile, warps, stages) of the fused key-major dK kernel."""
     if TINY:
         return [REF_FUSED, (32, 16, 1, 1)]
+    if quick:
+        return QUICK_FUSED
     cfgs = [(bm, bn, w, st) for bn in (64, 128) for bm in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
     return _ordered("fused", setting, cfgs, REF_FUSED)
 
@@ -113,6 +121,8 @@ def fused_space(quick, setting="s1"):
 def sep_dk_space(quick, setting="s1"):
     if TINY:
         return [REF_SEP_DK]
+    if quick:
+        return QUICK_SEP_DK
     return _ordered("sepdk", setting, [(bm, 128, 8, st) for bm in (32, 64, 128) for st in (2, 3, 4)], REF_SEP_DK)
 
 
@@ -120,6 +130,8 @@ def sep_dq_space(quick, setting="s1"):
     """(BLOCK_M = query tile held in registers, BLOCK_N = key tile, warps, stages) of the dQ kernel."""
     if TINY:
         return [REF_SEP_DQ]
+    if quick:
+        return QUICK_SEP_DQ
     cfgs = [(bm, bn, w, st) for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
     return _ordered("sepdq", setting, cfgs, REF_SEP_DQ)
 
@@ -129,8 +141,8 @@ def jobs(quick):
     out = []
     for s in SETTINGS:  # priority order: the reference configs and probes first
         out.append(dict(kind="fused", setting=s, cfg=REF_FUSED, probe=0))
-        for _, p in PROBES:
-            if p:
+        for pname, p in PROBES:
+            if p and not (quick and pname not in QUICK_PROBES):
                 out.append(dict(kind="fused", setting=s, cfg=REF_FUSED, probe=p))
         out.append(dict(kind="sepdk", setting=s, cfg=REF_FUSED, probe=0))  # the "nodq" probe
         out.append(dict(kind="fusedatomic", setting=s, cfg=REF_FUSED, probe=0))  # the "atomicdq" variant
@@ -151,13 +163,36 @@ def job_key(j):
     return (j["kind"], j["setting"], tuple(j["cfg"]), j["probe"]) + (("causal",) if j.get("causal") else ())
 
 
+# The fused-vs-separate re-measure (``_tuning.auto_bwd_mode``): (label, N_Q, N_K, causal) with the
+# best configs of run r5c (8K non-causal): fused 64x128x8x3 (causal: 64x128x8x2, 8x3 needs 242 KB of
+# shared memory there), separate 64x128x8x3 + 128x64x8x3; then attention_kl's own choice ("auto",
+# tuned) at 8K, fwd+bwd - fwd.
+MODE_SHAPES = [("N=8K", 8 * K, 8 * K, False), ("N=8K causal", 8 * K, 8 * K, True), ("N=16K", 16 * K, 16 * K, False),
+               ("N=16K causal", 16 * K, 16 * K, True), ("nq512 nk32K", 512, 32 * K, False), ("N=4K", 4 * K, 4 * K, False),
+               ("nq2K nk32K", 2 * K, 32 * K, False)]
+MODE_FUSED, MODE_FUSED_CAUSAL = (64, 128, 8, 3), (64, 128, 8, 2)
+# the Gluon backward (folded in from bench/gluon_bwd_gpu.py for the last run): the default kernel and
+# the lagged dQ (_gluon_bwd DQ_LAG), checked against each other and float64, timed alone at 8K
+GLUON_CONFIGS = {"default": None, "dq_lag": dict(DQ_LAG=True), "dq_lag_bufs3": dict(DQ_LAG=True, DS_BUFS=3)}
+MODE_SEP = ((64, 128, 8, 3), (128, 64, 8, 3))
+
+
+def mode_cfgs(causal):
+    """(fused config, (separate dK config, dQ config)) of the mode re-measure."""
+    if TINY:
+        return REF_FUSED, (REF_SEP_DK, REF_SEP_DQ)
+    return (MODE_FUSED_CAUSAL if causal else MODE_FUSED), MODE_SEP
+
+
 def mode_jobs():
-    """The fused-vs-separate re-measure (``_tuning.auto_bwd_mode``): the session-4 configs, causal."""
     out = []
     for s in SETTINGS:
-        out += [dict(kind="fused", setting=s, cfg=list(REF_FUSED), probe=0, causal=True),
-                dict(kind="sepdk", setting=s, cfg=list(REF_SEP_DK), probe=0, causal=True),
-                dict(kind="sepdq", setting=s, cfg=list(REF_SEP_DQ), probe=0, causal=True)]
+        for c in (False, True):
+            cf, csep = mode_cfgs(c)
+            out += [dict(kind="fused", setting=s, cfg=list(cf), probe=0, causal=c),
+                    dict(kind="sepdk", setting=s, cfg=list(csep[0]), probe=0, causal=c),
+                    dict(kind="sepdq", setting=s, cfg=list(csep[1]), probe=0, causal=c)]
+        out += [dict(kind="apiauto", setting=s, cfg=[0, 0, 0, 0], probe=0, causal=c) for c in (False, True)]
     return out
 
 
@@ -328,6 +363,25 @@ def worker(r, joblist):
                 dd = inputs(torch, r.dev, r.H, 64 if r.a.tiny else 8 * K, r.D)
                 r.ak(dd["q1"], dd["k1"], dd["q2"], dd["k2"])
                 r.ak(dd["q1"], dd["k1"], dd["q2"], dd["k2"], causal=True)  # the mode re-measure's
+                del dd
+                regs = spills = None
+            elif j["kind"] == "fwdmode":  # the forward of one mode re-measure shape (tuned, as run there)
+                os.environ["STREAMKL_AUTOTUNE"] = "1"
+                _, nq, nk, causal = MODE_SHAPES[j["cfg"][0]]
+                dd = inputs_qk(torch, r.dev, r.H, nq, nk, r.D)
+                r.ak(dd["q1"], dd["k1"], dd["q2"], dd["k2"], causal=causal)
+                del dd
+                regs = spills = None
+            elif j["kind"] == "gluon":  # the Gluon backward, default or lagged dQ (compile only)
+                from streamkl_gpu import _gluon_bwd
+                sc = 1.0 / math.sqrt(r.D)
+                _gluon_bwd.gluon_backward(d["g"], d["q1"], d["k1"], d["q2"], d["k2"], *fwd, False, sc, sc,
+                                          2 if j["setting"] == "s1" else 1, config=GLUON_CONFIGS[j["cfg"][0]])
+                regs = spills = None
+            elif j["kind"] == "apiauto":  # attention_kl's default (auto mode, tuned): every candidate,
+                # at 4K (8K's mode under auto_bwd_mode: 2K would pick fused; the same specialisations)
+                da = inputs(torch, r.dev, r.H, 64 if r.a.tiny else 4 * K, r.D)
+                r.ours_fb(da, bool(j.get("causal")), j["setting"], "auto", None, tuned=True)
                 regs = spills = None
             elif j["kind"] == "api":  # the old fused kernels through attention_kl (the gradient reference),
                 # at check_best's shape (its forward: the untuned Triton one; the backward: the same
@@ -356,7 +410,13 @@ def prewarm(r, limit_s):
     rest = [dict(kind="fwd", setting="s1", cfg=[0, 0, 0, 0], probe=0)]
     rest += [dict(kind="api", setting=s, cfg=[0, 0, 0, 0], probe=0, causal=c) for c in (False, True)
              for s in SETTINGS]
-    rest += js[:len(js) // 3] + mode_jobs() + js[len(js) // 3:]  # the mode re-measure after the first third
+    gl_jobs = [] if r.a.tiny else [dict(kind="gluon", setting=s_, cfg=[name, 0, 0, 0], probe=0)
+                                   for name in GLUON_CONFIGS for s_ in SETTINGS]
+    fwd_jobs = [] if r.a.tiny else [dict(kind="fwdmode", setting="s1", cfg=[i, 0, 0, 0], probe=0)
+                                    for i in range(len(MODE_SHAPES))]
+    mj = mode_jobs()  # attention_kl's tuned auto path first (the longest: every candidate), then in run order
+    rest += [j for j in mj if j["kind"] == "apiauto"] + fwd_jobs + [j for j in mj if j["kind"] != "apiauto"]
+    rest += gl_jobs + js
     allj = extra + rest
     nw = r.a.workers or max(1, min(15, (os.cpu_count() or 4) - 2))
     nw = min(nw, len(allj))
@@ -460,10 +520,25 @@ def run(r):
         r.log(f"{shape} ours fwd {out['fwd']:.3f} ms")
     except Exception as exc:
         r.log(f"ours fwd: ERROR {type(exc).__name__}: {str(exc)[:300]}")
+    modes = {}
+    try:  # first: the fused-vs-separate question decides the default
+        modes = mode_measure(r, res, failed, n)
+    except Exception as exc:
+        r.log(f"mode re-measure: ERROR {type(exc).__name__}: {str(exc)[:300]}")
+        r.logf.write(traceback.format_exc())
+    gl = {}
+    if not r.a.tiny:
+        try:
+            gl = gluon_lag(r, res, failed)
+        except Exception as exc:
+            r.log(f"gluon lag: ERROR {type(exc).__name__}: {str(exc)[:300]}")
+            r.logf.write(traceback.format_exc())
+    out["gluon"] = gl
+    checks = check_best(r, {})  # the defaults (before the sweep: the budget may end in it)
     fwd = forward(r, d)
     best = {}  # setting -> (ms, label)
     timed = {}  # (setting, label) -> ms
-    reserve = 25.0 if quick else 60.0  # for the mode re-measure, the checks and torch.compile
+    reserve = 15.0 if quick else 60.0  # for the checks and torch.compile
     for idx, s in enumerate(SETTINGS):
         left_after = len(SETTINGS) - idx - 1  # the budget shared between the settings still to sweep
         floor = reserve + (r.left() - reserve) * left_after / (left_after + 1)
@@ -472,13 +547,6 @@ def run(r):
         except Exception as exc:
             r.log(f"sweep {s}: ERROR {type(exc).__name__}: {str(exc)[:300]}")
             r.logf.write(traceback.format_exc())
-    modes = {}
-    try:
-        modes = mode_measure(r, res, failed, n)
-    except Exception as exc:
-        r.log(f"mode re-measure: ERROR {type(exc).__name__}: {str(exc)[:300]}")
-        r.logf.write(traceback.format_exc())
-    checks = check_best(r, best)
     if not r.a.no_compile and not r.a.tiny:  # last: its worker may still be compiling
         del d
         torch.cuda.empty_cache()
@@ -512,46 +580,150 @@ def wait_compile(r):
 
 
 def mode_measure(r, res, failed, n):
-    """Fused vs separate at the session-4 configs, causal (the non-causal pair is in the sweep):
-    {setting: (fused ms, separate ms)}, each checked against the old fused kernels' gradients."""
+    """Fused vs separate (direct launches) at MODE_SHAPES, both settings: {(label, setting): (fused
+    ms, separate ms, rel. gradient difference)}; then attention_kl's auto choice at 8K."""
     torch = r.torch
-    d = inputs(torch, r.dev, r.H, n, r.D, seed=n + 1)
-    fwd = _fwd_causal(d)
     out = {}
-    for s in SETTINGS:
-        if r.left() < 5:
-            r.log(f"mode {s} causal: skipped (budget)")
-            continue
-        keys = [("fused", s, REF_FUSED, 0, "causal"), ("sepdk", s, REF_SEP_DK, 0, "causal"),
-                ("sepdq", s, REF_SEP_DQ, 0, "causal")]
-        if any(k in failed or (r.a.quick and k not in res) for k in keys):
-            r.log(f"mode {s} causal: skipped (not prewarmed or failed)")
+    for label, nq, nk, causal in MODE_SHAPES if not r.a.tiny else [("N=64", 64, 64, False), ("N=64 causal", 64, 64, True)]:
+        if r.left() < 8:
+            r.log(f"mode {label}: skipped (budget)")
             continue
         try:
-            ref = r.ours_fb(d, True, s, "fused", "ptr")
-        finally:
-            os.environ.pop("STREAMKL_BWD_VARIANT", None)
-        direct = Direct(torch, d, fwd, s, causal=True)
-        row = []
-        for label, fn in ((f"fused {cfg_s(REF_FUSED)}", lambda: direct.fused_bwd(REF_FUSED)),
-                          (f"separate {cfg_s(REF_SEP_DK)}+{cfg_s(REF_SEP_DQ)}",
-                           lambda: direct.separate_bwd(REF_SEP_DK, REF_SEP_DQ))):
-            try:
-                gr = fn()
+            d = inputs_qk(torch, r.dev, r.H, nq, nk, r.D, seed=nq + nk)
+            os.environ["STREAMKL_AUTOTUNE"] = "1"  # the forward as the prewarm compiled it (tuned)
+            fwd = _launch_forward(d, causal)
+            for s in SETTINGS:
+                cf, csep = mode_cfgs(causal)
+                keys = [("fused", s, cf, 0), ("sepdk", s, csep[0], 0), ("sepdq", s, csep[1], 0)]
+                keys = [k + (("causal",) if causal else ()) for k in keys]
+                if any(k in failed or (r.a.quick and k not in res) for k in keys):
+                    r.log(f"mode {label} {s}: skipped (not prewarmed or failed)")
+                    continue
+                direct = Direct(torch, d, fwd, s, causal=causal)
+                gf = direct.fused_bwd(cf)
+                gs = direct.separate_bwd(*csep)
                 r.sync()
-                diff = max(rel(a, b) for a, b in zip(gr, ref))
-                del gr
-                t = r.bench(fn, n)
+                diff = max(rel(a, b) for a, b in zip(gs, gf))
+                del gf, gs
+                tf = r.bench(lambda: direct.fused_bwd(cf), nk)
+                ts = r.bench(lambda: direct.separate_bwd(*csep), nk)
                 ok = diff <= 2e-2
-                r.row("bwd_direct", label, f"N={n // K}K causal {s}", t, "ms",
-                      f"grad_vs_old={diff:.2e}" + ("" if ok else " MISMATCH"))
-                r.log(f"N={n // K}K causal {s} {label:40s} {t:8.3f} ms  grad vs old {diff:.1e}{'' if ok else ' MISMATCH'}")
-                row.append(t if ok else None)
-            except Exception as exc:
-                r.log(f"mode {s} causal {label}: ERROR {type(exc).__name__}: {str(exc)[:300]}")
-                row.append(None)
-        out[s] = tuple(row)
+                out[(label, s)] = (tf, ts, diff)
+                for prov, t in ((f"fused {cfg_s(cf)}", tf), (f"separate {cfg_s(csep[0])}+{cfg_s(csep[1])}", ts)):
+                    r.row("bwd_mode", prov, f"{label} {s}", t, "ms", f"sep_vs_fused_grad={diff:.2e}" + ("" if ok else " MISMATCH"))
+                r.log(f"mode {label:13s} {s}: fused {tf:8.3f} separate {ts:8.3f} ms ({ts / tf:.3f}x)  grad sep vs fused "
+                      f"{diff:.1e}{'' if ok else ' MISMATCH'}")
+            del d, fwd
+            if not r.a.tiny:
+                torch.cuda.empty_cache()
+        except Exception as exc:
+            r.log(f"mode {label}: ERROR {type(exc).__name__}: {str(exc)[:300]}")
+            r.logf.write(traceback.format_exc())
+    # attention_kl's own choice (auto_bwd_mode, tuned candidates): backward = fwd+bwd - fwd
+    from bwd_gpu import plan_of
+    n = 64 if r.a.tiny else 8 * K
+    for causal in (False, True):
+        if r.left() < 8:
+            r.log("mode auto: skipped (budget)")
+            break
+        d = inputs_qk(torch, r.dev, r.H, n, n, r.D, seed=5)
+        try:
+            os.environ["STREAMKL_AUTOTUNE"] = "1"
+            t_f = r.bench(lambda: r.ak(d["q1"], d["k1"], d["q2"], d["k2"], causal=causal), n)
+            for s in SETTINGS:
+                if (r.a.quick and ("apiauto", s, (0, 0, 0, 0), 0) + (("causal",) if causal else ()) not in res):
+                    r.log(f"mode auto {s}: skipped (not prewarmed)")
+                    continue
+                r.ours_fb(d, causal, s, "auto", None, tuned=True)  # tunes
+                t = r.bench(lambda: r.ours_fb(d, causal, s, "auto", None, tuned=True), n)
+                plan = plan_of(None, "auto", True)
+                label = f"N={n // K}K{' causal' if causal else ''}" if n >= K else f"N={n}{' causal' if causal else ''}"
+                out[(label, s, "auto")] = (t - t_f, plan)
+                r.row("bwd", "auto", f"{label} {s}", t - t_f, "ms", f"fwd+bwd - fwd; plan={plan}")
+                r.log(f"mode auto {label} {s}: fwd+bwd {t:.3f} - fwd {t_f:.3f} = bwd {t - t_f:.3f} ms  plan {plan}")
+        except Exception as exc:
+            r.log(f"mode auto: ERROR {type(exc).__name__}: {str(exc)[:300]}")
+            r.logf.write(traceback.format_exc())
+        del d
     return out
+
+
+def gluon_lag(r, res, failed):
+    """{(setting, config): ms} of the Gluon backward alone at 8K non-causal, each config first checked
+    at CHECK_SHAPE against float64 and the default kernel (lag <= 2 x default + 2e-3, lag vs default
+    <= 2e-2); a config whose check fails or errs is not timed."""
+    torch = r.torch
+    from streamkl_bench.providers import dense_kl
+
+    from streamkl_gpu import _gluon_bwd
+    sc = 1.0 / math.sqrt(r.D)
+    out = {}
+    for s in SETTINGS:
+        train = 2 if s == "s1" else 1
+        names = SET_TRAIN[s]
+        usable = [c for c in GLUON_CONFIGS if ("gluon", s, (c, 0, 0, 0), 0) in res]
+        if r.a.quick and "default" not in usable:
+            r.log(f"gluon {s}: skipped (not prewarmed)")
+            continue
+        H_c, n_c, _ = CHECK_SHAPE  # the shape whose (untuned Triton) forward the prewarm compiled
+        os.environ["STREAMKL_AUTOTUNE"] = "0"
+        d = inputs_qk(torch, r.dev, H_c, n_c, n_c, r.D, seed=3)
+        fwd = _launch_forward(d, False)
+        x64 = {k: d[k].detach().double().requires_grad_(k in names) for k in ("q1", "k1", "q2", "k2")}
+        kl64 = dense_kl(x64["q1"], x64["k1"], x64["q2"], x64["k2"], causal=False, cdt=torch.float64)
+        ref = torch.autograd.grad(kl64, [x64[k] for k in names], d["g"].double())
+        got = {}
+        for c in usable:
+            try:
+                got[c] = _gluon_bwd.gluon_backward(d["g"], d["q1"], d["k1"], d["q2"], d["k2"], *fwd, False, sc, sc,
+                                                   train, config=GLUON_CONFIGS[c])
+            except Exception as exc:
+                r.log(f"gluon {s} {c} check: ERROR {type(exc).__name__}: {str(exc)[:200]}")
+        r.sync()
+        ok_cfgs = []
+        if "default" in got:
+            e_b = max(rel(a, b) for a, b in zip(got["default"], ref))
+            for c, gr in got.items():
+                e = max(rel(a, b) for a, b in zip(gr, ref))
+                vs = max(rel(a, b) for a, b in zip(gr, got["default"]))
+                ok = math.isfinite(e) and e <= 2 * e_b + 2e-3 and vs <= 2e-2
+                r.row("check_err_vs_f64", f"gluon:{c}", f"{s} H={H_c} N={n_c}", e, "rel", f"vs_default={vs:.2e}"
+                      + ("" if ok else " FAIL"))
+                r.log(f"check gluon {s} {c:14s} err {e:.2e} (default {e_b:.2e}) vs default {vs:.2e} {'ok' if ok else 'FAIL'}")
+                if ok:
+                    ok_cfgs.append(c)
+        n = 8 * K
+        d = inputs_qk(torch, r.dev, r.H, n, n, r.D, seed=9)
+        fwd = _launch_forward(d, False)
+        for c in ok_cfgs:
+            if r.left() < 20:
+                r.log(f"gluon {s} {c}: skipped (budget)")
+                continue
+            try:
+                t = r.bench(lambda c=c: _gluon_bwd.gluon_backward(d["g"], d["q1"], d["k1"], d["q2"], d["k2"], *fwd,
+                                                                  False, sc, sc, train, config=GLUON_CONFIGS[c]), n)
+                out[(s, c)] = t
+                r.row("bwd_alone", f"gluon:{c}", f"N=8K {s}", t, "ms", "_gluon_bwd.gluon_backward alone")
+                r.log(f"N=8K {s} gluon {c:14s} bwd alone {t:8.3f} ms")
+            except Exception as exc:
+                r.log(f"gluon {s} {c}: ERROR {type(exc).__name__}: {str(exc)[:200]}")
+        del d, fwd
+    return out
+
+
+def inputs_qk(torch, dev, H, NQ, NK, D, seed=0):
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(77 + seed)
+    dt = torch.float16 if TINY else torch.bfloat16
+    d = {n: torch.randn((1, H, NQ if n[0] == "q" else NK, D), generator=gen, device=dev, dtype=dt)
+         for n in ("q1", "k1", "q2", "k2")}
+    d["g"] = torch.randn((1, H, NQ), generator=gen, device=dev, dtype=torch.float32)
+    return d
+
+
+def _launch_forward(d, causal):
+    from streamkl_gpu import _launch
+    return _launch.forward(d["q1"], d["k1"], d["q2"], d["k2"], causal, None, None, None)
 
 
 def _fwd_causal(d):
@@ -607,6 +779,8 @@ def sweep_setting(r, d, fwd, s, res, failed, timed, shape, floor=0.0):
 
     def probes(c):
         for pname, p in PROBES:
+            if r.a.quick and pname not in QUICK_PROBES:
+                continue
             kind = {"nodq": "sepdk", "atomicdq": "fusedatomic"}.get(pname, "fused")
             ok, why = usable(kind, c, p)
             if not ok:
@@ -672,46 +846,55 @@ def sweep_setting(r, d, fwd, s, res, failed, timed, shape, floor=0.0):
 
 
 def check_best(r, best):
-    """The best config of each setting (and the session-4 one) vs float64 and vs the old kernels at a
-    small shape (H = 16, N = 384: the same Triton specialisations)."""
+    """vs float64 and vs the old kernels at a small shape (CHECK_SHAPE: the same Triton
+    specialisations): the session-4 fused config, the separate pair the auto rule now takes
+    (MODE_SEP, causal and not), and the sweep's best of each setting."""
     torch = r.torch
     out = []
     H, n, D = CHECK_SHAPE_TINY if r.a.tiny else CHECK_SHAPE
     from streamkl_bench.providers import dense_kl
-    for s in SETTINGS:
-        plans = [("fused", REF_FUSED, None)] + ([best[s][1]] if s in best and best[s][1][1] != REF_FUSED else [])
-        d = inputs(torch, r.dev, H, n, D, seed=7)
-        names = SET_TRAIN[s]
-        x64 = {k: d[k].detach().double().requires_grad_(k in names) for k in ("q1", "k1", "q2", "k2")}
-        kl64 = dense_kl(x64["q1"], x64["k1"], x64["q2"], x64["k2"], causal=False, cdt=torch.float64)
-        ref64 = torch.autograd.grad(kl64, [x64[k] for k in names], d["g"].double())
-        try:
-            old = r.ours_fb(d, False, s, "fused", "ptr")
-            old_err = max(rel(a, b) for a, b in zip(old, ref64))
-        except Exception as exc:
-            r.log(f"check {s} old: ERROR {type(exc).__name__}: {str(exc)[:200]}")
-            old, old_err = None, None
-        finally:
-            os.environ.pop("STREAMKL_BWD_VARIANT", None)
-        fwd = forward(r, d)
-        direct = Direct(torch, d, fwd, s)
-        for plan in plans:
-            label = plan[0] + " " + cfg_s(plan[1]) + (f"+{cfg_s(plan[2])}" if plan[2] else "")
+    for causal in (False, True):
+        for s in SETTINGS:
+            cf, csep = mode_cfgs(causal)
+            plans = [("separate",) + tuple(csep)]
+            if not causal:
+                plans = [("fused", REF_FUSED, None)] + plans + (
+                    [best[s][1]] if s in best and best[s][1] not in [("fused", REF_FUSED, None), ("separate",) + tuple(csep)]
+                    else [])
+            os.environ["STREAMKL_AUTOTUNE"] = "0"  # the forward the prewarm compiled at this shape
+            d = inputs(torch, r.dev, H, n, D, seed=7)
+            names = SET_TRAIN[s]
+            x64 = {k: d[k].detach().double().requires_grad_(k in names) for k in ("q1", "k1", "q2", "k2")}
+            kl64 = dense_kl(x64["q1"], x64["k1"], x64["q2"], x64["k2"], causal=causal, cdt=torch.float64)
+            ref64 = torch.autograd.grad(kl64, [x64[k] for k in names], d["g"].double())
             try:
-                gr = direct.fused_bwd(plan[1]) if plan[0] == "fused" else direct.separate_bwd(plan[1], plan[2])
-                r.sync()
-                err = max(rel(a, b) for a, b in zip(gr, ref64))
-                vs_old = max(rel(a, b) for a, b in zip(gr, old)) if old is not None else float("nan")
-                tol = 1.5 * old_err + 1e-3 if old_err is not None else 3e-2
-                ok = math.isfinite(err) and err <= tol
-                out.append((s, label, err, tol, vs_old, ok))
-                r.row("check_err_vs_f64", label, f"{s} H={H} N={n}", err, "rel",
-                      f"tol={tol:.2e} vs_old={vs_old:.2e}" + ("" if ok else " FAIL"))
-                r.log(f"check {s} {label:30s} err {err:.2e} (tol {tol:.2e}, old {old_err}) vs old {vs_old:.2e} "
-                      f"{'ok' if ok else 'FAIL'}")
+                old = r.ours_fb(d, causal, s, "fused", "ptr")
+                old_err = max(rel(a, b) for a, b in zip(old, ref64))
             except Exception as exc:
-                out.append((s, label, float("nan"), float("nan"), float("nan"), False))
-                r.log(f"check {s} {label}: ERROR {type(exc).__name__}: {str(exc)[:300]}")
+                r.log(f"check {s} old: ERROR {type(exc).__name__}: {str(exc)[:200]}")
+                old, old_err = None, None
+            finally:
+                os.environ.pop("STREAMKL_BWD_VARIANT", None)
+            fwd = _launch_forward(d, causal)
+            direct = Direct(torch, d, fwd, s, causal=causal)
+            for plan in plans:
+                label = (plan[0] + " " + cfg_s(plan[1]) + (f"+{cfg_s(plan[2])}" if plan[2] else "")
+                         + (" causal" if causal else ""))
+                try:
+                    gr = direct.fused_bwd(plan[1]) if plan[0] == "fused" else direct.separate_bwd(plan[1], plan[2])
+                    r.sync()
+                    err = max(rel(a, b) for a, b in zip(gr, ref64))
+                    vs_old = max(rel(a, b) for a, b in zip(gr, old)) if old is not None else float("nan")
+                    tol = 1.5 * old_err + 1e-3 if old_err is not None else 3e-2
+                    ok = math.isfinite(err) and err <= tol
+                    out.append((s, label, err, tol, vs_old, ok))
+                    r.row("check_err_vs_f64", label, f"{s} H={H} N={n}", err, "rel",
+                          f"tol={tol:.2e} vs_old={vs_old:.2e}" + ("" if ok else " FAIL"))
+                    r.log(f"check {s} {label:38s} err {err:.2e} (tol {tol:.2e}) vs old {vs_old:.2e} "
+                          f"{'ok' if ok else 'FAIL'}")
+                except Exception as exc:
+                    out.append((s, label, float("nan"), float("nan"), float("nan"), False))
+                    r.log(f"check {s} {label}: ERROR {type(exc).__name__}: {str(exc)[:300]}")
     return out
 
 
@@ -736,10 +919,25 @@ def table(r, out, best, timed, checks, shape, modes=None):
             b = best[s][0]
             lines.append(f"  best {best[s][1][0]} {b:.3f} ms" + (f" = {b / sd:.2f}x sdpa ({'meets' if b <= 1.4 * sd else 'misses'} 1.4x)" if sd else "")
                          + (f"; fwd+bwd {fwd + b:.3f} ms = {tc / (fwd + b):.2f}x faster than torch.compile" if tc and s == "s1" else ""))
-    for s, (tf, ts) in (modes or {}).items():
-        if tf and ts:
-            lines.append(f"mode re-measure {shape} causal {s}: fused {tf:.3f} ms, separate {ts:.3f} ms "
-                         f"-> {'separate' if ts < tf else 'fused'} ({min(tf, ts) / max(tf, ts):.3f}x)")
+    if modes:
+        lines.append("fused vs separate (direct launches; separate/fused), and attention_kl's auto choice (fwd+bwd - fwd):")
+    for key, v in (modes or {}).items():
+        if len(key) == 2:
+            tf, ts, diff = v
+            lines.append(f"  {key[0]:13s} {key[1]}: fused {tf:8.3f} separate {ts:8.3f} ms ({ts / tf:.3f}x)"
+                         + (f" = {ts / sd:.2f}x sdpa-8K" if sd and key[0] == "N=8K" else "")
+                         + ("" if diff <= 2e-2 else " MISMATCH"))
+        else:
+            lines.append(f"  auto {key[0]:13s} {key[1]}: {v[0]:8.3f} ms  {v[1]}"
+                         + (f" = {v[0] / sd:.2f}x sdpa" if sd and key[0] == "N=8K" else ""))
+    gl = out.get("gluon") or {}
+    for s in SETTINGS:
+        row = {c: t for (ss, c), t in gl.items() if ss == s}
+        if row:
+            base = row.get("default")
+            lines.append(f"gluon backward alone N=8K {s}: " + ", ".join(
+                f"{c} {t:.3f} ms" + (f" ({t / base:.3f}x default)" if base and c != "default" else "")
+                for c, t in row.items()) + (f" = {min(row.values()) / sd:.2f}x sdpa (best)" if sd else ""))
     lines.append("checks vs float64 (small shape): " + ", ".join(f"{c[0]} {c[1]} {'ok' if c[5] else 'FAIL'}" for c in checks))
     text = "\n".join(lines)
     with open(os.path.join(r.a.out, "bwd_sweep_table.txt"), "w") as f:

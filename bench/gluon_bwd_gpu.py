@@ -3,7 +3,8 @@
     python bench/gluon_bwd_gpu.py OUT_DIR [--quick] [--budget SECONDS] [--autotune | --no-autotune]
 
 --quick: <= 100 s on one H200 (fewer check cases; timing: settings 1 and 2 as fwd+bwd - fwd only,
-no timing variants; the Triton path untuned unless --autotune); without it about 7 minutes.
+no timing variants but the lagged dQ at 8K non-causal, first; the Triton path untuned unless
+--autotune); without it about 7 minutes. The check child gets 45 % of the budget with --quick.
 What does not fit the budget is skipped and recorded as such, in this order of priority: the
 bf16/D=128 checks, NaN isolation, the other checks, then the timings (8K before 16K). The check section runs in a child process with a timeout (a hung or faulting
 kernel there skips the Gluon timing, nothing else); a watchdog thread writes the outputs and
@@ -200,10 +201,16 @@ def check_cases(quick):
 
 
 def run_check(quick, budget, progress=None):
-    """``progress(results)``: called before the variant checks (the child saves what it has, so that a
-    hang there, e.g. in the lagged-dQ kernel, loses only the variants)."""
+    """``progress(results, lag_done)``: the child saves what it has before and after the lagged-dQ
+    checks and after the main ones, so that a hang (or the budget) loses only what comes after; the
+    lag configs are timed only if their checks are done and passed."""
+    if progress is not None:
+        progress([], lag_done=False)
+    log("== check: the lagged dQ vs the default Gluon kernel vs float64 (first: the new code)")
+    results = run_lag_checks(quick, budget)
+    if progress is not None:
+        progress(results, lag_done=True)
     log("== check: gluon vs triton vs float64 (through _launch.backward)")
-    results = []
     for n_case, ((dt, D, causal, NQ, NK, layout, hk1, hk2), train) in enumerate(check_cases(quick)):
         if n_case == 4:  # after bf16/128 full and causal: NaN isolation (same kernels), then the rest
             results += run_nan_checks(budget)
@@ -237,9 +244,49 @@ def run_check(quick, budget, progress=None):
             record("check", "gluon", name, None, status="ERROR", note=str(exc)[:2000])
             log(f"ERROR {name}: {type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}")
     if progress is not None:
-        progress(results)
+        progress(results, lag_done=True)
     results += run_variant_checks(budget)
     return results
+
+
+def run_lag_checks(quick, budget):
+    """DQ_LAG configs vs the default Gluon kernel and float64 (no Triton compile: the default kernel
+    is checked against Triton below and in earlier runs): pass if lag <= 2 x default + 2e-3, and
+    the two agree to 2e-2. --quick: non-causal only (compiles: 2 per setting)."""
+    from streamkl_gpu import _gluon_bwd
+
+    out = []
+    cases = [(t, LAG_CONFIGS["dq_lag"], c) for c in ((False,) if quick else (False, True)) for t in (2, 1)]
+    if not quick:
+        cases += [(t, LAG_CONFIGS["dq_lag_bufs3"], False) for t in (2, 1)]
+    for train, config, causal in cases:
+        label = config_label(config)
+        name = f"variant:{label}:bf16:D128:{'causal' if causal else 'full'}:256x256:setting{3 - train}"
+        if budget.left() < 6:
+            record("check", "gluon", name, None, status="skipped", note="time budget")
+            continue
+        try:
+            xs, g = make_inputs(2, 2, 256, 256, 128, torch.bfloat16, seed=11 + train)
+            kl, l1, l2 = forward_saved(xs, causal)
+            ref = reference64(g, xs, causal, train)
+            sc = 1 / math.sqrt(xs[0].shape[-1])
+            base = _gluon_bwd.gluon_backward(g, *xs, kl, l1, l2, causal, sc, sc, train)
+            got = _gluon_bwd.gluon_backward(g, *xs, kl, l1, l2, causal, sc, sc, train, config=config)
+            note_kernel(f"variant:{label}:check:{'causal' if causal else 'full'}:setting{3 - train}")
+            ok, detail = True, []
+            for nm, r, b, o in zip(("dq", "dk"), ref, base, got):
+                e_b, e_g, vs = rel_err(b, r), rel_err(o, r), rel_err(o, b)
+                good = e_g <= 2 * e_b + 2e-3 and vs <= 2e-2
+                ok &= good
+                detail.append(f"{nm}: lag {e_g:.2e} default {e_b:.2e} lag-vs-default {vs:.2e}")
+                record("check_rel_err", f"gluon:{label}", name, e_g, "rel", nm, "ok" if good else "FAIL")
+            out.append((name, ok, "; ".join(detail)))
+            log(f"{'ok  ' if ok else 'FAIL'} {name}: {'; '.join(detail)}")
+        except Exception as exc:
+            out.append((name, False, f"{type(exc).__name__}: {str(exc)[:300]}"))
+            record("check", f"gluon:{label}", name, None, status="ERROR", note=str(exc)[:2000])
+            log(f"ERROR {name}: {type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}")
+    return out
 
 
 def run_variant_checks(budget):
@@ -248,11 +295,8 @@ def run_variant_checks(budget):
     from streamkl_gpu import _gluon_bwd
 
     out = []
-    # the lagged dQ first (new): both settings, causal (masked band, finite copies) and full
-    cases = [(t, "kernel", LAG_CONFIGS["dq_lag"], c) for t in (2, 1) for c in (True, False)]
-    cases += [(t, "kernel", LAG_CONFIGS["dq_lag_bufs3"], False) for t in (2, 1)]
-    cases += [(2, "scalar_dq_atomics", None, True), (1, "scalar_dq_atomics", None, True),
-              (2, "kernel", _gluon_bwd.FALLBACK, True)]
+    cases = [(2, "scalar_dq_atomics", None, True), (1, "scalar_dq_atomics", None, True),
+             (2, "kernel", _gluon_bwd.FALLBACK, True)]
     for train, variant, config, causal in cases:
         label = variant if config is None else config_label(config)
         nq, nk = 256, 256
@@ -415,9 +459,10 @@ def run_timing(quick, warmup, rep, budget, gluon_ok=True, table=None):
                 setting = _setting(train)
                 fwd_out = forward_saved(xs, causal)
                 configs = tuple("gluon:config:" + c for c in CONFIGS) if (N == 8 * K and train == 2) else ()
-                lag = tuple("gluon:config:" + c for c in LAG_CONFIGS if not (causal and "bufs3" in c)) \
+                lag = tuple("gluon:config:" + c for c in LAG_CONFIGS if not (causal and "bufs3" in c)
+                            and not (quick and (causal or "bufs3" in c))) \
                     if (N == 8 * K and train != BOTH) else ()
-                for prov in ("gluon", "triton") + VARIANT_PROVIDERS + configs + lag:
+                for prov in lag + ("gluon", "triton") + VARIANT_PROVIDERS + configs:  # the lag first
                     if prov in lag:
                         if not LAG_OK.get(prov.rsplit(":", 1)[1]) and prov != "gluon:config:default":
                             record("bwd_alone", prov, f"{shape}:setting{setting}", None, status="skipped",
@@ -526,10 +571,10 @@ def _child_check(out_dir, quick, seconds):
     if rc != 0:
         log(f"WARNING check child rc={rc}\n{tail}")
     if not data.get("complete", True):
-        log("WARNING check child: the variant checks did not finish (hang?); the variant timings are skipped")
+        log("WARNING check child: did not finish all checks (budget, or a hang); what it saved is used")
     for name, cfg in LAG_CONFIGS.items():  # a lag config is timed only if all its checks ran (>= 1) and passed
         mine = [ok for n, ok, _ in data["checks"] if n.startswith(f"variant:{config_label(cfg)}:")]
-        LAG_OK[name] = bool(cfg) and data.get("complete", True) and bool(mine) and all(mine)
+        LAG_OK[name] = bool(cfg) and data.get("lag_done", True) and bool(mine) and all(mine)
     return data["checks"], data["sass"]
 
 
@@ -626,10 +671,10 @@ def main(argv=None):
     budget = Budget(seconds)
 
     if a.child_check:
-        def save(checks, sass, complete):
+        def save(checks, sass, complete, lag_done=True):
             with open(os.path.join(a.out_dir, "check_child.json"), "w") as f:
-                json.dump(dict(rows=ROWS, log=LOG, checks=checks, sass=sass, complete=complete), f)
-        checks = run_check(a.quick, budget, progress=lambda res: save(res, [], False))
+                json.dump(dict(rows=ROWS, log=LOG, checks=checks, sass=sass, complete=complete, lag_done=lag_done), f)
+        checks = run_check(a.quick, budget, progress=lambda res, lag_done: save(res, [], False, lag_done))
         sass = _sass_summary(run_sass(a.out_dir, "check"))
         save(checks, sass, True)
         return
@@ -660,7 +705,7 @@ def main(argv=None):
     signal.signal(signal.SIGINT, interrupted)
     signal.signal(signal.SIGTERM, interrupted)
     warmup, rep = (5, 25) if a.quick else (10, 60)
-    check_s = 50 if a.quick else 200
+    check_s = min(50.0, 0.45 * seconds) if a.quick else 200
     state["checks"], state["sass"] = _child_check(a.out_dir, a.quick, check_s)
     gluon_ok = state["checks"] is not None
     try:

@@ -222,8 +222,10 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
         mode = check_bwd_mode(bwd_mode)
         if deterministic:
             mode = "separate"  # no atomics on dQ
-        elif mode == "auto":
-            mode = auto_bwd_mode(dims, n_sm(device), both)
+        elif mode == "auto":  # new_kernels: the TMA variants are candidates (bwd_variant_candidates)
+            new_kernels = (all(tma_ok(t) for t in (q1, k1, q2, k2)) and dims.D1 % 4 == 0 and dims.D2 % 4 == 0
+                           and not (ieee1 or ieee2))
+            mode = auto_bwd_mode(dims, n_sm(device), both, new_kernels)
     fused = mode == "fused"
     dummy = kl  # placeholder pointer for outputs a launch does not write
 

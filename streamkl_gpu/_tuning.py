@@ -315,7 +315,9 @@ def bwd_variant_candidates(d_pad, both, kind, ieee=False, tma=False, fused=False
         return old
     if d_pad <= 128 and not both:
         tiles = {"dk": [(64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 2)],
-                 "dq": [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3)]}[kind]
+                 # dQ: 3 stages first (run r5c, 8K, setting 2, the dQ kernel alone: 128x64x8x3 2.54 ms,
+                 # 128x64x8x2 2.91): the one new candidate of long problems ("few")
+                 "dq": [(128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3)]}[kind]
     else:
         # dK: 64 keys make one warpgroup's rows (key-major tiles): 4 warps; 8 warps would split the
         # 64 rows over two warpgroups
@@ -388,8 +390,17 @@ def split_choices(dims, ieee, d_pad, n_sm):
     return options if rule in options else options + (rule,)
 
 
-def auto_bwd_mode(dims, n_sm: int, both: bool = False) -> str:
+def auto_bwd_mode(dims, n_sm: int, both: bool = False, new_kernels: bool = False) -> str:
     """Pick the fused kernel (each tile pair visited once, dQ by fp32 atomics) or the separate ones.
+
+    ``new_kernels``: the TMA variants are candidates (Hopper, aligned, half precision). Then one
+    setting runs separate wherever the dQ kernel alone has at least 4 programs per SM:
+    measured (H200, 2026-12-01 run r5c, bench/bwd_gpu.py --sweep, 8K non-causal, direct launches)
+    setting 2 separate 64x128x8x3 + 128x64x8x3 5.80 ms vs fused 64x128x8x3 6.79 (0.85x); setting 1
+    fused 6.89, of which its dQ share costs 3.54 (the dK kernel alone 3.35; the dQ kernel alone
+    2.54 for setting 2). The fused kernel's dQ (a [64, D] fp32 product and reduce-add per tile
+    pair, on the dK kernel's critical path at one CTA of 8 warps per SM) costs more than a
+    second pass over the keys.
 
     Measured on the H200 (bench/results/session1/h200_2026-11-29_bench.csv; B=1, H=32, D=128, bf16):
     - one setting (s1 or s2): fused is as fast or faster at N = 4K..32K, causal or not
@@ -403,5 +414,7 @@ def auto_bwd_mode(dims, n_sm: int, both: bool = False) -> str:
     if key_programs < n_sm:
         return "separate"
     if both and dims.NQ >= 512:
+        return "separate"
+    if new_kernels and cdiv(dims.NQ, 128) * dims.B * dims.H >= 4 * n_sm:
         return "separate"
     return "fused"

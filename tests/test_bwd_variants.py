@@ -272,3 +272,20 @@ def test_timing_probes_do_what_they_name(setting, monkeypatch):
     dq, dk = direct.fused_bwd(cfg, _bwd.PROBE_NO_DK)
     assert torch.equal(dk, torch.zeros_like(dk))
     torch.testing.assert_close(dq, dq0, rtol=0, atol=0)
+
+
+def test_auto_mode_separate_for_one_setting_with_the_new_kernels():
+    """With the TMA variants as candidates, one setting runs separate where the dQ kernel has >= 4
+    programs per SM (run r5c: setting 2 at 8K, separate 5.80 ms vs fused 6.79); small N_Q, both
+    settings and the old kernels (varlen, fp32, no TMA) keep their rules."""
+    from streamkl_ref._checks import Dims
+
+    def dims(nq, nk, h=32):
+        return Dims(B=1, H=h, NQ=nq, NK=nk, D1=128, D2=128, HK1=h, HK2=h, scale1=0.1, scale2=0.1)
+
+    assert _tuning.auto_bwd_mode(dims(8192, 8192), 132, False, new_kernels=True) == "separate"
+    assert _tuning.auto_bwd_mode(dims(8192, 8192), 132, False, new_kernels=False) == "fused"
+    assert _tuning.auto_bwd_mode(dims(512, 32768), 132, False, new_kernels=True) == "fused"  # 128 dQ programs
+    assert _tuning.auto_bwd_mode(dims(16, 32768), 132, True, new_kernels=True) == "fused"  # both, small N_Q
+    assert _tuning.auto_bwd_mode(dims(8192, 8192), 132, True, new_kernels=True) == "separate"
+    assert _tuning.auto_bwd_mode(dims(4096, 64, h=2), 132, False, new_kernels=True) == "separate"  # few keys
