@@ -78,7 +78,7 @@ _WRITER = """
 import sys
 from streamkl_gpu import _tuning
 i = int(sys.argv[1])
-for _ in range(50):
+for _ in range(100):
     _tuning._disk_store(None, ("shared",), (i, i, 4, 2, False, 1))
 """
 
@@ -87,12 +87,13 @@ def test_concurrent_writers_leave_one_whole_entry(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, STREAMKL_CACHE_DIR=str(tmp_path), TRITON_INTERPRET="1")
     env.pop("STREAMKL_TUNING_CACHE", None)
-    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(i)], cwd=root, env=env) for i in range(6)]
+    # three writers (CI time: each process imports torch), twice the stores each: the writes still overlap
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(i)], cwd=root, env=env) for i in range(3)]
     assert all(p.wait(timeout=300) == 0 for p in procs)
     files = list(tmp_path.rglob("*.json"))
     assert len(files) == 1, files  # no temporary file left behind, one entry per key
     entry = json.loads(files[0].read_text())
-    assert entry["key"] == repr(("shared",)) and entry["config"][0] in range(6)
+    assert entry["key"] == repr(("shared",)) and entry["config"][0] in range(3)
 
 
 def test_small_problems_are_tuned_on_themselves():
