@@ -9,7 +9,8 @@ Two custom ops (``streamkl::indexer_topk_fwd``, ``streamkl::indexer_topk_bwd``) 
 implementations make the function traceable by ``torch.compile(fullgraph=True)``. The forward saves
 the target per slot (``[B, N_Q, K]`` fp32, as large as ``topk_indices`` in int32), so the
 backward reads the indexer alone. ``lse`` (the teacher's LSEs over the set, as a sparse attention
-over the same indices returns them) skips the forward's first pass over the teacher.
+over the same indices returns them) skips the forward's first pass over the teacher. The forward's
+launch config is tuned on the first call (``_fwd_candidates``).
 """
 from __future__ import annotations
 
