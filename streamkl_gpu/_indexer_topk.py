@@ -9,7 +9,8 @@ Two custom ops (``streamkl::indexer_topk_fwd``, ``streamkl::indexer_topk_bwd``) 
 implementations make the function traceable by ``torch.compile(fullgraph=True)``. The forward saves
 the target per slot (``[B, N_Q, K]`` fp32, as large as ``topk_indices`` in int32), so the
 backward reads the indexer alone. ``lse`` (the teacher's LSEs over the set, as a sparse attention
-over the same indices returns them) skips the forward's first pass over the teacher.
+over the same indices returns them) skips the forward's first pass over the teacher. The forward's
+launch config is tuned on the first call (``_fwd_candidates``).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import triton
 
 from streamkl_ref._checks import check_indexer_inputs
 
-from . import _checks, _runtime
+from . import _checks, _runtime, _tuning
 from . import _indexer_topk_kernels as _kernels
 from ._indexer import _check, _fresh, _pow2, _rows_with_keys
 
@@ -35,8 +36,10 @@ TOPK_DTYPES = (torch.int32, torch.int64)
 # SEPARATE (7th, default False): the student's logits and LSE by their own kernel first, the teacher
 # kernel's second pass then only reads them (_topk_student_kernel).
 INTERPRETER_CONFIG = (16, 32, 32, 1, 1)
-DEFAULT_CONFIG = (64, 64, 128, 8, 2)  # not yet measured (bench/indexer_topk_gpu.py times variants)
+DEFAULT_CONFIG = (64, 64, 128, 8, 2)  # r5c (H200): DSA 8K, K=2048 fwd 26.1 ms; also the backward's
 IEEE_CONFIG = (32, 32, 64, 4, 1)
+SEPARATE_CONFIG = (64, 64, 128, 8, 2, False, True)  # offline sm_90 (3.6): teacher kernel 176 registers
+L1_CONFIG = (64, 64, 128, 8, 2, True)
 # bench/indexer_topk_gpu.py sets this to time other configs (None: the rule in _config)
 CONFIG_OVERRIDE: Optional[tuple] = None
 
@@ -82,6 +85,16 @@ def _strides(t):
     return tuple(t.stride())
 
 
+def _fwd_candidates(ieee: bool):
+    """The forward's launch configs, tuned on the first call of each shape bucket
+    (``_tuning.pick``: memory, disk cache, or timed once; STREAMKL_AUTOTUNE=0 takes the first):
+    the one-kernel default, the separate-student design and the L1 variant. Not yet compared on
+    a GPU (r5c measured the first alone: DSA 8K fwd 26.1 ms, 16.5 with lse)."""
+    if CONFIG_OVERRIDE is not None or _runtime.interpreting() or ieee:
+        return [_config(ieee)]
+    return [DEFAULT_CONFIG, SEPARATE_CONFIG, L1_CONFIG]
+
+
 def _forward(q, k, q_idx, k_idx, weights, topk_indices, lse, causal, scale, relu):
     """(KL [B, N_Q], LSE_I [B, N_Q], p_set [B, N_Q, K]) in fp32; ``lse``: the caller's set LSEs
     (natural log) or None (the kernel's first pass computes them)."""
@@ -90,14 +103,10 @@ def _forward(q, k, q_idx, k_idx, weights, topk_indices, lse, causal, scale, relu
     device = q.device
     n_sel = topk_indices.shape[-1]
     ieee_t, ieee_i = q.dtype == torch.float32, q_idx.dtype == torch.float32
-    block_k, block_d, hb_max, warps, stages, *rest = _config(ieee_t or ieee_i)
-    a_l1 = bool(rest[0]) if rest else False
-    separate = bool(rest[1]) if len(rest) > 1 else False
     group, group_i = dims.H // dims.HK, dims.HI // dims.HKI
-    hb = max(16, min(_pow2(group), _pow2(hb_max)))
-    cpg = triton.cdiv(group, hb)
     pad = _checks.head_pad(dims.D)
     pad_i = _checks.head_pad(dims.DI)
+    hi_pad = max(16, _pow2(dims.HI))
     kl = _fresh((dims.B, dims.NQ), torch.float32, device)
     lse_i = _fresh((dims.B, dims.NQ), torch.float32, device)
     if lse is None:
@@ -105,25 +114,38 @@ def _forward(q, k, q_idx, k_idx, weights, topk_indices, lse, causal, scale, relu
     else:  # natural log -> bits, the kernels' unit
         lse_t = (lse * LOG2E).contiguous()
     p_set = _fresh((dims.B, dims.NQ, n_sel), torch.float32, device)
-    block_di = pad_i if pad_i <= 128 else min(block_d, pad_i)
-    hi_pad = max(16, _pow2(dims.HI))
-    logits = p_set
-    if separate:
-        logits = _fresh((dims.B, dims.NQ, n_sel), torch.float32, device)
-        _kernels._topk_student_kernel[(dims.NQ, dims.B)](
-            q_idx, k_idx, weights, topk_indices, logits, lse_i,
-            *_strides(q_idx), *_strides(k_idx), *_strides(weights), *_strides(topk_indices),
-            dims.HI, dims.HKI, group_i, dims.NQ, dims.NK, n_sel,
-            DI=dims.DI, BLOCK_DI=block_di, HI_PAD=hi_pad, BLOCK_K=block_k, CAUSAL=causal, RELU=relu,
-            IEEE_I=ieee_i, num_warps=4, num_stages=2)
-    _kernels._topk_fwd_kernel[(dims.NQ, dims.B)](
-        q, k, q_idx, k_idx, weights, topk_indices, lse_t, kl, lse_i, p_set, logits,
-        *_strides(q), *_strides(k), *_strides(q_idx), *_strides(k_idx), *_strides(weights), *_strides(topk_indices),
-        dims.H, group, dims.HI, dims.HKI, group_i, dims.NQ, dims.NK, n_sel, dims.scale * LOG2E, 1.0 / dims.H,
-        dims.HK * cpg, cpg,
-        D=dims.D, BLOCK_D=min(block_d, pad), DI=dims.DI, BLOCK_DI=block_di, HB=hb, HI_PAD=hi_pad, BLOCK_K=block_k,
-        CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, NO_CONTRACT=not _runtime.interpreting(),
-        HAS_LSE=lse is not None, A_L1=a_l1, STUDENT_SEPARATE=separate, num_warps=warps, num_stages=stages)
+
+    def launch(cfg):
+        block_k, block_d, hb_max, warps, stages, *rest = cfg
+        a_l1 = bool(rest[0]) if rest else False
+        separate = bool(rest[1]) if len(rest) > 1 else False
+        hb = max(16, min(_pow2(group), _pow2(hb_max)))
+        cpg = triton.cdiv(group, hb)
+        block_di = pad_i if pad_i <= 128 else min(block_d, pad_i)
+        logits = p_set
+        if separate:
+            logits = _fresh((dims.B, dims.NQ, n_sel), torch.float32, device)
+            _kernels._topk_student_kernel[(dims.NQ, dims.B)](
+                q_idx, k_idx, weights, topk_indices, logits, lse_i,
+                *_strides(q_idx), *_strides(k_idx), *_strides(weights), *_strides(topk_indices),
+                dims.HI, dims.HKI, group_i, dims.NQ, dims.NK, n_sel,
+                DI=dims.DI, BLOCK_DI=block_di, HI_PAD=hi_pad, BLOCK_K=block_k, CAUSAL=causal, RELU=relu,
+                IEEE_I=ieee_i, num_warps=4, num_stages=2)
+        _kernels._topk_fwd_kernel[(dims.NQ, dims.B)](
+            q, k, q_idx, k_idx, weights, topk_indices, lse_t, kl, lse_i, p_set, logits,
+            *_strides(q), *_strides(k), *_strides(q_idx), *_strides(k_idx), *_strides(weights),
+            *_strides(topk_indices),
+            dims.H, group, dims.HI, dims.HKI, group_i, dims.NQ, dims.NK, n_sel, dims.scale * LOG2E, 1.0 / dims.H,
+            dims.HK * cpg, cpg,
+            D=dims.D, BLOCK_D=min(block_d, pad), DI=dims.DI, BLOCK_DI=block_di, HB=hb, HI_PAD=hi_pad,
+            BLOCK_K=block_k, CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i,
+            NO_CONTRACT=not _runtime.interpreting(), HAS_LSE=lse is not None, A_L1=a_l1,
+            STUDENT_SEPARATE=separate, num_warps=warps, num_stages=stages)
+
+    key = ("topk_fwd", dims.D, dims.DI, dims.H, dims.HK, dims.HI, dims.HKI, q.dtype, q_idx.dtype, causal, relu,
+           lse is not None, _tuning.bucket(dims.NQ), _tuning.bucket(dims.NK), _tuning.bucket(n_sel),
+           _tuning.bucket(dims.B))
+    launch(_tuning.pick(key, _fwd_candidates(ieee_t or ieee_i), launch))
     return kl, lse_i, p_set
 
 
