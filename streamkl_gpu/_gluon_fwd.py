@@ -179,6 +179,20 @@ def _new_max(m, s, visible, MASKED: gl.constexpr, RESCALE: gl.constexpr):
 
 
 @gluon.jit
+def _shifted(m, s_raw, qk_scale, visible, MASKED: gl.constexpr, RESCALE: gl.constexpr):
+    """One side's scores of a tile taken to bits (rounded once, before the max) and shifted by the
+    new row reference: (the new max, the shift, x = s - shift). Masked tiles shift by the safe max
+    (an all-invisible row keeps a finite reference)."""
+    s = libdevice.mul_rn(s_raw, qk_scale)
+    m_new = _new_max(m, s, visible, MASKED, RESCALE)
+    if MASKED:
+        shift = _fwd._safe(m_new)
+    else:
+        shift = m_new
+    return m_new, shift, s - shift[:, None]
+
+
+@gluon.jit
 def _side1_exps(x1, m1, l1, shift1, visible, MASKED: gl.constexpr, VARIANT: gl.constexpr):
     """Side 1's exponentials of a tile: (p1, the new l1, alpha1 = the old l1's rescale factor)."""
     if MASKED:
@@ -205,13 +219,7 @@ def _fold_sub(st, t1, t2, k1, k2, k1_free, k2_free, turn_next, visible, qk_scale
         mbarrier.arrive(k1_free, count=1)
     s2_raw = s1  # VARIANT 2 (no second product): side 2 folds S1 again
     # ---- side 1, while S2 is still on the tensor cores
-    s1 = libdevice.mul_rn(s1, qk_scale1)  # scores in bits, rounded once, before the max
-    m1_new = _new_max(m1, s1, visible, MASKED, RESCALE)
-    if MASKED:
-        shift1 = _fwd._safe(m1_new)
-    else:
-        shift1 = m1_new
-    x1 = s1 - shift1[:, None]
+    m1_new, shift1, x1 = _shifted(m1, s1, qk_scale1, visible, MASKED, RESCALE)
     FENCE: gl.constexpr = _knob(SCHED, "FENCE")
     if FENCE == 1 or (FENCE == 2 and not MASKED):  # 2: whole tiles only (the masked loop spills)
         # the exponentials inside a loop of one trip (ONE is a runtime 1): ptxas schedules
@@ -231,13 +239,7 @@ def _fold_sub(st, t1, t2, k1, k2, k1_free, k2_free, turn_next, visible, qk_scale
         mbarrier.arrive(turn_next, count=1)  # this tile's products are done: the other's turn
     if RELEASE:
         mbarrier.arrive(k2_free, count=1)
-    s2 = libdevice.mul_rn(s2_raw, qk_scale2)
-    m2_new = _new_max(m2, s2, visible, MASKED, RESCALE)
-    if MASKED:
-        shift2 = _fwd._safe(m2_new)
-    else:
-        shift2 = m2_new
-    x2 = s2 - shift2[:, None]
+    m2_new, shift2, x2 = _shifted(m2, s2_raw, qk_scale2, visible, MASKED, RESCALE)
     log_ratio = x1 - x2  # the shifted log-ratio (see _fwd._finalize)
     if MASKED:
         sum2 = _sum_exp2(gl.where(visible, x2, float("-inf")), VARIANT, _knob(SCHED, "POLY"))
@@ -267,13 +269,7 @@ def _half2(m2, l2, s2_raw, visible, qk_scale2, ONE, MASKED: gl.constexpr, VARIAN
     RESCALE: gl.constexpr = _knob(SCHED, "RESCALE")
     POLY: gl.constexpr = _knob(SCHED, "POLY")
     FENCE: gl.constexpr = _knob(SCHED, "FENCE")
-    s2 = libdevice.mul_rn(s2_raw, qk_scale2)
-    m2_new = _new_max(m2, s2, visible, MASKED, RESCALE)
-    if MASKED:
-        shift2 = _fwd._safe(m2_new)
-    else:
-        shift2 = m2_new
-    x2 = s2 - shift2[:, None]
+    m2_new, shift2, x2 = _shifted(m2, s2_raw, qk_scale2, visible, MASKED, RESCALE)
     if MASKED:
         e2 = gl.where(visible, x2, float("-inf"))
     else:
@@ -296,13 +292,7 @@ def _half1(m1, l1, acc, s1_raw, x2, moved2, visible, qk_scale1, ONE, MASKED: gl.
     exponentials in a one-trip loop (LOOK: so that they stay above the next product's wait)."""
     RESCALE: gl.constexpr = _knob(SCHED, "RESCALE")
     FENCE: gl.constexpr = _knob(SCHED, "FENCE")
-    s1 = libdevice.mul_rn(s1_raw, qk_scale1)
-    m1_new = _new_max(m1, s1, visible, MASKED, RESCALE)
-    if MASKED:
-        shift1 = _fwd._safe(m1_new)
-    else:
-        shift1 = m1_new
-    x1 = s1 - shift1[:, None]
+    m1_new, shift1, x1 = _shifted(m1, s1_raw, qk_scale1, visible, MASKED, RESCALE)
     if FENCE == 1 or (FENCE == 2 and not MASKED):
         p1 = x1
         l1_new = l1
