@@ -551,6 +551,27 @@ class Bench:
         res = results.setdefault(key, dict(floor=floor, fwd={}, fwd_bwd={}, compile={}))
         return xs, lse, kw, floor, shape, res
 
+    def time_forced_fwd(self, res, key, label, force, xs, lse, kw, shape, floor) -> bool:
+        """Time one forced forward (``Force(**force)``) into ``res["fwd"][key]``: its ms, or
+        "budget" / "error" (logged, the run goes on). True when it was timed."""
+        timed = False
+        if self.over():
+            res["fwd"][key] = "budget"
+            return timed
+        try:
+            with Force(**force):
+                ms = self.time_ms(lambda: streamkl_gpu.indexer_kl(*xs, lse=lse, **kw))
+            res["fwd"][key] = ms
+            self.record("fwd_ms", f"ours_lse {label}", shape, f"{ms:.4f}", "ms", f"ratio {ms / floor:.2f}")
+            self.log(f"{shape} fwd {label}: {ms:.3f} ms = {ms / floor:.2f}x floor")
+            timed = True
+        except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
+            res["fwd"][key] = "error"
+            self.log(f"{shape} fwd {label} raised {type(exc).__name__}: {str(exc)[:300]}")
+            self.logf.write(traceback.format_exc())
+        self.free()
+        return timed
+
     def bench_fwd(self, cname, cfg, N, cands, ok_cfgs, results):
         """Every forward candidate, forced (--quick: less those measured slow in the 12:49 run)."""
         xs, lse, kw, floor, shape, res = self.problem(cname, cfg, N, results)
@@ -561,20 +582,7 @@ class Bench:
             if c not in ok_cfgs:
                 res["fwd"][c] = "check-failed"
                 continue
-            if self.over():
-                res["fwd"][c] = "budget"
-                continue
-            try:
-                with Force(fwd=c):
-                    ms = self.time_ms(lambda: streamkl_gpu.indexer_kl(*xs, lse=lse, **kw))
-                res["fwd"][c] = ms
-                self.record("fwd_ms", f"ours_lse fwd{list(c)}", shape, f"{ms:.4f}", "ms", f"ratio {ms / floor:.2f}")
-                self.log(f"{shape} fwd {c}: {ms:.3f} ms = {ms / floor:.2f}x floor")
-            except Exception as exc:  # noqa: BLE001
-                res["fwd"][c] = "error"
-                self.log(f"{shape} fwd {c} raised {type(exc).__name__}: {str(exc)[:300]}")
-                self.logf.write(traceback.format_exc())
-            self.free()
+            self.time_forced_fwd(res, c, f"fwd{list(c)}", dict(fwd=c), xs, lse, kw, shape, floor)
 
     def gluon_cases(self, cname, cfg):
         """The Gluon forward's check problems: (label, inputs, kwargs, float64 KL, tolerance,
@@ -657,23 +665,10 @@ class Bench:
             if not ok:
                 res["fwd"][name] = "check-failed"
                 continue
-            if self.over():
-                res["fwd"][name] = "budget"
-                continue
-            try:
-                with Force(gluon=c):
-                    ms = self.time_ms(lambda: streamkl_gpu.indexer_kl(*xs_, lse=lse_, **kw_))
-                res["fwd"][name] = ms
-                self.record("fwd_ms", f"ours_lse {name}", shape, f"{ms:.4f}", "ms", f"ratio {ms / floor:.2f}")
-                self.log(f"{shape} fwd {name}: {ms:.3f} ms = {ms / floor:.2f}x floor")
+            if self.time_forced_fwd(res, name, name, dict(gluon=c), xs_, lse_, kw_, shape, floor):
                 k = _indexer._gluon_indexer.LAST_KERNEL
                 if k is not None and hasattr(k, "n_regs"):
                     self.log(f"  {name}: n_regs {k.n_regs}, n_spills {k.n_spills}, shared {k.metadata.shared}")
-            except Exception as exc:  # noqa: BLE001
-                res["fwd"][name] = "error"
-                self.log(f"{shape} fwd {name} raised {type(exc).__name__}: {str(exc)[:300]}")
-                self.logf.write(traceback.format_exc())
-            self.free()
 
     def bench_fwd_bwd(self, cname, cfg, N, results, variants=None):
         """fwd+bwd (mean, lse given) per variant, the plain ones with the fastest forward forced."""
