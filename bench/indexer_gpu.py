@@ -69,6 +69,9 @@ def parse_args(argv=None):
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     p.add_argument("--providers", default=None,
                    help="comma-separated subset of ours_lse,ours_lse_fused,ours,eager,compile (default: all that fit)")
+    p.add_argument("--passes", default="fwd,fwd_bwd", help="comma-separated subset of fwd,fwd_bwd")
+    p.add_argument("--memory-only", action="store_true",
+                   help="peak extra memory only (one call per point, no timing: the 128K re-measure)")
     p.add_argument("--autotune-max-n", type=int, default=None,
                    help="above this N take the first launch candidate (tuning a 128K point costs "
                         "minutes); default 32768, --quick 16384")
@@ -261,12 +264,16 @@ class Run:
         train = [x.detach().clone().requires_grad_(r) for x, r in zip(xs, (False, False, True, True, True))]
         compiled = {}
         for provider in providers:
-            for pss in (("fwd_bwd",) if provider == "ours_lse_fused" else ("fwd", "fwd_bwd")):
+            wanted = self.args.passes.split(",")
+            for pss in [x for x in (("fwd_bwd",) if provider == "ours_lse_fused" else ("fwd", "fwd_bwd")) if x in wanted]:
                 status, ms, peak, timer, extra = "ok", float("nan"), float("nan"), "", ""
                 try:
                     fn = self._fn(provider, pss, xs, train, lse, kw, compiled)
                     peak = self.peak(fn)
-                    ms, timer = self.timed(fn)
+                    if self.args.memory_only:
+                        timer = "not timed (--memory-only)"
+                    else:
+                        ms, timer = self.timed(fn)
                 except torch.cuda.OutOfMemoryError:
                     status = "oom"
                 except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
