@@ -70,10 +70,16 @@ LOG = []
 SASS_SEEN = {}  # kernel hash -> (label, compiled kernel)
 
 
+LOG_PATH = None  # OUT_DIR/gluon_gpu_progress.log: every line as it is printed (a killed run keeps it)
+
+
 def log(msg=""):
     line = f"[{time.time() - T0:6.0f}s] {msg}"
     print(line, flush=True)
     LOG.append(line)
+    if LOG_PATH:
+        with open(LOG_PATH, "a") as f:
+            f.write(line + "\n")
 
 
 def record(section, case, provider, metric, value, status="ok", detail="", **meta):
@@ -371,6 +377,18 @@ def _probe(specs):
     from streamkl_gpu import _gluon_fwd
 
     for spec in specs:
+        if spec == TRITON_PREWARM_2K:  # the tuned Triton path at 2K (retime): its candidates' compiles
+            t0 = time.time()
+            try:
+                set_backend("triton")
+                xs = make_case(**{k: v for k, v in shape(2 * K).items() if k != "dtype"}, dtype=torch.bfloat16, seed=1)
+                forward_bits(*xs, False)
+                torch.cuda.synchronize()
+                print(json.dumps(dict(spec=spec, ok=True, seconds=round(time.time() - t0, 1))), flush=True)
+            except Exception as exc:
+                print(json.dumps(dict(spec=spec, ok=False, error=f"{type(exc).__name__}: {str(exc)[:1500]}")),
+                      flush=True)
+            continue
         if spec in TRITON_PREWARM:  # the Triton path of the checks (untuned: its first config)
             t0 = time.time()
             try:
@@ -406,6 +424,7 @@ def _probe(specs):
 # a prewarm job that compiles the Triton path the checks compare against (as slow to compile on
 # triton 3.6 as a dozen Gluon kernels: session 5 run r5c spent ~35 s per check case)
 TRITON_PREWARM = ("triton:causal", "triton:full")
+TRITON_PREWARM_2K = "triton:2k"
 
 
 def prewarm(specs, budget, out_dir, workers=None, limit=90):
@@ -662,11 +681,81 @@ def run_variants(quick, warmup, rep, budget, variants, configs):
     return table
 
 
-# the configurations the variants section takes apart: the default, the ping-pong with the late
-# turn (the overlap between the warpgroups) and the two-tile lookahead (inside a warpgroup)
-VARIANT_CONFIGS = [(128, 2, 168, 0), (128, 2, 168, 1, 0, 0, 0, 2, 0, 0, 1), (64, 4, 168, 0, 0, 0, 0, 2, 1, 1)]
+# the configurations the variants section takes apart: the default and the FFMA fold (session 6:
+# what the 124 fewer instructions per whole-tile loop change in each part of the time)
+FOLD_CONFIG = (128, 2, 168, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1)
+VARIANT_CONFIGS = [(128, 2, 168, 0), FOLD_CONFIG]
 # variants a configuration does not run as its own schedule (LOOK: no second product folds single tiles)
 VARIANT_SKIP = {(64, 4, 168, 0, 0, 0, 0, 2, 1, 1): ("no_second_product",)}
+
+
+RETIME_ROUNDS = 5
+
+
+def _plan_of_auto(n):
+    """What the API's plan cache holds for the auto backend at N_Q = N_K = n (B=1, H=32, D=128):
+    "gluon" (the Gluon kernel), the Triton config tuple, or None when no such call ran."""
+    from streamkl_gpu import _launch
+
+    for sig, plan in _launch._PLANS.items():
+        dims, flags = sig[1], sig[2]
+        if sig[0] == "fwd" and flags[2] == "auto" and dims.NQ == n and dims.NK == n and dims.D1 == 128:
+            return "gluon" if plan is _launch.GLUON else repr(getattr(plan, "cfg", plan))[:80]
+    return None
+
+
+def _host_us(fn, calls=40):
+    """Host time of one call (microseconds): ``calls`` launches queued without a sync (the GPU
+    runs behind), the mean; above the kernel's time, do_bench's per-call events include it."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+def run_retime_2k(warmup, rep, budget):
+    """The s5r5 grid's odd point again: bf16 D=128 N=2K non-causal, where auto (0.218 ms) was
+    slower than both paths it chooses from (Triton 0.200, forced Gluon 0.179) in one round.
+    RETIME_ROUNDS interleaved rounds of auto, forced Triton, forced Gluon (API) and the default
+    kernel straight (no API host work), each provider's host time per call, and the plan the
+    auto call took: tells dispatch from host cost from timing noise."""
+    global ROUNDS
+    from streamkl_gpu import _gluon_fwd
+
+    log("== retime bf16 D128 N=2K full (auto vs forced paths, several rounds)")
+    old_rounds, ROUNDS = ROUNDS, RETIME_ROUNDS
+    table = []
+    try:
+        provs = ["auto", "triton", "gluon", provider_of(_gluon_fwd.candidates(128, 128)[0])]
+        table = run_timing("retime 2K", [("bf16 D128 N=2K full", shape(2 * K), False, False)], warmup, rep, budget,
+                           provs[3:], api=("auto", "triton", "gluon"))
+        xs = make_case(**{k: v for k, v in shape(2 * K).items() if k != "dtype"}, dtype=torch.bfloat16, seed=7)
+        host = {}
+        for prov in provs:
+            if budget.left() < 5:
+                break
+            try:
+                fn = _provider_fn(prov, xs, False)
+                with torch.no_grad():
+                    host[prov] = _host_us(fn)
+                record("retime 2K", "bf16 D128 N=2K full", prov, "host_us_per_call", host[prov])
+            except Exception as exc:
+                log(f"ERROR host time {prov}: {type(exc).__name__}: {exc}")
+            finally:
+                set_backend("auto")
+        plan = _plan_of_auto(2 * K)
+        record("retime 2K", "bf16 D128 N=2K full", "auto", "plan", plan)
+        log("retime 2K: host us per call " + " ".join(f"{p}={v:.0f}" for p, v in host.items())
+            + f"; auto's plan: {plan}")
+    except Exception as exc:
+        log(f"ERROR retime 2K: {traceback.format_exc()[-3000:]}")
+    finally:
+        ROUNDS = old_rounds
+    return table
 
 
 def shape(N, NQ=None, D1=128, D2=128, H=32, HK=None, dtype="bf16"):
@@ -753,8 +842,22 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=None,
                    help="interleaved timing rounds per 8K/16K target point (the lowest round median is kept; "
                         "default 2, 1 with --grid)")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="watchdog: seconds after start at which the run stops what it does and writes what ran "
+                        "(SIGALRM -> the same path as an interrupt)")
     a = p.parse_args(argv)
     os.makedirs(a.out_dir, exist_ok=True)
+    global LOG_PATH
+    LOG_PATH = os.path.join(a.out_dir, "gluon_gpu_progress.log")
+    if a.deadline:
+        import signal
+
+        def _alarm(signum, frame):
+            signal.signal(signal.SIGALRM, signal.SIG_IGN)  # once: the writing of what ran is not cut
+            raise KeyboardInterrupt(f"watchdog: --deadline {a.deadline:.0f} s")
+
+        signal.signal(signal.SIGALRM, _alarm)
+        signal.setitimer(signal.ITIMER_REAL, max(1.0, a.deadline - (time.time() - T0)))
     ROUNDS = max(1, a.rounds if a.rounds is not None else (1 if a.grid else 2))
     if a.no_autotune:
         os.environ["STREAMKL_AUTOTUNE"] = "0"
@@ -793,6 +896,8 @@ def main(argv=None):
                     _spec(v, c) for c in vconfigs for v in variants_of[c] if v != "kernel"]
                 if not a.no_check:
                     specs = list(TRITON_PREWARM) + specs
+                if a.quick:  # the 2K retime's tuned Triton path
+                    specs = [TRITON_PREWARM_2K] + specs
                 status = prewarm(specs, budget, a.out_dir)
                 failed_cfg = {c: status[_spec("kernel", c)] for c in configs if status.get(_spec("kernel", c))}
                 configs = [c for c in configs if c not in failed_cfg]
@@ -809,6 +914,7 @@ def main(argv=None):
                     run_quick(a, configs, providers, variants_of, warmup, rep, budget, quick)
                 finally:
                     checks, targets, variants = (quick.get(k, []) for k in ("checks", "targets", "variants"))
+                    grid = quick.get("retime", [])  # the 2K point: summarised with the grid's table
                 raise _Done
             if not a.no_check:
                 checks = run_check(a.quick, configs, budget)
@@ -844,6 +950,7 @@ class _Done(Exception):
 
 
 QUICK_CHECK_EXTRA = 2  # --quick checks the tuner's candidates and the this many fastest configurations
+QUICK_CHECK_ALSO = [FOLD_CONFIG]  # and these (a new rounding: checked whether fast or not)
 
 
 def run_quick(a, configs, providers, variants_of, warmup, rep, budget, out):
@@ -881,7 +988,10 @@ def run_quick(a, configs, providers, variants_of, warmup, rep, budget, out):
 
         chosen = [c for c in _gluon_fwd.candidates(128, 128) if c in configs]
         chosen += [CONFIG_OF_PROVIDER[p] for p in best if CONFIG_OF_PROVIDER[p] not in chosen]
+        chosen += [c for c in QUICK_CHECK_ALSO if c in configs and c not in chosen]
         out["checks"] = run_check(a.quick, chosen, _Reserve())
+    if budget.left() > 20 and dispatch.GLUON_AVAILABLE:  # last: the Triton path's tuning may compile here
+        out["retime"] = run_retime_2k(warmup, rep, budget)
 
 
 def default_verdict(targets, margin=0.02):

@@ -95,7 +95,7 @@ def _exp2(x, VARIANT: gl.constexpr):
 
 # Schedule knobs, packed into one constexpr ``SCHED`` (bit offset, width); see ``config_of``.
 SCHED_BITS = dict(PINGPONG=(0, 1), SPLIT=(1, 1), POLY=(2, 2), RESCALE=(4, 1), FENCE=(5, 2), ORDER=(7, 1),
-                  LOOK=(8, 1), TURN=(9, 1), MERGE=(10, 1), RELTURN=(11, 1))
+                  LOOK=(8, 1), TURN=(9, 1), MERGE=(10, 1), RELTURN=(11, 1), FOLD=(12, 1))
 RESCALE_BITS = gl.constexpr(8.0)  # conditional rescaling: a new reference max only when the max grows by more
 
 
@@ -179,17 +179,33 @@ def _new_max(m, s, visible, MASKED: gl.constexpr, RESCALE: gl.constexpr):
 
 
 @gluon.jit
-def _shifted(m, s_raw, qk_scale, visible, MASKED: gl.constexpr, RESCALE: gl.constexpr):
+def _shifted(m, s_raw, qk_scale, visible, MASKED: gl.constexpr, RESCALE: gl.constexpr, FOLD: gl.constexpr = 0):
     """One side's scores of a tile taken to bits (rounded once, before the max) and shifted by the
     new row reference: (the new max, the shift, x = s - shift). Masked tiles shift by the safe max
-    (an all-invisible row keeps a finite reference)."""
-    s = libdevice.mul_rn(s_raw, qk_scale)
-    m_new = _new_max(m, s, visible, MASKED, RESCALE)
-    if MASKED:
-        shift = _fwd._safe(m_new)
+    (an all-invisible row keeps a finite reference).
+
+    FOLD (whole tiles only): the max taken on the raw scores and scaled once per row (rounding is
+    monotone and qk_scale > 0, so rn(max(s) * c) is bitwise the max of rn(s * c): the same m), and
+    x = fma(s, c, -shift), one FFMA per score instead of FMUL + FADD (-128 instructions per
+    128-key tile and thread). x is then rounded once instead of twice (closer to float64, within
+    half an ulp of s * c of today's); masked tiles keep ``mul.rn`` + subtract, so that one-key rows
+    stay exactly 0 (x = 0 at the max: the FFMA fold left KL ~1e-7 there, bench/NOTES.md v4)."""
+    if FOLD and not MASKED:
+        m_tile = libdevice.mul_rn(gl.max(s_raw, axis=1), qk_scale)
+        m_new = gl.maximum(m, m_tile)
+        if RESCALE:
+            m_new = gl.where(m_new > m + RESCALE_BITS, m_new, m)
+        x = gl.fma(s_raw, qk_scale, -m_new[:, None])
+        out = (m_new, m_new, x)
     else:
-        shift = m_new
-    return m_new, shift, s - shift[:, None]
+        s = libdevice.mul_rn(s_raw, qk_scale)
+        m_new = _new_max(m, s, visible, MASKED, RESCALE)
+        if MASKED:
+            shift = _fwd._safe(m_new)
+        else:
+            shift = m_new
+        out = (m_new, shift, s - shift[:, None])
+    return out
 
 
 @gluon.jit
@@ -219,7 +235,7 @@ def _fold_sub(st, t1, t2, k1, k2, k1_free, k2_free, turn_next, visible, qk_scale
         mbarrier.arrive(k1_free, count=1)
     s2_raw = s1  # VARIANT 2 (no second product): side 2 folds S1 again
     # ---- side 1, while S2 is still on the tensor cores
-    m1_new, shift1, x1 = _shifted(m1, s1, qk_scale1, visible, MASKED, RESCALE)
+    m1_new, shift1, x1 = _shifted(m1, s1, qk_scale1, visible, MASKED, RESCALE, _knob(SCHED, "FOLD"))
     FENCE: gl.constexpr = _knob(SCHED, "FENCE")
     if FENCE == 1 or (FENCE == 2 and not MASKED):  # 2: whole tiles only (the masked loop spills)
         # the exponentials inside a loop of one trip (ONE is a runtime 1): ptxas schedules
@@ -239,7 +255,7 @@ def _fold_sub(st, t1, t2, k1, k2, k1_free, k2_free, turn_next, visible, qk_scale
         mbarrier.arrive(turn_next, count=1)  # this tile's products are done: the other's turn
     if RELEASE:
         mbarrier.arrive(k2_free, count=1)
-    m2_new, shift2, x2 = _shifted(m2, s2_raw, qk_scale2, visible, MASKED, RESCALE)
+    m2_new, shift2, x2 = _shifted(m2, s2_raw, qk_scale2, visible, MASKED, RESCALE, _knob(SCHED, "FOLD"))
     log_ratio = x1 - x2  # the shifted log-ratio (see _fwd._finalize)
     if MASKED:
         sum2 = _sum_exp2(gl.where(visible, x2, float("-inf")), VARIANT, _knob(SCHED, "POLY"))
@@ -269,7 +285,7 @@ def _half2(m2, l2, s2_raw, visible, qk_scale2, ONE, MASKED: gl.constexpr, VARIAN
     RESCALE: gl.constexpr = _knob(SCHED, "RESCALE")
     POLY: gl.constexpr = _knob(SCHED, "POLY")
     FENCE: gl.constexpr = _knob(SCHED, "FENCE")
-    m2_new, shift2, x2 = _shifted(m2, s2_raw, qk_scale2, visible, MASKED, RESCALE)
+    m2_new, shift2, x2 = _shifted(m2, s2_raw, qk_scale2, visible, MASKED, RESCALE, _knob(SCHED, "FOLD"))
     if MASKED:
         e2 = gl.where(visible, x2, float("-inf"))
     else:
@@ -292,7 +308,7 @@ def _half1(m1, l1, acc, s1_raw, x2, moved2, visible, qk_scale1, ONE, MASKED: gl.
     exponentials in a one-trip loop (LOOK: so that they stay above the next product's wait)."""
     RESCALE: gl.constexpr = _knob(SCHED, "RESCALE")
     FENCE: gl.constexpr = _knob(SCHED, "FENCE")
-    m1_new, shift1, x1 = _shifted(m1, s1_raw, qk_scale1, visible, MASKED, RESCALE)
+    m1_new, shift1, x1 = _shifted(m1, s1_raw, qk_scale1, visible, MASKED, RESCALE, _knob(SCHED, "FOLD"))
     if FENCE == 1 or (FENCE == 2 and not MASKED):
         p1 = x1
         l1_new = l1
@@ -662,32 +678,27 @@ def experiments(d1: int, d2: int):
             out.pop()
         return tuple(out)
 
+    # Session 6 (fwd13): session 5's schedules (ORDER, LOOK, TURN, RELTURN, FENCE: all 2-30 %
+    # slower than the default in run s5r4) are no longer measured (their knobs stay); measured:
+    # FOLD (the scale folded into the exponent's FFMA on whole tiles: 853 instead of 977 SASS
+    # instructions per whole-tile loop, CPU compile, triton 3.9), alone and with the schedules
+    # that were within 4 % of the default (merged barriers, the turnstile), and MERGE alone (the
+    # control: 1.004x the default in s5r4).
     return [
-        cand(128, 168, PINGPONG=1),  # the turnstile (a tuner candidate at other head dims): the control for TURN
-        cand(128, 168, FENCE=2),  # session 4's nearest to the default (2.510 vs 2.476 ms at 8K)
-        cand(128, 168, ORDER=1, FENCE=2),  # side 2 first, its exponentials kept before the S1 wait
-        # two 64-key tiles per iteration, the next product issued before each fold, every fold's
-        # exponentials above the next wait (LOOK without FENCE: ptxas sinks half of them)
-        cand(64, 168, ORDER=1, LOOK=1, FENCE=2),
-        # FA3's ping-pong as meant: the turn passes when this warpgroup's products are done, so
-        # the other's products run while this one folds (PINGPONG alone passes it right after
-        # issuing: both warpgroups' products then share the tensor cores and end together)
-        cand(128, 168, PINGPONG=1, TURN=1, FENCE=2),
-        cand(128, 168, PINGPONG=1, TURN=1, ORDER=1, FENCE=2),
-        # MERGE: K1 and K2 of a slot behind one ready and one empty barrier. Triton 3.6's membar
-        # puts a BAR.SYNC (the warpgroup's 128 threads) before every mbarrier wait that follows an
-        # arrive and before every arrive: 3 per key tile in the default, 2 merged. Nsight Compute
-        # (run r5a, 8K full, the default) has "Stall Barrier" largest (2.06 of 6.92 cycles per
-        # issued instruction), but ~1.75 of it are the 3 padding warps parked at barrier 1
-        # (bench/NOTES.md): expect little
         cand(128, 168, MERGE=1),
-        cand(128, 168, FENCE=2, MERGE=1),
-        cand(128, 168, PINGPONG=1, TURN=1, FENCE=2, MERGE=1),
-        # the late turn without turn barriers: a warpgroup's release of a slot is the other's turn
-        # (per-warpgroup empty barriers): 2 BAR.SYNC per key tile instead of 3 (CPU SASS, 3.6)
-        cand(128, 168, PINGPONG=1, TURN=1, FENCE=2, MERGE=1, RELTURN=1),
-        cand(64, 168, ORDER=1, LOOK=1, FENCE=2, MERGE=1),
+        cand(128, 168, FOLD=1),
+        cand(128, 168, MERGE=1, FOLD=1),
+        cand(128, 168, PINGPONG=1, FOLD=1),
     ]
+
+
+# Session 5's experiments (run s5r4: none beat the default), for ``bench/gluon_gpu.py --configs``.
+SESSION5_EXPERIMENTS = (
+    (128, 2, 168, 1), (128, 2, 168, 0, 0, 0, 0, 2), (128, 2, 168, 0, 0, 0, 0, 2, 1),
+    (64, 4, 168, 0, 0, 0, 0, 2, 1, 1), (128, 2, 168, 1, 0, 0, 0, 2, 0, 0, 1),
+    (128, 2, 168, 1, 0, 0, 0, 2, 1, 0, 1), (128, 2, 168, 0, 0, 0, 0, 0, 0, 0, 0, 1),
+    (128, 2, 168, 0, 0, 0, 0, 2, 0, 0, 0, 1), (128, 2, 168, 1, 0, 0, 0, 2, 0, 0, 1, 1),
+    (128, 2, 168, 1, 0, 0, 0, 2, 0, 0, 1, 1, 1), (64, 4, 168, 0, 0, 0, 0, 2, 1, 1, 0, 1))
 
 
 def configs_to_measure(d1: int, d2: int):
@@ -701,7 +712,7 @@ CAND_FIELDS = ("BLOCK_N", "NUM_STAGES", "maxnreg") + tuple(SCHED_BITS)
 CAND_DEFAULTS = {k: 0 for k in SCHED_BITS}
 _FLAG_NAMES = dict(PINGPONG="pingpong", SPLIT="split", POLY="poly", RESCALE="rescale", FENCE="fence",
                    ORDER="s2first", LOOK="look", TURN="lateturn", MERGE="merged",
-                   RELTURN="relturn")
+                   RELTURN="relturn", FOLD="ffma")
 
 
 def sched_of(cfg) -> int:

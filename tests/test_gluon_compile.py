@@ -35,9 +35,11 @@ LOOK_SPEC = "bf16:causal:128:128:64:4:168:0:0:0:0:0:1:1"
 # And MERGE (one ready and one empty barrier per ring slot): fewer BAR.SYNC per key tile than the
 # default (triton's membar puts one at each mbarrier op of the loop).
 MERGE_SPEC = "bf16:full:128:128:128:2:168:0:0:0:0:0:0:0:0:1"
+# And FOLD (session 6: the scale folded into the exponent's FFMA on whole tiles).
+FOLD_SPEC = "bf16:full:128:128:128:2:168:0:0:0:0:0:0:0:0:0:0:1"
 CI_SPECS = ["bf16:full:128:128", "fp16:causal:128:128", "bf16:causal:64:128"] + [
     "bf16:causal:64:64:" + ":".join(map(str, c)) for c in _gluon_fwd.candidates(64, 64)[1:] if c[2] == 168] + [
-    FENCE_SPEC, LOOK_SPEC, MERGE_SPEC]
+    FENCE_SPEC, LOOK_SPEC, MERGE_SPEC, FOLD_SPEC]
 
 
 @pytest.fixture(scope="module")
@@ -350,8 +352,20 @@ def test_tuner_candidates_measured_winner_at_d128():
     for d1, d2 in ((64, 64), (64, 128), (128, 64)):
         cands = _gluon_fwd.candidates(d1, d2)
         assert len(cands) == 3 and cands[0][:3] == (128, _gluon_fwd._ring_stages(d1, d2, 128), 168), cands
-    # the turnstile stays measured at D = 128 (an experiment there: the control for TURN)
-    assert (128, _gluon_fwd._ring_stages(128, 128, 128), 168, 1) in _gluon_fwd.configs_to_measure(128, 128)
+    # the FFMA fold is measured at D = 128 (an experiment: the default changes only on a measurement)
+    assert _bench_script().FOLD_CONFIG in _gluon_fwd.configs_to_measure(128, 128)
+    assert _gluon_fwd.config_of(_bench_script().FOLD_CONFIG)["FOLD"] == 1
+
+
+def test_fold_saves_the_scale_multiplies_in_whole_tiles_only(compiled):
+    """The point of FOLD in the SASS: the whole-tile loops (the two shorter ones) lose the
+    per-score FMUL of the scale (FMUL + FADD become one FFMA: >= 100 fewer instructions per
+    128-key tile), the masked loops (mul.rn kept: one-key rows exactly 0) are unchanged in size."""
+    fold = sorted(lp["instructions"] for lp in compiled[FOLD_SPEC]["loops"])
+    default = sorted(lp["instructions"] for lp in compiled["bf16:full:128:128"]["loops"])
+    assert len(fold) == len(default) == 4, (fold, default)
+    assert all(f <= d - 100 for f, d in zip(fold[:2], default[:2])), (fold, default)
+    assert all(abs(f - d) <= 8 for f, d in zip(fold[2:], default[2:])), (fold, default)
 
 
 def test_merged_ring_barriers_cost_fewer_warpgroup_rendezvous(compiled):
