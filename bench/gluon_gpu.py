@@ -324,8 +324,8 @@ def run_sass(out_dir, seconds=120.0):
             c = _gluon_sass.sass_counts(sass)
             regs = getattr(k, "n_regs", None)
             spills = getattr(k, "n_spills", None)
-            loops = [(lp["hgmma"], lp["depbar"], lp["ex2"], lp["ex2_between_waits"], lp.get("bar"))
-                     for lp in c["loops"]]
+            loops = [(lp["hgmma"], lp["depbar"], lp["ex2"], lp["ex2_between_waits"], lp.get("bar"),
+                      lp.get("instructions")) for lp in c["loops"]]
             # at most the source's waits per key tile (2, or 4 with SPLIT), not one per HGMMA, and
             # no spills in the key-tile loops; spills elsewhere (the prologue, after the loops)
             # make it "warn": a dispatchable configuration must have none (tests/test_gluon_compile.py)
@@ -338,7 +338,8 @@ def run_sass(out_dir, seconds=120.0):
             for m in ("hgmma", "depbar", "stl", "ldl", "ex2"):
                 record("sass", label, name, m, c[m])
             verdict = _verdict(ok)
-            record("sass", label, name, "loops(hgmma,depbar,ex2,ex2_between_waits,bar_sync)", json.dumps(loops),
+            record("sass", label, name, "loops(hgmma,depbar,ex2,ex2_between_waits,bar_sync,instructions)",
+                   json.dumps(loops),
                    verdict, f"regs={regs} spills={spills}")
             summary.append((name, label, ok, c, loops, regs, spills))
             log(f"{verdict:4s} {name} ({label}): HGMMA={c['hgmma']} DEPBAR={c['depbar']} STL={c['stl']} "

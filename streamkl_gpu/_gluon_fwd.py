@@ -105,6 +105,13 @@ def _knob(sched, name):
     return (int(sched) >> off) & ((1 << width) - 1)
 
 
+@gluon.constexpr_function
+def _with_knob(sched, name, value):
+    """``sched`` with knob ``name`` set to ``value``."""
+    off, width = SCHED_BITS[str(name)]
+    return (int(sched) & ~(((1 << width) - 1) << off)) | (int(value) << off)
+
+
 # 2^f on [-0.5, 0.5], degree 5, fitted for the relative error (max 2.3e-7 evaluated in fp32)
 EXP2_POLY = (1.0000001192092896, 0.6931469440460205, 0.24022120237350464, 0.05550713464617729,
              0.009675540961325169, 0.0013276456156745553)
@@ -152,7 +159,7 @@ def exp2_poly_reference(x):
 @gluon.jit
 def _sum_exp2(x, VARIANT: gl.constexpr, POLY: gl.constexpr):
     """Row sums of 2^x (side 2's exponentials feed only l2). POLY 1: all by the polynomial;
-    2: every other column by the polynomial, the rest on the MUFU."""
+    2: every other column by the polynomial, the rest on the MUFU (3: see ``_consumer``)."""
     if POLY == 1:
         out = gl.sum(_exp2_poly(x), axis=1)
     elif POLY == 2:
@@ -515,7 +522,24 @@ def _consumer(WG: gl.constexpr, q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_re
     acc = gl.zeros([WG_M], gl.float32, row_layout)
     st = (m1, l1, m2, l2, acc)
     # whole tiles every row of the CTA sees, then the causal band and the ragged last tile
-    if _knob(SCHED, "LOOK") and VARIANT != 2:  # whole tiles two at a time, the odd one alone
+    if _knob(SCHED, "POLY") == 3:
+        # POLY 3: a quarter of side 2's exponentials on the FMA pipe: even whole tiles with POLY 2
+        # (every other column of side 2 by the polynomial), odd ones (and the masked tiles) all on
+        # the MUFU; a branch in the loop (two tiles per iteration spill: 14 STL, triton 3.6). Session 6: the
+        # share where the MUFU and the issue slots balance with FOLD (estimate: MUFU 16 (132 - k)
+        # cycles, issue 2 (801 + 11 k) per scheduler and tile, k ~ 13 of side 2's 64)
+        SCHED_P2: gl.constexpr = _with_knob(SCHED, "POLY", 2)
+        SCHED_P0: gl.constexpr = _with_knob(SCHED, "POLY", 0)
+        for i in range(n_full):
+            if i % 2 == 0:
+                st = _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars, i,
+                                zero, rows, N_K, diag_offset, qk_scale1, qk_scale2, ONE, D1, D2, BLOCK_N, NUM_STAGES,
+                                False, CAUSAL, VARIANT, WG, SCHED_P2)
+            else:
+                st = _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars, i,
+                                zero, rows, N_K, diag_offset, qk_scale1, qk_scale2, ONE, D1, D2, BLOCK_N, NUM_STAGES,
+                                False, CAUSAL, VARIANT, WG, SCHED_P0)
+    elif _knob(SCHED, "LOOK") and VARIANT != 2:  # whole tiles two at a time, the odd one alone
         for j in range(n_full // 2):
             st = _fold_pair(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, 2 * j, zero,
                             qk_scale1, qk_scale2, ONE, D1, D2, BLOCK_N, NUM_STAGES, VARIANT, SCHED)
@@ -528,10 +552,11 @@ def _consumer(WG: gl.constexpr, q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_re
             st = _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars, i,
                             zero, rows, N_K, diag_offset, qk_scale1, qk_scale2, ONE, D1, D2, BLOCK_N, NUM_STAGES,
                             False, CAUSAL, VARIANT, WG, SCHED)
+    SCHED_MASKED: gl.constexpr = _with_knob(SCHED, "POLY", 0) if _knob(SCHED, "POLY") == 3 else SCHED
     for i in range(n_full, n_tiles):
         st = _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars, i,
                         zero, rows, N_K, diag_offset, qk_scale1, qk_scale2, ONE, D1, D2, BLOCK_N, NUM_STAGES,
-                        True, CAUSAL, VARIANT, WG, SCHED)
+                        True, CAUSAL, VARIANT, WG, SCHED_MASKED)
     m1, l1, m2, l2, acc = st
     kl, lse1, lse2 = _fwd._finalize(m1, l1, m2, l2, acc)
     row_ok = rows < N_Q  # padded query rows (TMA zero fill) are never written
@@ -678,17 +703,24 @@ def experiments(d1: int, d2: int):
             out.pop()
         return tuple(out)
 
-    # Session 6 (fwd13): session 5's schedules (ORDER, LOOK, TURN, RELTURN, FENCE: all 2-30 %
-    # slower than the default in run s5r4) are no longer measured (their knobs stay); measured:
-    # FOLD (the scale folded into the exponent's FFMA on whole tiles: 853 instead of 977 SASS
-    # instructions per whole-tile loop, CPU compile, triton 3.9), alone and with the schedules
-    # that were within 4 % of the default (merged barriers, the turnstile), and MERGE alone (the
-    # control: 1.004x the default in s5r4).
+    # Session 6 (fwd13): session 5's schedules (ORDER, LOOK, TURN, RELTURN: 4-30 % slower than
+    # the default in run s5r4) are no longer measured (their knobs stay). Measured: FOLD (the
+    # scale folded into the exponent's FFMA on whole tiles; SASS per whole-tile loop, CPU compile
+    # with triton 3.6's ptxas: 801 instead of 921 instructions, 168 registers, no spills in the
+    # loops), alone and with the schedules that were within 4 % of the default (merged barriers,
+    # the turnstile, FENCE=2: 66 side-1 exponentials between the waits, 1 STL in a masked loop),
+    # and with part of side 2's exponentials on the FMA pipe (POLY 2: half, 1100 instructions per
+    # tile, no spills; POLY 3: a quarter, 14 STL in one warpgroup's loop): the test of the model
+    # "time per tile = tensor + max(MUFU, issue)" of bench/NOTES.md round 4. MERGE alone is the
+    # control (1.004x the default in s5r4).
     return [
         cand(128, 168, MERGE=1),
         cand(128, 168, FOLD=1),
         cand(128, 168, MERGE=1, FOLD=1),
         cand(128, 168, PINGPONG=1, FOLD=1),
+        cand(128, 168, FENCE=2, FOLD=1),
+        cand(128, 168, POLY=2, FOLD=1),
+        cand(128, 168, POLY=3, FOLD=1),
     ]
 
 
@@ -794,6 +826,8 @@ LAST_KERNEL_SCHED = 0  # and its SCHED constexpr
 def waits_per_tile(sched: int) -> int:
     """The wgmma waits in the source of one key-tile loop body: two per (sub-)tile product pair."""
     if (sched >> SCHED_BITS["LOOK"][0]) & 1:  # two key tiles per iteration of the whole-tile loop
+        return 4
+    if (sched >> SCHED_BITS["POLY"][0]) & 3 == 3:  # the loop holds both tile bodies (a branch on i % 2)
         return 4
     return 2 * (1 + ((sched >> SCHED_BITS["SPLIT"][0]) & 1))
 
