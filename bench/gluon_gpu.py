@@ -752,10 +752,54 @@ def run_retime_2k(warmup, rep, budget):
         record("retime 2K", "bf16 D128 N=2K full", "auto", "plan", plan)
         log("retime 2K: host us per call " + " ".join(f"{p}={v:.0f}" for p, v in host.items())
             + f"; auto's plan: {plan}")
+        table += _retime_fast_launch(xs, warmup, rep, budget)
     except Exception as exc:
         log(f"ERROR retime 2K: {traceback.format_exc()[-3000:]}")
     finally:
         ROUNDS = old_rounds
+    return table
+
+
+def _retime_fast_launch(xs, warmup, rep, budget):
+    """The Gluon path's cached launcher (``_gluon_fwd._launch``, STREAMKL_GLUON_FAST_LAUNCH=1; off
+    by default until this runs): outputs bitwise equal to the JIT launch's (bound, then direct),
+    host time per call, and auto / forced Gluon timed again with it."""
+    from streamkl_gpu import _gluon_fwd
+
+    if budget.left() < 10:
+        return []
+    env_name = _gluon_fwd.FAST_LAUNCH_ENV
+    case = "bf16 D128 N=2K full (gluon fast launch)"
+    table = []
+    try:
+        set_backend("gluon")
+        ref = [t.clone() for t in forward_bits(*xs, False)]
+        os.environ[env_name] = "1"
+        same = []
+        for _ in range(3):  # the first binds, the later ones launch directly
+            got = forward_bits(*xs, False)
+            torch.cuda.synchronize()
+            same.append(all(torch.equal(a, b) for a, b in zip(got, ref)))
+        set_backend("auto")
+        ok = all(same) and _gluon_fwd.FAST_STATS["direct"] >= 1
+        record("retime 2K", case, "gluon", "bitwise_equal_to_jit_launch", int(ok), "ok" if ok else "FAIL",
+               json.dumps(_gluon_fwd.FAST_STATS))
+        log(f"{'PASS' if ok else 'FAIL'} fast launch: outputs equal to the JIT launch's {same}, {_gluon_fwd.FAST_STATS}")
+        host = {}
+        for prov in ("auto", "gluon"):
+            try:
+                host[prov] = _host_us(_provider_fn(prov, xs, False))
+                record("retime 2K", case, prov, "host_us_per_call", host[prov])
+            finally:
+                set_backend("auto")
+        log("fast launch: host us per call " + " ".join(f"{p}={v:.0f}" for p, v in host.items()))
+        table = run_timing("retime 2K fast launch", [(case, shape(2 * K), False, False)], warmup, rep, budget,
+                           (), api=("auto", "gluon"))
+    except Exception:
+        log(f"ERROR fast launch retime: {traceback.format_exc()[-3000:]}")
+    finally:
+        os.environ.pop(env_name, None)
+        set_backend("auto")
     return table
 
 

@@ -30,7 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.extra import libdevice
 
-from . import _fwd
+from . import _fast_launch, _fwd, _runtime
 
 # TMA load, renamed in triton 3.8 (``async_load``); 3.6/3.7 have only the old name, 3.9 rejects it.
 if hasattr(tma, "async_load"):
@@ -790,11 +790,37 @@ def _gl_dtype(dtype):
     return getattr(gl, _GL_DTYPES[dtype])
 
 
+_LAYOUTS: dict = {}  # (rows, D, dtype) -> the shared-memory layout of a TMA block (host cost: ~10 us each)
+
+
 def make_descriptor(t, rows: int):
     """4-D TMA descriptor over ``t`` ([B, H, N, D], any TMA-legal strides), block [1, 1, rows, D]."""
     block = [1, 1, rows, t.shape[-1]]
-    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(t.dtype))
+    key = (rows, t.shape[-1], t.dtype)
+    layout = _LAYOUTS.get(key)
+    if layout is None:
+        layout = _LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(t.dtype))
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+_STATICS: dict = {}  # (D1, D2, config, causal, variant) -> (block_n, constexprs, options): the per-call host work
+_MAX_STATICS = 1024
+
+
+def _statics(D1, D2, config, causal, variant):
+    key = (D1, D2, tuple(sorted((config or {}).items())), bool(causal), variant)
+    hit = _STATICS.get(key)
+    if hit is None:
+        cfg = {**kernel_config(D1, D2), **(config or {})}
+        constexprs = dict(D1=D1, D2=D2, BLOCK_N=cfg["BLOCK_N"], NUM_STAGES=cfg["NUM_STAGES"], CAUSAL=bool(causal),
+                          CONSUMER_REGS=cfg["CONSUMER_REGS"], VARIANT=VARIANTS[variant], SCHED=sched_of(cfg))
+        options = dict(num_warps=4)
+        if cfg.get("maxnreg"):
+            options["maxnreg"] = cfg["maxnreg"]
+        if len(_STATICS) >= _MAX_STATICS:
+            _STATICS.clear()
+        hit = _STATICS[key] = (cfg["BLOCK_N"], constexprs, options)
+    return hit
 
 
 def launch_args(q1, k1, q2, k2, causal, scale1, scale2, kl, lse1_bits, lse2_bits, config=None, variant="kernel"):
@@ -804,19 +830,13 @@ def launch_args(q1, k1, q2, k2, causal, scale1, scale2, kl, lse1_bits, lse2_bits
     ``VARIANTS`` (anything but "kernel" computes wrong results, for timing only)."""
     B, H, N_Q, D1 = q1.shape
     N_K, D2 = k1.shape[2], q2.shape[3]
-    cfg = {**kernel_config(D1, D2), **(config or {})}
-    block_n = cfg["BLOCK_N"]
+    block_n, constexprs, options = _statics(D1, D2, config, causal, variant)
     descs = (make_descriptor(q1, WG_M.value), make_descriptor(k1, block_n),
              make_descriptor(q2, WG_M.value), make_descriptor(k2, block_n))
     args = descs + (kl, lse1_bits, lse2_bits, H, N_Q, N_K, H // k1.shape[1], H // k2.shape[1],
                     scale1 * LOG2E, scale2 * LOG2E, 1)
-    constexprs = dict(D1=D1, D2=D2, BLOCK_N=block_n, NUM_STAGES=cfg["NUM_STAGES"], CAUSAL=bool(causal),
-                      CONSUMER_REGS=cfg["CONSUMER_REGS"], VARIANT=VARIANTS[variant], SCHED=sched_of(cfg))
-    options = dict(num_warps=4)
-    if cfg.get("maxnreg"):
-        options["maxnreg"] = cfg["maxnreg"]
     grid = (triton.cdiv(N_Q, BLOCK_M.value), B * H)
-    return grid, args, constexprs, options
+    return grid, args, dict(constexprs), dict(options)
 
 
 LAST_KERNEL = None  # the compiled kernel of the latest launch (the GPU script reads its SASS)
@@ -845,6 +865,37 @@ def gluon_forward(q1, k1, q2, k2, causal, scale1, scale2, out=None, config=None,
     kl, lse1_bits, lse2_bits = out
     grid, args, constexprs, options = launch_args(q1, k1, q2, k2, causal, scale1, scale2, kl, lse1_bits, lse2_bits,
                                                   config, variant)
-    LAST_KERNEL = _gluon_kl_fwd_kernel[grid](*args, **constexprs, **options)
+    LAST_KERNEL = _launch(grid, args, constexprs, options)
     LAST_KERNEL_SCHED = constexprs["SCHED"]
     return kl, lse1_bits, lse2_bits
+
+
+FAST_LAUNCH_ENV = "STREAMKL_GLUON_FAST_LAUNCH"  # "1": launch through _launch's cache (off until a GPU run checks it)
+_COMPILED: dict = {}  # specialisation key -> (CompiledKernel, the constexpr tail in parameter order)
+FAST_STATS = {"direct": 0, "bound": 0}
+
+
+def _launch(grid, args, constexprs, options):
+    """``_gluon_kl_fwd_kernel[grid](*args, **constexprs, **options)``; with ``STREAMKL_GLUON_FAST_LAUNCH=1``
+    the first launch of each specialisation keeps the compiled kernel and later ones call its
+    launcher directly (``_fast_launch``'s method and key: what Triton specialises each argument
+    on, descriptors by type, block shape, dtype and base alignment), saving the JIT binder's
+    tens of microseconds per call (the 2K points of the no-regression grid are host-bound)."""
+    if _runtime.env(FAST_LAUNCH_ENV, "0") != "1" or not _fast_launch.enabled():
+        return _gluon_kl_fwd_kernel[grid](*args, **constexprs, **options)
+    key = (tuple(constexprs.items()), tuple(sorted(options.items())), tuple(_fast_launch._spec(a) for a in args))
+    hit = _COMPILED.get(key)
+    if hit is None:
+        kernel = _gluon_kl_fwd_kernel[grid](*args, **constexprs, **options)
+        if hasattr(kernel, "result"):  # an asynchronous compile (triton >= 3.5)
+            kernel = kernel.result()
+        if len(_COMPILED) >= 1024:
+            _COMPILED.clear()
+        _COMPILED[key] = (kernel, _fast_launch._tail(_gluon_kl_fwd_kernel, len(args), constexprs, {})[0])
+        FAST_STATS["bound"] += 1
+        return kernel
+    kernel, tail = hit
+    stream = _fast_launch._raw_stream(torch.cuda.current_device())
+    kernel.run(grid[0], grid[1], 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *tail)
+    FAST_STATS["direct"] += 1
+    return kernel
