@@ -426,6 +426,8 @@ def _probe(specs):
 # triton 3.6 as a dozen Gluon kernels: session 5 run r5c spent ~35 s per check case)
 TRITON_PREWARM = ("triton:causal", "triton:full")
 TRITON_PREWARM_2K = "triton:2k"
+PREWARM_STATUS: dict = {}  # the last prewarm's {spec: None (ok) or why not}
+PREWARM_UNFINISHED: set = set()  # specs the prewarm stopped or never started (compiled in the main process)
 
 
 def prewarm(specs, budget, out_dir, workers=None, limit=90):
@@ -485,6 +487,7 @@ def prewarm(specs, budget, out_dir, workers=None, limit=90):
         status[spec] = None
         unknown.add(spec)
         log(f"prewarm {spec}: not started (time limit); it compiles in the main process")
+    PREWARM_UNFINISHED.update(unknown)
     finished_ok = [sp for sp in status if status[sp] is None and sp not in unknown]
     failed = [sp for sp in status if status[sp]]
     if failed and not finished_ok and not any("killed" in status[sp] for sp in failed):
@@ -731,9 +734,14 @@ def run_retime_2k(warmup, rep, budget):
     old_rounds, ROUNDS = ROUNDS, RETIME_ROUNDS
     table = []
     try:
-        provs = ["auto", "triton", "gluon", provider_of(_gluon_fwd.candidates(128, 128)[0])]
+        api = ("auto", "triton", "gluon")
+        if PREWARM_STATUS.get(TRITON_PREWARM_2K, "not run") is not None or TRITON_PREWARM_2K in PREWARM_UNFINISHED:
+            api = ("auto", "gluon")
+            # its tuning would compile here, past the slot
+            log(f"retime 2K: no forced Triton (its prewarm: {PREWARM_STATUS.get(TRITON_PREWARM_2K, 'not run') or 'unfinished'})")
+        provs = [p for p in ("auto", "triton", "gluon") if p in api] + [provider_of(_gluon_fwd.candidates(128, 128)[0])]
         table = run_timing("retime 2K", [("bf16 D128 N=2K full", shape(2 * K), False, False)], warmup, rep, budget,
-                           provs[3:], api=("auto", "triton", "gluon"))
+                           provs[-1:], api=api)
         xs = make_case(**{k: v for k, v in shape(2 * K).items() if k != "dtype"}, dtype=torch.bfloat16, seed=7)
         host = {}
         for prov in provs:
@@ -887,10 +895,13 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=None,
                    help="interleaved timing rounds per 8K/16K target point (the lowest round median is kept; "
                         "default 2, 1 with --grid)")
+    p.add_argument("--sass-seconds", type=float, default=None, help="cap of the SASS section (default 15 quick, 120)")
     p.add_argument("--deadline", type=float, default=None,
                    help="watchdog: seconds after start at which the run stops what it does and writes what ran "
                         "(SIGALRM -> the same path as an interrupt)")
     a = p.parse_args(argv)
+    if a.sass_seconds is None:
+        a.sass_seconds = 15.0 if a.quick else 120.0
     os.makedirs(a.out_dir, exist_ok=True)
     global LOG_PATH
     LOG_PATH = os.path.join(a.out_dir, "gluon_gpu_progress.log")
@@ -902,7 +913,8 @@ def main(argv=None):
             raise KeyboardInterrupt(f"watchdog: --deadline {a.deadline:.0f} s")
 
         signal.signal(signal.SIGALRM, _alarm)
-        signal.setitimer(signal.ITIMER_REAL, max(1.0, a.deadline - (time.time() - T0)))
+        # the alarm leaves the SASS section its seconds and the summary 2 s before the deadline
+        signal.setitimer(signal.ITIMER_REAL, max(1.0, a.deadline - a.sass_seconds - 2 - (time.time() - T0)))
     ROUNDS = max(1, a.rounds if a.rounds is not None else (1 if a.grid else 2))
     if a.no_autotune:
         os.environ["STREAMKL_AUTOTUNE"] = "0"
@@ -944,6 +956,7 @@ def main(argv=None):
                 if a.quick:  # the 2K retime's tuned Triton path
                     specs = [TRITON_PREWARM_2K] + specs
                 status = prewarm(specs, budget, a.out_dir)
+                PREWARM_STATUS.update(status)
                 failed_cfg = {c: status[_spec("kernel", c)] for c in configs if status.get(_spec("kernel", c))}
                 configs = [c for c in configs if c not in failed_cfg]
                 if failed_cfg:  # keep the API's tuner off them too (a hang there would stop the run)
@@ -984,7 +997,10 @@ def main(argv=None):
     except KeyboardInterrupt:  # the section limit of bench_gpu.py: write what ran
         log("interrupted: writing what ran")
     try:
-        sass = run_sass(a.out_dir, seconds=15 if a.quick else 120)
+        sass_s = a.sass_seconds
+        if a.deadline:
+            sass_s = max(0.0, min(sass_s, a.deadline - 2 - (time.time() - T0)))
+        sass = run_sass(a.out_dir, seconds=sass_s)
     except KeyboardInterrupt:
         log("interrupted during the SASS section")
     write_outputs(a, env, checks, targets, grid, variants, sass, failed_cfg)
@@ -1002,10 +1018,10 @@ def run_quick(a, configs, providers, variants_of, warmup, rep, budget, out):
     """--quick, in order of what the run is for: (1) the targets, the points the Must misses
     first (8K full, 16K causal, then 8K causal, 16K full): every configuration forced, the API's
     Gluon path and SDPA (no auto / forced Triton: the Triton path's compiles and tuning cost more
-    than all of this); (2) the variants; (3) 32K and 64K for the best configuration; (4) the
-    checks vs float64 and the Triton path of the configurations dispatch can choose and of the
-    two fastest (run r5c passed all configurations on the two ragged cases); each if time is
-    left. Fills ``out`` (checks, targets, variants) as it goes."""
+    than all of this); (2) the variants; (3) the checks vs float64 and the Triton path of the
+    configurations dispatch can choose, of the two fastest and of ``QUICK_CHECK_ALSO``; (4) 32K
+    and 64K for the best configuration; (5) the 2K retime (``run_retime_2k``); each if time is
+    left. Fills ``out`` (checks, targets, variants, retime) as it goes."""
     global ROUNDS
     pts = {(name, c): (name, sh, c, sd) for name, sh, c, sd in target_points([8 * K, 16 * K])}
     order = [p for p in pts.values() if (p[1]["NK"], p[2]) == (8 * K, False)]
@@ -1020,22 +1036,20 @@ def run_quick(a, configs, providers, variants_of, warmup, rep, budget, out):
         out["variants"] = run_variants(a.quick, warmup, rep, budget, variants_of, list(variants_of))
     best = best_configs(targets, providers, QUICK_CHECK_EXTRA)
     log(f"fastest configurations at 8K/16K (mean ratio to SDPA): {best}")
-    if budget.left() > 40 and best:
-        ROUNDS = 1  # long calls: drift within one point matters less than the time they take
-        out["targets"] = targets + run_timing("targets 32K-64K", target_points([32 * K, 64 * K]), warmup, rep,
-                                              budget, best[:1], api=("gluon",))
-    if not a.no_check and budget.left() > 40:
+    # session 6: the checks before 32K/64K (a new rounding, FOLD, must be checked in the run that
+    # times it); the Triton path of the checks is prewarmed, a case takes seconds
+    if not a.no_check and budget.left() > 15:
         from streamkl_gpu import _gluon_fwd
-
-        class _Reserve:  # a check case starts only with 40 s left (one took ~35 s in run r5c)
-            def left(self):
-                return budget.left() - 25
 
         chosen = [c for c in _gluon_fwd.candidates(128, 128) if c in configs]
         chosen += [CONFIG_OF_PROVIDER[p] for p in best if CONFIG_OF_PROVIDER[p] not in chosen]
         chosen += [c for c in QUICK_CHECK_ALSO if c in configs and c not in chosen]
-        out["checks"] = run_check(a.quick, chosen, _Reserve())
-    if budget.left() > 20 and dispatch.GLUON_AVAILABLE:  # last: the Triton path's tuning may compile here
+        out["checks"] = run_check(a.quick, chosen, budget)
+    if budget.left() > 12 and best:
+        ROUNDS = 1  # long calls: drift within one point matters less than the time they take
+        out["targets"] = targets + run_timing("targets 32K-64K", target_points([32 * K, 64 * K]), warmup, rep,
+                                              budget, best[:1], api=("gluon",))
+    if budget.left() > 12 and dispatch.GLUON_AVAILABLE:  # last: the Triton path's tuning may compile here
         out["retime"] = run_retime_2k(warmup, rep, budget)
 
 
