@@ -1011,7 +1011,8 @@ class _Done(Exception):
 
 
 QUICK_CHECK_EXTRA = 2  # --quick checks the tuner's candidates and the this many fastest configurations
-QUICK_CHECK_ALSO = [FOLD_CONFIG]  # and these (a new rounding: checked whether fast or not)
+FOLD_MASK1_CONFIG = FOLD_CONFIG + (1,)
+QUICK_CHECK_ALSO = [FOLD_CONFIG, FOLD_MASK1_CONFIG]  # and these (new arithmetic: checked whether fast or not)
 
 
 def run_quick(a, configs, providers, variants_of, warmup, rep, budget, out):
