@@ -290,7 +290,8 @@ def _fold_sub(st, t1, t2, k1, k2, k1_free, k2_free, turn_next, visible, qk_scale
         sum2 = _sum_exp2(x2, VARIANT, _knob(SCHED, "POLY"))
         # invisible entries: x1 - x2 = -inf - -inf = NaN and p1 = 0; max(NaN, -FLT_MAX) is
         # -FLT_MAX (max.f32 returns the non-NaN operand), times p1 = 0: exactly 0 without the
-        # mask (no predicate live this late). A NaN in a visible key: p1 is NaN, so is the term.
+        # mask (no predicate live this late). A NaN in a visible key: in K1, p1 and the term are
+        # NaN; in K2 only, the term is -FLT_MAX p1 (not NaN), but l2 is NaN, so kl and lse2 are.
         term = p1 * gl.maximum(log_ratio, -3.4028234663852886e38)
     elif MASKED:
         sum2 = _sum_exp2(gl.where(visible, x2, float("-inf")), VARIANT, _knob(SCHED, "POLY"))

@@ -403,6 +403,76 @@ def test_mask1_masked_loops_are_shorter(compiled):
     assert all(m <= 0.85 * d for m, d in zip(mask1[2:], default[2:])), (mask1, default)
 
 
+def _masked_tile_fold(s1, s2, visible, c1, c2, st, mask1):
+    """NumPy float32 twin of one masked tile of ``_fold_sub`` (not FOLD): the selects of the
+    default, or MASK1's (mask on the raw scores, the term by max.f32 = np.fmax, which returns the
+    non-NaN operand as the PTX instruction does). Sums in the same NumPy order for both."""
+    import numpy as np
+
+    f32 = np.float32
+    m1, l1, m2, l2, acc = st
+    ninf = f32(-np.inf)
+    safe = lambda m: np.where(m == ninf, f32(0), m)  # noqa: E731
+    with np.errstate(invalid="ignore", over="ignore"):
+        if mask1:
+            a1 = (np.where(visible, s1, ninf) * c1).astype(f32)
+            a2 = (np.where(visible, s2, ninf) * c2).astype(f32)
+            m1n = np.fmax(m1, np.fmax.reduce(a1, axis=1))
+            m2n = np.fmax(m2, np.fmax.reduce(a2, axis=1))
+        else:
+            a1, a2 = (s1 * c1).astype(f32), (s2 * c2).astype(f32)
+            m1n = np.fmax(m1, np.fmax.reduce(np.where(visible, a1, ninf), axis=1))
+            m2n = np.fmax(m2, np.fmax.reduce(np.where(visible, a2, ninf), axis=1))
+        sh1, sh2 = safe(m1n), safe(m2n)
+        x1, x2 = a1 - sh1[:, None], a2 - sh2[:, None]
+        if mask1:
+            p1, e2 = np.exp2(x1), np.exp2(x2)
+            term = p1 * np.fmax(x1 - x2, f32(-3.4028234663852886e38))
+        else:
+            p1, e2 = np.exp2(np.where(visible, x1, ninf)), np.exp2(np.where(visible, x2, ninf))
+            term = np.where(visible, p1 * (x1 - x2), f32(0))
+        alpha1, alpha2 = np.exp2(m1 - sh1), np.exp2(m2 - sh2)
+        moved = (sh1 - safe(m1)) - (sh2 - safe(m2))
+        acc = (acc - l1 * moved) * alpha1 + term.sum(axis=1, dtype=f32)
+        return m1n, l1 * alpha1 + p1.sum(axis=1, dtype=f32), m2n, l2 * alpha2 + e2.sum(axis=1, dtype=f32), acc
+
+
+def test_mask1_twin_gives_the_selects_values_nan_and_empty_rows_included():
+    """MASK1's claim, on a NumPy twin of one masked tile: the same (m1, l1, m2, l2, acc) as the
+    selects, bitwise (-0 == 0), with NaN in invisible keys (must not reach the row), a NaN in a
+    visible key of side 2 (must reach l2, hence kl and lse2), rows that see nothing in the tile
+    (empty so far, and with state), causal and ragged visibility."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    n_rows, n_cols = 64, 128
+    rows, cols = np.arange(n_rows)[:, None], np.arange(n_cols)[None, :]
+    for causal_off, n_k in ((0, 128), (-20, 128), (30, 97), (-200, 128)):
+        visible = (cols <= rows + causal_off) & (cols < n_k)
+        s1 = rng.standard_normal((n_rows, n_cols)).astype(np.float32) * 3
+        s2 = rng.standard_normal((n_rows, n_cols)).astype(np.float32) * 3
+        s1[~visible & (rng.random((n_rows, n_cols)) < 0.3)] = np.nan  # NaN keys nobody sees
+        s2[~visible & (rng.random((n_rows, n_cols)) < 0.3)] = np.nan
+        if visible[40].any():
+            s2[40, np.flatnonzero(visible[40])[0]] = np.nan  # a visible NaN: row 40 must be NaN
+        st = [np.full(n_rows, -np.inf, np.float32), np.zeros(n_rows, np.float32),
+              np.full(n_rows, -np.inf, np.float32), np.zeros(n_rows, np.float32), np.zeros(n_rows, np.float32)]
+        st[0][:32], st[2][:32] = np.float32(1.5), np.float32(-0.5)  # half the rows with a state
+        st[1][:32], st[3][:32], st[4][:32] = np.float32(3.0), np.float32(2.0), np.float32(0.25)
+        c1, c2 = np.float32(0.1275), np.float32(0.0901)
+        ref = _masked_tile_fold(s1, s2, visible, c1, c2, st, mask1=False)
+        got = _masked_tile_fold(s1, s2, visible, c1, c2, st, mask1=True)
+        others = [r for r in range(n_rows) if r != 40]
+        for name, r, g in zip(("m1", "l1", "m2", "l2", "acc"), ref, got):
+            assert np.array_equal(r[others], g[others]), (causal_off, n_k, name)
+        assert not np.isnan(np.stack(got)[:, others]).any()
+        if visible[40].any():
+            # the visible NaN (in K2) reaches l2 either way, so kl and lse2 are NaN either way; acc
+            # differs there (the select's NaN, MASK1's -FLT_MAX * p1), which no output shows
+            assert np.isnan(got[3][40]) and np.isnan(ref[3][40])
+            assert got[1][40] == ref[1][40] and got[0][40] == ref[0][40] and got[2][40] == ref[2][40]
+
+
 def test_fold_saves_the_scale_multiplies_in_whole_tiles_only(compiled):
     """The point of FOLD in the SASS: the whole-tile loops (the two shorter ones) lose the
     per-score FMUL of the scale (FMUL + FADD become one FFMA: >= 100 fewer instructions per
