@@ -472,7 +472,7 @@ def test_mask1_twin_gives_the_selects_values_nan_and_empty_rows_included():
             assert got[1][40] == ref[1][40] and got[0][40] == ref[0][40] and got[2][40] == ref[2][40]
 
 
-def test_fold_saves_the_scale_multiplies_in_whole_tiles_only(compiled):
+def test_fold_saves_the_scale_multiplies_in_whole_tiles(compiled):
     """The point of FOLD in the SASS: the whole-tile loops (the two shorter ones) lose the
     per-score FMUL of the scale (FMUL + FADD become one FFMA: >= 100 fewer instructions per
     128-key tile) (FOLD + MASK1 against the default, causal; MASK1 changes only the masked loops)."""
