@@ -732,13 +732,17 @@ def run_retime_2k(warmup, rep, budget):
 
     log("== retime bf16 D128 N=2K full (auto vs forced paths, several rounds)")
     old_rounds, ROUNDS = ROUNDS, RETIME_ROUNDS
+    old_tune = os.environ.get("STREAMKL_AUTOTUNE")
     table = []
     try:
         api = ("auto", "triton", "gluon")
         if PREWARM_STATUS.get(TRITON_PREWARM_2K, "not run") is not None or TRITON_PREWARM_2K in PREWARM_UNFINISHED:
-            api = ("auto", "gluon")
-            # its tuning would compile here, past the slot
-            log(f"retime 2K: no forced Triton (its prewarm: {PREWARM_STATUS.get(TRITON_PREWARM_2K, 'not run') or 'unfinished'})")
+            # the tuned Triton path would compile its candidates here, past the slot: untuned (the
+            # first config, compiled by the checks' prewarm) for every provider of this section
+            os.environ["STREAMKL_AUTOTUNE"] = "0"
+            log(f"retime 2K: STREAMKL_AUTOTUNE=0 (the tuned Triton path's prewarm: "
+                f"{PREWARM_STATUS.get(TRITON_PREWARM_2K, 'not run') or 'unfinished'})")
+            record("retime 2K", "bf16 D128 N=2K full", "triton", "untuned", 1, "info", "its prewarm did not finish")
         provs = [p for p in ("auto", "triton", "gluon") if p in api] + [provider_of(_gluon_fwd.candidates(128, 128)[0])]
         table = run_timing("retime 2K", [("bf16 D128 N=2K full", shape(2 * K), False, False)], warmup, rep, budget,
                            provs[-1:], api=api)
@@ -761,10 +765,14 @@ def run_retime_2k(warmup, rep, budget):
         log("retime 2K: host us per call " + " ".join(f"{p}={v:.0f}" for p, v in host.items())
             + f"; auto's plan: {plan}")
         table += _retime_fast_launch(xs, warmup, rep, budget)
-    except Exception as exc:
+    except Exception:
         log(f"ERROR retime 2K: {traceback.format_exc()[-3000:]}")
     finally:
         ROUNDS = old_rounds
+        if old_tune is None:
+            os.environ.pop("STREAMKL_AUTOTUNE", None)
+        else:
+            os.environ["STREAMKL_AUTOTUNE"] = old_tune
     return table
 
 
