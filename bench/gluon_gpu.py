@@ -70,10 +70,16 @@ LOG = []
 SASS_SEEN = {}  # kernel hash -> (label, compiled kernel)
 
 
+LOG_PATH = None  # OUT_DIR/gluon_gpu_progress.log: every line as it is printed (a killed run keeps it)
+
+
 def log(msg=""):
     line = f"[{time.time() - T0:6.0f}s] {msg}"
     print(line, flush=True)
     LOG.append(line)
+    if LOG_PATH:
+        with open(LOG_PATH, "a") as f:
+            f.write(line + "\n")
 
 
 def record(section, case, provider, metric, value, status="ok", detail="", **meta):
@@ -318,8 +324,8 @@ def run_sass(out_dir, seconds=120.0):
             c = _gluon_sass.sass_counts(sass)
             regs = getattr(k, "n_regs", None)
             spills = getattr(k, "n_spills", None)
-            loops = [(lp["hgmma"], lp["depbar"], lp["ex2"], lp["ex2_between_waits"], lp.get("bar"))
-                     for lp in c["loops"]]
+            loops = [(lp["hgmma"], lp["depbar"], lp["ex2"], lp["ex2_between_waits"], lp.get("bar"),
+                      lp.get("instructions")) for lp in c["loops"]]
             # at most the source's waits per key tile (2, or 4 with SPLIT), not one per HGMMA, and
             # no spills in the key-tile loops; spills elsewhere (the prologue, after the loops)
             # make it "warn": a dispatchable configuration must have none (tests/test_gluon_compile.py)
@@ -332,7 +338,8 @@ def run_sass(out_dir, seconds=120.0):
             for m in ("hgmma", "depbar", "stl", "ldl", "ex2"):
                 record("sass", label, name, m, c[m])
             verdict = _verdict(ok)
-            record("sass", label, name, "loops(hgmma,depbar,ex2,ex2_between_waits,bar_sync)", json.dumps(loops),
+            record("sass", label, name, "loops(hgmma,depbar,ex2,ex2_between_waits,bar_sync,instructions)",
+                   json.dumps(loops),
                    verdict, f"regs={regs} spills={spills}")
             summary.append((name, label, ok, c, loops, regs, spills))
             log(f"{verdict:4s} {name} ({label}): HGMMA={c['hgmma']} DEPBAR={c['depbar']} STL={c['stl']} "
@@ -371,6 +378,18 @@ def _probe(specs):
     from streamkl_gpu import _gluon_fwd
 
     for spec in specs:
+        if spec == TRITON_PREWARM_2K:  # the tuned Triton path at 2K (retime): its candidates' compiles
+            t0 = time.time()
+            try:
+                set_backend("triton")
+                xs = make_case(**{k: v for k, v in shape(2 * K).items() if k != "dtype"}, dtype=torch.bfloat16, seed=1)
+                forward_bits(*xs, False)
+                torch.cuda.synchronize()
+                print(json.dumps(dict(spec=spec, ok=True, seconds=round(time.time() - t0, 1))), flush=True)
+            except Exception as exc:
+                print(json.dumps(dict(spec=spec, ok=False, error=f"{type(exc).__name__}: {str(exc)[:1500]}")),
+                      flush=True)
+            continue
         if spec in TRITON_PREWARM:  # the Triton path of the checks (untuned: its first config)
             t0 = time.time()
             try:
@@ -406,6 +425,9 @@ def _probe(specs):
 # a prewarm job that compiles the Triton path the checks compare against (as slow to compile on
 # triton 3.6 as a dozen Gluon kernels: session 5 run r5c spent ~35 s per check case)
 TRITON_PREWARM = ("triton:causal", "triton:full")
+TRITON_PREWARM_2K = "triton:2k"
+PREWARM_STATUS: dict = {}  # the last prewarm's {spec: None (ok) or why not}
+PREWARM_UNFINISHED: set = set()  # specs the prewarm stopped or never started (compiled in the main process)
 
 
 def prewarm(specs, budget, out_dir, workers=None, limit=90):
@@ -465,6 +487,7 @@ def prewarm(specs, budget, out_dir, workers=None, limit=90):
         status[spec] = None
         unknown.add(spec)
         log(f"prewarm {spec}: not started (time limit); it compiles in the main process")
+    PREWARM_UNFINISHED.update(unknown)
     finished_ok = [sp for sp in status if status[sp] is None and sp not in unknown]
     failed = [sp for sp in status if status[sp]]
     if failed and not finished_ok and not any("killed" in status[sp] for sp in failed):
@@ -662,11 +685,138 @@ def run_variants(quick, warmup, rep, budget, variants, configs):
     return table
 
 
-# the configurations the variants section takes apart: the default, the ping-pong with the late
-# turn (the overlap between the warpgroups) and the two-tile lookahead (inside a warpgroup)
-VARIANT_CONFIGS = [(128, 2, 168, 0), (128, 2, 168, 1, 0, 0, 0, 2, 0, 0, 1), (64, 4, 168, 0, 0, 0, 0, 2, 1, 1)]
+# the configurations the variants section takes apart: the default and the FFMA fold (session 6:
+# what the 124 fewer instructions per whole-tile loop change in each part of the time)
+FOLD_CONFIG = (128, 2, 168, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1)
+VARIANT_CONFIGS = [(128, 2, 168, 0), FOLD_CONFIG]
 # variants a configuration does not run as its own schedule (LOOK: no second product folds single tiles)
 VARIANT_SKIP = {(64, 4, 168, 0, 0, 0, 0, 2, 1, 1): ("no_second_product",)}
+
+
+RETIME_ROUNDS = 5
+
+
+def _plan_of_auto(n):
+    """What the API's plan cache holds for the auto backend at N_Q = N_K = n (B=1, H=32, D=128):
+    "gluon" (the Gluon kernel), the Triton config tuple, or None when no such call ran."""
+    from streamkl_gpu import _launch
+
+    for sig, plan in _launch._PLANS.items():
+        dims, flags = sig[1], sig[2]
+        if sig[0] == "fwd" and flags[2] == "auto" and dims.NQ == n and dims.NK == n and dims.D1 == 128:
+            return "gluon" if plan is _launch.GLUON else repr(getattr(plan, "cfg", plan))[:80]
+    return None
+
+
+def _host_us(fn, calls=40):
+    """Host time of one call (microseconds): ``calls`` launches queued without a sync (the GPU
+    runs behind), the mean; above the kernel's time, do_bench's per-call events include it."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+def run_retime_2k(warmup, rep, budget):
+    """The s5r5 grid's odd point again: bf16 D=128 N=2K non-causal, where auto (0.218 ms) was
+    slower than both paths it chooses from (Triton 0.200, forced Gluon 0.179) in one round.
+    RETIME_ROUNDS interleaved rounds of auto, forced Triton, forced Gluon (API) and the default
+    kernel straight (no API host work), each provider's host time per call, and the plan the
+    auto call took: tells dispatch from host cost from timing noise."""
+    global ROUNDS
+    from streamkl_gpu import _gluon_fwd
+
+    log("== retime bf16 D128 N=2K full (auto vs forced paths, several rounds)")
+    old_rounds, ROUNDS = ROUNDS, RETIME_ROUNDS
+    old_tune = os.environ.get("STREAMKL_AUTOTUNE")
+    table = []
+    try:
+        api = ("auto", "triton", "gluon")
+        if PREWARM_STATUS.get(TRITON_PREWARM_2K, "not run") is not None or TRITON_PREWARM_2K in PREWARM_UNFINISHED:
+            # the tuned Triton path would compile its candidates here, past the slot: untuned (the
+            # first config, compiled by the checks' prewarm) for every provider of this section
+            os.environ["STREAMKL_AUTOTUNE"] = "0"
+            log(f"retime 2K: STREAMKL_AUTOTUNE=0 (the tuned Triton path's prewarm: "
+                f"{PREWARM_STATUS.get(TRITON_PREWARM_2K, 'not run') or 'unfinished'})")
+            record("retime 2K", "bf16 D128 N=2K full", "triton", "untuned", 1, "info", "its prewarm did not finish")
+        provs = [p for p in ("auto", "triton", "gluon") if p in api] + [provider_of(_gluon_fwd.candidates(128, 128)[0])]
+        table = run_timing("retime 2K", [("bf16 D128 N=2K full", shape(2 * K), False, False)], warmup, rep, budget,
+                           provs[-1:], api=api)
+        xs = make_case(**{k: v for k, v in shape(2 * K).items() if k != "dtype"}, dtype=torch.bfloat16, seed=7)
+        host = {}
+        for prov in provs:
+            if budget.left() < 5:
+                break
+            try:
+                fn = _provider_fn(prov, xs, False)
+                with torch.no_grad():
+                    host[prov] = _host_us(fn)
+                record("retime 2K", "bf16 D128 N=2K full", prov, "host_us_per_call", host[prov])
+            except Exception as exc:
+                log(f"ERROR host time {prov}: {type(exc).__name__}: {exc}")
+            finally:
+                set_backend("auto")
+        plan = _plan_of_auto(2 * K)
+        record("retime 2K", "bf16 D128 N=2K full", "auto", "plan", plan)
+        log("retime 2K: host us per call " + " ".join(f"{p}={v:.0f}" for p, v in host.items())
+            + f"; auto's plan: {plan}")
+        table += _retime_fast_launch(xs, warmup, rep, budget)
+    except Exception:
+        log(f"ERROR retime 2K: {traceback.format_exc()[-3000:]}")
+    finally:
+        ROUNDS = old_rounds
+        if old_tune is None:
+            os.environ.pop("STREAMKL_AUTOTUNE", None)
+        else:
+            os.environ["STREAMKL_AUTOTUNE"] = old_tune
+    return table
+
+
+def _retime_fast_launch(xs, warmup, rep, budget):
+    """The Gluon path's cached launcher (``_gluon_fwd._launch``, STREAMKL_GLUON_FAST_LAUNCH=1; off
+    by default until this runs): outputs bitwise equal to the JIT launch's (bound, then direct),
+    host time per call, and auto / forced Gluon timed again with it."""
+    from streamkl_gpu import _gluon_fwd
+
+    if budget.left() < 10:
+        return []
+    env_name = _gluon_fwd.FAST_LAUNCH_ENV
+    case = "bf16 D128 N=2K full (gluon fast launch)"
+    table = []
+    try:
+        set_backend("gluon")
+        ref = [t.clone() for t in forward_bits(*xs, False)]
+        os.environ[env_name] = "1"
+        same = []
+        for _ in range(3):  # the first binds, the later ones launch directly
+            got = forward_bits(*xs, False)
+            torch.cuda.synchronize()
+            same.append(all(torch.equal(a, b) for a, b in zip(got, ref)))
+        set_backend("auto")
+        ok = all(same) and _gluon_fwd.FAST_STATS["direct"] >= 1
+        record("retime 2K", case, "gluon", "bitwise_equal_to_jit_launch", int(ok), "ok" if ok else "FAIL",
+               json.dumps(_gluon_fwd.FAST_STATS))
+        log(f"{'PASS' if ok else 'FAIL'} fast launch: outputs equal to the JIT launch's {same}, {_gluon_fwd.FAST_STATS}")
+        host = {}
+        for prov in ("auto", "gluon"):
+            try:
+                host[prov] = _host_us(_provider_fn(prov, xs, False))
+                record("retime 2K", case, prov, "host_us_per_call", host[prov])
+            finally:
+                set_backend("auto")
+        log("fast launch: host us per call " + " ".join(f"{p}={v:.0f}" for p, v in host.items()))
+        table = run_timing("retime 2K fast launch", [(case, shape(2 * K), False, False)], warmup, rep, budget,
+                           (), api=("auto", "gluon"))
+    except Exception:
+        log(f"ERROR fast launch retime: {traceback.format_exc()[-3000:]}")
+    finally:
+        os.environ.pop(env_name, None)
+        set_backend("auto")
+    return table
 
 
 def shape(N, NQ=None, D1=128, D2=128, H=32, HK=None, dtype="bf16"):
@@ -753,8 +903,26 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=None,
                    help="interleaved timing rounds per 8K/16K target point (the lowest round median is kept; "
                         "default 2, 1 with --grid)")
+    p.add_argument("--sass-seconds", type=float, default=None, help="cap of the SASS section (default 15 quick, 120)")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="watchdog: seconds after start at which the run stops what it does and writes what ran "
+                        "(SIGALRM -> the same path as an interrupt)")
     a = p.parse_args(argv)
+    if a.sass_seconds is None:
+        a.sass_seconds = 15.0 if a.quick else 120.0
     os.makedirs(a.out_dir, exist_ok=True)
+    global LOG_PATH
+    LOG_PATH = os.path.join(a.out_dir, "gluon_gpu_progress.log")
+    if a.deadline:
+        import signal
+
+        def _alarm(signum, frame):
+            signal.signal(signal.SIGALRM, signal.SIG_IGN)  # once: the writing of what ran is not cut
+            raise KeyboardInterrupt(f"watchdog: --deadline {a.deadline:.0f} s")
+
+        signal.signal(signal.SIGALRM, _alarm)
+        # the alarm leaves the SASS section its seconds and the summary 2 s before the deadline
+        signal.setitimer(signal.ITIMER_REAL, max(1.0, a.deadline - a.sass_seconds - 2 - (time.time() - T0)))
     ROUNDS = max(1, a.rounds if a.rounds is not None else (1 if a.grid else 2))
     if a.no_autotune:
         os.environ["STREAMKL_AUTOTUNE"] = "0"
@@ -793,7 +961,10 @@ def main(argv=None):
                     _spec(v, c) for c in vconfigs for v in variants_of[c] if v != "kernel"]
                 if not a.no_check:
                     specs = list(TRITON_PREWARM) + specs
+                if a.quick:  # the 2K retime's tuned Triton path
+                    specs = [TRITON_PREWARM_2K] + specs
                 status = prewarm(specs, budget, a.out_dir)
+                PREWARM_STATUS.update(status)
                 failed_cfg = {c: status[_spec("kernel", c)] for c in configs if status.get(_spec("kernel", c))}
                 configs = [c for c in configs if c not in failed_cfg]
                 if failed_cfg:  # keep the API's tuner off them too (a hang there would stop the run)
@@ -809,6 +980,7 @@ def main(argv=None):
                     run_quick(a, configs, providers, variants_of, warmup, rep, budget, quick)
                 finally:
                     checks, targets, variants = (quick.get(k, []) for k in ("checks", "targets", "variants"))
+                    grid = quick.get("retime", [])  # the 2K point: summarised with the grid's table
                 raise _Done
             if not a.no_check:
                 checks = run_check(a.quick, configs, budget)
@@ -833,7 +1005,10 @@ def main(argv=None):
     except KeyboardInterrupt:  # the section limit of bench_gpu.py: write what ran
         log("interrupted: writing what ran")
     try:
-        sass = run_sass(a.out_dir, seconds=15 if a.quick else 120)
+        sass_s = a.sass_seconds
+        if a.deadline:
+            sass_s = max(0.0, min(sass_s, a.deadline - 2 - (time.time() - T0)))
+        sass = run_sass(a.out_dir, seconds=sass_s)
     except KeyboardInterrupt:
         log("interrupted during the SASS section")
     write_outputs(a, env, checks, targets, grid, variants, sass, failed_cfg)
@@ -844,16 +1019,18 @@ class _Done(Exception):
 
 
 QUICK_CHECK_EXTRA = 2  # --quick checks the tuner's candidates and the this many fastest configurations
+FOLD_MASK1_CONFIG = FOLD_CONFIG + (1,)
+QUICK_CHECK_ALSO = [FOLD_CONFIG, FOLD_MASK1_CONFIG]  # and these (new arithmetic: checked whether fast or not)
 
 
 def run_quick(a, configs, providers, variants_of, warmup, rep, budget, out):
     """--quick, in order of what the run is for: (1) the targets, the points the Must misses
     first (8K full, 16K causal, then 8K causal, 16K full): every configuration forced, the API's
     Gluon path and SDPA (no auto / forced Triton: the Triton path's compiles and tuning cost more
-    than all of this); (2) the variants; (3) 32K and 64K for the best configuration; (4) the
-    checks vs float64 and the Triton path of the configurations dispatch can choose and of the
-    two fastest (run r5c passed all configurations on the two ragged cases); each if time is
-    left. Fills ``out`` (checks, targets, variants) as it goes."""
+    than all of this); (2) the variants; (3) the checks vs float64 and the Triton path of the
+    configurations dispatch can choose, of the two fastest and of ``QUICK_CHECK_ALSO``; (4) 32K
+    and 64K for the best configuration; (5) the 2K retime (``run_retime_2k``); each if time is
+    left. Fills ``out`` (checks, targets, variants, retime) as it goes."""
     global ROUNDS
     pts = {(name, c): (name, sh, c, sd) for name, sh, c, sd in target_points([8 * K, 16 * K])}
     order = [p for p in pts.values() if (p[1]["NK"], p[2]) == (8 * K, False)]
@@ -868,20 +1045,21 @@ def run_quick(a, configs, providers, variants_of, warmup, rep, budget, out):
         out["variants"] = run_variants(a.quick, warmup, rep, budget, variants_of, list(variants_of))
     best = best_configs(targets, providers, QUICK_CHECK_EXTRA)
     log(f"fastest configurations at 8K/16K (mean ratio to SDPA): {best}")
-    if budget.left() > 40 and best:
-        ROUNDS = 1  # long calls: drift within one point matters less than the time they take
-        out["targets"] = targets + run_timing("targets 32K-64K", target_points([32 * K, 64 * K]), warmup, rep,
-                                              budget, best[:1], api=("gluon",))
-    if not a.no_check and budget.left() > 40:
+    # session 6: the checks before 32K/64K (a new rounding, FOLD, must be checked in the run that
+    # times it); the Triton path of the checks is prewarmed, a case takes seconds
+    if not a.no_check and budget.left() > 15:
         from streamkl_gpu import _gluon_fwd
-
-        class _Reserve:  # a check case starts only with 40 s left (one took ~35 s in run r5c)
-            def left(self):
-                return budget.left() - 25
 
         chosen = [c for c in _gluon_fwd.candidates(128, 128) if c in configs]
         chosen += [CONFIG_OF_PROVIDER[p] for p in best if CONFIG_OF_PROVIDER[p] not in chosen]
-        out["checks"] = run_check(a.quick, chosen, _Reserve())
+        chosen += [c for c in QUICK_CHECK_ALSO if c in configs and c not in chosen]
+        out["checks"] = run_check(a.quick, chosen, budget)
+    if budget.left() > 12 and best:
+        ROUNDS = 1  # long calls: drift within one point matters less than the time they take
+        out["targets"] = targets + run_timing("targets 32K-64K", target_points([32 * K, 64 * K]), warmup, rep,
+                                              budget, best[:1], api=("gluon",))
+    if budget.left() > 12 and dispatch.GLUON_AVAILABLE:  # last: the Triton path's tuning may compile here
+        out["retime"] = run_retime_2k(warmup, rep, budget)
 
 
 def default_verdict(targets, margin=0.02):

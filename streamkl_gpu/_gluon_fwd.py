@@ -30,7 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.extra import libdevice
 
-from . import _fwd
+from . import _fast_launch, _fwd, _runtime
 
 # TMA load, renamed in triton 3.8 (``async_load``); 3.6/3.7 have only the old name, 3.9 rejects it.
 if hasattr(tma, "async_load"):
@@ -95,7 +95,7 @@ def _exp2(x, VARIANT: gl.constexpr):
 
 # Schedule knobs, packed into one constexpr ``SCHED`` (bit offset, width); see ``config_of``.
 SCHED_BITS = dict(PINGPONG=(0, 1), SPLIT=(1, 1), POLY=(2, 2), RESCALE=(4, 1), FENCE=(5, 2), ORDER=(7, 1),
-                  LOOK=(8, 1), TURN=(9, 1), MERGE=(10, 1), RELTURN=(11, 1))
+                  LOOK=(8, 1), TURN=(9, 1), MERGE=(10, 1), RELTURN=(11, 1), FOLD=(12, 1), MASK1=(13, 1))
 RESCALE_BITS = gl.constexpr(8.0)  # conditional rescaling: a new reference max only when the max grows by more
 
 
@@ -103,6 +103,13 @@ RESCALE_BITS = gl.constexpr(8.0)  # conditional rescaling: a new reference max o
 def _knob(sched, name):
     off, width = SCHED_BITS[str(name)]
     return (int(sched) >> off) & ((1 << width) - 1)
+
+
+@gluon.constexpr_function
+def _with_knob(sched, name, value):
+    """``sched`` with knob ``name`` set to ``value``."""
+    off, width = SCHED_BITS[str(name)]
+    return (int(sched) & ~(((1 << width) - 1) << off)) | (int(value) << off)
 
 
 # 2^f on [-0.5, 0.5], degree 5, fitted for the relative error (max 2.3e-7 evaluated in fp32)
@@ -152,7 +159,7 @@ def exp2_poly_reference(x):
 @gluon.jit
 def _sum_exp2(x, VARIANT: gl.constexpr, POLY: gl.constexpr):
     """Row sums of 2^x (side 2's exponentials feed only l2). POLY 1: all by the polynomial;
-    2: every other column by the polynomial, the rest on the MUFU."""
+    2: every other column by the polynomial, the rest on the MUFU (3: see ``_consumer``)."""
     if POLY == 1:
         out = gl.sum(_exp2_poly(x), axis=1)
     elif POLY == 2:
@@ -179,16 +186,43 @@ def _new_max(m, s, visible, MASKED: gl.constexpr, RESCALE: gl.constexpr):
 
 
 @gluon.jit
-def _shifted(m, s_raw, qk_scale, visible, MASKED: gl.constexpr, RESCALE: gl.constexpr):
+def _shifted(m, s_raw, qk_scale, visible, MASKED: gl.constexpr, RESCALE: gl.constexpr, FOLD: gl.constexpr = 0):
     """One side's scores of a tile taken to bits (rounded once, before the max) and shifted by the
     new row reference: (the new max, the shift, x = s - shift). Masked tiles shift by the safe max
-    (an all-invisible row keeps a finite reference)."""
-    s = libdevice.mul_rn(s_raw, qk_scale)
-    m_new = _new_max(m, s, visible, MASKED, RESCALE)
-    if MASKED:
-        shift = _fwd._safe(m_new)
+    (an all-invisible row keeps a finite reference).
+
+    FOLD (whole tiles only): the max taken on the raw scores and scaled once per row (rounding is
+    monotone and qk_scale > 0, so rn(max(s) * c) is bitwise the max of rn(s * c): the same m), and
+    x = fma(s, c, -shift), one FFMA per score instead of FMUL + FADD (-128 instructions per
+    128-key tile and thread). x is then rounded once instead of twice (closer to float64, within
+    half an ulp of s * c of today's); masked tiles keep ``mul.rn`` + subtract, so that one-key rows
+    stay exactly 0 (x = 0 at the max: the FFMA fold left KL ~1e-7 there, bench/NOTES.md v4)."""
+    if FOLD and not MASKED:
+        m_tile = libdevice.mul_rn(gl.max(s_raw, axis=1), qk_scale)
+        m_new = gl.maximum(m, m_tile)
+        if RESCALE:
+            m_new = gl.where(m_new > m + RESCALE_BITS, m_new, m)
+        x = gl.fma(s_raw, qk_scale, -m_new[:, None])
+        out = (m_new, m_new, x)
     else:
-        shift = m_new
+        s = libdevice.mul_rn(s_raw, qk_scale)
+        m_new = _new_max(m, s, visible, MASKED, RESCALE)
+        if MASKED:
+            shift = _fwd._safe(m_new)
+        else:
+            shift = m_new
+        out = (m_new, shift, s - shift[:, None])
+    return out
+
+
+@gluon.jit
+def _shifted_premasked(m, s_masked, qk_scale, RESCALE: gl.constexpr):
+    """``_shifted`` of a masked tile whose raw scores are already -inf where invisible (MASK1):
+    the max, the exponentials and the sums need no mask of their own (rn(-inf c) - shift = -inf,
+    2^-inf = 0); the shift is the safe max (an all-invisible row keeps a finite reference)."""
+    s = libdevice.mul_rn(s_masked, qk_scale)
+    m_new = _new_max(m, s, 0, False, RESCALE)
+    shift = _fwd._safe(m_new)
     return m_new, shift, s - shift[:, None]
 
 
@@ -218,8 +252,16 @@ def _fold_sub(st, t1, t2, k1, k2, k1_free, k2_free, turn_next, visible, qk_scale
     if RELEASE and not _knob(SCHED, "MERGE"):  # MERGE: one release after the last wait (k2_free)
         mbarrier.arrive(k1_free, count=1)
     s2_raw = s1  # VARIANT 2 (no second product): side 2 folds S1 again
+    # MASK1 (masked tiles): the mask applied once to each side's raw scores, and once to the
+    # acc term, instead of at the max, the exponentials and the term of each side (5 -> 3 selects
+    # per score pair, fewer live predicates)
+    PRE: gl.constexpr = MASKED and _knob(SCHED, "MASK1")
+    MASK_LATER: gl.constexpr = MASKED and not PRE
     # ---- side 1, while S2 is still on the tensor cores
-    m1_new, shift1, x1 = _shifted(m1, s1, qk_scale1, visible, MASKED, RESCALE)
+    if PRE:
+        m1_new, shift1, x1 = _shifted_premasked(m1, gl.where(visible, s1, float("-inf")), qk_scale1, RESCALE)
+    else:
+        m1_new, shift1, x1 = _shifted(m1, s1, qk_scale1, visible, MASKED, RESCALE, _knob(SCHED, "FOLD"))
     FENCE: gl.constexpr = _knob(SCHED, "FENCE")
     if FENCE == 1 or (FENCE == 2 and not MASKED):  # 2: whole tiles only (the masked loop spills)
         # the exponentials inside a loop of one trip (ONE is a runtime 1): ptxas schedules
@@ -228,9 +270,9 @@ def _fold_sub(st, t1, t2, k1, k2, k1_free, k2_free, turn_next, visible, qk_scale
         l1_new = l1
         alpha1 = l1
         for _ in range(ONE):
-            p1, l1_new, alpha1 = _side1_exps(x1, m1, l1, shift1, visible, MASKED, VARIANT)
+            p1, l1_new, alpha1 = _side1_exps(x1, m1, l1, shift1, visible, MASK_LATER, VARIANT)
     else:
-        p1, l1_new, alpha1 = _side1_exps(x1, m1, l1, shift1, visible, MASKED, VARIANT)
+        p1, l1_new, alpha1 = _side1_exps(x1, m1, l1, shift1, visible, MASK_LATER, VARIANT)
 
     # ---- side 2
     if VARIANT != 2:
@@ -239,9 +281,19 @@ def _fold_sub(st, t1, t2, k1, k2, k1_free, k2_free, turn_next, visible, qk_scale
         mbarrier.arrive(turn_next, count=1)  # this tile's products are done: the other's turn
     if RELEASE:
         mbarrier.arrive(k2_free, count=1)
-    m2_new, shift2, x2 = _shifted(m2, s2_raw, qk_scale2, visible, MASKED, RESCALE)
+    if PRE:
+        m2_new, shift2, x2 = _shifted_premasked(m2, gl.where(visible, s2_raw, float("-inf")), qk_scale2, RESCALE)
+    else:
+        m2_new, shift2, x2 = _shifted(m2, s2_raw, qk_scale2, visible, MASKED, RESCALE, _knob(SCHED, "FOLD"))
     log_ratio = x1 - x2  # the shifted log-ratio (see _fwd._finalize)
-    if MASKED:
+    if PRE:
+        sum2 = _sum_exp2(x2, VARIANT, _knob(SCHED, "POLY"))
+        # invisible entries: x1 - x2 = -inf - -inf = NaN and p1 = 0; max(NaN, -FLT_MAX) is
+        # -FLT_MAX (max.f32 returns the non-NaN operand), times p1 = 0: exactly 0 without the
+        # mask (no predicate live this late). A NaN in a visible key: in K1, p1 and the term are
+        # NaN; in K2 only, the term is -FLT_MAX p1 (not NaN), but l2 is NaN, so kl and lse2 are.
+        term = p1 * gl.maximum(log_ratio, -3.4028234663852886e38)
+    elif MASKED:
         sum2 = _sum_exp2(gl.where(visible, x2, float("-inf")), VARIANT, _knob(SCHED, "POLY"))
         # masked entries add exactly 0: p1 * log_ratio would be 0 * NaN for a NaN key
         term = gl.where(visible, p1 * log_ratio, 0.0)
@@ -269,7 +321,7 @@ def _half2(m2, l2, s2_raw, visible, qk_scale2, ONE, MASKED: gl.constexpr, VARIAN
     RESCALE: gl.constexpr = _knob(SCHED, "RESCALE")
     POLY: gl.constexpr = _knob(SCHED, "POLY")
     FENCE: gl.constexpr = _knob(SCHED, "FENCE")
-    m2_new, shift2, x2 = _shifted(m2, s2_raw, qk_scale2, visible, MASKED, RESCALE)
+    m2_new, shift2, x2 = _shifted(m2, s2_raw, qk_scale2, visible, MASKED, RESCALE, _knob(SCHED, "FOLD"))
     if MASKED:
         e2 = gl.where(visible, x2, float("-inf"))
     else:
@@ -292,7 +344,7 @@ def _half1(m1, l1, acc, s1_raw, x2, moved2, visible, qk_scale1, ONE, MASKED: gl.
     exponentials in a one-trip loop (LOOK: so that they stay above the next product's wait)."""
     RESCALE: gl.constexpr = _knob(SCHED, "RESCALE")
     FENCE: gl.constexpr = _knob(SCHED, "FENCE")
-    m1_new, shift1, x1 = _shifted(m1, s1_raw, qk_scale1, visible, MASKED, RESCALE)
+    m1_new, shift1, x1 = _shifted(m1, s1_raw, qk_scale1, visible, MASKED, RESCALE, _knob(SCHED, "FOLD"))
     if FENCE == 1 or (FENCE == 2 and not MASKED):
         p1 = x1
         l1_new = l1
@@ -381,12 +433,18 @@ def _fold_pair(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_em
 
 
 @gluon.jit
-def _visible(i, h, rows, N_K, diag_offset, BLOCK_N: gl.constexpr, SUB_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """Which entries of sub-tile h of key tile i a row sees: keys < N_K, and the causal band."""
+def _visible(i, h, rows, N_K, diag_offset, BLOCK_N: gl.constexpr, SUB_N: gl.constexpr, CAUSAL: gl.constexpr,
+             ONE_TEST: gl.constexpr = False):
+    """Which entries of sub-tile h of key tile i a row sees: keys < N_K, and the causal band.
+    ONE_TEST (MASK1, causal): the two bounds folded into one per-row last visible key, one
+    compare per entry (the same set: j < N_K and j <= i + diag  <=>  j <= min(N_K - 1, i + diag))."""
     cols = i * BLOCK_N + h * SUB_N + gl.arange(0, SUB_N, layout=gl.SliceLayout(0, _acc_layout(SUB_N)))
-    visible = cols[None, :] < N_K
-    if CAUSAL:  # bottom-right causal: key j visible to query i iff j <= i + (N_K - N_Q)
-        visible = visible & (cols[None, :] <= rows[:, None] + diag_offset)
+    if ONE_TEST and CAUSAL:
+        visible = cols[None, :] <= gl.minimum(rows + diag_offset, N_K - 1)[:, None]
+    else:
+        visible = cols[None, :] < N_K
+        if CAUSAL:  # bottom-right causal: key j visible to query i iff j <= i + (N_K - N_Q)
+            visible = visible & (cols[None, :] <= rows[:, None] + diag_offset)
     return visible
 
 
@@ -460,9 +518,10 @@ def _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_em
     visible_a = 0
     visible_b = 0
     if MASKED:
-        visible_a = _visible(i, 0, rows, N_K, diag_offset, BLOCK_N, SUB_N, CAUSAL)
+        ONE_TEST: gl.constexpr = _knob(SCHED, "MASK1")
+        visible_a = _visible(i, 0, rows, N_K, diag_offset, BLOCK_N, SUB_N, CAUSAL, ONE_TEST)
         if SPLIT:
-            visible_b = _visible(i, 1, rows, N_K, diag_offset, BLOCK_N, SUB_N, CAUSAL)
+            visible_b = _visible(i, 1, rows, N_K, diag_offset, BLOCK_N, SUB_N, CAUSAL, ONE_TEST)
     if ORDER:
         st = _fold_sub_s2first(st, t1, t2, k1, k2, k1_free, k2_free, turn_next, visible_a,
                                qk_scale1, qk_scale2, ONE, True, MASKED, VARIANT, SCHED)
@@ -499,7 +558,24 @@ def _consumer(WG: gl.constexpr, q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_re
     acc = gl.zeros([WG_M], gl.float32, row_layout)
     st = (m1, l1, m2, l2, acc)
     # whole tiles every row of the CTA sees, then the causal band and the ragged last tile
-    if _knob(SCHED, "LOOK") and VARIANT != 2:  # whole tiles two at a time, the odd one alone
+    if _knob(SCHED, "POLY") == 3:
+        # POLY 3: a quarter of side 2's exponentials on the FMA pipe: even whole tiles with POLY 2
+        # (every other column of side 2 by the polynomial), odd ones (and the masked tiles) all on
+        # the MUFU; a branch in the loop (two tiles per iteration spill: 14 STL, triton 3.6). Session 6: the
+        # share where the MUFU and the issue slots balance with FOLD (estimate: MUFU 16 (132 - k)
+        # cycles, issue 2 (801 + 11 k) per scheduler and tile, k ~ 13 of side 2's 64)
+        SCHED_P2: gl.constexpr = _with_knob(SCHED, "POLY", 2)
+        SCHED_P0: gl.constexpr = _with_knob(SCHED, "POLY", 0)
+        for i in range(n_full):
+            if i % 2 == 0:
+                st = _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars, i,
+                                zero, rows, N_K, diag_offset, qk_scale1, qk_scale2, ONE, D1, D2, BLOCK_N, NUM_STAGES,
+                                False, CAUSAL, VARIANT, WG, SCHED_P2)
+            else:
+                st = _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars, i,
+                                zero, rows, N_K, diag_offset, qk_scale1, qk_scale2, ONE, D1, D2, BLOCK_N, NUM_STAGES,
+                                False, CAUSAL, VARIANT, WG, SCHED_P0)
+    elif _knob(SCHED, "LOOK") and VARIANT != 2:  # whole tiles two at a time, the odd one alone
         for j in range(n_full // 2):
             st = _fold_pair(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, 2 * j, zero,
                             qk_scale1, qk_scale2, ONE, D1, D2, BLOCK_N, NUM_STAGES, VARIANT, SCHED)
@@ -512,10 +588,11 @@ def _consumer(WG: gl.constexpr, q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_re
             st = _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars, i,
                             zero, rows, N_K, diag_offset, qk_scale1, qk_scale2, ONE, D1, D2, BLOCK_N, NUM_STAGES,
                             False, CAUSAL, VARIANT, WG, SCHED)
+    SCHED_MASKED: gl.constexpr = _with_knob(SCHED, "POLY", 0) if _knob(SCHED, "POLY") == 3 else SCHED
     for i in range(n_full, n_tiles):
         st = _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars, i,
                         zero, rows, N_K, diag_offset, qk_scale1, qk_scale2, ONE, D1, D2, BLOCK_N, NUM_STAGES,
-                        True, CAUSAL, VARIANT, WG, SCHED)
+                        True, CAUSAL, VARIANT, WG, SCHED_MASKED)
     m1, l1, m2, l2, acc = st
     kl, lse1, lse2 = _fwd._finalize(m1, l1, m2, l2, acc)
     row_ok = rows < N_Q  # padded query rows (TMA zero fill) are never written
@@ -631,13 +708,32 @@ def candidates(d1: int, d2: int):
     # H200, 2026-12-01 (bench/results/session4/..._s4r2_gluon.log, _s4r3_): the 224-register
     # configs cannot launch (a CTA of 384 threads x 224 registers exceeds the SM's 65536:
     # "OutOfResources: threads, Required: 384, Hardware limit: 256"), so none is a candidate.
+    knobs = DEFAULT_KNOBS
     if (d1, d2) == (128, 128):
         # the measured winner alone (session 5, fwd13): in session 4 (s4r2, s4r3) 64-key tiles
         # lost at every D = 128 point by 10-18 % and the turnstile was within +-5 % of the default
         # (won 8K causal by 3 %, lost 8K full by 5 %), while the tuned API path ran 8K full 6 %
         # slower than the default forced (s4r3): timing noise picks, so do not time
-        return [(128, s128, 168, 0)]
-    return [(128, s128, 168, 0), (64, s64, 168, 0), (128, s128, 168, 1)]
+        return [make_cand(d1, d2, 128, 168, **knobs)]
+    return [make_cand(d1, d2, 128, 168, **knobs), make_cand(d1, d2, 64, 168, **knobs),
+            make_cand(d1, d2, 128, 168, PINGPONG=1, **knobs)]
+
+
+# Schedule knobs every tuner candidate carries (arithmetic that does not change the schedule's
+# shape; a knob joins only on a GPU measurement).
+DEFAULT_KNOBS: dict = {}
+
+
+def make_cand(d1: int, d2: int, block_n: int, maxnreg: int, **knobs):
+    """A candidate tuple (``CAND_FIELDS``): BLOCK_N, the deepest ring that fits, maxnreg, the knobs
+    (trailing defaults left out, at least up to PINGPONG: shorter names on disk)."""
+    f = dict(zip(CAND_FIELDS, range(len(CAND_FIELDS))))
+    out = [block_n, _ring_stages(d1, d2, block_n), maxnreg] + [0] * (len(CAND_FIELDS) - 3)
+    for name, value in knobs.items():
+        out[f[name]] = value
+    while len(out) > 4 and out[-1] == 0:
+        out.pop()
+    return tuple(out)
 
 
 def experiments(d1: int, d2: int):
@@ -651,43 +747,41 @@ def experiments(d1: int, d2: int):
     (masked loop); LOOK at 64-key tiles no spills causal or not, 34 EX2 between the first two
     waits, 4 DEPBAR per two-tile iteration; LOOK at 128-key tiles spills (~20 STL per loop, also
     at maxnreg 240)."""
-    s128, s64 = _ring_stages(d1, d2, 128), _ring_stages(d1, d2, 64)
-    f = dict(zip(CAND_FIELDS, range(len(CAND_FIELDS))))
-
     def cand(block_n, maxnreg, **knobs):
-        out = [block_n, s128 if block_n == 128 else s64, maxnreg] + [0] * (len(CAND_FIELDS) - 3)
-        for name, value in knobs.items():
-            out[f[name]] = value
-        while len(out) > 4 and out[-1] == 0:  # trailing defaults left out (shorter names on disk)
-            out.pop()
-        return tuple(out)
+        return make_cand(d1, d2, block_n, maxnreg, **knobs)
 
-    return [
-        cand(128, 168, PINGPONG=1),  # the turnstile (a tuner candidate at other head dims): the control for TURN
-        cand(128, 168, FENCE=2),  # session 4's nearest to the default (2.510 vs 2.476 ms at 8K)
-        cand(128, 168, ORDER=1, FENCE=2),  # side 2 first, its exponentials kept before the S1 wait
-        # two 64-key tiles per iteration, the next product issued before each fold, every fold's
-        # exponentials above the next wait (LOOK without FENCE: ptxas sinks half of them)
-        cand(64, 168, ORDER=1, LOOK=1, FENCE=2),
-        # FA3's ping-pong as meant: the turn passes when this warpgroup's products are done, so
-        # the other's products run while this one folds (PINGPONG alone passes it right after
-        # issuing: both warpgroups' products then share the tensor cores and end together)
-        cand(128, 168, PINGPONG=1, TURN=1, FENCE=2),
-        cand(128, 168, PINGPONG=1, TURN=1, ORDER=1, FENCE=2),
-        # MERGE: K1 and K2 of a slot behind one ready and one empty barrier. Triton 3.6's membar
-        # puts a BAR.SYNC (the warpgroup's 128 threads) before every mbarrier wait that follows an
-        # arrive and before every arrive: 3 per key tile in the default, 2 merged. Nsight Compute
-        # (run r5a, 8K full, the default) has "Stall Barrier" largest (2.06 of 6.92 cycles per
-        # issued instruction), but ~1.75 of it are the 3 padding warps parked at barrier 1
-        # (bench/NOTES.md): expect little
+    # Session 6 (fwd13): session 5's schedules (ORDER, LOOK, TURN, RELTURN: 4-30 % slower than
+    # the default in run s5r4) are no longer measured (their knobs stay). Measured: FOLD (the
+    # scale folded into the exponent's FFMA on whole tiles; SASS per whole-tile loop, CPU compile
+    # with triton 3.6's ptxas: 801 instead of 921 instructions, 168 registers, no spills in the
+    # loops), alone and with the schedules that were within 4 % of the default (merged barriers,
+    # the turnstile, FENCE=2: 66 side-1 exponentials between the waits, 1 STL in a masked loop),
+    # and with part of side 2's exponentials on the FMA pipe (POLY 2: half, 1100 instructions per
+    # tile, no spills; POLY 3: a quarter, 14 STL in one warpgroup's loop): the test of the model
+    # "time per tile = tensor + max(MUFU, issue)" of bench/NOTES.md round 4. MERGE alone is the
+    # control (1.004x the default in s5r4).
+    # MASK1 (masked tiles: the mask applied once to the raw scores, the term kept at 0 by a max
+    # instead of a select, one compare per entry): 1223 instead of 1866 instructions per causal
+    # masked loop, 1186 instead of 1593 non-causal (triton 3.6, bf16 D = 128), no spills with FOLD.
+    return [cand(128, 168)] * bool(DEFAULT_KNOBS) + [  # the knob-free schedule, once the default has knobs
         cand(128, 168, MERGE=1),
-        cand(128, 168, FENCE=2, MERGE=1),
-        cand(128, 168, PINGPONG=1, TURN=1, FENCE=2, MERGE=1),
-        # the late turn without turn barriers: a warpgroup's release of a slot is the other's turn
-        # (per-warpgroup empty barriers): 2 BAR.SYNC per key tile instead of 3 (CPU SASS, 3.6)
-        cand(128, 168, PINGPONG=1, TURN=1, FENCE=2, MERGE=1, RELTURN=1),
-        cand(64, 168, ORDER=1, LOOK=1, FENCE=2, MERGE=1),
+        cand(128, 168, FOLD=1),
+        cand(128, 168, FOLD=1, MASK1=1),
+        cand(128, 168, MERGE=1, FOLD=1, MASK1=1),
+        cand(128, 168, PINGPONG=1, FOLD=1),
+        cand(128, 168, FENCE=2, FOLD=1),
+        cand(128, 168, POLY=2, FOLD=1),
+        cand(128, 168, POLY=3, FOLD=1),
     ]
+
+
+# Session 5's experiments (run s5r4: none beat the default), for ``bench/gluon_gpu.py --configs``.
+SESSION5_EXPERIMENTS = (
+    (128, 2, 168, 1), (128, 2, 168, 0, 0, 0, 0, 2), (128, 2, 168, 0, 0, 0, 0, 2, 1),
+    (64, 4, 168, 0, 0, 0, 0, 2, 1, 1), (128, 2, 168, 1, 0, 0, 0, 2, 0, 0, 1),
+    (128, 2, 168, 1, 0, 0, 0, 2, 1, 0, 1), (128, 2, 168, 0, 0, 0, 0, 0, 0, 0, 0, 1),
+    (128, 2, 168, 0, 0, 0, 0, 2, 0, 0, 0, 1), (128, 2, 168, 1, 0, 0, 0, 2, 0, 0, 1, 1),
+    (128, 2, 168, 1, 0, 0, 0, 2, 0, 0, 1, 1, 1), (64, 4, 168, 0, 0, 0, 0, 2, 1, 1, 0, 1))
 
 
 def configs_to_measure(d1: int, d2: int):
@@ -701,7 +795,7 @@ CAND_FIELDS = ("BLOCK_N", "NUM_STAGES", "maxnreg") + tuple(SCHED_BITS)
 CAND_DEFAULTS = {k: 0 for k in SCHED_BITS}
 _FLAG_NAMES = dict(PINGPONG="pingpong", SPLIT="split", POLY="poly", RESCALE="rescale", FENCE="fence",
                    ORDER="s2first", LOOK="look", TURN="lateturn", MERGE="merged",
-                   RELTURN="relturn")
+                   RELTURN="relturn", FOLD="ffma", MASK1="mask1")
 
 
 def sched_of(cfg) -> int:
@@ -722,6 +816,8 @@ def sched_of(cfg) -> int:
         raise ValueError("LOOK folds side 2 first: it needs ORDER=1")
     if cfg.get("ORDER") and cfg.get("SPLIT"):
         raise ValueError("ORDER (side 2 first) does not take SPLIT")
+    if cfg.get("MASK1") and cfg.get("ORDER"):
+        raise ValueError("MASK1 (the masked tiles' mask applied once) is written for the side-1-first fold, not ORDER")
     return out
 
 
@@ -747,11 +843,37 @@ def _gl_dtype(dtype):
     return getattr(gl, _GL_DTYPES[dtype])
 
 
+_LAYOUTS: dict = {}  # (rows, D, dtype) -> the shared-memory layout of a TMA block (host cost: ~10 us each)
+
+
 def make_descriptor(t, rows: int):
     """4-D TMA descriptor over ``t`` ([B, H, N, D], any TMA-legal strides), block [1, 1, rows, D]."""
     block = [1, 1, rows, t.shape[-1]]
-    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(t.dtype))
+    key = (rows, t.shape[-1], t.dtype)
+    layout = _LAYOUTS.get(key)
+    if layout is None:
+        layout = _LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(t.dtype))
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+_STATICS: dict = {}  # (D1, D2, config, causal, variant) -> (block_n, constexprs, options): the per-call host work
+_MAX_STATICS = 1024
+
+
+def _statics(D1, D2, config, causal, variant):
+    key = (D1, D2, tuple(sorted((config or {}).items())), bool(causal), variant)
+    hit = _STATICS.get(key)
+    if hit is None:
+        cfg = {**kernel_config(D1, D2), **(config or {})}
+        constexprs = dict(D1=D1, D2=D2, BLOCK_N=cfg["BLOCK_N"], NUM_STAGES=cfg["NUM_STAGES"], CAUSAL=bool(causal),
+                          CONSUMER_REGS=cfg["CONSUMER_REGS"], VARIANT=VARIANTS[variant], SCHED=sched_of(cfg))
+        options = dict(num_warps=4)
+        if cfg.get("maxnreg"):
+            options["maxnreg"] = cfg["maxnreg"]
+        if len(_STATICS) >= _MAX_STATICS:
+            _STATICS.clear()
+        hit = _STATICS[key] = (cfg["BLOCK_N"], constexprs, options)
+    return hit
 
 
 def launch_args(q1, k1, q2, k2, causal, scale1, scale2, kl, lse1_bits, lse2_bits, config=None, variant="kernel"):
@@ -761,19 +883,13 @@ def launch_args(q1, k1, q2, k2, causal, scale1, scale2, kl, lse1_bits, lse2_bits
     ``VARIANTS`` (anything but "kernel" computes wrong results, for timing only)."""
     B, H, N_Q, D1 = q1.shape
     N_K, D2 = k1.shape[2], q2.shape[3]
-    cfg = {**kernel_config(D1, D2), **(config or {})}
-    block_n = cfg["BLOCK_N"]
+    block_n, constexprs, options = _statics(D1, D2, config, causal, variant)
     descs = (make_descriptor(q1, WG_M.value), make_descriptor(k1, block_n),
              make_descriptor(q2, WG_M.value), make_descriptor(k2, block_n))
     args = descs + (kl, lse1_bits, lse2_bits, H, N_Q, N_K, H // k1.shape[1], H // k2.shape[1],
                     scale1 * LOG2E, scale2 * LOG2E, 1)
-    constexprs = dict(D1=D1, D2=D2, BLOCK_N=block_n, NUM_STAGES=cfg["NUM_STAGES"], CAUSAL=bool(causal),
-                      CONSUMER_REGS=cfg["CONSUMER_REGS"], VARIANT=VARIANTS[variant], SCHED=sched_of(cfg))
-    options = dict(num_warps=4)
-    if cfg.get("maxnreg"):
-        options["maxnreg"] = cfg["maxnreg"]
     grid = (triton.cdiv(N_Q, BLOCK_M.value), B * H)
-    return grid, args, constexprs, options
+    return grid, args, dict(constexprs), dict(options)
 
 
 LAST_KERNEL = None  # the compiled kernel of the latest launch (the GPU script reads its SASS)
@@ -783,6 +899,8 @@ LAST_KERNEL_SCHED = 0  # and its SCHED constexpr
 def waits_per_tile(sched: int) -> int:
     """The wgmma waits in the source of one key-tile loop body: two per (sub-)tile product pair."""
     if (sched >> SCHED_BITS["LOOK"][0]) & 1:  # two key tiles per iteration of the whole-tile loop
+        return 4
+    if (sched >> SCHED_BITS["POLY"][0]) & 3 == 3:  # the loop holds both tile bodies (a branch on i % 2)
         return 4
     return 2 * (1 + ((sched >> SCHED_BITS["SPLIT"][0]) & 1))
 
@@ -800,6 +918,37 @@ def gluon_forward(q1, k1, q2, k2, causal, scale1, scale2, out=None, config=None,
     kl, lse1_bits, lse2_bits = out
     grid, args, constexprs, options = launch_args(q1, k1, q2, k2, causal, scale1, scale2, kl, lse1_bits, lse2_bits,
                                                   config, variant)
-    LAST_KERNEL = _gluon_kl_fwd_kernel[grid](*args, **constexprs, **options)
+    LAST_KERNEL = _launch(grid, args, constexprs, options)
     LAST_KERNEL_SCHED = constexprs["SCHED"]
     return kl, lse1_bits, lse2_bits
+
+
+FAST_LAUNCH_ENV = "STREAMKL_GLUON_FAST_LAUNCH"  # "1": launch through _launch's cache (off until a GPU run checks it)
+_COMPILED: dict = {}  # specialisation key -> (CompiledKernel, the constexpr tail in parameter order)
+FAST_STATS = {"direct": 0, "bound": 0}
+
+
+def _launch(grid, args, constexprs, options):
+    """``_gluon_kl_fwd_kernel[grid](*args, **constexprs, **options)``; with ``STREAMKL_GLUON_FAST_LAUNCH=1``
+    the first launch of each specialisation keeps the compiled kernel and later ones call its
+    launcher directly (``_fast_launch``'s method and key: what Triton specialises each argument
+    on, descriptors by type, block shape, dtype and base alignment), saving the JIT binder's
+    tens of microseconds per call (the 2K points of the no-regression grid are host-bound)."""
+    if _runtime.env(FAST_LAUNCH_ENV, "0") != "1" or not _fast_launch.enabled():
+        return _gluon_kl_fwd_kernel[grid](*args, **constexprs, **options)
+    key = (tuple(constexprs.items()), tuple(sorted(options.items())), tuple(_fast_launch._spec(a) for a in args))
+    hit = _COMPILED.get(key)
+    if hit is None:
+        kernel = _gluon_kl_fwd_kernel[grid](*args, **constexprs, **options)
+        if hasattr(kernel, "result"):  # an asynchronous compile (triton >= 3.5)
+            kernel = kernel.result()
+        if len(_COMPILED) >= 1024:
+            _COMPILED.clear()
+        _COMPILED[key] = (kernel, _fast_launch._tail(_gluon_kl_fwd_kernel, len(args), constexprs, {})[0])
+        FAST_STATS["bound"] += 1
+        return kernel
+    kernel, tail = hit
+    stream = _fast_launch._raw_stream(torch.cuda.current_device())
+    kernel.run(grid[0], grid[1], 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *tail)
+    FAST_STATS["direct"] += 1
+    return kernel

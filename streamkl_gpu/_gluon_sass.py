@@ -106,7 +106,7 @@ def main_loops(sass):
 
 
 def sass_counts(sass):
-    """Whole-kernel counts and, per main loop, HGMMA / DEPBAR / MUFU.EX2 / BAR.SYNC counts and the
+    """Whole-kernel counts and, per main loop, instructions / HGMMA / DEPBAR / MUFU.EX2 / BAR.SYNC counts and the
     number of MUFU.EX2 between the loop's first and second DEPBAR (the S1 exponentials overlapping
     S2). BAR.SYNC: the warpgroup rendezvous triton 3.6's membar puts at the loop's mbarrier ops."""
     count = lambda pat: len(re.findall(pat, sass))
@@ -114,7 +114,7 @@ def sass_counts(sass):
     for body in main_loops(sass):
         dep = [k for k, t in enumerate(body) if "WARPGROUP.DEPBAR" in t]
         between = sum("MUFU.EX2" in t for t in body[dep[0]:dep[1]]) if len(dep) >= 2 else 0
-        loops.append(dict(hgmma=sum("HGMMA" in t for t in body), depbar=len(dep),
+        loops.append(dict(instructions=len(body), hgmma=sum("HGMMA" in t for t in body), depbar=len(dep),
                           bar=sum(bool(re.search(r"\bBAR\.SYNC", t)) for t in body),
                           ex2=sum("MUFU.EX2" in t for t in body), ex2_between_waits=between,
                           spills=sum(bool(re.search(r"\b(STL|LDL)\b", t)) for t in body)))
