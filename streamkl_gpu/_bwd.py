@@ -463,9 +463,12 @@ def _kl_bwd_dq_kernel(
     Q1_DESC=None, K1_DESC=None, Q2_DESC=None, K2_DESC=None,
     USE_TMA: tl.constexpr = False,  # every operand tile through TMA descriptors
     FOLD: tl.constexpr = False,  # fewer fp32 ops per score; the row factors applied once to dQ
+    HEAVY_FIRST: tl.constexpr = False,  # causal: the last query tiles (the most keys) launched first
 ):
     # VARLEN: as in _kl_fwd_kernel
     pid_m = tl.program_id(0)
+    if HEAVY_FIRST:  # blocks start in launch order: the long ones first, the short ones fill the tail
+        pid_m = tl.num_programs(0) - 1 - pid_m
     pid_bh = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H

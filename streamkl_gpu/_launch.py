@@ -185,6 +185,13 @@ def _desc(t, block_rows, d_pad):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_rows, d_pad])
 
 
+def _launch_opts(parts):
+    """Compile options named by variant parts: "rN" caps the registers per thread at N (ptxas
+    .maxnreg), e.g. so that two 8-warp CTAs share an SM (N = 128)."""
+    regs = [int(p[1:]) for p in parts if p[:1] == "r" and p[1:].isdigit()]
+    return {"maxnreg": regs[-1]} if regs else {}
+
+
 def _empty_backward(dims, q1, k1, q2, k2, train1, train2):
     """Zero gradients (no visible key anywhere) or empty ones (no row, no key)."""
     def zeros(train, x):
@@ -288,7 +295,7 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
             TRAIN1=train1, TRAIN2=train2, FUSED_DQ=fused, DK1_ATOMIC=dk1_atomic, DK2_ATOMIC=dk2_atomic,
             IEEE1=ieee1, IEEE2=ieee2,
             USE_TMA=use_tma, TRANS="trans" in parts, FOLD="fold" in parts, DQ_REDUCE=reduce_dq,
-            ROWS="rows" in parts), warps, stages, key, aligned, runtime=descs)
+            ROWS="rows" in parts, **_launch_opts(parts)), warps, stages, key, aligned, runtime=descs)
         if not fused:
             block_m, block_n, warps, stages, variant = cfg_dq
             parts = variant.split("+")
@@ -305,7 +312,8 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
                 dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2), dict(
                 BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1_pad, D2_PAD=d2_pad, CAUSAL=causal,
                 TRAIN1=train1, TRAIN2=train2, IEEE1=ieee1, IEEE2=ieee2,
-                USE_TMA=use_tma, FOLD="fold" in parts), warps, stages, key, aligned, runtime=descs)
+                USE_TMA=use_tma, FOLD="fold" in parts, HEAVY_FIRST=causal and "heavy" in parts,
+                **_launch_opts(parts)), warps, stages, key, aligned, runtime=descs)
         return dq1, dk1, dq2, dk2
 
     if plan is None:

@@ -24,7 +24,9 @@ pytestmark = [pytest.mark.usefixtures("poison"), pytest.mark.filterwarnings("ign
 SETTINGS = {"s1": (False, False, True, True), "s2": (True, True, False, False), "both": (True, True, True, True)}
 # every new code path at least once: TMA loads, key-major tiles, folds (dK kernel pre-scaled,
 # dQ kernel post-scaled), the TMA reduce of the fused dQ, each with and without the others
-VARIANTS = ["tma+trans+fold+rows+reduce", "tma+trans+fold+reduce", "tma+trans+reduce", "tma", "trans", "fold"]
+# ("+heavy": the causal dQ kernel's reversed launch order, HEAVY_FIRST)
+VARIANTS = ["tma+trans+fold+rows+reduce", "tma+trans+fold+reduce", "tma+trans+reduce", "tma", "trans", "fold",
+            "tma+trans+fold+rows+heavy"]
 
 
 @pytest.fixture
