@@ -221,8 +221,8 @@ class Direct:
 
         from streamkl_gpu import _bwd
         from streamkl_gpu._checks import head_pad, strides
-        from streamkl_gpu._launch import _desc
-        from streamkl_gpu._runtime import LOG2E, TensorDescriptor
+        from streamkl_gpu._launch import _desc, _row_constants
+        from streamkl_gpu._runtime import LOG2E
         torch, dims, d = self.torch, self.dims, self.d
         q1, k1, q2, k2 = d["q1"], d["k1"], d["q2"], d["k2"]
         block_m, block_n, warps, stages = cfg
@@ -243,13 +243,9 @@ class Direct:
             return (x.stride(0), x.stride(1), x.stride(2)) if x.dim() == 4 else (0, 0, 0)
         descs = dict(Q1_DESC=_desc(q1, block_m, d1p), K1_DESC=_desc(k1, block_n, d1p),
                      Q2_DESC=_desc(q2, block_m, d2p), K2_DESC=_desc(k2, block_n, d2p))
-        if rows:
-            pitch = triton.cdiv(dims.NQ, 4) * 4
-            planes = torch.empty((6, BH, pitch), dtype=torch.float32, device=dev)
-            _bwd._kl_bwd_rows_kernel[(triton.cdiv(BH * dims.NQ, 1024),)](
-                self.lse1, self.lse2, self.kl, self.g, planes, BH * dims.NQ, dims.NQ, pitch, BH * pitch,
-                dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2, BLOCK=1024, num_warps=4)
-            descs["ROWS_DESC"] = TensorDescriptor(planes, [6, BH, dims.NQ], list(planes.stride()), [1, 1, block_m])
+        if rows:  # rows="pack": the packed layout (ROWS_PACKED)
+            descs["ROWS_DESC"] = _row_constants(dims, self.g, self.kl, self.lse1, self.lse2, block_m, rows == "pack",
+                                                self.train1 and self.train2, dev)
         reduce_dq = fused and reduce and not TINY  # the interpreter has no TMA reduce-add: per-element atomics there
         if reduce_dq:
             descs.update(DQ1_DESC=_desc(dq1, block_m, d1p) if dq1 is not None else None,
@@ -261,7 +257,8 @@ class Direct:
             *self._common(), dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2,
             BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1p, D2_PAD=d2p, CAUSAL=self.causal,
             TRAIN1=self.train1, TRAIN2=self.train2, FUSED_DQ=fused, DK1_ATOMIC=False, DK2_ATOMIC=False,
-            IEEE1=False, IEEE2=False, USE_TMA=True, TRANS=True, FOLD=True, DQ_REDUCE=reduce_dq, ROWS=rows,
+            IEEE1=False, IEEE2=False, USE_TMA=True, TRANS=True, FOLD=True, DQ_REDUCE=reduce_dq, ROWS=bool(rows),
+            ROWS_PACKED=rows == "pack",
             PROBE=probe, num_warps=warps, num_stages=stages, **descs, **(opts or {}))
         self.last["sepdk" if not fused else "fused" if reduce else "fusedatomic"] = k
         return dq, (dk1 if self.train1 else dk2)

@@ -24,9 +24,9 @@ pytestmark = [pytest.mark.usefixtures("poison"), pytest.mark.filterwarnings("ign
 SETTINGS = {"s1": (False, False, True, True), "s2": (True, True, False, False), "both": (True, True, True, True)}
 # every new code path at least once: TMA loads, key-major tiles, folds (dK kernel pre-scaled,
 # dQ kernel post-scaled), the TMA reduce of the fused dQ, each with and without the others
-# ("+heavy": the causal dQ kernel's reversed launch order, HEAVY_FIRST)
+# ("+heavy": the causal dQ kernel's reversed launch order, HEAVY_FIRST; "+pack": packed row constants)
 VARIANTS = ["tma+trans+fold+rows+reduce", "tma+trans+fold+reduce", "tma+trans+reduce", "tma", "trans", "fold",
-            "tma+trans+fold+rows+heavy"]
+            "tma+trans+fold+rows+heavy", "tma+trans+fold+rows+pack+reduce"]
 
 
 @pytest.fixture
@@ -47,7 +47,7 @@ def launched(variant, mode):
 
 
 def expected(variant, mode, tma=True):
-    name = variant if tma else variant.replace("tma", "").replace("reduce", "").replace("rows", "")
+    name = variant if tma else variant.replace("tma", "").replace("reduce", "").replace("rows", "").replace("pack", "")
     return (_tuning._kernel_variant(name, "dk", mode == "fused"),
             _tuning._kernel_variant(name, "dq", mode == "fused"))
 
@@ -84,7 +84,7 @@ def test_variant_gradients(variant, mode, B, H, HK1, HK2, NQ, NK, D1, D2, causal
             assert (grads[name][:, :, : NQ - NK] == 0).all()
 
 
-@pytest.mark.parametrize("variant", ["tma+trans+fold+rows+reduce", "fold"], indirect=True)
+@pytest.mark.parametrize("variant", ["tma+trans+fold+rows+reduce", "fold", "tma+trans+fold+rows+pack"], indirect=True)
 @pytest.mark.parametrize("mode", ["fused", "separate"])
 @pytest.mark.parametrize("setting", ["s1", "s2"])
 def test_variant_one_setting(variant, mode, setting):
