@@ -49,15 +49,24 @@ class Cand:
     def __init__(self, name, kind, cfg, opts=None, rows=True, causal_only=False):
         self.name, self.kind, self.cfg, self.opts, self.rows = name, kind, tuple(cfg), dict(opts or {}), rows
         self.causal_only = causal_only
+        # the fused 64x128x8x3 needs 247 KB of shared memory causal (run s5r3): non-causal only
+        self.noncausal_only = kind == "fused"
+
+    def runs(self, causal):
+        return not (self.causal_only and not causal) and not (self.noncausal_only and causal)
 
     def launch(self, direct):
         if self.kind == "dk":
             return direct.dk(self.cfg, False, opts=self.opts, rows=self.rows)[1]
+        if self.kind == "fused":  # (dQ in fp32, dK): the fused kernel, dQ by TMA reduce-adds
+            return direct.dk(self.cfg, True, opts=self.opts, rows=self.rows)
         return direct.dq(self.cfg, opts=self.opts)
 
 
 REF_DK = Cand("dk 64x128x8x3 rows (auto)", "dk", (64, 128, 8, 3))
 REF_DQ = Cand("dq 128x64x8x3 (auto)", "dq", (128, 64, 8, 3))
+REF_FUSED = Cand("fused 64x128x8x3 rows", "fused", (64, 128, 8, 3))  # the fused candidate (small N_Q)
+REFS = {"dk": REF_DK, "dq": REF_DQ, "fused": REF_FUSED}
 # in timing order (the slot may end early): the references first, then the expected best. Offline
 # sm_90 compile (bench/bwd_s6_offline.py, triton 3.6), whole-tile loop instructions s1 / s2: dK
 # rows 459 / 556 (6 TMA loads a tile, 10 SYNCS), pack 398 / 374 (3 loads, 4 SYNCS), no spills;
@@ -83,8 +92,10 @@ CANDIDATES = [
     Cand("dk 64x128x8x3 norows", "dk", (64, 128, 8, 3), rows=False),
     Cand("dq 128x32x8x2 r128", "dq", (128, 32, 8, 2), {"maxnreg": 128}),
     Cand("dq 128x64x8x3 heavy", "dq", (128, 64, 8, 3), {"HEAVY_FIRST": True}, causal_only=True),
+    REF_FUSED,
+    Cand("fused 64x128x8x3 pack", "fused", (64, 128, 8, 3), rows="pack"),
 ]
-TINY_CFG = {"dk": (16, 32, 1, 1), "dq": (32, 16, 1, 1)}
+TINY_CFG = {"dk": (16, 32, 1, 1), "dq": (32, 16, 1, 1), "fused": (16, 32, 1, 1)}
 
 
 def parse(argv):
@@ -116,6 +127,8 @@ class S6:
         self.done = False
         self.cands = [c for c in CANDIDATES if not a.only or c.name in a.only.split(",")]
         if a.tiny:
+            import bwd_sweep
+            bwd_sweep.TINY = True  # the fused dQ by per-element atomics (no TMA reduce-add in the interpreter)
             for c in self.cands:
                 c.cfg = TINY_CFG[c.kind]
                 c.opts.pop("maxnreg", None)
@@ -180,7 +193,7 @@ class S6:
                 if not ks:
                     continue
                 lines.append(f"{shape} {s}" + (f" (SDPA bwd {sd[shape]:.3f} ms)" if shape in sd else ""))
-                ref = {"dk": timed.get((shape, s, REF_DK.name)), "dq": timed.get((shape, s, REF_DQ.name))}
+                ref = {kind: timed.get((shape, s, c.name)) for kind, c in REFS.items()}
                 for (_, _, name), t in sorted(ks, key=lambda kv: (kv[0][2].split()[0], kv[1])):
                     kind = name.split()[0]
                     base = ref.get(kind)
@@ -233,7 +246,7 @@ class S6:
             refs = {}
             kernels = {}
             for c in self.cands:
-                if c.causal_only and not causal:
+                if not c.runs(causal):
                     continue
                 if self.left() < 12:
                     self.log(f"{shape} {s} {c.name}: skipped (budget)")
@@ -246,7 +259,7 @@ class S6:
                     self.sync()
                     ref = refs.get(c.kind)
                     diff = rel(out, ref) if ref is not None else None
-                    if c in (REF_DK, REF_DQ):
+                    if c in REFS.values():
                         refs[c.kind] = out
                     else:
                         del out
@@ -312,13 +325,13 @@ class S6:
                 direct = Direct(torch, d, fwd, s, causal=causal)
                 base = {}
                 for c in self.cands:
-                    if (c.causal_only and not causal) or self.left() < 4:
+                    if not c.runs(causal) or self.left() < 4:
                         continue
                     try:
                         out = c.launch(direct)
                         self.sync()
-                        err = rel(out, dk64 if c.kind == "dk" else dq64)
-                        if c in (REF_DK, REF_DQ):
+                        err = rel(out, {"dk": dk64, "dq": dq64, "fused": (dq64, dk64)}[c.kind])
+                        if c in REFS.values():
                             base[c.kind] = err
                         b = base.get(c.kind)
                         good = math.isfinite(err) and (b is None or err <= 1.5 * b + 1e-3)
@@ -334,6 +347,8 @@ class S6:
 
 
 def rel(a, b):
+    if isinstance(a, tuple):
+        return max(rel(x, y) for x, y in zip(a, b))
     a, b = a.double(), b.double()
     return ((a - b).norm() / max(b.norm().item(), 1e-30)).item()
 
@@ -370,7 +385,7 @@ def prewarm(r, limit_s):
     jobs = [dict(name="fwd", s="s1", causal=c, H=H, n=n) for c in (False, True) for H, n in ((r.H, r.n), (H_c, n_c))]
     for causal in (False, True):
         for c in r.cands:
-            if c.causal_only and not causal:
+            if not c.runs(causal):
                 continue
             for s in SETTINGS:
                 jobs.append(dict(name=c.name, s=s, causal=causal))

@@ -275,7 +275,7 @@ def bwd_candidates(d_pad, both, kind, ieee=False):
 BWD_VARIANTS = ("ptr", "tma", "tma+trans", "tma+fold", "tma+trans+fold", "tma+trans+reduce",
                 "tma+trans+fold+reduce", "tma+trans+fold+rows", "tma+trans+fold+rows+reduce",
                 "trans", "fold", "trans+fold", "tma+trans+fold+rows+heavy",
-                "tma+trans+fold+rows+pack", "tma+trans+fold+rows+pack+reduce")
+                "tma+trans+fold+rows+pack", "tma+trans+fold+rows+pack+reduce", "tma+trans+fold+rows+pack+heavy")
 
 
 class UnusableConfig(Exception):

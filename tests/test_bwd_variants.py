@@ -123,8 +123,8 @@ def test_variant_extreme_logits(variant):
             assert err <= 16 * u * (1 + lse_bits) * natural, (mode, name, err, natural)
 
 
-@pytest.mark.parametrize("variant", ["tma+trans+fold+rows+reduce", "tma+trans+fold+reduce", "tma", "fold"],
-                         indirect=True)
+@pytest.mark.parametrize("variant", ["tma+trans+fold+rows+reduce", "tma+trans+fold+reduce", "tma", "fold",
+                                     "tma+trans+fold+rows+pack+heavy"], indirect=True)
 @pytest.mark.parametrize("mode", ["fused", "separate"])
 @pytest.mark.parametrize("case", [KEY7, KEY40, DIAGONAL_ROWS], ids=["n8-key7", "n64-key40", "diagonal-rows"])
 def test_variant_nan_isolation(variant, mode, case):
