@@ -91,6 +91,8 @@ CANDIDATES = [
     Cand("dk 32x128x8x2 r128 pack", "dk", (32, 128, 8, 2), {"maxnreg": 128}, rows="pack"),
     Cand("dk 64x128x8x3 norows", "dk", (64, 128, 8, 3), rows=False),
     Cand("dq 128x32x8x2 r128", "dq", (128, 32, 8, 2), {"maxnreg": 128}),
+    Cand("dq 64x32x4x1 r128", "dq", (64, 32, 4, 1), {"maxnreg": 128}),
+    Cand("dk 32x64x4x1 r128 pack", "dk", (32, 64, 4, 1), {"maxnreg": 128}, rows="pack"),
     Cand("dq 128x64x8x3 heavy", "dq", (128, 64, 8, 3), {"HEAVY_FIRST": True}, causal_only=True),
     REF_FUSED,
     Cand("fused 64x128x8x3 pack", "fused", (64, 128, 8, 3), rows="pack"),
