@@ -26,6 +26,6 @@ def test_bwd_s6_tiny_run(tmp_path):
     diffs = [r for r in rows if r["measure"] == "bwd_kernel" and "vs_ref=" in r["note"]]
     assert diffs and all(float(r["note"].split("vs_ref=")[1].split()[0]) < 1e-3 for r in diffs)
     checks = [r for r in rows if r["measure"] == "check_err_vs_f64"]
-    assert len(checks) == 2 * 4 + 2 * 5, checks  # settings x (non-causal 4, causal 5 candidates)
+    assert len(checks) == 2 * 4 + 2 * 4, checks  # settings x (non-causal 4, causal 4 candidates)
     assert not any("FAIL" in r["note"] for r in checks)
     assert "bwd_s6: kernel-alone ms" in (tmp_path / "bwd_s6_table.txt").read_text()
