@@ -38,6 +38,13 @@ K = 1024
 SETTINGS = ("s1", "s2")
 SET_TRAIN = {"s1": ("q2", "k2"), "s2": ("q1", "k1")}
 MISMATCH = 2e-2
+# (tag, N_Q, N_K, causal), in timing order: the issue's 8K points, then the fused-vs-separate
+# question at small N_Q (auto_bwd_mode: fused below 4 dQ programs per SM; run s5r4 measured the
+# separate pair faster at N_Q = 512, N_K = 32K)
+SHAPES = [("8K", 8 * K, 8 * K, False), ("8K causal", 8 * K, 8 * K, True), ("nq512 nk32K", 512, 32 * K, False),
+          ("nq16 nk32K", 16, 32 * K, False)]
+SHAPES_TINY = [("8K", 64, 64, False), ("8K causal", 64, 64, True), ("nq512 nk32K", 16, 64, False)]
+SMALL_Q = ("nq512 nk32K", "nq16 nk32K")
 # (H, N) of the float64 checks: the 8K kernels' integer specialisations (N % 16 == 0)
 CHECK_SHAPE, CHECK_SHAPE_TINY = (16, 384), (2, 64)
 
@@ -46,12 +53,12 @@ class Cand:
     """One launch of the dK (``kind="dk"``) or dQ kernel: (BLOCK_M, BLOCK_N, warps, stages), extra
     kernel options (constexprs, ``maxnreg``), and for dK whether the rows pre-pass runs."""
 
-    def __init__(self, name, kind, cfg, opts=None, rows=True, causal=(False,)):
+    def __init__(self, name, kind, cfg, opts=None, rows=True, at=("8K",)):
         self.name, self.kind, self.cfg, self.opts, self.rows = name, kind, tuple(cfg), dict(opts or {}), rows
-        self.causal = causal  # the shapes it is timed at: non-causal, causal (8K)
+        self.at = at  # the SHAPES (by tag) it is timed at
 
-    def runs(self, causal):
-        return causal in self.causal
+    def runs(self, tag):
+        return tag in self.at
 
     def launch(self, direct):
         if self.kind == "dk":
@@ -61,10 +68,10 @@ class Cand:
         return direct.dq(self.cfg, opts=self.opts)
 
 
-REF_DK = Cand("dk 64x128x8x3 rows (auto)", "dk", (64, 128, 8, 3), causal=(False, True))
-REF_DQ = Cand("dq 128x64x8x3 (auto)", "dq", (128, 64, 8, 3), causal=(False, True))
+REF_DK = Cand("dk 64x128x8x3 rows (auto)", "dk", (64, 128, 8, 3), at=("8K", "8K causal") + SMALL_Q)
+REF_DQ = Cand("dq 128x64x8x3 (auto)", "dq", (128, 64, 8, 3), at=("8K", "8K causal") + SMALL_Q)
 # the fused candidate (small N_Q); non-causal only: causal, 64x128x8x3 needs 247 KB of shared memory (run s5r3)
-REF_FUSED = Cand("fused 64x128x8x3 rows", "fused", (64, 128, 8, 3))
+REF_FUSED = Cand("fused 64x128x8x3 rows", "fused", (64, 128, 8, 3), at=("8K",) + SMALL_Q)
 REFS = {"dk": REF_DK, "dq": REF_DQ, "fused": REF_FUSED}
 # in timing order (the slot may end early): the references first, then the expected best. Offline
 # sm_90 compile (bench/bwd_s6_offline.py, triton 3.6), whole-tile loop instructions s1 / s2: dK
@@ -74,9 +81,9 @@ REFS = {"dk": REF_DK, "dq": REF_DQ, "fused": REF_FUSED}
 # registers, no spills; loop 270-280), 3 with the r168 cap
 CANDIDATES = [
     REF_DQ, REF_DK,
-    Cand("dk 64x128x8x3 pack", "dk", (64, 128, 8, 3), rows="pack", causal=(False, True)),
-    Cand("dq 64x32x4x2", "dq", (64, 32, 4, 2), causal=(False, True)),
-    Cand("dq 128x32x8x3 r128", "dq", (128, 32, 8, 3), {"maxnreg": 128}, causal=(False, True)),
+    Cand("dk 64x128x8x3 pack", "dk", (64, 128, 8, 3), rows="pack", at=("8K", "8K causal") + SMALL_Q),
+    Cand("dq 64x32x4x2", "dq", (64, 32, 4, 2), at=("8K", "8K causal")),
+    Cand("dq 128x32x8x3 r128", "dq", (128, 32, 8, 3), {"maxnreg": 128}, at=("8K", "8K causal")),
     Cand("dq 64x64x4x2", "dq", (64, 64, 4, 2)),
     Cand("dq 64x32x4x3", "dq", (64, 32, 4, 3)),
     Cand("dq 128x64x8x4", "dq", (128, 64, 8, 4)),
@@ -84,7 +91,7 @@ CANDIDATES = [
     Cand("dk 64x128x8x4 pack", "dk", (64, 128, 8, 4), rows="pack"),
     Cand("dk 32x64x4x3 pack", "dk", (32, 64, 4, 3), rows="pack"),
     Cand("dk 32x64x4x2 pack", "dk", (32, 64, 4, 2), rows="pack"),
-    Cand("dk 32x64x4x2 r168 pack", "dk", (32, 64, 4, 2), {"maxnreg": 168}, rows="pack", causal=(False, True)),
+    Cand("dk 32x64x4x2 r168 pack", "dk", (32, 64, 4, 2), {"maxnreg": 168}, rows="pack", at=("8K", "8K causal")),
     Cand("dk 64x64x4x2 pack", "dk", (64, 64, 4, 2), rows="pack"),
     Cand("dk 32x64x4x3", "dk", (32, 64, 4, 3)),
     Cand("dk 32x128x8x2 r128 pack", "dk", (32, 128, 8, 2), {"maxnreg": 128}, rows="pack"),
@@ -92,9 +99,9 @@ CANDIDATES = [
     Cand("dq 128x32x8x2 r128", "dq", (128, 32, 8, 2), {"maxnreg": 128}),
     Cand("dq 64x32x4x1 r128", "dq", (64, 32, 4, 1), {"maxnreg": 128}),
     Cand("dk 32x64x4x1 r128 pack", "dk", (32, 64, 4, 1), {"maxnreg": 128}, rows="pack"),
-    Cand("dq 128x64x8x3 heavy", "dq", (128, 64, 8, 3), {"HEAVY_FIRST": True}, causal=(True,)),
+    Cand("dq 128x64x8x3 heavy", "dq", (128, 64, 8, 3), {"HEAVY_FIRST": True}, at=("8K causal",)),
     REF_FUSED,
-    Cand("fused 64x128x8x3 pack", "fused", (64, 128, 8, 3), rows="pack"),
+    Cand("fused 64x128x8x3 pack", "fused", (64, 128, 8, 3), rows="pack", at=("8K",) + SMALL_Q),
 ]
 TINY_CFG = {"dk": (16, 32, 1, 1), "dq": (32, 16, 1, 1), "fused": (16, 32, 1, 1)}
 
@@ -159,12 +166,13 @@ class S6:
         from triton.testing import do_bench
         return do_bench(fn, warmup=5, rep=40, return_mode="median")
 
-    def inputs(self, H, N, D, seed=0):
+    def inputs(self, H, N, D, seed=0, nk=None):
         torch = self.torch
         gen = torch.Generator(device=self.dev)
         gen.manual_seed(99 + seed)
         dt = torch.float16 if self.a.tiny else torch.bfloat16  # bf16 dots are garbage in the interpreter
-        d = {k: torch.randn((1, H, N, D), generator=gen, device=self.dev, dtype=dt) for k in ("q1", "k1", "q2", "k2")}
+        d = {k: torch.randn((1, H, N if k[0] == "q" else (nk or N), D), generator=gen, device=self.dev, dtype=dt)
+             for k in ("q1", "k1", "q2", "k2")}
         d["g"] = torch.randn((1, H, N), generator=gen, device=self.dev, dtype=torch.float32)
         return d
 
@@ -222,13 +230,12 @@ class S6:
             print(f"write failed: {type(exc).__name__}: {exc}", flush=True)
 
     # -- timing ------------------------------------------------------------------------------------
-    def time_shape(self, causal, ok):
+    def time_shape(self, tag, nq, nk, causal, ok):
         torch = self.torch
         from bwd_sweep import Direct
-        shape = f"N={self.n // K}K" if self.n >= K else f"N={self.n}"
-        shape += " causal" if causal else ""
-        d = self.inputs(self.H, self.n, self.D, seed=1 + causal)
-        if not self.a.tiny:
+        shape = tag
+        d = self.inputs(self.H, nq, self.D, seed=1 + causal, nk=nk)
+        if not self.a.tiny and nq == nk:
             try:  # SDPA's backward = fwd+bwd - fwd (q = q1, k = k1, v = k2, as bench_gpu.py)
                 q, k, v = (d[n].detach().requires_grad_() for n in ("q1", "k1", "k2"))
                 sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -247,7 +254,7 @@ class S6:
             refs = {}
             kernels = {}
             for c in self.cands:
-                if not c.runs(causal):
+                if not c.runs(tag):
                     continue
                 if self.left() < 12:
                     self.log(f"{shape} {s} {c.name}: skipped (budget)")
@@ -326,7 +333,7 @@ class S6:
                 direct = Direct(torch, d, fwd, s, causal=causal)
                 base = {}
                 for c in self.cands:
-                    if not c.runs(causal) or self.left() < 4:
+                    if not c.runs("8K causal" if causal else "8K") or self.left() < 4:
                         continue
                     try:
                         out = c.launch(direct)
@@ -368,7 +375,7 @@ def worker(r, jobfile):
         t = time.perf_counter()
         try:
             if j["name"] == "fwd":  # the untuned forward (Triton or Gluon: what time_shape / checks run)
-                dd = r.inputs(j["H"], j["n"], r.D)
+                dd = r.inputs(j["H"], j["n"], r.D, nk=j["nk"])
                 r.forward(dd, j["causal"])
                 del dd
             else:
@@ -383,10 +390,13 @@ def worker(r, jobfile):
 def prewarm(r, limit_s):
     """Compile every (candidate, setting, causal) in worker processes; returns the set that compiled."""
     H_c, n_c = CHECK_SHAPE_TINY if r.a.tiny else CHECK_SHAPE
-    jobs = [dict(name="fwd", s="s1", causal=c, H=H, n=n) for c in (False, True) for H, n in ((r.H, r.n), (H_c, n_c))]
-    for causal in (False, True):
+    shapes = SHAPES_TINY if r.a.tiny else SHAPES
+    jobs = [dict(name="fwd", s="s1", causal=c, H=r.H, n=nq, nk=nk) for _, nq, nk, c in shapes[:2]]
+    jobs += [dict(name="fwd", s="s1", causal=c, H=H_c, n=n_c, nk=n_c) for c in (False, True)]
+    jobs += [dict(name="fwd", s="s1", causal=c, H=r.H, n=nq, nk=nk) for _, nq, nk, c in shapes[2:]]
+    for causal in (False, True):  # (N_Q, N_K % 16 == 0 everywhere: the same kernels at every shape)
         for c in r.cands:
-            if not c.runs(causal):
+            if not any(c.runs(tag) for tag, _, _, cz in shapes if cz == causal):
                 continue
             for s in SETTINGS:
                 jobs.append(dict(name=c.name, s=s, causal=causal))
@@ -448,11 +458,11 @@ def main(argv=None):
     dog.start()
     try:
         ok = prewarm(r, 20.0 if a.tiny else min(38.0, 0.5 * a.budget_s))
-        for causal in (False, True):
+        for tag, nq, nk, causal in SHAPES_TINY if a.tiny else SHAPES:
             try:
-                r.time_shape(causal, ok)
+                r.time_shape(tag, nq, nk, causal, ok)
             except Exception as exc:
-                r.log(f"timing causal={causal}: ERROR {type(exc).__name__}: {exc}")
+                r.log(f"timing {tag}: ERROR {type(exc).__name__}: {exc}")
                 r.logf.write(traceback.format_exc())
         try:
             r.checks(ok)

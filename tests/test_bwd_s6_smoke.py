@@ -19,9 +19,9 @@ def test_bwd_s6_tiny_run(tmp_path):
     with open(tmp_path / "bwd_s6.csv") as f:
         rows = list(csv.DictReader(f))
     timed = {(r["provider"], r["shape"]) for r in rows if r["measure"] == "bwd_kernel" and float(r["value"]) > 0}
-    assert ("dq 128x64x8x3 heavy", "N=64 causal s1") in timed
-    assert ("dk 64x128x8x3 norows", "N=64 s2") in timed
-    assert ("dk 64x128x8x3 pack", "N=64 s1") in timed
+    assert ("dq 128x64x8x3 heavy", "8K causal s1") in timed
+    assert ("dk 64x128x8x3 norows", "8K s2") in timed
+    assert ("dk 64x128x8x3 pack", "nq512 nk32K s1") in timed  # (tiny: 16 x 64)
     # each candidate's output against the reference kernel's, and every float64 check passed
     diffs = [r for r in rows if r["measure"] == "bwd_kernel" and "vs_ref=" in r["note"]]
     assert diffs and all(float(r["note"].split("vs_ref=")[1].split()[0]) < 1e-3 for r in diffs)
