@@ -42,8 +42,14 @@ MISMATCH = 2e-2
 # question at small N_Q (auto_bwd_mode: fused below 4 dQ programs per SM; run s5r4 measured the
 # separate pair faster at N_Q = 512, N_K = 32K)
 SHAPES = [("8K", 8 * K, 8 * K, False), ("8K causal", 8 * K, 8 * K, True), ("nq512 nk32K", 512, 32 * K, False),
-          ("nq16 nk32K", 16, 32 * K, False)]
-SHAPES_TINY = [("8K", 64, 64, False), ("8K causal", 64, 64, True), ("nq512 nk32K", 16, 64, False)]
+          ("nq16 nk32K", 16, 32 * K, False), ("8K both", 8 * K, 8 * K, False)]
+SHAPES_TINY = [("8K", 64, 64, False), ("8K causal", 64, 64, True), ("nq512 nk32K", 16, 64, False),
+               ("8K both", 64, 64, False)]
+
+
+def shape_settings(tag):
+    """The settings timed at a shape: both sides trained at "8K both" (Direct then compares dQ1, dK1)."""
+    return ("both",) if tag.endswith("both") else SETTINGS
 SMALL_Q = ("nq512 nk32K", "nq16 nk32K")
 # (H, N) of the float64 checks: the 8K kernels' integer specialisations (N % 16 == 0)
 CHECK_SHAPE, CHECK_SHAPE_TINY = (16, 384), (2, 64)
@@ -73,6 +79,12 @@ REF_DQ = Cand("dq 128x64x8x3 (auto)", "dq", (128, 64, 8, 3), at=("8K", "8K causa
 # the fused candidate (small N_Q); non-causal only: causal, 64x128x8x3 needs 247 KB of shared memory (run s5r3)
 REF_FUSED = Cand("fused 64x128x8x3 rows", "fused", (64, 128, 8, 3), at=("8K",) + SMALL_Q)
 REFS = {"dk": REF_DK, "dq": REF_DQ, "fused": REF_FUSED}
+
+
+def is_ref(c):
+    """A reference launch (what the auto plan or the fused candidate runs today): the others are
+    compared with the one of their kind at the same shape."""
+    return c in REFS.values() or c.name.endswith("auto)")
 # in timing order (the slot may end early): the references first, then the expected best. Offline
 # sm_90 compile (bench/bwd_s6_offline.py, triton 3.6), whole-tile loop instructions s1 / s2: dK
 # rows 459 / 556 (6 TMA loads a tile, 10 SYNCS), pack 398 / 374 (3 loads, 4 SYNCS), no spills;
@@ -102,6 +114,10 @@ CANDIDATES = [
     Cand("dq 128x64x8x3 heavy", "dq", (128, 64, 8, 3), {"HEAVY_FIRST": True}, at=("8K causal",)),
     REF_FUSED,
     Cand("fused 64x128x8x3 pack", "fused", (64, 128, 8, 3), rows="pack", at=("8K",) + SMALL_Q),
+    # both settings (the auto pair of run s6r1: dK 32x64x4x3 rows + dQ 64x32x4x3; 6 row loads a tile)
+    Cand("dk 32x64x4x3 rows (both auto)", "dk", (32, 64, 4, 3), at=("8K both",)),
+    Cand("dq 64x32x4x3 (both auto)", "dq", (64, 32, 4, 3), at=("8K both",)),
+    Cand("dk 32x64x4x3 both pack", "dk", (32, 64, 4, 3), rows="pack", at=("8K both",)),
 ]
 TINY_CFG = {"dk": (16, 32, 1, 1), "dq": (32, 16, 1, 1), "fused": (16, 32, 1, 1)}
 
@@ -197,12 +213,12 @@ class S6:
         lines = ["", f"bwd_s6: kernel-alone ms at B=1 H={self.H} D={self.D} bf16 (direct launches); x = vs the auto "
                  "config of that kernel; pairs: dK + dQ (+ rows pre-pass)"]
         for shape in sorted({k[0] for k in timed}):
-            for s in SETTINGS:
+            for s in shape_settings(shape):
                 ks = [(k, v) for k, v in timed.items() if k[0] == shape and k[1] == s]
                 if not ks:
                     continue
                 lines.append(f"{shape} {s}" + (f" (SDPA bwd {sd[shape]:.3f} ms)" if shape in sd else ""))
-                ref = {kind: timed.get((shape, s, c.name)) for kind, c in REFS.items()}
+                ref = {c.kind: timed[(shape, s, c.name)] for c in CANDIDATES if is_ref(c) and (shape, s, c.name) in timed}
                 for (_, _, name), t in sorted(ks, key=lambda kv: (kv[0][2].split()[0], kv[1])):
                     kind = name.split()[0]
                     base = ref.get(kind)
@@ -249,7 +265,7 @@ class S6:
             except Exception as exc:
                 self.log(f"{shape} sdpa: ERROR {type(exc).__name__}: {str(exc)[:200]}")
         fwd = self.forward(d, causal)
-        for s in SETTINGS:
+        for s in shape_settings(tag):
             direct = Direct(torch, d, fwd, s, causal=causal)
             refs = {}
             kernels = {}
@@ -267,7 +283,7 @@ class S6:
                     self.sync()
                     ref = refs.get(c.kind)
                     diff = rel(out, ref) if ref is not None else None
-                    if c in REFS.values():
+                    if is_ref(c):
                         refs[c.kind] = out
                     else:
                         del out
@@ -298,7 +314,10 @@ class S6:
                    and self.diffs.get((shape, s, n), 0.0) <= MISMATCH]
             return min(got, key=lambda x: x[0])[1] if got else None
         bdk, bdq = best("dk"), best("dq")
-        pairs = [(REF_DK, REF_DQ)] + ([(bdk, bdq)] if bdk and bdq and (bdk, bdq) != (REF_DK, REF_DQ) else [])
+        rdk = next((c for c in kernels.values() if c.kind == "dk" and is_ref(c)), None)
+        rdq = next((c for c in kernels.values() if c.kind == "dq" and is_ref(c)), None)
+        pairs = ([(rdk, rdq)] if rdk and rdq else []) + (
+            [(bdk, bdq)] if bdk and bdq and (bdk, bdq) != (rdk, rdq) else [])
         for dk, dq in pairs:
             if dk.name not in kernels or dq.name not in kernels or self.left() < 6:
                 continue
@@ -339,7 +358,7 @@ class S6:
                         out = c.launch(direct)
                         self.sync()
                         err = rel(out, {"dk": dk64, "dq": dq64, "fused": (dq64, dk64)}[c.kind])
-                        if c in REFS.values():
+                        if is_ref(c):
                             base[c.kind] = err
                         b = base.get(c.kind)
                         good = math.isfinite(err) and (b is None or err <= 1.5 * b + 1e-3)
@@ -396,10 +415,9 @@ def prewarm(r, limit_s):
     jobs += [dict(name="fwd", s="s1", causal=c, H=r.H, n=nq, nk=nk) for _, nq, nk, c in shapes[2:]]
     for causal in (False, True):  # (N_Q, N_K % 16 == 0 everywhere: the same kernels at every shape)
         for c in r.cands:
-            if not any(c.runs(tag) for tag, _, _, cz in shapes if cz == causal):
-                continue
-            for s in SETTINGS:
-                jobs.append(dict(name=c.name, s=s, causal=causal))
+            for s in ("s1", "s2", "both"):
+                if any(c.runs(tag) and s in shape_settings(tag) for tag, _, _, cz in shapes if cz == causal):
+                    jobs.append(dict(name=c.name, s=s, causal=causal))
     nw = r.a.workers or max(1, min(14, (os.cpu_count() or 4) - 2))
     nw = min(nw, len(jobs))
     plans = [jobs[i::nw] for i in range(nw)]
