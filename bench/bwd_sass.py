@@ -54,6 +54,8 @@ def compile_rec(rec):
     name, fn, args, kw = rec
     kw = dict(kw)
     opts = {"num_warps": kw.pop("num_warps", 4), "num_stages": kw.pop("num_stages", 2)}
+    if "maxnreg" in kw:  # a register cap (launch option, not a kernel argument)
+        opts["maxnreg"] = kw.pop("maxnreg")
     vals = dict(zip(fn.arg_names, args))
     vals.update(kw)
     sig, consts, attrs = {}, {}, {}

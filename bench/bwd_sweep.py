@@ -214,15 +214,15 @@ class Direct:
         dims = self.dims
         return (dims.H, dims.NQ, dims.NK, dims.D1, dims.D2, dims.group1, dims.group2)
 
-    def dk(self, cfg, fused, probe=0, dq=None, reduce=True):
+    def dk(self, cfg, fused, probe=0, dq=None, reduce=True, opts=None, rows=True):
         """One dK launch (fused: dQ reduce-added into the fp32 ``dq`` buffer, by one TMA reduce per
         tile, or with ``reduce=False`` by per-element atomics). Returns (dq, dk)."""
         import triton
 
         from streamkl_gpu import _bwd
         from streamkl_gpu._checks import head_pad, strides
-        from streamkl_gpu._launch import _desc
-        from streamkl_gpu._runtime import LOG2E, TensorDescriptor
+        from streamkl_gpu._launch import _desc, _row_constants
+        from streamkl_gpu._runtime import LOG2E
         torch, dims, d = self.torch, self.dims, self.d
         q1, k1, q2, k2 = d["q1"], d["k1"], d["q2"], d["k2"]
         block_m, block_n, warps, stages = cfg
@@ -243,12 +243,9 @@ class Direct:
             return (x.stride(0), x.stride(1), x.stride(2)) if x.dim() == 4 else (0, 0, 0)
         descs = dict(Q1_DESC=_desc(q1, block_m, d1p), K1_DESC=_desc(k1, block_n, d1p),
                      Q2_DESC=_desc(q2, block_m, d2p), K2_DESC=_desc(k2, block_n, d2p))
-        pitch = triton.cdiv(dims.NQ, 4) * 4
-        rows = torch.empty((6, BH, pitch), dtype=torch.float32, device=dev)
-        _bwd._kl_bwd_rows_kernel[(triton.cdiv(BH * dims.NQ, 1024),)](
-            self.lse1, self.lse2, self.kl, self.g, rows, BH * dims.NQ, dims.NQ, pitch, BH * pitch,
-            dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2, BLOCK=1024, num_warps=4)
-        descs["ROWS_DESC"] = TensorDescriptor(rows, [6, BH, dims.NQ], list(rows.stride()), [1, 1, block_m])
+        if rows:  # rows="pack": the packed layout (ROWS_PACKED)
+            descs["ROWS_DESC"] = _row_constants(dims, self.g, self.kl, self.lse1, self.lse2, block_m, rows == "pack",
+                                                self.train1 and self.train2, dev)
         reduce_dq = fused and reduce and not TINY  # the interpreter has no TMA reduce-add: per-element atomics there
         if reduce_dq:
             descs.update(DQ1_DESC=_desc(dq1, block_m, d1p) if dq1 is not None else None,
@@ -260,12 +257,13 @@ class Direct:
             *self._common(), dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2,
             BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1p, D2_PAD=d2p, CAUSAL=self.causal,
             TRAIN1=self.train1, TRAIN2=self.train2, FUSED_DQ=fused, DK1_ATOMIC=False, DK2_ATOMIC=False,
-            IEEE1=False, IEEE2=False, USE_TMA=True, TRANS=True, FOLD=True, DQ_REDUCE=reduce_dq, ROWS=True,
-            PROBE=probe, num_warps=warps, num_stages=stages, **descs)
+            IEEE1=False, IEEE2=False, USE_TMA=True, TRANS=True, FOLD=True, DQ_REDUCE=reduce_dq, ROWS=bool(rows),
+            ROWS_PACKED=rows == "pack",
+            PROBE=probe, num_warps=warps, num_stages=stages, **descs, **(opts or {}))
         self.last["sepdk" if not fused else "fused" if reduce else "fusedatomic"] = k
         return dq, (dk1 if self.train1 else dk2)
 
-    def dq(self, cfg):
+    def dq(self, cfg, opts=None):
         """One launch of the separate dQ kernel (``tma+fold``). Returns dq in the input dtype."""
         import triton
 
@@ -292,7 +290,7 @@ class Direct:
             *self._common(), dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2,
             BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1p, D2_PAD=d2p, CAUSAL=self.causal,
             TRAIN1=self.train1, TRAIN2=self.train2, IEEE1=False, IEEE2=False, USE_TMA=True, FOLD=True,
-            num_warps=warps, num_stages=stages, **descs)
+            num_warps=warps, num_stages=stages, **descs, **(opts or {}))
         self.last["sepdq"] = k
         return dq1 if self.train1 else dq2
 

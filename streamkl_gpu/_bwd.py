@@ -76,6 +76,20 @@ def _fold_factors(lse1_bits, lse2_bits, kl_bits, g, qk_scale1, qk_scale2, scale1
     return c2, c1 * qk_scale1, c1 * qk_scale2, c1 * (lse1_bits - lse2_bits + kl_bits)
 
 
+# Column order of the packed row constants (_kl_bwd_rows_kernel PACKED): each setting's values in
+# one 16-byte group (a TMA box starts 16-byte aligned): setting 1 in columns 0..3, setting 2 in 4..7
+PACKED_PLANES = ("c2", "lse2", "lse1", None, "lse1", "a1", "a2", "rc")
+
+
+@triton.jit
+def _columns4(x):
+    """The four columns of a [M, 4] tile as [M] vectors (two splits of the last dim)."""
+    lo, hi = x.reshape(x.shape[0], 2, 2).split()  # columns (0, 2) and (1, 3)
+    c0, c2 = lo.split()
+    c1, c3 = hi.split()
+    return c0, c1, c2, c3
+
+
 @triton.jit
 def _finite(x):
     """x with NaN and +-inf replaced by 0: a matmul operand of the masked stage (see the docstring)."""
@@ -223,7 +237,7 @@ def _dk_query_range(
     FUSED_DQ: tl.constexpr, IEEE1: tl.constexpr, IEEE2: tl.constexpr,
     q1_desc, q2_desc, dq1_desc, dq2_desc, tma_b, h,
     USE_TMA: tl.constexpr, TRANS: tl.constexpr, FOLD: tl.constexpr, DQ_REDUCE: tl.constexpr,
-    rows_desc, pid_bh, ROWS: tl.constexpr, PROBE: tl.constexpr = 0,
+    rows_desc, pid_bh, ROWS: tl.constexpr, PROBE: tl.constexpr = 0, ROWS_PACKED: tl.constexpr = False,
 ):
     offs_d1 = tl.arange(0, D1_PAD)
     offs_d2 = tl.arange(0, D2_PAD)
@@ -243,7 +257,19 @@ def _dk_query_range(
         a1 = None
         a2 = None
         rc = None
-        if ROWS:  # the pre-pass's per-row planes (_kl_bwd_rows_kernel), one TMA load each
+        if ROWS and ROWS_PACKED:  # the pre-pass's packed row constants: one TMA load per tile
+            kl_bits = tl.zeros([BLOCK_M], tl.float32)  # (unused with ROWS: folded into rc)
+            g = kl_bits
+            if TRAIN1 and TRAIN2:  # all eight columns: even c2, lse1, lse1, a2; odd lse2, -, a1, rc
+                even, odd = rows_desc.load([pid_bh, start_m, 0]).reshape(BLOCK_M, 4, 2).split()
+                c2, lse1_bits, _, a2 = _columns4(even)
+                lse2_bits, _, a1, rc = _columns4(odd)
+            elif TRAIN2:  # columns 0..3: c2, lse2, lse1, -
+                c2, lse2_bits, lse1_bits, _ = _columns4(rows_desc.load([pid_bh, start_m, 0]).reshape(BLOCK_M, 4))
+            else:  # columns 4..7: lse1, a1, a2, rc
+                lse1_bits, a1, a2, rc = _columns4(rows_desc.load([pid_bh, start_m, 4]).reshape(BLOCK_M, 4))
+                lse2_bits = lse1_bits
+        elif ROWS:  # the pre-pass's per-row planes (_kl_bwd_rows_kernel), one TMA load each
             lse1_bits = rows_desc.load([0, pid_bh, start_m]).reshape(BLOCK_M)
             lse2_bits = lse1_bits
             kl_bits = lse1_bits
@@ -302,6 +328,8 @@ def _kl_bwd_dk_kernel(
     DQ_REDUCE: tl.constexpr = False,  # fused dQ by TMA bulk reduce-add (needs FUSED_DQ)
     ROWS_DESC=None,  # [6, B*H, N_Q] planes of _kl_bwd_rows_kernel, blocks [1, 1, BLOCK_M] (ROWS)
     ROWS: tl.constexpr = False,  # per-row constants precomputed by the pre-pass (needs FOLD, USE_TMA)
+    # ROWS_PACKED (with ROWS): ROWS_DESC over [B*H, N_Q, 8] (PACKED_PLANES), blocks [1, BLOCK_M, 4 or 8]
+    ROWS_PACKED: tl.constexpr = False,
     PROBE: tl.constexpr = 0,  # timing-only variants (PROBE_* flags; wrong gradients): never set by _launch
 ):
     # VARLEN: as in _kl_fwd_kernel (b is the sequence, N_Q/N_K the totals, [total, H, D] tensors
@@ -364,7 +392,7 @@ def _kl_bwd_dk_kernel(
         N_Q, N_K, D1, D2, diag_offset, qk_scale1, qk_scale2, scale1, scale2,
         BLOCK_M, D1_PAD, D2_PAD, True, CAUSAL, TRAIN1, TRAIN2, FUSED_DQ, IEEE1, IEEE2,
         Q1_DESC, Q2_DESC, DQ1_DESC, DQ2_DESC, b, h, USE_TMA, TRANS, FOLD, DQ_REDUCE, ROWS_DESC, pid_bh, ROWS,
-            PROBE)
+            PROBE, ROWS_PACKED)
     if start_n + BLOCK_N <= N_K:
         dk1, dk2 = _dk_query_range(
             dk1, dk2, k1, k2, start_n, cols, m_full, N_Q,
@@ -373,7 +401,7 @@ def _kl_bwd_dk_kernel(
             N_Q, N_K, D1, D2, diag_offset, qk_scale1, qk_scale2, scale1, scale2,
             BLOCK_M, D1_PAD, D2_PAD, False, CAUSAL, TRAIN1, TRAIN2, FUSED_DQ, IEEE1, IEEE2,
             Q1_DESC, Q2_DESC, DQ1_DESC, DQ2_DESC, b, h, USE_TMA, TRANS, FOLD, DQ_REDUCE, ROWS_DESC, pid_bh, ROWS,
-            PROBE)
+            PROBE, ROWS_PACKED)
     else:  # the ragged last key tile: keys past N_K must be masked out of every query tile
         dk1, dk2 = _dk_query_range(
             dk1, dk2, k1, k2, start_n, cols, m_full, N_Q,
@@ -382,7 +410,7 @@ def _kl_bwd_dk_kernel(
             N_Q, N_K, D1, D2, diag_offset, qk_scale1, qk_scale2, scale1, scale2,
             BLOCK_M, D1_PAD, D2_PAD, True, CAUSAL, TRAIN1, TRAIN2, FUSED_DQ, IEEE1, IEEE2,
             Q1_DESC, Q2_DESC, DQ1_DESC, DQ2_DESC, b, h, USE_TMA, TRANS, FOLD, DQ_REDUCE, ROWS_DESC, pid_bh, ROWS,
-            PROBE)
+            PROBE, ROWS_PACKED)
 
     if TRAIN1:
         if DK1_ATOMIC:  # GQA: add into the shared key head's fp32 buffer
@@ -463,9 +491,12 @@ def _kl_bwd_dq_kernel(
     Q1_DESC=None, K1_DESC=None, Q2_DESC=None, K2_DESC=None,
     USE_TMA: tl.constexpr = False,  # every operand tile through TMA descriptors
     FOLD: tl.constexpr = False,  # fewer fp32 ops per score; the row factors applied once to dQ
+    HEAVY_FIRST: tl.constexpr = False,  # causal: the last query tiles (the most keys) launched first
 ):
     # VARLEN: as in _kl_fwd_kernel
     pid_m = tl.program_id(0)
+    if HEAVY_FIRST:  # blocks start in launch order: the long ones first, the short ones fill the tail
+        pid_m = tl.num_programs(0) - 1 - pid_m
     pid_bh = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
@@ -534,17 +565,30 @@ def _kl_bwd_dq_kernel(
 
 @triton.jit
 def _kl_bwd_rows_kernel(LSE1, LSE2, KL, G, ROWS, n_rows, N_Q, row_pitch, plane,
-                        qk_scale1, qk_scale2, scale1, scale2, BLOCK: tl.constexpr):
+                        qk_scale1, qk_scale2, scale1, scale2, BLOCK: tl.constexpr, PACKED: tl.constexpr = False):
     """Pre-pass of the ROWS variant: the dK kernel's per-row constants, once per row instead of once
     per (row, key tile): planes lse1', lse2', c2, a1, a2, rc (``_row_consts``, ``_fold_factors``) of
     ``ROWS[6, B*H, row_pitch]``. Rows past N_Q are never written: the dK kernel's TMA loads stop
-    at N_Q and return zeros there (g = 0: those rows add exactly 0, their Q rows being zeros too)."""
+    at N_Q and return zeros there (g = 0: those rows add exactly 0, their Q rows being zeros too).
+    PACKED: the same values side by side, ``ROWS[B*H, N_Q, 8]`` in the order ``PACKED_PLANES``
+    (column 3 is 0), so that the dK kernel reads a query tile's constants in one TMA load."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n_rows
-    bh = offs // N_Q
-    out = ROWS + bh.to(tl.int64) * row_pitch + offs % N_Q
     lse1_bits, lse2_bits, kl_bits, g = _row_consts(LSE1, LSE2, KL, G, offs, ok)
     c2, a1, a2, rc = _fold_factors(lse1_bits, lse2_bits, kl_bits, g, qk_scale1, qk_scale2, scale1, scale2)
+    if PACKED:
+        out = ROWS + offs.to(tl.int64) * 8
+        tl.store(out, c2, mask=ok)
+        tl.store(out + 1, lse2_bits, mask=ok)
+        tl.store(out + 2, lse1_bits, mask=ok)
+        tl.store(out + 3, tl.zeros_like(lse1_bits), mask=ok)
+        tl.store(out + 4, lse1_bits, mask=ok)
+        tl.store(out + 5, a1, mask=ok)
+        tl.store(out + 6, a2, mask=ok)
+        tl.store(out + 7, rc, mask=ok)
+        return
+    bh = offs // N_Q
+    out = ROWS + bh.to(tl.int64) * row_pitch + offs % N_Q
     tl.store(out, lse1_bits, mask=ok)
     tl.store(out + plane, lse2_bits, mask=ok)
     tl.store(out + 2 * plane, c2, mask=ok)

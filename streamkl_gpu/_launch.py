@@ -185,6 +185,33 @@ def _desc(t, block_rows, d_pad):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_rows, d_pad])
 
 
+def _launch_opts(parts):
+    """Compile options named by variant parts: "rN" caps the registers per thread at N (ptxas
+    .maxnreg), e.g. so that two 8-warp CTAs share an SM (N = 128)."""
+    regs = [int(p[1:]) for p in parts if p[:1] == "r" and p[1:].isdigit()]
+    return {"maxnreg": regs[-1]} if regs else {}
+
+
+def _row_constants(dims, g, kl, lse1_bits, lse2_bits, block_m, packed, both, device):
+    """The rows pre-pass (_bwd._kl_bwd_rows_kernel): the dK kernel's per-row constants, once per
+    row; returns the descriptor its query tiles read them through. Planes [6, B*H, N_Q] (one TMA
+    load of [1, 1, BLOCK_M] per value) or, ``packed``, [B*H, N_Q, 8] rows (one load of
+    [1, BLOCK_M, 4], or 8 with both settings, per query tile)."""
+    BH = dims.B * dims.H
+    args = (dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2)
+    grid = (cdiv(BH * dims.NQ, 1024),)
+    if packed:
+        rows = fresh((BH, dims.NQ, 8), torch.float32, device)
+        _bwd._kl_bwd_rows_kernel[grid](lse1_bits, lse2_bits, kl, g, rows, BH * dims.NQ, dims.NQ, 0, 0, *args,
+                                       BLOCK=1024, PACKED=True, num_warps=4)
+        return TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [1, block_m, 8 if both else 4])
+    pitch = cdiv(dims.NQ, 4) * 4  # 16-byte rows for the descriptor
+    rows = fresh((6, BH, pitch), torch.float32, device)
+    _bwd._kl_bwd_rows_kernel[grid](lse1_bits, lse2_bits, kl, g, rows, BH * dims.NQ, dims.NQ, pitch, BH * pitch, *args,
+                                   BLOCK=1024, num_warps=4)
+    return TensorDescriptor(rows, [6, BH, dims.NQ], list(rows.stride()), [1, 1, block_m])
+
+
 def _empty_backward(dims, q1, k1, q2, k2, train1, train2):
     """Zero gradients (no visible key anywhere) or empty ones (no row, no key)."""
     def zeros(train, x):
@@ -267,12 +294,8 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
             descs = dict(Q1_DESC=_desc(q1, block_m, d1_pad), K1_DESC=_desc(k1, block_n, d1_pad),
                          Q2_DESC=_desc(q2, block_m, d2_pad), K2_DESC=_desc(k2, block_n, d2_pad))
         if "rows" in parts:  # the per-row constants, once per row (_bwd._kl_bwd_rows_kernel)
-            pitch = cdiv(dims.NQ, 4) * 4  # 16-byte rows for the descriptor
-            rows = fresh((6, BH, pitch), torch.float32, device)
-            _bwd._kl_bwd_rows_kernel[(cdiv(BH * dims.NQ, 1024),)](
-                lse1_bits, lse2_bits, kl, g, rows, BH * dims.NQ, dims.NQ, pitch, BH * pitch,
-                dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2, BLOCK=1024, num_warps=4)
-            descs["ROWS_DESC"] = TensorDescriptor(rows, [6, BH, dims.NQ], list(rows.stride()), [1, 1, block_m])
+            descs["ROWS_DESC"] = _row_constants(dims, g, kl, lse1_bits, lse2_bits, block_m, "pack" in parts,
+                                                both, device)
         if reduce_dq:
             descs.update(DQ1_DESC=_desc(dq1, block_m, d1_pad) if dq1 is not None else None,
                          DQ2_DESC=_desc(dq2, block_m, d2_pad) if dq2 is not None else None)
@@ -288,7 +311,8 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
             TRAIN1=train1, TRAIN2=train2, FUSED_DQ=fused, DK1_ATOMIC=dk1_atomic, DK2_ATOMIC=dk2_atomic,
             IEEE1=ieee1, IEEE2=ieee2,
             USE_TMA=use_tma, TRANS="trans" in parts, FOLD="fold" in parts, DQ_REDUCE=reduce_dq,
-            ROWS="rows" in parts), warps, stages, key, aligned, runtime=descs)
+            ROWS="rows" in parts, ROWS_PACKED="pack" in parts, **_launch_opts(parts)), warps, stages, key, aligned,
+            runtime=descs)
         if not fused:
             block_m, block_n, warps, stages, variant = cfg_dq
             parts = variant.split("+")
@@ -305,7 +329,8 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
                 dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2), dict(
                 BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1_pad, D2_PAD=d2_pad, CAUSAL=causal,
                 TRAIN1=train1, TRAIN2=train2, IEEE1=ieee1, IEEE2=ieee2,
-                USE_TMA=use_tma, FOLD="fold" in parts), warps, stages, key, aligned, runtime=descs)
+                USE_TMA=use_tma, FOLD="fold" in parts, HEAVY_FIRST=causal and "heavy" in parts,
+                **_launch_opts(parts)), warps, stages, key, aligned, runtime=descs)
         return dq1, dk1, dq2, dk2
 
     if plan is None:

@@ -267,11 +267,15 @@ def bwd_candidates(d_pad, both, kind, ieee=False):
 #   "reduce"  fused dQ by one TMA reduce-add per tile instead of per-element atomics (DQ_REDUCE)
 #   "rows"    the dK kernel's per-row constants precomputed by a pre-pass, read by TMA (ROWS; needs
 #             "tma" and "fold")
+#   "pack"    with "rows": the six constants side by side per row, one TMA load per query tile (ROWS_PACKED)
+#   "heavy"   causal dQ kernel: the query tiles with the most keys launched first (HEAVY_FIRST)
+#   "rN"      launch option: at most N registers per thread (ptxas .maxnreg; _launch._launch_opts)
 # STREAMKL_BWD_VARIANT=<name> restricts the candidates to that variant (tests, the GPU bench);
 # unset, the tuner times all of them and keeps the fastest.
 BWD_VARIANTS = ("ptr", "tma", "tma+trans", "tma+fold", "tma+trans+fold", "tma+trans+reduce",
                 "tma+trans+fold+reduce", "tma+trans+fold+rows", "tma+trans+fold+rows+reduce",
-                "trans", "fold", "trans+fold")
+                "trans", "fold", "trans+fold", "tma+trans+fold+rows+heavy",
+                "tma+trans+fold+rows+pack", "tma+trans+fold+rows+pack+reduce", "tma+trans+fold+rows+pack+heavy")
 
 
 class UnusableConfig(Exception):
@@ -306,7 +310,7 @@ def bwd_variant_candidates(d_pad, both, kind, ieee=False, tma=False, fused=False
             if not interpreting():
                 raise ValueError(f"STREAMKL_BWD_VARIANT={forced!r} needs TMA-capable inputs (Hopper, aligned)")
             # CPU tensors not aligned: the same variant without descriptors (and so without the reduce)
-            forced = _kernel_variant(forced.replace("tma", "").replace("reduce", "").replace("rows", ""),
+            forced = _kernel_variant(forced.replace("tma", "").replace("reduce", "").replace("rows", "").replace("pack", ""),
                                      kind, fused)
     if interpreting():
         return [_runtime.INTERPRETER_BLOCK + (1, 1, forced or "ptr")]
@@ -343,8 +347,8 @@ def bwd_variant_candidates(d_pad, both, kind, ieee=False, tma=False, fused=False
 def _kernel_variant(name, kind, fused):
     """The part of a variant that applies to one kernel: the dQ kernel has no key-major, rows or
     reduce form, and "reduce" applies only to the fused dK kernel's dQ."""
-    keep = ("tma", "fold") if kind == "dq" else (("tma", "trans", "fold", "rows", "reduce") if fused else
-                                                  ("tma", "trans", "fold", "rows"))
+    keep = ("tma", "fold", "heavy") if kind == "dq" else (("tma", "trans", "fold", "rows", "pack", "reduce") if fused else
+                                                  ("tma", "trans", "fold", "rows", "pack"))
     return "+".join(p for p in name.split("+") if p in keep) or "ptr"
 
 

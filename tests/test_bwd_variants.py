@@ -24,7 +24,9 @@ pytestmark = [pytest.mark.usefixtures("poison"), pytest.mark.filterwarnings("ign
 SETTINGS = {"s1": (False, False, True, True), "s2": (True, True, False, False), "both": (True, True, True, True)}
 # every new code path at least once: TMA loads, key-major tiles, folds (dK kernel pre-scaled,
 # dQ kernel post-scaled), the TMA reduce of the fused dQ, each with and without the others
-VARIANTS = ["tma+trans+fold+rows+reduce", "tma+trans+fold+reduce", "tma+trans+reduce", "tma", "trans", "fold"]
+# ("+heavy": the causal dQ kernel's reversed launch order, HEAVY_FIRST; "+pack": packed row constants)
+VARIANTS = ["tma+trans+fold+rows+reduce", "tma+trans+fold+reduce", "tma+trans+reduce", "tma", "trans", "fold",
+            "tma+trans+fold+rows+heavy", "tma+trans+fold+rows+pack+reduce"]
 
 
 @pytest.fixture
@@ -45,7 +47,7 @@ def launched(variant, mode):
 
 
 def expected(variant, mode, tma=True):
-    name = variant if tma else variant.replace("tma", "").replace("reduce", "").replace("rows", "")
+    name = variant if tma else variant.replace("tma", "").replace("reduce", "").replace("rows", "").replace("pack", "")
     return (_tuning._kernel_variant(name, "dk", mode == "fused"),
             _tuning._kernel_variant(name, "dq", mode == "fused"))
 
@@ -82,7 +84,7 @@ def test_variant_gradients(variant, mode, B, H, HK1, HK2, NQ, NK, D1, D2, causal
             assert (grads[name][:, :, : NQ - NK] == 0).all()
 
 
-@pytest.mark.parametrize("variant", ["tma+trans+fold+rows+reduce", "fold"], indirect=True)
+@pytest.mark.parametrize("variant", ["tma+trans+fold+rows+reduce", "fold", "tma+trans+fold+rows+pack"], indirect=True)
 @pytest.mark.parametrize("mode", ["fused", "separate"])
 @pytest.mark.parametrize("setting", ["s1", "s2"])
 def test_variant_one_setting(variant, mode, setting):
@@ -121,8 +123,8 @@ def test_variant_extreme_logits(variant):
             assert err <= 16 * u * (1 + lse_bits) * natural, (mode, name, err, natural)
 
 
-@pytest.mark.parametrize("variant", ["tma+trans+fold+rows+reduce", "tma+trans+fold+reduce", "tma", "fold"],
-                         indirect=True)
+@pytest.mark.parametrize("variant", ["tma+trans+fold+rows+reduce", "tma+trans+fold+reduce", "tma", "fold",
+                                     "tma+trans+fold+rows+pack+heavy"], indirect=True)
 @pytest.mark.parametrize("mode", ["fused", "separate"])
 @pytest.mark.parametrize("case", [KEY7, KEY40, DIAGONAL_ROWS], ids=["n8-key7", "n64-key40", "diagonal-rows"])
 def test_variant_nan_isolation(variant, mode, case):
