@@ -160,6 +160,117 @@ def _indexer_logits(
     return logits
 
 
+# ----------------------------------------------------------------------------------------------
+# Keys-major score tiles (the "keys" variant, 9th config field): S^T [BLOCK_N keys, HB * BLOCK_T
+# (head, token) columns] = k q^T. The sum over heads is then a sum along a row of the MMA
+# accumulator: in-thread adds and two lane shuffles (each thread holds a few keys' rows), where
+# the (head, token)-major tile sums down its columns: lane shuffles over 8 lanes and a cross-warp
+# reduction through shared memory, once per tile. The online state's five sums then run along the
+# keys (axis 0) on BLOCK_N x BLOCK_T values only. Same formulas as _teacher_target /
+# _indexer_logits (those are the reference for these; tests/test_indexer_keys_major.py).
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _teacher_target_keys(
+    Q, K, Q_DESC, K_DESC, LSE_T, stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+    b, t0, s0, H, GROUP, N_Q, N_K, diag_offset, qk_scale, inv_heads, n_chunks, chunks_per_group,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, HB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, NO_CONTRACT: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):
+    """``p^T [BLOCK_N, BLOCK_T]``: _teacher_target's target, keys-major (column ``c = i * BLOCK_T
+    + t``: head ``i`` of the chunk, token ``t``)."""
+    COLS: tl.constexpr = HB * BLOCK_T
+    cols = tl.arange(0, COLS)
+    head_in_chunk = cols // BLOCK_T
+    tok = t0 + cols % BLOCK_T
+    keys = s0 + tl.arange(0, BLOCK_N)
+    key_ok = keys < N_K
+    b64 = b.to(tl.int64)
+    k_off_base = b64 * stride_kb + keys.to(tl.int64) * stride_kn
+    q_off_base = b64 * stride_qb + tok.to(tl.int64) * stride_qn
+    p = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
+    for c in range(0, n_chunks):
+        kv = c // chunks_per_group
+        h0 = kv * GROUP + (c % chunks_per_group) * HB
+        h_in_group = (c % chunks_per_group) * HB + head_in_chunk
+        h = kv * GROUP + h_in_group
+        col_ok = (h_in_group < GROUP) & (tok < N_Q)
+        s = _dot_rows(K, k_off_base + kv.to(tl.int64) * stride_kh, key_ok,
+                      Q, q_off_base + h.to(tl.int64) * stride_qh, col_ok, stride_kd, stride_qd,
+                      K_DESC, Q_DESC, b, kv, s0, h0, t0,
+                      D, BLOCK_D, BLOCK_N, COLS, 1, IEEE, USE_TMA)
+        lse = tl.load(LSE_T + (b64 * H + h) * N_Q + tok, mask=col_ok, other=float("-inf"))
+        # a padding column, or one with no visible key (lse = -inf), subtracts +inf: exp2 gives 0
+        # there with no per-entry select (its scores are finite: zero-filled or another head of
+        # the same token). A NaN LSE stays NaN (NaN != -inf), so a NaN row stays NaN.
+        lse_col = tl.where(col_ok & (lse != float("-inf")), lse, float("inf"))
+        x = _to_bits(s, qk_scale, NO_CONTRACT) - lse_col[None, :]
+        if MASKED:
+            visible = key_ok[:, None] & (tok >= 0)[None, :]
+            if CAUSAL:  # bottom-right causal: key s visible to token t iff s <= t + (N_K - N_Q)
+                visible = visible & (keys[:, None] <= tok[None, :] + diag_offset)
+            x = tl.where(visible, x, float("-inf"))
+        e = tl.exp2(x)
+        if BLOCK_T == 1:  # one token: the head sum is the row sum
+            p += tl.sum(e, 1)[:, None]
+        else:
+            p += tl.sum(tl.reshape(e, [BLOCK_N, HB, BLOCK_T]), axis=1)
+    return p * inv_heads
+
+
+@triton.jit
+def _indexer_logits_keys(
+    QI, KI, QI_DESC, KI_DESC, W, stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
+    stride_wb, stride_wh, stride_wn,
+    b, t0, s0, GROUP_I, N_Q, N_K, n_chunks, chunks_per_group,
+    DI: tl.constexpr, BLOCK_DI: tl.constexpr, IB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    RELU: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    """``I^T [BLOCK_N, BLOCK_T]``: _indexer_logits' logits, keys-major (unmasked)."""
+    COLS: tl.constexpr = IB * BLOCK_T
+    cols = tl.arange(0, COLS)
+    head_in_chunk = cols // BLOCK_T
+    tok = t0 + cols % BLOCK_T
+    keys = s0 + tl.arange(0, BLOCK_N)
+    key_ok = keys < N_K
+    b64 = b.to(tl.int64)
+    k_off_base = b64 * stride_kib + keys.to(tl.int64) * stride_kin
+    q_off_base = b64 * stride_qib + tok.to(tl.int64) * stride_qin
+    logits = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
+    for c in range(0, n_chunks):
+        kv = c // chunks_per_group
+        j0 = kv * GROUP_I + (c % chunks_per_group) * IB
+        j_in_group = (c % chunks_per_group) * IB + head_in_chunk
+        j = kv * GROUP_I + j_in_group
+        col_ok = (j_in_group < GROUP_I) & (tok < N_Q)
+        a = _dot_rows(KI, k_off_base + kv.to(tl.int64) * stride_kih, key_ok,
+                      QI, q_off_base + j.to(tl.int64) * stride_qih, col_ok, stride_kid, stride_qid,
+                      KI_DESC, QI_DESC, b, kv, s0, j0, t0,
+                      DI, BLOCK_DI, BLOCK_N, COLS, 1, IEEE, USE_TMA)
+        w = tl.load(W + b64 * stride_wb + j.to(tl.int64) * stride_wh + tok.to(tl.int64) * stride_wn,
+                    mask=col_ok, other=0.0).to(tl.float32)
+        if RELU:
+            a = tl.maximum(a, 0.0, propagate_nan=tl.PropagateNan.ALL)  # relu(NaN) stays NaN
+        contrib = tl.where(col_ok[None, :], a * w[None, :], 0.0)
+        if BLOCK_T == 1:
+            logits += tl.sum(contrib, 1)[:, None]
+        else:
+            logits += tl.sum(tl.reshape(contrib, [BLOCK_N, IB, BLOCK_T]), axis=1)
+    return logits
+
+
+@triton.jit
+def _token_visible_keys(toks, keys, N_Q, N_K, diag_offset, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    """_token_visible, keys-major: [BLOCK_N, BLOCK_T]."""
+    visible = (toks < N_Q)[None, :] & (keys >= 0)[:, None]
+    if MASKED:
+        visible = visible & (keys < N_K)[:, None]
+        if CAUSAL:
+            visible = visible & (keys[:, None] <= toks[None, :] + diag_offset)
+    return visible
+
+
 @triton.jit
 def _token_visible(toks, keys, N_Q, N_K, diag_offset, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
     visible = (toks < N_Q)[:, None] & (keys >= 0)[None, :]
@@ -183,42 +294,56 @@ def _fwd_key_range(
     HB: tl.constexpr, IB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
     IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr,
-    A_L1: tl.constexpr,
+    A_L1: tl.constexpr, KEYS_MAJOR: tl.constexpr = False,
 ):
     diag_offset = N_K - N_Q
     toks = t0 + tl.arange(0, BLOCK_T)
     for s0 in range(lo, hi, BLOCK_N):
         keys = s0 + tl.arange(0, BLOCK_N)
-        p = _teacher_target(Q, K, Q_DESC, K_DESC, LSE_T, stride_qb, stride_qh, stride_qn, stride_qd,
-                            stride_kb, stride_kh, stride_kn, stride_kd,
-                            b, t0, s0, H, GROUP, N_Q, N_K, diag_offset, qk_scale, inv_heads,
-                            n_chunks, chunks_per_group, D, BLOCK_D, HB, BLOCK_T, BLOCK_N,
-                            MASKED, CAUSAL, IEEE_T, NO_CONTRACT, USE_TMA, A_L1)
-        logits = _indexer_logits(QI, KI, QI_DESC, KI_DESC, W, stride_qib, stride_qih, stride_qin, stride_qid,
-                                 stride_kib, stride_kih, stride_kin, stride_kid, stride_wb, stride_wh, stride_wn,
-                                 b, t0, s0, GROUP_I, N_Q, N_K, n_ichunks, ichunks_per_group,
-                                 DI, BLOCK_DI, IB, BLOCK_T, BLOCK_N, RELU, IEEE_I, USE_TMA, A_L1)
-        visible = _token_visible(toks, keys, N_Q, N_K, diag_offset, MASKED, CAUSAL)
-        m, l, mass, acc, plogp = _online_update(m, l, mass, acc, plogp, p, logits, visible)
+        if KEYS_MAJOR:  # [BLOCK_N, BLOCK_T] tiles, the state's sums along axis 0
+            p = _teacher_target_keys(Q, K, Q_DESC, K_DESC, LSE_T, stride_qb, stride_qh, stride_qn, stride_qd,
+                                     stride_kb, stride_kh, stride_kn, stride_kd,
+                                     b, t0, s0, H, GROUP, N_Q, N_K, diag_offset, qk_scale, inv_heads,
+                                     n_chunks, chunks_per_group, D, BLOCK_D, HB, BLOCK_T, BLOCK_N,
+                                     MASKED, CAUSAL, IEEE_T, NO_CONTRACT, USE_TMA)
+            logits = _indexer_logits_keys(QI, KI, QI_DESC, KI_DESC, W, stride_qib, stride_qih, stride_qin, stride_qid,
+                                          stride_kib, stride_kih, stride_kin, stride_kid, stride_wb, stride_wh,
+                                          stride_wn, b, t0, s0, GROUP_I, N_Q, N_K, n_ichunks, ichunks_per_group,
+                                          DI, BLOCK_DI, IB, BLOCK_T, BLOCK_N, RELU, IEEE_I, USE_TMA)
+            visible = _token_visible_keys(toks, keys, N_Q, N_K, diag_offset, MASKED, CAUSAL)
+            m, l, mass, acc, plogp = _online_update(m, l, mass, acc, plogp, p, logits, visible, 0)
+        else:
+            p = _teacher_target(Q, K, Q_DESC, K_DESC, LSE_T, stride_qb, stride_qh, stride_qn, stride_qd,
+                                stride_kb, stride_kh, stride_kn, stride_kd,
+                                b, t0, s0, H, GROUP, N_Q, N_K, diag_offset, qk_scale, inv_heads,
+                                n_chunks, chunks_per_group, D, BLOCK_D, HB, BLOCK_T, BLOCK_N,
+                                MASKED, CAUSAL, IEEE_T, NO_CONTRACT, USE_TMA, A_L1)
+            logits = _indexer_logits(QI, KI, QI_DESC, KI_DESC, W, stride_qib, stride_qih, stride_qin, stride_qid,
+                                     stride_kib, stride_kih, stride_kin, stride_kid, stride_wb, stride_wh, stride_wn,
+                                     b, t0, s0, GROUP_I, N_Q, N_K, n_ichunks, ichunks_per_group,
+                                     DI, BLOCK_DI, IB, BLOCK_T, BLOCK_N, RELU, IEEE_I, USE_TMA, A_L1)
+            visible = _token_visible(toks, keys, N_Q, N_K, diag_offset, MASKED, CAUSAL)
+            m, l, mass, acc, plogp = _online_update(m, l, mass, acc, plogp, p, logits, visible)
     return m, l, mass, acc, plogp
 
 
 @triton.jit
-def _online_update(m, l, mass, acc, plogp, p, logits, visible):
+def _online_update(m, l, mass, acc, plogp, p, logits, visible, AXIS: tl.constexpr = 1):
     """The five-scalar state of each token after one [BLOCK_T, BLOCK_N] tile of target ``p`` and
-    student logits (streamkl_ref.indexer_kl_online's recurrence)."""
-    m_new = tl.maximum(m, tl.max(tl.where(visible, logits, float("-inf")), 1))
+    student logits (streamkl_ref.indexer_kl_online's recurrence). AXIS = 0: the tiles are
+    keys-major, [BLOCK_N, BLOCK_T] (``_teacher_target_keys``)."""
+    m_new = tl.maximum(m, tl.max(tl.where(visible, logits, float("-inf")), AXIS))
     shift = _safe(m_new)
-    centred = logits - shift[:, None]  # I - m'
+    centred = logits - tl.expand_dims(shift, AXIS)  # I - m'
     e = tl.exp2(tl.where(visible, centred, float("-inf")) * LOG2E)
     alpha = tl.exp2((m - shift) * LOG2E)  # 0 while the row was empty, 1 if the max did not move
-    l = l * alpha + tl.sum(e, 1)
+    l = l * alpha + tl.sum(e, AXIS)
     # p log p with 0 log 0 = 0; a NaN p stays NaN (NaN > 0 is False, then NaN * 0 = NaN)
     log_p = tl.log(tl.where(visible & (p > 0), p, 1.0))
-    plogp += tl.sum(tl.where(visible, p * log_p, 0.0), 1)
+    plogp += tl.sum(tl.where(visible, p * log_p, 0.0), AXIS)
     # every old term p (I - m) moves by -(m' - m) when the max moves: -mass * moved in all
-    acc = acc - mass * (shift - _safe(m)) + tl.sum(tl.where(visible, p * centred, 0.0), 1)
-    mass += tl.sum(tl.where(visible, p, 0.0), 1)
+    acc = acc - mass * (shift - _safe(m)) + tl.sum(tl.where(visible, p * centred, 0.0), AXIS)
+    mass += tl.sum(tl.where(visible, p, 0.0), AXIS)
     return m_new, l, mass, acc, plogp
 
 
@@ -235,8 +360,10 @@ def _indexer_fwd_kernel(
     HB: tl.constexpr, IB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, RELU: tl.constexpr, IEEE_T: tl.constexpr, IEEE_I: tl.constexpr,
     NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr, SPLIT: tl.constexpr, A_L1: tl.constexpr = False,
+    KEYS_MAJOR: tl.constexpr = False,
 ):
     """KL [B, N_Q] (nats) and the student's LSE_I [B, N_Q] (nats) from the teacher LSEs (bits).
+    KEYS_MAJOR: keys-major score tiles (``_teacher_target_keys``; the "keys" config variant).
 
     Grid (token blocks, key splits, B). SPLIT: program ``(., s, .)`` walks the keys
     ``[s * keys_per_split, (s + 1) * keys_per_split)`` only and stores its five-scalar state in
@@ -263,14 +390,14 @@ def _indexer_fwd_kernel(
         stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
         stride_wb, stride_wh, stride_wn, b, t0, key_lo, full_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
         n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI,
-        HB, IB, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, A_L1)
+        HB, IB, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, A_L1, KEYS_MAJOR)
     m, l, mass, acc, plogp = _fwd_key_range(
         m, l, mass, acc, plogp, Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T,
         stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
         stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
         stride_wb, stride_wh, stride_wn, b, t0, full_hi, key_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale,
         inv_heads, n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI,
-        HB, IB, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, A_L1)
+        HB, IB, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, A_L1, KEYS_MAJOR)
     ok = toks < N_Q
     out = b.to(tl.int64) * N_Q + toks
     if SPLIT:

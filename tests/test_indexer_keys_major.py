@@ -1,0 +1,102 @@
+"""The indexer forward's keys-major score tiles (the "keys" variant, 9th config field; issue 10's
+DSA-like speed work) under the interpreter: against the float64 reference
+(streamkl_ref.indexer_kl) over odd shapes, and against the (head, token)-major kernel.
+
+Tiny shapes: programs run one after another on CPU. Configs are
+``(rows, irows, BLOCK_N, BLOCK_D, warps, stages, hb_max, key_splits, variant)``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from streamkl_gpu import _indexer
+from streamkl_ref._checks import check_indexer_inputs
+
+from test_gpu_indexer import check_case, make
+
+KEYS = (32, 32, 16, 32, 1, 1, None, 1, "keys")
+
+
+def _with_config(monkeypatch, cfg):
+    monkeypatch.setattr(_indexer, "INTERPRETER_CONFIG", cfg)
+
+
+def _forward(xs, lse=None, causal=True, scale=0.25, relu=True):
+    kl, lse_idx, _ = _indexer._forward(*xs, lse, causal, scale, relu)
+    return kl, lse_idx
+
+
+# (B, H, H_K, N_Q, N_K, D, H_I, H_KI, D_I), causal, lse given, config
+CASES = [
+    ((1, 4, 1, 13, 21, 24, 4, 1, 16), True, True, KEYS),     # MQA both sides, N_K > N_Q, ragged
+    ((1, 8, 1, 11, 11, 40, 4, 1, 16), True, False, (32, 32, 16, 16, 1, 1, None, 1, "keys")),  # D tiled 16 + 16 + 8
+    ((2, 4, 2, 9, 5, 40, 2, 2, 8), True, True, KEYS),        # GQA teacher, 2 indexer key heads, N_Q > N_K
+    ((1, 6, 3, 17, 17, 16, 3, 1, 12), False, True, KEYS),    # groups of 3 in boxes of 4 heads
+    ((1, 2, 2, 1, 1, 8, 1, 1, 8), True, True, KEYS),         # N = 1
+    ((1, 4, 1, 19, 40, 16, 4, 1, 16), True, True, (32, 32, 16, 32, 1, 1, None, 3, "keys")),  # key splits
+]
+
+
+@pytest.mark.parametrize("shape,causal,with_lse,cfg", CASES)
+def test_keys_major_matches_reference(monkeypatch, shape, causal, with_lse, cfg):
+    _with_config(monkeypatch, cfg)
+    xs = make(*shape, seed=sum(shape) + 3)
+    check_case(xs, with_lse=with_lse, causal=causal, grad=False)
+
+
+@pytest.mark.parametrize("tma", [True, False], indirect=True)
+def test_keys_major_equals_rows_major(monkeypatch, tma):
+    """Same products, same formulas, only the tile's orientation differs: KL and LSE_I agree with
+    the (head, token)-major kernel to fp32 summation order. H = 16 fills one 16-wide column block
+    with one token (BLOCK_T = 1, the DSA layout: the head sum is a plain row sum)."""
+    xs = make(1, 16, 1, 14, 20, 24, 16, 1, 16, seed=41)
+    pl = _indexer._plan(check_indexer_inputs(*xs), (16, 16, 16, 32, 1, 1, None, 1, "keys"), "fwd")
+    assert pl["BLOCK_T"] == 1 and pl["HB"] == 16
+    out = {}
+    for variant in ("tiles", "keys"):
+        _with_config(monkeypatch, (16, 16, 16, 32, 1, 1, None, 1, variant))
+        out[variant] = _forward(xs)
+    for a, b in zip(out["tiles"], out["keys"]):
+        assert torch.allclose(a, b, rtol=2e-5, atol=2e-6), (a - b).abs().max()
+    assert torch.isfinite(out["keys"][0]).all()
+
+
+def test_keys_major_relu_off_and_fp16(monkeypatch):
+    _with_config(monkeypatch, KEYS)
+    xs = make(1, 4, 1, 10, 12, 16, 2, 1, 16, seed=43, dtype=torch.float16)
+    check_case(xs, with_lse=True, causal=True, grad=False, relu=False)
+
+
+def test_keys_major_dsa_head_dim_576(monkeypatch):
+    """The absorbed-MLA head width, tiled along D (9 chunks of 64 here)."""
+    _with_config(monkeypatch, (32, 32, 16, 64, 1, 1, None, 1, "keys"))
+    xs = make(1, 2, 1, 5, 7, 576, 2, 1, 16, seed=44, qscale=0.1)
+    check_case(xs, with_lse=True, causal=True, grad=False, scale=192 ** -0.5)
+
+
+def test_keys_major_empty_rows_and_nan_isolation(monkeypatch):
+    """N_Q > N_K causal: the first rows see no key (KL 0, LSE_I -inf). A NaN in a teacher key, an
+    indexer key, or one teacher query row poisons exactly the rows that see it."""
+    _with_config(monkeypatch, KEYS)
+    xs = make(1, 4, 1, 12, 8, 16, 2, 1, 8, seed=45)
+    kl0, lse0 = _forward(xs)
+    assert torch.equal(kl0[0, :4], torch.zeros(4)) and torch.isneginf(lse0[0, :4]).all()
+    assert torch.isfinite(kl0[0, 4:]).all()
+    for which, idx in ((1, (0, 0, 5, 3)), (3, (0, 0, 5, 1))):  # key 5: rows t with t - 4 >= 5
+        bad = [x.clone() for x in xs]
+        bad[which][idx] = float("nan")
+        kl = _forward(bad)[0]
+        assert torch.equal(kl[0, :9], kl0[0, :9]) and torch.isnan(kl[0, 9:]).all()
+    bad = [x.clone() for x in xs]
+    bad[0][0, 2, 6, 0] = float("nan")  # teacher query row 6 of head 2
+    kl = _forward(bad)[0]
+    others = [t for t in range(12) if t != 6]
+    assert torch.equal(kl[0, others], kl0[0, others]) and torch.isnan(kl[0, 6])
+
+
+def test_keys_major_gradients_after_its_forward(monkeypatch):
+    """The backward reads the keys-major forward's LSE_I (its own kernels are the usual ones)."""
+    _with_config(monkeypatch, KEYS)
+    xs = make(1, 4, 1, 11, 15, 16, 2, 1, 16, seed=46)
+    check_case(xs, with_lse=True, causal=True, grad=True)
