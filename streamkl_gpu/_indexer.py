@@ -400,7 +400,9 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
             D=dims.D, BLOCK_D=pl["BLOCK_D"], DI=dims.DI, BLOCK_DI=pl["BLOCK_DI"],
             HB=pl["HB"], IB=pl["IB"], BLOCK_T=pl["BLOCK_T"], BLOCK_N=pl["BLOCK_N"],
             CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, NO_CONTRACT=no_contract,
-            USE_TMA=tma, SPLIT=splits > 1, A_L1=a_l1, KEYS_MAJOR=pl["variant"] == "keys",  # s6-idxdsa
+            USE_TMA=tma, SPLIT=splits > 1, A_L1=a_l1,
+            # s6-idxdsa: variants "keys" (keys-major tiles), "keys_flat" / "tiles_flat" (key loop flattened)
+            KEYS_MAJOR=pl["variant"].startswith("keys"), FLATTEN=pl["variant"].endswith("_flat"),
             num_warps=pl["warps"], num_stages=pl["stages"])
         if splits > 1:
             merged_kl, merged_lse = _merge_splits(part)

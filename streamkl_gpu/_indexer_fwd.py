@@ -294,11 +294,14 @@ def _fwd_key_range(
     HB: tl.constexpr, IB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
     IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr,
-    A_L1: tl.constexpr, KEYS_MAJOR: tl.constexpr = False,
+    A_L1: tl.constexpr, KEYS_MAJOR: tl.constexpr = False, FLATTEN: tl.constexpr = False,
 ):
     diag_offset = N_K - N_Q
     toks = t0 + tl.arange(0, BLOCK_T)
-    for s0 in range(lo, hi, BLOCK_N):
+    # FLATTEN: the key-tile loop and its D-chunk loop as one pipelined loop (triton's loop
+    # flattening), so the next key tile's first chunks load while this tile's exponentials and
+    # indexer run (one loop nest when the head chunks are one, n_chunks == 1: MQA)
+    for s0 in tl.range(lo, hi, BLOCK_N, flatten=FLATTEN):
         keys = s0 + tl.arange(0, BLOCK_N)
         if KEYS_MAJOR:  # [BLOCK_N, BLOCK_T] tiles, the state's sums along axis 0
             p = _teacher_target_keys(Q, K, Q_DESC, K_DESC, LSE_T, stride_qb, stride_qh, stride_qn, stride_qd,
@@ -360,10 +363,11 @@ def _indexer_fwd_kernel(
     HB: tl.constexpr, IB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, RELU: tl.constexpr, IEEE_T: tl.constexpr, IEEE_I: tl.constexpr,
     NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr, SPLIT: tl.constexpr, A_L1: tl.constexpr = False,
-    KEYS_MAJOR: tl.constexpr = False,
+    KEYS_MAJOR: tl.constexpr = False, FLATTEN: tl.constexpr = False,
 ):
     """KL [B, N_Q] (nats) and the student's LSE_I [B, N_Q] (nats) from the teacher LSEs (bits).
-    KEYS_MAJOR: keys-major score tiles (``_teacher_target_keys``; the "keys" config variant).
+    KEYS_MAJOR: keys-major score tiles (``_teacher_target_keys``; the "keys" config variants).
+    FLATTEN: the key loop flattened with its D-chunk loop (the "_flat" config variants).
 
     Grid (token blocks, key splits, B). SPLIT: program ``(., s, .)`` walks the keys
     ``[s * keys_per_split, (s + 1) * keys_per_split)`` only and stores its five-scalar state in
@@ -390,14 +394,14 @@ def _indexer_fwd_kernel(
         stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
         stride_wb, stride_wh, stride_wn, b, t0, key_lo, full_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
         n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI,
-        HB, IB, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, A_L1, KEYS_MAJOR)
+        HB, IB, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, A_L1, KEYS_MAJOR, FLATTEN)
     m, l, mass, acc, plogp = _fwd_key_range(
         m, l, mass, acc, plogp, Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T,
         stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
         stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
         stride_wb, stride_wh, stride_wn, b, t0, full_hi, key_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale,
         inv_heads, n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI,
-        HB, IB, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, A_L1, KEYS_MAJOR)
+        HB, IB, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, A_L1, KEYS_MAJOR, FLATTEN)
     ok = toks < N_Q
     out = b.to(tl.int64) * N_Q + toks
     if SPLIT:

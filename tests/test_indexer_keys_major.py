@@ -1,5 +1,5 @@
 """The indexer forward's keys-major score tiles (the "keys" variant, 9th config field; issue 10's
-DSA-like speed work) under the interpreter: against the float64 reference
+DSA-like speed work) and the flattened key loop ("keys_flat", "tiles_flat") under the interpreter: against the float64 reference
 (streamkl_ref.indexer_kl) over odd shapes, and against the (head, token)-major kernel.
 
 Tiny shapes: programs run one after another on CPU. Configs are
@@ -35,6 +35,8 @@ CASES = [
     ((1, 6, 3, 17, 17, 16, 3, 1, 12), False, True, KEYS),    # groups of 3 in boxes of 4 heads
     ((1, 2, 2, 1, 1, 8, 1, 1, 8), True, True, KEYS),         # N = 1
     ((1, 4, 1, 19, 40, 16, 4, 1, 16), True, True, (32, 32, 16, 32, 1, 1, None, 3, "keys")),  # key splits
+    ((1, 4, 1, 13, 21, 24, 4, 1, 16), True, True, (32, 32, 16, 16, 1, 1, None, 1, "keys_flat")),  # flattened loop
+    ((1, 6, 3, 17, 17, 16, 3, 1, 12), True, False, (32, 32, 16, 16, 1, 1, None, 1, "tiles_flat")),
 ]
 
 
@@ -47,18 +49,20 @@ def test_keys_major_matches_reference(monkeypatch, shape, causal, with_lse, cfg)
 
 @pytest.mark.parametrize("tma", [True, False], indirect=True)
 def test_keys_major_equals_rows_major(monkeypatch, tma):
-    """Same products, same formulas, only the tile's orientation differs: KL and LSE_I agree with
-    the (head, token)-major kernel to fp32 summation order. H = 16 fills one 16-wide column block
+    """Same products, same formulas, only the tile's orientation (and the loop nest) differs: KL
+    and LSE_I agree with the (head, token)-major kernel to fp32 summation order. D = 24 is two
+    16-wide chunks (the flattened loop's inner trip count). H = 16 fills one 16-wide column block
     with one token (BLOCK_T = 1, the DSA layout: the head sum is a plain row sum)."""
     xs = make(1, 16, 1, 14, 20, 24, 16, 1, 16, seed=41)
-    pl = _indexer._plan(check_indexer_inputs(*xs), (16, 16, 16, 32, 1, 1, None, 1, "keys"), "fwd")
+    pl = _indexer._plan(check_indexer_inputs(*xs), (16, 16, 16, 16, 1, 1, None, 1, "keys"), "fwd")
     assert pl["BLOCK_T"] == 1 and pl["HB"] == 16
     out = {}
-    for variant in ("tiles", "keys"):
-        _with_config(monkeypatch, (16, 16, 16, 32, 1, 1, None, 1, variant))
+    for variant in ("tiles", "keys", "keys_flat", "tiles_flat"):
+        _with_config(monkeypatch, (16, 16, 16, 16, 1, 1, None, 1, variant))
         out[variant] = _forward(xs)
-    for a, b in zip(out["tiles"], out["keys"]):
-        assert torch.allclose(a, b, rtol=2e-5, atol=2e-6), (a - b).abs().max()
+    for variant in ("keys", "keys_flat", "tiles_flat"):
+        for a, b in zip(out["tiles"], out[variant]):
+            assert torch.allclose(a, b, rtol=2e-5, atol=2e-6), (variant, (a - b).abs().max())
     assert torch.isfinite(out["keys"][0]).all()
 
 
