@@ -157,26 +157,50 @@ def teacher_lse(q, k, scale):
 # Child: compile one candidate and check it against float64 on the small problem
 # ----------------------------------------------------------------------------------------------
 
-def child(args):
-    label, cfg_t = candidates(args)[args.child]
-    cfg = config(args)
-    device = "cpu" if args.tiny else "cuda"
-    N = 24 if args.tiny else CHECK_N
-    xs = inputs(cfg, N, device, seed=1)
-    kw = dict(causal=True, scale=cfg["scale"])
+def check_one(cfg, cfg_t, device, NQ, NK, causal, seed):
+    """(err, tol) of one forced forward with lse given against float64 (tolerance rule: 3 x the
+    materialised form's error at the inputs' precision + 1e-2)."""
+    xs = inputs(cfg, NQ, device, seed=seed)
+    if NK != NQ:
+        xs[1] = inputs(dict(cfg, H=cfg["HK"]), NK, device, seed=seed + 1)[0]
+        xs[3] = inputs(dict(cfg, HI=cfg["HKI"], D=cfg["DI"]), NK, device, seed=seed + 2)[2][:, :, :, :cfg["DI"]].contiguous()
+    kw = dict(causal=causal, scale=cfg["scale"])
     x64 = [x.double().cpu().numpy() for x in xs]
     kl_ref, _, lse_ref = streamkl_ref.indexer_kl(*x64, return_lse=True, **kw)
     base = _rel_err(indexer_kl_naive(*xs, compute_dtype=xs[0].dtype, **kw), kl_ref)
     tol = 3.0 * (base if math.isfinite(base) else 0.0) + 1e-2
     lse = torch.from_numpy(lse_ref).float().to(device)
-    t0 = time.time()
     with Force(cfg_t):
         kl = streamkl_gpu.indexer_kl(*xs, lse=lse, **kw)
     if device == "cuda":
         torch.cuda.synchronize()
-    err = _rel_err(kl, kl_ref)
+    return _rel_err(kl, kl_ref), tol
+
+
+# extra checks a child runs after its first result (the parent is timing by then): ragged tiles,
+# N_Q != N_K both ways (causal rows with no key); each a new specialization (compiled here)
+EXTRA_CHECKS = [(100, 163, True), (163, 100, True)]
+
+
+def child(args):
+    label, cfg_t = candidates(args)[args.child]
+    cfg = config(args)
+    device = "cpu" if args.tiny else "cuda"
+    N = 24 if args.tiny else CHECK_N
+    t0 = time.time()
+    err, tol = check_one(cfg, cfg_t, device, N, N, True, seed=1)
     print("RESULT " + json.dumps(dict(label=label, err=err, tol=tol, ok=bool(err <= tol),
                                       first_call_s=time.time() - t0, N=N)), flush=True)
+    for nq, nk, causal in (EXTRA_CHECKS[:1] if args.tiny else EXTRA_CHECKS):
+        if args.tiny:
+            nq, nk = nq // 8, nk // 8
+        try:
+            err, tol = check_one(cfg, cfg_t, device, nq, nk, causal, seed=nq + nk)
+            print("EXTRA " + json.dumps(dict(case=f"NQ={nq} NK={nk} {'causal' if causal else 'full'}", err=err,
+                                             tol=tol, ok=bool(err <= tol))), flush=True)
+        except Exception as exc:  # noqa: BLE001 - reported, the next check runs
+            print("EXTRA " + json.dumps(dict(case=f"NQ={nq} NK={nk}", err=None, tol=None, ok=False,
+                                             error=f"{type(exc).__name__}: {str(exc)[:300]}")), flush=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -250,7 +274,7 @@ class Run:
             self.done = True
         self.log(f"table ({why})")
         lines = [f"{'candidate':22s} {'config':46s} {'shape':8s} {'ms':>8s} {'x floor':>8s} {'vs def':>7s} "
-                 f"{'check err':>10s} {'8K diff':>9s}"]
+                 f"{'check err':>14s} {'8K diff':>9s}"]
         for (label, shape), r in list(self.table.items()):
             ms = r.get("ms")
             dflt = self.table.get(("default", shape), {}).get("ms")
@@ -259,9 +283,10 @@ class Run:
             vs = f"{dflt / ms:7.3f}" if isinstance(ms, float) and isinstance(dflt, float) else f"{'-':>7s}"
             chk = r.get("check", "-")
             diff = r.get("diff", "-")
-            lines.append(f"{label:22s} {str(list(r['cfg'])):46s} {shape:8s} {ms_s} {ratio} {vs} {chk:>10s} {diff:>9s}")
+            lines.append(f"{label:22s} {str(list(r['cfg'])):46s} {shape:8s} {ms_s} {ratio} {vs} {chk:>14s} {diff:>9s}")
         lines.append("x floor: ms / (forward matmul FLOPs, causal half, at this run's bf16 8192^3 rate); vs def: "
-                     "the default's first ms / this ms; check err: KL vs float64 at N=192; 8K diff: KL vs the default's")
+                     "the default's first ms / this ms; check err: KL vs float64 at N=192 causal (+ok/n: the extra "
+                     "checks, ragged, N_Q != N_K); 8K diff: KL vs the default's")
         text = "\n".join(lines)
         with self.lock:
             print(text, flush=True)
@@ -284,24 +309,34 @@ class Run:
 
 
 def spawn(run, args, cands):
-    """Start the compile/check children, at most --parallel at a time; returns a poller."""
+    """Start the compile/check children, at most --parallel at a time; their output is read by
+    one thread each. Returns a poller: ``poll() -> (results, extras, finished)`` (index -> first
+    RESULT dict or an error string; index -> EXTRA dicts; indices whose process ended)."""
     parallel = args.parallel or min(len(cands), os.cpu_count() or 1)
     pending = list(range(len(cands)))
     running = {}  # index -> Popen
-    results = {}  # index -> dict or error string
+    results, extras, finished, outputs = {}, {}, set(), {}
+
+    def reader(i, proc):
+        for line in proc.stdout:
+            outputs[i].append(line)
+            if line.startswith("RESULT ") and i not in results:
+                results[i] = json.loads(line[7:])
+            elif line.startswith("EXTRA "):
+                extras.setdefault(i, []).append(json.loads(line[6:]))
+        proc.wait()
 
     def poll():
         for i, proc in list(running.items()):
             if proc.poll() is None:
                 continue
-            out = proc.stdout.read()
+            threads[i].join(timeout=1.0)
             del running[i]
-            res = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-            if proc.returncode == 0 and res:
-                results[i] = json.loads(res[-1][7:])
-            else:
+            finished.add(i)
+            if i not in results:
                 results[i] = f"exit {proc.returncode}"
-                run.log(f"compile/check {cands[i][0]} {list(cands[i][1])}: exit {proc.returncode}\n{out[-2500:]}")
+            if proc.returncode != 0:
+                run.log(f"child {cands[i][0]} {list(cands[i][1])}: exit {proc.returncode}\n{''.join(outputs[i])[-2500:]}")
         while pending and len(running) < parallel:
             i = pending.pop(0)
             cmd = [sys.executable, os.path.abspath(__file__), args.out_dir, "--child", str(i)]
@@ -309,9 +344,13 @@ def spawn(run, args, cands):
             if args.only:
                 cmd += ["--only", args.only]
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            outputs[i] = []
+            threads[i] = threading.Thread(target=reader, args=(i, proc), daemon=True)
+            threads[i].start()
             running[i] = proc
             run.procs.append(proc)
-        return results
+        return results, extras, finished
+    threads = {}
     poll()
     return poll
 
@@ -346,7 +385,7 @@ def main(argv=None):
     timed = set()
     order = list(range(len(cands))) + [0]  # the default first and again last (drift)
     while order:
-        results = poll()
+        results, _, _ = poll()
         # the default's first timing comes first (the baseline of the run), the rest as they compile
         ready = [i for i in order if i in results and (0 in timed or i == 0)]
         if not ready:
@@ -393,7 +432,32 @@ def main(argv=None):
                 run.log(f"dsa {shape} fwd {label_t} raised {type(exc).__name__}: {str(exc)[:400]}")
                 run.logf.write(traceback.format_exc())
         timed.add(i)
-    run.print_table("all ran")
+    # the children's extra checks (ragged, N_Q != N_K), until they end or the deadline nears
+    recorded = set()
+    while True:
+        results, extras, finished = poll()
+        for i in sorted(finished - recorded):
+            recorded.add(i)
+            label, cfg_t = cands[i]
+            bad = []
+            for e in extras.get(i, []):
+                if e["err"] is None:
+                    run.log(f"extra check {label} {e['case']}: raised {e.get('error')}")
+                else:
+                    run.log(f"extra check {label} {e['case']}: err {e['err']:.2e} tol {e['tol']:.2e} "
+                            f"{'ok' if e['ok'] else 'FAIL'}")
+                    run.record("check_kl_rel_err", f"fwd {label} {list(cfg_t)}", f"dsa {e['case']} lse",
+                               f"{e['err']:.3e}", "rel", f"tol {e['tol']:.3e} {'ok' if e['ok'] else 'FAIL'}")
+                if not e["ok"]:
+                    bad.append(e["case"])
+            n_ok = sum(e["ok"] for e in extras.get(i, []))
+            for (lab, shape), row in list(run.table.items()):
+                if lab == label:
+                    row["check"] = row.get("check", "-") + f" +{n_ok}/{len(EXTRA_CHECKS if not args.tiny else EXTRA_CHECKS[:1])}"
+        if len(finished) == len(cands) or time.time() - run.t0 > args.deadline - 4:
+            break
+        time.sleep(0.3)
+    run.print_table("all ran" if len(finished) == len(cands) else "extra checks cut short")
     for proc in run.procs:
         if proc.poll() is None:
             proc.kill()
