@@ -57,6 +57,8 @@ def parse_cfg(text):
 def compile_one(name, fn, args, kw):
     kw = dict(kw)
     opts = {"num_warps": kw.pop("num_warps", 4), "num_stages": kw.pop("num_stages", 2)}
+    if "maxnreg" in kw:
+        opts["maxnreg"] = kw.pop("maxnreg")
     vals = dict(zip(fn.arg_names, args))
     vals.update(kw)
     sig, consts, attrs = {}, {}, {}
@@ -91,7 +93,7 @@ def compile_one(name, fn, args, kw):
         "instr": len(re.findall(r"/\*[0-9a-f]{4,}\*/", sass)),
     }
     meta = {n: vals[n] for n in ("BLOCK_T", "BLOCK_N", "BLOCK_D", "HB", "IB") if n in vals}
-    line = (f"{name:26s} w{opts['num_warps']} s{opts['num_stages']} {meta} smem={k.metadata.shared} "
+    line = (f"{name:26s} w{opts['num_warps']} s{opts['num_stages']} r{opts.get('maxnreg')} {meta} smem={k.metadata.shared} "
             f"regs={regs.group(1) if regs else '?'} stack={stack.group(1) if stack else '?'} "
             + " ".join(f"{a}={b}" for a, b in counts.items()))
     dump = os.environ.get("DUMP")

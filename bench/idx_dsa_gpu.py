@@ -55,30 +55,36 @@ COLUMNS = ["measure", "provider", "shape", "value", "unit", "note"]
 CFG = CONFIGS["dsa"]
 CHECK_N = 192  # strides divisible by 16: the kernels compiled for the check are the 8K ones
 # (label, forward config). Config: (teacher rows, indexer rows, BLOCK_N, BLOCK_D, warps, stages,
-# heads per chunk cap, key splits, variant). "keys": keys-major score tiles (_teacher_target_keys:
-# the head sum along the MMA accumulator's rows, no cross-warp reduction); "_flat": the key loop
-# and its D-chunk loop flattened into one pipelined loop (the next tile's chunks, and the
-# indexer's tiles, load during this tile's exponentials). Offline sm_90 compiles
-# (bench/idx_dsa_aot.py, DSA, triton 3.6 = the GPU image's; registers, spills, shared memory):
+# heads per chunk cap, key splits, variant); the variant's options (_indexer_fwd.variant_meta):
+# "keys" keys-major score tiles (_teacher_target_keys: the head sum along the MMA accumulator's
+# rows, no cross-warp reduction), "flat" the key loop and its D-chunk loop as one pipelined loop
+# (the next tile's chunks and the indexer's tiles load during this tile's exponentials), "lpt"
+# token blocks in reverse (the longest causal rows first), "r168" maxnreg 168 (three CTAs per SM).
+# Offline sm_90 compiles (bench/idx_dsa_aot.py, DSA, triton 3.6 = the GPU image's; registers,
+# spills, shared memory):
 #   default                 255, none, 82 KB (436 SHFL, 8344 SASS instructions)
-#   keys n128 w4 s3         255, 72 B, 98 KB (87 SHFL, 3944)      keys n128 w8 s3 / s2  242, none
-#   keys n64 w4 s3 / s4     198, none, 74 / 98 KB                  keys n64 w8 s3        159, none
+#   keys n128 w4 s3         255, 72 B, 98 KB (87 SHFL, 3944)      keys n128 w8 s3       242, none, 98 KB
+#   keys n64 w4 s3 / s4     198, none, 74 / 98 KB                  keys_r168 n64 w4 s3   168, 72 B, 74 KB
 #   keys_flat n64 w4 s3     178, none, 107 KB (two CTAs per SM)   keys_flat n128 w8 s2  234, none, 115 KB
-#   tiles_flat n128 w4 s2   255, 8 B, 82 KB                      keys_flat n64 w4 s2   175, none, 82 KB
+#   tiles_flat n128 w4 s2   255, 8 B, 82 KB                        keys_flat n64 w4 s2   175, none, 82 KB
 # Left out: keys n256 w8 (208 B of spills), keys n128 w4 s2 (88 B), keys_flat n128 w4 (115 / 147
 # KB: one CTA per SM, 16 / 32 B of spills), BLOCK_D = 128 (64 B on 3.9), two tokens per CTA
-# (256 columns: 144 B of spills at 128 keys; 64 keys on 8 warps 195 registers, 123 KB: one CTA).
+# (256 columns: 144 B of spills at 128 keys; 64 keys on 8 warps 195 registers, 123 KB: one CTA),
+# warp_specialize=True on the flattened loop (triton 3.6, sm_90: the same SASS, ignored).
 CANDIDATES = [
     ("default", (128, 128, 128, 64, 4, 3)),
     ("keys n128 w4 s3", (128, 128, 128, 64, 4, 3, None, 1, "keys")),
     ("keys_flat n64 w4 s3", (128, 128, 64, 64, 4, 3, None, 1, "keys_flat")),
+    ("keys_flat_lpt n64 w4 s3", (128, 128, 64, 64, 4, 3, None, 1, "keys_flat_lpt")),
     ("keys n64 w4 s3", (128, 128, 64, 64, 4, 3, None, 1, "keys")),
+    ("keys_lpt n128 w4 s3", (128, 128, 128, 64, 4, 3, None, 1, "keys_lpt")),
+    ("tiles_lpt (default)", (128, 128, 128, 64, 4, 3, None, 1, "tiles_lpt")),
     ("keys n128 w8 s3", (128, 128, 128, 64, 8, 3, None, 1, "keys")),
     ("keys_flat n128 w8 s2", (128, 128, 128, 64, 8, 2, None, 1, "keys_flat")),
     ("tiles_flat n128 w4 s2", (128, 128, 128, 64, 4, 2, None, 1, "tiles_flat")),
     ("keys_flat n64 w4 s2", (128, 128, 64, 64, 4, 2, None, 1, "keys_flat")),
+    ("keys_r168 n64 w4 s3", (128, 128, 64, 64, 4, 3, None, 1, "keys_r168")),
     ("keys n64 w4 s4", (128, 128, 64, 64, 4, 4, None, 1, "keys")),
-    ("keys n128 w8 s2", (128, 128, 128, 64, 8, 2, None, 1, "keys")),
 ]
 _ORIG_CANDIDATES = _indexer._candidates
 
@@ -273,7 +279,7 @@ class Run:
                 return
             self.done = True
         self.log(f"table ({why})")
-        lines = [f"{'candidate':22s} {'config':46s} {'shape':8s} {'ms':>8s} {'x floor':>8s} {'vs def':>7s} "
+        lines = [f"{'candidate':24s} {'config':46s} {'shape':8s} {'ms':>8s} {'x floor':>8s} {'vs def':>7s} "
                  f"{'check err':>14s} {'8K diff':>9s}"]
         for (label, shape), r in list(self.table.items()):
             ms = r.get("ms")
@@ -283,7 +289,7 @@ class Run:
             vs = f"{dflt / ms:7.3f}" if isinstance(ms, float) and isinstance(dflt, float) else f"{'-':>7s}"
             chk = r.get("check", "-")
             diff = r.get("diff", "-")
-            lines.append(f"{label:22s} {str(list(r['cfg'])):46s} {shape:8s} {ms_s} {ratio} {vs} {chk:>14s} {diff:>9s}")
+            lines.append(f"{label:24s} {str(list(r['cfg'])):46s} {shape:8s} {ms_s} {ratio} {vs} {chk:>14s} {diff:>9s}")
         lines.append("x floor: ms / (forward matmul FLOPs, causal half, at this run's bf16 8192^3 rate); vs def: "
                      "the default's first ms / this ms; check err: KL vs float64 at N=192 causal (+ok/n: the extra "
                      "checks, ragged, N_Q != N_K); 8K diff: KL vs the default's")

@@ -401,8 +401,7 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
             HB=pl["HB"], IB=pl["IB"], BLOCK_T=pl["BLOCK_T"], BLOCK_N=pl["BLOCK_N"],
             CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, NO_CONTRACT=no_contract,
             USE_TMA=tma, SPLIT=splits > 1, A_L1=a_l1,
-            # s6-idxdsa: variants "keys" (keys-major tiles), "keys_flat" / "tiles_flat" (key loop flattened)
-            KEYS_MAJOR=pl["variant"].startswith("keys"), FLATTEN=pl["variant"].endswith("_flat"),
+            **_indexer_fwd.variant_meta(pl["variant"], _runtime.interpreting()),  # s6-idxdsa: "keys_flat" etc.
             num_warps=pl["warps"], num_stages=pl["stages"])
         if splits > 1:
             merged_kl, merged_lse = _merge_splits(part)

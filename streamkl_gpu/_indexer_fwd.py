@@ -35,6 +35,21 @@ from ._fwd import LN2, LOG2E, _dot, _key_stages, _safe, _to_bits
 __all__ = ["LN2", "LOG2E"]
 
 
+def variant_meta(variant: str, interpreting: bool = False) -> dict:
+    """Launch keywords of ``_indexer_fwd_kernel`` for a forward config's variant (9th field),
+    ``_``-separated options: first ``keys`` (keys-major score tiles, KEYS_MAJOR) or ``tiles`` /
+    ``l1`` (the (head, token)-major tiles); then ``flat`` (FLATTEN: the key loop and its D-chunk
+    loop as one pipelined loop), ``lpt`` (LPT: token blocks in reverse order, the longest causal
+    rows first), ``rNNN`` (at most NNN registers per thread, ptxas' maxnreg; not under the
+    interpreter). E.g. ``keys_flat_lpt``."""
+    opts = variant.split("_")
+    meta = dict(KEYS_MAJOR=opts[0] == "keys", FLATTEN="flat" in opts, LPT="lpt" in opts)
+    regs = [int(o[1:]) for o in opts[1:] if o[:1] == "r" and o[1:].isdigit()]
+    if regs and not interpreting:
+        meta["maxnreg"] = regs[-1]
+    return meta
+
+
 @triton.jit
 def _dot_rows(A, a_off, a_ok, B_, b_off, b_ok, stride_ad, stride_bd,
               A_DESC, B_DESC, batch, a_head, a_tok, b_head, b_tok,
@@ -363,17 +378,18 @@ def _indexer_fwd_kernel(
     HB: tl.constexpr, IB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, RELU: tl.constexpr, IEEE_T: tl.constexpr, IEEE_I: tl.constexpr,
     NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr, SPLIT: tl.constexpr, A_L1: tl.constexpr = False,
-    KEYS_MAJOR: tl.constexpr = False, FLATTEN: tl.constexpr = False,
+    KEYS_MAJOR: tl.constexpr = False, FLATTEN: tl.constexpr = False, LPT: tl.constexpr = False,
 ):
     """KL [B, N_Q] (nats) and the student's LSE_I [B, N_Q] (nats) from the teacher LSEs (bits).
-    KEYS_MAJOR: keys-major score tiles (``_teacher_target_keys``; the "keys" config variants).
-    FLATTEN: the key loop flattened with its D-chunk loop (the "_flat" config variants).
+    KEYS_MAJOR, FLATTEN, LPT: the config variant's options (``variant_meta``).
 
     Grid (token blocks, key splits, B). SPLIT: program ``(., s, .)`` walks the keys
     ``[s * keys_per_split, (s + 1) * keys_per_split)`` only and stores its five-scalar state in
     ``PART [5, splits, B, N_Q]`` (m, l, mass, acc, plogp); the host merges the splits
     (``_indexer._merge_splits``, the merge rule of streamkl_ref.indexer_kl_online's state)."""
     pid_t = tl.program_id(0)
+    if LPT:  # the last token blocks (causal: the most keys) start first, the short ones fill the tail
+        pid_t = tl.num_programs(0) - 1 - pid_t
     split = tl.program_id(1)
     b = tl.program_id(2)
     t0 = pid_t * BLOCK_T

@@ -57,10 +57,11 @@ def test_keys_major_equals_rows_major(monkeypatch, tma):
     pl = _indexer._plan(check_indexer_inputs(*xs), (16, 16, 16, 16, 1, 1, None, 1, "keys"), "fwd")
     assert pl["BLOCK_T"] == 1 and pl["HB"] == 16
     out = {}
-    for variant in ("tiles", "keys", "keys_flat", "tiles_flat"):
+    variants = ("keys", "keys_flat", "tiles_flat", "keys_flat_lpt_r168")
+    for variant in ("tiles",) + variants:
         _with_config(monkeypatch, (16, 16, 16, 16, 1, 1, None, 1, variant))
         out[variant] = _forward(xs)
-    for variant in ("keys", "keys_flat", "tiles_flat"):
+    for variant in variants:
         for a, b in zip(out["tiles"], out[variant]):
             assert torch.allclose(a, b, rtol=2e-5, atol=2e-6), (variant, (a - b).abs().max())
     assert torch.isfinite(out["keys"][0]).all()
@@ -104,3 +105,23 @@ def test_keys_major_gradients_after_its_forward(monkeypatch):
     _with_config(monkeypatch, KEYS)
     xs = make(1, 4, 1, 11, 15, 16, 2, 1, 16, seed=46)
     check_case(xs, with_lse=True, causal=True, grad=True)
+
+
+def test_variant_options():
+    """The 9th config field's options: keys-major, flattened, reversed token blocks, maxnreg (a
+    compile option: not passed to the interpreter)."""
+    from streamkl_gpu._indexer_fwd import variant_meta
+
+    assert variant_meta("tiles") == dict(KEYS_MAJOR=False, FLATTEN=False, LPT=False)
+    assert variant_meta("l1") == dict(KEYS_MAJOR=False, FLATTEN=False, LPT=False)
+    assert variant_meta("keys_flat_lpt_r168") == dict(KEYS_MAJOR=True, FLATTEN=True, LPT=True, maxnreg=168)
+    assert "maxnreg" not in variant_meta("keys_r168", interpreting=True)
+    assert variant_meta("tiles_flat") == dict(KEYS_MAJOR=False, FLATTEN=True, LPT=False)
+
+
+def test_reversed_token_blocks_key_splits(monkeypatch):
+    """LPT with key splits: the program's token block is reversed, its split is not; the merged
+    result matches the reference (N_K > N_Q causal: early splits see every row)."""
+    _with_config(monkeypatch, (32, 32, 16, 32, 1, 1, None, 3, "keys_lpt"))
+    xs = make(1, 4, 1, 37, 45, 16, 4, 1, 16, seed=47)
+    check_case(xs, with_lse=True, causal=True, grad=False)
