@@ -61,12 +61,12 @@ CHECK_N = 192  # strides divisible by 16: the kernels compiled for the check are
 # (the next tile's chunks and the indexer's tiles load during this tile's exponentials), "lpt"
 # token blocks in reverse (the longest causal rows first), "r168" maxnreg 168 (three CTAs per SM).
 # Offline sm_90 compiles (bench/idx_dsa_aot.py, DSA, triton 3.6 = the GPU image's; registers,
-# spills, shared memory):
-#   default                 255, none, 82 KB (436 SHFL, 8344 SASS instructions)
-#   keys n128 w4 s3         255, 72 B, 98 KB (87 SHFL, 3944)      keys n128 w8 s3       242, none, 98 KB
-#   keys n64 w4 s3 / s4     198, none, 74 / 98 KB                  keys_r168 n64 w4 s3   168, 72 B, 74 KB
-#   keys_flat n64 w4 s3     178, none, 107 KB (two CTAs per SM)   keys_flat n128 w8 s2  234, none, 115 KB
-#   tiles_flat n128 w4 s2   255, 8 B, 82 KB                        keys_flat n64 w4 s2   175, none, 82 KB
+# spills, shared memory; keys-major with the state's four sums fused, FUSED_SUMS):
+#   default                 255, none, 82 KB (436 SHFL, 61 BAR, 8344 SASS instructions)
+#   keys n128 w4 s3         255, 64 B, 98 KB (82 SHFL, 61 BAR, 3944) keys n128 w8 s3    240, none, 98 KB
+#   keys n64 w4 s3 / s4     198, none, 74 / 98 KB                  keys_r168 n64 w4 s3   168, 64 B, 74 KB
+#   keys_flat n64 w4 s3     166, none, 107 KB (two CTAs per SM)   keys_flat n128 w8 s2  238, none, 115 KB
+#   tiles_flat n128 w4 s2   255, 8 B, 82 KB                        keys_flat n64 w4 s2   170, none, 82 KB
 # Left out: keys n256 w8 (208 B of spills), keys n128 w4 s2 (88 B), keys_flat n128 w4 (115 / 147
 # KB: one CTA per SM, 16 / 32 B of spills), BLOCK_D = 128 (64 B on 3.9), two tokens per CTA
 # (256 columns: 144 B of spills at 128 keys; 64 keys on 8 warps 195 registers, 123 KB: one CTA),

@@ -329,7 +329,7 @@ def _fwd_key_range(
                                           stride_wn, b, t0, s0, GROUP_I, N_Q, N_K, n_ichunks, ichunks_per_group,
                                           DI, BLOCK_DI, IB, BLOCK_T, BLOCK_N, RELU, IEEE_I, USE_TMA)
             visible = _token_visible_keys(toks, keys, N_Q, N_K, diag_offset, MASKED, CAUSAL)
-            m, l, mass, acc, plogp = _online_update(m, l, mass, acc, plogp, p, logits, visible, 0)
+            m, l, mass, acc, plogp = _online_update(m, l, mass, acc, plogp, p, logits, visible, 0, True)
         else:
             p = _teacher_target(Q, K, Q_DESC, K_DESC, LSE_T, stride_qb, stride_qh, stride_qn, stride_qd,
                                 stride_kb, stride_kh, stride_kn, stride_kd,
@@ -346,22 +346,39 @@ def _fwd_key_range(
 
 
 @triton.jit
-def _online_update(m, l, mass, acc, plogp, p, logits, visible, AXIS: tl.constexpr = 1):
+def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
+
+
+@triton.jit
+def _online_update(m, l, mass, acc, plogp, p, logits, visible, AXIS: tl.constexpr = 1,
+                   FUSED_SUMS: tl.constexpr = False):
     """The five-scalar state of each token after one [BLOCK_T, BLOCK_N] tile of target ``p`` and
     student logits (streamkl_ref.indexer_kl_online's recurrence). AXIS = 0: the tiles are
-    keys-major, [BLOCK_N, BLOCK_T] (``_teacher_target_keys``)."""
+    keys-major, [BLOCK_N, BLOCK_T] (``_teacher_target_keys``). FUSED_SUMS: the four sums as one
+    four-operand reduction (keys-major: one shared-memory round trip and barrier, not four)."""
     m_new = tl.maximum(m, tl.max(tl.where(visible, logits, float("-inf")), AXIS))
     shift = _safe(m_new)
     centred = logits - tl.expand_dims(shift, AXIS)  # I - m'
     e = tl.exp2(tl.where(visible, centred, float("-inf")) * LOG2E)
     alpha = tl.exp2((m - shift) * LOG2E)  # 0 while the row was empty, 1 if the max did not move
-    l = l * alpha + tl.sum(e, AXIS)
     # p log p with 0 log 0 = 0; a NaN p stays NaN (NaN > 0 is False, then NaN * 0 = NaN)
-    log_p = tl.log(tl.where(visible & (p > 0), p, 1.0))
-    plogp += tl.sum(tl.where(visible, p * log_p, 0.0), AXIS)
-    # every old term p (I - m) moves by -(m' - m) when the max moves: -mass * moved in all
-    acc = acc - mass * (shift - _safe(m)) + tl.sum(tl.where(visible, p * centred, 0.0), AXIS)
-    mass += tl.sum(tl.where(visible, p, 0.0), AXIS)
+    if FUSED_SUMS:
+        log_p = tl.log(tl.where(visible & (p > 0), p, 1.0))
+        sum_e, sum_plogp, sum_centred, sum_p = tl.reduce(
+            (e, tl.where(visible, p * log_p, 0.0), tl.where(visible, p * centred, 0.0), tl.where(visible, p, 0.0)),
+            AXIS, _add4)
+        l = l * alpha + sum_e
+        plogp += sum_plogp
+        acc = acc - mass * (shift - _safe(m)) + sum_centred  # as below
+        mass += sum_p
+    else:
+        l = l * alpha + tl.sum(e, AXIS)
+        log_p = tl.log(tl.where(visible & (p > 0), p, 1.0))
+        plogp += tl.sum(tl.where(visible, p * log_p, 0.0), AXIS)
+        # every old term p (I - m) moves by -(m' - m) when the max moves: -mass * moved in all
+        acc = acc - mass * (shift - _safe(m)) + tl.sum(tl.where(visible, p * centred, 0.0), AXIS)
+        mass += tl.sum(tl.where(visible, p, 0.0), AXIS)
     return m_new, l, mass, acc, plogp
 
 
