@@ -15,8 +15,11 @@ Order (the slot is fixed; what is written under OUT_DIR by the watchdog's deadli
      rate of an 8192^3 matmul (the floor: forward matmul FLOPs, causal half, at that rate);
   3. the default is timed first, then each candidate as soon as its compile is done, then the
      default again (drift); each candidate's 8K KL is compared with the default's (the existing
-     Triton path) after its timing;
-  4. a watchdog prints the table of what ran and ends the run at --deadline seconds.
+     Triton path) after its timing; --quick with time left: the default and the two fastest
+     passing candidates at 16K;
+  4. the children's extra checks (ragged N_Q = 100 / N_K = 163 and the reverse, causal, vs
+     float64), run while the parent times, are reported;
+  5. a watchdog prints the table of what ran and ends the run at --deadline seconds.
 A candidate that fails (compile error, resources, wrong numbers) is printed and the run goes on.
 
 Outputs: idx_dsa.csv (long format: measure, provider, shape, value, unit, note), idx_dsa.log.
@@ -349,7 +352,9 @@ def spawn(run, args, cands):
             cmd += [f for f, on in (("--quick", args.quick), ("--tiny", args.tiny)) if on]
             if args.only:
                 cmd += ["--only", args.only]
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            env = dict(os.environ)
+            env.setdefault("OMP_NUM_THREADS", "2")  # the float64 references of many children at once
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
             outputs[i] = []
             threads[i] = threading.Thread(target=reader, args=(i, proc), daemon=True)
             threads[i].start()
