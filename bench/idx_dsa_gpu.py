@@ -64,30 +64,34 @@ CHECK_N = 192  # strides divisible by 16: the kernels compiled for the check are
 # (the next tile's chunks and the indexer's tiles load during this tile's exponentials), "lpt"
 # token blocks in reverse (the longest causal rows first), "r168" maxnreg 168 (three CTAs per SM).
 # Offline sm_90 compiles (bench/idx_dsa_aot.py, DSA, triton 3.6 = the GPU image's; registers,
-# spills, shared memory; keys-major with the state's four sums fused, FUSED_SUMS):
-#   default                 255, none, 82 KB (436 SHFL, 61 BAR, 8344 SASS instructions)
-#   keys n128 w4 s3         255, 64 B, 98 KB (82 SHFL, 61 BAR, 3944) keys n128 w8 s3    240, none, 98 KB
-#   keys n64 w4 s3 / s4     198, none, 74 / 98 KB                  keys_r168 n64 w4 s3   168, 64 B, 74 KB
-#   keys_flat n64 w4 s3     166, none, 107 KB (two CTAs per SM)   keys_flat n128 w8 s2  238, none, 115 KB
-#   tiles_flat n128 w4 s2   255, 8 B, 82 KB                        keys_flat n64 w4 s2   170, none, 82 KB
-# Left out: keys n256 w8 (208 B of spills), keys n128 w4 s2 (88 B), keys_flat n128 w4 (115 / 147
-# KB: one CTA per SM, 16 / 32 B of spills), BLOCK_D = 128 (64 B on 3.9), two tokens per CTA
-# (256 columns: 144 B of spills at 128 keys; 64 keys on 8 warps 195 registers, 123 KB: one CTA),
-# warp_specialize=True on the flattened loop (triton 3.6, sm_90: the same SASS, ignored).
+# spills, shared memory -> CTAs per SM; keys-major with the state's four sums fused and the
+# per-column LSEs / weights loaded once per program):
+#   default                 255, none, 82 KB -> 2 (436 SHFL, 61 BAR, 8344 SASS instructions)
+#   keys n128 w4 s3         250, none, 98 KB -> 2 (82 SHFL, 59 BAR, 3816)
+#   keys n64 w4 s3          156, none, 74 KB -> 3       keys n64 w4 s2        149, none, 49 KB -> 3
+#   keys_flat n64 w4 s3     156, none, 107 KB -> 2      keys_flat n64 w4 s2   160, none, 82 KB -> 2
+#   keys n128 w8 s3         148, none, 98 KB -> 1       keys_r128 n128 w8 s3  128, 32 B, 98 KB -> 2
+#   keys_flat n128 w8 s2    152, none, 115 KB -> 1      keys n128 w4 s2       252, none, 66 KB -> 2
+#   tiles_flat n128 w4 s2   255, 8 B, 82 KB -> 2
+# Left out: keys n256 w8 (208 B of spills), BLOCK_D = 128 (64 B on 3.9), two tokens per CTA (256
+# columns: 144 B of spills at 128 keys; 64 keys on 8 warps: one CTA per SM), keys_flat n128 w4
+# (115 / 147 KB: one CTA per SM), warp_specialize=True on the flattened loop (triton 3.6, sm_90:
+# the same SASS, ignored).
 CANDIDATES = [
     ("default", (128, 128, 128, 64, 4, 3)),
     ("keys n128 w4 s3", (128, 128, 128, 64, 4, 3, None, 1, "keys")),
+    ("keys n64 w4 s3", (128, 128, 64, 64, 4, 3, None, 1, "keys")),
     ("keys_flat n64 w4 s3", (128, 128, 64, 64, 4, 3, None, 1, "keys_flat")),
     ("keys_flat_lpt n64 w4 s3", (128, 128, 64, 64, 4, 3, None, 1, "keys_flat_lpt")),
-    ("keys n64 w4 s3", (128, 128, 64, 64, 4, 3, None, 1, "keys")),
-    ("keys_lpt n128 w4 s3", (128, 128, 128, 64, 4, 3, None, 1, "keys_lpt")),
-    ("tiles_lpt (default)", (128, 128, 128, 64, 4, 3, None, 1, "tiles_lpt")),
+    ("keys_lpt n64 w4 s3", (128, 128, 64, 64, 4, 3, None, 1, "keys_lpt")),
+    ("keys_r128 n128 w8 s3", (128, 128, 128, 64, 8, 3, None, 1, "keys_r128")),
     ("keys n128 w8 s3", (128, 128, 128, 64, 8, 3, None, 1, "keys")),
-    ("keys_flat n128 w8 s2", (128, 128, 128, 64, 8, 2, None, 1, "keys_flat")),
-    ("tiles_flat n128 w4 s2", (128, 128, 128, 64, 4, 2, None, 1, "tiles_flat")),
+    ("keys n64 w4 s2", (128, 128, 64, 64, 4, 2, None, 1, "keys")),
     ("keys_flat n64 w4 s2", (128, 128, 64, 64, 4, 2, None, 1, "keys_flat")),
-    ("keys_r168 n64 w4 s3", (128, 128, 64, 64, 4, 3, None, 1, "keys_r168")),
-    ("keys n64 w4 s4", (128, 128, 64, 64, 4, 4, None, 1, "keys")),
+    ("keys_flat n128 w8 s2", (128, 128, 128, 64, 8, 2, None, 1, "keys_flat")),
+    ("tiles_lpt (default)", (128, 128, 128, 64, 4, 3, None, 1, "tiles_lpt")),
+    ("keys n128 w4 s2", (128, 128, 128, 64, 4, 2, None, 1, "keys")),
+    ("tiles_flat n128 w4 s2", (128, 128, 128, 64, 4, 2, None, 1, "tiles_flat")),
 ]
 _ORIG_CANDIDATES = _indexer._candidates
 

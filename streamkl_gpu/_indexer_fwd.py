@@ -186,15 +186,44 @@ def _indexer_logits(
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
+def _lse_columns(LSE_T, b, t0, H, GROUP, N_Q, c, chunks_per_group, HB: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The teacher LSEs (bits) of head chunk ``c``'s columns, ``[HB * BLOCK_T]``. A padding
+    column, or one with no visible key (lse = -inf), gets +inf: its exp2 gives 0 with no
+    per-entry select (its scores are finite: zero-filled, or another head of the same token). A
+    NaN LSE stays NaN (NaN != -inf), so a NaN row stays NaN."""
+    cols = tl.arange(0, HB * BLOCK_T)
+    tok = t0 + cols % BLOCK_T
+    h_in_group = (c % chunks_per_group) * HB + cols // BLOCK_T
+    h = (c // chunks_per_group) * GROUP + h_in_group
+    col_ok = (h_in_group < GROUP) & (tok < N_Q)
+    lse = tl.load(LSE_T + (b.to(tl.int64) * H + h) * N_Q + tok, mask=col_ok, other=float("-inf"))
+    return tl.where(col_ok & (lse != float("-inf")), lse, float("inf"))
+
+
+@triton.jit
+def _weight_columns(W, stride_wb, stride_wh, stride_wn, b, t0, GROUP_I, N_Q, c, chunks_per_group,
+                    IB: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The weights of indexer head chunk ``c``'s columns, ``[IB * BLOCK_T]`` fp32 (0 in padding)."""
+    cols = tl.arange(0, IB * BLOCK_T)
+    tok = t0 + cols % BLOCK_T
+    j_in_group = (c % chunks_per_group) * IB + cols // BLOCK_T
+    j = (c // chunks_per_group) * GROUP_I + j_in_group
+    col_ok = (j_in_group < GROUP_I) & (tok < N_Q)
+    return tl.load(W + b.to(tl.int64) * stride_wb + j.to(tl.int64) * stride_wh + tok.to(tl.int64) * stride_wn,
+                   mask=col_ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _teacher_target_keys(
     Q, K, Q_DESC, K_DESC, LSE_T, stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     b, t0, s0, H, GROUP, N_Q, N_K, diag_offset, qk_scale, inv_heads, n_chunks, chunks_per_group,
     D: tl.constexpr, BLOCK_D: tl.constexpr, HB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, NO_CONTRACT: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, lse_first,
 ):
     """``p^T [BLOCK_N, BLOCK_T]``: _teacher_target's target, keys-major (column ``c = i * BLOCK_T
-    + t``: head ``i`` of the chunk, token ``t``)."""
+    + t``: head ``i`` of the chunk, token ``t``). ``lse_first``: ``_lse_columns`` of chunk 0,
+    loaded once per program (used when there is one chunk: MQA)."""
     COLS: tl.constexpr = HB * BLOCK_T
     cols = tl.arange(0, COLS)
     head_in_chunk = cols // BLOCK_T
@@ -215,11 +244,10 @@ def _teacher_target_keys(
                       Q, q_off_base + h.to(tl.int64) * stride_qh, col_ok, stride_kd, stride_qd,
                       K_DESC, Q_DESC, b, kv, s0, h0, t0,
                       D, BLOCK_D, BLOCK_N, COLS, 1, IEEE, USE_TMA)
-        lse = tl.load(LSE_T + (b64 * H + h) * N_Q + tok, mask=col_ok, other=float("-inf"))
-        # a padding column, or one with no visible key (lse = -inf), subtracts +inf: exp2 gives 0
-        # there with no per-entry select (its scores are finite: zero-filled or another head of
-        # the same token). A NaN LSE stays NaN (NaN != -inf), so a NaN row stays NaN.
-        lse_col = tl.where(col_ok & (lse != float("-inf")), lse, float("inf"))
+        if n_chunks == 1:  # loop-invariant: no reload (and no layout conversion) per key tile
+            lse_col = lse_first
+        else:
+            lse_col = _lse_columns(LSE_T, b, t0, H, GROUP, N_Q, c, chunks_per_group, HB, BLOCK_T)
         x = _to_bits(s, qk_scale, NO_CONTRACT) - lse_col[None, :]
         if MASKED:
             visible = key_ok[:, None] & (tok >= 0)[None, :]
@@ -240,9 +268,10 @@ def _indexer_logits_keys(
     stride_wb, stride_wh, stride_wn,
     b, t0, s0, GROUP_I, N_Q, N_K, n_chunks, chunks_per_group,
     DI: tl.constexpr, BLOCK_DI: tl.constexpr, IB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-    RELU: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr,
+    RELU: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr, w_first,
 ):
-    """``I^T [BLOCK_N, BLOCK_T]``: _indexer_logits' logits, keys-major (unmasked)."""
+    """``I^T [BLOCK_N, BLOCK_T]``: _indexer_logits' logits, keys-major (unmasked). ``w_first``:
+    ``_weight_columns`` of chunk 0, loaded once per program (used when there is one chunk)."""
     COLS: tl.constexpr = IB * BLOCK_T
     cols = tl.arange(0, COLS)
     head_in_chunk = cols // BLOCK_T
@@ -263,8 +292,11 @@ def _indexer_logits_keys(
                       QI, q_off_base + j.to(tl.int64) * stride_qih, col_ok, stride_kid, stride_qid,
                       KI_DESC, QI_DESC, b, kv, s0, j0, t0,
                       DI, BLOCK_DI, BLOCK_N, COLS, 1, IEEE, USE_TMA)
-        w = tl.load(W + b64 * stride_wb + j.to(tl.int64) * stride_wh + tok.to(tl.int64) * stride_wn,
-                    mask=col_ok, other=0.0).to(tl.float32)
+        if n_chunks == 1:
+            w = w_first
+        else:
+            w = _weight_columns(W, stride_wb, stride_wh, stride_wn, b, t0, GROUP_I, N_Q, c, chunks_per_group,
+                                IB, BLOCK_T)
         if RELU:
             a = tl.maximum(a, 0.0, propagate_nan=tl.PropagateNan.ALL)  # relu(NaN) stays NaN
         contrib = tl.where(col_ok[None, :], a * w[None, :], 0.0)
@@ -313,6 +345,10 @@ def _fwd_key_range(
 ):
     diag_offset = N_K - N_Q
     toks = t0 + tl.arange(0, BLOCK_T)
+    if KEYS_MAJOR:  # the per-column LSEs and weights of the first head chunk, once per program
+        lse_first = _lse_columns(LSE_T, b, t0, H, GROUP, N_Q, 0, chunks_per_group, HB, BLOCK_T)
+        w_first = _weight_columns(W, stride_wb, stride_wh, stride_wn, b, t0, GROUP_I, N_Q, 0, ichunks_per_group,
+                                  IB, BLOCK_T)
     # FLATTEN: the key-tile loop and its D-chunk loop as one pipelined loop (triton's loop
     # flattening), so the next key tile's first chunks load while this tile's exponentials and
     # indexer run (one loop nest when the head chunks are one, n_chunks == 1: MQA)
@@ -323,11 +359,11 @@ def _fwd_key_range(
                                      stride_kb, stride_kh, stride_kn, stride_kd,
                                      b, t0, s0, H, GROUP, N_Q, N_K, diag_offset, qk_scale, inv_heads,
                                      n_chunks, chunks_per_group, D, BLOCK_D, HB, BLOCK_T, BLOCK_N,
-                                     MASKED, CAUSAL, IEEE_T, NO_CONTRACT, USE_TMA)
+                                     MASKED, CAUSAL, IEEE_T, NO_CONTRACT, USE_TMA, lse_first)
             logits = _indexer_logits_keys(QI, KI, QI_DESC, KI_DESC, W, stride_qib, stride_qih, stride_qin, stride_qid,
                                           stride_kib, stride_kih, stride_kin, stride_kid, stride_wb, stride_wh,
                                           stride_wn, b, t0, s0, GROUP_I, N_Q, N_K, n_ichunks, ichunks_per_group,
-                                          DI, BLOCK_DI, IB, BLOCK_T, BLOCK_N, RELU, IEEE_I, USE_TMA)
+                                          DI, BLOCK_DI, IB, BLOCK_T, BLOCK_N, RELU, IEEE_I, USE_TMA, w_first)
             visible = _token_visible_keys(toks, keys, N_Q, N_K, diag_offset, MASKED, CAUSAL)
             m, l, mass, acc, plogp = _online_update(m, l, mass, acc, plogp, p, logits, visible, 0, True)
         else:
