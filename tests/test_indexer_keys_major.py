@@ -125,3 +125,32 @@ def test_reversed_token_blocks_key_splits(monkeypatch):
     _with_config(monkeypatch, (32, 32, 16, 32, 1, 1, None, 3, "keys_lpt"))
     xs = make(1, 4, 1, 37, 45, 16, 4, 1, 16, seed=47)
     check_case(xs, with_lse=True, causal=True, grad=False)
+
+
+def test_sm90_compile_head_sum_stays_in_registers():
+    """Offline sm_90 compile (CPU, bench/idx_dsa_aot.py) of the DSA-like forward: the keys-major
+    tile (64 keys on 4 warps) has no spills, a few dozen lane shuffles, not the row-major tile's
+    hundreds (its head sum crosses lanes and warps), and fits three CTAs per SM (<= 168
+    registers, <= 75 KB of shared memory)."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    cfgs = "128,128,128,64,4,3;128,128,64,64,4,3,None,1,keys"
+    proc = subprocess.run([sys.executable, os.path.join(root, "bench", "idx_dsa_aot.py"), cfgs], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("[")]
+    assert len(rows) == 2 and "FAILED" not in proc.stdout, proc.stdout
+
+    def field(line, name):
+        return int(re.search(rf"\b{name}=(\d+)", line).group(1))
+
+    tiles, keys = rows
+    assert field(keys, "stack") == 0 and field(keys, "STL") == 0, keys
+    assert field(keys, "regs") <= 168 and field(keys, "smem") <= 75 * 1024, keys
+    assert field(keys, "SHFL") * 3 < field(tiles, "SHFL"), (tiles, keys)
