@@ -400,7 +400,9 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
             D=dims.D, BLOCK_D=pl["BLOCK_D"], DI=dims.DI, BLOCK_DI=pl["BLOCK_DI"],
             HB=pl["HB"], IB=pl["IB"], BLOCK_T=pl["BLOCK_T"], BLOCK_N=pl["BLOCK_N"],
             CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, NO_CONTRACT=no_contract,
-            USE_TMA=tma, SPLIT=splits > 1, A_L1=a_l1, num_warps=pl["warps"], num_stages=pl["stages"])
+            USE_TMA=tma, SPLIT=splits > 1, A_L1=a_l1,
+            **_indexer_fwd.variant_meta(pl["variant"], _runtime.interpreting()),  # s6-idxdsa: "keys_flat" etc.
+            num_warps=pl["warps"], num_stages=pl["stages"])
         if splits > 1:
             merged_kl, merged_lse = _merge_splits(part)
             kl.copy_(merged_kl)

@@ -35,6 +35,21 @@ from ._fwd import LN2, LOG2E, _dot, _key_stages, _safe, _to_bits
 __all__ = ["LN2", "LOG2E"]
 
 
+def variant_meta(variant: str, interpreting: bool = False) -> dict:
+    """Launch keywords of ``_indexer_fwd_kernel`` for a forward config's variant (9th field),
+    ``_``-separated options: first ``keys`` (keys-major score tiles, KEYS_MAJOR) or ``tiles`` /
+    ``l1`` (the (head, token)-major tiles); then ``flat`` (FLATTEN: the key loop and its D-chunk
+    loop as one pipelined loop), ``lpt`` (LPT: token blocks in reverse order, the longest causal
+    rows first), ``rNNN`` (at most NNN registers per thread, ptxas' maxnreg; not under the
+    interpreter). E.g. ``keys_flat_lpt``."""
+    opts = variant.split("_")
+    meta = dict(KEYS_MAJOR=opts[0] == "keys", FLATTEN="flat" in opts, LPT="lpt" in opts)
+    regs = [int(o[1:]) for o in opts[1:] if o[:1] == "r" and o[1:].isdigit()]
+    if regs and not interpreting:
+        meta["maxnreg"] = regs[-1]
+    return meta
+
+
 @triton.jit
 def _dot_rows(A, a_off, a_ok, B_, b_off, b_ok, stride_ad, stride_bd,
               A_DESC, B_DESC, batch, a_head, a_tok, b_head, b_tok,
@@ -160,6 +175,149 @@ def _indexer_logits(
     return logits
 
 
+# ----------------------------------------------------------------------------------------------
+# Keys-major score tiles (the "keys" variant, 9th config field): S^T [BLOCK_N keys, HB * BLOCK_T
+# (head, token) columns] = k q^T. The sum over heads is then a sum along a row of the MMA
+# accumulator: in-thread adds and two lane shuffles (each thread holds a few keys' rows), where
+# the (head, token)-major tile sums down its columns: lane shuffles over 8 lanes and a cross-warp
+# reduction through shared memory, once per tile. The online state's five sums then run along the
+# keys (axis 0) on BLOCK_N x BLOCK_T values only. Same formulas as _teacher_target /
+# _indexer_logits (those are the reference for these; tests/test_indexer_keys_major.py).
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _lse_columns(LSE_T, b, t0, H, GROUP, N_Q, c, chunks_per_group, HB: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The teacher LSEs (bits) of head chunk ``c``'s columns, ``[HB * BLOCK_T]``. A padding
+    column, or one with no visible key (lse = -inf), gets +inf: its exp2 gives 0 with no
+    per-entry select (its scores are finite: zero-filled, or another head of the same token). A
+    NaN LSE stays NaN (NaN != -inf), so a NaN row stays NaN."""
+    cols = tl.arange(0, HB * BLOCK_T)
+    tok = t0 + cols % BLOCK_T
+    h_in_group = (c % chunks_per_group) * HB + cols // BLOCK_T
+    h = (c // chunks_per_group) * GROUP + h_in_group
+    col_ok = (h_in_group < GROUP) & (tok < N_Q)
+    lse = tl.load(LSE_T + (b.to(tl.int64) * H + h) * N_Q + tok, mask=col_ok, other=float("-inf"))
+    return tl.where(col_ok & (lse != float("-inf")), lse, float("inf"))
+
+
+@triton.jit
+def _weight_columns(W, stride_wb, stride_wh, stride_wn, b, t0, GROUP_I, N_Q, c, chunks_per_group,
+                    IB: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The weights of indexer head chunk ``c``'s columns, ``[IB * BLOCK_T]`` fp32 (0 in padding)."""
+    cols = tl.arange(0, IB * BLOCK_T)
+    tok = t0 + cols % BLOCK_T
+    j_in_group = (c % chunks_per_group) * IB + cols // BLOCK_T
+    j = (c // chunks_per_group) * GROUP_I + j_in_group
+    col_ok = (j_in_group < GROUP_I) & (tok < N_Q)
+    return tl.load(W + b.to(tl.int64) * stride_wb + j.to(tl.int64) * stride_wh + tok.to(tl.int64) * stride_wn,
+                   mask=col_ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _teacher_target_keys(
+    Q, K, Q_DESC, K_DESC, LSE_T, stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+    b, t0, s0, H, GROUP, N_Q, N_K, diag_offset, qk_scale, inv_heads, n_chunks, chunks_per_group,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, HB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, NO_CONTRACT: tl.constexpr,
+    USE_TMA: tl.constexpr, lse_first,
+):
+    """``p^T [BLOCK_N, BLOCK_T]``: _teacher_target's target, keys-major (column ``c = i * BLOCK_T
+    + t``: head ``i`` of the chunk, token ``t``). ``lse_first``: ``_lse_columns`` of chunk 0,
+    loaded once per program (used when there is one chunk: MQA)."""
+    COLS: tl.constexpr = HB * BLOCK_T
+    cols = tl.arange(0, COLS)
+    head_in_chunk = cols // BLOCK_T
+    tok = t0 + cols % BLOCK_T
+    keys = s0 + tl.arange(0, BLOCK_N)
+    key_ok = keys < N_K
+    b64 = b.to(tl.int64)
+    k_off_base = b64 * stride_kb + keys.to(tl.int64) * stride_kn
+    q_off_base = b64 * stride_qb + tok.to(tl.int64) * stride_qn
+    p = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
+    for c in range(0, n_chunks):
+        kv = c // chunks_per_group
+        h0 = kv * GROUP + (c % chunks_per_group) * HB
+        h_in_group = (c % chunks_per_group) * HB + head_in_chunk
+        h = kv * GROUP + h_in_group
+        col_ok = (h_in_group < GROUP) & (tok < N_Q)
+        s = _dot_rows(K, k_off_base + kv.to(tl.int64) * stride_kh, key_ok,
+                      Q, q_off_base + h.to(tl.int64) * stride_qh, col_ok, stride_kd, stride_qd,
+                      K_DESC, Q_DESC, b, kv, s0, h0, t0,
+                      D, BLOCK_D, BLOCK_N, COLS, 1, IEEE, USE_TMA)
+        if n_chunks == 1:  # loop-invariant: no reload (and no layout conversion) per key tile
+            lse_col = lse_first
+        else:
+            lse_col = _lse_columns(LSE_T, b, t0, H, GROUP, N_Q, c, chunks_per_group, HB, BLOCK_T)
+        x = _to_bits(s, qk_scale, NO_CONTRACT) - lse_col[None, :]
+        if MASKED:
+            visible = key_ok[:, None] & (tok >= 0)[None, :]
+            if CAUSAL:  # bottom-right causal: key s visible to token t iff s <= t + (N_K - N_Q)
+                visible = visible & (keys[:, None] <= tok[None, :] + diag_offset)
+            x = tl.where(visible, x, float("-inf"))
+        e = tl.exp2(x)
+        if BLOCK_T == 1:  # one token: the head sum is the row sum
+            p += tl.sum(e, 1)[:, None]
+        else:
+            p += tl.sum(tl.reshape(e, [BLOCK_N, HB, BLOCK_T]), axis=1)
+    return p * inv_heads
+
+
+@triton.jit
+def _indexer_logits_keys(
+    QI, KI, QI_DESC, KI_DESC, W, stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
+    stride_wb, stride_wh, stride_wn,
+    b, t0, s0, GROUP_I, N_Q, N_K, n_chunks, chunks_per_group,
+    DI: tl.constexpr, BLOCK_DI: tl.constexpr, IB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    RELU: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr, w_first,
+):
+    """``I^T [BLOCK_N, BLOCK_T]``: _indexer_logits' logits, keys-major (unmasked). ``w_first``:
+    ``_weight_columns`` of chunk 0, loaded once per program (used when there is one chunk)."""
+    COLS: tl.constexpr = IB * BLOCK_T
+    cols = tl.arange(0, COLS)
+    head_in_chunk = cols // BLOCK_T
+    tok = t0 + cols % BLOCK_T
+    keys = s0 + tl.arange(0, BLOCK_N)
+    key_ok = keys < N_K
+    b64 = b.to(tl.int64)
+    k_off_base = b64 * stride_kib + keys.to(tl.int64) * stride_kin
+    q_off_base = b64 * stride_qib + tok.to(tl.int64) * stride_qin
+    logits = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
+    for c in range(0, n_chunks):
+        kv = c // chunks_per_group
+        j0 = kv * GROUP_I + (c % chunks_per_group) * IB
+        j_in_group = (c % chunks_per_group) * IB + head_in_chunk
+        j = kv * GROUP_I + j_in_group
+        col_ok = (j_in_group < GROUP_I) & (tok < N_Q)
+        a = _dot_rows(KI, k_off_base + kv.to(tl.int64) * stride_kih, key_ok,
+                      QI, q_off_base + j.to(tl.int64) * stride_qih, col_ok, stride_kid, stride_qid,
+                      KI_DESC, QI_DESC, b, kv, s0, j0, t0,
+                      DI, BLOCK_DI, BLOCK_N, COLS, 1, IEEE, USE_TMA)
+        if n_chunks == 1:
+            w = w_first
+        else:
+            w = _weight_columns(W, stride_wb, stride_wh, stride_wn, b, t0, GROUP_I, N_Q, c, chunks_per_group,
+                                IB, BLOCK_T)
+        if RELU:
+            a = tl.maximum(a, 0.0, propagate_nan=tl.PropagateNan.ALL)  # relu(NaN) stays NaN
+        contrib = tl.where(col_ok[None, :], a * w[None, :], 0.0)
+        if BLOCK_T == 1:
+            logits += tl.sum(contrib, 1)[:, None]
+        else:
+            logits += tl.sum(tl.reshape(contrib, [BLOCK_N, IB, BLOCK_T]), axis=1)
+    return logits
+
+
+@triton.jit
+def _token_visible_keys(toks, keys, N_Q, N_K, diag_offset, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    """_token_visible, keys-major: [BLOCK_N, BLOCK_T]."""
+    visible = (toks < N_Q)[None, :] & (keys >= 0)[:, None]
+    if MASKED:
+        visible = visible & (keys < N_K)[:, None]
+        if CAUSAL:
+            visible = visible & (keys[:, None] <= toks[None, :] + diag_offset)
+    return visible
+
+
 @triton.jit
 def _token_visible(toks, keys, N_Q, N_K, diag_offset, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
     visible = (toks < N_Q)[:, None] & (keys >= 0)[None, :]
@@ -183,42 +341,80 @@ def _fwd_key_range(
     HB: tl.constexpr, IB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
     IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr,
-    A_L1: tl.constexpr,
+    A_L1: tl.constexpr, KEYS_MAJOR: tl.constexpr = False, FLATTEN: tl.constexpr = False,
 ):
     diag_offset = N_K - N_Q
     toks = t0 + tl.arange(0, BLOCK_T)
-    for s0 in range(lo, hi, BLOCK_N):
+    if KEYS_MAJOR:  # the per-column LSEs and weights of the first head chunk, once per program
+        lse_first = _lse_columns(LSE_T, b, t0, H, GROUP, N_Q, 0, chunks_per_group, HB, BLOCK_T)
+        w_first = _weight_columns(W, stride_wb, stride_wh, stride_wn, b, t0, GROUP_I, N_Q, 0, ichunks_per_group,
+                                  IB, BLOCK_T)
+    # FLATTEN: the key-tile loop and its D-chunk loop as one pipelined loop (triton's loop
+    # flattening), so the next key tile's first chunks load while this tile's exponentials and
+    # indexer run (one loop nest when the head chunks are one, n_chunks == 1: MQA)
+    for s0 in tl.range(lo, hi, BLOCK_N, flatten=FLATTEN):
         keys = s0 + tl.arange(0, BLOCK_N)
-        p = _teacher_target(Q, K, Q_DESC, K_DESC, LSE_T, stride_qb, stride_qh, stride_qn, stride_qd,
-                            stride_kb, stride_kh, stride_kn, stride_kd,
-                            b, t0, s0, H, GROUP, N_Q, N_K, diag_offset, qk_scale, inv_heads,
-                            n_chunks, chunks_per_group, D, BLOCK_D, HB, BLOCK_T, BLOCK_N,
-                            MASKED, CAUSAL, IEEE_T, NO_CONTRACT, USE_TMA, A_L1)
-        logits = _indexer_logits(QI, KI, QI_DESC, KI_DESC, W, stride_qib, stride_qih, stride_qin, stride_qid,
-                                 stride_kib, stride_kih, stride_kin, stride_kid, stride_wb, stride_wh, stride_wn,
-                                 b, t0, s0, GROUP_I, N_Q, N_K, n_ichunks, ichunks_per_group,
-                                 DI, BLOCK_DI, IB, BLOCK_T, BLOCK_N, RELU, IEEE_I, USE_TMA, A_L1)
-        visible = _token_visible(toks, keys, N_Q, N_K, diag_offset, MASKED, CAUSAL)
-        m, l, mass, acc, plogp = _online_update(m, l, mass, acc, plogp, p, logits, visible)
+        if KEYS_MAJOR:  # [BLOCK_N, BLOCK_T] tiles, the state's sums along axis 0
+            p = _teacher_target_keys(Q, K, Q_DESC, K_DESC, LSE_T, stride_qb, stride_qh, stride_qn, stride_qd,
+                                     stride_kb, stride_kh, stride_kn, stride_kd,
+                                     b, t0, s0, H, GROUP, N_Q, N_K, diag_offset, qk_scale, inv_heads,
+                                     n_chunks, chunks_per_group, D, BLOCK_D, HB, BLOCK_T, BLOCK_N,
+                                     MASKED, CAUSAL, IEEE_T, NO_CONTRACT, USE_TMA, lse_first)
+            logits = _indexer_logits_keys(QI, KI, QI_DESC, KI_DESC, W, stride_qib, stride_qih, stride_qin, stride_qid,
+                                          stride_kib, stride_kih, stride_kin, stride_kid, stride_wb, stride_wh,
+                                          stride_wn, b, t0, s0, GROUP_I, N_Q, N_K, n_ichunks, ichunks_per_group,
+                                          DI, BLOCK_DI, IB, BLOCK_T, BLOCK_N, RELU, IEEE_I, USE_TMA, w_first)
+            visible = _token_visible_keys(toks, keys, N_Q, N_K, diag_offset, MASKED, CAUSAL)
+            m, l, mass, acc, plogp = _online_update(m, l, mass, acc, plogp, p, logits, visible, 0, True)
+        else:
+            p = _teacher_target(Q, K, Q_DESC, K_DESC, LSE_T, stride_qb, stride_qh, stride_qn, stride_qd,
+                                stride_kb, stride_kh, stride_kn, stride_kd,
+                                b, t0, s0, H, GROUP, N_Q, N_K, diag_offset, qk_scale, inv_heads,
+                                n_chunks, chunks_per_group, D, BLOCK_D, HB, BLOCK_T, BLOCK_N,
+                                MASKED, CAUSAL, IEEE_T, NO_CONTRACT, USE_TMA, A_L1)
+            logits = _indexer_logits(QI, KI, QI_DESC, KI_DESC, W, stride_qib, stride_qih, stride_qin, stride_qid,
+                                     stride_kib, stride_kih, stride_kin, stride_kid, stride_wb, stride_wh, stride_wn,
+                                     b, t0, s0, GROUP_I, N_Q, N_K, n_ichunks, ichunks_per_group,
+                                     DI, BLOCK_DI, IB, BLOCK_T, BLOCK_N, RELU, IEEE_I, USE_TMA, A_L1)
+            visible = _token_visible(toks, keys, N_Q, N_K, diag_offset, MASKED, CAUSAL)
+            m, l, mass, acc, plogp = _online_update(m, l, mass, acc, plogp, p, logits, visible)
     return m, l, mass, acc, plogp
 
 
 @triton.jit
-def _online_update(m, l, mass, acc, plogp, p, logits, visible):
+def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
+
+
+@triton.jit
+def _online_update(m, l, mass, acc, plogp, p, logits, visible, AXIS: tl.constexpr = 1,
+                   FUSED_SUMS: tl.constexpr = False):
     """The five-scalar state of each token after one [BLOCK_T, BLOCK_N] tile of target ``p`` and
-    student logits (streamkl_ref.indexer_kl_online's recurrence)."""
-    m_new = tl.maximum(m, tl.max(tl.where(visible, logits, float("-inf")), 1))
+    student logits (streamkl_ref.indexer_kl_online's recurrence). AXIS = 0: the tiles are
+    keys-major, [BLOCK_N, BLOCK_T] (``_teacher_target_keys``). FUSED_SUMS: the four sums as one
+    four-operand reduction (keys-major: one shared-memory round trip and barrier, not four)."""
+    m_new = tl.maximum(m, tl.max(tl.where(visible, logits, float("-inf")), AXIS))
     shift = _safe(m_new)
-    centred = logits - shift[:, None]  # I - m'
+    centred = logits - tl.expand_dims(shift, AXIS)  # I - m'
     e = tl.exp2(tl.where(visible, centred, float("-inf")) * LOG2E)
     alpha = tl.exp2((m - shift) * LOG2E)  # 0 while the row was empty, 1 if the max did not move
-    l = l * alpha + tl.sum(e, 1)
     # p log p with 0 log 0 = 0; a NaN p stays NaN (NaN > 0 is False, then NaN * 0 = NaN)
-    log_p = tl.log(tl.where(visible & (p > 0), p, 1.0))
-    plogp += tl.sum(tl.where(visible, p * log_p, 0.0), 1)
-    # every old term p (I - m) moves by -(m' - m) when the max moves: -mass * moved in all
-    acc = acc - mass * (shift - _safe(m)) + tl.sum(tl.where(visible, p * centred, 0.0), 1)
-    mass += tl.sum(tl.where(visible, p, 0.0), 1)
+    if FUSED_SUMS:
+        log_p = tl.log(tl.where(visible & (p > 0), p, 1.0))
+        sum_e, sum_plogp, sum_centred, sum_p = tl.reduce(
+            (e, tl.where(visible, p * log_p, 0.0), tl.where(visible, p * centred, 0.0), tl.where(visible, p, 0.0)),
+            AXIS, _add4)
+        l = l * alpha + sum_e
+        plogp += sum_plogp
+        acc = acc - mass * (shift - _safe(m)) + sum_centred  # as below
+        mass += sum_p
+    else:
+        l = l * alpha + tl.sum(e, AXIS)
+        log_p = tl.log(tl.where(visible & (p > 0), p, 1.0))
+        plogp += tl.sum(tl.where(visible, p * log_p, 0.0), AXIS)
+        # every old term p (I - m) moves by -(m' - m) when the max moves: -mass * moved in all
+        acc = acc - mass * (shift - _safe(m)) + tl.sum(tl.where(visible, p * centred, 0.0), AXIS)
+        mass += tl.sum(tl.where(visible, p, 0.0), AXIS)
     return m_new, l, mass, acc, plogp
 
 
@@ -235,14 +431,18 @@ def _indexer_fwd_kernel(
     HB: tl.constexpr, IB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, RELU: tl.constexpr, IEEE_T: tl.constexpr, IEEE_I: tl.constexpr,
     NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr, SPLIT: tl.constexpr, A_L1: tl.constexpr = False,
+    KEYS_MAJOR: tl.constexpr = False, FLATTEN: tl.constexpr = False, LPT: tl.constexpr = False,
 ):
     """KL [B, N_Q] (nats) and the student's LSE_I [B, N_Q] (nats) from the teacher LSEs (bits).
+    KEYS_MAJOR, FLATTEN, LPT: the config variant's options (``variant_meta``).
 
     Grid (token blocks, key splits, B). SPLIT: program ``(., s, .)`` walks the keys
     ``[s * keys_per_split, (s + 1) * keys_per_split)`` only and stores its five-scalar state in
     ``PART [5, splits, B, N_Q]`` (m, l, mass, acc, plogp); the host merges the splits
     (``_indexer._merge_splits``, the merge rule of streamkl_ref.indexer_kl_online's state)."""
     pid_t = tl.program_id(0)
+    if LPT:  # the last token blocks (causal: the most keys) start first, the short ones fill the tail
+        pid_t = tl.num_programs(0) - 1 - pid_t
     split = tl.program_id(1)
     b = tl.program_id(2)
     t0 = pid_t * BLOCK_T
@@ -263,14 +463,14 @@ def _indexer_fwd_kernel(
         stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
         stride_wb, stride_wh, stride_wn, b, t0, key_lo, full_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
         n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI,
-        HB, IB, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, A_L1)
+        HB, IB, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, A_L1, KEYS_MAJOR, FLATTEN)
     m, l, mass, acc, plogp = _fwd_key_range(
         m, l, mass, acc, plogp, Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T,
         stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
         stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
         stride_wb, stride_wh, stride_wn, b, t0, full_hi, key_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale,
         inv_heads, n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI,
-        HB, IB, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, A_L1)
+        HB, IB, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, A_L1, KEYS_MAJOR, FLATTEN)
     ok = toks < N_Q
     out = b.to(tl.int64) * N_Q + toks
     if SPLIT:
