@@ -1,0 +1,203 @@
+"""The indexer loss's forward for GQA teachers (H_K > 1): a lean one-pass kernel (issue 10's
+GQA-like target, <= 3.0x the matmul floor).
+
+Chosen by the 9th config field (``_indexer._plan``'s variant): ``"gqa"`` (the loop below with one
+K tile load per teacher head, as ``_indexer_fwd``), ``"gqa-kv"`` (each key head's K tile loaded
+once per key step, its group's heads unrolled inside: fewer L2 reads of K, more shared memory
+per pipeline stage). Everything else is ``_indexer_fwd._indexer_fwd_kernel``'s math, with the
+same five-scalar student state (``_online_update``, ``_finish``: one home for those formulas).
+
+Layout: one program per (BLOCK_T query tokens, key split, batch element). The rows of every
+score tile are the BLOCK_T tokens of ONE teacher head (box ``[1, 1, BLOCK_T, D_PAD]``), so the
+head sum of ``p`` is an elementwise add in registers (no reshape, no cross-warp reduction); per
+key tile the program walks the H teacher heads and then the H_I indexer heads.
+
+What it saves per teacher score against the general kernel (the work per (token, key) pair is
+32 teacher exponentials at the GQA-like config): the scale, the teacher LSE and the head mean
+``1/H`` fold into ONE FFMA before ``exp2`` (``x = s * sigma log2(e) - (lse_h + log2 H)``; the
+per-row ``lse_h + log2 H`` is formed once per tile, a row with ``lse = -inf`` (no visible key)
+gets ``+inf`` there so its scores give ``exp2(-inf) = 0`` without a per-score select), and the
+selects by row and head of a box that may hold other heads' rows are gone (one head per box:
+TMA fills rows past N_Q and dims past D with zeros). Masks (causal diagonal, ragged last tile)
+are selections before ``exp2``, on the masked tiles only, as in ``_indexer_fwd``.
+
+TMA descriptors only (Hopper, or the interpreter when a test asks): the host falls back to the
+general kernel elsewhere (``applies``). Head dims up to 128 (one box per head and tile).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _checks, _runtime
+from ._fwd import _dot, _key_stages
+from ._indexer_fwd import _finish, _online_update
+
+VARIANTS = ("gqa", "gqa-kv")
+MAX_BOX_DIM = 128  # one TMA box per head and tile (D_PAD, DI_PAD)
+
+
+def applies(pl, dims, use_tma: bool) -> bool:
+    """Does the GQA kernel run this plan? Its variant asked, TMA loads, head dims <= 128, one
+    teacher head per tile row block (HB = 1, IB = 1)."""
+    return (pl["variant"] in VARIANTS and use_tma and pl["HB"] == 1 and pl["IB"] == 1
+            and _checks.head_pad(dims.D) <= MAX_BOX_DIM and _checks.head_pad(dims.DI) <= MAX_BOX_DIM)
+
+
+def launch(dims, pl, q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, causal, relu, ieee_t, ieee_i):
+    """Run the GQA kernel with plan ``pl`` (``_indexer._plan(..., "fwd")``), writing ``kl`` and
+    ``lse_idx`` [B, N_Q] (key splits merged on the host as for the general kernel)."""
+    from ._indexer import _fresh, _key_splits, _merge_splits  # (import here: _indexer imports this module)
+
+    d_pad, di_pad = _checks.head_pad(dims.D), _checks.head_pad(dims.DI)
+    bt, bn = pl["BLOCK_T"], pl["BLOCK_N"]
+    TD = _runtime.TensorDescriptor
+
+    def desc(t, rows, width):
+        return TD(t, list(t.shape), list(t.stride()), [1, 1, rows, width])
+
+    splits, per_split = _key_splits(dims, pl)
+    part = _fresh((5, splits, dims.B, dims.NQ), torch.float32, q.device) if splits > 1 else kl
+    grid = (triton.cdiv(dims.NQ, bt), splits, dims.B)
+    # the head mean 1/H as a shift of the exponent (bits): exp2(x - log2 H) = exp2(x) / H
+    log2_heads = math.log2(dims.H)
+    _indexer_fwd_gqa_kernel[grid](
+        desc(q, bt, d_pad), desc(k, bn, d_pad), desc(q_idx, bt, di_pad), desc(k_idx, bn, di_pad),
+        weights, lse_bits, kl, lse_idx, part, *weights.stride(),
+        dims.H, dims.HK, dims.HI, dims.HKI, dims.NQ, dims.NK, dims.scale * 1.4426950408889634, log2_heads, per_split,
+        GROUP=dims.H // dims.HK, GROUP_I=dims.HI // dims.HKI, D_PAD=d_pad, DI_PAD=di_pad, BLOCK_T=bt, BLOCK_N=bn,
+        CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, SPLIT=splits > 1, KV_ONCE=pl["variant"] == "gqa-kv",
+        num_warps=pl["warps"], num_stages=pl["stages"])
+    if splits > 1:
+        merged_kl, merged_lse = _merge_splits(part)
+        kl.copy_(merged_kl)
+        lse_idx.copy_(merged_lse)
+
+
+@triton.jit
+def _head_exp(s, lse_shift, toks, keys, N_Q, N_K, qk_scale,
+              MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    """``exp2(s * sigma log2(e) - lse_shift)`` of one head's [BLOCK_T, BLOCK_N] scores: that
+    head's share ``P_h / H`` of the target (the FFMA is the only op before exp2 on whole tiles)."""
+    x = s * qk_scale - lse_shift[:, None]
+    if MASKED:  # ragged last tile / causal diagonal: invisible entries are exactly 0
+        visible = (keys < N_K)[None, :] & (toks >= 0)[:, None]
+        if CAUSAL:  # bottom-right causal: key s visible to token t iff s <= t + (N_K - N_Q)
+            visible = visible & (keys[None, :] <= toks[:, None] + (N_K - N_Q))
+        x = tl.where(visible, x, float("-inf"))
+    return tl.exp2(x)
+
+
+@triton.jit
+def _lse_shift(LSE_T, row_base, toks, tok_ok, log2_heads):
+    """Per row: ``lse_h + log2 H`` (bits); ``+inf`` for a row with no visible key (lse = -inf)
+    or past N_Q, so its scores give exp2(-inf) = 0; a NaN lse stays NaN (its row stays NaN)."""
+    lse = tl.load(LSE_T + row_base + toks, mask=tok_ok, other=float("-inf"))
+    return tl.where(lse == float("-inf"), float("inf"), lse + log2_heads)
+
+
+@triton.jit
+def _gqa_key_range(
+    m, l, mass, acc, plogp,
+    Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, stride_wb, stride_wh, stride_wn,
+    b, t0, lo, hi, H, HK, HI, HKI, N_Q, N_K, qk_scale, log2_heads,
+    GROUP: tl.constexpr, GROUP_I: tl.constexpr, D_PAD: tl.constexpr, DI_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    RELU: tl.constexpr, IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, KV_ONCE: tl.constexpr,
+):
+    toks = t0 + tl.arange(0, BLOCK_T)
+    tok_ok = toks < N_Q
+    b64 = b.to(tl.int64)
+    diag_offset = N_K - N_Q
+    for s0 in range(lo, hi, BLOCK_N):
+        keys = s0 + tl.arange(0, BLOCK_N)
+        # the target p [BLOCK_T, BLOCK_N]: the sum of the H heads' P_h / H, head after head
+        p = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+        if KV_ONCE:  # one K tile load per key head, its group's heads unrolled
+            for kv in range(0, HK):
+                kt = K_DESC.load([b, kv, s0, 0]).reshape(BLOCK_N, D_PAD)
+                for g in tl.static_range(GROUP):
+                    h = kv * GROUP + g
+                    qt = Q_DESC.load([b, h, t0, 0]).reshape(BLOCK_T, D_PAD)
+                    s = _dot(qt, tl.trans(kt), IEEE_T)
+                    shift = _lse_shift(LSE_T, (b64 * H + h) * N_Q, toks, tok_ok, log2_heads)
+                    p += _head_exp(s, shift, toks, keys, N_Q, N_K, qk_scale, MASKED, CAUSAL)
+        else:  # one K tile load per teacher head (from L2 after the group's first head)
+            for h in range(0, H):
+                kt = K_DESC.load([b, h // GROUP, s0, 0]).reshape(BLOCK_N, D_PAD)
+                qt = Q_DESC.load([b, h, t0, 0]).reshape(BLOCK_T, D_PAD)
+                s = _dot(qt, tl.trans(kt), IEEE_T)
+                shift = _lse_shift(LSE_T, (b64 * H + h) * N_Q, toks, tok_ok, log2_heads)
+                p += _head_exp(s, shift, toks, keys, N_Q, N_K, qk_scale, MASKED, CAUSAL)
+        # the student's logits I = sum_j w_j relu(q_idx_j . k_idx) (unmasked: selected below)
+        logits = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+        for j in range(0, HI):
+            kit = KI_DESC.load([b, j // GROUP_I, s0, 0]).reshape(BLOCK_N, DI_PAD)
+            qit = QI_DESC.load([b, j, t0, 0]).reshape(BLOCK_T, DI_PAD)
+            a = _dot(qit, tl.trans(kit), IEEE_I)
+            w = tl.load(W + (b64 * stride_wb + j * stride_wh) + toks.to(tl.int64) * stride_wn,
+                        mask=tok_ok, other=0.0).to(tl.float32)
+            if RELU:
+                a = tl.maximum(a, 0.0, propagate_nan=tl.PropagateNan.ALL)  # relu(NaN) stays NaN
+            logits += w[:, None] * a
+        visible = tok_ok[:, None] & (keys >= 0)[None, :]
+        if MASKED:
+            visible = visible & (keys < N_K)[None, :]
+            if CAUSAL:
+                visible = visible & (keys[None, :] <= toks[:, None] + diag_offset)
+        m, l, mass, acc, plogp = _online_update(m, l, mass, acc, plogp, p, logits, visible)
+    return m, l, mass, acc, plogp
+
+
+@triton.jit
+def _indexer_fwd_gqa_kernel(
+    Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, KL, LSE_I, PART,
+    stride_wb, stride_wh, stride_wn,
+    H, HK, HI, HKI, N_Q, N_K, qk_scale, log2_heads, keys_per_split,
+    GROUP: tl.constexpr, GROUP_I: tl.constexpr, D_PAD: tl.constexpr, DI_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
+    IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, SPLIT: tl.constexpr, KV_ONCE: tl.constexpr,
+):
+    """KL [B, N_Q] and LSE_I [B, N_Q] (nats) from the teacher LSEs (bits), as
+    ``_indexer_fwd._indexer_fwd_kernel`` (grid (token blocks, key splits, B); SPLIT: the
+    five-scalar states into ``PART [5, splits, B, N_Q]``, merged on the host)."""
+    pid_t = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    t0 = pid_t * BLOCK_T
+    toks = t0 + tl.arange(0, BLOCK_T)
+    m = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_T], tl.float32)
+    mass = tl.zeros([BLOCK_T], tl.float32)
+    acc = tl.zeros([BLOCK_T], tl.float32)
+    plogp = tl.zeros([BLOCK_T], tl.float32)
+    key_lo = split * keys_per_split  # a multiple of BLOCK_N (the host rounds keys_per_split)
+    # whole tiles every token of the block sees (no masks), then the diagonal band / ragged tile
+    full_hi, key_hi = _key_stages(t0, key_lo, tl.minimum(key_lo + keys_per_split, N_K), N_Q, N_K,
+                                  BLOCK_T, BLOCK_N, CAUSAL)
+    key_hi = tl.maximum(key_hi, key_lo)  # a split past the causal frontier walks nothing
+    m, l, mass, acc, plogp = _gqa_key_range(
+        m, l, mass, acc, plogp, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, stride_wb, stride_wh, stride_wn,
+        b, t0, key_lo, full_hi, H, HK, HI, HKI, N_Q, N_K, qk_scale, log2_heads,
+        GROUP, GROUP_I, D_PAD, DI_PAD, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, KV_ONCE)
+    m, l, mass, acc, plogp = _gqa_key_range(
+        m, l, mass, acc, plogp, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, stride_wb, stride_wh, stride_wn,
+        b, t0, full_hi, key_hi, H, HK, HI, HKI, N_Q, N_K, qk_scale, log2_heads,
+        GROUP, GROUP_I, D_PAD, DI_PAD, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, KV_ONCE)
+    ok = toks < N_Q
+    out = b.to(tl.int64) * N_Q + toks
+    if SPLIT:
+        plane = tl.num_programs(1).to(tl.int64) * tl.num_programs(2) * N_Q
+        at = PART + split.to(tl.int64) * tl.num_programs(2) * N_Q + out
+        tl.store(at, m, mask=ok)
+        tl.store(at + plane, l, mask=ok)
+        tl.store(at + 2 * plane, mass, mask=ok)
+        tl.store(at + 3 * plane, acc, mask=ok)
+        tl.store(at + 4 * plane, plogp, mask=ok)
+    else:
+        kl, lse_i = _finish(m, l, acc, plogp)
+        tl.store(KL + out, kl, mask=ok)
+        tl.store(LSE_I + out, lse_i, mask=ok)

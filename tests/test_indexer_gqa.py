@@ -1,0 +1,110 @@
+"""The GQA teacher's forward kernel (``_indexer_fwd_gqa``, config variants "gqa" / "gqa-kv")
+under the interpreter: against the float64 reference (streamkl_ref.indexer_kl), against the
+general kernel, its key splits, masks, NaN isolation, and that it really is the kernel launched.
+
+Tiny shapes (programs run one after another on CPU); TMA descriptors (the kernel's only load
+path) through the ``tma`` fixture. Configs are ``(rows, irows, BLOCK_N, BLOCK_D, warps, stages,
+hb_max, key_splits, variant)``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from streamkl_gpu import _indexer, _indexer_fwd_gqa
+from streamkl_ref._checks import check_indexer_inputs
+
+from test_gpu_indexer import check_case, make
+
+# (B, H, H_K, N_Q, N_K, D, H_I, H_KI, D_I), causal, lse given, key splits, variant
+CASES = [
+    ((1, 8, 2, 21, 21, 32, 4, 1, 16), True, True, 1, "gqa"),      # square causal, the anchor's shape family
+    ((1, 8, 2, 21, 21, 32, 4, 1, 16), True, True, 2, "gqa-kv"),   # K once per key head, two key splits
+    ((2, 6, 3, 13, 29, 24, 4, 2, 12), True, False, 1, "gqa"),     # N_K > N_Q, D/D_I padded, 2 indexer key heads, no lse
+    ((1, 6, 2, 17, 9, 16, 2, 1, 16), True, True, 1, "gqa-kv"),    # N_Q > N_K: early rows see no key (KL 0)
+    ((1, 4, 2, 19, 23, 16, 4, 1, 16), False, True, 3, "gqa"),     # non-causal, ragged last tile, 3 splits
+]
+
+
+def _config(monkeypatch, block_n, splits, variant):
+    monkeypatch.setattr(_indexer, "INTERPRETER_CONFIG", (16, 16, block_n, 32, 1, 1, 1, splits, variant))
+
+
+def _launched(monkeypatch):
+    """Count the GQA kernel's launches (the general kernel must not run instead)."""
+    calls = []
+    real = _indexer_fwd_gqa.launch
+
+    def spy(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+    monkeypatch.setattr(_indexer_fwd_gqa, "launch", spy)
+    return calls
+
+
+@pytest.mark.parametrize("tma", [True], indirect=True)
+@pytest.mark.parametrize("shape,causal,with_lse,splits,variant", CASES)
+def test_gqa_kernel_matches_reference(monkeypatch, poison, tma, shape, causal, with_lse, splits, variant):
+    _config(monkeypatch, 16, splits, variant)
+    calls = _launched(monkeypatch)
+    xs = make(*shape, seed=sum(shape) + splits)
+    check_case(xs, with_lse=with_lse, causal=causal, grad=False)
+    assert calls, "the GQA kernel did not run"
+
+
+@pytest.mark.parametrize("tma", [True], indirect=True)
+def test_gqa_kernel_fp16_relu_off(monkeypatch, poison, tma):
+    _config(monkeypatch, 16, 1, "gqa")
+    calls = _launched(monkeypatch)
+    xs = make(1, 8, 4, 18, 18, 32, 4, 1, 16, dtype=torch.float16, seed=5)
+    check_case(xs, with_lse=True, causal=True, grad=False, relu=False)
+    assert calls
+
+
+@pytest.mark.parametrize("tma", [True], indirect=True)
+def test_gqa_kernel_equals_general_kernel(monkeypatch, tma):
+    """The same plan through both kernels: KL and the saved LSE_I agree to fp32 rounding (the
+    folded FFMA and head mean change only the last bits); gradients (the backward reads LSE_I)."""
+    xs = make(1, 8, 2, 24, 24, 16, 4, 1, 16, seed=11)
+    out = {}
+    for variant in ("tiles", "gqa", "gqa-kv"):
+        _config(monkeypatch, 16, 2, variant)
+        kl, lse_idx, _ = _indexer._forward(*xs, None, True, 0.3, True)
+        out[variant] = (kl, lse_idx)
+    for variant in ("gqa", "gqa-kv"):
+        assert torch.allclose(out[variant][0], out["tiles"][0], rtol=1e-4, atol=1e-6), variant
+        assert torch.allclose(out[variant][1], out["tiles"][1], rtol=1e-5, atol=1e-5), variant
+    _config(monkeypatch, 16, 2, "gqa")
+    check_case(xs, with_lse=True, causal=True, grad=True)
+
+
+@pytest.mark.parametrize("tma", [True], indirect=True)
+def test_gqa_kernel_nan_isolation(monkeypatch, tma):
+    """A NaN in teacher key 17 reaches exactly the rows that see it (square causal: 17..); a NaN
+    lse row stays NaN, its neighbours do not."""
+    _config(monkeypatch, 16, 1, "gqa")
+    xs = make(1, 4, 2, 24, 24, 16, 2, 1, 16, seed=12)
+    good = _indexer._forward(*xs, None, True, 0.3, True)[0]
+    bad = [x.clone() for x in xs]
+    bad[1][0, 1, 17, 3] = float("nan")
+    kl_bad = _indexer._forward(*bad, None, True, 0.3, True)[0]
+    assert torch.isnan(kl_bad[0, 17:]).all()
+    assert torch.equal(kl_bad[0, :17], good[0, :17])
+    lse = _indexer._forward(*xs, None, True, 0.3, True)[2] / _indexer.LOG2E
+    lse[0, 2, 5] = float("nan")
+    kl_lse = _indexer._forward(*xs, lse, True, 0.3, True)[0]
+    assert torch.isnan(kl_lse[0, 5])
+    others = torch.arange(24) != 5
+    assert torch.allclose(kl_lse[0, others], good[0, others], rtol=1e-5, atol=1e-6)
+
+
+def test_gqa_kernel_applies_only_where_it_can():
+    """TMA loads and head dims <= 128 only; otherwise the general kernel runs the plan."""
+    xs = make(1, 8, 2, 8, 8, 32, 4, 1, 16)
+    dims = check_indexer_inputs(*xs)
+    pl = _indexer._plan(dims, (16, 16, 16, 32, 1, 1, 1, 1, "gqa"), "fwd")
+    assert _indexer_fwd_gqa.applies(pl, dims, True)
+    assert not _indexer_fwd_gqa.applies(pl, dims, False)
+    assert not _indexer_fwd_gqa.applies(dict(pl, variant="tiles"), dims, True)
+    wide = check_indexer_inputs(*make(1, 8, 2, 8, 8, 192, 4, 1, 16))
+    assert not _indexer_fwd_gqa.applies(_indexer._plan(wide, (16, 16, 16, 32, 1, 1, 1, 1, "gqa"), "fwd"), wide, True)
