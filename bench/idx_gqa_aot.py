@@ -67,6 +67,10 @@ def compile_rec(fn, args, kw):
             if (isinstance(v, int) and not isinstance(v, bool) and v % 16 == 0) or isinstance(v, torch.Tensor):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=TARGET, options=opts)
+    if os.environ.get("DUMP"):  # e.g. DUMP=/tmp/gqa: the TTGIR and SASS of the last config
+        for ext in ("ttgir", "ptx"):
+            with open(f"{os.environ['DUMP']}.{ext}", "w") as f:
+                f.write(k.asm[ext])
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(k.asm["cubin"])
     tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")

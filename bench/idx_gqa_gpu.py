@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The GQA-like indexer forward (issue 10: <= 3.0x the matmul floor): the current default config
 of the general kernel against the GQA kernel (``streamkl_gpu._indexer_fwd_gqa``, config variants
-"gqa" / "gqa-kv"), each forced, 8K causal bf16 with ``lse`` given (then 16K), checked after.
+"gqa" / "gqa-flat"), each forced, 8K causal bf16 with ``lse`` given (then 16K), checked after.
 
     python bench/idx_gqa_gpu.py OUT_DIR --quick     # fits a 70 s slot on one H200, compiles included
     python bench/idx_gqa_gpu.py OUT_DIR             # also 16K and longer timings
@@ -52,15 +52,16 @@ from indexer_perf_gpu import Force, RECORDED_COMPILE  # noqa: E402
 COLUMNS = ["measure", "provider", "shape", "value", "unit", "note"]
 DEFAULT = (64, 64, 64, 64, 4, 3, 1, 5)  # the general kernel's measured best (r5c 2.341 ms, s5r4 2.654)
 # The GQA kernel's configs, most promising first (offline sm_90, triton 3.9, bench/idx_gqa_aot.py:
-# registers / shared memory; 2 CTAs per SM at <= 113 KB and <= 255 regs x 128 threads / 2):
+# registers / shared memory -> CTAs per SM; "gqa": K once per key head, "gqa-flat": K per head):
 GQA_CONFIGS = [
-    (64, 64, 32, 64, 4, 3, 1, 5, "gqa"),      # 111 regs, 74 KB -> 3 CTAs/SM
-    (64, 64, 64, 64, 4, 3, 1, 5, "gqa"),      # the default's tiles: 190 regs, 98 KB -> 2 CTAs/SM
-    (64, 64, 32, 64, 4, 2, 1, 8, "gqa"),      # 2 stages: 111 regs, 49 KB -> 4 CTAs/SM, more splits to fill them
-    (64, 64, 64, 64, 4, 2, 1, 5, "gqa"),      # 2 stages: 188 regs, 66 KB -> 2 CTAs/SM
-    (128, 128, 32, 64, 8, 2, 1, 9, "gqa"),    # 128 tokens, 8 warps: 111 regs, 82 KB -> 2 CTAs/SM
-    (128, 128, 64, 64, 8, 2, 1, 9, "gqa"),    # 187 regs, 98 KB -> 1 CTA/SM (registers)
-    (64, 64, 64, 64, 4, 1, 1, 5, "gqa-kv"),   # K once per key head, no pipelining: 205 regs, 33 KB
+    (64, 64, 32, 64, 4, 3, 1, 5, "gqa"),       # 123 regs, 58 KB -> 3 CTAs/SM
+    (64, 64, 64, 64, 4, 3, 1, 5, "gqa"),       # the default's tiles: 212 regs, 66 KB -> 2 CTAs/SM
+    (64, 64, 32, 64, 4, 2, 1, 8, "gqa"),       # 114 regs, 41 KB -> 4 CTAs/SM, more splits to fill them
+    (64, 64, 64, 64, 4, 2, 1, 5, "gqa"),       # 214 regs, 49 KB -> 2 CTAs/SM
+    (128, 128, 32, 64, 8, 2, 1, 9, "gqa"),     # 128 tokens, 8 warps: 114 regs, 74 KB -> 2 CTAs/SM
+    (128, 128, 64, 64, 8, 2, 1, 9, "gqa"),     # 214 regs, 82 KB -> 1 CTA/SM (registers)
+    (64, 64, 32, 64, 4, 3, 1, 5, "gqa-flat"),  # 111 regs, 74 KB -> 3 CTAs/SM
+    (64, 64, 64, 64, 4, 3, 1, 5, "gqa-flat"),  # 193 regs, 98 KB -> 2 CTAs/SM
 ]
 CHECK_N = 320  # strides divisible by 16: the check problem compiles the 8K kernels
 

@@ -1,11 +1,13 @@
 """The indexer loss's forward for GQA teachers (H_K > 1): a lean one-pass kernel (issue 10's
 GQA-like target, <= 3.0x the matmul floor).
 
-Chosen by the 9th config field (``_indexer._plan``'s variant): ``"gqa"`` (the loop below with one
-K tile load per teacher head, as ``_indexer_fwd``), ``"gqa-kv"`` (each key head's K tile loaded
-once per key step, its group's heads unrolled inside: fewer L2 reads of K, more shared memory
-per pipeline stage). Everything else is ``_indexer_fwd._indexer_fwd_kernel``'s math, with the
-same five-scalar student state (``_online_update``, ``_finish``: one home for those formulas).
+Chosen by the 9th config field (``_indexer._plan``'s variant): ``"gqa"`` (each key head's K tile
+loaded once per key step, then its group's heads in an inner loop: a quarter of the K reads of
+``_indexer_fwd`` at groups of 4), ``"gqa-flat"`` (one flat loop over the teacher heads, the K
+tile loaded per head as ``_indexer_fwd`` does: one longer pipelined loop). The student's k_idx
+tile is loaded once per key step and indexer key head in both. Everything else is
+``_indexer_fwd._indexer_fwd_kernel``'s math, with the same five-scalar student state
+(``_online_update``, ``_finish``: one home for those formulas).
 
 Layout: one program per (BLOCK_T query tokens, key split, batch element). The rows of every
 score tile are the BLOCK_T tokens of ONE teacher head (box ``[1, 1, BLOCK_T, D_PAD]``), so the
@@ -36,7 +38,7 @@ from . import _checks, _runtime
 from ._fwd import _dot, _key_stages
 from ._indexer_fwd import _finish, _online_update
 
-VARIANTS = ("gqa", "gqa-kv")
+VARIANTS = ("gqa", "gqa-flat")
 MAX_BOX_DIM = 128  # one TMA box per head and tile (D_PAD, DI_PAD)
 
 
@@ -69,7 +71,7 @@ def launch(dims, pl, q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, causal,
         weights, lse_bits, kl, lse_idx, part, *weights.stride(),
         dims.H, dims.HK, dims.HI, dims.HKI, dims.NQ, dims.NK, dims.scale * 1.4426950408889634, log2_heads, per_split,
         GROUP=dims.H // dims.HK, GROUP_I=dims.HI // dims.HKI, D_PAD=d_pad, DI_PAD=di_pad, BLOCK_T=bt, BLOCK_N=bn,
-        CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, SPLIT=splits > 1, KV_ONCE=pl["variant"] == "gqa-kv",
+        CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, SPLIT=splits > 1, KV_ONCE=pl["variant"] == "gqa",
         num_warps=pl["warps"], num_stages=pl["stages"])
     if splits > 1:
         merged_kl, merged_lse = _merge_splits(part)
@@ -114,40 +116,53 @@ def _gqa_key_range(
     diag_offset = N_K - N_Q
     for s0 in range(lo, hi, BLOCK_N):
         keys = s0 + tl.arange(0, BLOCK_N)
-        # the target p [BLOCK_T, BLOCK_N]: the sum of the H heads' P_h / H, head after head
+        # the target p [BLOCK_T, BLOCK_N]: the sum of the H heads' P_h / H, head after head. Each
+        # head's row shift (lse_h + log2 H) is loaded one head ahead, before the previous head's
+        # product, so the load's latency hides under it (carried as ``shift``; the last head
+        # loads itself again).
         p = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
-        if KV_ONCE:  # one K tile load per key head, its group's heads unrolled
+        shift = _lse_shift(LSE_T, b64 * H * N_Q, toks, tok_ok, log2_heads)
+        if KV_ONCE:  # one K tile load per key head, then its group's heads (an inner pipelined loop)
             for kv in range(0, HK):
                 kt = K_DESC.load([b, kv, s0, 0]).reshape(BLOCK_N, D_PAD)
-                for g in tl.static_range(GROUP):
+                for g in range(0, GROUP):
                     h = kv * GROUP + g
+                    shift_next = _lse_shift(LSE_T, (b64 * H + tl.minimum(h + 1, H - 1)) * N_Q, toks, tok_ok, log2_heads)
                     qt = Q_DESC.load([b, h, t0, 0]).reshape(BLOCK_T, D_PAD)
                     s = _dot(qt, tl.trans(kt), IEEE_T)
-                    shift = _lse_shift(LSE_T, (b64 * H + h) * N_Q, toks, tok_ok, log2_heads)
                     p += _head_exp(s, shift, toks, keys, N_Q, N_K, qk_scale, MASKED, CAUSAL)
-        else:  # one K tile load per teacher head (from L2 after the group's first head)
+                    shift = shift_next
+        else:  # one K tile load per teacher head (from L2 after the group's first head), one flat loop
             for h in range(0, H):
+                shift_next = _lse_shift(LSE_T, (b64 * H + tl.minimum(h + 1, H - 1)) * N_Q, toks, tok_ok, log2_heads)
                 kt = K_DESC.load([b, h // GROUP, s0, 0]).reshape(BLOCK_N, D_PAD)
                 qt = Q_DESC.load([b, h, t0, 0]).reshape(BLOCK_T, D_PAD)
                 s = _dot(qt, tl.trans(kt), IEEE_T)
-                shift = _lse_shift(LSE_T, (b64 * H + h) * N_Q, toks, tok_ok, log2_heads)
                 p += _head_exp(s, shift, toks, keys, N_Q, N_K, qk_scale, MASKED, CAUSAL)
-        # the student's logits I = sum_j w_j relu(q_idx_j . k_idx) (unmasked: selected below)
+                shift = shift_next
+        # the student's logits I = sum_j w_j relu(q_idx_j . k_idx) (unmasked: selected below);
+        # one k_idx tile load per indexer key head (usually one), its heads in an inner loop; the
+        # weights one head ahead, as the teacher's shifts
         logits = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
-        for j in range(0, HI):
-            kit = KI_DESC.load([b, j // GROUP_I, s0, 0]).reshape(BLOCK_N, DI_PAD)
-            qit = QI_DESC.load([b, j, t0, 0]).reshape(BLOCK_T, DI_PAD)
-            a = _dot(qit, tl.trans(kit), IEEE_I)
-            w = tl.load(W + (b64 * stride_wb + j * stride_wh) + toks.to(tl.int64) * stride_wn,
-                        mask=tok_ok, other=0.0).to(tl.float32)
-            if RELU:
-                a = tl.maximum(a, 0.0, propagate_nan=tl.PropagateNan.ALL)  # relu(NaN) stays NaN
-            logits += w[:, None] * a
-        visible = tok_ok[:, None] & (keys >= 0)[None, :]
+        w_row = W + b64 * stride_wb + toks.to(tl.int64) * stride_wn
+        w = tl.load(w_row, mask=tok_ok, other=0.0).to(tl.float32)
+        for kvi in range(0, HKI):
+            kit = KI_DESC.load([b, kvi, s0, 0]).reshape(BLOCK_N, DI_PAD)
+            for jj in range(0, GROUP_I):
+                j = kvi * GROUP_I + jj
+                w_next = tl.load(w_row + tl.minimum(j + 1, HI - 1) * stride_wh, mask=tok_ok, other=0.0).to(tl.float32)
+                qit = QI_DESC.load([b, j, t0, 0]).reshape(BLOCK_T, DI_PAD)
+                a = _dot(qit, tl.trans(kit), IEEE_I)
+                if RELU:
+                    a = tl.maximum(a, 0.0, propagate_nan=tl.PropagateNan.ALL)  # relu(NaN) stays NaN
+                logits += w[:, None] * a
+                w = w_next
         if MASKED:
-            visible = visible & (keys < N_K)[None, :]
+            visible = tok_ok[:, None] & (keys < N_K)[None, :]
             if CAUSAL:
                 visible = visible & (keys[None, :] <= toks[:, None] + diag_offset)
+        else:  # whole tiles: a row mask only (broadcast in the selects: no per-entry predicate)
+            visible = tok_ok[:, None]
         m, l, mass, acc, plogp = _online_update(m, l, mass, acc, plogp, p, logits, visible)
     return m, l, mass, acc, plogp
 

@@ -1,4 +1,4 @@
-"""The GQA teacher's forward kernel (``_indexer_fwd_gqa``, config variants "gqa" / "gqa-kv")
+"""The GQA teacher's forward kernel (``_indexer_fwd_gqa``, config variants "gqa" / "gqa-flat")
 under the interpreter: against the float64 reference (streamkl_ref.indexer_kl), against the
 general kernel, its key splits, masks, NaN isolation, and that it really is the kernel launched.
 
@@ -19,9 +19,9 @@ from test_gpu_indexer import check_case, make
 # (B, H, H_K, N_Q, N_K, D, H_I, H_KI, D_I), causal, lse given, key splits, variant
 CASES = [
     ((1, 8, 2, 21, 21, 32, 4, 1, 16), True, True, 1, "gqa"),      # square causal, the anchor's shape family
-    ((1, 8, 2, 21, 21, 32, 4, 1, 16), True, True, 2, "gqa-kv"),   # K once per key head, two key splits
+    ((1, 8, 2, 21, 21, 32, 4, 1, 16), True, True, 2, "gqa-flat"),   # one flat head loop (K per head), two key splits
     ((2, 6, 3, 13, 29, 24, 4, 2, 12), True, False, 1, "gqa"),     # N_K > N_Q, D/D_I padded, 2 indexer key heads, no lse
-    ((1, 6, 2, 17, 9, 16, 2, 1, 16), True, True, 1, "gqa-kv"),    # N_Q > N_K: early rows see no key (KL 0)
+    ((1, 6, 2, 17, 9, 16, 2, 1, 16), True, True, 1, "gqa-flat"),    # N_Q > N_K: early rows see no key (KL 0)
     ((1, 4, 2, 19, 23, 16, 4, 1, 16), False, True, 3, "gqa"),     # non-causal, ragged last tile, 3 splits
 ]
 
@@ -67,11 +67,11 @@ def test_gqa_kernel_equals_general_kernel(monkeypatch, tma):
     folded FFMA and head mean change only the last bits); gradients (the backward reads LSE_I)."""
     xs = make(1, 8, 2, 24, 24, 16, 4, 1, 16, seed=11)
     out = {}
-    for variant in ("tiles", "gqa", "gqa-kv"):
+    for variant in ("tiles", "gqa", "gqa-flat"):
         _config(monkeypatch, 16, 2, variant)
         kl, lse_idx, _ = _indexer._forward(*xs, None, True, 0.3, True)
         out[variant] = (kl, lse_idx)
-    for variant in ("gqa", "gqa-kv"):
+    for variant in ("gqa", "gqa-flat"):
         assert torch.allclose(out[variant][0], out["tiles"][0], rtol=1e-4, atol=1e-6), variant
         assert torch.allclose(out[variant][1], out["tiles"][1], rtol=1e-5, atol=1e-5), variant
     _config(monkeypatch, 16, 2, "gqa")
