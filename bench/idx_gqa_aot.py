@@ -51,6 +51,8 @@ def parse(text):
 def compile_rec(fn, args, kw):
     kw = dict(kw)
     opts = {"num_warps": kw.pop("num_warps", 4), "num_stages": kw.pop("num_stages", 2)}
+    if kw.get("maxnreg") or os.environ.get("MAXNREG"):  # a register cap (ptxas -maxrregcount)
+        opts["maxnreg"] = int(kw.pop("maxnreg", None) or os.environ["MAXNREG"])
     vals = dict(zip(fn.arg_names, args))
     vals.update(kw)
     sig, consts, attrs = {}, {}, {}

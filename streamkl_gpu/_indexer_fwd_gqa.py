@@ -5,7 +5,8 @@ Chosen by the 9th config field (``_indexer._plan``'s variant): ``"gqa"`` (each k
 loaded once per key step, then its group's heads in an inner loop: a quarter of the K reads of
 ``_indexer_fwd`` at groups of 4), ``"gqa-flat"`` (one flat loop over the teacher heads, the K
 tile loaded per head as ``_indexer_fwd`` does: one longer pipelined loop). The student's k_idx
-tile is loaded once per key step and indexer key head in both. Everything else is
+tile is loaded once per key step and indexer key head in both. A suffix ``-rNNN`` caps ptxas at
+NNN registers (``maxnreg``: more CTAs per SM, at the price of spills). Everything else is
 ``_indexer_fwd._indexer_fwd_kernel``'s math, with the same five-scalar student state
 (``_online_update``, ``_finish``: one home for those formulas).
 
@@ -17,11 +18,12 @@ key tile the program walks the H teacher heads and then the H_I indexer heads.
 What it saves per teacher score against the general kernel (the work per (token, key) pair is
 32 teacher exponentials at the GQA-like config): the scale, the teacher LSE and the head mean
 ``1/H`` fold into ONE FFMA before ``exp2`` (``x = s * sigma log2(e) - (lse_h + log2 H)``; the
-per-row ``lse_h + log2 H`` is formed once per tile, a row with ``lse = -inf`` (no visible key)
-gets ``+inf`` there so its scores give ``exp2(-inf) = 0`` without a per-score select), and the
-selects by row and head of a box that may hold other heads' rows are gone (one head per box:
-TMA fills rows past N_Q and dims past D with zeros). Masks (causal diagonal, ragged last tile)
-are selections before ``exp2``, on the masked tiles only, as in ``_indexer_fwd``.
+per-row ``lse_h + log2 H`` is formed once per head and tile, a row with ``lse = -inf`` (no
+visible key) or past N_Q gets ``+inf`` there, so its scores give ``exp2(-inf) = 0``), with no
+select at all: one head per box (TMA fills rows past N_Q and dims past D with zeros), and the
+masks (causal diagonal, ragged last tile) are applied once per tile, by the student's online
+update, which selects the visible entries of ``p`` (``tl.where``, never a product: an invisible
+entry's inf or NaN never counts), instead of once per head.
 
 TMA descriptors only (Hopper, or the interpreter when a test asks): the host falls back to the
 general kernel elsewhere (``applies``). Head dims up to 128 (one box per head and tile).
@@ -38,14 +40,30 @@ from . import _checks, _runtime
 from ._fwd import _dot, _key_stages
 from ._indexer_fwd import _finish, _online_update
 
-VARIANTS = ("gqa", "gqa-flat")
+LOOPS = ("gqa", "gqa-flat")
+
+
+def parse_variant(variant):
+    """``(K once per key head, register cap or None)`` of a variant ``"gqa[-flat][-rNNN]"`` (e.g.
+    ``"gqa-r168"``: ptxas capped at 168 registers, so three 4-warp CTAs fit an SM), or None when
+    it is not one of this kernel's."""
+    if not isinstance(variant, str):
+        return None
+    parts = variant.split("-")
+    cap = None
+    if len(parts) > 1 and parts[-1].startswith("r") and parts[-1][1:].isdigit():
+        cap = int(parts.pop()[1:])
+    loop = "-".join(parts)
+    if loop not in LOOPS:
+        return None
+    return loop == "gqa", cap
 MAX_BOX_DIM = 128  # one TMA box per head and tile (D_PAD, DI_PAD)
 
 
 def applies(pl, dims, use_tma: bool) -> bool:
     """Does the GQA kernel run this plan? Its variant asked, TMA loads, head dims <= 128, one
     teacher head per tile row block (HB = 1, IB = 1)."""
-    return (pl["variant"] in VARIANTS and use_tma and pl["HB"] == 1 and pl["IB"] == 1
+    return (parse_variant(pl["variant"]) is not None and use_tma and pl["HB"] == 1 and pl["IB"] == 1
             and _checks.head_pad(dims.D) <= MAX_BOX_DIM and _checks.head_pad(dims.DI) <= MAX_BOX_DIM)
 
 
@@ -66,13 +84,15 @@ def launch(dims, pl, q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, causal,
     grid = (triton.cdiv(dims.NQ, bt), splits, dims.B)
     # the head mean 1/H as a shift of the exponent (bits): exp2(x - log2 H) = exp2(x) / H
     log2_heads = math.log2(dims.H)
+    kv_once, cap = parse_variant(pl["variant"])
+    extra = {} if (cap is None or _runtime.interpreting()) else {"maxnreg": cap}
     _indexer_fwd_gqa_kernel[grid](
         desc(q, bt, d_pad), desc(k, bn, d_pad), desc(q_idx, bt, di_pad), desc(k_idx, bn, di_pad),
         weights, lse_bits, kl, lse_idx, part, *weights.stride(),
         dims.H, dims.HK, dims.HI, dims.HKI, dims.NQ, dims.NK, dims.scale * 1.4426950408889634, log2_heads, per_split,
         GROUP=dims.H // dims.HK, GROUP_I=dims.HI // dims.HKI, D_PAD=d_pad, DI_PAD=di_pad, BLOCK_T=bt, BLOCK_N=bn,
-        CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, SPLIT=splits > 1, KV_ONCE=pl["variant"] == "gqa",
-        num_warps=pl["warps"], num_stages=pl["stages"])
+        CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, SPLIT=splits > 1, KV_ONCE=kv_once,
+        num_warps=pl["warps"], num_stages=pl["stages"], **extra)
     if splits > 1:
         merged_kl, merged_lse = _merge_splits(part)
         kl.copy_(merged_kl)
@@ -80,17 +100,12 @@ def launch(dims, pl, q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, causal,
 
 
 @triton.jit
-def _head_exp(s, lse_shift, toks, keys, N_Q, N_K, qk_scale,
-              MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+def _head_exp(s, lse_shift, qk_scale):
     """``exp2(s * sigma log2(e) - lse_shift)`` of one head's [BLOCK_T, BLOCK_N] scores: that
-    head's share ``P_h / H`` of the target (the FFMA is the only op before exp2 on whole tiles)."""
-    x = s * qk_scale - lse_shift[:, None]
-    if MASKED:  # ragged last tile / causal diagonal: invisible entries are exactly 0
-        visible = (keys < N_K)[None, :] & (toks >= 0)[:, None]
-        if CAUSAL:  # bottom-right causal: key s visible to token t iff s <= t + (N_K - N_Q)
-            visible = visible & (keys[None, :] <= toks[:, None] + (N_K - N_Q))
-        x = tl.where(visible, x, float("-inf"))
-    return tl.exp2(x)
+    head's share ``P_h / H`` of the target (one FFMA before exp2). Unmasked: entries a row does
+    not see (causal future, keys past N_K) may hold anything, even inf or NaN; the online update
+    selects the visible entries of ``p`` (``tl.where``, never a product), so they never count."""
+    return tl.exp2(s * qk_scale - lse_shift[:, None])
 
 
 @triton.jit
@@ -130,7 +145,7 @@ def _gqa_key_range(
                     shift_next = _lse_shift(LSE_T, (b64 * H + tl.minimum(h + 1, H - 1)) * N_Q, toks, tok_ok, log2_heads)
                     qt = Q_DESC.load([b, h, t0, 0]).reshape(BLOCK_T, D_PAD)
                     s = _dot(qt, tl.trans(kt), IEEE_T)
-                    p += _head_exp(s, shift, toks, keys, N_Q, N_K, qk_scale, MASKED, CAUSAL)
+                    p += _head_exp(s, shift, qk_scale)
                     shift = shift_next
         else:  # one K tile load per teacher head (from L2 after the group's first head), one flat loop
             for h in range(0, H):
@@ -138,7 +153,7 @@ def _gqa_key_range(
                 kt = K_DESC.load([b, h // GROUP, s0, 0]).reshape(BLOCK_N, D_PAD)
                 qt = Q_DESC.load([b, h, t0, 0]).reshape(BLOCK_T, D_PAD)
                 s = _dot(qt, tl.trans(kt), IEEE_T)
-                p += _head_exp(s, shift, toks, keys, N_Q, N_K, qk_scale, MASKED, CAUSAL)
+                p += _head_exp(s, shift, qk_scale)
                 shift = shift_next
         # the student's logits I = sum_j w_j relu(q_idx_j . k_idx) (unmasked: selected below);
         # one k_idx tile load per indexer key head (usually one), its heads in an inner loop; the

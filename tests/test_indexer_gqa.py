@@ -22,7 +22,7 @@ CASES = [
     ((1, 8, 2, 21, 21, 32, 4, 1, 16), True, True, 2, "gqa-flat"),   # one flat head loop (K per head), two key splits
     ((2, 6, 3, 13, 29, 24, 4, 2, 12), True, False, 1, "gqa"),     # N_K > N_Q, D/D_I padded, 2 indexer key heads, no lse
     ((1, 6, 2, 17, 9, 16, 2, 1, 16), True, True, 1, "gqa-flat"),    # N_Q > N_K: early rows see no key (KL 0)
-    ((1, 4, 2, 19, 23, 16, 4, 1, 16), False, True, 3, "gqa"),     # non-causal, ragged last tile, 3 splits
+    ((1, 4, 2, 19, 23, 16, 4, 1, 16), False, True, 3, "gqa-r168"),  # non-causal, ragged tile, 3 splits (cap: GPU only)
 ]
 
 
@@ -108,3 +108,13 @@ def test_gqa_kernel_applies_only_where_it_can():
     assert not _indexer_fwd_gqa.applies(dict(pl, variant="tiles"), dims, True)
     wide = check_indexer_inputs(*make(1, 8, 2, 8, 8, 192, 4, 1, 16))
     assert not _indexer_fwd_gqa.applies(_indexer._plan(wide, (16, 16, 16, 32, 1, 1, 1, 1, "gqa"), "fwd"), wide, True)
+
+
+def test_variant_names():
+    """``gqa[-flat][-rNNN]``: the loop and the register cap; other variants are not this kernel's."""
+    assert _indexer_fwd_gqa.parse_variant("gqa") == (True, None)
+    assert _indexer_fwd_gqa.parse_variant("gqa-flat") == (False, None)
+    assert _indexer_fwd_gqa.parse_variant("gqa-r168") == (True, 168)
+    assert _indexer_fwd_gqa.parse_variant("gqa-flat-r128") == (False, 128)
+    for other in ("tiles", "l1", None, "gqa-x", "gqa-r", "flat"):
+        assert _indexer_fwd_gqa.parse_variant(other) is None, other
