@@ -55,7 +55,8 @@ DEFAULT = (64, 64, 64, 64, 4, 3, 1, 5)  # the general kernel's measured best (r5
 # key tile: BLOCK_N FLOP per q byte; K per group: 4 x BLOCK_T): default 64x64 ~10.8 GB (4.6 TB/s
 # at its 2.34 ms, r5c: likely L2-bound), "gqa" 64x64 ~6.5 GB, 64x128 ~3.8 GB, 64x32 ~12 GB.
 # Offline sm_90 (triton 3.9, bench/idx_gqa_aot.py): registers, shared memory -> CTAs per SM.
-# "gqa": K once per key head, "gqa-flat": K per head, "-rNNN": ptxas register cap.
+# "gqa": K once per key head, "gqa-flat": K per head, "gqa-pp": flat, products one head ahead,
+# "-rNNN": ptxas register cap.
 GQA_CONFIGS = [
     (64, 64, 128, 64, 8, 2, 1, 5, "gqa"),       # 226 regs, 66 KB -> 1 CTA (8 warps)/SM
     (64, 64, 128, 64, 4, 2, 1, 5, "gqa"),       # 255 regs + 40 B spills, 66 KB -> 2 CTAs/SM
@@ -67,7 +68,8 @@ GQA_CONFIGS = [
     (64, 64, 32, 64, 4, 3, 1, 5, "gqa"),        # 123 regs, 58 KB -> 3 CTAs/SM (more L2 traffic)
     (64, 64, 32, 64, 4, 2, 1, 8, "gqa"),        # 114 regs, 41 KB -> 4 CTAs/SM
     (64, 64, 64, 64, 4, 3, 1, 5, "gqa-flat"),   # 193 regs, 98 KB -> 2 CTAs/SM
-    (64, 64, 128, 64, 8, 2, 1, 5, "gqa-flat"),
+    (64, 64, 128, 64, 8, 2, 1, 5, "gqa-flat"),  # 213 regs, 98 KB
+    (64, 64, 64, 64, 4, 3, 1, 5, "gqa-pp"),     # 209 regs, 98 KB
 ]
 CHECK_N = 320  # strides divisible by 16: the check problem compiles the 8K kernels
 

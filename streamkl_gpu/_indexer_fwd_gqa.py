@@ -4,7 +4,9 @@ GQA-like target, <= 3.0x the matmul floor).
 Chosen by the 9th config field (``_indexer._plan``'s variant): ``"gqa"`` (each key head's K tile
 loaded once per key step, then its group's heads in an inner loop: a quarter of the K reads of
 ``_indexer_fwd`` at groups of 4), ``"gqa-flat"`` (one flat loop over the teacher heads, the K
-tile loaded per head as ``_indexer_fwd`` does: one longer pipelined loop). The student's k_idx
+tile loaded per head as ``_indexer_fwd`` does: one longer pipelined loop), ``"gqa-pp"`` (the flat
+loop with head h + 1's product written before head h's exponentials; triton 3.9 still waits for
+each product at once, offline, so only ptxas's scheduling can overlap them). The student's k_idx
 tile is loaded once per key step and indexer key head in both. A suffix ``-rNNN`` caps ptxas at
 NNN registers (``maxnreg``: more CTAs per SM, at the price of spills). Everything else is
 ``_indexer_fwd._indexer_fwd_kernel``'s math, with the same five-scalar student state
@@ -40,11 +42,11 @@ from . import _checks, _runtime
 from ._fwd import _dot, _key_stages
 from ._indexer_fwd import _finish, _online_update
 
-LOOPS = ("gqa", "gqa-flat")
+LOOPS = ("gqa-flat", "gqa", "gqa-pp")  # LOOP = 0, 1, 2
 
 
 def parse_variant(variant):
-    """``(K once per key head, register cap or None)`` of a variant ``"gqa[-flat][-rNNN]"`` (e.g.
+    """``(LOOP, register cap or None)`` of a variant ``"gqa[-flat|-pp][-rNNN]"`` (e.g.
     ``"gqa-r168"``: ptxas capped at 168 registers, so three 4-warp CTAs fit an SM), or None when
     it is not one of this kernel's."""
     if not isinstance(variant, str):
@@ -56,7 +58,7 @@ def parse_variant(variant):
     loop = "-".join(parts)
     if loop not in LOOPS:
         return None
-    return loop == "gqa", cap
+    return LOOPS.index(loop), cap
 MAX_BOX_DIM = 128  # one TMA box per head and tile (D_PAD, DI_PAD)
 
 
@@ -84,14 +86,14 @@ def launch(dims, pl, q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, causal,
     grid = (triton.cdiv(dims.NQ, bt), splits, dims.B)
     # the head mean 1/H as a shift of the exponent (bits): exp2(x - log2 H) = exp2(x) / H
     log2_heads = math.log2(dims.H)
-    kv_once, cap = parse_variant(pl["variant"])
+    loop, cap = parse_variant(pl["variant"])
     extra = {} if (cap is None or _runtime.interpreting()) else {"maxnreg": cap}
     _indexer_fwd_gqa_kernel[grid](
         desc(q, bt, d_pad), desc(k, bn, d_pad), desc(q_idx, bt, di_pad), desc(k_idx, bn, di_pad),
         weights, lse_bits, kl, lse_idx, part, *weights.stride(),
         dims.H, dims.HK, dims.HI, dims.HKI, dims.NQ, dims.NK, dims.scale * 1.4426950408889634, log2_heads, per_split,
         GROUP=dims.H // dims.HK, GROUP_I=dims.HI // dims.HKI, D_PAD=d_pad, DI_PAD=di_pad, BLOCK_T=bt, BLOCK_N=bn,
-        CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, SPLIT=splits > 1, KV_ONCE=kv_once,
+        CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, SPLIT=splits > 1, LOOP=loop,
         num_warps=pl["warps"], num_stages=pl["stages"], **extra)
     if splits > 1:
         merged_kl, merged_lse = _merge_splits(part)
@@ -123,7 +125,7 @@ def _gqa_key_range(
     b, t0, lo, hi, H, HK, HI, HKI, N_Q, N_K, qk_scale, log2_heads,
     GROUP: tl.constexpr, GROUP_I: tl.constexpr, D_PAD: tl.constexpr, DI_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    RELU: tl.constexpr, IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, KV_ONCE: tl.constexpr,
+    RELU: tl.constexpr, IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, LOOP: tl.constexpr,
 ):
     toks = t0 + tl.arange(0, BLOCK_T)
     tok_ok = toks < N_Q
@@ -137,7 +139,7 @@ def _gqa_key_range(
         # loads itself again).
         p = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
         shift = _lse_shift(LSE_T, b64 * H * N_Q, toks, tok_ok, log2_heads)
-        if KV_ONCE:  # one K tile load per key head, then its group's heads (an inner pipelined loop)
+        if LOOP == 1:  # "gqa": one K tile load per key head, then its group's heads (an inner pipelined loop)
             for kv in range(0, HK):
                 kt = K_DESC.load([b, kv, s0, 0]).reshape(BLOCK_N, D_PAD)
                 for g in range(0, GROUP):
@@ -147,7 +149,20 @@ def _gqa_key_range(
                     s = _dot(qt, tl.trans(kt), IEEE_T)
                     p += _head_exp(s, shift, qk_scale)
                     shift = shift_next
-        else:  # one K tile load per teacher head (from L2 after the group's first head), one flat loop
+        elif LOOP == 2:  # "gqa-pp": head h + 1's product issued before head h's exponentials
+            kt = K_DESC.load([b, 0, s0, 0]).reshape(BLOCK_N, D_PAD)
+            qt = Q_DESC.load([b, 0, t0, 0]).reshape(BLOCK_T, D_PAD)
+            s_prev = _dot(qt, tl.trans(kt), IEEE_T)
+            for h in range(1, H):
+                shift_next = _lse_shift(LSE_T, (b64 * H + h) * N_Q, toks, tok_ok, log2_heads)
+                kt = K_DESC.load([b, h // GROUP, s0, 0]).reshape(BLOCK_N, D_PAD)
+                qt = Q_DESC.load([b, h, t0, 0]).reshape(BLOCK_T, D_PAD)
+                s_cur = _dot(qt, tl.trans(kt), IEEE_T)
+                p += _head_exp(s_prev, shift, qk_scale)
+                shift = shift_next
+                s_prev = s_cur
+            p += _head_exp(s_prev, shift, qk_scale)
+        else:  # "gqa-flat": one K tile load per teacher head (from L2 after the group's first head), one flat loop
             for h in range(0, H):
                 shift_next = _lse_shift(LSE_T, (b64 * H + tl.minimum(h + 1, H - 1)) * N_Q, toks, tok_ok, log2_heads)
                 kt = K_DESC.load([b, h // GROUP, s0, 0]).reshape(BLOCK_N, D_PAD)
@@ -189,7 +204,7 @@ def _indexer_fwd_gqa_kernel(
     H, HK, HI, HKI, N_Q, N_K, qk_scale, log2_heads, keys_per_split,
     GROUP: tl.constexpr, GROUP_I: tl.constexpr, D_PAD: tl.constexpr, DI_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
-    IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, SPLIT: tl.constexpr, KV_ONCE: tl.constexpr,
+    IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, SPLIT: tl.constexpr, LOOP: tl.constexpr,
 ):
     """KL [B, N_Q] and LSE_I [B, N_Q] (nats) from the teacher LSEs (bits), as
     ``_indexer_fwd._indexer_fwd_kernel`` (grid (token blocks, key splits, B); SPLIT: the
@@ -212,11 +227,11 @@ def _indexer_fwd_gqa_kernel(
     m, l, mass, acc, plogp = _gqa_key_range(
         m, l, mass, acc, plogp, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, stride_wb, stride_wh, stride_wn,
         b, t0, key_lo, full_hi, H, HK, HI, HKI, N_Q, N_K, qk_scale, log2_heads,
-        GROUP, GROUP_I, D_PAD, DI_PAD, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, KV_ONCE)
+        GROUP, GROUP_I, D_PAD, DI_PAD, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, LOOP)
     m, l, mass, acc, plogp = _gqa_key_range(
         m, l, mass, acc, plogp, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, stride_wb, stride_wh, stride_wn,
         b, t0, full_hi, key_hi, H, HK, HI, HKI, N_Q, N_K, qk_scale, log2_heads,
-        GROUP, GROUP_I, D_PAD, DI_PAD, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, KV_ONCE)
+        GROUP, GROUP_I, D_PAD, DI_PAD, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, LOOP)
     ok = toks < N_Q
     out = b.to(tl.int64) * N_Q + toks
     if SPLIT:
