@@ -56,7 +56,9 @@ DEFAULT = (64, 64, 64, 64, 4, 3, 1, 5)  # the general kernel's measured best (r5
 # at its 2.34 ms, r5c: likely L2-bound), "gqa" 64x64 ~6.5 GB, 64x128 ~3.8 GB, 64x32 ~12 GB.
 # Offline sm_90 (triton 3.9, bench/idx_gqa_aot.py): registers, shared memory -> CTAs per SM.
 # "gqa": K once per key head, "gqa-flat": K per head, "gqa-pp": flat, products one head ahead,
-# "-rNNN": ptxas register cap.
+# "-rNNN": ptxas register cap, "-tm": the token-major grid (default: key splits of a token block
+# adjacent, causal-heaviest blocks first: fewer token blocks' q rows in L2 at once; the ncu of the
+# old 128x128 config, s5r2, showed a 61 % L2 hit rate and 0.6 TB/s of DRAM reads for ~100 MB of inputs).
 GQA_CONFIGS = [
     (64, 64, 128, 64, 8, 2, 1, 5, "gqa"),       # 226 regs, 66 KB -> 1 CTA (8 warps)/SM
     (64, 64, 128, 64, 4, 2, 1, 5, "gqa"),       # 255 regs + 40 B spills, 66 KB -> 2 CTAs/SM
@@ -70,6 +72,8 @@ GQA_CONFIGS = [
     (64, 64, 64, 64, 4, 3, 1, 5, "gqa-flat"),   # 193 regs, 98 KB -> 2 CTAs/SM
     (64, 64, 128, 64, 8, 2, 1, 5, "gqa-flat"),  # 213 regs, 98 KB
     (64, 64, 64, 64, 4, 3, 1, 5, "gqa-pp"),     # 209 regs, 98 KB
+    (64, 64, 128, 64, 8, 2, 1, 5, "gqa-tm"),    # the token-major grid of the general kernel (vs split-major)
+    (64, 64, 64, 64, 4, 3, 1, 5, "gqa-tm"),
 ]
 CHECK_N = 320  # strides divisible by 16: the check problem compiles the 8K kernels
 

@@ -46,19 +46,28 @@ LOOPS = ("gqa-flat", "gqa", "gqa-pp")  # LOOP = 0, 1, 2
 
 
 def parse_variant(variant):
-    """``(LOOP, register cap or None)`` of a variant ``"gqa[-flat|-pp][-rNNN]"`` (e.g.
-    ``"gqa-r168"``: ptxas capped at 168 registers, so three 4-warp CTAs fit an SM), or None when
-    it is not one of this kernel's."""
+    """``(LOOP, register cap or None, split-major grid)`` of a variant
+    ``"gqa[-flat|-pp][-tm][-rNNN]"``, or None when it is not one of this kernel's. ``-rNNN``:
+    ptxas capped at NNN registers (``"gqa-r168"``: three 4-warp CTAs per SM). ``-tm``: the
+    general kernel's token-major grid (token blocks fastest); without it the key splits of a
+    token block are neighbours in the grid (and the heaviest, causal-last, blocks come first),
+    so the CTAs resident at once share few token blocks' q rows in L2."""
     if not isinstance(variant, str):
         return None
     parts = variant.split("-")
     cap = None
     if len(parts) > 1 and parts[-1].startswith("r") and parts[-1][1:].isdigit():
         cap = int(parts.pop()[1:])
+    split_major = True
+    if len(parts) > 1 and parts[-1] == "tm":
+        split_major = False
+        parts.pop()
     loop = "-".join(parts)
     if loop not in LOOPS:
         return None
-    return LOOPS.index(loop), cap
+    return LOOPS.index(loop), cap, split_major
+
+
 MAX_BOX_DIM = 128  # one TMA box per head and tile (D_PAD, DI_PAD)
 
 
@@ -83,17 +92,19 @@ def launch(dims, pl, q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, causal,
 
     splits, per_split = _key_splits(dims, pl)
     part = _fresh((5, splits, dims.B, dims.NQ), torch.float32, q.device) if splits > 1 else kl
-    grid = (triton.cdiv(dims.NQ, bt), splits, dims.B)
+    loop, cap, split_major = parse_variant(pl["variant"])
+    n_t = triton.cdiv(dims.NQ, bt)
+    grid = (splits, n_t, dims.B) if split_major else (n_t, splits, dims.B)
     # the head mean 1/H as a shift of the exponent (bits): exp2(x - log2 H) = exp2(x) / H
     log2_heads = math.log2(dims.H)
-    loop, cap = parse_variant(pl["variant"])
     extra = {} if (cap is None or _runtime.interpreting()) else {"maxnreg": cap}
     _indexer_fwd_gqa_kernel[grid](
         desc(q, bt, d_pad), desc(k, bn, d_pad), desc(q_idx, bt, di_pad), desc(k_idx, bn, di_pad),
         weights, lse_bits, kl, lse_idx, part, *weights.stride(),
-        dims.H, dims.HK, dims.HI, dims.HKI, dims.NQ, dims.NK, dims.scale * 1.4426950408889634, log2_heads, per_split,
+        dims.H, dims.HK, dims.HI, dims.HKI, dims.NQ, dims.NK, dims.scale * 1.4426950408889634, log2_heads, per_split, splits,
         GROUP=dims.H // dims.HK, GROUP_I=dims.HI // dims.HKI, D_PAD=d_pad, DI_PAD=di_pad, BLOCK_T=bt, BLOCK_N=bn,
         CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, SPLIT=splits > 1, LOOP=loop,
+        SPLIT_MAJOR=split_major,
         num_warps=pl["warps"], num_stages=pl["stages"], **extra)
     if splits > 1:
         merged_kl, merged_lse = _merge_splits(part)
@@ -201,16 +212,22 @@ def _gqa_key_range(
 def _indexer_fwd_gqa_kernel(
     Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, KL, LSE_I, PART,
     stride_wb, stride_wh, stride_wn,
-    H, HK, HI, HKI, N_Q, N_K, qk_scale, log2_heads, keys_per_split,
+    H, HK, HI, HKI, N_Q, N_K, qk_scale, log2_heads, keys_per_split, n_splits,
     GROUP: tl.constexpr, GROUP_I: tl.constexpr, D_PAD: tl.constexpr, DI_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
     IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, SPLIT: tl.constexpr, LOOP: tl.constexpr,
+    SPLIT_MAJOR: tl.constexpr,
 ):
     """KL [B, N_Q] and LSE_I [B, N_Q] (nats) from the teacher LSEs (bits), as
-    ``_indexer_fwd._indexer_fwd_kernel`` (grid (token blocks, key splits, B); SPLIT: the
-    five-scalar states into ``PART [5, splits, B, N_Q]``, merged on the host)."""
-    pid_t = tl.program_id(0)
-    split = tl.program_id(1)
+    ``_indexer_fwd._indexer_fwd_kernel`` (grid (token blocks, key splits, B), SPLIT_MAJOR: (key
+    splits, token blocks, B) with the last token blocks first; SPLIT: the five-scalar states into
+    ``PART [5, n_splits, B, N_Q]``, merged on the host)."""
+    if SPLIT_MAJOR:
+        split = tl.program_id(0)
+        pid_t = tl.num_programs(1) - 1 - tl.program_id(1)  # causal: the longest key ranges first
+    else:
+        pid_t = tl.program_id(0)
+        split = tl.program_id(1)
     b = tl.program_id(2)
     t0 = pid_t * BLOCK_T
     toks = t0 + tl.arange(0, BLOCK_T)
@@ -235,7 +252,7 @@ def _indexer_fwd_gqa_kernel(
     ok = toks < N_Q
     out = b.to(tl.int64) * N_Q + toks
     if SPLIT:
-        plane = tl.num_programs(1).to(tl.int64) * tl.num_programs(2) * N_Q
+        plane = tl.num_programs(2).to(tl.int64) * n_splits * N_Q
         at = PART + split.to(tl.int64) * tl.num_programs(2) * N_Q + out
         tl.store(at, m, mask=ok)
         tl.store(at + plane, l, mask=ok)

@@ -20,7 +20,8 @@ from test_gpu_indexer import check_case, make
 CASES = [
     ((1, 8, 2, 21, 21, 32, 4, 1, 16), True, True, 1, "gqa"),      # square causal, the anchor's shape family
     ((1, 8, 2, 21, 21, 32, 4, 1, 16), True, True, 2, "gqa-flat"),   # one flat head loop (K per head), two key splits
-    ((2, 6, 3, 13, 29, 24, 4, 2, 12), True, False, 1, "gqa"),     # N_K > N_Q, D/D_I padded, 2 indexer key heads, no lse
+    ((2, 8, 2, 35, 35, 32, 4, 1, 16), True, True, 3, "gqa-tm"),     # the token-major grid, B = 2, 3 splits
+    ((2, 6, 3, 13, 29, 24, 4, 2, 12), True, False, 2, "gqa"),     # N_K > N_Q, D/D_I padded, 2 indexer key heads, B = 2 split, no lse
     ((1, 6, 2, 17, 9, 16, 2, 1, 16), True, True, 1, "gqa-pp"),      # N_Q > N_K: early rows see no key (KL 0)
     ((1, 4, 2, 19, 23, 16, 4, 1, 16), False, True, 3, "gqa-r168"),  # non-causal, ragged tile, 3 splits (cap: GPU only)
 ]
@@ -67,11 +68,11 @@ def test_gqa_kernel_equals_general_kernel(monkeypatch, tma):
     folded FFMA and head mean change only the last bits); gradients (the backward reads LSE_I)."""
     xs = make(1, 8, 2, 24, 24, 16, 4, 1, 16, seed=11)
     out = {}
-    for variant in ("tiles", "gqa", "gqa-flat", "gqa-pp"):
+    for variant in ("tiles", "gqa", "gqa-flat", "gqa-pp", "gqa-tm"):
         _config(monkeypatch, 16, 2, variant)
         kl, lse_idx, _ = _indexer._forward(*xs, None, True, 0.3, True)
         out[variant] = (kl, lse_idx)
-    for variant in ("gqa", "gqa-flat", "gqa-pp"):
+    for variant in ("gqa", "gqa-flat", "gqa-pp", "gqa-tm"):
         assert torch.allclose(out[variant][0], out["tiles"][0], rtol=1e-4, atol=1e-6), variant
         assert torch.allclose(out[variant][1], out["tiles"][1], rtol=1e-5, atol=1e-5), variant
     _config(monkeypatch, 16, 2, "gqa")
@@ -111,11 +112,14 @@ def test_gqa_kernel_applies_only_where_it_can():
 
 
 def test_variant_names():
-    """``gqa[-flat][-rNNN]``: the loop and the register cap; other variants are not this kernel's."""
-    assert _indexer_fwd_gqa.parse_variant("gqa") == (1, None)
-    assert _indexer_fwd_gqa.parse_variant("gqa-flat") == (0, None)
-    assert _indexer_fwd_gqa.parse_variant("gqa-pp") == (2, None)
-    assert _indexer_fwd_gqa.parse_variant("gqa-r168") == (1, 168)
-    assert _indexer_fwd_gqa.parse_variant("gqa-flat-r128") == (0, 128)
-    for other in ("tiles", "l1", None, "gqa-x", "gqa-r", "flat"):
-        assert _indexer_fwd_gqa.parse_variant(other) is None, other
+    """``gqa[-flat|-pp][-tm][-rNNN]``: the loop, the grid order, the register cap; other variants
+    are not this kernel's."""
+    parse = _indexer_fwd_gqa.parse_variant
+    assert parse("gqa") == (1, None, True)
+    assert parse("gqa-flat") == (0, None, True)
+    assert parse("gqa-pp") == (2, None, True)
+    assert parse("gqa-r168") == (1, 168, True)
+    assert parse("gqa-tm") == (1, None, False)
+    assert parse("gqa-flat-tm-r128") == (0, 128, False)
+    for other in ("tiles", "l1", None, "gqa-x", "gqa-r", "flat", "gqa-r168-tm", "tm"):
+        assert parse(other) is None, other
