@@ -153,7 +153,7 @@ def _gqa_key_range(
         if LOOP == 1:  # "gqa": one K tile load per key head, then its group's heads (an inner pipelined loop)
             for kv in range(0, HK):
                 kt = K_DESC.load([b, kv, s0, 0]).reshape(BLOCK_N, D_PAD)
-                for g in range(0, GROUP):
+                for g in range(0, H // HK):  # (a runtime count: not unrolled, fewer registers)
                     h = kv * GROUP + g
                     shift_next = _lse_shift(LSE_T, (b64 * H + tl.minimum(h + 1, H - 1)) * N_Q, toks, tok_ok, log2_heads)
                     qt = Q_DESC.load([b, h, t0, 0]).reshape(BLOCK_T, D_PAD)
@@ -189,7 +189,7 @@ def _gqa_key_range(
         w = tl.load(w_row, mask=tok_ok, other=0.0).to(tl.float32)
         for kvi in range(0, HKI):
             kit = KI_DESC.load([b, kvi, s0, 0]).reshape(BLOCK_N, DI_PAD)
-            for jj in range(0, GROUP_I):
+            for jj in range(0, HI // HKI):
                 j = kvi * GROUP_I + jj
                 w_next = tl.load(w_row + tl.minimum(j + 1, HI - 1) * stride_wh, mask=tok_ok, other=0.0).to(tl.float32)
                 qit = QI_DESC.load([b, j, t0, 0]).reshape(BLOCK_T, DI_PAD)
