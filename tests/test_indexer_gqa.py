@@ -123,3 +123,26 @@ def test_variant_names():
     assert parse("gqa-flat-tm-r128") == (0, 128, False)
     for other in ("tiles", "l1", None, "gqa-x", "gqa-r", "flat", "gqa-r168-tm", "tm"):
         assert parse(other) is None, other
+
+
+def test_merge_kernel_equals_host_merge():
+    """merge_states (one launch) against _indexer._merge_splits: random states, a split that saw
+    no key (m = -inf, l = 0), a row no split saw (KL 0, LSE_I -inf), a NaN state (NaN row)."""
+    gen = torch.Generator().manual_seed(3)
+    splits, B, N = 3, 2, 37
+    part = torch.empty(5, splits, B, N)
+    part[0] = 4 * torch.randn(splits, B, N, generator=gen)            # m
+    part[1] = torch.rand(splits, B, N, generator=gen) * 5 + 1          # l >= 1 (the max's own exp)
+    part[2] = torch.rand(splits, B, N, generator=gen) / splits         # mass
+    part[3] = torch.randn(splits, B, N, generator=gen)                 # acc
+    part[4] = -torch.rand(splits, B, N, generator=gen)                 # plogp
+    part[:, 1, 0, 5] = torch.tensor([float("-inf"), 0.0, 0.0, 0.0, 0.0])   # split 1 saw no key of row 5
+    part[:, :, 1, 7] = torch.tensor([float("-inf"), 0.0, 0.0, 0.0, 0.0])[:, None]  # nobody saw row (1, 7)
+    part[0, 2, 1, 9] = float("nan")
+    kl_ref, lse_ref = _indexer._merge_splits(part)
+    kl, lse = torch.full((B, N), 7.0), torch.full((B, N), 7.0)
+    _indexer_fwd_gqa.merge_states(part.contiguous(), kl, lse)
+    assert torch.allclose(kl, kl_ref, rtol=1e-5, atol=1e-6, equal_nan=True)
+    assert torch.allclose(lse, lse_ref, rtol=1e-6, atol=1e-6, equal_nan=True)
+    assert kl[1, 7] == 0 and lse[1, 7] == float("-inf")
+    assert torch.isnan(kl[1, 9]) and torch.isfinite(kl[0]).all()
