@@ -89,6 +89,7 @@ def main():
         from idx_gqa_gpu import GQA_CONFIGS  # the configs the GPU script times
         cfgs = GQA_CONFIGS
     _indexer_fwd_gqa._indexer_fwd_gqa_kernel = Rec(_indexer_fwd_gqa._indexer_fwd_gqa_kernel)
+    _indexer_fwd_gqa.MERGE_KERNEL = False  # (the host merge of CPU tensors: no launch)
     N = int(os.environ.get("N", "8192"))
     H, HK, D, HI, HKI, DI = 32, 8, 128, 16, 1, 64
     bf = torch.bfloat16

@@ -56,25 +56,26 @@ DEFAULT = (64, 64, 64, 64, 4, 3, 1, 5)  # the general kernel's measured best (r5
 # at its 2.34 ms, r5c: likely L2-bound), "gqa" 64x64 ~6.5 GB, 64x128 ~3.8 GB, 64x32 ~12 GB.
 # Offline sm_90 (triton 3.9, bench/idx_gqa_aot.py): registers, shared memory -> CTAs per SM.
 # "gqa": K once per key head, "gqa-flat": K per head, "gqa-pp": flat, products one head ahead,
-# "-rNNN": ptxas register cap, "-tm": the token-major grid (default: key splits of a token block
+# "-band": the masked tiles in a second launch (-40 registers in the main one), "-rNNN": ptxas
+# register cap, "-tm": the token-major grid (default: key splits of a token block
 # adjacent, causal-heaviest blocks first: fewer token blocks' q rows in L2 at once; the ncu of the
 # old 128x128 config, s5r2, showed a 61 % L2 hit rate and 0.6 TB/s of DRAM reads for ~100 MB of inputs).
 GQA_CONFIGS = [
-    (64, 64, 128, 64, 8, 2, 1, 5, "gqa"),       # 203 regs, 66 KB -> 1 CTA (8 warps)/SM
-    (64, 64, 128, 64, 8, 2, 1, 10, "gqa"),      # 10 splits: fewer token blocks resident at once (split-major)
-    (64, 64, 128, 64, 8, 2, 1, 5, "gqa-r128"),  # capped: 128 regs + 56 B spills -> 2 CTAs (16 warps)/SM
-    (64, 64, 128, 64, 4, 2, 1, 5, "gqa"),       # 255 regs + 40 B spills, 66 KB -> 2 CTAs/SM
-    (128, 128, 128, 64, 8, 2, 1, 9, "gqa"),     # 255 regs + 40 B spills, 99 KB -> 1 CTA/SM
-    (64, 64, 64, 64, 4, 3, 1, 5, "gqa"),        # the default's tiles: 207 regs, 66 KB -> 2 CTAs/SM
-    (64, 64, 64, 64, 4, 3, 1, 5, "gqa-r168"),   # capped: 168 regs + 56 B spills -> 3 CTAs/SM
-    (64, 64, 64, 64, 4, 3, 1, 10, "gqa"),       # 10 splits
-    (128, 128, 64, 64, 8, 2, 1, 9, "gqa"),      # 202 regs, 82 KB -> 1 CTA/SM
-    (64, 64, 32, 64, 4, 3, 1, 5, "gqa"),        # 110 regs, 58 KB -> 3 CTAs/SM (more L2 traffic)
-    (64, 64, 32, 64, 4, 2, 1, 8, "gqa"),        # 116 regs, 41 KB -> 4 CTAs/SM
-    (64, 64, 64, 64, 4, 3, 1, 5, "gqa-flat"),   # 191 regs, 98 KB -> 2 CTAs/SM
-    (64, 64, 128, 64, 8, 2, 1, 5, "gqa-flat"),  # 192 regs, 98 KB
-    (64, 64, 64, 64, 4, 3, 1, 5, "gqa-pp"),     # 217 regs, 98 KB
-    (64, 64, 128, 64, 8, 2, 1, 5, "gqa-tm"),    # the token-major grid of the general kernel (vs split-major)
+    (64, 64, 128, 64, 4, 2, 1, 5, "gqa-band"),      # 248 regs, no spills, 66 KB -> 2 CTAs/SM
+    (64, 64, 64, 64, 4, 3, 1, 5, "gqa-band"),       # 157 regs, 66 KB -> 3 CTAs/SM
+    (64, 64, 128, 64, 8, 2, 1, 5, "gqa-band-r128"),  # capped: 128 regs + 24 B spills -> 2 CTAs (16 warps)/SM
+    (64, 64, 128, 64, 8, 2, 1, 5, "gqa"),           # 203 regs, 66 KB -> 1 CTA (8 warps)/SM
+    (64, 64, 128, 64, 8, 2, 1, 10, "gqa"),          # 10 splits: fewer token blocks resident at once
+    (64, 64, 128, 64, 4, 2, 1, 5, "gqa"),           # 255 regs + 40 B spills -> 2 CTAs/SM
+    (128, 128, 128, 64, 8, 2, 1, 9, "gqa-band"),    # 248 regs, 99 KB -> 1 CTA/SM
+    (64, 64, 64, 64, 4, 3, 1, 5, "gqa"),            # the default's tiles: 207 regs, 66 KB -> 2 CTAs/SM
+    (64, 64, 64, 64, 4, 3, 1, 5, "gqa-r168"),       # capped: 168 regs + 56 B spills -> 3 CTAs/SM
+    (64, 64, 64, 64, 4, 3, 1, 10, "gqa"),           # 10 splits
+    (64, 64, 64, 64, 4, 2, 1, 8, "gqa-band"),       # 156 regs, 49 KB -> 3 CTAs/SM
+    (64, 64, 32, 64, 4, 3, 1, 5, "gqa"),            # 110 regs, 58 KB -> 3 CTAs/SM (more L2 traffic)
+    (64, 64, 64, 64, 4, 3, 1, 5, "gqa-flat"),       # 191 regs, 98 KB -> 2 CTAs/SM
+    (64, 64, 64, 64, 4, 3, 1, 5, "gqa-pp"),         # 217 regs, 98 KB
+    (64, 64, 128, 64, 8, 2, 1, 5, "gqa-tm"),        # the token-major grid of the general kernel (vs split-major)
     (64, 64, 64, 64, 4, 3, 1, 5, "gqa-tm"),
 ]
 CHECK_N = 320  # strides divisible by 16: the check problem compiles the 8K kernels

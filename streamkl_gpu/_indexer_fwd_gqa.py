@@ -33,6 +33,7 @@ general kernel elsewhere (``applies``). Head dims up to 128 (one box per head an
 from __future__ import annotations
 
 import math
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -45,27 +46,39 @@ from ._indexer_fwd import _finish, _online_update
 LOOPS = ("gqa-flat", "gqa", "gqa-pp")  # LOOP = 0, 1, 2
 
 
-def parse_variant(variant):
-    """``(LOOP, register cap or None, split-major grid)`` of a variant
-    ``"gqa[-flat|-pp][-tm][-rNNN]"``, or None when it is not one of this kernel's. ``-rNNN``:
-    ptxas capped at NNN registers (``"gqa-r168"``: three 4-warp CTAs per SM). ``-tm``: the
-    general kernel's token-major grid (token blocks fastest); without it the key splits of a
-    token block are neighbours in the grid (and the heaviest, causal-last, blocks come first),
-    so the CTAs resident at once share few token blocks' q rows in L2."""
+class Variant(NamedTuple):
+    loop: int  # LOOP: 0 "gqa-flat", 1 "gqa", 2 "gqa-pp"
+    cap: Optional[int]  # ptxas register cap (maxnreg) or None
+    split_major: bool  # grid (key splits, token blocks, B) with the last token blocks first
+    band: bool  # the masked tiles (causal diagonal band, ragged last tile) in a second launch
+
+
+FLAGS = ("tm", "band")
+
+
+def parse_variant(variant) -> Optional[Variant]:
+    """The :class:`Variant` of ``"gqa[-flat|-pp][-tm][-band][-rNNN]"``, or None when it is not
+    one of this kernel's. ``-rNNN``: ptxas capped at NNN registers (``"gqa-r168"``: three 4-warp
+    CTAs per SM). ``-tm``: the general kernel's token-major grid (token blocks fastest); without
+    it the key splits of a token block are neighbours in the grid (and the heaviest, causal-last,
+    blocks come first), so the CTAs resident at once share few token blocks' q rows in L2.
+    ``-band``: the main launch walks whole tiles only and a second, small launch (its own
+    register allocation) the masked band, its state one more split for the merge: the masked
+    stage's selects cost ~40 registers (offline, 64x64: 208 with it, 165 without)."""
     if not isinstance(variant, str):
         return None
     parts = variant.split("-")
     cap = None
     if len(parts) > 1 and parts[-1].startswith("r") and parts[-1][1:].isdigit():
         cap = int(parts.pop()[1:])
-    split_major = True
-    if len(parts) > 1 and parts[-1] == "tm":
-        split_major = False
-        parts.pop()
+    flags = set()
+    for flag in reversed(FLAGS):  # in FLAGS' order, each at most once
+        if len(parts) > 1 and parts[-1] == flag:
+            flags.add(parts.pop())
     loop = "-".join(parts)
     if loop not in LOOPS:
         return None
-    return LOOPS.index(loop), cap, split_major
+    return Variant(LOOPS.index(loop), cap, "tm" not in flags, "band" in flags)
 
 
 MAX_BOX_DIM = 128  # one TMA box per head and tile (D_PAD, DI_PAD)
@@ -91,22 +104,27 @@ def launch(dims, pl, q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, causal,
         return TD(t, list(t.shape), list(t.stride()), [1, 1, rows, width])
 
     splits, per_split = _key_splits(dims, pl)
-    part = _fresh((5, splits, dims.B, dims.NQ), torch.float32, q.device) if splits > 1 else kl
-    loop, cap, split_major = parse_variant(pl["variant"])
+    var = parse_variant(pl["variant"])
+    slots = splits + 1 if var.band else splits  # -band: the band's state is one more "split"
+    part = _fresh((5, slots, dims.B, dims.NQ), torch.float32, q.device) if slots > 1 else kl
     n_t = triton.cdiv(dims.NQ, bt)
-    grid = (splits, n_t, dims.B) if split_major else (n_t, splits, dims.B)
     # the head mean 1/H as a shift of the exponent (bits): exp2(x - log2 H) = exp2(x) / H
     log2_heads = math.log2(dims.H)
-    extra = {} if (cap is None or _runtime.interpreting()) else {"maxnreg": cap}
-    _indexer_fwd_gqa_kernel[grid](
-        desc(q, bt, d_pad), desc(k, bn, d_pad), desc(q_idx, bt, di_pad), desc(k_idx, bn, di_pad),
-        weights, lse_bits, kl, lse_idx, part, *weights.stride(),
-        dims.H, dims.HK, dims.HI, dims.HKI, dims.NQ, dims.NK, dims.scale * 1.4426950408889634, log2_heads, per_split, splits,
-        GROUP=dims.H // dims.HK, GROUP_I=dims.HI // dims.HKI, D_PAD=d_pad, DI_PAD=di_pad, BLOCK_T=bt, BLOCK_N=bn,
-        CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, SPLIT=splits > 1, LOOP=loop,
-        SPLIT_MAJOR=split_major,
-        num_warps=pl["warps"], num_stages=pl["stages"], **extra)
-    if splits > 1:
+    extra = {} if (var.cap is None or _runtime.interpreting()) else {"maxnreg": var.cap}
+    args = (desc(q, bt, d_pad), desc(k, bn, d_pad), desc(q_idx, bt, di_pad), desc(k_idx, bn, di_pad),
+            weights, lse_bits, kl, lse_idx, part, *weights.stride(),
+            dims.H, dims.HK, dims.HI, dims.HKI, dims.NQ, dims.NK, dims.scale * 1.4426950408889634, log2_heads)
+    meta = dict(GROUP=dims.H // dims.HK, GROUP_I=dims.HI // dims.HKI, D_PAD=d_pad, DI_PAD=di_pad, BLOCK_T=bt,
+                BLOCK_N=bn, CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, SPLIT=slots > 1, LOOP=var.loop,
+                num_warps=pl["warps"], num_stages=pl["stages"])
+    grid = (splits, n_t, dims.B) if var.split_major else (n_t, splits, dims.B)
+    # STAGES 0: whole tiles then the masked band; 1: whole tiles only (the band launched below)
+    _indexer_fwd_gqa_kernel[grid](*args, per_split, 0, slots, **meta, SPLIT_MAJOR=var.split_major,
+                                  STAGES=1 if var.band else 0, **extra)
+    if var.band:  # one program per token block: its masked band only, into slot ``splits``
+        _indexer_fwd_gqa_kernel[(1, n_t, dims.B)](*args, dims.NK, splits, slots, **meta, SPLIT_MAJOR=True,
+                                                  STAGES=2)
+    if slots > 1:
         if MERGE_KERNEL:
             merge_states(part, kl, lse_idx)
         else:
@@ -229,11 +247,11 @@ def _gqa_key_range(
 def _indexer_fwd_gqa_kernel(
     Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, KL, LSE_I, PART,
     stride_wb, stride_wh, stride_wn,
-    H, HK, HI, HKI, N_Q, N_K, qk_scale, log2_heads, keys_per_split, n_splits,
+    H, HK, HI, HKI, N_Q, N_K, qk_scale, log2_heads, keys_per_split, slot0, n_slots,
     GROUP: tl.constexpr, GROUP_I: tl.constexpr, D_PAD: tl.constexpr, DI_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
     IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, SPLIT: tl.constexpr, LOOP: tl.constexpr,
-    SPLIT_MAJOR: tl.constexpr,
+    SPLIT_MAJOR: tl.constexpr, STAGES: tl.constexpr,
 ):
     """KL [B, N_Q] and LSE_I [B, N_Q] (nats) from the teacher LSEs (bits), as
     ``_indexer_fwd._indexer_fwd_kernel`` (grid (token blocks, key splits, B), SPLIT_MAJOR: (key
@@ -258,19 +276,21 @@ def _indexer_fwd_gqa_kernel(
     full_hi, key_hi = _key_stages(t0, key_lo, tl.minimum(key_lo + keys_per_split, N_K), N_Q, N_K,
                                   BLOCK_T, BLOCK_N, CAUSAL)
     key_hi = tl.maximum(key_hi, key_lo)  # a split past the causal frontier walks nothing
-    m, l, mass, acc, plogp = _gqa_key_range(
-        m, l, mass, acc, plogp, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, stride_wb, stride_wh, stride_wn,
-        b, t0, key_lo, full_hi, H, HK, HI, HKI, N_Q, N_K, qk_scale, log2_heads,
-        GROUP, GROUP_I, D_PAD, DI_PAD, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, LOOP)
-    m, l, mass, acc, plogp = _gqa_key_range(
-        m, l, mass, acc, plogp, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, stride_wb, stride_wh, stride_wn,
-        b, t0, full_hi, key_hi, H, HK, HI, HKI, N_Q, N_K, qk_scale, log2_heads,
-        GROUP, GROUP_I, D_PAD, DI_PAD, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, LOOP)
+    if STAGES != 2:
+        m, l, mass, acc, plogp = _gqa_key_range(
+            m, l, mass, acc, plogp, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, stride_wb, stride_wh, stride_wn,
+            b, t0, key_lo, full_hi, H, HK, HI, HKI, N_Q, N_K, qk_scale, log2_heads,
+            GROUP, GROUP_I, D_PAD, DI_PAD, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, LOOP)
+    if STAGES != 1:
+        m, l, mass, acc, plogp = _gqa_key_range(
+            m, l, mass, acc, plogp, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, stride_wb, stride_wh, stride_wn,
+            b, t0, full_hi, key_hi, H, HK, HI, HKI, N_Q, N_K, qk_scale, log2_heads,
+            GROUP, GROUP_I, D_PAD, DI_PAD, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, LOOP)
     ok = toks < N_Q
     out = b.to(tl.int64) * N_Q + toks
     if SPLIT:
-        plane = tl.num_programs(2).to(tl.int64) * n_splits * N_Q
-        at = PART + split.to(tl.int64) * tl.num_programs(2) * N_Q + out
+        plane = tl.num_programs(2).to(tl.int64) * n_slots * N_Q
+        at = PART + (slot0 + split).to(tl.int64) * tl.num_programs(2) * N_Q + out
         tl.store(at, m, mask=ok)
         tl.store(at + plane, l, mask=ok)
         tl.store(at + 2 * plane, mass, mask=ok)

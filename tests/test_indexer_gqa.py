@@ -24,6 +24,9 @@ CASES = [
     ((2, 6, 3, 13, 29, 24, 4, 2, 12), True, False, 2, "gqa"),     # N_K > N_Q, D/D_I padded, 2 indexer key heads, B = 2 split, no lse
     ((1, 6, 2, 17, 9, 16, 2, 1, 16), True, True, 1, "gqa-pp"),      # N_Q > N_K: early rows see no key (KL 0)
     ((1, 4, 2, 19, 23, 16, 4, 1, 16), False, True, 3, "gqa-r168"),  # non-causal, ragged tile, 3 splits (cap: GPU only)
+    ((1, 8, 2, 37, 37, 32, 4, 1, 16), True, True, 2, "gqa-band"),   # the masked band in its own launch, 2 splits
+    ((2, 6, 2, 17, 29, 16, 2, 1, 16), True, False, 1, "gqa-band"),  # N_K > N_Q, one split + the band, no lse
+    ((1, 4, 2, 19, 21, 16, 4, 1, 16), False, True, 1, "gqa-flat-tm-band"),  # non-causal: the band = the ragged tile
 ]
 
 
@@ -68,11 +71,11 @@ def test_gqa_kernel_equals_general_kernel(monkeypatch, tma):
     folded FFMA and head mean change only the last bits); gradients (the backward reads LSE_I)."""
     xs = make(1, 8, 2, 24, 24, 16, 4, 1, 16, seed=11)
     out = {}
-    for variant in ("tiles", "gqa", "gqa-flat", "gqa-pp", "gqa-tm"):
+    for variant in ("tiles", "gqa", "gqa-flat", "gqa-pp", "gqa-tm", "gqa-band"):
         _config(monkeypatch, 16, 2, variant)
         kl, lse_idx, _ = _indexer._forward(*xs, None, True, 0.3, True)
         out[variant] = (kl, lse_idx)
-    for variant in ("gqa", "gqa-flat", "gqa-pp", "gqa-tm"):
+    for variant in ("gqa", "gqa-flat", "gqa-pp", "gqa-tm", "gqa-band"):
         assert torch.allclose(out[variant][0], out["tiles"][0], rtol=1e-4, atol=1e-6), variant
         assert torch.allclose(out[variant][1], out["tiles"][1], rtol=1e-5, atol=1e-5), variant
     _config(monkeypatch, 16, 2, "gqa")
@@ -80,10 +83,11 @@ def test_gqa_kernel_equals_general_kernel(monkeypatch, tma):
 
 
 @pytest.mark.parametrize("tma", [True], indirect=True)
-def test_gqa_kernel_nan_isolation(monkeypatch, tma):
+@pytest.mark.parametrize("variant", ["gqa", "gqa-band"])
+def test_gqa_kernel_nan_isolation(monkeypatch, tma, variant):
     """A NaN in teacher key 17 reaches exactly the rows that see it (square causal: 17..); a NaN
     lse row stays NaN, its neighbours do not."""
-    _config(monkeypatch, 16, 1, "gqa")
+    _config(monkeypatch, 16, 1, variant)
     xs = make(1, 4, 2, 24, 24, 16, 2, 1, 16, seed=12)
     good = _indexer._forward(*xs, None, True, 0.3, True)[0]
     bad = [x.clone() for x in xs]
@@ -112,16 +116,17 @@ def test_gqa_kernel_applies_only_where_it_can():
 
 
 def test_variant_names():
-    """``gqa[-flat|-pp][-tm][-rNNN]``: the loop, the grid order, the register cap; other variants
-    are not this kernel's."""
+    """``gqa[-flat|-pp][-tm][-band][-rNNN]``: the loop, the grid order, the band launch, the
+    register cap; other variants are not this kernel's."""
     parse = _indexer_fwd_gqa.parse_variant
-    assert parse("gqa") == (1, None, True)
-    assert parse("gqa-flat") == (0, None, True)
-    assert parse("gqa-pp") == (2, None, True)
-    assert parse("gqa-r168") == (1, 168, True)
-    assert parse("gqa-tm") == (1, None, False)
-    assert parse("gqa-flat-tm-r128") == (0, 128, False)
-    for other in ("tiles", "l1", None, "gqa-x", "gqa-r", "flat", "gqa-r168-tm", "tm"):
+    assert parse("gqa") == (1, None, True, False)
+    assert parse("gqa-flat") == (0, None, True, False)
+    assert parse("gqa-pp") == (2, None, True, False)
+    assert parse("gqa-r168") == (1, 168, True, False)
+    assert parse("gqa-tm") == (1, None, False, False)
+    assert parse("gqa-band") == (1, None, True, True)
+    assert parse("gqa-flat-tm-band-r128") == (0, 128, False, True)
+    for other in ("tiles", "l1", None, "gqa-x", "gqa-r", "flat", "gqa-r168-tm", "tm", "gqa-band-tm", "gqa-band-band"):
         assert parse(other) is None, other
 
 
