@@ -29,6 +29,7 @@ import triton
 from streamkl_ref._checks import check_indexer_inputs
 
 from . import _indexer_bwd, _indexer_fwd, _indexer_pacc
+from . import _indexer_fwd_gqa  # the GQA teacher's forward (s6-idxgqa)
 from . import _checks, _runtime, _tuning
 
 try:  # the Hopper forward in Gluon (MQA teachers); triton builds without Gluon keep the Triton path
@@ -387,6 +388,9 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
 
     def launch(cfg):
         pl = _plan(dims, cfg, "fwd")
+        if _indexer_fwd_gqa.applies(pl, dims, use_tma):  # the GQA kernel (variant "gqa"/"gqa-kv", s6-idxgqa)
+            return _indexer_fwd_gqa.launch(dims, pl, q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, causal,
+                                           relu, ieee_t, ieee_i)
         splits, per_split = _key_splits(dims, pl)
         part = _fresh((5, splits, dims.B, dims.NQ), torch.float32, device) if splits > 1 else kl
         grid = (triton.cdiv(dims.NQ, pl["BLOCK_T"]), splits, dims.B)

@@ -1,0 +1,153 @@
+"""The GQA teacher's forward kernel (``_indexer_fwd_gqa``, config variants "gqa", "gqa-flat", "gqa-pp")
+under the interpreter: against the float64 reference (streamkl_ref.indexer_kl), against the
+general kernel, its key splits, masks, NaN isolation, and that it really is the kernel launched.
+
+Tiny shapes (programs run one after another on CPU); TMA descriptors (the kernel's only load
+path) through the ``tma`` fixture. Configs are ``(rows, irows, BLOCK_N, BLOCK_D, warps, stages,
+hb_max, key_splits, variant)``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from streamkl_gpu import _indexer, _indexer_fwd_gqa
+from streamkl_ref._checks import check_indexer_inputs
+
+from test_gpu_indexer import check_case, make
+
+# (B, H, H_K, N_Q, N_K, D, H_I, H_KI, D_I), causal, lse given, key splits, variant
+CASES = [
+    ((1, 8, 2, 21, 21, 32, 4, 1, 16), True, True, 1, "gqa"),      # square causal, the anchor's shape family
+    ((1, 8, 2, 21, 21, 32, 4, 1, 16), True, True, 2, "gqa-flat"),   # one flat head loop (K per head), two key splits
+    ((2, 8, 2, 35, 35, 32, 4, 1, 16), True, True, 3, "gqa-tm"),     # the token-major grid, B = 2, 3 splits
+    ((2, 6, 3, 13, 29, 24, 4, 2, 12), True, False, 2, "gqa"),     # N_K > N_Q, D/D_I padded, 2 indexer key heads, B = 2 split, no lse
+    ((1, 6, 2, 17, 9, 16, 2, 1, 16), True, True, 1, "gqa-pp"),      # N_Q > N_K: early rows see no key (KL 0)
+    ((1, 4, 2, 19, 23, 16, 4, 1, 16), False, True, 3, "gqa-r168"),  # non-causal, ragged tile, 3 splits (cap: GPU only)
+    ((1, 8, 2, 37, 37, 32, 4, 1, 16), True, True, 2, "gqa-band"),   # the masked band in its own launch, 2 splits
+    ((2, 6, 2, 17, 29, 16, 2, 1, 16), True, False, 1, "gqa-band"),  # N_K > N_Q, one split + the band, no lse
+    ((1, 4, 2, 19, 21, 16, 4, 1, 16), False, True, 1, "gqa-flat-tm-band"),  # non-causal: the band = the ragged tile
+]
+
+
+def _config(monkeypatch, block_n, splits, variant):
+    monkeypatch.setattr(_indexer, "INTERPRETER_CONFIG", (16, 16, block_n, 32, 1, 1, 1, splits, variant))
+
+
+def _launched(monkeypatch):
+    """Count the GQA kernel's launches (the general kernel must not run instead)."""
+    calls = []
+    real = _indexer_fwd_gqa.launch
+
+    def spy(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+    monkeypatch.setattr(_indexer_fwd_gqa, "launch", spy)
+    return calls
+
+
+@pytest.mark.parametrize("tma", [True], indirect=True)
+@pytest.mark.parametrize("shape,causal,with_lse,splits,variant", CASES)
+def test_gqa_kernel_matches_reference(monkeypatch, poison, tma, shape, causal, with_lse, splits, variant):
+    _config(monkeypatch, 16, splits, variant)
+    calls = _launched(monkeypatch)
+    xs = make(*shape, seed=sum(shape) + splits)
+    check_case(xs, with_lse=with_lse, causal=causal, grad=False)
+    assert calls, "the GQA kernel did not run"
+
+
+@pytest.mark.parametrize("tma", [True], indirect=True)
+def test_gqa_kernel_fp16_relu_off(monkeypatch, poison, tma):
+    _config(monkeypatch, 16, 1, "gqa")
+    calls = _launched(monkeypatch)
+    xs = make(1, 8, 4, 18, 18, 32, 4, 1, 16, dtype=torch.float16, seed=5)
+    check_case(xs, with_lse=True, causal=True, grad=False, relu=False)
+    assert calls
+
+
+@pytest.mark.parametrize("tma", [True], indirect=True)
+def test_gqa_kernel_equals_general_kernel(monkeypatch, tma):
+    """The same plan through both kernels: KL and the saved LSE_I agree to fp32 rounding (the
+    folded FFMA and head mean change only the last bits); gradients (the backward reads LSE_I)."""
+    xs = make(1, 8, 2, 24, 24, 16, 4, 1, 16, seed=11)
+    out = {}
+    for variant in ("tiles", "gqa", "gqa-flat", "gqa-pp", "gqa-tm", "gqa-band"):
+        _config(monkeypatch, 16, 2, variant)
+        kl, lse_idx, _ = _indexer._forward(*xs, None, True, 0.3, True)
+        out[variant] = (kl, lse_idx)
+    for variant in ("gqa", "gqa-flat", "gqa-pp", "gqa-tm", "gqa-band"):
+        assert torch.allclose(out[variant][0], out["tiles"][0], rtol=1e-4, atol=1e-6), variant
+        assert torch.allclose(out[variant][1], out["tiles"][1], rtol=1e-5, atol=1e-5), variant
+    _config(monkeypatch, 16, 2, "gqa")
+    check_case(xs, with_lse=True, causal=True, grad=True)
+
+
+@pytest.mark.parametrize("tma", [True], indirect=True)
+@pytest.mark.parametrize("variant", ["gqa", "gqa-band"])
+def test_gqa_kernel_nan_isolation(monkeypatch, tma, variant):
+    """A NaN in teacher key 17 reaches exactly the rows that see it (square causal: 17..); a NaN
+    lse row stays NaN, its neighbours do not."""
+    _config(monkeypatch, 16, 1, variant)
+    xs = make(1, 4, 2, 24, 24, 16, 2, 1, 16, seed=12)
+    good = _indexer._forward(*xs, None, True, 0.3, True)[0]
+    bad = [x.clone() for x in xs]
+    bad[1][0, 1, 17, 3] = float("nan")
+    kl_bad = _indexer._forward(*bad, None, True, 0.3, True)[0]
+    assert torch.isnan(kl_bad[0, 17:]).all()
+    assert torch.equal(kl_bad[0, :17], good[0, :17])
+    lse = _indexer._forward(*xs, None, True, 0.3, True)[2] / _indexer.LOG2E
+    lse[0, 2, 5] = float("nan")
+    kl_lse = _indexer._forward(*xs, lse, True, 0.3, True)[0]
+    assert torch.isnan(kl_lse[0, 5])
+    others = torch.arange(24) != 5
+    assert torch.allclose(kl_lse[0, others], good[0, others], rtol=1e-5, atol=1e-6)
+
+
+def test_gqa_kernel_applies_only_where_it_can():
+    """TMA loads and head dims <= 128 only; otherwise the general kernel runs the plan."""
+    xs = make(1, 8, 2, 8, 8, 32, 4, 1, 16)
+    dims = check_indexer_inputs(*xs)
+    pl = _indexer._plan(dims, (16, 16, 16, 32, 1, 1, 1, 1, "gqa"), "fwd")
+    assert _indexer_fwd_gqa.applies(pl, dims, True)
+    assert not _indexer_fwd_gqa.applies(pl, dims, False)
+    assert not _indexer_fwd_gqa.applies(dict(pl, variant="tiles"), dims, True)
+    wide = check_indexer_inputs(*make(1, 8, 2, 8, 8, 192, 4, 1, 16))
+    assert not _indexer_fwd_gqa.applies(_indexer._plan(wide, (16, 16, 16, 32, 1, 1, 1, 1, "gqa"), "fwd"), wide, True)
+
+
+def test_variant_names():
+    """``gqa[-flat|-pp][-tm][-band][-rNNN]``: the loop, the grid order, the band launch, the
+    register cap; other variants are not this kernel's."""
+    parse = _indexer_fwd_gqa.parse_variant
+    assert parse("gqa") == (1, None, True, False)
+    assert parse("gqa-flat") == (0, None, True, False)
+    assert parse("gqa-pp") == (2, None, True, False)
+    assert parse("gqa-r168") == (1, 168, True, False)
+    assert parse("gqa-tm") == (1, None, False, False)
+    assert parse("gqa-band") == (1, None, True, True)
+    assert parse("gqa-flat-tm-band-r128") == (0, 128, False, True)
+    for other in ("tiles", "l1", None, "gqa-x", "gqa-r", "flat", "gqa-r168-tm", "tm", "gqa-band-tm", "gqa-band-band"):
+        assert parse(other) is None, other
+
+
+def test_merge_kernel_equals_host_merge():
+    """merge_states (one launch) against _indexer._merge_splits: random states, a split that saw
+    no key (m = -inf, l = 0), a row no split saw (KL 0, LSE_I -inf), a NaN state (NaN row)."""
+    gen = torch.Generator().manual_seed(3)
+    splits, B, N = 3, 2, 37
+    part = torch.empty(5, splits, B, N)
+    part[0] = 4 * torch.randn(splits, B, N, generator=gen)            # m
+    part[1] = torch.rand(splits, B, N, generator=gen) * 5 + 1          # l >= 1 (the max's own exp)
+    part[2] = torch.rand(splits, B, N, generator=gen) / splits         # mass
+    part[3] = torch.randn(splits, B, N, generator=gen)                 # acc
+    part[4] = -torch.rand(splits, B, N, generator=gen)                 # plogp
+    part[:, 1, 0, 5] = torch.tensor([float("-inf"), 0.0, 0.0, 0.0, 0.0])   # split 1 saw no key of row 5
+    part[:, :, 1, 7] = torch.tensor([float("-inf"), 0.0, 0.0, 0.0, 0.0])[:, None]  # nobody saw row (1, 7)
+    part[0, 2, 1, 9] = float("nan")
+    kl_ref, lse_ref = _indexer._merge_splits(part)
+    kl, lse = torch.full((B, N), 7.0), torch.full((B, N), 7.0)
+    _indexer_fwd_gqa.merge_states(part.contiguous(), kl, lse)
+    assert torch.allclose(kl, kl_ref, rtol=1e-5, atol=1e-6, equal_nan=True)
+    assert torch.allclose(lse, lse_ref, rtol=1e-6, atol=1e-6, equal_nan=True)
+    assert kl[1, 7] == 0 and lse[1, 7] == float("-inf")
+    assert torch.isnan(kl[1, 9]) and torch.isfinite(kl[0]).all()
