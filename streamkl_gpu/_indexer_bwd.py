@@ -67,7 +67,7 @@ def _row_grad_coef(
     HB: tl.constexpr, IB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
     IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr, TEACHER: tl.constexpr,
-    L1_Q: tl.constexpr, L1_K: tl.constexpr,
+    L1_Q: tl.constexpr, L1_K: tl.constexpr, P_SAVED: tl.constexpr = False,
 ):
     """``(G, visible)`` of one [BLOCK_T, BLOCK_N] tile, broadcast to the indexer rows
     ``r = j * BLOCK_T + t`` ([GI_PAD * BLOCK_T, BLOCK_N]); G is 0 where not visible."""
@@ -80,6 +80,11 @@ def _row_grad_coef(
                             b, t0, s0, H, GROUP, N_Q, N_K, diag_offset, qk_scale, inv_heads,
                             n_chunks, chunks_per_group, D, BLOCK_D, HB, BLOCK_T, BLOCK_N,
                             MASKED, CAUSAL, IEEE_T, NO_CONTRACT, USE_TMA, L1_Q, L1_K)
+    elif P_SAVED:  # the target the forward stored ("store" design, _indexer_pacc): LSE_T is p [B, N_Q, N_K]
+        # read only where visible: the forward wrote the tiles its own blocks visited, no others
+        p_ok = _token_visible(toks, keys, N_Q, N_K, diag_offset, True, CAUSAL)
+        p_at = (b.to(tl.int64) * N_Q + toks.to(tl.int64))[:, None] * N_K + keys[None, :]
+        p = tl.load(LSE_T + p_at, mask=p_ok, other=0.0).to(tl.float32)
     else:  # the student's part only: the forward accumulated the -p part (_indexer_pacc)
         p = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     logits = _indexer_logits(QI, KI, QI_DESC, KI_DESC, W, stride_qib, stride_qih, stride_qin, stride_qid,
@@ -126,7 +131,7 @@ def _dq_key_range(
     HB: tl.constexpr, IB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
     IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr, TEACHER: tl.constexpr,
-    L1_Q: tl.constexpr,
+    L1_Q: tl.constexpr, P_SAVED: tl.constexpr = False,
 ):
     offs_d = tl.arange(0, DI_PAD)
     for s0 in range(lo, hi, BLOCK_N):
@@ -138,7 +143,7 @@ def _dq_key_range(
             stride_wb, stride_wh, stride_wn, b, t0, s0, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
             n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI,
             HB, IB, GI_PAD, BLOCK_T, BLOCK_N, MASKED, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, TEACHER,
-            L1_Q, False)
+            L1_Q, False, P_SAVED)
         if USE_TMA:  # the plan makes this box [1, 1, BLOCK_N, DI_PAD] (BLOCK_DI = DI_PAD)
             k_tile = KI_DESC.load([b, kvi, s0, 0]).reshape(BLOCK_N, DI_PAD)
         else:
@@ -166,6 +171,7 @@ def _indexer_bwd_dq_kernel(
     HB: tl.constexpr, IB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, RELU: tl.constexpr, IEEE_T: tl.constexpr, IEEE_I: tl.constexpr,
     NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr, TEACHER: tl.constexpr = True, L1: tl.constexpr = False,
+    P_SAVED: tl.constexpr = False,
 ):
     """dq_idx [B, H_I, N_Q, D_I] and dweights [B, H_I, N_Q] (fp32, contiguous) of the heads of
     indexer key head ``kvi`` for one token block."""
@@ -197,7 +203,7 @@ def _indexer_bwd_dq_kernel(
         stride_wb, stride_wh, stride_wn, b, t0, 0, full_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
         n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI, DI_PAD,
         HB, IB, GI_PAD, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, TEACHER,
-        L1)
+        L1, P_SAVED)
     dq, dw = _dq_key_range(
         dq, dw, q_rows, w_rows, ki_base, kvi, Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
         stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
@@ -205,7 +211,7 @@ def _indexer_bwd_dq_kernel(
         stride_wb, stride_wh, stride_wn, b, t0, full_hi, key_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale,
         inv_heads, n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI, DI_PAD,
         HB, IB, GI_PAD, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, TEACHER,
-        L1)
+        L1, P_SAVED)
     out_row = (b64 * H_I + j) * N_Q + tok
     tl.store(DQ + out_row[:, None] * DI + offs_d[None, :], dq, mask=row_ok[:, None] & (offs_d < DI)[None, :])
     tl.store(DW + out_row, dw, mask=row_ok)
@@ -224,7 +230,7 @@ def _dk_token_range(
     HB: tl.constexpr, IB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
     IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr,
-    FUSED_DQ: tl.constexpr, TEACHER: tl.constexpr, L1_K: tl.constexpr,
+    FUSED_DQ: tl.constexpr, TEACHER: tl.constexpr, L1_K: tl.constexpr, P_SAVED: tl.constexpr = False,
 ):
     ROWS: tl.constexpr = GI_PAD * BLOCK_T
     offs_d = tl.arange(0, DI_PAD)
@@ -244,7 +250,7 @@ def _dk_token_range(
             stride_wb, stride_wh, stride_wn, b, t0, s0, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
             n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI,
             HB, IB, GI_PAD, BLOCK_T, BLOCK_N, MASKED, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, TEACHER,
-            False, L1_K)
+            False, L1_K, P_SAVED)
         q_rows = _query_rows(QI, QI_DESC, b, j0, t0, j, tok, row_ok, stride_qib, stride_qih, stride_qin,
                              stride_qid, DI, DI_PAD, ROWS, USE_TMA)
         w_rows = tl.load(W + b64 * stride_wb + j.to(tl.int64) * stride_wh + tok.to(tl.int64) * stride_wn,
@@ -277,7 +283,7 @@ def _indexer_bwd_dk_kernel(
     HB: tl.constexpr, IB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, RELU: tl.constexpr, IEEE_T: tl.constexpr, IEEE_I: tl.constexpr,
     NO_CONTRACT: tl.constexpr, ATOMIC: tl.constexpr, USE_TMA: tl.constexpr, FUSED_DQ: tl.constexpr, TEACHER: tl.constexpr = True,
-    L1: tl.constexpr = False,
+    L1: tl.constexpr = False, P_SAVED: tl.constexpr = False,
 ):
     """dk_idx [B, H_KI, N_K, D_I] (fp32, contiguous) of one key tile: the sum over the token blocks
     that see it (those in this program's token split, program axis 2) and over the indexer heads
@@ -329,7 +335,7 @@ def _indexer_bwd_dk_kernel(
         stride_wb, stride_wh, stride_wn, b, mask_lo, mask_hi, H, GROUP, H_I, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
         n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI, DI_PAD,
         HB, IB, GI_PAD, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, FUSED_DQ, TEACHER,
-        L1)
+        L1, P_SAVED)
     dk = _dk_token_range(
         dk, k_tile, j, kvi * GROUP_I, j_in_group, s0, DQ, DW, Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
         stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
@@ -337,7 +343,7 @@ def _indexer_bwd_dk_kernel(
         stride_wb, stride_wh, stride_wn, b, full_lo, split_hi, H, GROUP, H_I, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
         n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI, DI_PAD,
         HB, IB, GI_PAD, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, FUSED_DQ, TEACHER,
-        L1)
+        L1, P_SAVED)
     out_row = (b64 * H_KI + kvi) * N_K + keys
     out_ok = (keys < N_K)[:, None] & (offs_d < DI)[None, :]
     if ATOMIC:
