@@ -79,8 +79,10 @@ BWD_VARIANTS = [
     ("base", "pacc", BASE_BWD),
     ("store", "pstore", BASE_BWD),
     ("store w4 s2", "pstore", (64, 64, 64, 64, 4, 2)),
-    ("store bn128 w8", "pstore", (128, 128, 128, 64, 8, 2)),
+    ("store w4 s3", "pstore", (64, 64, 64, 64, 4, 3)),
+    ("store logits again", "pstore", BASE_BWD + (None, 1, "again")),  # BWD_LOGITS_FROM_A off: as session 5
     ("store w8 s3", "pstore", (128, 128, 64, 64, 8, 3)),
+    ("w4 s2", "pacc", (64, 64, 64, 64, 4, 2)),
 ]
 DESIGN_ENV = {"pacc": "0", "pstore": "1"}  # STREAMKL_INDEXER_PSTORE
 
@@ -119,12 +121,16 @@ class Force:
             want = self.want.get(kind)
             return [want] if want is not None and not (ieee or _runtime_interp()) else full[:1]
         _indexer._candidates = cands
+        bwd = self.want.get("bwd")
+        # "again" (a bench-only 9th field): the backward forms the logits again (as session 5)
+        _indexer.BWD_LOGITS_FROM_A = not (bwd is not None and len(bwd) > 8 and bwd[8] == "again")
         self.old_env = os.environ.get("STREAMKL_INDEXER_PSTORE")
         os.environ["STREAMKL_INDEXER_PSTORE"] = DESIGN_ENV[self.design]
         return self
 
     def __exit__(self, *exc):
         _indexer._candidates = _ORIG
+        _indexer.BWD_LOGITS_FROM_A = True
         if self.old_env is None:
             os.environ.pop("STREAMKL_INDEXER_PSTORE", None)
         else:

@@ -497,6 +497,12 @@ def bwd_mode() -> str:
     return mode
 
 
+# The backward kernels sum the student's logits from their own products a = q_idx k_idx^T where
+# one indexer key head makes a program's rows every indexer head (offline sm_90, triton 3.9, DSA
+# student kernels on 4 warps: no spills, against 72 / 120 B with the logits formed again).
+# False: formed again by _indexer_logits, as before session 6 (bench/idx_pacc_gpu.py times both).
+BWD_LOGITS_FROM_A = True
+
 # Tests set this: the dk kernel's token split (tokens per program) instead of the rule below.
 INTERPRETER_DK_SPLIT = None
 
@@ -560,7 +566,10 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
         return dict(D=dims.D, BLOCK_D=pl["BLOCK_D"], DI=dims.DI, BLOCK_DI=pl["BLOCK_DI"], DI_PAD=pl["DI_PAD"],
                     HB=pl["HB"], IB=pl["IB"], GI_PAD=pl["GI_PAD"], BLOCK_T=pl["BLOCK_T"], BLOCK_N=pl["BLOCK_N"],
                     CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, NO_CONTRACT=no_contract,
-                    USE_TMA=tma, TEACHER=teacher, L1=l1, P_SAVED=p_saved is not None, num_warps=pl["warps"],
+                    USE_TMA=tma, TEACHER=teacher, L1=l1, P_SAVED=p_saved is not None,
+                    # one indexer key head: a program's rows are every indexer head, so the logits
+                    # are summed from its own products (no second product per tile)
+                    LOGITS_FROM_A=BWD_LOGITS_FROM_A and pl["n_ichunks"] == 1, num_warps=pl["warps"],
                     num_stages=pl["stages"])
 
     def launch_dq(cfg):

@@ -62,15 +62,19 @@ def _row_grad_coef(
     stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
     stride_wb, stride_wh, stride_wn,
     b, t0, s0, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
-    n_chunks, chunks_per_group, n_ichunks, ichunks_per_group,
+    n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, a_rows, w_rows, row_ok,
     D: tl.constexpr, BLOCK_D: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr,
     HB: tl.constexpr, IB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
     IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr, TEACHER: tl.constexpr,
-    L1_Q: tl.constexpr, L1_K: tl.constexpr, P_SAVED: tl.constexpr = False,
+    L1_Q: tl.constexpr, L1_K: tl.constexpr, P_SAVED: tl.constexpr = False, LOGITS_FROM_A: tl.constexpr = False,
 ):
     """``(G, visible)`` of one [BLOCK_T, BLOCK_N] tile, broadcast to the indexer rows
-    ``r = j * BLOCK_T + t`` ([GI_PAD * BLOCK_T, BLOCK_N]); G is 0 where not visible."""
+    ``r = j * BLOCK_T + t`` ([GI_PAD * BLOCK_T, BLOCK_N]); G is 0 where not visible.
+
+    LOGITS_FROM_A (one indexer key head: the caller's rows are every indexer head): the logits
+    are summed from the caller's products ``a_rows`` (raw operands, [ROWS, BLOCK_N]), its
+    ``w_rows`` and ``row_ok``, not formed again by ``_indexer_logits`` (one product per tile fewer)."""
     diag_offset = N_K - N_Q
     toks = t0 + tl.arange(0, BLOCK_T)
     keys = s0 + tl.arange(0, BLOCK_N)
@@ -87,10 +91,18 @@ def _row_grad_coef(
         p = tl.load(LSE_T + p_at, mask=p_ok, other=0.0).to(tl.float32)
     else:  # the student's part only: the forward accumulated the -p part (_indexer_pacc)
         p = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
-    logits = _indexer_logits(QI, KI, QI_DESC, KI_DESC, W, stride_qib, stride_qih, stride_qin, stride_qid,
-                             stride_kib, stride_kih, stride_kin, stride_kid, stride_wb, stride_wh, stride_wn,
-                             b, t0, s0, GROUP_I, N_Q, N_K, n_ichunks, ichunks_per_group,
-                             DI, BLOCK_DI, IB, BLOCK_T, BLOCK_N, RELU, IEEE_I, USE_TMA)
+    if LOGITS_FROM_A:
+        if RELU:
+            act = tl.maximum(a_rows, 0.0, propagate_nan=tl.PropagateNan.ALL)  # relu(NaN) stays NaN
+        else:
+            act = a_rows
+        contrib = tl.where(row_ok[:, None], w_rows[:, None] * act, 0.0)
+        logits = tl.sum(tl.reshape(contrib, [GI_PAD, BLOCK_T, BLOCK_N]), axis=0)
+    else:
+        logits = _indexer_logits(QI, KI, QI_DESC, KI_DESC, W, stride_qib, stride_qih, stride_qin, stride_qid,
+                                 stride_kib, stride_kih, stride_kin, stride_kid, stride_wb, stride_wh, stride_wn,
+                                 b, t0, s0, GROUP_I, N_Q, N_K, n_ichunks, ichunks_per_group,
+                                 DI, BLOCK_DI, IB, BLOCK_T, BLOCK_N, RELU, IEEE_I, USE_TMA)
     tok_ok = toks < N_Q
     row = b.to(tl.int64) * N_Q + toks
     lse_i = tl.load(LSE_I + row, mask=tok_ok, other=float("-inf"))
@@ -120,7 +132,7 @@ def _coef_a(grad_rows, vis_rows, a, w, RELU: tl.constexpr):
 
 @triton.jit
 def _dq_key_range(
-    dq, dw, q_rows, w_rows, ki_base, kvi,
+    dq, dw, q_rows, w_rows, row_ok, ki_base, kvi,
     Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
     stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
@@ -131,27 +143,30 @@ def _dq_key_range(
     HB: tl.constexpr, IB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
     IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr, TEACHER: tl.constexpr,
-    L1_Q: tl.constexpr, P_SAVED: tl.constexpr = False,
+    L1_Q: tl.constexpr, P_SAVED: tl.constexpr = False, LOGITS_FROM_A: tl.constexpr = False,
 ):
     offs_d = tl.arange(0, DI_PAD)
     for s0 in range(lo, hi, BLOCK_N):
         keys = s0 + tl.arange(0, BLOCK_N)
-        grad_rows, vis_rows = _row_grad_coef(
-            Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
-            stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
-            stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
-            stride_wb, stride_wh, stride_wn, b, t0, s0, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
-            n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI,
-            HB, IB, GI_PAD, BLOCK_T, BLOCK_N, MASKED, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, TEACHER,
-            L1_Q, False, P_SAVED)
         if USE_TMA:  # the plan makes this box [1, 1, BLOCK_N, DI_PAD] (BLOCK_DI = DI_PAD)
             k_tile = KI_DESC.load([b, kvi, s0, 0]).reshape(BLOCK_N, DI_PAD)
         else:
             k_tile = tl.load(ki_base + keys.to(tl.int64)[:, None] * stride_kin + offs_d[None, :] * stride_kid,
                              mask=(keys < N_K)[:, None] & (offs_d < DI)[None, :], other=0.0)
+        if LOGITS_FROM_A:  # the raw key tile: a key that a row sees and that is NaN makes its logit NaN
+            a = _dot(q_rows, tl.trans(k_tile), IEEE_I)
         if MASKED:  # a non-finite key that a row cannot see must not reach it through A @ k
             k_tile = _finite_or_zero(k_tile)
-        a = _dot(q_rows, tl.trans(k_tile), IEEE_I)
+        if not LOGITS_FROM_A:
+            a = _dot(q_rows, tl.trans(k_tile), IEEE_I)
+        grad_rows, vis_rows = _row_grad_coef(
+            Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
+            stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+            stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
+            stride_wb, stride_wh, stride_wn, b, t0, s0, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
+            n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, a, w_rows, row_ok, D, BLOCK_D, DI, BLOCK_DI,
+            HB, IB, GI_PAD, BLOCK_T, BLOCK_N, MASKED, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, TEACHER,
+            L1_Q, False, P_SAVED, LOGITS_FROM_A)
         coef, dw_terms = _coef_a(grad_rows, vis_rows, a, w_rows, RELU)
         dw += tl.sum(dw_terms, 1)
         dq += _dot(coef.to(k_tile.dtype), k_tile, IEEE_I)
@@ -171,7 +186,7 @@ def _indexer_bwd_dq_kernel(
     HB: tl.constexpr, IB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, RELU: tl.constexpr, IEEE_T: tl.constexpr, IEEE_I: tl.constexpr,
     NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr, TEACHER: tl.constexpr = True, L1: tl.constexpr = False,
-    P_SAVED: tl.constexpr = False,
+    P_SAVED: tl.constexpr = False, LOGITS_FROM_A: tl.constexpr = False,
 ):
     """dq_idx [B, H_I, N_Q, D_I] and dweights [B, H_I, N_Q] (fp32, contiguous) of the heads of
     indexer key head ``kvi`` for one token block."""
@@ -197,21 +212,21 @@ def _indexer_bwd_dq_kernel(
     dw = tl.zeros([ROWS], tl.float32)
     full_hi, key_hi = _key_stages(t0, 0, N_K, N_Q, N_K, BLOCK_T, BLOCK_N, CAUSAL)
     dq, dw = _dq_key_range(
-        dq, dw, q_rows, w_rows, ki_base, kvi, Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
+        dq, dw, q_rows, w_rows, row_ok, ki_base, kvi, Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
         stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
         stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
         stride_wb, stride_wh, stride_wn, b, t0, 0, full_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
         n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI, DI_PAD,
         HB, IB, GI_PAD, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, TEACHER,
-        L1, P_SAVED)
+        L1, P_SAVED, LOGITS_FROM_A)
     dq, dw = _dq_key_range(
-        dq, dw, q_rows, w_rows, ki_base, kvi, Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
+        dq, dw, q_rows, w_rows, row_ok, ki_base, kvi, Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
         stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
         stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
         stride_wb, stride_wh, stride_wn, b, t0, full_hi, key_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale,
         inv_heads, n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI, DI_PAD,
         HB, IB, GI_PAD, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, TEACHER,
-        L1, P_SAVED)
+        L1, P_SAVED, LOGITS_FROM_A)
     out_row = (b64 * H_I + j) * N_Q + tok
     tl.store(DQ + out_row[:, None] * DI + offs_d[None, :], dq, mask=row_ok[:, None] & (offs_d < DI)[None, :])
     tl.store(DW + out_row, dw, mask=row_ok)
@@ -231,6 +246,7 @@ def _dk_token_range(
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
     IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr,
     FUSED_DQ: tl.constexpr, TEACHER: tl.constexpr, L1_K: tl.constexpr, P_SAVED: tl.constexpr = False,
+    LOGITS_FROM_A: tl.constexpr = False,
 ):
     ROWS: tl.constexpr = GI_PAD * BLOCK_T
     offs_d = tl.arange(0, DI_PAD)
@@ -243,21 +259,24 @@ def _dk_token_range(
     for t0 in range(lo, hi, BLOCK_T):
         tok = t0 + rows % BLOCK_T
         row_ok = (j_in_group < GROUP_I) & (tok < N_Q)
+        q_rows = _query_rows(QI, QI_DESC, b, j0, t0, j, tok, row_ok, stride_qib, stride_qih, stride_qin,
+                             stride_qid, DI, DI_PAD, ROWS, USE_TMA)
+        w_rows = tl.load(W + b64 * stride_wb + j.to(tl.int64) * stride_wh + tok.to(tl.int64) * stride_wn,
+                         mask=row_ok, other=0.0).to(tl.float32)
+        if LOGITS_FROM_A:  # the raw rows: a NaN query row makes its own logits NaN
+            a = _dot(q_rows, tl.trans(k_tile), IEEE_I)
+        if MASKED:  # a non-finite query row must not reach the keys it cannot see through A^T @ q
+            q_rows = _finite_or_zero(q_rows)
+        if not LOGITS_FROM_A:
+            a = _dot(q_rows, tl.trans(k_tile), IEEE_I)
         grad_rows, vis_rows = _row_grad_coef(
             Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
             stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
             stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
             stride_wb, stride_wh, stride_wn, b, t0, s0, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
-            n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI,
+            n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, a, w_rows, row_ok, D, BLOCK_D, DI, BLOCK_DI,
             HB, IB, GI_PAD, BLOCK_T, BLOCK_N, MASKED, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, TEACHER,
-            False, L1_K, P_SAVED)
-        q_rows = _query_rows(QI, QI_DESC, b, j0, t0, j, tok, row_ok, stride_qib, stride_qih, stride_qin,
-                             stride_qid, DI, DI_PAD, ROWS, USE_TMA)
-        w_rows = tl.load(W + b64 * stride_wb + j.to(tl.int64) * stride_wh + tok.to(tl.int64) * stride_wn,
-                         mask=row_ok, other=0.0).to(tl.float32)
-        if MASKED:  # a non-finite query row must not reach the keys it cannot see through A^T @ q
-            q_rows = _finite_or_zero(q_rows)
-        a = _dot(q_rows, tl.trans(k_tile), IEEE_I)
+            False, L1_K, P_SAVED, LOGITS_FROM_A)
         coef, dw_terms = _coef_a(grad_rows, vis_rows, a, w_rows, RELU)
         dk += _dot(tl.trans(coef.to(q_rows.dtype)), q_rows, IEEE_I)
         if FUSED_DQ:  # this tile's share of dq_idx and dweights: fp32 atomic adds (zeroed buffers)
@@ -283,7 +302,7 @@ def _indexer_bwd_dk_kernel(
     HB: tl.constexpr, IB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, RELU: tl.constexpr, IEEE_T: tl.constexpr, IEEE_I: tl.constexpr,
     NO_CONTRACT: tl.constexpr, ATOMIC: tl.constexpr, USE_TMA: tl.constexpr, FUSED_DQ: tl.constexpr, TEACHER: tl.constexpr = True,
-    L1: tl.constexpr = False, P_SAVED: tl.constexpr = False,
+    L1: tl.constexpr = False, P_SAVED: tl.constexpr = False, LOGITS_FROM_A: tl.constexpr = False,
 ):
     """dk_idx [B, H_KI, N_K, D_I] (fp32, contiguous) of one key tile: the sum over the token blocks
     that see it (those in this program's token split, program axis 2) and over the indexer heads
@@ -335,7 +354,7 @@ def _indexer_bwd_dk_kernel(
         stride_wb, stride_wh, stride_wn, b, mask_lo, mask_hi, H, GROUP, H_I, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
         n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI, DI_PAD,
         HB, IB, GI_PAD, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, FUSED_DQ, TEACHER,
-        L1, P_SAVED)
+        L1, P_SAVED, LOGITS_FROM_A)
     dk = _dk_token_range(
         dk, k_tile, j, kvi * GROUP_I, j_in_group, s0, DQ, DW, Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
         stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
@@ -343,7 +362,7 @@ def _indexer_bwd_dk_kernel(
         stride_wb, stride_wh, stride_wn, b, full_lo, split_hi, H, GROUP, H_I, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
         n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI, DI_PAD,
         HB, IB, GI_PAD, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, FUSED_DQ, TEACHER,
-        L1, P_SAVED)
+        L1, P_SAVED, LOGITS_FROM_A)
     out_row = (b64 * H_KI + kvi) * N_K + keys
     out_ok = (keys < N_K)[:, None] & (offs_d < DI)[None, :]
     if ATOMIC:
