@@ -78,9 +78,11 @@ FWD_VARIANTS = [
 BWD_VARIANTS = [
     ("base", "pacc", BASE_BWD),
     ("store", "pstore", BASE_BWD),
+    ("store dqk", "pstore", BASE_BWD + (None, 1, "dqk")),  # STREAMKL_INDEXER_BWD=dqk: one kernel
     ("store w4 s2", "pstore", (64, 64, 64, 64, 4, 2)),
     ("store w4 s3", "pstore", (64, 64, 64, 64, 4, 3)),
     ("store logits again", "pstore", BASE_BWD + (None, 1, "again")),  # BWD_LOGITS_FROM_A off: as session 5
+    ("store dqk w4", "pstore", (64, 64, 64, 64, 4, 2, None, 1, "dqk")),
     ("store w8 s3", "pstore", (128, 128, 64, 64, 8, 3)),
     ("w4 s2", "pacc", (64, 64, 64, 64, 4, 2)),
 ]
@@ -94,7 +96,7 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", help="CPU smoke (TRITON_INTERPRET=1)")
     p.add_argument("--n", type=int, default=None, help="tokens (default 8192; --tiny 32)")
     p.add_argument("--deadline", type=float, default=None, help="seconds (default 84 --quick, 400)")
-    p.add_argument("--warm-s", type=float, default=None, help="warm-up seconds at most (default 42 --quick)")
+    p.add_argument("--warm-s", type=float, default=None, help="warm-up seconds at most (default 50 --quick)")
     p.add_argument("--parallel", type=int, default=None)
     p.add_argument("--no-warm", action="store_true")
     p.add_argument("--job", default=None, help=argparse.SUPPRESS)
@@ -102,7 +104,7 @@ def parse_args(argv=None):
     if a.deadline is None:
         a.deadline = 84.0 if a.quick else 400.0
     if a.warm_s is None:
-        a.warm_s = 42.0 if a.quick else 150.0
+        a.warm_s = 50.0 if a.quick else 150.0
     if a.n is None:
         a.n = 32 if a.tiny else 8192
     return a
@@ -124,17 +126,20 @@ class Force:
         bwd = self.want.get("bwd")
         # "again" (a bench-only 9th field): the backward forms the logits again (as session 5)
         _indexer.BWD_LOGITS_FROM_A = not (bwd is not None and len(bwd) > 8 and bwd[8] == "again")
-        self.old_env = os.environ.get("STREAMKL_INDEXER_PSTORE")
+        self.old_env = {v: os.environ.get(v) for v in ("STREAMKL_INDEXER_PSTORE", "STREAMKL_INDEXER_BWD")}
         os.environ["STREAMKL_INDEXER_PSTORE"] = DESIGN_ENV[self.design]
+        # "dqk" (a bench-only 9th field): the one-kernel backward
+        os.environ["STREAMKL_INDEXER_BWD"] = "dqk" if bwd is not None and len(bwd) > 8 and bwd[8] == "dqk" else "separate"
         return self
 
     def __exit__(self, *exc):
         _indexer._candidates = _ORIG
         _indexer.BWD_LOGITS_FROM_A = True
-        if self.old_env is None:
-            os.environ.pop("STREAMKL_INDEXER_PSTORE", None)
-        else:
-            os.environ["STREAMKL_INDEXER_PSTORE"] = self.old_env
+        for var, val in self.old_env.items():
+            if val is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = val
 
 
 def forced(design, fwd_cfg=None, bwd_cfg=None):

@@ -16,7 +16,10 @@ fake implementations make the function traceable by ``torch.compile(fullgraph=Tr
 The accumulating design (``STREAMKL_INDEXER_PACC``, default ``auto``: on for an MQA teacher;
 ``"sum"``/``"mean"`` with ``lse`` given, one indexer key head, a gradient wanted): ``_indexer_pacc``'s forward also sums the target's share of
 the gradient, and the backward runs the indexer alone: the teacher is read once per training
-step (custom ops ``streamkl::indexer_loss_fwd`` / ``streamkl::indexer_loss_bwd``).
+step (custom ops ``streamkl::indexer_loss_fwd`` / ``streamkl::indexer_loss_bwd``). The "store"
+design (``STREAMKL_INDEXER_PSTORE``, in the same cases): the plain forward's tile also writes the
+target p ``[B, N_Q, N_K]`` and the backward's teacher-free kernels read it back (custom ops
+``streamkl::indexer_loss_pstore_fwd`` / ``streamkl::indexer_loss_pstore_bwd``).
 """
 from __future__ import annotations
 
@@ -483,14 +486,17 @@ def _forward_gluon(dims, q, k, q_idx, k_idx, weights, lse_bits, causal, relu, ke
 # Backward
 # ----------------------------------------------------------------------------------------------
 
-BWD_MODES = ("separate", "fused")
+BWD_MODES = ("separate", "fused", "dqk")
 
 
 def bwd_mode() -> str:
     """The backward's kernels: ``STREAMKL_INDEXER_BWD`` = ``separate`` (default: a dq/dweights
-    kernel and a dk kernel, each recomputing the teacher; no atomics but dk's token splits) or
+    kernel and a dk kernel, each recomputing the teacher; no atomics but dk's token splits),
     ``fused`` (the dk kernel alone, dq/dweights by fp32 atomics: the teacher read once per
-    backward). Which is faster is not yet measured; bench/indexer_gpu.py times both."""
+    backward) or ``dqk`` (the dq kernel alone, each key tile's dk share added by one TMA bulk
+    reduction on Hopper, fp32 atomics elsewhere: one pass, three indexer products per tile).
+    Which is faster is not yet measured; bench/indexer_gpu.py times separate and fused,
+    bench/idx_pacc_gpu.py separate and dqk (teacher-free)."""
     mode = os.environ.get("STREAMKL_INDEXER_BWD", "separate")
     if mode not in BWD_MODES:
         raise ValueError(f"STREAMKL_INDEXER_BWD must be one of {BWD_MODES}, got {mode!r}")
@@ -553,7 +559,9 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
     common = (q, k, q_idx, k_idx, weights, lse_bits, lse_idx, g)
     strides = _strides(q) + _strides(k) + _strides(q_idx) + _strides(k_idx) + _strides(weights)
     mode = bwd_mode()
-    fused = mode == "fused"
+    fused, dqk = mode == "fused", mode == "dqk"
+    if dqk:
+        dk_idx = torch.zeros((dims.B, dims.HKI, dims.NK, dims.DI), dtype=torch.float32, device=device)
     if fused:  # dq_idx / dweights by atomics from the dk kernel
         dq_idx = torch.zeros((dims.B, dims.HI, dims.NQ, dims.DI), dtype=torch.float32, device=device)
         dweights = torch.zeros((dims.B, dims.HI, dims.NQ), dtype=torch.float32, device=device)
@@ -576,10 +584,17 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
         pl = _plan(dims, cfg, plan_kind)
         grid = (triton.cdiv(dims.NQ, pl["BLOCK_T"]), dims.B * dims.HKI)
         tma, l1 = _load_mode(pl, use_tma)
+        dk_share, dk_desc = 0, None
+        if dqk:  # dk_idx's shares from this kernel: zeroed; one bulk TMA reduction per tile on Hopper
+            dk_idx.zero_()
+            dk_share = 2 if tma and not _runtime.interpreting() else 1
+            if dk_share == 2:
+                dk_desc = _runtime.TensorDescriptor(dk_idx, list(dk_idx.shape), list(dk_idx.stride()),
+                                                    [1, 1, pl["BLOCK_N"], pl["DI_PAD"]])
         _indexer_bwd._indexer_bwd_dq_kernel[grid](
-            *common, dq_idx, dweights, *_descriptors(pl, tma, q, k, q_idx, k_idx), *strides,
+            *common, dq_idx, dweights, *_descriptors(pl, tma, q, k, q_idx, k_idx), dk_idx, dk_desc, *strides,
             dims.H, group, dims.HI, dims.HKI, group_i, dims.NQ, dims.NK, qk_scale, 1.0 / dims.H,
-            pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"], **meta(pl, tma, l1))
+            pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"], DK_SHARE=dk_share, **meta(pl, tma, l1))
 
     def launch_dk(cfg):
         nonlocal dk_idx
@@ -603,7 +618,8 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
     ieee = ieee_t or ieee_i
     if not fused:
         launch_dq(_tuning.pick(("idx_bwd_dq",) + key_base, _candidates("bwd", ieee, dims, teacher=teacher), launch_dq))
-    launch_dk(_tuning.pick(("idx_bwd_dk",) + key_base, _candidates("bwd", ieee, dims, teacher=teacher), launch_dk))
+    if not dqk:
+        launch_dk(_tuning.pick(("idx_bwd_dk",) + key_base, _candidates("bwd", ieee, dims, teacher=teacher), launch_dk))
     if target_part is not None:
         g0, dq_p, dk_p, dw_p = target_part
         g0 = g0.to(torch.float32)
