@@ -16,7 +16,8 @@ Reduction "mean", ``lse`` given (the training case), bf16, causal, B = 1, DSA-li
      (128,128,64,64,8,2)) fwd+bwd, then the accumulating forward's variants alone (its parts:
      "teacher", "logits", "nodk" are timing-only variants with incomplete gradients), then the
      student backward's variants alone, then fwd+bwd of the fastest checked forward with the
-     fastest checked backward.
+     fastest checked backward (per design), last the GQA-like config's fwd+bwd (H=32, D=128,
+     H_K=8; H_I=16, D_I=64) of each design's default.
   3. the short table last: ms, ratio to the forward matmul floor (bf16 rate of an 8192^3 matmul
      measured in this run), check status.
 A watchdog prints the table of what ran and exits before --deadline (default 84 s under --quick).
@@ -51,6 +52,7 @@ from streamkl_gpu import _indexer  # noqa: E402
 
 COLUMNS = ["measure", "provider", "shape", "value", "unit", "note"]
 DSA = dict(H=128, HK=1, D=576, HI=64, HKI=1, DI=128, scale=192 ** -0.5)
+GQA = dict(H=32, HK=8, D=128, HI=16, HKI=1, DI=64, scale=None)
 TINY = dict(H=8, HK=1, D=32, HI=4, HKI=1, DI=16, scale=None)
 LOG2E = 1.4426950408889634
 _ORIG = _indexer._candidates
@@ -217,9 +219,9 @@ def fwd_bwd(train, lse, kw):
 # warm-up children: compile and check one variant on the small problem
 # ----------------------------------------------------------------------------------------------
 
-def check_variant(cfg, device, design, fwd_cfg, bwd_cfg, tiny):
-    """{tensor: (err, tol)} of fwd+bwd with these forced configs vs float64 at N=192 (tiny: 24)."""
-    N = 24 if tiny else 192
+def check_variant(cfg, device, design, fwd_cfg, bwd_cfg, tiny, N=192):
+    """{tensor: (err, tol)} of fwd+bwd with these forced configs vs float64 at N (tiny: 24)."""
+    N = 24 if tiny else N
     xs = inputs(cfg, N, device, seed=2, dtype=torch.float16 if tiny else torch.bfloat16)
     kw = dict(causal=True, scale=scale_of(cfg))
     x64 = [x.double().cpu().numpy() for x in xs]
@@ -246,10 +248,27 @@ def first_fwd(design):
     return next(c for _, d, c, _ in FWD_VARIANTS if d == design)
 
 
+def gqa_forced(design, tiny):
+    """(fwd config, bwd config) of a design's default at the GQA-like config, 8K (the forward's
+    first candidate carries key splits that depend on N: the 8K one is forced at the check size)."""
+    if tiny:
+        return None, None
+    from streamkl_ref._checks import check_indexer_inputs
+    xs = [torch.empty(s, device="meta") for s in ((1, 32, 8192, 128), (1, 8, 8192, 128), (1, 16, 8192, 64),
+                                                   (1, 1, 8192, 64), (1, 16, 8192))]
+    dims = check_indexer_inputs(*xs)
+    kind = "pstore" if design == "pstore" else "pacc"
+    return _ORIG(kind, False, dims, 132)[0], _ORIG("bwd", False, dims, 132, teacher=False)[0]
+
+
 def run_job(job, tiny):
     kind, idx = job.split(":")
     cfg = TINY if tiny else DSA
     device = "cpu" if tiny else "cuda"
+    if kind == "gqa":  # the GQA-like config's fwd+bwd check (N=320) of a design's default
+        res = check_variant(TINY if tiny else GQA, device, idx, *gqa_forced(idx, tiny), tiny, N=320)
+        print("RESULT " + json.dumps(res), flush=True)
+        return
     if kind == "fwd":
         label, design, fwd_cfg, checked = FWD_VARIANTS[int(idx)]
         bwd_cfg = BASE_BWD
@@ -285,6 +304,7 @@ class Bench:
         self.times = {}  # (measure, label) -> ms or a status string
         self.floor = None
         self.job_of = {}  # (measure, label) -> the warm-up job that checked it
+        self.floor_of = {}  # (measure, label) -> the floor (ms) of its config
 
     def log(self, msg):
         line = f"[{time.time() - self.t0:6.1f}s] {msg}"
@@ -365,7 +385,8 @@ class Bench:
                 errs = json.loads(res[-1][7:])
                 bad = [f"{k} {e:.2e} > {t:.2e}" for k, (e, t) in errs.items() if not e <= t]
                 for k, (e, t) in errs.items():
-                    self.record("check_rel_err", f"{self.job_label(job)} {k}", "dsa N=192 causal lse mean",
+                    self.record("check_rel_err", f"{self.job_label(job)} {k}",
+                                f"{'gqa N=320' if job.startswith('gqa') else 'dsa N=192'} causal lse mean",
                                 f"{e:.3e}", "rel", f"tol {t:.3e} {'ok' if e <= t else 'FAIL'}")
                 self.checks[job] = ("FAIL " + "; ".join(bad)) if bad else ("ok" if errs else "timing only")
                 self.log(f"warm-up {job} {self.job_label(job)}: {time.time() - t0:.0f} s, check {self.checks[job]}")
@@ -376,6 +397,8 @@ class Bench:
     @staticmethod
     def job_label(job):
         kind, idx = job.split(":")
+        if kind == "gqa":
+            return f"gqa {idx} default"
         if kind == "fwd":
             label, design, cfg, _ = FWD_VARIANTS[int(idx)]
             return f"fwd {label} {design}{list(cfg)}"
@@ -398,6 +421,7 @@ class Bench:
             self.logf.write(traceback.format_exc())
             return None
         self.times[(measure, label)] = ms
+        self.floor_of[(measure, label)] = self.floor
         self.record(measure, label, shape, f"{ms:.4f}", "ms", f"ratio {ms / self.floor:.2f} to the floor")
         self.log(f"{shape} {measure} {label}: {ms:.3f} ms = {ms / self.floor:.2f}x floor")
         return ms
@@ -406,7 +430,8 @@ class Bench:
         lines = ["", f"{'measure':10s} {'variant':48s} {'ms':>9s} {'x floor':>8s}  check"]
         for (measure, label), v in self.times.items():
             ms = f"{v:9.3f}" if isinstance(v, float) else f"{v:>9s}"
-            ratio = f"{v / self.floor:8.2f}" if isinstance(v, float) and self.floor else f"{'':8s}"
+            floor = self.floor_of.get((measure, label))
+            ratio = f"{v / floor:8.2f}" if isinstance(v, float) and floor else f"{'':8s}"
             lines.append(f"{measure:10s} {label:48s} {ms} {ratio}  {self.check_of(measure, label)}")
         text = "\n".join(lines)
         print(text, flush=True)
@@ -439,7 +464,7 @@ def main(argv=None):
     # the checked jobs: every forward variant (each with the base backward) and the backward
     # variants not already covered by a forward job
     jobs = [f"fwd:{i}" for i in range(len(FWD_VARIANTS))] + [
-        f"bwd:{i}" for i, (_, d, c) in enumerate(BWD_VARIANTS) if c != BASE_BWD]
+        f"bwd:{i}" for i, (_, d, c) in enumerate(BWD_VARIANTS) if c != BASE_BWD] + ["gqa:pacc", "gqa:pstore"]
     if not args.no_warm:
         try:
             bench.warm_up(jobs)
@@ -516,6 +541,28 @@ def main(argv=None):
             with forced(design, bf, bb):
                 bench.timed("fwd+bwd", f"best {design} fwd{list(bf)} bwd{list(bb)}", lambda: fwd_bwd(train, lse, kw),
                             reps, shape, fwd_job(design, bf))
+    # 5. the GQA-like config's fwd+bwd, each design's default (pstore's "auto" would apply there too)
+    del train, xs, lse
+    if bench.device == "cuda":
+        torch.cuda.empty_cache()
+    gcfg = TINY if args.tiny else GQA
+    gkw = dict(causal=True, scale=scale_of(gcfg))
+    gxs = inputs(gcfg, N, bench.device)
+    glse = teacher_lse(gxs[0], gxs[1], gkw["scale"])
+    gtrain = [x.detach().clone().requires_grad_(r) for x, r in zip(gxs, (False, False, True, True, True))]
+    gflops = 2 * (gcfg["H"] * gcfg["D"] + gcfg["HI"] * gcfg["DI"]) * N * N * 0.5
+    bench.floor = gflops / rate * 1e3
+    bench.log(f"gqa forward matmul floor {bench.floor:.3f} ms")
+    for design in ("pacc", "pstore"):
+        fc, bc = gqa_forced(design, args.tiny)
+        name = f"gqa {design} default fwd{list(fc or ())} bwd{list(bc or ())}"
+        if not bench.usable(f"gqa:{design}"):
+            bench.times[("fwd+bwd", name)] = "skipped"
+            bench.job_of[("fwd+bwd", name)] = f"gqa:{design}"
+            continue
+        with forced(design, fc, bc):
+            bench.timed("fwd+bwd", name, lambda: fwd_bwd(gtrain, glse, gkw), reps, f"gqa N={N} causal lse mean",
+                        f"gqa:{design}")
     timer.cancel()
     bench.table()
     return 0
