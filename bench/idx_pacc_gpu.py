@@ -426,6 +426,26 @@ class Bench:
         self.log(f"{shape} {measure} {label}: {ms:.3f} ms = {ms / self.floor:.2f}x floor")
         return ms
 
+    def profile(self, label, fn, shape):
+        """Each kernel's device time in one call of ``fn`` (after a warm call), logged and recorded."""
+        from torch.profiler import ProfilerActivity, profile
+        fn()
+        self.sync()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            self.sync()
+        rows = []
+        for ev in prof.key_averages():
+            us = getattr(ev, "device_time_total", None)
+            if us is None:
+                us = getattr(ev, "cuda_time_total", 0.0)
+            if us and ev.count:
+                rows.append((us / 1e3, ev.count, ev.key))
+        rows.sort(reverse=True)
+        for ms, count, key in rows[:8]:
+            self.log(f"profile {label}: {ms:8.3f} ms  x{count}  {key[:90]}")
+            self.record("kernel_ms", f"{label} {key[:120]}", shape, f"{ms:.4f}", "ms", f"{count} launches")
+
     def table(self):
         lines = ["", f"{'measure':10s} {'variant':48s} {'ms':>9s} {'x floor':>8s}  check"]
         for (measure, label), v in self.times.items():
@@ -541,6 +561,16 @@ def main(argv=None):
             with forced(design, bf, bb):
                 bench.timed("fwd+bwd", f"best {design} fwd{list(bf)} bwd{list(bb)}", lambda: fwd_bwd(train, lse, kw),
                             reps, shape, fwd_job(design, bf))
+    # 4b. where the time goes: kernel times (torch.profiler) of each design's default fwd+bwd
+    if bench.device == "cuda":
+        for design in ("pacc", "pstore"):
+            if bench.left() < 15 or not bench.usable(fwd_job(design, first_fwd(design))):
+                continue
+            try:
+                with forced(design, first_fwd(design), BASE_BWD):
+                    bench.profile(f"{design} default", lambda: fwd_bwd(train, lse, kw), shape)
+            except Exception as exc:  # noqa: BLE001 - printed, the run goes on
+                bench.log(f"profile {design} raised {type(exc).__name__}: {str(exc)[:300]}")
     # 5. the GQA-like config's fwd+bwd, each design's default (pstore's "auto" would apply there too)
     del train, xs, lse
     if bench.device == "cuda":
