@@ -74,6 +74,7 @@ FWD_VARIANTS = [
     ("store 2 stages", "pstore", (128, 128, 128, 64, 4, 2), True),
     ("w4", "pacc", (128, 128, 64, 64, 4, 3), True),
     ("t2 hb64 w8", "pacc", (128, 128, 64, 64, 8, 3, 64), True),
+    ("store p fp16", "pstore", STORE_FWD + (None, 1, "p16"), True),  # p stored in float16 (PSTORE_DTYPE)
 ]
 # The student backward's variants (dq and dk kernels forced to the same config), after the
 # forward of their design's first variant: (label, design, config)
@@ -126,6 +127,8 @@ class Force:
             return [want] if want is not None and not (ieee or _runtime_interp()) else full[:1]
         _indexer._candidates = cands
         bwd = self.want.get("bwd")
+        pst = self.want.get("pstore")  # "p16" (a bench-only 9th field): p stored in float16
+        _indexer.PSTORE_DTYPE = torch.float16 if pst is not None and len(pst) > 8 and pst[8] == "p16" else torch.float32
         # "again" (a bench-only 9th field): the backward forms the logits again (as session 5)
         _indexer.BWD_LOGITS_FROM_A = not (bwd is not None and len(bwd) > 8 and bwd[8] == "again")
         self.old_env = {v: os.environ.get(v) for v in ("STREAMKL_INDEXER_PSTORE", "STREAMKL_INDEXER_BWD")}
@@ -137,6 +140,7 @@ class Force:
     def __exit__(self, *exc):
         _indexer._candidates = _ORIG
         _indexer.BWD_LOGITS_FROM_A = True
+        _indexer.PSTORE_DTYPE = torch.float32
         for var, val in self.old_env.items():
             if val is None:
                 os.environ.pop(var, None)
@@ -484,7 +488,8 @@ def main(argv=None):
     # the checked jobs: every forward variant (each with the base backward) and the backward
     # variants not already covered by a forward job
     jobs = [f"fwd:{i}" for i in range(len(FWD_VARIANTS))] + [
-        f"bwd:{i}" for i, (_, d, c) in enumerate(BWD_VARIANTS) if c != BASE_BWD] + ["gqa:pacc", "gqa:pstore"]
+        f"bwd:{i}" for i, (_, d, c) in enumerate(BWD_VARIANTS) if c != BASE_BWD]
+    jobs = jobs[:2] + ["gqa:pacc", "gqa:pstore"] + jobs[2:]  # both designs' defaults first (a slow compile is killed)
     if not args.no_warm:
         try:
             bench.warm_up(jobs)

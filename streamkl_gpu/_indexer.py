@@ -856,10 +856,13 @@ _indexer_loss_fwd_op.register_autograd(_loss_backward, setup_context=_loss_setup
 PSTORE_MODES = ("auto", "0", "1")
 PSTORE_DEFAULT = "0"  # not yet measured on the GPU (bench/idx_pacc_gpu.py times it)
 PSTORE_MAX_BYTES = 2 << 30  # "auto": the stored p at most this (8K x 8K fp32: 256 MiB)
+# p's storage dtype: float32; float16 halves the memory (p in [0, 1]: relative error 2^-11 from
+# 6e-5 up, absolute below; bench/idx_pacc_gpu.py checks and times it as a variant)
+PSTORE_DTYPE = torch.float32
 
 
 def pstore_bytes(dims) -> int:
-    return 4 * dims.B * dims.NQ * dims.NK
+    return dims.B * dims.NQ * dims.NK * PSTORE_DTYPE.itemsize
 
 
 def pstore_enabled(dims) -> bool:
@@ -875,7 +878,7 @@ def pstore_enabled(dims) -> bool:
 
 
 def _forward_pstore(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
-    """(sum of KL, LSE_I, p [B, N_Q, N_K] fp32): the forward (its launch candidates) storing p."""
+    """(sum of KL, LSE_I, p [B, N_Q, N_K] in PSTORE_DTYPE): the forward (its launch candidates) storing p."""
     dims = check_indexer_inputs(q, k, q_idx, k_idx, weights, scale=scale)
     q, k, q_idx, k_idx, weights = (_checks.compute_view(t) for t in (q, k, q_idx, k_idx, weights))
     device = q.device
@@ -886,7 +889,7 @@ def _forward_pstore(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
     lse_bits = (lse * LOG2E).contiguous()
     kl = _fresh((dims.B, dims.NQ), torch.float32, device)
     lse_idx = _fresh((dims.B, dims.NQ), torch.float32, device)
-    p = _fresh((dims.B, dims.NQ, dims.NK), torch.float32, device)  # entries past the causal frontier unwritten
+    p = _fresh((dims.B, dims.NQ, dims.NK), PSTORE_DTYPE, device)  # entries past the causal frontier unwritten
     key = ("idx_pstore", relu, dims.D, dims.DI, dims.H, dims.HK, dims.HI, dims.HKI, q.dtype, q_idx.dtype, causal,
            use_tma, _tuning.bucket(dims.NQ), _tuning.bucket(dims.NK), _tuning.bucket(dims.B))
 
@@ -926,7 +929,7 @@ def _indexer_loss_pstore_fwd_op(q: torch.Tensor, k: torch.Tensor, q_idx: torch.T
 def _indexer_loss_pstore_fwd_fake(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
     B, NQ, NK = q.shape[0], q.shape[2], k.shape[2]
     f32 = torch.float32
-    return q.new_empty((), dtype=f32), q.new_empty((B, NQ), dtype=f32), q.new_empty((B, NQ, NK), dtype=f32)
+    return q.new_empty((), dtype=f32), q.new_empty((B, NQ), dtype=f32), q.new_empty((B, NQ, NK), dtype=PSTORE_DTYPE)
 
 
 @torch.library.custom_op("streamkl::indexer_loss_pstore_bwd", mutates_args=())

@@ -192,3 +192,26 @@ def test_store_design_traced_by_torch_compile(monkeypatch):
     assert torch.equal(l_e, l_c)
     for a, b in zip(g_e, g_c):
         assert torch.equal(a, b)
+
+
+def test_stored_target_in_float16(monkeypatch):
+    """p stored in float16 (PSTORE_DTYPE): half the memory; gradients within 1e-3 of float64
+    (p in [0, 1]: relative rounding 2^-11), the loss unchanged (the forward's sums use fp32 p)."""
+    monkeypatch.setenv("STREAMKL_INDEXER_PACC", "1")
+    monkeypatch.setenv("STREAMKL_INDEXER_PSTORE", "1")
+    monkeypatch.setattr(_indexer, "PSTORE_DTYPE", torch.float16)
+    shape = (1, 4, 1, 13, 21, 24, 4, 1, 16)
+    xs = make(*shape, seed=67)
+    x64 = [x.double().numpy() for x in xs]
+    kl_ref, _, lse_t = streamkl_ref.indexer_kl(*x64, return_lse=True, causal=True)
+    ref = streamkl_ref.indexer_kl_grad(*x64, np.full((1, 13), 1.7), causal=True)
+    d = check_indexer_inputs(*xs)
+    assert _indexer.pstore_bytes(d) == 2 * 13 * 21
+    _, _, p = _indexer._forward_pstore(*xs, torch.from_numpy(lse_t).float(), True, 24 ** -0.5, True)
+    assert p.dtype == torch.float16
+    loss, grads = _loss_and_grads(xs, torch.from_numpy(lse_t).float(), "sum", causal=True)
+    assert abs(loss.item() - kl_ref.sum()) <= 1e-5 * max(1.0, abs(kl_ref.sum()))
+    for name, got in grads.items():
+        want = torch.from_numpy(ref[name])
+        err = (got.double() - want).norm() / max(want.norm().item(), 1e-12)
+        assert err <= 1e-3, (name, err.item())
