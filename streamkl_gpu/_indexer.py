@@ -16,7 +16,10 @@ fake implementations make the function traceable by ``torch.compile(fullgraph=Tr
 The accumulating design (``STREAMKL_INDEXER_PACC``, default ``auto``: on for an MQA teacher;
 ``"sum"``/``"mean"`` with ``lse`` given, one indexer key head, a gradient wanted): ``_indexer_pacc``'s forward also sums the target's share of
 the gradient, and the backward runs the indexer alone: the teacher is read once per training
-step (custom ops ``streamkl::indexer_loss_fwd`` / ``streamkl::indexer_loss_bwd``).
+step (custom ops ``streamkl::indexer_loss_fwd`` / ``streamkl::indexer_loss_bwd``). The "store"
+design (``STREAMKL_INDEXER_PSTORE``, in the same cases): the plain forward's tile also writes the
+target p ``[B, N_Q, N_K]`` and the backward's teacher-free kernels read it back (custom ops
+``streamkl::indexer_loss_pstore_fwd`` / ``streamkl::indexer_loss_pstore_bwd``).
 """
 from __future__ import annotations
 
@@ -308,6 +311,8 @@ def _candidates(kind, ieee, dims=None, n_sm=132, teacher=True):
         return [(128, 128, 64, 64, 8, 3), (128, 128, 64, 64, 4, 3), (128, 128, 128, 64, 8, 3), (128, 128, 64, 64, 8, 2),
                 (128, 128, 64, 64, 8, 2, None, 1, "l1"), (128, 128, 128, 64, 8, 2), (128, 128, 32, 64, 8, 2),
                 (128, 128, 32, 64, 8, 2, None, 1, "l1"), (128, 128, 32, 64, 8, 3), (128, 128, 32, 64, 4, 2)]
+    if kind == "pstore":  # the forward's tile (it only adds a store of p per tile): the forward's candidates
+        return _candidates("fwd", ieee, dims, n_sm)
     if kind == "lse":
         out = [(128, 128, 64, 64, 8, 2), (128, 128, 64, 64, 8, 2, 1) if gqa else (128, 128, 128, 64, 8, 2)]
         if dims is not None and _l1_fits(dims):  # the "l1" variant, as for the forward (not yet timed)
@@ -487,19 +492,28 @@ def _forward_gluon(dims, q, k, q_idx, k_idx, weights, lse_bits, causal, relu, ke
 # Backward
 # ----------------------------------------------------------------------------------------------
 
-BWD_MODES = ("separate", "fused")
+BWD_MODES = ("separate", "fused", "dqk")
 
 
 def bwd_mode() -> str:
     """The backward's kernels: ``STREAMKL_INDEXER_BWD`` = ``separate`` (default: a dq/dweights
-    kernel and a dk kernel, each recomputing the teacher; no atomics but dk's token splits) or
+    kernel and a dk kernel, each recomputing the teacher; no atomics but dk's token splits),
     ``fused`` (the dk kernel alone, dq/dweights by fp32 atomics: the teacher read once per
-    backward). Which is faster is not yet measured; bench/indexer_gpu.py times both."""
+    backward) or ``dqk`` (the dq kernel alone, each key tile's dk share added by one TMA bulk
+    reduction on Hopper, fp32 atomics elsewhere: one pass, three indexer products per tile).
+    Which is faster is not yet measured; bench/indexer_gpu.py times separate and fused,
+    bench/idx_pacc_gpu.py separate and dqk (teacher-free)."""
     mode = os.environ.get("STREAMKL_INDEXER_BWD", "separate")
     if mode not in BWD_MODES:
         raise ValueError(f"STREAMKL_INDEXER_BWD must be one of {BWD_MODES}, got {mode!r}")
     return mode
 
+
+# The backward kernels sum the student's logits from their own products a = q_idx k_idx^T where
+# one indexer key head makes a program's rows every indexer head (offline sm_90, triton 3.9, DSA
+# student kernels on 4 warps: no spills, against 72 / 120 B with the logits formed again).
+# False: formed again by _indexer_logits, as before session 6 (bench/idx_pacc_gpu.py times both).
+BWD_LOGITS_FROM_A = True
 
 # Tests set this: the dk kernel's token split (tokens per program) instead of the rule below.
 INTERPRETER_DK_SPLIT = None
@@ -522,12 +536,17 @@ def dk_token_split(dims, block_t: int, key_programs: int, n_sm: int, causal: boo
     return max(block_t, triton.cdiv(per, block_t) * block_t)
 
 
-def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, relu, target_part=None):
+def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, relu, target_part=None,
+              p_saved=None):
     """(dq_idx, dk_idx, dweights) of ``sum_t g[t] KL[t]``. ``target_part = (g0, dq_p, dk_p,
     dweights_p)``: the forward accumulated the target's share (``_indexer_pacc``, g = g0 for
     every row): the kernels then skip the teacher (TEACHER=False, the student's share
-    ``g softmax(I)`` only) and ``g0 * target_part`` is subtracted here; ``lse_bits`` is unused."""
-    teacher = target_part is None
+    ``g softmax(I)`` only) and ``g0 * target_part`` is subtracted here; ``lse_bits`` is unused.
+    ``p_saved [B, N_Q, N_K]``: the target the forward stored (the "store" design): the
+    teacher-free kernels read p from it (P_SAVED; any g); ``lse_bits`` is unused."""
+    teacher = target_part is None and p_saved is None
+    if p_saved is not None:  # the kernels read p where they would read the teacher LSEs
+        lse_bits = p_saved
     plan_kind = "bwd" if teacher else "bwd_student"
     dims = check_indexer_inputs(q, k, q_idx, k_idx, weights, scale=scale)
     out_dtypes = (q_idx.dtype, k_idx.dtype, weights.dtype)
@@ -546,27 +565,42 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
     common = (q, k, q_idx, k_idx, weights, lse_bits, lse_idx, g)
     strides = _strides(q) + _strides(k) + _strides(q_idx) + _strides(k_idx) + _strides(weights)
     mode = bwd_mode()
-    fused = mode == "fused"
+    fused, dqk = mode == "fused", mode == "dqk"
+    if dqk:
+        dk_idx = torch.zeros((dims.B, dims.HKI, dims.NK, dims.DI), dtype=torch.float32, device=device)
     if fused:  # dq_idx / dweights by atomics from the dk kernel
         dq_idx = torch.zeros((dims.B, dims.HI, dims.NQ, dims.DI), dtype=torch.float32, device=device)
         dweights = torch.zeros((dims.B, dims.HI, dims.NQ), dtype=torch.float32, device=device)
     key_base = (mode, teacher, dims.D, dims.DI, dims.H, dims.HK, dims.HI, dims.HKI, q.dtype, q_idx.dtype, causal, relu,
                 use_tma, _tuning.bucket(dims.NQ), _tuning.bucket(dims.NK), _tuning.bucket(dims.B))
+    if p_saved is not None:
+        key_base += ("p_saved",)
 
     def meta(pl, tma, l1):
         return dict(D=dims.D, BLOCK_D=pl["BLOCK_D"], DI=dims.DI, BLOCK_DI=pl["BLOCK_DI"], DI_PAD=pl["DI_PAD"],
                     HB=pl["HB"], IB=pl["IB"], GI_PAD=pl["GI_PAD"], BLOCK_T=pl["BLOCK_T"], BLOCK_N=pl["BLOCK_N"],
                     CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, NO_CONTRACT=no_contract,
-                    USE_TMA=tma, TEACHER=teacher, L1=l1, num_warps=pl["warps"], num_stages=pl["stages"])
+                    USE_TMA=tma, TEACHER=teacher, L1=l1, P_SAVED=p_saved is not None,
+                    # one indexer key head: a program's rows are every indexer head, so the logits
+                    # are summed from its own products (no second product per tile)
+                    LOGITS_FROM_A=BWD_LOGITS_FROM_A and pl["n_ichunks"] == 1, num_warps=pl["warps"],
+                    num_stages=pl["stages"])
 
     def launch_dq(cfg):
         pl = _plan(dims, cfg, plan_kind)
         grid = (triton.cdiv(dims.NQ, pl["BLOCK_T"]), dims.B * dims.HKI)
         tma, l1 = _load_mode(pl, use_tma)
+        dk_share, dk_desc = 0, None
+        if dqk:  # dk_idx's shares from this kernel: zeroed; one bulk TMA reduction per tile on Hopper
+            dk_idx.zero_()
+            dk_share = 2 if tma and not _runtime.interpreting() else 1
+            if dk_share == 2:
+                dk_desc = _runtime.TensorDescriptor(dk_idx, list(dk_idx.shape), list(dk_idx.stride()),
+                                                    [1, 1, pl["BLOCK_N"], pl["DI_PAD"]])
         _indexer_bwd._indexer_bwd_dq_kernel[grid](
-            *common, dq_idx, dweights, *_descriptors(pl, tma, q, k, q_idx, k_idx), *strides,
+            *common, dq_idx, dweights, *_descriptors(pl, tma, q, k, q_idx, k_idx), dk_idx, dk_desc, *strides,
             dims.H, group, dims.HI, dims.HKI, group_i, dims.NQ, dims.NK, qk_scale, 1.0 / dims.H,
-            pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"], **meta(pl, tma, l1))
+            pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"], DK_SHARE=dk_share, **meta(pl, tma, l1))
 
     def launch_dk(cfg):
         nonlocal dk_idx
@@ -590,8 +624,9 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
     ieee = ieee_t or ieee_i
     if not fused:
         launch_dq(_tuning.pick(("idx_bwd_dq",) + key_base, _candidates("bwd", ieee, dims, teacher=teacher), launch_dq))
-    launch_dk(_tuning.pick(("idx_bwd_dk",) + key_base, _candidates("bwd", ieee, dims, teacher=teacher), launch_dk))
-    if not teacher:
+    if not dqk:
+        launch_dk(_tuning.pick(("idx_bwd_dk",) + key_base, _candidates("bwd", ieee, dims, teacher=teacher), launch_dk))
+    if target_part is not None:
         g0, dq_p, dk_p, dw_p = target_part
         g0 = g0.to(torch.float32)
         # in place: no gradient-sized temporaries (run r5a: fwd+bwd peak 160 KB per token at DSA)
@@ -677,6 +712,13 @@ def pacc_enabled(dims=None) -> bool:
     return mode == "1"
 
 
+# Timing-only variants of the accumulating forward (9th config field; bench/idx_pacc_gpu.py
+# forces them, never a candidate: their gradients are incomplete): how much of its time each
+# part takes. "teacher": the target and the online state alone (no indexer products); "logits":
+# + the student's logits (the plain forward's work); "nodk": + dq_p and dweights_p, no dk_p.
+PACC_PARTS = {"teacher": 0, "logits": 1, "nodk": 2}
+
+
 def _forward_pacc(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
     """(sum of KL, LSE_I, dq_p, dk_p, dweights_p): the forward plus the target's share of the
     gradient of the sum with g = 1 (``_indexer_pacc``; fp32, contiguous)."""
@@ -713,8 +755,8 @@ def _forward_pacc(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
             dims.H, group, dims.HI, dims.NQ, dims.NK, dims.scale * LOG2E, 1.0 / dims.H, pl["n_chunks"], pl["cpg"],
             D=dims.D, BLOCK_D=pl["BLOCK_D"], DI=dims.DI, DI_PAD=pl["DI_PAD"], HB=pl["HB"], GI_PAD=pl["GI_PAD"],
             BLOCK_T=pl["BLOCK_T"], BLOCK_N=pl["BLOCK_N"], CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i,
-            NO_CONTRACT=no_contract, USE_TMA=tma, DK_TMA=dk_tma, A_L1=a_l1, num_warps=pl["warps"],
-            num_stages=pl["stages"])
+            NO_CONTRACT=no_contract, USE_TMA=tma, DK_TMA=dk_tma, A_L1=a_l1, PARTS=PACC_PARTS.get(pl["variant"], 3),
+            num_warps=pl["warps"], num_stages=pl["stages"])
 
     if _use_gluon(dims, q, k, q_idx, k_idx, pacc=True):  # the Gluon accumulating forward (Hopper, MQA)
         part = _fresh((5, 2, dims.B, dims.NQ), torch.float32, device)
@@ -812,6 +854,125 @@ def _loss_backward(ctx, g_total, g_lse_idx, g_dq, g_dk, g_dw):
 _indexer_loss_fwd_op.register_autograd(_loss_backward, setup_context=_loss_setup_context)
 
 
+# The "store" design (STREAMKL_INDEXER_PSTORE): the forward's tile also writes the target p
+# [B, N_Q, N_K] (fp32); the backward's teacher-free kernels read it back (P_SAVED). No gradient
+# accumulators in the forward (the accumulating kernel's registers and dk_p reductions), at the
+# price of B * N_Q * N_K floats kept from the forward to the backward (capped: pstore_enabled).
+
+PSTORE_MODES = ("auto", "0", "1")
+PSTORE_DEFAULT = "0"  # not yet measured on the GPU (bench/idx_pacc_gpu.py times it)
+PSTORE_MAX_BYTES = 2 << 30  # "auto": the stored p at most this (8K x 8K fp32: 256 MiB)
+# p's storage dtype: float32; float16 halves the memory (p in [0, 1]: relative error 2^-11 from
+# 6e-5 up, absolute below; bench/idx_pacc_gpu.py checks and times it as a variant)
+PSTORE_DTYPE = torch.float32
+
+
+def pstore_bytes(dims) -> int:
+    return dims.B * dims.NQ * dims.NK * PSTORE_DTYPE.itemsize
+
+
+def pstore_enabled(dims) -> bool:
+    """``STREAMKL_INDEXER_PSTORE``, within the accumulating design's cases (``_use_pacc``):
+    ``1`` = store p; ``0`` = accumulate the target's share (``_indexer_pacc``); ``auto`` = store
+    p where it takes at most PSTORE_MAX_BYTES."""
+    mode = _runtime.env("STREAMKL_INDEXER_PSTORE", PSTORE_DEFAULT)
+    if mode not in PSTORE_MODES:
+        raise ValueError(f"STREAMKL_INDEXER_PSTORE must be one of {PSTORE_MODES}, got {mode!r}")
+    if mode == "auto":
+        return pstore_bytes(dims) <= PSTORE_MAX_BYTES
+    return mode == "1"
+
+
+def _forward_pstore(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
+    """(sum of KL, LSE_I, p [B, N_Q, N_K] in PSTORE_DTYPE): the forward (its launch candidates) storing p."""
+    dims = check_indexer_inputs(q, k, q_idx, k_idx, weights, scale=scale)
+    q, k, q_idx, k_idx, weights = (_checks.compute_view(t) for t in (q, k, q_idx, k_idx, weights))
+    device = q.device
+    ieee_t, ieee_i = q.dtype == torch.float32, q_idx.dtype == torch.float32
+    group, group_i = dims.H // dims.HK, dims.HI // dims.HKI
+    no_contract = not _runtime.interpreting()
+    use_tma = _use_tma(q, k, q_idx, k_idx)
+    lse_bits = (lse * LOG2E).contiguous()
+    kl = _fresh((dims.B, dims.NQ), torch.float32, device)
+    lse_idx = _fresh((dims.B, dims.NQ), torch.float32, device)
+    p = _fresh((dims.B, dims.NQ, dims.NK), PSTORE_DTYPE, device)  # entries past the causal frontier unwritten
+    key = ("idx_pstore", relu, dims.D, dims.DI, dims.H, dims.HK, dims.HI, dims.HKI, q.dtype, q_idx.dtype, causal,
+           use_tma, _tuning.bucket(dims.NQ), _tuning.bucket(dims.NK), _tuning.bucket(dims.B))
+
+    def launch(cfg):
+        pl = _plan(dims, cfg, "fwd")
+        splits, per_split = _key_splits(dims, pl)
+        part = _fresh((5, splits, dims.B, dims.NQ), torch.float32, device) if splits > 1 else kl
+        grid = (triton.cdiv(dims.NQ, pl["BLOCK_T"]), splits, dims.B)
+        tma, a_l1 = _load_mode(pl, use_tma)
+        _indexer_pacc._indexer_fwd_pstore_kernel[grid](
+            q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, part, p,
+            *_descriptors(pl, tma, q, k, q_idx, k_idx),
+            *_strides(q), *_strides(k), *_strides(q_idx), *_strides(k_idx), *_strides(weights),
+            dims.H, group, group_i, dims.NQ, dims.NK, dims.scale * LOG2E, 1.0 / dims.H,
+            pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"], per_split,
+            D=dims.D, BLOCK_D=pl["BLOCK_D"], DI=dims.DI, BLOCK_DI=pl["BLOCK_DI"],
+            HB=pl["HB"], IB=pl["IB"], BLOCK_T=pl["BLOCK_T"], BLOCK_N=pl["BLOCK_N"],
+            CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, NO_CONTRACT=no_contract,
+            USE_TMA=tma, SPLIT=splits > 1, A_L1=a_l1, num_warps=pl["warps"], num_stages=pl["stages"])
+        if splits > 1:
+            merged_kl, merged_lse = _merge_splits(part)
+            kl.copy_(merged_kl)
+            lse_idx.copy_(merged_lse)
+
+    launch(_tuning.pick(key, _candidates("pstore", ieee_t or ieee_i, dims, _runtime.n_sm(device)), launch))
+    return kl.sum(), lse_idx, p
+
+
+@torch.library.custom_op("streamkl::indexer_loss_pstore_fwd", mutates_args=())
+def _indexer_loss_pstore_fwd_op(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, k_idx: torch.Tensor,
+                                weights: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
+                                relu: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _forward_pstore(q, k, q_idx, k_idx, weights, lse, causal, scale, relu)
+
+
+@_indexer_loss_pstore_fwd_op.register_fake
+def _indexer_loss_pstore_fwd_fake(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
+    B, NQ, NK = q.shape[0], q.shape[2], k.shape[2]
+    f32 = torch.float32
+    return q.new_empty((), dtype=f32), q.new_empty((B, NQ), dtype=f32), q.new_empty((B, NQ, NK), dtype=PSTORE_DTYPE)
+
+
+@torch.library.custom_op("streamkl::indexer_loss_pstore_bwd", mutates_args=())
+def _indexer_loss_pstore_bwd_op(g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor,
+                                k_idx: torch.Tensor, weights: torch.Tensor, lse_idx: torch.Tensor, p: torch.Tensor,
+                                causal: bool, scale: float, relu: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows = g.to(torch.float32).expand(q.shape[0], q.shape[2]).contiguous()
+    return _backward(rows, q, k, q_idx, k_idx, weights, None, lse_idx, causal, scale, relu, p_saved=p)
+
+
+@_indexer_loss_pstore_bwd_op.register_fake
+def _indexer_loss_pstore_bwd_fake(g, q, k, q_idx, k_idx, weights, lse_idx, p, causal, scale, relu):
+    return torch.empty_like(q_idx), torch.empty_like(k_idx), torch.empty_like(weights)
+
+
+def _pstore_setup_context(ctx, inputs, output):
+    q, k, q_idx, k_idx, weights, lse, causal, scale, relu = inputs
+    _, lse_idx, p = output
+    ctx.save_for_backward(q, k, q_idx, k_idx, weights, lse_idx, p)
+    ctx.args = (causal, scale, relu)
+
+
+def _pstore_backward(ctx, g_total, g_lse_idx, g_p):
+    q, k, q_idx, k_idx, weights, lse_idx, p = ctx.saved_tensors
+    causal, scale, relu = ctx.args
+    need = ctx.needs_input_grad
+    if not (need[2] or need[3] or need[4]):
+        return (None,) * 9
+    dq_idx, dk_idx, dweights = _indexer_loss_pstore_bwd_op(g_total, q, k, q_idx, k_idx, weights, lse_idx, p,
+                                                           causal, scale, relu)
+    return (None, None, dq_idx if need[2] else None, dk_idx if need[3] else None,
+            dweights if need[4] else None, None, None, None, None)
+
+
+_indexer_loss_pstore_fwd_op.register_autograd(_pstore_backward, setup_context=_pstore_setup_context)
+
+
 def _use_pacc(dims, lse, reduction, q_idx, k_idx, weights) -> bool:
     return (reduction != "none" and lse is not None and dims.HKI == 1 and pacc_enabled(dims)
             and torch.is_grad_enabled() and any(t.requires_grad for t in (q_idx, k_idx, weights)))
@@ -852,7 +1013,8 @@ def indexer_kl(q, k, q_idx, k_idx, weights, *, causal=False, scale=None, relu=Tr
     dims = _check(q, k, q_idx, k_idx, weights, causal=causal, scale=scale, relu=relu, lse=lse,
                   reduction=reduction)
     if _use_pacc(dims, lse, reduction, q_idx, k_idx, weights):
-        total = _indexer_loss_fwd_op(q, k, q_idx, k_idx, weights, lse, causal, dims.scale, relu)[0]
+        op = _indexer_loss_pstore_fwd_op if pstore_enabled(dims) else _indexer_loss_fwd_op  # store p, or accumulate
+        total = op(q, k, q_idx, k_idx, weights, lse, causal, dims.scale, relu)[0]
         return total if reduction == "sum" else total / _rows_with_keys(dims, causal)
     kl = _indexer_fwd_op(q, k, q_idx, k_idx, weights, lse, causal, dims.scale, relu)[0]
     if reduction == "none":

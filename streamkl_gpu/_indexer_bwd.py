@@ -17,7 +17,13 @@ Two kernels:
 Each recomputes the teacher target (the dominant cost): the plain ("separate") design reads
 the teacher twice per backward. ``FUSED_DQ`` ("fused"): the dk kernel alone, adding each tile's
 dq_idx / dweights share with fp32 atomics (the teacher read once per backward, at the price of
-about N_Q * N_K / BLOCK_N * H_I * D_I atomic adds).
+about N_Q * N_K / BLOCK_N * H_I * D_I atomic adds). ``DK_SHARE`` ("dqk"): the dq kernel alone,
+adding each tile's dk_idx share (one TMA bulk reduction per tile on Hopper).
+
+Where the target comes from: the teacher (``TEACHER``), nowhere (the accumulating design: the
+student's part only, the forward summed the target's), or the forward's stored p (``P_SAVED``,
+the "store" design: ``LSE_T`` then points at p [B, N_Q, N_K]). ``LOGITS_FROM_A`` (one indexer
+key head): the student's logits are summed from the kernel's own products a, not formed again.
 
 NaN isolation: every masked entry is selected to 0 (``tl.where``) before it is multiplied, and in
 the masked stage (the diagonal band) the operand rows of the contraction (k_idx rows in dq,
@@ -62,15 +68,19 @@ def _row_grad_coef(
     stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
     stride_wb, stride_wh, stride_wn,
     b, t0, s0, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
-    n_chunks, chunks_per_group, n_ichunks, ichunks_per_group,
+    n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, a_rows, w_rows, row_ok,
     D: tl.constexpr, BLOCK_D: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr,
     HB: tl.constexpr, IB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
     IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr, TEACHER: tl.constexpr,
-    L1_Q: tl.constexpr, L1_K: tl.constexpr,
+    L1_Q: tl.constexpr, L1_K: tl.constexpr, P_SAVED: tl.constexpr = False, LOGITS_FROM_A: tl.constexpr = False,
 ):
     """``(G, visible)`` of one [BLOCK_T, BLOCK_N] tile, broadcast to the indexer rows
-    ``r = j * BLOCK_T + t`` ([GI_PAD * BLOCK_T, BLOCK_N]); G is 0 where not visible."""
+    ``r = j * BLOCK_T + t`` ([GI_PAD * BLOCK_T, BLOCK_N]); G is 0 where not visible.
+
+    LOGITS_FROM_A (one indexer key head: the caller's rows are every indexer head): the logits
+    are summed from the caller's products ``a_rows`` (raw operands, [ROWS, BLOCK_N]), its
+    ``w_rows`` and ``row_ok``, not formed again by ``_indexer_logits`` (one product per tile fewer)."""
     diag_offset = N_K - N_Q
     toks = t0 + tl.arange(0, BLOCK_T)
     keys = s0 + tl.arange(0, BLOCK_N)
@@ -80,12 +90,25 @@ def _row_grad_coef(
                             b, t0, s0, H, GROUP, N_Q, N_K, diag_offset, qk_scale, inv_heads,
                             n_chunks, chunks_per_group, D, BLOCK_D, HB, BLOCK_T, BLOCK_N,
                             MASKED, CAUSAL, IEEE_T, NO_CONTRACT, USE_TMA, L1_Q, L1_K)
+    elif P_SAVED:  # the target the forward stored ("store" design, _indexer_pacc): LSE_T is p [B, N_Q, N_K]
+        # read only where visible: the forward wrote the tiles its own blocks visited, no others
+        p_ok = _token_visible(toks, keys, N_Q, N_K, diag_offset, True, CAUSAL)
+        p_at = (b.to(tl.int64) * N_Q + toks.to(tl.int64))[:, None] * N_K + keys[None, :]
+        p = tl.load(LSE_T + p_at, mask=p_ok, other=0.0).to(tl.float32)
     else:  # the student's part only: the forward accumulated the -p part (_indexer_pacc)
         p = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
-    logits = _indexer_logits(QI, KI, QI_DESC, KI_DESC, W, stride_qib, stride_qih, stride_qin, stride_qid,
-                             stride_kib, stride_kih, stride_kin, stride_kid, stride_wb, stride_wh, stride_wn,
-                             b, t0, s0, GROUP_I, N_Q, N_K, n_ichunks, ichunks_per_group,
-                             DI, BLOCK_DI, IB, BLOCK_T, BLOCK_N, RELU, IEEE_I, USE_TMA)
+    if LOGITS_FROM_A:
+        if RELU:
+            act = tl.maximum(a_rows, 0.0, propagate_nan=tl.PropagateNan.ALL)  # relu(NaN) stays NaN
+        else:
+            act = a_rows
+        contrib = tl.where(row_ok[:, None], w_rows[:, None] * act, 0.0)
+        logits = tl.sum(tl.reshape(contrib, [GI_PAD, BLOCK_T, BLOCK_N]), axis=0)
+    else:
+        logits = _indexer_logits(QI, KI, QI_DESC, KI_DESC, W, stride_qib, stride_qih, stride_qin, stride_qid,
+                                 stride_kib, stride_kih, stride_kin, stride_kid, stride_wb, stride_wh, stride_wn,
+                                 b, t0, s0, GROUP_I, N_Q, N_K, n_ichunks, ichunks_per_group,
+                                 DI, BLOCK_DI, IB, BLOCK_T, BLOCK_N, RELU, IEEE_I, USE_TMA)
     tok_ok = toks < N_Q
     row = b.to(tl.int64) * N_Q + toks
     lse_i = tl.load(LSE_I + row, mask=tok_ok, other=float("-inf"))
@@ -115,7 +138,7 @@ def _coef_a(grad_rows, vis_rows, a, w, RELU: tl.constexpr):
 
 @triton.jit
 def _dq_key_range(
-    dq, dw, q_rows, w_rows, ki_base, kvi,
+    dq, dw, q_rows, w_rows, row_ok, ki_base, kvi, rot, DK, DK_DESC,
     Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
     stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
@@ -126,30 +149,50 @@ def _dq_key_range(
     HB: tl.constexpr, IB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
     IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr, TEACHER: tl.constexpr,
-    L1_Q: tl.constexpr,
+    L1_Q: tl.constexpr, P_SAVED: tl.constexpr = False, LOGITS_FROM_A: tl.constexpr = False,
+    DK_SHARE: tl.constexpr = 0, H_KI=1,
 ):
     offs_d = tl.arange(0, DI_PAD)
-    for s0 in range(lo, hi, BLOCK_N):
+    q_for_dk = q_rows
+    if DK_SHARE > 0:
+        if MASKED:  # a non-finite query row must not reach the keys it cannot see through A^T @ q
+            q_for_dk = _finite_or_zero(q_rows)
+    n_tiles = tl.cdiv(hi - lo, BLOCK_N)
+    for i in range(0, n_tiles):
+        # DK_SHARE: the unmasked stage starts at a tile that depends on the token block (then
+        # wraps), so the programs running at once add their dk shares into different rows
+        s0 = lo + ((i + rot) % n_tiles) * BLOCK_N
         keys = s0 + tl.arange(0, BLOCK_N)
-        grad_rows, vis_rows = _row_grad_coef(
-            Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
-            stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
-            stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
-            stride_wb, stride_wh, stride_wn, b, t0, s0, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
-            n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI,
-            HB, IB, GI_PAD, BLOCK_T, BLOCK_N, MASKED, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, TEACHER,
-            L1_Q, False)
         if USE_TMA:  # the plan makes this box [1, 1, BLOCK_N, DI_PAD] (BLOCK_DI = DI_PAD)
             k_tile = KI_DESC.load([b, kvi, s0, 0]).reshape(BLOCK_N, DI_PAD)
         else:
             k_tile = tl.load(ki_base + keys.to(tl.int64)[:, None] * stride_kin + offs_d[None, :] * stride_kid,
                              mask=(keys < N_K)[:, None] & (offs_d < DI)[None, :], other=0.0)
+        if LOGITS_FROM_A:  # the raw key tile: a key that a row sees and that is NaN makes its logit NaN
+            a = _dot(q_rows, tl.trans(k_tile), IEEE_I)
         if MASKED:  # a non-finite key that a row cannot see must not reach it through A @ k
             k_tile = _finite_or_zero(k_tile)
-        a = _dot(q_rows, tl.trans(k_tile), IEEE_I)
+        if not LOGITS_FROM_A:
+            a = _dot(q_rows, tl.trans(k_tile), IEEE_I)
+        grad_rows, vis_rows = _row_grad_coef(
+            Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
+            stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+            stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
+            stride_wb, stride_wh, stride_wn, b, t0, s0, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
+            n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, a, w_rows, row_ok, D, BLOCK_D, DI, BLOCK_DI,
+            HB, IB, GI_PAD, BLOCK_T, BLOCK_N, MASKED, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, TEACHER,
+            L1_Q, False, P_SAVED, LOGITS_FROM_A)
         coef, dw_terms = _coef_a(grad_rows, vis_rows, a, w_rows, RELU)
         dw += tl.sum(dw_terms, 1)
         dq += _dot(coef.to(k_tile.dtype), k_tile, IEEE_I)
+        if DK_SHARE > 0:  # the "dqk" backward: this tile's dk share, added into a zeroed fp32 dk
+            dk_part = _dot(tl.trans(coef.to(q_rows.dtype)), q_for_dk, IEEE_I)  # [BLOCK_N, DI_PAD]
+            if DK_SHARE == 2:  # one bulk TMA reduction (Hopper)
+                DK_DESC.atomic_add([b, kvi, s0, 0], dk_part.reshape(1, 1, BLOCK_N, DI_PAD))
+            else:
+                out = (b.to(tl.int64) * H_KI + kvi) * N_K + keys
+                tl.atomic_add(DK + out[:, None] * DI + offs_d[None, :], dk_part,
+                              mask=(keys < N_K)[:, None] & (offs_d < DI)[None, :])
     return dq, dw
 
 
@@ -157,6 +200,7 @@ def _dq_key_range(
 def _indexer_bwd_dq_kernel(
     Q, K, QI, KI, W, LSE_T, LSE_I, G_UP, DQ, DW,
     Q_DESC, K_DESC, QI_DESC, KI_DESC,  # TMA descriptors (used when USE_TMA)
+    DK, DK_DESC,  # DK_SHARE ("dqk" backward): zeroed fp32 dk_idx, and its descriptor (DK_SHARE = 2)
     stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
     stride_wb, stride_wh, stride_wn,
@@ -166,9 +210,12 @@ def _indexer_bwd_dq_kernel(
     HB: tl.constexpr, IB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, RELU: tl.constexpr, IEEE_T: tl.constexpr, IEEE_I: tl.constexpr,
     NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr, TEACHER: tl.constexpr = True, L1: tl.constexpr = False,
+    P_SAVED: tl.constexpr = False, LOGITS_FROM_A: tl.constexpr = False, DK_SHARE: tl.constexpr = 0,
 ):
     """dq_idx [B, H_I, N_Q, D_I] and dweights [B, H_I, N_Q] (fp32, contiguous) of the heads of
-    indexer key head ``kvi`` for one token block."""
+    indexer key head ``kvi`` for one token block. DK_SHARE (the one-kernel "dqk" backward): each
+    key tile's dk_idx share of these heads is added into DK too (1: fp32 atomics, 2: one TMA bulk
+    reduction per tile)."""
     ROWS: tl.constexpr = GI_PAD * BLOCK_T
     pid_t = tl.program_id(0)
     pid_bk = tl.program_id(1)
@@ -190,22 +237,23 @@ def _indexer_bwd_dq_kernel(
     dq = tl.zeros([ROWS, DI_PAD], tl.float32)
     dw = tl.zeros([ROWS], tl.float32)
     full_hi, key_hi = _key_stages(t0, 0, N_K, N_Q, N_K, BLOCK_T, BLOCK_N, CAUSAL)
+    ROT = pid_t if DK_SHARE > 0 else 0  # the unmasked stage's first tile (rotated: see _dq_key_range)
     dq, dw = _dq_key_range(
-        dq, dw, q_rows, w_rows, ki_base, kvi, Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
+        dq, dw, q_rows, w_rows, row_ok, ki_base, kvi, ROT, DK, DK_DESC, Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
         stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
         stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
         stride_wb, stride_wh, stride_wn, b, t0, 0, full_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
         n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI, DI_PAD,
         HB, IB, GI_PAD, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, TEACHER,
-        L1)
+        L1, P_SAVED, LOGITS_FROM_A, DK_SHARE, H_KI)
     dq, dw = _dq_key_range(
-        dq, dw, q_rows, w_rows, ki_base, kvi, Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
+        dq, dw, q_rows, w_rows, row_ok, ki_base, kvi, ROT, DK, DK_DESC, Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
         stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
         stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
         stride_wb, stride_wh, stride_wn, b, t0, full_hi, key_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale,
         inv_heads, n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI, DI_PAD,
         HB, IB, GI_PAD, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, TEACHER,
-        L1)
+        L1, P_SAVED, LOGITS_FROM_A, DK_SHARE, H_KI)
     out_row = (b64 * H_I + j) * N_Q + tok
     tl.store(DQ + out_row[:, None] * DI + offs_d[None, :], dq, mask=row_ok[:, None] & (offs_d < DI)[None, :])
     tl.store(DW + out_row, dw, mask=row_ok)
@@ -224,7 +272,8 @@ def _dk_token_range(
     HB: tl.constexpr, IB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
     IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr,
-    FUSED_DQ: tl.constexpr, TEACHER: tl.constexpr, L1_K: tl.constexpr,
+    FUSED_DQ: tl.constexpr, TEACHER: tl.constexpr, L1_K: tl.constexpr, P_SAVED: tl.constexpr = False,
+    LOGITS_FROM_A: tl.constexpr = False,
 ):
     ROWS: tl.constexpr = GI_PAD * BLOCK_T
     offs_d = tl.arange(0, DI_PAD)
@@ -237,21 +286,24 @@ def _dk_token_range(
     for t0 in range(lo, hi, BLOCK_T):
         tok = t0 + rows % BLOCK_T
         row_ok = (j_in_group < GROUP_I) & (tok < N_Q)
+        q_rows = _query_rows(QI, QI_DESC, b, j0, t0, j, tok, row_ok, stride_qib, stride_qih, stride_qin,
+                             stride_qid, DI, DI_PAD, ROWS, USE_TMA)
+        w_rows = tl.load(W + b64 * stride_wb + j.to(tl.int64) * stride_wh + tok.to(tl.int64) * stride_wn,
+                         mask=row_ok, other=0.0).to(tl.float32)
+        if LOGITS_FROM_A:  # the raw rows: a NaN query row makes its own logits NaN
+            a = _dot(q_rows, tl.trans(k_tile), IEEE_I)
+        if MASKED:  # a non-finite query row must not reach the keys it cannot see through A^T @ q
+            q_rows = _finite_or_zero(q_rows)
+        if not LOGITS_FROM_A:
+            a = _dot(q_rows, tl.trans(k_tile), IEEE_I)
         grad_rows, vis_rows = _row_grad_coef(
             Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
             stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
             stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
             stride_wb, stride_wh, stride_wn, b, t0, s0, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
-            n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI,
+            n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, a, w_rows, row_ok, D, BLOCK_D, DI, BLOCK_DI,
             HB, IB, GI_PAD, BLOCK_T, BLOCK_N, MASKED, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, TEACHER,
-            False, L1_K)
-        q_rows = _query_rows(QI, QI_DESC, b, j0, t0, j, tok, row_ok, stride_qib, stride_qih, stride_qin,
-                             stride_qid, DI, DI_PAD, ROWS, USE_TMA)
-        w_rows = tl.load(W + b64 * stride_wb + j.to(tl.int64) * stride_wh + tok.to(tl.int64) * stride_wn,
-                         mask=row_ok, other=0.0).to(tl.float32)
-        if MASKED:  # a non-finite query row must not reach the keys it cannot see through A^T @ q
-            q_rows = _finite_or_zero(q_rows)
-        a = _dot(q_rows, tl.trans(k_tile), IEEE_I)
+            False, L1_K, P_SAVED, LOGITS_FROM_A)
         coef, dw_terms = _coef_a(grad_rows, vis_rows, a, w_rows, RELU)
         dk += _dot(tl.trans(coef.to(q_rows.dtype)), q_rows, IEEE_I)
         if FUSED_DQ:  # this tile's share of dq_idx and dweights: fp32 atomic adds (zeroed buffers)
@@ -277,7 +329,7 @@ def _indexer_bwd_dk_kernel(
     HB: tl.constexpr, IB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, RELU: tl.constexpr, IEEE_T: tl.constexpr, IEEE_I: tl.constexpr,
     NO_CONTRACT: tl.constexpr, ATOMIC: tl.constexpr, USE_TMA: tl.constexpr, FUSED_DQ: tl.constexpr, TEACHER: tl.constexpr = True,
-    L1: tl.constexpr = False,
+    L1: tl.constexpr = False, P_SAVED: tl.constexpr = False, LOGITS_FROM_A: tl.constexpr = False,
 ):
     """dk_idx [B, H_KI, N_K, D_I] (fp32, contiguous) of one key tile: the sum over the token blocks
     that see it (those in this program's token split, program axis 2) and over the indexer heads
@@ -329,7 +381,7 @@ def _indexer_bwd_dk_kernel(
         stride_wb, stride_wh, stride_wn, b, mask_lo, mask_hi, H, GROUP, H_I, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
         n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI, DI_PAD,
         HB, IB, GI_PAD, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, FUSED_DQ, TEACHER,
-        L1)
+        L1, P_SAVED, LOGITS_FROM_A)
     dk = _dk_token_range(
         dk, k_tile, j, kvi * GROUP_I, j_in_group, s0, DQ, DW, Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
         stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
@@ -337,7 +389,7 @@ def _indexer_bwd_dk_kernel(
         stride_wb, stride_wh, stride_wn, b, full_lo, split_hi, H, GROUP, H_I, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
         n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI, DI_PAD,
         HB, IB, GI_PAD, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, FUSED_DQ, TEACHER,
-        L1)
+        L1, P_SAVED, LOGITS_FROM_A)
     out_row = (b64 * H_KI + kvi) * N_K + keys
     out_ok = (keys < N_K)[:, None] & (offs_d < DI)[None, :]
     if ATOMIC:

@@ -30,9 +30,41 @@ import triton.language as tl
 
 from ._fwd import LOG2E, _dot, _key_stages
 from ._indexer_bwd import _coef_a, _finite_or_zero, _query_rows
-from ._indexer_fwd import _finish, _online_update, _teacher_target, _token_visible
+from ._indexer_fwd import _finish, _indexer_logits, _online_update, _teacher_target, _token_visible
 
 __all__ = ["LOG2E"]
+
+
+@triton.jit
+def _target_shares(dq_p, dw_p, p, visible, a, k_tile, q_rows, q_for_dk, w_rows, row_ok, DK_P, DK_DESC,
+                   b, s0, N_K, DI: tl.constexpr, DI_PAD: tl.constexpr, GI_PAD: tl.constexpr,
+                   BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, RELU: tl.constexpr,
+                   IEEE_I: tl.constexpr, DK_TMA: tl.constexpr, PARTS: tl.constexpr):
+    """One key tile's target shares with g = 1: dq_p, dweights_p added (registers), dk_p's
+    [BLOCK_N, D_I] share reduced into memory (PARTS = 2, timing only: not)."""
+    ROWS: tl.constexpr = GI_PAD * BLOCK_T
+    keys = s0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, DI_PAD)
+    # the target part of G with g = 1, broadcast to the indexer rows (0 where not visible)
+    p_vis = tl.where(visible, p, 0.0)
+    p_rows = tl.reshape(tl.broadcast_to(p_vis[None, :, :], [GI_PAD, BLOCK_T, BLOCK_N]), [ROWS, BLOCK_N])
+    vis_rows = tl.reshape(tl.broadcast_to(visible[None, :, :], [GI_PAD, BLOCK_T, BLOCK_N]), [ROWS, BLOCK_N])
+    vis_rows = vis_rows & row_ok[:, None]
+    coef, dw_terms = _coef_a(p_rows, vis_rows, a, w_rows, RELU)
+    dw_p += tl.sum(dw_terms, 1)
+    k_for_dq = k_tile
+    if MASKED:  # a non-finite key that a row cannot see must not reach it through A @ k
+        k_for_dq = _finite_or_zero(k_tile)
+    dq_p += _dot(coef.to(k_tile.dtype), k_for_dq, IEEE_I)
+    if PARTS >= 3:  # (not in the timing-only "nodk" variant)
+        dk_part = _dot(tl.trans(coef.to(q_rows.dtype)), q_for_dk, IEEE_I)  # [BLOCK_N, DI_PAD]
+        if DK_TMA:  # one bulk reduction (cp.reduce.async.bulk): no [BLOCK_N, D_I] pointer tensor
+            DK_DESC.atomic_add([b, 0, s0, 0], dk_part.reshape(1, 1, BLOCK_N, DI_PAD))
+        else:
+            out = b.to(tl.int64) * N_K + keys
+            tl.atomic_add(DK_P + out[:, None] * DI + offs_d[None, :], dk_part,
+                          mask=(keys < N_K)[:, None] & (offs_d < DI)[None, :])
+    return dq_p, dw_p
 
 
 @triton.jit
@@ -46,7 +78,7 @@ def _pacc_key_range(
     HB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
     IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr,
-    DK_TMA: tl.constexpr, A_L1: tl.constexpr,
+    DK_TMA: tl.constexpr, A_L1: tl.constexpr, PARTS: tl.constexpr,
 ):
     ROWS: tl.constexpr = GI_PAD * BLOCK_T
     diag_offset = N_K - N_Q
@@ -77,33 +109,23 @@ def _pacc_key_range(
         else:
             k_tile = tl.load(ki_base + keys.to(tl.int64)[:, None] * stride_kin + offs_d[None, :] * stride_kid,
                              mask=(keys < N_K)[:, None] & (offs_d < DI)[None, :], other=0.0)
-        a = _dot(q_rows, tl.trans(k_tile), IEEE_I)  # [ROWS, BLOCK_N]: row r = j * BLOCK_T + t
-        if RELU:
-            act = tl.maximum(a, 0.0, propagate_nan=tl.PropagateNan.ALL)  # relu(NaN) stays NaN
-        else:
-            act = a
-        contrib = tl.where(row_ok[:, None], w_rows[:, None] * act, 0.0)
-        logits = tl.sum(tl.reshape(contrib, [GI_PAD, BLOCK_T, BLOCK_N]), axis=0)
         visible = _token_visible(toks, keys, N_Q, N_K, diag_offset, MASKED, CAUSAL)
+        if PARTS >= 1:
+            a = _dot(q_rows, tl.trans(k_tile), IEEE_I)  # [ROWS, BLOCK_N]: row r = j * BLOCK_T + t
+            if RELU:
+                act = tl.maximum(a, 0.0, propagate_nan=tl.PropagateNan.ALL)  # relu(NaN) stays NaN
+            else:
+                act = a
+            contrib = tl.where(row_ok[:, None], w_rows[:, None] * act, 0.0)
+            logits = tl.sum(tl.reshape(contrib, [GI_PAD, BLOCK_T, BLOCK_N]), axis=0)
+        else:  # timing only ("teacher" variant): the teacher's part alone, no indexer products
+            a = tl.zeros([ROWS, BLOCK_N], tl.float32)
+            logits = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
         m, l, mass, acc, plogp = _online_update(m, l, mass, acc, plogp, p, logits, visible)
-        # the target part of G with g = 1, broadcast to the indexer rows (0 where not visible)
-        p_vis = tl.where(visible, p, 0.0)
-        p_rows = tl.reshape(tl.broadcast_to(p_vis[None, :, :], [GI_PAD, BLOCK_T, BLOCK_N]), [ROWS, BLOCK_N])
-        vis_rows = tl.reshape(tl.broadcast_to(visible[None, :, :], [GI_PAD, BLOCK_T, BLOCK_N]), [ROWS, BLOCK_N])
-        vis_rows = vis_rows & row_ok[:, None]
-        coef, dw_terms = _coef_a(p_rows, vis_rows, a, w_rows, RELU)
-        dw_p += tl.sum(dw_terms, 1)
-        k_for_dq = k_tile
-        if MASKED:  # a non-finite key that a row cannot see must not reach it through A @ k
-            k_for_dq = _finite_or_zero(k_tile)
-        dq_p += _dot(coef.to(k_tile.dtype), k_for_dq, IEEE_I)
-        dk_part = _dot(tl.trans(coef.to(q_rows.dtype)), q_for_dk, IEEE_I)  # [BLOCK_N, DI_PAD]
-        if DK_TMA:  # one bulk reduction (cp.reduce.async.bulk): no [BLOCK_N, D_I] pointer tensor
-            DK_DESC.atomic_add([b, 0, s0, 0], dk_part.reshape(1, 1, BLOCK_N, DI_PAD))
-        else:
-            out = b64 * N_K + keys
-            tl.atomic_add(DK_P + out[:, None] * DI + offs_d[None, :], dk_part,
-                          mask=(keys < N_K)[:, None] & (offs_d < DI)[None, :])
+        if PARTS >= 2:  # (not in the timing-only "logits" / "teacher" variants)
+            dq_p, dw_p = _target_shares(
+                dq_p, dw_p, p, visible, a, k_tile, q_rows, q_for_dk, w_rows, row_ok, DK_P, DK_DESC,
+                b, s0, N_K, DI, DI_PAD, GI_PAD, BLOCK_T, BLOCK_N, MASKED, RELU, IEEE_I, DK_TMA, PARTS)
     return m, l, mass, acc, plogp, dq_p, dw_p
 
 
@@ -120,6 +142,7 @@ def _indexer_fwd_pacc_kernel(
     HB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, RELU: tl.constexpr, IEEE_T: tl.constexpr, IEEE_I: tl.constexpr,
     NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr, DK_TMA: tl.constexpr, A_L1: tl.constexpr = False,
+    PARTS: tl.constexpr = 3,
 ):
     """KL and LSE_I [B, N_Q] as ``_indexer_fwd_kernel``; dq_p [B, H_I, N_Q, D_I] and dweights_p
     [B, H_I, N_Q] stored, dk_p [B, 1, N_K, D_I] added (fp32, contiguous; dk_p zeroed)."""
@@ -150,13 +173,13 @@ def _indexer_fwd_pacc_kernel(
         stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
         stride_kib, stride_kin, stride_kid, b, t0, 0, full_hi, pid_t, H, GROUP, N_Q, N_K, qk_scale, inv_heads,
         n_chunks, chunks_per_group, D, BLOCK_D, DI, DI_PAD, HB, GI_PAD, BLOCK_T, BLOCK_N,
-        False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, DK_TMA, A_L1)
+        False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, DK_TMA, A_L1, PARTS)
     m, l, mass, acc, plogp, dq_p, dw_p = _pacc_key_range(
         m, l, mass, acc, plogp, dq_p, dw_p, q_rows, w_rows, row_ok, Q, K, KI, Q_DESC, K_DESC, KI_DESC, LSE_T, DK_P, DK_DESC,
         stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
         stride_kib, stride_kin, stride_kid, b, t0, full_hi, key_hi, 0, H, GROUP, N_Q, N_K, qk_scale, inv_heads,
         n_chunks, chunks_per_group, D, BLOCK_D, DI, DI_PAD, HB, GI_PAD, BLOCK_T, BLOCK_N,
-        True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, DK_TMA, A_L1)
+        True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, DK_TMA, A_L1, PARTS)
     kl, lse_i = _finish(m, l, acc, plogp)
     ok = toks < N_Q
     out = b64 * N_Q + toks
@@ -166,3 +189,110 @@ def _indexer_fwd_pacc_kernel(
     out_row = (b64 * H_I + j) * N_Q + tok
     tl.store(DQ_P + out_row[:, None] * DI + offs_d[None, :], dq_p, mask=row_ok[:, None] & (offs_d < DI)[None, :])
     tl.store(DW_P + out_row, dw_p, mask=row_ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# The "store" design: the plain forward's tile (the forward's launch configs) that also writes
+# the target p [B, N_Q, N_K] it forms; the backward's teacher-free kernels read it back
+# (_indexer_bwd, P_SAVED), so the teacher is read once per training step and no gradient-sized
+# accumulators are carried in the forward's registers. Extra memory: B * N_Q * N_K floats
+# (_indexer.pstore_enabled caps it).
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _pstore_key_range(
+    m, l, mass, acc, plogp,
+    Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, P,
+    stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
+    stride_wb, stride_wh, stride_wn,
+    b, t0, lo, hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
+    n_chunks, chunks_per_group, n_ichunks, ichunks_per_group,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr,
+    HB: tl.constexpr, IB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
+    IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr,
+    A_L1: tl.constexpr,
+):
+    """_indexer_fwd._fwd_key_range's loop, plus one store of each tile's p (0 where masked)."""
+    diag_offset = N_K - N_Q
+    toks = t0 + tl.arange(0, BLOCK_T)
+    p_row = (b.to(tl.int64) * N_Q + toks.to(tl.int64)) * N_K
+    tok_ok = toks < N_Q
+    for s0 in range(lo, hi, BLOCK_N):
+        keys = s0 + tl.arange(0, BLOCK_N)
+        p = _teacher_target(Q, K, Q_DESC, K_DESC, LSE_T, stride_qb, stride_qh, stride_qn, stride_qd,
+                            stride_kb, stride_kh, stride_kn, stride_kd,
+                            b, t0, s0, H, GROUP, N_Q, N_K, diag_offset, qk_scale, inv_heads,
+                            n_chunks, chunks_per_group, D, BLOCK_D, HB, BLOCK_T, BLOCK_N,
+                            MASKED, CAUSAL, IEEE_T, NO_CONTRACT, USE_TMA, A_L1)
+        logits = _indexer_logits(QI, KI, QI_DESC, KI_DESC, W, stride_qib, stride_qih, stride_qin, stride_qid,
+                                 stride_kib, stride_kih, stride_kin, stride_kid, stride_wb, stride_wh, stride_wn,
+                                 b, t0, s0, GROUP_I, N_Q, N_K, n_ichunks, ichunks_per_group,
+                                 DI, BLOCK_DI, IB, BLOCK_T, BLOCK_N, RELU, IEEE_I, USE_TMA, A_L1)
+        visible = _token_visible(toks, keys, N_Q, N_K, diag_offset, MASKED, CAUSAL)
+        m, l, mass, acc, plogp = _online_update(m, l, mass, acc, plogp, p, logits, visible)
+        tl.store(P + p_row[:, None] + keys[None, :], p.to(P.dtype.element_ty),
+                 mask=tok_ok[:, None] & (keys < N_K)[None, :])
+    return m, l, mass, acc, plogp
+
+
+@triton.jit
+def _indexer_fwd_pstore_kernel(
+    Q, K, QI, KI, W, LSE_T, KL, LSE_I, PART, P,
+    Q_DESC, K_DESC, QI_DESC, KI_DESC,  # TMA descriptors of q, k, q_idx, k_idx (used when USE_TMA)
+    stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
+    stride_wb, stride_wh, stride_wn,
+    H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
+    n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, keys_per_split,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr,
+    HB: tl.constexpr, IB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, RELU: tl.constexpr, IEEE_T: tl.constexpr, IEEE_I: tl.constexpr,
+    NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr, SPLIT: tl.constexpr, A_L1: tl.constexpr = False,
+):
+    """``_indexer_fwd._indexer_fwd_kernel`` (same grid, key splits and outputs) that also stores
+    the target ``p`` of every tile it visits into ``P [B, N_Q, N_K]`` (tiles past a block's
+    causal frontier are not written: the backward reads only visible entries)."""
+    pid_t = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    t0 = pid_t * BLOCK_T
+    toks = t0 + tl.arange(0, BLOCK_T)
+    m = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_T], tl.float32)
+    mass = tl.zeros([BLOCK_T], tl.float32)
+    acc = tl.zeros([BLOCK_T], tl.float32)
+    plogp = tl.zeros([BLOCK_T], tl.float32)
+    key_lo = split * keys_per_split  # a multiple of BLOCK_N (the host rounds keys_per_split)
+    full_hi, key_hi = _key_stages(t0, key_lo, tl.minimum(key_lo + keys_per_split, N_K), N_Q, N_K,
+                                  BLOCK_T, BLOCK_N, CAUSAL)
+    key_hi = tl.maximum(key_hi, key_lo)  # a split past the causal frontier walks nothing
+    m, l, mass, acc, plogp = _pstore_key_range(
+        m, l, mass, acc, plogp, Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, P,
+        stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+        stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
+        stride_wb, stride_wh, stride_wn, b, t0, key_lo, full_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
+        n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI,
+        HB, IB, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, A_L1)
+    m, l, mass, acc, plogp = _pstore_key_range(
+        m, l, mass, acc, plogp, Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, P,
+        stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+        stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
+        stride_wb, stride_wh, stride_wn, b, t0, full_hi, key_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale,
+        inv_heads, n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI,
+        HB, IB, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, A_L1)
+    ok = toks < N_Q
+    out = b.to(tl.int64) * N_Q + toks
+    if SPLIT:
+        plane = tl.num_programs(1).to(tl.int64) * tl.num_programs(2) * N_Q
+        at = PART + split.to(tl.int64) * tl.num_programs(2) * N_Q + out
+        tl.store(at, m, mask=ok)
+        tl.store(at + plane, l, mask=ok)
+        tl.store(at + 2 * plane, mass, mask=ok)
+        tl.store(at + 3 * plane, acc, mask=ok)
+        tl.store(at + 4 * plane, plogp, mask=ok)
+    else:
+        kl, lse_i = _finish(m, l, acc, plogp)
+        tl.store(KL + out, kl, mask=ok)
+        tl.store(LSE_I + out, lse_i, mask=ok)

@@ -1,0 +1,217 @@
+"""The indexer loss's "store" design (STREAMKL_INDEXER_PSTORE=1, issue 10) and the accumulating
+forward's timing-only variants, under the interpreter.
+
+The store design: the forward's tile also writes the target p [B, N_Q, N_K]; the backward's
+teacher-free kernels read it back (_indexer_bwd, P_SAVED). Loss and gradients against float64
+(streamkl_ref.indexer_kl_grad with the reduction's uniform g) and against the accumulating
+design; NaN isolation through the stored p; the dispatch rule (pstore_enabled).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import streamkl_ref
+from streamkl_gpu import _indexer
+from streamkl_ref._checks import check_indexer_inputs
+
+from test_gpu_indexer import make
+
+
+def _loss_and_grads(xs, lse, reduction, g=1.7, **kw):
+    import streamkl_gpu
+
+    ins = [x.clone().requires_grad_(t) for x, t in zip(xs, (False, False, True, True, True))]
+    loss = streamkl_gpu.indexer_kl(*ins, lse=lse, reduction=reduction, **kw)
+    loss.backward(torch.tensor(g))
+    return loss.detach(), {n: t.grad for n, t in zip(("dq_idx", "dk_idx", "dweights"), ins[2:])}
+
+
+def _teacher_lse(xs, causal):
+    return torch.from_numpy(streamkl_ref.indexer_kl(*[x.double().numpy() for x in xs], return_lse=True,
+                                                    causal=causal)[2]).float()
+
+
+# (B, H, H_K, N_Q, N_K, D, H_I, H_KI, D_I), causal, reduction, relu
+PSTORE_CASES = [
+    ((1, 4, 1, 13, 21, 24, 4, 1, 16), True, "sum", True),     # MQA teacher, N_K > N_Q
+    ((2, 4, 2, 17, 17, 16, 2, 1, 8), True, "mean", False),    # GQA teacher, batch 2, relu off
+    ((1, 6, 3, 20, 9, 16, 3, 1, 12), True, "mean", True),     # N_Q > N_K causal: empty rows
+    ((1, 4, 1, 9, 40, 16, 2, 1, 16), False, "sum", True),     # not causal, ragged key tiles
+]
+
+
+@pytest.mark.parametrize("shape,causal,reduction,relu", PSTORE_CASES)
+def test_stored_target_matches_reference(monkeypatch, poison, shape, causal, reduction, relu):
+    xs = make(*shape, seed=sum(shape) + 60)
+    B, NQ, NK = shape[0], shape[3], shape[4]
+    kw = dict(causal=causal, relu=relu)
+    x64 = [x.double().numpy() for x in xs]
+    kl_ref, _, lse_t = streamkl_ref.indexer_kl(*x64, return_lse=True, **kw)
+    lse = torch.from_numpy(lse_t).float()
+    rows = B * (min(NQ, NK) if causal else NQ)
+    g_row = 1.7 if reduction == "sum" else 1.7 / rows
+    ref = streamkl_ref.indexer_kl_grad(*x64, np.full((B, NQ), g_row), **kw)
+    ref_loss = kl_ref.sum() * (1.0 if reduction == "sum" else 1.0 / rows)
+    monkeypatch.setenv("STREAMKL_INDEXER_PACC", "1")
+    monkeypatch.setenv("STREAMKL_INDEXER_PSTORE", "1")
+    calls = []
+    fwd, bwd = _indexer._forward_pstore, _indexer._backward
+    monkeypatch.setattr(_indexer, "_forward_pstore", lambda *a: calls.append("fwd") or fwd(*a))
+    monkeypatch.setattr(_indexer, "_backward", lambda *a, **k: calls.append(k.get("p_saved") is not None) or bwd(*a, **k))
+    loss, grads = _loss_and_grads(xs, lse, reduction, **kw)
+    assert calls == ["fwd", True]  # the storing forward, the backward reading p
+    assert abs(loss.item() - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss))
+    for name, got in grads.items():
+        want = torch.from_numpy(ref[name])
+        err = (got.double() - want).norm() / max(want.norm().item(), 1e-12)
+        assert err <= 1e-5, (name, err.item())
+    monkeypatch.setenv("STREAMKL_INDEXER_PSTORE", "0")  # the accumulating design: the same numbers
+    loss0, grads0 = _loss_and_grads(xs, lse, reduction, **kw)
+    assert torch.allclose(loss, loss0, rtol=1e-5, atol=1e-6)
+    for name in grads:
+        assert torch.allclose(grads[name], grads0[name], rtol=1e-4, atol=1e-6), name
+
+
+def test_stored_target_is_the_head_mean(poison):
+    """The stored p equals the float64 target on every visible entry (rows sum to 1); the loss is
+    the reference's sum. (The poison fixture NaN-fills fresh buffers: unwritten entries stay NaN,
+    and the backward must never read them: it reads visible entries only.)"""
+    xs = make(1, 4, 1, 11, 11, 16, 2, 1, 8, seed=61)
+    lse = _teacher_lse(xs, True)
+    total, lse_idx, p = _indexer._forward_pstore(*xs, lse, True, 0.25, True)
+    x64 = [x.double().numpy() for x in xs]
+    q, k = x64[0][0], x64[1][0]
+    s = np.einsum("htd,sd->hts", q, k[0]) * 0.25
+    s = np.where(np.tril(np.ones((11, 11), bool)), s, -np.inf)
+    want = np.exp(s - s.max(-1, keepdims=True))
+    want = (want / want.sum(-1, keepdims=True)).mean(0)
+    vis = np.tril(np.ones((11, 11), bool))
+    got = p[0].double().numpy()
+    assert np.allclose(got[vis], want[vis], rtol=1e-5, atol=1e-7)
+    assert np.allclose(got.sum(-1, where=vis), 1.0, atol=1e-5)
+    ref = streamkl_ref.indexer_kl(*x64, causal=True, scale=0.25)
+    assert abs(total.item() - ref.sum()) <= 1e-5 * max(1.0, abs(ref.sum()))
+
+
+def test_stored_target_nan_isolation(monkeypatch, poison):
+    """A NaN in teacher key 17 (square causal: rows 17.. see it) poisons the stored p of those
+    rows only: the other rows' dq_idx / dweights equal the clean run's."""
+    monkeypatch.setenv("STREAMKL_INDEXER_PACC", "1")
+    monkeypatch.setenv("STREAMKL_INDEXER_PSTORE", "1")
+    xs = make(1, 2, 1, 21, 21, 16, 2, 1, 8, seed=62)
+    lse = _teacher_lse(xs, True)
+    _, clean = _loss_and_grads(xs, lse, "sum", causal=True)
+    bad = [x.clone() for x in xs]
+    bad[1][0, 0, 17, 3] = float("nan")
+    _, dirty = _loss_and_grads(bad, lse, "sum", causal=True)
+    for name in ("dq_idx", "dweights"):
+        assert torch.isfinite(dirty[name][:, :, :17]).all(), name
+        assert torch.allclose(dirty[name][:, :, :17], clean[name][:, :, :17], rtol=1e-5, atol=1e-7), name
+        assert torch.isnan(dirty[name][:, :, 17:]).any(), name
+
+
+def test_store_design_dispatch(monkeypatch):
+    d = check_indexer_inputs(*make(1, 2, 1, 5, 7, 8, 2, 1, 8, seed=63))
+    monkeypatch.delenv("STREAMKL_INDEXER_PSTORE", raising=False)
+    assert _indexer.pstore_enabled(d) == (_indexer.PSTORE_DEFAULT == "1")
+    monkeypatch.setenv("STREAMKL_INDEXER_PSTORE", "auto")
+    assert _indexer.pstore_bytes(d) == 4 * 5 * 7 and _indexer.pstore_enabled(d)
+    monkeypatch.setattr(_indexer, "PSTORE_MAX_BYTES", 4 * 5 * 7 - 1)
+    assert not _indexer.pstore_enabled(d)
+    monkeypatch.setenv("STREAMKL_INDEXER_PSTORE", "yes")
+    with pytest.raises(ValueError, match="STREAMKL_INDEXER_PSTORE"):
+        _indexer.pstore_enabled(d)
+
+
+@pytest.mark.parametrize("variant", ["teacher", "logits", "nodk"])
+def test_timing_only_parts_drop_their_work(monkeypatch, variant):
+    """The accumulating forward's timing-only variants leave out what they say: "nodk" keeps
+    KL, dq_p, dweights_p (dk_p stays 0); "logits" keeps KL (no shares); "teacher" drops the
+    student's logits (KL changes)."""
+    xs = make(1, 4, 1, 9, 9, 16, 2, 1, 8, seed=64)
+    lse = _teacher_lse(xs, True)
+    full = _indexer._forward_pacc(*xs, lse, True, 0.25, True)
+    monkeypatch.setattr(_indexer, "INTERPRETER_CONFIG", _indexer.INTERPRETER_CONFIG + (None, 1, variant))
+    part = _indexer._forward_pacc(*xs, lse, True, 0.25, True)
+    same_kl = torch.allclose(part[0], full[0], rtol=1e-6)
+    assert same_kl == (variant != "teacher")
+    assert torch.equal(part[3], torch.zeros_like(part[3]))  # dk_p: zeroed, never added to
+    assert torch.allclose(part[2], full[2]) == (variant == "nodk")  # dq_p
+
+
+@pytest.mark.parametrize("design", ["pstore", "pacc", "plain"])
+def test_one_kernel_dqk_backward(monkeypatch, poison, design):
+    """STREAMKL_INDEXER_BWD=dqk (the dq kernel alone, each key tile's dk share added by atomics)
+    gives the reference's gradients, after each forward design; with a NaN indexer key that rows
+    < 17 cannot see, their dq_idx / dweights and dk_idx of keys they alone see stay finite."""
+    monkeypatch.setenv("STREAMKL_INDEXER_PACC", "0" if design == "plain" else "1")
+    monkeypatch.setenv("STREAMKL_INDEXER_PSTORE", "1" if design == "pstore" else "0")
+    shape = (1, 4, 1, 21, 21, 16, 2, 1, 8)
+    xs = make(*shape, seed=65)
+    x64 = [x.double().numpy() for x in xs]
+    lse = _teacher_lse(xs, True)
+    ref = streamkl_ref.indexer_kl_grad(*x64, np.full((1, 21), 1.7), causal=True)
+    monkeypatch.setenv("STREAMKL_INDEXER_BWD", "dqk")
+    _, grads = _loss_and_grads(xs, lse, "sum", causal=True)
+    for name, got in grads.items():
+        want = torch.from_numpy(ref[name])
+        err = (got.double() - want).norm() / max(want.norm().item(), 1e-12)
+        assert err <= 1e-5, (name, err.item())
+    bad = [x.clone() for x in xs]
+    bad[3][0, 0, 17, 3] = float("nan")
+    _, dirty = _loss_and_grads(bad, lse, "sum", causal=True)
+    for name in ("dq_idx", "dweights"):
+        assert torch.allclose(dirty[name][:, :, :17], grads[name][:, :, :17], rtol=1e-5, atol=1e-7), name
+    # dk of a key is a sum over the rows that see it; keys < 17 are also seen by rows 17.. (NaN)
+    assert torch.isnan(dirty["dk_idx"][0, 0, 17]).any()
+
+
+def test_store_design_traced_by_torch_compile(monkeypatch):
+    """torch.compile(fullgraph=True) traces the store design's custom ops; same loss and
+    gradients as eager."""
+    import streamkl_gpu
+
+    monkeypatch.setenv("STREAMKL_INDEXER_PACC", "1")
+    monkeypatch.setenv("STREAMKL_INDEXER_PSTORE", "1")
+    xs = make(1, 4, 1, 7, 9, 16, 2, 1, 8, seed=66)
+    lse = _teacher_lse(xs, True)
+
+    def step(q, k, qi, ki, w):
+        return streamkl_gpu.indexer_kl(q, k, qi, ki, w, causal=True, lse=lse, reduction="mean")
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    results = []
+    for fn in (step, compiled):
+        ins = [x.clone().requires_grad_(t) for x, t in zip(xs, (False, False, True, True, True))]
+        loss = fn(*ins)
+        loss.backward()
+        results.append((loss.detach(), [x.grad for x in ins[2:]]))
+    (l_e, g_e), (l_c, g_c) = results
+    assert torch.equal(l_e, l_c)
+    for a, b in zip(g_e, g_c):
+        assert torch.equal(a, b)
+
+
+def test_stored_target_in_float16(monkeypatch):
+    """p stored in float16 (PSTORE_DTYPE): half the memory; gradients within 1e-3 of float64
+    (p in [0, 1]: relative rounding 2^-11), the loss unchanged (the forward's sums use fp32 p)."""
+    monkeypatch.setenv("STREAMKL_INDEXER_PACC", "1")
+    monkeypatch.setenv("STREAMKL_INDEXER_PSTORE", "1")
+    monkeypatch.setattr(_indexer, "PSTORE_DTYPE", torch.float16)
+    shape = (1, 4, 1, 13, 21, 24, 4, 1, 16)
+    xs = make(*shape, seed=67)
+    x64 = [x.double().numpy() for x in xs]
+    kl_ref, _, lse_t = streamkl_ref.indexer_kl(*x64, return_lse=True, causal=True)
+    ref = streamkl_ref.indexer_kl_grad(*x64, np.full((1, 13), 1.7), causal=True)
+    d = check_indexer_inputs(*xs)
+    assert _indexer.pstore_bytes(d) == 2 * 13 * 21
+    _, _, p = _indexer._forward_pstore(*xs, torch.from_numpy(lse_t).float(), True, 24 ** -0.5, True)
+    assert p.dtype == torch.float16
+    loss, grads = _loss_and_grads(xs, torch.from_numpy(lse_t).float(), "sum", causal=True)
+    assert abs(loss.item() - kl_ref.sum()) <= 1e-5 * max(1.0, abs(kl_ref.sum()))
+    for name, got in grads.items():
+        want = torch.from_numpy(ref[name])
+        err = (got.double() - want).norm() / max(want.norm().item(), 1e-12)
+        assert err <= 1e-3, (name, err.item())
