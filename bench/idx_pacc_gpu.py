@@ -73,9 +73,11 @@ FWD_VARIANTS = [
     ("part:nodk", "pacc", BASE_FWD + (None, 1, "nodk"), False),
     ("w4", "pacc", (128, 128, 64, 64, 4, 3), True),
     ("t2 hb64 w8", "pacc", (128, 128, 64, 64, 8, 3, 64), True),
+    ("kt w8", "pacc", BASE_FWD + (None, 1, "kt"), True),  # keys as the indexer's rows: offline 144 B of spills
     ("bn32 w8", "pacc", (128, 128, 32, 64, 8, 3), True),  # offline: 48 B of spills (BLOCK_N 64: 328)
-    ("store p fp16", "pstore", STORE_FWD + (None, 1, "p16"), True),  # p stored in float16 (PSTORE_DTYPE)
+    ("kt bn32 w4", "pacc", (128, 128, 32, 64, 4, 3, None, 1, "kt"), True),  # offline: 192 B
 ]
+# also: ("store p fp16", "pstore", STORE_FWD + (None, 1, "p16"), True): p stored in float16
 # The student backward's variants (dq and dk kernels forced to the same config), after the
 # forward of their design's first variant: (label, design, config). A 9th field "dqk": the
 # one-kernel backward (STREAMKL_INDEXER_BWD=dqk); "again": the logits formed again by a second
@@ -87,7 +89,6 @@ BWD_VARIANTS = [
     ("logits again", "pacc", BASE_BWD + (None, 1, "again")),
     ("dqk w4", "pacc", (64, 64, 64, 64, 4, 2, None, 1, "dqk")),
     ("store", "pstore", BASE_BWD),
-    ("store dqk", "pstore", BASE_BWD + (None, 1, "dqk")),
 ]
 DESIGN_ENV = {"pacc": "0", "pstore": "1"}  # STREAMKL_INDEXER_PSTORE
 

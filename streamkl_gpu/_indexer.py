@@ -750,6 +750,7 @@ def _forward_pacc(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
             D=dims.D, BLOCK_D=pl["BLOCK_D"], DI=dims.DI, DI_PAD=pl["DI_PAD"], HB=pl["HB"], GI_PAD=pl["GI_PAD"],
             BLOCK_T=pl["BLOCK_T"], BLOCK_N=pl["BLOCK_N"], CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i,
             NO_CONTRACT=no_contract, USE_TMA=tma, DK_TMA=dk_tma, A_L1=a_l1, PARTS=PACC_PARTS.get(pl["variant"], 3),
+            KEY_ROWS=pl["variant"] == "kt",
             num_warps=pl["warps"], num_stages=pl["stages"])
 
     if _use_gluon(dims, q, k, q_idx, k_idx, pacc=True):  # the Gluon accumulating forward (Hopper, MQA)
