@@ -74,9 +74,10 @@ FWD_VARIANTS = [
     ("w4", "pacc", (128, 128, 64, 64, 4, 3), True),
     ("t2 hb64 w8", "pacc", (128, 128, 64, 64, 8, 3, 64), True),
     ("kt w8", "pacc", BASE_FWD + (None, 1, "kt"), True),  # keys as the indexer's rows: offline 144 B of spills
-    ("bn32 w8", "pacc", (128, 128, 32, 64, 8, 3), True),  # offline: 48 B of spills (BLOCK_N 64: 328)
-    ("kt bn32 w4", "pacc", (128, 128, 32, 64, 4, 3, None, 1, "kt"), True),  # offline: 192 B
+    ("tm w4", "pacc", (128, 128, 64, 64, 4, 3, None, 1, "tm"), True),  # token-major q: offline 504 B (568)
+    ("kt+tm w8", "pacc", BASE_FWD + (None, 1, "kt+tm"), True),  # offline: 152 B
 ]
+# also: ("bn32 w8", "pacc", (128, 128, 32, 64, 8, 3), True): offline 48 B of spills
 # also: ("store p fp16", "pstore", STORE_FWD + (None, 1, "p16"), True): p stored in float16
 # The student backward's variants (dq and dk kernels forced to the same config), after the
 # forward of their design's first variant: (label, design, config). A 9th field "dqk": the

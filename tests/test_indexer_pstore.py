@@ -250,3 +250,21 @@ def test_accumulating_forward_keys_as_rows(monkeypatch, poison, shape, causal, r
         _, dirty = _loss_and_grads(bad, lse, "mean", causal=causal, relu=relu)
         for name in ("dq_idx", "dweights"):
             assert torch.allclose(dirty[name][:, :, :9], grads[name][:, :, :9], rtol=1e-5, atol=1e-7), name
+
+
+@pytest.mark.parametrize("variant", ["tm", "kt+tm"])
+def test_accumulating_forward_token_major_q(monkeypatch, variant):
+    """The "tm" flag (one token per program: q read through a token-major [B, N, H, D]
+    descriptor, so the teacher's product reads its rows from shared memory) gives the default
+    variant's outputs (interpreter with TMA descriptors)."""
+    from streamkl_gpu import _runtime
+
+    monkeypatch.setattr(_runtime, "INTERPRETER_TMA", True)
+    xs = make(1, 32, 1, 11, 19, 32, 16, 1, 16, seed=69)  # 32 heads x 1 token: the 32 teacher rows
+    lse = _teacher_lse(xs, True)
+    base = _indexer._forward_pacc(*xs, lse, True, 0.3, True)
+    assert _indexer._plan(check_indexer_inputs(*xs), _indexer.INTERPRETER_CONFIG, "bwd")["BLOCK_T"] == 1
+    monkeypatch.setattr(_indexer, "INTERPRETER_CONFIG", _indexer.INTERPRETER_CONFIG + (None, 1, variant))
+    got = _indexer._forward_pacc(*xs, lse, True, 0.3, True)
+    for name, a, b in zip(("total", "lse_idx", "dq_p", "dk_p", "dw_p"), base, got):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), name
