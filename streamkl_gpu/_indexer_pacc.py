@@ -185,7 +185,7 @@ def _pacc_key_range_kt(
     HB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
     IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr,
-    DK_TMA: tl.constexpr, A_L1: tl.constexpr, Q_TM: tl.constexpr = False,
+    DK_TMA: tl.constexpr, A_L1: tl.constexpr, Q_TM: tl.constexpr = False, DK_HALVES: tl.constexpr = False,
 ):
     """``_pacc_key_range`` with the indexer's products transposed ("kt" variant): keys as the
     rows, ``aT = k_idx q_rows^T [BLOCK_N, ROWS]`` (column r = j * BLOCK_T + t). The q_idx rows
@@ -201,6 +201,8 @@ def _pacc_key_range_kt(
     q_for_dk = q_rows
     if MASKED:  # a non-finite query row must not reach the keys it cannot see through A^T @ q
         q_for_dk = _finite_or_zero(q_rows)
+    if DK_HALVES:  # q_for_dk's two D halves (DK_TMA only: the host checks)
+        q_dk_lo, q_dk_hi = tl.split(tl.permute(tl.reshape(q_for_dk, [ROWS, 2, DI_PAD // 2]), [0, 2, 1]))
     n_tiles = tl.cdiv(hi - lo, BLOCK_N)
     for i in range(0, n_tiles):
         if MASKED:
@@ -248,10 +250,17 @@ def _pacc_key_range_kt(
         if MASKED:  # a non-finite key that a row cannot see must not reach it through A @ k
             k_for_dq = _finite_or_zero(k_tile)
         dq_p += _dot(tl.trans(coef_t.to(k_tile.dtype)), k_for_dq, IEEE_I)  # [ROWS, DI_PAD]
-        dk_part = _dot(coef_t.to(q_rows.dtype), q_for_dk, IEEE_I)  # [BLOCK_N, DI_PAD]
-        if DK_TMA:  # one bulk reduction (cp.reduce.async.bulk)
+        if DK_HALVES:  # the share in two D halves, one reduction each: half the live accumulator
+            HALF: tl.constexpr = DI_PAD // 2
+            dk_lo = _dot(coef_t.to(q_rows.dtype), q_dk_lo, IEEE_I)  # [BLOCK_N, DI_PAD / 2]
+            DK_DESC.atomic_add([b, 0, s0, 0], dk_lo.reshape(1, 1, BLOCK_N, HALF))
+            dk_hi = _dot(coef_t.to(q_rows.dtype), q_dk_hi, IEEE_I)
+            DK_DESC.atomic_add([b, 0, s0, HALF], dk_hi.reshape(1, 1, BLOCK_N, HALF))
+        elif DK_TMA:  # one bulk reduction (cp.reduce.async.bulk)
+            dk_part = _dot(coef_t.to(q_rows.dtype), q_for_dk, IEEE_I)  # [BLOCK_N, DI_PAD]
             DK_DESC.atomic_add([b, 0, s0, 0], dk_part.reshape(1, 1, BLOCK_N, DI_PAD))
         else:
+            dk_part = _dot(coef_t.to(q_rows.dtype), q_for_dk, IEEE_I)  # [BLOCK_N, DI_PAD]
             out = b64 * N_K + keys
             tl.atomic_add(DK_P + out[:, None] * DI + offs_d[None, :], dk_part,
                           mask=(keys < N_K)[:, None] & (offs_d < DI)[None, :])
@@ -272,6 +281,7 @@ def _indexer_fwd_pacc_kernel(
     CAUSAL: tl.constexpr, RELU: tl.constexpr, IEEE_T: tl.constexpr, IEEE_I: tl.constexpr,
     NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr, DK_TMA: tl.constexpr, A_L1: tl.constexpr = False,
     PARTS: tl.constexpr = 3, KEY_ROWS: tl.constexpr = False, Q_TM: tl.constexpr = False,
+    DK_HALVES: tl.constexpr = False,
 ):
     """KL and LSE_I [B, N_Q] as ``_indexer_fwd_kernel``; dq_p [B, H_I, N_Q, D_I] and dweights_p
     [B, H_I, N_Q] stored, dk_p [B, 1, N_K, D_I] added (fp32, contiguous; dk_p zeroed)."""
@@ -303,13 +313,13 @@ def _indexer_fwd_pacc_kernel(
             stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
             stride_kib, stride_kin, stride_kid, b, t0, 0, full_hi, pid_t, H, GROUP, N_Q, N_K, qk_scale, inv_heads,
             n_chunks, chunks_per_group, D, BLOCK_D, DI, DI_PAD, HB, GI_PAD, BLOCK_T, BLOCK_N,
-            False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, DK_TMA, A_L1, Q_TM)
+            False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, DK_TMA, A_L1, Q_TM, DK_HALVES)
         m, l, mass, acc, plogp, dq_p, dw_p = _pacc_key_range_kt(
             m, l, mass, acc, plogp, dq_p, dw_p, q_rows, w_rows, row_ok, Q, K, KI, Q_DESC, K_DESC, KI_DESC, LSE_T, DK_P, DK_DESC,
             stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
             stride_kib, stride_kin, stride_kid, b, t0, full_hi, key_hi, 0, H, GROUP, N_Q, N_K, qk_scale, inv_heads,
             n_chunks, chunks_per_group, D, BLOCK_D, DI, DI_PAD, HB, GI_PAD, BLOCK_T, BLOCK_N,
-            True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, DK_TMA, A_L1, Q_TM)
+            True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, DK_TMA, A_L1, Q_TM, DK_HALVES)
     else:
         m, l, mass, acc, plogp, dq_p, dw_p = _pacc_key_range(
             m, l, mass, acc, plogp, dq_p, dw_p, q_rows, w_rows, row_ok, Q, K, KI, Q_DESC, K_DESC, KI_DESC, LSE_T, DK_P, DK_DESC,
