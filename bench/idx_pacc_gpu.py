@@ -67,27 +67,30 @@ STORE_FWD = (128, 128, 128, 64, 4, 3)  # the plain forward's measured best tile 
 # incomplete: not checked).
 FWD_VARIANTS = [
     ("base", "pacc", BASE_FWD, True),
-    ("store", "pstore", STORE_FWD, True),
+    ("store", "pstore", STORE_FWD, True),  # the store design: a measured experiment (quadratic memory)
     ("part:teacher", "pacc", BASE_FWD + (None, 1, "teacher"), False),
     ("part:logits", "pacc", BASE_FWD + (None, 1, "logits"), False),
     ("part:nodk", "pacc", BASE_FWD + (None, 1, "nodk"), False),
-    ("store 2 stages", "pstore", (128, 128, 128, 64, 4, 2), True),
     ("w4", "pacc", (128, 128, 64, 64, 4, 3), True),
-    ("t2 hb64 w8", "pacc", (128, 128, 64, 64, 8, 3, 64), True),
-    ("store p fp16", "pstore", STORE_FWD + (None, 1, "p16"), True),  # p stored in float16 (PSTORE_DTYPE)
+    ("kt+tm+h2 w4", "pacc", (128, 128, 64, 64, 4, 3, None, 1, "kt+tm+h2"), True),  # offline: 384 B of spills
+    ("kt w8", "pacc", BASE_FWD + (None, 1, "kt"), True),  # keys as the indexer's rows: offline 144 B of spills
+    ("tm w4", "pacc", (128, 128, 64, 64, 4, 3, None, 1, "tm"), True),  # token-major q: offline 504 B (568)
+    ("kt+tm w8", "pacc", BASE_FWD + (None, 1, "kt+tm"), True),  # offline: 152 B
 ]
+# also: ("bn32 w8", "pacc", (128, 128, 32, 64, 8, 3), True): offline 48 B of spills;
+# ("t2 hb64 w8", "pacc", (128, 128, 64, 64, 8, 3, 64), True): two tokens x 64 heads, 472 B
+# also: ("store p fp16", "pstore", STORE_FWD + (None, 1, "p16"), True): p stored in float16
 # The student backward's variants (dq and dk kernels forced to the same config), after the
-# forward of their design's first variant: (label, design, config)
+# forward of their design's first variant: (label, design, config). A 9th field "dqk": the
+# one-kernel backward (STREAMKL_INDEXER_BWD=dqk); "again": the logits formed again by a second
+# product (BWD_LOGITS_FROM_A off: the session-5 backward)
 BWD_VARIANTS = [
     ("base", "pacc", BASE_BWD),
-    ("store", "pstore", BASE_BWD),
-    ("store dqk", "pstore", BASE_BWD + (None, 1, "dqk")),  # STREAMKL_INDEXER_BWD=dqk: one kernel
-    ("store w4 s2", "pstore", (64, 64, 64, 64, 4, 2)),
-    ("store w4 s3", "pstore", (64, 64, 64, 64, 4, 3)),
-    ("store logits again", "pstore", BASE_BWD + (None, 1, "again")),  # BWD_LOGITS_FROM_A off: as session 5
-    ("store dqk w4", "pstore", (64, 64, 64, 64, 4, 2, None, 1, "dqk")),
-    ("store w8 s3", "pstore", (128, 128, 64, 64, 8, 3)),
     ("w4 s2", "pacc", (64, 64, 64, 64, 4, 2)),
+    ("dqk", "pacc", BASE_BWD + (None, 1, "dqk")),
+    ("logits again", "pacc", BASE_BWD + (None, 1, "again")),
+    ("dqk w4", "pacc", (64, 64, 64, 64, 4, 2, None, 1, "dqk")),
+    ("store", "pstore", BASE_BWD),
 ]
 DESIGN_ENV = {"pacc": "0", "pstore": "1"}  # STREAMKL_INDEXER_PSTORE
 

@@ -745,17 +745,28 @@ def _forward_pacc(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
         pl = _plan(dims, cfg, "bwd")  # every indexer head x BLOCK_T tokens in one tile
         dk_p.zero_()
         grid = (triton.cdiv(dims.NQ, pl["BLOCK_T"]), dims.B)
-        dk_desc = (_runtime.TensorDescriptor(dk_p, list(dk_p.shape), list(dk_p.stride()), [1, 1, pl["BLOCK_N"], pl["DI_PAD"]])
-                   if dk_tma else None)
         tma, a_l1 = _load_mode(pl, use_tma)
+        flags = str(pl["variant"]).split("+")  # e.g. "kt+tm"
+        # "h2" (with "kt"): each dk_p share in two D halves (half-width reduction boxes)
+        dk_halves = "h2" in flags and "kt" in flags and dk_tma and pl["DI_PAD"] >= 32
+        box_d = pl["DI_PAD"] // 2 if dk_halves else pl["DI_PAD"]
+        dk_desc = (_runtime.TensorDescriptor(dk_p, list(dk_p.shape), list(dk_p.stride()), [1, 1, pl["BLOCK_N"], box_d])
+                   if dk_tma else None)
+        descs = list(_descriptors(pl, tma, q, k, q_idx, k_idx))
+        # "tm": one token per program, q read through a token-major descriptor ([B, N, H, D] view)
+        q_tm = "tm" in flags and tma and pl["BLOCK_T"] == 1
+        if q_tm:
+            qv = q.permute(0, 2, 1, 3)
+            descs[0] = _runtime.TensorDescriptor(qv, list(qv.shape), list(qv.stride()), [1, 1, pl["HB"], pl["BLOCK_D"]])
         _indexer_pacc._indexer_fwd_pacc_kernel[grid](
             q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, dq_p, dw_p, dk_p,
-            *_descriptors(pl, tma, q, k, q_idx, k_idx), dk_desc,
+            *descs, dk_desc,
             *_strides(q), *_strides(k), *_strides(q_idx), *_strides(k_idx), *_strides(weights),
             dims.H, group, dims.HI, dims.NQ, dims.NK, dims.scale * LOG2E, 1.0 / dims.H, pl["n_chunks"], pl["cpg"],
             D=dims.D, BLOCK_D=pl["BLOCK_D"], DI=dims.DI, DI_PAD=pl["DI_PAD"], HB=pl["HB"], GI_PAD=pl["GI_PAD"],
             BLOCK_T=pl["BLOCK_T"], BLOCK_N=pl["BLOCK_N"], CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i,
-            NO_CONTRACT=no_contract, USE_TMA=tma, DK_TMA=dk_tma, A_L1=a_l1, PARTS=PACC_PARTS.get(pl["variant"], 3),
+            NO_CONTRACT=no_contract, USE_TMA=tma, DK_TMA=dk_tma, A_L1=a_l1, PARTS=next((PACC_PARTS[f] for f in flags if f in PACC_PARTS), 3),
+            KEY_ROWS="kt" in flags, Q_TM=q_tm, DK_HALVES=dk_halves,
             num_warps=pl["warps"], num_stages=pl["stages"])
 
     if _use_gluon(dims, q, k, q_idx, k_idx, pacc=True):  # the Gluon accumulating forward (Hopper, MQA)

@@ -28,11 +28,51 @@ it as 0 * NaN.
 import triton
 import triton.language as tl
 
-from ._fwd import LOG2E, _dot, _key_stages
+from ._fwd import LOG2E, _dot, _key_stages, _to_bits
 from ._indexer_bwd import _coef_a, _finite_or_zero, _query_rows
 from ._indexer_fwd import _finish, _indexer_logits, _online_update, _teacher_target, _token_visible
 
 __all__ = ["LOG2E"]
+
+
+@triton.jit
+def _teacher_target_tm(
+    Q_DESC, K_DESC, LSE_T, b, t0, s0, H, GROUP, N_Q, N_K, diag_offset, qk_scale, inv_heads, n_chunks,
+    chunks_per_group, D: tl.constexpr, BLOCK_D: tl.constexpr, HB: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, NO_CONTRACT: tl.constexpr,
+):
+    """``_indexer_fwd._teacher_target`` for one token (BLOCK_T = 1) through a token-major q
+    descriptor: ``Q_DESC`` is over q viewed as [B, N, H, D], box [1, 1, HB, BLOCK_D], so a
+    chunk's rows arrive as a [HB, BLOCK_D] tile that the product reads from shared memory (the
+    head-major box [1, HB, 1, BLOCK_D] is reshaped through registers). Same values."""
+    rows = tl.arange(0, HB)
+    keys = s0 + tl.arange(0, BLOCK_N)
+    key_ok = keys < N_K
+    b64 = b.to(tl.int64)
+    p = tl.zeros([1, BLOCK_N], tl.float32)
+    tok_ok = (t0 + rows * 0) < N_Q  # [HB] (a tensor: the interpreter's masks must be)
+    for c in range(0, n_chunks):
+        kv = c // chunks_per_group
+        h0 = kv * GROUP + (c % chunks_per_group) * HB
+        h_in_group = (c % chunks_per_group) * HB + rows
+        h = kv * GROUP + h_in_group
+        row_ok = (h_in_group < GROUP) & tok_ok
+        s = tl.zeros([HB, BLOCK_N], tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            a = Q_DESC.load([b, t0, h0, d0]).reshape(HB, BLOCK_D)
+            kt = K_DESC.load([b, kv, s0, d0]).reshape(BLOCK_N, BLOCK_D)
+            s += _dot(a, tl.trans(kt), IEEE)
+        lse = tl.load(LSE_T + (b64 * H + h) * N_Q + t0, mask=row_ok, other=float("-inf"))
+        # log2 P_h = s - lse (bits). "!= -inf" keeps a NaN LSE a NaN (a NaN row stays NaN)
+        x = _to_bits(s, qk_scale, NO_CONTRACT) - lse[:, None]
+        visible = (row_ok & (lse != float("-inf")))[:, None]
+        if MASKED:
+            visible = visible & key_ok[None, :]
+            if CAUSAL:  # bottom-right causal: key s visible to token t iff s <= t + (N_K - N_Q)
+                visible = visible & (keys[None, :] <= t0 + diag_offset)
+        e = tl.exp2(tl.where(visible, x, float("-inf")))
+        p += tl.sum(e, axis=0)[None, :]
+    return p * inv_heads
 
 
 @triton.jit
@@ -78,7 +118,7 @@ def _pacc_key_range(
     HB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
     IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr,
-    DK_TMA: tl.constexpr, A_L1: tl.constexpr, PARTS: tl.constexpr,
+    DK_TMA: tl.constexpr, A_L1: tl.constexpr, PARTS: tl.constexpr, Q_TM: tl.constexpr = False,
 ):
     ROWS: tl.constexpr = GI_PAD * BLOCK_T
     diag_offset = N_K - N_Q
@@ -99,11 +139,16 @@ def _pacc_key_range(
         else:
             s0 = lo + ((i + rot) % n_tiles) * BLOCK_N
         keys = s0 + tl.arange(0, BLOCK_N)
-        p = _teacher_target(Q, K, Q_DESC, K_DESC, LSE_T, stride_qb, stride_qh, stride_qn, stride_qd,
-                            stride_kb, stride_kh, stride_kn, stride_kd,
-                            b, t0, s0, H, GROUP, N_Q, N_K, diag_offset, qk_scale, inv_heads,
-                            n_chunks, chunks_per_group, D, BLOCK_D, HB, BLOCK_T, BLOCK_N,
-                            MASKED, CAUSAL, IEEE_T, NO_CONTRACT, USE_TMA, A_L1)
+        if Q_TM:  # one token, a token-major q descriptor (_teacher_target_tm)
+            p = _teacher_target_tm(Q_DESC, K_DESC, LSE_T, b, t0, s0, H, GROUP, N_Q, N_K, diag_offset, qk_scale,
+                                   inv_heads, n_chunks, chunks_per_group, D, BLOCK_D, HB, BLOCK_N,
+                                   MASKED, CAUSAL, IEEE_T, NO_CONTRACT)
+        else:
+            p = _teacher_target(Q, K, Q_DESC, K_DESC, LSE_T, stride_qb, stride_qh, stride_qn, stride_qd,
+                                stride_kb, stride_kh, stride_kn, stride_kd,
+                                b, t0, s0, H, GROUP, N_Q, N_K, diag_offset, qk_scale, inv_heads,
+                                n_chunks, chunks_per_group, D, BLOCK_D, HB, BLOCK_T, BLOCK_N,
+                                MASKED, CAUSAL, IEEE_T, NO_CONTRACT, USE_TMA, A_L1)
         if USE_TMA:  # box [1, 1, BLOCK_N, DI_PAD]
             k_tile = KI_DESC.load([b, 0, s0, 0]).reshape(BLOCK_N, DI_PAD)
         else:
@@ -130,6 +175,99 @@ def _pacc_key_range(
 
 
 @triton.jit
+def _pacc_key_range_kt(
+    m, l, mass, acc, plogp, dq_p, dw_p, q_rows, w_rows, row_ok,
+    Q, K, KI, Q_DESC, K_DESC, KI_DESC, LSE_T, DK_P, DK_DESC,
+    stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_kib, stride_kin, stride_kid,
+    b, t0, lo, hi, rot, H, GROUP, N_Q, N_K, qk_scale, inv_heads, n_chunks, chunks_per_group,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, DI: tl.constexpr, DI_PAD: tl.constexpr,
+    HB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
+    IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr,
+    DK_TMA: tl.constexpr, A_L1: tl.constexpr, Q_TM: tl.constexpr = False, DK_HALVES: tl.constexpr = False,
+):
+    """``_pacc_key_range`` with the indexer's products transposed ("kt" variant): keys as the
+    rows, ``aT = k_idx q_rows^T [BLOCK_N, ROWS]`` (column r = j * BLOCK_T + t). The q_idx rows
+    are the B operand (they stay in shared memory, not registers), the sum over heads runs
+    along the accumulator's columns, the target broadcasts along them, and the dk share is
+    ``coefT @ q_rows`` straight from the accumulator (dq's operand is the transposed one)."""
+    ROWS: tl.constexpr = GI_PAD * BLOCK_T
+    diag_offset = N_K - N_Q
+    toks = t0 + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, DI_PAD)
+    b64 = b.to(tl.int64)
+    ki_base = KI + b64 * stride_kib
+    q_for_dk = q_rows
+    if MASKED:  # a non-finite query row must not reach the keys it cannot see through A^T @ q
+        q_for_dk = _finite_or_zero(q_rows)
+    if DK_HALVES:  # q_for_dk's two D halves (DK_TMA only: the host checks)
+        q_dk_lo, q_dk_hi = tl.split(tl.permute(tl.reshape(q_for_dk, [ROWS, 2, DI_PAD // 2]), [0, 2, 1]))
+    n_tiles = tl.cdiv(hi - lo, BLOCK_N)
+    for i in range(0, n_tiles):
+        if MASKED:
+            s0 = lo + i * BLOCK_N
+        else:  # rotated start: concurrent programs reduce into different dk_p rows (see _pacc_key_range)
+            s0 = lo + ((i + rot) % n_tiles) * BLOCK_N
+        keys = s0 + tl.arange(0, BLOCK_N)
+        if Q_TM:  # one token, a token-major q descriptor (_teacher_target_tm)
+            p = _teacher_target_tm(Q_DESC, K_DESC, LSE_T, b, t0, s0, H, GROUP, N_Q, N_K, diag_offset, qk_scale,
+                                   inv_heads, n_chunks, chunks_per_group, D, BLOCK_D, HB, BLOCK_N,
+                                   MASKED, CAUSAL, IEEE_T, NO_CONTRACT)
+        else:
+            p = _teacher_target(Q, K, Q_DESC, K_DESC, LSE_T, stride_qb, stride_qh, stride_qn, stride_qd,
+                                stride_kb, stride_kh, stride_kn, stride_kd,
+                                b, t0, s0, H, GROUP, N_Q, N_K, diag_offset, qk_scale, inv_heads,
+                                n_chunks, chunks_per_group, D, BLOCK_D, HB, BLOCK_T, BLOCK_N,
+                                MASKED, CAUSAL, IEEE_T, NO_CONTRACT, USE_TMA, A_L1)
+        if USE_TMA:  # box [1, 1, BLOCK_N, DI_PAD]
+            k_tile = KI_DESC.load([b, 0, s0, 0]).reshape(BLOCK_N, DI_PAD)
+        else:
+            k_tile = tl.load(ki_base + keys.to(tl.int64)[:, None] * stride_kin + offs_d[None, :] * stride_kid,
+                             mask=(keys < N_K)[:, None] & (offs_d < DI)[None, :], other=0.0)
+        visible = _token_visible(toks, keys, N_Q, N_K, diag_offset, MASKED, CAUSAL)
+        a_t = _dot(k_tile, tl.trans(q_rows), IEEE_I)  # [BLOCK_N, ROWS]
+        if RELU:
+            act_t = tl.maximum(a_t, 0.0, propagate_nan=tl.PropagateNan.ALL)  # relu(NaN) stays NaN
+        else:
+            act_t = a_t
+        contrib_t = tl.where(row_ok[None, :], w_rows[None, :] * act_t, 0.0)
+        logits = tl.trans(tl.sum(tl.reshape(contrib_t, [BLOCK_N, GI_PAD, BLOCK_T]), axis=1))  # [BLOCK_T, BLOCK_N]
+        m, l, mass, acc, plogp = _online_update(m, l, mass, acc, plogp, p, logits, visible)
+        # the target part of G with g = 1, broadcast along the columns (0 where not visible)
+        p_t = tl.trans(tl.where(visible, p, 0.0))  # [BLOCK_N, BLOCK_T]
+        p_cols = tl.reshape(tl.broadcast_to(p_t[:, None, :], [BLOCK_N, GI_PAD, BLOCK_T]), [BLOCK_N, ROWS])
+        vis_t = tl.trans(visible)
+        vis_cols = tl.reshape(tl.broadcast_to(vis_t[:, None, :], [BLOCK_N, GI_PAD, BLOCK_T]), [BLOCK_N, ROWS])
+        vis_cols = vis_cols & row_ok[None, :]
+        if RELU:
+            coef_t = p_cols * w_rows[None, :] * (a_t > 0).to(tl.float32)
+        else:
+            coef_t = p_cols * w_rows[None, :]
+        coef_t = tl.where(vis_cols, coef_t, 0.0)
+        dw_p += tl.sum(tl.where(vis_cols, p_cols * act_t, 0.0), 0)
+        k_for_dq = k_tile
+        if MASKED:  # a non-finite key that a row cannot see must not reach it through A @ k
+            k_for_dq = _finite_or_zero(k_tile)
+        dq_p += _dot(tl.trans(coef_t.to(k_tile.dtype)), k_for_dq, IEEE_I)  # [ROWS, DI_PAD]
+        if DK_HALVES:  # the share in two D halves, one reduction each: half the live accumulator
+            HALF: tl.constexpr = DI_PAD // 2
+            dk_lo = _dot(coef_t.to(q_rows.dtype), q_dk_lo, IEEE_I)  # [BLOCK_N, DI_PAD / 2]
+            DK_DESC.atomic_add([b, 0, s0, 0], dk_lo.reshape(1, 1, BLOCK_N, HALF))
+            dk_hi = _dot(coef_t.to(q_rows.dtype), q_dk_hi, IEEE_I)
+            DK_DESC.atomic_add([b, 0, s0, HALF], dk_hi.reshape(1, 1, BLOCK_N, HALF))
+        elif DK_TMA:  # one bulk reduction (cp.reduce.async.bulk)
+            dk_part = _dot(coef_t.to(q_rows.dtype), q_for_dk, IEEE_I)  # [BLOCK_N, DI_PAD]
+            DK_DESC.atomic_add([b, 0, s0, 0], dk_part.reshape(1, 1, BLOCK_N, DI_PAD))
+        else:
+            dk_part = _dot(coef_t.to(q_rows.dtype), q_for_dk, IEEE_I)  # [BLOCK_N, DI_PAD]
+            out = b64 * N_K + keys
+            tl.atomic_add(DK_P + out[:, None] * DI + offs_d[None, :], dk_part,
+                          mask=(keys < N_K)[:, None] & (offs_d < DI)[None, :])
+    return m, l, mass, acc, plogp, dq_p, dw_p
+
+
+@triton.jit
 def _indexer_fwd_pacc_kernel(
     Q, K, QI, KI, W, LSE_T, KL, LSE_I, DQ_P, DW_P, DK_P,
     Q_DESC, K_DESC, QI_DESC, KI_DESC,  # TMA descriptors of q, k, q_idx, k_idx (used when USE_TMA)
@@ -142,7 +280,8 @@ def _indexer_fwd_pacc_kernel(
     HB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, RELU: tl.constexpr, IEEE_T: tl.constexpr, IEEE_I: tl.constexpr,
     NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr, DK_TMA: tl.constexpr, A_L1: tl.constexpr = False,
-    PARTS: tl.constexpr = 3,
+    PARTS: tl.constexpr = 3, KEY_ROWS: tl.constexpr = False, Q_TM: tl.constexpr = False,
+    DK_HALVES: tl.constexpr = False,
 ):
     """KL and LSE_I [B, N_Q] as ``_indexer_fwd_kernel``; dq_p [B, H_I, N_Q, D_I] and dweights_p
     [B, H_I, N_Q] stored, dk_p [B, 1, N_K, D_I] added (fp32, contiguous; dk_p zeroed)."""
@@ -168,18 +307,32 @@ def _indexer_fwd_pacc_kernel(
     dq_p = tl.zeros([ROWS, DI_PAD], tl.float32)
     dw_p = tl.zeros([ROWS], tl.float32)
     full_hi, key_hi = _key_stages(t0, 0, N_K, N_Q, N_K, BLOCK_T, BLOCK_N, CAUSAL)
-    m, l, mass, acc, plogp, dq_p, dw_p = _pacc_key_range(
-        m, l, mass, acc, plogp, dq_p, dw_p, q_rows, w_rows, row_ok, Q, K, KI, Q_DESC, K_DESC, KI_DESC, LSE_T, DK_P, DK_DESC,
-        stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
-        stride_kib, stride_kin, stride_kid, b, t0, 0, full_hi, pid_t, H, GROUP, N_Q, N_K, qk_scale, inv_heads,
-        n_chunks, chunks_per_group, D, BLOCK_D, DI, DI_PAD, HB, GI_PAD, BLOCK_T, BLOCK_N,
-        False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, DK_TMA, A_L1, PARTS)
-    m, l, mass, acc, plogp, dq_p, dw_p = _pacc_key_range(
-        m, l, mass, acc, plogp, dq_p, dw_p, q_rows, w_rows, row_ok, Q, K, KI, Q_DESC, K_DESC, KI_DESC, LSE_T, DK_P, DK_DESC,
-        stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
-        stride_kib, stride_kin, stride_kid, b, t0, full_hi, key_hi, 0, H, GROUP, N_Q, N_K, qk_scale, inv_heads,
-        n_chunks, chunks_per_group, D, BLOCK_D, DI, DI_PAD, HB, GI_PAD, BLOCK_T, BLOCK_N,
-        True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, DK_TMA, A_L1, PARTS)
+    if KEY_ROWS:  # the "kt" variant: the indexer's products transposed (_pacc_key_range_kt)
+        m, l, mass, acc, plogp, dq_p, dw_p = _pacc_key_range_kt(
+            m, l, mass, acc, plogp, dq_p, dw_p, q_rows, w_rows, row_ok, Q, K, KI, Q_DESC, K_DESC, KI_DESC, LSE_T, DK_P, DK_DESC,
+            stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+            stride_kib, stride_kin, stride_kid, b, t0, 0, full_hi, pid_t, H, GROUP, N_Q, N_K, qk_scale, inv_heads,
+            n_chunks, chunks_per_group, D, BLOCK_D, DI, DI_PAD, HB, GI_PAD, BLOCK_T, BLOCK_N,
+            False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, DK_TMA, A_L1, Q_TM, DK_HALVES)
+        m, l, mass, acc, plogp, dq_p, dw_p = _pacc_key_range_kt(
+            m, l, mass, acc, plogp, dq_p, dw_p, q_rows, w_rows, row_ok, Q, K, KI, Q_DESC, K_DESC, KI_DESC, LSE_T, DK_P, DK_DESC,
+            stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+            stride_kib, stride_kin, stride_kid, b, t0, full_hi, key_hi, 0, H, GROUP, N_Q, N_K, qk_scale, inv_heads,
+            n_chunks, chunks_per_group, D, BLOCK_D, DI, DI_PAD, HB, GI_PAD, BLOCK_T, BLOCK_N,
+            True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, DK_TMA, A_L1, Q_TM, DK_HALVES)
+    else:
+        m, l, mass, acc, plogp, dq_p, dw_p = _pacc_key_range(
+            m, l, mass, acc, plogp, dq_p, dw_p, q_rows, w_rows, row_ok, Q, K, KI, Q_DESC, K_DESC, KI_DESC, LSE_T, DK_P, DK_DESC,
+            stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+            stride_kib, stride_kin, stride_kid, b, t0, 0, full_hi, pid_t, H, GROUP, N_Q, N_K, qk_scale, inv_heads,
+            n_chunks, chunks_per_group, D, BLOCK_D, DI, DI_PAD, HB, GI_PAD, BLOCK_T, BLOCK_N,
+            False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, DK_TMA, A_L1, PARTS, Q_TM)
+        m, l, mass, acc, plogp, dq_p, dw_p = _pacc_key_range(
+            m, l, mass, acc, plogp, dq_p, dw_p, q_rows, w_rows, row_ok, Q, K, KI, Q_DESC, K_DESC, KI_DESC, LSE_T, DK_P, DK_DESC,
+            stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+            stride_kib, stride_kin, stride_kid, b, t0, full_hi, key_hi, 0, H, GROUP, N_Q, N_K, qk_scale, inv_heads,
+            n_chunks, chunks_per_group, D, BLOCK_D, DI, DI_PAD, HB, GI_PAD, BLOCK_T, BLOCK_N,
+            True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, DK_TMA, A_L1, PARTS, Q_TM)
     kl, lse_i = _finish(m, l, acc, plogp)
     ok = toks < N_Q
     out = b64 * N_Q + toks

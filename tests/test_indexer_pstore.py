@@ -215,3 +215,56 @@ def test_stored_target_in_float16(monkeypatch):
         want = torch.from_numpy(ref[name])
         err = (got.double() - want).norm() / max(want.norm().item(), 1e-12)
         assert err <= 1e-3, (name, err.item())
+
+
+@pytest.mark.parametrize("shape,causal,relu", [
+    ((1, 4, 1, 13, 21, 24, 4, 1, 16), True, True),    # N_K > N_Q causal
+    ((2, 4, 2, 17, 17, 16, 2, 1, 8), True, False),    # GQA teacher, batch 2, relu off
+    ((1, 6, 3, 9, 40, 16, 3, 1, 12), False, True),    # not causal, groups not powers of two
+])
+def test_accumulating_forward_keys_as_rows(monkeypatch, poison, shape, causal, relu):
+    """The accumulating forward's "kt" variant (the indexer's products transposed: keys as rows)
+    gives the default variant's KL, LSE_I and target shares to fp32 rounding, and fwd+bwd matches
+    float64; a NaN indexer key leaves the rows that cannot see it unchanged."""
+    xs = make(*shape, seed=sum(shape) + 68)
+    lse = _teacher_lse(xs, causal)
+    base = _indexer._forward_pacc(*xs, lse, causal, 0.3, relu)
+    monkeypatch.setattr(_indexer, "INTERPRETER_CONFIG", _indexer.INTERPRETER_CONFIG + (None, 1, "kt"))
+    kt = _indexer._forward_pacc(*xs, lse, causal, 0.3, relu)
+    for name, a, b in zip(("total", "lse_idx", "dq_p", "dk_p", "dw_p"), base, kt):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), name
+    monkeypatch.setenv("STREAMKL_INDEXER_PACC", "1")
+    monkeypatch.setenv("STREAMKL_INDEXER_PSTORE", "0")
+    B, NQ, NK = shape[0], shape[3], shape[4]
+    x64 = [x.double().numpy() for x in xs]
+    rows = B * (min(NQ, NK) if causal else NQ)
+    ref = streamkl_ref.indexer_kl_grad(*x64, np.full((B, NQ), 1.7 / rows), causal=causal, relu=relu)
+    _, grads = _loss_and_grads(xs, lse, "mean", causal=causal, relu=relu)
+    for name, got in grads.items():
+        want = torch.from_numpy(ref[name])
+        err = (got.double() - want).norm() / max(want.norm().item(), 1e-12)
+        assert err <= 1e-5, (name, err.item())
+    if causal and NQ == NK:
+        bad = [x.clone() for x in xs]
+        bad[3][0, 0, 9, 2] = float("nan")  # rows < 9 cannot see indexer key 9
+        _, dirty = _loss_and_grads(bad, lse, "mean", causal=causal, relu=relu)
+        for name in ("dq_idx", "dweights"):
+            assert torch.allclose(dirty[name][:, :, :9], grads[name][:, :, :9], rtol=1e-5, atol=1e-7), name
+
+
+@pytest.mark.parametrize("variant", ["tm", "kt+tm"])
+def test_accumulating_forward_token_major_q(monkeypatch, variant):
+    """The "tm" flag (one token per program: q read through a token-major [B, N, H, D]
+    descriptor, so the teacher's product reads its rows from shared memory) gives the default
+    variant's outputs (interpreter with TMA descriptors)."""
+    from streamkl_gpu import _runtime
+
+    monkeypatch.setattr(_runtime, "INTERPRETER_TMA", True)
+    xs = make(1, 32, 1, 11, 19, 32, 16, 1, 16, seed=69)  # 32 heads x 1 token: the 32 teacher rows
+    lse = _teacher_lse(xs, True)
+    base = _indexer._forward_pacc(*xs, lse, True, 0.3, True)
+    assert _indexer._plan(check_indexer_inputs(*xs), _indexer.INTERPRETER_CONFIG, "bwd")["BLOCK_T"] == 1
+    monkeypatch.setattr(_indexer, "INTERPRETER_CONFIG", _indexer.INTERPRETER_CONFIG + (None, 1, variant))
+    got = _indexer._forward_pacc(*xs, lse, True, 0.3, True)
+    for name, a, b in zip(("total", "lse_idx", "dq_p", "dk_p", "dw_p"), base, got):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), name
