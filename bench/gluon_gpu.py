@@ -19,7 +19,7 @@ Sections (a time budget skips what does not fit, recorded as ``skipped``; the SA
    Triton path forced (``triton``) and SDPA (default dispatch, ``is_causal``); then at 32K and
    64K the best configuration at 8K/16K (three, without --quick), the API's Gluon path and SDPA
    (and auto, triton without --quick).
-3. variants: the default kernel, the late-turn ping-pong and the lookahead (``VARIANT_CONFIGS``) beside
+3. variants: the default kernel and the knob-free session-5 default (``VARIANT_CONFIGS``) beside
    deliberately wrong variants of each (no exponentials, no second product, no acc work) at 8K
    (bench/NOTES.md's variant-timing method).
 4. grid (--grid: this section alone, then the SASS): the issue's no-regression grid, auto vs forced triton (and forced gluon where it takes the shape):
@@ -685,10 +685,11 @@ def run_variants(quick, warmup, rep, budget, variants, configs):
     return table
 
 
-# the configurations the variants section takes apart: the default and the FFMA fold (session 6:
-# what the 124 fewer instructions per whole-tile loop change in each part of the time)
-FOLD_CONFIG = (128, 2, 168, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1)
-VARIANT_CONFIGS = [(128, 2, 168, 0), FOLD_CONFIG]
+# the configurations the variants section takes apart: the default (session 6: MERGE + FOLD +
+# MASK1) and the session-5 default without knobs (what the fewer instructions change in each part)
+KNOB_FREE_CONFIG = (128, 2, 168, 0)
+DEFAULT_CONFIG = (128, 2, 168, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 1, 1)
+VARIANT_CONFIGS = [DEFAULT_CONFIG, KNOB_FREE_CONFIG]
 # variants a configuration does not run as its own schedule (LOOK: no second product folds single tiles)
 VARIANT_SKIP = {(64, 4, 168, 0, 0, 0, 0, 2, 1, 1): ("no_second_product",)}
 
@@ -777,9 +778,9 @@ def run_retime_2k(warmup, rep, budget):
 
 
 def _retime_fast_launch(xs, warmup, rep, budget):
-    """The Gluon path's cached launcher (``_gluon_fwd._launch``, STREAMKL_GLUON_FAST_LAUNCH=1; off
-    by default until this runs): outputs bitwise equal to the JIT launch's (bound, then direct),
-    host time per call, and auto / forced Gluon timed again with it."""
+    """The Gluon path's cached launcher (``_gluon_fwd._launch``, on unless STREAMKL_GLUON_FAST_LAUNCH=0):
+    outputs bitwise equal to the JIT launch's (bound, then direct), host time per call with it
+    and without (the section's other rows ran with it), and auto / forced Gluon timed again."""
     from streamkl_gpu import _gluon_fwd
 
     if budget.left() < 10:
@@ -789,6 +790,7 @@ def _retime_fast_launch(xs, warmup, rep, budget):
     table = []
     try:
         set_backend("gluon")
+        os.environ[env_name] = "0"  # the JIT launch
         ref = [t.clone() for t in forward_bits(*xs, False)]
         os.environ[env_name] = "1"
         same = []
@@ -808,6 +810,14 @@ def _retime_fast_launch(xs, warmup, rep, budget):
                 record("retime 2K", case, prov, "host_us_per_call", host[prov])
             finally:
                 set_backend("auto")
+        os.environ[env_name] = "0"
+        for prov in ("auto", "gluon"):
+            try:
+                host[prov + " (jit launch)"] = _host_us(_provider_fn(prov, xs, False))
+                record("retime 2K", case, prov, "host_us_per_call_jit_launch", host[prov + " (jit launch)"])
+            finally:
+                set_backend("auto")
+        os.environ[env_name] = "1"
         log("fast launch: host us per call " + " ".join(f"{p}={v:.0f}" for p, v in host.items()))
         table = run_timing("retime 2K fast launch", [(case, shape(2 * K), False, False)], warmup, rep, budget,
                            (), api=("auto", "gluon"))
@@ -1019,8 +1029,7 @@ class _Done(Exception):
 
 
 QUICK_CHECK_EXTRA = 2  # --quick checks the tuner's candidates and the this many fastest configurations
-FOLD_MASK1_CONFIG = FOLD_CONFIG + (1,)
-QUICK_CHECK_ALSO = [FOLD_CONFIG, FOLD_MASK1_CONFIG]  # and these (new arithmetic: checked whether fast or not)
+QUICK_CHECK_ALSO = [KNOB_FREE_CONFIG]  # and these (the control of the new arithmetic: checked whether fast or not)
 
 
 def run_quick(a, configs, providers, variants_of, warmup, rep, budget, out):
