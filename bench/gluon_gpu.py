@@ -695,6 +695,9 @@ VARIANT_SKIP = {(64, 4, 168, 0, 0, 0, 0, 2, 1, 1): ("no_second_product",)}
 
 
 RETIME_ROUNDS = 5
+# run s6r2 answered the 2K question (5 rounds: auto 0.178 ms = forced Gluon 0.177, Triton 0.200; the
+# s5r5 grid's 0.218 was one noisy round): later runs retime auto and Gluon only (no Triton compiles)
+RETIME_TRITON = False
 
 
 def _plan_of_auto(n):
@@ -736,8 +739,9 @@ def run_retime_2k(warmup, rep, budget):
     old_tune = os.environ.get("STREAMKL_AUTOTUNE")
     table = []
     try:
-        api = ("auto", "triton", "gluon")
-        if PREWARM_STATUS.get(TRITON_PREWARM_2K, "not run") is not None or TRITON_PREWARM_2K in PREWARM_UNFINISHED:
+        api = ("auto", "triton", "gluon") if RETIME_TRITON else ("auto", "gluon")
+        if RETIME_TRITON and (PREWARM_STATUS.get(TRITON_PREWARM_2K, "not run") is not None
+                              or TRITON_PREWARM_2K in PREWARM_UNFINISHED):
             # the tuned Triton path would compile its candidates here, past the slot: untuned (the
             # first config, compiled by the checks' prewarm) for every provider of this section
             os.environ["STREAMKL_AUTOTUNE"] = "0"
@@ -826,6 +830,47 @@ def _retime_fast_launch(xs, warmup, rep, budget):
     finally:
         os.environ.pop(env_name, None)
         set_backend("auto")
+    return table
+
+
+def dims_points():
+    """Session 6: the no-regression grid's other Gluon specialisations at 8K (head dims 64 and
+    128/64, GQA 32:8, fp16), each with the default's knobs and without (the 128-key candidate of
+    its head dims, forced): whether DEFAULT_KNOBS, measured at D = 128 bf16, hold elsewhere.
+    (name, shape, causal, dtype, d1, d2, group)."""
+    return [
+        ("bf16 D64 N=8K causal", shape(8 * K, D1=64, D2=64), True, "bf16", 64, 64, 1),
+        ("bf16 D128/64 N=8K causal", shape(8 * K, D2=64), True, "bf16", 128, 64, 1),
+        ("bf16 GQA 32:8 N=8K full", shape(8 * K, HK=8), False, "bf16", 128, 128, 4),
+        ("fp16 D128 N=8K full", shape(8 * K, dtype="fp16"), False, "fp16", 128, 128, 1),
+    ]
+
+
+def dims_configs(d1, d2):
+    """The default's 128-key candidate at (d1, d2) and the same without knobs."""
+    from streamkl_gpu import _gluon_fwd
+
+    return [_gluon_fwd.candidates(d1, d2)[0], _gluon_fwd.make_cand(d1, d2, 128, 168)]
+
+
+def dims_prewarm_specs():
+    return [_spec("kernel", c, dt, d1, d2, g) for _, _, _, dt, d1, d2, g in dims_points() for c in dims_configs(d1, d2)]
+
+
+DIMS_RESULT = []  # (case, default's provider, knob-free provider, times): the summary's table
+
+
+def run_dims(warmup, rep, budget):
+    log("== other specialisations at 8K: the default's knobs on and off (forced)")
+    table = []
+    for name, sh, causal, dt, d1, d2, g in dims_points():
+        if budget.left() < 8:
+            record("dims", name, "all", "ms", None, "skipped", "time budget")
+            continue
+        provs = [provider_of(c) for c in dims_configs(d1, d2)]
+        rows = run_timing("dims", [(name, sh, causal, False)], warmup, rep, budget, provs, api=())
+        table += rows
+        DIMS_RESULT.extend((case, provs[0], provs[1], t) for case, _, t in rows)
     return table
 
 
@@ -971,7 +1016,9 @@ def main(argv=None):
                     _spec(v, c) for c in vconfigs for v in variants_of[c] if v != "kernel"]
                 if not a.no_check:
                     specs = list(TRITON_PREWARM) + specs
-                if a.quick:  # the 2K retime's tuned Triton path
+                if a.quick:  # the other specialisations' kernels (run_dims)
+                    specs = specs + [sp for sp in dims_prewarm_specs() if sp not in specs]
+                if a.quick and RETIME_TRITON:  # the 2K retime's tuned Triton path
                     specs = [TRITON_PREWARM_2K] + specs
                 status = prewarm(specs, budget, a.out_dir)
                 PREWARM_STATUS.update(status)
@@ -1067,6 +1114,8 @@ def run_quick(a, configs, providers, variants_of, warmup, rep, budget, out):
         ROUNDS = 1  # long calls: drift within one point matters less than the time they take
         out["targets"] = targets + run_timing("targets 32K-64K", target_points([32 * K, 64 * K]), warmup, rep,
                                               budget, best[:1], api=("gluon",))
+    if budget.left() > 12 and dispatch.GLUON_AVAILABLE:
+        out["dims"] = run_dims(warmup, rep, budget)
     if budget.left() > 12 and dispatch.GLUON_AVAILABLE:  # last: the Triton path's tuning may compile here
         out["retime"] = run_retime_2k(warmup, rep, budget)
 
@@ -1136,6 +1185,9 @@ def write_outputs(a, env, checks, targets, grid, variants, sass, failed_cfg):
         base = t.get("kernel")
         out.append(f"variants 8K causal={int(causal)} [{name}] (ms; ratio to the kernel): " + ", ".join(
             f"{k} {v:.3f}" + (f" ({v / base:.2f})" if base else "") for k, v in t.items()))
+    for case, new, old, t in DIMS_RESULT:
+        if new in t and old in t:
+            out.append(f"dims {case}: default {t[new]:.3f} ms, knob-free {t[old]:.3f} ms, ratio {t[new] / t[old]:.3f} ({new})")
     if grid:
         out.append("grid (ms): case | gluon | triton | auto | auto/triton (must be <= 1.03) | gluon/triton")
         worst = 0.0

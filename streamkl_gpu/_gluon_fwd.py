@@ -770,7 +770,6 @@ def experiments(d1: int, d2: int):
         cand(128, 168, PINGPONG=1, **d),
         # FA3's ping-pong with the late turn, as the per-warpgroup releases (RELTURN needs MERGE)
         cand(128, 168, PINGPONG=1, TURN=1, RELTURN=1, **d),
-        cand(128, 168, PINGPONG=1, TURN=1, RELTURN=1, FENCE=2, **d),
     ]
 
 
