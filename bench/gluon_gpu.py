@@ -1076,7 +1076,8 @@ class _Done(Exception):
 
 
 QUICK_CHECK_EXTRA = 2  # --quick checks the tuner's candidates and the this many fastest configurations
-QUICK_CHECK_ALSO = [KNOB_FREE_CONFIG]  # and these (the control of the new arithmetic: checked whether fast or not)
+DEFER_CONFIG = DEFAULT_CONFIG + (1,)  # the default with partial row sums (session 6, run 3)
+QUICK_CHECK_ALSO = [KNOB_FREE_CONFIG, DEFER_CONFIG]  # and these (control / new arithmetic: checked whether fast or not)
 
 
 def run_quick(a, configs, providers, variants_of, warmup, rep, budget, out):
