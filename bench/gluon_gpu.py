@@ -378,6 +378,21 @@ def _probe(specs):
     from streamkl_gpu import _gluon_fwd
 
     for spec in specs:
+        if spec.startswith(TRITON_POINT):  # the tuned Triton path at one grid point (--final)
+            t0 = time.time()
+            try:
+                name = spec[len(TRITON_POINT):]
+                _, sh, causal, _ = next(p for p in grid_points() if p[0] == name)
+                sh = dict(sh)
+                dtype = torch.bfloat16 if sh.pop("dtype", "bf16") == "bf16" else torch.float16
+                set_backend("triton")
+                forward_bits(*make_case(**sh, dtype=dtype, seed=7), causal)
+                torch.cuda.synchronize()
+                print(json.dumps(dict(spec=spec, ok=True, seconds=round(time.time() - t0, 1))), flush=True)
+            except Exception as exc:
+                print(json.dumps(dict(spec=spec, ok=False, error=f"{type(exc).__name__}: {str(exc)[:1500]}")),
+                      flush=True)
+            continue
         if spec == TRITON_PREWARM_2K:  # the tuned Triton path at 2K (retime): its candidates' compiles
             t0 = time.time()
             try:
@@ -426,6 +441,14 @@ def _probe(specs):
 # triton 3.6 as a dozen Gluon kernels: session 5 run r5c spent ~35 s per check case)
 TRITON_PREWARM = ("triton:causal", "triton:full")
 TRITON_PREWARM_2K = "triton:2k"
+TRITON_POINT = "triton:point:"  # + a grid point's name: its tuned Triton path compiled in a worker (--final)
+# one grid point per class of Triton compiles (dtype, head dims, groups, causal; pointer loads at 1K,
+# TMA from 2K; split-K candidates up to 4K and at decode; 4K-64K compile what 2K does: in s5r5's grid
+# 4K and 8K at D = 128 took no compile time after 2K)
+FINAL_TRITON_POINTS = [f"{dt} D128 N={n}K {m}" for dt in ("bf16", "fp16") for n in (1, 2) for m in ("full", "causal")] + [
+    f"bf16 D{d} N=8K {m}" for d in (64, 96, 256) for m in ("full", "causal")] + [
+    f"bf16 {w} N=8K {m}" for w in ("GQA 32:8", "D128/64") for m in ("full", "causal")] + [
+    "bf16 decode NQ=1 NK=32K", "bf16 decode NQ=16 NK=32K"]
 PREWARM_STATUS: dict = {}  # the last prewarm's {spec: None (ok) or why not}
 PREWARM_UNFINISHED: set = set()  # specs the prewarm stopped or never started (compiled in the main process)
 
@@ -948,6 +971,10 @@ def main(argv=None):
     p.add_argument("out_dir")
     p.add_argument("--quick", action="store_true", help="configuration checks, 8K/16K targets, variants (<= 100 s)")
     p.add_argument("--grid", action="store_true", help="only the no-regression grid (auto vs forced triton), then SASS")
+    p.add_argument("--final", action="store_true",
+                   help="the closing run: prewarm, the 8 targets via the API (auto) vs SDPA in --rounds (default 3) "
+                        "interleaved rounds, the no-regression grid, the check cases; the target table and the grid "
+                        "verdict last")
     p.add_argument("--budget", type=float, default=None, help="seconds for the sections before the SASS one (default 100 quick, 540)")
     p.add_argument("--no-autotune", action="store_true", help="Triton path: first config, no tuning")
     p.add_argument("--no-check", action="store_true", help="skip the correctness section (timing only)")
@@ -991,7 +1018,9 @@ def main(argv=None):
 
     checks, targets, grid, variants, sass, failed_cfg = [], [], [], [], [], {}
     try:
-        if a.grid:
+        if a.final:
+            targets, grid, checks, failed_cfg = run_final(a, budget, warmup, rep)
+        elif a.grid:
             if dispatch.GLUON_AVAILABLE and not a.no_prewarm:
                 status = prewarm(grid_prewarm_specs(), budget, a.out_dir)
                 bad = {tuple(int(c) for c in sp.split(":")[1].split(",")) for sp, why in status.items() if why}
@@ -1071,6 +1100,50 @@ def main(argv=None):
     write_outputs(a, env, checks, targets, grid, variants, sass, failed_cfg)
 
 
+FINAL = {}  # what --final's summary prints last (rule, rounds)
+
+
+def run_final(a, budget, warmup, rep):
+    """--final: (1) prewarm in worker processes: the default Gluon kernel, the tuner's candidates
+    of every Gluon specialisation the grid reaches, the tuned Triton path of one grid point per
+    class of Triton compiles (``FINAL_TRITON_POINTS``) and the checks' Triton path; (2) the eight
+    targets (B=1 H=32 D=128 bf16, 8K-64K, causal and not) through the API's automatic path vs SDPA,
+    ``--rounds`` (default 3) interleaved rounds, the lowest round median kept (the median of the
+    round medians recorded beside it); (3) the issue's no-regression grid (auto vs forced Triton
+    and forced Gluon, one round, as s5r5); (4) the check cases (every class, budget permitting).
+    Returns (targets, grid, checks, failed configurations)."""
+    global ROUNDS
+    from streamkl_gpu import _gluon_fwd
+
+    failed_cfg = {}
+    default = _gluon_fwd.candidates(128, 128)[0]
+    if dispatch.GLUON_AVAILABLE and not a.no_prewarm:
+        specs = [_spec("kernel", default)]
+        specs += [sp for sp in grid_prewarm_specs() if sp not in specs]
+        specs += [TRITON_POINT + name for name in FINAL_TRITON_POINTS] + list(TRITON_PREWARM)
+        status = prewarm(specs, budget, a.out_dir, limit=45)
+        PREWARM_STATUS.update(status)
+        bad = {tuple(int(c) for c in sp.split(":")[1].split(",")) for sp, why in status.items()
+               if why and sp.startswith("kernel:")}
+        if bad:  # keep the API's tuner off them (a hang there would stop the run)
+            tuner = _gluon_fwd.candidates
+            _gluon_fwd.candidates = lambda d1, d2: [c for c in tuner(d1, d2) if c not in bad] or tuner(d1, d2)[:1]
+            failed_cfg = {c: "failed in a prewarm worker" for c in bad}
+            log(f"left out of the API's tuner: {sorted(bad)}")
+    ROUNDS = max(3, a.rounds or 3)
+    FINAL["rounds"] = ROUNDS
+    targets = run_timing("final targets", target_points([8 * K, 16 * K, 32 * K, 64 * K]), warmup, rep, budget, (),
+                         api=("auto",))
+    ROUNDS = 1
+    grid = []
+    if budget.left() > 20:
+        grid = run_timing("grid", grid_points(), warmup, rep, budget)
+    checks = []
+    if not a.no_check and budget.left() > 20:
+        checks = run_check(False, [default], budget)
+    return targets, grid, checks, failed_cfg
+
+
 class _Done(Exception):
     """The --quick plan ran to its end (control flow out of main's section block)."""
 
@@ -1142,6 +1215,12 @@ def default_verdict(targets, margin=0.02):
     lines.append(f"  take as the default: {min(wins)[1]} (faster at every point by > {margin:.0%})" if wins
                  else f"  no configuration beats the default at every point by > {margin:.0%}: keep it")
     return lines
+
+
+def describe_default():
+    from streamkl_gpu import _gluon_fwd
+
+    return _gluon_fwd.describe(_gluon_fwd.candidates(128, 128)[0])
 
 
 def write_outputs(a, env, checks, targets, grid, variants, sass, failed_cfg):
@@ -1231,6 +1310,28 @@ def write_outputs(a, env, checks, targets, grid, variants, sass, failed_cfg):
             out += default_verdict(targets)
         except Exception as exc:  # a report line, never a reason to lose the summary
             out.append(f"default verdict failed: {type(exc).__name__}: {exc}")
+    if FINAL and targets:  # --final: the target table and the grid verdict last
+        out.append(f"FINAL targets, B=1 H=32 D=128 bf16, the API's automatic path (the Gluon default "
+                   f"{describe_default()}) vs SDPA: {FINAL['rounds']} interleaved rounds per point, the "
+                   "lowest round median kept (median of the round medians in brackets); Must <= 1.45, goal 1.15")
+        rounds_of = {}
+        for r in ROWS:
+            if r["section"] == "final targets" and r["metric"] == "ms" and r["detail"].startswith("rounds "):
+                rounds_of[(r["case"], r["provider"])] = [float(v) for v in r["detail"][7:].split()]
+        for case, _, t in targets:
+            if "auto" in t and "sdpa" in t:
+                ra, rs = rounds_of.get((case, "auto"), []), rounds_of.get((case, "sdpa"), [])
+                med = (sorted(ra)[len(ra) // 2] / sorted(rs)[len(rs) // 2]) if ra and rs else float("nan")
+                ratio = t["auto"] / t["sdpa"]
+                out.append(f"  {case:24s} auto {t['auto']:8.3f} ms  sdpa {t['sdpa']:8.3f} ms  ratio {ratio:.3f} "
+                           f"[{med:.3f}] {'ok' if ratio <= 1.45 else 'MISSED'}")
+        if grid:
+            pts = [(case, t["auto"] / t["triton"]) for case, _, t in grid if "auto" in t and "triton" in t]
+            worst = max(pts, key=lambda p: p[1]) if pts else None
+            bad = [f"{c} {r:.3f}" for c, r in pts if r > 1.03]
+            out.append(f"FINAL grid verdict: {len(pts)} of {len(grid)} points timed (one round each), worst auto/triton "
+                       + (f"{worst[1]:.3f} ({worst[0]})" if worst else "-")
+                       + (f"; over 1.03: {', '.join(bad)}" if bad else "; all <= 1.03"))
     out.append(f"total {time.time() - T0:.0f}s")
     for line in out:
         log(line)

@@ -39,7 +39,8 @@ LOOK_SPEC = "bf16:causal:128:128:64:4:168:0:0:0:0:0:1:1"
 # MASK1 (masked loops: the mask applied once).
 KNOB_FREE_SPEC = "bf16:causal:128:128:128:2:168:0"
 MASK1_SPEC = "bf16:causal:128:128"  # the default, causal (whole and masked loops)
-CI_SPECS = ["bf16:full:128:128", "fp16:causal:128:128", "bf16:causal:128:128", "bf16:causal:64:128"] + [
+CI_SPECS = ["bf16:full:128:128", "fp16:causal:128:128", "bf16:causal:128:128", "bf16:causal:64:128",
+            "bf16:full:64:64"] + [
     "bf16:causal:64:64:" + ":".join(map(str, c)) for c in _gluon_fwd.candidates(64, 64)[1:] if c[2] == 168] + [
     FENCE_SPEC, LOOK_SPEC, KNOB_FREE_SPEC]
 
@@ -530,3 +531,57 @@ def test_gpu_script_times_interleaved_rounds_and_survives_a_failing_provider(mon
     assert order == ["a", "b", "sdpa", "sdpa", "b", "a"]
     assert times == {"a": 2.9, "b": 2.0, "sdpa": 1.0}
     assert any(r["provider"] == "bad" and r["status"] == "ERROR" for r in g.ROWS)
+
+
+def test_gpu_script_final_plan_and_summary(monkeypatch, tmp_path):
+    """bench/gluon_gpu.py --final without a GPU (timers and checks mocked): the prewarm gets the
+    default kernel, every grid Gluon specialisation and the Triton classes; the targets run in
+    >= 3 rounds through the API's auto path beside SDPA, then the grid, then the checks; the
+    summary ends with the target table (ratio per point, the rule) and the grid verdict."""
+    import argparse
+
+    g = _bench_script()
+    calls = []
+
+    def prewarm(specs, budget, out_dir, workers=None, limit=90):
+        calls.append(("prewarm", list(specs)))
+        return {sp: None for sp in specs}
+
+    def run_timing(section, points, warmup, rep, budget, config_providers=(), api=("gluon", "auto", "triton")):
+        calls.append((section, g.ROUNDS, tuple(api), len(points)))
+        table = []
+        for case, sh, causal, with_sdpa in points:
+            t = {"auto": 1.4, "sdpa": 1.0} if section == "final targets" else {"auto": 1.0, "triton": 1.01, "gluon": 0.9}
+            if section == "final targets":
+                g.record(section, case, "auto", "ms", 1.4, detail="rounds 1.4000 1.5000 1.4500")
+                g.record(section, case, "sdpa", "ms", 1.0, detail="rounds 1.0000 1.0000 1.0000")
+            table.append((case, causal, t))
+        return table
+
+    monkeypatch.setattr(g, "prewarm", prewarm)
+    monkeypatch.setattr(g, "run_timing", run_timing)
+    monkeypatch.setattr(g, "run_check", lambda quick, configs, budget: calls.append(("check", quick, configs)) or [])
+    monkeypatch.setattr(dispatch, "FWD_BACKEND", dispatch.FWD_BACKEND)
+
+    class Budget:
+        def left(self):
+            return 100.0
+
+    a = argparse.Namespace(no_prewarm=False, no_check=False, rounds=None, out_dir=str(tmp_path), final=True)
+    targets, grid, checks, failed = g.run_final(a, Budget(), 1, 1)
+    specs = calls[0][1]
+    assert specs[0] == g._spec("kernel", _gluon_fwd.candidates(128, 128)[0])
+    assert all(sp in specs for sp in g.grid_prewarm_specs())
+    assert sum(sp.startswith(g.TRITON_POINT) for sp in specs) == len(g.FINAL_TRITON_POINTS)
+    names = {p[0] for p in g.grid_points()}
+    assert all(n in names for n in g.FINAL_TRITON_POINTS)
+    assert calls[1] == ("final targets", 3, ("auto",), 8)
+    assert calls[2][0] == "grid" and calls[2][3] == len(g.grid_points())
+    assert calls[3][0] == "check" and calls[3][1] is False
+    g.LOG.clear()
+    g.write_outputs(a, {"gpu": "mock"}, checks, targets, grid, [], [], failed)
+    lines = [ln for ln in g.LOG if "total" not in ln]
+    assert "FINAL grid verdict" in lines[-1] and "all <= 1.03" in lines[-1], lines[-3:]
+    assert "ratio 1.400 [1.450] ok" in lines[-2]
+    assert any("FINAL targets" in ln and "3 interleaved rounds" in ln for ln in lines[-12:])
+    g.FINAL.clear()
