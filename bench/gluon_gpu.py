@@ -19,7 +19,7 @@ Sections (a time budget skips what does not fit, recorded as ``skipped``; the SA
    Triton path forced (``triton``) and SDPA (default dispatch, ``is_causal``); then at 32K and
    64K the best configuration at 8K/16K (three, without --quick), the API's Gluon path and SDPA
    (and auto, triton without --quick).
-3. variants: the default kernel, the late-turn ping-pong and the lookahead (``VARIANT_CONFIGS``) beside
+3. variants: the default kernel and the knob-free session-5 default (``VARIANT_CONFIGS``) beside
    deliberately wrong variants of each (no exponentials, no second product, no acc work) at 8K
    (bench/NOTES.md's variant-timing method).
 4. grid (--grid: this section alone, then the SASS): the issue's no-regression grid, auto vs forced triton (and forced gluon where it takes the shape):
@@ -378,6 +378,21 @@ def _probe(specs):
     from streamkl_gpu import _gluon_fwd
 
     for spec in specs:
+        if spec.startswith(TRITON_POINT):  # the tuned Triton path at one grid point (--final)
+            t0 = time.time()
+            try:
+                name = spec[len(TRITON_POINT):]
+                _, sh, causal, _ = next(p for p in grid_points() if p[0] == name)
+                sh = dict(sh)
+                dtype = torch.bfloat16 if sh.pop("dtype", "bf16") == "bf16" else torch.float16
+                set_backend("triton")
+                forward_bits(*make_case(**sh, dtype=dtype, seed=7), causal)
+                torch.cuda.synchronize()
+                print(json.dumps(dict(spec=spec, ok=True, seconds=round(time.time() - t0, 1))), flush=True)
+            except Exception as exc:
+                print(json.dumps(dict(spec=spec, ok=False, error=f"{type(exc).__name__}: {str(exc)[:1500]}")),
+                      flush=True)
+            continue
         if spec == TRITON_PREWARM_2K:  # the tuned Triton path at 2K (retime): its candidates' compiles
             t0 = time.time()
             try:
@@ -426,6 +441,14 @@ def _probe(specs):
 # triton 3.6 as a dozen Gluon kernels: session 5 run r5c spent ~35 s per check case)
 TRITON_PREWARM = ("triton:causal", "triton:full")
 TRITON_PREWARM_2K = "triton:2k"
+TRITON_POINT = "triton:point:"  # + a grid point's name: its tuned Triton path compiled in a worker (--final)
+# one grid point per class of Triton compiles (dtype, head dims, groups, causal; pointer loads at 1K,
+# TMA from 2K; split-K candidates up to 4K and at decode; 4K-64K compile what 2K does: in s5r5's grid
+# 4K and 8K at D = 128 took no compile time after 2K)
+FINAL_TRITON_POINTS = [f"{dt} D128 N={n}K {m}" for dt in ("bf16", "fp16") for n in (1, 2) for m in ("full", "causal")] + [
+    f"bf16 D{d} N=8K {m}" for d in (64, 96, 256) for m in ("full", "causal")] + [
+    f"bf16 {w} N=8K {m}" for w in ("GQA 32:8", "D128/64") for m in ("full", "causal")] + [
+    "bf16 decode NQ=1 NK=32K", "bf16 decode NQ=16 NK=32K"]
 PREWARM_STATUS: dict = {}  # the last prewarm's {spec: None (ok) or why not}
 PREWARM_UNFINISHED: set = set()  # specs the prewarm stopped or never started (compiled in the main process)
 
@@ -685,15 +708,19 @@ def run_variants(quick, warmup, rep, budget, variants, configs):
     return table
 
 
-# the configurations the variants section takes apart: the default and the FFMA fold (session 6:
-# what the 124 fewer instructions per whole-tile loop change in each part of the time)
-FOLD_CONFIG = (128, 2, 168, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1)
-VARIANT_CONFIGS = [(128, 2, 168, 0), FOLD_CONFIG]
+# the configurations the variants section takes apart: the default (session 6: MERGE + FOLD +
+# MASK1) and the session-5 default without knobs (what the fewer instructions change in each part)
+KNOB_FREE_CONFIG = (128, 2, 168, 0)
+DEFAULT_CONFIG = (128, 2, 168, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 1, 1)
+VARIANT_CONFIGS = [DEFAULT_CONFIG, KNOB_FREE_CONFIG]
 # variants a configuration does not run as its own schedule (LOOK: no second product folds single tiles)
 VARIANT_SKIP = {(64, 4, 168, 0, 0, 0, 0, 2, 1, 1): ("no_second_product",)}
 
 
 RETIME_ROUNDS = 5
+# run s6r2 answered the 2K question (5 rounds: auto 0.178 ms = forced Gluon 0.177, Triton 0.200; the
+# s5r5 grid's 0.218 was one noisy round): later runs retime auto and Gluon only (no Triton compiles)
+RETIME_TRITON = False
 
 
 def _plan_of_auto(n):
@@ -735,8 +762,9 @@ def run_retime_2k(warmup, rep, budget):
     old_tune = os.environ.get("STREAMKL_AUTOTUNE")
     table = []
     try:
-        api = ("auto", "triton", "gluon")
-        if PREWARM_STATUS.get(TRITON_PREWARM_2K, "not run") is not None or TRITON_PREWARM_2K in PREWARM_UNFINISHED:
+        api = ("auto", "triton", "gluon") if RETIME_TRITON else ("auto", "gluon")
+        if RETIME_TRITON and (PREWARM_STATUS.get(TRITON_PREWARM_2K, "not run") is not None
+                              or TRITON_PREWARM_2K in PREWARM_UNFINISHED):
             # the tuned Triton path would compile its candidates here, past the slot: untuned (the
             # first config, compiled by the checks' prewarm) for every provider of this section
             os.environ["STREAMKL_AUTOTUNE"] = "0"
@@ -777,9 +805,9 @@ def run_retime_2k(warmup, rep, budget):
 
 
 def _retime_fast_launch(xs, warmup, rep, budget):
-    """The Gluon path's cached launcher (``_gluon_fwd._launch``, STREAMKL_GLUON_FAST_LAUNCH=1; off
-    by default until this runs): outputs bitwise equal to the JIT launch's (bound, then direct),
-    host time per call, and auto / forced Gluon timed again with it."""
+    """The Gluon path's cached launcher (``_gluon_fwd._launch``, on unless STREAMKL_GLUON_FAST_LAUNCH=0):
+    outputs bitwise equal to the JIT launch's (bound, then direct), host time per call with it
+    and without (the section's other rows ran with it), and auto / forced Gluon timed again."""
     from streamkl_gpu import _gluon_fwd
 
     if budget.left() < 10:
@@ -789,6 +817,7 @@ def _retime_fast_launch(xs, warmup, rep, budget):
     table = []
     try:
         set_backend("gluon")
+        os.environ[env_name] = "0"  # the JIT launch
         ref = [t.clone() for t in forward_bits(*xs, False)]
         os.environ[env_name] = "1"
         same = []
@@ -808,6 +837,14 @@ def _retime_fast_launch(xs, warmup, rep, budget):
                 record("retime 2K", case, prov, "host_us_per_call", host[prov])
             finally:
                 set_backend("auto")
+        os.environ[env_name] = "0"
+        for prov in ("auto", "gluon"):
+            try:
+                host[prov + " (jit launch)"] = _host_us(_provider_fn(prov, xs, False))
+                record("retime 2K", case, prov, "host_us_per_call_jit_launch", host[prov + " (jit launch)"])
+            finally:
+                set_backend("auto")
+        os.environ[env_name] = "1"
         log("fast launch: host us per call " + " ".join(f"{p}={v:.0f}" for p, v in host.items()))
         table = run_timing("retime 2K fast launch", [(case, shape(2 * K), False, False)], warmup, rep, budget,
                            (), api=("auto", "gluon"))
@@ -816,6 +853,47 @@ def _retime_fast_launch(xs, warmup, rep, budget):
     finally:
         os.environ.pop(env_name, None)
         set_backend("auto")
+    return table
+
+
+def dims_points():
+    """Session 6: the no-regression grid's other Gluon specialisations at 8K (head dims 64 and
+    128/64, GQA 32:8, fp16), each with the default's knobs and without (the 128-key candidate of
+    its head dims, forced): whether DEFAULT_KNOBS, measured at D = 128 bf16, hold elsewhere.
+    (name, shape, causal, dtype, d1, d2, group)."""
+    return [
+        ("bf16 D64 N=8K causal", shape(8 * K, D1=64, D2=64), True, "bf16", 64, 64, 1),
+        ("bf16 D128/64 N=8K causal", shape(8 * K, D2=64), True, "bf16", 128, 64, 1),
+        ("bf16 GQA 32:8 N=8K full", shape(8 * K, HK=8), False, "bf16", 128, 128, 4),
+        ("fp16 D128 N=8K full", shape(8 * K, dtype="fp16"), False, "fp16", 128, 128, 1),
+    ]
+
+
+def dims_configs(d1, d2):
+    """The default's 128-key candidate at (d1, d2) and the same without knobs."""
+    from streamkl_gpu import _gluon_fwd
+
+    return [_gluon_fwd.candidates(d1, d2)[0], _gluon_fwd.make_cand(d1, d2, 128, 168)]
+
+
+def dims_prewarm_specs():
+    return [_spec("kernel", c, dt, d1, d2, g) for _, _, _, dt, d1, d2, g in dims_points() for c in dims_configs(d1, d2)]
+
+
+DIMS_RESULT = []  # (case, default's provider, knob-free provider, times): the summary's table
+
+
+def run_dims(warmup, rep, budget):
+    log("== other specialisations at 8K: the default's knobs on and off (forced)")
+    table = []
+    for name, sh, causal, dt, d1, d2, g in dims_points():
+        if budget.left() < 8:
+            record("dims", name, "all", "ms", None, "skipped", "time budget")
+            continue
+        provs = [provider_of(c) for c in dims_configs(d1, d2)]
+        rows = run_timing("dims", [(name, sh, causal, False)], warmup, rep, budget, provs, api=())
+        table += rows
+        DIMS_RESULT.extend((case, provs[0], provs[1], t) for case, _, t in rows)
     return table
 
 
@@ -893,6 +971,10 @@ def main(argv=None):
     p.add_argument("out_dir")
     p.add_argument("--quick", action="store_true", help="configuration checks, 8K/16K targets, variants (<= 100 s)")
     p.add_argument("--grid", action="store_true", help="only the no-regression grid (auto vs forced triton), then SASS")
+    p.add_argument("--final", action="store_true",
+                   help="the closing run: prewarm, the 8 targets via the API (auto) vs SDPA in --rounds (default 3) "
+                        "interleaved rounds, the no-regression grid, the check cases; the target table and the grid "
+                        "verdict last")
     p.add_argument("--budget", type=float, default=None, help="seconds for the sections before the SASS one (default 100 quick, 540)")
     p.add_argument("--no-autotune", action="store_true", help="Triton path: first config, no tuning")
     p.add_argument("--no-check", action="store_true", help="skip the correctness section (timing only)")
@@ -936,7 +1018,9 @@ def main(argv=None):
 
     checks, targets, grid, variants, sass, failed_cfg = [], [], [], [], [], {}
     try:
-        if a.grid:
+        if a.final:
+            targets, grid, checks, failed_cfg = run_final(a, budget, warmup, rep)
+        elif a.grid:
             if dispatch.GLUON_AVAILABLE and not a.no_prewarm:
                 status = prewarm(grid_prewarm_specs(), budget, a.out_dir)
                 bad = {tuple(int(c) for c in sp.split(":")[1].split(",")) for sp, why in status.items() if why}
@@ -961,7 +1045,9 @@ def main(argv=None):
                     _spec(v, c) for c in vconfigs for v in variants_of[c] if v != "kernel"]
                 if not a.no_check:
                     specs = list(TRITON_PREWARM) + specs
-                if a.quick:  # the 2K retime's tuned Triton path
+                if a.quick:  # the other specialisations' kernels (run_dims)
+                    specs = specs + [sp for sp in dims_prewarm_specs() if sp not in specs]
+                if a.quick and RETIME_TRITON:  # the 2K retime's tuned Triton path
                     specs = [TRITON_PREWARM_2K] + specs
                 status = prewarm(specs, budget, a.out_dir)
                 PREWARM_STATUS.update(status)
@@ -1014,13 +1100,57 @@ def main(argv=None):
     write_outputs(a, env, checks, targets, grid, variants, sass, failed_cfg)
 
 
+FINAL = {}  # what --final's summary prints last (rule, rounds)
+
+
+def run_final(a, budget, warmup, rep):
+    """--final: (1) prewarm in worker processes: the default Gluon kernel, the tuner's candidates
+    of every Gluon specialisation the grid reaches, the tuned Triton path of one grid point per
+    class of Triton compiles (``FINAL_TRITON_POINTS``) and the checks' Triton path; (2) the eight
+    targets (B=1 H=32 D=128 bf16, 8K-64K, causal and not) through the API's automatic path vs SDPA,
+    ``--rounds`` (default 3) interleaved rounds, the lowest round median kept (the median of the
+    round medians recorded beside it); (3) the issue's no-regression grid (auto vs forced Triton
+    and forced Gluon, one round, as s5r5); (4) the check cases (every class, budget permitting).
+    Returns (targets, grid, checks, failed configurations)."""
+    global ROUNDS
+    from streamkl_gpu import _gluon_fwd
+
+    failed_cfg = {}
+    default = _gluon_fwd.candidates(128, 128)[0]
+    if dispatch.GLUON_AVAILABLE and not a.no_prewarm:
+        specs = [_spec("kernel", default)]
+        specs += [sp for sp in grid_prewarm_specs() if sp not in specs]
+        specs += [TRITON_POINT + name for name in FINAL_TRITON_POINTS] + list(TRITON_PREWARM)
+        status = prewarm(specs, budget, a.out_dir, limit=45)
+        PREWARM_STATUS.update(status)
+        bad = {tuple(int(c) for c in sp.split(":")[1].split(",")) for sp, why in status.items()
+               if why and sp.startswith("kernel:")}
+        if bad:  # keep the API's tuner off them (a hang there would stop the run)
+            tuner = _gluon_fwd.candidates
+            _gluon_fwd.candidates = lambda d1, d2: [c for c in tuner(d1, d2) if c not in bad] or tuner(d1, d2)[:1]
+            failed_cfg = {c: "failed in a prewarm worker" for c in bad}
+            log(f"left out of the API's tuner: {sorted(bad)}")
+    ROUNDS = max(3, a.rounds or 3)
+    FINAL["rounds"] = ROUNDS
+    targets = run_timing("final targets", target_points([8 * K, 16 * K, 32 * K, 64 * K]), warmup, rep, budget, (),
+                         api=("auto",))
+    ROUNDS = 1
+    grid = []
+    if budget.left() > 20:
+        grid = run_timing("grid", grid_points(), warmup, rep, budget)
+    checks = []
+    if not a.no_check and budget.left() > 20:
+        checks = run_check(False, [default], budget)
+    return targets, grid, checks, failed_cfg
+
+
 class _Done(Exception):
     """The --quick plan ran to its end (control flow out of main's section block)."""
 
 
 QUICK_CHECK_EXTRA = 2  # --quick checks the tuner's candidates and the this many fastest configurations
-FOLD_MASK1_CONFIG = FOLD_CONFIG + (1,)
-QUICK_CHECK_ALSO = [FOLD_CONFIG, FOLD_MASK1_CONFIG]  # and these (new arithmetic: checked whether fast or not)
+DEFER_CONFIG = DEFAULT_CONFIG + (1,)  # the default with partial row sums (session 6, run 3)
+QUICK_CHECK_ALSO = [KNOB_FREE_CONFIG, DEFER_CONFIG]  # and these (control / new arithmetic: checked whether fast or not)
 
 
 def run_quick(a, configs, providers, variants_of, warmup, rep, budget, out):
@@ -1058,6 +1188,8 @@ def run_quick(a, configs, providers, variants_of, warmup, rep, budget, out):
         ROUNDS = 1  # long calls: drift within one point matters less than the time they take
         out["targets"] = targets + run_timing("targets 32K-64K", target_points([32 * K, 64 * K]), warmup, rep,
                                               budget, best[:1], api=("gluon",))
+    if budget.left() > 12 and dispatch.GLUON_AVAILABLE:
+        out["dims"] = run_dims(warmup, rep, budget)
     if budget.left() > 12 and dispatch.GLUON_AVAILABLE:  # last: the Triton path's tuning may compile here
         out["retime"] = run_retime_2k(warmup, rep, budget)
 
@@ -1083,6 +1215,12 @@ def default_verdict(targets, margin=0.02):
     lines.append(f"  take as the default: {min(wins)[1]} (faster at every point by > {margin:.0%})" if wins
                  else f"  no configuration beats the default at every point by > {margin:.0%}: keep it")
     return lines
+
+
+def describe_default():
+    from streamkl_gpu import _gluon_fwd
+
+    return _gluon_fwd.describe(_gluon_fwd.candidates(128, 128)[0])
 
 
 def write_outputs(a, env, checks, targets, grid, variants, sass, failed_cfg):
@@ -1127,6 +1265,9 @@ def write_outputs(a, env, checks, targets, grid, variants, sass, failed_cfg):
         base = t.get("kernel")
         out.append(f"variants 8K causal={int(causal)} [{name}] (ms; ratio to the kernel): " + ", ".join(
             f"{k} {v:.3f}" + (f" ({v / base:.2f})" if base else "") for k, v in t.items()))
+    for case, new, old, t in DIMS_RESULT:
+        if new in t and old in t:
+            out.append(f"dims {case}: default {t[new]:.3f} ms, knob-free {t[old]:.3f} ms, ratio {t[new] / t[old]:.3f} ({new})")
     if grid:
         out.append("grid (ms): case | gluon | triton | auto | auto/triton (must be <= 1.03) | gluon/triton")
         worst = 0.0
@@ -1169,6 +1310,28 @@ def write_outputs(a, env, checks, targets, grid, variants, sass, failed_cfg):
             out += default_verdict(targets)
         except Exception as exc:  # a report line, never a reason to lose the summary
             out.append(f"default verdict failed: {type(exc).__name__}: {exc}")
+    if FINAL and targets:  # --final: the target table and the grid verdict last
+        out.append(f"FINAL targets, B=1 H=32 D=128 bf16, the API's automatic path (the Gluon default "
+                   f"{describe_default()}) vs SDPA: {FINAL['rounds']} interleaved rounds per point, the "
+                   "lowest round median kept (median of the round medians in brackets); Must <= 1.45, goal 1.15")
+        rounds_of = {}
+        for r in ROWS:
+            if r["section"] == "final targets" and r["metric"] == "ms" and r["detail"].startswith("rounds "):
+                rounds_of[(r["case"], r["provider"])] = [float(v) for v in r["detail"][7:].split()]
+        for case, _, t in targets:
+            if "auto" in t and "sdpa" in t:
+                ra, rs = rounds_of.get((case, "auto"), []), rounds_of.get((case, "sdpa"), [])
+                med = (sorted(ra)[len(ra) // 2] / sorted(rs)[len(rs) // 2]) if ra and rs else float("nan")
+                ratio = t["auto"] / t["sdpa"]
+                out.append(f"  {case:24s} auto {t['auto']:8.3f} ms  sdpa {t['sdpa']:8.3f} ms  ratio {ratio:.3f} "
+                           f"[{med:.3f}] {'ok' if ratio <= 1.45 else 'MISSED'}")
+        if grid:
+            pts = [(case, t["auto"] / t["triton"]) for case, _, t in grid if "auto" in t and "triton" in t]
+            worst = max(pts, key=lambda p: p[1]) if pts else None
+            bad = [f"{c} {r:.3f}" for c, r in pts if r > 1.03]
+            out.append(f"FINAL grid verdict: {len(pts)} of {len(grid)} points timed (one round each), worst auto/triton "
+                       + (f"{worst[1]:.3f} ({worst[0]})" if worst else "-")
+                       + (f"; over 1.03: {', '.join(bad)}" if bad else "; all <= 1.03"))
     out.append(f"total {time.time() - T0:.0f}s")
     for line in out:
         log(line)

@@ -2,9 +2,11 @@
 
 Same outputs and conventions as ``_fwd._kl_fwd_kernel`` (the portable Triton path and the
 reference this kernel is checked against on the GPU): per row the five scalars
-``m1, l1, m2, l2, acc`` in bits, ``acc`` re-referenced to both maxima, scores scaled with
-``mul.rn`` before the max, bottom-right causal with tile skipping (``_fwd._key_stages``),
-``_fwd._finalize`` at the end. The per-tile formulas are ``_fwd._fwd_key_range``'s, split in two
+``m1, l1, m2, l2, acc`` in bits, ``acc`` re-referenced to both maxima, bottom-right causal with
+tile skipping (``_fwd._key_stages``), ``_fwd._finalize`` at the end. Scores are taken to bits
+rounded once: in masked tiles ``mul.rn`` before the max (as the Triton path: one-key rows exactly
+0); in whole tiles, with the default's ``FOLD`` knob, the max on the raw scores scaled once per row
+(bitwise the same max) and the shifted score as one FFMA (``_shifted``; bench/NOTES.md round 4). The per-tile formulas are ``_fwd._fwd_key_range``'s, split in two
 halves so that the side-1 half runs while the side-2 product is still on the tensor cores.
 
 Schedule: one CTA owns 128 query rows of one (b, h).
@@ -95,7 +97,8 @@ def _exp2(x, VARIANT: gl.constexpr):
 
 # Schedule knobs, packed into one constexpr ``SCHED`` (bit offset, width); see ``config_of``.
 SCHED_BITS = dict(PINGPONG=(0, 1), SPLIT=(1, 1), POLY=(2, 2), RESCALE=(4, 1), FENCE=(5, 2), ORDER=(7, 1),
-                  LOOK=(8, 1), TURN=(9, 1), MERGE=(10, 1), RELTURN=(11, 1), FOLD=(12, 1), MASK1=(13, 1))
+                  LOOK=(8, 1), TURN=(9, 1), MERGE=(10, 1), RELTURN=(11, 1), FOLD=(12, 1), MASK1=(13, 1),
+                  DEFER=(14, 1))
 RESCALE_BITS = gl.constexpr(8.0)  # conditional rescaling: a new reference max only when the max grows by more
 
 
@@ -227,14 +230,37 @@ def _shifted_premasked(m, s_masked, qk_scale, RESCALE: gl.constexpr):
 
 
 @gluon.jit
-def _side1_exps(x1, m1, l1, shift1, visible, MASKED: gl.constexpr, VARIANT: gl.constexpr):
+def _row_sum(x, DEFER: gl.constexpr):
+    """Row sums of a tile [WG_M, N]; DEFER: only over each thread's own columns, [WG_M, 4] (the
+    wgmma layout spreads a row's columns over the 4 threads of a quad, 2 x N/8 each: the
+    reshape to [WG_M, N/8, 4, 2] is a pure relabeling), so the quad's shuffles wait for the end."""
+    if DEFER:
+        out = gl.sum(gl.sum(gl.reshape(x, [x.shape[0], x.shape[1] // 8, 4, 2]), axis=1), axis=2)
+    else:
+        out = gl.sum(x, axis=1)
+    return out
+
+
+@gluon.jit
+def _per_row(v, like, DEFER: gl.constexpr):
+    """A per-row value [WG_M] in the shape of the sums (DEFER: broadcast to ``like``'s [WG_M, 4])."""
+    if DEFER:
+        out = gl.convert_layout(v, gl.SliceLayout(1, like.type.layout))[:, None]
+    else:
+        out = v
+    return out
+
+
+@gluon.jit
+def _side1_exps(x1, m1, l1, shift1, visible, MASKED: gl.constexpr, VARIANT: gl.constexpr,
+                DEFER: gl.constexpr = False):
     """Side 1's exponentials of a tile: (p1, the new l1, alpha1 = the old l1's rescale factor)."""
     if MASKED:
         p1 = _exp2(gl.where(visible, x1, float("-inf")), VARIANT)
     else:
         p1 = _exp2(x1, VARIANT)
     alpha1 = gl.exp2(m1 - shift1)
-    l1_new = l1 * alpha1 + gl.sum(p1, axis=1)
+    l1_new = l1 * _per_row(alpha1, l1, DEFER) + _row_sum(p1, DEFER)
     return p1, l1_new, alpha1
 
 
@@ -257,6 +283,8 @@ def _fold_sub(st, t1, t2, k1, k2, k1_free, k2_free, turn_next, visible, qk_scale
     # per score pair, fewer live predicates)
     PRE: gl.constexpr = MASKED and _knob(SCHED, "MASK1")
     MASK_LATER: gl.constexpr = MASKED and not PRE
+    # DEFER: l1, l2, acc kept as per-thread partial row sums [WG_M, 4], reduced once at the end
+    DEFER: gl.constexpr = _knob(SCHED, "DEFER")
     # ---- side 1, while S2 is still on the tensor cores
     if PRE:
         m1_new, shift1, x1 = _shifted_premasked(m1, gl.where(visible, s1, float("-inf")), qk_scale1, RESCALE)
@@ -270,9 +298,9 @@ def _fold_sub(st, t1, t2, k1, k2, k1_free, k2_free, turn_next, visible, qk_scale
         l1_new = l1
         alpha1 = l1
         for _ in range(ONE):
-            p1, l1_new, alpha1 = _side1_exps(x1, m1, l1, shift1, visible, MASK_LATER, VARIANT)
+            p1, l1_new, alpha1 = _side1_exps(x1, m1, l1, shift1, visible, MASK_LATER, VARIANT, DEFER)
     else:
-        p1, l1_new, alpha1 = _side1_exps(x1, m1, l1, shift1, visible, MASK_LATER, VARIANT)
+        p1, l1_new, alpha1 = _side1_exps(x1, m1, l1, shift1, visible, MASK_LATER, VARIANT, DEFER)
 
     # ---- side 2
     if VARIANT != 2:
@@ -286,7 +314,17 @@ def _fold_sub(st, t1, t2, k1, k2, k1_free, k2_free, turn_next, visible, qk_scale
     else:
         m2_new, shift2, x2 = _shifted(m2, s2_raw, qk_scale2, visible, MASKED, RESCALE, _knob(SCHED, "FOLD"))
     log_ratio = x1 - x2  # the shifted log-ratio (see _fwd._finalize)
-    if PRE:
+    if DEFER:
+        if MASK_LATER:
+            sum2 = _row_sum(_exp2(gl.where(visible, x2, float("-inf")), VARIANT), True)
+        else:
+            sum2 = _row_sum(_exp2(x2, VARIANT), True)
+        if MASKED:
+            term = gl.where(visible, p1 * log_ratio, 0.0) if MASK_LATER else \
+                p1 * gl.maximum(log_ratio, -3.4028234663852886e38)
+        else:
+            term = p1 * log_ratio
+    elif PRE:
         sum2 = _sum_exp2(x2, VARIANT, _knob(SCHED, "POLY"))
         # invisible entries: x1 - x2 = -inf - -inf = NaN and p1 = 0; max(NaN, -FLT_MAX) is
         # -FLT_MAX (max.f32 returns the non-NaN operand), times p1 = 0: exactly 0 without the
@@ -304,8 +342,8 @@ def _fold_sub(st, t1, t2, k1, k2, k1_free, k2_free, turn_next, visible, qk_scale
     if VARIANT != 3:
         # re-reference the old acc to the new maxima: each old term moves by -(dm1 - dm2)
         moved = (shift1 - _fwd._safe(m1)) - (shift2 - _fwd._safe(m2))
-        acc = (acc - l1 * moved) * alpha1 + gl.sum(term, axis=1)
-    l2 = l2 * alpha2 + sum2
+        acc = (acc - l1 * _per_row(moved, acc, DEFER)) * _per_row(alpha1, acc, DEFER) + _row_sum(term, DEFER)
+    l2 = l2 * _per_row(alpha2, l2, DEFER) + sum2
     return m1_new, l1_new, m2_new, l2, acc
 
 
@@ -553,9 +591,10 @@ def _consumer(WG: gl.constexpr, q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_re
     diag_offset = N_K - N_Q
     m1 = gl.full([WG_M], float("-inf"), gl.float32, row_layout)
     m2 = gl.full([WG_M], float("-inf"), gl.float32, row_layout)
-    l1 = gl.zeros([WG_M], gl.float32, row_layout)
-    l2 = gl.zeros([WG_M], gl.float32, row_layout)
-    acc = gl.zeros([WG_M], gl.float32, row_layout)
+    DEFER: gl.constexpr = _knob(SCHED, "DEFER")
+    l1 = _row_sum(zero, DEFER)  # zeros: [WG_M] rows, or DEFER's [WG_M, 4] per-thread parts
+    l2 = _row_sum(zero, DEFER)
+    acc = _row_sum(zero, DEFER)
     st = (m1, l1, m2, l2, acc)
     # whole tiles every row of the CTA sees, then the causal band and the ragged last tile
     if _knob(SCHED, "POLY") == 3:
@@ -594,6 +633,10 @@ def _consumer(WG: gl.constexpr, q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_re
                         zero, rows, N_K, diag_offset, qk_scale1, qk_scale2, ONE, D1, D2, BLOCK_N, NUM_STAGES,
                         True, CAUSAL, VARIANT, WG, SCHED_MASKED)
     m1, l1, m2, l2, acc = st
+    if DEFER:  # the quads' partial sums, reduced once
+        l1 = gl.convert_layout(gl.sum(l1, axis=1), row_layout)
+        l2 = gl.convert_layout(gl.sum(l2, axis=1), row_layout)
+        acc = gl.convert_layout(gl.sum(acc, axis=1), row_layout)
     kl, lse1, lse2 = _fwd._finalize(m1, l1, m2, l2, acc)
     row_ok = rows < N_Q  # padded query rows (TMA zero fill) are never written
     out = pid_bh.to(gl.int64) * N_Q + rows
@@ -693,7 +736,7 @@ def _ring_stages(d1: int, d2: int, block_n: int) -> int:
 
 def kernel_config(d1: int, d2: int):
     """Default launch configuration for head dims (d1, d2): 128-key tiles, the deepest key ring
-    that fits, 168 registers per thread (the sketch's setting)."""
+    that fits, 168 registers per thread (the sketch's setting), the ``DEFAULT_KNOBS``."""
     return config_of(candidates(d1, d2)[0])
 
 
@@ -719,9 +762,16 @@ def candidates(d1: int, d2: int):
             make_cand(d1, d2, 128, 168, PINGPONG=1, **knobs)]
 
 
-# Schedule knobs every tuner candidate carries (arithmetic that does not change the schedule's
-# shape; a knob joins only on a GPU measurement).
-DEFAULT_KNOBS: dict = {}
+# Schedule knobs every tuner candidate carries (a knob joins only on a GPU measurement).
+# H200, 2026-12-01, run s6r2 (bench/results/session6/h200_2026-12-01_s6r2_gluon.log, two interleaved
+# rounds, lowest kept): MERGE + FOLD + MASK1 faster than the session-5 default at every 8K/16K
+# point (time ratio 0.936 8K full, 0.942 16K causal, 0.947 8K causal, 0.965 16K full), FOLD alone
+# 0.952 / 0.942 / 0.973 / 0.970, FOLD + MASK1 0.959 / 0.945 / 0.971 / 1.011, MERGE alone 1.010
+# (mean); the three together ran 8K 1.42x / 1.40x SDPA (full / causal), 16K 1.35x / 1.29x, 32K
+# 1.33x / 1.24x, 64K 1.25x / 1.28x, against the default's 1.52x / 1.48x at 8K. Same accuracy on
+# the four check cases (rel. error vs float64 2.4e-7 on kl, 4.4e-8 on lse2, as before; one-key
+# rows exactly 0; NaN isolated).
+DEFAULT_KNOBS: dict = dict(MERGE=1, FOLD=1, MASK1=1)
 
 
 def make_cand(d1: int, d2: int, block_n: int, maxnreg: int, **knobs):
@@ -750,28 +800,22 @@ def experiments(d1: int, d2: int):
     def cand(block_n, maxnreg, **knobs):
         return make_cand(d1, d2, block_n, maxnreg, **knobs)
 
-    # Session 6 (fwd13): session 5's schedules (ORDER, LOOK, TURN, RELTURN: 4-30 % slower than
-    # the default in run s5r4) are no longer measured (their knobs stay). Measured: FOLD (the
-    # scale folded into the exponent's FFMA on whole tiles; SASS per whole-tile loop, CPU compile
-    # with triton 3.6's ptxas: 801 instead of 921 instructions, 168 registers, no spills in the
-    # loops), alone and with the schedules that were within 4 % of the default (merged barriers,
-    # the turnstile, FENCE=2: 66 side-1 exponentials between the waits, 1 STL in a masked loop),
-    # and with part of side 2's exponentials on the FMA pipe (POLY 2: half, 1100 instructions per
-    # tile, no spills; POLY 3: a quarter, 14 STL in one warpgroup's loop): the test of the model
-    # "time per tile = tensor + max(MUFU, issue)" of bench/NOTES.md round 4. MERGE alone is the
-    # control (1.004x the default in s5r4).
-    # MASK1 (masked tiles: the mask applied once to the raw scores, the term kept at 0 by a max
-    # instead of a select, one compare per entry): 1223 instead of 1866 instructions per causal
-    # masked loop, 1186 instead of 1593 non-causal (triton 3.6, bf16 D = 128), no spills with FOLD.
-    return [cand(128, 168)] * bool(DEFAULT_KNOBS) + [  # the knob-free schedule, once the default has knobs
-        cand(128, 168, MERGE=1),
-        cand(128, 168, FOLD=1),
+    # Session 6 (fwd13), run s6r2: FOLD, MASK1 and MERGE became the default (DEFAULT_KNOBS); POLY 3
+    # (a quarter of side 2's exponentials by the polynomial: 1.05-1.48x the old default, spills)
+    # and POLY 2 with FOLD (0.96-1.02x) are no longer measured; FENCE=2 with FOLD (0.94-0.98x,
+    # spills outside the loops) and the turnstile with FOLD (0.98-1.00x) are, on top of the new
+    # default; the knob-free schedule (the session-5 default) is the control, FOLD + MASK1 without
+    # MERGE says what MERGE adds.
+    d = DEFAULT_KNOBS
+    return [cand(128, 168)] * bool(DEFAULT_KNOBS) + [
         cand(128, 168, FOLD=1, MASK1=1),
-        cand(128, 168, MERGE=1, FOLD=1, MASK1=1),
-        cand(128, 168, PINGPONG=1, FOLD=1),
-        cand(128, 168, FENCE=2, FOLD=1),
-        cand(128, 168, POLY=2, FOLD=1),
-        cand(128, 168, POLY=3, FOLD=1),
+        cand(128, 168, FENCE=2, **d),
+        cand(128, 168, PINGPONG=1, **d),
+        # FA3's ping-pong with the late turn, as the per-warpgroup releases (RELTURN needs MERGE)
+        cand(128, 168, PINGPONG=1, TURN=1, RELTURN=1, **d),
+        # DEFER: l1, l2, acc as per-thread partial row sums, the quad's shuffles once at the end:
+        # 776 instead of 797 instructions per whole-tile loop, 8 SHFL instead of 20 (triton 3.6)
+        cand(128, 168, DEFER=1, **d),
     ]
 
 
@@ -795,7 +839,7 @@ CAND_FIELDS = ("BLOCK_N", "NUM_STAGES", "maxnreg") + tuple(SCHED_BITS)
 CAND_DEFAULTS = {k: 0 for k in SCHED_BITS}
 _FLAG_NAMES = dict(PINGPONG="pingpong", SPLIT="split", POLY="poly", RESCALE="rescale", FENCE="fence",
                    ORDER="s2first", LOOK="look", TURN="lateturn", MERGE="merged",
-                   RELTURN="relturn", FOLD="ffma", MASK1="mask1")
+                   RELTURN="relturn", FOLD="ffma", MASK1="mask1", DEFER="defer")
 
 
 def sched_of(cfg) -> int:
@@ -816,6 +860,8 @@ def sched_of(cfg) -> int:
         raise ValueError("LOOK folds side 2 first: it needs ORDER=1")
     if cfg.get("ORDER") and cfg.get("SPLIT"):
         raise ValueError("ORDER (side 2 first) does not take SPLIT")
+    if cfg.get("DEFER") and (cfg.get("ORDER") or cfg.get("POLY") or cfg.get("SPLIT")):
+        raise ValueError("DEFER (partial row sums) is written for the side-1-first fold without POLY or SPLIT")
     if cfg.get("MASK1") and cfg.get("ORDER"):
         raise ValueError("MASK1 (the masked tiles' mask applied once) is written for the side-1-first fold, not ORDER")
     return out
@@ -923,18 +969,21 @@ def gluon_forward(q1, k1, q2, k2, causal, scale1, scale2, out=None, config=None,
     return kl, lse1_bits, lse2_bits
 
 
-FAST_LAUNCH_ENV = "STREAMKL_GLUON_FAST_LAUNCH"  # "1": launch through _launch's cache (off until a GPU run checks it)
+# "0": every launch through the JIT (``_launch``'s cache off). On by default since run s6r2 (H200,
+# triton 3.6): outputs bitwise equal to the JIT launch's (bound, then direct), host time per API
+# call 140 -> 112 us (auto) at B=1 H=32 N=2K, the kernel's time unchanged (0.178 ms).
+FAST_LAUNCH_ENV = "STREAMKL_GLUON_FAST_LAUNCH"
 _COMPILED: dict = {}  # specialisation key -> (CompiledKernel, the constexpr tail in parameter order)
 FAST_STATS = {"direct": 0, "bound": 0}
 
 
 def _launch(grid, args, constexprs, options):
-    """``_gluon_kl_fwd_kernel[grid](*args, **constexprs, **options)``; with ``STREAMKL_GLUON_FAST_LAUNCH=1``
+    """``_gluon_kl_fwd_kernel[grid](*args, **constexprs, **options)``; unless ``STREAMKL_GLUON_FAST_LAUNCH=0``
     the first launch of each specialisation keeps the compiled kernel and later ones call its
     launcher directly (``_fast_launch``'s method and key: what Triton specialises each argument
     on, descriptors by type, block shape, dtype and base alignment), saving the JIT binder's
     tens of microseconds per call (the 2K points of the no-regression grid are host-bound)."""
-    if _runtime.env(FAST_LAUNCH_ENV, "0") != "1" or not _fast_launch.enabled():
+    if _runtime.env(FAST_LAUNCH_ENV, "1") == "0" or not _fast_launch.enabled():
         return _gluon_kl_fwd_kernel[grid](*args, **constexprs, **options)
     key = (tuple(constexprs.items()), tuple(sorted(options.items())), tuple(_fast_launch._spec(a) for a in args))
     hit = _COMPILED.get(key)

@@ -32,15 +32,17 @@ CTA_THREADS = 384  # what the H200 reported for a Gluon forward CTA (OutOfResour
 # side 2's exponentials of the first tile issued before the S1 wait.
 FENCE_SPEC = "bf16:causal:128:128:64:4:168:0:0:0:0:1"
 LOOK_SPEC = "bf16:causal:128:128:64:4:168:0:0:0:0:0:1:1"
-# And MERGE (one ready and one empty barrier per ring slot): fewer BAR.SYNC per key tile than the
-# default (triton's membar puts one at each mbarrier op of the loop).
-MERGE_SPEC = "bf16:full:128:128:128:2:168:0:0:0:0:0:0:0:0:1"
-# And FOLD + MASK1 (session 6: the scale folded into the exponent's FFMA on whole tiles; the
-# masked tiles' mask applied once), causal: one compile for both points.
-MASK1_SPEC = "bf16:causal:128:128:128:2:168:0:0:0:0:0:0:0:0:0:0:1:1"
-CI_SPECS = ["bf16:full:128:128", "fp16:causal:128:128", "bf16:causal:64:128"] + [
+# And the knob-free schedule (the session-5 default) the session-6 knobs of the default
+# (DEFAULT_KNOBS: MERGE, FOLD, MASK1) are measured against in the SASS: MERGE (one ready and one
+# empty barrier per ring slot: fewer BAR.SYNC per key tile; triton's membar puts one at each
+# mbarrier op of the loop), FOLD (whole-tile loops: the scale folded into the exponent's FFMA),
+# MASK1 (masked loops: the mask applied once).
+KNOB_FREE_SPEC = "bf16:causal:128:128:128:2:168:0"
+MASK1_SPEC = "bf16:causal:128:128"  # the default, causal (whole and masked loops)
+CI_SPECS = ["bf16:full:128:128", "fp16:causal:128:128", "bf16:causal:128:128", "bf16:causal:64:128",
+            "bf16:full:64:64"] + [
     "bf16:causal:64:64:" + ":".join(map(str, c)) for c in _gluon_fwd.candidates(64, 64)[1:] if c[2] == 168] + [
-    FENCE_SPEC, LOOK_SPEC, MERGE_SPEC, MASK1_SPEC]
+    FENCE_SPEC, LOOK_SPEC, KNOB_FREE_SPEC]
 
 
 @pytest.fixture(scope="module")
@@ -345,17 +347,23 @@ def test_schedule_knobs_pack_into_sched():
 
 def test_tuner_candidates_measured_winner_at_d128():
     """At D = 128 / 128 (the issue's shapes) the tuner has the measured winner alone: the default
-    (128-key tiles, 168 registers, no turnstile); timing noise between near-equal configurations
-    made the tuned path slower than the default forced (bench/NOTES.md, session 4 run 3). Other
-    head dims keep the three candidates, default first."""
-    assert _gluon_fwd.candidates(128, 128) == [(128, _gluon_fwd._ring_stages(128, 128, 128), 168, 0)]
-    assert _gluon_fwd.kernel_config(128, 128) == _gluon_fwd.config_of(_gluon_fwd.candidates(128, 128)[0])
+    (128-key tiles, 168 registers, no turnstile, since session 6 with MERGE, FOLD and MASK1);
+    timing noise between near-equal configurations made the tuned path slower than the default
+    forced (bench/NOTES.md, session 4 run 3). Other head dims keep the three candidates, default
+    first, each with the same knobs."""
+    knobs = dict(MERGE=1, FOLD=1, MASK1=1)  # session 6, run s6r2
+    assert _gluon_fwd.candidates(128, 128) == [_gluon_fwd.make_cand(128, 128, 128, 168, **knobs)]
+    cfg = _gluon_fwd.kernel_config(128, 128)
+    assert cfg == _gluon_fwd.config_of(_gluon_fwd.candidates(128, 128)[0])
+    assert (cfg["BLOCK_N"], cfg["NUM_STAGES"], cfg["maxnreg"], cfg["PINGPONG"]) == (128, 2, 168, 0)
+    assert all(cfg[k] == 1 for k in knobs) and sum(cfg[k] for k in _gluon_fwd.SCHED_BITS) == 3
     for d1, d2 in ((64, 64), (64, 128), (128, 64)):
         cands = _gluon_fwd.candidates(d1, d2)
         assert len(cands) == 3 and cands[0][:3] == (128, _gluon_fwd._ring_stages(d1, d2, 128), 168), cands
-    # the FFMA fold is measured at D = 128 (an experiment: the default changes only on a measurement)
-    assert _bench_script().FOLD_CONFIG in _gluon_fwd.configs_to_measure(128, 128)
-    assert _gluon_fwd.config_of(_bench_script().FOLD_CONFIG)["FOLD"] == 1
+        assert all(_gluon_fwd.config_of(c)[k] == 1 for c in cands for k in knobs), cands
+    # the session-5 default stays measured (the control of the session-6 knobs)
+    assert _bench_script().KNOB_FREE_CONFIG in _gluon_fwd.configs_to_measure(128, 128)
+    assert _bench_script().DEFAULT_CONFIG == _gluon_fwd.candidates(128, 128)[0]
 
 
 def test_fold_rounding_twin_max_is_bitwise_and_shift_within_an_ulp():
@@ -397,7 +405,7 @@ def test_mask1_masked_loops_are_shorter(compiled):
     compare per entry: measured 1866 -> 1223 on triton 3.6, 1781 -> 1200-ish on 3.9), no spills
     (the spec is in CI_SPECS, so the common SASS test checks STL/LDL and the waits)."""
     mask1 = sorted(lp["instructions"] for lp in compiled[MASK1_SPEC]["loops"])
-    default = sorted(lp["instructions"] for lp in compiled["fp16:causal:128:128"]["loops"])
+    default = sorted(lp["instructions"] for lp in compiled[KNOB_FREE_SPEC]["loops"])
     assert len(mask1) == len(default) == 4, (mask1, default)
     assert all(m <= 0.85 * d for m, d in zip(mask1[2:], default[2:])), (mask1, default)
 
@@ -477,7 +485,7 @@ def test_fold_saves_the_scale_multiplies_in_whole_tiles(compiled):
     per-score FMUL of the scale (FMUL + FADD become one FFMA: >= 100 fewer instructions per
     128-key tile) (FOLD + MASK1 against the default, causal; MASK1 changes only the masked loops)."""
     fold = sorted(lp["instructions"] for lp in compiled[MASK1_SPEC]["loops"])
-    default = sorted(lp["instructions"] for lp in compiled["fp16:causal:128:128"]["loops"])
+    default = sorted(lp["instructions"] for lp in compiled[KNOB_FREE_SPEC]["loops"])
     assert len(fold) == len(default) == 4, (fold, default)
     assert all(f <= d - 100 for f, d in zip(fold[:2], default[:2])), (fold, default)
 
@@ -485,8 +493,8 @@ def test_fold_saves_the_scale_multiplies_in_whole_tiles(compiled):
 def test_merged_ring_barriers_cost_fewer_warpgroup_rendezvous(compiled):
     """The point of MERGE in the SASS: fewer BAR.SYNC per key-tile loop than the default's (one
     per mbarrier wait after an arrive and per arrive: 3 -> 2 on triton 3.6, 2 -> 1 on 3.9)."""
-    merged = [lp["bar"] for lp in compiled[MERGE_SPEC]["loops"]]
-    default = [lp["bar"] for lp in compiled["bf16:full:128:128"]["loops"]]
+    merged = [lp["bar"] for lp in compiled["bf16:causal:128:128"]["loops"]]  # the default: MERGE on
+    default = [lp["bar"] for lp in compiled[KNOB_FREE_SPEC]["loops"]]
     assert len(merged) == len(default) == 4, (merged, default)
     assert all(1 <= m < d for m, d in zip(merged, default)), (merged, default)
 
@@ -523,3 +531,57 @@ def test_gpu_script_times_interleaved_rounds_and_survives_a_failing_provider(mon
     assert order == ["a", "b", "sdpa", "sdpa", "b", "a"]
     assert times == {"a": 2.9, "b": 2.0, "sdpa": 1.0}
     assert any(r["provider"] == "bad" and r["status"] == "ERROR" for r in g.ROWS)
+
+
+def test_gpu_script_final_plan_and_summary(monkeypatch, tmp_path):
+    """bench/gluon_gpu.py --final without a GPU (timers and checks mocked): the prewarm gets the
+    default kernel, every grid Gluon specialisation and the Triton classes; the targets run in
+    >= 3 rounds through the API's auto path beside SDPA, then the grid, then the checks; the
+    summary ends with the target table (ratio per point, the rule) and the grid verdict."""
+    import argparse
+
+    g = _bench_script()
+    calls = []
+
+    def prewarm(specs, budget, out_dir, workers=None, limit=90):
+        calls.append(("prewarm", list(specs)))
+        return {sp: None for sp in specs}
+
+    def run_timing(section, points, warmup, rep, budget, config_providers=(), api=("gluon", "auto", "triton")):
+        calls.append((section, g.ROUNDS, tuple(api), len(points)))
+        table = []
+        for case, sh, causal, with_sdpa in points:
+            t = {"auto": 1.4, "sdpa": 1.0} if section == "final targets" else {"auto": 1.0, "triton": 1.01, "gluon": 0.9}
+            if section == "final targets":
+                g.record(section, case, "auto", "ms", 1.4, detail="rounds 1.4000 1.5000 1.4500")
+                g.record(section, case, "sdpa", "ms", 1.0, detail="rounds 1.0000 1.0000 1.0000")
+            table.append((case, causal, t))
+        return table
+
+    monkeypatch.setattr(g, "prewarm", prewarm)
+    monkeypatch.setattr(g, "run_timing", run_timing)
+    monkeypatch.setattr(g, "run_check", lambda quick, configs, budget: calls.append(("check", quick, configs)) or [])
+    monkeypatch.setattr(dispatch, "FWD_BACKEND", dispatch.FWD_BACKEND)
+
+    class Budget:
+        def left(self):
+            return 100.0
+
+    a = argparse.Namespace(no_prewarm=False, no_check=False, rounds=None, out_dir=str(tmp_path), final=True)
+    targets, grid, checks, failed = g.run_final(a, Budget(), 1, 1)
+    specs = calls[0][1]
+    assert specs[0] == g._spec("kernel", _gluon_fwd.candidates(128, 128)[0])
+    assert all(sp in specs for sp in g.grid_prewarm_specs())
+    assert sum(sp.startswith(g.TRITON_POINT) for sp in specs) == len(g.FINAL_TRITON_POINTS)
+    names = {p[0] for p in g.grid_points()}
+    assert all(n in names for n in g.FINAL_TRITON_POINTS)
+    assert calls[1] == ("final targets", 3, ("auto",), 8)
+    assert calls[2][0] == "grid" and calls[2][3] == len(g.grid_points())
+    assert calls[3][0] == "check" and calls[3][1] is False
+    g.LOG.clear()
+    g.write_outputs(a, {"gpu": "mock"}, checks, targets, grid, [], [], failed)
+    lines = [ln for ln in g.LOG if "total" not in ln]
+    assert "FINAL grid verdict" in lines[-1] and "all <= 1.03" in lines[-1], lines[-3:]
+    assert "ratio 1.400 [1.450] ok" in lines[-2]
+    assert any("FINAL targets" in ln and "3 interleaved rounds" in ln for ln in lines[-12:])
+    g.FINAL.clear()
