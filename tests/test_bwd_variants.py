@@ -277,8 +277,9 @@ def test_timing_probes_do_what_they_name(setting, monkeypatch):
 
 
 def test_auto_mode_separate_for_one_setting_with_the_new_kernels():
-    """With the TMA variants as candidates, one setting runs separate where the dQ kernel has >= 4
-    programs per SM (run r5c: setting 2 at 8K, separate 5.80 ms vs fused 6.79); small N_Q, both
+    """With the TMA variants as candidates, one setting runs separate where the dQ kernel has
+    programs for >= 90 % of the SMs (run r5c: setting 2 at 8K, separate 5.80 ms vs fused 6.79; run
+    s6r2: N_Q 512 x N_K 32K separate 0.87-0.91x, N_Q 16 fused 2.1-2.3x faster); smaller N_Q, both
     settings and the old kernels (varlen, fp32, no TMA) keep their rules."""
     from streamkl_ref._checks import Dims
 
@@ -287,7 +288,9 @@ def test_auto_mode_separate_for_one_setting_with_the_new_kernels():
 
     assert _tuning.auto_bwd_mode(dims(8192, 8192), 132, False, new_kernels=True) == "separate"
     assert _tuning.auto_bwd_mode(dims(8192, 8192), 132, False, new_kernels=False) == "fused"
-    assert _tuning.auto_bwd_mode(dims(512, 32768), 132, False, new_kernels=True) == "fused"  # 128 dQ programs
+    assert _tuning.auto_bwd_mode(dims(512, 32768), 132, False, new_kernels=True) == "separate"  # 128 dQ programs
+    assert _tuning.auto_bwd_mode(dims(256, 32768), 132, False, new_kernels=True) == "fused"  # 64: half a wave
+    assert _tuning.auto_bwd_mode(dims(16, 32768), 132, False, new_kernels=True) == "fused"  # 32 (run s6r2)
     assert _tuning.auto_bwd_mode(dims(16, 32768), 132, True, new_kernels=True) == "fused"  # both, small N_Q
     assert _tuning.auto_bwd_mode(dims(8192, 8192), 132, True, new_kernels=True) == "separate"
     assert _tuning.auto_bwd_mode(dims(4096, 64, h=2), 132, False, new_kernels=True) == "separate"  # few keys
