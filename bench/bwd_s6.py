@@ -79,6 +79,8 @@ REF_DQ = Cand("dq 128x64x8x3 (auto)", "dq", (128, 64, 8, 3), at=("8K", "8K causa
 # the fused kernel (the auto mode at small N_Q), non-causal only
 REF_FUSED = Cand("fused 64x128x8x2 rows", "fused", (64, 128, 8, 2), at=SMALL_Q)  # run s6r1's auto at nq512
 REFS = {"dk": REF_DK, "dq": REF_DQ, "fused": REF_FUSED}
+# the dK launches of the default plans since run s6r2's adoption of "pack" (timed in pairs)
+DEFAULT_DK = ("dk 64x128x8x3 pack", "dk 32x64x4x3 both pack")
 
 
 def is_ref(c):
@@ -91,26 +93,11 @@ def is_ref(c):
 # dQ 313 / 319. CTAs per SM by registers and shared memory: the auto pair 1 + 1; dq 64x32x4x2 3,
 # 64x64x4x2 / 64x32x4x3 / the r128 caps (32-40 bytes of spills) 2; dk 32x64x4x* pack 2 (172-187
 # registers, no spills; loop 270-280), 3 with the r168 cap
-CANDIDATES = [
+CANDIDATES = [  # run s6r3 on: the references, the new default (pack) and the ones within ~3 % in run s6r2
     REF_DQ, REF_DK,
     Cand("dk 64x128x8x3 pack", "dk", (64, 128, 8, 3), rows="pack", at=("8K", "8K causal") + SMALL_Q),
-    Cand("dq 64x32x4x2", "dq", (64, 32, 4, 2), at=("8K", "8K causal")),
-    Cand("dq 128x32x8x3 r128", "dq", (128, 32, 8, 3), {"maxnreg": 128}, at=("8K", "8K causal")),
-    Cand("dq 64x64x4x2", "dq", (64, 64, 4, 2)),
-    Cand("dq 64x32x4x3", "dq", (64, 32, 4, 3)),
-    Cand("dq 128x64x8x4", "dq", (128, 64, 8, 4)),
-    Cand("dk 64x128x8x2 pack", "dk", (64, 128, 8, 2), rows="pack"),
-    Cand("dk 64x128x8x4 pack", "dk", (64, 128, 8, 4), rows="pack"),
-    Cand("dk 32x64x4x3 pack", "dk", (32, 64, 4, 3), rows="pack"),
-    Cand("dk 32x64x4x2 pack", "dk", (32, 64, 4, 2), rows="pack"),
-    Cand("dk 32x64x4x2 r168 pack", "dk", (32, 64, 4, 2), {"maxnreg": 168}, rows="pack", at=("8K", "8K causal")),
-    Cand("dk 64x64x4x2 pack", "dk", (64, 64, 4, 2), rows="pack"),
-    Cand("dk 32x64x4x3", "dk", (32, 64, 4, 3)),
-    Cand("dk 32x128x8x2 r128 pack", "dk", (32, 128, 8, 2), {"maxnreg": 128}, rows="pack"),
-    Cand("dk 64x128x8x3 norows", "dk", (64, 128, 8, 3), rows=False),
-    Cand("dq 128x32x8x2 r128", "dq", (128, 32, 8, 2), {"maxnreg": 128}),
-    Cand("dq 64x32x4x1 r128", "dq", (64, 32, 4, 1), {"maxnreg": 128}),
-    Cand("dk 32x64x4x1 r128 pack", "dk", (32, 64, 4, 1), {"maxnreg": 128}, rows="pack"),
+    Cand("dk 64x128x8x4 pack", "dk", (64, 128, 8, 4), rows="pack", at=("8K", "8K causal")),
+    Cand("dk 64x64x4x2 pack", "dk", (64, 64, 4, 2), rows="pack", at=("8K", "8K causal")),
     Cand("dq 128x64x8x3 heavy", "dq", (128, 64, 8, 3), {"HEAVY_FIRST": True}, at=("8K causal",)),
     REF_FUSED,
     Cand("fused 64x128x8x2 pack", "fused", (64, 128, 8, 2), rows="pack", at=SMALL_Q),
@@ -119,6 +106,13 @@ CANDIDATES = [
     Cand("dq 64x32x4x3 (both auto)", "dq", (64, 32, 4, 3), at=("8K both",)),
     Cand("dk 32x64x4x3 both pack", "dk", (32, 64, 4, 3), rows="pack", at=("8K both",)),
 ]
+# Run s6r2 (H200, the kernels alone at 8K, ms s1 / s2; bench/results/session6/h200_2026-12-01_s6r2_bwd_s6*):
+# dK rows (auto) 3.374 / 3.483, pack 3.365 / 3.306, pack 8x4 3.403 / 3.274, 64x64x4x2 pack 3.390 / 3.295,
+# 32x64x4x2 r168 pack 3.648 / 3.643, 32x64x4x3 pack 3.678 / 3.586, 32x128x8x2 r128 pack 3.497 / 4.488,
+# 64x128x8x2 pack 3.942 / 3.932, norows 4.027 / 3.931, 4-CTA 32x64x4x1 r128 pack 5.35 / 5.50;
+# dQ 128x64x8x3 (auto) 2.660 / 2.335, 128x64x8x4 2.777 / 2.545, 128x32x8x3 r128 2.839 / 2.708,
+# 64x64x4x2 3.005 / 2.825, 64x32x4x3 3.022 / 3.113, 128x32x8x2 r128 3.073 / 2.926, 64x32x4x2 3.178 / 3.093,
+# 64x32x4x1 r128 3.926 / 3.905: more CTAs per SM did not pay; causal heavy-first dQ 0.99x / 1.00x.
 TINY_CFG = {"dk": (16, 32, 1, 1), "dq": (32, 16, 1, 1), "fused": (16, 32, 1, 1)}
 
 
@@ -308,7 +302,9 @@ class S6:
             torch.cuda.empty_cache()
 
     def pair(self, shape, s, direct, kernels):
-        """The best dK + best dQ (no mismatch) together against the reference pair."""
+        """dK + dQ together: the reference pair, the new default (``DEFAULT_DK`` + the reference dQ)
+        and the best of each kind (no mismatch), each one after the other and with the dQ kernel on
+        a second stream beside the dK kernel (``_launch``'s STREAMKL_BWD_STREAMS path)."""
         def best(kind):
             got = [(self.timed[(shape, s, n)], c) for n, c in kernels.items() if c.kind == kind
                    and self.diffs.get((shape, s, n), 0.0) <= MISMATCH]
@@ -316,21 +312,65 @@ class S6:
         bdk, bdq = best("dk"), best("dq")
         rdk = next((c for c in kernels.values() if c.kind == "dk" and is_ref(c)), None)
         rdq = next((c for c in kernels.values() if c.kind == "dq" and is_ref(c)), None)
-        pairs = ([(rdk, rdq)] if rdk and rdq else []) + (
-            [(bdk, bdq)] if bdk and bdq and (bdk, bdq) != (rdk, rdq) else [])
+        ddk = next((c for c in kernels.values() if c.kind == "dk" and c.name in DEFAULT_DK), None)
+        pairs = []
+        for p in ((rdk, rdq), (ddk, rdq), (bdk, bdq)):
+            if p[0] and p[1] and p not in pairs:
+                pairs.append(p)
         for dk, dq in pairs:
-            if dk.name not in kernels or dq.name not in kernels or self.left() < 6:
-                continue
-            name = f"pair {dk.name.split(' ', 1)[1]} + {dq.name.split(' ', 1)[1]}"
-            try:
-                t = self.bench(lambda: (dk.launch(direct), dq.launch(direct)))
-                self.timed[(shape, s, name)] = t
-                self.row("bwd_pair", name, f"{shape} {s}", t, "ms", "dK + dQ kernels (+ rows pre-pass)")
-                self.log(f"{shape} {s} {name:60s} {t:8.3f} ms")
-            except Exception as exc:
-                self.log(f"{shape} {s} {name}: ERROR {type(exc).__name__}: {str(exc)[:300]}")
+            for streams in (False, True):
+                if dk.name not in kernels or dq.name not in kernels or self.left() < 6 or (streams and self.a.tiny):
+                    continue
+                name = f"pair {dk.name.split(' ', 1)[1]} + {dq.name.split(' ', 1)[1]}" + (" streams" if streams else "")
+                try:
+                    if streams:
+                        t = self.bench(lambda: beside(self.torch, lambda: dk.launch(direct), lambda: dq.launch(direct)))
+                    else:
+                        t = self.bench(lambda: (dk.launch(direct), dq.launch(direct)))
+                    self.timed[(shape, s, name)] = t
+                    self.row("bwd_pair", name, f"{shape} {s}", t, "ms", "dK + dQ kernels (+ rows pre-pass)"
+                             + ("; dQ on a second stream" if streams else ""))
+                    self.log(f"{shape} {s} {name:60s} {t:8.3f} ms")
+                except Exception as exc:
+                    self.log(f"{shape} {s} {name}: ERROR {type(exc).__name__}: {str(exc)[:300]}")
 
     # -- checks (last) -------------------------------------------------------------------------------
+    def api_grads(self, d, setting, streams):
+        """attention_kl's gradients of the trained side, separate kernels, the default dK variant
+        (pack) at its first tile config, STREAMKL_BWD_STREAMS=streams."""
+        torch = self.torch
+        import streamkl_gpu
+        os.environ.update(STREAMKL_AUTOTUNE="0", STREAMKL_BWD_STREAMS="1" if streams else "0",
+                          STREAMKL_BWD_VARIANT="tma+trans+fold+rows+pack")
+        try:
+            x = {n: d[n].detach().requires_grad_(n in SET_TRAIN[setting]) for n in ("q1", "k1", "q2", "k2")}
+            kl = streamkl_gpu.attention_kl(x["q1"], x["k1"], x["q2"], x["k2"], bwd_mode="separate")
+            return torch.autograd.grad(kl, [x[n] for n in SET_TRAIN[setting]], d["g"])
+        finally:
+            for k in ("STREAMKL_BWD_STREAMS", "STREAMKL_BWD_VARIANT"):
+                os.environ.pop(k, None)
+
+    def check_streams(self, ok):
+        """The API's second-stream path (STREAMKL_BWD_STREAMS=1) gives the gradients of the one-stream
+        path bitwise (the same kernels; only the launch streams differ)."""
+        H, n = CHECK_SHAPE_TINY if self.a.tiny else CHECK_SHAPE
+        for s in SETTINGS:
+            if self.left() < 3 or (ok is not None and ("api", s, False) not in ok):
+                self.log(f"check streams {s}: skipped ({'budget' if self.left() < 3 else 'not prewarmed'})")
+                continue
+            d = self.inputs(H, n, self.D, seed=11)
+            try:
+                a, b = self.api_grads(d, s, False), self.api_grads(d, s, True)
+                self.sync()
+                same = all(self.torch.equal(x, y) for x, y in zip(a, b))
+                self.row("check_streams", "api separate pack", f"{s} H={H} N={n}", float(same), "bool",
+                         "bitwise equal" if same else "FAIL: streams change the gradients")
+                self.log(f"check streams {s}: {'bitwise equal ok' if same else 'FAIL'}")
+                if not same:
+                    self.lines.append(f"CHECK FAIL streams {s}")
+            except Exception as exc:
+                self.log(f"check streams {s}: ERROR {type(exc).__name__}: {str(exc)[:200]}")
+
     def checks(self, ok):
         """Each candidate vs float64 at a small shape (H = 16, N = 384: the 8K kernels' integer
         specialisations), relative to the reference kernel's own error: err <= 1.5 x ref + 1e-3."""
@@ -373,6 +413,22 @@ class S6:
                         self.log(f"check {s} {c.name}: ERROR {type(exc).__name__}: {str(exc)[:200]}")
 
 
+_SIDE = []
+
+
+def beside(torch, first, second):
+    """``first()`` on the current stream and ``second()`` on a second one, forked before and
+    joined after (as _launch.backward does with STREAMKL_BWD_STREAMS=1)."""
+    if not _SIDE:
+        _SIDE.append(torch.cuda.Stream())
+    main, side = torch.cuda.current_stream(), _SIDE[0]
+    side.wait_stream(main)
+    first()
+    with torch.cuda.stream(side):
+        second()
+    main.wait_stream(side)
+
+
 def rel(a, b):
     if isinstance(a, tuple):
         return max(rel(x, y) for x, y in zip(a, b))
@@ -397,6 +453,11 @@ def worker(r, jobfile):
                 dd = r.inputs(j["H"], j["n"], r.D, nk=j["nk"])
                 r.forward(dd, j["causal"])
                 del dd
+            elif j["name"] == "api":  # the API calls of check_streams (their own specialisations)
+                H_c, n_c = CHECK_SHAPE_TINY if r.a.tiny else CHECK_SHAPE
+                dd = r.inputs(H_c, n_c, r.D, seed=11)
+                r.api_grads(dd, j["s"], False)
+                r.api_grads(dd, j["s"], True)
             else:
                 by_name[j["name"]].launch(Direct(torch, d, fwd, j["s"], causal=j["causal"]))
             r.sync()
@@ -413,6 +474,7 @@ def prewarm(r, limit_s):
     jobs = [dict(name="fwd", s="s1", causal=c, H=r.H, n=nq, nk=nk) for _, nq, nk, c in shapes[:2]]
     jobs += [dict(name="fwd", s="s1", causal=c, H=H_c, n=n_c, nk=n_c) for c in (False, True)]
     jobs += [dict(name="fwd", s="s1", causal=c, H=r.H, n=nq, nk=nk) for _, nq, nk, c in shapes[2:]]
+    jobs += [dict(name="api", s=s, causal=False) for s in SETTINGS]
     for causal in (False, True):  # (N_Q, N_K % 16 == 0 everywhere: the same kernels at every shape)
         for c in r.cands:
             for s in ("s1", "s2", "both"):
@@ -442,17 +504,18 @@ def prewarm(r, limit_s):
             p.kill()  # a worker this script started, by its own handle
             p.wait()
         lf.close()
-    ok, nfail = set(), 0
+    ok, nfail, nok = set(), 0, 0
     for i in range(len(plans)):
         with open(os.path.join(tmp, f"worker_{i}.out")) as f:
             for line in f:
                 if line.startswith("S6 ok "):
+                    nok += 1
                     j = json.loads(line[6:line.index("}") + 1])
                     ok.add((j["name"], j["s"], j["causal"]))
                 elif line.startswith("S6 fail "):
                     nfail += 1
                     r.log(f"prewarm {line.strip()[:300]}")
-    r.log(f"prewarm: {len(ok)} ok, {nfail} failed, {len(jobs) - len(ok) - nfail} not finished")
+    r.log(f"prewarm: {nok} ok, {nfail} failed, {len(jobs) - nok - nfail} not finished")
     return ok
 
 
@@ -484,6 +547,7 @@ def main(argv=None):
                 r.logf.write(traceback.format_exc())
         try:
             r.checks(ok)
+            r.check_streams(ok)
         except Exception as exc:
             r.log(f"checks: ERROR {type(exc).__name__}: {exc}")
             r.logf.write(traceback.format_exc())

@@ -358,6 +358,16 @@ def _kernel_variant(name, kind, fused):
     return "+".join(p for p in name.split("+") if p in keep) or "ptr"
 
 
+def bwd_streams(dims, n_sm: int) -> bool:
+    """Run the separate backward's dQ kernel on a second stream beside the dK kernel (each one's
+    last, partly filled wave of CTAs then overlaps the other's). ``STREAMKL_BWD_STREAMS=1`` / ``0``
+    forces it; unset: off (not measured yet: bench/bwd_s6.py times both)."""
+    forced = _runtime.env("STREAMKL_BWD_STREAMS")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return False
+
+
 def auto_split_k(dims, block_m: int, block_n: int, n_sm: int) -> int:
     """Split the keys across programs when the query blocks alone cannot fill the GPU.
 
