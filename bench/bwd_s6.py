@@ -220,7 +220,7 @@ class S6:
                     lines.append(f"  {name:40s} {t:8.3f} ms" + (f"  {t / base:.3f}x" if base and kind in ref else "")
                                  + (f"  vs ref {diff:.1e}" if diff is not None else "")
                                  + ("  MISMATCH" if diff is not None and not diff <= MISMATCH else "")
-                                 + (f"  = {t / sd[shape]:.3f}x sdpa" if kind == "pair" and shape in sd else ""))
+                                 + (f"  = {t / sd[shape]:.3f}x sdpa" if kind in ("pair", "auto") and shape in sd else ""))
         lines += self.lines
         text = "\n".join(lines)
         with open(os.path.join(self.a.out, "bwd_s6_table.txt"), "w") as f:
@@ -350,6 +350,47 @@ class S6:
             for k in ("STREAMKL_BWD_STREAMS", "STREAMKL_BWD_VARIANT"):
                 os.environ.pop(k, None)
 
+    def auto_fb(self, d, setting, streams=False):
+        """attention_kl forward + backward of one setting, auto mode, tuned (the default path)."""
+        torch = self.torch
+        import streamkl_gpu
+        os.environ.update(STREAMKL_AUTOTUNE="1", STREAMKL_BWD_STREAMS="1" if streams else "0")
+        x = {n: d[n].detach().requires_grad_(n in SET_TRAIN[setting]) for n in ("q1", "k1", "q2", "k2")}
+        kl = streamkl_gpu.attention_kl(x["q1"], x["k1"], x["q2"], x["k2"])
+        return torch.autograd.grad(kl, [x[n] for n in SET_TRAIN[setting]], d["g"])
+
+    def time_auto(self, ok):
+        """The API's default path at 8K non-causal (backward = fwd+bwd - fwd, as bench/bwd_musts_gpu.py),
+        the dQ kernel on one stream and on a second one."""
+        import streamkl_gpu
+        from streamkl_gpu import _launch
+        d = self.inputs(self.H, self.n, self.D, seed=21)
+        os.environ["STREAMKL_AUTOTUNE"] = "1"
+        try:
+            t_f = self.bench(lambda: streamkl_gpu.attention_kl(d["q1"], d["k1"], d["q2"], d["k2"]))
+        except Exception as exc:
+            self.log(f"auto fwd: ERROR {type(exc).__name__}: {str(exc)[:200]}")
+            return
+        for s in SETTINGS:
+            for streams in (False, True):
+                if self.left() < 14 or (ok is not None and ("apiauto", s, False) not in ok):
+                    self.log(f"auto {s} streams={streams}: skipped")
+                    continue
+                try:
+                    self.auto_fb(d, s, streams)  # tunes (first call)
+                    self.sync()
+                    t = self.bench(lambda: self.auto_fb(d, s, streams))
+                    plans = [p for sig, p in _launch._PLANS.items() if sig[0] == "bwd"]
+                    plan = "/".join(map(str, plans[-1])).replace(" ", "") if plans else "?"
+                    name = "auto" + (" streams" if streams else "")
+                    self.timed[("8K", s, name)] = t - t_f
+                    self.row("bwd", name, f"8K {s}", t - t_f, "ms", f"fwd+bwd {t:.3f} - fwd {t_f:.3f}; plan={plan}")
+                    self.log(f"8K {s} {name:14s} fwd+bwd {t:.3f} - fwd {t_f:.3f} = bwd {t - t_f:.3f} ms  {plan}")
+                except Exception as exc:
+                    self.log(f"auto {s} streams={streams}: ERROR {type(exc).__name__}: {str(exc)[:300]}")
+        os.environ.pop("STREAMKL_BWD_STREAMS", None)
+        del d
+
     def check_streams(self, ok):
         """The API's second-stream path (STREAMKL_BWD_STREAMS=1) gives the gradients of the one-stream
         path bitwise (the same kernels; only the launch streams differ)."""
@@ -453,6 +494,11 @@ def worker(r, jobfile):
                 dd = r.inputs(j["H"], j["n"], r.D, nk=j["nk"])
                 r.forward(dd, j["causal"])
                 del dd
+            elif j["name"] == "apiauto":  # time_auto's kernels: every tuner candidate, at 4K (the
+                # separate mode as at 8K; the same specialisations), and the tuned forward's
+                dd = r.inputs(r.H, 4 * K, r.D, seed=21)
+                r.auto_fb(dd, j["s"])
+                del dd
             elif j["name"] == "api":  # the API calls of check_streams (their own specialisations)
                 H_c, n_c = CHECK_SHAPE_TINY if r.a.tiny else CHECK_SHAPE
                 dd = r.inputs(H_c, n_c, r.D, seed=11)
@@ -471,18 +517,23 @@ def prewarm(r, limit_s):
     """Compile every (candidate, setting, causal) in worker processes; returns the set that compiled."""
     H_c, n_c = CHECK_SHAPE_TINY if r.a.tiny else CHECK_SHAPE
     shapes = SHAPES_TINY if r.a.tiny else SHAPES
-    jobs = [dict(name="fwd", s="s1", causal=c, H=r.H, n=nq, nk=nk) for _, nq, nk, c in shapes[:2]]
+    # the longest first: the tuned auto path compiles every candidate (time_auto)
+    jobs = [] if r.a.tiny else [dict(name="apiauto", s=s, causal=False) for s in SETTINGS]
+    jobs += [dict(name="fwd", s="s1", causal=c, H=r.H, n=nq, nk=nk) for _, nq, nk, c in shapes[:2]]
     jobs += [dict(name="fwd", s="s1", causal=c, H=H_c, n=n_c, nk=n_c) for c in (False, True)]
     jobs += [dict(name="fwd", s="s1", causal=c, H=r.H, n=nq, nk=nk) for _, nq, nk, c in shapes[2:]]
-    jobs += [dict(name="api", s=s, causal=False) for s in SETTINGS]
     for causal in (False, True):  # (N_Q, N_K % 16 == 0 everywhere: the same kernels at every shape)
         for c in r.cands:
             for s in ("s1", "s2", "both"):
                 if any(c.runs(tag) and s in shape_settings(tag) for tag, _, _, cz in shapes if cz == causal):
                     jobs.append(dict(name=c.name, s=s, causal=causal))
+    jobs += [dict(name="api", s=s, causal=False) for s in SETTINGS]  # check_streams' (last)
     nw = r.a.workers or max(1, min(14, (os.cpu_count() or 4) - 2))
     nw = min(nw, len(jobs))
-    plans = [jobs[i::nw] for i in range(nw)]
+    long = [j for j in jobs if j["name"] == "apiauto"][:max(0, nw - 1)]  # a worker each, nothing else
+    rest = [j for j in jobs if j not in long]
+    nr = nw - len(long)
+    plans = [[j] for j in long] + [rest[i::nr] for i in range(nr)]
     tmp = os.path.join(r.a.out, "prewarm_s6")
     os.makedirs(tmp, exist_ok=True)
     procs = []
@@ -539,9 +590,13 @@ def main(argv=None):
     dog.start()
     try:
         ok = prewarm(r, 20.0 if a.tiny else min(38.0, 0.5 * a.budget_s))
+        if a.tiny:  # the interpreter compiles nothing: run everything whether its worker got to it or not
+            ok = None
         for tag, nq, nk, causal in SHAPES_TINY if a.tiny else SHAPES:
             try:
                 r.time_shape(tag, nq, nk, causal, ok)
+                if tag == "8K" and not a.tiny:
+                    r.time_auto(ok)
             except Exception as exc:
                 r.log(f"timing {tag}: ERROR {type(exc).__name__}: {exc}")
                 r.logf.write(traceback.format_exc())
