@@ -59,16 +59,17 @@ class Cand:
     """One launch of the dK (``kind="dk"``) or dQ kernel: (BLOCK_M, BLOCK_N, warps, stages), extra
     kernel options (constexprs, ``maxnreg``), and for dK whether the rows pre-pass runs."""
 
-    def __init__(self, name, kind, cfg, opts=None, rows=True, at=("8K",)):
+    def __init__(self, name, kind, cfg, opts=None, rows=True, at=("8K",), probe=0):
         self.name, self.kind, self.cfg, self.opts, self.rows = name, kind, tuple(cfg), dict(opts or {}), rows
         self.at = at  # the SHAPES (by tag) it is timed at
+        self.probe = probe  # _bwd.PROBE_* flags: timing only (wrong gradients, not compared or checked)
 
     def runs(self, tag):
         return tag in self.at
 
     def launch(self, direct):
         if self.kind == "dk":
-            return direct.dk(self.cfg, False, opts=self.opts, rows=self.rows)[1]
+            return direct.dk(self.cfg, False, self.probe, opts=self.opts, rows=self.rows)[1]
         if self.kind == "fused":  # (dQ in fp32, dK): the fused kernel, dQ by TMA reduce-adds
             return direct.dk(self.cfg, True, opts=self.opts, rows=self.rows)
         return direct.dq(self.cfg, opts=self.opts)
@@ -99,6 +100,10 @@ CANDIDATES = [  # run s6r3 on: the references, the new default (pack) and the on
     Cand("dk 64x128x8x4 pack", "dk", (64, 128, 8, 4), rows="pack", at=("8K", "8K causal")),
     Cand("dk 64x64x4x2 pack", "dk", (64, 64, 4, 2), rows="pack", at=("8K", "8K causal")),
     Cand("dq 128x64x8x3 heavy", "dq", (128, 64, 8, 3), {"HEAVY_FIRST": True}, at=("8K causal",)),
+    # what limits the dK kernel (the new default), removing one part at a time (_bwd.PROBE_*; NO_DK
+    # leaves the separate kernel nothing to do: the compiler drops the whole loop)
+    Cand("dk 64x128x8x3 pack probe noexp", "dk", (64, 128, 8, 3), rows="pack", probe=1),
+    Cand("dk 64x128x8x3 pack probe onescore", "dk", (64, 128, 8, 3), rows="pack", probe=2),
     REF_FUSED,
     Cand("fused 64x128x8x2 pack", "fused", (64, 128, 8, 2), rows="pack", at=SMALL_Q),
     # both settings (the auto pair of run s6r1: dK 32x64x4x3 rows + dQ 64x32x4x3; 6 row loads a tile)
@@ -276,7 +281,7 @@ class S6:
                     out = c.launch(direct)
                     self.sync()
                     ref = refs.get(c.kind)
-                    diff = rel(out, ref) if ref is not None else None
+                    diff = rel(out, ref) if ref is not None and not c.probe else None
                     if is_ref(c):
                         refs[c.kind] = out
                     else:
@@ -306,7 +311,7 @@ class S6:
         and the best of each kind (no mismatch), each one after the other and with the dQ kernel on
         a second stream beside the dK kernel (``_launch``'s STREAMKL_BWD_STREAMS path)."""
         def best(kind):
-            got = [(self.timed[(shape, s, n)], c) for n, c in kernels.items() if c.kind == kind
+            got = [(self.timed[(shape, s, n)], c) for n, c in kernels.items() if c.kind == kind and not c.probe
                    and self.diffs.get((shape, s, n), 0.0) <= MISMATCH]
             return min(got, key=lambda x: x[0])[1] if got else None
         bdk, bdq = best("dk"), best("dq")
@@ -433,7 +438,7 @@ class S6:
                 direct = Direct(torch, d, fwd, s, causal=causal)
                 base = {}
                 for c in self.cands:
-                    if not c.runs("8K causal" if causal else "8K") or self.left() < 4:
+                    if not c.runs("8K causal" if causal else "8K") or c.probe or self.left() < 4:
                         continue
                     try:
                         out = c.launch(direct)
