@@ -100,6 +100,9 @@ CANDIDATES = [  # run s6r3 on: the references, the new default (pack) and the on
     Cand("dk 64x128x8x4 pack", "dk", (64, 128, 8, 4), rows="pack", at=("8K", "8K causal")),
     Cand("dk 64x64x4x2 pack", "dk", (64, 64, 4, 2), rows="pack", at=("8K", "8K causal")),
     Cand("dq 128x64x8x3 heavy", "dq", (128, 64, 8, 3), {"HEAVY_FIRST": True}, at=("8K causal",)),
+    # setting 1: half of P2's exponentials on the FMA pipe (POLY; in setting 2 the same kernel as without)
+    Cand("dk 64x128x8x3 pack poly", "dk", (64, 128, 8, 3), {"POLY": 1}, rows="pack", at=("8K", "8K causal")),
+    Cand("dq 128x64x8x3 poly", "dq", (128, 64, 8, 3), {"POLY": 1}, at=("8K", "8K causal")),
     # what limits the dK kernel (the new default), removing one part at a time (_bwd.PROBE_*; NO_DK
     # leaves the separate kernel nothing to do: the compiler drops the whole loop)
     Cand("dk 64x128x8x3 pack probe noexp", "dk", (64, 128, 8, 3), rows="pack", probe=1),

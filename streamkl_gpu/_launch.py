@@ -330,7 +330,8 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
             TRAIN1=train1, TRAIN2=train2, FUSED_DQ=fused, DK1_ATOMIC=dk1_atomic, DK2_ATOMIC=dk2_atomic,
             IEEE1=ieee1, IEEE2=ieee2,
             USE_TMA=use_tma, TRANS="trans" in parts, FOLD="fold" in parts, DQ_REDUCE=reduce_dq,
-            ROWS="rows" in parts, ROWS_PACKED="pack" in parts, **_launch_opts(parts)), warps, stages, key, aligned,
+            ROWS="rows" in parts, ROWS_PACKED="pack" in parts, POLY=int("poly" in parts), **_launch_opts(parts)),
+            warps, stages, key, aligned,
             runtime=descs)
         if not fused:
             with torch.cuda.stream(side) if side is not None else _NO_STREAM:
@@ -350,6 +351,7 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
                     BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1_pad, D2_PAD=d2_pad, CAUSAL=causal,
                     TRAIN1=train1, TRAIN2=train2, IEEE1=ieee1, IEEE2=ieee2,
                     USE_TMA=use_tma, FOLD="fold" in parts, HEAVY_FIRST=causal and "heavy" in parts,
+                    POLY=int("poly" in parts),
                     **_launch_opts(parts)), warps, stages, key, aligned, runtime=descs)
             if side is not None:  # joined before anything reads dQ or frees an input
                 torch.cuda.current_stream(device).wait_stream(side)

@@ -268,6 +268,7 @@ def bwd_candidates(d_pad, both, kind, ieee=False):
 #   "rows"    the dK kernel's per-row constants precomputed by a pre-pass, read by TMA (ROWS; needs
 #             "tma" and "fold")
 #   "pack"    with "rows": the six constants side by side per row, one TMA load per query tile (ROWS_PACKED)
+#   "poly"    setting 1: half of P2's exponentials on the FMA pipe (POLY; FA4's exp2 emulation)
 #   "heavy"   causal dQ kernel: the query tiles with the most keys launched first (HEAVY_FIRST)
 #   "rN"      launch option: at most N registers per thread (ptxas .maxnreg; _launch._launch_opts)
 # STREAMKL_BWD_VARIANT=<name> restricts the candidates to that variant (tests, the GPU bench);
@@ -275,7 +276,8 @@ def bwd_candidates(d_pad, both, kind, ieee=False):
 BWD_VARIANTS = ("ptr", "tma", "tma+trans", "tma+fold", "tma+trans+fold", "tma+trans+reduce",
                 "tma+trans+fold+reduce", "tma+trans+fold+rows", "tma+trans+fold+rows+reduce",
                 "trans", "fold", "trans+fold", "tma+trans+fold+rows+heavy",
-                "tma+trans+fold+rows+pack", "tma+trans+fold+rows+pack+reduce", "tma+trans+fold+rows+pack+heavy")
+                "tma+trans+fold+rows+pack", "tma+trans+fold+rows+pack+reduce", "tma+trans+fold+rows+pack+heavy",
+                "tma+trans+fold+rows+pack+poly")
 
 
 class UnusableConfig(Exception):
@@ -353,8 +355,8 @@ def bwd_variant_candidates(d_pad, both, kind, ieee=False, tma=False, fused=False
 def _kernel_variant(name, kind, fused):
     """The part of a variant that applies to one kernel: the dQ kernel has no key-major, rows or
     reduce form, and "reduce" applies only to the fused dK kernel's dQ."""
-    keep = ("tma", "fold", "heavy") if kind == "dq" else (("tma", "trans", "fold", "rows", "pack", "reduce") if fused else
-                                                  ("tma", "trans", "fold", "rows", "pack"))
+    keep = ("tma", "fold", "heavy", "poly") if kind == "dq" else (
+        ("tma", "trans", "fold", "rows", "pack", "poly") + (("reduce",) if fused else ()))
     return "+".join(p for p in name.split("+") if p in keep) or "ptr"
 
 

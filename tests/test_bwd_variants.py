@@ -10,9 +10,12 @@ adds of the in-bounds elements, the hardware's semantics).
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import streamkl_gpu
 from streamkl_gpu import _launch, _runtime, _tuning
+from streamkl_gpu._bwd import _exp2_fma
 
 import _tma_reduce_shim
 from _gpu_helpers import GRAD_NAMES, assert_close, make_inputs, reference, same_precision
@@ -84,7 +87,8 @@ def test_variant_gradients(variant, mode, B, H, HK1, HK2, NQ, NK, D1, D2, causal
             assert (grads[name][:, :, : NQ - NK] == 0).all()
 
 
-@pytest.mark.parametrize("variant", ["tma+trans+fold+rows+reduce", "fold", "tma+trans+fold+rows+pack"], indirect=True)
+@pytest.mark.parametrize("variant", ["tma+trans+fold+rows+reduce", "fold", "tma+trans+fold+rows+pack",
+                                     "tma+trans+fold+rows+pack+poly"], indirect=True)
 @pytest.mark.parametrize("mode", ["fused", "separate"])
 @pytest.mark.parametrize("setting", ["s1", "s2"])
 def test_variant_one_setting(variant, mode, setting):
@@ -124,7 +128,7 @@ def test_variant_extreme_logits(variant):
 
 
 @pytest.mark.parametrize("variant", ["tma+trans+fold+rows+reduce", "tma+trans+fold+reduce", "tma", "fold",
-                                     "tma+trans+fold+rows+pack+heavy"], indirect=True)
+                                     "tma+trans+fold+rows+pack+heavy", "tma+trans+fold+rows+pack+poly"], indirect=True)
 @pytest.mark.parametrize("mode", ["fused", "separate"])
 @pytest.mark.parametrize("case", [KEY7, KEY40, DIAGONAL_ROWS], ids=["n8-key7", "n64-key40", "diagonal-rows"])
 def test_variant_nan_isolation(variant, mode, case):
@@ -294,3 +298,26 @@ def test_auto_mode_separate_for_one_setting_with_the_new_kernels():
     assert _tuning.auto_bwd_mode(dims(16, 32768), 132, True, new_kernels=True) == "fused"  # both, small N_Q
     assert _tuning.auto_bwd_mode(dims(8192, 8192), 132, True, new_kernels=True) == "separate"
     assert _tuning.auto_bwd_mode(dims(4096, 64, h=2), 132, False, new_kernels=True) == "separate"  # few keys
+
+
+@triton.jit
+def _apply_exp2_fma(X, Y, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(Y + offs, _exp2_fma(tl.load(X + offs)))
+
+
+def test_exp2_on_the_fma_pipe():
+    """_bwd._exp2_fma (the "poly" variant's exponentials): within 4e-6 of exp2 relative on the
+    range the backward sees (x = log2 P <= 0, and above), 2^-125 at most for -inf and below -125
+    (masked entries, empty rows: selected or multiplied by g = 0 after), NaN for NaN."""
+    apply = _apply_exp2_fma
+
+    x = torch.cat([torch.linspace(-126.0, 20.0, 1021), torch.tensor([float("-inf"), float("nan"), -1e30])])
+    x = torch.cat([x, torch.zeros(1024 - x.numel())]).to(torch.float32)
+    y = torch.empty_like(x)
+    apply[(1,)](x, y, N=1024)
+    want = torch.exp2(x.double())
+    finite = torch.isfinite(x) & (x >= -125)
+    assert ((y.double()[finite] - want[finite]).abs() <= 4e-6 * want[finite]).all()
+    assert (y[~torch.isnan(x) & ~finite] <= 2.0 ** -125).all() and (y[~torch.isnan(x) & ~finite] >= 0).all()
+    assert torch.isnan(y[torch.isnan(x)]).all()
