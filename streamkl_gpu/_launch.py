@@ -331,8 +331,7 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
             IEEE1=ieee1, IEEE2=ieee2,
             USE_TMA=use_tma, TRANS="trans" in parts, FOLD="fold" in parts, DQ_REDUCE=reduce_dq,
             ROWS="rows" in parts, ROWS_PACKED="pack" in parts, POLY=int("poly" in parts), **_launch_opts(parts)),
-            warps, stages, key, aligned,
-            runtime=descs)
+            warps, stages, key, aligned, runtime=descs)
         if not fused:
             with torch.cuda.stream(side) if side is not None else _NO_STREAM:
                 block_m, block_n, warps, stages, variant = cfg_dq
