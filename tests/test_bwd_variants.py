@@ -321,3 +321,17 @@ def test_exp2_on_the_fma_pipe():
     assert ((y.double()[finite] - want[finite]).abs() <= 4e-6 * want[finite]).all()
     assert (y[~torch.isnan(x) & ~finite] <= 2.0 ** -125).all() and (y[~torch.isnan(x) & ~finite] >= 0).all()
     assert torch.isnan(y[torch.isnan(x)]).all()
+
+
+def test_second_stream_rule(monkeypatch):
+    """STREAMKL_BWD_STREAMS forces the separate backward's second stream on or off (unset: off, not
+    measured); never on CPU tensors or under the interpreter, where the launches stay in order."""
+    from streamkl_ref._checks import Dims
+    dims = Dims(B=1, H=32, NQ=8192, NK=8192, D1=128, D2=128, HK1=32, HK2=32, scale1=0.1, scale2=0.1)
+    monkeypatch.delenv("STREAMKL_BWD_STREAMS", raising=False)
+    assert _tuning.bwd_streams(dims, 132) is False
+    monkeypatch.setenv("STREAMKL_BWD_STREAMS", "1")
+    assert _tuning.bwd_streams(dims, 132) is True
+    assert _launch._side_stream(dims, torch.device("cpu")) is None
+    monkeypatch.setenv("STREAMKL_BWD_STREAMS", "0")
+    assert _tuning.bwd_streams(dims, 132) is False
