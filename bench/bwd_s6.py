@@ -399,6 +399,46 @@ class S6:
         os.environ.pop("STREAMKL_BWD_STREAMS", None)
         del d
 
+    def profile_auto(self, setting="s1"):
+        """torch.profiler of warm API calls at 8K non-causal (the default path): the GPU kernels of
+        the last fwd+bwd, their durations and the idle gaps between them (what runs outside the two
+        backward kernels); OUT/bwd_s6_profile.txt."""
+        torch = self.torch
+        from torch.profiler import ProfilerActivity, profile
+        d = self.inputs(self.H, self.n, self.D, seed=21)
+        os.environ["STREAMKL_BWD_STREAMS"] = "0"
+        for _ in range(2):
+            self.auto_fb(d, setting)
+        self.sync()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                self.auto_fb(d, setting)
+            self.sync()
+        evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+        # the last call: from the last forward kernel (its name has "fwd") on
+        starts = [i for i, e in enumerate(evs) if "fwd" in e.name and (i == 0 or "fwd" not in evs[i - 1].name)]
+        last = evs[starts[-1]:] if starts else evs
+        lines = [f"profile: attention_kl fwd+bwd, 8K {setting}, warm (the last of 3 calls); us"]
+        prev = None
+        busy = 0.0
+        for e in last:
+            t0, t1 = e.time_range.start, e.time_range.end
+            gap = (t0 - prev) if prev is not None else 0.0
+            busy += t1 - t0
+            lines.append(f"  gap {gap:8.1f}  {t1 - t0:9.1f}  {e.name[:90]}")
+            self.row("profile_us", e.name[:60], f"8K {setting}", t1 - t0, "us", f"gap_before={gap:.1f}")
+            prev = t1
+        if last:
+            span = last[-1].time_range.end - last[0].time_range.start
+            lines.append(f"  span {span:.1f} us, kernels {busy:.1f} us, idle {span - busy:.1f} us")
+        text = "\n".join(lines)
+        with open(os.path.join(self.a.out, "bwd_s6_profile.txt"), "w") as f:
+            f.write(text + "\n")
+        self.log(text)
+        os.environ.pop("STREAMKL_BWD_STREAMS", None)
+        del d
+
     def check_streams(self, ok):
         """The API's second-stream path (STREAMKL_BWD_STREAMS=1) gives the gradients of the one-stream
         path bitwise (the same kernels; only the launch streams differ)."""
@@ -605,6 +645,10 @@ def main(argv=None):
                 r.time_shape(tag, nq, nk, causal, ok)
                 if tag == "8K" and not a.tiny:
                     r.time_auto(ok)
+                    try:
+                        r.profile_auto()
+                    except Exception as exc:
+                        r.log(f"profile: ERROR {type(exc).__name__}: {str(exc)[:300]}")
             except Exception as exc:
                 r.log(f"timing {tag}: ERROR {type(exc).__name__}: {exc}")
                 r.logf.write(traceback.format_exc())
