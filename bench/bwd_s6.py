@@ -59,16 +59,17 @@ class Cand:
     """One launch of the dK (``kind="dk"``) or dQ kernel: (BLOCK_M, BLOCK_N, warps, stages), extra
     kernel options (constexprs, ``maxnreg``), and for dK whether the rows pre-pass runs."""
 
-    def __init__(self, name, kind, cfg, opts=None, rows=True, at=("8K",)):
+    def __init__(self, name, kind, cfg, opts=None, rows=True, at=("8K",), probe=0):
         self.name, self.kind, self.cfg, self.opts, self.rows = name, kind, tuple(cfg), dict(opts or {}), rows
         self.at = at  # the SHAPES (by tag) it is timed at
+        self.probe = probe  # _bwd.PROBE_* flags: timing only (wrong gradients, not compared or checked)
 
     def runs(self, tag):
         return tag in self.at
 
     def launch(self, direct):
         if self.kind == "dk":
-            return direct.dk(self.cfg, False, opts=self.opts, rows=self.rows)[1]
+            return direct.dk(self.cfg, False, self.probe, opts=self.opts, rows=self.rows)[1]
         if self.kind == "fused":  # (dQ in fp32, dK): the fused kernel, dQ by TMA reduce-adds
             return direct.dk(self.cfg, True, opts=self.opts, rows=self.rows)
         return direct.dq(self.cfg, opts=self.opts)
@@ -79,6 +80,8 @@ REF_DQ = Cand("dq 128x64x8x3 (auto)", "dq", (128, 64, 8, 3), at=("8K", "8K causa
 # the fused kernel (the auto mode at small N_Q), non-causal only
 REF_FUSED = Cand("fused 64x128x8x2 rows", "fused", (64, 128, 8, 2), at=SMALL_Q)  # run s6r1's auto at nq512
 REFS = {"dk": REF_DK, "dq": REF_DQ, "fused": REF_FUSED}
+# the dK launches of the default plans since run s6r2's adoption of "pack" (timed in pairs)
+DEFAULT_DK = ("dk 64x128x8x3 pack", "dk 32x64x4x3 both pack")
 
 
 def is_ref(c):
@@ -91,27 +94,19 @@ def is_ref(c):
 # dQ 313 / 319. CTAs per SM by registers and shared memory: the auto pair 1 + 1; dq 64x32x4x2 3,
 # 64x64x4x2 / 64x32x4x3 / the r128 caps (32-40 bytes of spills) 2; dk 32x64x4x* pack 2 (172-187
 # registers, no spills; loop 270-280), 3 with the r168 cap
-CANDIDATES = [
+CANDIDATES = [  # run s6r3 on: the references, the new default (pack) and the ones within ~3 % in run s6r2
     REF_DQ, REF_DK,
     Cand("dk 64x128x8x3 pack", "dk", (64, 128, 8, 3), rows="pack", at=("8K", "8K causal") + SMALL_Q),
-    Cand("dq 64x32x4x2", "dq", (64, 32, 4, 2), at=("8K", "8K causal")),
-    Cand("dq 128x32x8x3 r128", "dq", (128, 32, 8, 3), {"maxnreg": 128}, at=("8K", "8K causal")),
-    Cand("dq 64x64x4x2", "dq", (64, 64, 4, 2)),
-    Cand("dq 64x32x4x3", "dq", (64, 32, 4, 3)),
-    Cand("dq 128x64x8x4", "dq", (128, 64, 8, 4)),
-    Cand("dk 64x128x8x2 pack", "dk", (64, 128, 8, 2), rows="pack"),
-    Cand("dk 64x128x8x4 pack", "dk", (64, 128, 8, 4), rows="pack"),
-    Cand("dk 32x64x4x3 pack", "dk", (32, 64, 4, 3), rows="pack"),
-    Cand("dk 32x64x4x2 pack", "dk", (32, 64, 4, 2), rows="pack"),
-    Cand("dk 32x64x4x2 r168 pack", "dk", (32, 64, 4, 2), {"maxnreg": 168}, rows="pack", at=("8K", "8K causal")),
-    Cand("dk 64x64x4x2 pack", "dk", (64, 64, 4, 2), rows="pack"),
-    Cand("dk 32x64x4x3", "dk", (32, 64, 4, 3)),
-    Cand("dk 32x128x8x2 r128 pack", "dk", (32, 128, 8, 2), {"maxnreg": 128}, rows="pack"),
-    Cand("dk 64x128x8x3 norows", "dk", (64, 128, 8, 3), rows=False),
-    Cand("dq 128x32x8x2 r128", "dq", (128, 32, 8, 2), {"maxnreg": 128}),
-    Cand("dq 64x32x4x1 r128", "dq", (64, 32, 4, 1), {"maxnreg": 128}),
-    Cand("dk 32x64x4x1 r128 pack", "dk", (32, 64, 4, 1), {"maxnreg": 128}, rows="pack"),
+    Cand("dk 64x128x8x4 pack", "dk", (64, 128, 8, 4), rows="pack", at=("8K",)),
+    Cand("dk 64x64x4x2 pack", "dk", (64, 64, 4, 2), rows="pack", at=("8K",)),
     Cand("dq 128x64x8x3 heavy", "dq", (128, 64, 8, 3), {"HEAVY_FIRST": True}, at=("8K causal",)),
+    # setting 1: half of P2's exponentials on the FMA pipe (POLY; in setting 2 the same kernel as without)
+    Cand("dk 64x128x8x3 pack poly", "dk", (64, 128, 8, 3), {"POLY": 1}, rows="pack", at=("8K", "8K causal")),
+    Cand("dq 128x64x8x3 poly", "dq", (128, 64, 8, 3), {"POLY": 1}, at=("8K", "8K causal")),
+    # what limits the dK kernel (the new default), removing one part at a time (_bwd.PROBE_*; NO_DK
+    # leaves the separate kernel nothing to do: the compiler drops the whole loop)
+    Cand("dk 64x128x8x3 pack probe noexp", "dk", (64, 128, 8, 3), rows="pack", probe=1),
+    Cand("dk 64x128x8x3 pack probe onescore", "dk", (64, 128, 8, 3), rows="pack", probe=2),
     REF_FUSED,
     Cand("fused 64x128x8x2 pack", "fused", (64, 128, 8, 2), rows="pack", at=SMALL_Q),
     # both settings (the auto pair of run s6r1: dK 32x64x4x3 rows + dQ 64x32x4x3; 6 row loads a tile)
@@ -119,6 +114,13 @@ CANDIDATES = [
     Cand("dq 64x32x4x3 (both auto)", "dq", (64, 32, 4, 3), at=("8K both",)),
     Cand("dk 32x64x4x3 both pack", "dk", (32, 64, 4, 3), rows="pack", at=("8K both",)),
 ]
+# Run s6r2 (H200, the kernels alone at 8K, ms s1 / s2; bench/results/session6/h200_2026-12-01_s6r2_bwd_s6*):
+# dK rows (auto) 3.374 / 3.483, pack 3.365 / 3.306, pack 8x4 3.403 / 3.274, 64x64x4x2 pack 3.390 / 3.295,
+# 32x64x4x2 r168 pack 3.648 / 3.643, 32x64x4x3 pack 3.678 / 3.586, 32x128x8x2 r128 pack 3.497 / 4.488,
+# 64x128x8x2 pack 3.942 / 3.932, norows 4.027 / 3.931, 4-CTA 32x64x4x1 r128 pack 5.35 / 5.50;
+# dQ 128x64x8x3 (auto) 2.660 / 2.335, 128x64x8x4 2.777 / 2.545, 128x32x8x3 r128 2.839 / 2.708,
+# 64x64x4x2 3.005 / 2.825, 64x32x4x3 3.022 / 3.113, 128x32x8x2 r128 3.073 / 2.926, 64x32x4x2 3.178 / 3.093,
+# 64x32x4x1 r128 3.926 / 3.905: more CTAs per SM did not pay; causal heavy-first dQ 0.99x / 1.00x.
 TINY_CFG = {"dk": (16, 32, 1, 1), "dq": (32, 16, 1, 1), "fused": (16, 32, 1, 1)}
 
 
@@ -226,7 +228,7 @@ class S6:
                     lines.append(f"  {name:40s} {t:8.3f} ms" + (f"  {t / base:.3f}x" if base and kind in ref else "")
                                  + (f"  vs ref {diff:.1e}" if diff is not None else "")
                                  + ("  MISMATCH" if diff is not None and not diff <= MISMATCH else "")
-                                 + (f"  = {t / sd[shape]:.3f}x sdpa" if kind == "pair" and shape in sd else ""))
+                                 + (f"  = {t / sd[shape]:.3f}x sdpa" if kind in ("pair", "auto") and shape in sd else ""))
         lines += self.lines
         text = "\n".join(lines)
         with open(os.path.join(self.a.out, "bwd_s6_table.txt"), "w") as f:
@@ -282,7 +284,7 @@ class S6:
                     out = c.launch(direct)
                     self.sync()
                     ref = refs.get(c.kind)
-                    diff = rel(out, ref) if ref is not None else None
+                    diff = rel(out, ref) if ref is not None and not c.probe else None
                     if is_ref(c):
                         refs[c.kind] = out
                     else:
@@ -308,29 +310,156 @@ class S6:
             torch.cuda.empty_cache()
 
     def pair(self, shape, s, direct, kernels):
-        """The best dK + best dQ (no mismatch) together against the reference pair."""
+        """dK + dQ together: the reference pair, the new default (``DEFAULT_DK`` + the reference dQ)
+        and the best of each kind (no mismatch), each one after the other and with the dQ kernel on
+        a second stream beside the dK kernel (``_launch``'s STREAMKL_BWD_STREAMS path)."""
         def best(kind):
-            got = [(self.timed[(shape, s, n)], c) for n, c in kernels.items() if c.kind == kind
+            got = [(self.timed[(shape, s, n)], c) for n, c in kernels.items() if c.kind == kind and not c.probe
                    and self.diffs.get((shape, s, n), 0.0) <= MISMATCH]
             return min(got, key=lambda x: x[0])[1] if got else None
         bdk, bdq = best("dk"), best("dq")
         rdk = next((c for c in kernels.values() if c.kind == "dk" and is_ref(c)), None)
         rdq = next((c for c in kernels.values() if c.kind == "dq" and is_ref(c)), None)
-        pairs = ([(rdk, rdq)] if rdk and rdq else []) + (
-            [(bdk, bdq)] if bdk and bdq and (bdk, bdq) != (rdk, rdq) else [])
+        ddk = next((c for c in kernels.values() if c.kind == "dk" and c.name in DEFAULT_DK), None)
+        pairs = []
+        for p in ((rdk, rdq), (ddk, rdq), (bdk, bdq)):
+            if p[0] and p[1] and p not in pairs:
+                pairs.append(p)
         for dk, dq in pairs:
-            if dk.name not in kernels or dq.name not in kernels or self.left() < 6:
-                continue
-            name = f"pair {dk.name.split(' ', 1)[1]} + {dq.name.split(' ', 1)[1]}"
-            try:
-                t = self.bench(lambda: (dk.launch(direct), dq.launch(direct)))
-                self.timed[(shape, s, name)] = t
-                self.row("bwd_pair", name, f"{shape} {s}", t, "ms", "dK + dQ kernels (+ rows pre-pass)")
-                self.log(f"{shape} {s} {name:60s} {t:8.3f} ms")
-            except Exception as exc:
-                self.log(f"{shape} {s} {name}: ERROR {type(exc).__name__}: {str(exc)[:300]}")
+            for streams in (False, True):
+                if dk.name not in kernels or dq.name not in kernels or self.left() < 6 or (streams and self.a.tiny):
+                    continue
+                name = f"pair {dk.name.split(' ', 1)[1]} + {dq.name.split(' ', 1)[1]}" + (" streams" if streams else "")
+                try:
+                    if streams:
+                        t = self.bench(lambda: beside(self.torch, lambda: dk.launch(direct), lambda: dq.launch(direct)))
+                    else:
+                        t = self.bench(lambda: (dk.launch(direct), dq.launch(direct)))
+                    self.timed[(shape, s, name)] = t
+                    self.row("bwd_pair", name, f"{shape} {s}", t, "ms", "dK + dQ kernels (+ rows pre-pass)"
+                             + ("; dQ on a second stream" if streams else ""))
+                    self.log(f"{shape} {s} {name:60s} {t:8.3f} ms")
+                except Exception as exc:
+                    self.log(f"{shape} {s} {name}: ERROR {type(exc).__name__}: {str(exc)[:300]}")
 
     # -- checks (last) -------------------------------------------------------------------------------
+    def api_grads(self, d, setting, streams):
+        """attention_kl's gradients of the trained side, separate kernels, the default dK variant
+        (pack) at its first tile config, STREAMKL_BWD_STREAMS=streams."""
+        torch = self.torch
+        import streamkl_gpu
+        os.environ.update(STREAMKL_AUTOTUNE="0", STREAMKL_BWD_STREAMS="1" if streams else "0",
+                          STREAMKL_BWD_VARIANT="tma+trans+fold+rows+pack")
+        try:
+            x = {n: d[n].detach().requires_grad_(n in SET_TRAIN[setting]) for n in ("q1", "k1", "q2", "k2")}
+            kl = streamkl_gpu.attention_kl(x["q1"], x["k1"], x["q2"], x["k2"], bwd_mode="separate")
+            return torch.autograd.grad(kl, [x[n] for n in SET_TRAIN[setting]], d["g"])
+        finally:
+            for k in ("STREAMKL_BWD_STREAMS", "STREAMKL_BWD_VARIANT"):
+                os.environ.pop(k, None)
+
+    def auto_fb(self, d, setting, streams=False):
+        """attention_kl forward + backward of one setting, auto mode, tuned (the default path)."""
+        torch = self.torch
+        import streamkl_gpu
+        os.environ.update(STREAMKL_AUTOTUNE="1", STREAMKL_BWD_STREAMS="1" if streams else "0")
+        x = {n: d[n].detach().requires_grad_(n in SET_TRAIN[setting]) for n in ("q1", "k1", "q2", "k2")}
+        kl = streamkl_gpu.attention_kl(x["q1"], x["k1"], x["q2"], x["k2"])
+        return torch.autograd.grad(kl, [x[n] for n in SET_TRAIN[setting]], d["g"])
+
+    def time_auto(self, ok):
+        """The API's default path at 8K non-causal (backward = fwd+bwd - fwd, as bench/bwd_musts_gpu.py),
+        the dQ kernel on one stream and on a second one."""
+        import streamkl_gpu
+        from streamkl_gpu import _launch
+        d = self.inputs(self.H, self.n, self.D, seed=21)
+        os.environ["STREAMKL_AUTOTUNE"] = "1"
+        try:
+            t_f = self.bench(lambda: streamkl_gpu.attention_kl(d["q1"], d["k1"], d["q2"], d["k2"]))
+        except Exception as exc:
+            self.log(f"auto fwd: ERROR {type(exc).__name__}: {str(exc)[:200]}")
+            return
+        for s in SETTINGS:
+            for streams in (False, True):
+                if self.left() < 14 or (ok is not None and ("apiauto", s, False) not in ok):
+                    self.log(f"auto {s} streams={streams}: skipped")
+                    continue
+                try:
+                    self.auto_fb(d, s, streams)  # tunes (first call)
+                    self.sync()
+                    t = self.bench(lambda: self.auto_fb(d, s, streams))
+                    plans = [p for sig, p in _launch._PLANS.items() if sig[0] == "bwd"]
+                    plan = "/".join(map(str, plans[-1])).replace(" ", "") if plans else "?"
+                    name = "auto" + (" streams" if streams else "")
+                    self.timed[("8K", s, name)] = t - t_f
+                    self.row("bwd", name, f"8K {s}", t - t_f, "ms", f"fwd+bwd {t:.3f} - fwd {t_f:.3f}; plan={plan}")
+                    self.log(f"8K {s} {name:14s} fwd+bwd {t:.3f} - fwd {t_f:.3f} = bwd {t - t_f:.3f} ms  {plan}")
+                except Exception as exc:
+                    self.log(f"auto {s} streams={streams}: ERROR {type(exc).__name__}: {str(exc)[:300]}")
+        os.environ.pop("STREAMKL_BWD_STREAMS", None)
+        del d
+
+    def profile_auto(self, setting="s1"):
+        """torch.profiler of warm API calls at 8K non-causal (the default path): the GPU kernels of
+        the last fwd+bwd, their durations and the idle gaps between them (what runs outside the two
+        backward kernels); OUT/bwd_s6_profile.txt."""
+        torch = self.torch
+        from torch.profiler import ProfilerActivity, profile
+        d = self.inputs(self.H, self.n, self.D, seed=21)
+        os.environ["STREAMKL_BWD_STREAMS"] = "0"
+        for _ in range(2):
+            self.auto_fb(d, setting)
+        self.sync()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                self.auto_fb(d, setting)
+            self.sync()
+        evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+        # the last call: from the last forward kernel (its name has "fwd") on
+        starts = [i for i, e in enumerate(evs) if "fwd" in e.name and (i == 0 or "fwd" not in evs[i - 1].name)]
+        last = evs[starts[-1]:] if starts else evs
+        lines = [f"profile: attention_kl fwd+bwd, 8K {setting}, warm (the last of 3 calls); us"]
+        prev = None
+        busy = 0.0
+        for e in last:
+            t0, t1 = e.time_range.start, e.time_range.end
+            gap = (t0 - prev) if prev is not None else 0.0
+            busy += t1 - t0
+            lines.append(f"  gap {gap:8.1f}  {t1 - t0:9.1f}  {e.name[:90]}")
+            self.row("profile_us", e.name[:60], f"8K {setting}", t1 - t0, "us", f"gap_before={gap:.1f}")
+            prev = t1
+        if last:
+            span = last[-1].time_range.end - last[0].time_range.start
+            lines.append(f"  span {span:.1f} us, kernels {busy:.1f} us, idle {span - busy:.1f} us")
+        text = "\n".join(lines)
+        with open(os.path.join(self.a.out, "bwd_s6_profile.txt"), "w") as f:
+            f.write(text + "\n")
+        self.log(text)
+        os.environ.pop("STREAMKL_BWD_STREAMS", None)
+        del d
+
+    def check_streams(self, ok):
+        """The API's second-stream path (STREAMKL_BWD_STREAMS=1) gives the gradients of the one-stream
+        path bitwise (the same kernels; only the launch streams differ)."""
+        H, n = CHECK_SHAPE_TINY if self.a.tiny else CHECK_SHAPE
+        for s in SETTINGS:
+            if self.left() < 3 or (ok is not None and ("api", s, False) not in ok):
+                self.log(f"check streams {s}: skipped ({'budget' if self.left() < 3 else 'not prewarmed'})")
+                continue
+            d = self.inputs(H, n, self.D, seed=11)
+            try:
+                a, b = self.api_grads(d, s, False), self.api_grads(d, s, True)
+                self.sync()
+                same = all(self.torch.equal(x, y) for x, y in zip(a, b))
+                self.row("check_streams", "api separate pack", f"{s} H={H} N={n}", float(same), "bool",
+                         "bitwise equal" if same else "FAIL: streams change the gradients")
+                self.log(f"check streams {s}: {'bitwise equal ok' if same else 'FAIL'}")
+                if not same:
+                    self.lines.append(f"CHECK FAIL streams {s}")
+            except Exception as exc:
+                self.log(f"check streams {s}: ERROR {type(exc).__name__}: {str(exc)[:200]}")
+
     def checks(self, ok):
         """Each candidate vs float64 at a small shape (H = 16, N = 384: the 8K kernels' integer
         specialisations), relative to the reference kernel's own error: err <= 1.5 x ref + 1e-3."""
@@ -352,7 +481,7 @@ class S6:
                 direct = Direct(torch, d, fwd, s, causal=causal)
                 base = {}
                 for c in self.cands:
-                    if not c.runs("8K causal" if causal else "8K") or self.left() < 4:
+                    if not c.runs("8K causal" if causal else "8K") or c.probe or self.left() < 4:
                         continue
                     try:
                         out = c.launch(direct)
@@ -371,6 +500,22 @@ class S6:
                             self.lines.append(f"CHECK FAIL {label} {c.name}: err {err:.2e} vs ref {b}")
                     except Exception as exc:
                         self.log(f"check {s} {c.name}: ERROR {type(exc).__name__}: {str(exc)[:200]}")
+
+
+_SIDE = []
+
+
+def beside(torch, first, second):
+    """``first()`` on the current stream and ``second()`` on a second one, forked before and
+    joined after (as _launch.backward does with STREAMKL_BWD_STREAMS=1)."""
+    if not _SIDE:
+        _SIDE.append(torch.cuda.Stream())
+    main, side = torch.cuda.current_stream(), _SIDE[0]
+    side.wait_stream(main)
+    first()
+    with torch.cuda.stream(side):
+        second()
+    main.wait_stream(side)
 
 
 def rel(a, b):
@@ -397,6 +542,16 @@ def worker(r, jobfile):
                 dd = r.inputs(j["H"], j["n"], r.D, nk=j["nk"])
                 r.forward(dd, j["causal"])
                 del dd
+            elif j["name"] == "apiauto":  # time_auto's kernels: every tuner candidate, at 4K (the
+                # separate mode as at 8K; the same specialisations), and the tuned forward's
+                dd = r.inputs(r.H, 4 * K, r.D, seed=21)
+                r.auto_fb(dd, j["s"])
+                del dd
+            elif j["name"] == "api":  # the API calls of check_streams (their own specialisations)
+                H_c, n_c = CHECK_SHAPE_TINY if r.a.tiny else CHECK_SHAPE
+                dd = r.inputs(H_c, n_c, r.D, seed=11)
+                r.api_grads(dd, j["s"], False)
+                r.api_grads(dd, j["s"], True)
             else:
                 by_name[j["name"]].launch(Direct(torch, d, fwd, j["s"], causal=j["causal"]))
             r.sync()
@@ -410,7 +565,9 @@ def prewarm(r, limit_s):
     """Compile every (candidate, setting, causal) in worker processes; returns the set that compiled."""
     H_c, n_c = CHECK_SHAPE_TINY if r.a.tiny else CHECK_SHAPE
     shapes = SHAPES_TINY if r.a.tiny else SHAPES
-    jobs = [dict(name="fwd", s="s1", causal=c, H=r.H, n=nq, nk=nk) for _, nq, nk, c in shapes[:2]]
+    # the longest first: the tuned auto path compiles every candidate (time_auto)
+    jobs = [] if r.a.tiny else [dict(name="apiauto", s=s, causal=False) for s in SETTINGS]
+    jobs += [dict(name="fwd", s="s1", causal=c, H=r.H, n=nq, nk=nk) for _, nq, nk, c in shapes[:2]]
     jobs += [dict(name="fwd", s="s1", causal=c, H=H_c, n=n_c, nk=n_c) for c in (False, True)]
     jobs += [dict(name="fwd", s="s1", causal=c, H=r.H, n=nq, nk=nk) for _, nq, nk, c in shapes[2:]]
     for causal in (False, True):  # (N_Q, N_K % 16 == 0 everywhere: the same kernels at every shape)
@@ -418,9 +575,13 @@ def prewarm(r, limit_s):
             for s in ("s1", "s2", "both"):
                 if any(c.runs(tag) and s in shape_settings(tag) for tag, _, _, cz in shapes if cz == causal):
                     jobs.append(dict(name=c.name, s=s, causal=causal))
+    jobs += [dict(name="api", s=s, causal=False) for s in SETTINGS]  # check_streams' (last)
     nw = r.a.workers or max(1, min(14, (os.cpu_count() or 4) - 2))
     nw = min(nw, len(jobs))
-    plans = [jobs[i::nw] for i in range(nw)]
+    long = [j for j in jobs if j["name"] == "apiauto"][:max(0, nw - 1)]  # a worker each, nothing else
+    rest = [j for j in jobs if j not in long]
+    nr = nw - len(long)
+    plans = [[j] for j in long] + [rest[i::nr] for i in range(nr)]
     tmp = os.path.join(r.a.out, "prewarm_s6")
     os.makedirs(tmp, exist_ok=True)
     procs = []
@@ -442,17 +603,18 @@ def prewarm(r, limit_s):
             p.kill()  # a worker this script started, by its own handle
             p.wait()
         lf.close()
-    ok, nfail = set(), 0
+    ok, nfail, nok = set(), 0, 0
     for i in range(len(plans)):
         with open(os.path.join(tmp, f"worker_{i}.out")) as f:
             for line in f:
                 if line.startswith("S6 ok "):
+                    nok += 1
                     j = json.loads(line[6:line.index("}") + 1])
                     ok.add((j["name"], j["s"], j["causal"]))
                 elif line.startswith("S6 fail "):
                     nfail += 1
                     r.log(f"prewarm {line.strip()[:300]}")
-    r.log(f"prewarm: {len(ok)} ok, {nfail} failed, {len(jobs) - len(ok) - nfail} not finished")
+    r.log(f"prewarm: {nok} ok, {nfail} failed, {len(jobs) - nok - nfail} not finished")
     return ok
 
 
@@ -476,14 +638,23 @@ def main(argv=None):
     dog.start()
     try:
         ok = prewarm(r, 20.0 if a.tiny else min(38.0, 0.5 * a.budget_s))
+        if a.tiny:  # the interpreter compiles nothing: run everything whether its worker got to it or not
+            ok = None
         for tag, nq, nk, causal in SHAPES_TINY if a.tiny else SHAPES:
             try:
                 r.time_shape(tag, nq, nk, causal, ok)
+                if tag == "8K" and not a.tiny:
+                    r.time_auto(ok)
+                    try:
+                        r.profile_auto()
+                    except Exception as exc:
+                        r.log(f"profile: ERROR {type(exc).__name__}: {str(exc)[:300]}")
             except Exception as exc:
                 r.log(f"timing {tag}: ERROR {type(exc).__name__}: {exc}")
                 r.logf.write(traceback.format_exc())
         try:
             r.checks(ok)
+            r.check_streams(ok)
         except Exception as exc:
             r.log(f"checks: ERROR {type(exc).__name__}: {exc}")
             r.logf.write(traceback.format_exc())

@@ -91,6 +91,34 @@ def _columns4(x):
 
 
 @triton.jit
+def _exp2_fma(x):
+    """2^x on the FMA pipe instead of MUFU (FA4's exp2 emulation): x = j + f with j = round(x) (the
+    1.5 * 2^23 add leaves it in the low mantissa bits), 2^f by its degree-5 Taylor polynomial on
+    [-0.5, 0.5] (relative error <= 2.4e-6, 3.1e-6 with its fp32 rounding), 2^j from the exponent
+    bits. x is clamped at -125 (2^-125 for -inf: masked entries are selected to 0 after, empty rows
+    have g = 0); NaN stays NaN (the product with a NaN polynomial)."""
+    x = tl.maximum(x, -125.0, propagate_nan=tl.PropagateNan.ALL)
+    t = x + 12582912.0
+    j = t - 12582912.0
+    f = x - j
+    p = f * 1.3333558e-3 + 9.6181291e-3
+    p = p * f + 5.5504109e-2
+    p = p * f + 2.4022651e-1
+    p = p * f + 6.9314718e-1
+    p = p * f + 1.0
+    scale = ((t.to(tl.int32, bitcast=True) << 23) + 0x3F800000).to(tl.float32, bitcast=True)
+    return p * scale
+
+
+@triton.jit
+def _exp2_split(x):
+    """exp2 of a tile: the odd columns on the FMA pipe (_exp2_fma), the even ones on MUFU (adjacent
+    columns sit in one thread's registers in the MMA layout: the split and join move no data)."""
+    even, odd = x.reshape(x.shape[0], x.shape[1] // 2, 2).split()
+    return tl.join(tl.exp2(even), _exp2_fma(odd)).reshape(x.shape[0], x.shape[1])
+
+
+@triton.jit
 def _finite(x):
     """x with NaN and +-inf replaced by 0: a matmul operand of the masked stage (see the docstring)."""
     return tl.where(tl.abs(x) < float("inf"), x, 0.0)
@@ -112,7 +140,7 @@ def _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, kl_bits, g, offs_m, cols, N_K
              MASKED: tl.constexpr, CAUSAL: tl.constexpr, TRAIN1: tl.constexpr, TRAIN2: tl.constexpr,
              IEEE1: tl.constexpr, IEEE2: tl.constexpr,
              TRANS: tl.constexpr = False, FOLD: tl.constexpr = False, ROW_SCALE: tl.constexpr = True,
-             c2=None, a1=None, a2=None, rc=None, PROBE: tl.constexpr = 0):
+             c2=None, a1=None, a2=None, rc=None, PROBE: tl.constexpr = 0, POLY: tl.constexpr = 0):
     """dS1 (if TRAIN1) and dS2 (if TRAIN2) of one [BLOCK_M, BLOCK_N] tile, sigma and g folded in.
 
     TRANS: the tile is computed key-major, dS^T [BLOCK_N, BLOCK_M] (S^T = K Q^T), so that dK += dS^T Q
@@ -125,6 +153,7 @@ def _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, kl_bits, g, offs_m, cols, N_K
     for a caller that applies it once to its dQ rows after the key loop (the dQ kernel); then
     ds1 = P1 * (s1*qk_scale1 - (s2*qk_scale2 + (lse1 - lse2 + KL))), ds2 = P2 - P1.
     PROBE (timing only, wrong results; bench/bwd_gpu.py --sweep): see PROBE_* below.
+    POLY (setting 1 only, two exponentials per score): half of P2's on the FMA pipe (_exp2_split).
     """
     if TRANS:
         s1 = _dot(k1, tl.trans(q1), IEEE1)
@@ -177,6 +206,8 @@ def _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, kl_bits, g, offs_m, cols, N_K
     if TRAIN2:
         if PROBE % 2 == 1:  # PROBE_NO_EXP
             p2 = x2
+        elif POLY and not TRAIN1:
+            p2 = _exp2_split(x2)
         else:
             p2 = tl.exp2(x2)
         if FOLD and not ROW_SCALE:
@@ -238,6 +269,7 @@ def _dk_query_range(
     q1_desc, q2_desc, dq1_desc, dq2_desc, tma_b, h,
     USE_TMA: tl.constexpr, TRANS: tl.constexpr, FOLD: tl.constexpr, DQ_REDUCE: tl.constexpr,
     rows_desc, pid_bh, ROWS: tl.constexpr, PROBE: tl.constexpr = 0, ROWS_PACKED: tl.constexpr = False,
+    POLY: tl.constexpr = 0,
 ):
     offs_d1 = tl.arange(0, D1_PAD)
     offs_d2 = tl.arange(0, D2_PAD)
@@ -288,7 +320,8 @@ def _dk_query_range(
                                                scale1, scale2)
         ds1, ds2 = _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, kl_bits, g, offs_m, cols, N_K,
                             diag_offset, qk_scale1, qk_scale2, scale1, scale2,
-                            MASKED, CAUSAL, TRAIN1, TRAIN2, IEEE1, IEEE2, TRANS, FOLD, True, c2, a1, a2, rc, PROBE)
+                            MASKED, CAUSAL, TRAIN1, TRAIN2, IEEE1, IEEE2, TRANS, FOLD, True, c2, a1, a2, rc, PROBE,
+                            POLY)
         if TRAIN1:
             dk1 = _dk_dq_side(dk1, ds1, q1, k1, DQ1 + rows64[:, None] * stride_dq1n + offs_d1[None, :],
                               row_ok[:, None] & (offs_d1[None, :] < D1), dq1_desc, tma_b, h, start_m,
@@ -330,6 +363,7 @@ def _kl_bwd_dk_kernel(
     ROWS: tl.constexpr = False,  # per-row constants precomputed by the pre-pass (needs FOLD, USE_TMA)
     # ROWS_PACKED (with ROWS): ROWS_DESC over [B*H, N_Q, 8] (PACKED_PLANES), blocks [1, BLOCK_M, 4 or 8]
     ROWS_PACKED: tl.constexpr = False,
+    POLY: tl.constexpr = 0,  # setting 1: half of P2's exponentials on the FMA pipe (_exp2_split)
     PROBE: tl.constexpr = 0,  # timing-only variants (PROBE_* flags; wrong gradients): never set by _launch
 ):
     # VARLEN: as in _kl_fwd_kernel (b is the sequence, N_Q/N_K the totals, [total, H, D] tensors
@@ -392,7 +426,7 @@ def _kl_bwd_dk_kernel(
         N_Q, N_K, D1, D2, diag_offset, qk_scale1, qk_scale2, scale1, scale2,
         BLOCK_M, D1_PAD, D2_PAD, True, CAUSAL, TRAIN1, TRAIN2, FUSED_DQ, IEEE1, IEEE2,
         Q1_DESC, Q2_DESC, DQ1_DESC, DQ2_DESC, b, h, USE_TMA, TRANS, FOLD, DQ_REDUCE, ROWS_DESC, pid_bh, ROWS,
-            PROBE, ROWS_PACKED)
+            PROBE, ROWS_PACKED, POLY)
     if start_n + BLOCK_N <= N_K:
         dk1, dk2 = _dk_query_range(
             dk1, dk2, k1, k2, start_n, cols, m_full, N_Q,
@@ -401,7 +435,7 @@ def _kl_bwd_dk_kernel(
             N_Q, N_K, D1, D2, diag_offset, qk_scale1, qk_scale2, scale1, scale2,
             BLOCK_M, D1_PAD, D2_PAD, False, CAUSAL, TRAIN1, TRAIN2, FUSED_DQ, IEEE1, IEEE2,
             Q1_DESC, Q2_DESC, DQ1_DESC, DQ2_DESC, b, h, USE_TMA, TRANS, FOLD, DQ_REDUCE, ROWS_DESC, pid_bh, ROWS,
-            PROBE, ROWS_PACKED)
+            PROBE, ROWS_PACKED, POLY)
     else:  # the ragged last key tile: keys past N_K must be masked out of every query tile
         dk1, dk2 = _dk_query_range(
             dk1, dk2, k1, k2, start_n, cols, m_full, N_Q,
@@ -410,7 +444,7 @@ def _kl_bwd_dk_kernel(
             N_Q, N_K, D1, D2, diag_offset, qk_scale1, qk_scale2, scale1, scale2,
             BLOCK_M, D1_PAD, D2_PAD, True, CAUSAL, TRAIN1, TRAIN2, FUSED_DQ, IEEE1, IEEE2,
             Q1_DESC, Q2_DESC, DQ1_DESC, DQ2_DESC, b, h, USE_TMA, TRANS, FOLD, DQ_REDUCE, ROWS_DESC, pid_bh, ROWS,
-            PROBE, ROWS_PACKED)
+            PROBE, ROWS_PACKED, POLY)
 
     if TRAIN1:
         if DK1_ATOMIC:  # GQA: add into the shared key head's fp32 buffer
@@ -437,7 +471,7 @@ def _dq_key_range(
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, TRAIN1: tl.constexpr, TRAIN2: tl.constexpr,
     IEEE1: tl.constexpr, IEEE2: tl.constexpr,
     k1_desc, k2_desc, tma_b, kh1, kh2,
-    USE_TMA: tl.constexpr, FOLD: tl.constexpr,
+    USE_TMA: tl.constexpr, FOLD: tl.constexpr, POLY: tl.constexpr = 0,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     offs_d1 = tl.arange(0, D1_PAD)
@@ -458,7 +492,7 @@ def _dq_key_range(
         # FOLD: the per-row factors g * sigma (* ln2) wait for the end of the key loop (the caller)
         ds1, ds2 = _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, kl_bits, g, offs_m, cols, N_K,
                             diag_offset, qk_scale1, qk_scale2, scale1, scale2,
-                            MASKED, CAUSAL, TRAIN1, TRAIN2, IEEE1, IEEE2, False, FOLD, not FOLD)
+                            MASKED, CAUSAL, TRAIN1, TRAIN2, IEEE1, IEEE2, False, FOLD, not FOLD, POLY=POLY)
         if MASKED:  # a NaN/inf key must not reach the dQ of rows that cannot see it
             k1 = _finite(k1)
             k2 = _finite(k2)
@@ -492,6 +526,7 @@ def _kl_bwd_dq_kernel(
     USE_TMA: tl.constexpr = False,  # every operand tile through TMA descriptors
     FOLD: tl.constexpr = False,  # fewer fp32 ops per score; the row factors applied once to dQ
     HEAVY_FIRST: tl.constexpr = False,  # causal: the last query tiles (the most keys) launched first
+    POLY: tl.constexpr = 0,  # setting 1: half of P2's exponentials on the FMA pipe (_exp2_split)
 ):
     # VARLEN: as in _kl_fwd_kernel
     pid_m = tl.program_id(0)
@@ -544,13 +579,13 @@ def _kl_bwd_dq_kernel(
         stride_k1n, stride_k2n, key_lo, full_hi, N_K, D1, D2, diag_offset,
         qk_scale1, qk_scale2, scale1, scale2,
         BLOCK_N, D1_PAD, D2_PAD, False, CAUSAL, TRAIN1, TRAIN2, IEEE1, IEEE2,
-        K1_DESC, K2_DESC, b, kh1, kh2, USE_TMA, FOLD)
+        K1_DESC, K2_DESC, b, kh1, kh2, USE_TMA, FOLD, POLY)
     dq1, dq2 = _dq_key_range(
         dq1, dq2, q1, q2, lse1_bits, lse2_bits, kl_bits, g, offs_m, k1_ptrs, k2_ptrs,
         stride_k1n, stride_k2n, full_hi, key_hi, N_K, D1, D2, diag_offset,
         qk_scale1, qk_scale2, scale1, scale2,
         BLOCK_N, D1_PAD, D2_PAD, True, CAUSAL, TRAIN1, TRAIN2, IEEE1, IEEE2,
-        K1_DESC, K2_DESC, b, kh1, kh2, USE_TMA, FOLD)
+        K1_DESC, K2_DESC, b, kh1, kh2, USE_TMA, FOLD, POLY)
     if FOLD:  # the per-row factors left out of dS (g = 0 on empty and padding rows: their sums are 0)
         dq1 = dq1 * (g * (scale1 * LN2))[:, None]
         dq2 = dq2 * (g * scale2)[:, None]

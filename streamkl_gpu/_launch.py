@@ -5,6 +5,7 @@ for a side that is not trained). Both take resolved float scales (``api`` checks
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import replace
 
@@ -17,8 +18,8 @@ from ._fast_launch import launch as fast_launch
 from ._gluon_dispatch import device_capability, fwd_backend, gluon_forward, use_gluon
 from ._checks import check_bwd_mode, check_tensors, compute_view, head_pad, is_empty, strides
 from ._runtime import LOG2E, TensorDescriptor, cdiv, fresh, interpreting, n_sm, tma_ok
-from ._tuning import (TMA_MIN_KEYS, UnusableConfig, auto_bwd_mode, bucket, bwd_variant, bwd_variant_candidates,
-                      fwd_candidates, pick, split_choices, tuning_slice)
+from ._tuning import (TMA_MIN_KEYS, UnusableConfig, auto_bwd_mode, bucket, bwd_streams, bwd_variant,
+                      bwd_variant_candidates, fwd_candidates, pick, split_choices, tuning_slice)
 
 
 def _empty_forward(dims, device):
@@ -185,6 +186,21 @@ def _desc(t, block_rows, d_pad):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_rows, d_pad])
 
 
+_SIDE_STREAMS: dict = {}  # device index -> the second stream of the separate backward
+_NO_STREAM = contextlib.nullcontext()
+
+
+def _side_stream(dims, device):
+    """A second stream for the separate backward's dQ kernel, or None (bwd_streams: off, CPU)."""
+    if device.type != "cuda" or interpreting() or not bwd_streams(dims, n_sm(device)):
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    side = _SIDE_STREAMS.get(index)
+    if side is None:
+        side = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return side
+
+
 def _launch_opts(parts):
     """Compile options named by variant parts: "rN" caps the registers per thread at N (ptxas
     .maxnreg), e.g. so that two 8-warp CTAs share an SM (N = 128)."""
@@ -301,6 +317,9 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
                          DQ2_DESC=_desc(dq2, block_m, d2_pad) if dq2 is not None else None)
         key = None if plan_key is None else (plan_key, mode, cfg_dk, cfg_dq)
         aligned = (g, kl, lse1_bits, lse2_bits, t_dk1, t_dk2, t_dq1, t_dq2)
+        side = None if fused else _side_stream(dims, device)
+        if side is not None:  # the dQ kernel beside the dK kernel (_tuning.bwd_streams): forked here
+            side.wait_stream(torch.cuda.current_stream(device))
         fast_launch(_bwd._kl_bwd_dk_kernel, (cdiv(dims.NK, block_n), BH, 1), (
             q1, k1, q2, k2, lse1_bits, lse2_bits, kl, g, t_dk1, t_dk2, t_dq1, t_dq2,
             *strides(q1), *strides(k1), *strides(q2), *strides(k2),
@@ -311,26 +330,30 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
             TRAIN1=train1, TRAIN2=train2, FUSED_DQ=fused, DK1_ATOMIC=dk1_atomic, DK2_ATOMIC=dk2_atomic,
             IEEE1=ieee1, IEEE2=ieee2,
             USE_TMA=use_tma, TRANS="trans" in parts, FOLD="fold" in parts, DQ_REDUCE=reduce_dq,
-            ROWS="rows" in parts, ROWS_PACKED="pack" in parts, **_launch_opts(parts)), warps, stages, key, aligned,
-            runtime=descs)
+            ROWS="rows" in parts, ROWS_PACKED="pack" in parts, POLY=int("poly" in parts), **_launch_opts(parts)),
+            warps, stages, key, aligned, runtime=descs)
         if not fused:
-            block_m, block_n, warps, stages, variant = cfg_dq
-            parts = variant.split("+")
-            use_tma = "tma" in parts
-            descs = {}
-            if use_tma:
-                descs = dict(Q1_DESC=_desc(q1, block_m, d1_pad), K1_DESC=_desc(k1, block_n, d1_pad),
-                             Q2_DESC=_desc(q2, block_m, d2_pad), K2_DESC=_desc(k2, block_n, d2_pad))
-            fast_launch(_bwd._kl_bwd_dq_kernel, (cdiv(dims.NQ, block_m), BH, 1), (
-                q1, k1, q2, k2, lse1_bits, lse2_bits, kl, g, t_dq1, t_dq2,
-                *strides(q1), *strides(k1), *strides(q2), *strides(k2),
-                *s3(t_dq1), *s3(t_dq2),
-                dims.H, dims.NQ, dims.NK, dims.D1, dims.D2, dims.group1, dims.group2,
-                dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2), dict(
-                BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1_pad, D2_PAD=d2_pad, CAUSAL=causal,
-                TRAIN1=train1, TRAIN2=train2, IEEE1=ieee1, IEEE2=ieee2,
-                USE_TMA=use_tma, FOLD="fold" in parts, HEAVY_FIRST=causal and "heavy" in parts,
-                **_launch_opts(parts)), warps, stages, key, aligned, runtime=descs)
+            with torch.cuda.stream(side) if side is not None else _NO_STREAM:
+                block_m, block_n, warps, stages, variant = cfg_dq
+                parts = variant.split("+")
+                use_tma = "tma" in parts
+                descs = {}
+                if use_tma:
+                    descs = dict(Q1_DESC=_desc(q1, block_m, d1_pad), K1_DESC=_desc(k1, block_n, d1_pad),
+                                 Q2_DESC=_desc(q2, block_m, d2_pad), K2_DESC=_desc(k2, block_n, d2_pad))
+                fast_launch(_bwd._kl_bwd_dq_kernel, (cdiv(dims.NQ, block_m), BH, 1), (
+                    q1, k1, q2, k2, lse1_bits, lse2_bits, kl, g, t_dq1, t_dq2,
+                    *strides(q1), *strides(k1), *strides(q2), *strides(k2),
+                    *s3(t_dq1), *s3(t_dq2),
+                    dims.H, dims.NQ, dims.NK, dims.D1, dims.D2, dims.group1, dims.group2,
+                    dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2), dict(
+                    BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1_pad, D2_PAD=d2_pad, CAUSAL=causal,
+                    TRAIN1=train1, TRAIN2=train2, IEEE1=ieee1, IEEE2=ieee2,
+                    USE_TMA=use_tma, FOLD="fold" in parts, HEAVY_FIRST=causal and "heavy" in parts,
+                    POLY=int("poly" in parts),
+                    **_launch_opts(parts)), warps, stages, key, aligned, runtime=descs)
+            if side is not None:  # joined before anything reads dQ or frees an input
+                torch.cuda.current_stream(device).wait_stream(side)
         return dq1, dk1, dq2, dk2
 
     if plan is None:

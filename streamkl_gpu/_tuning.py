@@ -268,6 +268,7 @@ def bwd_candidates(d_pad, both, kind, ieee=False):
 #   "rows"    the dK kernel's per-row constants precomputed by a pre-pass, read by TMA (ROWS; needs
 #             "tma" and "fold")
 #   "pack"    with "rows": the six constants side by side per row, one TMA load per query tile (ROWS_PACKED)
+#   "poly"    setting 1: half of P2's exponentials on the FMA pipe (POLY; FA4's exp2 emulation)
 #   "heavy"   causal dQ kernel: the query tiles with the most keys launched first (HEAVY_FIRST)
 #   "rN"      launch option: at most N registers per thread (ptxas .maxnreg; _launch._launch_opts)
 # STREAMKL_BWD_VARIANT=<name> restricts the candidates to that variant (tests, the GPU bench);
@@ -275,7 +276,8 @@ def bwd_candidates(d_pad, both, kind, ieee=False):
 BWD_VARIANTS = ("ptr", "tma", "tma+trans", "tma+fold", "tma+trans+fold", "tma+trans+reduce",
                 "tma+trans+fold+reduce", "tma+trans+fold+rows", "tma+trans+fold+rows+reduce",
                 "trans", "fold", "trans+fold", "tma+trans+fold+rows+heavy",
-                "tma+trans+fold+rows+pack", "tma+trans+fold+rows+pack+reduce", "tma+trans+fold+rows+pack+heavy")
+                "tma+trans+fold+rows+pack", "tma+trans+fold+rows+pack+reduce", "tma+trans+fold+rows+pack+heavy",
+                "tma+trans+fold+rows+pack+poly")
 
 
 class UnusableConfig(Exception):
@@ -333,8 +335,14 @@ def bwd_variant_candidates(d_pad, both, kind, ieee=False, tma=False, fused=False
     # offline sm_90 compile, bench/bwd_sass.py, triton 3.6, D = 128, setting 1 fused: old 1718 / 2400
     # instructions per key-tile loop (whole / masked) with 259 spill stores, rows+reduce 529 / 766
     # and none; tile 32 x 128 / 4 warps spills, 64 x 64 / 4 warps is twice the instructions per score)
+    # The separate dK kernel reads its row constants packed (one TMA load per query tile): run s6r2
+    # (bench/bwd_s6.py, H200, 8K, the kernel alone) 64x128x8x3 pack vs rows s1 3.365 / 3.374 ms, s2
+    # 3.306 / 3.483, causal s1 1.893 / 1.878, s2 1.779 / 1.839; N_Q 512 x N_K 32K 1.083 / 1.123 (s1),
+    # 1.063 / 1.113 (s2); both settings 32x64x4x3 4.624 / 5.213. The fused kernel keeps "rows": its
+    # pack form was 0.97-1.03x (N_Q 16 and 512, N_K 32K), no gain
     if kind == "dk":
-        names = ["tma+trans+fold+rows" + ("+reduce" if fused else ""), "tma+trans+fold" + ("+reduce" if fused else "")]
+        names = (["tma+trans+fold+rows+reduce", "tma+trans+fold+reduce"] if fused else
+                 ["tma+trans+fold+rows+pack", "tma+trans+fold"])
         if not tma:
             names = ["trans+fold"]
     else:
@@ -347,9 +355,19 @@ def bwd_variant_candidates(d_pad, both, kind, ieee=False, tma=False, fused=False
 def _kernel_variant(name, kind, fused):
     """The part of a variant that applies to one kernel: the dQ kernel has no key-major, rows or
     reduce form, and "reduce" applies only to the fused dK kernel's dQ."""
-    keep = ("tma", "fold", "heavy") if kind == "dq" else (("tma", "trans", "fold", "rows", "pack", "reduce") if fused else
-                                                  ("tma", "trans", "fold", "rows", "pack"))
+    keep = ("tma", "fold", "heavy", "poly") if kind == "dq" else (
+        ("tma", "trans", "fold", "rows", "pack", "poly") + (("reduce",) if fused else ()))
     return "+".join(p for p in name.split("+") if p in keep) or "ptr"
+
+
+def bwd_streams(dims, n_sm: int) -> bool:
+    """Run the separate backward's dQ kernel on a second stream beside the dK kernel (each one's
+    last, partly filled wave of CTAs then overlaps the other's). ``STREAMKL_BWD_STREAMS=1`` / ``0``
+    forces it; unset: off (not measured yet: bench/bwd_s6.py times both)."""
+    forced = _runtime.env("STREAMKL_BWD_STREAMS")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return False
 
 
 def auto_split_k(dims, block_m: int, block_n: int, n_sm: int) -> int:
@@ -398,13 +416,18 @@ def auto_bwd_mode(dims, n_sm: int, both: bool = False, new_kernels: bool = False
     """Pick the fused kernel (each tile pair visited once, dQ by fp32 atomics) or the separate ones.
 
     ``new_kernels``: the TMA variants are candidates (Hopper, aligned, half precision). Then one
-    setting runs separate wherever the dQ kernel alone has at least 4 programs per SM:
-    measured (H200, 2026-12-01 run r5c, bench/bwd_gpu.py --sweep, 8K non-causal, direct launches)
-    setting 2 separate 64x128x8x3 + 128x64x8x3 5.80 ms vs fused 64x128x8x3 6.79 (0.85x); setting 1
-    fused 6.89, of which its dQ share costs 3.54 (the dK kernel alone 3.35; the dQ kernel alone
-    2.54 for setting 2). The fused kernel's dQ (a [64, D] fp32 product and reduce-add per tile
-    pair, on the dK kernel's critical path at one CTA of 8 warps per SM) costs more than a
-    second pass over the keys.
+    setting runs separate wherever the dQ kernel alone has programs for at least 90 % of the SMs
+    (one wave): measured (H200, 2026-12-01 run r5c, bench/bwd_gpu.py --sweep, 8K non-causal, direct
+    launches) setting 2 separate 64x128x8x3 + 128x64x8x3 5.80 ms vs fused 64x128x8x3 6.79 (0.85x);
+    setting 1 fused 6.89, of which its dQ share costs 3.54 (the dK kernel alone 3.35; the dQ
+    kernel alone 2.54 for setting 2). The fused kernel's dQ (a [64, D] fp32 product and reduce-add
+    per tile pair, on the dK kernel's critical path at one CTA of 8 warps per SM) costs more than
+    a second pass over the keys. Down to one wave of dQ programs (run s5r4, N_Q 2K x N_K 32K, 512
+    programs: separate 0.93x / 0.89x of fused, s1 / s2; run s6r2, bench/bwd_s6.py, N_Q 512 x N_K
+    32K, 128 programs on 132 SMs: separate 1.745 / 1.649 ms vs fused 64x128x8x2 1.918 / 1.904);
+    below it fused (s6r2, N_Q 16 x N_K 32K, 32 programs: separate 1.059 / 0.970 ms, fused 0.461 /
+    0.469): each dQ program walks every key, so with fewer programs than SMs its time does not
+    shrink with N_Q while the fused kernel's does.
 
     Measured on the H200 (bench/results/session1/h200_2026-11-29_bench.csv; B=1, H=32, D=128, bf16):
     - one setting (s1 or s2): fused is as fast or faster at N = 4K..32K, causal or not
@@ -419,6 +442,6 @@ def auto_bwd_mode(dims, n_sm: int, both: bool = False, new_kernels: bool = False
         return "separate"
     if both and dims.NQ >= 512:
         return "separate"
-    if new_kernels and cdiv(dims.NQ, 128) * dims.B * dims.H >= 4 * n_sm:
+    if new_kernels and 10 * cdiv(dims.NQ, 128) * dims.B * dims.H >= 9 * n_sm:
         return "separate"
     return "fused"

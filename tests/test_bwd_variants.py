@@ -10,9 +10,12 @@ adds of the in-bounds elements, the hardware's semantics).
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import streamkl_gpu
 from streamkl_gpu import _launch, _runtime, _tuning
+from streamkl_gpu._bwd import _exp2_fma
 
 import _tma_reduce_shim
 from _gpu_helpers import GRAD_NAMES, assert_close, make_inputs, reference, same_precision
@@ -84,7 +87,8 @@ def test_variant_gradients(variant, mode, B, H, HK1, HK2, NQ, NK, D1, D2, causal
             assert (grads[name][:, :, : NQ - NK] == 0).all()
 
 
-@pytest.mark.parametrize("variant", ["tma+trans+fold+rows+reduce", "fold", "tma+trans+fold+rows+pack"], indirect=True)
+@pytest.mark.parametrize("variant", ["tma+trans+fold+rows+reduce", "fold", "tma+trans+fold+rows+pack",
+                                     "tma+trans+fold+rows+pack+poly"], indirect=True)
 @pytest.mark.parametrize("mode", ["fused", "separate"])
 @pytest.mark.parametrize("setting", ["s1", "s2"])
 def test_variant_one_setting(variant, mode, setting):
@@ -124,7 +128,7 @@ def test_variant_extreme_logits(variant):
 
 
 @pytest.mark.parametrize("variant", ["tma+trans+fold+rows+reduce", "tma+trans+fold+reduce", "tma", "fold",
-                                     "tma+trans+fold+rows+pack+heavy"], indirect=True)
+                                     "tma+trans+fold+rows+pack+heavy", "tma+trans+fold+rows+pack+poly"], indirect=True)
 @pytest.mark.parametrize("mode", ["fused", "separate"])
 @pytest.mark.parametrize("case", [KEY7, KEY40, DIAGONAL_ROWS], ids=["n8-key7", "n64-key40", "diagonal-rows"])
 def test_variant_nan_isolation(variant, mode, case):
@@ -277,8 +281,9 @@ def test_timing_probes_do_what_they_name(setting, monkeypatch):
 
 
 def test_auto_mode_separate_for_one_setting_with_the_new_kernels():
-    """With the TMA variants as candidates, one setting runs separate where the dQ kernel has >= 4
-    programs per SM (run r5c: setting 2 at 8K, separate 5.80 ms vs fused 6.79); small N_Q, both
+    """With the TMA variants as candidates, one setting runs separate where the dQ kernel has
+    programs for >= 90 % of the SMs (run r5c: setting 2 at 8K, separate 5.80 ms vs fused 6.79; run
+    s6r2: N_Q 512 x N_K 32K separate 0.87-0.91x, N_Q 16 fused 2.1-2.3x faster); smaller N_Q, both
     settings and the old kernels (varlen, fp32, no TMA) keep their rules."""
     from streamkl_ref._checks import Dims
 
@@ -287,7 +292,46 @@ def test_auto_mode_separate_for_one_setting_with_the_new_kernels():
 
     assert _tuning.auto_bwd_mode(dims(8192, 8192), 132, False, new_kernels=True) == "separate"
     assert _tuning.auto_bwd_mode(dims(8192, 8192), 132, False, new_kernels=False) == "fused"
-    assert _tuning.auto_bwd_mode(dims(512, 32768), 132, False, new_kernels=True) == "fused"  # 128 dQ programs
+    assert _tuning.auto_bwd_mode(dims(512, 32768), 132, False, new_kernels=True) == "separate"  # 128 dQ programs
+    assert _tuning.auto_bwd_mode(dims(256, 32768), 132, False, new_kernels=True) == "fused"  # 64: half a wave
+    assert _tuning.auto_bwd_mode(dims(16, 32768), 132, False, new_kernels=True) == "fused"  # 32 (run s6r2)
     assert _tuning.auto_bwd_mode(dims(16, 32768), 132, True, new_kernels=True) == "fused"  # both, small N_Q
     assert _tuning.auto_bwd_mode(dims(8192, 8192), 132, True, new_kernels=True) == "separate"
     assert _tuning.auto_bwd_mode(dims(4096, 64, h=2), 132, False, new_kernels=True) == "separate"  # few keys
+
+
+@triton.jit
+def _apply_exp2_fma(X, Y, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(Y + offs, _exp2_fma(tl.load(X + offs)))
+
+
+def test_exp2_on_the_fma_pipe():
+    """_bwd._exp2_fma (the "poly" variant's exponentials): within 4e-6 of exp2 relative on the
+    range the backward sees (x = log2 P <= 0, and above), 2^-125 at most for -inf and below -125
+    (masked entries, empty rows: selected or multiplied by g = 0 after), NaN for NaN."""
+    apply = _apply_exp2_fma
+
+    x = torch.cat([torch.linspace(-126.0, 20.0, 1021), torch.tensor([float("-inf"), float("nan"), -1e30])])
+    x = torch.cat([x, torch.zeros(1024 - x.numel())]).to(torch.float32)
+    y = torch.empty_like(x)
+    apply[(1,)](x, y, N=1024)
+    want = torch.exp2(x.double())
+    finite = torch.isfinite(x) & (x >= -125)
+    assert ((y.double()[finite] - want[finite]).abs() <= 4e-6 * want[finite]).all()
+    assert (y[~torch.isnan(x) & ~finite] <= 2.0 ** -125).all() and (y[~torch.isnan(x) & ~finite] >= 0).all()
+    assert torch.isnan(y[torch.isnan(x)]).all()
+
+
+def test_second_stream_rule(monkeypatch):
+    """STREAMKL_BWD_STREAMS forces the separate backward's second stream on or off (unset: off, not
+    measured); never on CPU tensors or under the interpreter, where the launches stay in order."""
+    from streamkl_ref._checks import Dims
+    dims = Dims(B=1, H=32, NQ=8192, NK=8192, D1=128, D2=128, HK1=32, HK2=32, scale1=0.1, scale2=0.1)
+    monkeypatch.delenv("STREAMKL_BWD_STREAMS", raising=False)
+    assert _tuning.bwd_streams(dims, 132) is False
+    monkeypatch.setenv("STREAMKL_BWD_STREAMS", "1")
+    assert _tuning.bwd_streams(dims, 132) is True
+    assert _launch._side_stream(dims, torch.device("cpu")) is None
+    monkeypatch.setenv("STREAMKL_BWD_STREAMS", "0")
+    assert _tuning.bwd_streams(dims, 132) is False
