@@ -249,7 +249,8 @@ def _new_fwd_candidates(dims, gqa, n_sm):
         # (flattened loops, "flat", and reversed token order, "lpt", did not close the gap).
         # First for the DSA-like family (one token per tile, H >= 128: the measured layout);
         # other MQA teachers keep the row-major order and try it last.
-        keys = [(128, 128, 128, 64, 4, 3, None, 1, "keys"), (128, 128, 128, 64, 8, 3, None, 1, "keys_r128")]
+        splits = _keys_major_splits(dims)
+        keys = [(128, 128, 128, 64, 4, 3, None, splits, "keys"), (128, 128, 128, 64, 8, 3, None, splits, "keys_r128")]
         out = keys + out if _keys_major_first(dims) else out + keys
     else:
         out = []
@@ -272,6 +273,19 @@ def _keys_major_first(dims) -> bool:
     """The keys-major forward first (the untuned choice): MQA teachers of at least 128 heads, so
     a 128-row tile is one token's heads (BLOCK_T = 1), the layout measured at DSA (s6r2)."""
     return dims.HK == 1 and dims.H >= 128
+
+
+# Keys per split of the keys-major forward from this many keys on (None: no key splits). Splits
+# keep the resident programs on one key range, so their key window stays in L2 beside their q rows.
+KEYS_MAJOR_SPLIT_FROM = None
+KEYS_MAJOR_KEYS_PER_SPLIT = 4096
+
+
+def _keys_major_splits(dims) -> int:
+    """Key splits of the keys-major forward candidates (8th config field)."""
+    if KEYS_MAJOR_SPLIT_FROM is None or dims.NK < KEYS_MAJOR_SPLIT_FROM:
+        return 1
+    return triton.cdiv(dims.NK, KEYS_MAJOR_KEYS_PER_SPLIT)
 
 
 def l1_fwd_candidates(dims):
