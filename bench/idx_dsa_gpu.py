@@ -504,7 +504,12 @@ def main(argv=None):
         if est_s > left:
             run.log(f"N={N}: skipped (estimated {est_s:.0f} s, {left:.0f} s left)")
             break
-        xs, lse, floor, shape = problem(N)
+        try:
+            xs, lse, floor, shape = problem(N)
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory: the table of what ran
+            run.log(f"N={N}: problem not built: {type(exc).__name__}: {str(exc)[:300]}")
+            state.update(N=None, problem=None)
+            break
         samples, outs = {i: [] for i in todo}, {}
         for i in todo:  # warm-up (and the KL compared below)
             try:
@@ -516,7 +521,11 @@ def main(argv=None):
         run.sync()
         for _ in range(rounds[N]):
             for i in list(samples):
-                samples[i].append(timed_call(i, N, xs, lse)[0])
+                try:
+                    samples[i].append(timed_call(i, N, xs, lse)[0])
+                except Exception as exc:  # noqa: BLE001 - printed, the others go on
+                    run.log(f"dsa {shape} fwd {cands[i][0]} raised {type(exc).__name__}: {str(exc)[:300]}")
+                    samples.pop(i)
         for i in todo:
             label, cfg_c, per = cands[i]
             cfg_n = effective(cfg_c, per, N)
