@@ -244,6 +244,18 @@ def _new_fwd_candidates(dims, gqa, n_sm):
         # 8 warps 3 stages 24.89, 64 x 64 on 4 warps 28.25.
         out = [(128, 128, 128, 64, 4, 3), (128, 128, 128, 64, 4, 2), (128, 128, 128, 64, 8, 3),
                (128, 128, 128, 64, 8, 2), (64, 64, 64, 64, 4, 3, 64)]
+        # Session 6 (s6-idxdsa): keys-major score tiles (9th field "keys", _indexer_fwd.variant_meta:
+        # S^T = k q^T, the head sum a row sum of the accumulator, no cross-warp reduction; the
+        # per-column LSEs / weights loaded once per program). Measured (H200, triton 3.6, DSA 8K
+        # causal, lse given, run s6r2, bench/idx_dsa_gpu.py): 128 keys on 4 warps, 3 stages 13.69 ms
+        # = 1.87x the floor (row-major default 18.06 in the same run), 16K 61.2 ms = 2.08x (default
+        # 77.4); 8 warps at maxnreg 128 14.18; 8 warps 15.76; 2 stages 15.75; 64-key tiles 20.0-25.6
+        # (flattened loops, "flat", and reversed token order, "lpt", did not close the gap).
+        # First for the DSA-like family (one token per tile, H >= 128: the measured layout);
+        # other MQA teachers keep the row-major order and try it last.
+        splits = _keys_major_splits(dims)
+        keys = [(128, 128, 128, 64, 4, 3, None, splits, "keys"), (128, 128, 128, 64, 8, 3, None, splits, "keys_r128")]
+        out = keys + out if _keys_major_first(dims) else out + keys
     else:
         out = []
         # (64, 64, 64, 64, 4, 3, 1): 64 tokens x 64 keys of one head on 4 warps, 3 stages: 198
@@ -259,6 +271,25 @@ def _new_fwd_candidates(dims, gqa, n_sm):
                      (32, 32, 64, 64, 4, 2, 1), (64, 64, 32, 64, 4, 3, 1)):
             out.append(_canonical(base + (_fwd_split(dims, base, n_sm),)))
     return out
+
+
+def _keys_major_first(dims) -> bool:
+    """The keys-major forward first (the untuned choice): MQA teachers of at least 128 heads, so
+    a 128-row tile is one token's heads (BLOCK_T = 1), the layout measured at DSA (s6r2)."""
+    return dims.HK == 1 and dims.H >= 128
+
+
+# Keys per split of the keys-major forward from this many keys on (None: no key splits). Splits
+# keep the resident programs on one key range, so their key window stays in L2 beside their q rows.
+KEYS_MAJOR_SPLIT_FROM = None
+KEYS_MAJOR_KEYS_PER_SPLIT = 4096
+
+
+def _keys_major_splits(dims) -> int:
+    """Key splits of the keys-major forward candidates (8th config field)."""
+    if KEYS_MAJOR_SPLIT_FROM is None or dims.NK < KEYS_MAJOR_SPLIT_FROM:
+        return 1
+    return triton.cdiv(dims.NK, KEYS_MAJOR_KEYS_PER_SPLIT)
 
 
 def l1_fwd_candidates(dims):

@@ -154,3 +154,18 @@ def test_sm90_compile_head_sum_stays_in_registers():
     assert field(keys, "stack") == 0 and field(keys, "STL") == 0, keys
     assert field(keys, "regs") <= 168 and field(keys, "smem") <= 75 * 1024, keys
     assert field(keys, "SHFL") * 3 < field(tiles, "SHFL"), (tiles, keys)
+
+
+def test_keys_major_first_for_the_dsa_family_only():
+    """The measured winner (run s6r2) is the untuned choice where it was measured: an MQA teacher
+    with >= 128 heads (a 128-row tile is one token's heads); other MQA teachers try it last."""
+    def dims(H, D, HK=1):
+        shapes = [(1, H, 64, D), (1, HK, 64, D), (1, 64, 64, 128), (1, 1, 64, 128), (1, 64, 64)]
+        return check_indexer_inputs(*[torch.empty(s, device="meta") for s in shapes], scale=0.1)
+
+    dsa = _indexer._new_fwd_candidates(dims(128, 576), False, 132)
+    assert dsa[0] == (128, 128, 128, 64, 4, 3, None, 1, "keys")
+    pl = _indexer._plan(dims(128, 576), dsa[0], "fwd")
+    assert (pl["BLOCK_T"], pl["HB"], pl["BLOCK_N"], pl["variant"]) == (1, 128, 128, "keys")
+    small = _indexer._new_fwd_candidates(dims(16, 64), False, 132)
+    assert small[0] == (128, 128, 128, 64, 4, 3) and dsa[0] in small
