@@ -84,6 +84,22 @@ def parse_variant(variant) -> Optional[Variant]:
 MAX_BOX_DIM = 128  # one TMA box per head and tile (D_PAD, DI_PAD)
 
 
+# The tuner's GQA-kernel candidates, measured best first (H200, triton 3.6, GQA-like 8K causal bf16,
+# lse given, bench/idx_gqa_gpu.py run s6r2; the general kernel's default (64, 64, 64, 64, 4, 3, 1, 5)
+# took 2.836 ms = 6.36x the floor in that run): "gqa-band" 64 tokens x 64 keys on 4 warps, 3 stages
+# 1.785 ms = 4.00x (157 registers offline: 3 CTAs/SM); 128 x 128 on 8 warps 1.934; "gqa-flat"
+# (no band) 2.011. Key splits by _indexer._fwd_split (5 at 8K).
+CANDIDATE_BASES = ((64, 64, 64, 64, 4, 3, 1, "gqa-band"), (128, 128, 128, 64, 8, 2, 1, "gqa-band"),
+                   (64, 64, 64, 64, 4, 3, 1, "gqa-flat"))
+
+
+def candidates(dims, n_sm):
+    """The GQA kernel's launch configs for ``_indexer._new_fwd_candidates`` (GQA teachers)."""
+    from ._indexer import _fwd_split  # (import here: _indexer imports this module)
+
+    return [base[:7] + (_fwd_split(dims, base[:7], n_sm), base[7]) for base in CANDIDATE_BASES]
+
+
 def applies(pl, dims, use_tma: bool) -> bool:
     """Does the GQA kernel run this plan? Its variant asked, TMA loads, head dims <= 128, one
     teacher head per tile row block (HB = 1, IB = 1)."""
