@@ -68,6 +68,9 @@ GQA_CONFIGS = [
     (64, 64, 64, 64, 4, 2, 1, 5, "gqa-flat-band"),  # s6r2: "gqa-flat" 2.011 < "gqa" 2.728 (no band); 158 regs, 66 KB
     (64, 64, 64, 64, 4, 3, 1, 5, "gqa-flat-band"),  # 157 regs, 98 KB: 2 CTAs/SM
     (64, 64, 64, 64, 4, 2, 1, 5, "gqa-band-r128"),  # 128 regs + 24 B spills, 49 KB: 4 CTAs/SM
+    (64, 64, 64, 64, 4, 2, 1, 10, "gqa-band-r128"),
+    (64, 64, 64, 64, 4, 2, 1, 10, "gqa-flat-band"),
+    (64, 64, 64, 64, 4, 3, 1, 8, "gqa-band"),
     (128, 128, 128, 64, 8, 2, 1, 9, "gqa-band"),    # s6r2: 1.934 ms
     (64, 64, 128, 64, 4, 3, 1, 10, "gqa-band"),     # 252 regs, 82 KB: 2 CTAs/SM
 ]
