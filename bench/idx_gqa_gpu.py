@@ -67,6 +67,8 @@ GQA_CONFIGS = [
     (64, 64, 64, 64, 4, 3, 1, 3, "gqa-band"),       # _fwd_split's 16K count
     (64, 64, 64, 64, 4, 3, 1, 16, "gqa-band"),      # 5 splits at 8K: ~320 programs with work for 396
     (64, 64, 64, 64, 4, 3, 1, 24, "gqa-band"),      # CTA slots (3 per SM): one uneven wave; more: finer
+    (64, 64, 64, 64, 4, 3, 1, 5, "gqa-band-ss"),    # the band's launch on a side stream (beside the main one)
+    (64, 64, 64, 64, 4, 3, 1, 16, "gqa-band-ss"),
     (64, 64, 64, 64, 4, 2, 1, 5, "gqa-flat-band"),  # s6r2: "gqa-flat" 2.011 < "gqa" 2.728 (no band); 158 regs, 66 KB
     (64, 64, 64, 64, 4, 3, 1, 5, "gqa-flat-band"),  # 157 regs, 98 KB: 2 CTAs/SM
     (64, 64, 64, 64, 4, 2, 1, 5, "gqa-band-r128"),  # 128 regs + 24 B spills, 49 KB: 4 CTAs/SM
