@@ -74,9 +74,7 @@ GQA_CONFIGS = [
     (64, 64, 64, 64, 4, 2, 1, 5, "gqa-band-r128"),  # 128 regs + 24 B spills, 49 KB: 4 CTAs/SM
     (64, 64, 64, 64, 4, 2, 1, 10, "gqa-band-r128"),
     (64, 64, 64, 64, 4, 2, 1, 10, "gqa-flat-band"),
-    (64, 64, 64, 64, 4, 3, 1, 8, "gqa-band"),
     (128, 128, 128, 64, 8, 2, 1, 9, "gqa-band"),    # s6r2: 1.934 ms
-    (64, 64, 128, 64, 4, 3, 1, 10, "gqa-band"),     # 252 regs, 82 KB: 2 CTAs/SM
 ]
 CHECK_N = 320  # strides divisible by 16: the check problem compiles the 8K kernels
 
