@@ -51,20 +51,23 @@ class Variant(NamedTuple):
     cap: Optional[int]  # ptxas register cap (maxnreg) or None
     split_major: bool  # grid (key splits, token blocks, B) with the last token blocks first
     band: bool  # the masked tiles (causal diagonal band, ragged last tile) in a second launch
+    side: bool  # -band's second launch on a side stream, concurrent with the main one
 
 
-FLAGS = ("tm", "band")
+FLAGS = ("tm", "band", "ss")
 
 
 def parse_variant(variant) -> Optional[Variant]:
-    """The :class:`Variant` of ``"gqa[-flat|-pp][-tm][-band][-rNNN]"``, or None when it is not
+    """The :class:`Variant` of ``"gqa[-flat|-pp][-tm][-band[-ss]][-rNNN]"``, or None when it is not
     one of this kernel's. ``-rNNN``: ptxas capped at NNN registers (``"gqa-r168"``: three 4-warp
     CTAs per SM). ``-tm``: the general kernel's token-major grid (token blocks fastest); without
     it the key splits of a token block are neighbours in the grid (and the heaviest, causal-last,
     blocks come first), so the CTAs resident at once share few token blocks' q rows in L2.
     ``-band``: the main launch walks whole tiles only and a second, small launch (its own
     register allocation) the masked band, its state one more split for the merge: the masked
-    stage's selects cost ~40 registers (offline, 64x64: 208 with it, 165 without)."""
+    stage's selects cost ~40 registers (offline, 64x64: 208 with it, 165 without). ``-ss``
+    (with ``-band``): the band's launch on a side stream, so its few programs run beside the
+    main launch's instead of after them (on a GPU; the interpreter runs them in turn)."""
     if not isinstance(variant, str):
         return None
     parts = variant.split("-")
@@ -78,10 +81,28 @@ def parse_variant(variant) -> Optional[Variant]:
     loop = "-".join(parts)
     if loop not in LOOPS:
         return None
-    return Variant(LOOPS.index(loop), cap, "tm" not in flags, "band" in flags)
+    if "ss" in flags and "band" not in flags:
+        return None
+    return Variant(LOOPS.index(loop), cap, "tm" not in flags, "band" in flags, "ss" in flags)
 
 
 MAX_BOX_DIM = 128  # one TMA box per head and tile (D_PAD, DI_PAD)
+
+
+# The tuner's GQA-kernel candidates, measured best first (H200, triton 3.6, GQA-like 8K causal bf16,
+# lse given, bench/idx_gqa_gpu.py run s6r2; the general kernel's default (64, 64, 64, 64, 4, 3, 1, 5)
+# took 2.836 ms = 6.36x the floor in that run): "gqa-band" 64 tokens x 64 keys on 4 warps, 3 stages
+# 1.785 ms = 4.00x (157 registers offline: 3 CTAs/SM); 128 x 128 on 8 warps 1.934; "gqa-flat"
+# (no band) 2.011. Key splits by _indexer._fwd_split (5 at 8K).
+CANDIDATE_BASES = ((64, 64, 64, 64, 4, 3, 1, "gqa-band"), (128, 128, 128, 64, 8, 2, 1, "gqa-band"),
+                   (64, 64, 64, 64, 4, 3, 1, "gqa-flat"))
+
+
+def candidates(dims, n_sm):
+    """The GQA kernel's launch configs for ``_indexer._new_fwd_candidates`` (GQA teachers)."""
+    from ._indexer import _fwd_split  # (import here: _indexer imports this module)
+
+    return [base[:7] + (_fwd_split(dims, base[:7], n_sm), base[7]) for base in CANDIDATE_BASES]
 
 
 def applies(pl, dims, use_tma: bool) -> bool:
@@ -119,9 +140,19 @@ def launch(dims, pl, q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, causal,
                 num_warps=pl["warps"], num_stages=pl["stages"])
     grid = (splits, n_t, dims.B) if var.split_major else (n_t, splits, dims.B)
     # STAGES 0: whole tiles then the masked band; 1: whole tiles only (the band launched below)
+    side = var.side and q.device.type == "cuda" and not _runtime.interpreting()
+    if side:  # the band's launch first, on a side stream that waits for this stream's inputs
+        main_stream = torch.cuda.current_stream(q.device)
+        band_stream = _side_stream(q.device)
+        band_stream.wait_stream(main_stream)
+        with torch.cuda.stream(band_stream):
+            _indexer_fwd_gqa_kernel[(1, n_t, dims.B)](*args, dims.NK, splits, slots, **meta, SPLIT_MAJOR=True,
+                                                      STAGES=2)
     _indexer_fwd_gqa_kernel[grid](*args, per_split, 0, slots, **meta, SPLIT_MAJOR=var.split_major,
                                   STAGES=1 if var.band else 0, **extra)
-    if var.band:  # one program per token block: its masked band only, into slot ``splits``
+    if side:  # the merge (and everything after, on this stream) waits for the band
+        main_stream.wait_stream(band_stream)
+    elif var.band:  # one program per token block: its masked band only, into slot ``splits``
         _indexer_fwd_gqa_kernel[(1, n_t, dims.B)](*args, dims.NK, splits, slots, **meta, SPLIT_MAJOR=True,
                                                   STAGES=2)
     if slots > 1:
@@ -131,6 +162,17 @@ def launch(dims, pl, q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, causal,
             merged_kl, merged_lse = _merge_splits(part)
             kl.copy_(merged_kl)
             lse_idx.copy_(merged_lse)
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device):
+    """One side stream per device for -ss's band launch (created once)."""
+    key = torch.device(device).index
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=device)
+    return _SIDE_STREAMS[key]
 
 
 # The key splits' states merged by one Triton launch (merge_states) instead of _merge_splits's ~20

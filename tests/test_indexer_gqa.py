@@ -27,6 +27,7 @@ CASES = [
     ((1, 8, 2, 37, 37, 32, 4, 1, 16), True, True, 2, "gqa-band"),   # the masked band in its own launch, 2 splits
     ((2, 6, 2, 17, 29, 16, 2, 1, 16), True, False, 1, "gqa-band"),  # N_K > N_Q, one split + the band, no lse
     ((1, 4, 2, 19, 21, 16, 4, 1, 16), False, True, 1, "gqa-flat-tm-band"),  # non-causal: the band = the ragged tile
+    ((1, 8, 2, 37, 37, 32, 4, 1, 16), True, True, 2, "gqa-band-ss"),   # side stream (a GPU only: in turn here)
 ]
 
 
@@ -116,17 +117,19 @@ def test_gqa_kernel_applies_only_where_it_can():
 
 
 def test_variant_names():
-    """``gqa[-flat|-pp][-tm][-band][-rNNN]``: the loop, the grid order, the band launch, the
-    register cap; other variants are not this kernel's."""
+    """``gqa[-flat|-pp][-tm][-band[-ss]][-rNNN]``: the loop, the grid order, the band launch (on
+    a side stream), the register cap; other variants are not this kernel's."""
     parse = _indexer_fwd_gqa.parse_variant
-    assert parse("gqa") == (1, None, True, False)
-    assert parse("gqa-flat") == (0, None, True, False)
-    assert parse("gqa-pp") == (2, None, True, False)
-    assert parse("gqa-r168") == (1, 168, True, False)
-    assert parse("gqa-tm") == (1, None, False, False)
-    assert parse("gqa-band") == (1, None, True, True)
-    assert parse("gqa-flat-tm-band-r128") == (0, 128, False, True)
-    for other in ("tiles", "l1", None, "gqa-x", "gqa-r", "flat", "gqa-r168-tm", "tm", "gqa-band-tm", "gqa-band-band"):
+    assert parse("gqa") == (1, None, True, False, False)
+    assert parse("gqa-flat") == (0, None, True, False, False)
+    assert parse("gqa-pp") == (2, None, True, False, False)
+    assert parse("gqa-r168") == (1, 168, True, False, False)
+    assert parse("gqa-tm") == (1, None, False, False, False)
+    assert parse("gqa-band") == (1, None, True, True, False)
+    assert parse("gqa-band-ss") == (1, None, True, True, True)
+    assert parse("gqa-flat-tm-band-r128") == (0, 128, False, True, False)
+    for other in ("tiles", "l1", None, "gqa-x", "gqa-r", "flat", "gqa-r168-tm", "tm", "gqa-band-tm", "gqa-band-band",
+                  "gqa-ss", "gqa-ss-band"):
         assert parse(other) is None, other
 
 
