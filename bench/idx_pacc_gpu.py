@@ -67,6 +67,9 @@ STORE_FWD = (128, 128, 128, 64, 4, 3)  # the plain forward's measured best tile 
 FWD_VARIANTS = [
     ("base", "pacc", BASE_FWD, True),
     ("store", "pstore", STORE_FWD, True),  # the store design: a measured experiment (quadratic memory)
+    # the chunk design: p stored chunk by chunk (linear memory), the whole gradient in the forward
+    # (its "fwd" time is its fwd+bwd but the backward's scaling by g)
+    ("chunk", "chunk", STORE_FWD, True),
     ("kt+tm w8", "pacc", BASE_FWD + (None, 1, "kt+tm"), True),  # offline: 152 B of spills
     ("kt+tm bn128 w8", "pacc", (128, 128, 128, 64, 8, 3, None, 1, "kt+tm"), True),  # offline: 408 B
     ("tm w4", "pacc", (128, 128, 64, 64, 4, 3, None, 1, "tm"), True),  # token-major q: offline 504 B (568)
@@ -91,7 +94,7 @@ BWD_VARIANTS = [
     ("dqk w4", "pacc", (64, 64, 64, 64, 4, 2, None, 1, "dqk")),
     ("logits again", "pacc", BASE_BWD + (None, 1, "again")),
 ]
-DESIGN_ENV = {"pacc": "0", "pstore": "1"}  # STREAMKL_INDEXER_PSTORE
+DESIGN_ENV = {"pacc": "0", "pstore": "1", "chunk": "chunk"}  # STREAMKL_INDEXER_PSTORE
 
 
 def parse_args(argv=None):
@@ -151,7 +154,7 @@ class Force:
 
 
 def forced(design, fwd_cfg=None, bwd_cfg=None):
-    kind = "pstore" if design == "pstore" else "pacc"
+    kind = "pstore" if design in ("pstore", "chunk") else "pacc"
     return Force(design, **{kind: fwd_cfg, "bwd": bwd_cfg})
 
 
@@ -200,7 +203,7 @@ def rel_err(x, ref):
 
 def fwd_part(design, xs, lse, kw):
     """The forward alone: pacc (total, lse_idx, dq_p, dk_p, dw_p) / pstore (total, lse_idx, p)."""
-    f = _indexer._forward_pstore if design == "pstore" else _indexer._forward_pacc
+    f = {"pstore": _indexer._forward_pstore, "chunk": _indexer._forward_full}.get(design, _indexer._forward_pacc)
     return f(*xs, lse, kw["causal"], kw["scale"], True)
 
 
@@ -533,10 +536,10 @@ def main(argv=None):
     train = [x.detach().clone().requires_grad_(r) for x, r in zip(xs, TRAIN)]
     reps = 3 if args.quick else 10
     # 1. fwd+bwd: the current default (the accumulating design, first candidates), then the store design
-    for design in ("pacc", "pstore"):
+    for design in ("pacc", "chunk", "pstore"):
         fc = first_fwd(design)
         label = f"{'default ' if design == 'pacc' else ''}{design} fwd{list(fc)} bwd{list(BASE_BWD)}"
-        if bench.usable(fjob[(design, fc)], bjob[(design, BASE_BWD)]):
+        if bench.usable(fjob[(design, fc)], *([bjob[(design, BASE_BWD)]] if (design, BASE_BWD) in bjob else [])):
             with forced(design, fc, BASE_BWD):
                 bench.timed("fwd+bwd", label, lambda: fwd_bwd(train, lse, kw), reps, shape, (design, fc, BASE_BWD))
         else:
