@@ -307,3 +307,37 @@ def test_chunked_full_gradient_in_forward(monkeypatch, poison, shape, causal, re
     assert torch.allclose(loss, loss0, rtol=1e-5, atol=1e-6)
     for name in grads:
         assert torch.allclose(grads[name], grads0[name], rtol=1e-4, atol=1e-6), name
+
+
+def test_chunked_design_nan_isolation_and_trace(monkeypatch, poison):
+    """The chunk design: a NaN in teacher key 17 (square causal) poisons rows 17.. only; and
+    torch.compile(fullgraph=True) traces it (same loss and gradients as eager)."""
+    import streamkl_gpu
+
+    monkeypatch.setenv("STREAMKL_INDEXER_PACC", "1")
+    monkeypatch.setenv("STREAMKL_INDEXER_PSTORE", "chunk")
+    monkeypatch.setattr(_indexer, "PCHUNK_TOKENS", 8)
+    xs = make(1, 2, 1, 21, 21, 16, 2, 1, 8, seed=71)
+    lse = _teacher_lse(xs, True)
+    _, clean = _loss_and_grads(xs, lse, "sum", causal=True)
+    bad = [x.clone() for x in xs]
+    bad[1][0, 0, 17, 3] = float("nan")
+    _, dirty = _loss_and_grads(bad, lse, "sum", causal=True)
+    for name in ("dq_idx", "dweights"):
+        assert torch.allclose(dirty[name][:, :, :17], clean[name][:, :, :17], rtol=1e-5, atol=1e-7), name
+        assert torch.isnan(dirty[name][:, :, 17:]).any(), name
+
+    def step(q, k, qi, ki, w):
+        return streamkl_gpu.indexer_kl(q, k, qi, ki, w, causal=True, lse=lse, reduction="mean")
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    results = []
+    for fn in (step, compiled):
+        ins = [x.clone().requires_grad_(t) for x, t in zip(xs, (False, False, True, True, True))]
+        loss = fn(*ins)
+        loss.backward()
+        results.append((loss.detach(), [x.grad for x in ins[2:]]))
+    (l_e, g_e), (l_c, g_c) = results
+    assert torch.equal(l_e, l_c)
+    for a, b in zip(g_e, g_c):
+        assert torch.equal(a, b)
