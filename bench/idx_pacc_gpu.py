@@ -6,21 +6,23 @@
 
 Reduction "mean", ``lse`` given (the training case), bf16, causal, B = 1, DSA-like config
 (H=128, D=576, H_K=1, sigma=192^-0.5; H_I=64, D_I=128, H_KI=1). What it does, in order:
-  1. warm-up: every variant's kernels compiled by parallel child processes (Triton's disk cache
-     is shared); each child also checks its variant on a small causal problem (N=192) against
-     float64 (streamkl_ref.indexer_kl / indexer_kl_grad: loss, dq_idx, dk_idx, dweights;
-     FlashAttention's rule: error <= 3 x the materialised bf16 form's error + 1e-2) and prints
-     the result; a child past its time is killed and its variant skipped.
+  1. warm-up: every variant's kernels compiled by parallel child processes, one compile job per
+     forward variant and per backward variant (Triton's disk cache is shared; one CPU thread
+     each); a job past --warm-s is killed and its variant skipped (run s6r2: checked jobs that
+     compiled a forward and two backward kernels each took over 50 s among 16).
   2. times at N=8192, the baseline first: the current default (the first candidate of each
      kernel kind, STREAMKL_AUTOTUNE=0: accumulating forward (128,128,64,64,8,3), student backward
-     (128,128,64,64,8,2)) fwd+bwd, then the accumulating forward's variants alone (its parts:
-     "teacher", "logits", "nodk" are timing-only variants with incomplete gradients), then the
-     student backward's variants alone, then fwd+bwd of the fastest checked forward with the
-     fastest checked backward (per design), last the GQA-like config's fwd+bwd (H=32, D=128,
-     H_K=8; H_I=16, D_I=64) of each design's default.
-  3. the short table last: ms, ratio to the forward matmul floor (bf16 rate of an 8192^3 matmul
+     (128,128,64,64,8,2)) fwd+bwd and the store design's, then the forwards alone ("part:nodk":
+     timing only, no dk_p share), then the student backwards alone, then fwd+bwd of each
+     design's fastest forward with its fastest backward.
+  3. checks what it timed: fwd+bwd of each variant vs float64 on a small causal problem (N=192;
+     streamkl_ref.indexer_kl / indexer_kl_grad: loss, dq_idx, dk_idx, dweights; FlashAttention's
+     rule: error <= 3 x the materialised bf16 form's error + 1e-2), the kernels warm; then kernel
+     times (torch.profiler) of the default's fwd+bwd if time is left.
+  4. the short table last: ms, ratio to the forward matmul floor (bf16 rate of an 8192^3 matmul
      measured in this run), check status.
-A watchdog prints the table of what ran and exits before --deadline (default 84 s under --quick).
+A watchdog prints the table of what ran and exits before --deadline (default 140 s under --quick: the
+lead gave this script a 150 s slot from run s6r3; at most 8 compiles at once, warm-up at most 90 s).
 Outputs in OUT: idx_pacc.csv (long format: measure, provider, shape, value, unit, note),
 idx_pacc.log. The torch.compile baseline is the lead's (306.6 ms in run s5r3; target 8x = 38.3 ms).
 """
@@ -28,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import math
 import os
 import subprocess
@@ -52,7 +53,6 @@ from streamkl_gpu import _indexer  # noqa: E402
 
 COLUMNS = ["measure", "provider", "shape", "value", "unit", "note"]
 DSA = dict(H=128, HK=1, D=576, HI=64, HKI=1, DI=128, scale=192 ** -0.5)
-GQA = dict(H=32, HK=8, D=128, HI=16, HKI=1, DI=64, scale=None)
 TINY = dict(H=8, HK=1, D=32, HI=4, HKI=1, DI=16, scale=None)
 LOG2E = 1.4426950408889634
 _ORIG = _indexer._candidates
@@ -67,32 +67,35 @@ STORE_FWD = (128, 128, 128, 64, 4, 3)  # the plain forward's measured best tile 
 # incomplete: not checked).
 FWD_VARIANTS = [
     ("base", "pacc", BASE_FWD, True),
-    ("store", "pstore", STORE_FWD, True),  # the store design: a measured experiment (quadratic memory)
-    ("part:teacher", "pacc", BASE_FWD + (None, 1, "teacher"), False),
-    ("part:logits", "pacc", BASE_FWD + (None, 1, "logits"), False),
-    ("part:nodk", "pacc", BASE_FWD + (None, 1, "nodk"), False),
-    ("w4", "pacc", (128, 128, 64, 64, 4, 3), True),
-    ("kt+tm+h2 w4", "pacc", (128, 128, 64, 64, 4, 3, None, 1, "kt+tm+h2"), True),  # offline: 384 B of spills
-    ("kt w8", "pacc", BASE_FWD + (None, 1, "kt"), True),  # keys as the indexer's rows: offline 144 B of spills
-    ("tm w4", "pacc", (128, 128, 64, 64, 4, 3, None, 1, "tm"), True),  # token-major q: offline 504 B (568)
-    ("kt+tm w8", "pacc", BASE_FWD + (None, 1, "kt+tm"), True),  # offline: 152 B
+    # the chunk design: p stored chunk by chunk (linear memory), the whole gradient in the forward
+    # (its "fwd" time is its fwd+bwd but the backward's scaling by g)
+    ("chunk", "chunk", STORE_FWD, True),
+    # the chunk design with its gradient kernel on 4 warps (9th field "w4bwd", a bench-only flag:
+    # Force then forces the backward config CHUNK_W4_BWD; the storing forward ignores it)
+    ("chunk w4bwd", "chunk", STORE_FWD + (None, 1, "w4bwd"), True),
+    ("kt+tm w8", "pacc", BASE_FWD + (None, 1, "kt+tm"), True),  # offline: 152 B of spills (base 328)
 ]
-# also: ("bn32 w8", "pacc", (128, 128, 32, 64, 8, 3), True): offline 48 B of spills;
-# ("t2 hb64 w8", "pacc", (128, 128, 64, 64, 8, 3, 64), True): two tokens x 64 heads, 472 B
-# also: ("store p fp16", "pstore", STORE_FWD + (None, 1, "p16"), True): p stored in float16
+CHUNK_W4_BWD = (64, 64, 64, 64, 4, 2)  # offline (dqk): 368 B of spills, 8 warps 448 B
+# Measured in run s6r2 (H200, triton 3.6): part:teacher 25.73 ms, part:logits 30.39 (the whole
+# accumulating forward: 38.71 in s5r3). Not timed now (the lead's budget: ~6 compile jobs per run):
+# ("store", "pstore", STORE_FWD) the store design (quadratic memory: never the default),
+# ("tm w4", "pacc", (128, 128, 64, 64, 4, 3, None, 1, "tm")) offline 504 B,
+# ("kt+tm bn128 w8", "pacc", (128, 128, 128, 64, 8, 3, None, 1, "kt+tm")) offline 408 B,
+# ("kt+tm+h2 w4", "pacc", (128, 128, 64, 64, 4, 3, None, 1, "kt+tm+h2")) 384 B, ("kt w8", "pacc",
+# BASE_FWD + (None, 1, "kt")) 144 B, ("part:nodk", ...), ("w4", "pacc", (128, 128, 64, 64, 4, 3)) 568 B,
+# ("bn32 w8", "pacc", (128, 128, 32, 64, 8, 3)) 48 B, ("t2 hb64 w8", "pacc", (128, 128, 64, 64, 8, 3, 64))
+# 472 B, ("store p fp16", "pstore", STORE_FWD + (None, 1, "p16")).
 # The student backward's variants (dq and dk kernels forced to the same config), after the
 # forward of their design's first variant: (label, design, config). A 9th field "dqk": the
 # one-kernel backward (STREAMKL_INDEXER_BWD=dqk); "again": the logits formed again by a second
 # product (BWD_LOGITS_FROM_A off: the session-5 backward)
 BWD_VARIANTS = [
     ("base", "pacc", BASE_BWD),
-    ("w4 s2", "pacc", (64, 64, 64, 64, 4, 2)),
     ("dqk", "pacc", BASE_BWD + (None, 1, "dqk")),
-    ("logits again", "pacc", BASE_BWD + (None, 1, "again")),
-    ("dqk w4", "pacc", (64, 64, 64, 64, 4, 2, None, 1, "dqk")),
-    ("store", "pstore", BASE_BWD),
 ]
-DESIGN_ENV = {"pacc": "0", "pstore": "1"}  # STREAMKL_INDEXER_PSTORE
+# also: ("w4 s2", "pacc", (64, 64, 64, 64, 4, 2)), ("dqk w4", "pacc", (64, 64, 64, 64, 4, 2, None, 1, "dqk")),
+# ("logits again", "pacc", BASE_BWD + (None, 1, "again")), ("store", "pstore", BASE_BWD).
+DESIGN_ENV = {"pacc": "0", "pstore": "1", "chunk": "chunk"}  # STREAMKL_INDEXER_PSTORE
 
 
 def parse_args(argv=None):
@@ -101,16 +104,16 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true")
     p.add_argument("--tiny", action="store_true", help="CPU smoke (TRITON_INTERPRET=1)")
     p.add_argument("--n", type=int, default=None, help="tokens (default 8192; --tiny 32)")
-    p.add_argument("--deadline", type=float, default=None, help="seconds (default 84 --quick, 400)")
-    p.add_argument("--warm-s", type=float, default=None, help="warm-up seconds at most (default 50 --quick)")
+    p.add_argument("--deadline", type=float, default=None, help="seconds (default 140 --quick, 400)")
+    p.add_argument("--warm-s", type=float, default=None, help="warm-up seconds at most (default 90 --quick)")
     p.add_argument("--parallel", type=int, default=None)
     p.add_argument("--no-warm", action="store_true")
     p.add_argument("--job", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.deadline is None:
-        a.deadline = 84.0 if a.quick else 400.0
+        a.deadline = 140.0 if a.quick else 400.0  # the lead's slot for this script: 150 s (run s6r3)
     if a.warm_s is None:
-        a.warm_s = 50.0 if a.quick else 150.0
+        a.warm_s = 90.0 if a.quick else 150.0
     if a.n is None:
         a.n = 32 if a.tiny else 8192
     return a
@@ -128,6 +131,9 @@ class Force:
             full = _ORIG(kind, ieee, dims, n_sm, **kw)
             want = self.want.get(kind)
             return [want] if want is not None and not (ieee or _runtime_interp()) else full[:1]
+        pst = self.want.get("pstore")
+        if self.design == "chunk" and pst is not None and len(pst) > 8 and pst[8] == "w4bwd":
+            self.want = dict(self.want, bwd=CHUNK_W4_BWD)
         _indexer._candidates = cands
         bwd = self.want.get("bwd")
         pst = self.want.get("pstore")  # "p16" (a bench-only 9th field): p stored in float16
@@ -152,7 +158,7 @@ class Force:
 
 
 def forced(design, fwd_cfg=None, bwd_cfg=None):
-    kind = "pstore" if design == "pstore" else "pacc"
+    kind = "pstore" if design in ("pstore", "chunk") else "pacc"
     return Force(design, **{kind: fwd_cfg, "bwd": bwd_cfg})
 
 
@@ -201,7 +207,7 @@ def rel_err(x, ref):
 
 def fwd_part(design, xs, lse, kw):
     """The forward alone: pacc (total, lse_idx, dq_p, dk_p, dw_p) / pstore (total, lse_idx, p)."""
-    f = _indexer._forward_pstore if design == "pstore" else _indexer._forward_pacc
+    f = {"pstore": _indexer._forward_pstore, "chunk": _indexer._forward_full}.get(design, _indexer._forward_pacc)
     return f(*xs, lse, kw["causal"], kw["scale"], True)
 
 
@@ -226,74 +232,76 @@ def fwd_bwd(train, lse, kw):
 # warm-up children: compile and check one variant on the small problem
 # ----------------------------------------------------------------------------------------------
 
-def check_variant(cfg, device, design, fwd_cfg, bwd_cfg, tiny, N=192):
-    """{tensor: (err, tol)} of fwd+bwd with these forced configs vs float64 at N (tiny: 24)."""
-    N = 24 if tiny else N
-    xs = inputs(cfg, N, device, seed=2, dtype=torch.float16 if tiny else torch.bfloat16)
-    kw = dict(causal=True, scale=scale_of(cfg))
-    x64 = [x.double().cpu().numpy() for x in xs]
-    kl_ref, _, lse_ref = streamkl_ref.indexer_kl(*x64, return_lse=True, **kw)
-    ref = dict(loss=float(kl_ref.mean()), **streamkl_ref.indexer_kl_grad(*x64, np.full(kl_ref.shape, 1.0 / N), **kw))
-    flags = (False, False, True, True, True)
-    sp_in = [x.detach().clone().requires_grad_(r) for x, r in zip(xs, flags)]
-    sp_loss = _indexer.indexer_kl_naive(*sp_in, compute_dtype=xs[0].dtype, **kw).mean()
-    sp = dict(loss=sp_loss.detach(), **dict(zip(("dq_idx", "dk_idx", "dweights"), torch.autograd.grad(sp_loss, sp_in[2:]))))
-    lse = torch.from_numpy(lse_ref).float().to(device)
-    ins = [x.detach().clone().requires_grad_(r) for x, r in zip(xs, flags)]
-    with forced(design, fwd_cfg, bwd_cfg):
-        loss = streamkl_gpu.indexer_kl(*ins, lse=lse, reduction="mean", **kw)
-        grads = torch.autograd.grad(loss, ins[2:])
-    ours = dict(loss=loss.detach(), **dict(zip(("dq_idx", "dk_idx", "dweights"), grads)))
-    out = {}
-    for name in ("loss", "dq_idx", "dk_idx", "dweights"):
-        base = rel_err(sp[name], ref[name])
-        out[name] = (rel_err(ours[name], ref[name]), 3.0 * (base if math.isfinite(base) else 0.0) + 1e-2)
-    return out
-
-
 def first_fwd(design):
     return next(c for _, d, c, _ in FWD_VARIANTS if d == design)
 
 
-def gqa_forced(design, tiny):
-    """(fwd config, bwd config) of a design's default at the GQA-like config, 8K (the forward's
-    first candidate carries key splits that depend on N: the 8K one is forced at the check size)."""
-    if tiny:
-        return None, None
-    from streamkl_ref._checks import check_indexer_inputs
-    xs = [torch.empty(s, device="meta") for s in ((1, 32, 8192, 128), (1, 8, 8192, 128), (1, 16, 8192, 64),
-                                                   (1, 1, 8192, 64), (1, 16, 8192))]
-    dims = check_indexer_inputs(*xs)
-    kind = "pstore" if design == "pstore" else "pacc"
-    return _ORIG(kind, False, dims, 132)[0], _ORIG("bwd", False, dims, 132, teacher=False)[0]
+def dummy_saved(design, cfg, N, device):
+    """A forward's outputs of the right shapes (zeros) for compiling a backward alone."""
+    z = lambda *shape: torch.zeros(shape, dtype=torch.float32, device=device)  # noqa: E731
+    if design == "pstore":
+        return z(), z(1, N), z(1, N, N)
+    return z(), z(1, N), z(1, cfg["HI"], N, cfg["DI"]), z(1, 1, N, cfg["DI"]), z(1, cfg["HI"], N)
 
 
 def run_job(job, tiny):
+    """A warm-up child: compile one variant's kernels (a forward, or a backward) on the small
+    problem (N=192: the 8K kernels' specialisations), one CPU thread."""
+    torch.set_num_threads(1)
     kind, idx = job.split(":")
     cfg = TINY if tiny else DSA
     device = "cpu" if tiny else "cuda"
-    if kind == "gqa":  # the GQA-like config's fwd+bwd check (N=320) of a design's default
-        res = check_variant(TINY if tiny else GQA, device, idx, *gqa_forced(idx, tiny), tiny, N=320)
-        print("RESULT " + json.dumps(res), flush=True)
-        return
+    N = 24 if tiny else 192
+    xs = inputs(cfg, N, device, seed=2)
+    kw = dict(causal=True, scale=scale_of(cfg))
     if kind == "fwd":
-        label, design, fwd_cfg, checked = FWD_VARIANTS[int(idx)]
-        bwd_cfg = BASE_BWD
-    else:
-        label, design, bwd_cfg = BWD_VARIANTS[int(idx)]
-        fwd_cfg, checked = first_fwd(design), True
-    if checked:
-        res = check_variant(cfg, device, design, fwd_cfg, bwd_cfg, tiny)
-    else:  # compile only (timing-only variant): the forward on the small problem
-        xs = inputs(cfg, 24 if tiny else 192, device, seed=2)
-        kw = dict(causal=True, scale=scale_of(cfg))
-        lse = teacher_lse(xs[0], xs[1], kw["scale"])
+        _, design, fwd_cfg, _ = FWD_VARIANTS[int(idx)]
+        lse = torch.zeros(1, cfg["H"], N, device=device)
         with forced(design, fwd_cfg):
             fwd_part(design, xs, lse, kw)
-        res = {}
+    else:
+        _, design, bwd_cfg = BWD_VARIANTS[int(idx)]
+        with forced(design, bwd_cfg=bwd_cfg):
+            bwd_part(design, xs, kw, dummy_saved(design, cfg, N, device))
     if device == "cuda":
         torch.cuda.synchronize()
-    print("RESULT " + json.dumps(res), flush=True)
+    print("RESULT {}", flush=True)
+
+
+class Checker:
+    """fwd+bwd of forced variants vs float64 on the small causal problem (N=192), the reference
+    and the materialised bf16 form computed once (FlashAttention's rule: error <= 3 x the bf16
+    form's error + 1e-2)."""
+
+    def __init__(self, cfg, device, tiny):
+        N = 24 if tiny else 192
+        self.xs = inputs(cfg, N, device, seed=2, dtype=torch.float16 if tiny else torch.bfloat16)
+        self.kw = dict(causal=True, scale=scale_of(cfg))
+        x64 = [x.double().cpu().numpy() for x in self.xs]
+        kl_ref, _, lse_ref = streamkl_ref.indexer_kl(*x64, return_lse=True, **self.kw)
+        self.ref = dict(loss=float(kl_ref.mean()),
+                        **streamkl_ref.indexer_kl_grad(*x64, np.full(kl_ref.shape, 1.0 / N), **self.kw))
+        sp_in = [x.detach().clone().requires_grad_(r) for x, r in zip(self.xs, TRAIN)]
+        sp_loss = _indexer.indexer_kl_naive(*sp_in, compute_dtype=self.xs[0].dtype, **self.kw).mean()
+        self.sp = dict(loss=sp_loss.detach(), **dict(zip(GRADS, torch.autograd.grad(sp_loss, sp_in[2:]))))
+        self.lse = torch.from_numpy(lse_ref).float().to(device)
+        self.N = N
+
+    def __call__(self, design, fwd_cfg, bwd_cfg):
+        ins = [x.detach().clone().requires_grad_(r) for x, r in zip(self.xs, TRAIN)]
+        with forced(design, fwd_cfg, bwd_cfg):
+            loss = streamkl_gpu.indexer_kl(*ins, lse=self.lse, reduction="mean", **self.kw)
+            grads = torch.autograd.grad(loss, ins[2:])
+        ours = dict(loss=loss.detach(), **dict(zip(GRADS, grads)))
+        out = {}
+        for name in ("loss",) + GRADS:
+            base = rel_err(self.sp[name], self.ref[name])
+            out[name] = (rel_err(ours[name], self.ref[name]), 3.0 * (base if math.isfinite(base) else 0.0) + 1e-2)
+        return out
+
+
+TRAIN = (False, False, True, True, True)
+GRADS = ("dq_idx", "dk_idx", "dweights")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -307,10 +315,12 @@ class Bench:
         self.logf = open(os.path.join(args.out_dir, "idx_pacc.log"), "a")
         self.rows, self.t0 = [], time.time()
         self.device = "cpu" if args.tiny else "cuda"
-        self.checks = {}  # job -> "ok" / "FAIL ..." / "timing only" / "not run"
+        self.compiled = {}  # warm-up job -> "ok" / why not
+        self.checks = {}  # (design, fwd config, bwd config) -> "ok" / "FAIL ..."
+        self.check_of_row = {}  # (measure, label) -> the check key of that row (None: timing only)
+        self.notes = {}  # (measure, label) -> why skipped
         self.times = {}  # (measure, label) -> ms or a status string
         self.floor = None
-        self.job_of = {}  # (measure, label) -> the warm-up job that checked it
         self.floor_of = {}  # (measure, label) -> the floor (ms) of its config
 
     def log(self, msg):
@@ -363,7 +373,10 @@ class Bench:
         return rate
 
     def warm_up(self, jobs):
-        par = self.args.parallel or max(1, min(16, os.cpu_count() or 1))
+        """Compile every job's kernels in parallel children (one CPU thread each); a job past
+        --warm-s is killed and its variant skipped (a compile in the timing process would eat the slot)."""
+        par = self.args.parallel or max(1, min(8, os.cpu_count() or 1))  # the lead: at most 8 compiles at once
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
         t0 = time.time()
         pending, running = list(jobs), []
         while pending or running:
@@ -371,32 +384,24 @@ class Bench:
                 job = pending.pop(0)
                 cmd = [sys.executable, os.path.abspath(__file__), self.args.out_dir, "--job", job] + (
                     ["--tiny"] if self.args.tiny else [])
-                running.append((job, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+                running.append((job, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                                      env=env)))
             still = []
             for job, proc in running:
                 if proc.poll() is None:
                     if time.time() - t0 > self.args.warm_s:
                         proc.kill()
                         proc.wait()
-                        self.checks[job] = f"killed (warm-up over {self.args.warm_s:.0f} s)"
-                        self.log(f"warm-up {job} {self.job_label(job)}: {self.checks[job]}")
+                        self.compiled[job] = f"compile killed (warm-up over {self.args.warm_s:.0f} s)"
+                        self.log(f"warm-up {job} {self.job_label(job)}: {self.compiled[job]}")
                     else:
                         still.append((job, proc))
                     continue
                 out = proc.stdout.read()
-                res = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-                if proc.returncode != 0 or not res:
-                    self.checks[job] = f"FAIL exit {proc.returncode}"
-                    self.log(f"warm-up {job} {self.job_label(job)}: exit {proc.returncode}\n{out[-1500:]}")
-                    continue
-                errs = json.loads(res[-1][7:])
-                bad = [f"{k} {e:.2e} > {t:.2e}" for k, (e, t) in errs.items() if not e <= t]
-                for k, (e, t) in errs.items():
-                    self.record("check_rel_err", f"{self.job_label(job)} {k}",
-                                f"{'gqa N=320' if job.startswith('gqa') else 'dsa N=192'} causal lse mean",
-                                f"{e:.3e}", "rel", f"tol {t:.3e} {'ok' if e <= t else 'FAIL'}")
-                self.checks[job] = ("FAIL " + "; ".join(bad)) if bad else ("ok" if errs else "timing only")
-                self.log(f"warm-up {job} {self.job_label(job)}: {time.time() - t0:.0f} s, check {self.checks[job]}")
+                ok = proc.returncode == 0 and any(ln.startswith("RESULT ") for ln in out.splitlines())
+                self.compiled[job] = "ok" if ok else f"compile FAIL exit {proc.returncode}"
+                self.log(f"warm-up {job} {self.job_label(job)}: {time.time() - t0:.0f} s, {self.compiled[job]}"
+                         + ("" if ok else "\n" + out[-1500:]))
             running = still
             time.sleep(0.1)
         self.log(f"warm-up: {len(jobs)} jobs, {par} at a time, {time.time() - t0:.0f} s")
@@ -404,19 +409,18 @@ class Bench:
     @staticmethod
     def job_label(job):
         kind, idx = job.split(":")
-        if kind == "gqa":
-            return f"gqa {idx} default"
         if kind == "fwd":
             label, design, cfg, _ = FWD_VARIANTS[int(idx)]
             return f"fwd {label} {design}{list(cfg)}"
         label, design, cfg = BWD_VARIANTS[int(idx)]
         return f"bwd {label} {design}{list(cfg)}"
 
-    def usable(self, job):
-        return self.checks.get(job, "not run") in ("ok", "timing only") or self.args.no_warm
+    def usable(self, *jobs):
+        return self.args.no_warm or all(self.compiled.get(j) == "ok" for j in jobs)
 
-    def timed(self, measure, label, fn, reps, shape, job=None):
-        self.job_of[(measure, label)] = job
+    def timed(self, measure, label, fn, reps, shape, check=None):
+        """Median ms of ``fn``; ``check`` = (design, fwd config, bwd config) checked later."""
+        self.check_of_row[(measure, label)] = check
         if self.left() < 4:
             self.times[(measure, label)] = "deadline"
             return None
@@ -432,6 +436,34 @@ class Bench:
         self.record(measure, label, shape, f"{ms:.4f}", "ms", f"ratio {ms / self.floor:.2f} to the floor")
         self.log(f"{shape} {measure} {label}: {ms:.3f} ms = {ms / self.floor:.2f}x floor")
         return ms
+
+    def skipped(self, measure, label, why):
+        self.times[(measure, label)] = "skipped"
+        self.check_of_row[(measure, label)] = None
+        self.notes[(measure, label)] = why
+
+    def run_checks(self, checker):
+        """Every timed variant's fwd+bwd vs float64 (the kernels are warm: fast)."""
+        for key, chk in self.check_of_row.items():
+            if chk is None or chk in self.checks or not isinstance(self.times.get(key), float):
+                continue
+            if self.left() < 3:
+                self.checks[chk] = "not checked (deadline)"
+                continue
+            design, fc, bc = chk
+            try:
+                errs = checker(design, fc, bc)
+            except Exception as exc:  # noqa: BLE001
+                self.checks[chk] = f"FAIL raised {type(exc).__name__}: {str(exc)[:200]}"
+                self.logf.write(traceback.format_exc())
+            else:
+                bad = [f"{k} {e:.2e} > {t:.2e}" for k, (e, t) in errs.items() if not e <= t]
+                for k, (e, t) in errs.items():
+                    self.record("check_rel_err", f"{design} fwd{list(fc)} bwd{list(bc)} {k}",
+                                f"dsa N={checker.N} causal lse mean", f"{e:.3e}", "rel",
+                                f"tol {t:.3e} {'ok' if e <= t else 'FAIL'}")
+                self.checks[chk] = ("FAIL " + "; ".join(bad)) if bad else "ok"
+            self.log(f"check {design} fwd{list(fc)} bwd{list(bc)}: {self.checks[chk]}")
 
     def profile(self, label, fn, shape):
         """Each kernel's device time in one call of ``fn`` (after a warm call), logged and recorded."""
@@ -454,20 +486,18 @@ class Bench:
             self.record("kernel_ms", f"{label} {key[:120]}", shape, f"{ms:.4f}", "ms", f"{count} launches")
 
     def table(self):
-        lines = ["", f"{'measure':10s} {'variant':48s} {'ms':>9s} {'x floor':>8s}  check"]
+        lines = ["", f"{'measure':8s} {'variant':58s} {'ms':>9s} {'x floor':>8s}  check"]
         for (measure, label), v in self.times.items():
             ms = f"{v:9.3f}" if isinstance(v, float) else f"{v:>9s}"
             floor = self.floor_of.get((measure, label))
             ratio = f"{v / floor:8.2f}" if isinstance(v, float) and floor else f"{'':8s}"
-            lines.append(f"{measure:10s} {label:48s} {ms} {ratio}  {self.check_of(measure, label)}")
+            chk = self.check_of_row.get((measure, label))
+            note = self.checks.get(chk, "not checked") if chk else self.notes.get((measure, label), "timing only")
+            lines.append(f"{measure:8s} {label:58s} {ms} {ratio}  {note}")
         text = "\n".join(lines)
         print(text, flush=True)
         self.logf.write(text + "\n")
         self.logf.flush()
-
-    def check_of(self, measure, label):
-        job = self.job_of.get((measure, label))
-        return self.checks.get(job, "not checked") if job else ""
 
 
 def main(argv=None):
@@ -488,14 +518,11 @@ def main(argv=None):
     import triton
     bench.log(f"idx_pacc: {torch.cuda.get_device_name() if bench.device == 'cuda' else 'cpu'}, torch {torch.__version__}, "
               f"triton {triton.__version__}, quick={args.quick}, N={args.n}")
-    # the checked jobs: every forward variant (each with the base backward) and the backward
-    # variants not already covered by a forward job
-    jobs = [f"fwd:{i}" for i in range(len(FWD_VARIANTS))] + [
-        f"bwd:{i}" for i, (_, d, c) in enumerate(BWD_VARIANTS) if c != BASE_BWD]
-    jobs = jobs[:2] + ["gqa:pacc", "gqa:pstore"] + jobs[2:]  # both designs' defaults first (a slow compile is killed)
+    fjob = {(d, c): f"fwd:{i}" for i, (_, d, c, _) in enumerate(FWD_VARIANTS)}
+    bjob = {(d, c): f"bwd:{i}" for i, (_, d, c) in enumerate(BWD_VARIANTS)}
     if not args.no_warm:
         try:
-            bench.warm_up(jobs)
+            bench.warm_up(list(fjob.values()) + list(bjob.values()))
         except Exception as exc:  # noqa: BLE001 - then the timing process compiles
             bench.log(f"warm-up raised {type(exc).__name__}: {exc}")
             args.no_warm = True
@@ -510,56 +537,45 @@ def main(argv=None):
     kw = dict(causal=True, scale=scale_of(cfg))
     xs = inputs(cfg, N, bench.device)
     lse = teacher_lse(xs[0], xs[1], kw["scale"])
-    train = [x.detach().clone().requires_grad_(r) for x, r in zip(xs, (False, False, True, True, True))]
+    train = [x.detach().clone().requires_grad_(r) for x, r in zip(xs, TRAIN)]
     reps = 3 if args.quick else 10
-
-    def fwd_job(design, fc):
-        return next(f"fwd:{i}" for i, (_, d, c, _) in enumerate(FWD_VARIANTS) if (d, c) == (design, fc))
-
-    def bwd_job(design, bc):
-        if bc == BASE_BWD:
-            return fwd_job(design, first_fwd(design))
-        return next(f"bwd:{i}" for i, (_, d, c) in enumerate(BWD_VARIANTS) if (d, c) == (design, bc))
-
     # 1. fwd+bwd: the current default (the accumulating design, first candidates), then the store design
-    for design in ("pacc", "pstore"):
-        job = fwd_job(design, first_fwd(design))
-        label = f"{'default ' if design == 'pacc' else ''}{design} fwd{list(first_fwd(design))} bwd{list(BASE_BWD)}"
-        if bench.usable(job):
-            with forced(design, first_fwd(design), BASE_BWD):
-                bench.timed("fwd+bwd", label, lambda: fwd_bwd(train, lse, kw), reps, shape, job)
+    for design in ("pacc", "chunk"):
+        fc = first_fwd(design)
+        label = f"{'default ' if design == 'pacc' else ''}{design} fwd{list(fc)} bwd{list(BASE_BWD)}"
+        if bench.usable(fjob[(design, fc)], *([bjob[(design, BASE_BWD)]] if (design, BASE_BWD) in bjob else [])):
+            with forced(design, fc, BASE_BWD):
+                bench.timed("fwd+bwd", label, lambda: fwd_bwd(train, lse, kw), reps, shape, (design, fc, BASE_BWD))
         else:
-            bench.times[("fwd+bwd", label)] = "skipped"
-            bench.job_of[("fwd+bwd", label)] = job
+            bench.skipped("fwd+bwd", label, "not compiled in the warm-up")
     fwd_ms, bwd_ms, saved = {}, {}, {}
     # 2. the forwards alone (each design's first variant first)
-    for i, (label, design, fc, checked) in enumerate(FWD_VARIANTS):
+    for label, design, fc, checked in FWD_VARIANTS:
         name = f"{label} {design}{list(fc)}"
-        if not bench.usable(f"fwd:{i}"):
-            bench.times[("fwd", name)] = "skipped"
-            bench.job_of[("fwd", name)] = f"fwd:{i}"
+        if not bench.usable(fjob[(design, fc)]):
+            bench.skipped("fwd", name, bench.compiled.get(fjob[(design, fc)], "not compiled"))
             continue
         with forced(design, fc):
-            ms = bench.timed("fwd", name, lambda: fwd_part(design, xs, lse, kw), reps, shape, f"fwd:{i}")
+            ms = bench.timed("fwd", name, lambda: fwd_part(design, xs, lse, kw), reps, shape,
+                             (design, fc, BASE_BWD) if checked else None)
             if fc == first_fwd(design) and ms is not None:
                 saved[design] = fwd_part(design, xs, lse, kw)
         if ms is not None and checked:
             fwd_ms[(design, fc)] = ms
     # 3. the backwards alone, from their design's first forward
-    for i, (label, design, bc) in enumerate(BWD_VARIANTS):
+    for label, design, bc in BWD_VARIANTS:
         name = f"{label} {design}{list(bc)}"
-        job = bwd_job(design, bc)
-        if design not in saved or not bench.usable(job):
-            bench.times[("bwd", name)] = "skipped"
-            bench.job_of[("bwd", name)] = job
+        if design not in saved or not bench.usable(bjob[(design, bc)]):
+            bench.skipped("bwd", name, bench.compiled.get(bjob[(design, bc)], "no forward"))
             continue
         with forced(design, bwd_cfg=bc):
-            ms = bench.timed("bwd", name, lambda: bwd_part(design, xs, kw, saved[design]), reps, shape, job)
+            ms = bench.timed("bwd", name, lambda: bwd_part(design, xs, kw, saved[design]), reps, shape,
+                             (design, first_fwd(design), bc))
         if ms is not None:
             bwd_ms[(design, bc)] = ms
     saved.clear()
-    # 4. fwd+bwd of each design's fastest checked forward with its fastest checked backward
-    for design in ("pacc", "pstore"):
+    # 4. fwd+bwd of each design's fastest forward with its fastest backward
+    for design in ("pacc",):
         fs = {c: v for (d, c), v in fwd_ms.items() if d == design}
         bs = {c: v for (d, c), v in bwd_ms.items() if d == design}
         if not fs or not bs:
@@ -568,39 +584,23 @@ def main(argv=None):
         if (bf, bb) != (first_fwd(design), BASE_BWD):
             with forced(design, bf, bb):
                 bench.timed("fwd+bwd", f"best {design} fwd{list(bf)} bwd{list(bb)}", lambda: fwd_bwd(train, lse, kw),
-                            reps, shape, fwd_job(design, bf))
-    # 4b. where the time goes: kernel times (torch.profiler) of each design's default fwd+bwd
-    if bench.device == "cuda":
-        for design in ("pacc", "pstore"):
-            if bench.left() < 15 or not bench.usable(fwd_job(design, first_fwd(design))):
-                continue
-            try:
-                with forced(design, first_fwd(design), BASE_BWD):
-                    bench.profile(f"{design} default", lambda: fwd_bwd(train, lse, kw), shape)
-            except Exception as exc:  # noqa: BLE001 - printed, the run goes on
-                bench.log(f"profile {design} raised {type(exc).__name__}: {str(exc)[:300]}")
-    # 5. the GQA-like config's fwd+bwd, each design's default (pstore's "auto" would apply there too)
+                            reps, shape, (design, bf, bb))
+    # 5. checks of what was timed (vs float64 at N=192; kernels warm), then where the time goes
     del train, xs, lse
-    if bench.device == "cuda":
-        torch.cuda.empty_cache()
-    gcfg = TINY if args.tiny else GQA
-    gkw = dict(causal=True, scale=scale_of(gcfg))
-    gxs = inputs(gcfg, N, bench.device)
-    glse = teacher_lse(gxs[0], gxs[1], gkw["scale"])
-    gtrain = [x.detach().clone().requires_grad_(r) for x, r in zip(gxs, (False, False, True, True, True))]
-    gflops = 2 * (gcfg["H"] * gcfg["D"] + gcfg["HI"] * gcfg["DI"]) * N * N * 0.5
-    bench.floor = gflops / rate * 1e3
-    bench.log(f"gqa forward matmul floor {bench.floor:.3f} ms")
-    for design in ("pacc", "pstore"):
-        fc, bc = gqa_forced(design, args.tiny)
-        name = f"gqa {design} default fwd{list(fc or ())} bwd{list(bc or ())}"
-        if not bench.usable(f"gqa:{design}"):
-            bench.times[("fwd+bwd", name)] = "skipped"
-            bench.job_of[("fwd+bwd", name)] = f"gqa:{design}"
-            continue
-        with forced(design, fc, bc):
-            bench.timed("fwd+bwd", name, lambda: fwd_bwd(gtrain, glse, gkw), reps, f"gqa N={N} causal lse mean",
-                        f"gqa:{design}")
+    try:
+        bench.run_checks(Checker(cfg, bench.device, args.tiny))
+    except Exception as exc:  # noqa: BLE001
+        bench.log(f"checks raised {type(exc).__name__}: {str(exc)[:300]}")
+        bench.logf.write(traceback.format_exc())
+    if bench.device == "cuda" and bench.left() > 12:
+        xs = inputs(cfg, N, bench.device)
+        lse = teacher_lse(xs[0], xs[1], kw["scale"])
+        train = [x.detach().clone().requires_grad_(r) for x, r in zip(xs, TRAIN)]
+        try:
+            with forced("pacc", BASE_FWD, BASE_BWD):
+                bench.profile("pacc default", lambda: fwd_bwd(train, lse, kw), shape)
+        except Exception as exc:  # noqa: BLE001 - printed, the run goes on
+            bench.log(f"profile raised {type(exc).__name__}: {str(exc)[:300]}")
     timer.cancel()
     bench.table()
     return 0

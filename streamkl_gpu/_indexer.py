@@ -23,6 +23,7 @@ target p ``[B, N_Q, N_K]`` and the backward's teacher-free kernels read it back 
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Optional
 
@@ -632,7 +633,7 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
                 dk_desc = _runtime.TensorDescriptor(dk_idx, list(dk_idx.shape), list(dk_idx.stride()),
                                                     [1, 1, pl["BLOCK_N"], pl["DI_PAD"]])
         _indexer_bwd._indexer_bwd_dq_kernel[grid](
-            *common, dq_idx, dweights, *_descriptors(pl, tma, q, k, q_idx, k_idx), dk_idx, dk_desc, *strides,
+            *common, dq_idx, dweights, *_descriptors(pl, tma, q, k, q_idx, k_idx), dk_idx, dk_desc, 0, dims.NQ, *strides,
             dims.H, group, dims.HI, dims.HKI, group_i, dims.NQ, dims.NK, qk_scale, 1.0 / dims.H,
             pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"], DK_SHARE=dk_share, **meta(pl, tma, l1))
 
@@ -904,7 +905,7 @@ _indexer_loss_fwd_op.register_autograd(_loss_backward, setup_context=_loss_setup
 # accumulators in the forward (the accumulating kernel's registers and dk_p reductions), at the
 # price of B * N_Q * N_K floats kept from the forward to the backward (capped: pstore_enabled).
 
-PSTORE_MODES = ("auto", "0", "1")
+PSTORE_MODES = ("auto", "0", "1", "chunk")
 PSTORE_DEFAULT = "0"  # not yet measured on the GPU (bench/idx_pacc_gpu.py times it)
 PSTORE_MAX_BYTES = 2 << 30  # "auto": the stored p at most this (8K x 8K fp32: 256 MiB)
 # p's storage dtype: float32; float16 halves the memory (p in [0, 1]: relative error 2^-11 from
@@ -925,7 +926,7 @@ def pstore_enabled(dims) -> bool:
         raise ValueError(f"STREAMKL_INDEXER_PSTORE must be one of {PSTORE_MODES}, got {mode!r}")
     if mode == "auto":
         return pstore_bytes(dims) <= PSTORE_MAX_BYTES
-    return mode == "1"
+    return mode in ("1", "chunk")
 
 
 def _forward_pstore(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
@@ -955,7 +956,7 @@ def _forward_pstore(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
             *_descriptors(pl, tma, q, k, q_idx, k_idx),
             *_strides(q), *_strides(k), *_strides(q_idx), *_strides(k_idx), *_strides(weights),
             dims.H, group, group_i, dims.NQ, dims.NK, dims.scale * LOG2E, 1.0 / dims.H,
-            pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"], per_split,
+            pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"], per_split, 0, dims.NQ,
             D=dims.D, BLOCK_D=pl["BLOCK_D"], DI=dims.DI, BLOCK_DI=pl["BLOCK_DI"],
             HB=pl["HB"], IB=pl["IB"], BLOCK_T=pl["BLOCK_T"], BLOCK_N=pl["BLOCK_N"],
             CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, NO_CONTRACT=no_contract,
@@ -967,6 +968,116 @@ def _forward_pstore(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
 
     launch(_tuning.pick(key, _candidates("pstore", ieee_t or ieee_i, dims, _runtime.n_sm(device)), launch))
     return kl.sum(), lse_idx, p
+
+
+# The "chunk" design (STREAMKL_INDEXER_PSTORE=chunk): the whole gradient of the sum (g = 1) in the
+# forward, chunk by chunk of tokens: the storing forward writes the chunk's p into a scratch
+# [B, PCHUNK_TOKENS, N_K] (linear memory: 4 * PCHUNK_TOKENS bytes per key), then the teacher-free
+# dq kernel with DK_SHARE (the "dqk" backward) reads it with the chunk's final LSE_I and forms
+# g (softmax(I) - p)'s contractions for those tokens; the backward only scales by g. The teacher
+# is read once, by the plain forward's tile.
+PCHUNK_TOKENS = 2048
+
+
+def _pchunk(dims, block_ts) -> int:
+    """Tokens per chunk: PCHUNK_TOKENS rounded up to a multiple of every launch's BLOCK_T."""
+    m = 1
+    for bt in block_ts:
+        m = m * bt // math.gcd(m, bt)
+    return max(m, triton.cdiv(min(PCHUNK_TOKENS, dims.NQ), m) * m)
+
+
+def _forward_full(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
+    """(sum of KL, LSE_I, dq1, dk1, dw1): the forward and the gradient of the sum (g = 1), fp32."""
+    dims = check_indexer_inputs(q, k, q_idx, k_idx, weights, scale=scale)
+    q, k, q_idx, k_idx, weights = (_checks.compute_view(t) for t in (q, k, q_idx, k_idx, weights))
+    device = q.device
+    ieee_t, ieee_i = q.dtype == torch.float32, q_idx.dtype == torch.float32
+    ieee = ieee_t or ieee_i
+    group, group_i = dims.H // dims.HK, dims.HI // dims.HKI
+    no_contract = not _runtime.interpreting()
+    use_tma = _use_tma(q, k, q_idx, k_idx)
+    lse_bits = (lse * LOG2E).contiguous()
+    kl = _fresh((dims.B, dims.NQ), torch.float32, device)
+    lse_idx = _fresh((dims.B, dims.NQ), torch.float32, device)
+    dq1 = _fresh((dims.B, dims.HI, dims.NQ, dims.DI), torch.float32, device)
+    dw1 = _fresh((dims.B, dims.HI, dims.NQ), torch.float32, device)
+    dk1 = torch.zeros((dims.B, dims.HKI, dims.NK, dims.DI), dtype=torch.float32, device=device)
+    g_rows = torch.ones((dims.B, dims.NQ), dtype=torch.float32, device=device)
+    strides = _strides(q) + _strides(k) + _strides(q_idx) + _strides(k_idx) + _strides(weights)
+    # untuned: the first candidates (the forward's measured best tile, the student backward's first)
+    fcfg = _candidates("pstore", ieee, dims, _runtime.n_sm(device))[0]
+    bcfg = _candidates("bwd", ieee, dims, teacher=False)[0]
+    fpl, bpl = _plan(dims, fcfg, "fwd"), _plan(dims, bcfg, "bwd_student")
+    chunk = _pchunk(dims, (fpl["BLOCK_T"], bpl["BLOCK_T"]))
+    p = _fresh((dims.B, chunk, dims.NK), torch.float32, device)  # one chunk's target, reused
+    splits, per_split = _key_splits(dims, fpl)
+    part = _fresh((5, splits, dims.B, dims.NQ), torch.float32, device) if splits > 1 else kl
+    ftma, fl1 = _load_mode(fpl, use_tma)
+    btma, _ = _load_mode(bpl, use_tma)
+    dk_share = 2 if btma and not _runtime.interpreting() else 1
+    dk_desc = (_runtime.TensorDescriptor(dk1, list(dk1.shape), list(dk1.stride()), [1, 1, bpl["BLOCK_N"], bpl["DI_PAD"]])
+               if dk_share == 2 else None)
+    fdesc = _descriptors(fpl, ftma, q, k, q_idx, k_idx)
+    bdesc = _descriptors(bpl, btma, q, k, q_idx, k_idx)
+    for c0 in range(0, dims.NQ, chunk):
+        rows = min(chunk, dims.NQ - c0)
+        _indexer_pacc._indexer_fwd_pstore_kernel[(triton.cdiv(rows, fpl["BLOCK_T"]), splits, dims.B)](
+            q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, part, p, *fdesc, *strides,
+            dims.H, group, group_i, dims.NQ, dims.NK, dims.scale * LOG2E, 1.0 / dims.H,
+            fpl["n_chunks"], fpl["cpg"], fpl["n_ichunks"], fpl["icpg"], per_split, c0, chunk,
+            D=dims.D, BLOCK_D=fpl["BLOCK_D"], DI=dims.DI, BLOCK_DI=fpl["BLOCK_DI"],
+            HB=fpl["HB"], IB=fpl["IB"], BLOCK_T=fpl["BLOCK_T"], BLOCK_N=fpl["BLOCK_N"],
+            CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, NO_CONTRACT=no_contract,
+            USE_TMA=ftma, SPLIT=splits > 1, A_L1=fl1, num_warps=fpl["warps"], num_stages=fpl["stages"])
+        if splits > 1:  # this chunk's rows merged before its gradient reads LSE_I
+            merged_kl, merged_lse = _merge_splits(part[..., c0:c0 + rows])
+            kl[:, c0:c0 + rows] = merged_kl
+            lse_idx[:, c0:c0 + rows] = merged_lse
+        _indexer_bwd._indexer_bwd_dq_kernel[(triton.cdiv(rows, bpl["BLOCK_T"]), dims.B * dims.HKI)](
+            q, k, q_idx, k_idx, weights, p, lse_idx, g_rows, dq1, dw1, *bdesc, dk1, dk_desc, c0, chunk, *strides,
+            dims.H, group, dims.HI, dims.HKI, group_i, dims.NQ, dims.NK, dims.scale * LOG2E, 1.0 / dims.H,
+            bpl["n_chunks"], bpl["cpg"], bpl["n_ichunks"], bpl["icpg"], DK_SHARE=dk_share,
+            D=dims.D, BLOCK_D=bpl["BLOCK_D"], DI=dims.DI, BLOCK_DI=bpl["BLOCK_DI"], DI_PAD=bpl["DI_PAD"],
+            HB=bpl["HB"], IB=bpl["IB"], GI_PAD=bpl["GI_PAD"], BLOCK_T=bpl["BLOCK_T"], BLOCK_N=bpl["BLOCK_N"],
+            CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, NO_CONTRACT=no_contract,
+            USE_TMA=btma, TEACHER=False, L1=False, P_SAVED=True,
+            LOGITS_FROM_A=BWD_LOGITS_FROM_A and bpl["n_ichunks"] == 1,
+            num_warps=bpl["warps"], num_stages=bpl["stages"])
+    return kl.sum(), lse_idx, dq1, dk1, dw1
+
+
+@torch.library.custom_op("streamkl::indexer_loss_full_fwd", mutates_args=())
+def _indexer_loss_full_fwd_op(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, k_idx: torch.Tensor,
+                              weights: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
+                              relu: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _forward_full(q, k, q_idx, k_idx, weights, lse, causal, scale, relu)
+
+
+@_indexer_loss_full_fwd_op.register_fake
+def _indexer_loss_full_fwd_fake(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
+    B, NQ, NK, HI, HKI, DI = q.shape[0], q.shape[2], k.shape[2], q_idx.shape[1], k_idx.shape[1], q_idx.shape[3]
+    f32 = torch.float32
+    return (q.new_empty((), dtype=f32), q.new_empty((B, NQ), dtype=f32), q.new_empty((B, HI, NQ, DI), dtype=f32),
+            q.new_empty((B, HKI, NK, DI), dtype=f32), q.new_empty((B, HI, NQ), dtype=f32))
+
+
+def _full_setup_context(ctx, inputs, output):
+    q_idx, k_idx, weights = inputs[2], inputs[3], inputs[4]
+    _, _, dq1, dk1, dw1 = output
+    ctx.save_for_backward(dq1, dk1, dw1)
+    ctx.dtypes = (q_idx.dtype, k_idx.dtype, weights.dtype)
+
+
+def _full_backward(ctx, g_total, g_lse_idx, g_dq, g_dk, g_dw):
+    dq1, dk1, dw1 = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    g = g_total.to(torch.float32)
+    grads = [(g * t).to(dt) if need[i] else None for i, t, dt in zip((2, 3, 4), (dq1, dk1, dw1), ctx.dtypes)]
+    return (None, None, *grads, None, None, None, None)
+
+
+_indexer_loss_full_fwd_op.register_autograd(_full_backward, setup_context=_full_setup_context)
 
 
 @torch.library.custom_op("streamkl::indexer_loss_pstore_fwd", mutates_args=())
@@ -1058,7 +1169,11 @@ def indexer_kl(q, k, q_idx, k_idx, weights, *, causal=False, scale=None, relu=Tr
     dims = _check(q, k, q_idx, k_idx, weights, causal=causal, scale=scale, relu=relu, lse=lse,
                   reduction=reduction)
     if _use_pacc(dims, lse, reduction, q_idx, k_idx, weights):
-        op = _indexer_loss_pstore_fwd_op if pstore_enabled(dims) else _indexer_loss_fwd_op  # store p, or accumulate
+        if pstore_enabled(dims):  # store p (whole, or chunk by chunk with the gradient in the forward)
+            chunked = _runtime.env("STREAMKL_INDEXER_PSTORE", PSTORE_DEFAULT) == "chunk"
+            op = _indexer_loss_full_fwd_op if chunked else _indexer_loss_pstore_fwd_op
+        else:  # accumulate the target's share
+            op = _indexer_loss_fwd_op
         total = op(q, k, q_idx, k_idx, weights, lse, causal, dims.scale, relu)[0]
         return total if reduction == "sum" else total / _rows_with_keys(dims, causal)
     kl = _indexer_fwd_op(q, k, q_idx, k_idx, weights, lse, causal, dims.scale, relu)[0]

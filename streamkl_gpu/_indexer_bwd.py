@@ -68,7 +68,7 @@ def _row_grad_coef(
     stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
     stride_wb, stride_wh, stride_wn,
     b, t0, s0, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
-    n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, a_rows, w_rows, row_ok,
+    n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, a_rows, w_rows, row_ok, t_off, p_rows,
     D: tl.constexpr, BLOCK_D: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr,
     HB: tl.constexpr, IB: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
@@ -93,7 +93,7 @@ def _row_grad_coef(
     elif P_SAVED:  # the target the forward stored ("store" design, _indexer_pacc): LSE_T is p [B, N_Q, N_K]
         # read only where visible: the forward wrote the tiles its own blocks visited, no others
         p_ok = _token_visible(toks, keys, N_Q, N_K, diag_offset, True, CAUSAL)
-        p_at = (b.to(tl.int64) * N_Q + toks.to(tl.int64))[:, None] * N_K + keys[None, :]
+        p_at = (b.to(tl.int64) * p_rows + (toks - t_off).to(tl.int64))[:, None] * N_K + keys[None, :]
         p = tl.load(LSE_T + p_at, mask=p_ok, other=0.0).to(tl.float32)
     else:  # the student's part only: the forward accumulated the -p part (_indexer_pacc)
         p = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
@@ -138,7 +138,7 @@ def _coef_a(grad_rows, vis_rows, a, w, RELU: tl.constexpr):
 
 @triton.jit
 def _dq_key_range(
-    dq, dw, q_rows, w_rows, row_ok, ki_base, kvi, rot, DK, DK_DESC,
+    dq, dw, q_rows, w_rows, row_ok, ki_base, kvi, rot, DK, DK_DESC, t_off, p_rows,
     Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
     stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
@@ -179,7 +179,7 @@ def _dq_key_range(
             stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
             stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
             stride_wb, stride_wh, stride_wn, b, t0, s0, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
-            n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, a, w_rows, row_ok, D, BLOCK_D, DI, BLOCK_DI,
+            n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, a, w_rows, row_ok, t_off, p_rows, D, BLOCK_D, DI, BLOCK_DI,
             HB, IB, GI_PAD, BLOCK_T, BLOCK_N, MASKED, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, TEACHER,
             L1_Q, False, P_SAVED, LOGITS_FROM_A)
         coef, dw_terms = _coef_a(grad_rows, vis_rows, a, w_rows, RELU)
@@ -201,6 +201,7 @@ def _indexer_bwd_dq_kernel(
     Q, K, QI, KI, W, LSE_T, LSE_I, G_UP, DQ, DW,
     Q_DESC, K_DESC, QI_DESC, KI_DESC,  # TMA descriptors (used when USE_TMA)
     DK, DK_DESC,  # DK_SHARE ("dqk" backward): zeroed fp32 dk_idx, and its descriptor (DK_SHARE = 2)
+    T_OFF, P_ROWS,  # the tokens t_off.. of this launch (a chunk); P_SAVED: P's rows per batch element
     stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
     stride_wb, stride_wh, stride_wn,
@@ -221,7 +222,7 @@ def _indexer_bwd_dq_kernel(
     pid_bk = tl.program_id(1)
     b = pid_bk // H_KI
     kvi = pid_bk % H_KI
-    t0 = pid_t * BLOCK_T
+    t0 = T_OFF + pid_t * BLOCK_T
     rows = tl.arange(0, ROWS)
     tok = t0 + rows % BLOCK_T
     j_in_group = rows // BLOCK_T
@@ -239,7 +240,7 @@ def _indexer_bwd_dq_kernel(
     full_hi, key_hi = _key_stages(t0, 0, N_K, N_Q, N_K, BLOCK_T, BLOCK_N, CAUSAL)
     ROT = pid_t if DK_SHARE > 0 else 0  # the unmasked stage's first tile (rotated: see _dq_key_range)
     dq, dw = _dq_key_range(
-        dq, dw, q_rows, w_rows, row_ok, ki_base, kvi, ROT, DK, DK_DESC, Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
+        dq, dw, q_rows, w_rows, row_ok, ki_base, kvi, ROT, DK, DK_DESC, T_OFF, P_ROWS, Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
         stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
         stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
         stride_wb, stride_wh, stride_wn, b, t0, 0, full_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
@@ -247,7 +248,7 @@ def _indexer_bwd_dq_kernel(
         HB, IB, GI_PAD, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, TEACHER,
         L1, P_SAVED, LOGITS_FROM_A, DK_SHARE, H_KI)
     dq, dw = _dq_key_range(
-        dq, dw, q_rows, w_rows, row_ok, ki_base, kvi, ROT, DK, DK_DESC, Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
+        dq, dw, q_rows, w_rows, row_ok, ki_base, kvi, ROT, DK, DK_DESC, T_OFF, P_ROWS, Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
         stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
         stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
         stride_wb, stride_wh, stride_wn, b, t0, full_hi, key_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale,
@@ -301,7 +302,7 @@ def _dk_token_range(
             stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
             stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
             stride_wb, stride_wh, stride_wn, b, t0, s0, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
-            n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, a, w_rows, row_ok, D, BLOCK_D, DI, BLOCK_DI,
+            n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, a, w_rows, row_ok, 0, N_Q, D, BLOCK_D, DI, BLOCK_DI,
             HB, IB, GI_PAD, BLOCK_T, BLOCK_N, MASKED, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, TEACHER,
             False, L1_K, P_SAVED, LOGITS_FROM_A)
         coef, dw_terms = _coef_a(grad_rows, vis_rows, a, w_rows, RELU)

@@ -360,17 +360,18 @@ def _pstore_key_range(
     stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
     stride_wb, stride_wh, stride_wn,
     b, t0, lo, hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
-    n_chunks, chunks_per_group, n_ichunks, ichunks_per_group,
+    n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, t_off, p_rows,
     D: tl.constexpr, BLOCK_D: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr,
     HB: tl.constexpr, IB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
     IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr,
     A_L1: tl.constexpr,
 ):
-    """_indexer_fwd._fwd_key_range's loop, plus one store of each tile's p (0 where masked)."""
+    """_indexer_fwd._fwd_key_range's loop, plus one store of each tile's p (0 where masked):
+    token t's row of P is ``b * p_rows + t - t_off`` (a chunk of p_rows tokens from t_off)."""
     diag_offset = N_K - N_Q
     toks = t0 + tl.arange(0, BLOCK_T)
-    p_row = (b.to(tl.int64) * N_Q + toks.to(tl.int64)) * N_K
+    p_row = (b.to(tl.int64) * p_rows + (toks - t_off).to(tl.int64)) * N_K
     tok_ok = toks < N_Q
     for s0 in range(lo, hi, BLOCK_N):
         keys = s0 + tl.arange(0, BLOCK_N)
@@ -398,19 +399,20 @@ def _indexer_fwd_pstore_kernel(
     stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
     stride_wb, stride_wh, stride_wn,
     H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
-    n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, keys_per_split,
+    n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, keys_per_split, t_off, p_rows,
     D: tl.constexpr, BLOCK_D: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr,
     HB: tl.constexpr, IB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, RELU: tl.constexpr, IEEE_T: tl.constexpr, IEEE_I: tl.constexpr,
     NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr, SPLIT: tl.constexpr, A_L1: tl.constexpr = False,
 ):
     """``_indexer_fwd._indexer_fwd_kernel`` (same grid, key splits and outputs) that also stores
-    the target ``p`` of every tile it visits into ``P [B, N_Q, N_K]`` (tiles past a block's
-    causal frontier are not written: the backward reads only visible entries)."""
+    the target ``p`` of every tile it visits into ``P [B, p_rows, N_K]`` (tiles past a block's
+    causal frontier are not written: the backward reads only visible entries). The grid covers
+    the tokens ``t_off ..`` (a chunk of p_rows tokens; the whole problem: 0 and N_Q)."""
     pid_t = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
-    t0 = pid_t * BLOCK_T
+    t0 = t_off + pid_t * BLOCK_T
     toks = t0 + tl.arange(0, BLOCK_T)
     m = tl.full([BLOCK_T], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_T], tl.float32)
@@ -426,14 +428,14 @@ def _indexer_fwd_pstore_kernel(
         stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
         stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
         stride_wb, stride_wh, stride_wn, b, t0, key_lo, full_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
-        n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI,
+        n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, t_off, p_rows, D, BLOCK_D, DI, BLOCK_DI,
         HB, IB, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, A_L1)
     m, l, mass, acc, plogp = _pstore_key_range(
         m, l, mass, acc, plogp, Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, P,
         stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
         stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
         stride_wb, stride_wh, stride_wn, b, t0, full_hi, key_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale,
-        inv_heads, n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, D, BLOCK_D, DI, BLOCK_DI,
+        inv_heads, n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, t_off, p_rows, D, BLOCK_D, DI, BLOCK_DI,
         HB, IB, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, A_L1)
     ok = toks < N_Q
     out = b.to(tl.int64) * N_Q + toks

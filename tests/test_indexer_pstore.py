@@ -268,3 +268,76 @@ def test_accumulating_forward_token_major_q(monkeypatch, variant):
     got = _indexer._forward_pacc(*xs, lse, True, 0.3, True)
     for name, a, b in zip(("total", "lse_idx", "dq_p", "dk_p", "dw_p"), base, got):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), name
+
+
+@pytest.mark.parametrize("shape,causal,reduction,relu,chunk", [
+    ((1, 4, 1, 13, 21, 24, 4, 1, 16), True, "sum", True, 4),     # N_K > N_Q causal, 4 chunks
+    ((2, 4, 2, 17, 17, 16, 2, 1, 8), True, "mean", False, 8),    # GQA teacher, batch 2, ragged last chunk
+    ((1, 6, 3, 20, 9, 16, 3, 1, 12), True, "mean", True, 6),     # N_Q > N_K causal: empty rows
+    ((1, 4, 1, 9, 40, 16, 2, 1, 16), False, "sum", True, 64),    # one chunk
+])
+def test_chunked_full_gradient_in_forward(monkeypatch, poison, shape, causal, reduction, relu, chunk):
+    """STREAMKL_INDEXER_PSTORE=chunk: p stored chunk by chunk of tokens, the gradient of the sum
+    formed in the forward; loss and gradients vs float64 and vs the accumulating design."""
+    xs = make(*shape, seed=sum(shape) + 70)
+    B, NQ, NK = shape[0], shape[3], shape[4]
+    kw = dict(causal=causal, relu=relu)
+    x64 = [x.double().numpy() for x in xs]
+    kl_ref, _, lse_t = streamkl_ref.indexer_kl(*x64, return_lse=True, **kw)
+    lse = torch.from_numpy(lse_t).float()
+    rows = B * (min(NQ, NK) if causal else NQ)
+    g_row = 1.7 if reduction == "sum" else 1.7 / rows
+    ref = streamkl_ref.indexer_kl_grad(*x64, np.full((B, NQ), g_row), **kw)
+    ref_loss = kl_ref.sum() * (1.0 if reduction == "sum" else 1.0 / rows)
+    monkeypatch.setenv("STREAMKL_INDEXER_PACC", "1")
+    monkeypatch.setenv("STREAMKL_INDEXER_PSTORE", "chunk")
+    monkeypatch.setattr(_indexer, "PCHUNK_TOKENS", chunk)
+    calls = []
+    full = _indexer._forward_full
+    monkeypatch.setattr(_indexer, "_forward_full", lambda *a: calls.append("full") or full(*a))
+    loss, grads = _loss_and_grads(xs, lse, reduction, **kw)
+    assert calls == ["full"]
+    assert abs(loss.item() - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss))
+    for name, got in grads.items():
+        want = torch.from_numpy(ref[name])
+        err = (got.double() - want).norm() / max(want.norm().item(), 1e-12)
+        assert err <= 1e-5, (name, err.item())
+    monkeypatch.setenv("STREAMKL_INDEXER_PSTORE", "0")
+    loss0, grads0 = _loss_and_grads(xs, lse, reduction, **kw)
+    assert torch.allclose(loss, loss0, rtol=1e-5, atol=1e-6)
+    for name in grads:
+        assert torch.allclose(grads[name], grads0[name], rtol=1e-4, atol=1e-6), name
+
+
+def test_chunked_design_nan_isolation_and_trace(monkeypatch, poison):
+    """The chunk design: a NaN in teacher key 17 (square causal) poisons rows 17.. only; and
+    torch.compile(fullgraph=True) traces it (same loss and gradients as eager)."""
+    import streamkl_gpu
+
+    monkeypatch.setenv("STREAMKL_INDEXER_PACC", "1")
+    monkeypatch.setenv("STREAMKL_INDEXER_PSTORE", "chunk")
+    monkeypatch.setattr(_indexer, "PCHUNK_TOKENS", 8)
+    xs = make(1, 2, 1, 21, 21, 16, 2, 1, 8, seed=71)
+    lse = _teacher_lse(xs, True)
+    _, clean = _loss_and_grads(xs, lse, "sum", causal=True)
+    bad = [x.clone() for x in xs]
+    bad[1][0, 0, 17, 3] = float("nan")
+    _, dirty = _loss_and_grads(bad, lse, "sum", causal=True)
+    for name in ("dq_idx", "dweights"):
+        assert torch.allclose(dirty[name][:, :, :17], clean[name][:, :, :17], rtol=1e-5, atol=1e-7), name
+        assert torch.isnan(dirty[name][:, :, 17:]).any(), name
+
+    def step(q, k, qi, ki, w):
+        return streamkl_gpu.indexer_kl(q, k, qi, ki, w, causal=True, lse=lse, reduction="mean")
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    results = []
+    for fn in (step, compiled):
+        ins = [x.clone().requires_grad_(t) for x, t in zip(xs, (False, False, True, True, True))]
+        loss = fn(*ins)
+        loss.backward()
+        results.append((loss.detach(), [x.grad for x in ins[2:]]))
+    (l_e, g_e), (l_c, g_c) = results
+    assert torch.equal(l_e, l_c)
+    for a, b in zip(g_e, g_c):
+        assert torch.equal(a, b)
