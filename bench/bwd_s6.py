@@ -410,12 +410,25 @@ class S6:
         for _ in range(2):
             self.auto_fb(d, setting)
         self.sync()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        from torch.profiler import record_function
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
-                self.auto_fb(d, setting)
+                with record_function("bwd_s6_call"):
+                    self.auto_fb(d, setting)
             self.sync()
         evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                      key=lambda e: e.time_range.start)
+        # the host side of the last call: its start, and when each kernel launch was issued
+        cpu = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU),
+                     key=lambda e: e.time_range.start)
+        calls = [e for e in cpu if e.name == "bwd_s6_call"]
+        host = []
+        if calls:
+            c0 = calls[-1].time_range.start
+            launches = [e for e in cpu if "LaunchKernel" in e.name and e.time_range.start >= c0
+                        and e.time_range.end <= calls[-1].time_range.end]
+            host = [f"  host: call {calls[-1].time_range.end - c0:.1f} us; launches at "
+                    + ", ".join(f"{e.time_range.start - c0:.0f}" for e in launches) + " us after its start"]
         # the last call: from the last forward kernel (its name has "fwd") on
         starts = [i for i, e in enumerate(evs) if "fwd" in e.name and (i == 0 or "fwd" not in evs[i - 1].name)]
         last = evs[starts[-1]:] if starts else evs
@@ -432,6 +445,10 @@ class S6:
         if last:
             span = last[-1].time_range.end - last[0].time_range.start
             lines.append(f"  span {span:.1f} us, kernels {busy:.1f} us, idle {span - busy:.1f} us")
+            if calls:
+                lines.append(f"  the last call's first kernel started {last[0].time_range.start - calls[-1].time_range.start:.1f}"
+                             " us after the call began on the host")
+        lines += host
         text = "\n".join(lines)
         with open(os.path.join(self.a.out, "bwd_s6_profile.txt"), "w") as f:
             f.write(text + "\n")
