@@ -41,8 +41,8 @@ MISMATCH = 2e-2
 # (tag, N_Q, N_K, causal), in timing order: the issue's 8K points, then the fused-vs-separate
 # question at small N_Q (auto_bwd_mode: fused below 4 dQ programs per SM; run s5r4 measured the
 # separate pair faster at N_Q = 512, N_K = 32K)
-SHAPES = [("8K", 8 * K, 8 * K, False), ("8K causal", 8 * K, 8 * K, True), ("nq512 nk32K", 512, 32 * K, False),
-          ("nq16 nk32K", 16, 32 * K, False), ("8K both", 8 * K, 8 * K, False)]
+SHAPES = [("8K", 8 * K, 8 * K, False), ("8K causal", 8 * K, 8 * K, True), ("8K both", 8 * K, 8 * K, False),
+          ("nq512 nk32K", 512, 32 * K, False), ("nq16 nk32K", 16, 32 * K, False)]
 SHAPES_TINY = [("8K", 64, 64, False), ("8K causal", 64, 64, True), ("nq512 nk32K", 16, 64, False),
                ("8K both", 64, 64, False)]
 
@@ -94,26 +94,25 @@ def is_ref(c):
 # dQ 313 / 319. CTAs per SM by registers and shared memory: the auto pair 1 + 1; dq 64x32x4x2 3,
 # 64x64x4x2 / 64x32x4x3 / the r128 caps (32-40 bytes of spills) 2; dk 32x64x4x* pack 2 (172-187
 # registers, no spills; loop 270-280), 3 with the r168 cap
-CANDIDATES = [  # run s6r3 on: the references, the new default (pack) and the ones within ~3 % in run s6r2
+CANDIDATES = [  # the final run (s6r4): the references, the default since s6r2 (pack), the probes
     REF_DQ, REF_DK,
     Cand("dk 64x128x8x3 pack", "dk", (64, 128, 8, 3), rows="pack", at=("8K", "8K causal") + SMALL_Q),
-    Cand("dk 64x128x8x4 pack", "dk", (64, 128, 8, 4), rows="pack", at=("8K",)),
-    Cand("dk 64x64x4x2 pack", "dk", (64, 64, 4, 2), rows="pack", at=("8K",)),
-    Cand("dq 128x64x8x3 heavy", "dq", (128, 64, 8, 3), {"HEAVY_FIRST": True}, at=("8K causal",)),
-    # setting 1: half of P2's exponentials on the FMA pipe (POLY; in setting 2 the same kernel as without)
-    Cand("dk 64x128x8x3 pack poly", "dk", (64, 128, 8, 3), {"POLY": 1}, rows="pack", at=("8K", "8K causal")),
-    Cand("dq 128x64x8x3 poly", "dq", (128, 64, 8, 3), {"POLY": 1}, at=("8K", "8K causal")),
     # what limits the dK kernel (the new default), removing one part at a time (_bwd.PROBE_*; NO_DK
     # leaves the separate kernel nothing to do: the compiler drops the whole loop)
     Cand("dk 64x128x8x3 pack probe noexp", "dk", (64, 128, 8, 3), rows="pack", probe=1),
     Cand("dk 64x128x8x3 pack probe onescore", "dk", (64, 128, 8, 3), rows="pack", probe=2),
+    Cand("dq 128x64x8x3 heavy", "dq", (128, 64, 8, 3), {"HEAVY_FIRST": True}, at=("8K causal",)),
     REF_FUSED,
-    Cand("fused 64x128x8x2 pack", "fused", (64, 128, 8, 2), rows="pack", at=SMALL_Q),
     # both settings (the auto pair of run s6r1: dK 32x64x4x3 rows + dQ 64x32x4x3; 6 row loads a tile)
     Cand("dk 32x64x4x3 rows (both auto)", "dk", (32, 64, 4, 3), at=("8K both",)),
     Cand("dq 64x32x4x3 (both auto)", "dq", (64, 32, 4, 3), at=("8K both",)),
     Cand("dk 32x64x4x3 both pack", "dk", (32, 64, 4, 3), rows="pack", at=("8K both",)),
 ]
+# Run s6r3 (H200, 8K, the kernels alone, ms s1 / s2; bench/results/session6/h200_2026-12-01_s6r3_bwd_s6*):
+# dK rows 3.374 / 3.424, pack 3.369 / 3.390, pack 8x4 3.412 / 3.240, 64x64x4x2 pack 3.426 / 3.263, pack
+# + poly (half of P2's exp2 on the FMA pipe, setting 1) 3.627 / 3.283; dQ 2.644 / 2.530, poly 2.890 /
+# 2.399 (in setting 2 poly is the same kernel: a 5 % spread between identical kernels in one run).
+# Probes of dK pack: no exp2 3.034 / 3.124, one score product 3.067 / 2.463.
 # Run s6r2 (H200, the kernels alone at 8K, ms s1 / s2; bench/results/session6/h200_2026-12-01_s6r2_bwd_s6*):
 # dK rows (auto) 3.374 / 3.483, pack 3.365 / 3.306, pack 8x4 3.403 / 3.274, 64x64x4x2 pack 3.390 / 3.295,
 # 32x64x4x2 r168 pack 3.648 / 3.643, 32x64x4x3 pack 3.678 / 3.586, 32x128x8x2 r128 pack 3.497 / 4.488,
@@ -327,7 +326,8 @@ class S6:
                 pairs.append(p)
         for dk, dq in pairs:
             for streams in (False, True):
-                if dk.name not in kernels or dq.name not in kernels or self.left() < 6 or (streams and self.a.tiny):
+                if (dk.name not in kernels or dq.name not in kernels or self.left() < 6
+                        or (streams and (self.a.tiny or shape not in ("8K", "8K causal")))):
                     continue
                 name = f"pair {dk.name.split(' ', 1)[1]} + {dq.name.split(' ', 1)[1]}" + (" streams" if streams else "")
                 try:
@@ -380,7 +380,7 @@ class S6:
             self.log(f"auto fwd: ERROR {type(exc).__name__}: {str(exc)[:200]}")
             return
         for s in SETTINGS:
-            for streams in (False, True):
+            for streams in (False,):  # (the second stream: s6r3 auto 6.346 vs 6.275 s1, 5.863 vs 6.039 s2)
                 if self.left() < 14 or (ok is not None and ("apiauto", s, False) not in ok):
                     self.log(f"auto {s} streams={streams}: skipped")
                     continue
@@ -410,12 +410,25 @@ class S6:
         for _ in range(2):
             self.auto_fb(d, setting)
         self.sync()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        from torch.profiler import record_function
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
-                self.auto_fb(d, setting)
+                with record_function("bwd_s6_call"):
+                    self.auto_fb(d, setting)
             self.sync()
         evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                      key=lambda e: e.time_range.start)
+        # the host side of the last call: its start, and when each kernel launch was issued
+        cpu = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU),
+                     key=lambda e: e.time_range.start)
+        calls = [e for e in cpu if e.name == "bwd_s6_call"]
+        host = []
+        if calls:
+            c0 = calls[-1].time_range.start
+            launches = [e for e in cpu if "LaunchKernel" in e.name and e.time_range.start >= c0
+                        and e.time_range.end <= calls[-1].time_range.end]
+            host = [f"  host: call {calls[-1].time_range.end - c0:.1f} us; launches at "
+                    + ", ".join(f"{e.time_range.start - c0:.0f}" for e in launches) + " us after its start"]
         # the last call: from the last forward kernel (its name has "fwd") on
         starts = [i for i, e in enumerate(evs) if "fwd" in e.name and (i == 0 or "fwd" not in evs[i - 1].name)]
         last = evs[starts[-1]:] if starts else evs
@@ -432,6 +445,10 @@ class S6:
         if last:
             span = last[-1].time_range.end - last[0].time_range.start
             lines.append(f"  span {span:.1f} us, kernels {busy:.1f} us, idle {span - busy:.1f} us")
+            if calls:
+                lines.append(f"  the last call's first kernel started {last[0].time_range.start - calls[-1].time_range.start:.1f}"
+                             " us after the call began on the host")
+        lines += host
         text = "\n".join(lines)
         with open(os.path.join(self.a.out, "bwd_s6_profile.txt"), "w") as f:
             f.write(text + "\n")

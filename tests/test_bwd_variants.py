@@ -324,8 +324,8 @@ def test_exp2_on_the_fma_pipe():
 
 
 def test_second_stream_rule(monkeypatch):
-    """STREAMKL_BWD_STREAMS forces the separate backward's second stream on or off (unset: off, not
-    measured); never on CPU tensors or under the interpreter, where the launches stay in order."""
+    """STREAMKL_BWD_STREAMS forces the separate backward's second stream on or off (unset: off, its
+    gain within the noise in run s6r3); never on CPU tensors or under the interpreter."""
     from streamkl_ref._checks import Dims
     dims = Dims(B=1, H=32, NQ=8192, NK=8192, D1=128, D2=128, HK1=32, HK2=32, scale1=0.1, scale2=0.1)
     monkeypatch.delenv("STREAMKL_BWD_STREAMS", raising=False)
