@@ -285,16 +285,20 @@ def _keys_major_first(dims) -> bool:
 # keep the resident programs on one key range, so their key window stays in L2 beside their q rows
 # (without: ~264 resident CTAs x 147 KB of q rows, ~39 MB, plus every key up to the diagonal, 19 MB
 # at 16K and 75 MB at 64K, against the H200's 50 MB of L2: 2.10x the floor at 16K, 2.42x at 64K
-# in run s6r3, 1.87x with splits). Measured from 8K (run s6r3); below, one split.
+# in run s6r3, 1.87x with splits). Measured from 8K (run s6r3); below, one split. At most
+# KEYS_MAJOR_MAX_SPLITS: the splits' states (PART, 5 floats per split and token) stay a bounded
+# 320 B per token, so the forward's extra memory stays linear in N (past 64K the splits grow
+# beyond 4096 keys: 8192 at 128K, not timed).
 KEYS_MAJOR_SPLIT_FROM = 8192
 KEYS_MAJOR_KEYS_PER_SPLIT = 4096
+KEYS_MAJOR_MAX_SPLITS = 16
 
 
 def _keys_major_splits(dims) -> int:
     """Key splits of the keys-major forward candidates (8th config field)."""
     if KEYS_MAJOR_SPLIT_FROM is None or dims.NK < KEYS_MAJOR_SPLIT_FROM:
         return 1
-    return triton.cdiv(dims.NK, KEYS_MAJOR_KEYS_PER_SPLIT)
+    return min(KEYS_MAJOR_MAX_SPLITS, triton.cdiv(dims.NK, KEYS_MAJOR_KEYS_PER_SPLIT))
 
 
 def l1_fwd_candidates(dims):

@@ -167,10 +167,10 @@ def test_keys_major_first_for_the_dsa_family_only():
     assert dsa[0] == (128, 128, 128, 64, 4, 3, None, 1, "keys_lpt")  # short: one key split
     pl = _indexer._plan(dims(128, 576), dsa[0], "fwd")
     assert (pl["BLOCK_T"], pl["HB"], pl["BLOCK_N"], pl["variant"]) == (1, 128, 128, "keys_lpt")
-    # from 8K keys on: splits of 4096 keys (run s6r3)
-    for n, splits in ((8192, 2), (16384, 4), (65536, 16)):
+    # from 8K keys on: splits of 4096 keys (run s6r3), at most 16 (bounded extra memory per token)
+    for n, splits, per in ((8192, 2, 4096), (16384, 4, 4096), (65536, 16, 4096), (131072, 16, 8192)):
         first = _indexer._new_fwd_candidates(dims(128, 576, N=n), False, 132)[0]
         assert first == (128, 128, 128, 64, 4, 3, None, splits, "keys_lpt")
-        assert _indexer._key_splits(dims(128, 576, N=n), _indexer._plan(dims(128, 576, N=n), first, "fwd")) == (splits, 4096)
+        assert _indexer._key_splits(dims(128, 576, N=n), _indexer._plan(dims(128, 576, N=n), first, "fwd")) == (splits, per)
     small = _indexer._new_fwd_candidates(dims(16, 64), False, 132)
     assert small[0] == (128, 128, 128, 64, 4, 3) and dsa[0] in small
