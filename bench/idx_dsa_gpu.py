@@ -57,8 +57,8 @@ from indexer_gpu import CONFIGS, _floor_flops, _rel_err  # noqa: E402
 COLUMNS = ["measure", "provider", "shape", "value", "unit", "note"]
 CFG = CONFIGS["dsa"]
 CHECK_N = 192  # strides divisible by 16: the kernels compiled for the check are the 8K ones
-# (label, forward config). Config: (teacher rows, indexer rows, BLOCK_N, BLOCK_D, warps, stages,
-# heads per chunk cap, key splits, variant); the variant's options (_indexer_fwd.variant_meta):
+# (label, forward config, keys per split or None). Config: (teacher rows, indexer rows, BLOCK_N,
+# BLOCK_D, warps, stages, heads per chunk cap, key splits, variant); the variant's options (_indexer_fwd.variant_meta):
 # "keys" keys-major score tiles (_teacher_target_keys: the head sum along the MMA accumulator's
 # rows, no cross-warp reduction), "flat" the key loop and its D-chunk loop as one pipelined loop
 # (the next tile's chunks and the indexer's tiles load during this tile's exponentials), "lpt"
@@ -66,7 +66,7 @@ CHECK_N = 192  # strides divisible by 16: the kernels compiled for the check are
 # Offline sm_90 compiles (bench/idx_dsa_aot.py, DSA, triton 3.6 = the GPU image's; registers,
 # spills, shared memory -> CTAs per SM; keys-major with the state's four sums fused and the
 # per-column LSEs / weights loaded once per program):
-#   default                 255, none, 82 KB -> 2 (436 SHFL, 61 BAR, 8344 SASS instructions)
+#   row-major (s5 default)  255, none, 82 KB -> 2 (436 SHFL, 61 BAR, 8344 SASS instructions)
 #   keys n128 w4 s3         250, none, 98 KB -> 2 (82 SHFL, 59 BAR, 3816)
 #   keys n64 w4 s3          156, none, 74 KB -> 3       keys n64 w4 s2        149, none, 49 KB -> 3
 #   keys_flat n64 w4 s3     156, none, 107 KB -> 2      keys_flat n64 w4 s2   160, none, 82 KB -> 2
@@ -86,11 +86,11 @@ CHECK_N = 192  # strides divisible by 16: the kernels compiled for the check are
 # 215.7 / 854.5 = 1.84 / 1.87 / 1.88 / 1.87x (now the default), keys 14.13 / 60.16 / 254.9 / 1106.5
 # = 1.97 / 2.10 / 2.23 / 2.42x, split/4096 13.40 / 52.41 / 220.7, split/2048 13.19 / 55.25 / 213.9 /
 # 859.1, lpt 12.99 / 55.45 / 216.5, r128 w8 split 13.76 / 58.78 / 222.9, row-major 21.27 / 84.34 / 329.0.
-# Run s6r3 timed: the default (the tuner's first candidate at DSA), the s5 row-major one, and key
-# splits of the default (a third field: keys per split, the 8th config field becomes
-# cdiv(N, that) at each N; programs of one split read one key range, so the resident CTAs' key
-# window stays in L2 at 16K+, where q rows (~39 MB for 264 CTAs) and all keys (19 MB at 16K) no
-# longer fit the 50 MB together), reversed token order and the 8-warp tile, with and without.
+# Key splits (the third field): the 8th config field becomes cdiv(N, keys per split) at each N;
+# programs of one split read one key range, so the resident CTAs' key window stays in L2 beside
+# their q rows (~39 MB for 264 CTAs) at 16K+. The final run (s6 last): the default against the
+# s6r2 / s5 defaults and the nearest alternatives, at 8K / 16K / 32K (64K: the default and the
+# two fastest at 32K).
 CANDIDATES = [
     ("default", None, None),  # the tuner's first forward candidate at each N (keys_lpt, splits of 4096 keys from 8K)
     ("keys (s6r2)", (128, 128, 128, 64, 4, 3, None, 1, "keys"), None),
