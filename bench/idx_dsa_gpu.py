@@ -57,8 +57,8 @@ from indexer_gpu import CONFIGS, _floor_flops, _rel_err  # noqa: E402
 COLUMNS = ["measure", "provider", "shape", "value", "unit", "note"]
 CFG = CONFIGS["dsa"]
 CHECK_N = 192  # strides divisible by 16: the kernels compiled for the check are the 8K ones
-# (label, forward config). Config: (teacher rows, indexer rows, BLOCK_N, BLOCK_D, warps, stages,
-# heads per chunk cap, key splits, variant); the variant's options (_indexer_fwd.variant_meta):
+# (label, forward config, keys per split or None). Config: (teacher rows, indexer rows, BLOCK_N,
+# BLOCK_D, warps, stages, heads per chunk cap, key splits, variant); the variant's options (_indexer_fwd.variant_meta):
 # "keys" keys-major score tiles (_teacher_target_keys: the head sum along the MMA accumulator's
 # rows, no cross-warp reduction), "flat" the key loop and its D-chunk loop as one pipelined loop
 # (the next tile's chunks and the indexer's tiles load during this tile's exponentials), "lpt"
@@ -66,7 +66,7 @@ CHECK_N = 192  # strides divisible by 16: the kernels compiled for the check are
 # Offline sm_90 compiles (bench/idx_dsa_aot.py, DSA, triton 3.6 = the GPU image's; registers,
 # spills, shared memory -> CTAs per SM; keys-major with the state's four sums fused and the
 # per-column LSEs / weights loaded once per program):
-#   default                 255, none, 82 KB -> 2 (436 SHFL, 61 BAR, 8344 SASS instructions)
+#   row-major (s5 default)  255, none, 82 KB -> 2 (436 SHFL, 61 BAR, 8344 SASS instructions)
 #   keys n128 w4 s3         250, none, 98 KB -> 2 (82 SHFL, 59 BAR, 3816)
 #   keys n64 w4 s3          156, none, 74 KB -> 3       keys n64 w4 s2        149, none, 49 KB -> 3
 #   keys_flat n64 w4 s3     156, none, 107 KB -> 2      keys_flat n64 w4 s2   160, none, 82 KB -> 2
@@ -82,20 +82,22 @@ CHECK_N = 192  # strides divisible by 16: the kernels compiled for the check are
 # w4 s2 15.75, the row-major s5 default 18.06 (20.38 re-timed last: drift), tiles_lpt 17.34,
 # keys_flat n128 w8 s2 19.23, 64-key tiles 20.0-25.6 (flat / lpt / s2 / three CTAs per SM did not
 # help), tiles_flat 21.35; 16K: keys 61.2 = 2.08x, keys_r128 60.6, row-major 77.4.
-# Now (run 3 on): the default (the tuner's first candidate at DSA), the s5 row-major one, and key
-# splits of the default (a third field: keys per split, the 8th config field becomes
-# cdiv(N, that) at each N; programs of one split read one key range, so the resident CTAs' key
-# window stays in L2 at 16K+, where q rows (~39 MB for 264 CTAs) and all keys (19 MB at 16K) no
-# longer fit the 50 MB together), reversed token order and the 8-warp tile, with and without.
+# Run s6r3 (round-robin medians; 8K / 16K / 32K / 64K ms): keys_lpt split/4096 13.18 / 53.52 /
+# 215.7 / 854.5 = 1.84 / 1.87 / 1.88 / 1.87x (now the default), keys 14.13 / 60.16 / 254.9 / 1106.5
+# = 1.97 / 2.10 / 2.23 / 2.42x, split/4096 13.40 / 52.41 / 220.7, split/2048 13.19 / 55.25 / 213.9 /
+# 859.1, lpt 12.99 / 55.45 / 216.5, r128 w8 split 13.76 / 58.78 / 222.9, row-major 21.27 / 84.34 / 329.0.
+# Key splits (the third field): the 8th config field becomes cdiv(N, keys per split) at each N;
+# programs of one split read one key range, so the resident CTAs' key window stays in L2 beside
+# their q rows (~39 MB for 264 CTAs) at 16K+. The final run (s6 last): the default against the
+# s6r2 / s5 defaults and the nearest alternatives, at 8K / 16K / 32K (64K: the default and the
+# two fastest at 32K).
 CANDIDATES = [
-    ("default", None, None),  # _indexer's first forward candidate at DSA (keys n128 w4 s3 since s6r2)
+    ("default", None, None),  # the tuner's first forward candidate at each N (keys_lpt, splits of 4096 keys from 8K)
+    ("keys (s6r2)", (128, 128, 128, 64, 4, 3, None, 1, "keys"), None),
     ("rowmajor s5", (128, 128, 128, 64, 4, 3), None),
+    ("keys_lpt split/2048", (128, 128, 128, 64, 4, 3, None, 1, "keys_lpt"), 2048),
     ("keys split/4096", (128, 128, 128, 64, 4, 3, None, 1, "keys"), 4096),
-    ("keys split/2048", (128, 128, 128, 64, 4, 3, None, 1, "keys"), 2048),
-    ("keys split/8192", (128, 128, 128, 64, 4, 3, None, 1, "keys"), 8192),
     ("keys_lpt", (128, 128, 128, 64, 4, 3, None, 1, "keys_lpt"), None),
-    ("keys_lpt split/4096", (128, 128, 128, 64, 4, 3, None, 1, "keys_lpt"), 4096),
-    ("keys_r128 w8", (128, 128, 128, 64, 8, 3, None, 1, "keys_r128"), None),
     ("keys_r128 w8 split/4096", (128, 128, 128, 64, 8, 3, None, 1, "keys_r128"), 4096),
 ]
 _ORIG_CANDIDATES = _indexer._candidates
@@ -120,14 +122,14 @@ def candidates(args):
     """(label, config, keys per split or None); "default" resolved to the tuner's first forward
     candidate at the DSA config."""
     dims = config_dims(config(args))
-    cands = [(label, cfg if cfg is not None else _ORIG_CANDIDATES("fwd", False, dims, 132)[0], per)
-             for label, cfg, per in CANDIDATES]
+    cands = [(label, cfg if cfg is not None else _ORIG_CANDIDATES("fwd", False, dims, 132)[0],
+              "tuner" if cfg is None and not args.tiny else per) for label, cfg, per in CANDIDATES]
     if args.only:
         want = {s.strip() for s in args.only.split(",")}
         cands = [c for c in cands if c[0] == "default" or c[0] in want]
     if args.tiny:  # interpreter-sized tiles, same variants
         cands = [(label, (16, 16, 16, 16, 1, 1) + tuple(cfg[6:]), per and max(16, per // 256))
-                 for label, cfg, per in cands]
+                 for label, cfg, per in cands]  # (the default: its 8K config's variant, no splits)
     return cands
 
 
@@ -138,13 +140,21 @@ def config_dims(cfg, N=8192):
     return check_indexer_inputs(*[torch.empty(x, device="meta") for x in shapes], scale=cfg["scale"])
 
 
-def effective(cfg, per, N):
-    """The launch config at N: key splits = cdiv(N, per) (at least 2 at the small check sizes, so
-    the split path and its merge are the ones checked)."""
+def effective(cfg, per, N, check=False):
+    """The launch config at N. ``per`` = keys per split: key splits = cdiv(N, per); "tuner": the
+    tuner's first forward candidate at N (the default: its key splits depend on N). ``check``
+    (the small check sizes): at least 2 splits where the config splits at 8K, so the split path
+    and its merge are the ones compiled and checked."""
+    if per == "tuner":
+        at8k = _ORIG_CANDIDATES("fwd", False, config_dims(CFG, 8192), 132)[0]
+        cfg = _ORIG_CANDIDATES("fwd", False, config_dims(CFG, max(N, 16)), 132)[0]
+        if not (check and len(at8k) > 7 and at8k[7] > 1):
+            return cfg
+        per = 1 << 30  # one split asked; raised to 2 below
     if per is None:
         return cfg
     full = tuple(cfg) + (None, 1, "tiles")[len(cfg) - 6:] if len(cfg) < 9 else tuple(cfg)
-    return full[:7] + (max(2, -(-N // per)),) + full[8:]
+    return full[:7] + (max(2, -(-N // per)) if check else -(-N // per),) + full[8:]
 
 
 def config(args):
@@ -231,14 +241,15 @@ def child(args):
     device = "cpu" if args.tiny else "cuda"
     N = 24 if args.tiny else CHECK_N
     t0 = time.time()
-    err, tol = check_one(cfg, effective(cfg_c, per, N), device, N, N, True, seed=1)
+    err, tol = check_one(cfg, effective(cfg_c, per, N, check=True), device, N, N, True, seed=1)
     print("RESULT " + json.dumps(dict(label=label, err=err, tol=tol, ok=bool(err <= tol),
                                       first_call_s=time.time() - t0, N=N)), flush=True)
     for nq, nk, causal in (EXTRA_CHECKS[:1] if args.tiny else EXTRA_CHECKS):
         if args.tiny:
             nq, nk = nq // 8, nk // 8
         try:
-            err, tol = check_one(cfg, effective(cfg_c, per, max(nq, nk)), device, nq, nk, causal, seed=nq + nk)
+            err, tol = check_one(cfg, effective(cfg_c, per, max(nq, nk), check=True), device, nq, nk, causal,
+                                 seed=nq + nk)
             print("EXTRA " + json.dumps(dict(case=f"NQ={nq} NK={nk} {'causal' if causal else 'full'}", err=err,
                                              tol=tol, ok=bool(err <= tol))), flush=True)
         except Exception as exc:  # noqa: BLE001 - reported, the next check runs
@@ -452,7 +463,7 @@ def main(argv=None):
                 ok[i] = bool(res["ok"])
                 run.log(f"check {label} N={res['N']}: err {res['err']:.2e} tol {res['tol']:.2e} "
                         f"{'ok' if res['ok'] else 'FAIL'} (first call {res['first_call_s']:.1f} s)")
-                run.record("check_kl_rel_err", f"fwd {label} {list(effective(cfg_c, per, res['N']))}",
+                run.record("check_kl_rel_err", f"fwd {label} {list(effective(cfg_c, per, res['N'], check=True))}",
                            f"dsa N={res['N']} causal lse", f"{res['err']:.3e}", "rel",
                            f"tol {res['tol']:.3e} {'ok' if res['ok'] else 'FAIL'}")
             else:

@@ -254,8 +254,14 @@ def _new_fwd_candidates(dims, gqa, n_sm):
         # (flattened loops, "flat", and reversed token order, "lpt", did not close the gap).
         # First for the DSA-like family (one token per tile, H >= 128: the measured layout);
         # other MQA teachers keep the row-major order and try it last.
+        # Run s6r3 (round-robin medians, 8K / 16K / 32K / 64K): key splits of 4096 keys and token
+        # blocks in reverse ("lpt") 13.18 / 53.52 / 215.7 / 854.5 ms = 1.84 / 1.87 / 1.88 / 1.87x the
+        # floor, against 14.13 / 60.16 / 254.9 / 1106.5 = 1.97 / 2.10 / 2.23 / 2.42x without either
+        # (splits alone 13.40 / 52.41 / 220.7; lpt alone 12.99 / 55.45 / 216.5; row-major 21.27 /
+        # 84.34 / 328.96; 8 warps r128 with splits 13.76 / 58.78 / 222.9).
         splits = _keys_major_splits(dims)
-        keys = [(128, 128, 128, 64, 4, 3, None, splits, "keys"), (128, 128, 128, 64, 8, 3, None, splits, "keys_r128")]
+        keys = [(128, 128, 128, 64, 4, 3, None, splits, "keys_lpt"), (128, 128, 128, 64, 8, 3, None, splits, "keys_r128"),
+                (128, 128, 128, 64, 4, 3, None, 1, "keys")]
         out = keys + out if _keys_major_first(dims) else out + keys
     else:
         out = []
@@ -284,16 +290,23 @@ def _keys_major_first(dims) -> bool:
 
 
 # Keys per split of the keys-major forward from this many keys on (None: no key splits). Splits
-# keep the resident programs on one key range, so their key window stays in L2 beside their q rows.
-KEYS_MAJOR_SPLIT_FROM = None
+# keep the resident programs on one key range, so their key window stays in L2 beside their q rows
+# (without: ~264 resident CTAs x 147 KB of q rows, ~39 MB, plus every key up to the diagonal, 19 MB
+# at 16K and 75 MB at 64K, against the H200's 50 MB of L2: 2.10x the floor at 16K, 2.42x at 64K
+# in run s6r3, 1.87x with splits). Measured from 8K (run s6r3); below, one split. At most
+# KEYS_MAJOR_MAX_SPLITS: the splits' states (PART, 5 floats per split and token) stay a bounded
+# 320 B per token, so the forward's extra memory stays linear in N (past 64K the splits grow
+# beyond 4096 keys: 8192 at 128K, not timed).
+KEYS_MAJOR_SPLIT_FROM = 8192
 KEYS_MAJOR_KEYS_PER_SPLIT = 4096
+KEYS_MAJOR_MAX_SPLITS = 16
 
 
 def _keys_major_splits(dims) -> int:
     """Key splits of the keys-major forward candidates (8th config field)."""
     if KEYS_MAJOR_SPLIT_FROM is None or dims.NK < KEYS_MAJOR_SPLIT_FROM:
         return 1
-    return triton.cdiv(dims.NK, KEYS_MAJOR_KEYS_PER_SPLIT)
+    return min(KEYS_MAJOR_MAX_SPLITS, triton.cdiv(dims.NK, KEYS_MAJOR_KEYS_PER_SPLIT))
 
 
 def l1_fwd_candidates(dims):

@@ -157,15 +157,20 @@ def test_sm90_compile_head_sum_stays_in_registers():
 
 
 def test_keys_major_first_for_the_dsa_family_only():
-    """The measured winner (run s6r2) is the untuned choice where it was measured: an MQA teacher
-    with >= 128 heads (a 128-row tile is one token's heads); other MQA teachers try it last."""
-    def dims(H, D, HK=1):
-        shapes = [(1, H, 64, D), (1, HK, 64, D), (1, 64, 64, 128), (1, 1, 64, 128), (1, 64, 64)]
+    """The measured winner (runs s6r2, s6r3) is the untuned choice where it was measured: an MQA
+    teacher with >= 128 heads (a 128-row tile is one token's heads); other MQA teachers try it last."""
+    def dims(H, D, HK=1, N=64):
+        shapes = [(1, H, N, D), (1, HK, N, D), (1, 64, N, 128), (1, 1, N, 128), (1, 64, N)]
         return check_indexer_inputs(*[torch.empty(s, device="meta") for s in shapes], scale=0.1)
 
     dsa = _indexer._new_fwd_candidates(dims(128, 576), False, 132)
-    assert dsa[0] == (128, 128, 128, 64, 4, 3, None, 1, "keys")
+    assert dsa[0] == (128, 128, 128, 64, 4, 3, None, 1, "keys_lpt")  # short: one key split
     pl = _indexer._plan(dims(128, 576), dsa[0], "fwd")
-    assert (pl["BLOCK_T"], pl["HB"], pl["BLOCK_N"], pl["variant"]) == (1, 128, 128, "keys")
+    assert (pl["BLOCK_T"], pl["HB"], pl["BLOCK_N"], pl["variant"]) == (1, 128, 128, "keys_lpt")
+    # from 8K keys on: splits of 4096 keys (run s6r3), at most 16 (bounded extra memory per token)
+    for n, splits, per in ((8192, 2, 4096), (16384, 4, 4096), (65536, 16, 4096), (131072, 16, 8192)):
+        first = _indexer._new_fwd_candidates(dims(128, 576, N=n), False, 132)[0]
+        assert first == (128, 128, 128, 64, 4, 3, None, splits, "keys_lpt")
+        assert _indexer._key_splits(dims(128, 576, N=n), _indexer._plan(dims(128, 576, N=n), first, "fwd")) == (splits, per)
     small = _indexer._new_fwd_candidates(dims(16, 64), False, 132)
     assert small[0] == (128, 128, 128, 64, 4, 3) and dsa[0] in small
