@@ -206,8 +206,9 @@ def label(c):
 
 def configs(args):
     """(label, forced config) of the run: the default first, then the GQA kernel's configs."""
-    if args.final:  # the API's default path (None: nothing forced), the former default forced
-        return [DEFAULT, None]
+    if args.final:  # the API's default path (None: nothing forced), the former default forced, and
+        # the default's config with more key splits than its rule's cap (24: the most s6r3 tried)
+        return [DEFAULT, None, (64, 64, 64, 64, 4, 3, 1, 32, "gqa-band"), (64, 64, 64, 64, 4, 3, 1, 48, "gqa-band")]
     gq = GQA_CONFIGS if args.configs is None else [GQA_CONFIGS[int(i)] for i in args.configs.split(",") if i]
     out = [DEFAULT] + gq
     if args.tiny:
