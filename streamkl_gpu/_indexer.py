@@ -392,7 +392,7 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
 
     def launch(cfg):
         pl = _plan(dims, cfg, "fwd")
-        if _indexer_fwd_gqa.applies(pl, dims, use_tma):  # the GQA kernel (variant "gqa"/"gqa-kv", s6-idxgqa)
+        if _indexer_fwd_gqa.applies(pl, dims, use_tma):  # the GQA kernel (variants "gqa...", s6-idxgqa)
             return _indexer_fwd_gqa.launch(dims, pl, q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, causal,
                                            relu, ieee_t, ieee_i)
         splits, per_split = _key_splits(dims, pl)
