@@ -5,6 +5,8 @@ of the general kernel against the GQA kernel (``streamkl_gpu._indexer_fwd_gqa``,
 
     python bench/idx_gqa_gpu.py OUT_DIR --quick     # fits a 70 s slot on one H200, compiles included
     python bench/idx_gqa_gpu.py OUT_DIR             # also 16K and longer timings
+    python bench/idx_gqa_gpu.py OUT_DIR --quick --final   # the API's default path (autotune off) vs the
+                                                    # former default config, 8K..64K, <= 60 s
     TRITON_INTERPRET=1 python bench/idx_gqa_gpu.py /tmp/x --tiny   # CPU smoke of the script
 
 Order (the slot is fixed; a watchdog ends the run in time and prints what ran):
@@ -87,13 +89,16 @@ def parse_args(argv=None):
     p.add_argument("--deadline", type=float, default=None, help="seconds; default 58 (--quick), 400")
     p.add_argument("--ns", default=None, help="N list (default 8192,16384)")
     p.add_argument("--configs", default=None, help="indices into GQA_CONFIGS to run, e.g. 0,1,2 (default all)")
+    p.add_argument("--final", action="store_true",
+                   help="the API's default path (autotune off, no forced config) against the former default "
+                        "config, at 8K, 16K, 32K, 64K (unless --ns), checks after")
     p.add_argument("--parallel", type=int, default=None)
     p.add_argument("--warm-job", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.tiny:  # the GQA kernel reads through TMA descriptors only: the interpreter's, in the smoke
         streamkl_gpu._runtime.INTERPRETER_TMA = True
     if a.deadline is None:
-        a.deadline = 58.0 if a.quick else 400.0  # --quick: a 70 s slot, less ~5 s of imports and a margin
+        a.deadline = 52.0 if a.final else 58.0 if a.quick else 400.0  # --quick: a 70 s slot less imports; --final: <= 60 s
     return a
 
 
@@ -194,11 +199,16 @@ class Run:
 
 
 def label(c):
+    if c is None:
+        return "api-default (autotune off)"
     return f"fwd{list(c)}"
 
 
 def configs(args):
     """(label, forced config) of the run: the default first, then the GQA kernel's configs."""
+    if args.final:  # the API's default path (None: nothing forced), the former default forced, and
+        # the default's config with more key splits than its rule's cap (24: the most s6r3 tried)
+        return [DEFAULT, None, (64, 64, 64, 64, 4, 3, 1, 32, "gqa-band"), (64, 64, 64, 64, 4, 3, 1, 48, "gqa-band")]
     gq = GQA_CONFIGS if args.configs is None else [GQA_CONFIGS[int(i)] for i in args.configs.split(",") if i]
     out = [DEFAULT] + gq
     if args.tiny:
@@ -207,6 +217,8 @@ def configs(args):
 
 
 def forward(xs, lse, c, causal=True, scale=None):
+    if c is None:  # the API's own choice (STREAMKL_AUTOTUNE=0 under --final: the first candidate)
+        return streamkl_gpu.indexer_kl(*xs, lse=lse, causal=causal, scale=scale)
     with Force(fwd=c):
         return streamkl_gpu.indexer_kl(*xs, lse=lse, causal=causal, scale=scale)
 
@@ -226,6 +238,8 @@ def run_warm_job(args, i):
 
 
 def _kernel(c):
+    if c is None:
+        return None
     """A config less its key splits: configs that differ only there (splits > 1) share a kernel."""
     return tuple(c[:7]) + tuple(c[8:])
 
@@ -248,7 +262,8 @@ def warm_up(run, jobs, parallel, limit):
         while pending and len(running) < parallel:
             i = pending.pop(0)
             cmd = [sys.executable, os.path.abspath(__file__), run.args.out_dir, "--warm-job", str(i)]
-            cmd += [f for f, on in (("--tiny", run.args.tiny), ("--quick", run.args.quick)) if on]
+            cmd += [f for f, on in (("--tiny", run.args.tiny), ("--quick", run.args.quick), ("--final", run.args.final))
+                    if on]
             if run.args.configs is not None:
                 cmd += ["--configs", run.args.configs]
             running.append((i, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
@@ -285,7 +300,11 @@ def time_point(run, N, cands, bad, reps, passes):
     comparison below."""
     from streamkl_gpu import _indexer_fwd_gqa
     xs = run.inputs(N)
-    lse = run.teacher_lse(xs[0], xs[1])
+    if N > 16384:  # PyTorch's dense LSE would need N^2 floats per head: our LSE pass (checked at 320 after)
+        lse = _indexer._forward(*xs, None, True, run.scale, True)[2] / _indexer.LOG2E
+        run.sync()
+    else:
+        lse = run.teacher_lse(xs[0], xs[1])
     floor = _floor_flops(run.cfg, N, True) / run.rate * 1e3
     run.floors[N] = floor
     shape = f"gqa N={N} causal"
@@ -294,7 +313,7 @@ def time_point(run, N, cands, bad, reps, passes):
     variants = [(label(c), c, True) for i, c in enumerate(cands) if i not in bad]
     for i in bad:
         run.results[(N, label(cands[i]))] = "warm-fail"
-    gq = [c for _, c, _ in variants if isinstance(c[-1], str) and c[-1].startswith("gqa")]
+    gq = [c for _, c, _ in variants if c is not None and isinstance(c[-1], str) and c[-1].startswith("gqa")]
     if gq:
         variants.append((label(gq[0]) + " host-merge", gq[0], False))
     times = {name: [] for name, _, _ in variants}
@@ -375,7 +394,8 @@ def check_all(run, cands, bad):
 
 
 def table(run, cands):
-    print("\n== GQA-like indexer forward, causal bf16, lse given (forced configs) ==", flush=True)
+    print("\n== GQA-like indexer forward, causal bf16, lse given (forced configs; api-default: nothing forced, "
+          "autotune off) ==", flush=True)
     comp = RECORDED_COMPILE.get(("gqa", 8192, "fwd"))
     print(f"{'N':>6s} {'config':52s} {'ms':>8s} {'x floor':>8s} {'vs default':>10s} {'x compile':>9s}  checks")
     for N in sorted(run.floors):
@@ -415,7 +435,7 @@ def main(argv=None):
     import triton
     run.log(f"idx_gqa: {torch.cuda.get_device_name() if run.device == 'cuda' else 'cpu'}, torch {torch.__version__}, "
             f"triton {triton.__version__}, quick={args.quick}; configs {cands}")
-    os.environ["STREAMKL_AUTOTUNE"] = "1"
+    os.environ["STREAMKL_AUTOTUNE"] = "0" if args.final else "1"
     bad = set()
     if run.device == "cuda":
         try:
@@ -426,7 +446,8 @@ def main(argv=None):
         except Exception as exc:  # noqa: BLE001 - then this process compiles
             run.log(f"warm-up raised {type(exc).__name__}: {exc}")
     run.matmul_rate()
-    ns = [int(n) for n in args.ns.split(",")] if args.ns else ([32] if args.tiny else [8192, 16384])
+    ns = ([int(n) for n in args.ns.split(",")] if args.ns else [32] if args.tiny
+          else [8192, 16384, 32768, 65536] if args.final else [8192, 16384])
     reps = 5 if args.quick else 20
     passes = 3 if args.quick else 5
     # timings first (8K, then 16K: the kernels are loaded by then, so 16K costs its compute only),

@@ -273,8 +273,9 @@ def _new_fwd_candidates(dims, gqa, n_sm):
         # per SM), 64 x 32 (108 registers, 74 KB, 3 stages: three per SM).
         # Measured (r5c, GQA 8K): 64 x 64 3 stages 2.341 ms = 5.02x (first), 128 x 128 8 warps
         # 2.483, 64 x 32 2.700, 64 x 64 2 stages 3.256, 32 x 64 4.785.
-        # s6-idxgqa: the GQA kernel (_indexer_fwd_gqa) first; run s6r2 (GQA 8K): "gqa-band" 64 x 64
-        # 1.785 ms = 4.00x against 2.836 for (64, 64, 64, 64, 4, 3, 1, 5) in the same run
+        # s6-idxgqa: the GQA kernel (_indexer_fwd_gqa) first, its key splits by its own rule; run
+        # s6r3: "gqa-band" 64 x 64, 24 splits 1.967 ms = 4.31x at 8K, 4.464 = 2.45x at 16K, against
+        # 2.681 / 6.840 for (64, 64, 64, 64, 4, 3, 1, 5) in the same run
         out += _indexer_fwd_gqa.candidates(dims, n_sm)
         for base in ((64, 64, 64, 64, 4, 3, 1), (128, 128, 128, 64, 8, 2, 1), (128, 128, 64, 64, 8, 2, None),
                      (128, 128, 64, 64, 8, 2, 1), (64, 64, 64, 64, 4, 2, None), (64, 64, 64, 64, 4, 2, 1),
@@ -441,7 +442,7 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
 
     def launch(cfg):
         pl = _plan(dims, cfg, "fwd")
-        if _indexer_fwd_gqa.applies(pl, dims, use_tma):  # the GQA kernel (variant "gqa"/"gqa-kv", s6-idxgqa)
+        if _indexer_fwd_gqa.applies(pl, dims, use_tma):  # the GQA kernel (variants "gqa...", s6-idxgqa)
             return _indexer_fwd_gqa.launch(dims, pl, q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, causal,
                                            relu, ieee_t, ieee_i)
         splits, per_split = _key_splits(dims, pl)

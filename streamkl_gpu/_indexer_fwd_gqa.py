@@ -89,20 +89,41 @@ def parse_variant(variant) -> Optional[Variant]:
 MAX_BOX_DIM = 128  # one TMA box per head and tile (D_PAD, DI_PAD)
 
 
-# The tuner's GQA-kernel candidates, measured best first (H200, triton 3.6, GQA-like 8K causal bf16,
-# lse given, bench/idx_gqa_gpu.py run s6r2; the general kernel's default (64, 64, 64, 64, 4, 3, 1, 5)
-# took 2.836 ms = 6.36x the floor in that run): "gqa-band" 64 tokens x 64 keys on 4 warps, 3 stages
-# 1.785 ms = 4.00x (157 registers offline: 3 CTAs/SM); 128 x 128 on 8 warps 1.934; "gqa-flat"
-# (no band) 2.011. Key splits by _indexer._fwd_split (5 at 8K).
-CANDIDATE_BASES = ((64, 64, 64, 64, 4, 3, 1, "gqa-band"), (128, 128, 128, 64, 8, 2, 1, "gqa-band"),
-                   (64, 64, 64, 64, 4, 3, 1, "gqa-flat"))
+# The tuner's GQA-kernel candidates, measured best first (H200, triton 3.6, GQA-like causal bf16,
+# lse given, bench/idx_gqa_gpu.py). Run s6r3 (round robin, 3 passes): "gqa-band" 64 tokens x 64
+# keys on 4 warps, 3 stages (157 registers offline: 3 CTAs/SM) at 8K 5 / 10 / 16 / 24 key splits
+# 2.221 / 2.105 / 2.002 / 1.967 ms (4.31x the floor at 24), at 16K 5.633 / 5.123 / 4.638 / 4.464 ms
+# (2.45x at 24), against 2.681 / 6.840 ms for the general kernel's former default
+# (64, 64, 64, 64, 4, 3, 1, 5); "gqa-band-r128" (2 stages, capped at 128 registers) 10 splits 1.951
+# / 4.888; "gqa-flat-band" (2 stages) 10 splits 1.904 at 8K (the best there) but 5.715 at 16K.
+# Run s6r2 (one pass): "gqa-band" 5 splits 1.785 ms = 4.00x against 2.836 for the former default.
+CANDIDATE_BASES = ((64, 64, 64, 64, 4, 3, 1, "gqa-band"), (64, 64, 64, 64, 4, 2, 1, "gqa-band-r128"),
+                   (64, 64, 64, 64, 4, 2, 1, "gqa-flat-band"))
+# Key splits: more were faster at every count measured (s6r3: 24, the most tried, best at 8K and
+# 16K), so ~SPLIT_WAVES waves of 3-CTA-per-SM slots (causal: about half the programs have work),
+# at most MAX_SPLITS (the split states, 20 B per split and row, stay small).
+SPLIT_WAVES = 8
+MAX_SPLITS = 24
+
+
+def key_splits(n_q: int, block_t: int, n_sm: int) -> int:
+    """Key splits of the GQA kernel's launch: ``SPLIT_WAVES`` waves of ``3 * n_sm`` CTA slots over
+    the token blocks (twice that many programs: causal, about half exit at once), at most
+    ``MAX_SPLITS``. H200 (132 SMs), 64-token blocks: 24 at 8K and 16K (as measured best), 13 at
+    32K, 7 at 64K."""
+    blocks = max(1, triton.cdiv(n_q, block_t))
+    return max(1, min(MAX_SPLITS, triton.cdiv(2 * SPLIT_WAVES * 3 * n_sm, blocks)))
 
 
 def candidates(dims, n_sm):
-    """The GQA kernel's launch configs for ``_indexer._new_fwd_candidates`` (GQA teachers)."""
-    from ._indexer import _fwd_split  # (import here: _indexer imports this module)
-
-    return [base[:7] + (_fwd_split(dims, base[:7], n_sm), base[7]) for base in CANDIDATE_BASES]
+    """The GQA kernel's launch configs for ``_indexer._new_fwd_candidates`` (GQA teachers; the
+    first is the untuned default): :data:`CANDIDATE_BASES` with :func:`key_splits` (per batch
+    element: B token-block rows of programs share the slots)."""
+    out = []
+    for base in CANDIDATE_BASES:
+        splits = key_splits(dims.NQ * dims.B, base[0], n_sm)  # rows = BLOCK_T tokens (one head per tile)
+        out.append(base[:7] + (splits, base[7]))
+    return out
 
 
 def applies(pl, dims, use_tma: bool) -> bool:

@@ -154,3 +154,31 @@ def test_merge_kernel_equals_host_merge():
     assert torch.allclose(lse, lse_ref, rtol=1e-6, atol=1e-6, equal_nan=True)
     assert kl[1, 7] == 0 and lse[1, 7] == float("-inf")
     assert torch.isnan(kl[1, 9]) and torch.isfinite(kl[0]).all()
+
+
+def test_default_candidates_and_split_rule():
+    """The untuned default of a GQA teacher (the first candidate) is the GQA kernel's 64 x 64
+    band config; its key splits follow key_splits: 24 at 8K and 16K on 132 SMs (measured best, run
+    s6r3), fewer for longer sequences (the split states stay small), never more than MAX_SPLITS,
+    at least one, and the plan caps them at the key tiles."""
+    from streamkl_gpu import _indexer_fwd_gqa as g
+
+    rule = {n: g.key_splits(n, 64, 132) for n in (64, 8192, 16384, 32768, 65536, 1 << 20)}
+    assert rule[8192] == rule[16384] == 24
+    assert rule[65536] < rule[32768] < rule[16384]
+    assert all(1 <= v <= g.MAX_SPLITS for v in rule.values()) and rule[1 << 20] == 1
+    assert g.key_splits(8192, 64, 66) == 24 and g.key_splits(32768, 64, 66) < 13  # fewer SMs, fewer splits
+    for n in (8192, 65536):
+        xs = [torch.empty(s, device="meta") for s in ((1, 32, n, 128), (1, 8, n, 128), (1, 16, n, 64), (1, 1, n, 64),
+                                                     (1, 16, n))]
+        dims = check_indexer_inputs(*xs)
+        first = _indexer._new_fwd_candidates(dims, True, 132)[0]
+        assert first == (64, 64, 64, 64, 4, 3, 1, g.key_splits(n, 64, 132), "gqa-band")
+        pl = _indexer._plan(dims, first, "fwd")
+        assert _indexer_fwd_gqa.applies(pl, dims, True)
+        tiles = n // 64
+        per = -(-tiles // first[7])  # whole tiles per split (8K: 24 asked, 6 tiles each, 22 splits)
+        assert _indexer._key_splits(dims, pl) == (-(-tiles // per), per * 64)
+    small = check_indexer_inputs(*make(1, 8, 2, 100, 100, 32, 4, 1, 16))
+    pl = _indexer._plan(small, (64, 64, 64, 64, 4, 3, 1, 24, "gqa-band"), "fwd")
+    assert _indexer._key_splits(small, pl)[0] == 2  # 100 keys: two 64-key tiles
