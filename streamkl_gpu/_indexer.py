@@ -929,6 +929,13 @@ def pstore_enabled(dims) -> bool:
     return mode in ("1", "chunk")
 
 
+def _pstore_meta(pl) -> dict:
+    """The storing forward's options from the forward config's variant (_indexer_fwd.variant_meta):
+    the keys-major tile (KEYS_MAJOR) and a register cap; its other options (flat, lpt) not."""
+    meta = _indexer_fwd.variant_meta(str(pl["variant"]), _runtime.interpreting())
+    return {k: v for k, v in meta.items() if k in ("KEYS_MAJOR", "maxnreg")}
+
+
 def _forward_pstore(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
     """(sum of KL, LSE_I, p [B, N_Q, N_K] in PSTORE_DTYPE): the forward (its launch candidates) storing p."""
     dims = check_indexer_inputs(q, k, q_idx, k_idx, weights, scale=scale)
@@ -960,7 +967,8 @@ def _forward_pstore(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
             D=dims.D, BLOCK_D=pl["BLOCK_D"], DI=dims.DI, BLOCK_DI=pl["BLOCK_DI"],
             HB=pl["HB"], IB=pl["IB"], BLOCK_T=pl["BLOCK_T"], BLOCK_N=pl["BLOCK_N"],
             CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, NO_CONTRACT=no_contract,
-            USE_TMA=tma, SPLIT=splits > 1, A_L1=a_l1, num_warps=pl["warps"], num_stages=pl["stages"])
+            USE_TMA=tma, SPLIT=splits > 1, A_L1=a_l1, num_warps=pl["warps"], num_stages=pl["stages"],
+            **_pstore_meta(pl))
         if splits > 1:
             merged_kl, merged_lse = _merge_splits(part)
             kl.copy_(merged_kl)
@@ -1029,7 +1037,8 @@ def _forward_full(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
             D=dims.D, BLOCK_D=fpl["BLOCK_D"], DI=dims.DI, BLOCK_DI=fpl["BLOCK_DI"],
             HB=fpl["HB"], IB=fpl["IB"], BLOCK_T=fpl["BLOCK_T"], BLOCK_N=fpl["BLOCK_N"],
             CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, NO_CONTRACT=no_contract,
-            USE_TMA=ftma, SPLIT=splits > 1, A_L1=fl1, num_warps=fpl["warps"], num_stages=fpl["stages"])
+            USE_TMA=ftma, SPLIT=splits > 1, A_L1=fl1, num_warps=fpl["warps"], num_stages=fpl["stages"],
+            **_pstore_meta(fpl))
         if splits > 1:  # this chunk's rows merged before its gradient reads LSE_I
             merged_kl, merged_lse = _merge_splits(part[..., c0:c0 + rows])
             kl[:, c0:c0 + rows] = merged_kl
