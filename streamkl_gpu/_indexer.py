@@ -534,8 +534,8 @@ def bwd_mode() -> str:
     """The backward's kernels: ``STREAMKL_INDEXER_BWD`` = ``separate`` (default: a dq/dweights
     kernel and a dk kernel, each recomputing the teacher; no atomics but dk's token splits),
     ``fused`` (the dk kernel alone, dq/dweights by fp32 atomics: the teacher read once per
-    backward) or ``dqk`` (the dq kernel alone, each key tile's dk share added by one TMA bulk
-    reduction on Hopper, fp32 atomics elsewhere: one pass, three indexer products per tile).
+    backward) or ``dqk`` (the dq kernel alone, each key tile's dk share added by fp32 atomics,
+    DQK_TMA: one TMA bulk reduction: one pass, three indexer products per tile).
     Which is faster is not yet measured; bench/indexer_gpu.py times separate and fused,
     bench/idx_pacc_gpu.py separate and dqk (teacher-free)."""
     mode = os.environ.get("STREAMKL_INDEXER_BWD", "separate")
@@ -549,6 +549,12 @@ def bwd_mode() -> str:
 # student kernels on 4 warps: no spills, against 72 / 120 B with the logits formed again).
 # False: formed again by _indexer_logits, as before session 6 (bench/idx_pacc_gpu.py times both).
 BWD_LOGITS_FROM_A = True
+
+# The dq kernel's dk shares ("dqk" backward, the chunk design) by one TMA bulk reduction per tile:
+# off, fp32 atomics instead: on the H200 (run s6r3, triton 3.6) the TMA form stopped both with
+# "illegal instruction" / "illegal memory access" (the accumulating forward's own dk_p reduction
+# runs); not diagnosed.
+DQK_TMA = False
 
 # Tests set this: the dk kernel's token split (tokens per program) instead of the rule below.
 INTERPRETER_DK_SPLIT = None
@@ -628,7 +634,7 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
         dk_share, dk_desc = 0, None
         if dqk:  # dk_idx's shares from this kernel: zeroed; one bulk TMA reduction per tile on Hopper
             dk_idx.zero_()
-            dk_share = 2 if tma and not _runtime.interpreting() else 1
+            dk_share = 2 if DQK_TMA and tma and not _runtime.interpreting() else 1
             if dk_share == 2:
                 dk_desc = _runtime.TensorDescriptor(dk_idx, list(dk_idx.shape), list(dk_idx.stride()),
                                                     [1, 1, pl["BLOCK_N"], pl["DI_PAD"]])
@@ -981,7 +987,7 @@ def _forward_pstore(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
 # The "chunk" design (STREAMKL_INDEXER_PSTORE=chunk): the whole gradient of the sum (g = 1) in the
 # forward, chunk by chunk of tokens: the storing forward writes the chunk's p into a scratch
 # [B, PCHUNK_TOKENS, N_K] (linear memory: 4 * PCHUNK_TOKENS bytes per key), then the teacher-free
-# dq kernel with DK_SHARE (the "dqk" backward) reads it with the chunk's final LSE_I and forms
+# dq kernel with DK_SHARE (the "dqk" backward, dk by fp32 atomics) reads it with the chunk's final LSE_I and forms
 # g (softmax(I) - p)'s contractions for those tokens; the backward only scales by g. The teacher
 # is read once, by the plain forward's tile.
 PCHUNK_TOKENS = 2048
@@ -1023,7 +1029,7 @@ def _forward_full(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
     part = _fresh((5, splits, dims.B, dims.NQ), torch.float32, device) if splits > 1 else kl
     ftma, fl1 = _load_mode(fpl, use_tma)
     btma, _ = _load_mode(bpl, use_tma)
-    dk_share = 2 if btma and not _runtime.interpreting() else 1
+    dk_share = 2 if DQK_TMA and btma and not _runtime.interpreting() else 1
     dk_desc = (_runtime.TensorDescriptor(dk1, list(dk1.shape), list(dk1.stride()), [1, 1, bpl["BLOCK_N"], bpl["DI_PAD"]])
                if dk_share == 2 else None)
     fdesc = _descriptors(fpl, ftma, q, k, q_idx, k_idx)
