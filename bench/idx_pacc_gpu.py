@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The accumulating ("pacc") design of the indexer loss, DSA-like 8K causal fwd+bwd (issue 10).
 
-    python bench/idx_pacc_gpu.py OUT --quick        # fits a 90 s slot on one H200, compiles included
+    python bench/idx_pacc_gpu.py OUT --quick        # fits a 150 s slot on one H200, compiles included
+    python bench/idx_pacc_gpu.py OUT --final        # <= 70 s: the default and two candidates (FINAL)
     TRITON_INTERPRET=1 python bench/idx_pacc_gpu.py /tmp/x --tiny   # CPU smoke of the script
 
 Reduction "mean", ``lse`` given (the training case), bf16, causal, B = 1, DSA-like config
@@ -59,42 +60,55 @@ _ORIG = _indexer._candidates
 
 BASE_FWD = (128, 128, 64, 64, 8, 3)
 BASE_BWD = (128, 128, 64, 64, 8, 2)
-STORE_FWD = (128, 128, 128, 64, 4, 3)  # the plain forward's measured best tile (17.17 ms, s5r4)
+# the plain forward's first DSA candidate since s6-idxdsa's merge: the keys-major 128-key tile on 4
+# warps (13.69 ms in run s6r2); the row-major one before it (17.17 ms, s5r4)
+STORE_FWD = (128, 128, 128, 64, 4, 3, None, 1, "keys")
+STORE_FWD_ROWS = (128, 128, 128, 64, 4, 3)
 # The forward's variants, most informative first: (label, design, config, checked). Designs:
 # "pacc" accumulates the target's share (_indexer_pacc's accumulating kernel, kind "pacc"),
-# "pstore" stores p (kind "pstore", the forward's tile). A pacc config's 9th field names a kernel
-# variant: "teacher" / "logits" / "nodk" time the accumulating forward's parts (gradients
-# incomplete: not checked).
+# "pstore" stores p (kind "pstore", the forward's tile), "chunk" stores p chunk by chunk and forms
+# the whole gradient in the forward. A pacc config's 9th field names a kernel variant.
 FWD_VARIANTS = [
     ("base", "pacc", BASE_FWD, True),
     # the chunk design: p stored chunk by chunk (linear memory), the whole gradient in the forward
-    # (its "fwd" time is its fwd+bwd but the backward's scaling by g)
-    ("chunk", "chunk", STORE_FWD, True),
-    # the chunk design with its gradient kernel on 4 warps (9th field "w4bwd", a bench-only flag:
-    # Force then forces the backward config CHUNK_W4_BWD; the storing forward ignores it)
-    ("chunk w4bwd", "chunk", STORE_FWD + (None, 1, "w4bwd"), True),
-    ("kt+tm w8", "pacc", BASE_FWD + (None, 1, "kt+tm"), True),  # offline: 152 B of spills (base 328)
+    # (its "fwd" time is its fwd+bwd but the backward's scaling by g); dk by fp32 atomics
+    ("chunk keys", "chunk", STORE_FWD, True),
+    # the chunk design with its gradient kernel on 4 warps (9th field + "w4bwd", a bench-only
+    # flag: Force then forces the backward config CHUNK_W4_BWD; the storing forward ignores it)
+    ("chunk keys w4bwd", "chunk", STORE_FWD[:8] + ("keys_w4bwd",), True),
+    # the storing forward alone (whole p; no dk shares): tells a crash of the chunk design apart
+    ("store keys", "pstore", STORE_FWD, False),
 ]
-CHUNK_W4_BWD = (64, 64, 64, 64, 4, 2)  # offline (dqk): 368 B of spills, 8 warps 448 B
-# Measured in run s6r2 (H200, triton 3.6): part:teacher 25.73 ms, part:logits 30.39 (the whole
-# accumulating forward: 38.71 in s5r3). Not timed now (the lead's budget: ~6 compile jobs per run):
-# ("store", "pstore", STORE_FWD) the store design (quadratic memory: never the default),
-# ("tm w4", "pacc", (128, 128, 64, 64, 4, 3, None, 1, "tm")) offline 504 B,
-# ("kt+tm bn128 w8", "pacc", (128, 128, 128, 64, 8, 3, None, 1, "kt+tm")) offline 408 B,
+CHUNK_W4_BWD = (64, 64, 64, 64, 4, 2)  # offline (dq + dk atomics): 384 B of spills, 8 warps 408 B
+# Measured: run s6r2 (H200, triton 3.6): part:teacher 25.73 ms, part:logits 30.39; run s6r3: the
+# default fwd+bwd 51.41 ms (forward 38.53, backward 12.99), kt+tm on 8 warps 40.94 (slower); the
+# dqk backward and the chunk design with TMA bulk dk reductions crashed (illegal instruction /
+# illegal memory access; now fp32 atomics). Not timed now (~6 compile jobs per run):
+# ("kt+tm w8", "pacc", BASE_FWD + (None, 1, "kt+tm")), ("tm w4", "pacc", (128, 128, 64, 64, 4, 3, None, 1, "tm"))
+# offline 504 B, ("kt+tm bn128 w8", "pacc", (128, 128, 128, 64, 8, 3, None, 1, "kt+tm")) offline 408 B,
 # ("kt+tm+h2 w4", "pacc", (128, 128, 64, 64, 4, 3, None, 1, "kt+tm+h2")) 384 B, ("kt w8", "pacc",
 # BASE_FWD + (None, 1, "kt")) 144 B, ("part:nodk", ...), ("w4", "pacc", (128, 128, 64, 64, 4, 3)) 568 B,
 # ("bn32 w8", "pacc", (128, 128, 32, 64, 8, 3)) 48 B, ("t2 hb64 w8", "pacc", (128, 128, 64, 64, 8, 3, 64))
-# 472 B, ("store p fp16", "pstore", STORE_FWD + (None, 1, "p16")).
+# 472 B, ("store p fp16", "pstore", STORE_FWD + (None, 1, "p16")), ("chunk rows", "chunk", STORE_FWD_ROWS)
+# (the row-major storing forward).
 # The student backward's variants (dq and dk kernels forced to the same config), after the
 # forward of their design's first variant: (label, design, config). A 9th field "dqk": the
-# one-kernel backward (STREAMKL_INDEXER_BWD=dqk); "again": the logits formed again by a second
-# product (BWD_LOGITS_FROM_A off: the session-5 backward)
+# one-kernel backward (STREAMKL_INDEXER_BWD=dqk, dk by fp32 atomics); "again": the logits formed
+# again by a second product (BWD_LOGITS_FROM_A off: the session-5 backward)
 BWD_VARIANTS = [
     ("base", "pacc", BASE_BWD),
     ("dqk", "pacc", BASE_BWD + (None, 1, "dqk")),
 ]
 # also: ("w4 s2", "pacc", (64, 64, 64, 64, 4, 2)), ("dqk w4", "pacc", (64, 64, 64, 64, 4, 2, None, 1, "dqk")),
 # ("logits again", "pacc", BASE_BWD + (None, 1, "again")), ("store", "pstore", BASE_BWD).
+# --final: the default (first candidates) and the two candidates that failed on the H200 in run
+# s6r3 with TMA bulk dk reductions and use fp32 atomics since: the chunk design (keys-major storing
+# forward) and the dqk backward
+FINAL = {"fwd": ("base", "chunk keys"), "bwd": ("base", "dqk")}
+if "--final" in sys.argv:
+    FWD_VARIANTS = [v for v in FWD_VARIANTS if v[0] in FINAL["fwd"]]
+    BWD_VARIANTS = [v for v in BWD_VARIANTS if v[0] in FINAL["bwd"]]
+
 DESIGN_ENV = {"pacc": "0", "pstore": "1", "chunk": "chunk"}  # STREAMKL_INDEXER_PSTORE
 
 
@@ -109,7 +123,13 @@ def parse_args(argv=None):
     p.add_argument("--parallel", type=int, default=None)
     p.add_argument("--no-warm", action="store_true")
     p.add_argument("--job", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--final", action="store_true",
+                   help="the final run (<= 70 s): the default and the two candidates fixed after s6r3 (FINAL)")
     a = p.parse_args(argv)
+    if a.final:
+        a.quick = True
+        a.deadline = a.deadline or 64.0
+        a.warm_s = a.warm_s or 40.0
     if a.deadline is None:
         a.deadline = 140.0 if a.quick else 400.0  # the lead's slot for this script: 150 s (run s6r3)
     if a.warm_s is None:
@@ -132,7 +152,7 @@ class Force:
             want = self.want.get(kind)
             return [want] if want is not None and not (ieee or _runtime_interp()) else full[:1]
         pst = self.want.get("pstore")
-        if self.design == "chunk" and pst is not None and len(pst) > 8 and pst[8] == "w4bwd":
+        if self.design == "chunk" and pst is not None and len(pst) > 8 and "w4bwd" in str(pst[8]).split("_"):
             self.want = dict(self.want, bwd=CHUNK_W4_BWD)
         _indexer._candidates = cands
         bwd = self.want.get("bwd")
@@ -383,7 +403,7 @@ class Bench:
             while pending and len(running) < par:
                 job = pending.pop(0)
                 cmd = [sys.executable, os.path.abspath(__file__), self.args.out_dir, "--job", job] + (
-                    ["--tiny"] if self.args.tiny else [])
+                    ["--tiny"] if self.args.tiny else []) + (["--final"] if self.args.final else [])  # the same lists
                 running.append((job, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                                       env=env)))
             still = []
@@ -592,7 +612,7 @@ def main(argv=None):
     except Exception as exc:  # noqa: BLE001
         bench.log(f"checks raised {type(exc).__name__}: {str(exc)[:300]}")
         bench.logf.write(traceback.format_exc())
-    if bench.device == "cuda" and bench.left() > 12:
+    if bench.device == "cuda" and bench.left() > 12 and not args.final:
         xs = inputs(cfg, N, bench.device)
         lse = teacher_lse(xs[0], xs[1], kw["scale"])
         train = [x.detach().clone().requires_grad_(r) for x, r in zip(xs, TRAIN)]

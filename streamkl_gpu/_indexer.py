@@ -548,8 +548,8 @@ def bwd_mode() -> str:
     """The backward's kernels: ``STREAMKL_INDEXER_BWD`` = ``separate`` (default: a dq/dweights
     kernel and a dk kernel, each recomputing the teacher; no atomics but dk's token splits),
     ``fused`` (the dk kernel alone, dq/dweights by fp32 atomics: the teacher read once per
-    backward) or ``dqk`` (the dq kernel alone, each key tile's dk share added by one TMA bulk
-    reduction on Hopper, fp32 atomics elsewhere: one pass, three indexer products per tile).
+    backward) or ``dqk`` (the dq kernel alone, each key tile's dk share added by fp32 atomics,
+    DQK_TMA: one TMA bulk reduction: one pass, three indexer products per tile).
     Which is faster is not yet measured; bench/indexer_gpu.py times separate and fused,
     bench/idx_pacc_gpu.py separate and dqk (teacher-free)."""
     mode = os.environ.get("STREAMKL_INDEXER_BWD", "separate")
@@ -563,6 +563,12 @@ def bwd_mode() -> str:
 # student kernels on 4 warps: no spills, against 72 / 120 B with the logits formed again).
 # False: formed again by _indexer_logits, as before session 6 (bench/idx_pacc_gpu.py times both).
 BWD_LOGITS_FROM_A = True
+
+# The dq kernel's dk shares ("dqk" backward, the chunk design) by one TMA bulk reduction per tile:
+# off, fp32 atomics instead: on the H200 (run s6r3, triton 3.6) the TMA form stopped both with
+# "illegal instruction" / "illegal memory access" (the accumulating forward's own dk_p reduction
+# runs); not diagnosed.
+DQK_TMA = False
 
 # Tests set this: the dk kernel's token split (tokens per program) instead of the rule below.
 INTERPRETER_DK_SPLIT = None
@@ -642,7 +648,7 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
         dk_share, dk_desc = 0, None
         if dqk:  # dk_idx's shares from this kernel: zeroed; one bulk TMA reduction per tile on Hopper
             dk_idx.zero_()
-            dk_share = 2 if tma and not _runtime.interpreting() else 1
+            dk_share = 2 if DQK_TMA and tma and not _runtime.interpreting() else 1
             if dk_share == 2:
                 dk_desc = _runtime.TensorDescriptor(dk_idx, list(dk_idx.shape), list(dk_idx.stride()),
                                                     [1, 1, pl["BLOCK_N"], pl["DI_PAD"]])
@@ -943,6 +949,13 @@ def pstore_enabled(dims) -> bool:
     return mode in ("1", "chunk")
 
 
+def _pstore_meta(pl) -> dict:
+    """The storing forward's options from the forward config's variant (_indexer_fwd.variant_meta):
+    the keys-major tile (KEYS_MAJOR) and a register cap; its other options (flat, lpt) not."""
+    meta = _indexer_fwd.variant_meta(str(pl["variant"]), _runtime.interpreting())
+    return {k: v for k, v in meta.items() if k in ("KEYS_MAJOR", "maxnreg")}
+
+
 def _forward_pstore(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
     """(sum of KL, LSE_I, p [B, N_Q, N_K] in PSTORE_DTYPE): the forward (its launch candidates) storing p."""
     dims = check_indexer_inputs(q, k, q_idx, k_idx, weights, scale=scale)
@@ -974,7 +987,8 @@ def _forward_pstore(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
             D=dims.D, BLOCK_D=pl["BLOCK_D"], DI=dims.DI, BLOCK_DI=pl["BLOCK_DI"],
             HB=pl["HB"], IB=pl["IB"], BLOCK_T=pl["BLOCK_T"], BLOCK_N=pl["BLOCK_N"],
             CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, NO_CONTRACT=no_contract,
-            USE_TMA=tma, SPLIT=splits > 1, A_L1=a_l1, num_warps=pl["warps"], num_stages=pl["stages"])
+            USE_TMA=tma, SPLIT=splits > 1, A_L1=a_l1, num_warps=pl["warps"], num_stages=pl["stages"],
+            **_pstore_meta(pl))
         if splits > 1:
             merged_kl, merged_lse = _merge_splits(part)
             kl.copy_(merged_kl)
@@ -987,7 +1001,7 @@ def _forward_pstore(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
 # The "chunk" design (STREAMKL_INDEXER_PSTORE=chunk): the whole gradient of the sum (g = 1) in the
 # forward, chunk by chunk of tokens: the storing forward writes the chunk's p into a scratch
 # [B, PCHUNK_TOKENS, N_K] (linear memory: 4 * PCHUNK_TOKENS bytes per key), then the teacher-free
-# dq kernel with DK_SHARE (the "dqk" backward) reads it with the chunk's final LSE_I and forms
+# dq kernel with DK_SHARE (the "dqk" backward, dk by fp32 atomics) reads it with the chunk's final LSE_I and forms
 # g (softmax(I) - p)'s contractions for those tokens; the backward only scales by g. The teacher
 # is read once, by the plain forward's tile.
 PCHUNK_TOKENS = 2048
@@ -1029,7 +1043,7 @@ def _forward_full(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
     part = _fresh((5, splits, dims.B, dims.NQ), torch.float32, device) if splits > 1 else kl
     ftma, fl1 = _load_mode(fpl, use_tma)
     btma, _ = _load_mode(bpl, use_tma)
-    dk_share = 2 if btma and not _runtime.interpreting() else 1
+    dk_share = 2 if DQK_TMA and btma and not _runtime.interpreting() else 1
     dk_desc = (_runtime.TensorDescriptor(dk1, list(dk1.shape), list(dk1.stride()), [1, 1, bpl["BLOCK_N"], bpl["DI_PAD"]])
                if dk_share == 2 else None)
     fdesc = _descriptors(fpl, ftma, q, k, q_idx, k_idx)
@@ -1043,7 +1057,8 @@ def _forward_full(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
             D=dims.D, BLOCK_D=fpl["BLOCK_D"], DI=dims.DI, BLOCK_DI=fpl["BLOCK_DI"],
             HB=fpl["HB"], IB=fpl["IB"], BLOCK_T=fpl["BLOCK_T"], BLOCK_N=fpl["BLOCK_N"],
             CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, NO_CONTRACT=no_contract,
-            USE_TMA=ftma, SPLIT=splits > 1, A_L1=fl1, num_warps=fpl["warps"], num_stages=fpl["stages"])
+            USE_TMA=ftma, SPLIT=splits > 1, A_L1=fl1, num_warps=fpl["warps"], num_stages=fpl["stages"],
+            **_pstore_meta(fpl))
         if splits > 1:  # this chunk's rows merged before its gradient reads LSE_I
             merged_kl, merged_lse = _merge_splits(part[..., c0:c0 + rows])
             kl[:, c0:c0 + rows] = merged_kl

@@ -30,7 +30,9 @@ import triton.language as tl
 
 from ._fwd import LOG2E, _dot, _key_stages, _to_bits
 from ._indexer_bwd import _coef_a, _finite_or_zero, _query_rows
-from ._indexer_fwd import _finish, _indexer_logits, _online_update, _teacher_target, _token_visible
+from ._indexer_fwd import (_finish, _indexer_logits, _indexer_logits_keys, _lse_columns, _online_update,
+                           _teacher_target, _teacher_target_keys, _token_visible, _token_visible_keys,
+                           _weight_columns)
 
 __all__ = ["LOG2E"]
 
@@ -365,29 +367,49 @@ def _pstore_key_range(
     HB: tl.constexpr, IB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
     IEEE_T: tl.constexpr, IEEE_I: tl.constexpr, NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr,
-    A_L1: tl.constexpr,
+    A_L1: tl.constexpr, KEYS_MAJOR: tl.constexpr = False,
 ):
     """_indexer_fwd._fwd_key_range's loop, plus one store of each tile's p (0 where masked):
-    token t's row of P is ``b * p_rows + t - t_off`` (a chunk of p_rows tokens from t_off)."""
+    token t's row of P is ``b * p_rows + t - t_off`` (a chunk of p_rows tokens from t_off).
+    KEYS_MAJOR: the keys-major score tiles of _indexer_fwd (s6-idxdsa), p^T stored transposed."""
     diag_offset = N_K - N_Q
     toks = t0 + tl.arange(0, BLOCK_T)
     p_row = (b.to(tl.int64) * p_rows + (toks - t_off).to(tl.int64)) * N_K
     tok_ok = toks < N_Q
+    if KEYS_MAJOR:  # the per-column LSEs and weights of the first head chunk, once per program
+        lse_first = _lse_columns(LSE_T, b, t0, H, GROUP, N_Q, 0, chunks_per_group, HB, BLOCK_T)
+        w_first = _weight_columns(W, stride_wb, stride_wh, stride_wn, b, t0, GROUP_I, N_Q, 0, ichunks_per_group,
+                                  IB, BLOCK_T)
     for s0 in range(lo, hi, BLOCK_N):
         keys = s0 + tl.arange(0, BLOCK_N)
-        p = _teacher_target(Q, K, Q_DESC, K_DESC, LSE_T, stride_qb, stride_qh, stride_qn, stride_qd,
-                            stride_kb, stride_kh, stride_kn, stride_kd,
-                            b, t0, s0, H, GROUP, N_Q, N_K, diag_offset, qk_scale, inv_heads,
-                            n_chunks, chunks_per_group, D, BLOCK_D, HB, BLOCK_T, BLOCK_N,
-                            MASKED, CAUSAL, IEEE_T, NO_CONTRACT, USE_TMA, A_L1)
-        logits = _indexer_logits(QI, KI, QI_DESC, KI_DESC, W, stride_qib, stride_qih, stride_qin, stride_qid,
-                                 stride_kib, stride_kih, stride_kin, stride_kid, stride_wb, stride_wh, stride_wn,
-                                 b, t0, s0, GROUP_I, N_Q, N_K, n_ichunks, ichunks_per_group,
-                                 DI, BLOCK_DI, IB, BLOCK_T, BLOCK_N, RELU, IEEE_I, USE_TMA, A_L1)
-        visible = _token_visible(toks, keys, N_Q, N_K, diag_offset, MASKED, CAUSAL)
-        m, l, mass, acc, plogp = _online_update(m, l, mass, acc, plogp, p, logits, visible)
-        tl.store(P + p_row[:, None] + keys[None, :], p.to(P.dtype.element_ty),
-                 mask=tok_ok[:, None] & (keys < N_K)[None, :])
+        if KEYS_MAJOR:  # [BLOCK_N, BLOCK_T] tiles, the state's sums along axis 0
+            p_t = _teacher_target_keys(Q, K, Q_DESC, K_DESC, LSE_T, stride_qb, stride_qh, stride_qn, stride_qd,
+                                       stride_kb, stride_kh, stride_kn, stride_kd,
+                                       b, t0, s0, H, GROUP, N_Q, N_K, diag_offset, qk_scale, inv_heads,
+                                       n_chunks, chunks_per_group, D, BLOCK_D, HB, BLOCK_T, BLOCK_N,
+                                       MASKED, CAUSAL, IEEE_T, NO_CONTRACT, USE_TMA, lse_first)
+            logits_t = _indexer_logits_keys(QI, KI, QI_DESC, KI_DESC, W, stride_qib, stride_qih, stride_qin, stride_qid,
+                                            stride_kib, stride_kih, stride_kin, stride_kid, stride_wb, stride_wh,
+                                            stride_wn, b, t0, s0, GROUP_I, N_Q, N_K, n_ichunks, ichunks_per_group,
+                                            DI, BLOCK_DI, IB, BLOCK_T, BLOCK_N, RELU, IEEE_I, USE_TMA, w_first)
+            visible_t = _token_visible_keys(toks, keys, N_Q, N_K, diag_offset, MASKED, CAUSAL)
+            m, l, mass, acc, plogp = _online_update(m, l, mass, acc, plogp, p_t, logits_t, visible_t, 0, True)
+            tl.store(P + p_row[None, :] + keys[:, None], p_t.to(P.dtype.element_ty),
+                     mask=tok_ok[None, :] & (keys < N_K)[:, None])
+        else:
+            p = _teacher_target(Q, K, Q_DESC, K_DESC, LSE_T, stride_qb, stride_qh, stride_qn, stride_qd,
+                                stride_kb, stride_kh, stride_kn, stride_kd,
+                                b, t0, s0, H, GROUP, N_Q, N_K, diag_offset, qk_scale, inv_heads,
+                                n_chunks, chunks_per_group, D, BLOCK_D, HB, BLOCK_T, BLOCK_N,
+                                MASKED, CAUSAL, IEEE_T, NO_CONTRACT, USE_TMA, A_L1)
+            logits = _indexer_logits(QI, KI, QI_DESC, KI_DESC, W, stride_qib, stride_qih, stride_qin, stride_qid,
+                                     stride_kib, stride_kih, stride_kin, stride_kid, stride_wb, stride_wh, stride_wn,
+                                     b, t0, s0, GROUP_I, N_Q, N_K, n_ichunks, ichunks_per_group,
+                                     DI, BLOCK_DI, IB, BLOCK_T, BLOCK_N, RELU, IEEE_I, USE_TMA, A_L1)
+            visible = _token_visible(toks, keys, N_Q, N_K, diag_offset, MASKED, CAUSAL)
+            m, l, mass, acc, plogp = _online_update(m, l, mass, acc, plogp, p, logits, visible)
+            tl.store(P + p_row[:, None] + keys[None, :], p.to(P.dtype.element_ty),
+                     mask=tok_ok[:, None] & (keys < N_K)[None, :])
     return m, l, mass, acc, plogp
 
 
@@ -404,6 +426,7 @@ def _indexer_fwd_pstore_kernel(
     HB: tl.constexpr, IB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, RELU: tl.constexpr, IEEE_T: tl.constexpr, IEEE_I: tl.constexpr,
     NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr, SPLIT: tl.constexpr, A_L1: tl.constexpr = False,
+    KEYS_MAJOR: tl.constexpr = False,
 ):
     """``_indexer_fwd._indexer_fwd_kernel`` (same grid, key splits and outputs) that also stores
     the target ``p`` of every tile it visits into ``P [B, p_rows, N_K]`` (tiles past a block's
@@ -429,14 +452,14 @@ def _indexer_fwd_pstore_kernel(
         stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
         stride_wb, stride_wh, stride_wn, b, t0, key_lo, full_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale, inv_heads,
         n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, t_off, p_rows, D, BLOCK_D, DI, BLOCK_DI,
-        HB, IB, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, A_L1)
+        HB, IB, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, A_L1, KEYS_MAJOR)
     m, l, mass, acc, plogp = _pstore_key_range(
         m, l, mass, acc, plogp, Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, P,
         stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
         stride_qib, stride_qih, stride_qin, stride_qid, stride_kib, stride_kih, stride_kin, stride_kid,
         stride_wb, stride_wh, stride_wn, b, t0, full_hi, key_hi, H, GROUP, GROUP_I, N_Q, N_K, qk_scale,
         inv_heads, n_chunks, chunks_per_group, n_ichunks, ichunks_per_group, t_off, p_rows, D, BLOCK_D, DI, BLOCK_DI,
-        HB, IB, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, A_L1)
+        HB, IB, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_T, IEEE_I, NO_CONTRACT, USE_TMA, A_L1, KEYS_MAJOR)
     ok = toks < N_Q
     out = b.to(tl.int64) * N_Q + toks
     if SPLIT:

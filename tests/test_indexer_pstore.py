@@ -341,3 +341,24 @@ def test_chunked_design_nan_isolation_and_trace(monkeypatch, poison):
     assert torch.equal(l_e, l_c)
     for a, b in zip(g_e, g_c):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("variant", ["keys", "tiles"])
+def test_chunked_design_keys_major_forward(monkeypatch, poison, variant):
+    """The chunk design's storing forward with the forward's keys-major tile (9th field "keys",
+    _indexer_fwd.variant_meta): the same loss and gradients as the reference."""
+    monkeypatch.setenv("STREAMKL_INDEXER_PACC", "1")
+    monkeypatch.setenv("STREAMKL_INDEXER_PSTORE", "chunk")
+    monkeypatch.setattr(_indexer, "PCHUNK_TOKENS", 8)
+    monkeypatch.setattr(_indexer, "INTERPRETER_CONFIG", _indexer.INTERPRETER_CONFIG + (None, 1, variant))
+    shape = (1, 4, 1, 13, 21, 24, 4, 1, 16)
+    xs = make(*shape, seed=72)
+    x64 = [x.double().numpy() for x in xs]
+    kl_ref, _, lse_t = streamkl_ref.indexer_kl(*x64, return_lse=True, causal=True)
+    ref = streamkl_ref.indexer_kl_grad(*x64, np.full((1, 13), 1.7), causal=True)
+    loss, grads = _loss_and_grads(xs, torch.from_numpy(lse_t).float(), "sum", causal=True)
+    assert abs(loss.item() - kl_ref.sum()) <= 1e-5 * max(1.0, abs(kl_ref.sum()))
+    for name, got in grads.items():
+        want = torch.from_numpy(ref[name])
+        err = (got.double() - want).norm() / max(want.norm().item(), 1e-12)
+        assert err <= 1e-5, (name, err.item())
