@@ -561,6 +561,10 @@ def test_gpu_script_final_plan_and_summary(monkeypatch, tmp_path):
     monkeypatch.setattr(g, "prewarm", prewarm)
     monkeypatch.setattr(g, "run_timing", run_timing)
     monkeypatch.setattr(g, "run_check", lambda quick, configs, budget: calls.append(("check", quick, configs)) or [])
+    # the prewarm's file names: every spec (grid names have spaces and '/') maps to a plain file
+    for spec in g.FINAL_TRITON_POINTS:
+        name = g.re.sub(r"[^A-Za-z0-9_.-]", "_", (g.TRITON_POINT + spec).replace(",", "-"))
+        assert "/" not in name and " " not in name
     monkeypatch.setattr(dispatch, "FWD_BACKEND", dispatch.FWD_BACKEND)
 
     class Budget:
@@ -568,7 +572,9 @@ def test_gpu_script_final_plan_and_summary(monkeypatch, tmp_path):
             return 100.0
 
     a = argparse.Namespace(no_prewarm=False, no_check=False, rounds=None, out_dir=str(tmp_path), final=True)
-    targets, grid, checks, failed = g.run_final(a, Budget(), 1, 1)
+    out = {}
+    g.run_final(a, Budget(), 1, 1, out)
+    targets, grid, checks, failed = out["targets"], out["grid"], out.get("checks", []), out["failed"]
     specs = calls[0][1]
     assert specs[0] == g._spec("kernel", _gluon_fwd.candidates(128, 128)[0])
     assert all(sp in specs for sp in g.grid_prewarm_specs())
