@@ -1,7 +1,14 @@
 """GPU check and timing of the Gluon forward (issue 13), for one H200 run.
 
-    python bench/gluon_gpu.py OUT_DIR [--quick] [--grid] [--budget SECONDS] [--no-check]
+    python bench/gluon_gpu.py OUT_DIR [--quick] [--grid] [--final] [--budget SECONDS] [--no-check]
                               [--no-autotune] [--no-prewarm] [--configs all|default|LIST]
+                              [--rounds N] [--sass-seconds S] [--deadline S]
+
+Session 6 commands (one line each, ``{out}`` the output dir): ``bench/gluon_gpu_s6.txt`` (the
+--quick experiments run, 110 s slot) and ``bench/gluon_gpu_final.txt`` (the closing run, --final:
+the eight targets through the API vs SDPA in >= 3 interleaved rounds, the 42-point grid, the
+checks; the target table and the grid verdict printed last; <= 200 s). ``--deadline``: a watchdog
+that stops the sections in time for the SASS and the summary.
 
 Sections (a time budget skips what does not fit, recorded as ``skipped``; the SASS always runs):
 0. prewarm: every Gluon kernel of the run compiled in parallel worker processes into Triton's
