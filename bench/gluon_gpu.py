@@ -461,6 +461,13 @@ PREWARM_STATUS: dict = {}  # the last prewarm's {spec: None (ok) or why not}
 PREWARM_UNFINISHED: set = set()  # specs the prewarm stopped or never started (compiled in the main process)
 
 
+def file_name(label, index=None) -> str:
+    """A plain file name (no directory, no spaces) from any label (a prewarm spec, a grid case);
+    ``index``: a prefix that keeps two labels that clean to the same name apart."""
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(label).replace(",", "-")).strip("._") or "x"
+    return (f"{index:03d}_" if index is not None else "") + name[:150]
+
+
 def prewarm(specs, budget, out_dir, workers=None, limit=90):
     """Run each spec in its own worker process (``workers`` at a time, each at most ``limit`` s):
     compiles in parallel, and a configuration that hangs or faults the GPU is lost there, not
@@ -481,7 +488,7 @@ def prewarm(specs, budget, out_dir, workers=None, limit=90):
         while pending and len(running) < workers and time.time() < stop:
             spec = pending.pop(0)
             # output into files: a worker blocked on a full pipe would look like a hang
-            base = os.path.join(out_dir, "prewarm", re.sub(r"[^A-Za-z0-9_.-]", "_", spec.replace(",", "-")))
+            base = os.path.join(out_dir, "prewarm", file_name(spec, len(status) + len(running)))
             proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--probe", spec], cwd=ROOT, env=env,
                                     stdout=open(base + ".out", "w"), stderr=open(base + ".err", "w"))
             running.append((spec, proc, time.time(), base))
