@@ -1,7 +1,14 @@
 """GPU check and timing of the Gluon forward (issue 13), for one H200 run.
 
-    python bench/gluon_gpu.py OUT_DIR [--quick] [--grid] [--budget SECONDS] [--no-check]
+    python bench/gluon_gpu.py OUT_DIR [--quick] [--grid] [--final] [--budget SECONDS] [--no-check]
                               [--no-autotune] [--no-prewarm] [--configs all|default|LIST]
+                              [--rounds N] [--sass-seconds S] [--deadline S]
+
+Session 6 commands (one line each, ``{out}`` the output dir): ``bench/gluon_gpu_s6.txt`` (the
+--quick experiments run, 110 s slot) and ``bench/gluon_gpu_final.txt`` (the closing run, --final:
+the eight targets through the API vs SDPA in >= 3 interleaved rounds, the 42-point grid, the
+checks; the target table and the grid verdict printed last; <= 200 s). ``--deadline``: a watchdog
+that stops the sections in time for the SASS and the summary.
 
 Sections (a time budget skips what does not fit, recorded as ``skipped``; the SASS always runs):
 0. prewarm: every Gluon kernel of the run compiled in parallel worker processes into Triton's
@@ -45,6 +52,7 @@ import datetime
 import json
 import math
 import os
+import re
 import sys
 import time
 import traceback
@@ -453,6 +461,13 @@ PREWARM_STATUS: dict = {}  # the last prewarm's {spec: None (ok) or why not}
 PREWARM_UNFINISHED: set = set()  # specs the prewarm stopped or never started (compiled in the main process)
 
 
+def file_name(label, index=None) -> str:
+    """A plain file name (no directory, no spaces) from any label (a prewarm spec, a grid case);
+    ``index``: a prefix that keeps two labels that clean to the same name apart."""
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(label).replace(",", "-")).strip("._") or "x"
+    return (f"{index:03d}_" if index is not None else "") + name[:150]
+
+
 def prewarm(specs, budget, out_dir, workers=None, limit=90):
     """Run each spec in its own worker process (``workers`` at a time, each at most ``limit`` s):
     compiles in parallel, and a configuration that hangs or faults the GPU is lost there, not
@@ -473,7 +488,7 @@ def prewarm(specs, budget, out_dir, workers=None, limit=90):
         while pending and len(running) < workers and time.time() < stop:
             spec = pending.pop(0)
             # output into files: a worker blocked on a full pipe would look like a hang
-            base = os.path.join(out_dir, "prewarm", spec.replace(":", "_").replace(",", "-"))
+            base = os.path.join(out_dir, "prewarm", file_name(spec, len(status) + len(running)))
             proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--probe", spec], cwd=ROOT, env=env,
                                     stdout=open(base + ".out", "w"), stderr=open(base + ".err", "w"))
             running.append((spec, proc, time.time(), base))
@@ -1019,7 +1034,14 @@ def main(argv=None):
     checks, targets, grid, variants, sass, failed_cfg = [], [], [], [], [], {}
     try:
         if a.final:
-            targets, grid, checks, failed_cfg = run_final(a, budget, warmup, rep)
+            final = {}  # filled as it goes: an error or an interrupt keeps what ran
+            try:
+                run_final(a, budget, warmup, rep, final)
+            except Exception:
+                log(f"ERROR final: {traceback.format_exc()[-3000:]}")
+            finally:
+                targets, grid, checks = (final.get(k, []) for k in ("targets", "grid", "checks"))
+                failed_cfg = final.get("failed", {})
         elif a.grid:
             if dispatch.GLUON_AVAILABLE and not a.no_prewarm:
                 status = prewarm(grid_prewarm_specs(), budget, a.out_dir)
@@ -1103,7 +1125,7 @@ def main(argv=None):
 FINAL = {}  # what --final's summary prints last (rule, rounds)
 
 
-def run_final(a, budget, warmup, rep):
+def run_final(a, budget, warmup, rep, out):
     """--final: (1) prewarm in worker processes: the default Gluon kernel, the tuner's candidates
     of every Gluon specialisation the grid reaches, the tuned Triton path of one grid point per
     class of Triton compiles (``FINAL_TRITON_POINTS``) and the checks' Triton path; (2) the eight
@@ -1111,37 +1133,38 @@ def run_final(a, budget, warmup, rep):
     ``--rounds`` (default 3) interleaved rounds, the lowest round median kept (the median of the
     round medians recorded beside it); (3) the issue's no-regression grid (auto vs forced Triton
     and forced Gluon, one round, as s5r5); (4) the check cases (every class, budget permitting).
-    Returns (targets, grid, checks, failed configurations)."""
+    Fills ``out`` (targets, grid, checks, failed: the configurations left out) as it goes."""
     global ROUNDS
     from streamkl_gpu import _gluon_fwd
 
-    failed_cfg = {}
+    failed_cfg = out["failed"] = {}
     default = _gluon_fwd.candidates(128, 128)[0]
     if dispatch.GLUON_AVAILABLE and not a.no_prewarm:
         specs = [_spec("kernel", default)]
         specs += [sp for sp in grid_prewarm_specs() if sp not in specs]
         specs += [TRITON_POINT + name for name in FINAL_TRITON_POINTS] + list(TRITON_PREWARM)
-        status = prewarm(specs, budget, a.out_dir, limit=45)
+        try:
+            status = prewarm(specs, budget, a.out_dir, limit=45)
+        except Exception:  # the sections below compile in this process instead
+            log(f"ERROR prewarm: {traceback.format_exc()[-3000:]}")
+            status = {}
         PREWARM_STATUS.update(status)
         bad = {tuple(int(c) for c in sp.split(":")[1].split(",")) for sp, why in status.items()
                if why and sp.startswith("kernel:")}
         if bad:  # keep the API's tuner off them (a hang there would stop the run)
             tuner = _gluon_fwd.candidates
             _gluon_fwd.candidates = lambda d1, d2: [c for c in tuner(d1, d2) if c not in bad] or tuner(d1, d2)[:1]
-            failed_cfg = {c: "failed in a prewarm worker" for c in bad}
+            failed_cfg.update({c: "failed in a prewarm worker" for c in bad})
             log(f"left out of the API's tuner: {sorted(bad)}")
     ROUNDS = max(3, a.rounds or 3)
     FINAL["rounds"] = ROUNDS
-    targets = run_timing("final targets", target_points([8 * K, 16 * K, 32 * K, 64 * K]), warmup, rep, budget, (),
-                         api=("auto",))
+    out["targets"] = run_timing("final targets", target_points([8 * K, 16 * K, 32 * K, 64 * K]), warmup, rep,
+                                budget, (), api=("auto",))
     ROUNDS = 1
-    grid = []
     if budget.left() > 20:
-        grid = run_timing("grid", grid_points(), warmup, rep, budget)
-    checks = []
+        out["grid"] = run_timing("grid", grid_points(), warmup, rep, budget)
     if not a.no_check and budget.left() > 20:
-        checks = run_check(False, [default], budget)
-    return targets, grid, checks, failed_cfg
+        out["checks"] = run_check(False, [default], budget)
 
 
 class _Done(Exception):

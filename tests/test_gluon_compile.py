@@ -561,6 +561,13 @@ def test_gpu_script_final_plan_and_summary(monkeypatch, tmp_path):
     monkeypatch.setattr(g, "prewarm", prewarm)
     monkeypatch.setattr(g, "run_timing", run_timing)
     monkeypatch.setattr(g, "run_check", lambda quick, configs, budget: calls.append(("check", quick, configs)) or [])
+    # the prewarm's file names: every label (grid names have spaces and '/') maps to a plain file name
+    labels = [g.TRITON_POINT + p[0] for p in g.grid_points()] + g.grid_prewarm_specs() + ["a/b", "../x", " "]
+    names = [g.file_name(sp, i) for i, sp in enumerate(labels)]
+    assert len(set(names)) == len(names)
+    for name in names:
+        assert name == os.path.basename(name) and " " not in name and not name.startswith(".")
+        (tmp_path / (name + ".out")).write_text("ok")  # a file the OS takes
     monkeypatch.setattr(dispatch, "FWD_BACKEND", dispatch.FWD_BACKEND)
 
     class Budget:
@@ -568,7 +575,9 @@ def test_gpu_script_final_plan_and_summary(monkeypatch, tmp_path):
             return 100.0
 
     a = argparse.Namespace(no_prewarm=False, no_check=False, rounds=None, out_dir=str(tmp_path), final=True)
-    targets, grid, checks, failed = g.run_final(a, Budget(), 1, 1)
+    out = {}
+    g.run_final(a, Budget(), 1, 1, out)
+    targets, grid, checks, failed = out["targets"], out["grid"], out.get("checks", []), out["failed"]
     specs = calls[0][1]
     assert specs[0] == g._spec("kernel", _gluon_fwd.candidates(128, 128)[0])
     assert all(sp in specs for sp in g.grid_prewarm_specs())
@@ -585,3 +594,43 @@ def test_gpu_script_final_plan_and_summary(monkeypatch, tmp_path):
     assert "ratio 1.400 [1.450] ok" in lines[-2]
     assert any("FINAL targets" in ln and "3 interleaved rounds" in ln for ln in lines[-12:])
     g.FINAL.clear()
+
+
+def test_gpu_script_final_main_end_to_end_mocked(monkeypatch, tmp_path):
+    """``gluon_gpu.py OUT --final ...`` through ``main`` on CPU (device queries, prewarm, timers,
+    checks and SASS mocked): the plan runs to its end and writes the CSV, the log and the summary
+    (the targets table and the grid verdict last), with the command line of bench/gluon_gpu_final.txt."""
+    g = _bench_script()
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "mock")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(g, "prewarm", lambda specs, budget, out_dir, workers=None, limit=90: {sp: None for sp in specs})
+
+    def run_timing(section, points, warmup, rep, budget, config_providers=(), api=()):
+        rows = []
+        for case, sh, causal, _ in points:
+            if section == "final targets":
+                g.record(section, case, "auto", "ms", 1.3, detail="rounds 1.3000 1.3100 1.3200")
+                g.record(section, case, "sdpa", "ms", 1.0, detail="rounds 1.0000 1.0100 1.0000")
+                rows.append((case, causal, {"auto": 1.3, "sdpa": 1.0}))
+            else:
+                rows.append((case, causal, {"auto": 1.0, "triton": 1.0}))
+        return rows
+
+    monkeypatch.setattr(g, "run_timing", run_timing)
+    monkeypatch.setattr(g, "run_check", lambda quick, configs, budget: [("case", True, "ok")])
+    monkeypatch.setattr(g, "run_sass", lambda out_dir, seconds=0: [])
+    monkeypatch.setattr(dispatch, "FWD_BACKEND", dispatch.FWD_BACKEND)
+    cmd = open(os.path.join(ROOT, "bench", "gluon_gpu_final.txt")).read().split()
+    assert cmd[:3] == ["python", "bench/gluon_gpu.py", "{out}"] and "--final" in cmd
+    args = [str(tmp_path) if c == "{out}" else c for c in cmd[2:]]
+    import signal
+
+    try:
+        g.main(args)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)  # the --deadline watchdog
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    log = (tmp_path / "gluon_gpu.log").read_text().splitlines()
+    assert "FINAL grid verdict: 42 of 42 points" in log[-2] and "all <= 1.03" in log[-2], log[-3:]
+    assert "ratio 1.300 [1.310] ok" in log[-3]
+    assert (tmp_path / "gluon_gpu.csv").exists() and (tmp_path / "gluon_gpu_progress.log").exists()
