@@ -15,7 +15,8 @@ Outputs as bwd_gpu.py's (bwd_gpu.csv, bwd_gpu.log, bwd_gpu_table.txt); the table
 
 ``--fb-only`` (the short re-check once the backward's plan is the one a full run measured): only
 setting 1 at 8K non-causal, ours (the API's forward+backward) against torch.compile's, in ``--rounds``
-interleaved rounds (medians; each round's ratio logged), and the grid's last point (nq512 nk32K both).
+interleaved rounds (medians; each round's ratio logged), and the grid's points nq512 nk32K both
+(not reached in s6r1) and nq512 nk32K s2 (its plan changed since).
 The prewarm workers see the same lists through ``BWD_MUSTS_FB_ONLY=1`` in their environment.
 """
 from __future__ import annotations
@@ -114,7 +115,9 @@ def main(argv=None):
         os.environ["BWD_MUSTS_FB_ONLY"] = "1"  # inherited by the prewarm workers
     configure(no_grid)
     if os.environ.get("BWD_MUSTS_FB_ONLY") == "1":
-        bwd_gpu.Run.GRID = [g for g in bwd_gpu.Run.GRID if g[0] == "nq512 nk32K both"]
+        # the grid's last point (s6r1's budget ran out before it) and the one whose plan changed
+        # since s6r1 (auto_bwd_mode: separate from one wave of dQ programs, s6-bwd14)
+        bwd_gpu.Run.GRID = [g for g in bwd_gpu.Run.GRID if g[0] in ("nq512 nk32K both", "nq512 nk32K s2")]
         bwd_gpu.Run = FBRun
     if "--quick" not in argv:
         argv.append("--quick")  # settings 1 and 2, N = 8K and 16K
