@@ -41,10 +41,14 @@ LOG2E = 1.0 / LN2  # log2(e): folded into the score scale in base-2 mode
 
 
 def as_float_array(x, name: str, dtype=np.float64) -> np.ndarray:
-    """``x`` as a NumPy array of ``dtype``; a ``ValueError`` naming ``name`` if it is not real.
+    """``x`` as a C-contiguous NumPy array of ``dtype``; a ``ValueError`` naming ``name`` if it is not real.
 
     A torch tensor (any device, any float dtype, requiring grad or not) is detached and copied to
-    a float64 CPU array first, without this package importing torch."""
+    a float64 CPU array first, without this package importing torch. C order always (a copy of a
+    strided view): NumPy's matmul takes a different summation path (BLAS, FMA) for other layouts,
+    so a strided view and its contiguous copy could differ in the last bit (float32, found by the
+    NaN-isolation property test of ``attention_kl_grad_tiled``); the references' results depend on
+    the values only."""
     if _is_torch_tensor(x):
         if x.is_complex():
             raise ValueError(f"{name} is a complex torch tensor; the references take real inputs")
@@ -55,7 +59,7 @@ def as_float_array(x, name: str, dtype=np.float64) -> np.ndarray:
         raise ValueError(f"{name} must be a real array, could not convert it: {exc}") from exc
     if arr.dtype.kind not in "fiu":
         raise ValueError(f"{name} must hold real numbers, got dtype {arr.dtype}")
-    return arr.astype(dtype, copy=False)
+    return np.ascontiguousarray(arr, dtype=dtype)
 
 
 def _is_torch_tensor(x) -> bool:

@@ -116,6 +116,11 @@ def test_online(case, accumulator, base2, dtype, block_q, block_k, split_k):
        st.sampled_from([("1",), ("2",), ("1", "2")]))
 @example(KEY7, np.float32, 16, 16, ("1", "2"))
 @example(KEY40, np.float64, 16, 16, ("1", "2"))
+# found by a non-derandomised run (2026-12-01): no poison at all, the poisoned side a strided view;
+# float32 dk2 differed from the contiguous run in the last bit before the references made their
+# inputs C-contiguous (as_float_array)
+@example(NanCase(B=1, H=2, HK1=1, HK2=1, NQ=2, NK=2, D1=1, D2=1, causal=False, seed=0, layout="bnhd"),
+         np.float32, 2, 1, ("1",))
 def test_grad_tiled(case, dtype, block_q, block_k, settings):
     (clean_in, clean_g), (bad_in, bad_g) = clean_and_poisoned(case)
     kw = dict(causal=case.causal, block_q=block_q, block_k=block_k, dtype=dtype, settings=settings)
