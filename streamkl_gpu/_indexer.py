@@ -722,6 +722,18 @@ def _indexer_bwd_fake(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal,
     return torch.empty_like(q_idx), torch.empty_like(k_idx), torch.empty_like(weights)
 
 
+def _student_grads(need, run):
+    """The autograd return of an indexer loss whose inputs are ``(q, k, q_idx, k_idx, weights,
+    ...)``: the teacher (q, k) is a constant, so no gradient even if it requires one (documented);
+    ``run()`` gives ``(dq_idx, dk_idx, dweights)`` and is not called when none of them is needed."""
+    none = (None,) * len(need)
+    if not (need[2] or need[3] or need[4]):
+        return none
+    dq_idx, dk_idx, dweights = run()
+    return (None, None, dq_idx if need[2] else None, dk_idx if need[3] else None,
+            dweights if need[4] else None) + none[5:]
+
+
 def _setup_context(ctx, inputs, output):
     q, k, q_idx, k_idx, weights, lse, causal, scale, relu = inputs
     kl, lse_idx, lse_bits = output
@@ -732,14 +744,8 @@ def _setup_context(ctx, inputs, output):
 def _indexer_backward(ctx, g_kl, g_lse_idx, g_lse_bits):
     q, k, q_idx, k_idx, weights, lse_bits, lse_idx = ctx.saved_tensors
     causal, scale, relu = ctx.args
-    need = ctx.needs_input_grad
-    # the teacher (q, k) is a constant: no gradient even if it requires one (documented)
-    if not (need[2] or need[3] or need[4]):
-        return (None,) * 9
-    dq_idx, dk_idx, dweights = _indexer_bwd_op(g_kl, q, k, q_idx, k_idx, weights, lse_bits, lse_idx,
-                                               causal, scale, relu)
-    return (None, None, dq_idx if need[2] else None, dk_idx if need[3] else None,
-            dweights if need[4] else None, None, None, None, None)
+    return _student_grads(ctx.needs_input_grad, lambda: _indexer_bwd_op(
+        g_kl, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, relu))
 
 
 _indexer_fwd_op.register_autograd(_indexer_backward, setup_context=_setup_context)
@@ -908,13 +914,8 @@ def _loss_setup_context(ctx, inputs, output):
 def _loss_backward(ctx, g_total, g_lse_idx, g_dq, g_dk, g_dw):
     q, k, q_idx, k_idx, weights, lse_idx, dq_p, dk_p, dw_p = ctx.saved_tensors
     causal, scale, relu = ctx.args
-    need = ctx.needs_input_grad
-    if not (need[2] or need[3] or need[4]):
-        return (None,) * 9
-    dq_idx, dk_idx, dweights = _indexer_loss_bwd_op(g_total, q, k, q_idx, k_idx, weights, lse_idx, dq_p, dk_p,
-                                                    dw_p, causal, scale, relu)
-    return (None, None, dq_idx if need[2] else None, dk_idx if need[3] else None,
-            dweights if need[4] else None, None, None, None, None)
+    return _student_grads(ctx.needs_input_grad, lambda: _indexer_loss_bwd_op(
+        g_total, q, k, q_idx, k_idx, weights, lse_idx, dq_p, dk_p, dw_p, causal, scale, relu))
 
 
 _indexer_loss_fwd_op.register_autograd(_loss_backward, setup_context=_loss_setup_context)
@@ -1146,13 +1147,8 @@ def _pstore_setup_context(ctx, inputs, output):
 def _pstore_backward(ctx, g_total, g_lse_idx, g_p):
     q, k, q_idx, k_idx, weights, lse_idx, p = ctx.saved_tensors
     causal, scale, relu = ctx.args
-    need = ctx.needs_input_grad
-    if not (need[2] or need[3] or need[4]):
-        return (None,) * 9
-    dq_idx, dk_idx, dweights = _indexer_loss_pstore_bwd_op(g_total, q, k, q_idx, k_idx, weights, lse_idx, p,
-                                                           causal, scale, relu)
-    return (None, None, dq_idx if need[2] else None, dk_idx if need[3] else None,
-            dweights if need[4] else None, None, None, None, None)
+    return _student_grads(ctx.needs_input_grad, lambda: _indexer_loss_pstore_bwd_op(
+        g_total, q, k, q_idx, k_idx, weights, lse_idx, p, causal, scale, relu))
 
 
 _indexer_loss_pstore_fwd_op.register_autograd(_pstore_backward, setup_context=_pstore_setup_context)

@@ -23,7 +23,7 @@ from streamkl_ref._checks import check_indexer_inputs
 
 from . import _checks, _runtime, _tuning
 from . import _indexer_topk_kernels as _kernels
-from ._indexer import _check, _fresh, _pow2, _rows_with_keys
+from ._indexer import _check, _fresh, _pow2, _rows_with_keys, _student_grads
 
 __all__ = ["indexer_kl_topk", "indexer_kl_topk_naive", "MAX_TOPK_INDEXER_HEADS", "TOPK_DTYPES"]
 
@@ -213,13 +213,8 @@ def _setup_context(ctx, inputs, output):
 def _topk_backward(ctx, g_kl, g_lse_i, g_p_set):
     q_idx, k_idx, weights, topk_indices, p_set, lse_i = ctx.saved_tensors
     causal, relu = ctx.args
-    need = ctx.needs_input_grad
-    # the teacher (q, k) is a constant: no gradient even if it requires one (documented)
-    if not (need[2] or need[3] or need[4]):
-        return (None,) * 10
-    dq_idx, dk_idx, dweights = _topk_bwd_op(g_kl, q_idx, k_idx, weights, topk_indices, p_set, lse_i, causal, relu)
-    return (None, None, dq_idx if need[2] else None, dk_idx if need[3] else None,
-            dweights if need[4] else None, None, None, None, None, None)
+    return _student_grads(ctx.needs_input_grad, lambda: _topk_bwd_op(
+        g_kl, q_idx, k_idx, weights, topk_indices, p_set, lse_i, causal, relu))
 
 
 _topk_fwd_op.register_autograd(_topk_backward, setup_context=_setup_context)
