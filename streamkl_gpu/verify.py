@@ -173,7 +173,18 @@ def _run(args) -> int:
         return 2
     if args.impl is not None:
         return _run_impl(args, device)
-    return _run_own(args, device)
+    if device != "cpu":
+        return _run_own(args, device)
+    # on CPU every interpreted launch is bounds-checked: an access outside the launch's tensors
+    # (an illegal memory access on a GPU) fails the gate
+    from streamkl_gpu import _interpreter_bounds
+
+    with _interpreter_bounds.checked():
+        try:
+            return _run_own(args, device)
+        except _interpreter_bounds.OutOfBoundsAccess as exc:
+            print(f"streamkl verify: FAIL, out-of-bounds memory access: {exc}", file=sys.stderr)
+            return 1
 
 
 def _finish(report: Report, args, device_name: str, extra: dict) -> int:
@@ -398,6 +409,12 @@ def _run_own(args, device: str) -> int:
     if mean_cases:
         _append(report, check_indexer_kl(indexer_mean, device=device, dtypes=dnames[:1], returns="mean",
                                          cases=mean_cases, seed=args.seed), prefix="indexer(mean):")
+    if device == "cpu":  # every launch above ran bounds-checked (an out-of-bounds access raises)
+        from streamkl_gpu import _interpreter_bounds
+
+        seen = _interpreter_bounds.stats()
+        record("interpreter", "-", "accesses outside the launch's tensors", 0.0, 0.0, ok=seen["launches"] > 0,
+               note=f"{seen['launches']} launches, {seen['checked_accesses']} element accesses checked")
     report.elapsed_s = time.time() - t_start
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)"
     return _finish(report, args, device_name, {"elapsed_s": report.elapsed_s})

@@ -30,3 +30,19 @@ def block(request):
 def tma(request):
     """Under the interpreter, read the forward's key tiles through TMA descriptors (param True)."""
     yield from _override_api("INTERPRETER_TMA", request.param)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _bounds_checked_interpreter():
+    """Under the interpreter every launch of the suite is bounds-checked: a load, store or atomic
+    outside the launch's tensors raises (streamkl_gpu._interpreter_bounds), as the GPU would fault."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        yield
+        return
+    from streamkl_gpu import _interpreter_bounds
+
+    _interpreter_bounds.install()
+    yield
+    _interpreter_bounds.uninstall()

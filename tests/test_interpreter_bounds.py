@@ -1,0 +1,121 @@
+"""The bounds-checked interpreter (streamkl_gpu._interpreter_bounds): an access outside the
+launch's tensors raises, as the GPU would fault; in-bounds and masked-off accesses pass; the
+suite's launches run checked (tests/conftest.py); the indexer's chunk design at the H200's launch
+plan, which faulted there in runs s6r3/s6r4, stays inside its tensors."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the interpreter's checker")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from streamkl_gpu import _interpreter_bounds as bounds  # noqa: E402
+from streamkl_gpu import _runtime  # noqa: E402
+
+
+@triton.jit
+def _copy(X, Y, N, LOAD_EXTRA: tl.constexpr, STORE_EXTRA: tl.constexpr, ATOMIC_EXTRA: tl.constexpr,
+          BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < N + LOAD_EXTRA, other=0.0)
+    tl.store(Y + offs, x, mask=offs < N + STORE_EXTRA)
+    tl.atomic_add(Y + offs, x, mask=offs < N + ATOMIC_EXTRA)
+
+
+@triton.jit
+def _desc_copy(X_DESC, Y, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(Y + offs, X_DESC.load([0]))
+
+
+def _run(x, y, load=0, store=0, atomic=0):
+    _copy[(1,)](x, y, x.numel(), LOAD_EXTRA=load, STORE_EXTRA=store, ATOMIC_EXTRA=atomic, BLOCK=16)
+
+
+def test_the_suite_runs_checked():
+    assert bounds.installed()
+    before = bounds.stats()
+    _run(torch.arange(10.0), torch.zeros(10))
+    after = bounds.stats()
+    assert after["launches"] == before["launches"] + 1
+    assert after["checked_accesses"] - before["checked_accesses"] == 30  # 10 loads, 10 stores, 10 atomics
+
+
+def test_in_bounds_and_masked_lanes_pass():
+    x, y = torch.arange(10.0), torch.zeros(10)
+    _run(x, y)  # 16 lanes, 6 masked off: nothing outside
+    assert torch.equal(y, 2 * x)
+
+
+@pytest.mark.parametrize("op,kw", [("load", dict(load=1)), ("store", dict(store=1)), ("atomic", dict(atomic=3))])
+def test_one_element_past_the_end_is_caught(op, kw):
+    with pytest.raises(bounds.OutOfBoundsAccess, match=rf"_copy: {op} of {max(kw.values())} element"):
+        _run(torch.arange(10.0), torch.zeros(10), **kw)
+
+
+@triton.jit
+def _load_from(X, Y, START, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(Y + offs, tl.load(X + START + offs))
+
+
+def test_an_access_before_the_start_is_caught():
+    with pytest.raises(bounds.OutOfBoundsAccess, match=r"load of 1 element.*4 bytes before the start of X"):
+        _load_from[(1,)](torch.arange(16.0), torch.zeros(16), -1, BLOCK=16)
+    _load_from[(1,)](torch.arange(16.0), torch.zeros(16), 0, BLOCK=16)
+
+
+def test_the_view_not_its_storage_is_the_bound():
+    """A view into a larger buffer: reading past the view is a bug even though the memory exists
+    (the GPU's caching allocator would not fault either: the interpreter is stricter)."""
+    buf = torch.arange(32.0)
+    with pytest.raises(bounds.OutOfBoundsAccess, match=r"of X \(\(10,\) float32\)"):
+        _run(buf[:10], torch.zeros(10), load=1)
+    _run(buf[:11], torch.zeros(11))  # the same access inside an 11-element view passes
+
+
+def test_a_descriptor_larger_than_its_tensor_is_caught():
+    """A TMA descriptor whose shape claims more than the tensor holds: the interpreter masks by the
+    descriptor's shape, so without the checker the load reads past the tensor silently."""
+    x = torch.arange(8.0)
+    desc = _runtime.TensorDescriptor(x, [16], [1], [16])
+    with pytest.raises(bounds.OutOfBoundsAccess, match=r"load of 8 element"):
+        _desc_copy[(1,)](desc, torch.zeros(16), BLOCK=16)
+    ok = _runtime.TensorDescriptor(x, [8], [1], [16])  # the true shape: the rest pads with zeros
+    y = torch.full((16,), -1.0)
+    _desc_copy[(1,)](ok, y, BLOCK=16)
+    assert torch.equal(y, torch.cat([x, torch.zeros(8)]))
+
+
+def test_the_chunk_design_at_the_h200_plan_stays_in_bounds(monkeypatch):
+    """The indexer's chunk design (STREAMKL_INDEXER_PSTORE=chunk) faulted on the H200 at N=192
+    (runs s6r3, s6r4: illegal memory access). Here it runs the H200's plan (DSA-like heads, the
+    keys-major storing forward's tile on 4 warps, the student backward's tile, TMA descriptors,
+    several chunks) under the checker: no access leaves its tensors, and the loss is the
+    reference's. So the fault is not an indexing error the interpreter can see."""
+    import streamkl_ref
+    from streamkl_gpu import _indexer
+
+    H, D, HI, DI, N = 128, 576, 64, 128, 40
+    plans = {"pstore": [(128, 128, 128, 64, 4, 3, None, 1, "keys")], "bwd": [(128, 128, 64, 64, 8, 2)]}
+    orig = _indexer._candidates
+    monkeypatch.setattr(_indexer, "_candidates",
+                        lambda kind, ieee, dims=None, n_sm=132, **kw: plans.get(kind) or orig(kind, ieee, dims, n_sm, **kw))
+    monkeypatch.setattr(_indexer, "PCHUNK_TOKENS", 16)  # three chunks (16, 16, 8 tokens)
+    monkeypatch.setattr(_runtime, "INTERPRETER_TMA", True)
+    g = torch.Generator().manual_seed(3)
+    rnd = lambda *s, std=1.0: (std * torch.randn(s, generator=g)).to(torch.float16)  # noqa: E731
+    xs = [rnd(1, H, N, D), rnd(1, 1, N, D), rnd(1, HI, N, DI), rnd(1, 1, N, DI), rnd(1, HI, N, std=(HI * DI) ** -0.5)]
+    scale = 192 ** -0.5
+    x64 = [x.double().numpy() for x in xs]
+    kl_ref, _, lse_t = streamkl_ref.indexer_kl(*x64, return_lse=True, causal=True, scale=scale)
+    before = bounds.stats()["launches"]
+    total, lse_idx, dq1, dk1, dw1 = _indexer._forward_full(*xs, torch.from_numpy(lse_t).float(), True, scale, True)
+    assert bounds.stats()["launches"] - before == 6  # a storing forward and a gradient kernel per chunk
+    assert abs(total.item() - kl_ref.sum()) <= 1e-3 * abs(kl_ref.sum())
+    assert all(torch.isfinite(t).all() for t in (dq1, dk1, dw1))
