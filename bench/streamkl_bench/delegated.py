@@ -66,6 +66,18 @@ DELEGATED = {
     "indexer_perf": Delegate("indexer_perf_gpu.py", "indexer loss: every launch candidate forced, vs float64, "
                              "the floor and torch.compile", 600, quick_budget_s=150, quick_args=("--quick",),
                              tiny_args=("--tiny",), budget_flag="--budget"),
+    # issue 10's session-6 scripts (each compiles its variants in parallel children, then times them
+    # at 8K+; every one has a --tiny CPU smoke) and the GPU fault ladder of the store / chunk designs
+    "idx_fault": Delegate("idx_fault_gpu.py", "indexer store / chunk designs: each kernel alone in its own "
+                          "process (CUDA_LAUNCH_BLOCKING), vs float64; memcheck of the first fault", 120,
+                          tiny_args=("--tiny",)),
+    "idx_dsa": Delegate("idx_dsa_gpu.py", "indexer DSA-like forward candidates, 8K-64K, vs the floor", 400,
+                        quick_budget_s=115, quick_args=("--quick",), tiny_args=("--tiny",), budget_flag="--deadline"),
+    "idx_gqa": Delegate("idx_gqa_gpu.py", "indexer GQA-like forward candidates, 8K-64K, vs the floor", 400,
+                        quick_budget_s=90, quick_args=("--quick",), tiny_args=("--tiny",), budget_flag="--deadline"),
+    "idx_pacc": Delegate("idx_pacc_gpu.py", "indexer fwd+bwd designs (accumulating, chunk) at 8K DSA-like, "
+                         "forward and backward alone, vs float64", 400, quick_budget_s=170, quick_args=("--quick",),
+                         tiny_args=("--tiny",), budget_flag="--deadline"),
     "nan": Delegate("nan_check.py", "NaN/inf isolation through the public API (bitwise vs the clean run)", 150,
                     tiny_args=("--tiny",), optional=True),
     "nan_cost": Delegate("nan_cost.py", "what the NaN-isolation guards cost at 8K: this tree vs the legacy "
