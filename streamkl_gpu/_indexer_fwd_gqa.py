@@ -99,18 +99,22 @@ MAX_BOX_DIM = 128  # one TMA box per head and tile (D_PAD, DI_PAD)
 # Run s6r2 (one pass): "gqa-band" 5 splits 1.785 ms = 4.00x against 2.836 for the former default.
 CANDIDATE_BASES = ((64, 64, 64, 64, 4, 3, 1, "gqa-band"), (64, 64, 64, 64, 4, 2, 1, "gqa-band-r128"),
                    (64, 64, 64, 64, 4, 2, 1, "gqa-flat-band"))
-# Key splits: more were faster at every count measured (s6r3: 24, the most tried, best at 8K and
-# 16K), so ~SPLIT_WAVES waves of 3-CTA-per-SM slots (causal: about half the programs have work),
-# at most MAX_SPLITS (the split states, 20 B per split and row, stay small).
-SPLIT_WAVES = 8
-MAX_SPLITS = 24
+# Key splits: more were faster at every count measured. s6r3: 24, the most tried then, best at 8K
+# and 16K. s6r4 (H200, triton 3.6, round robin, 3 passes, medians), the rule of 24 / 24 / 13 / 7
+# splits at 8K / 16K / 32K / 64K against 32 and 48 forced: 1.739 / 4.911 / 18.22 / 73.68 ms,
+# 32 splits 1.698 / 4.825 / 16.39 / 66.76, 48 splits 1.609 / 4.553 / 16.18 / 66.59 (7-11 % below
+# the rule at every N, KL within 1e-5 of the rule's). So now ~SPLIT_WAVES waves of 3-CTA-per-SM
+# slots (causal: about half the programs have work), at most MAX_SPLITS = 48, the most measured
+# (the split states, 20 B per split and row: 63 MB at 64K, 1 M tokens get 4 splits).
+SPLIT_WAVES = 64
+MAX_SPLITS = 48
 
 
 def key_splits(n_q: int, block_t: int, n_sm: int) -> int:
     """Key splits of the GQA kernel's launch: ``SPLIT_WAVES`` waves of ``3 * n_sm`` CTA slots over
     the token blocks (twice that many programs: causal, about half exit at once), at most
-    ``MAX_SPLITS``. H200 (132 SMs), 64-token blocks: 24 at 8K and 16K (as measured best), 13 at
-    32K, 7 at 64K."""
+    ``MAX_SPLITS``. H200 (132 SMs), 64-token blocks: 48 from 8K to 64K (as measured best, run
+    s6r4), 25 at 128K."""
     blocks = max(1, triton.cdiv(n_q, block_t))
     return max(1, min(MAX_SPLITS, triton.cdiv(2 * SPLIT_WAVES * 3 * n_sm, blocks)))
 

@@ -158,16 +158,16 @@ def test_merge_kernel_equals_host_merge():
 
 def test_default_candidates_and_split_rule():
     """The untuned default of a GQA teacher (the first candidate) is the GQA kernel's 64 x 64
-    band config; its key splits follow key_splits: 24 at 8K and 16K on 132 SMs (measured best, run
-    s6r3), fewer for longer sequences (the split states stay small), never more than MAX_SPLITS,
-    at least one, and the plan caps them at the key tiles."""
+    band config; its key splits follow key_splits: 48 from 8K to 64K on 132 SMs (measured best,
+    run s6r4), fewer for longer sequences (the split states stay small), never more than
+    MAX_SPLITS, at least one, and the plan caps them at the key tiles."""
     from streamkl_gpu import _indexer_fwd_gqa as g
 
-    rule = {n: g.key_splits(n, 64, 132) for n in (64, 8192, 16384, 32768, 65536, 1 << 20)}
-    assert rule[8192] == rule[16384] == 24
-    assert rule[65536] < rule[32768] < rule[16384]
-    assert all(1 <= v <= g.MAX_SPLITS for v in rule.values()) and rule[1 << 20] == 1
-    assert g.key_splits(8192, 64, 66) == 24 and g.key_splits(32768, 64, 66) < 13  # fewer SMs, fewer splits
+    rule = {n: g.key_splits(n, 64, 132) for n in (64, 8192, 16384, 32768, 65536, 1 << 17, 1 << 20, 1 << 24)}
+    assert rule[8192] == rule[16384] == rule[32768] == rule[65536] == g.MAX_SPLITS == 48
+    assert rule[1 << 20] < rule[1 << 17] < rule[65536]
+    assert all(1 <= v <= g.MAX_SPLITS for v in rule.values()) and rule[1 << 24] == 1
+    assert g.key_splits(8192, 64, 66) == 48 and g.key_splits(1 << 17, 64, 66) < rule[1 << 17]  # fewer SMs, fewer
     for n in (8192, 65536):
         xs = [torch.empty(s, device="meta") for s in ((1, 32, n, 128), (1, 8, n, 128), (1, 16, n, 64), (1, 1, n, 64),
                                                      (1, 16, n))]
@@ -177,7 +177,7 @@ def test_default_candidates_and_split_rule():
         pl = _indexer._plan(dims, first, "fwd")
         assert _indexer_fwd_gqa.applies(pl, dims, True)
         tiles = n // 64
-        per = -(-tiles // first[7])  # whole tiles per split (8K: 24 asked, 6 tiles each, 22 splits)
+        per = -(-tiles // first[7])  # whole tiles per split (8K: 48 asked, 3 tiles each, 43 splits)
         assert _indexer._key_splits(dims, pl) == (-(-tiles // per), per * 64)
     small = check_indexer_inputs(*make(1, 8, 2, 100, 100, 32, 4, 1, 16))
     pl = _indexer._plan(small, (64, 64, 64, 64, 4, 3, 1, 24, "gqa-band"), "fwd")
