@@ -24,7 +24,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["OutOfBoundsAccess", "checked", "install", "uninstall", "installed", "stats"]
+__all__ = ["OutOfBoundsAccess", "check", "checked", "install", "uninstall", "installed", "stats"]
 
 
 class OutOfBoundsAccess(RuntimeError):
@@ -147,6 +147,13 @@ def _itemsize(ptrs) -> int:
         return int(np.dtype(_get_np_dtype(ptrs.get_element_ty())).itemsize)
     except Exception:  # a pointer to pointers, or a type the interpreter does not map: 8 bytes
         return 8
+
+
+def check(op: str, ptrs, mask=None) -> None:
+    """Check one access made outside the interpreter's own load/store/atomic methods (e.g. a
+    test's shim for an operation the interpreter lacks): ``ptrs`` and ``mask`` are the
+    interpreter's TensorHandles. A no-op when no checked launch is running."""
+    _check(op, ptrs, mask, _itemsize(ptrs))
 
 
 def install() -> None:

@@ -119,3 +119,21 @@ def test_the_chunk_design_at_the_h200_plan_stays_in_bounds(monkeypatch):
     assert bounds.stats()["launches"] - before == 6  # a storing forward and a gradient kernel per chunk
     assert abs(total.item() - kl_ref.sum()) <= 1e-3 * abs(kl_ref.sum())
     assert all(torch.isfinite(t).all() for t in (dq1, dk1, dw1))
+
+
+@triton.jit
+def _desc_reduce(X_DESC, V, BLOCK: tl.constexpr):
+    X_DESC.atomic_add([0], tl.load(V + tl.arange(0, BLOCK)))
+
+
+def test_the_tma_reduce_shim_is_checked_too():
+    """tests/_tma_reduce_shim.py adds the descriptor reduce the interpreter lacks; its accesses go
+    through the same check (an oversized descriptor is caught, the true one adds in bounds)."""
+    from _tma_reduce_shim import install
+
+    install()
+    x, v = torch.zeros(8), torch.ones(16)
+    with pytest.raises(bounds.OutOfBoundsAccess, match=r"_desc_reduce: tma reduce of 8 element"):
+        _desc_reduce[(1,)](_runtime.TensorDescriptor(x, [16], [1], [16]), v, BLOCK=16)
+    _desc_reduce[(1,)](_runtime.TensorDescriptor(x, [8], [1], [16]), v, BLOCK=16)
+    assert torch.equal(x, torch.ones(8))
