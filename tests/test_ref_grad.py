@@ -81,6 +81,11 @@ def test_tiled_backward_equals_closed_form(problem, block_q, block_k, settings, 
         assert err <= grad_tolerance(problem, g, key), (key, err)
 
 
+# OpenBLAS's float32 kernels can raise the FE_INVALID flag on finite inputs (numpy/numpy#24067,
+# #13173, OpenMathLib/OpenBLAS#1924), so NumPy's "invalid value encountered in matmul" can appear
+# or not for the same example (a Hypothesis FlakyFailure seen once under -n 2). That one warning is
+# ignored here; a real NaN or inf in the result fails the finiteness assert below.
+@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
 @given(problems(max_n=10, max_d=6), blocks, blocks, st.integers(0, 2**32 - 1))
 def test_tiled_backward_float32_within_float32_rounding(problem, block_q, block_k, seed):
     """FlashAttention-style: the float32 tiled backward run as one single tile is the dense
@@ -95,6 +100,7 @@ def test_tiled_backward_float32_within_float32_rounding(problem, block_q, block_
     tiled = attention_kl_grad_tiled(*args, **problem.kw, block_q=block_q, block_k=block_k, dtype=np.float32)
     for key in GRADS:
         assert tiled[key].dtype == np.float32
+        assert np.isfinite(tiled[key]).all() and np.isfinite(one_tile[key]).all(), key
         ref = closed[key]
         floor = grad_tolerance(problem, g, key, ulps=4, eps=EPS32)
         err_dense = np.abs(one_tile[key] - ref).max(initial=0.0)
