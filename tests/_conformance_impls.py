@@ -240,3 +240,39 @@ def idx_megatron_sum(q, k, q_idx, k_idx, weights, *, causal, scale, relu):
     """Megatron-style ``[S, B, H, D]`` tensors arrive as bnhd here via the adapter; returns the sum."""
     t = [x.transpose(1, 2) for x in (q, k, q_idx, k_idx, weights)]
     return idx_correct(*t, causal=causal, scale=scale, relu=relu).sum()
+
+
+# A user's Triton kernel with a memory bug: the correct formula for the numbers, plus a staging
+# copy of q1 by a Triton kernel whose load is shifted by one element (an off-by-one offset): its
+# last lane reads past the tensor. On a GPU that may fault or read a neighbour; under `streamkl
+# verify` on CPU the bounds-checked interpreter fails every case. Its in-bounds twin passes.
+_copy_kernel = None
+
+
+def _staging_copy(x, shift):
+    global _copy_kernel
+    import triton
+    import triton.language as tl
+
+    if _copy_kernel is None:
+        @triton.jit
+        def _copy(X, Y, N, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+            offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            tl.store(Y + offs, tl.load(X + offs + SHIFT, mask=offs < N), mask=offs < N)
+
+        _copy_kernel = _copy
+    flat = x.detach().contiguous().reshape(-1)
+    out = torch.empty_like(flat)
+    _copy_kernel[(triton.cdiv(flat.numel(), 64),)](flat, out, flat.numel(), SHIFT=shift, BLOCK=64)
+    return out.view_as(x)
+
+
+def triton_reads_past_q1(q1, k1, q2, k2, *, causal, scale1, scale2):
+    _staging_copy(q1, shift=1)
+    return kl_formula(q1, k1, q2, k2, causal=causal, scale1=scale1, scale2=scale2)
+
+
+def triton_reads_q1_in_bounds(q1, k1, q2, k2, *, causal, scale1, scale2):
+    staged = _staging_copy(q1, shift=0)
+    assert torch.equal(staged, q1.detach())
+    return kl_formula(q1, k1, q2, k2, causal=causal, scale1=scale1, scale2=scale2)

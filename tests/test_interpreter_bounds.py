@@ -137,3 +137,30 @@ def test_the_tma_reduce_shim_is_checked_too():
         _desc_reduce[(1,)](_runtime.TensorDescriptor(x, [16], [1], [16]), v, BLOCK=16)
     _desc_reduce[(1,)](_runtime.TensorDescriptor(x, [8], [1], [16]), v, BLOCK=16)
     assert torch.equal(x, torch.ones(8))
+
+
+def _verify_cli(*args):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root / "tests"), str(root)]), TRITON_INTERPRET="1")
+    return subprocess.run([sys.executable, "-m", "streamkl_ref", "verify", *args], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_verify_impl_fails_a_user_kernel_that_reads_past_a_tensor(tmp_path):
+    """`streamkl verify --impl` on CPU: a user's Triton kernel with an off-by-one load fails its
+    cases with the checker's message, though its numbers are right; the in-bounds twin passes."""
+    import json
+
+    out = tmp_path / "r.json"
+    bad = _verify_cli("--impl", "_conformance_impls:triton_reads_past_q1", "--quick", "--no-grad", "--json", str(out))
+    assert bad.returncode == 1, bad.stdout[-2000:] + bad.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    failed = [r for r in rows if not r["pass"]]
+    assert failed and all("outside every tensor argument" in (r.get("why") or "") for r in failed), failed[:2]
+    good = _verify_cli("--impl", "_conformance_impls:triton_reads_q1_in_bounds", "--quick", "--no-grad")
+    assert good.returncode == 0, good.stdout[-2000:] + good.stderr[-2000:]
+    assert " 0 failed" in good.stdout
