@@ -21,6 +21,8 @@ __all__ = [
     "auto_split_k",
     "auto_bwd_mode",
     "interpreting",
+    "bounds_checked",
+    "OutOfBoundsAccess",
     "SUPPORTED_DTYPES",
     "MAX_HEAD_DIM",
     "__version__",
@@ -31,6 +33,8 @@ _HOMES = {  # the rest lives in .api
     "attention_kl_varlen": "._varlen",
     "indexer_kl": "._indexer",
     "indexer_kl_topk": "._indexer_topk",
+    "bounds_checked": "._interpreter_bounds",  # the interpreter's memory check (a testing aid)
+    "OutOfBoundsAccess": "._interpreter_bounds",
 }
 
 

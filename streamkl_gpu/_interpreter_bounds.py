@@ -13,7 +13,8 @@ that strays past a view into the rest of its storage is caught too. Masked-off l
 accessed and are not checked. Only host (CPU) tensors can be checked: a launch given a device
 tensor runs unchecked.
 
-Use :func:`checked` (a context manager) or :func:`install` (for a whole test session:
+Use :func:`checked` (a context manager; public as ``streamkl_gpu.bounds_checked``, e.g. around a
+conformance check of your own Triton kernel) or :func:`install` (for a whole test session:
 ``tests/conftest.py`` turns it on for every interpreted launch). The tool patches the installed
 Triton's interpreter (``triton.runtime.interpreter``); it is a testing aid, not a runtime path.
 """
@@ -24,7 +25,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["OutOfBoundsAccess", "check", "checked", "install", "uninstall", "installed", "stats"]
+__all__ = ["OutOfBoundsAccess", "bounds_checked", "check", "checked", "install", "uninstall", "installed", "stats"]
 
 
 class OutOfBoundsAccess(RuntimeError):
@@ -241,3 +242,6 @@ def checked():
     finally:
         if not was:
             uninstall()
+
+
+bounds_checked = checked  # the public name (streamkl_gpu.bounds_checked)

@@ -46,6 +46,16 @@ def test_the_suite_runs_checked():
     assert after["checked_accesses"] - before["checked_accesses"] == 30  # 10 loads, 10 stores, 10 atomics
 
 
+def test_the_public_names():
+    import streamkl_gpu
+
+    assert streamkl_gpu.bounds_checked is bounds.checked and streamkl_gpu.OutOfBoundsAccess is bounds.OutOfBoundsAccess
+    with pytest.raises(streamkl_gpu.OutOfBoundsAccess):
+        with streamkl_gpu.bounds_checked():
+            _run(torch.arange(10.0), torch.zeros(10), load=1)
+    assert bounds.installed()  # the suite's own check outlives the block
+
+
 def test_in_bounds_and_masked_lanes_pass():
     x, y = torch.arange(10.0), torch.zeros(10)
     _run(x, y)  # 16 lanes, 6 masked off: nothing outside
