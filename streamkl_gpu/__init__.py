@@ -23,6 +23,7 @@ __all__ = [
     "interpreting",
     "bounds_checked",
     "OutOfBoundsAccess",
+    "DataRace",
     "SUPPORTED_DTYPES",
     "MAX_HEAD_DIM",
     "__version__",
@@ -35,6 +36,7 @@ _HOMES = {  # the rest lives in .api
     "indexer_kl_topk": "._indexer_topk",
     "bounds_checked": "._interpreter_bounds",  # the interpreter's memory check (a testing aid)
     "OutOfBoundsAccess": "._interpreter_bounds",
+    "DataRace": "._interpreter_bounds",
 }
 
 

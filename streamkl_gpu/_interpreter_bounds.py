@@ -13,6 +13,13 @@ that strays past a view into the rest of its storage is caught too. Masked-off l
 accessed and are not checked. Only host (CPU) tensors can be checked: a launch given a device
 tensor runs unchecked.
 
+Races (``races=True``): programs of one launch run one after another under the interpreter, so an
+address that two programs touch, at least one of them with a plain store (or one with an atomic
+and another with a plain load), gives the same answer on CPU every time and an order-dependent one
+on the GPU, where the programs run at once. With the race check on, each launch records which
+program touched which address how (load / store / atomic) and raises :class:`DataRace` at its end
+for such an address. Atomic adds from many programs to one address are not a race.
+
 Use :func:`checked` (a context manager; public as ``streamkl_gpu.bounds_checked``, e.g. around a
 conformance check of your own Triton kernel) or :func:`install` (for a whole test session:
 ``tests/conftest.py`` turns it on for every interpreted launch). The tool patches the installed
@@ -25,17 +32,23 @@ import threading
 
 import numpy as np
 
-__all__ = ["OutOfBoundsAccess", "bounds_checked", "check", "checked", "install", "uninstall", "installed", "stats"]
+__all__ = ["DataRace", "OutOfBoundsAccess", "bounds_checked", "check", "checked", "install", "uninstall", "installed", "stats"]
 
 
 class OutOfBoundsAccess(RuntimeError):
     """A kernel under the interpreter touched memory outside every tensor of its launch."""
 
 
+class DataRace(RuntimeError):
+    """Two programs of one launch touched one address, one of them with a plain store (or one with
+    an atomic and another with a plain load): the result depends on the GPU's program order."""
+
+
 _state = threading.local()
 _lock = threading.Lock()
 _saved: dict | None = None  # the interpreter's original methods while installed
-_counts = {"launches": 0, "checked_accesses": 0}
+_counts = {"launches": 0, "checked_accesses": 0, "race_checked_launches": 0}
+_races_on = False  # install(races=True)
 
 
 def stats() -> dict:
@@ -80,9 +93,10 @@ class _Launch:
     """The tensors of one interpreted launch: merged, sorted byte ranges for the check, and the
     named ones for the error message."""
 
-    def __init__(self, kernel, named):
+    def __init__(self, kernel, named, races=False):
         self.kernel = kernel
         self.named = named
+        self.races = _RaceLog() if races else None
         spans = sorted((s, e) for _, s, e, _ in named)
         merged = []
         for s, e in spans:
@@ -97,7 +111,7 @@ class _Launch:
         best = None
         for name, s, e, desc in self.named:
             if s <= addr < e:
-                dist, where = 0, "inside"
+                dist, where = 0, f"at byte {addr - s} of"
             elif addr < s:
                 dist, where = s - addr, f"{s - addr} bytes before the start of"
             else:
@@ -105,6 +119,72 @@ class _Launch:
             if best is None or dist < best[0]:
                 best = (dist, f"{where} {name} ({desc})")
         return best[1] if best else "no tensor argument"
+
+
+_KIND = {"load": 0, "store": 1}  # everything else (atomic, atomic_cas, tma reduce): 2
+_KIND_NAMES = ("load", "store", "atomic")
+
+
+class _RaceLog:
+    """Which program touched which address how, within one launch: each program's addresses are
+    made unique per kind when the next program starts (the interpreter runs them in order)."""
+
+    def __init__(self):
+        self.pid = None
+        self.pending = ([], [], [])  # this program's addresses per kind
+        self.addrs, self.pids, self.kinds = [], [], []
+        self.labels = {}  # linear program index -> grid coordinates
+
+    def add(self, op, addr):
+        from triton.runtime.interpreter import interpreter_builder
+
+        x, y, z = (int(v) for v in interpreter_builder.grid_idx)
+        gx, gy, _ = (int(v) for v in interpreter_builder.grid_dim)
+        pid = x + gx * (y + gy * z)  # the program's linear index (its grid coordinates: labels)
+        if pid != self.pid:
+            self.labels[pid] = (x, y, z)
+            self.flush()
+            self.pid = pid
+        self.pending[_KIND.get(op, 2)].append(addr)
+
+    def flush(self):
+        if self.pid is None:
+            return
+        for kind, chunks in enumerate(self.pending):
+            if chunks:
+                u = np.unique(np.concatenate(chunks))
+                self.addrs.append(u)
+                self.pids.append(np.full(u.shape, self.pid, dtype=np.int64))
+                self.kinds.append(np.full(u.shape, kind, dtype=np.int8))
+        self.pending = ([], [], [])
+
+    def check(self, launch):
+        self.flush()
+        if not self.addrs:
+            return
+        A, P, K = np.concatenate(self.addrs), np.concatenate(self.pids), np.concatenate(self.kinds)
+        order = np.lexsort((K, P, A))
+        A, P, K = A[order], P[order], K[order]
+        starts = np.ones(A.shape, dtype=bool)
+        starts[1:] = A[1:] != A[:-1]
+        group = np.cumsum(starts) - 1
+        new_pid = starts.copy()
+        new_pid[1:] |= P[1:] != P[:-1]
+        n = int(group[-1]) + 1
+        programs = np.bincount(group, weights=new_pid, minlength=n)
+        stores = np.bincount(group, weights=K == 1, minlength=n) > 0
+        atomics = np.bincount(group, weights=K == 2, minlength=n) > 0
+        plain = np.bincount(group, weights=K != 2, minlength=n) > 0
+        racy = (programs >= 2) & (stores | (atomics & plain))
+        if racy.any():
+            g0 = int(np.flatnonzero(racy)[0])
+            rows = group == g0
+            addr = int(A[rows][0])
+            who = sorted({(self.labels.get(int(p), int(p)), _KIND_NAMES[int(k)]) for p, k in zip(P[rows], K[rows])})
+            shown = ", ".join(f"program {p} {k}" for p, k in who[:6]) + (" ..." if len(who) > 6 else "")
+            raise DataRace(f"{launch.kernel}: {int(racy.sum())} address(es) touched by several programs, one with "
+                           f"a plain store (or an atomic beside a plain load); the first at {addr:#x}, "
+                           f"{launch.nearest(addr)}: {shown}")
 
 
 def _current():
@@ -132,6 +212,8 @@ def _check(op, ptrs, mask, itemsize):
         inside = idx >= 0
         ends = launch.ends[np.clip(idx, 0, None)]
         bad = ~(inside & (addr + np.uint64(itemsize) <= ends))
+    if launch.races is not None and not bad.any():
+        launch.races.add(op, addr)
     if bad.any():
         from triton.runtime.interpreter import interpreter_builder
 
@@ -157,12 +239,15 @@ def check(op: str, ptrs, mask=None) -> None:
     _check(op, ptrs, mask, _itemsize(ptrs))
 
 
-def install() -> None:
-    """Patch the interpreter (idempotent) so every launch checks its accesses."""
-    global _saved
+def install(races: bool | None = None) -> None:
+    """Patch the interpreter (idempotent) so every launch checks its accesses; ``races``: also
+    check each launch for data races between its programs (None: leave the setting as it is)."""
+    global _saved, _races_on
     from triton.runtime import interpreter as ti
 
     with _lock:
+        if races is not None:
+            _races_on = bool(races)
         if _saved is not None:
             return
         B, G = ti.InterpreterBuilder, ti.GridExecutor
@@ -192,14 +277,18 @@ def install() -> None:
                     _collect(self.arg_names[i] if i < len(self.arg_names) else f"arg{i}", a, named)
                 for k, a in kwargs.items():
                     _collect(k, a, named)
-                launch = _Launch(getattr(self.fn, "__name__", "kernel"), named)
+                launch = _Launch(getattr(self.fn, "__name__", "kernel"), named, races=_races_on)
             except _DeviceTensor:
                 launch = None  # device tensors: the interpreter copies them, addresses differ
             outer = _current()
             _state.launch = launch
             _counts["launches"] += launch is not None
             try:
-                return saved["call"](self, *args, **kwargs)
+                result = saved["call"](self, *args, **kwargs)
+                if launch is not None and launch.races is not None:
+                    _counts["race_checked_launches"] += 1
+                    launch.races.check(launch)
+                return result
             except Exception as e:  # the interpreter wraps kernel errors in InterpreterError: unwrap ours
                 if isinstance(e.__cause__, OutOfBoundsAccess):
                     raise e.__cause__ from None
@@ -233,13 +322,17 @@ def installed() -> bool:
 
 
 @contextlib.contextmanager
-def checked():
-    """Bounds-check every interpreted launch inside the block (restores the previous state)."""
-    was = installed()
-    install()
+def checked(races: bool | None = None):
+    """Bounds-check every interpreted launch inside the block; ``races``: check each for data
+    races between its programs too (True), or not (False: e.g. a test that feeds overlapping
+    sequences on purpose), or as outside the block (None). Restores the previous state."""
+    global _races_on
+    was, was_races = installed(), _races_on
+    install(races=was_races if races is None else races)
     try:
         yield
     finally:
+        _races_on = was_races
         if not was:
             uninstall()
 

@@ -173,26 +173,26 @@ def _run(args) -> int:
         return 2
     if device != "cpu":
         return _run_impl(args, device) if args.impl is not None else _run_own(args, device)
-    # on CPU every interpreted launch is bounds-checked: an access outside the launch's tensors (an
-    # illegal memory access on a GPU) fails the gate; with --impl, a user's Triton kernel that strays
-    # fails its case (the conformance suite reports the exception). No Triton: nothing to check.
+    # on CPU every interpreted launch is bounds- and race-checked: an access outside the launch's
+    # tensors (an illegal memory access on a GPU), or an address two programs touch with a plain
+    # store (an order-dependent result there), fails the gate; with --impl, a user's Triton kernel
+    # that does either fails its case (the conformance suite reports the exception).
     try:
         from streamkl_gpu import _interpreter_bounds
 
-        was_checking = _interpreter_bounds.installed()  # (a test session checks already: keep it)
-        _interpreter_bounds.install()
-    except ImportError:
+        checking = _interpreter_bounds.checked(races=True)
+        checking.__enter__()
+    except ImportError:  # no Triton (a pure-PyTorch --impl): nothing to check
         return _run_impl(args, device) if args.impl is not None else _run_own(args, device)
     try:
         if args.impl is not None:
             return _run_impl(args, device)
         return _run_own(args, device)
-    except _interpreter_bounds.OutOfBoundsAccess as exc:
-        print(f"streamkl verify: FAIL, out-of-bounds memory access: {exc}", file=sys.stderr)
+    except (_interpreter_bounds.OutOfBoundsAccess, _interpreter_bounds.DataRace) as exc:
+        print(f"streamkl verify: FAIL, {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     finally:
-        if not was_checking:
-            _interpreter_bounds.uninstall()
+        checking.__exit__(None, None, None)
 
 
 def _finish(report: Report, args, device_name: str, extra: dict) -> int:
@@ -417,12 +417,14 @@ def _run_own(args, device: str) -> int:
     if mean_cases:
         _append(report, check_indexer_kl(indexer_mean, device=device, dtypes=dnames[:1], returns="mean",
                                          cases=mean_cases, seed=args.seed), prefix="indexer(mean):")
-    if device == "cpu":  # every launch above ran bounds-checked (an out-of-bounds access raises)
+    if device == "cpu":  # every launch above ran bounds- and race-checked (a violation raises)
         from streamkl_gpu import _interpreter_bounds
 
         seen = _interpreter_bounds.stats()
-        record("interpreter", "-", "accesses outside the launch's tensors", 0.0, 0.0, ok=seen["launches"] > 0,
-               note=f"{seen['launches']} launches, {seen['checked_accesses']} element accesses checked")
+        record("interpreter", "-", "accesses outside the launch's tensors, races", 0.0, 0.0,
+               ok=seen["launches"] > 0 and seen["race_checked_launches"] > 0,
+               note=f"{seen['launches']} launches ({seen['race_checked_launches']} race-checked), "
+                    f"{seen['checked_accesses']} element accesses checked")
     report.elapsed_s = time.time() - t_start
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)"
     return _finish(report, args, device_name, {"elapsed_s": report.elapsed_s})

@@ -246,25 +246,38 @@ def idx_megatron_sum(q, k, q_idx, k_idx, weights, *, causal, scale, relu):
 # copy of q1 by a Triton kernel whose load is shifted by one element (an off-by-one offset): its
 # last lane reads past the tensor. On a GPU that may fault or read a neighbour; under `streamkl
 # verify` on CPU the bounds-checked interpreter fails every case. Its in-bounds twin passes.
+# The racy twin: every program sums its block into element 0 by a plain load-add-store (instead of
+# an atomic add): right under the interpreter, whose programs run in order; a lost update on a GPU.
 _copy_kernel = None
 
 
-def _staging_copy(x, shift):
+def _staging_copy(x, shift, racy_sum=False):
     global _copy_kernel
     import triton
     import triton.language as tl
 
     if _copy_kernel is None:
         @triton.jit
-        def _copy(X, Y, N, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+        def _copy(X, Y, S, N, SHIFT: tl.constexpr, RACY_SUM: tl.constexpr, BLOCK: tl.constexpr):
             offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-            tl.store(Y + offs, tl.load(X + offs + SHIFT, mask=offs < N), mask=offs < N)
+            x = tl.load(X + offs + SHIFT, mask=offs < N, other=0.0)
+            tl.store(Y + offs, x, mask=offs < N)
+            if RACY_SUM:
+                tl.store(S, tl.load(S) + tl.sum(x, 0))
 
         _copy_kernel = _copy
     flat = x.detach().contiguous().reshape(-1)
-    out = torch.empty_like(flat)
-    _copy_kernel[(triton.cdiv(flat.numel(), 64),)](flat, out, flat.numel(), SHIFT=shift, BLOCK=64)
+    out, total = torch.empty_like(flat), torch.zeros(1, dtype=flat.dtype, device=flat.device)
+    _copy_kernel[(triton.cdiv(flat.numel(), 64),)](flat, out, total, flat.numel(), SHIFT=shift, RACY_SUM=racy_sum,
+                                                   BLOCK=64)
+    if racy_sum:
+        assert torch.allclose(total, flat.sum().reshape(1), rtol=1e-4, atol=1e-4)  # right here, in order
     return out.view_as(x)
+
+
+def triton_sums_q1_racily(q1, k1, q2, k2, *, causal, scale1, scale2):
+    _staging_copy(q1, shift=0, racy_sum=True)
+    return kl_formula(q1, k1, q2, k2, causal=causal, scale1=scale1, scale2=scale2)
 
 
 def triton_reads_past_q1(q1, k1, q2, k2, *, causal, scale1, scale2):

@@ -35,7 +35,9 @@ def tma(request):
 @pytest.fixture(autouse=True, scope="session")
 def _bounds_checked_interpreter():
     """Under the interpreter every launch of the suite is bounds-checked: a load, store or atomic
-    outside the launch's tensors raises (streamkl_gpu._interpreter_bounds), as the GPU would fault."""
+    outside the launch's tensors raises (streamkl_gpu._interpreter_bounds), as the GPU would fault;
+    and race-checked: an address two programs of one launch touch, one with a plain store, raises
+    (``STREAMKL_INTERPRETER_RACES=0`` turns that part off)."""
     import os
 
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -43,6 +45,6 @@ def _bounds_checked_interpreter():
         return
     from streamkl_gpu import _interpreter_bounds
 
-    _interpreter_bounds.install()
+    _interpreter_bounds.install(races=os.environ.get("STREAMKL_INTERPRETER_RACES", "1") == "1")
     yield
     _interpreter_bounds.uninstall()

@@ -5,6 +5,7 @@ plan, which faulted there in runs s6r3/s6r4, stays inside its tensors."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -38,7 +39,7 @@ def _run(x, y, load=0, store=0, atomic=0):
 
 
 def test_the_suite_runs_checked():
-    assert bounds.installed()
+    assert bounds.installed() and bounds._races_on == (os.environ.get("STREAMKL_INTERPRETER_RACES", "1") == "1")
     before = bounds.stats()
     _run(torch.arange(10.0), torch.zeros(10))
     after = bounds.stats()
@@ -160,9 +161,10 @@ def _verify_cli(*args):
                           capture_output=True, text=True, timeout=300)
 
 
-def test_verify_impl_fails_a_user_kernel_that_reads_past_a_tensor(tmp_path):
-    """`streamkl verify --impl` on CPU: a user's Triton kernel with an off-by-one load fails its
-    cases with the checker's message, though its numbers are right; the in-bounds twin passes."""
+def test_verify_impl_fails_user_kernels_with_memory_bugs(tmp_path):
+    """`streamkl verify --impl` on CPU: a user's Triton kernel with an off-by-one load, or with a
+    plain load-add-store into one address from every program, fails its cases with the checker's
+    message, though its numbers are right; the in-bounds, race-free twin passes."""
     import json
 
     out = tmp_path / "r.json"
@@ -171,6 +173,51 @@ def test_verify_impl_fails_a_user_kernel_that_reads_past_a_tensor(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     failed = [r for r in rows if not r["pass"]]
     assert failed and all("outside every tensor argument" in (r.get("why") or "") for r in failed), failed[:2]
+    racy = _verify_cli("--impl", "_conformance_impls:triton_sums_q1_racily", "--quick", "--no-grad", "--json", str(out))
+    assert racy.returncode == 1, racy.stdout[-2000:] + racy.stderr[-2000:]
+    failed = [r for r in json.loads(out.read_text())["rows"] if not r["pass"]]
+    assert failed and all("touched by several programs" in (r.get("why") or "") for r in failed), failed[:2]
     good = _verify_cli("--impl", "_conformance_impls:triton_reads_q1_in_bounds", "--quick", "--no-grad")
     assert good.returncode == 0, good.stdout[-2000:] + good.stderr[-2000:]
     assert " 0 failed" in good.stdout
+
+
+@triton.jit
+def _shared_writes(X, Y, MODE: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    if MODE == 0:  # each program its own slice
+        tl.store(Y + pid * BLOCK + offs, tl.load(X + pid * BLOCK + offs))
+    if MODE == 1:  # every program stores the same slice
+        tl.store(Y + offs, tl.load(X + pid * BLOCK + offs))
+    if MODE == 2:  # atomic adds from every program into one slice
+        tl.atomic_add(Y + offs, tl.load(X + pid * BLOCK + offs))
+    if MODE == 3:  # program 1 reads the slice program 0 writes
+        if pid == 0:
+            tl.store(Y + offs, tl.load(X + offs))
+        else:
+            tl.store(Y + BLOCK + offs, tl.load(Y + offs))
+    if MODE == 4:  # program 0 reads a slice the others add into
+        if pid == 0:
+            tl.store(Y + BLOCK + offs, tl.load(Y + offs))
+        else:
+            tl.atomic_add(Y + offs, tl.load(X + offs))
+
+
+@pytest.mark.parametrize("mode,race", [(0, None), (1, "store, program (1, 0, 0) store"), (2, None),
+                                       (3, "store, program (1, 0, 0) load"), (4, "load, program (1, 0, 0) atomic")])
+def test_data_races_between_programs(mode, race):
+    """With races=True a launch whose programs share an address, one with a plain store (or an
+    atomic beside a plain load), raises DataRace naming the programs; disjoint slices and atomic
+    adds alone pass. With races=False, the same launches pass (the interpreter's order is fixed)."""
+    x = torch.arange(32.0)
+    with bounds.checked(races=True):
+        before = bounds.stats()["race_checked_launches"]
+        if race is None:
+            _shared_writes[(2,)](x, torch.zeros(32), MODE=mode, BLOCK=16)
+        else:
+            with pytest.raises(bounds.DataRace, match=r"_shared_writes: 16 address\(es\).*" + re.escape(f"program (0, 0, 0) {race}")):
+                _shared_writes[(2,)](x, torch.zeros(32), MODE=mode, BLOCK=16)
+        assert bounds.stats()["race_checked_launches"] == before + 1
+    with bounds.checked(races=False):  # bounds only: the same launch passes
+        _shared_writes[(2,)](x, torch.zeros(32), MODE=mode, BLOCK=16)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import streamkl_gpu
 import streamkl_ref
-from streamkl_gpu import _varlen
+from streamkl_gpu import _interpreter_bounds, _varlen
 
 from _gpu_helpers import GRAD_NAMES, assert_close, same_precision
 
@@ -259,9 +259,12 @@ def test_unchecked_seqlens_are_clamped_never_read_out_of_bounds():
         want = run_varlen(xs, torch.tensor([0, 3, 13, 13], **i32), torch.tensor([0, 5, 13, 13], **i32),
                           16, 16, (True,) * 4, torch.ones(13, 2), causal=causal)
         assert_bitwise(got, want)
-        # decreasing (sequences overlap): garbage in, but every value finite (nothing read outside)
-        kl, grads = run_varlen(nan_views, torch.tensor([0, 9, 5, 13], **i32), torch.tensor([0, 9, 4, 13], **i32),
-                               16, 16, (True,) * 4, torch.ones(13, 2), causal=causal, check_seqlens=False)
+        # decreasing (sequences overlap): garbage in, but every value finite (nothing read outside).
+        # Overlapping sequences write the same rows from two programs: a data race by construction
+        # (the race check found it), so only the bounds are checked here
+        with _interpreter_bounds.checked(races=False):
+            kl, grads = run_varlen(nan_views, torch.tensor([0, 9, 5, 13], **i32), torch.tensor([0, 9, 4, 13], **i32),
+                                   16, 16, (True,) * 4, torch.ones(13, 2), causal=causal, check_seqlens=False)
         assert torch.isfinite(kl).all() and all(torch.isfinite(v).all() for v in grads.values())
 
 
