@@ -18,7 +18,9 @@ address that two programs touch, at least one of them with a plain store (or one
 and another with a plain load), gives the same answer on CPU every time and an order-dependent one
 on the GPU, where the programs run at once. With the race check on, each launch records which
 program touched which address how (load / store / atomic) and raises :class:`DataRace` at its end
-for such an address. Atomic adds from many programs to one address are not a race.
+for such an address. Atomic adds from many programs to one address are not a race. Not seen:
+races between launches on concurrent streams, between the warps of one program (shared memory),
+and anything in Gluon kernels (they do not run under the interpreter).
 
 Use :func:`checked` (a context manager; public as ``streamkl_gpu.bounds_checked``, e.g. around a
 conformance check of your own Triton kernel) or :func:`install` (for a whole test session:
