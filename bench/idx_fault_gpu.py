@@ -14,6 +14,8 @@ interpreter does not model. This script runs each kernel alone and in the design
 its own process with CUDA_LAUNCH_BLOCKING=1 (a fault poisons its process's context, not the
 others'), with TMA descriptor loads and with pointer loads (STREAMKL_INDEXER_TMA=0):
 
+  control-fwd           the plain forward on the storing forward's tile (ran on the H200, s6r4)
+  control-dqk           the accumulating design's dqk student backward (ran on the H200, s6r4)
   store-fwd-keys[-ptr]  the storing forward alone, keys-major tile (128,128,128,64,4,3, 'keys')
   store-fwd-rows        the storing forward alone, the row-major tile (128,128,128,64,4,3)
   store-bwd[-ptr]       the student backward reading a p made by PyTorch (P_SAVED, no DK_SHARE)
@@ -51,6 +53,11 @@ STORE_ROWS = (128, 128, 128, 64, 4, 3)
 STUDENT_BWD = (128, 128, 64, 64, 8, 2)
 # step -> (what runs, storing forward's config, TMA loads)
 STEPS = {
+    # controls: the same sizes through kernels that ran on the H200 (s6r4): the plain forward with
+    # the storing forward's tile, and the accumulating design's student backward (dqk: the dq
+    # kernel with DK_SHARE, p = 0). If these fault too, the machine or the build is at fault.
+    "control-fwd": ("plain-fwd", STORE_KEYS, True),
+    "control-dqk": ("dqk-bwd", None, True),
     "store-fwd-keys": ("store-fwd", STORE_KEYS, True),
     "store-fwd-keys-ptr": ("store-fwd", STORE_KEYS, False),
     "store-fwd-rows": ("store-fwd", STORE_ROWS, True),
@@ -110,7 +117,8 @@ def run_step(name, tiny, N):
         _interpreter_bounds.install()
         _runtime.INTERPRETER_TMA = tma
     orig = _indexer._candidates
-    plans = {"pstore": [fwd_cfg] if fwd_cfg else None, "bwd": [STUDENT_BWD]}
+    plans = {"pstore": [fwd_cfg] if fwd_cfg else None, "fwd": [fwd_cfg] if what == "plain-fwd" else None,
+             "bwd": [STUDENT_BWD]}
     _indexer._candidates = lambda kind, ieee, dims=None, n_sm=132, **kw: (
         plans.get(kind) or orig(kind, ieee, dims, n_sm, **kw))
     if tiny:
@@ -138,7 +146,23 @@ def run_step(name, tiny, N):
 
     dev = [x.to(device) for x in xs]
     lse = torch.from_numpy(lse_t).float().to(device)
-    if what == "store-fwd":
+    if what == "plain-fwd":
+        kl, lse_idx = _indexer._forward(*dev, lse, True, scale, True)[:2]
+        torch.cuda.synchronize() if device == "cuda" else None
+        report("loss", kl.sum(), kl_ref.sum(), rel_err(same_kl.sum(), kl_ref.sum()))
+        report("lse_idx", lse_idx, lse_idx_ref, 0.0)
+    elif what == "dqk-bwd":  # the student's share alone (p = 0): g softmax(I)'s contractions
+        os.environ["STREAMKL_INDEXER_BWD"] = "dqk"
+        g = torch.ones(1, N, device=device)
+        lse_idx = torch.from_numpy(lse_idx_ref).float().to(device)
+        zero = torch.zeros((), device=device)
+        parts = (zero, torch.zeros(1, cfg["HI"], N, cfg["DI"], device=device),
+                 torch.zeros(1, cfg["HKI"], N, cfg["DI"], device=device), torch.zeros(1, cfg["HI"], N, device=device))
+        grads = _indexer._backward(g, *dev, lse_idx, lse_idx, True, scale, True, target_part=parts)
+        torch.cuda.synchronize() if device == "cuda" else None
+        for gname, got, want, s in zip(("dq_idx", "dk_idx", "dweights"), grads, _student_share(x64), same_grads):
+            report(gname, got, want, rel_err(s, grads_ref[gname]))
+    elif what == "store-fwd":
         total, lse_idx, p = _indexer._forward_pstore(*dev, lse, True, scale, True)
         torch.cuda.synchronize() if device == "cuda" else None
         report("loss", total, kl_ref.sum(), rel_err(same_kl.sum(), kl_ref.sum()))
@@ -161,6 +185,20 @@ def run_step(name, tiny, N):
         for gname, got, s in zip(("dq_idx", "dk_idx", "dweights"), (dq1, dk1, dw1), same_grads):
             report(gname, got, grads_ref[gname], rel_err(s, grads_ref[gname]))
     print("DONE", flush=True)
+
+
+def _student_share(x64):
+    """float64 gradients of sum_t LSE_I[t] (causal, relu): the student's share g softmax(I) of the
+    indexer loss's gradient (what the dqk backward forms when the target part is zero)."""
+    import torch
+
+    qi, ki, w = (torch.from_numpy(x).requires_grad_(True) for x in x64[2:5])
+    N = qi.shape[2]
+    a = torch.einsum("bjtd,bsd->bjts", qi, ki[:, 0])  # one indexer key head
+    logits = (w[..., None] * torch.relu(a)).sum(1)
+    visible = torch.ones(N, N, dtype=torch.bool).tril()
+    torch.logsumexp(logits.masked_fill(~visible, float("-inf")), -1).sum().backward()
+    return qi.grad.numpy(), ki.grad.numpy(), w.grad.numpy()
 
 
 def _target(x64, scale):
