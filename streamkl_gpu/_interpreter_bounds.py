@@ -1,5 +1,6 @@
-"""A bounds-checked Triton interpreter: every load, store and atomic a kernel makes under
-``TRITON_INTERPRET=1`` must fall inside one of the tensors the launch was given.
+"""Memory checks for the Triton interpreter: every load, store and atomic a kernel makes under
+``TRITON_INTERPRET=1`` must fall inside one of the tensors the launch was given (bounds), and
+optionally no two programs of a launch may share an address with a plain store among them (races).
 
 On the GPU an access past an allocation is an "illegal memory access" (or, inside the caching
 allocator's slab, silent corruption); under the interpreter on CPU the same access reads or
@@ -81,8 +82,9 @@ def _collect(name, arg, out):
             _collect(f"{name}[{i}]", a, out)
         return
     base = getattr(arg, "base", None)
-    if base is not None and hasattr(base, "data_ptr") and hasattr(arg, "block_shape"):  # a TMA descriptor
-        _collect(f"{name}.base", base, out)
+    if base is not None and hasattr(base, "data_ptr") and (
+            hasattr(arg, "block_shape") or not hasattr(arg, "untyped_storage")):
+        _collect(name, base, out)  # a TMA descriptor, or triton.reinterpret's TensorWrapper: its tensor
         return
     if not hasattr(arg, "data_ptr") or not hasattr(arg, "untyped_storage"):
         return

@@ -90,6 +90,16 @@ def test_the_view_not_its_storage_is_the_bound():
     _run(buf[:11], torch.zeros(11))  # the same access inside an 11-element view passes
 
 
+def test_a_reinterpreted_tensor_is_its_tensor():
+    """triton.reinterpret's wrapper (another dtype over the same bytes) counts as its tensor."""
+    x = torch.arange(10, dtype=torch.int32)
+    y = torch.zeros(10, dtype=torch.int32)
+    _copy[(1,)](triton.reinterpret(x, tl.uint32), y, 10, LOAD_EXTRA=0, STORE_EXTRA=0, ATOMIC_EXTRA=0, BLOCK=16)
+    assert torch.equal(y, 2 * x)
+    with pytest.raises(bounds.OutOfBoundsAccess, match=r"of X \(\(10,\) int32\)"):
+        _copy[(1,)](triton.reinterpret(x, tl.uint32), y, 10, LOAD_EXTRA=1, STORE_EXTRA=0, ATOMIC_EXTRA=0, BLOCK=16)
+
+
 def test_a_descriptor_larger_than_its_tensor_is_caught():
     """A TMA descriptor whose shape claims more than the tensor holds: the interpreter masks by the
     descriptor's shape, so without the checker the load reads past the tensor silently."""
