@@ -24,6 +24,7 @@ Exit status: 0 when every row passes, 1 otherwise (2 for a usage or set-up probl
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib
 import json
@@ -177,22 +178,18 @@ def _run(args) -> int:
     # tensors (an illegal memory access on a GPU), or an address two programs touch with a plain
     # store (an order-dependent result there), fails the gate; with --impl, a user's Triton kernel
     # that does either fails its case (the conformance suite reports the exception).
-    try:
-        from streamkl_gpu import _interpreter_bounds
+    from streamkl_gpu import _interpreter_bounds
 
-        checking = _interpreter_bounds.checked(races=True)
-        checking.__enter__()
-    except ImportError:  # no Triton (a pure-PyTorch --impl): nothing to check
-        return _run_impl(args, device) if args.impl is not None else _run_own(args, device)
-    try:
-        if args.impl is not None:
-            return _run_impl(args, device)
-        return _run_own(args, device)
-    except (_interpreter_bounds.OutOfBoundsAccess, _interpreter_bounds.DataRace) as exc:
-        print(f"streamkl verify: FAIL, {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        checking.__exit__(None, None, None)
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(_interpreter_bounds.checked(races=True))
+        except ImportError:  # no Triton (a pure-PyTorch --impl): nothing to check
+            pass
+        try:
+            return _run_impl(args, device) if args.impl is not None else _run_own(args, device)
+        except (_interpreter_bounds.OutOfBoundsAccess, _interpreter_bounds.DataRace) as exc:
+            print(f"streamkl verify: FAIL, {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
 
 
 def _finish(report: Report, args, device_name: str, extra: dict) -> int:
