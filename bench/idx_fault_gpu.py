@@ -21,6 +21,9 @@ others'), with TMA descriptor loads and with pointer loads (STREAMKL_INDEXER_TMA
   store-bwd[-ptr]       the student backward reading a p made by PyTorch (P_SAVED, no DK_SHARE)
   chunk[-ptr]           the chunk design (_indexer._forward_full): both kernels per chunk
   chunk-s2              the chunk design, its storing forward on 2 pipeline stages
+  store-fwd-keys-w8, chunk-w8   the storing forward on 8 warps (alone; in the design): triton 3.6+
+                        has reports of several-dot wgmma kernels faulting at 4 warps on sm_90
+                        (triton-lang/triton#10486, #11366, #10573)
 
 Each step that runs is checked against float64 (streamkl_ref: loss, and p or the gradients;
 FlashAttention's rule, error <= 3 x the bf16 form's + 1e-2). If compute-sanitizer is on the
@@ -66,6 +69,10 @@ STEPS = {
     "chunk": ("chunk", STORE_KEYS, True),
     "chunk-ptr": ("chunk", STORE_KEYS, False),
     "chunk-s2": ("chunk", STORE_KEYS[:5] + (2,) + STORE_KEYS[6:], True),
+    # 8 warps: triton 3.6+ has reports of wgmma kernels with several dots faulting at 4 warps on
+    # sm_90 (triton-lang/triton#10486, #11366, #10573; "Invalid __shared__ read" under memcheck)
+    "store-fwd-keys-w8": ("store-fwd", STORE_KEYS[:4] + (8,) + STORE_KEYS[5:], True),
+    "chunk-w8": ("chunk", STORE_KEYS[:4] + (8,) + STORE_KEYS[5:], True),
 }
 
 
