@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Which kernel of the indexer's "store" and "chunk" designs faults on the GPU (issue 10).
 
-    python bench/idx_fault_gpu.py OUT                 # one H200, <= 90 s, compiles included
+    python bench/idx_fault_gpu.py OUT                 # one H200: ~40 s of steps (8 at once), <= 90 s more
+                                                      # for memcheck of a fault; section limit 240 s
     TRITON_INTERPRET=1 python bench/idx_fault_gpu.py /tmp/x --tiny   # CPU smoke (interpreter)
 
 Runs s6r3 and s6r4 saw "illegal memory access" from the chunk design (STREAMKL_INDEXER_PSTORE=chunk:
@@ -83,7 +84,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", default=",".join(STEPS), help="comma-separated steps (default: all)")
     p.add_argument("--n", type=int, default=None, help="tokens (default 192, the failing size; --tiny 24)")
     p.add_argument("--step-s", type=float, default=75.0, help="seconds per step process at most")
-    p.add_argument("--sanitizer-s", type=float, default=120.0, help="seconds for the memcheck rerun at most")
+    p.add_argument("--sanitizer-s", type=float, default=90.0, help="seconds for the memcheck rerun at most")
     p.add_argument("--parallel", type=int, default=8)
     p.add_argument("--step", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)

@@ -69,7 +69,7 @@ DELEGATED = {
     # issue 10's session-6 scripts (each compiles its variants in parallel children, then times them
     # at 8K+; every one has a --tiny CPU smoke) and the GPU fault ladder of the store / chunk designs
     "idx_fault": Delegate("idx_fault_gpu.py", "indexer store / chunk designs: each kernel alone in its own "
-                          "process (CUDA_LAUNCH_BLOCKING), vs float64; memcheck of the first fault", 120,
+                          "process (CUDA_LAUNCH_BLOCKING), vs float64; memcheck of the first fault", 240,
                           tiny_args=("--tiny",)),
     "idx_dsa": Delegate("idx_dsa_gpu.py", "indexer DSA-like forward candidates, 8K-64K, vs the floor", 400,
                         quick_budget_s=115, quick_args=("--quick",), tiny_args=("--tiny",), budget_flag="--deadline"),
