@@ -158,10 +158,16 @@ def _dq_key_range(
         if MASKED:  # a non-finite query row must not reach the keys it cannot see through A^T @ q
             q_for_dk = _finite_or_zero(q_rows)
     n_tiles = tl.cdiv(hi - lo, BLOCK_N)
+    # the divisor of the rotation, never 0: a stage with no tiles (the unmasked stage of the first
+    # causal token blocks) still has its first iteration's addresses formed on the GPU (the loop's
+    # pipelined loads are issued ahead), and x % 0 there is garbage: with the stored p read by
+    # pointer (P_SAVED) and a rotation (DK_SHARE), that read faulted on the H200 (run s7r1,
+    # compute-sanitizer: an invalid global read at the P_SAVED load, 16 GB past an allocation)
+    n_div = tl.maximum(n_tiles, 1)
     for i in range(0, n_tiles):
         # DK_SHARE: the unmasked stage starts at a tile that depends on the token block (then
         # wraps), so the programs running at once add their dk shares into different rows
-        s0 = lo + ((i + rot) % n_tiles) * BLOCK_N
+        s0 = lo + ((i + rot) % n_div) * BLOCK_N
         keys = s0 + tl.arange(0, BLOCK_N)
         if USE_TMA:  # the plan makes this box [1, 1, BLOCK_N, DI_PAD] (BLOCK_DI = DI_PAD)
             k_tile = KI_DESC.load([b, kvi, s0, 0]).reshape(BLOCK_N, DI_PAD)
