@@ -206,10 +206,11 @@ def label(c):
 
 def configs(args):
     """(label, forced config) of the run: the default first, then the GQA kernel's configs."""
-    if args.final:  # the API's default path (None: nothing forced; 48 splits from 8K to 64K since
-        # session 7), the former default forced, the default's config with more splits than the
-        # rule's cap, and the 4-CTA-per-SM register cap (s6r3: -7 % at 10 splits) at the cap
-        return [DEFAULT, None, (64, 64, 64, 64, 4, 3, 1, 64, "gqa-band"), (64, 64, 64, 64, 4, 2, 1, 48, "gqa-band-r128")]
+    if args.final:  # the API's default path (None: nothing forced; since s7r1 the 128-register band
+        # kernel at the rule's 48 splits), the general kernel's former default, the uncapped band
+        # kernel (the default before s7r1), the capped one at 64 splits, the flat loop capped
+        return [DEFAULT, None, (64, 64, 64, 64, 4, 3, 1, 48, "gqa-band"), (64, 64, 64, 64, 4, 2, 1, 64, "gqa-band-r128"),
+                (64, 64, 64, 64, 4, 2, 1, 48, "gqa-flat-band-r128")]
     gq = GQA_CONFIGS if args.configs is None else [GQA_CONFIGS[int(i)] for i in args.configs.split(",") if i]
     out = [DEFAULT] + gq
     if args.tiny:

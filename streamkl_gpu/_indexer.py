@@ -926,8 +926,11 @@ _indexer_loss_fwd_op.register_autograd(_loss_backward, setup_context=_loss_setup
 # accumulators in the forward (the accumulating kernel's registers and dk_p reductions), at the
 # price of B * N_Q * N_K floats kept from the forward to the backward (capped: pstore_enabled).
 
-PSTORE_MODES = ("auto", "0", "1", "chunk")
-PSTORE_DEFAULT = "0"  # not yet measured on the GPU (bench/idx_pacc_gpu.py times it)
+PSTORE_MODES = ("default", "auto", "0", "1", "chunk")
+# "default": the chunk design where it was measured faster, a single-key-head (MQA) teacher: run
+# s7r2 (H200, DSA-like 8K causal, mean, lse given, bf16): fwd+bwd 31.60 ms against the accumulating
+# design's 51.73 in the same run; elsewhere (GQA teachers: not timed with it) the accumulating design
+PSTORE_DEFAULT = "default"
 PSTORE_MAX_BYTES = 2 << 30  # "auto": the stored p at most this (8K x 8K fp32: 256 MiB)
 # p's storage dtype: float32; float16 halves the memory (p in [0, 1]: relative error 2^-11 from
 # 6e-5 up, absolute below; bench/idx_pacc_gpu.py checks and times it as a variant)
@@ -938,16 +941,26 @@ def pstore_bytes(dims) -> int:
     return dims.B * dims.NQ * dims.NK * PSTORE_DTYPE.itemsize
 
 
-def pstore_enabled(dims) -> bool:
-    """``STREAMKL_INDEXER_PSTORE``, within the accumulating design's cases (``_use_pacc``):
-    ``1`` = store p; ``0`` = accumulate the target's share (``_indexer_pacc``); ``auto`` = store
-    p where it takes at most PSTORE_MAX_BYTES."""
+def pstore_mode(dims) -> str:
+    """``STREAMKL_INDEXER_PSTORE`` resolved for these dims, within the accumulating design's
+    cases (``_use_pacc``): ``"chunk"`` = p stored chunk by chunk, the whole gradient in the
+    forward (linear memory); ``"1"`` = store p whole; ``"0"`` = accumulate the target's share
+    (``_indexer_pacc``). The setting ``auto`` = store p whole where it takes at most
+    PSTORE_MAX_BYTES; ``default`` = ``chunk`` for a single-key-head teacher (``H_K = 1``, where it
+    was measured faster), ``0`` otherwise."""
     mode = _runtime.env("STREAMKL_INDEXER_PSTORE", PSTORE_DEFAULT)
     if mode not in PSTORE_MODES:
         raise ValueError(f"STREAMKL_INDEXER_PSTORE must be one of {PSTORE_MODES}, got {mode!r}")
+    if mode == "default":
+        return "chunk" if dims.HK == 1 else "0"
     if mode == "auto":
-        return pstore_bytes(dims) <= PSTORE_MAX_BYTES
-    return mode in ("1", "chunk")
+        return "1" if pstore_bytes(dims) <= PSTORE_MAX_BYTES else "0"
+    return mode
+
+
+def pstore_enabled(dims) -> bool:
+    """Does the forward store p (whole, or chunk by chunk)? (:func:`pstore_mode`)"""
+    return pstore_mode(dims) in ("1", "chunk")
 
 
 def _pstore_meta(pl) -> dict:
@@ -1195,8 +1208,7 @@ def indexer_kl(q, k, q_idx, k_idx, weights, *, causal=False, scale=None, relu=Tr
                   reduction=reduction)
     if _use_pacc(dims, lse, reduction, q_idx, k_idx, weights):
         if pstore_enabled(dims):  # store p (whole, or chunk by chunk with the gradient in the forward)
-            chunked = _runtime.env("STREAMKL_INDEXER_PSTORE", PSTORE_DEFAULT) == "chunk"
-            op = _indexer_loss_full_fwd_op if chunked else _indexer_loss_pstore_fwd_op
+            op = _indexer_loss_full_fwd_op if pstore_mode(dims) == "chunk" else _indexer_loss_pstore_fwd_op
         else:  # accumulate the target's share
             op = _indexer_loss_fwd_op
         total = op(q, k, q_idx, k_idx, weights, lse, causal, dims.scale, relu)[0]

@@ -97,7 +97,11 @@ MAX_BOX_DIM = 128  # one TMA box per head and tile (D_PAD, DI_PAD)
 # (64, 64, 64, 64, 4, 3, 1, 5); "gqa-band-r128" (2 stages, capped at 128 registers) 10 splits 1.951
 # / 4.888; "gqa-flat-band" (2 stages) 10 splits 1.904 at 8K (the best there) but 5.715 at 16K.
 # Run s6r2 (one pass): "gqa-band" 5 splits 1.785 ms = 4.00x against 2.836 for the former default.
-CANDIDATE_BASES = ((64, 64, 64, 64, 4, 3, 1, "gqa-band"), (64, 64, 64, 64, 4, 2, 1, "gqa-band-r128"),
+# Run s7r1 (H200, triton 3.6, round robin, 3 passes, medians; the rule's 48 splits from 8K to 64K):
+# "gqa-band-r128" (2 stages, 128 registers: 4 CTAs per SM) 1.425 / 3.916 / 14.17 / 59.35 ms at 8K /
+# 16K / 32K / 64K = 3.28 / 2.25 / 2.04 / 2.13x the floor, against "gqa-band" 1.506 / 4.304 / 16.76 /
+# 64.77 (3.46 / 2.48 / 2.41 / 2.33x): the first candidate since.
+CANDIDATE_BASES = ((64, 64, 64, 64, 4, 2, 1, "gqa-band-r128"), (64, 64, 64, 64, 4, 3, 1, "gqa-band"),
                    (64, 64, 64, 64, 4, 2, 1, "gqa-flat-band"))
 # Key splits: more were faster at every count measured. s6r3: 24, the most tried then, best at 8K
 # and 16K. s6r4 (H200, triton 3.6, round robin, 3 passes, medians), the rule of 24 / 24 / 13 / 7

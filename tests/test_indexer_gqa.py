@@ -158,7 +158,7 @@ def test_merge_kernel_equals_host_merge():
 
 def test_default_candidates_and_split_rule():
     """The untuned default of a GQA teacher (the first candidate) is the GQA kernel's 64 x 64
-    band config; its key splits follow key_splits: 48 from 8K to 64K on 132 SMs (measured best,
+    band config capped at 128 registers (run s7r1); its key splits follow key_splits: 48 from 8K to 64K on 132 SMs (measured best,
     run s6r4), fewer for longer sequences (the split states stay small), never more than
     MAX_SPLITS, at least one, and the plan caps them at the key tiles."""
     from streamkl_gpu import _indexer_fwd_gqa as g
@@ -173,7 +173,7 @@ def test_default_candidates_and_split_rule():
                                                      (1, 16, n))]
         dims = check_indexer_inputs(*xs)
         first = _indexer._new_fwd_candidates(dims, True, 132)[0]
-        assert first == (64, 64, 64, 64, 4, 3, 1, g.key_splits(n, 64, 132), "gqa-band")
+        assert first == (64, 64, 64, 64, 4, 2, 1, g.key_splits(n, 64, 132), "gqa-band-r128")
         pl = _indexer._plan(dims, first, "fwd")
         assert _indexer_fwd_gqa.applies(pl, dims, True)
         tiles = n // 64

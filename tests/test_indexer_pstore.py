@@ -115,7 +115,10 @@ def test_stored_target_nan_isolation(monkeypatch, poison):
 def test_store_design_dispatch(monkeypatch):
     d = check_indexer_inputs(*make(1, 2, 1, 5, 7, 8, 2, 1, 8, seed=63))
     monkeypatch.delenv("STREAMKL_INDEXER_PSTORE", raising=False)
-    assert _indexer.pstore_enabled(d) == (_indexer.PSTORE_DEFAULT == "1")
+    assert _indexer.PSTORE_DEFAULT == "default" and d.HK == 1
+    assert _indexer.pstore_mode(d) == "chunk" and _indexer.pstore_enabled(d)  # MQA teacher: the chunk design
+    gqa = check_indexer_inputs(*make(1, 4, 2, 5, 7, 8, 2, 1, 8, seed=63))
+    assert _indexer.pstore_mode(gqa) == "0" and not _indexer.pstore_enabled(gqa)  # GQA: accumulate
     monkeypatch.setenv("STREAMKL_INDEXER_PSTORE", "auto")
     assert _indexer.pstore_bytes(d) == 4 * 5 * 7 and _indexer.pstore_enabled(d)
     monkeypatch.setattr(_indexer, "PSTORE_MAX_BYTES", 4 * 5 * 7 - 1)

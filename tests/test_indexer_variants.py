@@ -101,6 +101,7 @@ def test_accumulated_target_part_matches_reference(monkeypatch, shape, causal, r
     ref = streamkl_ref.indexer_kl_grad(*x64, np.full((B, NQ), g_row), **kw)
     ref_loss = kl_ref.sum() * (1.0 if reduction == "sum" else 1.0 / rows)
     monkeypatch.setenv("STREAMKL_INDEXER_PACC", "1")
+    monkeypatch.setenv("STREAMKL_INDEXER_PSTORE", "0")  # the accumulating design (MQA teachers default to chunk)
     calls = []
     fwd, bwd = _indexer._forward_pacc, _indexer._backward
     monkeypatch.setattr(_indexer, "_forward_pacc", lambda *a: calls.append("fwd") or fwd(*a))
