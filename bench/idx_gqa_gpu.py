@@ -77,6 +77,12 @@ GQA_CONFIGS = [
     (64, 64, 64, 64, 4, 2, 1, 10, "gqa-band-r128"),
     (64, 64, 64, 64, 4, 2, 1, 10, "gqa-flat-band"),
     (128, 128, 128, 64, 8, 2, 1, 9, "gqa-band"),    # s6r2: 1.934 ms
+    # session 7 (indices 13-17): the s7r1 default (capped at 128 registers, 48 splits) and variants of it
+    (64, 64, 64, 64, 4, 2, 1, 48, "gqa-band-r128"),
+    (64, 64, 64, 64, 4, 2, 1, 96, "gqa-band-r128"),
+    (64, 64, 64, 64, 4, 2, 1, 48, "gqa-band-ss-r128"),  # the band on a side stream
+    (64, 64, 64, 64, 4, 2, 1, 48, "gqa-tm-band-r128"),  # the token-major grid
+    (64, 64, 64, 64, 4, 2, 1, 48, "gqa-band-r120"),
 ]
 CHECK_N = 320  # strides divisible by 16: the check problem compiles the 8K kernels
 
