@@ -3,12 +3,14 @@ tokens on the GPU: torch.profiler's device time per kernel, after a warm call.
 
     python bench/idx_gqa_profile.py [N]      # default 8192
 """
+import os
 import sys
 
-import torch
-from torch.profiler import ProfilerActivity, profile
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-import streamkl_gpu
+import streamkl_gpu  # noqa: E402
 
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
 H, HK, D, HI, DI = 32, 8, 128, 16, 64
@@ -19,6 +21,13 @@ lse = torch.zeros(1, H, N, device="cuda")
 for _ in range(3):
     streamkl_gpu.indexer_kl(*xs, lse=lse, causal=True)
 torch.cuda.synchronize()
+a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+a.record()
+for _ in range(20):
+    streamkl_gpu.indexer_kl(*xs, lse=lse, causal=True)
+b.record()
+torch.cuda.synchronize()
+print(f"back-to-back: {a.elapsed_time(b) / 20:.3f} ms/call (N={N}, warm L2)")
 with profile(activities=[ProfilerActivity.CUDA]) as prof:
     for _ in range(5):
         streamkl_gpu.indexer_kl(*xs, lse=lse, causal=True)
