@@ -23,6 +23,7 @@ target p ``[B, N_Q, N_K]`` and the backward's teacher-free kernels read it back 
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Optional
@@ -66,7 +67,7 @@ def _fresh(shape, dtype, device):
 
 
 def _pow2(n: int) -> int:
-    return triton.next_power_of_2(max(1, int(n)))
+    return _runtime.next_power_of_2(max(1, int(n)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -128,7 +129,13 @@ def _check(q, k, q_idx, k_idx, weights, *, causal, scale, relu, lse, reduction):
 
 def _plan(dims, cfg, kind):
     """Chunking of one launch: teacher heads per chunk HB, indexer heads per chunk IB, tokens per
-    block BLOCK_T (all powers of two; every dot at least 16 wide)."""
+    block BLOCK_T (all powers of two; every dot at least 16 wide). Memoised (a pure function of
+    its arguments; the host path plans every candidate on each call): a fresh dict each time."""
+    return dict(_plan_cached(dims, tuple(cfg), kind))
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_cached(dims, cfg, kind):
     rows, irows, block_n, block_d, warps, stages, *rest = cfg
     # optional 7th field: teacher heads per chunk at most (None: no cap)
     hb_max = rest[0] if rest and rest[0] is not None else rows
@@ -145,8 +152,8 @@ def _plan(dims, cfg, kind):
     block_t = max(block_t, 16 // hb, 16 // ib, 16 // gi_pad if kind != "fwd" else 1)
     if kind != "fwd":  # the backward's q_idx rows / k_idx tiles are whole boxes (TMA: one descriptor each)
         ib = gi_pad
-    cpg = triton.cdiv(group, hb)
-    icpg = triton.cdiv(group_i, ib)
+    cpg = _runtime.cdiv(group, hb)
+    icpg = _runtime.cdiv(group_i, ib)
     return dict(
         HB=hb, IB=ib, GI_PAD=gi_pad, BLOCK_T=block_t, BLOCK_N=block_n,
         BLOCK_D=_d_chunk(dims.D, block_d),
@@ -169,10 +176,10 @@ def _load_mode(pl, use_tma):
 def _key_splits(dims, pl):
     """(splits, keys per split) of a forward launch: the plan's key splits, each a whole number
     of BLOCK_N tiles, never more splits than key tiles."""
-    key_tiles = triton.cdiv(dims.NK, pl["BLOCK_N"])
+    key_tiles = _runtime.cdiv(dims.NK, pl["BLOCK_N"])
     splits = max(1, min(pl["splits"], key_tiles))
-    per = triton.cdiv(key_tiles, splits) * pl["BLOCK_N"]
-    return triton.cdiv(dims.NK, per), per
+    per = _runtime.cdiv(key_tiles, splits) * pl["BLOCK_N"]
+    return _runtime.cdiv(dims.NK, per), per
 
 
 def _merge_splits(part):
@@ -204,8 +211,8 @@ def _d_chunk(d: int, block_d: int) -> int:
 def _fwd_split(dims, cfg, n_sm, waves=4):
     """Key splits that bring a forward launch to about ``waves`` programs per SM (1: enough
     token blocks already)."""
-    blocks = triton.cdiv(dims.NQ, _plan(dims, cfg, "fwd")["BLOCK_T"]) * dims.B
-    return max(1, min(16, triton.cdiv(waves * n_sm, blocks)))
+    blocks = _runtime.cdiv(dims.NQ, _plan(dims, cfg, "fwd")["BLOCK_T"]) * dims.B
+    return max(1, min(16, _runtime.cdiv(waves * n_sm, blocks)))
 
 
 def _l1_fits(dims) -> bool:
@@ -307,7 +314,7 @@ def _keys_major_splits(dims) -> int:
     """Key splits of the keys-major forward candidates (8th config field)."""
     if KEYS_MAJOR_SPLIT_FROM is None or dims.NK < KEYS_MAJOR_SPLIT_FROM:
         return 1
-    return min(KEYS_MAJOR_MAX_SPLITS, triton.cdiv(dims.NK, KEYS_MAJOR_KEYS_PER_SPLIT))
+    return min(KEYS_MAJOR_MAX_SPLITS, _runtime.cdiv(dims.NK, KEYS_MAJOR_KEYS_PER_SPLIT))
 
 
 def l1_fwd_candidates(dims):
@@ -328,11 +335,25 @@ def _canonical(cfg):
     return cfg
 
 
+_CANDIDATES = {}  # (kind, dims, n_sm, teacher) -> the GPU's candidates (a pure function of those)
+
+
 def _candidates(kind, ieee, dims=None, n_sm=132, teacher=True):
+    """Launch configs of a kernel kind, the untuned default first. The GPU's lists are memoised:
+    forming them plans every candidate, which cost ~half of a GQA forward's host time (a CPU
+    timing with the launches stubbed: 650 -> 300 us with the host-side cdiv alone)."""
     if _runtime.interpreting():
         return [INTERPRETER_CONFIG]
     if ieee:
         return [_IEEE_CONFIG]
+    key = (kind, dims, n_sm, teacher)
+    if key not in _CANDIDATES:
+        _CANDIDATES[key] = tuple(_gpu_candidates(kind, dims, n_sm, teacher))
+    return list(_CANDIDATES[key])
+
+
+def _gpu_candidates(kind, dims, n_sm, teacher):
+    ieee = False
     # (teacher rows, indexer rows, BLOCK_N, BLOCK_D, warps, stages); not yet measured on the GPU
     # Pruned by offline sm_90 compiles (triton 3.6 and 3.9, TMA path): BLOCK_N = 128 spills in the
     # forward at both anchor configs (DSA 32 B, GQA 552 B of stack); 256 teacher rows spill 104 B
@@ -421,7 +442,7 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
 
         def launch_lse(cfg):
             pl = _plan(dims, cfg, "fwd")
-            grid = (triton.cdiv(dims.NQ, pl["BLOCK_T"]), pl["n_chunks"], dims.B)
+            grid = (_runtime.cdiv(dims.NQ, pl["BLOCK_T"]), pl["n_chunks"], dims.B)
             tma, a_l1 = _load_mode(pl, use_tma)
             q_desc, k_desc, _, _ = _descriptors(pl, tma, q, k, q_idx, k_idx)
             _indexer_fwd._teacher_lse_kernel[grid](
@@ -447,7 +468,7 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
                                            relu, ieee_t, ieee_i)
         splits, per_split = _key_splits(dims, pl)
         part = _fresh((5, splits, dims.B, dims.NQ), torch.float32, device) if splits > 1 else kl
-        grid = (triton.cdiv(dims.NQ, pl["BLOCK_T"]), splits, dims.B)
+        grid = (_runtime.cdiv(dims.NQ, pl["BLOCK_T"]), splits, dims.B)
         tma, a_l1 = _load_mode(pl, use_tma)
         _indexer_fwd._indexer_fwd_kernel[grid](
             q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, part,
@@ -586,9 +607,9 @@ def dk_token_split(dims, block_t: int, key_programs: int, n_sm: int, causal: boo
         per = INTERPRETER_DK_SPLIT
     else:
         want = 8 * n_sm * (2 if causal else 1)
-        splits = max(1, min(triton.cdiv(want, key_programs), triton.cdiv(dims.NQ, 4 * block_t)))
-        per = triton.cdiv(dims.NQ, splits)
-    return max(block_t, triton.cdiv(per, block_t) * block_t)
+        splits = max(1, min(_runtime.cdiv(want, key_programs), _runtime.cdiv(dims.NQ, 4 * block_t)))
+        per = _runtime.cdiv(dims.NQ, splits)
+    return max(block_t, _runtime.cdiv(per, block_t) * block_t)
 
 
 def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, relu, target_part=None,
@@ -643,7 +664,7 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
 
     def launch_dq(cfg):
         pl = _plan(dims, cfg, plan_kind)
-        grid = (triton.cdiv(dims.NQ, pl["BLOCK_T"]), dims.B * dims.HKI)
+        grid = (_runtime.cdiv(dims.NQ, pl["BLOCK_T"]), dims.B * dims.HKI)
         tma, l1 = _load_mode(pl, use_tma)
         dk_share, dk_desc = 0, None
         if dqk:  # dk_idx's shares from this kernel: zeroed; one bulk TMA reduction per tile on Hopper
@@ -660,15 +681,15 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
     def launch_dk(cfg):
         nonlocal dk_idx
         pl = _plan(dims, cfg, plan_kind)
-        key_programs = triton.cdiv(dims.NK, pl["BLOCK_N"]) * dims.B * dims.HKI
+        key_programs = _runtime.cdiv(dims.NK, pl["BLOCK_N"]) * dims.B * dims.HKI
         per_split = dk_token_split(dims, pl["BLOCK_T"], key_programs, _runtime.n_sm(device), causal)
-        splits = triton.cdiv(dims.NQ, per_split)
+        splits = _runtime.cdiv(dims.NQ, per_split)
         if splits > 1:
             dk_idx = torch.zeros((dims.B, dims.HKI, dims.NK, dims.DI), dtype=torch.float32, device=device)
         if fused:
             dq_idx.zero_()
             dweights.zero_()
-        grid = (triton.cdiv(dims.NK, pl["BLOCK_N"]), dims.B * dims.HKI, splits)
+        grid = (_runtime.cdiv(dims.NK, pl["BLOCK_N"]), dims.B * dims.HKI, splits)
         tma, l1 = _load_mode(pl, use_tma)
         _indexer_bwd._indexer_bwd_dk_kernel[grid](
             *common, dk_idx, dq_idx, dweights, *_descriptors(pl, tma, q, k, q_idx, k_idx), *strides,
@@ -805,7 +826,7 @@ def _forward_pacc(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
     def launch(cfg):
         pl = _plan(dims, cfg, "bwd")  # every indexer head x BLOCK_T tokens in one tile
         dk_p.zero_()
-        grid = (triton.cdiv(dims.NQ, pl["BLOCK_T"]), dims.B)
+        grid = (_runtime.cdiv(dims.NQ, pl["BLOCK_T"]), dims.B)
         tma, a_l1 = _load_mode(pl, use_tma)
         flags = str(pl["variant"]).split("+")  # e.g. "kt+tm"
         # "h2" (with "kt"): each dk_p share in two D halves (half-width reduction boxes)
@@ -990,7 +1011,7 @@ def _forward_pstore(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
         pl = _plan(dims, cfg, "fwd")
         splits, per_split = _key_splits(dims, pl)
         part = _fresh((5, splits, dims.B, dims.NQ), torch.float32, device) if splits > 1 else kl
-        grid = (triton.cdiv(dims.NQ, pl["BLOCK_T"]), splits, dims.B)
+        grid = (_runtime.cdiv(dims.NQ, pl["BLOCK_T"]), splits, dims.B)
         tma, a_l1 = _load_mode(pl, use_tma)
         _indexer_pacc._indexer_fwd_pstore_kernel[grid](
             q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, part, p,
@@ -1026,7 +1047,7 @@ def _pchunk(dims, block_ts) -> int:
     m = 1
     for bt in block_ts:
         m = m * bt // math.gcd(m, bt)
-    return max(m, triton.cdiv(min(PCHUNK_TOKENS, dims.NQ), m) * m)
+    return max(m, _runtime.cdiv(min(PCHUNK_TOKENS, dims.NQ), m) * m)
 
 
 def _forward_full(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
@@ -1064,7 +1085,7 @@ def _forward_full(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
     bdesc = _descriptors(bpl, btma, q, k, q_idx, k_idx)
     for c0 in range(0, dims.NQ, chunk):
         rows = min(chunk, dims.NQ - c0)
-        _indexer_pacc._indexer_fwd_pstore_kernel[(triton.cdiv(rows, fpl["BLOCK_T"]), splits, dims.B)](
+        _indexer_pacc._indexer_fwd_pstore_kernel[(_runtime.cdiv(rows, fpl["BLOCK_T"]), splits, dims.B)](
             q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, part, p, *fdesc, *strides,
             dims.H, group, group_i, dims.NQ, dims.NK, dims.scale * LOG2E, 1.0 / dims.H,
             fpl["n_chunks"], fpl["cpg"], fpl["n_ichunks"], fpl["icpg"], per_split, c0, chunk,
@@ -1077,7 +1098,7 @@ def _forward_full(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
             merged_kl, merged_lse = _merge_splits(part[..., c0:c0 + rows])
             kl[:, c0:c0 + rows] = merged_kl
             lse_idx[:, c0:c0 + rows] = merged_lse
-        _indexer_bwd._indexer_bwd_dq_kernel[(triton.cdiv(rows, bpl["BLOCK_T"]), dims.B * dims.HKI)](
+        _indexer_bwd._indexer_bwd_dq_kernel[(_runtime.cdiv(rows, bpl["BLOCK_T"]), dims.B * dims.HKI)](
             q, k, q_idx, k_idx, weights, p, lse_idx, g_rows, dq1, dw1, *bdesc, dk1, dk_desc, c0, chunk, *strides,
             dims.H, group, dims.HI, dims.HKI, group_i, dims.NQ, dims.NK, dims.scale * LOG2E, 1.0 / dims.H,
             bpl["n_chunks"], bpl["cpg"], bpl["n_ichunks"], bpl["icpg"], DK_SHARE=dk_share,

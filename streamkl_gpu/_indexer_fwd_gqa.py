@@ -119,8 +119,8 @@ def key_splits(n_q: int, block_t: int, n_sm: int) -> int:
     the token blocks (twice that many programs: causal, about half exit at once), at most
     ``MAX_SPLITS``. H200 (132 SMs), 64-token blocks: 48 from 8K to 64K (as measured best, run
     s6r4), 25 at 128K."""
-    blocks = max(1, triton.cdiv(n_q, block_t))
-    return max(1, min(MAX_SPLITS, triton.cdiv(2 * SPLIT_WAVES * 3 * n_sm, blocks)))
+    blocks = max(1, _runtime.cdiv(n_q, block_t))
+    return max(1, min(MAX_SPLITS, _runtime.cdiv(2 * SPLIT_WAVES * 3 * n_sm, blocks)))
 
 
 def candidates(dims, n_sm):
@@ -157,7 +157,7 @@ def launch(dims, pl, q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, causal,
     var = parse_variant(pl["variant"])
     slots = splits + 1 if var.band else splits  # -band: the band's state is one more "split"
     part = _fresh((5, slots, dims.B, dims.NQ), torch.float32, q.device) if slots > 1 else kl
-    n_t = triton.cdiv(dims.NQ, bt)
+    n_t = _runtime.cdiv(dims.NQ, bt)
     # the head mean 1/H as a shift of the exponent (bits): exp2(x - log2 H) = exp2(x) / H
     log2_heads = math.log2(dims.H)
     extra = {} if (var.cap is None or _runtime.interpreting()) else {"maxnreg": var.cap}
@@ -214,7 +214,7 @@ def merge_states(part, kl, lse_idx):
     """``kl``, ``lse_idx`` [B, N_Q] from ``part [5, splits, B, N_Q]`` (contiguous fp32): exactly
     ``_indexer._merge_splits`` (its formula; the tests compare the two), one launch."""
     rows = kl.numel()
-    _merge_states_kernel[(triton.cdiv(rows, MERGE_BLOCK),)](part, kl, lse_idx, part.shape[1], rows,
+    _merge_states_kernel[(_runtime.cdiv(rows, MERGE_BLOCK),)](part, kl, lse_idx, part.shape[1], rows,
                                                             BLOCK=MERGE_BLOCK, num_warps=4)
 
 

@@ -120,7 +120,7 @@ def _forward(q, k, q_idx, k_idx, weights, topk_indices, lse, causal, scale, relu
         a_l1 = bool(rest[0]) if rest else False
         separate = bool(rest[1]) if len(rest) > 1 else False
         hb = max(16, min(_pow2(group), _pow2(hb_max)))
-        cpg = triton.cdiv(group, hb)
+        cpg = _runtime.cdiv(group, hb)
         block_di = pad_i if pad_i <= 128 else min(block_d, pad_i)
         logits = p_set
         if separate:

@@ -22,11 +22,10 @@ import dataclasses
 from typing import Optional
 
 import torch
-import triton
 
 from streamkl_ref._varlen import check_seqlens_values, check_varlen, padded_view
 
-from . import _bwd, _fwd
+from . import _bwd, _fwd, _runtime
 from ._checks import (
     check_bwd_mode,
     check_causal,
@@ -114,12 +113,12 @@ def _forward(q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, causal, scale1, scale2, s
         if use_tma:
             k1_desc = TensorDescriptor(k1, list(k1.shape), list(k1.stride()), [1, 1, block_n, d1_pad])
             k2_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [1, 1, block_n, d2_pad])
-        key_tiles = max(1, triton.cdiv(max_k, block_n))
+        key_tiles = max(1, _runtime.cdiv(max_k, block_n))
         splits = min(n_splits, key_tiles)
-        keys_per_split = triton.cdiv(key_tiles, splits) * block_n
-        splits = max(1, triton.cdiv(max_k, keys_per_split))
+        keys_per_split = _runtime.cdiv(key_tiles, splits) * block_n
+        splits = max(1, _runtime.cdiv(max_k, keys_per_split))
         part = fresh((5, splits, total_q * H), torch.float32, device) if splits > 1 else kl
-        grid = (triton.cdiv(max_q, block_m), batch * H, splits)
+        grid = (_runtime.cdiv(max_q, block_m), batch * H, splits)
         _fwd._kl_fwd_kernel[grid](
             q1, k1, q2, k2, k1_desc, k2_desc, kl, lse1_bits, lse2_bits, part,
             *strides(q1), *strides(k1), *strides(q2), *strides(k2),
@@ -133,7 +132,7 @@ def _forward(q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, causal, scale1, scale2, s
         if splits > 1:
             rows = total_q * H
             block = 256
-            _fwd._kl_combine_kernel[(triton.cdiv(rows, block),)](
+            _fwd._kl_combine_kernel[(_runtime.cdiv(rows, block),)](
                 part, kl, lse1_bits, lse2_bits, rows, splits, BLOCK=block, num_warps=4)
 
     key = ("varlen_fwd", dims.D1, dims.D2, q1.dtype, q2.dtype, causal, split, tma,
@@ -208,7 +207,7 @@ def _backward(g, q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, kl, lse1_bits, lse2_b
                    dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2)
         in_strides = [s for v in views for s in strides(v)]
         block_m, block_n, warps, stages = cfg_dk
-        _bwd._kl_bwd_dk_kernel[(triton.cdiv(max_k, block_n), batch * H)](
+        _bwd._kl_bwd_dk_kernel[(_runtime.cdiv(max_k, block_n), batch * H)](
             *views, lse1_bits, lse2_bits, kl, g, *bufs, *in_strides,
             *(s for b in bufs for s in s3(b)), *scalars,
             BLOCK_M=block_m, BLOCK_N=block_n, FUSED_DQ=fused,
@@ -216,7 +215,7 @@ def _backward(g, q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, kl, lse1_bits, lse2_b
         )
         if not fused:
             block_m, block_n, warps, stages = cfg_dq
-            _bwd._kl_bwd_dq_kernel[(triton.cdiv(max_q, block_m), batch * H)](
+            _bwd._kl_bwd_dq_kernel[(_runtime.cdiv(max_q, block_m), batch * H)](
                 *views, lse1_bits, lse2_bits, kl, g, bufs[2], bufs[3], *in_strides,
                 *s3(bufs[2]), *s3(bufs[3]), *scalars,
                 BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common,
