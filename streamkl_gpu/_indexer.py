@@ -1050,13 +1050,45 @@ def _pchunk(dims, block_ts) -> int:
     return max(m, _runtime.cdiv(min(PCHUNK_TOKENS, dims.NQ), m) * m)
 
 
+_FULL_CONFIGS = {}  # launch key -> the (storing forward, gradient kernel) configs that fit the device
+
+
 def _forward_full(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
-    """(sum of KL, LSE_I, dq1, dk1, dw1): the forward and the gradient of the sum (g = 1), fp32."""
+    """(sum of KL, LSE_I, dq1, dk1, dw1): the forward and the gradient of the sum (g = 1), fp32.
+
+    Untuned: the first candidates of each kernel (the forward's measured best tile, the student
+    backward's first), or the next ones where a launch does not fit the device (Triton raises
+    OutOfResources before the kernel runs: e.g. shared memory at D = 96, run s7r10); the pair
+    that fits is remembered per shape class."""
+    dims = check_indexer_inputs(q, k, q_idx, k_idx, weights, scale=scale)
+    ieee = q.dtype == torch.float32 or q_idx.dtype == torch.float32
+    fwd_cands = _candidates("pstore", ieee, dims, _runtime.n_sm(q.device))
+    bwd_cands = _candidates("bwd", ieee, dims, teacher=False)
+    key = ("idx_full", relu, dims.D, dims.DI, dims.H, dims.HK, dims.HI, dims.HKI, q.dtype, q_idx.dtype, causal,
+           _tuning.bucket(dims.NQ), _tuning.bucket(dims.NK), _tuning.bucket(dims.B), q.device.type,
+           tuple(fwd_cands), tuple(bwd_cands))  # (a caller forcing other candidates gets its own entry)
+    if key in _FULL_CONFIGS:
+        return _forward_full_with(*_FULL_CONFIGS[key], q, k, q_idx, k_idx, weights, lse, causal, scale, relu)
+    last = None
+    for fcfg in fwd_cands:
+        for bcfg in bwd_cands:
+            try:
+                out = _forward_full_with(fcfg, bcfg, q, k, q_idx, k_idx, weights, lse, causal, scale, relu)
+            except Exception as exc:  # noqa: BLE001 - only a launch that does not fit moves on
+                if "OutOfResources" not in type(exc).__name__:
+                    raise
+                last = exc
+                continue
+            _FULL_CONFIGS[key] = (fcfg, bcfg)
+            return out
+    raise last
+
+
+def _forward_full_with(fcfg, bcfg, q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
     dims = check_indexer_inputs(q, k, q_idx, k_idx, weights, scale=scale)
     q, k, q_idx, k_idx, weights = (_checks.compute_view(t) for t in (q, k, q_idx, k_idx, weights))
     device = q.device
     ieee_t, ieee_i = q.dtype == torch.float32, q_idx.dtype == torch.float32
-    ieee = ieee_t or ieee_i
     group, group_i = dims.H // dims.HK, dims.HI // dims.HKI
     no_contract = not _runtime.interpreting()
     use_tma = _use_tma(q, k, q_idx, k_idx)
@@ -1068,9 +1100,6 @@ def _forward_full(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
     dk1 = torch.zeros((dims.B, dims.HKI, dims.NK, dims.DI), dtype=torch.float32, device=device)
     g_rows = torch.ones((dims.B, dims.NQ), dtype=torch.float32, device=device)
     strides = _strides(q) + _strides(k) + _strides(q_idx) + _strides(k_idx) + _strides(weights)
-    # untuned: the first candidates (the forward's measured best tile, the student backward's first)
-    fcfg = _candidates("pstore", ieee, dims, _runtime.n_sm(device))[0]
-    bcfg = _candidates("bwd", ieee, dims, teacher=False)[0]
     fpl, bpl = _plan(dims, fcfg, "fwd"), _plan(dims, bcfg, "bwd_student")
     chunk = _pchunk(dims, (fpl["BLOCK_T"], bpl["BLOCK_T"]))
     p = _fresh((dims.B, chunk, dims.NK), torch.float32, device)  # one chunk's target, reused

@@ -365,3 +365,38 @@ def test_chunked_design_keys_major_forward(monkeypatch, poison, variant):
         want = torch.from_numpy(ref[name])
         err = (got.double() - want).norm() / max(want.norm().item(), 1e-12)
         assert err <= 1e-5, (name, err.item())
+
+
+def test_chunk_design_moves_past_a_config_that_does_not_fit(monkeypatch):
+    """_forward_full takes the first (storing forward, gradient kernel) pair whose launches fit the
+    device: a launch raising Triton's OutOfResources (shared memory at D = 96 on the H200, run
+    s7r10) moves to the next pair; the pair that fit is remembered; other errors propagate."""
+    class OutOfResources(RuntimeError):
+        pass
+
+    plans = {"pstore": [("f0",), ("f1",)], "bwd": [("b0",)]}
+    monkeypatch.setattr(_indexer, "_candidates", lambda kind, ieee, dims=None, n_sm=132, **kw: plans[kind])
+    monkeypatch.setattr(_indexer, "_FULL_CONFIGS", {})
+    tried = []
+
+    def fake(fcfg, bcfg, *a):
+        tried.append((fcfg, bcfg))
+        if fcfg == ("f0",):
+            raise OutOfResources("shared memory")
+        return "ran"
+
+    monkeypatch.setattr(_indexer, "_forward_full_with", fake)
+    xs = make(1, 2, 1, 5, 7, 8, 2, 1, 8, seed=63)
+    lse = torch.zeros(1, 2, 5)
+    assert _indexer._forward_full(*xs, lse, True, 0.3, True) == "ran"
+    assert tried == [(("f0",), ("b0",)), (("f1",), ("b0",))]
+    assert _indexer._forward_full(*xs, lse, True, 0.3, True) == "ran"
+    assert tried[-1] == (("f1",), ("b0",)) and len(tried) == 3  # remembered: no second try of f0
+
+    def broken(*a):
+        raise ValueError("not a resource problem")
+
+    monkeypatch.setattr(_indexer, "_forward_full_with", broken)
+    monkeypatch.setattr(_indexer, "_FULL_CONFIGS", {})
+    with pytest.raises(ValueError, match="not a resource problem"):
+        _indexer._forward_full(*xs, lse, True, 0.3, True)
