@@ -335,9 +335,6 @@ def _canonical(cfg):
     return cfg
 
 
-_CANDIDATES = {}  # (kind, dims, n_sm, teacher) -> the GPU's candidates (a pure function of those)
-
-
 def _candidates(kind, ieee, dims=None, n_sm=132, teacher=True):
     """Launch configs of a kernel kind, the untuned default first. The GPU's lists are memoised:
     forming them plans every candidate, which cost ~half of a GQA forward's host time (a CPU
@@ -346,14 +343,11 @@ def _candidates(kind, ieee, dims=None, n_sm=132, teacher=True):
         return [INTERPRETER_CONFIG]
     if ieee:
         return [_IEEE_CONFIG]
-    key = (kind, dims, n_sm, teacher)
-    if key not in _CANDIDATES:
-        _CANDIDATES[key] = tuple(_gpu_candidates(kind, dims, n_sm, teacher))
-    return list(_CANDIDATES[key])
+    return list(_gpu_candidates(kind, dims, n_sm, teacher))
 
 
+@functools.lru_cache(maxsize=1024)
 def _gpu_candidates(kind, dims, n_sm, teacher):
-    ieee = False
     # (teacher rows, indexer rows, BLOCK_N, BLOCK_D, warps, stages); not yet measured on the GPU
     # Pruned by offline sm_90 compiles (triton 3.6 and 3.9, TMA path): BLOCK_N = 128 spills in the
     # forward at both anchor configs (DSA 32 B, GQA 552 B of stack); 256 teacher rows spill 104 B
@@ -382,7 +376,7 @@ def _gpu_candidates(kind, dims, n_sm, teacher):
                 (128, 128, 64, 64, 8, 2, None, 1, "l1"), (128, 128, 128, 64, 8, 2), (128, 128, 32, 64, 8, 2),
                 (128, 128, 32, 64, 8, 2, None, 1, "l1"), (128, 128, 32, 64, 8, 3), (128, 128, 32, 64, 4, 2)]
     if kind == "pstore":  # the forward's tile (it only adds a store of p per tile): the forward's candidates
-        return _candidates("fwd", ieee, dims, n_sm)
+        return _gpu_candidates("fwd", dims, n_sm, True)
     if kind == "lse":
         out = [(128, 128, 64, 64, 8, 2), (128, 128, 64, 64, 8, 2, 1) if gqa else (128, 128, 128, 64, 8, 2)]
         if dims is not None and _l1_fits(dims):  # the "l1" variant, as for the forward (not yet timed)
@@ -1075,7 +1069,7 @@ def _forward_full(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
             try:
                 out = _forward_full_with(fcfg, bcfg, q, k, q_idx, k_idx, weights, lse, causal, scale, relu)
             except Exception as exc:  # noqa: BLE001 - only a launch that does not fit moves on
-                if "OutOfResources" not in type(exc).__name__:
+                if not _tuning.out_of_resources(exc):
                     raise
                 last = exc
                 continue

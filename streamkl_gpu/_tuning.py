@@ -138,6 +138,12 @@ RETIME_ROUNDS = 3
 RETIME_BUDGET_S = 2.0  # re-timing only where it costs at most this (short, decode-like calls)
 
 
+def out_of_resources(exc) -> bool:
+    """Is ``exc`` Triton's refusal to launch a config on this device (shared memory, registers,
+    threads)? Raised before the kernel runs, so the next candidate can be tried."""
+    return "OutOfResources" in type(exc).__name__ or "out of resource" in str(exc).lower()
+
+
 def _time_candidates(key, candidates, launch):
     import time
 
@@ -163,8 +169,7 @@ def _time_candidates(key, candidates, launch):
             TUNING_STATS["compile_s"] += t1 - t0
             TUNING_STATS["timing_s"] += time.perf_counter() - t1
         except Exception as exc:  # out of shared memory / registers: not a usable config
-            if (not isinstance(exc, UnusableConfig) and "OutOfResources" not in type(exc).__name__
-                    and "out of resource" not in str(exc).lower()):
+            if not isinstance(exc, UnusableConfig) and not out_of_resources(exc):
                 raise
             continue
         measured.append((cfg, t))
