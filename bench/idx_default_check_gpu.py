@@ -20,6 +20,7 @@ import torch  # noqa: E402
 import streamkl_gpu  # noqa: E402
 import streamkl_ref  # noqa: E402
 from streamkl_gpu import _indexer  # noqa: E402
+from streamkl_ref.testing import relative_error as rel_err  # noqa: E402
 
 # (name, B, H, HK, NQ, NK, D, HI, DI, causal)
 CASES = [
@@ -30,14 +31,6 @@ CASES = [
     ("dsa-like small", 1, 128, 1, 300, 300, 576, 64, 128, True),
     ("gqa teacher", 1, 16, 4, 150, 150, 128, 8, 64, True),
 ]
-
-
-def rel_err(x, ref):
-    x = torch.as_tensor(x).detach().double().cpu()
-    ref = torch.as_tensor(np.asarray(ref), dtype=torch.float64)
-    if not torch.isfinite(x).all():
-        return math.inf
-    return ((x - ref).norm() / max(ref.norm().item(), 1e-300)).item()
 
 
 def main(argv=None):

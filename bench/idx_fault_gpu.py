@@ -96,17 +96,6 @@ def parse_args(argv=None):
 # one step (a child process)
 # ----------------------------------------------------------------------------------------------
 
-def rel_err(x, ref):
-    import numpy as np
-    import torch
-
-    x = torch.as_tensor(x).detach().double().cpu()
-    ref = torch.as_tensor(np.asarray(ref), dtype=torch.float64)
-    if not torch.isfinite(x).all():
-        return math.inf
-    return ((x - ref).norm() / max(ref.norm().item(), 1e-300)).item()
-
-
 def run_step(name, tiny, N):
     """Run one step; print ``RESULT quantity err tol`` lines (the parent parses them)."""
     import numpy as np
@@ -117,6 +106,7 @@ def run_step(name, tiny, N):
         os.environ["STREAMKL_INDEXER_TMA"] = "0"
     import streamkl_ref
     from streamkl_gpu import _indexer, _runtime
+    from streamkl_ref.testing import relative_error as rel_err
 
     torch.set_num_threads(1)
     if tiny:  # the interpreter: TMA as the step says, every launch bounds-checked
