@@ -164,22 +164,13 @@ def test_the_tma_reduce_shim_is_checked_too():
     assert torch.equal(x, torch.ones(8))
 
 
-def _verify_cli(*args):
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root / "tests"), str(root)]), TRITON_INTERPRET="1")
-    return subprocess.run([sys.executable, "-m", "streamkl_ref", "verify", *args], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=300)
-
-
 def test_verify_impl_fails_user_kernels_with_memory_bugs(tmp_path):
     """`streamkl verify --impl` on CPU: a user's Triton kernel with an off-by-one load, or with a
     plain load-add-store into one address from every program, fails its cases with the checker's
     message, though its numbers are right; the in-bounds, race-free twin passes."""
     import json
+
+    from test_conformance import _cli as _verify_cli  # the command line in a fresh process
 
     out = tmp_path / "r.json"
     bad = _verify_cli("--impl", "_conformance_impls:triton_reads_past_q1", "--quick", "--no-grad", "--json", str(out))
