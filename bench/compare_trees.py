@@ -1,0 +1,272 @@
+"""The no-regression check: two source trees of streamkl timed in one GPU job.
+
+    python bench/compare_trees.py --tree before=/path/to/old --tree after=. --rounds 5 --out DIR
+
+Each round runs one subprocess per tree (the order alternates between rounds), with that tree
+first on ``sys.path`` and its own ``STREAMKL_CACHE_DIR``; the subprocess times every grid point
+with ``triton.testing.do_bench`` (median) through the public API only, so any two commits can be
+compared. The first round also pays each tree's compiles and tuning; it is kept apart as
+``round 0`` (warm-up) and the medians come from the rounds after it.
+
+The rule (DEVELOPERS.md): over the grid the geometric mean of after/before is at most 1.01 and no
+point is above 1.03; a point above 1.03 is re-timed once with 10 rounds before it counts.
+
+Writes ``DIR/compare_rounds.csv`` (long format: one row per tree, point and round, with GPU,
+timestamp and each tree's commit) and ``DIR/compare_summary.csv``; prints a short table last.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+# name -> (kind, spec). kind: fwd | step (forward + backward) | idx_step | idx_fwd
+GRID = {
+    # attention_kl, B=1, H=32, D=128, bf16 unless said
+    "fwd_4k_nc": ("fwd", dict(n=4096, causal=False)),
+    "fwd_4k_c": ("fwd", dict(n=4096, causal=True)),
+    "fwd_8k_nc": ("fwd", dict(n=8192, causal=False)),
+    "fwd_8k_c": ("fwd", dict(n=8192, causal=True)),
+    "fwd_16k_nc": ("fwd", dict(n=16384, causal=False)),
+    "fwd_16k_c": ("fwd", dict(n=16384, causal=True)),
+    "fwd_8k_c_d64": ("fwd", dict(n=8192, causal=True, d=64)),
+    "fwd_4k_c_d256": ("fwd", dict(n=4096, causal=True, d=256)),
+    "fwd_8k_c_fp16": ("fwd", dict(n=8192, causal=True, dtype="float16")),
+    "fwd_q4k_k8k_c": ("fwd", dict(n=4096, n_k=8192, causal=True)),
+    "decode_q1_k128k": ("fwd", dict(n=1, n_k=131072, causal=False)),
+    "decode_q16_k128k": ("fwd", dict(n=16, n_k=131072, causal=True)),
+    "step1_4k_nc": ("step", dict(n=4096, causal=False, train=2)),
+    "step1_4k_c": ("step", dict(n=4096, causal=True, train=2)),
+    "step1_8k_nc": ("step", dict(n=8192, causal=False, train=2)),
+    "step1_8k_c": ("step", dict(n=8192, causal=True, train=2)),
+    "step2_8k_c": ("step", dict(n=8192, causal=True, train=1)),
+    "stepboth_8k_c": ("step", dict(n=8192, causal=True, train=3)),
+    "step1_8k_c_gqa": ("step", dict(n=8192, causal=True, train=2, h_k=8)),
+    # indexer_kl, 8K causal, indexer inputs requiring grad, reduction="mean"
+    "idx_dsa_8k_lse_step": ("idx_step", dict(teacher="dsa", n=8192, lse=True)),
+    "idx_gqa_8k_lse_step": ("idx_step", dict(teacher="gqa", n=8192, lse=True)),
+    "idx_dsa_8k_fwd": ("idx_fwd", dict(teacher="dsa", n=8192, lse=False)),
+    "idx_gqa_8k_fwd": ("idx_fwd", dict(teacher="gqa", n=8192, lse=False)),
+}
+GEOMEAN_LIMIT, POINT_LIMIT = 1.01, 1.03
+
+
+# ---------------------------------------------------------------- worker (runs inside one tree)
+def _attention_case(kind, spec, torch, streamkl_gpu):
+    dtype = getattr(torch, spec.get("dtype", "bfloat16"))
+    h, d = 32, spec.get("d", 128)
+    h_k = spec.get("h_k", h)
+    n_q, n_k = spec["n"], spec.get("n_k", spec["n"])
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", dtype=dtype, generator=g)
+
+    q1, k1 = rand(1, h, n_q, d), rand(1, h, n_k, d)
+    q2, k2 = rand(1, h, n_q, d), rand(1, h_k, n_k, d)
+    causal = spec["causal"]
+    if kind == "fwd":
+        return (lambda: streamkl_gpu.attention_kl(q1, k1, q2, k2, causal=causal)), None
+    train = spec["train"]
+    leaves = ([q2, k2] if train & 2 else []) + ([q1, k1] if train & 1 else [])
+    for t in leaves:
+        t.requires_grad_(True)
+
+    def step():
+        streamkl_gpu.attention_kl(q1, k1, q2, k2, causal=causal).mean().backward()
+
+    return step, leaves
+
+
+def _teacher_lse(q, k, scale, torch):
+    """float32 [B, H, N] natural-log LSEs of the causal teacher, head by head (setup only)."""
+    b, h, n, _ = q.shape
+    group = h // k.shape[1]
+    out = torch.empty(b, h, n, device=q.device, dtype=torch.float32)
+    mask = torch.ones(n, n, device=q.device, dtype=torch.bool).tril()
+    for i in range(h):
+        s = (q[0, i].float() @ k[0, i // group].float().T) * scale
+        out[0, i] = s.masked_fill(~mask, float("-inf")).logsumexp(-1)
+    return out
+
+
+def _indexer_case(kind, spec, torch, streamkl_gpu):
+    n = spec["n"]
+    if spec["teacher"] == "dsa":
+        h, h_k, d, h_i, d_i, scale = 128, 1, 576, 64, 128, 192 ** -0.5
+    else:
+        h, h_k, d, h_i, d_i, scale = 32, 8, 128, 16, 64, 128 ** -0.5
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, device="cuda", dtype=dtype, generator=g)
+
+    q, k = rand(1, h, n, d), rand(1, h_k, n, d)
+    q_idx, k_idx = rand(1, h_i, n, d_i), rand(1, 1, n, d_i)
+    weights = rand(1, h_i, n, dtype=torch.float32) * h_i ** -0.5
+    lse = _teacher_lse(q, k, scale, torch) if spec["lse"] else None
+    leaves = [q_idx, k_idx, weights]
+
+    def loss():
+        return streamkl_gpu.indexer_kl(q, k, q_idx, k_idx, weights, causal=True, scale=scale, lse=lse,
+                                       reduction="mean")
+
+    if kind == "idx_fwd":
+        return loss, None
+    for t in leaves:
+        t.requires_grad_(True)
+    return (lambda: loss().backward()), leaves
+
+
+def worker(points, json_path):
+    import torch
+    import triton.testing
+
+    import streamkl_gpu
+
+    rows = {}
+    for name in points:
+        kind, spec = GRID[name]
+        build = _indexer_case if kind.startswith("idx") else _attention_case
+        fn, leaves = build(kind, spec, torch, streamkl_gpu)
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        first_s = time.perf_counter() - t0
+        ms = triton.testing.do_bench(fn, warmup=25, rep=150, grad_to_none=leaves, return_mode="median")
+        rows[name] = {"ms": ms, "first_call_s": first_s}
+        del fn, leaves
+        torch.cuda.empty_cache()
+    with open(json_path, "w") as f:
+        json.dump({"file": streamkl_gpu.__file__, "rows": rows}, f)
+
+
+# ---------------------------------------------------------------- orchestrator
+def _commit(tree):
+    """The tree's short commit: from git, or from a COMMIT file (a `git archive` export has no .git)."""
+    marker = os.path.join(tree, "COMMIT")
+    if os.path.exists(marker):
+        return open(marker).read().strip()
+    try:
+        return subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        return "unknown"
+
+
+def _run_round(label, tree, points, cache_dirs, timeout):
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), STREAMKL_CACHE_DIR=cache_dirs[label],
+               PYTHONUNBUFFERED="1")
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
+        path = tmp.name
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--points", ",".join(points), "--json", path]
+    proc = subprocess.run(cmd, cwd=os.path.abspath(tree), env=env, timeout=timeout, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{label}: worker failed (rc={proc.returncode})\n{proc.stderr[-3000:]}")
+    with open(path) as f:
+        data = json.load(f)
+    os.unlink(path)
+    if not data["file"].startswith(os.path.abspath(tree)):
+        raise RuntimeError(f"{label}: imported {data['file']}, not from {tree}")
+    return data["rows"]
+
+
+def _medians(records, labels, points, rounds):
+    return {(lab, p): statistics.median(r["ms"] for r in records if r["tree"] == lab and r["point"] == p
+                                         and r["round"] in rounds)
+            for lab in labels for p in points}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tree", action="append", default=[], help="LABEL=PATH, twice: before first, after second")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--retime-rounds", type=int, default=10)
+    ap.add_argument("--points", default=",".join(GRID))
+    ap.add_argument("--out", default=os.environ.get("OUT", "compare_out"))
+    ap.add_argument("--round-timeout", type=float, default=300)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--json", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    points = [p for p in args.points.split(",") if p]
+    unknown = [p for p in points if p not in GRID]
+    if unknown:
+        ap.error(f"unknown points {unknown}; known: {', '.join(GRID)}")
+    if args.worker:
+        return worker(points, args.json)
+    if len(args.tree) != 2:
+        ap.error("give --tree twice: LABEL=PATH for before, then after")
+    trees = dict(t.split("=", 1) for t in args.tree)
+    labels = list(trees)
+    os.makedirs(args.out, exist_ok=True)
+    cache_root = tempfile.mkdtemp(prefix="streamkl-compare-")
+    cache_dirs = {lab: os.path.join(cache_root, lab) for lab in labels}
+    import torch
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    commits = {lab: _commit(trees[lab]) for lab in labels}
+    records = []
+
+    def run_rounds(first, count, pts):
+        for r in range(first, first + count):
+            order = labels if r % 2 == 0 else labels[::-1]
+            for lab in order:
+                t0 = time.time()
+                rows = _run_round(lab, trees[lab], pts, cache_dirs, args.round_timeout)
+                for p, row in rows.items():
+                    records.append(dict(tree=lab, commit=commits[lab], point=p, round=r, **row))
+                print(f"round {r} {lab}: {time.time() - t0:.1f} s", flush=True)
+
+    run_rounds(0, args.rounds + 1, points)  # round 0: compiles and tuning (warm-up, not counted)
+    timed = set(range(1, args.rounds + 1))
+    med = _medians(records, labels, points, timed)
+    before, after = labels
+    ratio = {p: med[(after, p)] / med[(before, p)] for p in points}
+    failing = [p for p in points if ratio[p] > POINT_LIMIT]
+    retimed = {}
+    if failing:
+        first = args.rounds + 1
+        run_rounds(first, args.retime_rounds, failing)
+        re_rounds = set(range(first, first + args.retime_rounds))
+        re_med = _medians(records, labels, failing, re_rounds)
+        for p in failing:
+            retimed[p] = re_med[(after, p)] / re_med[(before, p)]
+            ratio[p] = retimed[p]
+    geo = math.exp(statistics.fmean(math.log(v) for v in ratio.values()))
+    with open(os.path.join(args.out, "compare_rounds.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["gpu_name", "timestamp", "tree", "commit", "point", "round", "ms",
+                                          "first_call_s"])
+        w.writeheader()
+        for rec in records:
+            w.writerow(dict(gpu_name=gpu, timestamp=stamp, **rec))
+    with open(os.path.join(args.out, "compare_summary.csv"), "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["gpu_name", "timestamp", "point", f"{before}_ms", f"{after}_ms", "ratio", "retimed",
+                    "status"])
+        for p in points:
+            status = "ok" if ratio[p] <= POINT_LIMIT else "slower"
+            w.writerow([gpu, stamp, p, f"{med[(before, p)]:.4f}", f"{med[(after, p)]:.4f}", f"{ratio[p]:.4f}",
+                        "yes" if p in retimed else "no", status])
+        w.writerow([gpu, stamp, "geomean", "", "", f"{geo:.4f}", "", "ok" if geo <= GEOMEAN_LIMIT else "slower"])
+    print(f"\n{before} = {commits[before]}, {after} = {commits[after]}, {gpu}, {args.rounds} rounds (+ warm-up)")
+    print(f"{'point':24s} {before + ' ms':>12s} {after + ' ms':>12s} {'ratio':>7s}")
+    for p in points:
+        flag = " (re-timed)" if p in retimed else ""
+        print(f"{p:24s} {med[(before, p)]:12.4f} {med[(after, p)]:12.4f} {ratio[p]:7.3f}{flag}")
+    ok = geo <= GEOMEAN_LIMIT and all(v <= POINT_LIMIT for v in ratio.values())
+    print(f"geomean {geo:.4f} (limit {GEOMEAN_LIMIT}); worst {max(ratio.values()):.4f} (limit {POINT_LIMIT}): "
+          f"{'PASS' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
