@@ -24,7 +24,7 @@ A candidate that fails (compile error, resources, wrong numbers) is printed and 
 
 Outputs: idx_dsa.csv (long format: measure, provider, shape, value, unit, note), idx_dsa.log.
 Baselines: the matmul floor of this run; torch.compile of the materialised form is not run here
-(~50 s of compile): its s5r3 number (251.1 ms fwd at DSA 8K) is in bench/NOTES.md.
+(~50 s of compile): its s5r3 number (251.1 ms fwd at DSA 8K) is in docs/design/indexer.md.
 """
 from __future__ import annotations
 

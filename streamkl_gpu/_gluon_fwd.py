@@ -6,7 +6,7 @@ reference this kernel is checked against on the GPU): per row the five scalars
 tile skipping (``_fwd._key_stages``), ``_fwd._finalize`` at the end. Scores are taken to bits
 rounded once: in masked tiles ``mul.rn`` before the max (as the Triton path: one-key rows exactly
 0); in whole tiles, with the default's ``FOLD`` knob, the max on the raw scores scaled once per row
-(bitwise the same max) and the shifted score as one FFMA (``_shifted``; bench/NOTES.md round 4). The per-tile formulas are ``_fwd._fwd_key_range``'s, split in two
+(bitwise the same max) and the shifted score as one FFMA (``_shifted``; docs/design/attention_forward.md round 4). The per-tile formulas are ``_fwd._fwd_key_range``'s, split in two
 halves so that the side-1 half runs while the side-2 product is still on the tensor cores.
 
 Schedule: one CTA owns 128 query rows of one (b, h).
@@ -82,7 +82,7 @@ def _load_partition(q1_desc, k1_desc, q2_desc, k2_desc, q1_smem, q2_smem, k1_sme
             _tma_load(k2_desc, [b, kv_head2, i * BLOCK_N, 0], k2_ready.index(s), k2_smem.index(s))
 
 
-# Timing variants (bench/gluon_gpu.py, the method of bench/NOTES.md): wrong results on purpose.
+# Timing variants (bench/gluon_gpu.py, the method of docs/design/attention_forward.md): wrong results on purpose.
 VARIANTS = {"kernel": 0, "no_exp": 1, "no_second_product": 2, "no_acc": 3}
 
 
@@ -199,7 +199,7 @@ def _shifted(m, s_raw, qk_scale, visible, MASKED: gl.constexpr, RESCALE: gl.cons
     x = fma(s, c, -shift), one FFMA per score instead of FMUL + FADD (-128 instructions per
     128-key tile and thread). x is then rounded once instead of twice (closer to float64, within
     half an ulp of s * c of today's); masked tiles keep ``mul.rn`` + subtract, so that one-key rows
-    stay exactly 0 (x = 0 at the max: the FFMA fold left KL ~1e-7 there, bench/NOTES.md v4)."""
+    stay exactly 0 (x = 0 at the max: the FFMA fold left KL ~1e-7 there, docs/design/attention_forward.md v4)."""
     if FOLD and not MASKED:
         m_tile = libdevice.mul_rn(gl.max(s_raw, axis=1), qk_scale)
         m_new = gl.maximum(m, m_tile)

@@ -48,6 +48,8 @@ def _expand_braces(path: str) -> list[str]:
 def citations() -> list[tuple[str, int, str]]:
     found = []
     for rel in _tracked_text_files():
+        if rel == "tests/test_results_citations.py":  # this file's patterns are not citations
+            continue
         with open(os.path.join(ROOT, rel), encoding="utf-8", errors="replace") as fh:
             for lineno, line in enumerate(fh, 1):
                 for m in CITATION.finditer(line):
@@ -78,7 +80,7 @@ def _missing(path: str) -> bool:
 def test_citations_are_found():
     """The scan sees the citations this repository is known to make (so an empty scan cannot pass)."""
     cited = {c for _, _, c in citations()}
-    assert any(c.startswith("bench/results/2026-") for c in cited), sorted(cited)[:20]
+    assert any(FOLDER.match(c.split("/")[2]) for c in cited if c.count("/") >= 3), sorted(cited)[:20]
 
 
 def test_every_cited_result_exists():
