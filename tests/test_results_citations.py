@@ -59,7 +59,7 @@ def citations() -> list[tuple[str, int, str]]:
 
 def _missing(path: str) -> bool:
     """Whether a cited path (a file, a folder, a glob or a template) names nothing that exists."""
-    if any(t in path for t in ("<", "{out}", "$")):  # a template: its fixed folder must exist
+    if re.search(r"[<$]|\{[^,{}]*\}", path):  # a template (<date>, $OUT, {folder}): its fixed folder must exist
         fixed = re.split(r"[<${]", path)[0]
         return not os.path.isdir(os.path.join(ROOT, os.path.dirname(fixed)))
     for p in _expand_braces(path):
