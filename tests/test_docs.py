@@ -306,7 +306,7 @@ def test_site_loads_nothing_from_another_host(site):
 def _texts():
     """README, docs pages, proof pages, and the Python sources of the packages and examples."""
     paths = [os.path.join(ROOT, "README.md")]
-    for pattern in ("docs/*.md", "docs/_generated/*.md", "proofs/*.md", "streamkl_ref/*.py",
+    for pattern in ("docs/*.md", "docs/design/*.md", "docs/_generated/*.md", "proofs/*.md", "streamkl_ref/*.py",
                     "streamkl_gpu/*.py", "examples/*.py"):
         paths += glob.glob(os.path.join(ROOT, pattern))
     for path in sorted(paths):
