@@ -108,12 +108,12 @@ CANDIDATES = [  # the final run (s6r4): the references, the default since s6r2 (
     Cand("dq 64x32x4x3 (both auto)", "dq", (64, 32, 4, 3), at=("8K both",)),
     Cand("dk 32x64x4x3 both pack", "dk", (32, 64, 4, 3), rows="pack", at=("8K both",)),
 ]
-# Run s6r3 (H200, 8K, the kernels alone, ms s1 / s2; bench/results/session6/h200_2026-12-01_s6r3_bwd_s6*):
+# Run s6r3 (H200, 8K, the kernels alone, ms s1 / s2; bench/results/2026-12-01_h200_d2682d7/bwd_kernels*):
 # dK rows 3.374 / 3.424, pack 3.369 / 3.390, pack 8x4 3.412 / 3.240, 64x64x4x2 pack 3.426 / 3.263, pack
 # + poly (half of P2's exp2 on the FMA pipe, setting 1) 3.627 / 3.283; dQ 2.644 / 2.530, poly 2.890 /
 # 2.399 (in setting 2 poly is the same kernel: a 5 % spread between identical kernels in one run).
 # Probes of dK pack: no exp2 3.034 / 3.124, one score product 3.067 / 2.463.
-# Run s6r2 (H200, the kernels alone at 8K, ms s1 / s2; bench/results/session6/h200_2026-12-01_s6r2_bwd_s6*):
+# Run s6r2 (H200, the kernels alone at 8K, ms s1 / s2; bench/results/2026-12-01_h200_d3b757b/bwd_kernels*):
 # dK rows (auto) 3.374 / 3.483, pack 3.365 / 3.306, pack 8x4 3.403 / 3.274, 64x64x4x2 pack 3.390 / 3.295,
 # 32x64x4x2 r168 pack 3.648 / 3.643, 32x64x4x3 pack 3.678 / 3.586, 32x128x8x2 r128 pack 3.497 / 4.488,
 # 64x128x8x2 pack 3.942 / 3.932, norows 4.027 / 3.931, 4-CTA 32x64x4x1 r128 pack 5.35 / 5.50;

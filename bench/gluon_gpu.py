@@ -28,7 +28,7 @@ Sections (a time budget skips what does not fit, recorded as ``skipped``; the SA
    (and auto, triton without --quick).
 3. variants: the default kernel and the knob-free session-5 default (``VARIANT_CONFIGS``) beside
    deliberately wrong variants of each (no exponentials, no second product, no acc work) at 8K
-   (bench/NOTES.md's variant-timing method).
+   (docs/design/attention_forward.md's variant-timing method).
 4. grid (--grid: this section alone, then the SASS): the issue's no-regression grid, auto vs forced triton (and forced gluon where it takes the shape):
    N = 1K..64K causal and not at D=128 bf16 and fp16, D in {64, 96, 256}, GQA 32:8,
    D1 != D2 = 128/64, decode N_Q in {1, 16}.
@@ -687,7 +687,7 @@ def run_timing(section, points, warmup, rep, budget, config_providers=(), api=("
 
 def run_variants(quick, warmup, rep, budget, variants, configs):
     """Time each configuration of ``configs`` beside deliberately wrong variants of it
-    (bench/NOTES.md's method: what the time is made of) at B=1, H=32, D=128, bf16, 8K."""
+    (docs/design/attention_forward.md's method: what the time is made of) at B=1, H=32, D=128, bf16, 8K."""
     from streamkl_gpu import _gluon_fwd
 
     log("== variants of the Gluon kernel (8K, bf16, D=128; wrong results on purpose)")

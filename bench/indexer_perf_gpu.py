@@ -227,7 +227,7 @@ MEASURED_SLOW = {
     ("dsa", 8192, (128, 128, 64, 64, 8, 2)): 43.2,
     ("dsa", 8192, (128, 128, 64, 64, 8, 3)): 33.6,
     ("dsa", 8192, (256, 128, 64, 64, 8, 2)): 37.5,
-    # the s4r4 run (bench/results/session4/h200_2026-12-01_s4r4_indexer_perf.log)
+    # the s4r4 run (bench/results/2026-12-01_h200_3c98559/indexer_perf.log)
     ("dsa", 8192, (128, 128, 128, 64, 8, 2)): 30.26,
     ("dsa", 8192, (128, 128, 64, 64, 8, 2, None, 1, "l1")): 46.12,
     ("dsa", 8192, (128, 128, 128, 64, 8, 2, None, 1, "l1")): 30.92,
@@ -238,7 +238,7 @@ MEASURED_SLOW = {
     ("gqa", 8192, (128, 128, 64, 64, 8, 2, None, 3)): 8.86,
     ("gqa", 8192, (128, 128, 64, 64, 8, 2, 1, 9)): 3.18,
     ("gqa", 8192, (64, 64, 64, 64, 4, 2, None, 2)): 8.04,
-    # run r5c (15:01 UTC, bench/results/session5/h200_2026-12-01_s5r5c_indexer_perf.log): all but the best
+    # run r5c (15:01 UTC, bench/results/2026-12-01_h200_121408f/indexer_perf.log): all but the best
     ("dsa", 8192, (128, 128, 128, 64, 8, 3)): 24.89,
     ("dsa", 8192, (128, 128, 128, 64, 4, 2)): 21.36,
     ("dsa", 8192, (64, 64, 64, 64, 4, 3, 64)): 28.25,
@@ -758,7 +758,7 @@ class Bench:
     def recorded_compile(cname, N, pss):
         """torch.compile of the materialised form as measured last session (H200, same script
         family: bench/indexer_gpu.py), for the speed-up column when this run skipped it."""
-        path = os.path.join(ROOT, "bench", "results", "h200_2026-12-01_final_indexer_timing_partial.csv")
+        path = os.path.join(ROOT, "bench", "results", "2026-12-01_h200_0175a65", "indexer_timing.csv")
         try:
             with open(path) as f:
                 for r in csv.DictReader(f):

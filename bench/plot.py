@@ -1,13 +1,17 @@
 #!/usr/bin/env python3
 """Plots from benchmark CSVs only (no typed-in numbers).
 
-    python bench/plot.py                                  # bench/results/*bench*.csv -> docs/assets/*.png
+    python bench/plot.py                                  # the newest bench/results/*/bench.csv -> docs/assets/*.png
     python bench/plot.py --results DIR --out DIR
 
-Reads every file matching ``*bench*.csv`` under --results (the long format bench_gpu.py writes:
+--results defaults to the newest results folder (``bench/results/<date>_<gpu>_<commit>/``, by date
+and then by the start times in its env.json) that holds a ``bench*.csv``. Reads every file matching
+``bench*.csv`` in it (the long format bench_gpu.py writes:
 kernel, provider, mode, causal, n_q, n_k, ..., p50_ms, peak_extra_gib, status, ...). Rows whose
 status is not ``ok`` are left out. When the CSVs come from more than one GPU/run, each run's line
-is labelled with its file name.
+is labelled with its folder and file name. Lines carry readable labels (``LABELS``), not the CSV's
+provider names; each figure is stamped with the GPU, torch, triton and the commit measured (from
+the folder's env.json).
 
 Writes (only those with data):
   fwd_time.png            forward time vs N, non-causal | causal, per provider
@@ -22,7 +26,7 @@ All axes with N are log-log (base 2 for N).
 
 SDPA labels. bench_gpu.py writes two SDPA providers: ``sdpa`` (PyTorch's default backend dispatch)
 and ``sdpa_flash`` (forced to the FlashAttention backend); their rows carry ``sdpa_backend=...`` in
-``extra``. Older files (e.g. h200_2026-11-29_bench.csv) have only ``sdpa`` rows, and those were
+``extra``. Older files (e.g. 2026-11-29_h200_f87f3b3/bench.csv) have only ``sdpa`` rows, and those were
 forced to the flash backend: for a file with no ``sdpa_flash`` row and no ``sdpa_backend=`` note,
 its ``sdpa`` rows are drawn as "SDPA (flash backend)" and the figure carries a note saying so.
 """
@@ -31,6 +35,7 @@ from __future__ import annotations
 import argparse
 import csv
 import glob
+import json
 import os
 import sys
 
@@ -44,15 +49,24 @@ WIDTH_IN = 8  # every figure is at most this wide: the page shows it at ~690 px,
 FONTS = {"font.size": 10, "axes.titlesize": 10.5, "axes.labelsize": 10, "xtick.labelsize": 9,
          "ytick.labelsize": 9, "legend.fontsize": 9, "figure.titlesize": MIN_FONT_PT}
 SDPA_DEFAULT, SDPA_FLASH = "SDPA (default dispatch)", "SDPA (flash backend)"
-STYLE = {  # provider (display name) -> (color, marker); anything else gets matplotlib's cycle
-    "ours": ("C3", "o"), "ours_auto": ("C3", "o"), "ours_fused": ("C1", "^"), "ours_separate": ("C5", "v"),
-    "ours_split1": ("C6", "x"), SDPA_DEFAULT: ("C0", "s"), SDPA_FLASH: ("C9", "d"), "eager": ("C7", "D"),
-    "compile": ("C2", "P"), "chunked": ("C4", "*"), "floor": ("k", "_"),
+# the CSV's provider names -> the labels the legends show
+LABELS = {
+    "ours": "streamkl", "ours_auto": "streamkl (auto backward)", "ours_fused": "streamkl fused backward",
+    "ours_separate": "streamkl separate backward", "ours_split1": "streamkl, split_k=1",
+    "eager": "eager PyTorch", "compile": "torch.compile", "chunked": "eager, 1024-row query chunks",
+    "floor": "bandwidth floor",
 }
+STYLE = {  # display label -> (color, marker); anything else gets matplotlib's cycle
+    LABELS["ours"]: ("C3", "o"), LABELS["ours_auto"]: ("C3", "o"), LABELS["ours_fused"]: ("C1", "^"),
+    LABELS["ours_separate"]: ("C5", "v"), LABELS["ours_split1"]: ("C6", "x"), SDPA_DEFAULT: ("C0", "s"),
+    SDPA_FLASH: ("C9", "d"), LABELS["eager"]: ("C7", "D"), LABELS["compile"]: ("C2", "P"),
+    LABELS["chunked"]: ("C4", "*"), LABELS["floor"]: ("k", "_"),
+}
+DASHED = (LABELS["floor"], LABELS["eager"], LABELS["chunked"])  # references drawn dashed
 BACKENDS_GLOB = "*fwd_configs_sdpa_backends.csv"
 # sdpa_backends.png: the providers of that file, in bar order, with display names and styles
 BACKEND_BARS = [
-    ("streamkl(autotuned)", "ours (autotuned)", "C3"),
+    ("streamkl(autotuned)", "streamkl (autotuned)", "C3"),
     ("sdpa(default dispatch)", SDPA_DEFAULT, "C0"),
     ("sdpa(flash backend)", SDPA_FLASH, "C9"),
     ("sdpa(cudnn backend)", "SDPA (cuDNN backend)", "C8"),
@@ -60,13 +74,39 @@ BACKEND_BARS = [
 ]
 
 
+def newest_results(pattern):
+    """The newest folder under bench/results/ holding a file matching ``pattern``: by the date its
+    name starts with, then by the latest run start recorded in its env.json."""
+    def key(folder):
+        started = ""
+        try:
+            with open(os.path.join(folder, "env.json")) as fh:
+                started = max((r.get("started_utc") or "" for r in json.load(fh).get("runs", [])), default="")
+        except (OSError, ValueError):
+            pass
+        return (os.path.basename(folder)[:10], started)
+    folders = [d for d in glob.glob(os.path.join(ROOT, "bench", "results", "*")) if glob.glob(os.path.join(d, pattern))]
+    return max(folders, key=key) if folders else os.path.join(ROOT, "bench", "results")
+
+
+def commit_of(folder):
+    try:
+        with open(os.path.join(folder, "env.json")) as fh:
+            return json.load(fh).get("commit", "?")
+    except (OSError, ValueError):
+        return "?"
+
+
 def load(results_dir):
-    files = sorted(glob.glob(os.path.join(results_dir, "*bench*.csv")))
+    files = sorted(glob.glob(os.path.join(results_dir, "bench*.csv")))
     rows = []
     for f in files:
+        folder = os.path.dirname(os.path.abspath(f))
+        commit = commit_of(folder)
         with open(f, newline="") as fh:
             for r in csv.DictReader(fh):
-                r["_file"] = os.path.splitext(os.path.basename(f))[0]
+                r["_file"] = os.path.basename(folder) + "/" + os.path.splitext(os.path.basename(f))[0]
+                r["_commit"] = commit
                 rows.append(r)
     legacy = flash_only_files(rows)
     for r in rows:
@@ -90,7 +130,7 @@ def display_provider(r, legacy):
         return SDPA_FLASH if r["_file"] in legacy else SDPA_DEFAULT
     if r["provider"] == "sdpa_flash":
         return SDPA_FLASH
-    return r["provider"]
+    return LABELS.get(r["provider"], r["provider"])
 
 
 def fnum(x):
@@ -146,7 +186,7 @@ def draw(ax, data, title, ylabel, xlabel="N (= N_Q = N_K)", legend="in"):
         ys = [p[1] for p in pts]
         color, marker = style_for(label)
         ax.plot(xs, ys, marker=marker, color=color, label=label, linewidth=1.4, markersize=5,
-                linestyle=":" if " causal" in label else ("--" if label.startswith(("floor", "eager", "chunked")) else "-"))
+                linestyle=":" if " causal" in label else ("--" if label.startswith(DASHED) else "-"))
         if all(p[2] is not None and p[3] is not None for p in pts):
             ax.fill_between(xs, [p[2] for p in pts], [p[3] for p in pts], color=color, alpha=0.15, linewidth=0)
     ax.set_xscale("log", base=2)
@@ -185,9 +225,9 @@ def legend_rows(fig, n, ncol=3):
 
 
 def subtitle(rows):
-    keys = sorted({(r.get("gpu", ""), r.get("torch", ""), r.get("triton", ""), r.get("streamkl_version", ""))
+    keys = sorted({(r.get("gpu", ""), r.get("torch", ""), r.get("triton", ""), r.get("_commit", "?"))
                    for r in rows})
-    return "; ".join(f"{g} | torch {t} | triton {tr} | streamkl {v}" for g, t, tr, v in keys[:3])
+    return "; ".join(f"{g} | torch {t} | triton {tr} | commit {c}" for g, t, tr, c in keys[:3])
 
 
 def shape_note(rows):
@@ -232,7 +272,10 @@ def backends_plot(path, out_path, plt):
     ax.legend(ncol=2, loc="upper left")
     ax.set_ylim(top=ax.get_ylim()[1] * 6)  # room for the legend above the tallest bar
     plain_log_y(ax)
-    fig.suptitle(subtitle(rows) + f"\n[{os.path.basename(path)}]", y=0.995)
+    folder = os.path.dirname(os.path.abspath(path))
+    for r in rows:
+        r["_commit"] = commit_of(folder)
+    fig.suptitle(subtitle(rows) + f"\n[{os.path.basename(folder)}/{os.path.basename(path)}]", y=0.995)
     fig.tight_layout()
     fig.savefig(out_path, dpi=DPI)
     plt.close(fig)
@@ -245,7 +288,7 @@ def fmt_n(n):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--results", default=os.path.join(ROOT, "bench", "results"))
+    p.add_argument("--results", default=None, help="a results folder (default: the newest with a bench CSV)")
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "assets"))
     a = p.parse_args(argv)
     import matplotlib
@@ -255,7 +298,10 @@ def main(argv=None):
 
     os.makedirs(a.out, exist_ok=True)
     written = []
-    backends = sorted(glob.glob(os.path.join(a.results, BACKENDS_GLOB)))
+    backends_dir = a.results or newest_results(BACKENDS_GLOB)
+    a.results = a.results or newest_results("bench*.csv")
+    print(f"bench CSVs from {a.results}; SDPA backends from {backends_dir}")
+    backends = sorted(glob.glob(os.path.join(backends_dir, BACKENDS_GLOB)))
 
     def plot_backends():
         if backends:  # the newest file (names start with the date)
@@ -268,7 +314,7 @@ def main(argv=None):
 
     files, rows, legacy = load(a.results)
     if not rows:
-        print(f"no rows in {a.results}/*bench*.csv; only sdpa_backends.png (if any) plotted", file=sys.stderr)
+        print(f"no rows in {a.results}/bench*.csv; only sdpa_backends.png (if any) plotted", file=sys.stderr)
         plot_backends()
         for w in written:
             print(w)

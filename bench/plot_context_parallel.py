@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Plot of the context-parallel scaling run, from its CSVs only (no typed-in numbers).
 
-    python bench/plot_context_parallel.py                 # bench/results/*context_parallel_scaling*.csv
+    python bench/plot_context_parallel.py                 # bench/results/*/context_parallel_scaling*.csv
     python bench/plot_context_parallel.py --results DIR --out DIR
 
 Reads every ``*context_parallel_scaling*.csv`` (written by bench/context_parallel_gpu.py; rows
@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def load(results):
     rows = []
-    for path in sorted(glob.glob(os.path.join(results, "*context_parallel_scaling*.csv"))):
+    for path in sorted(glob.glob(os.path.join(results, "*", "*context_parallel_scaling*.csv"))):
         with open(path, newline="") as fh:
             for r in csv.DictReader(fh):
                 if r.get("status") == "ok" and r.get("section") == "scale":
@@ -38,7 +38,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     rows = load(a.results)
     if not rows:
-        print(f"no *context_parallel_scaling*.csv rows with status ok under {a.results}: nothing to plot")
+        print(f"no */context_parallel_scaling*.csv rows with status ok under {a.results}: nothing to plot")
         return 0
     import matplotlib
 

@@ -6,7 +6,7 @@ reference this kernel is checked against on the GPU): per row the five scalars
 tile skipping (``_fwd._key_stages``), ``_fwd._finalize`` at the end. Scores are taken to bits
 rounded once: in masked tiles ``mul.rn`` before the max (as the Triton path: one-key rows exactly
 0); in whole tiles, with the default's ``FOLD`` knob, the max on the raw scores scaled once per row
-(bitwise the same max) and the shifted score as one FFMA (``_shifted``; bench/NOTES.md round 4). The per-tile formulas are ``_fwd._fwd_key_range``'s, split in two
+(bitwise the same max) and the shifted score as one FFMA (``_shifted``; docs/design/attention_forward.md round 4). The per-tile formulas are ``_fwd._fwd_key_range``'s, split in two
 halves so that the side-1 half runs while the side-2 product is still on the tensor cores.
 
 Schedule: one CTA owns 128 query rows of one (b, h).
@@ -82,7 +82,7 @@ def _load_partition(q1_desc, k1_desc, q2_desc, k2_desc, q1_smem, q2_smem, k1_sme
             _tma_load(k2_desc, [b, kv_head2, i * BLOCK_N, 0], k2_ready.index(s), k2_smem.index(s))
 
 
-# Timing variants (bench/gluon_gpu.py, the method of bench/NOTES.md): wrong results on purpose.
+# Timing variants (bench/gluon_gpu.py, the method of docs/design/attention_forward.md): wrong results on purpose.
 VARIANTS = {"kernel": 0, "no_exp": 1, "no_second_product": 2, "no_acc": 3}
 
 
@@ -199,7 +199,7 @@ def _shifted(m, s_raw, qk_scale, visible, MASKED: gl.constexpr, RESCALE: gl.cons
     x = fma(s, c, -shift), one FFMA per score instead of FMUL + FADD (-128 instructions per
     128-key tile and thread). x is then rounded once instead of twice (closer to float64, within
     half an ulp of s * c of today's); masked tiles keep ``mul.rn`` + subtract, so that one-key rows
-    stay exactly 0 (x = 0 at the max: the FFMA fold left KL ~1e-7 there, bench/NOTES.md v4)."""
+    stay exactly 0 (x = 0 at the max: the FFMA fold left KL ~1e-7 there, docs/design/attention_forward.md v4)."""
     if FOLD and not MASKED:
         m_tile = libdevice.mul_rn(gl.max(s_raw, axis=1), qk_scale)
         m_new = gl.maximum(m, m_tile)
@@ -742,13 +742,13 @@ def kernel_config(d1: int, d2: int):
 
 def candidates(d1: int, d2: int):
     """Launch configurations the tuner times, as (BLOCK_N, NUM_STAGES, maxnreg, PINGPONG) tuples,
-    default first. H200, 2026-12-01 (bench/results/session3/h200_2026-12-01_r3_gluon_timing.log): the
+    default first. H200, 2026-12-01 (bench/results/2026-12-01_h200_unknown/gluon_timing.log): the
     default ran 8K bf16 D=128 at 1.51x SDPA non-causal, 1.40x causal; the others are the
     plausible knobs (more registers for ptxas' scheduling; 64-key tiles: half the live score
     registers, twice the tiles; the sketch's turnstile, which orders the two warpgroups' turns on
     the tensor cores) that run 2 measures next."""
     s128, s64 = _ring_stages(d1, d2, 128), _ring_stages(d1, d2, 64)
-    # H200, 2026-12-01 (bench/results/session4/..._s4r2_gluon.log, _s4r3_): the 224-register
+    # H200, 2026-12-01 (bench/results/2026-12-01_h200_e7b0b01/gluon.log, 2026-12-01_h200_e1a7af2/): the 224-register
     # configs cannot launch (a CTA of 384 threads x 224 registers exceeds the SM's 65536:
     # "OutOfResources: threads, Required: 384, Hardware limit: 256"), so none is a candidate.
     knobs = DEFAULT_KNOBS
@@ -763,7 +763,7 @@ def candidates(d1: int, d2: int):
 
 
 # Schedule knobs every tuner candidate carries (a knob joins only on a GPU measurement).
-# H200, 2026-12-01, run s6r2 (bench/results/session6/h200_2026-12-01_s6r2_gluon.log, two interleaved
+# H200, 2026-12-01, run s6r2 (bench/results/2026-12-01_h200_d3b757b/gluon.log, two interleaved
 # rounds, lowest kept): MERGE + FOLD + MASK1 faster than the session-5 default at every 8K/16K
 # point (time ratio 0.936 8K full, 0.942 16K causal, 0.947 8K causal, 0.965 16K full), FOLD alone
 # 0.952 / 0.942 / 0.973 / 0.970, FOLD + MASK1 0.959 / 0.945 / 0.971 / 1.011, MERGE alone 1.010
@@ -790,7 +790,7 @@ def experiments(d1: int, d2: int):
     """Schedules the GPU script measures beside the tuner's candidates (not chosen by the tuner
     until a run shows they pay), same tuple form as :func:`candidates` (fields ``CAND_FIELDS``).
     Session 5 (fwd13): session 4's losers (64-key tiles with PINGPONG/FENCE, POLY, RESCALE, all
-    5-25 % slower than the default at 8K, bench/results/session4/..._s4r3_gluon.log) are no longer
+    5-25 % slower than the default at 8K, bench/results/2026-12-01_h200_e1a7af2/gluon.log) are no longer
     measured; the side-2-first order (ORDER) and the two-tile lookahead (LOOK) are. SASS on CPU
     (sm_90, triton 3.9, bf16 D = 128): ORDER no spills, 0 MUFU.EX2 between the waits (ptxas sinks
     them, as in the default); ORDER+FENCE=2 64 of 64 there, no spills non-causal, 11 STL causal

@@ -352,7 +352,7 @@ def _gpu_candidates(kind, dims, n_sm, teacher):
     # Pruned by offline sm_90 compiles (triton 3.6 and 3.9, TMA path): BLOCK_N = 128 spills in the
     # forward at both anchor configs (DSA 32 B, GQA 552 B of stack); 256 teacher rows spill 104 B
     # at DSA on 3.6. The first candidate spills nowhere. Times not yet measured.
-    # Measured (H200, pointer loads, before TMA; bench/results/session3 r3): DSA-like 8K forward
+    # Measured (H200, pointer loads, before TMA; bench/results/2026-12-01_h200_unknown/indexer_bench.csv): DSA-like 8K forward
     # 3.6x the floor, GQA-like 17.6x. GQA's chunks of 4 heads x 32 tokens need a reshape-sum per
     # chunk and 8 chunks per key tile; a 7th field of 1 makes chunks of one head x 128 tokens
     # (no head sum inside a chunk), tried where there is more than one key head. Not yet measured.

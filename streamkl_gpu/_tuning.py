@@ -19,7 +19,7 @@ _TUNED: dict = {}
 
 # Below this many keys the forward is launch-bound and the TMA path measured slower (H200, 1K
 # tokens: 0.21 ms vs 0.11 with pointer loads; 2K: 0.21 vs 0.24, TMA ahead from there on;
-# bench/results/h200_2026-11-29_tma_bench.csv vs session1/h200_2026-11-29_bench.csv). Presumably the
+# bench/results/2026-11-29_h200_97028b2/bench.csv vs 2026-11-29_h200_f87f3b3/bench.csv). Presumably the
 # per-launch cost of encoding two host descriptors; not profiled.
 TMA_MIN_KEYS = 2048
 
@@ -130,7 +130,7 @@ TUNING_STATS = {"compile_s": 0.0, "timing_s": 0.0, "keys": 0}
 TUNING_LOG: dict = {}  # key -> [(cfg, median ms)], what the tuner measured
 # A candidate whose one timed call takes longer than this is not timed again: do_bench would run
 # it about 8 more times (its estimate, warm-up and repeat calls), which is what made the first
-# fused both-settings backward at N = 32K take 4.9 s in session 1's bench (bench/NOTES.md).
+# fused both-settings backward at N = 32K take 4.9 s in session 1's bench (docs/design/attention_backward.md).
 LONG_CALL_S = 0.05
 TUNING_RETIMED: dict = {}  # key -> {cfg: median of the interleaved re-timings, ms}
 RETIME_MARGIN = 0.15  # candidates within 15 % of the first pass's best are timed again
@@ -220,7 +220,7 @@ def fwd_candidates(dims, d_pad, split, ieee=False, tma=False):
 
     ``tma``: the key tensors can be read through TMA descriptors (Hopper, aligned strides). At
     D = 128 the best TMA config beat the best pointer config in every measured case (H200, 8K/16K,
-    causal or not: bench/results/h200_2026-11-29_fwd_tma_configs.csv), so pointer configs are not
+    causal or not: bench/results/2026-11-29_h200_97028b2/fwd_tma_configs.csv), so pointer configs are not
     tried there; at other head dims both kinds are candidates (not measured at scale).
     """
     if interpreting():
@@ -439,7 +439,7 @@ def auto_bwd_mode(dims, n_sm: int, both: bool = False, new_kernels: bool = False
     0.469): each dQ program walks every key, so with fewer programs than SMs its time does not
     shrink with N_Q while the fused kernel's does.
 
-    Measured on the H200 (bench/results/session1/h200_2026-11-29_bench.csv; B=1, H=32, D=128, bf16):
+    Measured on the H200 (bench/results/2026-11-29_h200_f87f3b3/bench.csv; B=1, H=32, D=128, bf16):
     - one setting (s1 or s2): fused is as fast or faster at N = 4K..32K, causal or not
       (s1, 8K non-causal: 12.84 ms fused vs 13.72 separate), and at N_Q = 16..512 with N_K = 32K;
     - both settings: fused wins at small N_Q (N_K = 32K, N_Q = 16: 1.53 vs 1.79 ms; N_Q = 256:

@@ -314,7 +314,7 @@ def test_the_peers_table_in_the_docs_is_rendered_from_the_committed_results():
         import conformance_peers
     finally:
         sys.path.remove(str(ROOT / "bench"))
-    csv_path = ROOT / "bench" / "results" / "conformance_peers_cpu_2026-12-01.csv"
+    csv_path = ROOT / "bench" / "results" / "2026-12-01_cpu_e155475" / "conformance_peers.csv"
     table = (ROOT / "docs" / "_generated" / "conformance_peers.md").read_text()
     assert table == conformance_peers.render_markdown(csv_path)
     data = json.loads(csv_path.with_suffix(".json").read_text())

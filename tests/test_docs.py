@@ -2,7 +2,8 @@
 
 - docs/_generated/trace_example.md must be byte-equal to what docs/gen_trace_example.py writes
   now (it is generated from `streamkl trace --json`; regenerate with
-  `.venv/bin/python docs/gen_trace_example.py` and commit).
+  `.venv/bin/python docs/gen_trace_example.py` and commit), and
+  docs/_generated/performance_tables.md to what docs/gen_performance.py makes of bench/results/.
 - `mkdocs build --strict` must succeed from the repository root into a temporary directory, with
   the proof pages (added by docs/hooks.py) and the worked example in the output, and every
   `$$ ... $$` block turned into MathJax markup.
@@ -50,6 +51,60 @@ def test_trace_snippet_is_up_to_date(tmp_path):
         committed = fh.read()
     assert fresh == committed, (
         "docs/_generated/trace_example.md is stale: run `.venv/bin/python docs/gen_trace_example.py` and commit it")
+
+
+def test_performance_tables_are_up_to_date(tmp_path):
+    """docs/_generated/performance_tables.md is what docs/gen_performance.py makes of the committed
+    results now: a result re-filed or added without regenerating the page fails here."""
+    out = tmp_path / "performance_tables.md"
+    proc = subprocess.run([sys.executable, os.path.join(DOCS, "gen_performance.py"), "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with open(os.path.join(DOCS, "_generated", "performance_tables.md"), "rb") as fh:
+        committed = fh.read()
+    assert out.read_bytes() == committed, (
+        "docs/_generated/performance_tables.md is stale: run `python docs/gen_performance.py` and commit it")
+
+
+def test_performance_tables_match_their_csv():
+    """A number the page shows is the CSV's: the 8K non-causal forward ratio and the DSA-like
+    training step, read from the results the page names."""
+    import csv
+    gen = _load("gen_performance", os.path.join(DOCS, "gen_performance.py"))
+    path = gen.newest("attention.csv")
+    with open(os.path.join(DOCS, "_generated", "performance_tables.md"), encoding="utf-8") as fh:
+        page = fh.read()
+    assert os.path.relpath(path, ROOT).replace(os.sep, "/") in page
+    with open(path, newline="") as fh:
+        row = next(r for r in csv.DictReader(fh) if (r["operation"], r["pass"], r["n_q"], r["causal"], r["baseline"])
+                   == ("attention_kl", "fwd", "8192", "0", "sdpa_fwd"))
+    section = page.split("### attention_kl: forward\n", 1)[1].split("###", 1)[0]
+    line = next(l for l in section.splitlines() if l.startswith("| 8K |"))
+    assert line.split("|")[2].strip() == row["value"] + "×"
+    with open(gen.newest("indexer.csv"), newline="") as fh:
+        step = next(r for r in csv.DictReader(fh) if (r["teacher"], r["lse_given"], r["pass"], r["provider"])
+                    == ("dsa", "1", "fwd_bwd", "ours"))
+    assert f"training step: {gen.fmt(float(step['ms']))} ms" in page
+
+
+def test_readme_headline_is_the_committed_results():
+    """The README's speed table shows the ratios of the results file it cites, as written there."""
+    import csv
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as fh:
+        readme = fh.read()
+    cited = re.search(r"`(bench/results/[^`]+/attention\.csv)`", readme).group(1)
+    with open(os.path.join(ROOT, cited), newline="") as fh:
+        rs = [r for r in csv.DictReader(fh) if r["operation"] == "attention_kl" and r["n_q"] == "8192"]
+    want = {"forward, time / SDPA's forward": ("fwd", "sdpa_fwd"),
+            "forward + backward (setting 1), time / SDPA's": ("fwd_bwd", "sdpa_fwd_bwd"),
+            "forward, times faster than torch.compile": ("fwd", "torch_compile_fwd"),
+            "forward + backward (setting 1), times faster than torch.compile": ("fwd_bwd", "torch_compile_fwd_bwd")}
+    for label, (pss, base) in want.items():
+        line = next(l for l in readme.splitlines() if l.startswith(f"| {label} |"))
+        cells = [c.strip() for c in line.strip("|").split("|")][1:]
+        for causal, cell in zip(("0", "1"), cells):
+            row = next(r for r in rs if (r["pass"], r["baseline"], r["causal"]) == (pss, base, causal))
+            assert cell == row["value"] + "×", (label, causal, cell, row["value"])
 
 
 def test_trace_snippet_numbers_come_from_streamkl_trace():
@@ -251,7 +306,7 @@ def test_site_loads_nothing_from_another_host(site):
 def _texts():
     """README, docs pages, proof pages, and the Python sources of the packages and examples."""
     paths = [os.path.join(ROOT, "README.md")]
-    for pattern in ("docs/*.md", "docs/_generated/*.md", "proofs/*.md", "streamkl_ref/*.py",
+    for pattern in ("docs/*.md", "docs/design/*.md", "docs/_generated/*.md", "proofs/*.md", "streamkl_ref/*.py",
                     "streamkl_gpu/*.py", "examples/*.py"):
         paths += glob.glob(os.path.join(ROOT, pattern))
     for path in sorted(paths):

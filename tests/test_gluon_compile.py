@@ -349,7 +349,7 @@ def test_tuner_candidates_measured_winner_at_d128():
     """At D = 128 / 128 (the issue's shapes) the tuner has the measured winner alone: the default
     (128-key tiles, 168 registers, no turnstile, since session 6 with MERGE, FOLD and MASK1);
     timing noise between near-equal configurations made the tuned path slower than the default
-    forced (bench/NOTES.md, session 4 run 3). Other head dims keep the three candidates, default
+    forced (docs/design/attention_forward.md, session 4 run 3). Other head dims keep the three candidates, default
     first, each with the same knobs."""
     knobs = dict(MERGE=1, FOLD=1, MASK1=1)  # session 6, run s6r2
     assert _gluon_fwd.candidates(128, 128) == [_gluon_fwd.make_cand(128, 128, 128, 168, **knobs)]

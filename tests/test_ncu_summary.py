@@ -1,4 +1,4 @@
-"""bench/ncu_summary.py reads the committed Nsight Compute text of session 5: our kernels' rows
+"""bench/ncu_summary.py reads the committed Nsight Compute text (H200, 2026-12-01): our kernels' rows
 only, the figures the docs quote, every stall reason; --trim keeps only our kernels' sections."""
 import csv
 import sys
@@ -9,12 +9,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import ncu_summary  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results" / "session5"
+RESULTS = ROOT / "bench" / "results" / "2026-12-01_h200_5702577"
 
 
 def test_summary_of_the_forward_profile(tmp_path):
     out = tmp_path / "s.csv"
-    src = RESULTS / "h200_2026-12-01_s5r1_ncu_fwd8k.txt"
+    src = RESULTS / "ncu_fwd8k.txt"
     ncu_summary.main([str(out), f"fwd={src}", "--trim", str(tmp_path)])
     rows = list(csv.DictReader(open(out)))
     assert {r["kernel"] for r in rows} == {"_gluon_kl_fwd_kernel"}
