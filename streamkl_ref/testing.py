@@ -34,11 +34,12 @@ import numpy as np
 
 __all__ = [
     "C_TOL", "FLOOR", "ZERO_GRAD_TOL", "tolerance", "relative_error",
-    "Case", "ATTENTION_CASES", "GPU_ATTENTION_CASES", "attention_cases",
+    "KL_ROUNDING_ULPS", "ROW_STAT_EPS", "kl_row_floor", "indexer_row_floor", "kl_error_and_tolerance",
+    "Case", "ATTENTION_CASES", "GPU_ATTENTION_CASES", "LARGE_ATTENTION_CASES", "CASE_SETS", "attention_cases",
     "Row", "Report", "check_attention_kl", "assert_attention_kl_conforms",
     "attention_kl_torch", "attention_kl_torch_chunked", "causal_mask",
     "SUPPORT_KEYS",
-    "IndexerCase", "INDEXER_CASES", "GPU_INDEXER_CASES", "indexer_cases", "INDEXER_SUPPORT_KEYS",
+    "IndexerCase", "INDEXER_CASES", "GPU_INDEXER_CASES", "LARGE_INDEXER_CASES", "indexer_cases", "INDEXER_SUPPORT_KEYS",
     "check_indexer_kl", "assert_indexer_kl_conforms", "indexer_kl_torch",
 ]
 
@@ -72,6 +73,44 @@ def tolerance(same_precision_error: float, dtype, *, ratio: float = C_TOL, floor
     if not base >= 0.0:  # NaN or negative
         raise ValueError(f"same_precision_error must be a non-negative number, got {same_precision_error!r}")
     return ratio * base + (FLOOR[_dtype_name(dtype)] if floor is None else float(floor))
+
+
+# The KL near 0. A kernel forms each row's KL as a difference of terms the size of the logits
+# (acc/l1 ~ E_P1[S1 - S2], LSE1, LSE2), kept in float32 (the row statistics of every kernel, for
+# half inputs too): its rounding is absolute, about u * (|LSE1| + |LSE2| + |acc/l1|), however
+# small the KL. Where the KL is 0 (one key) or tiny, no relative rule holds; each row gets this
+# absolute allowance (docs/conformance.md, "The tolerance rule", derives it).
+ROW_STAT_EPS = {"float32": 2.0 ** -24, "float16": 2.0 ** -24, "bfloat16": 2.0 ** -24, "float64": 2.0 ** -53}
+KL_ROUNDING_ULPS = 8.0
+
+
+def kl_row_floor(lse1, lse2, kl, dtype) -> np.ndarray:
+    """Per-row absolute allowance of a KL row: ``KL_ROUNDING_ULPS * u * (1 + |LSE1| + |LSE2| +
+    |KL + LSE1 - LSE2|)``, ``u`` the unit roundoff of float32 row statistics (float64's for
+    float64); the last term is ``|acc/l1|``, the ``1`` the relative rounding of the sums ``l_t``
+    (``ln(l (1 + d)) = ln l + d``). Rows that see no key (``LSE = -inf``) get 0: their KL is
+    exactly 0."""
+    lse1, lse2, kl = (np.asarray(_to_numpy(x), dtype=np.float64) for x in (lse1, lse2, kl))
+    with np.errstate(invalid="ignore"):
+        mag = 1.0 + np.abs(lse1) + np.abs(lse2) + np.abs(kl + lse1 - lse2)
+    return np.where(np.isfinite(lse1) & np.isfinite(lse2), KL_ROUNDING_ULPS * ROW_STAT_EPS[_dtype_name(dtype)] * mag,
+                    0.0)
+
+
+def kl_error_and_tolerance(got, ref, same, row_floor, dtype) -> tuple:
+    """``(error, tolerance)`` of KL rows: both on the scale ``S = max(‖ref‖, ‖row_floor‖)``, so
+    the row passes iff ``‖got − ref‖ <= C_TOL ‖same − ref‖ + floor[dtype]·S + ‖row_floor‖``
+    (``same``: the same-precision dense result). With ``‖ref‖`` well above the allowance this is
+    :func:`tolerance` on relative errors plus ``‖row_floor‖/‖ref‖``; where the reference is 0 it
+    is the absolute allowance alone."""
+    a, r, s = (np.asarray(_to_numpy(x), dtype=np.float64) for x in (got, ref, same))
+    if a.shape != r.shape:
+        raise ValueError(f"shapes differ: {a.shape} vs reference {r.shape}")
+    f = float(np.linalg.norm(np.asarray(row_floor, dtype=np.float64)))
+    scale = max(float(np.linalg.norm(r)), f, 1e-300)
+    err = math.inf if not np.isfinite(a).all() else float(np.linalg.norm(a - r)) / scale
+    same_err = float(np.linalg.norm(s - r)) / scale if np.isfinite(s).all() else math.inf
+    return err, tolerance(same_err, dtype) + f / scale
 
 
 def relative_error(x, ref) -> float:
@@ -252,19 +291,46 @@ ATTENTION_CASES = (
          why="NaN/inf in keys a row cannot see, and past N_K and D: never reach that row (no 0*NaN)"),
     Case("nan_queries", 1, 2, 2, 1, 24, 24, 16, 16, causal=True, plant="queries", plant_at=16,
          why="NaN in a query row never reaches dk of keys that row cannot see"),
+    # streaming: several key tiles at every tile size up to 128 (3 tiles of 128, 5 of 64, 19 of
+    # 16), so the running maxima rise after the first tile in most rows
+    Case("tiles_300", 1, 2, 1, 2, 16, 300, 16, 16,
+         why="300 keys, several tiles at every block up to 128: a rescale of acc, l1 or l2 skipped "
+             "or by the other side's factor, or a running max not written back"),
+    Case("tiles_causal_large", 1, 2, 2, 1, 12, 280, 16, 16, causal=True, scale1=4.0, scale2=3.0,
+         why="causal across tiles with logits ~ +-60: the rescale factors are far from 1 and the "
+             "frontier falls inside the last tile"),
 )
 GPU_ATTENTION_CASES = ATTENTION_CASES + (
-    Case("big_d128_d64", 2, 4, 2, 1, 300, 500, 128, 64),
-    Case("big_causal", 2, 4, 4, 2, 500, 300, 128, 64, causal=True),
-    Case("d80_d96_causal", 1, 4, 2, 4, 257, 389, 80, 96, causal=True),
-    Case("decode_splitk_1x4096", 1, 8, 2, 8, 1, 4096, 128, 128),
+    Case("big_d128_d64", 2, 4, 2, 1, 300, 500, 128, 64,
+         why="head dims 128 and 64, hundreds of rows and keys: many query and key tiles"),
+    Case("big_causal", 2, 4, 4, 2, 500, 300, 128, 64, causal=True,
+         why="causal with N_Q > N_K at size: empty rows, the frontier through many tiles"),
+    Case("d80_d96_causal", 1, 4, 2, 4, 257, 389, 80, 96, causal=True,
+         why="head dims that are not powers of two (padded tiles), causal, ragged"),
+    Case("decode_splitk_1x4096", 1, 8, 2, 8, 1, 4096, 128, 128,
+         why="decode: one query against 4096 keys (split-K, long accumulation)"),
 )
+LARGE_ATTENTION_CASES = GPU_ATTENTION_CASES[len(ATTENTION_CASES):]
+CASE_SETS = ("default", "large", "all")
 PLANT_PAD = (3, 5)  # planted cases: buffers this much longer in N and wider in D, NaN-filled
 
 
-def attention_cases(device: str = "cpu", quick: bool = False, planted: bool = True) -> tuple:
-    """The battery for a device: the tiny cases on CPU, plus larger ones on a GPU."""
-    cases = GPU_ATTENTION_CASES if str(device).startswith("cuda") else ATTENTION_CASES
+def _case_set(which, device, small, large) -> tuple:
+    if which not in CASE_SETS:
+        raise ValueError(f"cases must be one of {CASE_SETS} or a sequence of cases, got {which!r}")
+    if which == "large":
+        return large
+    if which == "all" or str(device).startswith("cuda"):
+        return small + large
+    return small
+
+
+def attention_cases(device: str = "cpu", quick: bool = False, planted: bool = True, which: str = "default") -> tuple:
+    """The battery for a device. ``which="default"``: the small cases on CPU (a few hundred keys at
+    most: cheap for a dense PyTorch formula and the Triton interpreter), plus the large ones
+    (:data:`LARGE_ATTENTION_CASES`) on a GPU; ``"large"``: the large ones only; ``"all"``: both,
+    on any device."""
+    cases = _case_set(which, device, ATTENTION_CASES, LARGE_ATTENTION_CASES)
     if quick:
         cases = tuple(c for c in cases if c.quick)
     if not planted:
@@ -283,7 +349,8 @@ class Row:
     error: float
     tolerance: float
     status: str  # "pass" | "fail" | "skipped"
-    why: str = ""
+    why: str = ""  # what went wrong (or why skipped)
+    hint: str = ""  # for a failure: what the symptom usually means and the option that fixes it
 
     @property
     def passed(self) -> bool:
@@ -315,19 +382,33 @@ class Report:
         n_pass = sum(r.status == "pass" for r in self.rows)
         return f"{n_pass} passed, {len(self.failed)} failed, {len(self.skipped)} skipped"
 
+    def purpose(self, case_name: str) -> str:
+        """What a case is there to catch (its ``why``; '' if the report does not know the case)."""
+        case = self.cases.get(case_name)
+        return (case.get("why") or "") if isinstance(case, dict) else ""
+
     def table(self, rows: Optional[Iterable[Row]] = None) -> str:
-        """Fixed-width text table (one line per row, ``why`` last)."""
+        """Fixed-width text table, one line per row, ``why`` last. A failing row's ``why`` also
+        carries its hint and, after ``case:``, what the case is there to catch; an error or
+        tolerance that does not apply (a call that raised, a skipped case) reads ``-``."""
         rows = list(self.rows if rows is None else rows)
         if not rows:
             return "(no rows)"
         w_case = max(4, *(len(r.case) for r in rows))
         w_q = max(8, *(len(r.quantity) for r in rows))
-        lines = [f"{'case':<{w_case}}  {'dtype':<8}  {'quantity':<{w_q}}  {'error':>9}  {'tolerance':>9}  status  why"]
+        lines = [f"{'case':<{w_case}}  {'dtype':<8}  {'quantity':<{w_q}}  {'error':>9}  {'tolerance':>9}  status   why"]
+        hinted = set()  # a hint is printed once per case and dtype
         for r in rows:
-            err = "-" if r.status == "skipped" and not math.isfinite(r.error) else f"{r.error:9.2e}"
-            tol = "-" if r.status == "skipped" and not math.isfinite(r.tolerance) else f"{r.tolerance:9.2e}"
+            err = "-" if math.isnan(r.error) else f"{r.error:9.2e}"
+            tol = "-" if math.isnan(r.tolerance) else f"{r.tolerance:9.2e}"
+            why = r.why
+            if r.status == "fail":
+                purpose = self.purpose(r.case)
+                hint = f"hint: {r.hint}" if r.hint and (r.case, r.dtype, r.hint) not in hinted else ""
+                hinted.add((r.case, r.dtype, r.hint))
+                why = "; ".join(x for x in (r.why, hint, f"case: {purpose}" if purpose else "") if x)
             lines.append(f"{r.case:<{w_case}}  {r.dtype:<8}  {r.quantity:<{w_q}}  {err:>9}  {tol:>9}  "
-                         f"{r.status.upper() if r.status == 'fail' else r.status:<6}  {r.why}")
+                         f"{r.status:<7}  {why}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -473,8 +554,13 @@ def check_attention_kl(fn: Callable, *, device="cpu", dtypes=("float32",), grads
             ``"mean"`` (a scalar over all ``B·H·N_Q`` rows).
         supports: the claims of ``fn`` (keys and meanings in :data:`SUPPORT_KEYS`); cases and
             quantities outside them are reported ``skipped``, never ``pass``.
-        cases: override the battery (a sequence of :class:`Case`).
-        seed: of the inputs (a torch CPU generator; the same inputs for every dtype).
+        cases: ``"default"`` (the battery for ``device``: :data:`ATTENTION_CASES` on CPU, with
+            :data:`LARGE_ATTENTION_CASES` added on ``cuda``), ``"large"`` (the large cases only),
+            ``"all"`` (both, on any device), or your own sequence of :class:`Case`.
+            ``quick=True`` keeps the quick ones of the chosen set.
+        seed: of the inputs (a torch CPU generator; the same inputs for every dtype). A correct
+            kernel passes at every seed; a different seed draws different inputs for the same
+            shapes.
 
     Rows that pass compare the output (``kl``) and each gradient with the float64 reference
     (``streamkl_ref.attention_kl``/``attention_kl_grad``) under :func:`tolerance`. A failing row's
@@ -484,8 +570,9 @@ def check_attention_kl(fn: Callable, *, device="cpu", dtypes=("float32",), grads
 
     dnames = _check_adapters(layout, causal_align, returns, dtypes)
     claims = _check_supports(supports)
-    if cases is None:
-        cases = attention_cases(device, quick)
+    if cases is None or isinstance(cases, str):
+        cases = attention_cases(device, quick, which=cases or "default")
+    cases = tuple(cases)
     report = Report(options={
         "device": str(device), "dtypes": dnames, "grads": bool(grads), "quick": bool(quick),
         "layout": layout, "causal_align": causal_align, "returns": returns, "seed": seed,
@@ -502,19 +589,19 @@ def check_attention_kl(fn: Callable, *, device="cpu", dtypes=("float32",), grads
         for dname in dnames:
             _run_case(fn, case, dname, base, g_rows, report, device=device, grads=grads,
                       layout=layout, causal_align=causal_align, returns=returns, claims=claims)
+    _keep_causal_hints_where_alignment_explains(report, cases)
     report.elapsed_s = time.time() - t0
     return report
 
 
-def _check_reduction(add, case, returns, got, red, same_red, dname):
+def _check_reduction(add, case, returns, got, red, same_red, red_floor, dname):
     """One row for a scalar ("sum"/"mean") result: skipped for planted cases (the reduction mixes
     the planted rows in), else its error against the reference under the tolerance rule."""
     if case.plant is not None:
         add(f"kl {returns}", math.nan, math.nan, "skipped",
             f"a {returns} mixes the planted rows in: NaN isolation of the forward is checked with returns='rows'")
         return
-    err = relative_error(got, red)
-    tol = tolerance(relative_error(same_red, red), dname)
+    err, tol = kl_error_and_tolerance(got, red, same_red, red_floor, dname)
     add(f"kl {returns}", err, tol, "pass" if err <= tol else "fail",
         "" if err <= tol else f"got {got.item():.9g}, reference {float(red):.9g}")
 
@@ -524,8 +611,11 @@ def _run_case(fn, case, dname, base, g_rows, report, *, device, grads, layout, c
 
     import streamkl_ref
 
-    def add(quantity, error, tol, status, why=""):
-        report.rows.append(Row(case.name, dname, quantity, float(error), float(tol), status, why))
+    def add(quantity, error, tol, status, why="", hint=""):
+        row = Row(case.name, dname, quantity, float(error), float(tol), status, why, hint)
+        if status == "fail" and not hint:
+            row.hint = _hint(case, row, claims, causal_align)
+        report.rows.append(row)
 
     why = _unsupported(case, dname, claims)
     if why:
@@ -547,7 +637,8 @@ def _run_case(fn, case, dname, base, g_rows, report, *, device, grads, layout, c
     rows_ok, keys_ok = _plant_masks(case) if case.plant else (np.ones(case.NQ, bool), None)
 
     # float64 reference (on the clean inputs: planted values are invisible to what is compared)
-    ref_kl = streamkl_ref.attention_kl(*x64, **kw)
+    ref_kl, ref_lse1, ref_lse2 = streamkl_ref.attention_kl(*x64, return_lse=True, **kw)
+    row_floor = kl_row_floor(ref_lse1, ref_lse2, ref_kl, dname)
     ref_grad = streamkl_ref.attention_kl_grad(*x64, g.numpy(), **kw) if grads else None
     # the same math at the inputs' precision: the tolerance scale
     want_grad = set(claims["grad_inputs"]) if grads else set()
@@ -562,10 +653,10 @@ def _run_case(fn, case, dname, base, g_rows, report, *, device, grads, layout, c
     try:
         out = fn(*views, **call_kw)
     except Exception as exc:  # noqa: BLE001 (reported as the case's failure)
-        add("(call)", math.inf, 0.0, "fail", f"fn raised {type(exc).__name__}: {str(exc)[:200]}")
+        add("(call)", math.nan, math.nan, "fail", _raised("fn", exc))
         return
     if not isinstance(out, torch.Tensor):
-        add("(call)", math.inf, 0.0, "fail", f"fn returned {type(out).__name__}, not a torch tensor")
+        add("(call)", math.nan, math.nan, "fail", f"fn returned {type(out).__name__}, not a torch tensor")
         return
     rows_sel = (slice(None), slice(None), rows_ok)  # on [B, H, N_Q] (NumPy)
 
@@ -576,16 +667,17 @@ def _run_case(fn, case, dname, base, g_rows, report, *, device, grads, layout, c
         if layout == "bnhd":
             want_shape = (want_shape[0], want_shape[2], want_shape[1])
         if tuple(out.shape) != want_shape:
-            add("kl", math.inf, 0.0, "fail", f"returned shape {list(out.shape)}, expected {list(want_shape)} "
-                                             f"({'[B, N_Q, H]' if layout == 'bnhd' else '[B, H, N_Q]'})")
+            add("kl", math.nan, math.nan, "fail", f"returned shape {list(out.shape)}, expected {list(want_shape)} "
+                                              f"({'[B, N_Q, H]' if layout == 'bnhd' else '[B, H, N_Q]'})",
+                _shape_hint(out.shape, want_shape, layout))
             return
         if layout == "bnhd":
             got = got.transpose(1, 2)
         if translate:
             got = got[:, :, case.NK - case.NQ:]
         got = _to_numpy(got)
-        err = relative_error(got[rows_sel], ref_kl[rows_sel])
-        tol = tolerance(relative_error(_to_numpy(same_kl)[rows_sel], ref_kl[rows_sel]), dname)
+        err, tol = kl_error_and_tolerance(got[rows_sel], ref_kl[rows_sel], _to_numpy(same_kl)[rows_sel],
+                                          row_floor[rows_sel], dname)
         qname = "kl" if case.plant is None else f"kl of rows {_ranges(rows_ok)} (unreached)"
         add(qname, err, tol, "pass" if err <= tol else "fail", _why_kl(got, ref_kl, rows_ok, err, tol))
         if case.causal and case.NQ > case.NK:
@@ -596,14 +688,16 @@ def _run_case(fn, case, dname, base, g_rows, report, *, device, grads, layout, c
                               f"{np.abs(empty).max():.3e}")
     else:
         if out.numel() != 1:
-            add(returns, math.inf, 0.0, "fail", f"returns={returns!r} but fn returned shape {list(out.shape)}")
+            add(returns, math.nan, math.nan, "fail", f"returns={returns!r} but fn returned shape {list(out.shape)}",
+                "fn returns rows: returns='rows' (the default; streamkl verify: drop --returns)")
             return
         red = ref_kl.sum() if returns == "sum" else ref_kl.mean()
         same_red = same_kl.sum() if returns == "sum" else same_kl.mean()
+        red_floor = row_floor.sum() if returns == "sum" else row_floor.mean()
         got = out.reshape(())
         if translate and returns == "mean":  # fn averaged over N_K rows, N_K - N_Q of them zero
             got = got * (case.NK / case.NQ)
-        _check_reduction(add, case, returns, got, red, same_red, dname)
+        _check_reduction(add, case, returns, got, red, same_red, red_floor, dname)
 
     if not grads:
         return
@@ -623,7 +717,7 @@ def _run_case(fn, case, dname, base, g_rows, report, *, device, grads, layout, c
             scale = (case.NQ / case.NK) if (translate and returns == "mean") else 1.0
             (out.reshape(()) * scale).backward()
     except Exception as exc:  # noqa: BLE001
-        add("(backward)", math.inf, 0.0, "fail", f"backward raised {type(exc).__name__}: {str(exc)[:200]}")
+        add("(backward)", math.nan, math.nan, "fail", _raised("backward", exc))
         return
     grads_got = _user_grads(leaves, case, layout, translate)
     for name, inp, gname in zip(INPUT_NAMES, same, GRAD_NAMES):
@@ -655,6 +749,59 @@ def _run_case(fn, case, dname, base, g_rows, report, *, device, grads, layout, c
         tol = tolerance(relative_error(same_sel, ref_sel), dname)
         add(gname_q, err, tol, "pass" if err <= tol else "fail",
             "" if err <= tol else ("not finite" if math.isinf(err) else ""))
+
+
+def _raised(what: str, exc: BaseException) -> str:
+    """``fn raised TypeError: ... (at file.py:12 in my_kl)``: the exception and its innermost frame."""
+    import traceback
+
+    text = f"{what} raised {type(exc).__name__}: {str(exc)[:300]}"
+    frames = traceback.extract_tb(exc.__traceback__)
+    if frames:
+        f = frames[-1]
+        text += f" (at {f.filename.rsplit('/', 1)[-1]}:{f.lineno} in {f.name})"
+    return text
+
+
+def _shape_hint(shape, want, layout) -> str:
+    shape, want = tuple(shape), tuple(want)
+    if len(shape) == 0 or (len(shape) == 1 and shape[0] == 1):
+        return "fn returns a scalar: returns='sum' or returns='mean' (streamkl verify: --returns sum|mean)"
+    if len(shape) == len(want) == 3 and shape == (want[0], want[2], want[1]):
+        other = "bhnd" if layout == "bnhd" else "bnhd"
+        return f"the rows are in the other order: layout={other!r} (streamkl verify: --layout {other})"
+    return ""
+
+
+def _hint(case, row, claims, causal_align) -> str:
+    """What a failing row's symptom usually means, and the option that expresses it ('' if none)."""
+    not_finite = "not finite" in row.why
+    if case.plant is not None and not_finite:
+        if row.quantity.startswith("kl"):
+            return ("a value this row cannot see reached it (0 * NaN); not isolating NaN at all: "
+                    "supports={'nan_isolation': False}")
+        if claims.get("nan_isolation") is True:
+            return ("NaN isolated in the forward only (autograd's matmul backward multiplies masked zeros "
+                    "by it): supports={'nan_isolation': 'forward'}, --supports '{\"nan_isolation\": \"forward\"}'")
+    if not_finite and case.causal and case.NQ > case.NK:
+        return "a row that sees no key must give KL 0 and gradient 0 (an all -inf row gives NaN)"
+    if case.causal and case.NQ != case.NK and row.quantity.startswith(("kl", "d")):
+        if causal_align == "bottom-right":
+            return ("causal is bottom-right aligned (j <= i + N_K - N_Q); for a top-left fn (SDPA's "
+                    "is_causal): causal_align='top-left', --causal-align top-left")
+        return "with causal_align='top-left' the queries are front-padded with N_K - N_Q zero rows"
+    return ""
+
+
+def _keep_causal_hints_where_alignment_explains(report, cases) -> None:
+    """The causal-alignment hint stays only when the failures are confined to causal cases with
+    N_Q != N_K (where the two alignments differ): a fn that fails elsewhere has another bug."""
+    by_name = {c.name: c for c in cases}
+    differs = {n for n, c in by_name.items() if c.causal and c.NQ != c.NK}
+    if any(r.case not in differs for r in report.failed):
+        for r in report.failed:
+            if r.case in differs and r.hint.startswith(("causal is bottom-right", "with causal_align")):
+                r.hint = ""
 
 
 def _grad_selection(case, name, rows_ok, keys_ok):
@@ -869,18 +1016,29 @@ INDEXER_CASES = (
                 why="NaN/inf in keys a row cannot see, and past N_K and D: never reach that row"),
     IndexerCase("nan_queries", 1, 2, 1, 2, 1, 24, 24, 16, 8, causal=True, plant="queries", plant_at=16,
                 why="NaN in a query row never reaches dk_idx of keys that row cannot see"),
+    # streaming: several key tiles at every tile size up to 128
+    IndexerCase("tiles_300", 1, 2, 1, 2, 1, 16, 300, 16, 8,
+                why="300 keys, several tiles at every block up to 128: a rescale of the teacher's or "
+                    "the indexer's running sums skipped, or a running max not written back"),
+    IndexerCase("tiles_causal_large", 1, 2, 1, 2, 1, 12, 280, 16, 8, causal=True, scale=4.0,
+                weight_amplitude=6.0,
+                why="causal across tiles with large logits: rescale factors far from 1, the frontier "
+                    "inside the last tile"),
 )
 GPU_INDEXER_CASES = INDEXER_CASES + (
-    IndexerCase("big_mla_576", 1, 16, 1, 8, 1, 300, 500, 576, 128, causal=True, scale=192 ** -0.5),
-    IndexerCase("big_gqa", 2, 8, 2, 4, 1, 257, 389, 128, 64),
+    IndexerCase("big_mla_576", 1, 16, 1, 8, 1, 300, 500, 576, 128, causal=True, scale=192 ** -0.5,
+                why="an absorbed-MLA teacher (D = 576, its own scale), causal, hundreds of rows and keys"),
+    IndexerCase("big_gqa", 2, 8, 2, 4, 1, 257, 389, 128, 64,
+                why="GQA teacher, MQA indexer, head dims 128 and 64 at size: many tiles"),
 )
+LARGE_INDEXER_CASES = GPU_INDEXER_CASES[len(INDEXER_CASES):]
 INDEXER_INPUTS = ("q", "k", "q_idx", "k_idx", "weights")
 INDEXER_GRADS = {"q_idx": "dq_idx", "k_idx": "dk_idx", "weights": "dweights"}
 
 
-def indexer_cases(device: str = "cpu", quick: bool = False, planted: bool = True) -> tuple:
-    """The indexer battery for a device (tiny on CPU, plus larger ones on a GPU)."""
-    cases = GPU_INDEXER_CASES if str(device).startswith("cuda") else INDEXER_CASES
+def indexer_cases(device: str = "cpu", quick: bool = False, planted: bool = True, which: str = "default") -> tuple:
+    """The indexer battery for a device; ``which`` as in :func:`attention_cases`."""
+    cases = _case_set(which, device, INDEXER_CASES, LARGE_INDEXER_CASES)
     if quick:
         cases = tuple(c for c in cases if c.quick)
     if not planted:
@@ -955,8 +1113,9 @@ def check_indexer_kl(fn: Callable, *, device="cpu", dtypes=("float32",), grads=T
 
     dnames = _check_adapters(layout, causal_align, returns, dtypes)
     claims = _check_indexer_supports(supports)
-    if cases is None:
-        cases = indexer_cases(device, quick)
+    if cases is None or isinstance(cases, str):
+        cases = indexer_cases(device, quick, which=cases or "default")
+    cases = tuple(cases)
     report = Report(options={
         "loss": "indexer", "device": str(device), "dtypes": dnames, "grads": bool(grads), "quick": bool(quick),
         "layout": layout, "causal_align": causal_align, "returns": returns, "seed": seed,
@@ -975,6 +1134,7 @@ def check_indexer_kl(fn: Callable, *, device="cpu", dtypes=("float32",), grads=T
         for dname in dnames:
             _run_indexer_case(fn, case, dname, base, g_rows, report, device=device, grads=grads, layout=layout,
                               causal_align=causal_align, returns=returns, claims=claims)
+    _keep_causal_hints_where_alignment_explains(report, cases)
     report.elapsed_s = time.time() - t0
     return report
 
@@ -984,8 +1144,11 @@ def _run_indexer_case(fn, case, dname, base, g_rows, report, *, device, grads, l
 
     import streamkl_ref
 
-    def add(quantity, error, tol, status, why=""):
-        report.rows.append(Row(case.name, dname, quantity, float(error), float(tol), status, why))
+    def add(quantity, error, tol, status, why="", hint=""):
+        row = Row(case.name, dname, quantity, float(error), float(tol), status, why, hint)
+        if status == "fail" and not hint:
+            row.hint = _hint(case, row, claims, causal_align)
+        report.rows.append(row)
 
     why = _indexer_unsupported(case, dname, claims)
     if why:
@@ -1007,7 +1170,8 @@ def _run_indexer_case(fn, case, dname, base, g_rows, report, *, device, grads, l
          "mean": torch.full_like(g_rows, 1.0 / max(n_keyed, 1))}[returns]
     rows_ok, keys_ok = _plant_masks(case) if case.plant else (np.ones(case.NQ, bool), None)
 
-    ref_kl = streamkl_ref.indexer_kl(*x64, **kw)
+    ref_kl, ref_lse_idx, ref_lse_teacher = streamkl_ref.indexer_kl(*x64, return_lse=True, **kw)
+    row_floor = indexer_row_floor(ref_lse_idx, ref_lse_teacher, ref_kl, case, dname)
     want_grad = set(claims["grad_inputs"]) if grads else set()
     ref_grad = streamkl_ref.indexer_kl_grad(*x64, g.numpy(), **kw) if want_grad else None
     same = [x.clone().requires_grad_(n in want_grad) for x, n in zip(xs, INDEXER_INPUTS)]
@@ -1052,20 +1216,21 @@ def _run_indexer_case(fn, case, dname, base, g_rows, report, *, device, grads, l
     try:
         out = fn(*views, **kw)
     except Exception as exc:  # noqa: BLE001
-        add("(call)", math.inf, 0.0, "fail", f"fn raised {type(exc).__name__}: {str(exc)[:200]}")
+        add("(call)", math.nan, math.nan, "fail", _raised("fn", exc))
         return
     if not isinstance(out, torch.Tensor):
-        add("(call)", math.inf, 0.0, "fail", f"fn returned {type(out).__name__}, not a torch tensor")
+        add("(call)", math.nan, math.nan, "fail", f"fn returned {type(out).__name__}, not a torch tensor")
         return
     rows_sel = (slice(None), rows_ok)
     if returns == "rows":
         want_shape = (case.B, case.NQ + pad_rows)
         if tuple(out.shape) != want_shape:
-            add("kl", math.inf, 0.0, "fail", f"returned shape {list(out.shape)}, expected {list(want_shape)} ([B, N_Q])")
+            add("kl", math.nan, math.nan, "fail", f"returned shape {list(out.shape)}, expected {list(want_shape)} "
+                                              "([B, N_Q])", _shape_hint(out.shape, want_shape, layout))
             return
         got = _to_numpy(out)[:, pad_rows:]
-        err = relative_error(got[rows_sel], ref_kl[rows_sel])
-        tol = tolerance(relative_error(_to_numpy(same_kl)[rows_sel], ref_kl[rows_sel]), dname)
+        err, tol = kl_error_and_tolerance(got[rows_sel], ref_kl[rows_sel], _to_numpy(same_kl)[rows_sel],
+                                          row_floor[rows_sel], dname)
         qname = "kl" if case.plant is None else f"kl of rows {_ranges(rows_ok)} (unreached)"
         add(qname, err, tol, "pass" if err <= tol else "fail", _why_indexer(got, ref_kl, rows_ok, err, tol))
         if case.causal and case.NQ > case.NK:
@@ -1075,14 +1240,16 @@ def _run_indexer_case(fn, case, dname, base, g_rows, report, *, device, grads, l
                 "" if ok else f"rows 0-{case.NQ - case.NK - 1} see no key; got max |KL| {np.abs(empty).max():.3e}")
     else:
         if out.numel() != 1:
-            add(returns, math.inf, 0.0, "fail", f"returns={returns!r} but fn returned shape {list(out.shape)}")
+            add(returns, math.nan, math.nan, "fail", f"returns={returns!r} but fn returned shape {list(out.shape)}",
+                "fn returns rows: returns='rows' (the default; streamkl verify: drop --returns)")
             return
         red = ref_kl.sum() if returns == "sum" else ref_kl.sum() / max(n_keyed, 1)
         same_red = same_kl.sum() if returns == "sum" else same_kl.sum() / max(n_keyed, 1)
+        red_floor = row_floor.sum() if returns == "sum" else row_floor.sum() / max(n_keyed, 1)
         got = out.reshape(())
         if pad_rows and returns == "mean":  # fn averaged over the padded rows too (all have keys)
             got = got * ((case.NQ + pad_rows) * case.B / max(n_keyed, 1))
-        _check_reduction(add, case, returns, got, red, same_red, dname)
+        _check_reduction(add, case, returns, got, red, same_red, red_floor, dname)
     if not grads:
         return
     if case.plant is not None and claims["nan_isolation"] == "forward":
@@ -1098,7 +1265,7 @@ def _run_indexer_case(fn, case, dname, base, g_rows, report, *, device, grads, l
             scale = (max(n_keyed, 1) / ((case.NQ + pad_rows) * case.B)) if (pad_rows and returns == "mean") else 1.0
             (out.reshape(()) * scale).backward()
     except Exception as exc:  # noqa: BLE001
-        add("(backward)", math.inf, 0.0, "fail", f"backward raised {type(exc).__name__}: {str(exc)[:200]}")
+        add("(backward)", math.nan, math.nan, "fail", _raised("backward", exc))
         return
     for name, inp in zip(INDEXER_INPUTS, same):
         if name not in INDEXER_GRADS:
@@ -1134,6 +1301,18 @@ def _run_indexer_case(fn, case, dname, base, g_rows, report, *, device, grads, l
         err = relative_error(got_sel, ref_sel)
         tol = tolerance(relative_error(same_sel, ref_sel), dname)
         add(label, err, tol, "pass" if err <= tol else "fail", "" if err <= tol else ("not finite" if math.isinf(err) else ""))
+
+
+def indexer_row_floor(lse_idx, lse_teacher, kl, case, dtype) -> np.ndarray:
+    """Per-row absolute allowance of an indexer KL row (as :func:`kl_row_floor`): the loss is
+    ``sum p ln p − sum p I + LSE_I``, its terms bounded by ``|LSE_I|``, the teacher's
+    ``max_h |LSE_h|`` (inside ``ln p``), ``|E_p I| <= |LSE_I| + KL + ln N_K``; hence
+    ``KL_ROUNDING_ULPS * u * (1 + 2|LSE_I| + max_h |LSE_h| + KL + ln N_K)``, 0 for rows with no key."""
+    lse_idx, lse_t, kl = (np.asarray(x, dtype=np.float64) for x in (lse_idx, lse_teacher, kl))
+    with np.errstate(invalid="ignore"):
+        mag = 1.0 + 2.0 * np.abs(lse_idx) + np.abs(lse_t).max(axis=1) + np.abs(kl) + math.log(max(case.NK, 1))
+    seen = np.isfinite(lse_idx) & np.isfinite(lse_t).all(axis=1)
+    return np.where(seen, KL_ROUNDING_ULPS * ROW_STAT_EPS[_dtype_name(dtype)] * mag, 0.0)
 
 
 def _why_indexer(got, ref, rows_ok, err, tol) -> str:
