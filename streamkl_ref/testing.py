@@ -34,7 +34,7 @@ import numpy as np
 
 __all__ = [
     "C_TOL", "FLOOR", "ZERO_GRAD_TOL", "tolerance", "relative_error",
-    "KL_ROUNDING_ULPS", "ROW_STAT_EPS", "kl_row_floor", "indexer_row_floor", "kl_error_and_tolerance",
+    "KL_ROUNDING_ULPS", "ROW_STAT_EPS", "kl_row_floor", "indexer_row_floor", "kl_error_and_tolerance", "case_generator",
     "Case", "ATTENTION_CASES", "GPU_ATTENTION_CASES", "LARGE_ATTENTION_CASES", "CASE_SETS", "attention_cases",
     "Row", "Report", "check_attention_kl", "assert_attention_kl_conforms",
     "attention_kl_torch", "attention_kl_torch_chunked", "causal_mask",
@@ -315,6 +315,19 @@ CASE_SETS = ("default", "large", "all")
 PLANT_PAD = (3, 5)  # planted cases: buffers this much longer in N and wider in D, NaN-filled
 
 
+def case_generator(seed: int, case):
+    """The torch CPU generator of one case's inputs: seeded by ``seed`` and the case's name, so a
+    case gets the same inputs whichever other cases run with it (a failing case re-run alone, with
+    ``cases=[that_case]``, sees exactly the inputs it failed on)."""
+    import zlib
+
+    import torch
+
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(case.name.encode())) % 2 ** 63)
+
+
 def _case_set(which, device, small, large) -> tuple:
     if which not in CASE_SETS:
         raise ValueError(f"cases must be one of {CASE_SETS} or a sequence of cases, got {which!r}")
@@ -558,9 +571,10 @@ def check_attention_kl(fn: Callable, *, device="cpu", dtypes=("float32",), grads
             :data:`LARGE_ATTENTION_CASES` added on ``cuda``), ``"large"`` (the large cases only),
             ``"all"`` (both, on any device), or your own sequence of :class:`Case`.
             ``quick=True`` keeps the quick ones of the chosen set.
-        seed: of the inputs (a torch CPU generator; the same inputs for every dtype). A correct
-            kernel passes at every seed; a different seed draws different inputs for the same
-            shapes.
+        seed: of the inputs (a non-negative int). Each case draws its inputs from its own torch
+            CPU generator, seeded by ``seed`` and the case's name (:func:`case_generator`): the
+            same inputs for every dtype, and whichever other cases run. A correct kernel passes
+            at every seed.
 
     Rows that pass compare the output (``kl``) and each gradient with the float64 reference
     (``streamkl_ref.attention_kl``/``attention_kl_grad``) under :func:`tolerance`. A failing row's
@@ -579,10 +593,10 @@ def check_attention_kl(fn: Callable, *, device="cpu", dtypes=("float32",), grads
         "supports": {k: (list(v) if isinstance(v, tuple) else v) for k, v in claims.items()},
         "fn": getattr(fn, "__qualname__", repr(fn)),
     })
-    gen = torch.Generator().manual_seed(seed)
     t0 = time.time()
     for case in cases:
         report.cases[case.name] = case.to_dict()
+        gen = case_generator(seed, case)
         base = [case.amplitude * torch.randn(*shape, generator=gen, dtype=torch.float64)
                 for shape in case.shapes.values()]
         g_rows = torch.randn(case.B, case.H, case.NQ, generator=gen, dtype=torch.float64)
@@ -1122,10 +1136,10 @@ def check_indexer_kl(fn: Callable, *, device="cpu", dtypes=("float32",), grads=T
         "supports": {k: (list(v) if isinstance(v, tuple) else v) for k, v in claims.items()},
         "fn": getattr(fn, "__qualname__", repr(fn)),
     })
-    gen = torch.Generator().manual_seed(seed)
     t0 = time.time()
     for case in cases:
         report.cases[case.name] = case.to_dict()
+        gen = case_generator(seed, case)
         base = []
         for name, shape in case.shapes.items():
             amp = case.weight_amplitude if name == "weights" else case.amplitude
