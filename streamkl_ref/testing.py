@@ -164,7 +164,9 @@ def attention_kl_torch(q1, k1, q2, k2, *, causal=False, scale1=None, scale2=None
     """
     import torch
 
-    from ._checks import check_inputs
+    from ._checks import check_flag, check_inputs
+
+    causal = check_flag(causal, "causal")
 
     dims = check_inputs(q1, k1, q2, k2, scale1=scale1, scale2=scale2)
     compute_dtype = torch.float32 if compute_dtype is None else compute_dtype
@@ -206,7 +208,9 @@ def attention_kl_torch_chunked(q1, k1, q2, k2, *, causal=False, scale1=None, sca
     """The same, over query chunks of ``chunk`` rows (what users do today to avoid OOM)."""
     import torch
 
-    from ._checks import check_inputs
+    from ._checks import check_flag, check_inputs
+
+    causal = check_flag(causal, "causal")
 
     dims = check_inputs(q1, k1, q2, k2, scale1=scale1, scale2=scale2)
     compute_dtype = torch.float32 if compute_dtype is None else compute_dtype
@@ -943,7 +947,9 @@ def indexer_kl_torch(q, k, q_idx, k_idx, weights, *, causal=False, scale=None, r
     weights``; the teacher too, if its tensors require grad)."""
     import torch
 
-    from ._checks import check_indexer_inputs
+    from ._checks import check_flag, check_indexer_inputs
+
+    causal, relu = check_flag(causal, "causal"), check_flag(relu, "relu")
 
     dims = check_indexer_inputs(q, k, q_idx, k_idx, weights, scale=scale)
     cd = torch.float32 if compute_dtype is None else compute_dtype
