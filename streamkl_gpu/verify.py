@@ -308,7 +308,7 @@ def _run_own(args, device: str) -> int:
                              "cases": args.cases,
                              "seed": args.seed, "dtypes": [str(d).replace("torch.", "") for d in dtypes],
                              "bwd_modes": ["fused", "separate"], "autotune": args.autotune})
-    t_start = time.time()
+    t_start, cpu_start = time.time(), time.process_time()
 
     def record(case, dtype, quantity, err, tol, ok=None, note=""):
         ok = (err <= tol) if ok is None else ok
@@ -451,7 +451,8 @@ def _run_own(args, device: str) -> int:
                     + ("" if seen["launches"] > 0 else "; no launch was checked: the bounds checks were not on"))
     report.elapsed_s = time.time() - t_start
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)"
-    return _finish(report, args, device_name, {"elapsed_s": report.elapsed_s})
+    return _finish(report, args, device_name, {"elapsed_s": report.elapsed_s,
+                                               "cpu_s": time.process_time() - cpu_start})
 
 
 
