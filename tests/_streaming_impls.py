@@ -111,3 +111,80 @@ def correct_block128(q1, k1, q2, k2, *, causal, scale1, scale2):
 def acc_not_rescaled_block128(q1, k1, q2, k2, *, causal, scale1, scale2):
     return streaming_kl(q1, k1, q2, k2, causal=causal, scale1=scale1, scale2=scale2, block=128,
                         bug="acc_not_rescaled")
+
+
+# ---- the indexer loss, streamed: KL(p || softmax(I)) with p the head mean of the teacher's softmaxes
+INDEXER_BUGS = {
+    "teacher_l_not_rescaled": "the teacher's per-head sums l_h' = l_h + sum(...)",
+    "teacher_m_not_updated": "the teacher's running max never written back",
+    "student_l_not_rescaled": "the indexer's sum l_I' = l_I + sum(...)",
+    "student_m_not_updated": "the indexer's running max never written back",
+}
+
+
+def _online(m, l, x, vis, zero, rescale=True, keep_max=True):
+    """One tile of the online log-sum-exp: the new (m, l) and the tile's max (for a bug's final step)."""
+    m_new = torch.maximum(m, x.masked_fill(~vis, -math.inf).amax(-1))
+    r = torch.where(torch.isfinite(m_new), m_new, zero)
+    a = torch.where(torch.isfinite(m), torch.exp(torch.where(torch.isfinite(m), m, r) - r), zero)
+    p = torch.where(vis, torch.exp(torch.where(vis, x, r[..., None]) - r[..., None]), zero)
+    l = (a if rescale else 1.0) * l + p.sum(-1)
+    return (m_new if keep_max else m), l, m_new
+
+
+def streaming_indexer_kl(q, k, q_idx, k_idx, weights, *, causal, scale, relu, block=64, bug=None):
+    """``[B, N_Q]`` indexer KL in float32 over key tiles of ``block`` keys: a first pass for the
+    teacher's per-head LSEs (online), a second for ``sum p ln p``, ``sum p I`` and the indexer's
+    online LSE; ``KL = sum p ln p - sum p I + LSE_I``."""
+    if bug is not None and bug not in INDEXER_BUGS:
+        raise ValueError(f"bug must be one of {sorted(INDEXER_BUGS)}, got {bug!r}")
+    h, nq, nk = q.shape[1], q.shape[2], k.shape[2]
+    sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    qf, ke = q.float(), _expand(k, h).float()
+    qif, kie, wf = q_idx.float(), _expand(k_idx, q_idx.shape[1]).float(), weights.float()
+    dev = q.device
+    zero = torch.zeros((), device=dev)
+    rows = torch.arange(nq, device=dev)[:, None]
+
+    def tile(start):
+        stop = min(start + block, nk)
+        cols = torch.arange(start, stop, device=dev)[None, :]
+        vis = (cols <= rows + (nk - nq)) if causal else torch.ones(nq, stop - start, dtype=torch.bool, device=dev)
+        s = sc * (qf @ ke[:, :, start:stop].transpose(-1, -2))  # [B, H, N_Q, T]
+        a = qif @ kie[:, :, start:stop].transpose(-1, -2)  # [B, H_I, N_Q, T]
+        logits = (wf[..., None] * (torch.relu(a) if relu else a)).sum(1)  # [B, N_Q, T]
+        return vis, s, logits
+
+    m_t = torch.full(q.shape[:3], -math.inf, device=dev)
+    l_t = torch.zeros(q.shape[:3], device=dev)
+    for start in range(0, nk, block):
+        vis, s, _ = tile(start)
+        m_t, l_t, last_t = _online(m_t, l_t, s, vis, zero, rescale=bug != "teacher_l_not_rescaled",
+                                   keep_max=bug != "teacher_m_not_updated")
+    if bug == "teacher_m_not_updated":
+        m_t = last_t
+    seen_t = l_t > 0
+    lse_t = torch.where(seen_t, torch.where(seen_t, m_t, zero) + torch.log(torch.where(seen_t, l_t, 1.0)), zero)
+    shape = (q.shape[0], nq)
+    m_i = torch.full(shape, -math.inf, device=dev)
+    l_i, p_log_p, p_i = torch.zeros(shape, device=dev), torch.zeros(shape, device=dev), torch.zeros(shape, device=dev)
+    for start in range(0, nk, block):
+        vis, s, logits = tile(start)
+        e = torch.where(vis, torch.exp(torch.where(vis, s, zero) - lse_t[..., None]), zero)
+        p = e.mean(1)  # the teacher's mixture over heads, [B, N_Q, T]
+        pos = p > 0
+        p_log_p = p_log_p + torch.where(pos, p * torch.log(torch.where(pos, p, 1.0)), zero).sum(-1)
+        p_i = p_i + torch.where(vis, p * logits, zero).sum(-1)
+        m_i, l_i, last_i = _online(m_i, l_i, logits, vis, zero, rescale=bug != "student_l_not_rescaled",
+                                   keep_max=bug != "student_m_not_updated")
+    if bug == "student_m_not_updated":
+        m_i = last_i
+    seen = l_i > 0
+    lse_i = torch.where(seen, m_i, zero) + torch.log(torch.where(seen, l_i, 1.0))
+    return torch.where(seen, p_log_p - p_i + lse_i, zero)
+
+
+def indexer_variant(block=64, bug=None):
+    fn = functools.partial(streaming_indexer_kl, block=block, bug=bug)
+    fn.__qualname__ = fn.__name__ = f"streaming_indexer_kl[block={block}, bug={bug}]"
+    return fn

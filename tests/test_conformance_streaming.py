@@ -9,19 +9,23 @@ from hypothesis import strategies as st
 import _streaming_impls as si
 from streamkl_ref.testing import (
     ATTENTION_CASES,
+    INDEXER_CASES,
     Case,
     check_attention_kl,
+    check_indexer_kl,
 )
 
 FWD_ONLY = {"nan_isolation": "forward"}  # autograd through the loop is not NaN-isolated
 SEEDS = range(10)
 # the default battery's rows with several key tiles at every block size up to 128
 MULTI_TILE = tuple(c for c in ATTENTION_CASES if c.NK > 2 * max(si.BLOCKS))
+INDEXER_MULTI_TILE = tuple(c for c in INDEXER_CASES if c.NK > 2 * max(si.BLOCKS))
 
 
 def test_the_default_battery_has_several_tiles_at_every_block_up_to_128():
-    assert len(MULTI_TILE) >= 2
-    assert any(c.causal for c in MULTI_TILE) and any(not c.causal for c in MULTI_TILE)
+    for cases in (MULTI_TILE, INDEXER_MULTI_TILE):
+        assert len(cases) >= 2
+        assert any(c.causal for c in cases) and any(not c.causal for c in cases)
 
 
 @pytest.mark.parametrize("finish", si.FINISHES)
@@ -87,3 +91,21 @@ def test_property_a_correct_streaming_kernel_conforms_on_any_shape_and_seed(bloc
     case = Case("drawn", 1, *heads, nq, nk, *dims, causal=causal, scale1=scales[0], scale2=scales[1])
     report = check_attention_kl(si.variant(block, finish), cases=[case], seed=seed)
     assert report.passed, report.table(report.failed)
+
+
+# ---- the indexer loss, streamed (a first pass for the teacher's per-head LSEs, a second for the KL)
+@pytest.mark.parametrize("block", si.BLOCKS)
+def test_a_correct_streaming_indexer_loss_passes_the_default_battery_at_seeds_0_to_9(block):
+    fn = si.indexer_variant(block)
+    for seed in SEEDS:
+        report = check_indexer_kl(fn, supports=FWD_ONLY, seed=seed, grads=seed == 0)
+        assert report.passed, f"seed {seed}\n{report.table(report.failed)}"
+
+
+@pytest.mark.parametrize("bug", sorted(si.INDEXER_BUGS))
+def test_a_streaming_indexer_loss_with_one_rescale_wrong_fails_at_every_seed_and_block(bug):
+    for block in si.BLOCKS:
+        for seed in SEEDS:
+            report = check_indexer_kl(si.indexer_variant(block, bug), seed=seed, grads=False,
+                                      cases=INDEXER_MULTI_TILE)
+            assert report.failed and all(r.error > 100 * r.tolerance for r in report.failed), (bug, block, seed)
