@@ -36,6 +36,9 @@ def scale_value(scale, name: str):
             raise ValueError(
                 f"{name} is a tensor on {scale.device}: pass a Python float (no gradient flows to a "
                 "scale, and reading a GPU tensor would synchronise the device on every call)")
+        if scale.requires_grad:  # as on CUDA: a scale gets no gradient, so asking for one is an error
+            raise ValueError(f"{name} is a tensor that requires grad: pass a Python float or a tensor "
+                             "without requires_grad (no gradient flows to a scale)")
         if scale.ndim != 0 or not (scale.dtype.is_floating_point or scale.dtype in (torch.int32, torch.int64)):
             raise ValueError(f"{name} must be a number or a 0-dim CPU tensor, got a tensor of shape "
                              f"{list(scale.shape)} and dtype {scale.dtype}")

@@ -14,7 +14,8 @@ Base 2: the scores are multiplied by ``sigma_t * log2(e)`` in fp32 right after e
 bits; ``_finalize`` converts back with ``ln 2``. We scale the fp32 scores instead of pre-scaling
 a bf16/fp16 Q because folding the scale into a low-precision Q adds one more rounding of every
 query element (relative 2^-9 for bf16) that the reference does not make; and we scale before
-the max, not inside the exponent's FFMA, so that the max's own exponent is exactly 0.
+the max, not inside the exponent's FFMA, so that the max's own exponent is exactly 0. The exact
+identity and each kernel's placement of the factor: proofs/04_base2.md.
 
 Masks: out-of-range keys and keys past the bottom-right causal frontier get exponent -inf on
 both sides in the *masked* stage only. The log-ratio is taken before masking, so ``-inf - -inf``

@@ -6,7 +6,8 @@ reference this kernel is checked against on the GPU): per row the five scalars
 tile skipping (``_fwd._key_stages``), ``_fwd._finalize`` at the end. Scores are taken to bits
 rounded once: in masked tiles ``mul.rn`` before the max (as the Triton path: one-key rows exactly
 0); in whole tiles, with the default's ``FOLD`` knob, the max on the raw scores scaled once per row
-(bitwise the same max) and the shifted score as one FFMA (``_shifted``; docs/design/attention_forward.md round 4). The per-tile formulas are ``_fwd._fwd_key_range``'s, split in two
+(bitwise the same max) and the shifted score as one FFMA, x = fma(s_raw, c, -m) (``_shifted``;
+proofs/04_base2.md, "Where a kernel applies the factor"). The per-tile formulas are ``_fwd._fwd_key_range``'s, split in two
 halves so that the side-1 half runs while the side-2 product is still on the tensor cores.
 
 Schedule: one CTA owns 128 query rows of one (b, h).

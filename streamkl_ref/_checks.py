@@ -17,6 +17,7 @@ __all__ = [
     "check_indexer_inputs",
     "check_shape",
     "check_block",
+    "check_flag",
     "check_rows",
     "resolve_scale",
 ]
@@ -86,8 +87,12 @@ def check_inputs(q1, k1, q2, k2, *, scale1=None, scale2=None) -> Dims:
         raise ValueError(f"k1 has head dim {Dk1}, but q1 has {D1}: q and k of a side share D")
     if Dk2 != D2:
         raise ValueError(f"k2 has head dim {Dk2}, but q2 has {D2}: q and k of a side share D")
+    if H < 1:
+        raise ValueError(f"q1 has {H} query heads; a problem needs at least one head (H >= 1)")
     for name, hk in (("k1", HK1), ("k2", HK2)):
-        if hk < 1 or H % hk != 0:
+        if hk < 1:
+            raise ValueError(f"{name} has {hk} key heads; each side needs at least one (H_K >= 1)")
+        if H % hk != 0:
             raise ValueError(
                 f"{name} has {hk} key heads, which does not divide the {H} query heads (GQA needs H % H_K == 0)"
             )
@@ -99,6 +104,16 @@ def check_inputs(q1, k1, q2, k2, *, scale1=None, scale2=None) -> Dims:
         scale1=resolve_scale(scale1, D1, "scale1"),
         scale2=resolve_scale(scale2, D2, "scale2"),
     )
+
+
+def check_flag(value, name: str) -> bool:
+    """A flag (``causal``, ``relu``): a ``bool`` or ``numpy.bool_``; a string, None, a number or a
+    tensor is an error, never silently truthy (the message streamkl_gpu uses)."""
+    import numpy as np
+
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise ValueError(f"{name} must be a bool, got {value!r} of type {type(value).__name__}")
 
 
 def check_block(value, name: str) -> int:
@@ -179,6 +194,9 @@ def check_indexer_inputs(q, k, q_idx, k_idx, weights, *, scale=None) -> IndexerD
     for name, d in (("q", D), ("q_idx", DI)):
         if d < 1:
             raise ValueError(f"{name} has head dim {d}; it must be at least 1")
+    for name, heads, label in (("q", H, "H"), ("k", HK, "H_K"), ("q_idx", HI, "H_I"), ("k_idx", HKI, "H_KI")):
+        if heads < 1:
+            raise ValueError(f"{name} has {heads} heads; it needs at least one ({label} >= 1)")
     if HK < 1 or H % HK != 0:
         raise ValueError(f"k has {HK} key heads, which does not divide the {H} query heads of q (H % H_K == 0)")
     if HKI < 1 or HI % HKI != 0:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._checks import Dims, check_inputs
+from ._checks import Dims, check_flag, check_inputs
 from ._scores import as_float_array, expand_key_heads, scaled_scores, visible
 
 __all__ = [
@@ -112,6 +112,7 @@ def attention_kl(q1, k1, q2, k2, *, causal=False, scale1=None, scale2=None, retu
     Raises:
         ValueError: naming the offending argument, for inconsistent shapes or a bad scale.
     """
+    causal = check_flag(causal, "causal")
     q1, k1, q2, k2 = (as_float_array(x, n) for x, n in ((q1, "q1"), (k1, "k1"), (q2, "q2"), (k2, "k2")))
     dims = check_inputs(q1, k1, q2, k2, scale1=scale1, scale2=scale2)
     kl, lse1, lse2 = dense_kl_lse(q1, k1, q2, k2, dims, causal)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._checks import check_block, check_inputs, check_rows
+from ._checks import check_block, check_flag, check_inputs, check_rows
 from ._dense import dense_scores, kl_from_log_probs, masked_log_softmax, masked_probs
 from ._scores import (
     as_float_array,
@@ -81,6 +81,7 @@ def attention_kl_grad(q1, k1, q2, k2, grad_kl, *, causal=False, scale1=None, sca
         ValueError: naming the argument, for inconsistent shapes (``grad_kl`` included) or a bad
         scale.
     """
+    causal = check_flag(causal, "causal")
     q1, k1, q2, k2 = _as_inputs(q1, k1, q2, k2)
     dims = check_inputs(q1, k1, q2, k2, scale1=scale1, scale2=scale2)
     g = _as_row_array(grad_kl, "grad_kl", dims, np.float64)[..., None]
@@ -153,6 +154,7 @@ def attention_kl_grad_tiled(
     Returns:
         Dict with the requested settings' gradients, arrays of ``dtype``.
     """
+    causal = check_flag(causal, "causal")
     arrays = _as_inputs(q1, k1, q2, k2)
     dims = check_inputs(*arrays, scale1=scale1, scale2=scale2)
     block_q = check_block(block_q, "block_q")

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import mpmath
 import numpy as np
 
-from ._checks import IndexerDims, check_block, check_indexer_inputs, check_shape
+from ._checks import IndexerDims, check_block, check_flag, check_indexer_inputs, check_shape
 from ._dense import kl_from_log_probs, masked_log_softmax, masked_probs
 from ._grad import _tile_probs
 from ._mp import _as_mp_input, _to_mpf
@@ -67,9 +67,7 @@ _NAMES = ("q", "k", "q_idx", "k_idx", "weights")
 
 
 def _check_relu(relu) -> bool:
-    if not isinstance(relu, (bool, np.bool_)):
-        raise ValueError(f"relu must be True or False, got {relu!r}")
-    return bool(relu)
+    return check_flag(relu, "relu")
 
 
 def check_indexer_call(q, k, q_idx, k_idx, weights, *, scale=None, relu=True, dtype=np.float64):
@@ -157,6 +155,7 @@ def indexer_kl(q, k, q_idx, k_idx, weights, *, causal=False, scale=None, relu=Tr
         ValueError: naming the argument, for inconsistent shapes, head counts that do not
         divide, a ``weights`` shape other than ``[B, H_I, N_Q]``, a bad ``scale`` or ``relu``.
     """
+    causal = check_flag(causal, "causal")
     arrays, dims, relu = check_indexer_call(q, k, q_idx, k_idx, weights, scale=scale, relu=relu)
     kl, lse_idx, lse_teacher = dense_indexer_kl(arrays, dims, causal, relu)
     return (kl, lse_idx, lse_teacher) if return_lse else kl
@@ -178,6 +177,7 @@ def indexer_kl_mp(q, k, q_idx, k_idx, weights, *, causal=False, scale=None, relu
         ``kl`` ``[B, N_Q]``, or ``(kl, lse_idx, lse_teacher)`` with ``return_lse``; float64, or
         object arrays of ``mpf`` with ``return_mpf``.
     """
+    causal = check_flag(causal, "causal")
     arrays = [_as_mp_input(x, n) for x, n in zip((q, k, q_idx, k_idx, weights), _NAMES)]
     dims = check_indexer_inputs(*arrays, scale=scale)
     relu = _check_relu(relu)
@@ -337,6 +337,7 @@ def indexer_kl_online(q, k, q_idx, k_idx, weights, *, causal=False, scale=None, 
         :class:`IndexerOnlineResult` ``(kl [B, N_Q], lse_idx [B, N_Q], stats)`` with
         :class:`IndexerTileStats`; arrays of ``dtype``.
     """
+    causal = check_flag(causal, "causal")
     arrays, dims, relu = check_indexer_call(q, k, q_idx, k_idx, weights, scale=scale, relu=relu)
     block_q = check_block(block_q, "block_q")
     block_k = check_block(block_k, "block_k")
@@ -429,6 +430,7 @@ def indexer_kl_grad(q, k, q_idx, k_idx, weights, grad_kl, *, causal=False, scale
         Rows with no visible key contribute exactly 0; a NaN reaches the gradients of the rows
         (and the keys those rows see) it reaches, and nothing else.
     """
+    causal = check_flag(causal, "causal")
     arrays, dims, relu = check_indexer_call(q, k, q_idx, k_idx, weights, scale=scale, relu=relu)
     g = _row_array(grad_kl, "grad_kl", (dims.B, dims.NQ), "[B, N_Q]", np.float64)
     parts = _dense_parts(arrays, dims, causal, relu)

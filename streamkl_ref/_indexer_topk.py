@@ -27,7 +27,7 @@ from __future__ import annotations
 import mpmath
 import numpy as np
 
-from ._checks import IndexerDims, check_indexer_inputs
+from ._checks import IndexerDims, check_flag, check_indexer_inputs
 from ._dense import kl_from_log_probs, masked_log_softmax
 from ._indexer import (
     _NAMES,
@@ -96,6 +96,7 @@ def indexer_kl_topk(q, k, q_idx, k_idx, weights, topk_indices, *, causal=False, 
     Returns:
         ``kl`` ``[B, N_Q]`` float64 (nats), or ``(kl, lse_idx_set, lse_teacher_set)``.
     """
+    causal = check_flag(causal, "causal")
     *_, selected, log_p_set, log_q_set, lse_set, lse_teacher_set = _topk_parts(
         q, k, q_idx, k_idx, weights, topk_indices, causal, scale, relu)
     kl = kl_from_log_probs(log_p_set, log_q_set, selected)
@@ -107,6 +108,7 @@ def indexer_kl_topk_grad(q, k, q_idx, k_idx, weights, topk_indices, grad_kl, *, 
     """Closed-form gradient of ``Σ grad_kl · KL_topk`` (:func:`indexer_kl_topk`): the closed forms
     of :func:`indexer_kl_grad` with ``G = g·(q_S − p_S)`` on each row's set, 0 elsewhere
     (``{"dq_idx", "dk_idx", "dweights"}``; ``dk_idx`` sums the rows that selected each key)."""
+    causal = check_flag(causal, "causal")
     arrays, dims, relu, parts, selected, log_p_set, log_q_set, *_ = _topk_parts(
         q, k, q_idx, k_idx, weights, topk_indices, causal, scale, relu)
     g = _row_array(grad_kl, "grad_kl", (dims.B, dims.NQ), "[B, N_Q]", np.float64)
@@ -118,6 +120,7 @@ def indexer_kl_topk_mp(q, k, q_idx, k_idx, weights, topk_indices, *, causal=Fals
     """The definition in mpmath at ``dps`` digits, row by row over the listed keys (a gather, not
     a mask; tiny shapes only). Same arguments and checks as :func:`indexer_kl_topk`; float64
     ``[B, N_Q]``. The scale is the float64 value the other implementations use, taken as exact."""
+    causal = check_flag(causal, "causal")
     arrays = [_as_mp_input(x, n) for x, n in zip((q, k, q_idx, k_idx, weights), _NAMES)]
     dims = check_indexer_inputs(*arrays, scale=scale)
     relu = _check_relu(relu)

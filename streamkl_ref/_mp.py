@@ -16,7 +16,7 @@ from __future__ import annotations
 import mpmath
 import numpy as np
 
-from ._checks import check_inputs
+from ._checks import check_flag, check_inputs
 from ._scores import visible
 
 __all__ = ["attention_kl_mp"]
@@ -68,6 +68,7 @@ def attention_kl_mp(
 
     Cost is ``O(B·H·N_Q·N_K·(D1 + D2))`` mpmath operations: meant for tiny shapes.
     """
+    causal = check_flag(causal, "causal")
     arrays = [_as_mp_input(x, n) for x, n in ((q1, "q1"), (k1, "k1"), (q2, "q2"), (k2, "k2"))]
     dims = check_inputs(*arrays, scale1=scale1, scale2=scale2)
     if isinstance(dps, bool) or not isinstance(dps, int) or dps < 15:

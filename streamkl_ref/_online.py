@@ -66,7 +66,7 @@ from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
-from ._checks import check_block, check_inputs
+from ._checks import check_block, check_flag, check_inputs
 from ._scores import (
     LN2,
     LOG2E,
@@ -414,6 +414,7 @@ def attention_kl_online(
         lse2`` are ``[B, H, N_Q]`` arrays of ``dtype``, in nats. A NaN input gives NaN in the
         rows it reaches, as in the dense reference.
     """
+    causal = check_flag(causal, "causal")
     arrays = [as_float_array(x, n) for x, n in ((q1, "q1"), (k1, "k1"), (q2, "q2"), (k2, "k2"))]
     dims = check_inputs(*arrays, scale1=scale1, scale2=scale2)
     block_q = check_block(block_q, "block_q")

@@ -17,7 +17,7 @@ from numbers import Integral
 
 import numpy as np
 
-from ._checks import Dims, check_inputs
+from ._checks import Dims, check_flag, check_inputs
 from ._dense import attention_kl
 from ._grad import attention_kl_grad
 from ._scores import as_float_array
@@ -153,6 +153,7 @@ def attention_kl_varlen(q1, k1, q2, k2, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     Raises:
         ValueError: naming the argument, for inconsistent shapes or a bad ``cu_seqlens``.
     """
+    causal = check_flag(causal, "causal")
     xs, cu_q, cu_k, dims, batch = _prepare(q1, k1, q2, k2, cu_seqlens_q, cu_seqlens_k,
                                            max_seqlen_q, max_seqlen_k, scale1, scale2)
     out = [np.zeros((dims.NQ, dims.H)) for _ in range(3)]
@@ -176,6 +177,7 @@ def attention_kl_varlen_grad(q1, k1, q2, k2, cu_seqlens_q, cu_seqlens_k, max_seq
         ``{"dq1", "dk1", "dq2", "dk2"}``: float64 arrays shaped like the packed inputs.
         Keys of a sequence with no query rows, and rows of a sequence with no keys, get 0.
     """
+    causal = check_flag(causal, "causal")
     xs, cu_q, cu_k, dims, batch = _prepare(q1, k1, q2, k2, cu_seqlens_q, cu_seqlens_k,
                                            max_seqlen_q, max_seqlen_k, scale1, scale2)
     g = as_float_array(grad_kl, "grad_kl")

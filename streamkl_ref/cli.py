@@ -32,7 +32,7 @@ from typing import Optional, Sequence
 import mpmath
 import numpy as np
 
-__all__ = ["main", "build_trace", "STATUS_LEGEND", "kl_formula"]
+__all__ = ["main", "build_trace", "STATUS_LEGEND", "kl_formula", "version_text"]
 
 GPU_PACKAGES = ("torch", "triton")
 INSTALL_HINT = "pip install 'streamkl[gpu]'"
@@ -346,19 +346,48 @@ def _run_verify(argv: list[str]) -> int:
     return int(code or 0)
 
 
+def version_text() -> str:
+    """``streamkl 0.1.0 (torch 2.13.0, triton 3.9.0, numpy ..., python ...)``: what is installed,
+    found without importing torch or triton (``not installed`` where absent)."""
+    import platform
+    from importlib import metadata
+
+    from . import __version__
+
+    def installed(name):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return (f"streamkl {__version__} (torch {installed('torch')}, triton {installed('triton')}, "
+            f"numpy {np.__version__}, python {platform.python_version()})")
+
+
 # --------------------------------------------------------------------------------------------
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``streamkl`` command; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "verify":
         return _run_verify(argv[1:])
-    parser = argparse.ArgumentParser(prog="streamkl", description="Streaming attention KL divergence.")
+    parser = argparse.ArgumentParser(
+        prog="streamkl", description="Streaming attention KL divergence.",
+        epilog="examples:\n  streamkl trace --nk 12 --block-k 4 --rows 0\n  streamkl verify --quick\n"
+               "  streamkl verify --impl mypkg.kl:my_kl --cases all --json report.json\n"
+               "streamkl verify --help lists every option of the numerical gate.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="store_true",
+                        help="print the versions of streamkl, torch and triton (those installed) and exit")
     sub = parser.add_subparsers(dest="command", metavar="{trace,verify}")
     trace_parser = _trace_parser(sub)
     sub.add_parser("verify", add_help=False,
-                   help="check the GPU kernels against the references (arguments go to streamkl_gpu.verify)")
+                   help="the numerical gate: streamkl's kernels against the float64 references, or, with "
+                        "--impl MODULE:FUNCTION, your own callable through the conformance suite "
+                        "(streamkl verify --help: every option)")
     try:
         args = parser.parse_args(argv)
+        if args.version:
+            return _write(version_text())
         if args.command is None:
             parser.print_help()
             return 2

@@ -93,6 +93,26 @@ def test_help_returns_0(capsys):
     assert code == 0 and "--block-k" in out
 
 
+def test_top_level_help_names_the_verify_gate_and_its_impl_option(capsys):
+    code, out, _ = run(capsys, "--help")
+    assert code == 0 and "--impl MODULE:FUNCTION" in out and "--version" in out
+
+
+def test_version_prints_the_package_torch_and_triton_versions(capsys):
+    from importlib import metadata
+
+    import streamkl_ref
+
+    code, out, _ = run(capsys, "--version")
+    assert code == 0 and out.startswith(f"streamkl {streamkl_ref.__version__} (")
+    for package in ("torch", "triton"):
+        try:
+            want = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            want = "not installed"
+        assert f"{package} {want}" in out
+
+
 def test_verify_delegates_all_arguments(capsys, monkeypatch):
     seen = []
     fake = types.ModuleType("streamkl_gpu.verify")

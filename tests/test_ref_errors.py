@@ -143,3 +143,95 @@ def test_nan_reaches_the_gradients_it_touches():
     clean = make_problem(seed=43, H=1, HK1=1, HK2=1, NQ=4, NK=4)
     grads = attention_kl_grad(*clean.inputs, g_nan, **clean.kw)
     assert np.all(np.isnan(grads["dq2"][0, 0, 3])) and np.all(np.isfinite(grads["dq2"][0, 0, :3]))
+
+
+NON_BOOLS = ["False", None, 1, 0.0]
+
+
+@pytest.mark.parametrize("value", NON_BOOLS, ids=repr)
+def test_a_non_bool_causal_is_an_error_in_every_reference(value):
+    """``causal="False"`` is truthy: every entry point refuses it with streamkl_gpu's message."""
+    import streamkl_ref
+
+    q1, k1, q2, k2 = _inputs()
+    B, H, NQ = q1.shape[:3]
+    rows = np.zeros((B, H, NQ))
+    packed = [x[0].transpose(1, 0, 2) for x in (q1, k1, q2, k2)]
+    cu_q, cu_k = np.array([0, NQ], np.int32), np.array([0, k1.shape[2]], np.int32)
+    calls = {
+        "attention_kl": lambda c: streamkl_ref.attention_kl(q1, k1, q2, k2, causal=c),
+        "attention_kl_mp": lambda c: streamkl_ref.attention_kl_mp(q1, k1, q2, k2, causal=c),
+        "attention_kl_online": lambda c: streamkl_ref.attention_kl_online(q1, k1, q2, k2, causal=c),
+        "attention_kl_grad": lambda c: streamkl_ref.attention_kl_grad(q1, k1, q2, k2, rows, causal=c),
+        "attention_kl_grad_tiled": lambda c: streamkl_ref.attention_kl_grad_tiled(q1, k1, q2, k2, rows, rows, rows,
+                                                                                  rows, causal=c),
+        "attention_kl_varlen": lambda c: streamkl_ref.attention_kl_varlen(*packed, cu_q, cu_k, NQ, k1.shape[2],
+                                                                          causal=c),
+        "attention_kl_varlen_grad": lambda c: streamkl_ref.attention_kl_varlen_grad(
+            *packed, cu_q, cu_k, NQ, k1.shape[2], rows[0].T, causal=c),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=r"causal must be a bool, got .* of type"):
+            call(value)
+        call(False)  # a bool is fine
+        call(np.bool_(True))
+
+
+@pytest.mark.parametrize("value", NON_BOOLS, ids=repr)
+def test_a_non_bool_causal_or_relu_is_an_error_in_the_indexer_references(value):
+    import streamkl_ref
+
+    rng = np.random.default_rng(0)
+    q, k = rng.standard_normal((1, 2, 3, 4)), rng.standard_normal((1, 1, 5, 4))
+    qi, ki, w = rng.standard_normal((1, 2, 3, 4)), rng.standard_normal((1, 1, 5, 4)), rng.standard_normal((1, 2, 3))
+    topk = np.zeros((1, 3, 2), np.int64)
+    topk[..., 1] = 1
+    g = np.zeros((1, 3))
+    calls = {
+        "indexer_kl": lambda **f: streamkl_ref.indexer_kl(q, k, qi, ki, w, **f),
+        "indexer_kl_mp": lambda **f: streamkl_ref.indexer_kl_mp(q, k, qi, ki, w, **f),
+        "indexer_kl_online": lambda **f: streamkl_ref.indexer_kl_online(q, k, qi, ki, w, **f),
+        "indexer_kl_grad": lambda **f: streamkl_ref.indexer_kl_grad(q, k, qi, ki, w, g, **f),
+        "indexer_kl_topk": lambda **f: streamkl_ref.indexer_kl_topk(q, k, qi, ki, w, topk, **f),
+        "indexer_kl_topk_grad": lambda **f: streamkl_ref.indexer_kl_topk_grad(q, k, qi, ki, w, topk, g, **f),
+    }
+    for name, call in calls.items():
+        for flag in ("causal", "relu"):
+            with pytest.raises(ValueError, match=rf"{flag} must be a bool, got .* of type"):
+                call(**{flag: value})
+        call(causal=True, relu=np.bool_(False))
+
+
+def test_no_heads_is_an_error_that_says_so():
+    q1, k1, q2, k2 = _inputs()
+    with pytest.raises(ValueError, match=r"q1 has 0 query heads; .*H >= 1"):
+        attention_kl(q1[:, :0], k1[:, :0], q2[:, :0], k2[:, :0])
+    with pytest.raises(ValueError, match=r"k1 has 0 key heads; .*H_K >= 1"):
+        attention_kl(q1, k1[:, :0], q2, k2)
+
+
+def test_the_dense_torch_formulas_refuse_a_non_bool_flag_too():
+    import torch
+
+    from streamkl_ref.testing import attention_kl_torch, attention_kl_torch_chunked, indexer_kl_torch
+
+    x = torch.randn(1, 2, 3, 4)
+    for fn in (attention_kl_torch, attention_kl_torch_chunked):
+        with pytest.raises(ValueError, match=r"causal must be a bool, got 'False' of type str"):
+            fn(x, x, x, x, causal="False")
+    w = torch.randn(1, 2, 3)
+    for flag in ("causal", "relu"):
+        with pytest.raises(ValueError, match=rf"{flag} must be a bool"):
+            indexer_kl_torch(x, x, x, x, w, **{flag: "yes"})
+
+
+def test_a_cpu_scale_tensor_that_requires_grad_is_an_error_as_on_cuda():
+    import torch
+
+    import streamkl_gpu
+
+    x = torch.randn(1, 2, 3, 16)
+    scale = torch.tensor(0.25, requires_grad=True)
+    with pytest.raises(ValueError, match=r"scale1 is a tensor that requires grad"):
+        streamkl_gpu.attention_kl(x, x, x, x, scale1=scale)
+    streamkl_gpu.attention_kl(x, x, x, x, scale1=scale.detach())  # a plain CPU 0-dim tensor is fine
