@@ -66,8 +66,9 @@ import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 import streamkl_gpu  # noqa: E402
-from streamkl_gpu import _gluon_dispatch as dispatch  # noqa: E402
-from streamkl_gpu import _gluon_sass, _runtime  # noqa: E402
+from streamkl_gpu.attention.gluon import dispatch as dispatch  # noqa: E402
+from streamkl_gpu.devtools import sass as _gluon_sass  # noqa: E402
+from streamkl_gpu._core import runtime as _runtime
 from streamkl_gpu.naive import attention_kl_naive  # noqa: E402
 
 K = 1024
@@ -102,13 +103,13 @@ def set_backend(name):
 def forward_bits(q1, k1, q2, k2, causal, split_k=None):
     """(kl, lse1_bits, lse2_bits) of the API's forward (``_launch.forward``) with the current
     backend setting."""
-    from streamkl_gpu._launch import forward as fwd
+    from streamkl_gpu.attention.launch import forward as fwd
 
     return fwd(q1, k1, q2, k2, causal, 1.0 / math.sqrt(q1.shape[-1]), 1.0 / math.sqrt(q2.shape[-1]), split_k)
 
 
 def note_gluon_kernel(label):
-    from streamkl_gpu import _gluon_fwd
+    from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
 
     k = _gluon_fwd.LAST_KERNEL
     if k is not None:
@@ -212,7 +213,7 @@ def _poisoned(shape):
 def run_check(quick, configs, budget):
     log("== check: gluon (API and every configuration forced) vs triton vs float64 (outputs NaN-poisoned; "
         "Triton path and API untuned: first config)")
-    from streamkl_gpu import _gluon_fwd
+    from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
 
     _runtime.POISON_FRESH = True
     tune = os.environ.get("STREAMKL_AUTOTUNE")
@@ -383,7 +384,7 @@ def _probe(specs):
     """Worker (``gluon_gpu.py --probe SPEC...``): launch each spec (``variant:cand``) once, causal
     and not, on the check shapes (the timed shapes' specialisation): the kernels land in
     Triton's on-disk cache, where the main process finds them; prints one JSON line per spec."""
-    from streamkl_gpu import _gluon_fwd
+    from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
 
     for spec in specs:
         if spec.startswith(TRITON_POINT):  # the tuned Triton path at one grid point (--final)
@@ -552,7 +553,7 @@ def _provider_fn(prov, xs, causal):
         q1, k1, q2, _ = xs
         return lambda: F.scaled_dot_product_attention(q1, k1, q2, is_causal=causal)
     if prov.startswith("gluon["):
-        from streamkl_gpu import _gluon_fwd
+        from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
 
         cand = CONFIG_OF_PROVIDER[prov]
         s1, s2 = 1.0 / math.sqrt(xs[0].shape[-1]), 1.0 / math.sqrt(xs[2].shape[-1])
@@ -570,7 +571,7 @@ CONFIG_OF_PROVIDER = {}  # "gluon[n128 s2 r168]" -> its candidate tuple
 
 
 def provider_of(cand):
-    from streamkl_gpu import _gluon_fwd
+    from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
 
     prov = "gluon[" + _gluon_fwd.describe(cand) + "]"
     CONFIG_OF_PROVIDER[prov] = tuple(cand)
@@ -626,7 +627,8 @@ def time_point(section, case, meta, xs, causal, providers, warmup, rep, budget, 
 
 def log_tuner_picks():
     """What the API's Gluon tuner measured and chose (``_tuning.TUNING_LOG``, ``_PICKED``)."""
-    from streamkl_gpu import _gluon_fwd, _tuning
+    from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
+    from streamkl_gpu._core import tuning as _tuning
 
     for key, meas in _tuning.TUNING_LOG.items():
         if key and key[0] == "gluon_fwd":
@@ -688,7 +690,7 @@ def run_timing(section, points, warmup, rep, budget, config_providers=(), api=("
 def run_variants(quick, warmup, rep, budget, variants, configs):
     """Time each configuration of ``configs`` beside deliberately wrong variants of it
     (bench/NOTES.md's method: what the time is made of) at B=1, H=32, D=128, bf16, 8K."""
-    from streamkl_gpu import _gluon_fwd
+    from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
 
     log("== variants of the Gluon kernel (8K, bf16, D=128; wrong results on purpose)")
     table = []
@@ -741,7 +743,7 @@ RETIME_TRITON = False
 def _plan_of_auto(n):
     """What the API's plan cache holds for the auto backend at N_Q = N_K = n (B=1, H=32, D=128):
     "gluon" (the Gluon kernel), the Triton config tuple, or None when no such call ran."""
-    from streamkl_gpu import _launch
+    from streamkl_gpu.attention import launch as _launch
 
     for sig, plan in _launch._PLANS.items():
         dims, flags = sig[1], sig[2]
@@ -770,7 +772,7 @@ def run_retime_2k(warmup, rep, budget):
     kernel straight (no API host work), each provider's host time per call, and the plan the
     auto call took: tells dispatch from host cost from timing noise."""
     global ROUNDS
-    from streamkl_gpu import _gluon_fwd
+    from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
 
     log("== retime bf16 D128 N=2K full (auto vs forced paths, several rounds)")
     old_rounds, ROUNDS = ROUNDS, RETIME_ROUNDS
@@ -823,7 +825,7 @@ def _retime_fast_launch(xs, warmup, rep, budget):
     """The Gluon path's cached launcher (``_gluon_fwd._launch``, on unless STREAMKL_GLUON_FAST_LAUNCH=0):
     outputs bitwise equal to the JIT launch's (bound, then direct), host time per call with it
     and without (the section's other rows ran with it), and auto / forced Gluon timed again."""
-    from streamkl_gpu import _gluon_fwd
+    from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
 
     if budget.left() < 10:
         return []
@@ -886,7 +888,7 @@ def dims_points():
 
 def dims_configs(d1, d2):
     """The default's 128-key candidate at (d1, d2) and the same without knobs."""
-    from streamkl_gpu import _gluon_fwd
+    from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
 
     return [_gluon_fwd.candidates(d1, d2)[0], _gluon_fwd.make_cand(d1, d2, 128, 168)]
 
@@ -951,7 +953,7 @@ def grid_points():
 
 def grid_prewarm_specs():
     """The tuner's candidates for every Gluon specialisation the grid's auto choice reaches."""
-    from streamkl_gpu import _gluon_fwd
+    from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
 
     specs = []
     for dtype in ("bf16", "fp16"):
@@ -965,7 +967,7 @@ def grid_prewarm_specs():
 # ----------------------------------------------------------------------------------------------
 
 def _select_configs(which, d1=128, d2=128):
-    from streamkl_gpu import _gluon_fwd
+    from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
 
     if which == "default":
         return _gluon_fwd.candidates(d1, d2)[:1]
@@ -1047,7 +1049,7 @@ def main(argv=None):
                 status = prewarm(grid_prewarm_specs(), budget, a.out_dir)
                 bad = {tuple(int(c) for c in sp.split(":")[1].split(",")) for sp, why in status.items() if why}
                 if bad:  # keep the API's tuner off them (a hang there would stop the run)
-                    from streamkl_gpu import _gluon_fwd
+                    from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
 
                     tuner = _gluon_fwd.candidates
                     _gluon_fwd.candidates = lambda d1, d2: [c for c in tuner(d1, d2) if c not in bad] or tuner(d1, d2)[:1]
@@ -1061,7 +1063,7 @@ def main(argv=None):
             vconfigs = [c for c in VARIANT_CONFIGS if c in configs] if dispatch.GLUON_AVAILABLE else []
             variants_of = {c: [v for v in variant_names if v not in VARIANT_SKIP.get(c, ())] for c in vconfigs}
             if configs and not a.no_prewarm:
-                from streamkl_gpu import _gluon_fwd
+                from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
 
                 specs = [_spec("kernel", c) for c in configs] + [
                     _spec(v, c) for c in vconfigs for v in variants_of[c] if v != "kernel"]
@@ -1135,7 +1137,7 @@ def run_final(a, budget, warmup, rep, out):
     and forced Gluon, one round, as s5r5); (4) the check cases (every class, budget permitting).
     Fills ``out`` (targets, grid, checks, failed: the configurations left out) as it goes."""
     global ROUNDS
-    from streamkl_gpu import _gluon_fwd
+    from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
 
     failed_cfg = out["failed"] = {}
     default = _gluon_fwd.candidates(128, 128)[0]
@@ -1201,7 +1203,7 @@ def run_quick(a, configs, providers, variants_of, warmup, rep, budget, out):
     # session 6: the checks before 32K/64K (a new rounding, FOLD, must be checked in the run that
     # times it); the Triton path of the checks is prewarmed, a case takes seconds
     if not a.no_check and budget.left() > 15:
-        from streamkl_gpu import _gluon_fwd
+        from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
 
         chosen = [c for c in _gluon_fwd.candidates(128, 128) if c in configs]
         chosen += [CONFIG_OF_PROVIDER[p] for p in best if CONFIG_OF_PROVIDER[p] not in chosen]
@@ -1221,7 +1223,7 @@ def default_verdict(targets, margin=0.02):
     """Lines for the lead: each forced configuration against the default (the tuner's first
     candidate at D = 128) over the 8K/16K points both timed; a configuration faster at every
     such point by more than ``margin`` is named as the default to take (what decides a default)."""
-    from streamkl_gpu import _gluon_fwd
+    from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
 
     default = provider_of(_gluon_fwd.candidates(128, 128)[0])
     pts = [t for case, _, t in targets if default in t and ("N=8K" in case or "N=16K" in case)]
@@ -1241,7 +1243,7 @@ def default_verdict(targets, margin=0.02):
 
 
 def describe_default():
-    from streamkl_gpu import _gluon_fwd
+    from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
 
     return _gluon_fwd.describe(_gluon_fwd.candidates(128, 128)[0])
 

@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 import streamkl_gpu  # noqa: E402
 import streamkl_ref  # noqa: E402
-from streamkl_gpu import _indexer  # noqa: E402
+from streamkl_gpu.indexer import host as _indexer  # noqa: E402
 from streamkl_ref.testing import relative_error as rel_err  # noqa: E402
 
 # (name, B, H, HK, NQ, NK, D, HI, DI, causal)

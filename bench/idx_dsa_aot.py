@@ -7,7 +7,7 @@ instruction counts: HGMMA, MUFU.EX2, SHFL, BAR, STS/LDS, STL/LDL) for each forwa
     PYTHONPATH=/tmp/tr36/site python bench/idx_dsa_aot.py         # triton 3.6 (the GPU image's)
     DUMP=/tmp/ttgir python bench/idx_dsa_aot.py ...               # also write TTGIR / SASS per config
 
-It intercepts the launch of streamkl_gpu._indexer._forward (CPU tensors, no kernel runs) as
+It intercepts the launch of streamkl_gpu.indexer.host._forward (CPU tensors, no kernel runs) as
 bench/indexer_aot_check.py does, and compiles with triton.compile for GPUTarget("cuda", 90, 32).
 """
 import os
@@ -28,7 +28,10 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import mangle_type  # noqa: E402
 
-from streamkl_gpu import _indexer, _indexer_fwd, _runtime, _tuning  # noqa: E402
+from streamkl_gpu.indexer import host as _indexer  # noqa: E402
+from streamkl_gpu.indexer.triton import fwd as _indexer_fwd
+from streamkl_gpu._core import runtime as _runtime
+from streamkl_gpu._core import tuning as _tuning
 
 _runtime.tma_ok = lambda t: os.environ.get("TMA", "1") == "1"
 _runtime.n_sm = lambda d: 132

@@ -105,12 +105,13 @@ def run_step(name, tiny, N):
     if not tma:
         os.environ["STREAMKL_INDEXER_TMA"] = "0"
     import streamkl_ref
-    from streamkl_gpu import _indexer, _runtime
+    from streamkl_gpu.indexer import host as _indexer
+    from streamkl_gpu._core import runtime as _runtime
     from streamkl_ref.testing import relative_error as rel_err
 
     torch.set_num_threads(1)
     if tiny:  # the interpreter: TMA as the step says, every launch bounds-checked
-        from streamkl_gpu import _interpreter_bounds
+        from streamkl_gpu.devtools import bounds as _interpreter_bounds
 
         _interpreter_bounds.install()
         _runtime.INTERPRETER_TMA = tma

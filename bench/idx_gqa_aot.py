@@ -25,7 +25,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import mangle_type  # noqa: E402
 
-from streamkl_gpu import _indexer, _indexer_fwd_gqa, _runtime  # noqa: E402
+from streamkl_gpu.indexer import host as _indexer  # noqa: E402
+from streamkl_gpu.indexer.triton import fwd_gqa as _indexer_fwd_gqa
+from streamkl_gpu._core import runtime as _runtime
 
 TARGET = GPUTarget("cuda", 90, 32)
 _runtime.tma_ok = lambda t: True

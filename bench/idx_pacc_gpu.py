@@ -50,7 +50,7 @@ import torch  # noqa: E402
 
 import streamkl_ref  # noqa: E402
 import streamkl_gpu  # noqa: E402
-from streamkl_gpu import _indexer  # noqa: E402
+from streamkl_gpu.indexer import host as _indexer  # noqa: E402
 
 COLUMNS = ["measure", "provider", "shape", "value", "unit", "note"]
 DSA = dict(H=128, HK=1, D=576, HI=64, HKI=1, DI=128, scale=192 ** -0.5)
@@ -183,7 +183,7 @@ def forced(design, fwd_cfg=None, bwd_cfg=None):
 
 
 def _runtime_interp():
-    from streamkl_gpu import _runtime
+    from streamkl_gpu._core import runtime as _runtime
     return _runtime.interpreting()
 
 

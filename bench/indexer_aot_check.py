@@ -5,7 +5,7 @@ registers and spills (STACK > 0) of every launch candidate the host code would t
     TMA=0 python bench/indexer_aot_check.py dsa             # the pointer-load path
     PYTHONPATH=/path/to/triton-3.6 python bench/indexer_aot_check.py dsa   # another triton
 
-It intercepts the launches of streamkl_gpu._indexer (CPU tensors, no kernel runs) and compiles
+It intercepts the launches of streamkl_gpu.indexer.host (CPU tensors, no kernel runs) and compiles
 each with triton.compile for GPUTarget("cuda", 90); cuobjdump -res-usage gives the counts.
 """
 import os, sys, itertools
@@ -15,7 +15,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch, triton
 from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
-from streamkl_gpu import _indexer, _indexer_fwd, _indexer_bwd, _runtime, _tuning
+from streamkl_gpu.indexer import host as _indexer
+from streamkl_gpu.indexer.triton import fwd as _indexer_fwd
+from streamkl_gpu.indexer.triton import bwd as _indexer_bwd
+from streamkl_gpu._core import runtime as _runtime
+from streamkl_gpu._core import tuning as _tuning
 from triton.runtime.jit import mangle_type
 _runtime.tma_ok = lambda t: os.environ.get('TMA', '1') == '1'
 
@@ -32,7 +36,7 @@ class Rec:
             records.append((self.name, self.fn, grid, args, kw))
         return call
 
-from streamkl_gpu import _indexer_pacc
+from streamkl_gpu.indexer.triton import accumulate as _indexer_pacc
 for mod, name in ((_indexer_pacc, "_indexer_fwd_pacc_kernel"),
                   (_indexer_fwd, "_indexer_fwd_kernel"), (_indexer_fwd, "_teacher_lse_kernel"),
                   (_indexer_bwd, "_indexer_bwd_dq_kernel"), (_indexer_bwd, "_indexer_bwd_dk_kernel")):

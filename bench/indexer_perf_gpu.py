@@ -6,7 +6,7 @@
     TRITON_INTERPRET=1 python bench/indexer_perf_gpu.py /tmp/x --tiny   # CPU smoke of the script
 
 For each anchor config (DSA-like, GQA-like; bench/indexer_gpu.py's CONFIGS) and each candidate of
-``streamkl_gpu._indexer._candidates("fwd", ...)`` (old and new: the tuner's full list):
+``streamkl_gpu.indexer.host._candidates("fwd", ...)`` (old and new: the tuner's full list):
   1. check: a small causal problem with ``lse`` given, KL vs float64 (streamkl_ref.indexer_kl),
      FlashAttention's rule: error <= 3 x the materialised bf16 form's error + 1e-2;
   2. time the forward with ``lse`` given at N = 8K causal, that candidate forced.
@@ -45,8 +45,8 @@ import torch  # noqa: E402
 
 import streamkl_ref  # noqa: E402
 import streamkl_gpu  # noqa: E402
-from streamkl_gpu import _indexer  # noqa: E402
-from streamkl_gpu._indexer import indexer_kl_naive  # noqa: E402
+from streamkl_gpu.indexer import host as _indexer  # noqa: E402
+from streamkl_gpu.indexer.host import indexer_kl_naive  # noqa: E402
 from streamkl_ref._checks import check_indexer_inputs  # noqa: E402
 
 from indexer_gpu import CONFIGS, _floor_flops, _rel_err  # noqa: E402
@@ -145,7 +145,7 @@ def fwd_candidates(cfg, N, device):
     on a small problem, where the plan caps the key splits at the key tiles)."""
     dims = check_indexer_inputs(*[torch.empty(s, device="meta") for s in shapes(cfg, N)],
                                 scale=cfg["scale"])
-    n_sm = streamkl_gpu._runtime.n_sm(torch.device(device))
+    n_sm = streamkl_gpu._core.runtime.n_sm(torch.device(device))
     # the tuner's list, then the "l1" variants it no longer tries (measured slower, s4r4)
     out = _ORIG_CANDIDATES("fwd", False, dims, n_sm)
     return out + [c for c in _indexer.l1_fwd_candidates(dims) if c not in out]

@@ -1,4 +1,4 @@
-"""The backward kernel variants (streamkl_gpu/_tuning.py BWD_VARIANTS), each forced by
+"""The backward kernel variants (streamkl_gpu/_core/tuning.py BWD_VARIANTS), each forced by
 STREAMKL_BWD_VARIANT, under the interpreter: gradients vs the float64 reference (every setting's
 code path, fused and separate, GQA, D1 != D2, causal with empty rows), the NaN-isolation contract
 (docs/math.md) bitwise as tests/test_nan_isolation.py checks it, extreme logits for the folded
@@ -14,8 +14,10 @@ import triton
 import triton.language as tl
 
 import streamkl_gpu
-from streamkl_gpu import _launch, _runtime, _tuning
-from streamkl_gpu._bwd import _exp2_fma
+from streamkl_gpu.attention import launch as _launch
+from streamkl_gpu._core import runtime as _runtime
+from streamkl_gpu._core import tuning as _tuning
+from streamkl_gpu.attention.triton.bwd import _exp2_fma
 
 import _tma_reduce_shim
 from _gpu_helpers import GRAD_NAMES, assert_close, make_inputs, reference, same_precision
@@ -255,7 +257,7 @@ def test_timing_probes_do_what_they_name(setting, monkeypatch):
         import bwd_sweep
     finally:
         sys.path.pop(0)
-    from streamkl_gpu import _bwd
+    from streamkl_gpu.attention.triton import bwd as _bwd
 
     monkeypatch.setattr(bwd_sweep, "TINY", True)
     _tma_reduce_shim.install()

@@ -14,8 +14,8 @@ import sys
 import pytest
 import torch
 
-from streamkl_gpu import _gluon_dispatch as dispatch
-from streamkl_gpu import _gluon_fwd
+from streamkl_gpu.attention.gluon import dispatch as dispatch
+from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
 from streamkl_ref._checks import Dims
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,7 +51,7 @@ def compiled():
     runs under the interpreter, which Gluon does not support); one JSON line per spec."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # 3.9 warns when unset; 1 is its default
-    proc = subprocess.run([sys.executable, "-m", "streamkl_gpu._gluon_sass", *CI_SPECS], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "streamkl_gpu.devtools.sass", *CI_SPECS], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"Gluon compile failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]

@@ -14,8 +14,8 @@ import torch
 
 import streamkl_gpu
 import streamkl_ref
-from streamkl_gpu import _indexer
-from streamkl_gpu._indexer import indexer_kl_naive
+from streamkl_gpu.indexer import host as _indexer
+from streamkl_gpu.indexer.host import indexer_kl_naive
 
 from _gpu_helpers import assert_close
 

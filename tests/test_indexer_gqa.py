@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streamkl_gpu import _indexer, _indexer_fwd_gqa
+from streamkl_gpu.indexer import host as _indexer
+from streamkl_gpu.indexer.triton import fwd_gqa as _indexer_fwd_gqa
 from streamkl_ref._checks import check_indexer_inputs
 
 from test_gpu_indexer import check_case, make
@@ -161,7 +162,7 @@ def test_default_candidates_and_split_rule():
     band config capped at 128 registers (run s7r1); its key splits follow key_splits: 48 from 8K to 64K on 132 SMs (measured best,
     run s6r4), fewer for longer sequences (the split states stay small), never more than
     MAX_SPLITS, at least one, and the plan caps them at the key tiles."""
-    from streamkl_gpu import _indexer_fwd_gqa as g
+    from streamkl_gpu.indexer.triton import fwd_gqa as g
 
     rule = {n: g.key_splits(n, 64, 132) for n in (64, 8192, 16384, 32768, 65536, 1 << 17, 1 << 20, 1 << 24)}
     assert rule[8192] == rule[16384] == rule[32768] == rule[65536] == g.MAX_SPLITS == 48

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streamkl_gpu import _indexer
+from streamkl_gpu.indexer import host as _indexer
 from streamkl_ref._checks import check_indexer_inputs
 
 from test_gpu_indexer import check_case, make
@@ -110,7 +110,7 @@ def test_keys_major_gradients_after_its_forward(monkeypatch):
 def test_variant_options():
     """The 9th config field's options: keys-major, flattened, reversed token blocks, maxnreg (a
     compile option: not passed to the interpreter)."""
-    from streamkl_gpu._indexer_fwd import variant_meta
+    from streamkl_gpu.indexer.triton.fwd import variant_meta
 
     assert variant_meta("tiles") == dict(KEYS_MAJOR=False, FLATTEN=False, LPT=False)
     assert variant_meta("l1") == dict(KEYS_MAJOR=False, FLATTEN=False, LPT=False)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import streamkl_ref
-from streamkl_gpu import _indexer
+from streamkl_gpu.indexer import host as _indexer
 from streamkl_ref._checks import check_indexer_inputs
 
 from test_gpu_indexer import make
@@ -260,7 +260,7 @@ def test_accumulating_forward_token_major_q(monkeypatch, variant):
     """The "tm" flag (one token per program: q read through a token-major [B, N, H, D]
     descriptor, so the teacher's product reads its rows from shared memory) gives the default
     variant's outputs (interpreter with TMA descriptors)."""
-    from streamkl_gpu import _runtime
+    from streamkl_gpu._core import runtime as _runtime
 
     monkeypatch.setattr(_runtime, "INTERPRETER_TMA", True)
     xs = make(1, 32, 1, 11, 19, 32, 16, 1, 16, seed=69)  # 32 heads x 1 token: the 32 teacher rows

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streamkl_gpu import _indexer
+from streamkl_gpu.indexer import host as _indexer
 from streamkl_ref._checks import check_indexer_inputs
 
 from test_gpu_indexer import check_case, make, run

@@ -1,4 +1,4 @@
-"""The bounds-checked interpreter (streamkl_gpu._interpreter_bounds): an access outside the
+"""The bounds-checked interpreter (streamkl_gpu.devtools.bounds): an access outside the
 launch's tensors raises, as the GPU would fault; in-bounds and masked-off accesses pass; the
 suite's launches run checked (tests/conftest.py); the indexer's chunk design at the H200's launch
 plan, which faulted there in runs s6r3/s6r4, stays inside its tensors."""
@@ -19,8 +19,8 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from streamkl_gpu import _interpreter_bounds as bounds  # noqa: E402
-from streamkl_gpu import _runtime  # noqa: E402
+from streamkl_gpu.devtools import bounds as bounds  # noqa: E402
+from streamkl_gpu._core import runtime as _runtime  # noqa: E402
 
 
 @triton.jit
@@ -124,7 +124,7 @@ def test_the_chunk_design_at_the_h200_plan_stays_in_bounds(monkeypatch):
     several chunks) under the checker: no access leaves its tensors, and the loss is the
     reference's. So the fault is not an indexing error the interpreter can see."""
     import streamkl_ref
-    from streamkl_gpu import _indexer
+    from streamkl_gpu.indexer import host as _indexer
 
     H, D, HI, DI, N = 128, 576, 64, 128, 40
     plans = {"pstore": [(128, 128, 128, 64, 4, 3, None, 1, "keys")], "bwd": [(128, 128, 64, 64, 8, 2)]}

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from streamkl_gpu import _tuning
+from streamkl_gpu._core import tuning as _tuning
 from streamkl_ref._checks import check_inputs
 
 from _gpu_helpers import make_inputs
@@ -76,7 +76,7 @@ def test_cache_can_be_disabled(tuner, monkeypatch):
 
 _WRITER = """
 import sys
-from streamkl_gpu import _tuning
+from streamkl_gpu._core import tuning as _tuning
 i = int(sys.argv[1])
 for _ in range(100):
     _tuning._disk_store(None, ("shared",), (i, i, 4, 2, False, 1))

@@ -33,12 +33,16 @@ import triton
 
 from streamkl_ref._checks import check_indexer_inputs
 
-from . import _indexer_bwd, _indexer_fwd, _indexer_pacc
-from . import _indexer_fwd_gqa  # the GQA teacher's forward (s6-idxgqa)
-from . import _checks, _runtime, _tuning
+from streamkl_gpu.indexer.triton import bwd as _indexer_bwd
+from streamkl_gpu.indexer.triton import fwd as _indexer_fwd
+from streamkl_gpu.indexer.triton import accumulate as _indexer_pacc
+from streamkl_gpu.indexer.triton import fwd_gqa as _indexer_fwd_gqa  # the GQA teacher's forward
+from streamkl_gpu._core import checks as _checks
+from streamkl_gpu._core import runtime as _runtime
+from streamkl_gpu._core import tuning as _tuning
 
 try:  # the Hopper forward in Gluon (MQA teachers); triton builds without Gluon keep the Triton path
-    from . import _gluon_indexer
+    from streamkl_gpu.experimental import indexer_fwd_sm90 as _gluon_indexer
 except Exception as exc:  # noqa: BLE001 - no triton.experimental.gluon, or an API it does not know
     _gluon_indexer = None
     GLUON_IMPORT_ERROR: Optional[str] = f"{type(exc).__name__}: {exc}"

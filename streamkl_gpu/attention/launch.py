@@ -13,12 +13,15 @@ import torch
 
 from streamkl_ref._checks import check_inputs
 
-from . import _bwd, _fwd, _gluon_bwd_dispatch, _runtime
-from ._fast_launch import launch as fast_launch
-from ._gluon_dispatch import device_capability, fwd_backend, gluon_forward, use_gluon
-from ._checks import check_bwd_mode, check_tensors, compute_view, head_pad, is_empty, strides
-from ._runtime import LOG2E, TensorDescriptor, cdiv, fresh, interpreting, n_sm, tma_ok
-from ._tuning import (TMA_MIN_KEYS, UnusableConfig, auto_bwd_mode, bucket, bwd_streams, bwd_variant,
+from streamkl_gpu.attention.triton import bwd as _bwd
+from streamkl_gpu.attention.triton import fwd as _fwd
+from streamkl_gpu.experimental import attention_bwd_dispatch as _gluon_bwd_dispatch
+from streamkl_gpu._core import runtime as _runtime
+from streamkl_gpu._core.launcher import launch as fast_launch
+from streamkl_gpu.attention.gluon.dispatch import device_capability, fwd_backend, gluon_forward, use_gluon
+from streamkl_gpu._core.checks import check_bwd_mode, check_tensors, compute_view, head_pad, is_empty, strides
+from streamkl_gpu._core.runtime import LOG2E, TensorDescriptor, cdiv, fresh, interpreting, n_sm, tma_ok
+from streamkl_gpu._core.tuning import (TMA_MIN_KEYS, UnusableConfig, auto_bwd_mode, bucket, bwd_streams, bwd_variant,
                       bwd_variant_candidates, fwd_candidates, pick, split_choices, tuning_slice)
 
 

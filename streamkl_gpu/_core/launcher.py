@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from ._runtime import env, interpreting
+from streamkl_gpu._core.runtime import env, interpreting
 
 try:
     from triton import knobs as _knobs

@@ -11,7 +11,7 @@ import torch
 
 from streamkl_ref._checks import check_inputs
 
-from ._runtime import interpreting, next_power_of_2
+from streamkl_gpu._core.runtime import interpreting, next_power_of_2
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256

@@ -16,11 +16,11 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import _runtime
-from ._gluon_dispatch import GLUON_CAPABILITY, _tma_legal, device_capability
+from streamkl_gpu._core import runtime as _runtime
+from streamkl_gpu.attention.gluon.dispatch import GLUON_CAPABILITY, _tma_legal, device_capability
 
 try:
-    from . import _gluon_bwd
+    from streamkl_gpu.experimental import attention_bwd_sm90 as _gluon_bwd
 except Exception as exc:  # no triton.experimental.gluon, or an API this kernel does not know
     _gluon_bwd = None
     GLUON_BWD_IMPORT_ERROR: Optional[str] = f"{type(exc).__name__}: {exc}"

@@ -46,7 +46,7 @@ def compile_sm90(d1, d2, dtype, causal, n_q=256, n_k=256, config=None, variant="
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from . import _gluon_fwd as g
+    from streamkl_gpu.attention.gluon import fwd_sm90 as g
 
     B, H = 1, 2
     q1 = torch.empty(B, H, n_q, d1, dtype=dtype)
@@ -130,7 +130,7 @@ def spec_name(dtype: str, causal: bool, d1: int, d2: int) -> str:
 
 
 def _main(argv):
-    """``python -m streamkl_gpu._gluon_sass SPEC...`` (SPEC = bf16|fp16 : causal|full : D1 : D2, then
+    """``python -m streamkl_gpu.devtools.sass SPEC...`` (SPEC = bf16|fp16 : causal|full : D1 : D2, then
     optionally a candidate tuple ``_gluon_fwd.CAND_FIELDS`` as : BLOCK_N : NUM_STAGES : maxnreg
     [: PINGPONG : SPLIT : POLY : RESCALE : FENCE]; default: the first tuning candidate):
     compile each for sm_90 and print one JSON object per line (the CI test runs this in a fresh
@@ -138,7 +138,7 @@ def _main(argv):
     import json
     import time
 
-    from . import _gluon_fwd
+    from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
 
     for spec in argv:
         dtype, mode, d1, d2, *cand = spec.split(":")

@@ -32,7 +32,9 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.extra import libdevice
 
-from . import _fast_launch, _fwd, _runtime
+from streamkl_gpu._core import launcher as _fast_launch
+from streamkl_gpu.attention.triton import fwd as _fwd
+from streamkl_gpu._core import runtime as _runtime
 
 # TMA load, renamed in triton 3.8 (``async_load``); 3.6/3.7 have only the old name, 3.9 rejects it.
 if hasattr(tma, "async_load"):

@@ -11,8 +11,8 @@ import json
 import os
 import tempfile
 
-from . import _runtime
-from ._runtime import cdiv, interpreting
+from streamkl_gpu._core import runtime as _runtime
+from streamkl_gpu._core.runtime import cdiv, interpreting
 
 # Tuned choices: in memory for this process, and on disk for the next one (see _disk_cache_dir).
 _TUNED: dict = {}
@@ -264,7 +264,7 @@ def bwd_candidates(d_pad, both, kind, ieee=False):
     return [(64, 64, 8, 2), (32, 64, 4, 2)]
 
 
-# Backward kernel variants (streamkl_gpu/_bwd.py constexprs), named by their parts joined with "+":
+# Backward kernel variants (streamkl_gpu/attention/triton/bwd.py constexprs), named by their parts joined with "+":
 #   "ptr"     pointer loads, query-major tiles (the kernels as measured up to 2026-12-01)
 #   "tma"     every operand tile through TMA tensor descriptors (Hopper; USE_TMA)
 #   "trans"   dK kernel on key-major tiles, dS^T in registers for dK += dS^T Q (TRANS)

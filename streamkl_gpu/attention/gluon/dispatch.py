@@ -16,10 +16,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import _runtime
+from streamkl_gpu._core import runtime as _runtime
 
 try:
-    from . import _gluon_fwd
+    from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
 except Exception as exc:  # no triton.experimental.gluon, or an API this kernel does not know
     _gluon_fwd = None
     GLUON_IMPORT_ERROR: Optional[str] = f"{type(exc).__name__}: {exc}"
@@ -139,7 +139,7 @@ def gluon_forward(q1, k1, q2, k2, causal, scale1, scale2, out=None, dims=None):
     ``dims``: the checked sizes, when the caller has them."""
     if _gluon_fwd is None:
         raise RuntimeError(f"the Gluon forward is not available: {GLUON_IMPORT_ERROR}")
-    from ._tuning import bucket, pick, tuning_slice
+    from streamkl_gpu._core.tuning import bucket, pick, tuning_slice
 
     if dims is None:
         from streamkl_ref._checks import check_inputs

@@ -25,8 +25,10 @@ import torch
 
 from streamkl_ref._varlen import check_seqlens_values, check_varlen, padded_view
 
-from . import _bwd, _fwd, _runtime
-from ._checks import (
+from streamkl_gpu.attention.triton import bwd as _bwd
+from streamkl_gpu.attention.triton import fwd as _fwd
+from streamkl_gpu._core import runtime as _runtime
+from streamkl_gpu._core.checks import (
     check_bwd_mode,
     check_causal,
     check_flag,
@@ -37,8 +39,8 @@ from ._checks import (
     scale_value,
     strides,
 )
-from ._runtime import LOG2E, TensorDescriptor, fresh, interpreting, n_sm, tma_ok
-from ._tuning import TMA_MIN_KEYS, auto_bwd_mode, auto_split_k, bucket, bwd_candidates, fwd_candidates, pick
+from streamkl_gpu._core.runtime import LOG2E, TensorDescriptor, fresh, interpreting, n_sm, tma_ok
+from streamkl_gpu._core.tuning import TMA_MIN_KEYS, auto_bwd_mode, auto_split_k, bucket, bwd_candidates, fwd_candidates, pick
 
 __all__ = ["attention_kl_varlen"]
 

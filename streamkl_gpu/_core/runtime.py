@@ -15,7 +15,7 @@ try:  # host-side TMA descriptors (triton >= 3.3)
 except ImportError:  # pragma: no cover
     TensorDescriptor = None
 
-from . import _fwd
+from streamkl_gpu.attention.triton import fwd as _fwd
 
 LOG2E = 1.4426950408889634  # the scale fold: scores in bits = sigma * log2(e) * q.k
 LN2 = 0.6931471805599453

@@ -4,7 +4,7 @@ Same method as ``_gluon_sass`` (the forward's): ``triton.compile(GluonASTSource(
 target=GPUTarget("cuda", 90, 32))`` on CPU tensors' descriptors, the SASS from triton's bundled
 ``cuobjdump``, counts per main loop (innermost loops holding HGMMA).
 
-    python -m streamkl_gpu._gluon_bwd_sass SPEC...   SPEC = bf16|fp16 : causal|full : D : train side (1|2) [: gqa]
+    python -m streamkl_gpu.devtools.sass_attention_bwd SPEC...   SPEC = bf16|fp16 : causal|full : D : train side (1|2) [: gqa]
 
 prints one JSON object per line (the CI test runs it in a fresh process without TRITON_INTERPRET).
 """
@@ -13,7 +13,7 @@ import triton
 
 import re
 
-from ._gluon_sass import DTYPES, gluon_signature, main_loops, resource_usage, sass_counts, sass_of
+from streamkl_gpu.devtools.sass import DTYPES, gluon_signature, main_loops, resource_usage, sass_counts, sass_of
 
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90
 REGS_PER_CTA = 65536  # Triton's launch check: registers per thread x threads per CTA
@@ -36,7 +36,7 @@ def compile_sm90(d, dtype, causal, train, n_q=256, n_k=256, config=None, variant
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from . import _gluon_bwd as gb
+    from streamkl_gpu.experimental import attention_bwd_sm90 as gb
 
     B, H = 1, 2
     q = torch.empty(B, H, n_q, d, dtype=dtype)

@@ -28,9 +28,9 @@ it as 0 * NaN.
 import triton
 import triton.language as tl
 
-from ._fwd import LOG2E, _dot, _key_stages, _to_bits
-from ._indexer_bwd import _coef_a, _finite_or_zero, _query_rows
-from ._indexer_fwd import (_finish, _indexer_logits, _indexer_logits_keys, _lse_columns, _online_update,
+from streamkl_gpu.attention.triton.fwd import LOG2E, _dot, _key_stages, _to_bits
+from streamkl_gpu.indexer.triton.bwd import _coef_a, _finite_or_zero, _query_rows
+from streamkl_gpu.indexer.triton.fwd import (_finish, _indexer_logits, _indexer_logits_keys, _lse_columns, _online_update,
                            _teacher_target, _teacher_target_keys, _token_visible, _token_visible_keys,
                            _weight_columns)
 

@@ -1,5 +1,5 @@
 """Compile the indexer's Gluon forward (``_gluon_indexer``) for sm_90 without a GPU, and count
-what its SASS holds (CI and the GPU script): ``python -m streamkl_gpu._gluon_indexer_sass SPEC...``
+what its SASS holds (CI and the GPU script): ``python -m streamkl_gpu.devtools.sass_indexer SPEC...``
 with SPEC = ``bf16|fp16 : causal|full[+pacc|+student] : H : D : H_I : D_I [: BLOCK_N : NUM_STAGES : REGS]``; one
 JSON object per line (the CI test runs this in a fresh process: Gluon does not run under
 TRITON_INTERPRET=1). Shares the SASS tools of ``_gluon_sass``."""
@@ -10,14 +10,14 @@ import time
 import torch
 import triton
 
-from ._gluon_sass import DTYPES, gluon_signature, resource_usage, sass_counts, sass_of
+from streamkl_gpu.devtools.sass import DTYPES, gluon_signature, resource_usage, sass_counts, sass_of
 
 
 def compile_sm90(H, D, HI, DI, dtype, causal, n=256, config=None, relu=True, pacc=False, student=False):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from . import _gluon_indexer as g
+    from streamkl_gpu.experimental import indexer_fwd_sm90 as g
 
     B = 1
     q = torch.empty(B, H, n, D, dtype=dtype)
