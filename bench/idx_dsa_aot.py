@@ -28,7 +28,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import mangle_type  # noqa: E402
 
-from streamkl_gpu.indexer import host as _indexer  # noqa: E402
+from streamkl_gpu.indexer import configs as idx_configs  # noqa: E402
+from streamkl_gpu.indexer import host as idx_host  # noqa: E402
 from streamkl_gpu.indexer.triton import fwd as _indexer_fwd
 from streamkl_gpu._core import runtime as _runtime
 from streamkl_gpu._core import tuning as _tuning
@@ -116,7 +117,7 @@ def main(argv):
     else:
         from idx_dsa_gpu import CANDIDATES
         cfgs = [c for _, c in CANDIDATES]
-    orig = _indexer._candidates
+    orig = idx_configs._candidates
     _tuning.pick = lambda key, cands, launch, *a, **k: [launch(c) for c in cands] and cands[0]
     N = int(os.environ.get("N", "256"))
     H, D, HI, DI = 128, 576, 64, 128
@@ -126,14 +127,14 @@ def main(argv):
     print(f"triton {triton.__version__}, sm_90, DSA-like forward, lse given, causal", flush=True)
     for cfg in cfgs:
         records.clear()
-        _indexer._candidates = lambda kind, *a, **kw: [cfg] if kind == "fwd" else orig(kind, *a, **kw)
+        idx_configs._candidates = lambda kind, *a, **kw: [cfg] if kind == "fwd" else orig(kind, *a, **kw)
         try:
-            _indexer._forward(q, k, qi, ki, w, torch.zeros(1, H, N), True, 192 ** -0.5, True)
+            idx_host._forward(q, k, qi, ki, w, torch.zeros(1, H, N), True, 192 ** -0.5, True)
             for name, fn, args, kw in records[:1]:  # pick's launches and the chosen one's: one compile
                 print(f"{list(cfg)}: " + compile_one(name, fn, args, kw), flush=True)
         except Exception as exc:  # noqa: BLE001 - report and go on
             print(f"{list(cfg)}: FAILED {type(exc).__name__}: {str(exc)[:1500]}", flush=True)
-    _indexer._candidates = orig
+    idx_configs._candidates = orig
 
 
 if __name__ == "__main__":

@@ -46,8 +46,9 @@ import torch  # noqa: E402
 
 import streamkl_ref  # noqa: E402
 import streamkl_gpu  # noqa: E402
-from streamkl_gpu.indexer import host as _indexer  # noqa: E402
-from streamkl_gpu.indexer.host import indexer_kl_naive  # noqa: E402
+from streamkl_gpu.indexer import host as idx_host  # noqa: E402
+from streamkl_gpu.indexer import plan as idx_plan  # noqa: E402
+from streamkl_gpu.indexer.api import indexer_kl_naive  # noqa: E402
 
 from indexer_gpu import CONFIGS, _floor_flops, _rel_err  # noqa: E402
 from indexer_perf_gpu import Force, RECORDED_COMPILE  # noqa: E402
@@ -304,12 +305,12 @@ def time_point(run, N, cands, bad, reps, passes):
     (Triton's disk cache) and times it, passes 2.. time them all again (the GPU's clocks drift
     within a run: s6r2 timed the same kernel at 2.65 and 2.22 ms); a config's time is the median
     of its passes' medians. The first GQA config is timed once more with the key splits merged
-    by PyTorch (_indexer._merge_splits) instead of merge_states. The default's KL is kept for the
+    by PyTorch (idx_plan._merge_splits) instead of merge_states. The default's KL is kept for the
     comparison below."""
     from streamkl_gpu.indexer.triton import fwd_gqa as _indexer_fwd_gqa
     xs = run.inputs(N)
     if N > 16384:  # PyTorch's dense LSE would need N^2 floats per head: our LSE pass (checked at 320 after)
-        lse = _indexer._forward(*xs, None, True, run.scale, True)[2] / _indexer.LOG2E
+        lse = idx_host._forward(*xs, None, True, run.scale, True)[2] / idx_plan.LOG2E
         run.sync()
     else:
         lse = run.teacher_lse(xs[0], xs[1])

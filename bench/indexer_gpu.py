@@ -45,8 +45,8 @@ import torch  # noqa: E402
 
 import streamkl_ref  # noqa: E402
 import streamkl_gpu  # noqa: E402
-from streamkl_gpu.indexer import host as _indexer  # noqa: E402
-from streamkl_gpu.indexer.host import indexer_kl_naive  # noqa: E402
+from streamkl_gpu.indexer import host as idx_host  # noqa: E402
+from streamkl_gpu.indexer.api import indexer_kl_naive  # noqa: E402
 
 CONFIGS = {
     "dsa": dict(H=128, HK=1, D=576, HI=64, HKI=1, DI=128, scale=192 ** -0.5),
@@ -132,7 +132,7 @@ class Run:
 
     def teacher_lse(self, xs, cfg, causal):
         """Natural-log teacher LSEs [B, H, N_Q] (what FlashAttention would hand over)."""
-        _, _, lse_bits = _indexer._forward(*xs, None, causal, _scale(cfg), True)
+        _, _, lse_bits = idx_host._forward(*xs, None, causal, _scale(cfg), True)
         return (lse_bits * math.log(2.0)).contiguous()
 
     # ------------------------------------------------------------------------------------------
@@ -302,7 +302,7 @@ class Run:
                 return lambda: streamkl_gpu.indexer_kl(*xs, lse=lse_arg, **kw)
 
             def fb():
-                os.environ["STREAMKL_INDEXER_BWD"] = mode  # the backward's kernels (_indexer.bwd_mode)
+                os.environ["STREAMKL_INDEXER_BWD"] = mode  # the backward's kernels (idx_host.bwd_mode)
                 if mode == "fused":  # the plain design's fused backward, not the accumulating one
                     os.environ["STREAMKL_INDEXER_PACC"] = "0"
                 try:

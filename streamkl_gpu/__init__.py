@@ -32,7 +32,7 @@ __all__ = [
 
 _HOMES = {  # the rest lives in .api
     "attention_kl_varlen": ".attention.varlen",
-    "indexer_kl": ".indexer.host",
+    "indexer_kl": ".indexer.api",
     "indexer_kl_topk": ".indexer.topk",
     "bounds_checked": ".devtools.bounds",  # the interpreter's memory check (a testing aid)
     "OutOfBoundsAccess": ".devtools.bounds",

@@ -368,7 +368,7 @@ def attention_kl(q1, k1, q2, k2, *, group: Optional["dist.ProcessGroup"] = None,
     # slot s of every rank: global chunks {chunk_of_rank[s][i]} = rows [s W L, (s+1) W L)
     chunk_of_rank = [[_chunks(layout, i, world)[s] for i in range(world)] for s in range(len(chunks))]
 
-    from streamkl_gpu._core import runtime as _runtime  # (after the check: importing it defines the kernels)
+    from streamkl_gpu._core import runtime as _runtime  # (after the check: importing it defines the shared jit helpers)
 
     # fresh(): NaN-filled under the tests' poison setting, so a key row no collective wrote shows
     buffers = [_runtime.fresh((n_total, k.shape[0], k.shape[1], k.shape[3]), k.dtype, k.device) for k in (k1, k2)]

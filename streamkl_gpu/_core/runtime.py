@@ -1,7 +1,8 @@
 """Runtime facts shared by every launch: interpreter or GPU, SM count, TMA, constants, test settings.
 
-Nothing here depends on a problem's shape. Dependencies run one way (docs/api.md, "Layout"):
-``api -> _launch -> _tuning / _checks -> _runtime``; the kernel modules import only triton.
+Nothing here depends on a problem's shape. Dependencies run one way (docs/architecture.md): the
+public entry points -> host launch code -> ``_core``; kernel modules import ``_core.jit`` and
+triton only, and ``_core`` imports no kernel module (tests/test_import_graph.py).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ try:  # host-side TMA descriptors (triton >= 3.3)
 except ImportError:  # pragma: no cover
     TensorDescriptor = None
 
-from streamkl_gpu.attention.triton import fwd as _fwd
+from streamkl_gpu._core import jit as _jit
 
 LOG2E = 1.4426950408889634  # the scale fold: scores in bits = sigma * log2(e) * q.k
 LN2 = 0.6931471805599453
@@ -68,8 +69,9 @@ def fresh(shape, dtype, device):
 def interpreting() -> bool:
     """True when the kernels were defined under TRITON_INTERPRET=1 (they then run on CPU tensors).
 
-    Fixed once the kernel modules are imported (Triton decides at definition time), so cached."""
-    return not hasattr(_fwd._kl_fwd_kernel, "run") or type(_fwd._kl_fwd_kernel).__name__ == "InterpretedFunction"
+    Fixed once the kernel modules are imported (Triton decides at definition time), so cached.
+    The probe is a shared ``@triton.jit`` helper, defined when this module is imported."""
+    return not hasattr(_jit._dot, "run") or type(_jit._dot).__name__ == "InterpretedFunction"
 
 
 @functools.lru_cache(maxsize=None)

@@ -25,7 +25,7 @@ from streamkl_gpu._core import checks as _checks
 from streamkl_gpu._core import runtime as _runtime
 from streamkl_gpu._core import tuning as _tuning
 from streamkl_gpu.indexer.triton import topk as _kernels
-from streamkl_gpu.indexer.host import _check, _fresh, _pow2, _rows_with_keys, _student_grads
+from streamkl_gpu.indexer.plan import _check, _fresh, _pow2, _rows_with_keys, _student_grads
 
 __all__ = ["indexer_kl_topk", "indexer_kl_topk_naive", "MAX_TOPK_INDEXER_HEADS", "TOPK_DTYPES"]
 

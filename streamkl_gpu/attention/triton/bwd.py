@@ -36,7 +36,8 @@ order (deterministic).
 import triton
 import triton.language as tl
 
-from streamkl_gpu.attention.triton.fwd import LN2, LOG2E, _batch_offsets, _dot, _key_stages, _row_layout, _sequence
+from streamkl_gpu._core.jit import LN2, LOG2E, _dot, _key_stages
+from streamkl_gpu.attention.triton.fwd import _batch_offsets, _row_layout, _sequence
 
 
 # For rows with no visible key (and padding rows) the LSE is replaced by this finite "+infinity":

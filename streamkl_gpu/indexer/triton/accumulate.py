@@ -28,7 +28,7 @@ it as 0 * NaN.
 import triton
 import triton.language as tl
 
-from streamkl_gpu.attention.triton.fwd import LOG2E, _dot, _key_stages, _to_bits
+from streamkl_gpu._core.jit import LOG2E, _dot, _key_stages, _to_bits
 from streamkl_gpu.indexer.triton.bwd import _coef_a, _finite_or_zero, _query_rows
 from streamkl_gpu.indexer.triton.fwd import (_finish, _indexer_logits, _indexer_logits_keys, _lse_columns, _online_update,
                            _teacher_target, _teacher_target_keys, _token_visible, _token_visible_keys,

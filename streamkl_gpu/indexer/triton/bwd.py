@@ -37,7 +37,7 @@ tile in the dk kernel (re-read for every token block).
 import triton
 import triton.language as tl
 
-from streamkl_gpu.attention.triton.fwd import LOG2E, _dot, _key_stages
+from streamkl_gpu._core.jit import LOG2E, _dot, _key_stages
 from streamkl_gpu.indexer.triton.fwd import _indexer_logits, _teacher_target, _token_visible
 
 

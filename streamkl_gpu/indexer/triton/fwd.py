@@ -30,7 +30,7 @@ contributes ``0 * NaN``. Rows with no visible key: KL 0, LSE_I = -inf.
 import triton
 import triton.language as tl
 
-from streamkl_gpu.attention.triton.fwd import LN2, LOG2E, _dot, _key_stages, _safe, _to_bits
+from streamkl_gpu._core.jit import LN2, LOG2E, _dot, _key_stages, _safe, _to_bits
 
 __all__ = ["LN2", "LOG2E"]
 

@@ -41,8 +41,9 @@ import triton.language as tl
 
 from streamkl_gpu._core import checks as _checks
 from streamkl_gpu._core import runtime as _runtime
-from streamkl_gpu.attention.triton.fwd import _dot, _key_stages
+from streamkl_gpu._core.jit import _dot, _key_stages
 from streamkl_gpu.indexer.triton.fwd import _finish, _online_update
+from streamkl_gpu.indexer.plan import _fresh, _key_splits, _merge_splits
 
 LOOPS = ("gqa-flat", "gqa", "gqa-pp")  # LOOP = 0, 1, 2
 
@@ -145,8 +146,6 @@ def applies(pl, dims, use_tma: bool) -> bool:
 def launch(dims, pl, q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, causal, relu, ieee_t, ieee_i):
     """Run the GQA kernel with plan ``pl`` (``_indexer._plan(..., "fwd")``), writing ``kl`` and
     ``lse_idx`` [B, N_Q] (key splits merged on the host as for the general kernel)."""
-    from streamkl_gpu.indexer.host import _fresh, _key_splits, _merge_splits  # (import here: _indexer imports this module)
-
     d_pad, di_pad = _checks.head_pad(dims.D), _checks.head_pad(dims.DI)
     bt, bn = pl["BLOCK_T"], pl["BLOCK_N"]
     TD = _runtime.TensorDescriptor

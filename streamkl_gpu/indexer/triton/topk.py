@@ -31,7 +31,7 @@ so a NaN key reaches exactly the rows that selected it.
 import triton
 import triton.language as tl
 
-from streamkl_gpu.attention.triton.fwd import LOG2E, _dot, _safe, _to_bits
+from streamkl_gpu._core.jit import LOG2E, _dot, _safe, _to_bits
 from streamkl_gpu.indexer.triton.bwd import _coef_a
 from streamkl_gpu.indexer.triton.fwd import _dot_rows, _finish, _online_update
 
