@@ -104,11 +104,12 @@ def run_step(name, tiny, N):
     what, fwd_cfg, tma = STEPS[name]
     if not tma:
         os.environ["STREAMKL_INDEXER_TMA"] = "0"
-    import streamkl_ref    from streamkl_gpu.indexer import api as idx_api
+    import streamkl_ref
+    from streamkl_gpu.indexer import api as idx_api
     from streamkl_gpu.indexer.training import chunk as idx_chunk
     from streamkl_gpu.indexer import configs as idx_configs
     from streamkl_gpu.indexer import host as idx_host
-    from streamkl_gpu.indexer.training import store as idx_storer
+    from streamkl_gpu.indexer.training import store as idx_store
     from streamkl_gpu._core import runtime as _runtime
     from streamkl_ref.testing import relative_error as rel_err
 

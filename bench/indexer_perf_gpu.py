@@ -49,6 +49,7 @@ from streamkl_gpu.indexer.training import choice as idx_choice  # noqa: E402
 from streamkl_gpu.indexer import configs as idx_configs  # noqa: E402
 from streamkl_gpu.indexer import host as idx_host  # noqa: E402
 from streamkl_gpu.indexer.api import indexer_kl_naive  # noqa: E402
+from streamkl_gpu._core.forcing import forcing  # noqa: E402
 from streamkl_ref._checks import check_indexer_inputs  # noqa: E402
 
 from indexer_gpu import CONFIGS, _floor_flops, _rel_err  # noqa: E402
@@ -561,8 +562,9 @@ class Bench:
             res["fwd"][key] = "budget"
             return timed
         try:
-            with Force(**force):
+            with Force(**force), forcing() as ran:  # the hook records the Gluon launches
                 ms = self.time_ms(lambda: streamkl_gpu.indexer_kl(*xs, lse=lse, **kw))
+            self.ran = ran
             res["fwd"][key] = ms
             self.record("fwd_ms", f"ours_lse {label}", shape, f"{ms:.4f}", "ms", f"ratio {ms / floor:.2f}")
             self.log(f"{shape} fwd {label}: {ms:.3f} ms = {ms / floor:.2f}x floor")
@@ -668,7 +670,7 @@ class Bench:
                 res["fwd"][name] = "check-failed"
                 continue
             if self.time_forced_fwd(res, name, name, dict(gluon=c), xs_, lse_, kw_, shape, floor):
-                k = idx_host._gluon_indexer.LAST_KERNEL
+                k = self.ran.launches[-1].kernel if self.ran.launches else None  # the forcing hook's record
                 if k is not None and hasattr(k, "n_regs"):
                     self.log(f"  {name}: n_regs {k.n_regs}, n_spills {k.n_spills}, shared {k.metadata.shared}")
 

@@ -20,7 +20,7 @@ from streamkl_gpu._core.checks import MAX_HEAD_DIM, SUPPORTED_DTYPES, check_bwd_
 from streamkl_gpu.attention.launch import backward as _backward
 from streamkl_gpu.attention.launch import forward as _forward
 from streamkl_gpu._core.runtime import LN2, interpreting
-from streamkl_gpu._core.tuning import auto_bwd_mode, auto_split_k
+from streamkl_gpu.attention.configs import auto_bwd_mode, auto_split_k
 
 __all__ = ["attention_kl", "attention_kl_with_lse", "auto_split_k", "auto_bwd_mode", "interpreting",
            "SUPPORTED_DTYPES", "MAX_HEAD_DIM"]

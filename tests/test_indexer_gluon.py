@@ -49,7 +49,7 @@ def _expected(spec):
 def compiled():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-m", "streamkl_gpu.devtools.sass_indexer", *CI_SPECS], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "streamkl_gpu.devtools.sass", "indexer_fwd", *CI_SPECS], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, f"Gluon compile failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import streamkl_ref
+from streamkl_gpu._core.forcing import forcing
 from streamkl_gpu.indexer.training import accumulate as idx_accumulate
 from streamkl_gpu.indexer.training import choice as idx_choice
 from streamkl_gpu.indexer.training import chunk as idx_chunk
@@ -136,14 +137,14 @@ def test_store_design_dispatch(monkeypatch):
 
 @pytest.mark.parametrize("variant", ["teacher", "logits", "nodk"])
 def test_timing_only_parts_drop_their_work(monkeypatch, variant):
-    """The accumulating forward's timing-only variants leave out what they say: "nodk" keeps
+    """The accumulating forward's timing-only variants (forced through the hook) leave out what they say: "nodk" keeps
     KL, dq_p, dweights_p (dk_p stays 0); "logits" keeps KL (no shares); "teacher" drops the
     student's logits (KL changes)."""
     xs = make(1, 4, 1, 9, 9, 16, 2, 1, 8, seed=64)
     lse = _teacher_lse(xs, True)
     full = idx_accumulate._forward_pacc(*xs, lse, True, 0.25, True)
-    monkeypatch.setattr(idx_configs, "INTERPRETER_CONFIG", idx_configs.INTERPRETER_CONFIG + (None, 1, variant))
-    part = idx_accumulate._forward_pacc(*xs, lse, True, 0.25, True)
+    with forcing(indexer_accumulate_parts=variant):  # the documented hook (devtools.diagnostics)
+        part = idx_accumulate._forward_pacc(*xs, lse, True, 0.25, True)
     same_kl = torch.allclose(part[0], full[0], rtol=1e-6)
     assert same_kl == (variant != "teacher")
     assert torch.equal(part[3], torch.zeros_like(part[3]))  # dk_p: zeroed, never added to

@@ -21,8 +21,8 @@ from streamkl_gpu._core.launcher import launch as fast_launch
 from streamkl_gpu.attention.gluon.dispatch import device_capability, fwd_backend, gluon_forward, use_gluon
 from streamkl_gpu._core.checks import check_bwd_mode, check_tensors, compute_view, head_pad, is_empty, strides
 from streamkl_gpu._core.runtime import LOG2E, TensorDescriptor, cdiv, fresh, interpreting, n_sm, tma_ok
-from streamkl_gpu._core.tuning import (TMA_MIN_KEYS, UnusableConfig, auto_bwd_mode, bucket, bwd_streams, bwd_variant,
-                      bwd_variant_candidates, fwd_candidates, pick, split_choices, tuning_slice)
+from streamkl_gpu._core.tuning import UnusableConfig, bucket, pick
+from streamkl_gpu.attention.configs import TMA_MIN_KEYS, auto_bwd_mode, bwd_streams, bwd_variant, bwd_variant_candidates, fwd_candidates, split_choices, tuning_slice
 
 
 def _empty_forward(dims, device):

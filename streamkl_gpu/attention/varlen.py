@@ -40,7 +40,8 @@ from streamkl_gpu._core.checks import (
     strides,
 )
 from streamkl_gpu._core.runtime import LOG2E, TensorDescriptor, fresh, interpreting, n_sm, tma_ok
-from streamkl_gpu._core.tuning import TMA_MIN_KEYS, auto_bwd_mode, auto_split_k, bucket, bwd_candidates, fwd_candidates, pick
+from streamkl_gpu._core.tuning import bucket, pick
+from streamkl_gpu.attention.configs import TMA_MIN_KEYS, auto_bwd_mode, auto_split_k, bwd_candidates, fwd_candidates
 
 __all__ = ["attention_kl_varlen"]
 

@@ -58,6 +58,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.errors import OutOfResources
 
+from streamkl_gpu._core import forcing as _forcing
+
 # TMA load, renamed in triton 3.8 (``async_load``); 3.6/3.7 have only the old name, 3.9 rejects it.
 if hasattr(tma, "async_load"):
     _tma_load = tma.async_load
@@ -537,7 +539,6 @@ def launch_args(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, sca
     return grid, args, constexprs, options
 
 
-LAST_KERNEL = None  # the compiled kernel of the latest launch (the GPU script reads its SASS)
 # if a default config does not fit the device's shared memory (OutOfResources at the launch):
 # the entries that replace it, and the (D, causal) that needed them
 FALLBACK = dict(DS_BUFS=1, DQ_LAG=False)
@@ -550,7 +551,6 @@ def gluon_backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, 
 
     The caller (``_gluon_bwd_dispatch.use_gluon_bwd``) has checked shapes, dtypes, strides and
     device. ``g``, ``kl``, ``lse*_bits``: contiguous fp32 [B, H, N_Q] (the forward's outputs)."""
-    global LAST_KERNEL
     B, H, N_Q, D = q1.shape
     N_K = k1.shape[2]
     q_t, k_t = (q1, k1) if train == 1 else (q2, k2)
@@ -567,14 +567,15 @@ def gluon_backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, 
     grid, args, constexprs, options = launch_args(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1,
                                                   scale2, train, dq, dk, config, variant)
     try:
-        LAST_KERNEL = _gluon_kl_bwd_kernel[grid](*args, **constexprs, **options)
+        kernel = _gluon_kl_bwd_kernel[grid](*args, **constexprs, **options)
     except OutOfResources:
         if config is not None:
             raise
         _FELL_BACK.add(key)  # nothing was launched: the same buffers serve the smaller config
         grid, args, constexprs, options = launch_args(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1,
                                                       scale2, train, dq, dk, FALLBACK, variant)
-        LAST_KERNEL = _gluon_kl_bwd_kernel[grid](*args, **constexprs, **options)
+        kernel = _gluon_kl_bwd_kernel[grid](*args, **constexprs, **options)
+    _forcing.record("attention_bwd_sm90", kernel, **constexprs)  # for an open forcing block
     if k_t.shape[1] != H:
         dk = dk[:, :, :N_K].to(k_t.dtype, memory_format=torch.contiguous_format)
     return dq[:, :, :N_Q].to(q_t.dtype, memory_format=torch.contiguous_format), dk

@@ -46,6 +46,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.extra import libdevice
 
+from streamkl_gpu._core import forcing as _forcing
+
 # TMA load, renamed in triton 3.8 (``async_load``); 3.6/3.7 have only the old name, 3.9 rejects it.
 if hasattr(tma, "async_load"):
     _tma_load = tma.async_load
@@ -486,17 +488,14 @@ def launch_args(q, k, q_idx, k_idx, weights, lse_bits, part, causal, scale, relu
     return (N_Q, B), args, constexprs, dict(num_warps=4, maxnreg=CTA_REGS // CTA_THREADS)
 
 
-LAST_KERNEL = None  # the compiled kernel of the latest launch (the GPU script reads its SASS)
-
-
 def student_grads(q, k, q_idx, k_idx, weights, lse_idx, causal, relu, grads, config=None):
     """The backward's student part with g = 1 (``g softmax(I)``'s contractions, no teacher), added
     into ``grads`` = (dq_s, dw_s, dk_s), zeroed fp32 buffers shaped as the accumulating forward's
     (``lse_idx``: the forward's student LSE [B, N_Q], nats, fp32 contiguous)."""
-    global LAST_KERNEL
     grid, args, constexprs, options = launch_args(q, k, q_idx, k_idx, weights, lse_idx, lse_idx, causal, 1.0, relu,
                                                   config, grads, student=True)
-    LAST_KERNEL = _gluon_indexer_fwd_kernel[grid](*args, **constexprs, **options)
+    kernel = _gluon_indexer_fwd_kernel[grid](*args, **constexprs, **options)
+    _forcing.record("indexer_fwd_sm90", kernel, **constexprs)  # for an open forcing block
     return grads
 
 
@@ -504,13 +503,13 @@ def forward_states(q, k, q_idx, k_idx, weights, lse_bits, causal, scale, relu, c
     """Launch: the two consumer warpgroups' states ``part [5, 2, B, N_Q]`` (merge with
     ``_indexer._merge_splits``); ``grads``: see :func:`launch_args` (the accumulating forward).
     The caller (``_indexer``) has checked applicability."""
-    global LAST_KERNEL
     B, _, N_Q, _ = q.shape
     if part is None:
         part = torch.empty((5, 2, B, N_Q), dtype=torch.float32, device=q.device)
     grid, args, constexprs, options = launch_args(q, k, q_idx, k_idx, weights, lse_bits, part, causal, scale, relu,
                                                   config, grads)
-    LAST_KERNEL = _gluon_indexer_fwd_kernel[grid](*args, **constexprs, **options)
+    kernel = _gluon_indexer_fwd_kernel[grid](*args, **constexprs, **options)
+    _forcing.record("indexer_fwd_sm90", kernel, **constexprs)  # for an open forcing block
     return part
 
 

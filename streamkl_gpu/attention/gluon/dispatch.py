@@ -20,6 +20,7 @@ from streamkl_gpu._core import runtime as _runtime
 
 try:
     from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
+    from streamkl_gpu.attention.gluon import fwd_sm90_launch as _gluon_fwd_launch
 except Exception as exc:  # no triton.experimental.gluon, or an API this kernel does not know
     _gluon_fwd = None
     GLUON_IMPORT_ERROR: Optional[str] = f"{type(exc).__name__}: {exc}"
@@ -134,12 +135,13 @@ _PICKED: dict = {}  # tuning key -> the chosen candidate (what pick found; skips
 
 def gluon_forward(q1, k1, q2, k2, causal, scale1, scale2, out=None, dims=None):
     """(kl nats, lse1_bits, lse2_bits) from the Gluon kernel with a tuned launch configuration
-    (``_gluon_fwd.candidates``, timed once per shape bucket by ``_tuning.pick``, on a bounded
-    slice of long problems like the Triton path); see ``_gluon_fwd.gluon_forward``.
+    (``_gluon_fwd_launch.candidates``, timed once per shape bucket by ``_tuning.pick``, on a bounded
+    slice of long problems like the Triton path); see ``_gluon_fwd_launch.gluon_forward``.
     ``dims``: the checked sizes, when the caller has them."""
     if _gluon_fwd is None:
         raise RuntimeError(f"the Gluon forward is not available: {GLUON_IMPORT_ERROR}")
-    from streamkl_gpu._core.tuning import bucket, pick, tuning_slice
+    from streamkl_gpu._core.tuning import bucket, pick
+    from streamkl_gpu.attention.configs import tuning_slice
 
     if dims is None:
         from streamkl_ref._checks import check_inputs
@@ -149,8 +151,8 @@ def gluon_forward(q1, k1, q2, k2, causal, scale1, scale2, out=None, dims=None):
         out = tuple(torch.empty((dims.B, dims.H, dims.NQ), dtype=torch.float32, device=q1.device) for _ in range(3))
 
     def runner(xs, outs):
-        return lambda cand: _gluon_fwd.gluon_forward(*xs, causal, scale1, scale2, out=outs,
-                                                     config=_gluon_fwd.config_of(cand))
+        return lambda cand: _gluon_fwd_launch.gluon_forward(*xs, causal, scale1, scale2, out=outs,
+                                                     config=_gluon_fwd_launch.config_of(cand))
 
     launch = runner((q1, k1, q2, k2), out)
     key = ("gluon_fwd", dims.D1, dims.D2, q1.dtype, q2.dtype, bool(causal), bucket(dims.NQ), bucket(dims.NK),
@@ -164,7 +166,7 @@ def gluon_forward(q1, k1, q2, k2, causal, scale1, scale2, out=None, dims=None):
             pouts = tuple(torch.empty((dims.B, dims.H, nq), dtype=torch.float32, device=q1.device)
                           for _ in range(3))
             proxy = runner((q1[:, :, :nq], k1[:, :, :nk], q2[:, :, :nq], k2[:, :, :nk]), pouts)
-        cand = pick(key, _gluon_fwd.candidates(dims.D1, dims.D2), launch, proxy, q1.device)
+        cand = pick(key, _gluon_fwd_launch.candidates(dims.D1, dims.D2), launch, proxy, q1.device)
         if os.environ.get("STREAMKL_AUTOTUNE", "1") != "0":  # untuned picks are not remembered
             _PICKED[key] = cand
     launch(cand)

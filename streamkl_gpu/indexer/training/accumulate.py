@@ -10,8 +10,10 @@ import torch
 from streamkl_ref._checks import check_indexer_inputs
 from streamkl_gpu.indexer.triton import accumulate as _indexer_pacc
 from streamkl_gpu._core import checks as _checks
+from streamkl_gpu._core import forcing as _forcing
 from streamkl_gpu._core import runtime as _runtime
 from streamkl_gpu._core import tuning as _tuning
+from streamkl_gpu.devtools import diagnostics as _diagnostics
 from streamkl_gpu.indexer import configs as _configs
 from streamkl_gpu.indexer import host as _host
 from streamkl_gpu.indexer import plan as _plan_mod
@@ -21,13 +23,6 @@ from streamkl_gpu.indexer import plan as _plan_mod
 # Scalar reductions with lse given: the forward accumulates the target's share of the gradient
 # (_indexer_pacc), the backward runs the indexer alone. STREAMKL_INDEXER_PACC chooses (pacc_enabled).
 # ----------------------------------------------------------------------------------------------
-
-
-# Timing-only variants of the accumulating forward (9th config field; bench/idx_pacc_gpu.py
-# forces them, never a candidate: their gradients are incomplete): how much of its time each
-# part takes. "teacher": the target and the online state alone (no indexer products); "logits":
-# + the student's logits (the plain forward's work); "nodk": + dq_p and dweights_p, no dk_p.
-PACC_PARTS = {"teacher": 0, "logits": 1, "nodk": 2}
 
 
 def _forward_pacc(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
@@ -76,7 +71,7 @@ def _forward_pacc(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
             dims.H, group, dims.HI, dims.NQ, dims.NK, dims.scale * _plan_mod.LOG2E, 1.0 / dims.H, pl["n_chunks"], pl["cpg"],
             D=dims.D, BLOCK_D=pl["BLOCK_D"], DI=dims.DI, DI_PAD=pl["DI_PAD"], HB=pl["HB"], GI_PAD=pl["GI_PAD"],
             BLOCK_T=pl["BLOCK_T"], BLOCK_N=pl["BLOCK_N"], CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i,
-            NO_CONTRACT=no_contract, USE_TMA=tma, DK_TMA=dk_tma, A_L1=a_l1, PARTS=next((PACC_PARTS[f] for f in flags if f in PACC_PARTS), 3),
+            NO_CONTRACT=no_contract, USE_TMA=tma, DK_TMA=dk_tma, A_L1=a_l1, PARTS=_diagnostics.indexer_accumulate_parts(_forcing.forced("indexer_accumulate_parts")),
             KEY_ROWS="kt" in flags, Q_TM=q_tm, DK_HALVES=dk_halves,
             num_warps=pl["warps"], num_stages=pl["stages"])
 
