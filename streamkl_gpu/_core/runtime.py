@@ -2,7 +2,7 @@
 
 Nothing here depends on a problem's shape. Dependencies run one way (docs/architecture.md): the
 public entry points -> host launch code -> ``_core``; kernel modules import ``_core.jit`` and
-triton only, and ``_core`` imports no kernel module (tests/test_import_graph.py).
+triton only, and ``_core`` imports no kernel module (tests/test_layout.py).
 """
 from __future__ import annotations
 

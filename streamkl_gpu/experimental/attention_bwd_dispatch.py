@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from streamkl_gpu._core import env as _env
 from streamkl_gpu._core import runtime as _runtime
 from streamkl_gpu.attention.gluon.dispatch import GLUON_CAPABILITY, _tma_legal, device_capability
 
@@ -29,7 +30,7 @@ else:
 
 GLUON_BWD_AVAILABLE = _gluon_bwd is not None
 
-BACKENDS = ("auto", "triton", "gluon")
+BACKENDS = _env.BACKENDS
 ENV_VAR = "STREAMKL_BWD_BACKEND"
 BWD_BACKEND: Optional[str] = None  # module override; None: read ENV_VAR (default "auto")
 
@@ -44,11 +45,7 @@ GLUON_BWD_MIN_QUERIES = 128
 
 def bwd_backend() -> str:
     """The backward backend asked for: ``BWD_BACKEND`` if set, else ``$STREAMKL_BWD_BACKEND``."""
-    value = BWD_BACKEND if BWD_BACKEND is not None else _runtime.env(ENV_VAR, "auto")
-    value = str(value).strip().lower() or "auto"
-    if value not in BACKENDS:
-        raise ValueError(f"{ENV_VAR} (or _gluon_bwd_dispatch.BWD_BACKEND) must be one of {BACKENDS}, got {value!r}")
-    return value
+    return _env.backend(ENV_VAR, BWD_BACKEND)
 
 
 def gluon_bwd_unsupported(dims, dtypes: Sequence[torch.dtype], strides: Sequence[Sequence[int]], device_capability,

@@ -17,6 +17,7 @@ import triton
 from streamkl_ref._checks import check_indexer_inputs
 
 from streamkl_gpu._core import checks as _checks
+from streamkl_gpu._core import env as _env
 from streamkl_gpu._core import runtime as _runtime
 from streamkl_gpu._core import tuning as _tuning
 from streamkl_gpu.indexer import configs as _configs
@@ -106,29 +107,39 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
 
 
 # ----------------------------------------------------------------------------------------------
-# The Gluon forward (Hopper, MQA teacher): STREAMKL_INDEXER_GLUON chooses
+# The Gluon forward (Hopper, MQA teacher; experimental): STREAMKL_INDEXER_BACKEND chooses
 # ----------------------------------------------------------------------------------------------
 
-GLUON_MODES = ("0", "1", "auto")
-# "auto" only where measured faster: the DSA-like family (wide MQA teacher) from this many keys on
+BACKEND_VAR = "STREAMKL_INDEXER_BACKEND"
+GLUON_MODES = ("0", "1", "auto")  # the old STREAMKL_INDEXER_GLUON / _GLUON_PACC values
+# old "auto" only where measured faster: the DSA-like family (wide MQA teacher) from this many keys on
 GLUON_AUTO_MIN_KEYS = 2048
 GLUON_AUTO_MIN_TEACHER = 64 * 512  # H * D
-GLUON_DEFAULT = "0"  # STREAMKL_INDEXER_GLUON's default
-GLUON_PACC_DEFAULT = "0"  # STREAMKL_INDEXER_GLUON_PACC's default
 
 
 def _gluon_auto(dims) -> bool:
     return dims.NK >= GLUON_AUTO_MIN_KEYS and dims.H * dims.D >= GLUON_AUTO_MIN_TEACHER
 
 
+def _old_gluon_var(pacc: bool) -> str:
+    return "STREAMKL_INDEXER_GLUON_PACC" if pacc else "STREAMKL_INDEXER_GLUON"
+
+
 def gluon_mode(pacc: bool = False) -> str:
-    """``STREAMKL_INDEXER_GLUON`` (the forward) / ``STREAMKL_INDEXER_GLUON_PACC`` (the
-    accumulating forward of the training case): ``0`` (default: not yet measured on the GPU) the
-    Triton kernel; ``1`` the Gluon kernel (``_gluon_indexer``) or a ``ValueError`` saying why it
-    does not apply (a forced path never falls back silently); ``auto`` the Gluon kernel where it
-    applies and was measured faster (``_gluon_auto``: the DSA-like family, N_K >= 2048)."""
-    var = "STREAMKL_INDEXER_GLUON_PACC" if pacc else "STREAMKL_INDEXER_GLUON"
-    mode = _runtime.env(var, GLUON_PACC_DEFAULT if pacc else GLUON_DEFAULT)
+    """``"0"`` the Triton kernel, ``"1"`` the Gluon kernel (``experimental/indexer_fwd_sm90.py``)
+    or a ``ValueError`` saying why it does not apply (a forced path never falls back silently),
+    ``"auto"`` the Gluon kernel where it applies and was measured faster (``_gluon_auto``).
+
+    ``STREAMKL_INDEXER_BACKEND`` (both forwards): ``auto`` (default; the Triton kernels: the Gluon
+    one is not yet measured on the GPU) and ``triton`` give ``"0"``, ``gluon`` gives ``"1"``. While
+    it is unset the old names are read, per forward: ``STREAMKL_INDEXER_GLUON`` (the forward) /
+    ``STREAMKL_INDEXER_GLUON_PACC`` (the accumulating forward) = ``0``, ``1`` or ``auto``."""
+    if _runtime.env(BACKEND_VAR) is not None:
+        return {"auto": "0", "triton": "0", "gluon": "1"}[_env.backend(BACKEND_VAR)]
+    var = _old_gluon_var(pacc)
+    mode = _env.old(var)
+    if mode is None:
+        return "0"
     if mode not in GLUON_MODES:
         raise ValueError(f"{var} must be one of {GLUON_MODES}, got {mode!r}")
     return mode
@@ -153,8 +164,8 @@ def _use_gluon(dims, q, k, q_idx, k_idx, pacc: bool = False) -> bool:
         return False
     why = gluon_why_not(dims, q, k, q_idx, k_idx, pacc)
     if why and mode == "1":
-        var = "STREAMKL_INDEXER_GLUON_PACC" if pacc else "STREAMKL_INDEXER_GLUON"
-        raise ValueError(f"{var}=1, but the Gluon {'accumulating ' if pacc else ''}forward does not apply: {why}")
+        var = f"{BACKEND_VAR}=gluon" if _runtime.env(BACKEND_VAR) is not None else f"{_old_gluon_var(pacc)}=1"
+        raise ValueError(f"{var}, but the Gluon {'accumulating ' if pacc else ''}forward does not apply: {why}")
     return not why
 
 

@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from streamkl_gpu._core import env as _env
 from streamkl_gpu._core import runtime as _runtime
 
 try:
@@ -29,7 +30,7 @@ else:
 
 GLUON_AVAILABLE = _gluon_fwd is not None
 
-BACKENDS = ("auto", "triton", "gluon")
+BACKENDS = _env.BACKENDS
 ENV_VAR = "STREAMKL_FWD_BACKEND"
 FWD_BACKEND: Optional[str] = None  # module override; None: read ENV_VAR (default "auto")
 
@@ -49,11 +50,7 @@ GLUON_MIN_CTAS_PER_SM = 2
 
 def fwd_backend() -> str:
     """The forward backend asked for: ``FWD_BACKEND`` if set, else ``$STREAMKL_FWD_BACKEND``."""
-    value = FWD_BACKEND if FWD_BACKEND is not None else _runtime.env(ENV_VAR, "auto")
-    value = str(value).strip().lower() or "auto"
-    if value not in BACKENDS:
-        raise ValueError(f"{ENV_VAR} (or _gluon_dispatch.FWD_BACKEND) must be one of {BACKENDS}, got {value!r}")
-    return value
+    return _env.backend(ENV_VAR, FWD_BACKEND)
 
 
 def _tma_legal(shape_strides, element_size: int, data_ptr: int) -> Optional[str]:

@@ -3,8 +3,6 @@
 training step (custom ops ``streamkl::indexer_loss_fwd`` / ``streamkl::indexer_loss_bwd``)."""
 from __future__ import annotations
 
-import os
-
 import torch
 
 from streamkl_ref._checks import check_indexer_inputs
@@ -21,7 +19,7 @@ from streamkl_gpu.indexer import plan as _plan_mod
 
 # ----------------------------------------------------------------------------------------------
 # Scalar reductions with lse given: the forward accumulates the target's share of the gradient
-# (_indexer_pacc), the backward runs the indexer alone. STREAMKL_INDEXER_PACC chooses (pacc_enabled).
+# (_indexer_pacc), the backward runs the indexer alone. STREAMKL_INDEXER_TRAINING chooses (training/choice.py).
 # ----------------------------------------------------------------------------------------------
 
 
@@ -36,8 +34,8 @@ def _forward_pacc(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
     no_contract = not _runtime.interpreting()
     use_tma = _plan_mod._use_tma(q, k, q_idx, k_idx)
     # dk_p's shares by one TMA bulk reduction per tile (Hopper; the interpreter has no reductions
-    # through descriptors); STREAMKL_INDEXER_DK_TMA=0: per-element atomics
-    dk_tma = use_tma and not _runtime.interpreting() and os.environ.get("STREAMKL_INDEXER_DK_TMA", "1") != "0"
+    # through descriptors, so it takes per-element atomics)
+    dk_tma = use_tma and not _runtime.interpreting()
     lse_bits = (lse * _plan_mod.LOG2E).contiguous()
     kl = _plan_mod._fresh((dims.B, dims.NQ), torch.float32, device)
     lse_idx = _plan_mod._fresh((dims.B, dims.NQ), torch.float32, device)
