@@ -133,7 +133,7 @@ def host_cost(out_dir, n_calls=1000, profile=False):
         print(f"direct launch equals binder launch: {same}  (launches so far: {_fast_launch.STATS})", flush=True)
         results["direct_equals_binder"] = float(same)
     # where the forward+backward time goes: inside the launches' host code vs the rest (engine)
-    from streamkl_gpu import api as _api
+    from streamkl_gpu.attention import ops as _api  # where the custom ops call the launches
     spent = {"forward": 0.0, "backward": 0.0}
     orig_f, orig_b = _api._forward, _api._backward
 

@@ -257,8 +257,8 @@ def _architecture_paths():
     for cell in re.findall(r"`([^`\s]+)`", text):
         if re.match(r"^(streamkl_gpu|streamkl_ref|tests|proofs|bench|docs|examples)/", cell):
             now.add(cell.split("::")[0])
-    for cell in re.findall(r"was: `([^`]+)`", text):
-        was.add(cell)
+    for note in re.findall(r"\(was: ([^)]*)\)", text):  # "(was: `old/path.py`, part of `other.py`)"
+        was.update(re.findall(r"`([^`]+)`", note))
     return now - was, was
 
 
