@@ -286,7 +286,7 @@ def test_timing_probes_do_what_they_name(setting, monkeypatch):
 def test_auto_mode_separate_for_one_setting_with_the_new_kernels():
     """With the TMA variants as candidates, one setting runs separate where the dQ kernel has
     programs for >= 90 % of the SMs (run r5c: setting 2 at 8K, separate 5.80 ms vs fused 6.79; run
-    s6r2: N_Q 512 x N_K 32K separate 0.87-0.91x, N_Q 16 fused 2.1-2.3x faster); smaller N_Q, both
+    an H200 run: N_Q 512 x N_K 32K separate 0.87-0.91x, N_Q 16 fused 2.1-2.3x faster); smaller N_Q, both
     settings and the old kernels (varlen, fp32, no TMA) keep their rules."""
     from streamkl_ref._checks import Dims
 
@@ -297,7 +297,7 @@ def test_auto_mode_separate_for_one_setting_with_the_new_kernels():
     assert attn_configs.auto_bwd_mode(dims(8192, 8192), 132, False, new_kernels=False) == "fused"
     assert attn_configs.auto_bwd_mode(dims(512, 32768), 132, False, new_kernels=True) == "separate"  # 128 dQ programs
     assert attn_configs.auto_bwd_mode(dims(256, 32768), 132, False, new_kernels=True) == "fused"  # 64: half a wave
-    assert attn_configs.auto_bwd_mode(dims(16, 32768), 132, False, new_kernels=True) == "fused"  # 32 (run s6r2)
+    assert attn_configs.auto_bwd_mode(dims(16, 32768), 132, False, new_kernels=True) == "fused"  # 32 (an H200 run)
     assert attn_configs.auto_bwd_mode(dims(16, 32768), 132, True, new_kernels=True) == "fused"  # both, small N_Q
     assert attn_configs.auto_bwd_mode(dims(8192, 8192), 132, True, new_kernels=True) == "separate"
     assert attn_configs.auto_bwd_mode(dims(4096, 64, h=2), 132, False, new_kernels=True) == "separate"  # few keys
@@ -328,7 +328,7 @@ def test_exp2_on_the_fma_pipe():
 
 def test_second_stream_rule(monkeypatch):
     """STREAMKL_BWD_STREAMS forces the separate backward's second stream on or off (unset: off, its
-    gain within the noise in run s6r3); never on CPU tensors or under the interpreter."""
+    gain within the noise in an H200 run); never on CPU tensors or under the interpreter."""
     from streamkl_ref._checks import Dims
     dims = Dims(B=1, H=32, NQ=8192, NK=8192, D1=128, D2=128, HK1=32, HK2=32, scale1=0.1, scale2=0.1)
     monkeypatch.delenv("STREAMKL_BWD_STREAMS", raising=False)

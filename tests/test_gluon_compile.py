@@ -33,7 +33,7 @@ CTA_THREADS = 384  # what the H200 reported for a Gluon forward CTA (OutOfResour
 # side 2's exponentials of the first tile issued before the S1 wait.
 FENCE_SPEC = "bf16:causal:128:128:64:4:168:0:0:0:0:1"
 LOOK_SPEC = "bf16:causal:128:128:64:4:168:0:0:0:0:0:1:1"
-# And the knob-free schedule (the session-5 default) the session-6 knobs of the default
+# And the knob-free schedule (the second search's default) the third search's knobs of the default
 # (DEFAULT_KNOBS: MERGE, FOLD, MASK1) are measured against in the SASS: MERGE (one ready and one
 # empty barrier per ring slot: fewer BAR.SYNC per key tile; triton's membar puts one at each
 # mbarrier op of the loop), FOLD (whole-tile loops: the scale folded into the exponent's FFMA),
@@ -348,11 +348,11 @@ def test_schedule_knobs_pack_into_sched():
 
 def test_tuner_candidates_measured_winner_at_d128():
     """At D = 128 / 128 (the issue's shapes) the tuner has the measured winner alone: the default
-    (128-key tiles, 168 registers, no turnstile, since session 6 with MERGE, FOLD and MASK1);
+    (128-key tiles, 168 registers, no turnstile, since the third schedule search: MERGE, FOLD and MASK1);
     timing noise between near-equal configurations made the tuned path slower than the default
-    forced (bench/NOTES.md, session 4 run 3). Other head dims keep the three candidates, default
+    forced (bench/NOTES.md). Other head dims keep the three candidates, default
     first, each with the same knobs."""
-    knobs = dict(MERGE=1, FOLD=1, MASK1=1)  # session 6, run s6r2
+    knobs = dict(MERGE=1, FOLD=1, MASK1=1)  # the third schedule search's default
     assert _gluon_fwd_launch.candidates(128, 128) == [_gluon_fwd_launch.make_cand(128, 128, 128, 168, **knobs)]
     cfg = _gluon_fwd_launch.kernel_config(128, 128)
     assert cfg == _gluon_fwd_launch.config_of(_gluon_fwd_launch.candidates(128, 128)[0])
@@ -362,7 +362,7 @@ def test_tuner_candidates_measured_winner_at_d128():
         cands = _gluon_fwd_launch.candidates(d1, d2)
         assert len(cands) == 3 and cands[0][:3] == (128, _gluon_fwd_launch._ring_stages(d1, d2, 128), 168), cands
         assert all(_gluon_fwd_launch.config_of(c)[k] == 1 for c in cands for k in knobs), cands
-    # the session-5 default stays measured (the control of the session-6 knobs)
+    # the second search's default stays measured (the control of the third search's knobs)
     assert _bench_script().KNOB_FREE_CONFIG in _gluon_fwd_launch.configs_to_measure(128, 128)
     assert _bench_script().DEFAULT_CONFIG == _gluon_fwd_launch.candidates(128, 128)[0]
 

@@ -332,7 +332,7 @@ def test_torch_compile_fullgraph_matches_eager():
 
 
 def test_large_logits_rereferenced():
-    """|I| around 1e4: the re-referenced accumulator keeps the KL accurate (no eps * |I| loss)."""
+    """|I| near 1e4: the re-referenced accumulator keeps the KL accurate (no eps * |I| loss)."""
     xs = make(1, 2, 1, 8, 10, 16, 2, 1, 8, seed=16, wscale=2000.0)
     kl_ref = ref_forward(xs, causal=True)[0]
     kl = streamkl_gpu.indexer_kl(*xs, causal=True)

@@ -161,8 +161,7 @@ def test_merge_kernel_equals_host_merge():
 
 def test_default_candidates_and_split_rule():
     """The untuned default of a GQA teacher (the first candidate) is the GQA kernel's 64 x 64
-    band config capped at 128 registers (run s7r1); its key splits follow key_splits: 48 from 8K to 64K on 132 SMs (measured best,
-    run s6r4), fewer for longer sequences (the split states stay small), never more than
+    band config capped at 128 registers (an H200 run); its key splits follow key_splits: 48 from 8K to 64K on 132 SMs (measured best), fewer for longer sequences (the split states stay small), never more than
     MAX_SPLITS, at least one, and the plan caps them at the key tiles."""
     from streamkl_gpu.indexer.triton import fwd_gqa as g
 

@@ -1,4 +1,4 @@
-"""The indexer forward's keys-major score tiles (the "keys" variant, 9th config field; issue 10's
+"""The indexer forward's keys-major score tiles (the "keys" variant, 9th config field; the
 DSA-like speed work) and the flattened key loop ("keys_flat", "tiles_flat") under the interpreter: against the float64 reference
 (streamkl_ref.indexer_kl) over odd shapes, and against the (head, token)-major kernel.
 
@@ -159,7 +159,7 @@ def test_sm90_compile_head_sum_stays_in_registers():
 
 
 def test_keys_major_first_for_the_dsa_family_only():
-    """The measured winner (runs s6r2, s6r3) is the untuned choice where it was measured: an MQA
+    """The measured winner (runs an H200 run) is the untuned choice where it was measured: an MQA
     teacher with >= 128 heads (a 128-row tile is one token's heads); other MQA teachers try it last."""
     def dims(H, D, HK=1, N=64):
         shapes = [(1, H, N, D), (1, HK, N, D), (1, 64, N, 128), (1, 1, N, 128), (1, 64, N)]
@@ -169,7 +169,7 @@ def test_keys_major_first_for_the_dsa_family_only():
     assert dsa[0] == (128, 128, 128, 64, 4, 3, None, 1, "keys_lpt")  # short: one key split
     pl = idx_plan._plan(dims(128, 576), dsa[0], "fwd")
     assert (pl["BLOCK_T"], pl["HB"], pl["BLOCK_N"], pl["variant"]) == (1, 128, 128, "keys_lpt")
-    # from 8K keys on: splits of 4096 keys (run s6r3), at most 16 (bounded extra memory per token)
+    # from 8K keys on: splits of 4096 keys (an H200 run), at most 16 (bounded extra memory per token)
     for n, splits, per in ((8192, 2, 4096), (16384, 4, 4096), (65536, 16, 4096), (131072, 16, 8192)):
         first = idx_configs._new_fwd_candidates(dims(128, 576, N=n), False, 132)[0]
         assert first == (128, 128, 128, 64, 4, 3, None, splits, "keys_lpt")

@@ -1,4 +1,4 @@
-"""The indexer loss's "store" design (STREAMKL_INDEXER_PSTORE=1, issue 10) and the accumulating
+"""The indexer loss's "store" design (STREAMKL_INDEXER_TRAINING=store; old name STREAMKL_INDEXER_PSTORE=1) and the accumulating
 forward's timing-only variants, under the interpreter.
 
 The store design: the forward's tile also writes the target p [B, N_Q, N_K]; the backward's
@@ -376,8 +376,7 @@ def test_chunked_design_keys_major_forward(monkeypatch, poison, variant):
 
 def test_chunk_design_moves_past_a_config_that_does_not_fit(monkeypatch):
     """_forward_full takes the first (storing forward, gradient kernel) pair whose launches fit the
-    device: a launch raising Triton's OutOfResources (shared memory at D = 96 on the H200, run
-    s7r10) moves to the next pair; the pair that fit is remembered; other errors propagate."""
+    device: a launch raising Triton's OutOfResources (shared memory at D = 96 on the H200) moves to the next pair; the pair that fit is remembered; other errors propagate."""
     class OutOfResources(RuntimeError):
         pass
 

@@ -1,4 +1,4 @@
-"""The indexer forward's launch variants (issue 10's performance work) under the interpreter:
+"""The indexer forward's launch variants (the performance work) under the interpreter:
 key splits merged on the host, and the resident-teacher kernel, each against the float64
 reference (streamkl_ref.indexer_kl) and against the one-pass tiled kernel.
 

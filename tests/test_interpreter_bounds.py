@@ -1,7 +1,7 @@
 """The bounds-checked interpreter (streamkl_gpu.devtools.bounds): an access outside the
 launch's tensors raises, as the GPU would fault; in-bounds and masked-off accesses pass; the
 suite's launches run checked (tests/conftest.py); the indexer's chunk design at the H200's launch
-plan, which faulted there in runs s6r3/s6r4, stays inside its tensors."""
+plan, which faulted there in runs an H200 run/an H200 run, stays inside its tensors."""
 from __future__ import annotations
 
 import os
@@ -119,7 +119,7 @@ def test_a_descriptor_larger_than_its_tensor_is_caught():
 
 def test_the_chunk_design_at_the_h200_plan_stays_in_bounds(monkeypatch):
     """The indexer's chunk design (STREAMKL_INDEXER_PSTORE=chunk) faulted on the H200 at N=192
-    (runs s6r3, s6r4: illegal memory access). Here it runs the H200's plan (DSA-like heads, the
+    (runs an H200 run: illegal memory access). Here it runs the H200's plan (DSA-like heads, the
     keys-major storing forward's tile on 4 warps, the student backward's tile, TMA descriptors,
     several chunks) under the checker: no access leaves its tensors, and the loss is the
     reference's. So the fault is not an indexing error the interpreter can see."""

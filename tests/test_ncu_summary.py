@@ -1,4 +1,4 @@
-"""bench/ncu_summary.py reads the committed Nsight Compute text of session 5: our kernels' rows
+"""bench/ncu_summary.py reads the committed Nsight Compute text: our kernels' rows
 only, the figures the docs quote, every stall reason; --trim keeps only our kernels' sections."""
 import csv
 import sys

@@ -1,4 +1,4 @@
-"""The launch tuner's rules and its on-disk cache (issue 9 §5), on CPU.
+"""The launch tuner's rules and its on-disk cache, on CPU.
 
 The timing itself needs a GPU; here ``_time_candidates`` is replaced by a recorder, so the tests
 check what is timed, on which problem, what is stored where, and what a second process reads.

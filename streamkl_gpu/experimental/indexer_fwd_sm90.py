@@ -1,4 +1,4 @@
-"""Hopper (sm_90) forward of the indexer loss in Gluon, for an MQA teacher (issue 10's DSA-like
+"""Hopper (sm_90) forward of the indexer loss in Gluon, for an MQA teacher (the DSA-like
 config: H = 128, D = 576, H_K = 1; H_I = 64, D_I = 128, H_KI = 1).
 
 Same outputs and conventions as ``_indexer_fwd._indexer_fwd_kernel`` with two key splits (the

@@ -20,7 +20,7 @@ _IEEE_CONFIG = (32, 32, 32, 32, 4, 1)
 
 
 def _new_fwd_candidates(dims, gqa, n_sm):
-    """Session 4's forward candidates (issue 10's targets; chosen by offline sm_90 compiles and
+    """The forward candidates of the first tensor-core tuning (the DSA and GQA targets; chosen by offline sm_90 compiles and
     the FLOP-per-byte count of a score tile, not yet timed; bench/indexer_perf_gpu.py times each).
 
     The score tile of ``rows`` (head, token) pairs by BLOCK_N keys re-reads its q rows from L2 for
@@ -32,11 +32,11 @@ def _new_fwd_candidates(dims, gqa, n_sm):
         return []
     if not gqa:
         # (256 rows x 128 keys spills 144 B on triton 3.9: left out; 128 x 128 spills 176 B on
-        # 3.6, none on 3.9). Measured (H200, DSA 8K causal, lse given, s4r4 run): 8 warps, 3
+        # 3.6, none on 3.9). Measured (H200, DSA 8K causal, lse given): 8 warps, 3
         # stages 25.05 ms (3.50x the floor), 2 stages 30.26. The "l1" variants (pointer loads, the
         # token's q rows cached in L1) measured 46.1 / 30.9 / 71.0 ms at BLOCK_N = 64 / 128 / 32:
         # no longer candidates (bench/indexer_perf_gpu.py still times them, forced).
-        # Session 5: 128 x 128 tiles on 4 warps (one warpgroup, two m64 wgmma per k-step): offline
+        # Next: 128 x 128 tiles on 4 warps (one warpgroup, two m64 wgmma per k-step): offline
         # sm_90 compiles, triton 3.6 and 3.9, 255 registers, no spills, 49 KB (2 stages) / 82 KB
         # (3 stages) of shared memory: two CTAs per SM, so one CTA's exponentials and head sums
         # run while the other's products are on the tensor cores (8 warps x 253 registers: one
@@ -50,16 +50,16 @@ def _new_fwd_candidates(dims, gqa, n_sm):
         # 8 warps 3 stages 24.89, 64 x 64 on 4 warps 28.25.
         out = [(128, 128, 128, 64, 4, 3), (128, 128, 128, 64, 4, 2), (128, 128, 128, 64, 8, 3),
                (128, 128, 128, 64, 8, 2), (64, 64, 64, 64, 4, 3, 64)]
-        # Session 6 (s6-idxdsa): keys-major score tiles (9th field "keys", _indexer_fwd.variant_meta:
+        # Then keys-major score tiles (9th field "keys", _indexer_fwd.variant_meta:
         # S^T = k q^T, the head sum a row sum of the accumulator, no cross-warp reduction; the
         # per-column LSEs / weights loaded once per program). Measured (H200, triton 3.6, DSA 8K
-        # causal, lse given, run s6r2, bench/idx_dsa_gpu.py): 128 keys on 4 warps, 3 stages 13.69 ms
+        # causal, lse given, bench/idx_dsa_gpu.py): 128 keys on 4 warps, 3 stages 13.69 ms
         # = 1.87x the floor (row-major default 18.06 in the same run), 16K 61.2 ms = 2.08x (default
         # 77.4); 8 warps at maxnreg 128 14.18; 8 warps 15.76; 2 stages 15.75; 64-key tiles 20.0-25.6
         # (flattened loops, "flat", and reversed token order, "lpt", did not close the gap).
         # First for the DSA-like family (one token per tile, H >= 128: the measured layout);
         # other MQA teachers keep the row-major order and try it last.
-        # Run s6r3 (round-robin medians, 8K / 16K / 32K / 64K): key splits of 4096 keys and token
+        # An H200 run (round-robin medians, 8K / 16K / 32K / 64K): key splits of 4096 keys and token
         # blocks in reverse ("lpt") 13.18 / 53.52 / 215.7 / 854.5 ms = 1.84 / 1.87 / 1.88 / 1.87x the
         # floor, against 14.13 / 60.16 / 254.9 / 1106.5 = 1.97 / 2.10 / 2.23 / 2.42x without either
         # (splits alone 13.40 / 52.41 / 220.7; lpt alone 12.99 / 55.45 / 216.5; row-major 21.27 /
@@ -73,13 +73,13 @@ def _new_fwd_candidates(dims, gqa, n_sm):
         # (64, 64, 64, 64, 4, 3, 1): 64 tokens x 64 keys of one head on 4 warps, 3 stages: 198
         # registers, no spills (offline sm_90, triton 3.9), so two CTAs per SM (the measured best,
         # (128, 128, 128, 64, 8, 2, 1), 2.29 ms at 8K, has 255 registers and 40 B of spills; Nsight
-        # Compute of it, lead's r5b: tensor pipe 19 %, issue 24 %, stalls on waits and barriers:
+        # Compute of it (Nsight Compute): tensor pipe 19 %, instruction issue at 24 %, stalls on waits and barriers:
         # latency bound). Smaller tiles for more CTAs per SM: 32 x 64 (136 registers, 24 KB: three
         # per SM), 64 x 32 (108 registers, 74 KB, 3 stages: three per SM).
         # Measured (r5c, GQA 8K): 64 x 64 3 stages 2.341 ms = 5.02x (first), 128 x 128 8 warps
         # 2.483, 64 x 32 2.700, 64 x 64 2 stages 3.256, 32 x 64 4.785.
-        # s6-idxgqa: the GQA kernel (_indexer_fwd_gqa) first, its key splits by its own rule; run
-        # s6r3: "gqa-band" 64 x 64, 24 splits 1.967 ms = 4.31x at 8K, 4.464 = 2.45x at 16K, against
+        # The GQA kernel (_indexer_fwd_gqa) first, its key splits by its own rule; run
+        # An H200 run: "gqa-band" 64 x 64, 24 splits 1.967 ms = 4.31x at 8K, 4.464 = 2.45x at 16K, against
         # 2.681 / 6.840 for (64, 64, 64, 64, 4, 3, 1, 5) in the same run
         out += _indexer_fwd_gqa.candidates(dims, n_sm)
         for base in ((64, 64, 64, 64, 4, 3, 1), (128, 128, 128, 64, 8, 2, 1), (128, 128, 64, 64, 8, 2, None),
@@ -91,7 +91,7 @@ def _new_fwd_candidates(dims, gqa, n_sm):
 
 def _keys_major_first(dims) -> bool:
     """The keys-major forward first (the untuned choice): MQA teachers of at least 128 heads, so
-    a 128-row tile is one token's heads (BLOCK_T = 1), the layout measured at DSA (s6r2)."""
+    a 128-row tile is one token's heads (BLOCK_T = 1), the layout measured at DSA."""
     return dims.HK == 1 and dims.H >= 128
 
 
@@ -99,7 +99,7 @@ def _keys_major_first(dims) -> bool:
 # keep the resident programs on one key range, so their key window stays in L2 beside their q rows
 # (without: ~264 resident CTAs x 147 KB of q rows, ~39 MB, plus every key up to the diagonal, 19 MB
 # at 16K and 75 MB at 64K, against the H200's 50 MB of L2: 2.10x the floor at 16K, 2.42x at 64K
-# in run s6r3, 1.87x with splits). Measured from 8K (run s6r3); below, one split. At most
+# in an H200 run, 1.87x with splits). Measured from 8K (an H200 run); below, one split. At most
 # KEYS_MAJOR_MAX_SPLITS: the splits' states (PART, 5 floats per split and token) stay a bounded
 # 320 B per token, so the forward's extra memory stays linear in N (past 64K the splits grow
 # beyond 4096 keys: 8192 at 128K, not timed).
@@ -116,7 +116,7 @@ def _keys_major_splits(dims) -> int:
 
 
 def l1_fwd_candidates(dims):
-    """The forward's "l1" variants (measured slower at DSA, s4r4: no longer the tuner's
+    """The forward's "l1" variants (measured slower at DSA: no longer the tuner's
     candidates); bench/indexer_perf_gpu.py still times them, forced."""
     if dims is None or not _plan_mod._l1_fits(dims):
         return []
@@ -150,7 +150,7 @@ def _gpu_candidates(kind, dims, n_sm, teacher):
     # Pruned by offline sm_90 compiles (triton 3.6 and 3.9, TMA path): BLOCK_N = 128 spills in the
     # forward at both anchor configs (DSA 32 B, GQA 552 B of stack); 256 teacher rows spill 104 B
     # at DSA on 3.6. The first candidate spills nowhere. Times not yet measured.
-    # Measured (H200, pointer loads, before TMA; bench/results/session3 r3): DSA-like 8K forward
+    # Measured (H200, pointer loads, before TMA; bench/results/): DSA-like 8K forward
     # 3.6x the floor, GQA-like 17.6x. GQA's chunks of 4 heads x 32 tokens need a reshape-sum per
     # chunk and 8 chunks per key tile; a 7th field of 1 makes chunks of one head x 128 tokens
     # (no head sum inside a chunk), tried where there is more than one key head. Not yet measured.
@@ -165,7 +165,7 @@ def _gpu_candidates(kind, dims, n_sm, teacher):
         # sm_90 compiles (triton 3.9, DSA 8K, dk shares by TMA reduction): BLOCK_N = 32 spills
         # nothing (254 registers), BLOCK_N = 64 spills 216 B of stack, yet measured the faster.
         # Measured (H200, DSA 8K causal fwd+bwd, 12:49 run): BLOCK_N = 64 73.2 ms, 32 101.3 ms.
-        # s4r4 run: 3 stages 52.96 ms, 2 stages 61.79, "l1" 60.29. Session 5: BLOCK_N = 128 (the
+        # An H200 run: 3 stages 52.96 ms, 2 stages 61.79, "l1" 60.29. Later: BLOCK_N = 128 (the
         # forward's best tile; offline sm_90, triton 3.9: ~1 KB of spills, BLOCK_N = 64 328 B),
         # r5c: BLOCK_N = 64 53.05 ms fwd+bwd (accumulating forward 38.71, backward 14.34), BLOCK_N
         # = 128 54.13. 4 warps (two CTAs per SM, as the forward's best): spills 568 B offline at

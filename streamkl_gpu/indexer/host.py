@@ -77,7 +77,7 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
 
     def launch(cfg):
         pl = _plan_mod._plan(dims, cfg, "fwd")
-        if _indexer_fwd_gqa.applies(pl, dims, use_tma):  # the GQA kernel (variants "gqa...", s6-idxgqa)
+        if _indexer_fwd_gqa.applies(pl, dims, use_tma):  # the GQA kernel (variants "gqa...")
             return _indexer_fwd_gqa.launch(dims, pl, q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, causal,
                                            relu, ieee_t, ieee_i)
         splits, per_split = _plan_mod._key_splits(dims, pl)
@@ -94,7 +94,7 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
             HB=pl["HB"], IB=pl["IB"], BLOCK_T=pl["BLOCK_T"], BLOCK_N=pl["BLOCK_N"],
             CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, NO_CONTRACT=no_contract,
             USE_TMA=tma, SPLIT=splits > 1, A_L1=a_l1,
-            **_indexer_fwd.variant_meta(pl["variant"], _runtime.interpreting()),  # s6-idxdsa: "keys_flat" etc.
+            **_indexer_fwd.variant_meta(pl["variant"], _runtime.interpreting()),  # keys-major variants: "keys_flat" etc.
             num_warps=pl["warps"], num_stages=pl["stages"])
         if splits > 1:
             merged_kl, merged_lse = _plan_mod._merge_splits(part)
@@ -206,11 +206,11 @@ def bwd_mode() -> str:
 # The backward kernels sum the student's logits from their own products a = q_idx k_idx^T where
 # one indexer key head makes a program's rows every indexer head (offline sm_90, triton 3.9, DSA
 # student kernels on 4 warps: no spills, against 72 / 120 B with the logits formed again).
-# False: formed again by _indexer_logits, as before session 6 (bench/idx_pacc_gpu.py times both).
+# False: formed again by _indexer_logits, as the first backward did (bench/idx_pacc_gpu.py times both).
 BWD_LOGITS_FROM_A = True
 
 # The dq kernel's dk shares ("dqk" backward, the chunk design) by one TMA bulk reduction per tile:
-# off, fp32 atomics instead: on the H200 (run s6r3, triton 3.6) the TMA form stopped both with
+# off, fp32 atomics instead: on the H200 (triton 3.6) the TMA form stopped both with
 # "illegal instruction" / "illegal memory access" (the accumulating forward's own dk_p reduction
 # runs); not diagnosed.
 DQK_TMA = False

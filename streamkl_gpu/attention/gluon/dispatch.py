@@ -38,7 +38,7 @@ GLUON_CAPABILITY = (9, 0)  # wgmma + TMA + setmaxnreg: sm_90 only (sm_100 has no
 GLUON_DTYPES = (torch.float16, torch.bfloat16)
 GLUON_HEAD_DIMS = (64, 128)  # per side; other head dims stay on the Triton path
 # Automatic choice only from these sizes on (forced "gluon" ignores them). H200, 2026-12-01
-# (bench/results/session3/h200_2026-12-01_r3_gluon_timing.log, B=1, H=32, D=128 bf16): at 1K
+# (bench/results/): at 1K
 # keys Gluon 0.094 ms vs Triton 0.072 (launch-bound); at 2K 0.179 vs 0.201; 4K 0.652 vs 0.750.
 GLUON_MIN_KEYS = 2048
 GLUON_MIN_QUERIES = 128  # one CTA holds 128 query rows

@@ -6,7 +6,7 @@ reference this kernel is checked against on the GPU): per row the five scalars
 tile skipping (``_fwd._key_stages``), ``_fwd._finalize`` at the end. Scores are taken to bits
 rounded once: in masked tiles ``mul.rn`` before the max (as the Triton path: one-key rows exactly
 0); in whole tiles, with the default's ``FOLD`` knob, the max on the raw scores scaled once per row
-(bitwise the same max) and the shifted score as one FFMA (``_shifted``; bench/NOTES.md round 4). The per-tile formulas are ``_fwd._fwd_key_range``'s, split in two
+(bitwise the same max) and the shifted score as one FFMA (``_shifted``; bench/NOTES.md). The per-tile formulas are ``_fwd._fwd_key_range``'s, split in two
 halves so that the side-1 half runs while the side-2 product is still on the tensor cores.
 
 Schedule: one CTA owns 128 query rows of one (b, h).
@@ -600,9 +600,9 @@ def _consumer(WG: gl.constexpr, q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_re
     if _knob(SCHED, "POLY") == 3:
         # POLY 3: a quarter of side 2's exponentials on the FMA pipe: even whole tiles with POLY 2
         # (every other column of side 2 by the polynomial), odd ones (and the masked tiles) all on
-        # the MUFU; a branch in the loop (two tiles per iteration spill: 14 STL, triton 3.6). Session 6: the
+        # the MUFU; a branch in the loop (two tiles per iteration spill: 14 STL, triton 3.6). Then the
         # share where the MUFU and the issue slots balance with FOLD (estimate: MUFU 16 (132 - k)
-        # cycles, issue 2 (801 + 11 k) per scheduler and tile, k ~ 13 of side 2's 64)
+        # cycles, instruction issue at 2 (801 + 11 k) per scheduler and tile, k ~ 13 of side 2's 64)
         SCHED_P2: gl.constexpr = _with_knob(SCHED, "POLY", 2)
         SCHED_P0: gl.constexpr = _with_knob(SCHED, "POLY", 0)
         for i in range(n_full):

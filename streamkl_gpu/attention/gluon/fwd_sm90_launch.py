@@ -31,29 +31,28 @@ def kernel_config(d1: int, d2: int):
 
 def candidates(d1: int, d2: int):
     """Launch configurations the tuner times, as (BLOCK_N, NUM_STAGES, maxnreg, PINGPONG) tuples,
-    default first. H200, 2026-12-01 (bench/results/session3/h200_2026-12-01_r3_gluon_timing.log): the
+    default first. H200, 2026-12-01 (bench/results/): the
     default ran 8K bf16 D=128 at 1.51x SDPA non-causal, 1.40x causal; the others are the
     plausible knobs (more registers for ptxas' scheduling; 64-key tiles: half the live score
     registers, twice the tiles; the sketch's turnstile, which orders the two warpgroups' turns on
     the tensor cores) that run 2 measures next."""
     s128, s64 = _ring_stages(d1, d2, 128), _ring_stages(d1, d2, 64)
-    # H200, 2026-12-01 (bench/results/session4/..._s4r2_gluon.log, _s4r3_): the 224-register
+    # H200, 2026-12-01 (bench/results/): the 224-register
     # configs cannot launch (a CTA of 384 threads x 224 registers exceeds the SM's 65536:
     # "OutOfResources: threads, Required: 384, Hardware limit: 256"), so none is a candidate.
     knobs = DEFAULT_KNOBS
     if (d1, d2) == (128, 128):
-        # the measured winner alone (session 5, fwd13): in session 4 (s4r2, s4r3) 64-key tiles
+        # the measured winner alone (the second schedule search): in the first, 64-key tiles
         # lost at every D = 128 point by 10-18 % and the turnstile was within +-5 % of the default
         # (won 8K causal by 3 %, lost 8K full by 5 %), while the tuned API path ran 8K full 6 %
-        # slower than the default forced (s4r3): timing noise picks, so do not time
+        # slower than the default forced: timing noise picks, so do not time
         return [make_cand(d1, d2, 128, 168, **knobs)]
     return [make_cand(d1, d2, 128, 168, **knobs), make_cand(d1, d2, 64, 168, **knobs),
             make_cand(d1, d2, 128, 168, PINGPONG=1, **knobs)]
 
 
 # Schedule knobs every tuner candidate carries (a knob joins only on a GPU measurement).
-# H200, 2026-12-01, run s6r2 (bench/results/session6/h200_2026-12-01_s6r2_gluon.log, two interleaved
-# rounds, lowest kept): MERGE + FOLD + MASK1 faster than the session-5 default at every 8K/16K
+# H200, 2026-12-01 (bench/results/): MERGE + FOLD + MASK1 faster than the second search's default at every 8K/16K
 # point (time ratio 0.936 8K full, 0.942 16K causal, 0.947 8K causal, 0.965 16K full), FOLD alone
 # 0.952 / 0.942 / 0.973 / 0.970, FOLD + MASK1 0.959 / 0.945 / 0.971 / 1.011, MERGE alone 1.010
 # (mean); the three together ran 8K 1.42x / 1.40x SDPA (full / causal), 16K 1.35x / 1.29x, 32K
@@ -78,8 +77,8 @@ def make_cand(d1: int, d2: int, block_n: int, maxnreg: int, **knobs):
 def experiments(d1: int, d2: int):
     """Schedules the GPU script measures beside the tuner's candidates (not chosen by the tuner
     until a run shows they pay), same tuple form as :func:`candidates` (fields ``CAND_FIELDS``).
-    Session 5 (fwd13): session 4's losers (64-key tiles with PINGPONG/FENCE, POLY, RESCALE, all
-    5-25 % slower than the default at 8K, bench/results/session4/..._s4r3_gluon.log) are no longer
+    The second schedule search: the first search's losers (64-key tiles with PINGPONG/FENCE, POLY, RESCALE, all
+    5-25 % slower than the default at 8K, bench/results/) are no longer
     measured; the side-2-first order (ORDER) and the two-tile lookahead (LOOK) are. SASS on CPU
     (sm_90, triton 3.9, bf16 D = 128): ORDER no spills, 0 MUFU.EX2 between the waits (ptxas sinks
     them, as in the default); ORDER+FENCE=2 64 of 64 there, no spills non-causal, 11 STL causal
@@ -89,11 +88,11 @@ def experiments(d1: int, d2: int):
     def cand(block_n, maxnreg, **knobs):
         return make_cand(d1, d2, block_n, maxnreg, **knobs)
 
-    # Session 6 (fwd13), run s6r2: FOLD, MASK1 and MERGE became the default (DEFAULT_KNOBS); POLY 3
+    # The third schedule search: FOLD, MASK1 and MERGE became the default (DEFAULT_KNOBS); POLY 3
     # (a quarter of side 2's exponentials by the polynomial: 1.05-1.48x the old default, spills)
     # and POLY 2 with FOLD (0.96-1.02x) are no longer measured; FENCE=2 with FOLD (0.94-0.98x,
     # spills outside the loops) and the turnstile with FOLD (0.98-1.00x) are, on top of the new
-    # default; the knob-free schedule (the session-5 default) is the control, FOLD + MASK1 without
+    # default; the knob-free schedule (the second search's default) is the control, FOLD + MASK1 without
     # MERGE says what MERGE adds.
     d = DEFAULT_KNOBS
     return [cand(128, 168)] * bool(DEFAULT_KNOBS) + [
@@ -108,8 +107,8 @@ def experiments(d1: int, d2: int):
     ]
 
 
-# Session 5's experiments (run s5r4: none beat the default), for ``bench/gluon_gpu.py --configs``.
-SESSION5_EXPERIMENTS = (
+# The second schedule search's experiments (none beat the default on the H200), for ``bench/gluon_gpu.py --configs``.
+SEARCHED_EXPERIMENTS = (
     (128, 2, 168, 1), (128, 2, 168, 0, 0, 0, 0, 2), (128, 2, 168, 0, 0, 0, 0, 2, 1),
     (64, 4, 168, 0, 0, 0, 0, 2, 1, 1), (128, 2, 168, 1, 0, 0, 0, 2, 0, 0, 1),
     (128, 2, 168, 1, 0, 0, 0, 2, 1, 0, 1), (128, 2, 168, 0, 0, 0, 0, 0, 0, 0, 0, 1),

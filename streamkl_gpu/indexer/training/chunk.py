@@ -44,7 +44,7 @@ def _forward_full(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
 
     Untuned: the first candidates of each kernel (the forward's measured best tile, the student
     backward's first), or the next ones where a launch does not fit the device (Triton raises
-    OutOfResources before the kernel runs: e.g. shared memory at D = 96, run s7r10); the pair
+    OutOfResources before the kernel runs: e.g. shared memory at D = 96); the pair
     that fits is remembered per shape class."""
     dims = check_indexer_inputs(q, k, q_idx, k_idx, weights, scale=scale)
     ieee = q.dtype == torch.float32 or q_idx.dtype == torch.float32

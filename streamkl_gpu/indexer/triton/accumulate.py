@@ -1,4 +1,4 @@
-"""The indexer loss's forward that also accumulates the ``-p`` part of the gradient (issue 10).
+"""The indexer loss's forward that also accumulates the ``-p`` part of the gradient.
 
 With a scalar reduction (``"sum"`` / ``"mean"``) the upstream gradient ``g`` is one number for
 every row, so ``G = g (softmax(I) - p)`` splits into a student part ``g softmax(I)`` (needs only
@@ -371,7 +371,7 @@ def _pstore_key_range(
 ):
     """_indexer_fwd._fwd_key_range's loop, plus one store of each tile's p (0 where masked):
     token t's row of P is ``b * p_rows + t - t_off`` (a chunk of p_rows tokens from t_off).
-    KEYS_MAJOR: the keys-major score tiles of _indexer_fwd (s6-idxdsa), p^T stored transposed."""
+    KEYS_MAJOR: the keys-major score tiles of _indexer_fwd, p^T stored transposed."""
     diag_offset = N_K - N_Q
     toks = t0 + tl.arange(0, BLOCK_T)
     p_row = (b.to(tl.int64) * p_rows + (toks - t_off).to(tl.int64)) * N_K

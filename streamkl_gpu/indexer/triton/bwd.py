@@ -161,7 +161,7 @@ def _dq_key_range(
     # the divisor of the rotation, never 0: a stage with no tiles (the unmasked stage of the first
     # causal token blocks) still has its first iteration's addresses formed on the GPU (the loop's
     # pipelined loads are issued ahead), and x % 0 there is garbage: with the stored p read by
-    # pointer (P_SAVED) and a rotation (DK_SHARE), that read faulted on the H200 (run s7r1,
+    # pointer (P_SAVED) and a rotation (DK_SHARE), that read faulted on the H200 (
     # compute-sanitizer: an invalid global read at the P_SAVED load, 16 GB past an allocation)
     n_div = tl.maximum(n_tiles, 1)
     for i in range(0, n_tiles):

@@ -1,4 +1,4 @@
-"""The indexer loss's forward for GQA teachers (H_K > 1): a lean one-pass kernel (issue 10's
+"""The indexer loss's forward for GQA teachers (H_K > 1): a lean one-pass kernel (the
 GQA-like target, <= 3.0x the matmul floor).
 
 Chosen by the 9th config field (``_indexer._plan``'s variant): ``"gqa"`` (each key head's K tile
@@ -92,21 +92,21 @@ MAX_BOX_DIM = 128  # one TMA box per head and tile (D_PAD, DI_PAD)
 
 
 # The tuner's GQA-kernel candidates, measured best first (H200, triton 3.6, GQA-like causal bf16,
-# lse given, bench/idx_gqa_gpu.py). Run s6r3 (round robin, 3 passes): "gqa-band" 64 tokens x 64
+# lse given, bench/idx_gqa_gpu.py). An H200 run (round robin, 3 passes): "gqa-band" 64 tokens x 64
 # keys on 4 warps, 3 stages (157 registers offline: 3 CTAs/SM) at 8K 5 / 10 / 16 / 24 key splits
 # 2.221 / 2.105 / 2.002 / 1.967 ms (4.31x the floor at 24), at 16K 5.633 / 5.123 / 4.638 / 4.464 ms
 # (2.45x at 24), against 2.681 / 6.840 ms for the general kernel's former default
 # (64, 64, 64, 64, 4, 3, 1, 5); "gqa-band-r128" (2 stages, capped at 128 registers) 10 splits 1.951
 # / 4.888; "gqa-flat-band" (2 stages) 10 splits 1.904 at 8K (the best there) but 5.715 at 16K.
-# Run s6r2 (one pass): "gqa-band" 5 splits 1.785 ms = 4.00x against 2.836 for the former default.
-# Run s7r1 (H200, triton 3.6, round robin, 3 passes, medians; the rule's 48 splits from 8K to 64K):
+# An H200 run (one pass): "gqa-band" 5 splits 1.785 ms = 4.00x against 2.836 for the former default.
+# An H200 run (triton 3.6, round robin, 3 passes, medians; the rule's 48 splits from 8K to 64K):
 # "gqa-band-r128" (2 stages, 128 registers: 4 CTAs per SM) 1.425 / 3.916 / 14.17 / 59.35 ms at 8K /
 # 16K / 32K / 64K = 3.28 / 2.25 / 2.04 / 2.13x the floor, against "gqa-band" 1.506 / 4.304 / 16.76 /
 # 64.77 (3.46 / 2.48 / 2.41 / 2.33x): the first candidate since.
 CANDIDATE_BASES = ((64, 64, 64, 64, 4, 2, 1, "gqa-band-r128"), (64, 64, 64, 64, 4, 3, 1, "gqa-band"),
                    (64, 64, 64, 64, 4, 2, 1, "gqa-flat-band"))
-# Key splits: more were faster at every count measured. s6r3: 24, the most tried then, best at 8K
-# and 16K. s6r4 (H200, triton 3.6, round robin, 3 passes, medians), the rule of 24 / 24 / 13 / 7
+# Key splits: more were faster at every count measured. One H200 run: 24, the most tried then, best at 8K
+# and 16K. Another (triton 3.6, round robin, 3 passes, medians), the rule of 24 / 24 / 13 / 7
 # splits at 8K / 16K / 32K / 64K against 32 and 48 forced: 1.739 / 4.911 / 18.22 / 73.68 ms,
 # 32 splits 1.698 / 4.825 / 16.39 / 66.76, 48 splits 1.609 / 4.553 / 16.18 / 66.59 (7-11 % below
 # the rule at every N, KL within 1e-5 of the rule's). So now ~SPLIT_WAVES waves of 3-CTA-per-SM
@@ -119,8 +119,7 @@ MAX_SPLITS = 48
 def key_splits(n_q: int, block_t: int, n_sm: int) -> int:
     """Key splits of the GQA kernel's launch: ``SPLIT_WAVES`` waves of ``3 * n_sm`` CTA slots over
     the token blocks (twice that many programs: causal, about half exit at once), at most
-    ``MAX_SPLITS``. H200 (132 SMs), 64-token blocks: 48 from 8K to 64K (as measured best, run
-    s6r4), 25 at 128K."""
+    ``MAX_SPLITS``. H200 (132 SMs), 64-token blocks: 48 from 8K to 64K (as measured best), 25 at 128K."""
     blocks = max(1, _runtime.cdiv(n_q, block_t))
     return max(1, min(MAX_SPLITS, _runtime.cdiv(2 * SPLIT_WAVES * 3 * n_sm, blocks)))
 

@@ -1,7 +1,7 @@
-"""CPU smoke run of bench/bwd_s6.py (the session-6 backward candidates' GPU script) under the
-interpreter: prewarm worker, timings, comparisons with the reference kernels, float64 checks and
-the CSV / table it leaves for the lead, with the reference kernels and one candidate (the dK kernel
-with packed row constants)."""
+"""CPU smoke run of the backward candidates' GPU script (bench/bwd_s6.py) under the interpreter:
+prewarm worker, timings, comparisons with the reference kernels, float64 checks and the CSV /
+table it leaves, with the reference kernels and one candidate (the dK kernel with packed row
+constants)."""
 import csv
 import os
 import subprocess
@@ -10,7 +10,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_bwd_s6_tiny_run(tmp_path):
+def test_backward_candidates_script_tiny_run(tmp_path):
     only = "dq 128x64x8x3 (auto),dk 64x128x8x3 rows (auto),dk 64x128x8x3 pack"
     out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bwd_s6.py"), str(tmp_path), "--tiny",
                           "--workers", "1", "--only", only], capture_output=True, text=True, timeout=300, cwd=ROOT)
