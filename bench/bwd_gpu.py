@@ -449,7 +449,7 @@ def set_variant(v):
 
 def plan_of(variant, mode, tuned):
     """The (mode, dK config, dQ config) the last plan under ``variant`` chose (what was timed)."""
-    from streamkl_gpu import _launch
+    from streamkl_gpu.attention import launch as _launch
     got = [p for sig, p in _launch._PLANS.items() if sig[0] == "bwd" and sig[2][-1] == variant
            and sig[2][3] == mode and sig[3][0] == ("1" if tuned else "0")]
     return "/".join(map(str, got[-1])).replace(" ", "") if got else "?"

@@ -194,7 +194,7 @@ class S6:
         return d
 
     def forward(self, d, causal):
-        from streamkl_gpu import _launch
+        from streamkl_gpu.attention import launch as _launch
         os.environ["STREAMKL_AUTOTUNE"] = "0"
         return _launch.forward(d["q1"], d["k1"], d["q2"], d["k2"], causal, None, None, None)
 
@@ -371,7 +371,7 @@ class S6:
         """The API's default path at 8K non-causal (backward = fwd+bwd - fwd, as bench/bwd_musts_gpu.py),
         the dQ kernel on one stream and on a second one."""
         import streamkl_gpu
-        from streamkl_gpu import _launch
+        from streamkl_gpu.attention import launch as _launch
         d = self.inputs(self.H, self.n, self.D, seed=21)
         os.environ["STREAMKL_AUTOTUNE"] = "1"
         try:

@@ -19,7 +19,8 @@ import triton  # noqa: E402
 
 import bwd_s6  # noqa: E402
 import bwd_sweep  # noqa: E402
-from streamkl_gpu import _bwd, _checks  # noqa: E402
+from streamkl_gpu.attention.triton import bwd as _bwd  # noqa: E402
+from streamkl_gpu._core import checks as _checks
 from streamkl_ref._checks import check_inputs  # noqa: E402
 
 

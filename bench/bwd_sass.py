@@ -1,11 +1,11 @@
-"""Offline sm_90 compile of the backward kernels (streamkl_gpu/_bwd.py), no GPU needed: for every
+"""Offline sm_90 compile of the backward kernels (streamkl_gpu/attention/triton/bwd.py), no GPU needed: for every
 launch candidate of every variant, registers, spills (STL/LDL), shared memory, and per main loop
 the HGMMA / MUFU.EX2 / instruction counts of the SASS (the proxy for speed used before a GPU run).
 
     python bench/bwd_sass.py [VARIANT ...] [--setting s1,s2] [--causal 0,1] [--d 128] [--first]
     PYTHONPATH=/tmp/t36 python bench/bwd_sass.py ...      # another triton (e.g. the GPU image's 3.6)
 
-It intercepts the launches of streamkl_gpu._launch.backward (CPU tensors, nothing runs) and
+It intercepts the launches of streamkl_gpu.attention.launch.backward (CPU tensors, nothing runs) and
 compiles each with triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32)).
 """
 import argparse
@@ -23,7 +23,11 @@ import triton  # noqa: E402
 from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from streamkl_gpu import _bwd, _gluon_sass, _launch, _runtime, _tuning  # noqa: E402
+from streamkl_gpu.attention.triton import bwd as _bwd  # noqa: E402
+from streamkl_gpu.devtools import sass as _gluon_sass
+from streamkl_gpu.attention import launch as _launch
+from streamkl_gpu._core import runtime as _runtime
+from streamkl_gpu._core import tuning as _tuning
 
 TARGET = GPUTarget("cuda", 90, 32)
 records = []

@@ -201,7 +201,7 @@ class Direct:
     without its tuner and plan cache), for inputs ``d`` and the forward's saved ``fwd``."""
 
     def __init__(self, torch, d, fwd, setting, causal=False):
-        from streamkl_gpu import _checks
+        from streamkl_gpu._core import checks as _checks
         self.torch, self.d, self.setting, self.causal = torch, d, setting, causal
         self.kl, self.lse1, self.lse2 = (t.contiguous() for t in fwd)
         q1, k1, q2, k2 = d["q1"], d["k1"], d["q2"], d["k2"]
@@ -219,10 +219,10 @@ class Direct:
         tile, or with ``reduce=False`` by per-element atomics). Returns (dq, dk)."""
         import triton
 
-        from streamkl_gpu import _bwd
-        from streamkl_gpu._checks import head_pad, strides
-        from streamkl_gpu._launch import _desc, _row_constants
-        from streamkl_gpu._runtime import LOG2E
+        from streamkl_gpu.attention.triton import bwd as _bwd
+        from streamkl_gpu._core.checks import head_pad, strides
+        from streamkl_gpu.attention.launch import _desc, _row_constants
+        from streamkl_gpu._core.runtime import LOG2E
         torch, dims, d = self.torch, self.dims, self.d
         q1, k1, q2, k2 = d["q1"], d["k1"], d["q2"], d["k2"]
         block_m, block_n, warps, stages = cfg
@@ -267,10 +267,10 @@ class Direct:
         """One launch of the separate dQ kernel (``tma+fold``). Returns dq in the input dtype."""
         import triton
 
-        from streamkl_gpu import _bwd
-        from streamkl_gpu._checks import head_pad, strides
-        from streamkl_gpu._launch import _desc
-        from streamkl_gpu._runtime import LOG2E
+        from streamkl_gpu.attention.triton import bwd as _bwd
+        from streamkl_gpu._core.checks import head_pad, strides
+        from streamkl_gpu.attention.launch import _desc
+        from streamkl_gpu._core.runtime import LOG2E
         torch, dims, d = self.torch, self.dims, self.d
         q1, k1, q2, k2 = d["q1"], d["k1"], d["q2"], d["k2"]
         block_m, block_n, warps, stages = cfg
@@ -332,7 +332,7 @@ def inputs(torch, dev, H, N, D, seed=0, dtype=None):
 
 
 def forward(r, d):
-    from streamkl_gpu import _launch
+    from streamkl_gpu.attention import launch as _launch
     return _launch.forward(d["q1"], d["k1"], d["q2"], d["k2"], False, None, None, None)
 
 
@@ -371,7 +371,7 @@ def worker(r, joblist):
                 del dd
                 regs = spills = None
             elif j["kind"] == "gluon":  # the Gluon backward, default or lagged dQ (compile only)
-                from streamkl_gpu import _gluon_bwd
+                from streamkl_gpu.experimental import attention_bwd_sm90 as _gluon_bwd
                 sc = 1.0 / math.sqrt(r.D)
                 _gluon_bwd.gluon_backward(d["g"], d["q1"], d["k1"], d["q2"], d["k2"], *fwd, False, sc, sc,
                                           2 if j["setting"] == "s1" else 1, config=GLUON_CONFIGS[j["cfg"][0]])
@@ -653,7 +653,7 @@ def gluon_lag(r, res, failed):
     torch = r.torch
     from streamkl_bench.providers import dense_kl
 
-    from streamkl_gpu import _gluon_bwd
+    from streamkl_gpu.experimental import attention_bwd_sm90 as _gluon_bwd
     sc = 1.0 / math.sqrt(r.D)
     out = {}
     for s in SETTINGS:
@@ -720,12 +720,12 @@ def inputs_qk(torch, dev, H, NQ, NK, D, seed=0):
 
 
 def _launch_forward(d, causal):
-    from streamkl_gpu import _launch
+    from streamkl_gpu.attention import launch as _launch
     return _launch.forward(d["q1"], d["k1"], d["q2"], d["k2"], causal, None, None, None)
 
 
 def _fwd_causal(d):
-    from streamkl_gpu import _launch
+    from streamkl_gpu.attention import launch as _launch
     return _launch.forward(d["q1"], d["k1"], d["q2"], d["k2"], True, None, None, None)
 
 
@@ -955,7 +955,8 @@ def offline_main():
     import torch
     import triton
 
-    from streamkl_gpu import _bwd, _checks
+    from streamkl_gpu.attention.triton import bwd as _bwd
+    from streamkl_gpu._core import checks as _checks
     from streamkl_ref._checks import check_inputs
     for n in ("_kl_bwd_dk_kernel", "_kl_bwd_dq_kernel", "_kl_bwd_rows_kernel"):
         setattr(_bwd, n, bs._Rec(n, getattr(_bwd, n)))

@@ -69,7 +69,7 @@ def main(argv=None):
             del k1, k2
             torch.cuda.empty_cache()
     f.close()
-    from streamkl_gpu import _tuning
+    from streamkl_gpu._core import tuning as _tuning
     with open(os.path.join(out_dir, "decode_tuning.txt"), "w") as fh:  # what the tuner measured per key
         for key, measured in getattr(_tuning, "TUNING_LOG", {}).items():
             fh.write(f"{key}\n" + "".join(f"    {cfg}  {ms:.4f} ms\n" for cfg, ms in sorted(measured, key=lambda x: x[1])))

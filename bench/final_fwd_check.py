@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 sys.path.insert(0, os.getcwd())
 import streamkl_gpu
-from streamkl_gpu import _tuning
+from streamkl_gpu._core import tuning as _tuning
 from streamkl_gpu.naive import attention_kl_naive
 OUT = os.environ.get("OUT", "/tmp")
 env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,

@@ -15,7 +15,7 @@ Sections (a time budget skips what does not fit, recorded as ``skipped``; the SA
    on-disk cache (tiny launches of the same specialisations), so the sections below load them.
 1. check: the Gluon path (forced) vs the Triton path (forced) vs float64, outputs NaN-poisoned
    (_runtime.POISON_FRESH) so an unwritten row fails. Every launch configuration of
-   ``_gluon_fwd.configs_to_measure`` (the tuner's candidates and the experiments) is checked
+   ``_gluon_fwd_launch.configs_to_measure`` (the tuner's candidates and the experiments) is checked
    individually on shapes with the same specialisation as the timed ones (B=1, H=16, N multiple
    of 16 but not of 128: ragged tiles; causal with one-key rows exactly 0; NaN in invisible keys
    and in one query row). Without --quick, also every case class for the API's choice:
@@ -66,8 +66,10 @@ import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 import streamkl_gpu  # noqa: E402
-from streamkl_gpu import _gluon_dispatch as dispatch  # noqa: E402
-from streamkl_gpu import _gluon_sass, _runtime  # noqa: E402
+from streamkl_gpu.attention.gluon import dispatch as dispatch  # noqa: E402
+from streamkl_gpu.devtools import sass as _gluon_sass  # noqa: E402
+from streamkl_gpu._core import runtime as _runtime  # noqa: E402
+from streamkl_gpu._core.forcing import forcing  # noqa: E402
 from streamkl_gpu.naive import attention_kl_naive  # noqa: E402
 
 K = 1024
@@ -102,18 +104,25 @@ def set_backend(name):
 def forward_bits(q1, k1, q2, k2, causal, split_k=None):
     """(kl, lse1_bits, lse2_bits) of the API's forward (``_launch.forward``) with the current
     backend setting."""
-    from streamkl_gpu._launch import forward as fwd
+    from streamkl_gpu.attention.launch import forward as fwd
 
     return fwd(q1, k1, q2, k2, causal, 1.0 / math.sqrt(q1.shape[-1]), 1.0 / math.sqrt(q2.shape[-1]), split_k)
 
 
-def note_gluon_kernel(label):
-    from streamkl_gpu import _gluon_fwd
+# Every Gluon launch of the run is recorded by the library's forcing hook (a block opened in main).
+RAN = None
 
-    k = _gluon_fwd.LAST_KERNEL
-    if k is not None:
-        h = getattr(k, "hash", None) or id(k)
-        SASS_SEEN.setdefault(h, (label, k, _gluon_fwd.waits_per_tile(_gluon_fwd.LAST_KERNEL_SCHED)))
+
+def note_gluon_kernel(label):
+    from streamkl_gpu.attention.gluon import fwd_sm90_launch as _gluon_fwd_launch
+
+    try:
+        last = RAN.last("attention_fwd_sm90")
+    except (AttributeError, LookupError):  # no block open, or no Gluon launch yet
+        return
+    k = last.kernel
+    h = getattr(k, "hash", None) or id(k)
+    SASS_SEEN.setdefault(h, (label, k, _gluon_fwd_launch.waits_per_tile(last.meta["SCHED"])))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -212,7 +221,8 @@ def _poisoned(shape):
 def run_check(quick, configs, budget):
     log("== check: gluon (API and every configuration forced) vs triton vs float64 (outputs NaN-poisoned; "
         "Triton path and API untuned: first config)")
-    from streamkl_gpu import _gluon_fwd
+    from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
+    from streamkl_gpu.attention.gluon import fwd_sm90_launch as _gluon_fwd_launch
 
     _runtime.POISON_FRESH = True
     tune = os.environ.get("STREAMKL_AUTOTUNE")
@@ -246,10 +256,10 @@ def run_check(quick, configs, budget):
             # recorded and the others go on
             s1, s2 = 1.0 / math.sqrt(xs[0].shape[-1]), 1.0 / math.sqrt(xs[2].shape[-1])
             for cand in (configs if opts.get("configs") else []):
-                prov = "gluon[" + _gluon_fwd.describe(cand) + "]"
+                prov = "gluon[" + _gluon_fwd_launch.describe(cand) + "]"
                 try:
-                    got = _gluon_fwd.gluon_forward(*xs, causal, s1, s2, out=_poisoned(xs[0].shape[:3]),
-                                                   config=_gluon_fwd.config_of(cand))
+                    got = _gluon_fwd_launch.gluon_forward(*xs, causal, s1, s2, out=_poisoned(xs[0].shape[:3]),
+                                                   config=_gluon_fwd_launch.config_of(cand))
                     torch.cuda.synchronize()
                     note_gluon_kernel(f"{name} {prov}")
                     outs[prov] = [t.clone() for t in got]
@@ -383,7 +393,8 @@ def _probe(specs):
     """Worker (``gluon_gpu.py --probe SPEC...``): launch each spec (``variant:cand``) once, causal
     and not, on the check shapes (the timed shapes' specialisation): the kernels land in
     Triton's on-disk cache, where the main process finds them; prints one JSON line per spec."""
-    from streamkl_gpu import _gluon_fwd
+    from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
+    from streamkl_gpu.attention.gluon import fwd_sm90_launch as _gluon_fwd_launch
 
     for spec in specs:
         if spec.startswith(TRITON_POINT):  # the tuned Triton path at one grid point (--final)
@@ -435,8 +446,8 @@ def _probe(specs):
                 sh = dict(_cfg_shape(nq, nk), D1=int(d1), D2=int(d2))
                 sh["HK1"] = sh["HK2"] = sh["H"] // int(group)
                 xs = make_case(**sh, dtype=torch.bfloat16 if dtype == "bf16" else torch.float16, seed=1)
-                got = _gluon_fwd.gluon_forward(*xs, causal, 0.088, 0.088, config=_gluon_fwd.config_of(cand),
-                                               variant=variant)
+                with forcing(attention_fwd_variant=None if variant == "kernel" else variant):
+                    got = _gluon_fwd_launch.gluon_forward(*xs, causal, 0.088, 0.088, config=_gluon_fwd_launch.config_of(cand))
                 torch.cuda.synchronize()
                 if variant == "kernel" and not torch.isfinite(got[0]).all():
                     raise RuntimeError("non-finite KL on finite inputs")
@@ -552,12 +563,13 @@ def _provider_fn(prov, xs, causal):
         q1, k1, q2, _ = xs
         return lambda: F.scaled_dot_product_attention(q1, k1, q2, is_causal=causal)
     if prov.startswith("gluon["):
-        from streamkl_gpu import _gluon_fwd
+        from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
+        from streamkl_gpu.attention.gluon import fwd_sm90_launch as _gluon_fwd_launch
 
         cand = CONFIG_OF_PROVIDER[prov]
         s1, s2 = 1.0 / math.sqrt(xs[0].shape[-1]), 1.0 / math.sqrt(xs[2].shape[-1])
-        cfg = _gluon_fwd.config_of(cand)
-        return lambda: _gluon_fwd.gluon_forward(*xs, causal, s1, s2, config=cfg)
+        cfg = _gluon_fwd_launch.config_of(cand)
+        return lambda: _gluon_fwd_launch.gluon_forward(*xs, causal, s1, s2, config=cfg)
     backend = {"gluon": "gluon", "triton": "triton", "auto": "auto"}[prov]
 
     def fn():
@@ -570,9 +582,10 @@ CONFIG_OF_PROVIDER = {}  # "gluon[n128 s2 r168]" -> its candidate tuple
 
 
 def provider_of(cand):
-    from streamkl_gpu import _gluon_fwd
+    from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
+    from streamkl_gpu.attention.gluon import fwd_sm90_launch as _gluon_fwd_launch
 
-    prov = "gluon[" + _gluon_fwd.describe(cand) + "]"
+    prov = "gluon[" + _gluon_fwd_launch.describe(cand) + "]"
     CONFIG_OF_PROVIDER[prov] = tuple(cand)
     return prov
 
@@ -626,18 +639,20 @@ def time_point(section, case, meta, xs, causal, providers, warmup, rep, budget, 
 
 def log_tuner_picks():
     """What the API's Gluon tuner measured and chose (``_tuning.TUNING_LOG``, ``_PICKED``)."""
-    from streamkl_gpu import _gluon_fwd, _tuning
+    from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
+    from streamkl_gpu.attention.gluon import fwd_sm90_launch as _gluon_fwd_launch
+    from streamkl_gpu._core import tuning as _tuning
 
     for key, meas in _tuning.TUNING_LOG.items():
         if key and key[0] == "gluon_fwd":
             picked = dispatch._PICKED.get(key)
-            log(f"tuner {key[1:]}: " + ", ".join(f"{_gluon_fwd.describe(c)} {ms:.3f}" for c, ms in meas)
-                + (f" -> {_gluon_fwd.describe(picked)}" if picked else ""))
-            record("tuner", str(key[1:]), "gluon", "picked", _gluon_fwd.describe(picked) if picked else None,
-                   detail="; ".join(f"{_gluon_fwd.describe(c)}={ms:.4f}" for c, ms in meas))
+            log(f"tuner {key[1:]}: " + ", ".join(f"{_gluon_fwd_launch.describe(c)} {ms:.3f}" for c, ms in meas)
+                + (f" -> {_gluon_fwd_launch.describe(picked)}" if picked else ""))
+            record("tuner", str(key[1:]), "gluon", "picked", _gluon_fwd_launch.describe(picked) if picked else None,
+                   detail="; ".join(f"{_gluon_fwd_launch.describe(c)}={ms:.4f}" for c, ms in meas))
     for key, ret in getattr(_tuning, "TUNING_RETIMED", {}).items():
         if key and key[0] == "gluon_fwd":
-            log(f"tuner re-timed {key[1:]}: " + ", ".join(f"{_gluon_fwd.describe(c)} {ms:.3f}" for c, ms in ret.items()))
+            log(f"tuner re-timed {key[1:]}: " + ", ".join(f"{_gluon_fwd_launch.describe(c)} {ms:.3f}" for c, ms in ret.items()))
 
 
 def supported(xs):
@@ -688,7 +703,8 @@ def run_timing(section, points, warmup, rep, budget, config_providers=(), api=("
 def run_variants(quick, warmup, rep, budget, variants, configs):
     """Time each configuration of ``configs`` beside deliberately wrong variants of it
     (docs/design/attention_forward.md's method: what the time is made of) at B=1, H=32, D=128, bf16, 8K."""
-    from streamkl_gpu import _gluon_fwd
+    from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
+    from streamkl_gpu.attention.gluon import fwd_sm90_launch as _gluon_fwd_launch
 
     log("== variants of the Gluon kernel (8K, bf16, D=128; wrong results on purpose)")
     table = []
@@ -699,16 +715,17 @@ def run_variants(quick, warmup, rep, budget, variants, configs):
         xs = make_case(**sh, dtype=torch.bfloat16, seed=3)
         meta = dict(dtype="bf16", causal=int(causal), **{k.lower(): v for k, v in sh.items()})
         for cand in configs:
-            name = _gluon_fwd.describe(cand)
-            cfg = _gluon_fwd.config_of(cand)
+            name = _gluon_fwd_launch.describe(cand)
+            cfg = _gluon_fwd_launch.config_of(cand)
             times = {}
             for variant in variants.get(cand, ()):
                 if budget.left() < 10:
                     record("variants", variant, name, "ms", None, "skipped", "time budget", **meta)
                     continue
                 try:
-                    fn = lambda: _gluon_fwd.gluon_forward(*xs, causal, sc, sc, config=cfg, variant=variant)  # noqa: E731
-                    ms = time_ms(fn, warmup, rep)
+                    fn = lambda: _gluon_fwd_launch.gluon_forward(*xs, causal, sc, sc, config=cfg)  # noqa: E731
+                    with forcing(attention_fwd_variant=None if variant == "kernel" else variant):
+                        ms = time_ms(fn, warmup, rep)
                     note_gluon_kernel(f"variant {variant} [{name}] causal={int(causal)}")
                     times[variant] = ms
                     record("variants", variant, name, "ms", ms, **meta)
@@ -741,7 +758,7 @@ RETIME_TRITON = False
 def _plan_of_auto(n):
     """What the API's plan cache holds for the auto backend at N_Q = N_K = n (B=1, H=32, D=128):
     "gluon" (the Gluon kernel), the Triton config tuple, or None when no such call ran."""
-    from streamkl_gpu import _launch
+    from streamkl_gpu.attention import launch as _launch
 
     for sig, plan in _launch._PLANS.items():
         dims, flags = sig[1], sig[2]
@@ -770,7 +787,8 @@ def run_retime_2k(warmup, rep, budget):
     kernel straight (no API host work), each provider's host time per call, and the plan the
     auto call took: tells dispatch from host cost from timing noise."""
     global ROUNDS
-    from streamkl_gpu import _gluon_fwd
+    from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
+    from streamkl_gpu.attention.gluon import fwd_sm90_launch as _gluon_fwd_launch
 
     log("== retime bf16 D128 N=2K full (auto vs forced paths, several rounds)")
     old_rounds, ROUNDS = ROUNDS, RETIME_ROUNDS
@@ -786,7 +804,7 @@ def run_retime_2k(warmup, rep, budget):
             log(f"retime 2K: STREAMKL_AUTOTUNE=0 (the tuned Triton path's prewarm: "
                 f"{PREWARM_STATUS.get(TRITON_PREWARM_2K, 'not run') or 'unfinished'})")
             record("retime 2K", "bf16 D128 N=2K full", "triton", "untuned", 1, "info", "its prewarm did not finish")
-        provs = [p for p in ("auto", "triton", "gluon") if p in api] + [provider_of(_gluon_fwd.candidates(128, 128)[0])]
+        provs = [p for p in ("auto", "triton", "gluon") if p in api] + [provider_of(_gluon_fwd_launch.candidates(128, 128)[0])]
         table = run_timing("retime 2K", [("bf16 D128 N=2K full", shape(2 * K), False, False)], warmup, rep, budget,
                            provs[-1:], api=api)
         xs = make_case(**{k: v for k, v in shape(2 * K).items() if k != "dtype"}, dtype=torch.bfloat16, seed=7)
@@ -820,14 +838,14 @@ def run_retime_2k(warmup, rep, budget):
 
 
 def _retime_fast_launch(xs, warmup, rep, budget):
-    """The Gluon path's cached launcher (``_gluon_fwd._launch``, on unless STREAMKL_GLUON_FAST_LAUNCH=0):
+    """The Gluon path's cached launcher (``_gluon_fwd_launch._launch``, on unless STREAMKL_FAST_LAUNCH=0):
     outputs bitwise equal to the JIT launch's (bound, then direct), host time per call with it
     and without (the section's other rows ran with it), and auto / forced Gluon timed again."""
-    from streamkl_gpu import _gluon_fwd
+    from streamkl_gpu.attention.gluon import fwd_sm90_launch as _gluon_fwd_launch
 
     if budget.left() < 10:
         return []
-    env_name = _gluon_fwd.FAST_LAUNCH_ENV
+    env_name = "STREAMKL_FAST_LAUNCH"
     case = "bf16 D128 N=2K full (gluon fast launch)"
     table = []
     try:
@@ -841,10 +859,10 @@ def _retime_fast_launch(xs, warmup, rep, budget):
             torch.cuda.synchronize()
             same.append(all(torch.equal(a, b) for a, b in zip(got, ref)))
         set_backend("auto")
-        ok = all(same) and _gluon_fwd.FAST_STATS["direct"] >= 1
+        ok = all(same) and _gluon_fwd_launch.FAST_STATS["direct"] >= 1
         record("retime 2K", case, "gluon", "bitwise_equal_to_jit_launch", int(ok), "ok" if ok else "FAIL",
-               json.dumps(_gluon_fwd.FAST_STATS))
-        log(f"{'PASS' if ok else 'FAIL'} fast launch: outputs equal to the JIT launch's {same}, {_gluon_fwd.FAST_STATS}")
+               json.dumps(_gluon_fwd_launch.FAST_STATS))
+        log(f"{'PASS' if ok else 'FAIL'} fast launch: outputs equal to the JIT launch's {same}, {_gluon_fwd_launch.FAST_STATS}")
         host = {}
         for prov in ("auto", "gluon"):
             try:
@@ -886,9 +904,10 @@ def dims_points():
 
 def dims_configs(d1, d2):
     """The default's 128-key candidate at (d1, d2) and the same without knobs."""
-    from streamkl_gpu import _gluon_fwd
+    from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
+    from streamkl_gpu.attention.gluon import fwd_sm90_launch as _gluon_fwd_launch
 
-    return [_gluon_fwd.candidates(d1, d2)[0], _gluon_fwd.make_cand(d1, d2, 128, 168)]
+    return [_gluon_fwd_launch.candidates(d1, d2)[0], _gluon_fwd_launch.make_cand(d1, d2, 128, 168)]
 
 
 def dims_prewarm_specs():
@@ -951,28 +970,30 @@ def grid_points():
 
 def grid_prewarm_specs():
     """The tuner's candidates for every Gluon specialisation the grid's auto choice reaches."""
-    from streamkl_gpu import _gluon_fwd
+    from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
+    from streamkl_gpu.attention.gluon import fwd_sm90_launch as _gluon_fwd_launch
 
     specs = []
     for dtype in ("bf16", "fp16"):
         for d1, d2, group in ((128, 128, 1), (64, 64, 1), (128, 64, 1), (128, 128, 4)):
             if dtype == "fp16" and (d1, d2, group) != (128, 128, 1):
                 continue  # the grid has fp16 only at D = 128
-            specs += [_spec("kernel", c, dtype, d1, d2, group) for c in _gluon_fwd.candidates(d1, d2)]
+            specs += [_spec("kernel", c, dtype, d1, d2, group) for c in _gluon_fwd_launch.candidates(d1, d2)]
     return specs
 
 
 # ----------------------------------------------------------------------------------------------
 
 def _select_configs(which, d1=128, d2=128):
-    from streamkl_gpu import _gluon_fwd
+    from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
+    from streamkl_gpu.attention.gluon import fwd_sm90_launch as _gluon_fwd_launch
 
     if which == "default":
-        return _gluon_fwd.candidates(d1, d2)[:1]
+        return _gluon_fwd_launch.candidates(d1, d2)[:1]
     if which == "tuner":
-        return _gluon_fwd.candidates(d1, d2)
+        return _gluon_fwd_launch.candidates(d1, d2)
     if which == "all":
-        return _gluon_fwd.configs_to_measure(d1, d2)
+        return _gluon_fwd_launch.configs_to_measure(d1, d2)
     # explicit: "128,2,168,0;64,4,168,0"
     return [tuple(int(x) for x in c.split(",")) for c in which.split(";") if c.strip()]
 
@@ -1047,10 +1068,11 @@ def main(argv=None):
                 status = prewarm(grid_prewarm_specs(), budget, a.out_dir)
                 bad = {tuple(int(c) for c in sp.split(":")[1].split(",")) for sp, why in status.items() if why}
                 if bad:  # keep the API's tuner off them (a hang there would stop the run)
-                    from streamkl_gpu import _gluon_fwd
+                    from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
+                    from streamkl_gpu.attention.gluon import fwd_sm90_launch as _gluon_fwd_launch
 
-                    tuner = _gluon_fwd.candidates
-                    _gluon_fwd.candidates = lambda d1, d2: [c for c in tuner(d1, d2) if c not in bad] or tuner(d1, d2)[:1]
+                    tuner = _gluon_fwd_launch.candidates
+                    _gluon_fwd_launch.candidates = lambda d1, d2: [c for c in tuner(d1, d2) if c not in bad] or tuner(d1, d2)[:1]
                     failed_cfg = {c: "failed in a grid prewarm worker" for c in bad}
                     log(f"left out of the API's tuner: {sorted(bad)}")
             grid = run_timing("grid", grid_points(), warmup, rep, budget)
@@ -1061,7 +1083,8 @@ def main(argv=None):
             vconfigs = [c for c in VARIANT_CONFIGS if c in configs] if dispatch.GLUON_AVAILABLE else []
             variants_of = {c: [v for v in variant_names if v not in VARIANT_SKIP.get(c, ())] for c in vconfigs}
             if configs and not a.no_prewarm:
-                from streamkl_gpu import _gluon_fwd
+                from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
+                from streamkl_gpu.attention.gluon import fwd_sm90_launch as _gluon_fwd_launch
 
                 specs = [_spec("kernel", c) for c in configs] + [
                     _spec(v, c) for c in vconfigs for v in variants_of[c] if v != "kernel"]
@@ -1076,8 +1099,8 @@ def main(argv=None):
                 failed_cfg = {c: status[_spec("kernel", c)] for c in configs if status.get(_spec("kernel", c))}
                 configs = [c for c in configs if c not in failed_cfg]
                 if failed_cfg:  # keep the API's tuner off them too (a hang there would stop the run)
-                    tuner = _gluon_fwd.candidates
-                    _gluon_fwd.candidates = lambda d1, d2: [c for c in tuner(d1, d2) if c not in failed_cfg] or tuner(d1, d2)[:1]
+                    tuner = _gluon_fwd_launch.candidates
+                    _gluon_fwd_launch.candidates = lambda d1, d2: [c for c in tuner(d1, d2) if c not in failed_cfg] or tuner(d1, d2)[:1]
                     log(f"left out of the run (and of the API's tuner): {sorted(failed_cfg)}")
                 variants_of = {c: [v for v in vs if not status.get(_spec(v, c))]
                                for c, vs in variants_of.items() if c in configs}
@@ -1135,10 +1158,11 @@ def run_final(a, budget, warmup, rep, out):
     and forced Gluon, one round, as s5r5); (4) the check cases (every class, budget permitting).
     Fills ``out`` (targets, grid, checks, failed: the configurations left out) as it goes."""
     global ROUNDS
-    from streamkl_gpu import _gluon_fwd
+    from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
+    from streamkl_gpu.attention.gluon import fwd_sm90_launch as _gluon_fwd_launch
 
     failed_cfg = out["failed"] = {}
-    default = _gluon_fwd.candidates(128, 128)[0]
+    default = _gluon_fwd_launch.candidates(128, 128)[0]
     if dispatch.GLUON_AVAILABLE and not a.no_prewarm:
         specs = [_spec("kernel", default)]
         specs += [sp for sp in grid_prewarm_specs() if sp not in specs]
@@ -1152,8 +1176,8 @@ def run_final(a, budget, warmup, rep, out):
         bad = {tuple(int(c) for c in sp.split(":")[1].split(",")) for sp, why in status.items()
                if why and sp.startswith("kernel:")}
         if bad:  # keep the API's tuner off them (a hang there would stop the run)
-            tuner = _gluon_fwd.candidates
-            _gluon_fwd.candidates = lambda d1, d2: [c for c in tuner(d1, d2) if c not in bad] or tuner(d1, d2)[:1]
+            tuner = _gluon_fwd_launch.candidates
+            _gluon_fwd_launch.candidates = lambda d1, d2: [c for c in tuner(d1, d2) if c not in bad] or tuner(d1, d2)[:1]
             failed_cfg.update({c: "failed in a prewarm worker" for c in bad})
             log(f"left out of the API's tuner: {sorted(bad)}")
     ROUNDS = max(3, a.rounds or 3)
@@ -1201,9 +1225,10 @@ def run_quick(a, configs, providers, variants_of, warmup, rep, budget, out):
     # session 6: the checks before 32K/64K (a new rounding, FOLD, must be checked in the run that
     # times it); the Triton path of the checks is prewarmed, a case takes seconds
     if not a.no_check and budget.left() > 15:
-        from streamkl_gpu import _gluon_fwd
+        from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
+        from streamkl_gpu.attention.gluon import fwd_sm90_launch as _gluon_fwd_launch
 
-        chosen = [c for c in _gluon_fwd.candidates(128, 128) if c in configs]
+        chosen = [c for c in _gluon_fwd_launch.candidates(128, 128) if c in configs]
         chosen += [CONFIG_OF_PROVIDER[p] for p in best if CONFIG_OF_PROVIDER[p] not in chosen]
         chosen += [c for c in QUICK_CHECK_ALSO if c in configs and c not in chosen]
         out["checks"] = run_check(a.quick, chosen, budget)
@@ -1221,9 +1246,10 @@ def default_verdict(targets, margin=0.02):
     """Lines for the lead: each forced configuration against the default (the tuner's first
     candidate at D = 128) over the 8K/16K points both timed; a configuration faster at every
     such point by more than ``margin`` is named as the default to take (what decides a default)."""
-    from streamkl_gpu import _gluon_fwd
+    from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
+    from streamkl_gpu.attention.gluon import fwd_sm90_launch as _gluon_fwd_launch
 
-    default = provider_of(_gluon_fwd.candidates(128, 128)[0])
+    default = provider_of(_gluon_fwd_launch.candidates(128, 128)[0])
     pts = [t for case, _, t in targets if default in t and ("N=8K" in case or "N=16K" in case)]
     if not pts:
         return []
@@ -1241,9 +1267,10 @@ def default_verdict(targets, margin=0.02):
 
 
 def describe_default():
-    from streamkl_gpu import _gluon_fwd
+    from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
+    from streamkl_gpu.attention.gluon import fwd_sm90_launch as _gluon_fwd_launch
 
-    return _gluon_fwd.describe(_gluon_fwd.candidates(128, 128)[0])
+    return _gluon_fwd_launch.describe(_gluon_fwd_launch.candidates(128, 128)[0])
 
 
 def write_outputs(a, env, checks, targets, grid, variants, sass, failed_cfg):
@@ -1363,4 +1390,5 @@ def write_outputs(a, env, checks, targets, grid, variants, sass, failed_cfg):
 
 
 if __name__ == "__main__":
-    main()
+    with forcing() as RAN:  # records every Gluon launch (note_gluon_kernel reads it)
+        main()

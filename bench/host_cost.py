@@ -12,7 +12,7 @@
 - --first-call: the first call at a new large shape (512K tokens, H=8, causal, bf16) and at
   16K (H=32), each in a fresh process with an empty tuning cache, then the second call, and a
   second process that finds the on-disk cache.
-- --check-direct: the direct launch path (streamkl_gpu._fast_launch) against Triton's binder on
+- --check-direct: the direct launch path (streamkl_gpu._core.launcher) against Triton's binder on
   shapes that take every kernel (split-K, fused/separate backward, GQA, D1 != D2, causal).
   --check-only: those checks alone, with STREAMKL_FAST_LAUNCH_CHECK=1 (every cached launch's key
   re-derived and compared); time host cost in a process without it (the check costs ~20 us per
@@ -120,7 +120,7 @@ def host_cost(out_dir, n_calls=1000, profile=False):
                      ("engine_floor_python_function_fwd+bwd", python_function_floor)):
         results[name] = timed(fn, n_calls)
     # the same calls through Triton's own launcher (no direct launch): what _fast_launch saves
-    from streamkl_gpu import _fast_launch
+    from streamkl_gpu._core import launcher as _fast_launch
     if _fast_launch.enabled():
         with binder_launches():
             results["forward [binder launch]"] = timed(fwd, n_calls)
@@ -133,7 +133,7 @@ def host_cost(out_dir, n_calls=1000, profile=False):
         print(f"direct launch equals binder launch: {same}  (launches so far: {_fast_launch.STATS})", flush=True)
         results["direct_equals_binder"] = float(same)
     # where the forward+backward time goes: inside the launches' host code vs the rest (engine)
-    from streamkl_gpu import api as _api
+    from streamkl_gpu.attention import ops as _api  # where the custom ops call the launches
     spent = {"forward": 0.0, "backward": 0.0}
     orig_f, orig_b = _api._forward, _api._backward
 
@@ -202,13 +202,13 @@ N, H, causal = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
 g = torch.Generator(device="cuda").manual_seed(0)
 xs = [torch.randn(1, H, N, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4)]
 import triton, streamkl_gpu
-from streamkl_gpu import _fwd
+from streamkl_gpu.attention.triton import fwd as _fwd
 torch.cuda.synchronize()
 t0 = time.perf_counter(); streamkl_gpu.attention_kl(*xs, causal=causal); torch.cuda.synchronize()
 first = time.perf_counter() - t0
 t0 = time.perf_counter(); streamkl_gpu.attention_kl(*xs, causal=causal); torch.cuda.synchronize()
 second = time.perf_counter() - t0
-from streamkl_gpu import _tuning
+from streamkl_gpu._core import tuning as _tuning
 stats = getattr(_tuning, "TUNING_STATS", {})
 print(json.dumps({"first_s": first, "second_s": second, "tuning_compile_s": stats.get("compile_s"),
                   "tuning_timing_s": stats.get("timing_s")}))
@@ -256,7 +256,7 @@ def check_direct(out_dir):
     import torch
 
     import streamkl_gpu
-    from streamkl_gpu import _fast_launch
+    from streamkl_gpu._core import launcher as _fast_launch
 
     cases = [  # (name, B, H, HK1, HK2, NQ, NK, D1, D2, causal, split_k, bwd_mode)
         ("mha-causal-fused", 1, 4, 4, 4, 256, 256, 64, 64, True, None, "fused"),

@@ -19,7 +19,9 @@ import torch  # noqa: E402
 
 import streamkl_gpu  # noqa: E402
 import streamkl_ref  # noqa: E402
-from streamkl_gpu import _indexer  # noqa: E402
+from streamkl_gpu.indexer import api as idx_api  # noqa: E402
+from streamkl_gpu.indexer.training import choice as idx_choice  # noqa: E402
+from streamkl_gpu.indexer import host as idx_host  # noqa: E402
 from streamkl_ref.testing import relative_error as rel_err  # noqa: E402
 
 # (name, B, H, HK, NQ, NK, D, HI, DI, causal)
@@ -54,10 +56,10 @@ def main(argv=None):
         grads_ref = streamkl_ref.indexer_kl_grad(*x64, np.full(kl_ref.shape, 1.0 / n_rows), causal=causal)
         loss_ref = kl_ref.sum() / n_rows
         same = [x.clone().requires_grad_(r) for x, r in zip(xs, (False, False, True, True, True))]
-        same_loss = _indexer.indexer_kl_naive(*same, causal=causal, compute_dtype=dtype).sum() / n_rows
+        same_loss = idx_api.indexer_kl_naive(*same, causal=causal, compute_dtype=dtype).sum() / n_rows
         same_grads = torch.autograd.grad(same_loss, same[2:])
-        dims = _indexer.check_indexer_inputs(*xs)
-        design = _indexer.pstore_mode(dims)
+        dims = idx_host.check_indexer_inputs(*xs)
+        design = idx_choice.pstore_mode(dims)
         ins = [x.to(a.device).requires_grad_(r) for x, r in zip(xs, (False, False, True, True, True))]
         loss = streamkl_gpu.indexer_kl(*ins, lse=torch.from_numpy(lse_t).float().to(a.device), causal=causal,
                                        reduction="mean")

@@ -7,7 +7,7 @@ instruction counts: HGMMA, MUFU.EX2, SHFL, BAR, STS/LDS, STL/LDL) for each forwa
     PYTHONPATH=/tmp/tr36/site python bench/idx_dsa_aot.py         # triton 3.6 (the GPU image's)
     DUMP=/tmp/ttgir python bench/idx_dsa_aot.py ...               # also write TTGIR / SASS per config
 
-It intercepts the launch of streamkl_gpu._indexer._forward (CPU tensors, no kernel runs) as
+It intercepts the launch of streamkl_gpu.indexer.host._forward (CPU tensors, no kernel runs) as
 bench/indexer_aot_check.py does, and compiles with triton.compile for GPUTarget("cuda", 90, 32).
 """
 import os
@@ -28,7 +28,11 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import mangle_type  # noqa: E402
 
-from streamkl_gpu import _indexer, _indexer_fwd, _runtime, _tuning  # noqa: E402
+from streamkl_gpu.indexer import configs as idx_configs  # noqa: E402
+from streamkl_gpu.indexer import host as idx_host  # noqa: E402
+from streamkl_gpu.indexer.triton import fwd as _indexer_fwd
+from streamkl_gpu._core import runtime as _runtime
+from streamkl_gpu._core import tuning as _tuning
 
 _runtime.tma_ok = lambda t: os.environ.get("TMA", "1") == "1"
 _runtime.n_sm = lambda d: 132
@@ -113,7 +117,7 @@ def main(argv):
     else:
         from idx_dsa_gpu import CANDIDATES
         cfgs = [c for _, c in CANDIDATES]
-    orig = _indexer._candidates
+    orig = idx_configs._candidates
     _tuning.pick = lambda key, cands, launch, *a, **k: [launch(c) for c in cands] and cands[0]
     N = int(os.environ.get("N", "256"))
     H, D, HI, DI = 128, 576, 64, 128
@@ -123,14 +127,14 @@ def main(argv):
     print(f"triton {triton.__version__}, sm_90, DSA-like forward, lse given, causal", flush=True)
     for cfg in cfgs:
         records.clear()
-        _indexer._candidates = lambda kind, *a, **kw: [cfg] if kind == "fwd" else orig(kind, *a, **kw)
+        idx_configs._candidates = lambda kind, *a, **kw: [cfg] if kind == "fwd" else orig(kind, *a, **kw)
         try:
-            _indexer._forward(q, k, qi, ki, w, torch.zeros(1, H, N), True, 192 ** -0.5, True)
+            idx_host._forward(q, k, qi, ki, w, torch.zeros(1, H, N), True, 192 ** -0.5, True)
             for name, fn, args, kw in records[:1]:  # pick's launches and the chosen one's: one compile
                 print(f"{list(cfg)}: " + compile_one(name, fn, args, kw), flush=True)
         except Exception as exc:  # noqa: BLE001 - report and go on
             print(f"{list(cfg)}: FAILED {type(exc).__name__}: {str(exc)[:1500]}", flush=True)
-    _indexer._candidates = orig
+    idx_configs._candidates = orig
 
 
 if __name__ == "__main__":

@@ -49,8 +49,8 @@ import torch  # noqa: E402
 
 import streamkl_ref  # noqa: E402
 import streamkl_gpu  # noqa: E402
-from streamkl_gpu import _indexer  # noqa: E402
-from streamkl_gpu._indexer import indexer_kl_naive  # noqa: E402
+from streamkl_gpu.indexer import configs as idx_configs  # noqa: E402
+from streamkl_gpu.indexer.api import indexer_kl_naive  # noqa: E402
 
 from indexer_gpu import CONFIGS, _floor_flops, _rel_err  # noqa: E402
 
@@ -100,7 +100,7 @@ CANDIDATES = [
     ("keys_lpt", (128, 128, 128, 64, 4, 3, None, 1, "keys_lpt"), None),
     ("keys_r128 w8 split/4096", (128, 128, 128, 64, 8, 3, None, 1, "keys_r128"), 4096),
 ]
-_ORIG_CANDIDATES = _indexer._candidates
+_ORIG_CANDIDATES = idx_configs._candidates
 
 
 def parse_args(argv=None):
@@ -172,11 +172,11 @@ class Force:
     def __enter__(self):
         def cands(kind, ieee, dims=None, n_sm=132, **kw):
             return [self.cfg] if kind == "fwd" else _ORIG_CANDIDATES(kind, ieee, dims, n_sm, **kw)[:1]
-        _indexer._candidates = cands
+        idx_configs._candidates = cands
         return self
 
     def __exit__(self, *exc):
-        _indexer._candidates = _ORIG_CANDIDATES
+        idx_configs._candidates = _ORIG_CANDIDATES
 
 
 def inputs(cfg, N, device, seed=0):

@@ -20,7 +20,7 @@ others'), with TMA descriptor loads and with pointer loads (STREAMKL_INDEXER_TMA
   store-fwd-keys[-ptr]  the storing forward alone, keys-major tile (128,128,128,64,4,3, 'keys')
   store-fwd-rows        the storing forward alone, the row-major tile (128,128,128,64,4,3)
   store-bwd[-ptr]       the student backward reading a p made by PyTorch (P_SAVED, no DK_SHARE)
-  chunk[-ptr]           the chunk design (_indexer._forward_full): both kernels per chunk
+  chunk[-ptr]           the chunk design (idx_chunk._forward_full): both kernels per chunk
   chunk-s2              the chunk design, its storing forward on 2 pipeline stages
   store-fwd-keys-w8, chunk-w8   the storing forward on 8 warps (alone; in the design): triton 3.6+
                         has reports of several-dot wgmma kernels faulting at 4 warps on sm_90
@@ -105,22 +105,27 @@ def run_step(name, tiny, N):
     if not tma:
         os.environ["STREAMKL_INDEXER_TMA"] = "0"
     import streamkl_ref
-    from streamkl_gpu import _indexer, _runtime
+    from streamkl_gpu.indexer import api as idx_api
+    from streamkl_gpu.indexer.training import chunk as idx_chunk
+    from streamkl_gpu.indexer import configs as idx_configs
+    from streamkl_gpu.indexer import host as idx_host
+    from streamkl_gpu.indexer.training import store as idx_store
+    from streamkl_gpu._core import runtime as _runtime
     from streamkl_ref.testing import relative_error as rel_err
 
     torch.set_num_threads(1)
     if tiny:  # the interpreter: TMA as the step says, every launch bounds-checked
-        from streamkl_gpu import _interpreter_bounds
+        from streamkl_gpu.devtools import bounds as _interpreter_bounds
 
         _interpreter_bounds.install()
         _runtime.INTERPRETER_TMA = tma
-    orig = _indexer._candidates
+    orig = idx_configs._candidates
     plans = {"pstore": [fwd_cfg] if fwd_cfg else None, "fwd": [fwd_cfg] if what == "plain-fwd" else None,
              "bwd": [STUDENT_BWD]}
-    _indexer._candidates = lambda kind, ieee, dims=None, n_sm=132, **kw: (
+    idx_configs._candidates = lambda kind, ieee, dims=None, n_sm=132, **kw: (
         plans.get(kind) or orig(kind, ieee, dims, n_sm, **kw))
     if tiny:
-        _indexer.PCHUNK_TOKENS = 8  # several chunks at the smoke's size
+        idx_chunk.PCHUNK_TOKENS = 8  # several chunks at the smoke's size
     cfg = TINY if tiny else DSA
     device = "cpu" if tiny else "cuda"
     dtype = torch.float16 if tiny else torch.bfloat16  # the interpreter's bf16 dot is wrong
@@ -135,7 +140,7 @@ def run_step(name, tiny, N):
     grads_ref = streamkl_ref.indexer_kl_grad(*x64, np.ones_like(kl_ref), **kw)
     # the same math at the inputs' precision (the tolerance's scale): the materialised form
     same = [x.clone().requires_grad_(r) for x, r in zip(xs, (False, False, True, True, True))]
-    same_kl = _indexer.indexer_kl_naive(*same, compute_dtype=dtype, **kw)
+    same_kl = idx_api.indexer_kl_naive(*same, compute_dtype=dtype, **kw)
     same_grads = torch.autograd.grad(same_kl.sum(), same[2:])
 
     def report(quantity, got, ref, base):
@@ -145,7 +150,7 @@ def run_step(name, tiny, N):
     dev = [x.to(device) for x in xs]
     lse = torch.from_numpy(lse_t).float().to(device)
     if what == "plain-fwd":
-        kl, lse_idx = _indexer._forward(*dev, lse, True, scale, True)[:2]
+        kl, lse_idx = idx_host._forward(*dev, lse, True, scale, True)[:2]
         torch.cuda.synchronize() if device == "cuda" else None
         report("loss", kl.sum(), kl_ref.sum(), rel_err(same_kl.sum(), kl_ref.sum()))
         report("lse_idx", lse_idx, lse_idx_ref, 0.0)
@@ -156,12 +161,12 @@ def run_step(name, tiny, N):
         zero = torch.zeros((), device=device)
         parts = (zero, torch.zeros(1, cfg["HI"], N, cfg["DI"], device=device),
                  torch.zeros(1, cfg["HKI"], N, cfg["DI"], device=device), torch.zeros(1, cfg["HI"], N, device=device))
-        grads = _indexer._backward(g, *dev, lse_idx, lse_idx, True, scale, True, target_part=parts)
+        grads = idx_host._backward(g, *dev, lse_idx, lse_idx, True, scale, True, target_part=parts)
         torch.cuda.synchronize() if device == "cuda" else None
         for gname, got, want, s in zip(("dq_idx", "dk_idx", "dweights"), grads, _student_share(x64), same_grads):
             report(gname, got, want, rel_err(s, grads_ref[gname]))
     elif what == "store-fwd":
-        total, lse_idx, p = _indexer._forward_pstore(*dev, lse, True, scale, True)
+        total, lse_idx, p = idx_store._forward_pstore(*dev, lse, True, scale, True)
         torch.cuda.synchronize() if device == "cuda" else None
         report("loss", total, kl_ref.sum(), rel_err(same_kl.sum(), kl_ref.sum()))
         report("lse_idx", lse_idx, lse_idx_ref, 0.0)
@@ -172,12 +177,12 @@ def run_step(name, tiny, N):
         p = torch.from_numpy(_target(x64, scale)).float().to(device)
         g = torch.ones(1, N, device=device)
         lse_idx = torch.from_numpy(lse_idx_ref).float().to(device)
-        grads = _indexer._backward(g, *dev, None, lse_idx, True, scale, True, p_saved=p)
+        grads = idx_host._backward(g, *dev, None, lse_idx, True, scale, True, p_saved=p)
         torch.cuda.synchronize() if device == "cuda" else None
         for gname, got, s in zip(("dq_idx", "dk_idx", "dweights"), grads, same_grads):
             report(gname, got, grads_ref[gname], rel_err(s, grads_ref[gname]))
     else:  # the chunk design: the forward with the gradient of the sum (g = 1)
-        total, lse_idx, dq1, dk1, dw1 = _indexer._forward_full(*dev, lse, True, scale, True)
+        total, lse_idx, dq1, dk1, dw1 = idx_chunk._forward_full(*dev, lse, True, scale, True)
         torch.cuda.synchronize() if device == "cuda" else None
         report("loss", total, kl_ref.sum(), rel_err(same_kl.sum(), kl_ref.sum()))
         for gname, got, s in zip(("dq_idx", "dk_idx", "dweights"), (dq1, dk1, dw1), same_grads):

@@ -25,7 +25,10 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import mangle_type  # noqa: E402
 
-from streamkl_gpu import _indexer, _indexer_fwd_gqa, _runtime  # noqa: E402
+from streamkl_gpu.indexer import configs as idx_configs  # noqa: E402
+from streamkl_gpu.indexer import host as idx_host  # noqa: E402
+from streamkl_gpu.indexer.triton import fwd_gqa as _indexer_fwd_gqa
+from streamkl_gpu._core import runtime as _runtime
 
 TARGET = GPUTarget("cuda", 90, 32)
 _runtime.tma_ok = lambda t: True
@@ -98,9 +101,9 @@ def main():
     lse = torch.zeros(1, H, N)
     for cfg in cfgs:
         records.clear()
-        _indexer._candidates = lambda kind, *a, _c=cfg, **k: [_c]
+        idx_configs._candidates = lambda kind, *a, _c=cfg, **k: [_c]
         try:
-            _indexer._forward(*xs, lse, True, D ** -0.5, True)
+            idx_host._forward(*xs, lse, True, D ** -0.5, True)
             if not records:
                 print(f"{cfg}: the GQA kernel was not launched (general kernel)")
                 continue

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The GQA-like indexer forward (issue 10: <= 3.0x the matmul floor): the current default config
-of the general kernel against the GQA kernel (``streamkl_gpu._indexer_fwd_gqa``, config variants
+of the general kernel against the GQA kernel (``streamkl_gpu.indexer.triton.fwd_gqa``, config variants
 "gqa" / "gqa-flat"), each forced, 8K causal bf16 with ``lse`` given (then 16K), checked after.
 
     python bench/idx_gqa_gpu.py OUT_DIR --quick     # fits a 70 s slot on one H200, compiles included
@@ -46,8 +46,9 @@ import torch  # noqa: E402
 
 import streamkl_ref  # noqa: E402
 import streamkl_gpu  # noqa: E402
-from streamkl_gpu import _indexer  # noqa: E402
-from streamkl_gpu._indexer import indexer_kl_naive  # noqa: E402
+from streamkl_gpu.indexer import host as idx_host  # noqa: E402
+from streamkl_gpu.indexer import plan as idx_plan  # noqa: E402
+from streamkl_gpu.indexer.api import indexer_kl_naive  # noqa: E402
 
 from indexer_gpu import CONFIGS, _floor_flops, _rel_err  # noqa: E402
 from indexer_perf_gpu import Force, RECORDED_COMPILE  # noqa: E402
@@ -102,7 +103,7 @@ def parse_args(argv=None):
     p.add_argument("--warm-job", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.tiny:  # the GQA kernel reads through TMA descriptors only: the interpreter's, in the smoke
-        streamkl_gpu._runtime.INTERPRETER_TMA = True
+        streamkl_gpu._core.runtime.INTERPRETER_TMA = True
     if a.deadline is None:
         a.deadline = 52.0 if a.final else 58.0 if a.quick else 400.0  # --quick: a 70 s slot less imports; --final: <= 60 s
     return a
@@ -304,12 +305,12 @@ def time_point(run, N, cands, bad, reps, passes):
     (Triton's disk cache) and times it, passes 2.. time them all again (the GPU's clocks drift
     within a run: s6r2 timed the same kernel at 2.65 and 2.22 ms); a config's time is the median
     of its passes' medians. The first GQA config is timed once more with the key splits merged
-    by PyTorch (_indexer._merge_splits) instead of merge_states. The default's KL is kept for the
+    by PyTorch (idx_plan._merge_splits) instead of merge_states. The default's KL is kept for the
     comparison below."""
-    from streamkl_gpu import _indexer_fwd_gqa
+    from streamkl_gpu.indexer.triton import fwd_gqa as _indexer_fwd_gqa
     xs = run.inputs(N)
     if N > 16384:  # PyTorch's dense LSE would need N^2 floats per head: our LSE pass (checked at 320 after)
-        lse = _indexer._forward(*xs, None, True, run.scale, True)[2] / _indexer.LOG2E
+        lse = idx_host._forward(*xs, None, True, run.scale, True)[2] / idx_plan.LOG2E
         run.sync()
     else:
         lse = run.teacher_lse(xs[0], xs[1])

@@ -50,13 +50,19 @@ import torch  # noqa: E402
 
 import streamkl_ref  # noqa: E402
 import streamkl_gpu  # noqa: E402
-from streamkl_gpu import _indexer  # noqa: E402
+from streamkl_gpu.indexer.training import accumulate as idx_accumulate  # noqa: E402
+from streamkl_gpu.indexer import api as idx_api  # noqa: E402
+from streamkl_gpu.indexer.training import choice as idx_choice  # noqa: E402
+from streamkl_gpu.indexer.training import chunk as idx_chunk  # noqa: E402
+from streamkl_gpu.indexer import configs as idx_configs  # noqa: E402
+from streamkl_gpu.indexer import host as idx_host  # noqa: E402
+from streamkl_gpu.indexer.training import store as idx_store  # noqa: E402
 
 COLUMNS = ["measure", "provider", "shape", "value", "unit", "note"]
 DSA = dict(H=128, HK=1, D=576, HI=64, HKI=1, DI=128, scale=192 ** -0.5)
 TINY = dict(H=8, HK=1, D=32, HI=4, HKI=1, DI=16, scale=None)
 LOG2E = 1.4426950408889634
-_ORIG = _indexer._candidates
+_ORIG = idx_configs._candidates
 
 BASE_FWD = (128, 128, 64, 64, 8, 3)
 BASE_BWD = (128, 128, 64, 64, 8, 2)
@@ -154,12 +160,12 @@ class Force:
         pst = self.want.get("pstore")
         if self.design == "chunk" and pst is not None and len(pst) > 8 and "w4bwd" in str(pst[8]).split("_"):
             self.want = dict(self.want, bwd=CHUNK_W4_BWD)
-        _indexer._candidates = cands
+        idx_configs._candidates = cands
         bwd = self.want.get("bwd")
         pst = self.want.get("pstore")  # "p16" (a bench-only 9th field): p stored in float16
-        _indexer.PSTORE_DTYPE = torch.float16 if pst is not None and len(pst) > 8 and pst[8] == "p16" else torch.float32
+        idx_choice.PSTORE_DTYPE = torch.float16 if pst is not None and len(pst) > 8 and pst[8] == "p16" else torch.float32
         # "again" (a bench-only 9th field): the backward forms the logits again (as session 5)
-        _indexer.BWD_LOGITS_FROM_A = not (bwd is not None and len(bwd) > 8 and bwd[8] == "again")
+        idx_host.BWD_LOGITS_FROM_A = not (bwd is not None and len(bwd) > 8 and bwd[8] == "again")
         self.old_env = {v: os.environ.get(v) for v in ("STREAMKL_INDEXER_PSTORE", "STREAMKL_INDEXER_BWD")}
         os.environ["STREAMKL_INDEXER_PSTORE"] = DESIGN_ENV[self.design]
         # "dqk" (a bench-only 9th field): the one-kernel backward
@@ -167,9 +173,9 @@ class Force:
         return self
 
     def __exit__(self, *exc):
-        _indexer._candidates = _ORIG
-        _indexer.BWD_LOGITS_FROM_A = True
-        _indexer.PSTORE_DTYPE = torch.float32
+        idx_configs._candidates = _ORIG
+        idx_host.BWD_LOGITS_FROM_A = True
+        idx_choice.PSTORE_DTYPE = torch.float32
         for var, val in self.old_env.items():
             if val is None:
                 os.environ.pop(var, None)
@@ -183,7 +189,7 @@ def forced(design, fwd_cfg=None, bwd_cfg=None):
 
 
 def _runtime_interp():
-    from streamkl_gpu import _runtime
+    from streamkl_gpu._core import runtime as _runtime
     return _runtime.interpreting()
 
 
@@ -227,7 +233,7 @@ def rel_err(x, ref):
 
 def fwd_part(design, xs, lse, kw):
     """The forward alone: pacc (total, lse_idx, dq_p, dk_p, dw_p) / pstore (total, lse_idx, p)."""
-    f = {"pstore": _indexer._forward_pstore, "chunk": _indexer._forward_full}.get(design, _indexer._forward_pacc)
+    f = {"pstore": idx_store._forward_pstore, "chunk": idx_chunk._forward_full}.get(design, idx_accumulate._forward_pacc)
     return f(*xs, lse, kw["causal"], kw["scale"], True)
 
 
@@ -237,9 +243,9 @@ def bwd_part(design, xs, kw, saved):
     rows = g.expand(xs[0].shape[0], xs[0].shape[2]).contiguous()
     if design == "pstore":
         _, lse_idx, p = saved
-        return _indexer._backward(rows, *xs, None, lse_idx, kw["causal"], kw["scale"], True, p_saved=p)
+        return idx_host._backward(rows, *xs, None, lse_idx, kw["causal"], kw["scale"], True, p_saved=p)
     _, lse_idx, dq_p, dk_p, dw_p = saved
-    return _indexer._backward(rows, *xs, lse_idx, lse_idx, kw["causal"], kw["scale"], True,
+    return idx_host._backward(rows, *xs, lse_idx, lse_idx, kw["causal"], kw["scale"], True,
                               target_part=(g, dq_p, dk_p, dw_p))
 
 
@@ -302,7 +308,7 @@ class Checker:
         self.ref = dict(loss=float(kl_ref.mean()),
                         **streamkl_ref.indexer_kl_grad(*x64, np.full(kl_ref.shape, 1.0 / N), **self.kw))
         sp_in = [x.detach().clone().requires_grad_(r) for x, r in zip(self.xs, TRAIN)]
-        sp_loss = _indexer.indexer_kl_naive(*sp_in, compute_dtype=self.xs[0].dtype, **self.kw).mean()
+        sp_loss = idx_api.indexer_kl_naive(*sp_in, compute_dtype=self.xs[0].dtype, **self.kw).mean()
         self.sp = dict(loss=sp_loss.detach(), **dict(zip(GRADS, torch.autograd.grad(sp_loss, sp_in[2:]))))
         self.lse = torch.from_numpy(lse_ref).float().to(device)
         self.N = N

@@ -5,7 +5,7 @@ registers and spills (STACK > 0) of every launch candidate the host code would t
     TMA=0 python bench/indexer_aot_check.py dsa             # the pointer-load path
     PYTHONPATH=/path/to/triton-3.6 python bench/indexer_aot_check.py dsa   # another triton
 
-It intercepts the launches of streamkl_gpu._indexer (CPU tensors, no kernel runs) and compiles
+It intercepts the launches of streamkl_gpu.indexer.host (CPU tensors, no kernel runs) and compiles
 each with triton.compile for GPUTarget("cuda", 90); cuobjdump -res-usage gives the counts.
 """
 import os, sys, itertools
@@ -15,7 +15,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch, triton
 from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
-from streamkl_gpu import _indexer, _indexer_fwd, _indexer_bwd, _runtime, _tuning
+from streamkl_gpu.indexer.training import accumulate as idx_accumulate
+from streamkl_gpu.indexer import configs as idx_configs
+from streamkl_gpu.indexer import host as idx_host
+from streamkl_gpu.indexer.triton import fwd as _indexer_fwd
+from streamkl_gpu.indexer.triton import bwd as _indexer_bwd
+from streamkl_gpu._core import runtime as _runtime
+from streamkl_gpu._core import tuning as _tuning
 from triton.runtime.jit import mangle_type
 _runtime.tma_ok = lambda t: os.environ.get('TMA', '1') == '1'
 
@@ -32,7 +38,7 @@ class Rec:
             records.append((self.name, self.fn, grid, args, kw))
         return call
 
-from streamkl_gpu import _indexer_pacc
+from streamkl_gpu.indexer.triton import accumulate as _indexer_pacc
 for mod, name in ((_indexer_pacc, "_indexer_fwd_pacc_kernel"),
                   (_indexer_fwd, "_indexer_fwd_kernel"), (_indexer_fwd, "_teacher_lse_kernel"),
                   (_indexer_bwd, "_indexer_bwd_dq_kernel"), (_indexer_bwd, "_indexer_bwd_dk_kernel")):
@@ -41,22 +47,22 @@ for mod, name in ((_indexer_pacc, "_indexer_fwd_pacc_kernel"),
 if os.environ.get("FWD_CONFIGS"):  # e.g. FWD_CONFIGS="128,128,256,64,16,2;256,128,128,64,16,2": these instead
     _want = [tuple(None if v == "None" else (int(v) if v.lstrip("-").isdigit() else v) for v in c.split(","))
              for c in os.environ["FWD_CONFIGS"].split(";")]
-    _orig_cands = _indexer._candidates
-    _indexer._candidates = lambda kind, *a, **k: _want if kind == "fwd" else _orig_cands(kind, *a, **k)
+    _orig_cands = idx_configs._candidates
+    idx_configs._candidates = lambda kind, *a, **k: _want if kind == "fwd" else _orig_cands(kind, *a, **k)
 
 
 if os.environ.get("PACC_CONFIGS"):  # the accumulating forward's candidates, as FWD_CONFIGS
     _pwant = [tuple(None if v == "None" else (int(v) if v.lstrip("-").isdigit() else v) for v in c.split(","))
               for c in os.environ["PACC_CONFIGS"].split(";")]
-    _orig_cands2 = _indexer._candidates
-    _indexer._candidates = lambda kind, *a, **k: _pwant if kind == "pacc" else _orig_cands2(kind, *a, **k)
+    _orig_cands2 = idx_configs._candidates
+    idx_configs._candidates = lambda kind, *a, **k: _pwant if kind == "pacc" else _orig_cands2(kind, *a, **k)
 
 
 if os.environ.get("BWD_CONFIGS"):  # the plain backward's candidates, as FWD_CONFIGS
     _bwant = [tuple(None if v == "None" else (int(v) if v.lstrip("-").isdigit() else v) for v in c.split(","))
               for c in os.environ["BWD_CONFIGS"].split(";")]
-    _orig_cands3 = _indexer._candidates
-    _indexer._candidates = lambda kind, *a, **k: _bwant if kind == "bwd" else _orig_cands3(kind, *a, **k)
+    _orig_cands3 = idx_configs._candidates
+    idx_configs._candidates = lambda kind, *a, **k: _bwant if kind == "bwd" else _orig_cands3(kind, *a, **k)
 
 
 def pick_all(key, cands, launch, *a, **k):
@@ -116,23 +122,23 @@ def run(cfgname, H, HK, D, HI, HKI, DI, dtype, causal=True, lse=True, N=int(os.e
     lse_t = torch.zeros(1, H, N) if lse else None
     records.clear()
     if PACC:  # the accumulating forward and the teacher-free backward only
-        _indexer._forward_pacc(q, k, qi, ki, w, lse_t, causal, 0.07, True)
+        idx_accumulate._forward_pacc(q, k, qi, ki, w, lse_t, causal, 0.07, True)
         if FWD_ONLY:
             return _compile_all(cfgname, dtype)
         z = torch.zeros(())
-        _indexer._backward(torch.zeros(1, N), q, k, qi, ki, w, lse_t, torch.zeros(1, N), causal, 0.07, True,
+        idx_host._backward(torch.zeros(1, N), q, k, qi, ki, w, lse_t, torch.zeros(1, N), causal, 0.07, True,
                            target_part=(z, torch.zeros(1, HI, N, DI), torch.zeros(1, 1, N, DI), torch.zeros(1, HI, N)))
     elif BWD_ONLY:  # the plain backward's kernels only (BWD_CONFIGS: these candidates instead)
-        _indexer._backward(torch.zeros(1, N), q, k, qi, ki, w, torch.zeros(1, H, N), torch.zeros(1, N), causal, 0.07, True)
+        idx_host._backward(torch.zeros(1, N), q, k, qi, ki, w, torch.zeros(1, H, N), torch.zeros(1, N), causal, 0.07, True)
         return _compile_all(cfgname, dtype)
     else:
-        _indexer._forward(q, k, qi, ki, w, lse_t, causal, 0.07, True)
+        idx_host._forward(q, k, qi, ki, w, lse_t, causal, 0.07, True)
     if FWD_ONLY or PACC:
         pass
     elif lse:
-        _indexer._forward(q, k, qi, ki, w, None, causal, 0.07, True)
+        idx_host._forward(q, k, qi, ki, w, None, causal, 0.07, True)
     if not (FWD_ONLY or PACC):
-        _indexer._backward(torch.zeros(1, N), q, k, qi, ki, w, torch.zeros(1, H, N), torch.zeros(1, N), causal, 0.07, True)
+        idx_host._backward(torch.zeros(1, N), q, k, qi, ki, w, torch.zeros(1, H, N), torch.zeros(1, N), causal, 0.07, True)
     _compile_all(cfgname, dtype)
 
 

@@ -8,7 +8,7 @@
 Configs (../shared/anchors/h200-2026-12-01.md):
   dsa: teacher H=128, D=576, H_K=1 (MQA), scale 192^-0.5; indexer H_I=64, D_I=128, H_KI=1
   gqa: teacher H=32, D=128, H_K=8; indexer H_I=16, D_I=64, H_KI=1
-Providers: ``eager`` / ``compile`` = the materialised PyTorch form (streamkl_gpu._indexer.
+Providers: ``eager`` / ``compile`` = the materialised PyTorch form (streamkl_gpu.indexer.host.
 indexer_kl_naive: bf16 inputs, fp32 scores per head, softmax, head mean; indexer scores, ReLU,
 weights, log-softmax; KL; mean over rows), only where it fits (N <= 8K); ``ours`` =
 streamkl_gpu.indexer_kl (teacher LSE pass included), ``ours_lse`` = the same with ``lse`` given
@@ -45,8 +45,8 @@ import torch  # noqa: E402
 
 import streamkl_ref  # noqa: E402
 import streamkl_gpu  # noqa: E402
-from streamkl_gpu import _indexer  # noqa: E402
-from streamkl_gpu._indexer import indexer_kl_naive  # noqa: E402
+from streamkl_gpu.indexer import host as idx_host  # noqa: E402
+from streamkl_gpu.indexer.api import indexer_kl_naive  # noqa: E402
 
 CONFIGS = {
     "dsa": dict(H=128, HK=1, D=576, HI=64, HKI=1, DI=128, scale=192 ** -0.5),
@@ -132,7 +132,7 @@ class Run:
 
     def teacher_lse(self, xs, cfg, causal):
         """Natural-log teacher LSEs [B, H, N_Q] (what FlashAttention would hand over)."""
-        _, _, lse_bits = _indexer._forward(*xs, None, causal, _scale(cfg), True)
+        _, _, lse_bits = idx_host._forward(*xs, None, causal, _scale(cfg), True)
         return (lse_bits * math.log(2.0)).contiguous()
 
     # ------------------------------------------------------------------------------------------
@@ -302,7 +302,7 @@ class Run:
                 return lambda: streamkl_gpu.indexer_kl(*xs, lse=lse_arg, **kw)
 
             def fb():
-                os.environ["STREAMKL_INDEXER_BWD"] = mode  # the backward's kernels (_indexer.bwd_mode)
+                os.environ["STREAMKL_INDEXER_BWD"] = mode  # the backward's kernels (idx_host.bwd_mode)
                 if mode == "fused":  # the plain design's fused backward, not the accumulating one
                     os.environ["STREAMKL_INDEXER_PACC"] = "0"
                 try:
@@ -340,7 +340,7 @@ class Run:
             w = csv.DictWriter(f, fieldnames=CHECK_COLUMNS)
             w.writeheader()
             w.writerows(self.checks)
-        from streamkl_gpu import _tuning
+        from streamkl_gpu._core import tuning as _tuning
         tuned = {repr(k): list(v) for k, v in _tuning._TUNED.items() if str(k[0]).startswith("idx_")}
         with open(os.path.join(self.args.out_dir, "indexer_tuned.json"), "w") as f:
             json.dump(tuned, f, indent=1)

@@ -6,7 +6,7 @@
     TRITON_INTERPRET=1 python bench/indexer_perf_gpu.py /tmp/x --tiny   # CPU smoke of the script
 
 For each anchor config (DSA-like, GQA-like; bench/indexer_gpu.py's CONFIGS) and each candidate of
-``streamkl_gpu._indexer._candidates("fwd", ...)`` (old and new: the tuner's full list):
+``streamkl_gpu.indexer.host._candidates("fwd", ...)`` (old and new: the tuner's full list):
   1. check: a small causal problem with ``lse`` given, KL vs float64 (streamkl_ref.indexer_kl),
      FlashAttention's rule: error <= 3 x the materialised bf16 form's error + 1e-2;
   2. time the forward with ``lse`` given at N = 8K causal, that candidate forced.
@@ -45,14 +45,17 @@ import torch  # noqa: E402
 
 import streamkl_ref  # noqa: E402
 import streamkl_gpu  # noqa: E402
-from streamkl_gpu import _indexer  # noqa: E402
-from streamkl_gpu._indexer import indexer_kl_naive  # noqa: E402
+from streamkl_gpu.indexer.training import choice as idx_choice  # noqa: E402
+from streamkl_gpu.indexer import configs as idx_configs  # noqa: E402
+from streamkl_gpu.indexer import host as idx_host  # noqa: E402
+from streamkl_gpu.indexer.api import indexer_kl_naive  # noqa: E402
+from streamkl_gpu._core.forcing import forcing  # noqa: E402
 from streamkl_ref._checks import check_indexer_inputs  # noqa: E402
 
 from indexer_gpu import CONFIGS, _floor_flops, _rel_err  # noqa: E402
 
 COLUMNS = ["measure", "provider", "shape", "value", "unit", "note"]
-_ORIG_CANDIDATES = _indexer._candidates
+_ORIG_CANDIDATES = idx_configs._candidates
 
 
 def parse_args(argv=None):
@@ -94,18 +97,18 @@ class Force:
             if want is None:
                 return full[:1]
             return [want]
-        _indexer._candidates = cands
+        idx_configs._candidates = cands
         gl_want = self.by_kind.get("gluon")
         if gl_want is not None:  # the Gluon forward with this launch config, forced on
-            self.gl_old = (_indexer._gluon_indexer.candidates, os.environ.get("STREAMKL_INDEXER_GLUON"))
-            _indexer._gluon_indexer.candidates = lambda dims, pacc=False, student=False: [gl_want]
+            self.gl_old = (idx_host._gluon_indexer.candidates, os.environ.get("STREAMKL_INDEXER_GLUON"))
+            idx_host._gluon_indexer.candidates = lambda dims, pacc=False, student=False: [gl_want]
             os.environ["STREAMKL_INDEXER_GLUON"] = "1"
         return self
 
     def __exit__(self, *exc):
-        _indexer._candidates = _ORIG_CANDIDATES
+        idx_configs._candidates = _ORIG_CANDIDATES
         if self.by_kind.get("gluon") is not None:
-            _indexer._gluon_indexer.candidates, env = self.gl_old
+            idx_host._gluon_indexer.candidates, env = self.gl_old
             if env is None:
                 os.environ.pop("STREAMKL_INDEXER_GLUON", None)
             else:
@@ -116,12 +119,12 @@ def gluon_candidates(cfg, N=8192, pacc=False):
     """The Gluon forward's (``pacc``: the accumulating forward's) launch configs (BLOCK_N,
     NUM_STAGES, CONSUMER_REGS) at this config ([] where it does not apply by shape, or Gluon is
     missing)."""
-    if _indexer._gluon_indexer is None:
+    if idx_host._gluon_indexer is None:
         return []
     dims = config_dims(cfg, N)
     if dims.HK != 1 or dims.HKI != 1 or dims.H > 128 or dims.HI > 64 or (pacc and dims.DI > 128):
         return []
-    cands = _indexer._gluon_indexer.candidates(dims, pacc)
+    cands = idx_host._gluon_indexer.candidates(dims, pacc)
     return cands[:1] if QUICK else cands  # --quick: the default (deepest ring) only
 
 
@@ -145,10 +148,10 @@ def fwd_candidates(cfg, N, device):
     on a small problem, where the plan caps the key splits at the key tiles)."""
     dims = check_indexer_inputs(*[torch.empty(s, device="meta") for s in shapes(cfg, N)],
                                 scale=cfg["scale"])
-    n_sm = streamkl_gpu._runtime.n_sm(torch.device(device))
+    n_sm = streamkl_gpu._core.runtime.n_sm(torch.device(device))
     # the tuner's list, then the "l1" variants it no longer tries (measured slower, s4r4)
     out = _ORIG_CANDIDATES("fwd", False, dims, n_sm)
-    return out + [c for c in _indexer.l1_fwd_candidates(dims) if c not in out]
+    return out + [c for c in idx_configs.l1_fwd_candidates(dims) if c not in out]
 
 
 def config_dims(cfg, N=8192):
@@ -184,7 +187,7 @@ def bwd_variants(cfg):
         keep = [v for v in pacc if v[2]["pacc"] in ((128, 128, 64, 64, 8, 3), (128, 128, 64, 64, 4, 3))] or pacc[:1]
         if config_dims(cfg).HK > 1:
             keep = []
-        plain_default = not _indexer.pacc_enabled(config_dims(cfg))
+        plain_default = not idx_choice.pacc_enabled(config_dims(cfg))
         return keep + (sep[:1] if plain_default else [])
     return sep + fused + pacc
 
@@ -323,7 +326,7 @@ def run_warm_job(job, tiny=False):
             if name.startswith("plain"):  # the backward's kernels alone (the forward is a fwd job)
                 g = torch.ones(xs[0].shape[0], xs[0].shape[2], device=xs[0].device)
                 lse_idx = torch.zeros_like(g)
-                _indexer._backward(g, *xs, (lse * 1.4426950408889634).contiguous(), lse_idx, True, scale, True)
+                idx_host._backward(g, *xs, (lse * 1.4426950408889634).contiguous(), lse_idx, True, scale, True)
             else:
                 train = [x.detach().clone().requires_grad_(r) for x, r in zip(xs, (False, False, True, True, True))]
                 torch.autograd.grad(streamkl_gpu.indexer_kl(*train, lse=lse, reduction="mean", **kw), train[2:])
@@ -559,8 +562,9 @@ class Bench:
             res["fwd"][key] = "budget"
             return timed
         try:
-            with Force(**force):
+            with Force(**force), forcing() as ran:  # the hook records the Gluon launches
                 ms = self.time_ms(lambda: streamkl_gpu.indexer_kl(*xs, lse=lse, **kw))
+            self.ran = ran
             res["fwd"][key] = ms
             self.record("fwd_ms", f"ours_lse {label}", shape, f"{ms:.4f}", "ms", f"ratio {ms / floor:.2f}")
             self.log(f"{shape} fwd {label}: {ms:.3f} ms = {ms / floor:.2f}x floor")
@@ -666,7 +670,7 @@ class Bench:
                 res["fwd"][name] = "check-failed"
                 continue
             if self.time_forced_fwd(res, name, name, dict(gluon=c), xs_, lse_, kw_, shape, floor):
-                k = _indexer._gluon_indexer.LAST_KERNEL
+                k = self.ran.launches[-1].kernel if self.ran.launches else None  # the forcing hook's record
                 if k is not None and hasattr(k, "n_regs"):
                     self.log(f"  {name}: n_regs {k.n_regs}, n_spills {k.n_spills}, shared {k.metadata.shared}")
 
@@ -836,9 +840,9 @@ def main(argv=None):
         except Exception as exc:  # noqa: BLE001 - then the timing process compiles
             bench.log(f"warm-up raised {type(exc).__name__}: {exc}")
     cfgs = {c: (tiny_config(CONFIGS[c]) if args.tiny else CONFIGS[c]) for c in configs}
-    if args.tiny and args.tiny_gluon_emulate and _indexer._gluon_indexer is not None:
-        g = _indexer._gluon_indexer
-        _indexer.gluon_why_not = lambda *a, **k: ""
+    if args.tiny and args.tiny_gluon_emulate and idx_host._gluon_indexer is not None:
+        g = idx_host._gluon_indexer
+        idx_host.gluon_why_not = lambda *a, **k: ""
 
         def emulated(q, k, qi, ki, w, lse_bits, causal, scale, relu, config=None, part=None, grads=None):
             part.copy_(g.emulate_states(q, k, qi, ki, w, lse_bits, causal, scale, relu, block_n=8, grads=grads))

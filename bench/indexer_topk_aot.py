@@ -4,7 +4,7 @@ memory, registers and spills (STACK > 0) of the default launch and the benchmark
     python bench/indexer_topk_aot.py dsa gqa fp32            # from the repository root
     PYTHONPATH=/path/to/triton-3.6 python bench/indexer_topk_aot.py dsa   # another triton
 
-The launches of streamkl_gpu._indexer_topk are intercepted (CPU tensors, no kernel runs) and
+The launches of streamkl_gpu.indexer.topk are intercepted (CPU tensors, no kernel runs) and
 compiled with triton.compile for GPUTarget("cuda", 90); cuobjdump -res-usage gives the counts
 (as bench/indexer_aot_check.py does for indexer_kl).
 """
@@ -16,7 +16,9 @@ import torch, triton, subprocess, tempfile
 from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
 from triton.runtime.jit import mangle_type
-from streamkl_gpu import _indexer_topk, _indexer_topk_kernels as K, _runtime
+from streamkl_gpu.indexer import topk as _indexer_topk
+from streamkl_gpu.indexer.triton import topk as K
+from streamkl_gpu._core import runtime as _runtime
 _runtime.interpreting = lambda: False
 TARGET = GPUTarget("cuda", 90, 32)
 records = []

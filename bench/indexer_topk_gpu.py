@@ -47,8 +47,8 @@ import torch  # noqa: E402
 
 import streamkl_ref  # noqa: E402
 from streamkl_ref import testing  # noqa: E402
-from streamkl_gpu import _indexer_topk  # noqa: E402
-from streamkl_gpu._indexer_topk import indexer_kl_topk, indexer_kl_topk_naive  # noqa: E402
+from streamkl_gpu.indexer import topk as _indexer_topk  # noqa: E402
+from streamkl_gpu.indexer.topk import indexer_kl_topk, indexer_kl_topk_naive  # noqa: E402
 
 def _scale(cfg):
     return cfg["scale"] if cfg["scale"] is not None else cfg["D"] ** -0.5
@@ -399,7 +399,7 @@ _LOGGED = set()
 def log_tuning(out, shape, provider):
     """The forward's candidate timings the first call measured (``_tuning.TUNING_LOG``: the
     one-kernel default, the separate-student design, the L1 variant) and the choice."""
-    from streamkl_gpu import _tuning
+    from streamkl_gpu._core import tuning as _tuning
 
     for key, measured in _tuning.TUNING_LOG.items():
         if key[0] != "topk_fwd" or key in _LOGGED:

@@ -9,7 +9,9 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 sys.path.insert(0, os.getcwd())
 import streamkl_gpu
-from streamkl_gpu import _fwd, _launch, _tuning
+from streamkl_gpu.attention.triton import fwd as _fwd
+from streamkl_gpu.attention import launch as _launch
+from streamkl_gpu._core import tuning as _tuning
 from streamkl_gpu.naive import attention_kl_naive
 OUT = os.environ.get("OUT", "/tmp/out")
 LIMIT = float(os.environ.get("PROBE_LIMIT", "480"))

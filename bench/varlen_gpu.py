@@ -289,8 +289,8 @@ def bench_packed(out, res, packed_fwd, packed_fb, q2, k2):
 def bench_per_sequence(out, res, lens, starts, q1, k1, q2, k2, g):
     """(a) one attention_kl call per sequence, on [1, H, n, D] views of the packed tensors."""
     fwd_sum = fb_sum = fwd_triton_sum = 0.0
-    try:  # attention_kl may run a Gluon forward on Hopper (streamkl_gpu._gluon_dispatch)
-        from streamkl_gpu import _gluon_dispatch as gluon_dispatch
+    try:  # attention_kl may run a Gluon forward on Hopper (streamkl_gpu.attention.gluon.dispatch)
+        from streamkl_gpu.attention.gluon import dispatch as gluon_dispatch
     except ImportError:
         gluon_dispatch = None
     mem_a = 0

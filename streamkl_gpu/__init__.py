@@ -31,12 +31,12 @@ __all__ = [
 
 
 _HOMES = {  # the rest lives in .api
-    "attention_kl_varlen": "._varlen",
-    "indexer_kl": "._indexer",
-    "indexer_kl_topk": "._indexer_topk",
-    "bounds_checked": "._interpreter_bounds",  # the interpreter's memory check (a testing aid)
-    "OutOfBoundsAccess": "._interpreter_bounds",
-    "DataRace": "._interpreter_bounds",
+    "attention_kl_varlen": ".attention.varlen",
+    "indexer_kl": ".indexer.api",
+    "indexer_kl_topk": ".indexer.topk",
+    "bounds_checked": ".devtools.bounds",  # the interpreter's memory check (a testing aid)
+    "OutOfBoundsAccess": ".devtools.bounds",
+    "DataRace": ".devtools.bounds",
 }
 
 

@@ -242,7 +242,7 @@ class _Slot:
     slot 1: the ranks in reverse order) into a staging block, copied into place on arrival."""
 
     def __init__(self, k_chunk, buffer, slot_rows0, chunk_of_rank, chunk_len, group, world):
-        from . import _runtime
+        from streamkl_gpu._core import runtime as _runtime
 
         # the shard as one contiguous [L, B, H_K, D] block (the collectives need contiguous input)
         self.send = k_chunk.detach().permute(2, 0, 1, 3).contiguous()
@@ -368,7 +368,7 @@ def attention_kl(q1, k1, q2, k2, *, group: Optional["dist.ProcessGroup"] = None,
     # slot s of every rank: global chunks {chunk_of_rank[s][i]} = rows [s W L, (s+1) W L)
     chunk_of_rank = [[_chunks(layout, i, world)[s] for i in range(world)] for s in range(len(chunks))]
 
-    from . import _runtime  # (after the check: importing it defines the kernels)
+    from streamkl_gpu._core import runtime as _runtime  # (after the check: importing it defines the shared jit helpers)
 
     # fresh(): NaN-filled under the tests' poison setting, so a key row no collective wrote shows
     buffers = [_runtime.fresh((n_total, k.shape[0], k.shape[1], k.shape[3]), k.dtype, k.device) for k in (k1, k2)]

@@ -195,7 +195,7 @@ def _run(args) -> int:
     # tensors (an illegal memory access on a GPU), or an address two programs touch with a plain
     # store (an order-dependent result there), fails the gate; with --impl, a user's Triton kernel
     # that does either fails its case (the conformance suite reports the exception).
-    from streamkl_gpu import _interpreter_bounds
+    from streamkl_gpu.devtools import bounds as _interpreter_bounds
 
     with contextlib.ExitStack() as stack:
         # the interpreter runs kernels in NumPy, masked lanes included: its RuntimeWarnings
@@ -441,7 +441,7 @@ def _run_own(args, device: str) -> int:
         _append(report, check_indexer_kl(indexer_mean, device=device, dtypes=dnames[:1], returns="mean",
                                          cases=mean_cases, seed=args.seed), prefix="indexer(mean):")
     if device == "cpu":  # every launch above ran bounds- and race-checked (a violation raises)
-        from streamkl_gpu import _interpreter_bounds
+        from streamkl_gpu.devtools import bounds as _interpreter_bounds
 
         seen = _interpreter_bounds.stats()
         record("interpreter", "-", "accesses outside the launch's tensors, races", 0.0, 0.0,

@@ -106,7 +106,7 @@ def run_error(case, rank, world):
 
 
 def worker(rank, world, init_file, cases, out_dir):
-    from streamkl_gpu import _runtime
+    from streamkl_gpu._core import runtime as _runtime
 
     _runtime.POISON_FRESH = True  # fresh buffers start as NaN: an unwritten key row cannot pass
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,

@@ -14,7 +14,7 @@ def _create_descriptor_reduce(self, kind, desc, value, indices):
     if kind != _ir.DESCRIPTOR_REDUCE_KIND.ADD:
         raise NotImplementedError(f"descriptor reduce {kind} in the interpreter shim")
     ptrs, mask = desc.materialize_pointers(indices)
-    from streamkl_gpu import _interpreter_bounds
+    from streamkl_gpu.devtools import bounds as _interpreter_bounds
 
     _interpreter_bounds.check("tma reduce", ptrs, mask)  # the suite's bounds check covers the shim too
     _interpreter.atomic_rmw(_interpreter.RMW_OP.FADD, ptrs.data, value.data, mask.data,

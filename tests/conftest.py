@@ -9,8 +9,8 @@ def poison():
 
 
 def _override_api(name, value):
-    """Set the runtime setting ``streamkl_gpu._runtime.<name>`` for one test; yields the value, restores the old one."""
-    from streamkl_gpu import _runtime
+    """Set the runtime setting ``streamkl_gpu._core.runtime.<name>`` for one test; yields the value, restores the old one."""
+    from streamkl_gpu._core import runtime as _runtime
 
     old = getattr(_runtime, name)
     setattr(_runtime, name, value)
@@ -35,7 +35,7 @@ def tma(request):
 @pytest.fixture(autouse=True, scope="session")
 def _bounds_checked_interpreter():
     """Under the interpreter every launch of the suite is bounds-checked: a load, store or atomic
-    outside the launch's tensors raises (streamkl_gpu._interpreter_bounds), as the GPU would fault;
+    outside the launch's tensors raises (streamkl_gpu.devtools.bounds), as the GPU would fault;
     and race-checked: an address two programs of one launch touch, one with a plain store, raises
     (``STREAMKL_INTERPRETER_RACES=0`` turns that part off)."""
     import os
@@ -43,7 +43,7 @@ def _bounds_checked_interpreter():
     if os.environ.get("TRITON_INTERPRET") != "1":
         yield
         return
-    from streamkl_gpu import _interpreter_bounds
+    from streamkl_gpu.devtools import bounds as _interpreter_bounds
 
     _interpreter_bounds.install(races=os.environ.get("STREAMKL_INTERPRETER_RACES", "1") == "1")
     yield

@@ -1,4 +1,4 @@
-"""API edges of streamkl_gpu and streamkl_ref (issue 9 §4): argument types, empty inputs, names.
+"""API edges of streamkl_gpu and streamkl_ref: argument types, empty inputs, names.
 
 Every input error is a ValueError naming the argument (docs/api.md, "Errors"); empty inputs give
 empty outputs, and no keys give KL 0, LSE -inf and zero gradients, the same in both packages.

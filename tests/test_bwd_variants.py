@@ -1,4 +1,4 @@
-"""The backward kernel variants (streamkl_gpu/_tuning.py BWD_VARIANTS), each forced by
+"""The backward kernel variants (streamkl_gpu/_core/tuning.py BWD_VARIANTS), each forced by
 STREAMKL_BWD_VARIANT, under the interpreter: gradients vs the float64 reference (every setting's
 code path, fused and separate, GQA, D1 != D2, causal with empty rows), the NaN-isolation contract
 (docs/math.md) bitwise as tests/test_nan_isolation.py checks it, extreme logits for the folded
@@ -14,8 +14,11 @@ import triton
 import triton.language as tl
 
 import streamkl_gpu
-from streamkl_gpu import _launch, _runtime, _tuning
-from streamkl_gpu._bwd import _exp2_fma
+from streamkl_gpu.attention import launch as _launch
+from streamkl_gpu._core import runtime as _runtime
+from streamkl_gpu._core import tuning as _tuning
+from streamkl_gpu.attention import configs as attn_configs
+from streamkl_gpu.attention.triton.bwd import _exp2_fma
 
 import _tma_reduce_shim
 from _gpu_helpers import GRAD_NAMES, assert_close, make_inputs, reference, same_precision
@@ -51,8 +54,8 @@ def launched(variant, mode):
 
 def expected(variant, mode, tma=True):
     name = variant if tma else variant.replace("tma", "").replace("reduce", "").replace("rows", "").replace("pack", "")
-    return (_tuning._kernel_variant(name, "dk", mode == "fused"),
-            _tuning._kernel_variant(name, "dq", mode == "fused"))
+    return (attn_configs._kernel_variant(name, "dk", mode == "fused"),
+            attn_configs._kernel_variant(name, "dq", mode == "fused"))
 
 
 def grads_of(xs, train, g, **kw):
@@ -150,16 +153,16 @@ def test_variant_nan_isolation(variant, mode, case):
 
 def test_variant_names():
     """Every listed variant is accepted; an unknown name is refused with the variable's name."""
-    for name in _tuning.BWD_VARIANTS:
-        assert _tuning.bwd_variant(name) == name
+    for name in attn_configs.BWD_VARIANTS:
+        assert attn_configs.bwd_variant(name) == name
     with pytest.raises(ValueError, match="STREAMKL_BWD_VARIANT"):
-        _tuning.bwd_variant("tma+warp")
+        attn_configs.bwd_variant("tma+warp")
 
 
 @pytest.fixture
 def gpu_rules(monkeypatch):
     """The candidate lists as on a GPU (the interpreter's single fixed config switched off)."""
-    monkeypatch.setattr(_tuning, "interpreting", lambda: False)
+    monkeypatch.setattr(attn_configs, "interpreting", lambda: False)
     monkeypatch.delenv("STREAMKL_BWD_VARIANT", raising=False)
     return monkeypatch
 
@@ -170,40 +173,40 @@ def test_default_candidates_keep_the_old_configs(gpu_rules):
     for kind in ("dk", "dq"):
         for both in (False, True):
             for fused in (False, True):
-                old = [c + ("ptr",) for c in _tuning.bwd_candidates(128, both, kind)]
-                with_tma = _tuning.bwd_variant_candidates(128, both, kind, False, True, fused)
+                old = [c + ("ptr",) for c in attn_configs.bwd_candidates(128, both, kind)]
+                with_tma = attn_configs.bwd_variant_candidates(128, both, kind, False, True, fused)
                 assert with_tma[:len(old)] == old and len(with_tma) > len(old)
                 for c in with_tma[len(old):]:
                     parts = c[-1].split("+")
                     assert "tma" in parts
                     assert ("reduce" in parts) <= (fused and kind == "dk"), c
                     assert ("trans" in parts or "rows" in parts) <= (kind == "dk"), c
-                no_tma = _tuning.bwd_variant_candidates(128, both, kind, False, False, fused)
+                no_tma = attn_configs.bwd_variant_candidates(128, both, kind, False, False, fused)
                 assert all("tma" not in c[-1] for c in no_tma)
-                assert _tuning.bwd_variant_candidates(128, both, kind, True, True, fused) == [
-                    c + ("ptr",) for c in _tuning.bwd_candidates(128, both, kind, True)]
+                assert attn_configs.bwd_variant_candidates(128, both, kind, True, True, fused) == [
+                    c + ("ptr",) for c in attn_configs.bwd_candidates(128, both, kind, True)]
 
 
 def test_long_problems_get_one_new_candidate(gpu_rules):
     for kind in ("dk", "dq"):
-        old = [c + ("ptr",) for c in _tuning.bwd_candidates(128, False, kind)]
-        few = _tuning.bwd_variant_candidates(128, False, kind, False, True, True, few=True)
+        old = [c + ("ptr",) for c in attn_configs.bwd_candidates(128, False, kind)]
+        few = attn_configs.bwd_variant_candidates(128, False, kind, False, True, True, few=True)
         assert few[:len(old)] == old and len(few) == len(old) + 1
-        assert few[-1] == _tuning.bwd_variant_candidates(128, False, kind, False, True, True)[len(old)]
+        assert few[-1] == attn_configs.bwd_variant_candidates(128, False, kind, False, True, True)[len(old)]
 
 
 def test_forced_variant_restricts_the_candidates(gpu_rules):
     gpu_rules.setenv("STREAMKL_BWD_VARIANT", "tma+trans+fold+rows+reduce")
-    dk = _tuning.bwd_variant_candidates(128, False, "dk", False, True, True)
+    dk = attn_configs.bwd_variant_candidates(128, False, "dk", False, True, True)
     assert dk and {c[-1] for c in dk} == {"tma+trans+fold+rows+reduce"}
-    assert {c[-1] for c in _tuning.bwd_variant_candidates(128, False, "dk", False, True, False)} == {
+    assert {c[-1] for c in attn_configs.bwd_variant_candidates(128, False, "dk", False, True, False)} == {
         "tma+trans+fold+rows"}  # separate kernels: no reduce
-    assert {c[-1] for c in _tuning.bwd_variant_candidates(128, False, "dq", False, True, False)} == {"tma+fold"}
+    assert {c[-1] for c in attn_configs.bwd_variant_candidates(128, False, "dq", False, True, False)} == {"tma+fold"}
     with pytest.raises(ValueError, match="TMA"):  # on a GPU a descriptor variant without TMA is an error
-        _tuning.bwd_variant_candidates(128, False, "dk", False, False, True)
+        attn_configs.bwd_variant_candidates(128, False, "dk", False, False, True)
     gpu_rules.setenv("STREAMKL_BWD_VARIANT", "ptr")
-    assert _tuning.bwd_variant_candidates(128, False, "dk", False, True, True) == [
-        c + ("ptr",) for c in _tuning.bwd_candidates(128, False, "dk")]
+    assert attn_configs.bwd_variant_candidates(128, False, "dk", False, True, True) == [
+        c + ("ptr",) for c in attn_configs.bwd_candidates(128, False, "dk")]
 
 
 def test_tuner_skips_an_unusable_variant(monkeypatch):
@@ -255,7 +258,7 @@ def test_timing_probes_do_what_they_name(setting, monkeypatch):
         import bwd_sweep
     finally:
         sys.path.pop(0)
-    from streamkl_gpu import _bwd
+    from streamkl_gpu.attention.triton import bwd as _bwd
 
     monkeypatch.setattr(bwd_sweep, "TINY", True)
     _tma_reduce_shim.install()
@@ -283,21 +286,21 @@ def test_timing_probes_do_what_they_name(setting, monkeypatch):
 def test_auto_mode_separate_for_one_setting_with_the_new_kernels():
     """With the TMA variants as candidates, one setting runs separate where the dQ kernel has
     programs for >= 90 % of the SMs (run r5c: setting 2 at 8K, separate 5.80 ms vs fused 6.79; run
-    s6r2: N_Q 512 x N_K 32K separate 0.87-0.91x, N_Q 16 fused 2.1-2.3x faster); smaller N_Q, both
+    an H200 run: N_Q 512 x N_K 32K separate 0.87-0.91x, N_Q 16 fused 2.1-2.3x faster); smaller N_Q, both
     settings and the old kernels (varlen, fp32, no TMA) keep their rules."""
     from streamkl_ref._checks import Dims
 
     def dims(nq, nk, h=32):
         return Dims(B=1, H=h, NQ=nq, NK=nk, D1=128, D2=128, HK1=h, HK2=h, scale1=0.1, scale2=0.1)
 
-    assert _tuning.auto_bwd_mode(dims(8192, 8192), 132, False, new_kernels=True) == "separate"
-    assert _tuning.auto_bwd_mode(dims(8192, 8192), 132, False, new_kernels=False) == "fused"
-    assert _tuning.auto_bwd_mode(dims(512, 32768), 132, False, new_kernels=True) == "separate"  # 128 dQ programs
-    assert _tuning.auto_bwd_mode(dims(256, 32768), 132, False, new_kernels=True) == "fused"  # 64: half a wave
-    assert _tuning.auto_bwd_mode(dims(16, 32768), 132, False, new_kernels=True) == "fused"  # 32 (run s6r2)
-    assert _tuning.auto_bwd_mode(dims(16, 32768), 132, True, new_kernels=True) == "fused"  # both, small N_Q
-    assert _tuning.auto_bwd_mode(dims(8192, 8192), 132, True, new_kernels=True) == "separate"
-    assert _tuning.auto_bwd_mode(dims(4096, 64, h=2), 132, False, new_kernels=True) == "separate"  # few keys
+    assert attn_configs.auto_bwd_mode(dims(8192, 8192), 132, False, new_kernels=True) == "separate"
+    assert attn_configs.auto_bwd_mode(dims(8192, 8192), 132, False, new_kernels=False) == "fused"
+    assert attn_configs.auto_bwd_mode(dims(512, 32768), 132, False, new_kernels=True) == "separate"  # 128 dQ programs
+    assert attn_configs.auto_bwd_mode(dims(256, 32768), 132, False, new_kernels=True) == "fused"  # 64: half a wave
+    assert attn_configs.auto_bwd_mode(dims(16, 32768), 132, False, new_kernels=True) == "fused"  # 32 (an H200 run)
+    assert attn_configs.auto_bwd_mode(dims(16, 32768), 132, True, new_kernels=True) == "fused"  # both, small N_Q
+    assert attn_configs.auto_bwd_mode(dims(8192, 8192), 132, True, new_kernels=True) == "separate"
+    assert attn_configs.auto_bwd_mode(dims(4096, 64, h=2), 132, False, new_kernels=True) == "separate"  # few keys
 
 
 @triton.jit
@@ -325,13 +328,13 @@ def test_exp2_on_the_fma_pipe():
 
 def test_second_stream_rule(monkeypatch):
     """STREAMKL_BWD_STREAMS forces the separate backward's second stream on or off (unset: off, its
-    gain within the noise in run s6r3); never on CPU tensors or under the interpreter."""
+    gain within the noise in an H200 run); never on CPU tensors or under the interpreter."""
     from streamkl_ref._checks import Dims
     dims = Dims(B=1, H=32, NQ=8192, NK=8192, D1=128, D2=128, HK1=32, HK2=32, scale1=0.1, scale2=0.1)
     monkeypatch.delenv("STREAMKL_BWD_STREAMS", raising=False)
-    assert _tuning.bwd_streams(dims, 132) is False
+    assert attn_configs.bwd_streams(dims, 132) is False
     monkeypatch.setenv("STREAMKL_BWD_STREAMS", "1")
-    assert _tuning.bwd_streams(dims, 132) is True
+    assert attn_configs.bwd_streams(dims, 132) is True
     assert _launch._side_stream(dims, torch.device("cpu")) is None
     monkeypatch.setenv("STREAMKL_BWD_STREAMS", "0")
-    assert _tuning.bwd_streams(dims, 132) is False
+    assert attn_configs.bwd_streams(dims, 132) is False

@@ -1,4 +1,4 @@
-"""The direct launch path (streamkl_gpu._fast_launch): the same kernel, the same arguments, in the
+"""The direct launch path (streamkl_gpu._core.launcher): the same kernel, the same arguments, in the
 kernel's parameter order, and a new binding whenever a specialisation property changes.
 
 The real path only runs on a GPU (the interpreter has no compiled kernels); here a stand-in
@@ -10,7 +10,7 @@ import inspect
 import pytest
 import torch
 
-from streamkl_gpu import _fast_launch
+from streamkl_gpu._core import launcher as _fast_launch
 
 
 class _Param:
@@ -143,7 +143,7 @@ def test_per_call_keyword_arguments_are_put_in_their_parameter_slots(direct):
     assert fn.log[-1][0] == "direct" and fn.log[-1][1][9:] == (x, 32, 1.0, 16, "desc-2")
 
 def test_the_fast_environment_read_follows_os_environ(monkeypatch):
-    from streamkl_gpu import _runtime
+    from streamkl_gpu._core import runtime as _runtime
     monkeypatch.delenv("STREAMKL_TEST_ENV_READ", raising=False)
     assert _runtime.env("STREAMKL_TEST_ENV_READ", "unset") == "unset"
     monkeypatch.setenv("STREAMKL_TEST_ENV_READ", "0")

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from streamkl_gpu import _gluon_bwd_dispatch as dispatch
+from streamkl_gpu.experimental import attention_bwd_dispatch as dispatch
 from streamkl_ref._checks import Dims
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,7 +37,7 @@ def compiled():
     runs under the interpreter, which Gluon does not support); one JSON line per spec."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # 3.9 warns when unset; 1 is its default
-    proc = subprocess.run([sys.executable, "-m", "streamkl_gpu._gluon_bwd_sass", *CI_SPECS], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "streamkl_gpu.devtools.sass", "attention_bwd", *CI_SPECS], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"Gluon backward compile failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -46,7 +46,7 @@ def compiled():
 
 @pytest.mark.parametrize("spec", CI_SPECS)
 def test_sass_no_spills_three_waits_per_query_tile(compiled, spec):
-    from streamkl_gpu._gluon_bwd_sass import REGS_PER_CTA, SMEM_LIMIT
+    from streamkl_gpu.devtools.sass import REGS_PER_CTA, SMEM_LIMIT
 
     row = compiled[spec]
     _, mode, d, train, *rest = spec.split(":")

@@ -14,8 +14,9 @@ import sys
 import pytest
 import torch
 
-from streamkl_gpu import _gluon_dispatch as dispatch
-from streamkl_gpu import _gluon_fwd
+from streamkl_gpu.attention.gluon import dispatch as dispatch
+from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
+from streamkl_gpu.attention.gluon import fwd_sm90_launch as _gluon_fwd_launch
 from streamkl_ref._checks import Dims
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,16 +24,16 @@ CTA_THREADS = 384  # what the H200 reported for a Gluon forward CTA (OutOfResour
 
 # Specialisations compiled on CI: every dispatchable axis is covered at least once (dtype,
 # causal, D1 != D2 both ways would be 16 compiles; GQA and strides do not change the code), and
-# the tuner's other launch configurations that change the code (_gluon_fwd.candidates: at D = 128
+# the tuner's other launch configurations that change the code (_gluon_fwd_launch.candidates: at D = 128
 # the default alone; at other head dims 64-key tiles and the turnstile, compiled at D = 64). The
 # GPU script compiles (and checks the SASS of) every one it runs.
-# Also one experiment (_gluon_fwd.experiments): FENCE at 64-key tiles, the schedule whose point
+# Also one experiment (_gluon_fwd_launch.experiments): FENCE at 64-key tiles, the schedule whose point
 # is in the SASS (side 1's exponentials between the two waits).
 # And the two-tile lookahead (LOOK, side 2 first) at 64-key tiles: 4 waits per two-tile iteration,
 # side 2's exponentials of the first tile issued before the S1 wait.
 FENCE_SPEC = "bf16:causal:128:128:64:4:168:0:0:0:0:1"
 LOOK_SPEC = "bf16:causal:128:128:64:4:168:0:0:0:0:0:1:1"
-# And the knob-free schedule (the session-5 default) the session-6 knobs of the default
+# And the knob-free schedule (the second search's default) the third search's knobs of the default
 # (DEFAULT_KNOBS: MERGE, FOLD, MASK1) are measured against in the SASS: MERGE (one ready and one
 # empty barrier per ring slot: fewer BAR.SYNC per key tile; triton's membar puts one at each
 # mbarrier op of the loop), FOLD (whole-tile loops: the scale folded into the exponent's FFMA),
@@ -41,7 +42,7 @@ KNOB_FREE_SPEC = "bf16:causal:128:128:128:2:168:0"
 MASK1_SPEC = "bf16:causal:128:128"  # the default, causal (whole and masked loops)
 CI_SPECS = ["bf16:full:128:128", "fp16:causal:128:128", "bf16:causal:128:128", "bf16:causal:64:128",
             "bf16:full:64:64"] + [
-    "bf16:causal:64:64:" + ":".join(map(str, c)) for c in _gluon_fwd.candidates(64, 64)[1:] if c[2] == 168] + [
+    "bf16:causal:64:64:" + ":".join(map(str, c)) for c in _gluon_fwd_launch.candidates(64, 64)[1:] if c[2] == 168] + [
     FENCE_SPEC, LOOK_SPEC, KNOB_FREE_SPEC]
 
 
@@ -51,7 +52,7 @@ def compiled():
     runs under the interpreter, which Gluon does not support); one JSON line per spec."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # 3.9 warns when unset; 1 is its default
-    proc = subprocess.run([sys.executable, "-m", "streamkl_gpu._gluon_sass", *CI_SPECS], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "streamkl_gpu.devtools.sass", *CI_SPECS], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"Gluon compile failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -62,8 +63,8 @@ def compiled():
 def test_sass_no_spills_and_two_waits_per_key_tile(compiled, spec):
     row = compiled[spec]
     _, mode, d1, d2, *cand = spec.split(":")
-    cfg = _gluon_fwd.config_of(tuple(map(int, cand))) if cand else _gluon_fwd.kernel_config(int(d1), int(d2))
-    waits = _gluon_fwd.waits_per_tile(_gluon_fwd.sched_of(cfg))
+    cfg = _gluon_fwd_launch.config_of(tuple(map(int, cand))) if cand else _gluon_fwd_launch.kernel_config(int(d1), int(d2))
+    waits = _gluon_fwd_launch.waits_per_tile(_gluon_fwd_launch.sched_of(cfg))
     assert row["stl"] == 0 and row["ldl"] == 0, f"{spec}: local-memory spills in the SASS: {row}"
     assert row["resources"]["local"] == 0, f"{spec}: ptxas reports local memory: {row['resources']}"
     assert row["hgmma"] > 0, f"{spec}: no HGMMA in the SASS (wgmma lowered to something else)"
@@ -256,14 +257,14 @@ def test_api_forward_consults_the_dispatch(backend):
 
 def test_candidates_fit_shared_memory_and_round_trip():
     for d1, d2 in ((128, 128), (64, 64), (64, 128), (128, 64)):
-        measured = _gluon_fwd.configs_to_measure(d1, d2)
-        assert measured[:len(_gluon_fwd.candidates(d1, d2))] == _gluon_fwd.candidates(d1, d2)
+        measured = _gluon_fwd_launch.configs_to_measure(d1, d2)
+        assert measured[:len(_gluon_fwd_launch.candidates(d1, d2))] == _gluon_fwd_launch.candidates(d1, d2)
         assert len(set(measured)) == len(measured)
-        names = [_gluon_fwd.describe(c) for c in measured]
+        names = [_gluon_fwd_launch.describe(c) for c in measured]
         assert len(set(names)) == len(names), names  # the GPU script's provider names are unique
         for cand in measured:
-            cfg = _gluon_fwd.config_of(cand)
-            assert tuple(cfg[f] for f in _gluon_fwd.CAND_FIELDS[:len(cand)]) == tuple(cand)
+            cfg = _gluon_fwd_launch.config_of(cand)
+            assert tuple(cfg[f] for f in _gluon_fwd_launch.CAND_FIELDS[:len(cand)]) == tuple(cand)
             # Q (two warpgroups) + the key ring + barriers within sm_90's 227 KB per CTA
             smem = 2 * 64 * (d1 + d2) * 2 + cfg["NUM_STAGES"] * cfg["BLOCK_N"] * (d1 + d2) * 2
             assert smem <= 227 * 1024 - 1024, (cand, smem)
@@ -271,7 +272,7 @@ def test_candidates_fit_shared_memory_and_round_trip():
             # reported when a 224-register config failed to launch) within the SM's 65536
             assert cfg["maxnreg"] * CTA_THREADS <= 65536, (cand, cfg["maxnreg"])
     with pytest.raises(ValueError, match="candidate"):
-        _gluon_fwd.config_of((128, 2))
+        _gluon_fwd_launch.config_of((128, 2))
 
 
 def _bench_script():
@@ -301,9 +302,9 @@ def test_gpu_script_grid_is_the_issues_no_regression_grid():
     for spec in g.grid_prewarm_specs():
         variant, cand, dtype, d1, d2, group = spec.split(":")
         assert variant == "kernel" and dtype in ("bf16", "fp16") and int(d1) in (64, 128) and int(group) >= 1
-        assert tuple(map(int, cand.split(","))) in _gluon_fwd.candidates(int(d1), int(d2))
-    assert g._select_configs("all") == _gluon_fwd.configs_to_measure(128, 128)
-    assert all(c in _gluon_fwd.configs_to_measure(128, 128) for c in g.VARIANT_CONFIGS)
+        assert tuple(map(int, cand.split(","))) in _gluon_fwd_launch.candidates(int(d1), int(d2))
+    assert g._select_configs("all") == _gluon_fwd_launch.configs_to_measure(128, 128)
+    assert all(c in _gluon_fwd_launch.configs_to_measure(128, 128) for c in g.VARIANT_CONFIGS)
     # the configuration checks reuse the timed kernels: the same specialisation as B=1, H=32,
     # N = 8K (B == 1, H, N_Q, N_K multiples of 16, one key head per query head, D = 128)
     for name, sh, causal, _ in g.config_check_cases():
@@ -328,42 +329,42 @@ def test_exp2_polynomial_twin_accuracy_zeros_and_nan():
 
 
 def test_schedule_knobs_pack_into_sched():
-    cfg = _gluon_fwd.config_of((64, 4, 168, 1, 0, 2, 1, 1))
-    sched = _gluon_fwd.sched_of(cfg)
+    cfg = _gluon_fwd_launch.config_of((64, 4, 168, 1, 0, 2, 1, 1))
+    sched = _gluon_fwd_launch.sched_of(cfg)
     for name, (off, width) in _gluon_fwd.SCHED_BITS.items():
         assert (sched >> off) & ((1 << width) - 1) == cfg[name]
-    assert _gluon_fwd.waits_per_tile(sched) == 2
-    assert _gluon_fwd.waits_per_tile(_gluon_fwd.sched_of(_gluon_fwd.config_of((128, 2, 224, 1, 1)))) == 4
-    assert _gluon_fwd.waits_per_tile(_gluon_fwd.sched_of(dict(ORDER=1, LOOK=1))) == 4
+    assert _gluon_fwd_launch.waits_per_tile(sched) == 2
+    assert _gluon_fwd_launch.waits_per_tile(_gluon_fwd_launch.sched_of(_gluon_fwd_launch.config_of((128, 2, 224, 1, 1)))) == 4
+    assert _gluon_fwd_launch.waits_per_tile(_gluon_fwd_launch.sched_of(dict(ORDER=1, LOOK=1))) == 4
     with pytest.raises(ValueError, match="POLY"):
-        _gluon_fwd.sched_of(dict(POLY=4))
+        _gluon_fwd_launch.sched_of(dict(POLY=4))
     # combinations the kernel does not implement are refused, not silently run as another schedule
     for bad, name in ((dict(LOOK=1), "ORDER"), (dict(LOOK=1, ORDER=1, PINGPONG=1), "PINGPONG"),
                       (dict(ORDER=1, SPLIT=1), "SPLIT"), (dict(TURN=1), "PINGPONG"),
                       (dict(PINGPONG=1, TURN=1, RELTURN=1), "MERGE")):
         with pytest.raises(ValueError, match=name):
-            _gluon_fwd.sched_of(bad)
+            _gluon_fwd_launch.sched_of(bad)
 
 
 def test_tuner_candidates_measured_winner_at_d128():
     """At D = 128 / 128 (the issue's shapes) the tuner has the measured winner alone: the default
-    (128-key tiles, 168 registers, no turnstile, since session 6 with MERGE, FOLD and MASK1);
+    (128-key tiles, 168 registers, no turnstile, since the third schedule search: MERGE, FOLD and MASK1);
     timing noise between near-equal configurations made the tuned path slower than the default
-    forced (docs/design/attention_forward.md, session 4 run 3). Other head dims keep the three candidates, default
+    forced (docs/design/attention_forward.md). Other head dims keep the three candidates, default
     first, each with the same knobs."""
-    knobs = dict(MERGE=1, FOLD=1, MASK1=1)  # session 6, run s6r2
-    assert _gluon_fwd.candidates(128, 128) == [_gluon_fwd.make_cand(128, 128, 128, 168, **knobs)]
-    cfg = _gluon_fwd.kernel_config(128, 128)
-    assert cfg == _gluon_fwd.config_of(_gluon_fwd.candidates(128, 128)[0])
+    knobs = dict(MERGE=1, FOLD=1, MASK1=1)  # the third schedule search's default
+    assert _gluon_fwd_launch.candidates(128, 128) == [_gluon_fwd_launch.make_cand(128, 128, 128, 168, **knobs)]
+    cfg = _gluon_fwd_launch.kernel_config(128, 128)
+    assert cfg == _gluon_fwd_launch.config_of(_gluon_fwd_launch.candidates(128, 128)[0])
     assert (cfg["BLOCK_N"], cfg["NUM_STAGES"], cfg["maxnreg"], cfg["PINGPONG"]) == (128, 2, 168, 0)
     assert all(cfg[k] == 1 for k in knobs) and sum(cfg[k] for k in _gluon_fwd.SCHED_BITS) == 3
     for d1, d2 in ((64, 64), (64, 128), (128, 64)):
-        cands = _gluon_fwd.candidates(d1, d2)
-        assert len(cands) == 3 and cands[0][:3] == (128, _gluon_fwd._ring_stages(d1, d2, 128), 168), cands
-        assert all(_gluon_fwd.config_of(c)[k] == 1 for c in cands for k in knobs), cands
-    # the session-5 default stays measured (the control of the session-6 knobs)
-    assert _bench_script().KNOB_FREE_CONFIG in _gluon_fwd.configs_to_measure(128, 128)
-    assert _bench_script().DEFAULT_CONFIG == _gluon_fwd.candidates(128, 128)[0]
+        cands = _gluon_fwd_launch.candidates(d1, d2)
+        assert len(cands) == 3 and cands[0][:3] == (128, _gluon_fwd_launch._ring_stages(d1, d2, 128), 168), cands
+        assert all(_gluon_fwd_launch.config_of(c)[k] == 1 for c in cands for k in knobs), cands
+    # the second search's default stays measured (the control of the third search's knobs)
+    assert _bench_script().KNOB_FREE_CONFIG in _gluon_fwd_launch.configs_to_measure(128, 128)
+    assert _bench_script().DEFAULT_CONFIG == _gluon_fwd_launch.candidates(128, 128)[0]
 
 
 def test_fold_rounding_twin_max_is_bitwise_and_shift_within_an_ulp():
@@ -579,7 +580,7 @@ def test_gpu_script_final_plan_and_summary(monkeypatch, tmp_path):
     g.run_final(a, Budget(), 1, 1, out)
     targets, grid, checks, failed = out["targets"], out["grid"], out.get("checks", []), out["failed"]
     specs = calls[0][1]
-    assert specs[0] == g._spec("kernel", _gluon_fwd.candidates(128, 128)[0])
+    assert specs[0] == g._spec("kernel", _gluon_fwd_launch.candidates(128, 128)[0])
     assert all(sp in specs for sp in g.grid_prewarm_specs())
     assert sum(sp.startswith(g.TRITON_POINT) for sp in specs) == len(g.FINAL_TRITON_POINTS)
     names = {p[0] for p in g.grid_points()}

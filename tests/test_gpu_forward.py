@@ -12,7 +12,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 import streamkl_gpu
-from streamkl_gpu import _runtime, api
+from streamkl_gpu import api
+from streamkl_gpu._core import runtime as _runtime
 from streamkl_ref._checks import check_inputs
 
 from _gpu_helpers import assert_close, make_inputs, reference, same_precision

@@ -14,8 +14,10 @@ import torch
 
 import streamkl_gpu
 import streamkl_ref
-from streamkl_gpu import _indexer
-from streamkl_gpu._indexer import indexer_kl_naive
+from streamkl_gpu.indexer import configs as idx_configs
+from streamkl_gpu.indexer import host as idx_host
+from streamkl_gpu.indexer import plan as idx_plan
+from streamkl_gpu.indexer.api import indexer_kl_naive
 
 from _gpu_helpers import assert_close
 
@@ -103,7 +105,7 @@ def test_tma_descriptor_path(tma):
     """Score tiles through TMA descriptors (the Hopper path). Groups of 3 in boxes of 4 heads: a
     teacher box's 4th row is the next group's first head, counted twice unless masked by row."""
     xs = make(1, 6, 2, 11, 13, 16, 3, 1, 16, seed=23)
-    assert _indexer._use_tma(*xs[:4])
+    assert idx_plan._use_tma(*xs[:4])
     check_case(xs, with_lse=False, causal=True)
 
 
@@ -112,13 +114,13 @@ def test_dk_token_splits_equal_one_pass():
     xs = make(1, 2, 1, 23, 23, 16, 2, 1, 8, seed=22)
     g = torch.rand(1, 23, generator=torch.Generator().manual_seed(1))
     out = {}
-    old = _indexer.INTERPRETER_DK_SPLIT
+    old = idx_host.INTERPRETER_DK_SPLIT
     try:
         for per in (1000, 1):  # one split; BLOCK_T tokens per split
-            _indexer.INTERPRETER_DK_SPLIT = per
+            idx_host.INTERPRETER_DK_SPLIT = per
             out[per] = run(xs, g, causal=True)[1]
     finally:
-        _indexer.INTERPRETER_DK_SPLIT = old
+        idx_host.INTERPRETER_DK_SPLIT = old
     assert torch.allclose(out[1]["dk_idx"], out[1000]["dk_idx"], rtol=1e-5, atol=1e-6)
     assert torch.equal(out[1]["dq_idx"], out[1000]["dq_idx"])
 
@@ -128,7 +130,7 @@ def test_fused_backward_equals_separate(monkeypatch):
     reference, with token splits, and against the separate kernels; NaN in a key rows 0..8 cannot
     see stays out of their dq_idx (the masked stage zeroes non-finite key rows)."""
     xs = make(1, 4, 2, 13, 21, 24, 4, 1, 16, seed=24)
-    monkeypatch.setattr(_indexer, "INTERPRETER_DK_SPLIT", 8)
+    monkeypatch.setattr(idx_host, "INTERPRETER_DK_SPLIT", 8)
     monkeypatch.setenv("STREAMKL_INDEXER_BWD", "fused")
     check_case(xs, with_lse=True, causal=True)
     g = torch.ones(1, 13)
@@ -146,23 +148,23 @@ def test_fused_backward_equals_separate(monkeypatch):
 
 def test_one_head_chunks(monkeypatch):
     """Plans with one teacher head per chunk (the 7th config field, tried for GQA on the GPU)."""
-    monkeypatch.setattr(_indexer, "INTERPRETER_CONFIG", (32, 32, 32, 32, 1, 1, 1))
+    monkeypatch.setattr(idx_configs, "INTERPRETER_CONFIG", (32, 32, 32, 32, 1, 1, 1))
     xs = make(1, 4, 2, 11, 13, 16, 2, 1, 16, seed=25)
     from streamkl_ref._checks import check_indexer_inputs
 
-    assert _indexer._plan(check_indexer_inputs(*xs), _indexer.INTERPRETER_CONFIG, "fwd")["HB"] == 1
+    assert idx_plan._plan(check_indexer_inputs(*xs), idx_configs.INTERPRETER_CONFIG, "fwd")["HB"] == 1
     check_case(xs, with_lse=False, causal=True, grad=False)
 
 
 def test_small_tiles_many_stages():
     """16-wide tiles: several key tiles, token blocks and D chunks per program (causal stages)."""
-    old = _indexer.INTERPRETER_CONFIG
-    _indexer.INTERPRETER_CONFIG = (16, 16, 16, 16, 1, 1)
+    old = idx_configs.INTERPRETER_CONFIG
+    idx_configs.INTERPRETER_CONFIG = (16, 16, 16, 16, 1, 1)
     try:
         xs = make(1, 4, 2, 9, 35, 20, 4, 1, 16, seed=21)
         check_case(xs, with_lse=False, causal=True)
     finally:
-        _indexer.INTERPRETER_CONFIG = old
+        idx_configs.INTERPRETER_CONFIG = old
 
 
 @pytest.mark.parametrize("with_lse", [False, True])
@@ -330,7 +332,7 @@ def test_torch_compile_fullgraph_matches_eager():
 
 
 def test_large_logits_rereferenced():
-    """|I| around 1e4: the re-referenced accumulator keeps the KL accurate (no eps * |I| loss)."""
+    """|I| near 1e4: the re-referenced accumulator keeps the KL accurate (no eps * |I| loss)."""
     xs = make(1, 2, 1, 8, 10, 16, 2, 1, 8, seed=16, wscale=2000.0)
     kl_ref = ref_forward(xs, causal=True)[0]
     kl = streamkl_gpu.indexer_kl(*xs, causal=True)
@@ -380,7 +382,7 @@ def test_plan_tiles_are_at_least_16_wide():
         dims = check_indexer_inputs(*xs)
         for cfg in ((128, 128, 64, 64, 8, 2), (256, 128, 64, 64, 8, 2), (16, 16, 16, 16, 1, 1)):
             for kind in ("fwd", "bwd"):
-                pl = _indexer._plan(dims, cfg, kind)
+                pl = idx_plan._plan(dims, cfg, kind)
                 assert pl["HB"] * pl["BLOCK_T"] >= 16 and pl["IB"] * pl["BLOCK_T"] >= 16
                 assert pl["n_chunks"] * pl["HB"] >= H
                 assert pl["n_ichunks"] * pl["IB"] >= HI

@@ -1,4 +1,4 @@
-"""CPU smokes of two of issue 10's GPU scripts (bench/idx_gqa_gpu.py, bench/idx_pacc_gpu.py), their
+"""CPU smokes of two of the GPU scripts (bench/idx_gqa_gpu.py, bench/idx_pacc_gpu.py), their
 ``--tiny --final`` runs under the interpreter: a broken script would waste a GPU session's slot.
 Each must exit 0, time every variant of its final list, and check each timed variant against
 float64 within the tolerance rule (the CSV's check rows, parsed here). ~30 s in all."""

@@ -15,11 +15,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from streamkl_gpu import _indexer
+from streamkl_gpu.indexer.training import accumulate as idx_accumulate
+from streamkl_gpu.indexer import host as idx_host
+from streamkl_gpu.indexer import plan as idx_plan
 from streamkl_ref._checks import check_indexer_inputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-gluon = _indexer._gluon_indexer
+gluon = idx_host._gluon_indexer
 
 # DSA-like default config, a small fp16 non-causal case with 48 heads (N = 64), ragged head dims
 # (D = 40: one zero-filled chunk; D_I = 24) and H_I < 64, and the accumulating forward at DSA
@@ -47,7 +49,7 @@ def _expected(spec):
 def compiled():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-m", "streamkl_gpu._gluon_indexer_sass", *CI_SPECS], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "streamkl_gpu.devtools.sass", "indexer_fwd", *CI_SPECS], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, f"Gluon compile failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -55,7 +57,7 @@ def compiled():
 
 
 def test_gluon_import_available_with_ci_triton():
-    assert gluon is not None, _indexer.GLUON_IMPORT_ERROR
+    assert gluon is not None, idx_host.GLUON_IMPORT_ERROR
 
 
 @pytest.mark.parametrize("spec", CI_SPECS)
@@ -132,24 +134,24 @@ def test_mode_default_off_and_forced_mode_says_why(monkeypatch):
     """Default 0 (not yet measured faster); 1 on a CPU tensor is a ValueError naming the reason,
     never a silent fallback; anything else is a ValueError naming the variable."""
     monkeypatch.delenv("STREAMKL_INDEXER_GLUON", raising=False)
-    assert _indexer.gluon_mode() == "0"
+    assert idx_host.gluon_mode() == "0"
     xs = [torch.randn(s) for s in [(1, 2, 8, 16), (1, 1, 8, 16), (1, 2, 8, 16), (1, 1, 8, 16), (1, 2, 8)]]
     d = check_indexer_inputs(*xs, scale=0.25)
-    assert not _indexer._use_gluon(d, *xs[:4])
+    assert not idx_host._use_gluon(d, *xs[:4])
     monkeypatch.setenv("STREAMKL_INDEXER_GLUON", "auto")
-    assert not _indexer._use_gluon(d, *xs[:4])  # CPU: does not apply, falls back
+    assert not idx_host._use_gluon(d, *xs[:4])  # CPU: does not apply, falls back
     monkeypatch.setenv("STREAMKL_INDEXER_GLUON", "1")
     with pytest.raises(ValueError, match="does not apply"):
-        _indexer._use_gluon(d, *xs[:4])
+        idx_host._use_gluon(d, *xs[:4])
     monkeypatch.setenv("STREAMKL_INDEXER_GLUON", "yes")
     with pytest.raises(ValueError, match="STREAMKL_INDEXER_GLUON"):
-        _indexer.gluon_mode()
+        idx_host.gluon_mode()
     # the accumulating forward has its own switch, same rules
     monkeypatch.delenv("STREAMKL_INDEXER_GLUON_PACC", raising=False)
-    assert _indexer.gluon_mode(pacc=True) == "0"
+    assert idx_host.gluon_mode(pacc=True) == "0"
     monkeypatch.setenv("STREAMKL_INDEXER_GLUON_PACC", "1")
     with pytest.raises(ValueError, match="STREAMKL_INDEXER_GLUON_PACC=1"):
-        _indexer._use_gluon(d, *xs[:4], pacc=True)
+        idx_host._use_gluon(d, *xs[:4], pacc=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -158,7 +160,7 @@ def test_mode_default_off_and_forced_mode_says_why(monkeypatch):
 
 @pytest.mark.parametrize("causal,relu,nq,nk", [(True, True, 20, 20), (True, False, 13, 30), (False, True, 9, 150)])
 def test_emulated_schedule_matches_the_reference(causal, relu, nq, nk):
-    """Interleaved key splits (tile i to warpgroup i % 2), merged by _indexer._merge_splits,
+    """Interleaved key splits (tile i to warpgroup i % 2), merged by idx_plan._merge_splits,
     with 8-key tiles so that tokens walk several tiles: the KL of streamkl_ref.indexer_kl."""
     import numpy as np
     import streamkl_ref
@@ -170,9 +172,9 @@ def test_emulated_schedule_matches_the_reference(causal, relu, nq, nk):
     scale = 0.4
     x64 = [x.double().numpy() for x in xs]
     kl_ref, lse_i_ref, lse_t = streamkl_ref.indexer_kl(*x64, causal=causal, scale=scale, relu=relu, return_lse=True)
-    lse_bits = torch.from_numpy(lse_t).float() * _indexer.LOG2E
+    lse_bits = torch.from_numpy(lse_t).float() * idx_plan.LOG2E
     part = gluon.emulate_states(*xs, lse_bits, causal, scale, relu, block_n=8)
-    kl, lse_i = _indexer._merge_splits(part)
+    kl, lse_i = idx_plan._merge_splits(part)
     np.testing.assert_allclose(kl.numpy(), kl_ref, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(lse_i.numpy(), lse_i_ref, rtol=1e-5, atol=1e-5)
 
@@ -187,10 +189,10 @@ def test_emulated_shares_match_the_triton_accumulating_forward():
 
     _, _, lse_t = streamkl_ref.indexer_kl(*[x.double().numpy() for x in xs], causal=True, scale=0.3, return_lse=True)
     lse = torch.from_numpy(lse_t).float()
-    total, _, dq_p, dk_p, dw_p = _indexer._forward_pacc(*xs, lse, True, 0.3, True)
+    total, _, dq_p, dk_p, dw_p = idx_accumulate._forward_pacc(*xs, lse, True, 0.3, True)
     grads = (torch.zeros_like(dq_p), torch.zeros_like(dw_p), torch.zeros_like(dk_p))
-    part = gluon.emulate_states(*xs, lse * _indexer.LOG2E, True, 0.3, True, block_n=8, grads=grads)
-    kl, _ = _indexer._merge_splits(part)
+    part = gluon.emulate_states(*xs, lse * idx_plan.LOG2E, True, 0.3, True, block_n=8, grads=grads)
+    kl, _ = idx_plan._merge_splits(part)
     assert torch.allclose(kl.sum(), total, rtol=1e-4, atol=1e-5)
     for got, want in zip(grads, (dq_p, dw_p, dk_p)):
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
@@ -224,7 +226,7 @@ def test_emulated_student_backward_completes_the_gradient():
     shapes = [(1, 2, nq, 4), (1, 2, nq), (1, 1, nk, 4)]
     target = tuple(torch.zeros(s) for s in shapes)
     student = tuple(torch.zeros(s) for s in shapes)
-    gluon.emulate_states(*xs, torch.from_numpy(lse_t).float() * _indexer.LOG2E, True, 0.3, True, block_n=8,
+    gluon.emulate_states(*xs, torch.from_numpy(lse_t).float() * idx_plan.LOG2E, True, 0.3, True, block_n=8,
                          grads=target)
     gluon.emulate_states(*xs, torch.from_numpy(lse_i).float(), True, 0.3, True, block_n=8, grads=student,
                          student=True)
@@ -233,6 +235,6 @@ def test_emulated_student_backward_completes_the_gradient():
 
 
 def test_auto_only_for_the_measured_family():
-    assert _indexer._gluon_auto(_dims(N=8192))
-    assert not _indexer._gluon_auto(_dims(N=1024))  # short: launch-bound, not measured
-    assert not _indexer._gluon_auto(_dims(H=32, D=128, N=8192))  # a narrow teacher: not measured
+    assert idx_host._gluon_auto(_dims(N=8192))
+    assert not idx_host._gluon_auto(_dims(N=1024))  # short: launch-bound, not measured
+    assert not idx_host._gluon_auto(_dims(H=32, D=128, N=8192))  # a narrow teacher: not measured

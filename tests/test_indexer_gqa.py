@@ -11,7 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streamkl_gpu import _indexer, _indexer_fwd_gqa
+from streamkl_gpu.indexer import configs as idx_configs
+from streamkl_gpu.indexer import host as idx_host
+from streamkl_gpu.indexer import plan as idx_plan
+from streamkl_gpu.indexer.triton import fwd_gqa as _indexer_fwd_gqa
 from streamkl_ref._checks import check_indexer_inputs
 
 from test_gpu_indexer import check_case, make
@@ -32,7 +35,7 @@ CASES = [
 
 
 def _config(monkeypatch, block_n, splits, variant):
-    monkeypatch.setattr(_indexer, "INTERPRETER_CONFIG", (16, 16, block_n, 32, 1, 1, 1, splits, variant))
+    monkeypatch.setattr(idx_configs, "INTERPRETER_CONFIG", (16, 16, block_n, 32, 1, 1, 1, splits, variant))
 
 
 def _launched(monkeypatch):
@@ -74,7 +77,7 @@ def test_gqa_kernel_equals_general_kernel(monkeypatch, tma):
     out = {}
     for variant in ("tiles", "gqa", "gqa-flat", "gqa-pp", "gqa-tm", "gqa-band"):
         _config(monkeypatch, 16, 2, variant)
-        kl, lse_idx, _ = _indexer._forward(*xs, None, True, 0.3, True)
+        kl, lse_idx, _ = idx_host._forward(*xs, None, True, 0.3, True)
         out[variant] = (kl, lse_idx)
     for variant in ("gqa", "gqa-flat", "gqa-pp", "gqa-tm", "gqa-band"):
         assert torch.allclose(out[variant][0], out["tiles"][0], rtol=1e-4, atol=1e-6), variant
@@ -90,15 +93,15 @@ def test_gqa_kernel_nan_isolation(monkeypatch, tma, variant):
     lse row stays NaN, its neighbours do not."""
     _config(monkeypatch, 16, 1, variant)
     xs = make(1, 4, 2, 24, 24, 16, 2, 1, 16, seed=12)
-    good = _indexer._forward(*xs, None, True, 0.3, True)[0]
+    good = idx_host._forward(*xs, None, True, 0.3, True)[0]
     bad = [x.clone() for x in xs]
     bad[1][0, 1, 17, 3] = float("nan")
-    kl_bad = _indexer._forward(*bad, None, True, 0.3, True)[0]
+    kl_bad = idx_host._forward(*bad, None, True, 0.3, True)[0]
     assert torch.isnan(kl_bad[0, 17:]).all()
     assert torch.equal(kl_bad[0, :17], good[0, :17])
-    lse = _indexer._forward(*xs, None, True, 0.3, True)[2] / _indexer.LOG2E
+    lse = idx_host._forward(*xs, None, True, 0.3, True)[2] / idx_plan.LOG2E
     lse[0, 2, 5] = float("nan")
-    kl_lse = _indexer._forward(*xs, lse, True, 0.3, True)[0]
+    kl_lse = idx_host._forward(*xs, lse, True, 0.3, True)[0]
     assert torch.isnan(kl_lse[0, 5])
     others = torch.arange(24) != 5
     assert torch.allclose(kl_lse[0, others], good[0, others], rtol=1e-5, atol=1e-6)
@@ -108,12 +111,12 @@ def test_gqa_kernel_applies_only_where_it_can():
     """TMA loads and head dims <= 128 only; otherwise the general kernel runs the plan."""
     xs = make(1, 8, 2, 8, 8, 32, 4, 1, 16)
     dims = check_indexer_inputs(*xs)
-    pl = _indexer._plan(dims, (16, 16, 16, 32, 1, 1, 1, 1, "gqa"), "fwd")
+    pl = idx_plan._plan(dims, (16, 16, 16, 32, 1, 1, 1, 1, "gqa"), "fwd")
     assert _indexer_fwd_gqa.applies(pl, dims, True)
     assert not _indexer_fwd_gqa.applies(pl, dims, False)
     assert not _indexer_fwd_gqa.applies(dict(pl, variant="tiles"), dims, True)
     wide = check_indexer_inputs(*make(1, 8, 2, 8, 8, 192, 4, 1, 16))
-    assert not _indexer_fwd_gqa.applies(_indexer._plan(wide, (16, 16, 16, 32, 1, 1, 1, 1, "gqa"), "fwd"), wide, True)
+    assert not _indexer_fwd_gqa.applies(idx_plan._plan(wide, (16, 16, 16, 32, 1, 1, 1, 1, "gqa"), "fwd"), wide, True)
 
 
 def test_variant_names():
@@ -134,7 +137,7 @@ def test_variant_names():
 
 
 def test_merge_kernel_equals_host_merge():
-    """merge_states (one launch) against _indexer._merge_splits: random states, a split that saw
+    """merge_states (one launch) against idx_plan._merge_splits: random states, a split that saw
     no key (m = -inf, l = 0), a row no split saw (KL 0, LSE_I -inf), a NaN state (NaN row)."""
     gen = torch.Generator().manual_seed(3)
     splits, B, N = 3, 2, 37
@@ -147,7 +150,7 @@ def test_merge_kernel_equals_host_merge():
     part[:, 1, 0, 5] = torch.tensor([float("-inf"), 0.0, 0.0, 0.0, 0.0])   # split 1 saw no key of row 5
     part[:, :, 1, 7] = torch.tensor([float("-inf"), 0.0, 0.0, 0.0, 0.0])[:, None]  # nobody saw row (1, 7)
     part[0, 2, 1, 9] = float("nan")
-    kl_ref, lse_ref = _indexer._merge_splits(part)
+    kl_ref, lse_ref = idx_plan._merge_splits(part)
     kl, lse = torch.full((B, N), 7.0), torch.full((B, N), 7.0)
     _indexer_fwd_gqa.merge_states(part.contiguous(), kl, lse)
     assert torch.allclose(kl, kl_ref, rtol=1e-5, atol=1e-6, equal_nan=True)
@@ -158,10 +161,9 @@ def test_merge_kernel_equals_host_merge():
 
 def test_default_candidates_and_split_rule():
     """The untuned default of a GQA teacher (the first candidate) is the GQA kernel's 64 x 64
-    band config capped at 128 registers (run s7r1); its key splits follow key_splits: 48 from 8K to 64K on 132 SMs (measured best,
-    run s6r4), fewer for longer sequences (the split states stay small), never more than
+    band config capped at 128 registers (an H200 run); its key splits follow key_splits: 48 from 8K to 64K on 132 SMs (measured best), fewer for longer sequences (the split states stay small), never more than
     MAX_SPLITS, at least one, and the plan caps them at the key tiles."""
-    from streamkl_gpu import _indexer_fwd_gqa as g
+    from streamkl_gpu.indexer.triton import fwd_gqa as g
 
     rule = {n: g.key_splits(n, 64, 132) for n in (64, 8192, 16384, 32768, 65536, 1 << 17, 1 << 20, 1 << 24)}
     assert rule[8192] == rule[16384] == rule[32768] == rule[65536] == g.MAX_SPLITS == 48
@@ -172,13 +174,13 @@ def test_default_candidates_and_split_rule():
         xs = [torch.empty(s, device="meta") for s in ((1, 32, n, 128), (1, 8, n, 128), (1, 16, n, 64), (1, 1, n, 64),
                                                      (1, 16, n))]
         dims = check_indexer_inputs(*xs)
-        first = _indexer._new_fwd_candidates(dims, True, 132)[0]
+        first = idx_configs._new_fwd_candidates(dims, True, 132)[0]
         assert first == (64, 64, 64, 64, 4, 2, 1, g.key_splits(n, 64, 132), "gqa-band-r128")
-        pl = _indexer._plan(dims, first, "fwd")
+        pl = idx_plan._plan(dims, first, "fwd")
         assert _indexer_fwd_gqa.applies(pl, dims, True)
         tiles = n // 64
         per = -(-tiles // first[7])  # whole tiles per split (8K: 48 asked, 3 tiles each, 43 splits)
-        assert _indexer._key_splits(dims, pl) == (-(-tiles // per), per * 64)
+        assert idx_plan._key_splits(dims, pl) == (-(-tiles // per), per * 64)
     small = check_indexer_inputs(*make(1, 8, 2, 100, 100, 32, 4, 1, 16))
-    pl = _indexer._plan(small, (64, 64, 64, 64, 4, 3, 1, 24, "gqa-band"), "fwd")
-    assert _indexer._key_splits(small, pl)[0] == 2  # 100 keys: two 64-key tiles
+    pl = idx_plan._plan(small, (64, 64, 64, 64, 4, 3, 1, 24, "gqa-band"), "fwd")
+    assert idx_plan._key_splits(small, pl)[0] == 2  # 100 keys: two 64-key tiles

@@ -1,4 +1,4 @@
-"""The indexer forward's keys-major score tiles (the "keys" variant, 9th config field; issue 10's
+"""The indexer forward's keys-major score tiles (the "keys" variant, 9th config field; the
 DSA-like speed work) and the flattened key loop ("keys_flat", "tiles_flat") under the interpreter: against the float64 reference
 (streamkl_ref.indexer_kl) over odd shapes, and against the (head, token)-major kernel.
 
@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streamkl_gpu import _indexer
+from streamkl_gpu.indexer import configs as idx_configs
+from streamkl_gpu.indexer import host as idx_host
+from streamkl_gpu.indexer import plan as idx_plan
 from streamkl_ref._checks import check_indexer_inputs
 
 from test_gpu_indexer import check_case, make
@@ -19,11 +21,11 @@ KEYS = (32, 32, 16, 32, 1, 1, None, 1, "keys")
 
 
 def _with_config(monkeypatch, cfg):
-    monkeypatch.setattr(_indexer, "INTERPRETER_CONFIG", cfg)
+    monkeypatch.setattr(idx_configs, "INTERPRETER_CONFIG", cfg)
 
 
 def _forward(xs, lse=None, causal=True, scale=0.25, relu=True):
-    kl, lse_idx, _ = _indexer._forward(*xs, lse, causal, scale, relu)
+    kl, lse_idx, _ = idx_host._forward(*xs, lse, causal, scale, relu)
     return kl, lse_idx
 
 
@@ -54,7 +56,7 @@ def test_keys_major_equals_rows_major(monkeypatch, tma):
     16-wide chunks (the flattened loop's inner trip count). H = 16 fills one 16-wide column block
     with one token (BLOCK_T = 1, the DSA layout: the head sum is a plain row sum)."""
     xs = make(1, 16, 1, 14, 20, 24, 16, 1, 16, seed=41)
-    pl = _indexer._plan(check_indexer_inputs(*xs), (16, 16, 16, 16, 1, 1, None, 1, "keys"), "fwd")
+    pl = idx_plan._plan(check_indexer_inputs(*xs), (16, 16, 16, 16, 1, 1, None, 1, "keys"), "fwd")
     assert pl["BLOCK_T"] == 1 and pl["HB"] == 16
     out = {}
     variants = ("keys", "keys_flat", "tiles_flat", "keys_flat_lpt_r168")
@@ -110,7 +112,7 @@ def test_keys_major_gradients_after_its_forward(monkeypatch):
 def test_variant_options():
     """The 9th config field's options: keys-major, flattened, reversed token blocks, maxnreg (a
     compile option: not passed to the interpreter)."""
-    from streamkl_gpu._indexer_fwd import variant_meta
+    from streamkl_gpu.indexer.triton.fwd import variant_meta
 
     assert variant_meta("tiles") == dict(KEYS_MAJOR=False, FLATTEN=False, LPT=False)
     assert variant_meta("l1") == dict(KEYS_MAJOR=False, FLATTEN=False, LPT=False)
@@ -157,20 +159,20 @@ def test_sm90_compile_head_sum_stays_in_registers():
 
 
 def test_keys_major_first_for_the_dsa_family_only():
-    """The measured winner (runs s6r2, s6r3) is the untuned choice where it was measured: an MQA
+    """The measured winner (runs an H200 run) is the untuned choice where it was measured: an MQA
     teacher with >= 128 heads (a 128-row tile is one token's heads); other MQA teachers try it last."""
     def dims(H, D, HK=1, N=64):
         shapes = [(1, H, N, D), (1, HK, N, D), (1, 64, N, 128), (1, 1, N, 128), (1, 64, N)]
         return check_indexer_inputs(*[torch.empty(s, device="meta") for s in shapes], scale=0.1)
 
-    dsa = _indexer._new_fwd_candidates(dims(128, 576), False, 132)
+    dsa = idx_configs._new_fwd_candidates(dims(128, 576), False, 132)
     assert dsa[0] == (128, 128, 128, 64, 4, 3, None, 1, "keys_lpt")  # short: one key split
-    pl = _indexer._plan(dims(128, 576), dsa[0], "fwd")
+    pl = idx_plan._plan(dims(128, 576), dsa[0], "fwd")
     assert (pl["BLOCK_T"], pl["HB"], pl["BLOCK_N"], pl["variant"]) == (1, 128, 128, "keys_lpt")
-    # from 8K keys on: splits of 4096 keys (run s6r3), at most 16 (bounded extra memory per token)
+    # from 8K keys on: splits of 4096 keys (an H200 run), at most 16 (bounded extra memory per token)
     for n, splits, per in ((8192, 2, 4096), (16384, 4, 4096), (65536, 16, 4096), (131072, 16, 8192)):
-        first = _indexer._new_fwd_candidates(dims(128, 576, N=n), False, 132)[0]
+        first = idx_configs._new_fwd_candidates(dims(128, 576, N=n), False, 132)[0]
         assert first == (128, 128, 128, 64, 4, 3, None, splits, "keys_lpt")
-        assert _indexer._key_splits(dims(128, 576, N=n), _indexer._plan(dims(128, 576, N=n), first, "fwd")) == (splits, per)
-    small = _indexer._new_fwd_candidates(dims(16, 64), False, 132)
+        assert idx_plan._key_splits(dims(128, 576, N=n), idx_plan._plan(dims(128, 576, N=n), first, "fwd")) == (splits, per)
+    small = idx_configs._new_fwd_candidates(dims(16, 64), False, 132)
     assert small[0] == (128, 128, 128, 64, 4, 3) and dsa[0] in small

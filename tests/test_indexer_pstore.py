@@ -1,4 +1,4 @@
-"""The indexer loss's "store" design (STREAMKL_INDEXER_PSTORE=1, issue 10) and the accumulating
+"""The indexer loss's "store" design (STREAMKL_INDEXER_TRAINING=store; old name STREAMKL_INDEXER_PSTORE=1) and the accumulating
 forward's timing-only variants, under the interpreter.
 
 The store design: the forward's tile also writes the target p [B, N_Q, N_K]; the backward's
@@ -13,7 +13,14 @@ import pytest
 import torch
 
 import streamkl_ref
-from streamkl_gpu import _indexer
+from streamkl_gpu._core.forcing import forcing
+from streamkl_gpu.indexer.training import accumulate as idx_accumulate
+from streamkl_gpu.indexer.training import choice as idx_choice
+from streamkl_gpu.indexer.training import chunk as idx_chunk
+from streamkl_gpu.indexer import configs as idx_configs
+from streamkl_gpu.indexer import host as idx_host
+from streamkl_gpu.indexer import plan as idx_plan
+from streamkl_gpu.indexer.training import store as idx_store
 from streamkl_ref._checks import check_indexer_inputs
 
 from test_gpu_indexer import make
@@ -57,9 +64,9 @@ def test_stored_target_matches_reference(monkeypatch, poison, shape, causal, red
     monkeypatch.setenv("STREAMKL_INDEXER_PACC", "1")
     monkeypatch.setenv("STREAMKL_INDEXER_PSTORE", "1")
     calls = []
-    fwd, bwd = _indexer._forward_pstore, _indexer._backward
-    monkeypatch.setattr(_indexer, "_forward_pstore", lambda *a: calls.append("fwd") or fwd(*a))
-    monkeypatch.setattr(_indexer, "_backward", lambda *a, **k: calls.append(k.get("p_saved") is not None) or bwd(*a, **k))
+    fwd, bwd = idx_store._forward_pstore, idx_host._backward
+    monkeypatch.setattr(idx_store, "_forward_pstore", lambda *a: calls.append("fwd") or fwd(*a))
+    monkeypatch.setattr(idx_host, "_backward", lambda *a, **k: calls.append(k.get("p_saved") is not None) or bwd(*a, **k))
     loss, grads = _loss_and_grads(xs, lse, reduction, **kw)
     assert calls == ["fwd", True]  # the storing forward, the backward reading p
     assert abs(loss.item() - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss))
@@ -80,7 +87,7 @@ def test_stored_target_is_the_head_mean(poison):
     and the backward must never read them: it reads visible entries only.)"""
     xs = make(1, 4, 1, 11, 11, 16, 2, 1, 8, seed=61)
     lse = _teacher_lse(xs, True)
-    total, lse_idx, p = _indexer._forward_pstore(*xs, lse, True, 0.25, True)
+    total, lse_idx, p = idx_store._forward_pstore(*xs, lse, True, 0.25, True)
     x64 = [x.double().numpy() for x in xs]
     q, k = x64[0][0], x64[1][0]
     s = np.einsum("htd,sd->hts", q, k[0]) * 0.25
@@ -115,29 +122,29 @@ def test_stored_target_nan_isolation(monkeypatch, poison):
 def test_store_design_dispatch(monkeypatch):
     d = check_indexer_inputs(*make(1, 2, 1, 5, 7, 8, 2, 1, 8, seed=63))
     monkeypatch.delenv("STREAMKL_INDEXER_PSTORE", raising=False)
-    assert _indexer.PSTORE_DEFAULT == "default" and d.HK == 1
-    assert _indexer.pstore_mode(d) == "chunk" and _indexer.pstore_enabled(d)  # MQA teacher: the chunk design
+    assert idx_choice.PSTORE_DEFAULT == "default" and d.HK == 1
+    assert idx_choice.pstore_mode(d) == "chunk" and idx_choice.pstore_enabled(d)  # MQA teacher: the chunk design
     gqa = check_indexer_inputs(*make(1, 4, 2, 5, 7, 8, 2, 1, 8, seed=63))
-    assert _indexer.pstore_mode(gqa) == "0" and not _indexer.pstore_enabled(gqa)  # GQA: accumulate
+    assert idx_choice.pstore_mode(gqa) == "0" and not idx_choice.pstore_enabled(gqa)  # GQA: accumulate
     monkeypatch.setenv("STREAMKL_INDEXER_PSTORE", "auto")
-    assert _indexer.pstore_bytes(d) == 4 * 5 * 7 and _indexer.pstore_enabled(d)
-    monkeypatch.setattr(_indexer, "PSTORE_MAX_BYTES", 4 * 5 * 7 - 1)
-    assert not _indexer.pstore_enabled(d)
+    assert idx_choice.pstore_bytes(d) == 4 * 5 * 7 and idx_choice.pstore_enabled(d)
+    monkeypatch.setattr(idx_choice, "PSTORE_MAX_BYTES", 4 * 5 * 7 - 1)
+    assert not idx_choice.pstore_enabled(d)
     monkeypatch.setenv("STREAMKL_INDEXER_PSTORE", "yes")
     with pytest.raises(ValueError, match="STREAMKL_INDEXER_PSTORE"):
-        _indexer.pstore_enabled(d)
+        idx_choice.pstore_enabled(d)
 
 
 @pytest.mark.parametrize("variant", ["teacher", "logits", "nodk"])
 def test_timing_only_parts_drop_their_work(monkeypatch, variant):
-    """The accumulating forward's timing-only variants leave out what they say: "nodk" keeps
+    """The accumulating forward's timing-only variants (forced through the hook) leave out what they say: "nodk" keeps
     KL, dq_p, dweights_p (dk_p stays 0); "logits" keeps KL (no shares); "teacher" drops the
     student's logits (KL changes)."""
     xs = make(1, 4, 1, 9, 9, 16, 2, 1, 8, seed=64)
     lse = _teacher_lse(xs, True)
-    full = _indexer._forward_pacc(*xs, lse, True, 0.25, True)
-    monkeypatch.setattr(_indexer, "INTERPRETER_CONFIG", _indexer.INTERPRETER_CONFIG + (None, 1, variant))
-    part = _indexer._forward_pacc(*xs, lse, True, 0.25, True)
+    full = idx_accumulate._forward_pacc(*xs, lse, True, 0.25, True)
+    with forcing(indexer_accumulate_parts=variant):  # the documented hook (devtools.diagnostics)
+        part = idx_accumulate._forward_pacc(*xs, lse, True, 0.25, True)
     same_kl = torch.allclose(part[0], full[0], rtol=1e-6)
     assert same_kl == (variant != "teacher")
     assert torch.equal(part[3], torch.zeros_like(part[3]))  # dk_p: zeroed, never added to
@@ -202,15 +209,15 @@ def test_stored_target_in_float16(monkeypatch):
     (p in [0, 1]: relative rounding 2^-11), the loss unchanged (the forward's sums use fp32 p)."""
     monkeypatch.setenv("STREAMKL_INDEXER_PACC", "1")
     monkeypatch.setenv("STREAMKL_INDEXER_PSTORE", "1")
-    monkeypatch.setattr(_indexer, "PSTORE_DTYPE", torch.float16)
+    monkeypatch.setattr(idx_choice, "PSTORE_DTYPE", torch.float16)
     shape = (1, 4, 1, 13, 21, 24, 4, 1, 16)
     xs = make(*shape, seed=67)
     x64 = [x.double().numpy() for x in xs]
     kl_ref, _, lse_t = streamkl_ref.indexer_kl(*x64, return_lse=True, causal=True)
     ref = streamkl_ref.indexer_kl_grad(*x64, np.full((1, 13), 1.7), causal=True)
     d = check_indexer_inputs(*xs)
-    assert _indexer.pstore_bytes(d) == 2 * 13 * 21
-    _, _, p = _indexer._forward_pstore(*xs, torch.from_numpy(lse_t).float(), True, 24 ** -0.5, True)
+    assert idx_choice.pstore_bytes(d) == 2 * 13 * 21
+    _, _, p = idx_store._forward_pstore(*xs, torch.from_numpy(lse_t).float(), True, 24 ** -0.5, True)
     assert p.dtype == torch.float16
     loss, grads = _loss_and_grads(xs, torch.from_numpy(lse_t).float(), "sum", causal=True)
     assert abs(loss.item() - kl_ref.sum()) <= 1e-5 * max(1.0, abs(kl_ref.sum()))
@@ -231,9 +238,9 @@ def test_accumulating_forward_keys_as_rows(monkeypatch, poison, shape, causal, r
     float64; a NaN indexer key leaves the rows that cannot see it unchanged."""
     xs = make(*shape, seed=sum(shape) + 68)
     lse = _teacher_lse(xs, causal)
-    base = _indexer._forward_pacc(*xs, lse, causal, 0.3, relu)
-    monkeypatch.setattr(_indexer, "INTERPRETER_CONFIG", _indexer.INTERPRETER_CONFIG + (None, 1, "kt"))
-    kt = _indexer._forward_pacc(*xs, lse, causal, 0.3, relu)
+    base = idx_accumulate._forward_pacc(*xs, lse, causal, 0.3, relu)
+    monkeypatch.setattr(idx_configs, "INTERPRETER_CONFIG", idx_configs.INTERPRETER_CONFIG + (None, 1, "kt"))
+    kt = idx_accumulate._forward_pacc(*xs, lse, causal, 0.3, relu)
     for name, a, b in zip(("total", "lse_idx", "dq_p", "dk_p", "dw_p"), base, kt):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), name
     monkeypatch.setenv("STREAMKL_INDEXER_PACC", "1")
@@ -260,15 +267,15 @@ def test_accumulating_forward_token_major_q(monkeypatch, variant):
     """The "tm" flag (one token per program: q read through a token-major [B, N, H, D]
     descriptor, so the teacher's product reads its rows from shared memory) gives the default
     variant's outputs (interpreter with TMA descriptors)."""
-    from streamkl_gpu import _runtime
+    from streamkl_gpu._core import runtime as _runtime
 
     monkeypatch.setattr(_runtime, "INTERPRETER_TMA", True)
     xs = make(1, 32, 1, 11, 19, 32, 16, 1, 16, seed=69)  # 32 heads x 1 token: the 32 teacher rows
     lse = _teacher_lse(xs, True)
-    base = _indexer._forward_pacc(*xs, lse, True, 0.3, True)
-    assert _indexer._plan(check_indexer_inputs(*xs), _indexer.INTERPRETER_CONFIG, "bwd")["BLOCK_T"] == 1
-    monkeypatch.setattr(_indexer, "INTERPRETER_CONFIG", _indexer.INTERPRETER_CONFIG + (None, 1, variant))
-    got = _indexer._forward_pacc(*xs, lse, True, 0.3, True)
+    base = idx_accumulate._forward_pacc(*xs, lse, True, 0.3, True)
+    assert idx_plan._plan(check_indexer_inputs(*xs), idx_configs.INTERPRETER_CONFIG, "bwd")["BLOCK_T"] == 1
+    monkeypatch.setattr(idx_configs, "INTERPRETER_CONFIG", idx_configs.INTERPRETER_CONFIG + (None, 1, variant))
+    got = idx_accumulate._forward_pacc(*xs, lse, True, 0.3, True)
     for name, a, b in zip(("total", "lse_idx", "dq_p", "dk_p", "dw_p"), base, got):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), name
 
@@ -294,10 +301,10 @@ def test_chunked_full_gradient_in_forward(monkeypatch, poison, shape, causal, re
     ref_loss = kl_ref.sum() * (1.0 if reduction == "sum" else 1.0 / rows)
     monkeypatch.setenv("STREAMKL_INDEXER_PACC", "1")
     monkeypatch.setenv("STREAMKL_INDEXER_PSTORE", "chunk")
-    monkeypatch.setattr(_indexer, "PCHUNK_TOKENS", chunk)
+    monkeypatch.setattr(idx_chunk, "PCHUNK_TOKENS", chunk)
     calls = []
-    full = _indexer._forward_full
-    monkeypatch.setattr(_indexer, "_forward_full", lambda *a: calls.append("full") or full(*a))
+    full = idx_chunk._forward_full
+    monkeypatch.setattr(idx_chunk, "_forward_full", lambda *a: calls.append("full") or full(*a))
     loss, grads = _loss_and_grads(xs, lse, reduction, **kw)
     assert calls == ["full"]
     assert abs(loss.item() - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss))
@@ -319,7 +326,7 @@ def test_chunked_design_nan_isolation_and_trace(monkeypatch, poison):
 
     monkeypatch.setenv("STREAMKL_INDEXER_PACC", "1")
     monkeypatch.setenv("STREAMKL_INDEXER_PSTORE", "chunk")
-    monkeypatch.setattr(_indexer, "PCHUNK_TOKENS", 8)
+    monkeypatch.setattr(idx_chunk, "PCHUNK_TOKENS", 8)
     xs = make(1, 2, 1, 21, 21, 16, 2, 1, 8, seed=71)
     lse = _teacher_lse(xs, True)
     _, clean = _loss_and_grads(xs, lse, "sum", causal=True)
@@ -352,8 +359,8 @@ def test_chunked_design_keys_major_forward(monkeypatch, poison, variant):
     _indexer_fwd.variant_meta): the same loss and gradients as the reference."""
     monkeypatch.setenv("STREAMKL_INDEXER_PACC", "1")
     monkeypatch.setenv("STREAMKL_INDEXER_PSTORE", "chunk")
-    monkeypatch.setattr(_indexer, "PCHUNK_TOKENS", 8)
-    monkeypatch.setattr(_indexer, "INTERPRETER_CONFIG", _indexer.INTERPRETER_CONFIG + (None, 1, variant))
+    monkeypatch.setattr(idx_chunk, "PCHUNK_TOKENS", 8)
+    monkeypatch.setattr(idx_configs, "INTERPRETER_CONFIG", idx_configs.INTERPRETER_CONFIG + (None, 1, variant))
     shape = (1, 4, 1, 13, 21, 24, 4, 1, 16)
     xs = make(*shape, seed=72)
     x64 = [x.double().numpy() for x in xs]
@@ -369,14 +376,13 @@ def test_chunked_design_keys_major_forward(monkeypatch, poison, variant):
 
 def test_chunk_design_moves_past_a_config_that_does_not_fit(monkeypatch):
     """_forward_full takes the first (storing forward, gradient kernel) pair whose launches fit the
-    device: a launch raising Triton's OutOfResources (shared memory at D = 96 on the H200, run
-    s7r10) moves to the next pair; the pair that fit is remembered; other errors propagate."""
+    device: a launch raising Triton's OutOfResources (shared memory at D = 96 on the H200) moves to the next pair; the pair that fit is remembered; other errors propagate."""
     class OutOfResources(RuntimeError):
         pass
 
     plans = {"pstore": [("f0",), ("f1",)], "bwd": [("b0",)]}
-    monkeypatch.setattr(_indexer, "_candidates", lambda kind, ieee, dims=None, n_sm=132, **kw: plans[kind])
-    monkeypatch.setattr(_indexer, "_FULL_CONFIGS", {})
+    monkeypatch.setattr(idx_configs, "_candidates", lambda kind, ieee, dims=None, n_sm=132, **kw: plans[kind])
+    monkeypatch.setattr(idx_chunk, "_FULL_CONFIGS", {})
     tried = []
 
     def fake(fcfg, bcfg, *a):
@@ -385,18 +391,18 @@ def test_chunk_design_moves_past_a_config_that_does_not_fit(monkeypatch):
             raise OutOfResources("shared memory")
         return "ran"
 
-    monkeypatch.setattr(_indexer, "_forward_full_with", fake)
+    monkeypatch.setattr(idx_chunk, "_forward_full_with", fake)
     xs = make(1, 2, 1, 5, 7, 8, 2, 1, 8, seed=63)
     lse = torch.zeros(1, 2, 5)
-    assert _indexer._forward_full(*xs, lse, True, 0.3, True) == "ran"
+    assert idx_chunk._forward_full(*xs, lse, True, 0.3, True) == "ran"
     assert tried == [(("f0",), ("b0",)), (("f1",), ("b0",))]
-    assert _indexer._forward_full(*xs, lse, True, 0.3, True) == "ran"
+    assert idx_chunk._forward_full(*xs, lse, True, 0.3, True) == "ran"
     assert tried[-1] == (("f1",), ("b0",)) and len(tried) == 3  # remembered: no second try of f0
 
     def broken(*a):
         raise ValueError("not a resource problem")
 
-    monkeypatch.setattr(_indexer, "_forward_full_with", broken)
-    monkeypatch.setattr(_indexer, "_FULL_CONFIGS", {})
+    monkeypatch.setattr(idx_chunk, "_forward_full_with", broken)
+    monkeypatch.setattr(idx_chunk, "_FULL_CONFIGS", {})
     with pytest.raises(ValueError, match="not a resource problem"):
-        _indexer._forward_full(*xs, lse, True, 0.3, True)
+        idx_chunk._forward_full(*xs, lse, True, 0.3, True)

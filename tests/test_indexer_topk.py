@@ -12,7 +12,7 @@ import torch
 
 import streamkl_gpu
 import streamkl_ref
-from streamkl_gpu._indexer_topk import indexer_kl_topk_naive
+from streamkl_gpu.indexer.topk import indexer_kl_topk_naive
 
 from _gpu_helpers import assert_close
 
@@ -92,7 +92,7 @@ def test_forward_and_gradients_match_reference(shape, K, causal, relu):
 
 def test_other_launch_configs_l1_and_wide_slot_tiles(monkeypatch):
     """The benchmark's variants: q rows through L1, 32-slot tiles, heads chunked 16 at a time."""
-    from streamkl_gpu import _indexer_topk
+    from streamkl_gpu.indexer import topk as _indexer_topk
 
     xs = make(1, 32, 1, 3, 20, 16, 4, 1, 16, seed=2)
     topk = random_sets(1, 3, 20, 19, seed=2)
@@ -103,7 +103,7 @@ def test_other_launch_configs_l1_and_wide_slot_tiles(monkeypatch):
 def test_separate_student_kernel_equals_the_one_kernel_forward(monkeypatch):
     """The 7th config field: the student's logits and LSE by their own kernel first; same KL,
     gradients and empty/NaN rows as the default."""
-    from streamkl_gpu import _indexer_topk
+    from streamkl_gpu.indexer import topk as _indexer_topk
 
     xs = make(1, 4, 2, 7, 9, 16, 3, 1, 8, seed=18)
     topk = random_sets(1, 7, 9, 20, seed=18, empty_rows=(2,))
@@ -191,7 +191,7 @@ def test_int64_indices_and_any_strides():
 def test_unchecked_values_as_documented_for_gpu_tensors():
     """What a GPU run (no value check) does, through the custom op: an out-of-range value reads as
     an unused slot; a key listed twice counts twice (as the PyTorch gather form does)."""
-    from streamkl_gpu._indexer_topk import _topk_fwd_op
+    from streamkl_gpu.indexer.topk import _topk_fwd_op
 
     xs = make(1, 2, 1, 4, 6, 16, 2, 1, 8, seed=16)
     topk = torch.tensor([[[0, 1, -1], [2, 0, -1], [3, 1, 5], [4, 2, 0]]], dtype=torch.int32)

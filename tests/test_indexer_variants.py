@@ -1,4 +1,4 @@
-"""The indexer forward's launch variants (issue 10's performance work) under the interpreter:
+"""The indexer forward's launch variants (the performance work) under the interpreter:
 key splits merged on the host, and the resident-teacher kernel, each against the float64
 reference (streamkl_ref.indexer_kl) and against the one-pass tiled kernel.
 
@@ -10,14 +10,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streamkl_gpu import _indexer
+from streamkl_gpu.indexer.training import accumulate as idx_accumulate
+from streamkl_gpu.indexer.training import choice as idx_choice
+from streamkl_gpu.indexer import configs as idx_configs
+from streamkl_gpu.indexer import host as idx_host
+from streamkl_gpu.indexer import plan as idx_plan
 from streamkl_ref._checks import check_indexer_inputs
 
 from test_gpu_indexer import check_case, make, run
 
 
 def _with_config(monkeypatch, cfg):
-    monkeypatch.setattr(_indexer, "INTERPRETER_CONFIG", cfg)
+    monkeypatch.setattr(idx_configs, "INTERPRETER_CONFIG", cfg)
 
 
 # (B, H, H_K, N_Q, N_K, D, H_I, H_KI, D_I), causal, lse given, splits
@@ -32,8 +36,8 @@ SPLIT_CASES = [
 def test_key_splits_match_reference(monkeypatch, shape, causal, with_lse, splits):
     _with_config(monkeypatch, (32, 32, 16, 32, 1, 1, None, splits))
     xs = make(*shape, seed=sum(shape) + splits)
-    pl = _indexer._plan(check_indexer_inputs(*xs), _indexer.INTERPRETER_CONFIG, "fwd")
-    assert _indexer._key_splits(check_indexer_inputs(*xs), pl)[0] > 1
+    pl = idx_plan._plan(check_indexer_inputs(*xs), idx_configs.INTERPRETER_CONFIG, "fwd")
+    assert idx_plan._key_splits(check_indexer_inputs(*xs), pl)[0] > 1
     check_case(xs, with_lse=with_lse, causal=causal, grad=False)
 
 
@@ -44,13 +48,13 @@ def test_key_splits_equal_one_pass(monkeypatch):
     out = {}
     for splits in (1, 2):
         _with_config(monkeypatch, (32, 32, 16, 32, 1, 1, None, splits))
-        kl, lse_idx, _ = _indexer._forward(*xs, None, True, 0.25, True)
+        kl, lse_idx, _ = idx_host._forward(*xs, None, True, 0.25, True)
         out[splits] = (kl, lse_idx)
     assert torch.allclose(out[1][0], out[2][0], rtol=1e-5, atol=1e-6)
     assert torch.allclose(out[1][1], out[2][1], rtol=1e-6, atol=1e-6)
     bad = [x.clone() for x in xs]
     bad[1][0, 1, 17, 0] = float("nan")  # teacher key 17: rows 17.. see it (square causal)
-    kl_bad = _indexer._forward(*bad, None, True, 0.25, True)[0]
+    kl_bad = idx_host._forward(*bad, None, True, 0.25, True)[0]
     assert torch.isnan(kl_bad[0, 17:]).all()
     assert torch.equal(kl_bad[0, :17], out[2][0][0, :17])
 
@@ -103,9 +107,9 @@ def test_accumulated_target_part_matches_reference(monkeypatch, shape, causal, r
     monkeypatch.setenv("STREAMKL_INDEXER_PACC", "1")
     monkeypatch.setenv("STREAMKL_INDEXER_PSTORE", "0")  # the accumulating design (MQA teachers default to chunk)
     calls = []
-    fwd, bwd = _indexer._forward_pacc, _indexer._backward
-    monkeypatch.setattr(_indexer, "_forward_pacc", lambda *a: calls.append("fwd") or fwd(*a))
-    monkeypatch.setattr(_indexer, "_backward", lambda *a, **k: calls.append(k.get("target_part") is not None) or bwd(*a, **k))
+    fwd, bwd = idx_accumulate._forward_pacc, idx_host._backward
+    monkeypatch.setattr(idx_accumulate, "_forward_pacc", lambda *a: calls.append("fwd") or fwd(*a))
+    monkeypatch.setattr(idx_host, "_backward", lambda *a, **k: calls.append(k.get("target_part") is not None) or bwd(*a, **k))
     loss, grads = _loss_and_grads(xs, lse, reduction, **kw)
     assert calls == ["fwd", True]  # the accumulating forward, the teacher-free backward
     assert abs(loss.item() - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss))
@@ -129,23 +133,23 @@ def test_accumulated_design_only_where_it_applies(monkeypatch):
     d = dims_of(*xs)
     lse = torch.zeros(1, 2, 5)
     train = [x.clone().requires_grad_(True) for x in xs]
-    assert _indexer._use_pacc(d, lse, "sum", *train[2:])
-    assert not _indexer._use_pacc(d, lse, "none", *train[2:])
-    assert not _indexer._use_pacc(d, None, "sum", *train[2:])
-    assert not _indexer._use_pacc(d, lse, "sum", *xs[2:])
+    assert idx_choice._use_pacc(d, lse, "sum", *train[2:])
+    assert not idx_choice._use_pacc(d, lse, "none", *train[2:])
+    assert not idx_choice._use_pacc(d, None, "sum", *train[2:])
+    assert not idx_choice._use_pacc(d, lse, "sum", *xs[2:])
     with torch.no_grad():
-        assert not _indexer._use_pacc(d, lse, "mean", *train[2:])
+        assert not idx_choice._use_pacc(d, lse, "mean", *train[2:])
     monkeypatch.setenv("STREAMKL_INDEXER_PACC", "auto")  # the default: on (MQA and GQA teachers)
-    assert _indexer._use_pacc(d, lse, "sum", *train[2:])
+    assert idx_choice._use_pacc(d, lse, "sum", *train[2:])
     gqa = dims_of(*make(1, 4, 2, 5, 5, 8, 2, 1, 8, seed=41))
-    assert _indexer._use_pacc(gqa, torch.zeros(1, 4, 5), "sum", *train[2:])
+    assert idx_choice._use_pacc(gqa, torch.zeros(1, 4, 5), "sum", *train[2:])
     two_key_heads = dims_of(*make(1, 4, 2, 5, 5, 8, 2, 2, 8, seed=41))  # H_KI = 2: the plain design
-    assert not _indexer._use_pacc(two_key_heads, torch.zeros(1, 4, 5), "sum", *train[2:])
+    assert not idx_choice._use_pacc(two_key_heads, torch.zeros(1, 4, 5), "sum", *train[2:])
     monkeypatch.setenv("STREAMKL_INDEXER_PACC", "0")
-    assert not _indexer._use_pacc(d, lse, "sum", *train[2:])
+    assert not idx_choice._use_pacc(d, lse, "sum", *train[2:])
     monkeypatch.setenv("STREAMKL_INDEXER_PACC", "2")
     with pytest.raises(ValueError, match="STREAMKL_INDEXER_PACC"):
-        _indexer.pacc_enabled(d)
+        idx_choice.pacc_enabled(d)
 
 
 def test_accumulated_nan_isolation(monkeypatch):
@@ -195,10 +199,10 @@ def test_l1_variant_pointer_loads(monkeypatch, tma):
     """The "l1" variant (9th field): pointer loads (q rows cached in L1 on the GPU) even where TMA
     is available; forward and the accumulating forward vs the reference."""
     xs = make(1, 4, 1, 13, 21, 24, 4, 1, 16, seed=44)
-    assert _indexer._use_tma(*xs[:4])
+    assert idx_plan._use_tma(*xs[:4])
     cfg = (32, 32, 16, 32, 1, 1, None, 1, "l1")
-    pl = _indexer._plan(check_indexer_inputs(*xs), cfg, "fwd")
-    assert _indexer._load_mode(pl, True) == (False, True)
+    pl = idx_plan._plan(check_indexer_inputs(*xs), cfg, "fwd")
+    assert idx_plan._load_mode(pl, True) == (False, True)
     _with_config(monkeypatch, cfg)
     check_case(xs, with_lse=True, causal=True, grad=False)
     import streamkl_ref
@@ -220,7 +224,7 @@ def test_accumulated_rotated_key_order(monkeypatch):
 
     _with_config(monkeypatch, (16, 16, 16, 16, 1, 1))
     xs = make(1, 2, 1, 20, 70, 16, 2, 1, 8, seed=45)
-    pl = _indexer._plan(check_indexer_inputs(*xs), _indexer.INTERPRETER_CONFIG, "bwd")
+    pl = idx_plan._plan(check_indexer_inputs(*xs), idx_configs.INTERPRETER_CONFIG, "bwd")
     assert pl["BLOCK_N"] == 16 and pl["BLOCK_T"] < 20  # several token blocks, each with >= 3 whole tiles
     lse = torch.from_numpy(streamkl_ref.indexer_kl(*[x.double().numpy() for x in xs], return_lse=True,
                                                    causal=True)[2]).float()

@@ -1,7 +1,7 @@
-"""The bounds-checked interpreter (streamkl_gpu._interpreter_bounds): an access outside the
+"""The bounds-checked interpreter (streamkl_gpu.devtools.bounds): an access outside the
 launch's tensors raises, as the GPU would fault; in-bounds and masked-off accesses pass; the
 suite's launches run checked (tests/conftest.py); the indexer's chunk design at the H200's launch
-plan, which faulted there in runs s6r3/s6r4, stays inside its tensors."""
+plan, which faulted there in runs an H200 run/an H200 run, stays inside its tensors."""
 from __future__ import annotations
 
 import os
@@ -19,8 +19,8 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from streamkl_gpu import _interpreter_bounds as bounds  # noqa: E402
-from streamkl_gpu import _runtime  # noqa: E402
+from streamkl_gpu.devtools import bounds as bounds  # noqa: E402
+from streamkl_gpu._core import runtime as _runtime  # noqa: E402
 
 
 @triton.jit
@@ -119,19 +119,20 @@ def test_a_descriptor_larger_than_its_tensor_is_caught():
 
 def test_the_chunk_design_at_the_h200_plan_stays_in_bounds(monkeypatch):
     """The indexer's chunk design (STREAMKL_INDEXER_PSTORE=chunk) faulted on the H200 at N=192
-    (runs s6r3, s6r4: illegal memory access). Here it runs the H200's plan (DSA-like heads, the
+    (runs an H200 run: illegal memory access). Here it runs the H200's plan (DSA-like heads, the
     keys-major storing forward's tile on 4 warps, the student backward's tile, TMA descriptors,
     several chunks) under the checker: no access leaves its tensors, and the loss is the
     reference's. So the fault is not an indexing error the interpreter can see."""
     import streamkl_ref
-    from streamkl_gpu import _indexer
+    from streamkl_gpu.indexer.training import chunk as idx_chunk
+    from streamkl_gpu.indexer import configs as idx_configs
 
     H, D, HI, DI, N = 128, 576, 64, 128, 40
     plans = {"pstore": [(128, 128, 128, 64, 4, 3, None, 1, "keys")], "bwd": [(128, 128, 64, 64, 8, 2)]}
-    orig = _indexer._candidates
-    monkeypatch.setattr(_indexer, "_candidates",
+    orig = idx_configs._candidates
+    monkeypatch.setattr(idx_configs, "_candidates",
                         lambda kind, ieee, dims=None, n_sm=132, **kw: plans.get(kind) or orig(kind, ieee, dims, n_sm, **kw))
-    monkeypatch.setattr(_indexer, "PCHUNK_TOKENS", 16)  # three chunks (16, 16, 8 tokens)
+    monkeypatch.setattr(idx_chunk, "PCHUNK_TOKENS", 16)  # three chunks (16, 16, 8 tokens)
     monkeypatch.setattr(_runtime, "INTERPRETER_TMA", True)
     g = torch.Generator().manual_seed(3)
     rnd = lambda *s, std=1.0: (std * torch.randn(s, generator=g)).to(torch.float16)  # noqa: E731
@@ -140,7 +141,7 @@ def test_the_chunk_design_at_the_h200_plan_stays_in_bounds(monkeypatch):
     x64 = [x.double().numpy() for x in xs]
     kl_ref, _, lse_t = streamkl_ref.indexer_kl(*x64, return_lse=True, causal=True, scale=scale)
     before = bounds.stats()["launches"]
-    total, lse_idx, dq1, dk1, dw1 = _indexer._forward_full(*xs, torch.from_numpy(lse_t).float(), True, scale, True)
+    total, lse_idx, dq1, dk1, dw1 = idx_chunk._forward_full(*xs, torch.from_numpy(lse_t).float(), True, scale, True)
     assert bounds.stats()["launches"] - before == 6  # a storing forward and a gradient kernel per chunk
     assert abs(total.item() - kl_ref.sum()) <= 1e-3 * abs(kl_ref.sum())
     assert all(torch.isfinite(t).all() for t in (dq1, dk1, dw1))

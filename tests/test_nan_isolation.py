@@ -37,7 +37,7 @@ from _nan_cases import (
     reported_case_key40,
     taint,
 )
-from streamkl_gpu import _runtime
+from streamkl_gpu._core import runtime as _runtime
 
 pytestmark = [pytest.mark.usefixtures("poison"), pytest.mark.filterwarnings("ignore::RuntimeWarning")]
 
@@ -50,7 +50,7 @@ DTYPES = [torch.float32, torch.float16]  # the interpreter's tl.dot is wrong for
 
 @contextlib.contextmanager
 def runtime_setting(name, value):
-    """Set ``streamkl_gpu._runtime.<name>`` inside the block (the conftest fixtures, for one example)."""
+    """Set ``streamkl_gpu._core.runtime.<name>`` inside the block (the conftest fixtures, for one example)."""
     old = getattr(_runtime, name)
     setattr(_runtime, name, value)
     try:

@@ -331,7 +331,8 @@ def test_triton_forward_runs_the_max_referenced_recurrence(make, split_k, large)
     import torch  # a missing install step must fail here, not skip
     import triton  # noqa: F401
     import streamkl_gpu
-    from streamkl_gpu import _runtime, api
+    from streamkl_gpu import api
+    from streamkl_gpu._core import runtime as _runtime
 
     if not api.interpreting():
         pytest.skip("the kernels are compiled for a GPU here; this check needs the Triton interpreter's fixed tiles")
@@ -388,7 +389,8 @@ def test_triton_forward_bit_for_bit_when_the_dots_are_exact(make, split_k):
     import torch  # a missing install step must fail here, not skip
     import triton  # noqa: F401
     import streamkl_gpu
-    from streamkl_gpu import _runtime, api
+    from streamkl_gpu import api
+    from streamkl_gpu._core import runtime as _runtime
 
     if not api.interpreting():
         pytest.skip("the kernels are compiled for a GPU here; this check needs the Triton interpreter")

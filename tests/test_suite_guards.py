@@ -5,7 +5,8 @@ import os
 
 import torch
 
-from streamkl_gpu import _interpreter_bounds, _runtime
+from streamkl_gpu.devtools import bounds as _interpreter_bounds
+from streamkl_gpu._core import runtime as _runtime
 
 
 def test_fresh_outputs_start_as_nan():

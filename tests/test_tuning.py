@@ -1,4 +1,4 @@
-"""The launch tuner's rules and its on-disk cache (issue 9 §5), on CPU.
+"""The launch tuner's rules and its on-disk cache, on CPU.
 
 The timing itself needs a GPU; here ``_time_candidates`` is replaced by a recorder, so the tests
 check what is timed, on which problem, what is stored where, and what a second process reads.
@@ -11,7 +11,8 @@ from dataclasses import replace
 
 import pytest
 
-from streamkl_gpu import _tuning
+from streamkl_gpu._core import tuning as _tuning
+from streamkl_gpu.attention import configs as attn_configs
 from streamkl_ref._checks import check_inputs
 
 from _gpu_helpers import make_inputs
@@ -76,7 +77,7 @@ def test_cache_can_be_disabled(tuner, monkeypatch):
 
 _WRITER = """
 import sys
-from streamkl_gpu import _tuning
+from streamkl_gpu._core import tuning as _tuning
 i = int(sys.argv[1])
 for _ in range(100):
     _tuning._disk_store(None, ("shared",), (i, i, 4, 2, False, 1))
@@ -98,21 +99,21 @@ def test_concurrent_writers_leave_one_whole_entry(tmp_path):
 
 def test_small_problems_are_tuned_on_themselves():
     dims = check_inputs(*make_inputs(1, 32, 32, 32, 8, 8, 16, 16))
-    assert _tuning.tuning_slice(replace(dims, NQ=16384, NK=16384, D1=128, D2=128), causal=False) is None
+    assert attn_configs.tuning_slice(replace(dims, NQ=16384, NK=16384, D1=128, D2=128), causal=False) is None
 
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_long_problems_are_tuned_on_a_bounded_slice(causal):
     dims = check_inputs(*make_inputs(1, 8, 8, 8, 8, 8, 16, 16))
     long = replace(dims, NQ=524288, NK=524288, D1=128, D2=128)
-    nq, nk = _tuning.tuning_slice(long, causal)
+    nq, nk = attn_configs.tuning_slice(long, causal)
     pairs = nq * nk / 2 if causal else nq * nk
-    assert long.B * long.H * pairs * 256 <= _tuning.TUNING_WORK_LIMIT
+    assert long.B * long.H * pairs * 256 <= attn_configs.TUNING_WORK_LIMIT
     assert 1024 <= nq < long.NQ
     if causal:
         assert nk == nq  # the first nq rows see the first nq keys (bottom-right, N_Q = N_K)
     offset = replace(long, NQ=4096 * 64, NK=4096 * 64 + 1000)
-    nq, nk = _tuning.tuning_slice(offset, True)
+    nq, nk = attn_configs.tuning_slice(offset, True)
     assert nk == nq + 1000  # the rows' visible keys, the diagonal's offset kept
 
 
@@ -120,13 +121,13 @@ def test_split_choices(monkeypatch):
     dims = check_inputs(*make_inputs(1, 32, 32, 32, 1, 8, 16, 16))
     decode = replace(dims, NK=131072, D1=128, D2=128)
     monkeypatch.setattr(_tuning, "autotune_enabled", lambda: False)
-    rule = _tuning.auto_split_k(decode, 16, 128, 132)
-    assert _tuning.split_choices(decode, False, 128, 132) == (rule,)
+    rule = attn_configs.auto_split_k(decode, 16, 128, 132)
+    assert attn_configs.split_choices(decode, False, 128, 132) == (rule,)
     monkeypatch.setattr(_tuning, "autotune_enabled", lambda: True)
-    opts = _tuning.split_choices(decode, False, 128, 132)
+    opts = attn_configs.split_choices(decode, False, 128, 132)
     assert 1 in opts and 8 in opts and rule in opts and max(opts) <= 64
     many = replace(decode, B=8, NQ=512)  # enough query blocks: one pass only
-    assert _tuning.split_choices(many, False, 128, 132) == (1,)
+    assert attn_configs.split_choices(many, False, 128, 132) == (1,)
 
 
 def _scripted_timing(monkeypatch, first_pass, retimes):

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 import streamkl_gpu
 import streamkl_ref
-from streamkl_gpu import _interpreter_bounds, _varlen
+from streamkl_gpu.devtools import bounds as _interpreter_bounds
+from streamkl_gpu.attention import varlen as _varlen
 
 from _gpu_helpers import GRAD_NAMES, assert_close, same_precision
 

@@ -1,0 +1,82 @@
+"""The forcing hook: the one documented way for a benchmark or a test to force a launch choice and to
+see what ran, without assigning to private names.
+
+    from streamkl_gpu._core.forcing import forcing
+
+    with forcing(attention_fwd_variant="no_exp") as ran:   # a diagnostic variant (devtools.diagnostics)
+        streamkl_gpu.attention_kl(q1, k1, q2, k2)
+    kernel = ran.last("attention_fwd_sm90").kernel         # the compiled kernel (its SASS: kernel.asm["sass"])
+
+Forcible choices (keyword arguments of :func:`forcing`; unknown names raise ``ValueError``):
+
+- ``attention_fwd_variant``: a diagnostic variant of the Hopper Gluon forward, one of
+  ``streamkl_gpu.devtools.diagnostics.ATTENTION_FWD_VARIANTS`` (deliberately wrong results: they
+  explain the kernel's time, they are never a candidate).
+- ``indexer_accumulate_parts``: a timing-only variant of the indexer's accumulating forward, one of
+  ``streamkl_gpu.devtools.diagnostics.INDEXER_ACCUMULATE_PARTS`` (incomplete gradients).
+
+Every Gluon launch inside the block is recorded in the yielded :class:`Record` (kernel name, the
+compiled kernel, its constexprs). Outside a ``forcing`` block nothing is recorded and nothing is
+forced: the library's own choices run. Blocks nest; the innermost choice of a name wins.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Optional
+
+CHOICES = ("attention_fwd_variant", "indexer_accumulate_parts")
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One recorded launch: the kernel's name, the compiled kernel, its constexpr arguments."""
+    name: str
+    kernel: Any
+    meta: dict
+
+
+@dataclasses.dataclass
+class Record:
+    """What ran inside a ``forcing`` block, in launch order."""
+    launches: list = dataclasses.field(default_factory=list)
+
+    def last(self, name: str) -> Launch:
+        """The latest launch of kernel ``name`` (``LookupError`` if none ran)."""
+        for launch in reversed(self.launches):
+            if launch.name == name:
+                return launch
+        raise LookupError(f"no launch of {name!r} was recorded (ran: {sorted({x.name for x in self.launches})})")
+
+
+_STACK: list = []  # (choices, record) of the open blocks, innermost last
+
+
+@contextlib.contextmanager
+def forcing(**choices):
+    """Force the given choices inside the block and record its Gluon launches (see the module)."""
+    unknown = sorted(set(choices) - set(CHOICES))
+    if unknown:
+        raise ValueError(f"forcing() knows {CHOICES}, got {unknown}")
+    record = Record()
+    _STACK.append((choices, record))
+    try:
+        yield record
+    finally:
+        _STACK.remove((choices, record))
+
+
+def forced(name: str, default: Optional[Any] = None):
+    """The innermost forced value of choice ``name``, or ``default`` (one list walk when forcing)."""
+    for choices, _ in reversed(_STACK):
+        if name in choices:
+            return choices[name]
+    return default
+
+
+def record(name: str, kernel, **meta) -> None:
+    """Note a launch in every open block's record (nothing when no block is open)."""
+    if _STACK:
+        launch = Launch(name, kernel, meta)
+        for _, rec in _STACK:
+            rec.launches.append(launch)

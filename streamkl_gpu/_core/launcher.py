@@ -1,0 +1,142 @@
+"""Launching a compiled Triton kernel without ``JITFunction.run``'s per-call binding (host cost).
+
+``fn[grid](*args, **constexprs)`` re-derives, on every call, the specialisation of each argument
+(dtype, 16-byte alignment, ``== 1`` and ``% 16`` of integers), hashes it into the kernel-cache key
+and builds launch metadata: tens of microseconds of CPython per launch, more than a small
+problem's GPU time. Here the first launch with a given specialisation goes through
+``fn[grid]`` (compiling if needed) and keeps the ``CompiledKernel``; later launches with the same
+specialisation call its launcher directly with the arguments in the kernel's parameter order.
+
+The key is computed from the arguments themselves (never trusted from the caller), with the
+properties Triton specialises on, so a reused kernel is exactly the one ``fn[grid]`` would pick.
+Off under the interpreter, while a Triton launch hook is installed (profilers read the metadata
+``JITFunction.run`` builds; triton >= 3.5 keeps the hooks in always-present, usually empty
+``HookChain`` objects) and with ``STREAMKL_FAST_LAUNCH=0``.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from streamkl_gpu._core.runtime import env, interpreting
+
+try:
+    from triton import knobs as _knobs
+except ImportError:  # pragma: no cover - triton < 3.4
+    _knobs = None
+
+_KERNELS: dict = {}
+_TAILS: dict = {}
+_MAX_KERNELS = 4096
+CHECK = os.environ.get("STREAMKL_FAST_LAUNCH_CHECK", "0") == "1"
+STATS = {"direct": 0, "bound": 0}  # launches by each path (tests and the host-cost bench read it)
+
+
+def _raw_stream(device: int) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _raw_stream  # what Triton itself calls
+
+
+def enabled() -> bool:
+    if env("STREAMKL_FAST_LAUNCH", "1") == "0" or interpreting():
+        return False
+    return _knobs is None or not (_hooked(_knobs.runtime.launch_enter_hook) or _hooked(_knobs.runtime.launch_exit_hook))
+
+
+def _hooked(hook) -> bool:
+    """A launch hook is installed: a callable, or (triton >= 3.5) a non-empty ``HookChain``."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if calls is not None else True
+
+
+def _spec(a):
+    """What Triton specialises an argument on (a superset: a finer key only costs a compile)."""
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    if isinstance(a, bool):
+        return ("b", a)
+    if isinstance(a, int):
+        return ("i", a == 1, a % 16 == 0, -2**31 <= a < 2**31)
+    if a is None:
+        return None
+    if isinstance(a, float):
+        return "f"
+    # anything else (a host TMA descriptor): its type, block shape and base alignment
+    base = getattr(a, "base", None)
+    return (type(a).__name__, tuple(getattr(a, "block_shape", ()) or ()),
+            getattr(base, "dtype", None), base.data_ptr() % 16 == 0 if isinstance(base, torch.Tensor) else None)
+
+
+def _tail(fn, n_positional, constexprs, runtime):
+    """The arguments after the positional ones, in parameter order: ``(values, slots)``, where
+    ``values`` has the constexprs and defaults filled in and ``slots`` lists (index, name) of the
+    per-call keyword arguments (``runtime``: tensor descriptors) to put in at each launch."""
+    names = fn.arg_names[n_positional:]
+    params = {p.name: p for p in fn.params}
+    out, slots = [], []
+    for i, name in enumerate(names):
+        if name in runtime:
+            slots.append((i, name))
+            out.append(None)
+        elif name in constexprs:
+            out.append(constexprs[name])
+        else:
+            out.append(params[name].default)
+    return out, tuple(slots)
+
+
+def _full_key(fn, args, constexprs, num_warps, num_stages, runtime=None):
+    extra = tuple((k, _spec(v)) for k, v in runtime.items()) if runtime else ()
+    return (fn, num_warps, num_stages, tuple(constexprs.items()), tuple(_spec(a) for a in args), extra)
+
+
+def launch(fn, grid, args, constexprs, num_warps, num_stages, key=None, tensors=(), runtime=None):
+    """``fn[grid](*args, **constexprs, num_warps=, num_stages=)``, bypassing the binder after the
+    first launch of each specialisation. ``grid``: three ints.
+
+    ``key``: optional, from the caller, a value that determines every argument's specialisation
+    except the alignment of ``tensors`` (a launch plan's signature and config); it saves computing
+    the specialisation of every argument per call. Without it the key is derived from the
+    arguments. ``STREAMKL_FAST_LAUNCH_CHECK=1`` derives it anyway and raises if a caller's key
+    ever maps to a different specialisation (the GPU checks run with it). ``runtime``: keyword
+    arguments that change per call (host TMA descriptors), never part of a caller's key (their
+    block shapes come from the config, their tensors' alignment from ``tensors``)."""
+    runtime = runtime or {}
+    if not enabled():
+        return fn[grid](*args, **constexprs, **runtime, num_warps=num_warps, num_stages=num_stages)
+    if key is None:
+        lookup = _full_key(fn, args, constexprs, num_warps, num_stages, runtime)
+    else:
+        lookup = (fn, key, tuple(t.data_ptr() % 16 == 0 for t in tensors))
+    hit = _KERNELS.get(lookup)
+    if hit is not None and key is not None and CHECK:
+        full = _full_key(fn, args, constexprs, num_warps, num_stages, runtime)
+        if full != hit[2]:
+            raise RuntimeError(f"streamkl fast launch: the caller's key {key!r} maps to two specialisations "
+                               f"of {getattr(fn, '__name__', fn)}: {hit[2]!r} and {full!r}")
+    if hit is None:
+        kernel = fn[grid](*args, **constexprs, **runtime, num_warps=num_warps, num_stages=num_stages)
+        if hasattr(kernel, "result"):  # an asynchronous compile (triton >= 3.5)
+            kernel = kernel.result()
+        if len(_KERNELS) >= _MAX_KERNELS:
+            _KERNELS.clear()
+        full = _full_key(fn, args, constexprs, num_warps, num_stages, runtime) if (key is not None and CHECK) else None
+        _KERNELS[lookup] = (kernel, _tail(fn, len(args), constexprs, runtime), full)
+        STATS["bound"] += 1
+        return kernel
+    kernel, (tail, slots), _ = hit
+    if slots:
+        tail = list(tail)
+        for i, name in slots:
+            tail[i] = runtime[name]
+    stream = _raw_stream(torch.cuda.current_device())
+    # no launch metadata and no hooks: enabled() found none installed
+    kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
+               *args, *tail)
+    STATS["direct"] += 1
+    return kernel

@@ -1,0 +1,186 @@
+"""Launch configurations: a few candidates per shape class, timed once per key on the GPU.
+
+A small hand-rolled tuner (``triton.autotune`` cannot run in the interpreter, and pruning by shape
+keeps the tuning cost to a handful of compiles). ``STREAMKL_AUTOTUNE=0`` takes the first
+candidate. The tuner and its disk cache only: the attention kernels' candidate lists and automatic
+rules are in ``streamkl_gpu/attention/configs.py``, the indexer's in ``streamkl_gpu/indexer/configs.py``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+
+from streamkl_gpu._core import runtime as _runtime
+from streamkl_gpu._core.runtime import interpreting
+
+# Tuned choices: in memory for this process, and on disk for the next one (see _disk_cache_dir).
+_TUNED: dict = {}
+
+
+
+def bucket(n: int) -> int:
+    """The shape bucket of a size: the next power of two (tuned choices are shared within it)."""
+    return 1 << max(0, int(n - 1).bit_length())
+
+
+def autotune_enabled() -> bool:
+    return not interpreting() and _runtime.env("STREAMKL_AUTOTUNE", "1") != "0"
+
+
+# ----------------------------------------------------------------------------------------------
+# The on-disk cache: one small JSON file per tuned key, under
+#   $STREAMKL_CACHE_DIR (default: $XDG_CACHE_HOME/streamkl, else ~/.cache/streamkl)
+#   / tuning-<hash of GPU name, torch, triton and streamkl versions> / <hash of the key>.json
+# written to a temporary file and renamed into place (atomic on POSIX), so any number of ranks
+# starting at once can write the same entry: each rename is whole, the last one wins, and all
+# of them hold a choice measured on this machine. STREAMKL_TUNING_CACHE=0 disables it.
+# ----------------------------------------------------------------------------------------------
+
+def _disk_cache_dir(device):
+    if os.environ.get("STREAMKL_TUNING_CACHE", "1") == "0":
+        return None
+    root = os.environ.get("STREAMKL_CACHE_DIR")
+    if not root:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(base, "streamkl")
+    import torch
+    import triton
+
+    from streamkl_ref import __version__
+
+    env = {"gpu": _runtime.device_name(device), "torch": torch.__version__, "triton": triton.__version__,
+           "streamkl": __version__}
+    tag = hashlib.sha1(json.dumps(env, sort_keys=True).encode()).hexdigest()[:16]
+    return os.path.join(root, f"tuning-{tag}"), env
+
+
+def _key_file(cache, key):
+    return os.path.join(cache, hashlib.sha1(repr(key).encode()).hexdigest()[:24] + ".json")
+
+
+def _disk_load(device, key, candidates):
+    where = _disk_cache_dir(device)
+    if where is None:
+        return None
+    try:
+        with open(_key_file(where[0], key)) as fh:
+            entry = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    if entry.get("key") != repr(key):  # a hash collision, or a file from elsewhere
+        return None
+    cfg = tuple(entry.get("config", ()))
+    return cfg if cfg in candidates else None  # candidates changed since: tune again
+
+
+def _disk_store(device, key, cfg):
+    where = _disk_cache_dir(device)
+    if where is None:
+        return
+    cache, env = where
+    try:
+        os.makedirs(cache, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=cache, prefix=".tmp-", suffix=".json")
+        with os.fdopen(fd, "w") as fh:
+            json.dump({"key": repr(key), "config": list(cfg), "env": env}, fh)
+        os.replace(tmp, _key_file(cache, key))
+    except OSError:  # a read-only or full cache directory only costs the next process a re-tune
+        pass
+
+
+def pick(key, candidates, launch, proxy=None, device=None):
+    """The fastest of ``candidates`` for ``key``: from memory, from the disk cache, or timed once.
+
+    ``launch(cfg)`` runs the real problem with ``cfg``; ``proxy(cfg)``, when given, a bounded slice
+    of it with the same kernels (then the candidates are timed on the slice). Nothing else is
+    launched. ``STREAMKL_AUTOTUNE=0`` (and the interpreter) take the first candidate.
+    """
+    if len(candidates) == 1 or not autotune_enabled():
+        return candidates[0]
+    cfg = _TUNED.get(key)
+    if cfg is not None:
+        return cfg
+    cfg = _disk_load(device, key, candidates)
+    if cfg is None:
+        cfg = _time_candidates(key, candidates, proxy or launch)
+        _disk_store(device, key, cfg)
+    _TUNED[key] = cfg
+    return cfg
+
+
+# Where first calls spend their time (bench/host_cost.py reports it): seconds in the first launch
+# of each candidate (compiling it, or loading it from Triton's cache) and in timing them.
+TUNING_STATS = {"compile_s": 0.0, "timing_s": 0.0, "keys": 0}
+TUNING_LOG: dict = {}  # key -> [(cfg, median ms)], what the tuner measured
+# A candidate whose one timed call takes longer than this is not timed again: do_bench would run
+# it about 8 more times (its estimate, warm-up and repeat calls), which is what made the first
+# fused both-settings backward at N = 32K take 4.9 s in the first H200 bench (bench/NOTES.md).
+LONG_CALL_S = 0.05
+TUNING_RETIMED: dict = {}  # key -> {cfg: median of the interleaved re-timings, ms}
+RETIME_MARGIN = 0.15  # candidates within 15 % of the first pass's best are timed again
+RETIME_ROUNDS = 3
+RETIME_BUDGET_S = 2.0  # re-timing only where it costs at most this (short, decode-like calls)
+
+
+def out_of_resources(exc) -> bool:
+    """Is ``exc`` Triton's refusal to launch a config on this device (shared memory, registers,
+    threads)? Raised before the kernel runs, so the next candidate can be tried."""
+    return "OutOfResources" in type(exc).__name__ or "out of resource" in str(exc).lower()
+
+
+def _time_candidates(key, candidates, launch):
+    import time
+
+    import torch
+    from triton.testing import do_bench
+
+    best, best_t = None, float("inf")
+    TUNING_STATS["keys"] += 1
+    measured = TUNING_LOG.setdefault(key, [])
+    for cfg in candidates:
+        try:
+            t0 = time.perf_counter()
+            launch(cfg)  # compiles (or loads) this candidate: not part of the tuning budget
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            launch(cfg)  # one timed call: a long one is its own measurement
+            torch.cuda.synchronize()
+            once = time.perf_counter() - t1
+            if once < LONG_CALL_S:
+                t = do_bench(lambda: launch(cfg), warmup=5, rep=20, return_mode="median")
+            else:
+                t = once * 1e3
+            TUNING_STATS["compile_s"] += t1 - t0
+            TUNING_STATS["timing_s"] += time.perf_counter() - t1
+        except Exception as exc:  # out of shared memory / registers: not a usable config
+            if not isinstance(exc, UnusableConfig) and not out_of_resources(exc):
+                raise
+            continue
+        measured.append((cfg, t))
+        if t < best_t:
+            best, best_t = cfg, t
+    if best is None:
+        raise RuntimeError(f"no launch configuration fits for {key}")
+    # Close calls are decided again, interleaved: one do_bench median per candidate can be off
+    # by more than the gap between the leaders (clocks settling during the first candidates, a
+    # neighbour's noise), and decode-sized calls are cheap to re-time. Measured reason (H200,
+    # 2026-12-01): single-pass tuning chose a split 10-15 % slower than the best at two decode
+    # points that the best config led by less than that.
+    close = [cfg for cfg, t in measured if t <= best_t * (1 + RETIME_MARGIN)]
+    if len(close) > 1 and best_t * 1e-3 * len(close) * RETIME_ROUNDS * 40 <= RETIME_BUDGET_S:
+        t1 = time.perf_counter()
+        totals = {cfg: [] for cfg in close}
+        for _ in range(RETIME_ROUNDS):
+            for cfg in close:
+                totals[cfg].append(do_bench(lambda: launch(cfg), warmup=2, rep=10, return_mode="median"))
+        best = min(close, key=lambda c: sorted(totals[c])[len(totals[c]) // 2])
+        TUNING_RETIMED[key] = {c: sorted(v)[len(v) // 2] for c, v in totals.items()}
+        TUNING_STATS["timing_s"] += time.perf_counter() - t1
+    return best
+
+
+class UnusableConfig(Exception):
+    """A candidate that cannot run here (a new kernel variant failing to compile on this Triton):
+    the tuner skips it like one that is out of resources."""

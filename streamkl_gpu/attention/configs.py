@@ -1,0 +1,283 @@
+"""The attention kernels' launch configurations: the forward and backward candidate lists the tuner
+times (pruned by shape), the backward kernel variants, and the automatic rules ``auto_split_k``
+(forward key splits) and ``auto_bwd_mode`` (fused or separate backward), read off the H200
+measurements in ``bench/results/``."""
+from __future__ import annotations
+
+from streamkl_gpu._core import runtime as _runtime
+from streamkl_gpu._core import tuning as _tuning
+from streamkl_gpu._core.runtime import cdiv, interpreting
+
+
+# Below this many keys the forward is launch-bound and the TMA path measured slower (H200, 1K
+# tokens: 0.21 ms vs 0.11 with pointer loads; 2K: 0.21 vs 0.24, TMA ahead from there on;
+# bench/results/2026-11-29_h200_97028b2/bench.csv vs 2026-11-29_h200_f87f3b3/bench.csv). Presumably the
+# per-launch cost of encoding two host descriptors; not profiled.
+TMA_MIN_KEYS = 2048
+
+# fp32 inputs promise fp32 accuracy: their dots run in IEEE fp32 on the FMA units (no tensor
+# cores); large tiles then unroll into huge code that takes minutes to compile, so small tiles.
+_IEEE_CONFIG = (32, 32, 4, 2)
+
+# Tuning times every candidate; past this much work per call (score entries times head-dim
+# sum: 32 heads x 16K x 16K x (128 + 128), about 12 ms of forward on an H200) the candidates are
+# timed on a bounded slice of the problem instead (``tuning_slice``), so that a first call at
+# 512K tokens pays seconds, not a minute, beyond compiling.
+TUNING_WORK_LIMIT = 32 * 16384 * 16384 * 256
+
+
+def tuning_slice(dims, causal):
+    """``(n_q, n_k)`` of a bounded slice of the problem to time candidates on, or None (time the
+    problem itself). The slice keeps every batch and head, the first ``n_q`` query rows and the
+    keys they see: with bottom-right causal alignment, rows ``[0, n_q)`` see keys
+    ``< n_q + (N_K - N_Q)``, so the sliced problem is causal in the same way, tile for tile."""
+    def work(nq, nk):
+        pairs = nq * nk / 2 if causal and nq == nk else nq * nk
+        return dims.B * dims.H * pairs * (dims.D1 + dims.D2)
+
+    if work(dims.NQ, dims.NK) <= TUNING_WORK_LIMIT:
+        return None
+    nq = dims.NQ
+    while nq > 1024:
+        nq //= 2
+        nk = min(dims.NK, nq + max(0, dims.NK - dims.NQ)) if causal else min(dims.NK, max(nq, 16384))
+        if work(nq, nk) <= TUNING_WORK_LIMIT:
+            return nq, nk
+    return nq, (min(dims.NK, nq + max(0, dims.NK - dims.NQ)) if causal else min(dims.NK, 16384))
+
+
+def fwd_candidates(dims, d_pad, split, ieee=False, tma=False):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, use_tma) candidates, pruned by shape.
+
+    ``tma``: the key tensors can be read through TMA descriptors (Hopper, aligned strides). At
+    D = 128 the best TMA config beat the best pointer config in every measured case (H200, 8K/16K,
+    causal or not: bench/results/2026-11-29_h200_97028b2/fwd_tma_configs.csv), so pointer configs are not
+    tried there; at other head dims both kinds are candidates (not measured at scale).
+    """
+    if interpreting():
+        return [_runtime.INTERPRETER_BLOCK + (1, 1, tma)]
+    if ieee:
+        return [(16, 32, 4, 2, False) if split else _IEEE_CONFIG + (False,)]
+    if split:
+        bm = 16 if dims.NQ <= 16 else (32 if dims.NQ <= 32 else 64)
+        cands = [(bm, 128, 4, 3), (bm, 64, 4, 3)] if d_pad <= 128 else [(bm, 64, 4, 2), (bm, 32, 4, 2)]
+        return [c + (False,) for c in cands]
+    tma_only = False
+    if d_pad <= 64:
+        cands = [(128, 64, 4, 3), (128, 128, 8, 3)]
+        tma_cands = [(128, 64, 4, 3), (128, 128, 8, 2)]
+    elif d_pad <= 128:
+        cands = [(128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (128, 128, 8, 2)]
+        # measured best: 128/32/8/3 (8K, 16K non-causal), 128/64/8/3 (16K causal), 64/64/4/2 (8K causal)
+        tma_cands = [(128, 32, 8, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2)]
+        tma_only = True
+    else:
+        cands = [(64, 64, 4, 2), (64, 32, 4, 2)]
+        tma_cands = [(64, 64, 4, 2), (64, 32, 4, 3)]
+    if not tma:
+        return [c + (False,) for c in cands]
+    return [c + (True,) for c in tma_cands] + ([] if tma_only else [c + (False,) for c in cands])
+
+
+def bwd_candidates(d_pad, both, kind, ieee=False):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the dK (``kind="dk"``) or dQ kernel."""
+    if interpreting():
+        return [_runtime.INTERPRETER_BLOCK + (1, 1)]
+    if ieee:
+        return [_IEEE_CONFIG]
+    if kind == "dq":
+        if d_pad <= 128 and not both:
+            return [(128, 64, 8, 2), (64, 64, 4, 2)]
+        return [(64, 64, 8, 2), (64, 32, 4, 2)]
+    # dk (BLOCK_M = query tile, BLOCK_N = key tile held in registers)
+    if d_pad <= 128 and not both:
+        return [(64, 128, 8, 2), (32, 128, 8, 3)]
+    return [(64, 64, 8, 2), (32, 64, 4, 2)]
+
+
+# Backward kernel variants (streamkl_gpu/attention/triton/bwd.py constexprs), named by their parts joined with "+":
+#   "ptr"     pointer loads, query-major tiles (the kernels as measured up to 2026-12-01)
+#   "tma"     every operand tile through TMA tensor descriptors (Hopper; USE_TMA)
+#   "trans"   dK kernel on key-major tiles, dS^T in registers for dK += dS^T Q (TRANS)
+#   "fold"    fewer fp32 ops per score; the dQ kernel applies the row factors once (FOLD)
+#   "reduce"  fused dQ by one TMA reduce-add per tile instead of per-element atomics (DQ_REDUCE)
+#   "rows"    the dK kernel's per-row constants precomputed by a pre-pass, read by TMA (ROWS; needs
+#             "tma" and "fold")
+#   "pack"    with "rows": the six constants side by side per row, one TMA load per query tile (ROWS_PACKED)
+#   "poly"    setting 1: half of P2's exponentials on the FMA pipe (POLY; FA4's exp2 emulation)
+#   "heavy"   causal dQ kernel: the query tiles with the most keys launched first (HEAVY_FIRST)
+#   "rN"      launch option: at most N registers per thread (ptxas .maxnreg; _launch._launch_opts)
+# STREAMKL_BWD_VARIANT=<name> restricts the candidates to that variant (tests, the GPU bench);
+# unset, the tuner times all of them and keeps the fastest.
+BWD_VARIANTS = ("ptr", "tma", "tma+trans", "tma+fold", "tma+trans+fold", "tma+trans+reduce",
+                "tma+trans+fold+reduce", "tma+trans+fold+rows", "tma+trans+fold+rows+reduce",
+                "trans", "fold", "trans+fold", "tma+trans+fold+rows+heavy",
+                "tma+trans+fold+rows+pack", "tma+trans+fold+rows+pack+reduce", "tma+trans+fold+rows+pack+heavy",
+                "tma+trans+fold+rows+pack+poly")
+
+
+def bwd_variant(forced=None):
+    """The variant STREAMKL_BWD_VARIANT forces, or None."""
+    name = forced if forced is not None else _runtime.env("STREAMKL_BWD_VARIANT")
+    if not name:
+        return None
+    if name not in BWD_VARIANTS:
+        raise ValueError(f"STREAMKL_BWD_VARIANT must be one of {BWD_VARIANTS}, got {name!r}")
+    return name
+
+
+def bwd_variant_candidates(d_pad, both, kind, ieee=False, tma=False, fused=False, few=False):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, variant) of the dK (``kind="dk"``) or dQ kernel.
+
+    The old configs (``bwd_candidates``, variant "ptr") stay candidates; with TMA-capable inputs
+    (``tma``) the descriptor variants join them. Not measured yet on a GPU (bench/bwd_gpu.py
+    measures them against each other): FlashAttention-2/3's choice at D = 128 for the key-stationary
+    loop is 128 keys x 64 queries, 8 warps; the dQ loop 128 queries x 64 keys. ``few`` (problems
+    past TUNING_WORK_LIMIT, where the backward is timed on the whole problem): one new candidate,
+    so that a first call at long N pays one more timing, not three.
+    """
+    forced = bwd_variant()
+    if forced is not None:
+        forced = _kernel_variant(forced, kind, fused)
+        if "tma" in forced.split("+") and not tma:
+            if not interpreting():
+                raise ValueError(f"STREAMKL_BWD_VARIANT={forced!r} needs TMA-capable inputs (Hopper, aligned)")
+            # CPU tensors not aligned: the same variant without descriptors (and so without the reduce)
+            forced = _kernel_variant(forced.replace("tma", "").replace("reduce", "").replace("rows", "").replace("pack", ""),
+                                     kind, fused)
+    if interpreting():
+        return [_runtime.INTERPRETER_BLOCK + (1, 1, forced or "ptr")]
+    old = [c + ("ptr",) for c in bwd_candidates(d_pad, both, kind, ieee)]
+    if ieee:
+        return old
+    if d_pad <= 128 and not both:
+        tiles = {"dk": [(64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 2)],
+                 # dQ: 3 stages first (run r5c, 8K, setting 2, the dQ kernel alone: 128x64x8x3 2.54 ms,
+                 # 128x64x8x2 2.91): the one new candidate of long problems ("few")
+                 "dq": [(128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3)]}[kind]
+    else:
+        # dK: 64 keys make one warpgroup's rows (key-major tiles): 4 warps; 8 warps would split the
+        # 64 rows over two warpgroups
+        tiles = {"dk": [(32, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 2), (64, 64, 8, 2)],
+                 "dq": [(64, 64, 8, 2), (64, 32, 4, 3)]}[kind]
+    if forced is not None:  # every tile shape of that variant (the old configs for "ptr")
+        return old if forced == "ptr" else [t + (forced,) for t in tiles]
+    # the tuner's default set: the old configs and the expected best new ones (SASS from the
+    # offline sm_90 compile, bench/bwd_sass.py, triton 3.6, D = 128, setting 1 fused: old 1718 / 2400
+    # instructions per key-tile loop (whole / masked) with 259 spill stores, rows+reduce 529 / 766
+    # and none; tile 32 x 128 / 4 warps spills, 64 x 64 / 4 warps is twice the instructions per score)
+    # The separate dK kernel reads its row constants packed (one TMA load per query tile): an H200 run
+    # (bench/bwd_s6.py, H200, 8K, the kernel alone) 64x128x8x3 pack vs rows s1 3.365 / 3.374 ms, s2
+    # 3.306 / 3.483, causal s1 1.893 / 1.878, s2 1.779 / 1.839; N_Q 512 x N_K 32K 1.083 / 1.123 (s1),
+    # 1.063 / 1.113 (s2); both settings 32x64x4x3 4.624 / 5.213. The fused kernel keeps "rows": its
+    # pack form was 0.97-1.03x (N_Q 16 and 512, N_K 32K), no gain. Not in the default set (a selectable
+    # variant, STREAMKL_BWD_VARIANT=tma+trans+fold+rows+pack): at one setting it is within the runs'
+    # ~5 % noise (an H200 run: 3.369 / 3.374 s1, 3.390 / 3.424 s2), and the last run had device time
+    # for a short check only, so the default plan stays the one an H200 run measured against SDPA and the
+    # old kernels (bench/bwd_musts_gpu.py). Its 0.887x with both settings is the next candidate.
+    if kind == "dk":
+        names = (["tma+trans+fold+rows+reduce", "tma+trans+fold+reduce"] if fused else
+                 ["tma+trans+fold+rows", "tma+trans+fold"])
+        if not tma:
+            names = ["trans+fold"]
+    else:
+        names = ["tma+fold"] if tma else ["fold"]
+    if few:
+        return old + [tiles[0] + (names[0],)]
+    return old + [tiles[0] + (n,) for n in names] + [tiles[1] + (names[0],)]
+
+
+def _kernel_variant(name, kind, fused):
+    """The part of a variant that applies to one kernel: the dQ kernel has no key-major, rows or
+    reduce form, and "reduce" applies only to the fused dK kernel's dQ."""
+    keep = ("tma", "fold", "heavy", "poly") if kind == "dq" else (
+        ("tma", "trans", "fold", "rows", "pack", "poly") + (("reduce",) if fused else ()))
+    return "+".join(p for p in name.split("+") if p in keep) or "ptr"
+
+
+def bwd_streams(dims, n_sm: int) -> bool:
+    """Run the separate backward's dQ kernel on a second stream beside the dK kernel (each one's
+    last, partly filled wave of CTAs then overlaps the other's). ``STREAMKL_BWD_STREAMS=1`` / ``0``
+    forces it; unset: off. Measured (an H200 run, bench/bwd_s6.py, 8K): the API's backward s1 6.346 ms vs
+    6.275 on one stream, s2 5.863 vs 6.039; within that run's ~5 % spread between identical kernels."""
+    forced = _runtime.env("STREAMKL_BWD_STREAMS")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return False
+
+
+def auto_split_k(dims, block_m: int, block_n: int, n_sm: int) -> int:
+    """Split the keys across programs when the query blocks alone cannot fill the GPU.
+
+    Rule: with ``P = ceil(N_Q / BLOCK_M) * B * H`` query-block programs, split only when
+    ``P < n_sm``; then aim at about ``4 * n_sm`` programs in all, keeping at least 4 key tiles
+    per split (below that the merge traffic outweighs the parallelism).
+    """
+    programs = cdiv(dims.NQ, block_m) * dims.B * dims.H
+    if programs >= n_sm:
+        return 1
+    key_tiles = cdiv(dims.NK, block_n)
+    return max(1, min(cdiv(4 * n_sm, programs), key_tiles // 4))
+
+
+SPLIT_OPTIONS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def split_choices(dims, ieee, d_pad, n_sm):
+    """The forward's key splits to choose among when ``split_k=None``.
+
+    Without tuning (interpreter, ``STREAMKL_AUTOTUNE=0``): the one value of :func:`auto_split_k`.
+    With tuning, where the query blocks leave the GPU short of programs (fewer than 8 per SM) and
+    there are keys to split: every power of two up to 64 that keeps at least 4 key tiles per
+    split and at most 32 programs per SM, all timed on the real problem (decode calls are short).
+    ``1`` here means the one-pass kernel with its usual tiles. The measured reason (H200,
+    2026-12-01, N_Q = 1, N_K = 128K, B = 1, H = 32): the rule's single value ran at 1.12x the copy
+    floor where ``split_k=8`` ran at 0.98x: wave quantisation and occupancy, which a closed-form
+    rule does not capture.
+    """
+    probe = fwd_candidates(dims, d_pad, True, ieee)[0]
+    block_m, block_n = probe[0], probe[1]
+    rule = auto_split_k(dims, block_m, block_n, n_sm)
+    if not _tuning.autotune_enabled():
+        return (rule,)
+    programs = cdiv(dims.NQ, block_m) * dims.B * dims.H
+    key_tiles = cdiv(dims.NK, block_n)
+    if programs >= 8 * n_sm or key_tiles < 8:
+        return (rule,)
+    options = tuple(s for s in SPLIT_OPTIONS if s == 1 or (s <= key_tiles // 4 and programs * s <= 32 * n_sm))
+    return options if rule in options else options + (rule,)
+
+
+def auto_bwd_mode(dims, n_sm: int, both: bool = False, new_kernels: bool = False) -> str:
+    """Pick the fused kernel (each tile pair visited once, dQ by fp32 atomics) or the separate ones.
+
+    ``new_kernels``: the TMA variants are candidates (Hopper, aligned, half precision). Then one
+    setting runs separate wherever the dQ kernel alone has programs for at least 90 % of the SMs
+    (one wave): measured (H200, 2026-12-01 run r5c, bench/bwd_gpu.py --sweep, 8K non-causal, direct
+    launches) setting 2 separate 64x128x8x3 + 128x64x8x3 5.80 ms vs fused 64x128x8x3 6.79 (0.85x);
+    setting 1 fused 6.89, of which its dQ share costs 3.54 (the dK kernel alone 3.35; the dQ
+    kernel alone 2.54 for setting 2). The fused kernel's dQ (a [64, D] fp32 product and reduce-add
+    per tile pair, on the dK kernel's critical path at one CTA of 8 warps per SM) costs more than
+    a second pass over the keys. Down to one wave of dQ programs (an H200 run, N_Q 2K x N_K 32K, 512
+    programs: separate 0.93x / 0.89x of fused, s1 / s2; an H200 run, bench/bwd_s6.py, N_Q 512 x N_K
+    32K, 128 programs on 132 SMs: separate 1.745 / 1.649 ms vs fused 64x128x8x2 1.918 / 1.904);
+    below it fused (an H200 run, N_Q 16 x N_K 32K, 32 programs: separate 1.059 / 0.970 ms, fused 0.461 /
+    0.469): each dQ program walks every key, so with fewer programs than SMs its time does not
+    shrink with N_Q while the fused kernel's does.
+
+    Measured on the H200 (bench/results/2026-11-29_h200_f87f3b3/bench.csv; B=1, H=32, D=128, bf16):
+    - one setting (s1 or s2): fused is as fast or faster at N = 4K..32K, causal or not
+      (s1, 8K non-causal: 12.84 ms fused vs 13.72 separate), and at N_Q = 16..512 with N_K = 32K;
+    - both settings: fused wins at small N_Q (N_K = 32K, N_Q = 16: 1.53 vs 1.79 ms; N_Q = 256:
+      2.83 vs 2.92), separate from N_Q = 512 on (N_Q = 512: 4.46 vs 5.24; N = 8K: 16.7 vs 20.5).
+    Not measured, reasoned: with fewer key-tile programs than SMs the fused kernel has too
+    little parallelism (each program walks every query tile), so the separate kernels run then.
+    """
+    key_programs = cdiv(dims.NK, 64) * dims.B * dims.H
+    if key_programs < n_sm:
+        return "separate"
+    if both and dims.NQ >= 512:
+        return "separate"
+    if new_kernels and 10 * cdiv(dims.NQ, 128) * dims.B * dims.H >= 9 * n_sm:
+        return "separate"
+    return "fused"

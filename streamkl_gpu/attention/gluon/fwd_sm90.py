@@ -1,0 +1,724 @@
+"""Hopper (sm_90) forward in Gluon: the one-pass streaming KL with overlapped score products.
+
+Same outputs and conventions as ``_fwd._kl_fwd_kernel`` (the portable Triton path and the
+reference this kernel is checked against on the GPU): per row the five scalars
+``m1, l1, m2, l2, acc`` in bits, ``acc`` re-referenced to both maxima, bottom-right causal with
+tile skipping (``_fwd._key_stages``), ``_fwd._finalize`` at the end. Scores are taken to bits
+rounded once: in masked tiles ``mul.rn`` before the max (as the Triton path: one-key rows exactly
+0); in whole tiles, with the default's ``FOLD`` knob, the max on the raw scores scaled once per row
+(bitwise the same max) and the shifted score as one FFMA, x = fma(s_raw, c, -m) (``_shifted``;
+proofs/04_base2.md, "Where a kernel applies the factor"). The per-tile formulas are ``_fwd._fwd_key_range``'s, split in two
+halves so that the side-1 half runs while the side-2 product is still on the tensor cores.
+
+Schedule: one CTA owns 128 query rows of one (b, h).
+- a TMA producer warp loads Q1, Q2 (once) and the key tiles K1, K2 into an ``NUM_STAGES`` ring;
+- two consumer warpgroups (64 query rows each, Q read by the wgmma from shared memory) issue, per
+  key tile, ``S1 = Q1 K1^T`` and ``S2 = Q2 K2^T`` as async wgmma, wait for S1 only, fold S1 (max,
+  exponentials, l1) while S2 runs, then wait for S2 and fold it (l2, log-ratio, acc). Both waits
+  are inside the iteration: issuing across the loop back-edge made ptxas serialise every HGMMA
+  (the sketch's trap; tests/test_gluon_compile.py checks the SASS for it).
+
+Descriptors are 4-D over ``[B, H, N, D]`` with any TMA-legal strides: rows past ``N_Q`` and keys
+past ``N_K`` arrive as zeros (TMA zero fill). The ragged key tile and the causal band are folded in
+the masked stage; NaN isolation: a masked entry adds exactly 0 to every sum (``where``, never
+``0 * x``), and query rows past ``N_Q`` are never stored.
+
+This module holds the kernel; its host side (configs, descriptors, launch) is ``fwd_sm90_launch``.
+It imports Gluon unconditionally; ``dispatch`` guards the import.
+"""
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.language.extra import libdevice
+
+from streamkl_gpu.attention.triton import fwd as _fwd
+
+# TMA load, renamed in triton 3.8 (``async_load``); 3.6/3.7 have only the old name, 3.9 rejects it.
+if hasattr(tma, "async_load"):
+    _tma_load = tma.async_load
+else:  # pragma: no cover - triton < 3.8 (the GPU image: 3.6)
+    _tma_load = tma.async_copy_global_to_shared
+
+WG_M = gl.constexpr(64)  # query rows per consumer warpgroup (the wgmma M)
+BLOCK_M = gl.constexpr(128)  # query rows per CTA: two consumer warpgroups
+LOG2E = 1.4426950408889634
+
+
+@gluon.constexpr_function
+def _acc_layout(block_n):
+    # wgmma accumulator of one warpgroup: [64, block_n] fp32
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, int(block_n), 16])
+
+
+@gluon.jit
+def _load_partition(q1_desc, k1_desc, q2_desc, k2_desc, q1_smem, q2_smem, k1_smem, k2_smem,
+                    q_bar, k1_ready, k2_ready, k1_empty, k2_empty,
+                    b, h, kv_head1, kv_head2, start_m, n_tiles,
+                    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, SCHED: gl.constexpr):
+    """Producer warp: Q1, Q2 of both warpgroups once, then key tile i into ring slot i % NUM_STAGES.
+    MERGE: K1 and K2 of a slot share one ready and one empty barrier (k1_ready, k1_empty)."""
+    mbarrier.expect(q_bar, 2 * q1_desc.block_type.nbytes + 2 * q2_desc.block_type.nbytes)
+    _tma_load(q1_desc, [b, h, start_m, 0], q_bar, q1_smem.index(0))
+    _tma_load(q2_desc, [b, h, start_m, 0], q_bar, q2_smem.index(0))
+    _tma_load(q1_desc, [b, h, start_m + WG_M, 0], q_bar, q1_smem.index(1))
+    _tma_load(q2_desc, [b, h, start_m + WG_M, 0], q_bar, q2_smem.index(1))
+    for i in range(n_tiles):
+        s = i % NUM_STAGES
+        ph = (i // NUM_STAGES) & 1
+        if _knob(SCHED, "MERGE"):
+            mbarrier.wait(k1_empty.index(s), ph ^ 1)  # a fresh barrier passes the phase-1 wait
+            if _knob(SCHED, "RELTURN"):  # per-warpgroup empty barriers
+                mbarrier.wait(k2_empty.index(s), ph ^ 1)
+            mbarrier.expect(k1_ready.index(s), k1_desc.block_type.nbytes + k2_desc.block_type.nbytes)
+            _tma_load(k1_desc, [b, kv_head1, i * BLOCK_N, 0], k1_ready.index(s), k1_smem.index(s))
+            _tma_load(k2_desc, [b, kv_head2, i * BLOCK_N, 0], k1_ready.index(s), k2_smem.index(s))
+        else:
+            mbarrier.wait(k1_empty.index(s), ph ^ 1)  # a fresh barrier passes the phase-1 wait
+            mbarrier.expect(k1_ready.index(s), k1_desc.block_type.nbytes)
+            _tma_load(k1_desc, [b, kv_head1, i * BLOCK_N, 0], k1_ready.index(s), k1_smem.index(s))
+            mbarrier.wait(k2_empty.index(s), ph ^ 1)
+            mbarrier.expect(k2_ready.index(s), k2_desc.block_type.nbytes)
+            _tma_load(k2_desc, [b, kv_head2, i * BLOCK_N, 0], k2_ready.index(s), k2_smem.index(s))
+
+
+# VARIANT constexpr: 0 the kernel; 1-3 diagnostic variants that leave out one part of the work
+# (wrong results on purpose, for timing only; named in devtools/diagnostics.py, forced through
+# _core/forcing.py).
+
+
+@gluon.jit
+def _exp2(x, VARIANT: gl.constexpr):
+    if VARIANT == 1:  # no exponentials: what the tensor cores and the FP32 work alone cost
+        out = x
+    else:
+        out = gl.exp2(x)
+    return out
+
+
+# Schedule knobs, packed into one constexpr ``SCHED`` (bit offset, width); see ``config_of``.
+SCHED_BITS = dict(PINGPONG=(0, 1), SPLIT=(1, 1), POLY=(2, 2), RESCALE=(4, 1), FENCE=(5, 2), ORDER=(7, 1),
+                  LOOK=(8, 1), TURN=(9, 1), MERGE=(10, 1), RELTURN=(11, 1), FOLD=(12, 1), MASK1=(13, 1),
+                  DEFER=(14, 1))
+RESCALE_BITS = gl.constexpr(8.0)  # conditional rescaling: a new reference max only when the max grows by more
+
+
+@gluon.constexpr_function
+def _knob(sched, name):
+    off, width = SCHED_BITS[str(name)]
+    return (int(sched) >> off) & ((1 << width) - 1)
+
+
+@gluon.constexpr_function
+def _with_knob(sched, name, value):
+    """``sched`` with knob ``name`` set to ``value``."""
+    off, width = SCHED_BITS[str(name)]
+    return (int(sched) & ~(((1 << width) - 1) << off)) | (int(value) << off)
+
+
+# 2^f on [-0.5, 0.5], degree 5, fitted for the relative error (max 2.3e-7 evaluated in fp32)
+EXP2_POLY = (1.0000001192092896, 0.6931469440460205, 0.24022120237350464, 0.05550713464617729,
+             0.009675540961325169, 0.0013276456156745553)
+_P0, _P1, _P2, _P3, _P4, _P5 = (gl.constexpr(c) for c in EXP2_POLY)
+
+
+@gluon.jit
+def _exp2_poly(x):
+    """2^x on the FMA pipe (FA4's trick: the MUFU is the scarcer unit), for x <= 0: x = j + f,
+    j = rint(x) by the 1.5 * 2^23 rounding trick, f in [-0.5, 0.5]; 2^f by a degree-5 polynomial
+    (max relative error 2.3e-7 in fp32, as MUFU.EX2's ~2^-22), times 2^j built from j's bits.
+    x <= -127 (masked entries are -inf) gives exactly 0; NaN stays NaN (the clamp is a where, not
+    a max, and the power of two is multiplied, not added to NaN's bits)."""
+    x = gl.where(x < -127.0, -127.0, x)
+    t = x + 12582912.0
+    j = t - 12582912.0
+    f = x - j
+    p = _P5 * f + _P4
+    p = p * f + _P3
+    p = p * f + _P2
+    p = p * f + _P1
+    p = p * f + _P0
+    two_j = ((t.to(gl.int32, bitcast=True) - 0x4B400000 + 127) << 23).to(gl.float32, bitcast=True)
+    return p * two_j
+
+
+def exp2_poly_reference(x):
+    """NumPy float32 twin of ``_exp2_poly`` (same steps and constants), for the CPU tests."""
+    import numpy as np
+
+    x = np.asarray(x, dtype=np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        x = np.where(x < np.float32(-127.0), np.float32(-127.0), x)
+        t = (x + np.float32(12582912.0)).astype(np.float32)
+        j = (t - np.float32(12582912.0)).astype(np.float32)
+        f = (x - j).astype(np.float32)
+        p = np.float32(EXP2_POLY[5])
+        for c in EXP2_POLY[4::-1]:
+            p = (p * f + np.float32(c)).astype(np.float32)
+        bits = ((t.view(np.int32).astype(np.int64) - 0x4B400000 + 127) << 23) & 0xFFFFFFFF
+        two_j = bits.astype(np.uint32).view(np.float32)
+        return (p * two_j).astype(np.float32)
+
+
+@gluon.jit
+def _sum_exp2(x, VARIANT: gl.constexpr, POLY: gl.constexpr):
+    """Row sums of 2^x (side 2's exponentials feed only l2). POLY 1: all by the polynomial;
+    2: every other column by the polynomial, the rest on the MUFU (3: see ``_consumer``)."""
+    if POLY == 1:
+        out = gl.sum(_exp2_poly(x), axis=1)
+    elif POLY == 2:
+        xa, xb = gl.split(gl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
+        out = gl.convert_layout(gl.sum(_exp2(xa, VARIANT), axis=1) + gl.sum(_exp2_poly(xb), axis=1),
+                                gl.SliceLayout(1, x.type.layout))
+    else:
+        out = gl.sum(_exp2(x, VARIANT), axis=1)
+    return out
+
+
+@gluon.jit
+def _new_max(m, s, visible, MASKED: gl.constexpr, RESCALE: gl.constexpr):
+    """The row reference after a tile: the running max, or with RESCALE the old reference kept
+    while the max grows by at most RESCALE_BITS (FA4's conditional rescaling: exact in exact
+    arithmetic, since the reference cancels in lse and KL; the exponentials are then <= 2^8)."""
+    if MASKED:
+        m_new = gl.maximum(m, gl.max(gl.where(visible, s, float("-inf")), axis=1))
+    else:
+        m_new = gl.maximum(m, gl.max(s, axis=1))
+    if RESCALE:
+        m_new = gl.where(m_new > m + RESCALE_BITS, m_new, m)
+    return m_new
+
+
+@gluon.jit
+def _shifted(m, s_raw, qk_scale, visible, MASKED: gl.constexpr, RESCALE: gl.constexpr, FOLD: gl.constexpr = 0):
+    """One side's scores of a tile taken to bits (rounded once, before the max) and shifted by the
+    new row reference: (the new max, the shift, x = s - shift). Masked tiles shift by the safe max
+    (an all-invisible row keeps a finite reference).
+
+    FOLD (whole tiles only): the max taken on the raw scores and scaled once per row (rounding is
+    monotone and qk_scale > 0, so rn(max(s) * c) is bitwise the max of rn(s * c): the same m), and
+    x = fma(s, c, -shift), one FFMA per score instead of FMUL + FADD (-128 instructions per
+    128-key tile and thread). x is then rounded once instead of twice (closer to float64, within
+    half an ulp of s * c of today's); masked tiles keep ``mul.rn`` + subtract, so that one-key rows
+    stay exactly 0 (x = 0 at the max: the FFMA fold left KL ~1e-7 there, docs/design/attention_forward.md v4)."""
+    if FOLD and not MASKED:
+        m_tile = libdevice.mul_rn(gl.max(s_raw, axis=1), qk_scale)
+        m_new = gl.maximum(m, m_tile)
+        if RESCALE:
+            m_new = gl.where(m_new > m + RESCALE_BITS, m_new, m)
+        x = gl.fma(s_raw, qk_scale, -m_new[:, None])
+        out = (m_new, m_new, x)
+    else:
+        s = libdevice.mul_rn(s_raw, qk_scale)
+        m_new = _new_max(m, s, visible, MASKED, RESCALE)
+        if MASKED:
+            shift = _fwd._safe(m_new)
+        else:
+            shift = m_new
+        out = (m_new, shift, s - shift[:, None])
+    return out
+
+
+@gluon.jit
+def _shifted_premasked(m, s_masked, qk_scale, RESCALE: gl.constexpr):
+    """``_shifted`` of a masked tile whose raw scores are already -inf where invisible (MASK1):
+    the max, the exponentials and the sums need no mask of their own (rn(-inf c) - shift = -inf,
+    2^-inf = 0); the shift is the safe max (an all-invisible row keeps a finite reference)."""
+    s = libdevice.mul_rn(s_masked, qk_scale)
+    m_new = _new_max(m, s, 0, False, RESCALE)
+    shift = _fwd._safe(m_new)
+    return m_new, shift, s - shift[:, None]
+
+
+@gluon.jit
+def _row_sum(x, DEFER: gl.constexpr):
+    """Row sums of a tile [WG_M, N]; DEFER: only over each thread's own columns, [WG_M, 4] (the
+    wgmma layout spreads a row's columns over the 4 threads of a quad, 2 x N/8 each: the
+    reshape to [WG_M, N/8, 4, 2] is a pure relabeling), so the quad's shuffles wait for the end."""
+    if DEFER:
+        out = gl.sum(gl.sum(gl.reshape(x, [x.shape[0], x.shape[1] // 8, 4, 2]), axis=1), axis=2)
+    else:
+        out = gl.sum(x, axis=1)
+    return out
+
+
+@gluon.jit
+def _per_row(v, like, DEFER: gl.constexpr):
+    """A per-row value [WG_M] in the shape of the sums (DEFER: broadcast to ``like``'s [WG_M, 4])."""
+    if DEFER:
+        out = gl.convert_layout(v, gl.SliceLayout(1, like.type.layout))[:, None]
+    else:
+        out = v
+    return out
+
+
+@gluon.jit
+def _side1_exps(x1, m1, l1, shift1, visible, MASKED: gl.constexpr, VARIANT: gl.constexpr,
+                DEFER: gl.constexpr = False):
+    """Side 1's exponentials of a tile: (p1, the new l1, alpha1 = the old l1's rescale factor)."""
+    if MASKED:
+        p1 = _exp2(gl.where(visible, x1, float("-inf")), VARIANT)
+    else:
+        p1 = _exp2(x1, VARIANT)
+    alpha1 = gl.exp2(m1 - shift1)
+    l1_new = l1 * _per_row(alpha1, l1, DEFER) + _row_sum(p1, DEFER)
+    return p1, l1_new, alpha1
+
+
+@gluon.jit
+def _fold_sub(st, t1, t2, k1, k2, k1_free, k2_free, turn_next, visible, qk_scale1, qk_scale2, zero, ONE,
+              W1: gl.constexpr, W2: gl.constexpr, RELEASE: gl.constexpr,
+              MASKED: gl.constexpr, VARIANT: gl.constexpr, SCHED: gl.constexpr):
+    """Fold one (sub-)tile's scores into the row states (the formulas of _fwd._fwd_key_range,
+    same order): wait for S1 (W1 products still in flight after it), fold side 1, then wait for
+    S2 (W2 in flight) and fold side 2. RELEASE: this is the slot's last sub-tile; free K1 and K2
+    (and with PINGPONG + TURN hand the tensor cores to the other warpgroup: ``turn_next``)."""
+    m1, l1, m2, l2, acc = st
+    RESCALE: gl.constexpr = _knob(SCHED, "RESCALE")
+    s1, k1 = warpgroup_mma_wait(num_outstanding=W1, deps=(t1, k1))
+    if RELEASE and not _knob(SCHED, "MERGE"):  # MERGE: one release after the last wait (k2_free)
+        mbarrier.arrive(k1_free, count=1)
+    s2_raw = s1  # VARIANT 2 (no second product): side 2 folds S1 again
+    # MASK1 (masked tiles): the mask applied once to each side's raw scores, and once to the
+    # acc term, instead of at the max, the exponentials and the term of each side (5 -> 3 selects
+    # per score pair, fewer live predicates)
+    PRE: gl.constexpr = MASKED and _knob(SCHED, "MASK1")
+    MASK_LATER: gl.constexpr = MASKED and not PRE
+    # DEFER: l1, l2, acc kept as per-thread partial row sums [WG_M, 4], reduced once at the end
+    DEFER: gl.constexpr = _knob(SCHED, "DEFER")
+    # ---- side 1, while S2 is still on the tensor cores
+    if PRE:
+        m1_new, shift1, x1 = _shifted_premasked(m1, gl.where(visible, s1, float("-inf")), qk_scale1, RESCALE)
+    else:
+        m1_new, shift1, x1 = _shifted(m1, s1, qk_scale1, visible, MASKED, RESCALE, _knob(SCHED, "FOLD"))
+    FENCE: gl.constexpr = _knob(SCHED, "FENCE")
+    if FENCE == 1 or (FENCE == 2 and not MASKED):  # 2: whole tiles only (the masked loop spills)
+        # the exponentials inside a loop of one trip (ONE is a runtime 1): ptxas schedules
+        # within blocks, so it cannot hoist the S2 wait (after the loop) above them
+        p1 = zero
+        l1_new = l1
+        alpha1 = l1
+        for _ in range(ONE):
+            p1, l1_new, alpha1 = _side1_exps(x1, m1, l1, shift1, visible, MASK_LATER, VARIANT, DEFER)
+    else:
+        p1, l1_new, alpha1 = _side1_exps(x1, m1, l1, shift1, visible, MASK_LATER, VARIANT, DEFER)
+
+    # ---- side 2
+    if VARIANT != 2:
+        s2_raw, k2 = warpgroup_mma_wait(num_outstanding=W2, deps=(t2, k2))
+    if RELEASE and _knob(SCHED, "PINGPONG") and _knob(SCHED, "TURN") and not _knob(SCHED, "RELTURN"):
+        mbarrier.arrive(turn_next, count=1)  # this tile's products are done: the other's turn
+    if RELEASE:
+        mbarrier.arrive(k2_free, count=1)
+    if PRE:
+        m2_new, shift2, x2 = _shifted_premasked(m2, gl.where(visible, s2_raw, float("-inf")), qk_scale2, RESCALE)
+    else:
+        m2_new, shift2, x2 = _shifted(m2, s2_raw, qk_scale2, visible, MASKED, RESCALE, _knob(SCHED, "FOLD"))
+    log_ratio = x1 - x2  # the shifted log-ratio (see _fwd._finalize)
+    if DEFER:
+        if MASK_LATER:
+            sum2 = _row_sum(_exp2(gl.where(visible, x2, float("-inf")), VARIANT), True)
+        else:
+            sum2 = _row_sum(_exp2(x2, VARIANT), True)
+        if MASKED:
+            term = gl.where(visible, p1 * log_ratio, 0.0) if MASK_LATER else \
+                p1 * gl.maximum(log_ratio, -3.4028234663852886e38)
+        else:
+            term = p1 * log_ratio
+    elif PRE:
+        sum2 = _sum_exp2(x2, VARIANT, _knob(SCHED, "POLY"))
+        # invisible entries: x1 - x2 = -inf - -inf = NaN and p1 = 0; max(NaN, -FLT_MAX) is
+        # -FLT_MAX (max.f32 returns the non-NaN operand), times p1 = 0: exactly 0 without the
+        # mask (no predicate live this late). A NaN in a visible key: in K1, p1 and the term are
+        # NaN; in K2 only, the term is -FLT_MAX p1 (not NaN), but l2 is NaN, so kl and lse2 are.
+        term = p1 * gl.maximum(log_ratio, -3.4028234663852886e38)
+    elif MASKED:
+        sum2 = _sum_exp2(gl.where(visible, x2, float("-inf")), VARIANT, _knob(SCHED, "POLY"))
+        # masked entries add exactly 0: p1 * log_ratio would be 0 * NaN for a NaN key
+        term = gl.where(visible, p1 * log_ratio, 0.0)
+    else:
+        sum2 = _sum_exp2(x2, VARIANT, _knob(SCHED, "POLY"))
+        term = p1 * log_ratio
+    alpha2 = gl.exp2(m2 - shift2)
+    if VARIANT != 3:
+        # re-reference the old acc to the new maxima: each old term moves by -(dm1 - dm2)
+        moved = (shift1 - _fwd._safe(m1)) - (shift2 - _fwd._safe(m2))
+        acc = (acc - l1 * _per_row(moved, acc, DEFER)) * _per_row(alpha1, acc, DEFER) + _row_sum(term, DEFER)
+    l2 = l2 * _per_row(alpha2, l2, DEFER) + sum2
+    return m1_new, l1_new, m2_new, l2, acc
+
+
+# ---- side 2 first (ORDER) and the two-tile lookahead (LOOK): the same formulas as _fold_sub,
+# with the products issued S2 then S1. Side 2 is folded while S1 runs; it leaves only x2 live (its
+# exponentials feed l2 alone), where side 1 first leaves p1 and x1 live across the S2 wait (192
+# registers with the S2 accumulator, the pressure under which ptxas sinks the exponentials).
+
+@gluon.jit
+def _half2(m2, l2, s2_raw, visible, qk_scale2, ONE, MASKED: gl.constexpr, VARIANT: gl.constexpr,
+           SCHED: gl.constexpr):
+    """Side 2 of a tile, folded first: (the new m2, the new l2, x2, moved2 = shift2 - safe(old m2))."""
+    RESCALE: gl.constexpr = _knob(SCHED, "RESCALE")
+    POLY: gl.constexpr = _knob(SCHED, "POLY")
+    FENCE: gl.constexpr = _knob(SCHED, "FENCE")
+    m2_new, shift2, x2 = _shifted(m2, s2_raw, qk_scale2, visible, MASKED, RESCALE, _knob(SCHED, "FOLD"))
+    if MASKED:
+        e2 = gl.where(visible, x2, float("-inf"))
+    else:
+        e2 = x2
+    if FENCE == 1 or (FENCE == 2 and not MASKED):  # the one-trip loop of _fold_sub: ptxas cannot
+        sum2 = l2  # sink these exponentials below the S1 wait (after the loop)
+        for _ in range(ONE):
+            sum2 = _sum_exp2(e2, VARIANT, POLY)
+    else:
+        sum2 = _sum_exp2(e2, VARIANT, POLY)
+    alpha2 = gl.exp2(m2 - shift2)
+    l2_new = l2 * alpha2 + sum2
+    return m2_new, l2_new, x2, shift2 - _fwd._safe(m2)
+
+
+@gluon.jit
+def _half1(m1, l1, acc, s1_raw, x2, moved2, visible, qk_scale1, ONE, MASKED: gl.constexpr, VARIANT: gl.constexpr,
+           SCHED: gl.constexpr):
+    """Side 1 of a tile after side 2 (``_half2``'s x2, moved2): (the new m1, l1, acc). FENCE: its
+    exponentials in a one-trip loop (LOOK: so that they stay above the next product's wait)."""
+    RESCALE: gl.constexpr = _knob(SCHED, "RESCALE")
+    FENCE: gl.constexpr = _knob(SCHED, "FENCE")
+    m1_new, shift1, x1 = _shifted(m1, s1_raw, qk_scale1, visible, MASKED, RESCALE, _knob(SCHED, "FOLD"))
+    if FENCE == 1 or (FENCE == 2 and not MASKED):
+        p1 = x1
+        l1_new = l1
+        alpha1 = l1
+        for _ in range(ONE):
+            p1, l1_new, alpha1 = _side1_exps(x1, m1, l1, shift1, visible, MASKED, VARIANT)
+    else:
+        p1, l1_new, alpha1 = _side1_exps(x1, m1, l1, shift1, visible, MASKED, VARIANT)
+    log_ratio = x1 - x2  # the shifted log-ratio (see _fwd._finalize)
+    if MASKED:
+        term = gl.where(visible, p1 * log_ratio, 0.0)  # masked entries add exactly 0 (NaN keys)
+    else:
+        term = p1 * log_ratio
+    if VARIANT != 3:
+        moved = (shift1 - _fwd._safe(m1)) - moved2  # as _fold_sub: (dm1) - (dm2)
+        acc = (acc - l1 * moved) * alpha1 + gl.sum(term, axis=1)
+    return m1_new, l1_new, acc
+
+
+@gluon.jit
+def _fold_sub_s2first(st, t1, t2, k1, k2, k1_free, k2_free, turn_next, visible, qk_scale1, qk_scale2, ONE,
+                      RELEASE: gl.constexpr, MASKED: gl.constexpr, VARIANT: gl.constexpr, SCHED: gl.constexpr):
+    """ORDER: S2 was issued before S1; wait for S2 (S1 in flight), fold side 2, wait for S1, fold
+    side 1. VARIANT 2 (no second product): t1 is t2, side 2 folds S1."""
+    m1, l1, m2, l2, acc = st
+    if VARIANT == 2:
+        s2_raw, k1 = warpgroup_mma_wait(num_outstanding=0, deps=(t1, k1))
+    else:
+        s2_raw, k2 = warpgroup_mma_wait(num_outstanding=1, deps=(t2, k2))
+    if RELEASE and not _knob(SCHED, "MERGE"):  # MERGE: one release after the last wait (k1_free)
+        mbarrier.arrive(k2_free, count=1)
+    m2, l2, x2, moved2 = _half2(m2, l2, s2_raw, visible, qk_scale2, ONE, MASKED, VARIANT, SCHED)
+    s1_raw = s2_raw
+    if VARIANT != 2:
+        s1_raw, k1 = warpgroup_mma_wait(num_outstanding=0, deps=(t1, k1))
+    if RELEASE and _knob(SCHED, "PINGPONG") and _knob(SCHED, "TURN") and not _knob(SCHED, "RELTURN"):
+        mbarrier.arrive(turn_next, count=1)  # this tile's products are done: the other's turn
+    if RELEASE:
+        mbarrier.arrive(k1_free, count=1)
+    m1, l1, acc = _half1(m1, l1, acc, s1_raw, x2, moved2, visible, qk_scale1, ONE, MASKED, VARIANT, SCHED)
+    return m1, l1, m2, l2, acc
+
+
+@gluon.jit
+def _fold_pair(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, i, zero,
+               qk_scale1, qk_scale2, ONE, D1: gl.constexpr, D2: gl.constexpr, BLOCK_N: gl.constexpr,
+               NUM_STAGES: gl.constexpr, VARIANT: gl.constexpr, SCHED: gl.constexpr):
+    """LOOK: whole key tiles i and i + 1 in one iteration, side 2 first, the next product issued
+    before each fold so that the tensor cores have this warpgroup's work during three of the four
+    folds (one today's two): S2a S1a | fold 2a | S2b | fold 1a | S1b | fold 2b | fold 1b. At most
+    two groups in flight, every one waited inside the iteration (no token over the back edge, the
+    sketch's trap). Not for VARIANT 2 (the caller folds single tiles then)."""
+    m1, l1, m2, l2, acc = st
+    sa = i % NUM_STAGES
+    sb = (i + 1) % NUM_STAGES
+    k1a = k1_smem.index(sa).reshape([BLOCK_N, D1])
+    k2a = k2_smem.index(sa).reshape([BLOCK_N, D2])
+    k1b = k1_smem.index(sb).reshape([BLOCK_N, D1])
+    k2b = k2_smem.index(sb).reshape([BLOCK_N, D2])
+    MERGE: gl.constexpr = _knob(SCHED, "MERGE")
+    mbarrier.wait(k1_ready.index(sa), (i // NUM_STAGES) & 1)
+    if not MERGE:
+        mbarrier.wait(k2_ready.index(sa), (i // NUM_STAGES) & 1)
+    t2a = warpgroup_mma(q2, k2a.permute((1, 0)), zero, use_acc=False, is_async=True)
+    t1a = warpgroup_mma(q1, k1a.permute((1, 0)), zero, use_acc=False, is_async=True)
+    s2a, k2a = warpgroup_mma_wait(num_outstanding=1, deps=(t2a, k2a))
+    if not MERGE:
+        mbarrier.arrive(k2_empty.index(sa), count=1)
+    m2, l2, x2a, moved2a = _half2(m2, l2, s2a, 0, qk_scale2, ONE, False, VARIANT, SCHED)
+    mbarrier.wait(k1_ready.index(sb), ((i + 1) // NUM_STAGES) & 1)
+    if not MERGE:
+        mbarrier.wait(k2_ready.index(sb), ((i + 1) // NUM_STAGES) & 1)
+    t2b = warpgroup_mma(q2, k2b.permute((1, 0)), zero, use_acc=False, is_async=True)
+    s1a, k1a = warpgroup_mma_wait(num_outstanding=1, deps=(t1a, k1a))
+    mbarrier.arrive(k1_empty.index(sa), count=1)
+    m1, l1, acc = _half1(m1, l1, acc, s1a, x2a, moved2a, 0, qk_scale1, ONE, False, VARIANT, SCHED)
+    t1b = warpgroup_mma(q1, k1b.permute((1, 0)), zero, use_acc=False, is_async=True)
+    s2b, k2b = warpgroup_mma_wait(num_outstanding=1, deps=(t2b, k2b))
+    if not MERGE:
+        mbarrier.arrive(k2_empty.index(sb), count=1)
+    m2, l2, x2b, moved2b = _half2(m2, l2, s2b, 0, qk_scale2, ONE, False, VARIANT, SCHED)
+    s1b, k1b = warpgroup_mma_wait(num_outstanding=0, deps=(t1b, k1b))
+    mbarrier.arrive(k1_empty.index(sb), count=1)
+    m1, l1, acc = _half1(m1, l1, acc, s1b, x2b, moved2b, 0, qk_scale1, ONE, False, VARIANT, SCHED)
+    return m1, l1, m2, l2, acc
+
+
+@gluon.jit
+def _visible(i, h, rows, N_K, diag_offset, BLOCK_N: gl.constexpr, SUB_N: gl.constexpr, CAUSAL: gl.constexpr,
+             ONE_TEST: gl.constexpr = False):
+    """Which entries of sub-tile h of key tile i a row sees: keys < N_K, and the causal band.
+    ONE_TEST (MASK1, causal): the two bounds folded into one per-row last visible key, one
+    compare per entry (the same set: j < N_K and j <= i + diag  <=>  j <= min(N_K - 1, i + diag))."""
+    cols = i * BLOCK_N + h * SUB_N + gl.arange(0, SUB_N, layout=gl.SliceLayout(0, _acc_layout(SUB_N)))
+    if ONE_TEST and CAUSAL:
+        visible = cols[None, :] <= gl.minimum(rows + diag_offset, N_K - 1)[:, None]
+    else:
+        visible = cols[None, :] < N_K
+        if CAUSAL:  # bottom-right causal: key j visible to query i iff j <= i + (N_K - N_Q)
+            visible = visible & (cols[None, :] <= rows[:, None] + diag_offset)
+    return visible
+
+
+@gluon.jit
+def _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars, i, zero,
+               rows, N_K, diag_offset, qk_scale1, qk_scale2, ONE,
+               D1: gl.constexpr, D2: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+               MASKED: gl.constexpr, CAUSAL: gl.constexpr, VARIANT: gl.constexpr, WG: gl.constexpr,
+               SCHED: gl.constexpr):
+    """Fold key tile i into the row states. The products of the tile are issued together (SPLIT:
+    as two halves of BLOCK_N / 2 keys, S1a S2a S1b S2b, each half folded as it lands while the
+    rest run), then folded in issue order. VARIANT != 0: a deliberately wrong kernel for timing
+    what bounds the real one (named in devtools/diagnostics.py)."""
+    SPLIT: gl.constexpr = _knob(SCHED, "SPLIT")
+    PINGPONG: gl.constexpr = _knob(SCHED, "PINGPONG")
+    SUB_N: gl.constexpr = BLOCK_N // (1 + SPLIT)
+    P: gl.constexpr = 1 if VARIANT == 2 else 2  # products per sub-tile
+    s = i % NUM_STAGES
+    ph = (i // NUM_STAGES) & 1
+    k1 = k1_smem.index(s).reshape([BLOCK_N, D1])
+    k2 = k2_smem.index(s).reshape([BLOCK_N, D2])
+    mbarrier.wait(k1_ready.index(s), ph)
+    RELTURN: gl.constexpr = _knob(SCHED, "RELTURN")
+    k1_free = k1_empty.index(s)
+    k2_free = k2_empty.index(s)
+    if RELTURN:  # per-warpgroup empty barriers (k1_empty: warpgroup 0's, k2_empty: 1's), one release
+        if WG == 1:
+            k1_free = k2_empty.index(s)
+        k2_free = k1_free
+    elif _knob(SCHED, "MERGE"):  # one barrier pair per slot: each mbarrier op costs a BAR.SYNC (membar, 3.6)
+        k2_free = k1_empty.index(s)
+    if not _knob(SCHED, "MERGE"):
+        mbarrier.wait(k2_ready.index(s), ph)
+    if RELTURN:  # the turn is the other warpgroup's release: 1 waits for 0's of tile i, 0 for 1's of i - 1
+        if WG == 1:
+            mbarrier.wait(k1_empty.index(s), ph)
+        else:
+            j = i + NUM_STAGES - 1
+            mbarrier.wait(k2_empty.index(j % NUM_STAGES), ((j // NUM_STAGES) + 1) & 1, pred=i > 0)
+    elif PINGPONG:  # FA3's turnstile: the two warpgroups take turns on the tensor cores
+        mbarrier.wait(turn_bars.index(WG), i & 1)
+    ORDER: gl.constexpr = _knob(SCHED, "ORDER") and not SPLIT
+    if ORDER:  # side 2 first: S2 issued (and waited) before S1
+        if VARIANT != 2:
+            t2 = warpgroup_mma(q2, k2.permute((1, 0)), zero, use_acc=False, is_async=True)
+            t1 = warpgroup_mma(q1, k1.permute((1, 0)), zero, use_acc=False, is_async=True)
+        else:
+            t1 = warpgroup_mma(q1, k1.permute((1, 0)), zero, use_acc=False, is_async=True)
+            t2 = t1
+    elif SPLIT:
+        k1a = k1.slice(0, SUB_N)
+        k2a = k2.slice(0, SUB_N)
+        k1b = k1.slice(SUB_N, SUB_N)
+        k2b = k2.slice(SUB_N, SUB_N)
+        t1a = warpgroup_mma(q1, k1a.permute((1, 0)), zero, use_acc=False, is_async=True)
+        t2a = t1a
+        if VARIANT != 2:
+            t2a = warpgroup_mma(q2, k2a.permute((1, 0)), zero, use_acc=False, is_async=True)
+        t1b = warpgroup_mma(q1, k1b.permute((1, 0)), zero, use_acc=False, is_async=True)
+        t2b = t1b
+        if VARIANT != 2:
+            t2b = warpgroup_mma(q2, k2b.permute((1, 0)), zero, use_acc=False, is_async=True)
+    else:
+        t1 = warpgroup_mma(q1, k1.permute((1, 0)), zero, use_acc=False, is_async=True)
+        t2 = t1
+        if VARIANT != 2:
+            t2 = warpgroup_mma(q2, k2.permute((1, 0)), zero, use_acc=False, is_async=True)
+    turn_next = turn_bars.index(1 - WG)
+    if PINGPONG and not _knob(SCHED, "TURN"):  # TURN: handed over after the tile's last wait instead
+        mbarrier.arrive(turn_bars.index(1 - WG), count=1)
+    visible_a = 0
+    visible_b = 0
+    if MASKED:
+        ONE_TEST: gl.constexpr = _knob(SCHED, "MASK1")
+        visible_a = _visible(i, 0, rows, N_K, diag_offset, BLOCK_N, SUB_N, CAUSAL, ONE_TEST)
+        if SPLIT:
+            visible_b = _visible(i, 1, rows, N_K, diag_offset, BLOCK_N, SUB_N, CAUSAL, ONE_TEST)
+    if ORDER:
+        st = _fold_sub_s2first(st, t1, t2, k1, k2, k1_free, k2_free, turn_next, visible_a,
+                               qk_scale1, qk_scale2, ONE, True, MASKED, VARIANT, SCHED)
+    elif SPLIT:
+        st = _fold_sub(st, t1a, t2a, k1a, k2a, k1_free, k2_free, turn_next, visible_a, qk_scale1,
+                       qk_scale2, zero, ONE, 2 * P - 1, 2 * P - 2, False, MASKED, VARIANT, SCHED)
+        st = _fold_sub(st, t1b, t2b, k1b, k2b, k1_free, k2_free, turn_next, visible_b, qk_scale1,
+                       qk_scale2, zero, ONE, P - 1, 0, True, MASKED, VARIANT, SCHED)
+    else:
+        st = _fold_sub(st, t1, t2, k1, k2, k1_free, k2_free, turn_next, visible_a, qk_scale1,
+                       qk_scale2, zero, ONE, P - 1, 0, True, MASKED, VARIANT, SCHED)
+    return st
+
+
+@gluon.jit
+def _consumer(WG: gl.constexpr, q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty,
+              k2_empty, turn_bars, KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1,
+              qk_scale2, ONE, D1: gl.constexpr, D2: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr, VARIANT: gl.constexpr, SCHED: gl.constexpr):
+    """Consumer warpgroup WG: query rows start_m + 64 WG .. +63, all key tiles of the CTA."""
+    SUB_N: gl.constexpr = BLOCK_N // (1 + _knob(SCHED, "SPLIT"))  # keys per wgmma
+    acc_layout: gl.constexpr = _acc_layout(SUB_N)
+    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    mbarrier.wait(q_bar, 0)
+    q1 = q1_smem.index(WG).reshape([WG_M, D1])
+    q2 = q2_smem.index(WG).reshape([WG_M, D2])
+    zero = gl.zeros([WG_M, SUB_N], gl.float32, acc_layout)
+    rows = start_m + WG * WG_M + gl.arange(0, WG_M, layout=row_layout)
+    diag_offset = N_K - N_Q
+    m1 = gl.full([WG_M], float("-inf"), gl.float32, row_layout)
+    m2 = gl.full([WG_M], float("-inf"), gl.float32, row_layout)
+    DEFER: gl.constexpr = _knob(SCHED, "DEFER")
+    l1 = _row_sum(zero, DEFER)  # zeros: [WG_M] rows, or DEFER's [WG_M, 4] per-thread parts
+    l2 = _row_sum(zero, DEFER)
+    acc = _row_sum(zero, DEFER)
+    st = (m1, l1, m2, l2, acc)
+    # whole tiles every row of the CTA sees, then the causal band and the ragged last tile
+    if _knob(SCHED, "POLY") == 3:
+        # POLY 3: a quarter of side 2's exponentials on the FMA pipe: even whole tiles with POLY 2
+        # (every other column of side 2 by the polynomial), odd ones (and the masked tiles) all on
+        # the MUFU; a branch in the loop (two tiles per iteration spill: 14 STL, triton 3.6). Then the
+        # share where the MUFU and the issue slots balance with FOLD (estimate: MUFU 16 (132 - k)
+        # cycles, instruction issue at 2 (801 + 11 k) per scheduler and tile, k ~ 13 of side 2's 64)
+        SCHED_P2: gl.constexpr = _with_knob(SCHED, "POLY", 2)
+        SCHED_P0: gl.constexpr = _with_knob(SCHED, "POLY", 0)
+        for i in range(n_full):
+            if i % 2 == 0:
+                st = _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars, i,
+                                zero, rows, N_K, diag_offset, qk_scale1, qk_scale2, ONE, D1, D2, BLOCK_N, NUM_STAGES,
+                                False, CAUSAL, VARIANT, WG, SCHED_P2)
+            else:
+                st = _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars, i,
+                                zero, rows, N_K, diag_offset, qk_scale1, qk_scale2, ONE, D1, D2, BLOCK_N, NUM_STAGES,
+                                False, CAUSAL, VARIANT, WG, SCHED_P0)
+    elif _knob(SCHED, "LOOK") and VARIANT != 2:  # whole tiles two at a time, the odd one alone
+        for j in range(n_full // 2):
+            st = _fold_pair(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, 2 * j, zero,
+                            qk_scale1, qk_scale2, ONE, D1, D2, BLOCK_N, NUM_STAGES, VARIANT, SCHED)
+        if n_full % 2 == 1:
+            st = _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars,
+                            n_full - 1, zero, rows, N_K, diag_offset, qk_scale1, qk_scale2, ONE, D1, D2, BLOCK_N,
+                            NUM_STAGES, False, CAUSAL, VARIANT, WG, SCHED)
+    else:
+        for i in range(n_full):
+            st = _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars, i,
+                            zero, rows, N_K, diag_offset, qk_scale1, qk_scale2, ONE, D1, D2, BLOCK_N, NUM_STAGES,
+                            False, CAUSAL, VARIANT, WG, SCHED)
+    SCHED_MASKED: gl.constexpr = _with_knob(SCHED, "POLY", 0) if _knob(SCHED, "POLY") == 3 else SCHED
+    for i in range(n_full, n_tiles):
+        st = _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars, i,
+                        zero, rows, N_K, diag_offset, qk_scale1, qk_scale2, ONE, D1, D2, BLOCK_N, NUM_STAGES,
+                        True, CAUSAL, VARIANT, WG, SCHED_MASKED)
+    m1, l1, m2, l2, acc = st
+    if DEFER:  # the quads' partial sums, reduced once
+        l1 = gl.convert_layout(gl.sum(l1, axis=1), row_layout)
+        l2 = gl.convert_layout(gl.sum(l2, axis=1), row_layout)
+        acc = gl.convert_layout(gl.sum(acc, axis=1), row_layout)
+    kl, lse1, lse2 = _fwd._finalize(m1, l1, m2, l2, acc)
+    row_ok = rows < N_Q  # padded query rows (TMA zero fill) are never written
+    out = pid_bh.to(gl.int64) * N_Q + rows
+    gl.store(KL + out, kl, mask=row_ok)
+    gl.store(LSE1 + out, lse1, mask=row_ok)
+    gl.store(LSE2 + out, lse2, mask=row_ok)
+
+
+@gluon.jit
+def _consumer0(q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars,
+               KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, ONE,
+               D1: gl.constexpr, D2: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+               CAUSAL: gl.constexpr, VARIANT: gl.constexpr, SCHED: gl.constexpr):
+    _consumer(0, q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars,
+              KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, ONE, D1, D2,
+              BLOCK_N, NUM_STAGES, CAUSAL, VARIANT, SCHED)
+
+
+@gluon.jit
+def _consumer1(q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars,
+               KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, ONE,
+               D1: gl.constexpr, D2: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+               CAUSAL: gl.constexpr, VARIANT: gl.constexpr, SCHED: gl.constexpr):
+    _consumer(1, q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars,
+              KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, ONE, D1, D2,
+              BLOCK_N, NUM_STAGES, CAUSAL, VARIANT, SCHED)
+
+
+@gluon.jit(do_not_specialize=["ONE"])
+def _gluon_kl_fwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, KL, LSE1, LSE2,
+                         H, N_Q, N_K, GROUP1, GROUP2, qk_scale1, qk_scale2, ONE,
+                         D1: gl.constexpr, D2: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                         CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, VARIANT: gl.constexpr,
+                         SCHED: gl.constexpr):
+    """One CTA: 128 query rows of one (b, h). ``ONE``: the runtime integer 1 (never specialised:
+    the FENCE schedule's one-trip loop must stay a loop); ``SCHED``: the schedule knobs
+    (``SCHED_BITS``)."""
+    pid_m = gl.program_id(0)
+    if CAUSAL:  # the longest query blocks (most key tiles) first: fewer idle SMs in the last wave
+        pid_m = gl.num_programs(0) - 1 - pid_m
+    pid_bh = gl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    kv_head1 = h // GROUP1  # GQA per side
+    kv_head2 = h // GROUP2
+    start_m = pid_m * BLOCK_M
+    full_hi, key_hi = _fwd._key_stages(start_m, 0, N_K, N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL)
+    n_full = full_hi // BLOCK_N
+    n_tiles = gl.cdiv(key_hi, BLOCK_N)
+
+    q1_smem = gl.allocate_shared_memory(q1_desc.dtype, [2, 1, 1, WG_M, D1], q1_desc.layout)
+    q2_smem = gl.allocate_shared_memory(q2_desc.dtype, [2, 1, 1, WG_M, D2], q2_desc.layout)
+    k1_smem = gl.allocate_shared_memory(k1_desc.dtype, [NUM_STAGES, 1, 1, BLOCK_N, D1], k1_desc.layout)
+    k2_smem = gl.allocate_shared_memory(k2_desc.dtype, [NUM_STAGES, 1, 1, BLOCK_N, D2], k2_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k1_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k2_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k1_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k2_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k1_ready.index(i), count=1)
+        mbarrier.init(k2_ready.index(i), count=1)
+        # both consumer warpgroups release a slot; RELTURN: k1_empty warpgroup 0's, k2_empty 1's
+        mbarrier.init(k1_empty.index(i), count=1 if _knob(SCHED, "RELTURN") else 2)
+        mbarrier.init(k2_empty.index(i), count=1 if _knob(SCHED, "RELTURN") else 2)
+    turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(turn_bars.index(0), count=1)
+    mbarrier.init(turn_bars.index(1), count=1)
+    if _knob(SCHED, "PINGPONG") and not _knob(SCHED, "RELTURN"):
+        mbarrier.arrive(turn_bars.index(0), count=1)  # warpgroup 0 goes first
+
+    # argument tuples inline: a tuple bound to a local turns its constexprs into tensors (sketch)
+    gl.warp_specialize([
+        (_consumer0, (q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty,
+                      turn_bars, KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2,
+                      ONE, D1, D2, BLOCK_N, NUM_STAGES, CAUSAL, VARIANT, SCHED)),
+        (_consumer1, (q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty,
+                      turn_bars, KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2,
+                      ONE, D1, D2, BLOCK_N, NUM_STAGES, CAUSAL, VARIANT, SCHED)),
+        (_load_partition, (q1_desc, k1_desc, q2_desc, k2_desc, q1_smem, q2_smem, k1_smem, k2_smem,
+                           q_bar, k1_ready, k2_ready, k1_empty, k2_empty,
+                           b, h, kv_head1, kv_head2, start_m, n_tiles, BLOCK_N, NUM_STAGES, SCHED)),
+    ], [4, 1], [CONSUMER_REGS, 24])

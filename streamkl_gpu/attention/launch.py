@@ -1,0 +1,402 @@
+"""Host side of the attention-KL launches: buffers, grids, tuned configs, the split-K combine.
+
+``forward`` returns ``(kl in nats, lse1, lse2 in bits)``; ``backward`` the four gradients (None
+for a side that is not trained). Both take resolved float scales (``api`` checks the arguments).
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+from dataclasses import replace
+
+import torch
+
+from streamkl_ref._checks import check_inputs
+
+from streamkl_gpu.attention.triton import bwd as _bwd
+from streamkl_gpu.attention.triton import fwd as _fwd
+from streamkl_gpu.experimental import attention_bwd_dispatch as _gluon_bwd_dispatch
+from streamkl_gpu._core import runtime as _runtime
+from streamkl_gpu._core.launcher import launch as fast_launch
+from streamkl_gpu.attention.gluon.dispatch import device_capability, fwd_backend, gluon_forward, use_gluon
+from streamkl_gpu._core.checks import check_bwd_mode, check_tensors, compute_view, head_pad, is_empty, strides
+from streamkl_gpu._core.runtime import LOG2E, TensorDescriptor, cdiv, fresh, interpreting, n_sm, tma_ok
+from streamkl_gpu._core.tuning import UnusableConfig, bucket, pick
+from streamkl_gpu.attention.configs import TMA_MIN_KEYS, auto_bwd_mode, bwd_streams, bwd_variant, bwd_variant_candidates, fwd_candidates, split_choices, tuning_slice
+
+
+def _empty_forward(dims, device):
+    """Empty in, empty out; no keys: KL 0 and LSE -inf for every row (docs/api.md, "Empty inputs")."""
+    shape = (dims.B, dims.H, dims.NQ)
+    kl = torch.zeros(shape, dtype=torch.float32, device=device)
+    lse = torch.full(shape, float("-inf"), dtype=torch.float32, device=device)
+    return kl, lse, lse.clone()
+
+
+_PLAN_TOKENS = itertools.count()
+
+
+class _TritonForward:
+    """One Triton forward config bound to a call signature: grid, integer arguments and
+    constexprs computed once, so a call only allocates and launches.
+
+    ``cfg = (BLOCK_M, BLOCK_N, warps, stages, use_tma, n_splits)``. ``key``: the call's plan
+    signature (inputs' shapes, strides, dtypes, alignment, flags), which with ``cfg`` fixes every
+    launch argument's specialisation but the outputs' alignment: the launches then skip Triton's
+    binder (``_fast_launch``). None (tuning, proxies): the binder or a derived key."""
+
+    __slots__ = ("grid", "ints", "constexprs", "warps", "stages", "boxes", "part_shape", "combine", "key")
+
+    def __init__(self, cfg, dims, causal, d1_pad, d2_pad, in_strides, ieee1, ieee2, key=None):
+        block_m, block_n, warps, stages, use_tma, n_splits = cfg
+        BH = dims.B * dims.H
+        key_tiles = cdiv(dims.NK, block_n)
+        splits = min(n_splits, key_tiles)
+        keys_per_split = cdiv(key_tiles, splits) * block_n
+        splits = cdiv(dims.NK, keys_per_split)
+        self.grid = (cdiv(dims.NQ, block_m), BH, splits)
+        self.ints = (*in_strides, dims.H, dims.NQ, dims.NK, dims.D1, dims.D2, dims.group1, dims.group2,
+                     keys_per_split, splits, dims.scale1 * LOG2E, dims.scale2 * LOG2E)
+        self.constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1_pad, D2_PAD=d2_pad,
+                               CAUSAL=causal, SPLIT=splits > 1, IEEE1=ieee1, IEEE2=ieee2, USE_TMA=use_tma,
+                               NO_CONTRACT=not interpreting())
+        self.warps, self.stages = warps, stages
+        self.boxes = ([1, 1, block_n, d1_pad], [1, 1, block_n, d2_pad]) if use_tma else None
+        self.part_shape = (5, splits, BH, dims.NQ) if splits > 1 else None
+        rows = BH * dims.NQ
+        self.combine = ((cdiv(rows, 256), 1, 1), (rows, splits)) if splits > 1 else None
+        # a token per bound plan stands for (signature, cfg): cheaper to hash on every call
+        self.key = None if key is None else ("fwd", next(_PLAN_TOKENS))
+
+    def __call__(self, q1, k1, q2, k2, outs):
+        kl, lse1_bits, lse2_bits = outs
+        k1_desc = k2_desc = None
+        if self.boxes is not None:
+            k1_desc = TensorDescriptor(k1, list(k1.shape), list(k1.stride()), self.boxes[0])
+            k2_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), self.boxes[1])
+        part = kl if self.part_shape is None else fresh(self.part_shape, torch.float32, kl.device)
+        fast_launch(_fwd._kl_fwd_kernel, self.grid,
+                    (q1, k1, q2, k2, k1_desc, k2_desc, kl, lse1_bits, lse2_bits, part) + self.ints,
+                    self.constexprs, self.warps, self.stages, self.key, (kl, lse1_bits, lse2_bits, part))
+        if self.combine is not None:
+            grid, (rows, splits) = self.combine
+            fast_launch(_fwd._kl_combine_kernel, grid, (part, kl, lse1_bits, lse2_bits, rows, splits),
+                        dict(BLOCK=256), 4, 3, self.key, (part, kl, lse1_bits, lse2_bits))
+
+
+def _bind_forward(cfg, q1, k1, q2, k2, dims, causal, d1_pad, d2_pad, key=None):
+    strides_in = (*strides(q1), *strides(k1), *strides(q2), *strides(k2))
+    return _TritonForward(cfg, dims, causal, d1_pad, d2_pad, strides_in,
+                          q1.dtype == torch.float32, q2.dtype == torch.float32, key)
+
+
+def _fwd_runner(q1, k1, q2, k2, dims, causal, outs, d1_pad, d2_pad):
+    """``launch(cfg)`` for one problem (what the tuner times): binds ``cfg`` and runs it."""
+    def launch(cfg):
+        _bind_forward(cfg, q1, k1, q2, k2, dims, causal, d1_pad, d2_pad)(q1, k1, q2, k2, outs)
+    return launch
+
+
+def _fwd_outputs(dims, device, one_buffer=True):
+    """kl, lse1_bits, lse2_bits: three [B, H, N_Q] views of one fresh buffer (one allocation), or
+    three buffers (a custom op's outputs may not alias each other)."""
+    if not one_buffer:
+        return tuple(fresh((dims.B, dims.H, dims.NQ), torch.float32, device) for _ in range(3))
+    return fresh((3, dims.B, dims.H, dims.NQ), torch.float32, device).unbind(0)
+
+
+# Launch plans, per call signature: what depends only on shapes, strides, dtypes, alignment and
+# flags is decided once (candidates, tuning, the backend) and reused by every later call with
+# that signature, so a call's host work is the checks, the allocations and the launches.
+_PLANS: dict = {}
+_MAX_PLANS = 4096
+GLUON = "gluon"  # the forward plan that runs the Gluon kernel instead of a Triton config
+
+
+def _signature(kind, dims, flags, tensors):
+    settings = (_runtime.env("STREAMKL_AUTOTUNE"), _runtime.INTERPRETER_BLOCK, _runtime.INTERPRETER_TMA)
+    return (kind, dims, flags, settings) + tuple(
+        (t.dtype, t.stride(), t.data_ptr() % 16, t.device) for t in tensors)
+
+
+def _remember(sig, plan):
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[sig] = plan
+    return plan
+
+
+def forward(q1, k1, q2, k2, causal, scale1, scale2, split_k, dims=None, one_buffer=True):
+    """(kl in nats, lse1, lse2 in bits), float32 [B, H, N_Q]. ``dims``: already checked inputs;
+    ``one_buffer=False``: three separate output tensors (for the custom op)."""
+    if dims is None:
+        dims = check_tensors(q1, k1, q2, k2, scale1, scale2)
+    device = q1.device
+    if is_empty(dims):
+        return _empty_forward(dims, device)
+    if interpreting():  # bf16 computed in fp32 there (compute_view)
+        q1, k1, q2, k2 = (compute_view(t) for t in (q1, k1, q2, k2))
+    d1_pad, d2_pad = head_pad(dims.D1), head_pad(dims.D2)
+    sig = _signature("fwd", dims, (causal, split_k, fwd_backend()), (q1, k1, q2, k2))
+    plan = _PLANS.get(sig)
+    if plan is None:
+        cfg = _forward_config(q1, k1, q2, k2, dims, causal, split_k, d1_pad, d2_pad)
+        plan = _remember(sig, cfg if cfg is GLUON else
+                         _bind_forward(cfg, q1, k1, q2, k2, dims, causal, d1_pad, d2_pad, key=sig))
+    outs = _fwd_outputs(dims, device, one_buffer)
+    if plan is GLUON:  # the Hopper kernel (_gluon_fwd), chosen by _gluon_dispatch.use_gluon
+        gluon_forward(q1, k1, q2, k2, causal, dims.scale1, dims.scale2, out=outs, dims=dims)
+    else:
+        plan(q1, k1, q2, k2, outs)
+    return outs
+
+
+def _forward_config(q1, k1, q2, k2, dims, causal, split_k, d1_pad, d2_pad):
+    """The forward's launch config for this signature: candidates pruned by shape, then tuned."""
+    device = q1.device
+    d_pad = max(d1_pad, d2_pad)
+    ieee = q1.dtype == torch.float32 or q2.dtype == torch.float32
+    tma = tma_ok(k1) and tma_ok(k2) and (interpreting() or dims.NK >= TMA_MIN_KEYS)
+    if split_k is not None and (not isinstance(split_k, int) or isinstance(split_k, bool) or split_k < 1):
+        raise ValueError(f"split_k must be None or a positive integer, got {split_k!r}")
+    splits = split_choices(dims, ieee, d_pad, n_sm(device)) if split_k is None else (split_k,)
+    inputs = (q1, k1, q2, k2)
+    if use_gluon(dims, tuple(t.dtype for t in inputs), tuple(strides(t) for t in inputs), device_capability(device),
+                 max(splits) > 1, tuple(t.data_ptr() for t in inputs), split_explicit=split_k is not None,
+                 n_sm=n_sm(device)):
+        return GLUON
+    # one pass: the usual tiles; split keys (short query blocks): the split kernel's small query tiles
+    candidates = [c + (s,) for s in splits for c in fwd_candidates(dims, d_pad, s > 1, ieee, tma)]
+    if len(candidates) == 1:
+        return candidates[0]
+    launch = _fwd_runner(q1, k1, q2, k2, dims, causal, _fwd_outputs(dims, device), d1_pad, d2_pad)
+    proxy = None
+    sliced = tuning_slice(dims, causal)
+    if sliced is not None:  # time the candidates on a bounded slice (first call at long N)
+        nq, nk = sliced
+        pdims = replace(dims, NQ=nq, NK=nk)
+        views = (q1[:, :, :nq], k1[:, :, :nk], q2[:, :, :nq], k2[:, :, :nk])
+        proxy = _fwd_runner(*views, pdims, causal, _fwd_outputs(pdims, device), d1_pad, d2_pad)
+    key = ("fwd", dims.D1, dims.D2, q1.dtype, q2.dtype, causal, tma,
+           bucket(dims.NQ), bucket(dims.NK), bucket(dims.B * dims.H), dims.group1 > 1, dims.group2 > 1,
+           "auto" if split_k is None else split_k)
+    return pick(key, candidates, launch, proxy, device)
+
+
+def _desc(t, block_rows, d_pad):
+    """A TMA descriptor of a [B, H, N, D] tensor with [1, 1, block_rows, d_pad] blocks (rows past N
+    and dims past D read as zeros; a reduce-add drops them)."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_rows, d_pad])
+
+
+_SIDE_STREAMS: dict = {}  # device index -> the second stream of the separate backward
+_NO_STREAM = contextlib.nullcontext()
+
+
+def _side_stream(dims, device):
+    """A second stream for the separate backward's dQ kernel, or None (bwd_streams: off, CPU)."""
+    if device.type != "cuda" or interpreting() or not bwd_streams(dims, n_sm(device)):
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    side = _SIDE_STREAMS.get(index)
+    if side is None:
+        side = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return side
+
+
+def _launch_opts(parts):
+    """Compile options named by variant parts: "rN" caps the registers per thread at N (ptxas
+    .maxnreg), e.g. so that two 8-warp CTAs share an SM (N = 128)."""
+    regs = [int(p[1:]) for p in parts if p[:1] == "r" and p[1:].isdigit()]
+    return {"maxnreg": regs[-1]} if regs else {}
+
+
+def _row_constants(dims, g, kl, lse1_bits, lse2_bits, block_m, packed, both, device):
+    """The rows pre-pass (_bwd._kl_bwd_rows_kernel): the dK kernel's per-row constants, once per
+    row; returns the descriptor its query tiles read them through. Planes [6, B*H, N_Q] (one TMA
+    load of [1, 1, BLOCK_M] per value) or, ``packed``, [B*H, N_Q, 8] rows (one load of
+    [1, BLOCK_M, 4], or 8 with both settings, per query tile)."""
+    BH = dims.B * dims.H
+    args = (dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2)
+    grid = (cdiv(BH * dims.NQ, 1024),)
+    if packed:
+        rows = fresh((BH, dims.NQ, 8), torch.float32, device)
+        _bwd._kl_bwd_rows_kernel[grid](lse1_bits, lse2_bits, kl, g, rows, BH * dims.NQ, dims.NQ, 0, 0, *args,
+                                       BLOCK=1024, PACKED=True, num_warps=4)
+        return TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [1, block_m, 8 if both else 4])
+    pitch = cdiv(dims.NQ, 4) * 4  # 16-byte rows for the descriptor
+    rows = fresh((6, BH, pitch), torch.float32, device)
+    _bwd._kl_bwd_rows_kernel[grid](lse1_bits, lse2_bits, kl, g, rows, BH * dims.NQ, dims.NQ, pitch, BH * pitch, *args,
+                                   BLOCK=1024, num_warps=4)
+    return TensorDescriptor(rows, [6, BH, dims.NQ], list(rows.stride()), [1, 1, block_m])
+
+
+def _empty_backward(dims, q1, k1, q2, k2, train1, train2):
+    """Zero gradients (no visible key anywhere) or empty ones (no row, no key)."""
+    def zeros(train, x):
+        return torch.zeros_like(x) if train else None
+    return zeros(train1, q1), zeros(train1, k1), zeros(train2, q2), zeros(train2, k2)
+
+
+def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2,
+             train1, train2, bwd_mode, deterministic, dims=None):
+    """(dq1, dk1, dq2, dk2), None for a side not trained. ``dims``: already checked inputs."""
+    if dims is None:
+        dims = check_inputs(q1, k1, q2, k2, scale1=scale1, scale2=scale2)
+    if is_empty(dims):
+        return _empty_backward(dims, q1, k1, q2, k2, train1, train2)
+    out_dtypes = (q1.dtype, k1.dtype, q2.dtype, k2.dtype)
+    if interpreting():  # bf16 computed in fp32 there (compute_view)
+        q1, k1, q2, k2 = (compute_view(t) for t in (q1, k1, q2, k2))
+    device = q1.device
+    BH = dims.B * dims.H
+    d1_pad, d2_pad = head_pad(dims.D1), head_pad(dims.D2)
+    ieee1 = q1.dtype == torch.float32
+    ieee2 = q2.dtype == torch.float32
+    g = g.to(torch.float32).contiguous()
+    kl, lse1_bits, lse2_bits = kl.contiguous(), lse1_bits.contiguous(), lse2_bits.contiguous()
+    grads = _gluon_bwd_dispatch.try_gluon_backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, dims, train1,
+                                                   train2, bwd_mode, deterministic, strides)
+    if grads is not None:  # the Hopper kernel (_gluon_bwd), chosen by use_gluon_bwd (STREAMKL_BWD_BACKEND)
+        return grads
+    both = train1 and train2
+    sig = _signature("bwd", dims, (causal, train1, train2, bwd_mode, deterministic, bwd_variant()), (q1, k1, q2, k2))
+    plan = _PLANS.get(sig)
+    if plan is not None:
+        mode = plan[0]
+    else:
+        mode = check_bwd_mode(bwd_mode)
+        if deterministic:
+            mode = "separate"  # no atomics on dQ
+        elif mode == "auto":  # new_kernels: the TMA variants are candidates (bwd_variant_candidates)
+            new_kernels = (all(tma_ok(t) for t in (q1, k1, q2, k2)) and dims.D1 % 4 == 0 and dims.D2 % 4 == 0
+                           and not (ieee1 or ieee2))
+            mode = auto_bwd_mode(dims, n_sm(device), both, new_kernels)
+    fused = mode == "fused"
+    dummy = kl  # placeholder pointer for outputs a launch does not write
+
+    # dK outputs: direct (one query head per key head), fp32 atomics into the key head (GQA,
+    # default) or per-query-head fp32 buffers summed in a fixed order (GQA, deterministic).
+    def dk_buffer(train, k, group, d):
+        if not train:
+            return None, False
+        if group == 1:
+            return fresh((dims.B, dims.H, dims.NK, d), k.dtype, device), False
+        if deterministic:
+            return fresh((dims.B, dims.H, dims.NK, d), torch.float32, device), False
+        return torch.zeros((dims.B, k.shape[1], dims.NK, d), dtype=torch.float32, device=device), True
+
+    def dq_buffer(train, q, d):
+        if not train:
+            return None
+        if fused:
+            return torch.zeros((dims.B, dims.H, dims.NQ, d), dtype=torch.float32, device=device)
+        return fresh((dims.B, dims.H, dims.NQ, d), q.dtype, device)
+
+    def run(cfg_dk, cfg_dq, plan_key=None):  # plan_key: as in _fwd_runner (direct launches)
+        dk1, dk1_atomic = dk_buffer(train1, k1, dims.group1, dims.D1)
+        dk2, dk2_atomic = dk_buffer(train2, k2, dims.group2, dims.D2)
+        dq1 = dq_buffer(train1, q1, dims.D1)
+        dq2 = dq_buffer(train2, q2, dims.D2)
+        t_dk1, t_dk2 = (dk1 if dk1 is not None else dummy), (dk2 if dk2 is not None else dummy)
+        t_dq1, t_dq2 = (dq1 if dq1 is not None else dummy), (dq2 if dq2 is not None else dummy)
+
+        def s3(t):  # strides b, h, n of a buffer (last dim contiguous)
+            return (t.stride(0), t.stride(1), t.stride(2)) if t.dim() == 4 else (0, 0, 0)
+
+        block_m, block_n, warps, stages, variant = cfg_dk
+        parts = variant.split("+")
+        use_tma = "tma" in parts
+        reduce_dq = fused and "reduce" in parts
+        descs = {}
+        if use_tma:
+            descs = dict(Q1_DESC=_desc(q1, block_m, d1_pad), K1_DESC=_desc(k1, block_n, d1_pad),
+                         Q2_DESC=_desc(q2, block_m, d2_pad), K2_DESC=_desc(k2, block_n, d2_pad))
+        if "rows" in parts:  # the per-row constants, once per row (_bwd._kl_bwd_rows_kernel)
+            descs["ROWS_DESC"] = _row_constants(dims, g, kl, lse1_bits, lse2_bits, block_m, "pack" in parts,
+                                                both, device)
+        if reduce_dq:
+            descs.update(DQ1_DESC=_desc(dq1, block_m, d1_pad) if dq1 is not None else None,
+                         DQ2_DESC=_desc(dq2, block_m, d2_pad) if dq2 is not None else None)
+        key = None if plan_key is None else (plan_key, mode, cfg_dk, cfg_dq)
+        aligned = (g, kl, lse1_bits, lse2_bits, t_dk1, t_dk2, t_dq1, t_dq2)
+        side = None if fused else _side_stream(dims, device)
+        if side is not None:  # the dQ kernel beside the dK kernel (_tuning.bwd_streams): forked here
+            side.wait_stream(torch.cuda.current_stream(device))
+        fast_launch(_bwd._kl_bwd_dk_kernel, (cdiv(dims.NK, block_n), BH, 1), (
+            q1, k1, q2, k2, lse1_bits, lse2_bits, kl, g, t_dk1, t_dk2, t_dq1, t_dq2,
+            *strides(q1), *strides(k1), *strides(q2), *strides(k2),
+            *s3(t_dk1), *s3(t_dk2), *s3(t_dq1), *s3(t_dq2),
+            dims.H, dims.NQ, dims.NK, dims.D1, dims.D2, dims.group1, dims.group2,
+            dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2), dict(
+            BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1_pad, D2_PAD=d2_pad, CAUSAL=causal,
+            TRAIN1=train1, TRAIN2=train2, FUSED_DQ=fused, DK1_ATOMIC=dk1_atomic, DK2_ATOMIC=dk2_atomic,
+            IEEE1=ieee1, IEEE2=ieee2,
+            USE_TMA=use_tma, TRANS="trans" in parts, FOLD="fold" in parts, DQ_REDUCE=reduce_dq,
+            ROWS="rows" in parts, ROWS_PACKED="pack" in parts, POLY=int("poly" in parts), **_launch_opts(parts)),
+            warps, stages, key, aligned, runtime=descs)
+        if not fused:
+            with torch.cuda.stream(side) if side is not None else _NO_STREAM:
+                block_m, block_n, warps, stages, variant = cfg_dq
+                parts = variant.split("+")
+                use_tma = "tma" in parts
+                descs = {}
+                if use_tma:
+                    descs = dict(Q1_DESC=_desc(q1, block_m, d1_pad), K1_DESC=_desc(k1, block_n, d1_pad),
+                                 Q2_DESC=_desc(q2, block_m, d2_pad), K2_DESC=_desc(k2, block_n, d2_pad))
+                fast_launch(_bwd._kl_bwd_dq_kernel, (cdiv(dims.NQ, block_m), BH, 1), (
+                    q1, k1, q2, k2, lse1_bits, lse2_bits, kl, g, t_dq1, t_dq2,
+                    *strides(q1), *strides(k1), *strides(q2), *strides(k2),
+                    *s3(t_dq1), *s3(t_dq2),
+                    dims.H, dims.NQ, dims.NK, dims.D1, dims.D2, dims.group1, dims.group2,
+                    dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2), dict(
+                    BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1_pad, D2_PAD=d2_pad, CAUSAL=causal,
+                    TRAIN1=train1, TRAIN2=train2, IEEE1=ieee1, IEEE2=ieee2,
+                    USE_TMA=use_tma, FOLD="fold" in parts, HEAVY_FIRST=causal and "heavy" in parts,
+                    POLY=int("poly" in parts),
+                    **_launch_opts(parts)), warps, stages, key, aligned, runtime=descs)
+            if side is not None:  # joined before anything reads dQ or frees an input
+                torch.cuda.current_stream(device).wait_stream(side)
+        return dq1, dk1, dq2, dk2
+
+    if plan is None:
+        # TMA descriptors for every operand tile (and the fused dQ's reduce-add into its fp32
+        # buffer, rows of D * 4 bytes: D % 4 == 0)
+        tma = all(tma_ok(t) for t in (q1, k1, q2, k2)) and dims.D1 % 4 == 0 and dims.D2 % 4 == 0
+        few = tuning_slice(dims, causal) is not None  # long problems: tuned on themselves, so fewer candidates
+        dk_cands = bwd_variant_candidates(max(d1_pad, d2_pad), both, "dk", ieee1 or ieee2, tma, fused, few)
+        dq_cands = bwd_variant_candidates(max(d1_pad, d2_pad), both, "dq", ieee1 or ieee2, tma, fused, few)
+        base_key = (dims.D1, dims.D2, q1.dtype, q2.dtype, causal, train1, train2,
+                    bucket(dims.NQ), bucket(dims.NK), bucket(BH), dims.group1 > 1, dims.group2 > 1,
+                    tma, bwd_variant())
+
+        def tolerant(launch):
+            def attempt(cfg):  # a new variant that fails to compile here is skipped by the tuner
+                try:
+                    return launch(cfg)
+                except Exception as exc:
+                    if cfg[-1] == "ptr" or "OutOfResources" in type(exc).__name__:
+                        raise
+                    raise UnusableConfig(f"{cfg}: {type(exc).__name__}: {exc}") from exc
+            return attempt
+
+        cfg_dk = pick(("bwd_dk", fused) + base_key, dk_cands, tolerant(lambda c: run(c, dq_cands[0])),
+                      device=device)
+        cfg_dq = (dq_cands[0] if fused else
+                  pick(("bwd_dq",) + base_key, dq_cands, tolerant(lambda c: run(cfg_dk, c)), device=device))
+        plan = _remember(sig, (mode, cfg_dk, cfg_dq))
+    dq1, dk1, dq2, dk2 = run(plan[1], plan[2], plan_key=sig)
+
+    def finish(grad, group, dtype, n_key_heads):
+        if grad is None:
+            return None
+        if grad.shape[1] != n_key_heads:  # per-query-head buffer: sum each group in order
+            grad = grad.view(dims.B, n_key_heads, group, dims.NK, grad.shape[-1]).sum(dim=2)
+        return grad.to(dtype)
+
+    return (
+        None if dq1 is None else dq1.to(out_dtypes[0]),
+        finish(dk1, dims.group1, out_dtypes[1], dims.HK1),
+        None if dq2 is None else dq2.to(out_dtypes[2]),
+        finish(dk2, dims.group2, out_dtypes[3], dims.HK2),
+    )

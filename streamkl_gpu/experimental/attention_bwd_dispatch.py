@@ -1,0 +1,124 @@
+"""Which backward runs: the Gluon kernel (Hopper, ``_gluon_bwd``) or the portable Triton ones.
+
+``gluon_bwd_unsupported`` is a pure function of the problem (sizes, dtypes, strides, alignment,
+device capability, trained sides, mode), testable on CPU. The override: ``BWD_BACKEND`` in this
+module (tests, benchmarks) or else the environment variable ``STREAMKL_BWD_BACKEND``: ``auto``
+(default), ``triton`` (never Gluon) or ``gluon`` (Gluon or a ``ValueError`` saying why not: a
+forced path never falls back silently, so a test of the Gluon path cannot pass on the Triton one).
+
+``auto`` keeps the Triton kernels until the Gluon backward is measured on an H200
+(``GLUON_BWD_AUTO``: bench/gluon_bwd_gpu.py decides it). The Gluon import is guarded: triton
+builds without Gluon leave ``GLUON_BWD_AVAILABLE`` False and every problem on the Triton path.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from streamkl_gpu._core import env as _env
+from streamkl_gpu._core import runtime as _runtime
+from streamkl_gpu.attention.gluon.dispatch import GLUON_CAPABILITY, _tma_legal, device_capability
+
+try:
+    from streamkl_gpu.experimental import attention_bwd_sm90 as _gluon_bwd
+except Exception as exc:  # no triton.experimental.gluon, or an API this kernel does not know
+    _gluon_bwd = None
+    GLUON_BWD_IMPORT_ERROR: Optional[str] = f"{type(exc).__name__}: {exc}"
+else:
+    GLUON_BWD_IMPORT_ERROR = None
+
+GLUON_BWD_AVAILABLE = _gluon_bwd is not None
+
+BACKENDS = _env.BACKENDS
+ENV_VAR = "STREAMKL_BWD_BACKEND"
+BWD_BACKEND: Optional[str] = None  # module override; None: read ENV_VAR (default "auto")
+
+GLUON_BWD_DTYPES = (torch.float16, torch.bfloat16)
+GLUON_BWD_HEAD_DIMS = (64, 128)  # D1 = D2, one of these
+# "auto" picks Gluon only once measured faster (bench/gluon_bwd_gpu.py on an H200); until then
+# only the forced backend runs it.
+GLUON_BWD_AUTO = False
+GLUON_BWD_MIN_KEYS = 2048  # with GLUON_BWD_AUTO: the sizes from which it is taken
+GLUON_BWD_MIN_QUERIES = 128
+
+
+def bwd_backend() -> str:
+    """The backward backend asked for: ``BWD_BACKEND`` if set, else ``$STREAMKL_BWD_BACKEND``."""
+    return _env.backend(ENV_VAR, BWD_BACKEND)
+
+
+def gluon_bwd_unsupported(dims, dtypes: Sequence[torch.dtype], strides: Sequence[Sequence[int]], device_capability,
+                          train1: bool, train2: bool, bwd_mode: str = "auto", deterministic: bool = False,
+                          data_ptrs: Sequence[int] = (0, 0, 0, 0)) -> Optional[str]:
+    """Why the Gluon backward cannot take this problem (a sentence), or None when it can.
+
+    ``dtypes``, ``strides``, ``data_ptrs``: of q1, k1, q2, k2. ``device_capability``: the CUDA
+    ``(major, minor)`` or None (CPU, interpreter). ``bwd_mode``, ``deterministic``: the API's
+    arguments (the Gluon kernel adds dQ with atomics: it is a "fused", non-deterministic path).
+    Both sides trained: one launch per side (``try_gluon_backward``).
+    """
+    if not GLUON_BWD_AVAILABLE:
+        return f"triton.experimental.gluon is not usable here ({GLUON_BWD_IMPORT_ERROR})"
+    if device_capability is None or tuple(device_capability) != GLUON_CAPABILITY:
+        return f"the Gluon backward needs an sm_90 GPU, got capability {device_capability}"
+    if not (train1 or train2):
+        return "no side is trained"
+    if deterministic:
+        return "deterministic=True: the Gluon backward adds dQ with atomics"
+    if bwd_mode == "separate":
+        return "bwd_mode='separate' asks for no dQ atomics; the Gluon backward is a fused kernel"
+    for name, dt in zip(("q1", "k1", "q2", "k2"), dtypes):
+        if dt not in GLUON_BWD_DTYPES:
+            return f"{name} has dtype {dt}; the Gluon backward takes float16 and bfloat16"
+    if len(set(dtypes)) != 1:
+        return f"q1, k1, q2, k2 have dtypes {tuple(dtypes)}; the Gluon backward takes one dtype for all four"
+    if dims.D1 != dims.D2 or dims.D1 not in GLUON_BWD_HEAD_DIMS:
+        return f"head dims D1={dims.D1}, D2={dims.D2}; the Gluon backward takes D1 = D2 in {GLUON_BWD_HEAD_DIMS}"
+    for name, dt, st, ptr in zip(("q1", "k1", "q2", "k2"), dtypes, strides, data_ptrs):
+        why = _tma_legal(st, dt.itemsize, int(ptr))
+        if why:
+            return f"{name} cannot be read through a TMA descriptor: {why}"
+    return None
+
+
+def use_gluon_bwd(dims, dtypes, strides, device_capability, train1, train2, bwd_mode="auto", deterministic=False,
+                  data_ptrs=(0, 0, 0, 0), backend: Optional[str] = None) -> bool:
+    """True: run the Gluon backward. ``backend`` (default :func:`bwd_backend`): ``"triton"`` is
+    always False; ``"gluon"`` is True or raises ``ValueError`` with the reason; ``"auto"`` is True
+    only with ``GLUON_BWD_AUTO`` (not yet: unmeasured) for a problem the kernel takes that is large
+    enough (``GLUON_BWD_MIN_KEYS`` / ``_QUERIES``)."""
+    backend = bwd_backend() if backend is None else backend
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "triton" or (backend == "auto" and not GLUON_BWD_AUTO):
+        return False
+    why = gluon_bwd_unsupported(dims, dtypes, strides, device_capability, train1, train2, bwd_mode, deterministic,
+                                data_ptrs)
+    if backend == "gluon":
+        if why:
+            raise ValueError(f"{ENV_VAR}=gluon, but {why}")
+        return True
+    return (GLUON_BWD_AUTO and why is None and dims.NK >= GLUON_BWD_MIN_KEYS
+            and dims.NQ >= GLUON_BWD_MIN_QUERIES)
+
+
+def try_gluon_backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, dims, train1, train2, bwd_mode,
+                       deterministic, strides_of):
+    """``_launch.backward``'s hook: (dq1, dk1, dq2, dk2) from the Gluon kernel when the dispatch
+    takes the problem, else None (the Triton path runs). ``g``, ``kl``, ``lse*_bits``: contiguous
+    fp32 [B, H, N_Q]; ``strides_of``: ``_checks.strides``."""
+    backend = bwd_backend()
+    if backend == "triton" or (backend == "auto" and not GLUON_BWD_AUTO):
+        return None  # the default today: no further host work on the Triton path
+    inputs = (q1, k1, q2, k2)
+    if not use_gluon_bwd(dims, tuple(t.dtype for t in inputs), tuple(strides_of(t) for t in inputs),
+                         device_capability(q1.device), train1, train2, bwd_mode, deterministic,
+                         tuple(t.data_ptr() for t in inputs), backend=backend):
+        return None
+    grads = [None, None, None, None]
+    for side, trained in ((1, train1), (2, train2)):  # both sides: one launch per side (8 products, not 6)
+        if trained:
+            grads[2 * side - 2: 2 * side] = _gluon_bwd.gluon_backward(
+                g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, dims.scale1, dims.scale2, side)
+    return tuple(grads)

@@ -1,0 +1,188 @@
+"""The indexer's launch configurations: the interpreter's fixed config and the GPU candidate lists
+of every kernel kind (forward, backward, the training designs), which the tuner times."""
+from __future__ import annotations
+
+import functools
+
+import triton
+
+from streamkl_gpu.indexer.triton import fwd as _indexer_fwd
+from streamkl_gpu.indexer.triton import fwd_gqa as _indexer_fwd_gqa  # the GQA teacher's forward
+from streamkl_gpu._core import runtime as _runtime
+from streamkl_gpu.indexer import plan as _plan_mod
+
+
+# One fixed configuration under the interpreter (tests may override):
+# (teacher rows, indexer rows, BLOCK_N, BLOCK_D, num_warps, num_stages)
+INTERPRETER_CONFIG = (32, 32, 32, 32, 1, 1)
+# fp32 inputs: IEEE dots on the FMA units, small tiles (as attention_kl's _IEEE_CONFIG)
+_IEEE_CONFIG = (32, 32, 32, 32, 4, 1)
+
+
+def _new_fwd_candidates(dims, gqa, n_sm):
+    """The forward candidates of the first tensor-core tuning (the DSA and GQA targets; chosen by offline sm_90 compiles and
+    the FLOP-per-byte count of a score tile, not yet timed; bench/indexer_perf_gpu.py times each).
+
+    The score tile of ``rows`` (head, token) pairs by BLOCK_N keys re-reads its q rows from L2 for
+    every key tile: about rows * BLOCK_N / (rows + BLOCK_N) FLOP per byte (43 at 128 x 64, the
+    measured DSA forward ran at ~4 TB/s of it). BLOCK_N = 128 takes it to 64 (no spills at DSA:
+    234 registers on triton 3.9; 256 rows x 128 keys would give 85 but spills 144 B). GQA at 8K had 64-256 programs for 132 SMs, each a serial chain of small tiles: key
+    splits (8th field) bring it to ~4 programs per SM."""
+    if dims is None:
+        return []
+    if not gqa:
+        # (256 rows x 128 keys spills 144 B on triton 3.9: left out; 128 x 128 spills 176 B on
+        # 3.6, none on 3.9). Measured (H200, DSA 8K causal, lse given): 8 warps, 3
+        # stages 25.05 ms (3.50x the floor), 2 stages 30.26. The "l1" variants (pointer loads, the
+        # token's q rows cached in L1) measured 46.1 / 30.9 / 71.0 ms at BLOCK_N = 64 / 128 / 32:
+        # no longer candidates (bench/indexer_perf_gpu.py still times them, forced).
+        # Next: 128 x 128 tiles on 4 warps (one warpgroup, two m64 wgmma per k-step): offline
+        # sm_90 compiles, triton 3.6 and 3.9, 255 registers, no spills, 49 KB (2 stages) / 82 KB
+        # (3 stages) of shared memory: two CTAs per SM, so one CTA's exponentials and head sums
+        # run while the other's products are on the tensor cores (8 warps x 253 registers: one
+        # CTA per SM, nothing to overlap with). 16 warps (256 rows, or 128 x 256): capped at 128
+        # registers, ~500 B of spills: left out.
+        # The lead's Nsight Compute of the best (r5a): tensor pipe 24 %, L2 36 %, 2 warps per
+        # scheduler: latency bound, not L2 bound; so also 64 heads x 64 keys (7th field: 64 heads
+        # per chunk) on 4 warps: 130 registers, 41 KB, three CTAs per SM (offline).
+        # Measured (H200, triton 3.6, DSA 8K causal, lse given, run r5c): 4 warps 3 stages
+        # 17.48 ms = 2.34x the floor (the first: the untuned choice), 4 warps 2 stages 21.36,
+        # 8 warps 3 stages 24.89, 64 x 64 on 4 warps 28.25.
+        out = [(128, 128, 128, 64, 4, 3), (128, 128, 128, 64, 4, 2), (128, 128, 128, 64, 8, 3),
+               (128, 128, 128, 64, 8, 2), (64, 64, 64, 64, 4, 3, 64)]
+        # Then keys-major score tiles (9th field "keys", _indexer_fwd.variant_meta:
+        # S^T = k q^T, the head sum a row sum of the accumulator, no cross-warp reduction; the
+        # per-column LSEs / weights loaded once per program). Measured (H200, triton 3.6, DSA 8K
+        # causal, lse given, bench/idx_dsa_gpu.py): 128 keys on 4 warps, 3 stages 13.69 ms
+        # = 1.87x the floor (row-major default 18.06 in the same run), 16K 61.2 ms = 2.08x (default
+        # 77.4); 8 warps at maxnreg 128 14.18; 8 warps 15.76; 2 stages 15.75; 64-key tiles 20.0-25.6
+        # (flattened loops, "flat", and reversed token order, "lpt", did not close the gap).
+        # First for the DSA-like family (one token per tile, H >= 128: the measured layout);
+        # other MQA teachers keep the row-major order and try it last.
+        # An H200 run (round-robin medians, 8K / 16K / 32K / 64K): key splits of 4096 keys and token
+        # blocks in reverse ("lpt") 13.18 / 53.52 / 215.7 / 854.5 ms = 1.84 / 1.87 / 1.88 / 1.87x the
+        # floor, against 14.13 / 60.16 / 254.9 / 1106.5 = 1.97 / 2.10 / 2.23 / 2.42x without either
+        # (splits alone 13.40 / 52.41 / 220.7; lpt alone 12.99 / 55.45 / 216.5; row-major 21.27 /
+        # 84.34 / 328.96; 8 warps r128 with splits 13.76 / 58.78 / 222.9).
+        splits = _keys_major_splits(dims)
+        keys = [(128, 128, 128, 64, 4, 3, None, splits, "keys_lpt"), (128, 128, 128, 64, 8, 3, None, splits, "keys_r128"),
+                (128, 128, 128, 64, 4, 3, None, 1, "keys")]
+        out = keys + out if _keys_major_first(dims) else out + keys
+    else:
+        out = []
+        # (64, 64, 64, 64, 4, 3, 1): 64 tokens x 64 keys of one head on 4 warps, 3 stages: 198
+        # registers, no spills (offline sm_90, triton 3.9), so two CTAs per SM (the measured best,
+        # (128, 128, 128, 64, 8, 2, 1), 2.29 ms at 8K, has 255 registers and 40 B of spills; Nsight
+        # Compute of it (Nsight Compute): tensor pipe 19 %, instruction issue at 24 %, stalls on waits and barriers:
+        # latency bound). Smaller tiles for more CTAs per SM: 32 x 64 (136 registers, 24 KB: three
+        # per SM), 64 x 32 (108 registers, 74 KB, 3 stages: three per SM).
+        # Measured (r5c, GQA 8K): 64 x 64 3 stages 2.341 ms = 5.02x (first), 128 x 128 8 warps
+        # 2.483, 64 x 32 2.700, 64 x 64 2 stages 3.256, 32 x 64 4.785.
+        # The GQA kernel (_indexer_fwd_gqa) first, its key splits by its own rule; run
+        # An H200 run: "gqa-band" 64 x 64, 24 splits 1.967 ms = 4.31x at 8K, 4.464 = 2.45x at 16K, against
+        # 2.681 / 6.840 for (64, 64, 64, 64, 4, 3, 1, 5) in the same run
+        out += _indexer_fwd_gqa.candidates(dims, n_sm)
+        for base in ((64, 64, 64, 64, 4, 3, 1), (128, 128, 128, 64, 8, 2, 1), (128, 128, 64, 64, 8, 2, None),
+                     (128, 128, 64, 64, 8, 2, 1), (64, 64, 64, 64, 4, 2, None), (64, 64, 64, 64, 4, 2, 1),
+                     (32, 32, 64, 64, 4, 2, 1), (64, 64, 32, 64, 4, 3, 1)):
+            out.append(_canonical(base + (_plan_mod._fwd_split(dims, base, n_sm),)))
+    return out
+
+
+def _keys_major_first(dims) -> bool:
+    """The keys-major forward first (the untuned choice): MQA teachers of at least 128 heads, so
+    a 128-row tile is one token's heads (BLOCK_T = 1), the layout measured at DSA."""
+    return dims.HK == 1 and dims.H >= 128
+
+
+# Keys per split of the keys-major forward from this many keys on (None: no key splits). Splits
+# keep the resident programs on one key range, so their key window stays in L2 beside their q rows
+# (without: ~264 resident CTAs x 147 KB of q rows, ~39 MB, plus every key up to the diagonal, 19 MB
+# at 16K and 75 MB at 64K, against the H200's 50 MB of L2: 2.10x the floor at 16K, 2.42x at 64K
+# in an H200 run, 1.87x with splits). Measured from 8K (an H200 run); below, one split. At most
+# KEYS_MAJOR_MAX_SPLITS: the splits' states (PART, 5 floats per split and token) stay a bounded
+# 320 B per token, so the forward's extra memory stays linear in N (past 64K the splits grow
+# beyond 4096 keys: 8192 at 128K, not timed).
+KEYS_MAJOR_SPLIT_FROM = 8192
+KEYS_MAJOR_KEYS_PER_SPLIT = 4096
+KEYS_MAJOR_MAX_SPLITS = 16
+
+
+def _keys_major_splits(dims) -> int:
+    """Key splits of the keys-major forward candidates (8th config field)."""
+    if KEYS_MAJOR_SPLIT_FROM is None or dims.NK < KEYS_MAJOR_SPLIT_FROM:
+        return 1
+    return min(KEYS_MAJOR_MAX_SPLITS, _runtime.cdiv(dims.NK, KEYS_MAJOR_KEYS_PER_SPLIT))
+
+
+def l1_fwd_candidates(dims):
+    """The forward's "l1" variants (measured slower at DSA: no longer the tuner's
+    candidates); bench/indexer_perf_gpu.py still times them, forced."""
+    if dims is None or not _plan_mod._l1_fits(dims):
+        return []
+    return [(128, 128, 64, 64, 8, 2, None, 1, "l1"), (128, 128, 128, 64, 8, 2, None, 1, "l1"),
+            (128, 128, 32, 64, 8, 2, None, 1, "l1")]
+
+
+def _canonical(cfg):
+    """A config without its trailing default fields (key splits 1, heads cap None), so that
+    equal plans are one candidate."""
+    cfg = tuple(cfg)
+    while len(cfg) > 6 and cfg[-1] == (1 if len(cfg) == 8 else None):
+        cfg = cfg[:-1]
+    return cfg
+
+
+def _candidates(kind, ieee, dims=None, n_sm=132, teacher=True):
+    """Launch configs of a kernel kind, the untuned default first. The GPU's lists are memoised:
+    forming them plans every candidate, which cost ~half of a GQA forward's host time (a CPU
+    timing with the launches stubbed: 650 -> 300 us with the host-side cdiv alone)."""
+    if _runtime.interpreting():
+        return [INTERPRETER_CONFIG]
+    if ieee:
+        return [_IEEE_CONFIG]
+    return list(_gpu_candidates(kind, dims, n_sm, teacher))
+
+
+@functools.lru_cache(maxsize=1024)
+def _gpu_candidates(kind, dims, n_sm, teacher):
+    # (teacher rows, indexer rows, BLOCK_N, BLOCK_D, warps, stages); not yet measured on the GPU
+    # Pruned by offline sm_90 compiles (triton 3.6 and 3.9, TMA path): BLOCK_N = 128 spills in the
+    # forward at both anchor configs (DSA 32 B, GQA 552 B of stack); 256 teacher rows spill 104 B
+    # at DSA on 3.6. The first candidate spills nowhere. Times not yet measured.
+    # Measured (H200, pointer loads, before TMA; bench/results/): DSA-like 8K forward
+    # 3.6x the floor, GQA-like 17.6x. GQA's chunks of 4 heads x 32 tokens need a reshape-sum per
+    # chunk and 8 chunks per key tile; a 7th field of 1 makes chunks of one head x 128 tokens
+    # (no head sum inside a chunk), tried where there is more than one key head. Not yet measured.
+    gqa = dims is not None and dims.HK > 1
+    if kind == "fwd":
+        # the measured best first (the untuned choice, STREAMKL_AUTOTUNE=0), then the rest
+        second = (128, 128, 64, 64, 8, 2, 1) if gqa else (128, 128, 64, 64, 8, 3)
+        old = [(128, 128, 64, 64, 8, 2), second, (256, 128, 64, 64, 8, 2)]
+        return list(dict.fromkeys(_new_fwd_candidates(dims, gqa, n_sm) + old))  # no duplicates
+    if kind == "pacc":
+        # planned as the backward ("bwd"): all indexer heads x BLOCK_T tokens per tile. Offline
+        # sm_90 compiles (triton 3.9, DSA 8K, dk shares by TMA reduction): BLOCK_N = 32 spills
+        # nothing (254 registers), BLOCK_N = 64 spills 216 B of stack, yet measured the faster.
+        # Measured (H200, DSA 8K causal fwd+bwd, 12:49 run): BLOCK_N = 64 73.2 ms, 32 101.3 ms.
+        # An H200 run: 3 stages 52.96 ms, 2 stages 61.79, "l1" 60.29. Later: BLOCK_N = 128 (the
+        # forward's best tile; offline sm_90, triton 3.9: ~1 KB of spills, BLOCK_N = 64 328 B),
+        # r5c: BLOCK_N = 64 53.05 ms fwd+bwd (accumulating forward 38.71, backward 14.34), BLOCK_N
+        # = 128 54.13. 4 warps (two CTAs per SM, as the forward's best): spills 568 B offline at
+        # BLOCK_N = 64, not yet timed.
+        return [(128, 128, 64, 64, 8, 3), (128, 128, 64, 64, 4, 3), (128, 128, 128, 64, 8, 3), (128, 128, 64, 64, 8, 2),
+                (128, 128, 64, 64, 8, 2, None, 1, "l1"), (128, 128, 128, 64, 8, 2), (128, 128, 32, 64, 8, 2),
+                (128, 128, 32, 64, 8, 2, None, 1, "l1"), (128, 128, 32, 64, 8, 3), (128, 128, 32, 64, 4, 2)]
+    if kind == "pstore":  # the forward's tile (it only adds a store of p per tile): the forward's candidates
+        return _gpu_candidates("fwd", dims, n_sm, True)
+    if kind == "lse":
+        out = [(128, 128, 64, 64, 8, 2), (128, 128, 64, 64, 8, 2, 1) if gqa else (128, 128, 128, 64, 8, 2)]
+        if dims is not None and _plan_mod._l1_fits(dims):  # the "l1" variant, as for the forward (not yet timed)
+            out += [(128, 128, 64, 64, 8, 2, None, 1, "l1"), (128, 128, 32, 64, 8, 2, None, 1, "l1")]
+        return out
+    out = [(128, 128, 64, 64, 8, 2), (64, 64, 64, 64, 4, 2)]
+    if dims is not None and teacher and _plan_mod._l1_fits(dims):
+        # the "l1" variant: the dq kernel's q rows / the dk kernel's key tile cached in L1 (not yet
+        # timed; offline, triton 3.6, DSA 8K: dq no spills, dk 272 B (BLOCK_N 64) / 160 B (32))
+        out += [(128, 128, 64, 64, 8, 2, None, 1, "l1"), (128, 128, 32, 64, 8, 2, None, 1, "l1")]
+    return out

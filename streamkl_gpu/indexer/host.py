@@ -1,0 +1,336 @@
+"""Host code of the indexer's plain forward and backward: the teacher-LSE pass, the forward over
+key tiles (the general kernel, the GQA-teacher kernel, or the experimental Hopper Gluon forward),
+the split merge, and the two recomputing backward kernels (dq_idx + dweights; dk_idx).
+
+Kernels: ``indexer/triton/fwd.py``, ``fwd_gqa.py``, ``bwd.py``. The entry point and the custom ops
+are in ``indexer/api.py``; the training designs that read the teacher once per step in
+``indexer/training/``. Extra memory ``O(N_Q (H + 1))`` floats in the forward.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+
+from streamkl_ref._checks import check_indexer_inputs
+
+from streamkl_gpu._core import checks as _checks
+from streamkl_gpu._core import env as _env
+from streamkl_gpu._core import runtime as _runtime
+from streamkl_gpu._core import tuning as _tuning
+from streamkl_gpu.indexer import configs as _configs
+from streamkl_gpu.indexer import plan as _plan_mod
+from streamkl_gpu.indexer.triton import bwd as _indexer_bwd
+from streamkl_gpu.indexer.triton import fwd as _indexer_fwd
+from streamkl_gpu.indexer.triton import fwd_gqa as _indexer_fwd_gqa  # the GQA teacher's forward
+
+try:  # the Hopper forward in Gluon (MQA teachers); triton builds without Gluon keep the Triton path
+    from streamkl_gpu.experimental import indexer_fwd_sm90 as _gluon_indexer
+except Exception as exc:  # noqa: BLE001 - no triton.experimental.gluon, or an API it does not know
+    _gluon_indexer = None
+    GLUON_IMPORT_ERROR: Optional[str] = f"{type(exc).__name__}: {exc}"
+else:
+    GLUON_IMPORT_ERROR = None
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------
+
+def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
+    dims = check_indexer_inputs(q, k, q_idx, k_idx, weights, scale=scale)
+    q, k, q_idx, k_idx, weights = (_checks.compute_view(t) for t in (q, k, q_idx, k_idx, weights))
+    device = q.device
+    ieee_t, ieee_i = q.dtype == torch.float32, q_idx.dtype == torch.float32
+    qk_scale = dims.scale * _plan_mod.LOG2E  # teacher scores in bits: sigma * log2(e) * q.k
+    group, group_i = dims.H // dims.HK, dims.HI // dims.HKI
+    no_contract = not _runtime.interpreting()
+    use_tma = _plan_mod._use_tma(q, k, q_idx, k_idx)
+    key_base = (dims.D, dims.DI, dims.H, dims.HK, dims.HI, dims.HKI, q.dtype, q_idx.dtype, causal, use_tma,
+                _tuning.bucket(dims.NQ), _tuning.bucket(dims.NK), _tuning.bucket(dims.B))
+
+    if lse is None:  # first pass: the teacher's per-head LSEs, in bits
+        lse_bits = _plan_mod._fresh((dims.B, dims.H, dims.NQ), torch.float32, device)
+
+        def launch_lse(cfg):
+            pl = _plan_mod._plan(dims, cfg, "fwd")
+            grid = (_runtime.cdiv(dims.NQ, pl["BLOCK_T"]), pl["n_chunks"], dims.B)
+            tma, a_l1 = _plan_mod._load_mode(pl, use_tma)
+            q_desc, k_desc, _, _ = _plan_mod._descriptors(pl, tma, q, k, q_idx, k_idx)
+            _indexer_fwd._teacher_lse_kernel[grid](
+                q, k, q_desc, k_desc, lse_bits, *_plan_mod._strides(q), *_plan_mod._strides(k), dims.H, group, dims.NQ, dims.NK, qk_scale,
+                pl["cpg"], D=dims.D, BLOCK_D=pl["BLOCK_D"], HB=pl["HB"], BLOCK_T=pl["BLOCK_T"],
+                BLOCK_N=pl["BLOCK_N"], CAUSAL=causal, IEEE=ieee_t, NO_CONTRACT=no_contract, USE_TMA=tma,
+                A_L1=a_l1, num_warps=pl["warps"], num_stages=pl["stages"])
+
+        launch_lse(_tuning.pick(("idx_lse",) + key_base, _configs._candidates("lse", ieee_t, dims), launch_lse))
+    else:  # the caller's natural-log LSEs, once to bits (the kernels' unit)
+        lse_bits = (lse * _plan_mod.LOG2E).contiguous()
+
+    if _use_gluon(dims, q, k, q_idx, k_idx):
+        return (*_forward_gluon(dims, q, k, q_idx, k_idx, weights, lse_bits, causal, relu, key_base), lse_bits)
+
+    kl = _plan_mod._fresh((dims.B, dims.NQ), torch.float32, device)
+    lse_idx = _plan_mod._fresh((dims.B, dims.NQ), torch.float32, device)
+
+    def launch(cfg):
+        pl = _plan_mod._plan(dims, cfg, "fwd")
+        if _indexer_fwd_gqa.applies(pl, dims, use_tma):  # the GQA kernel (variants "gqa...")
+            return _indexer_fwd_gqa.launch(dims, pl, q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, causal,
+                                           relu, ieee_t, ieee_i)
+        splits, per_split = _plan_mod._key_splits(dims, pl)
+        part = _plan_mod._fresh((5, splits, dims.B, dims.NQ), torch.float32, device) if splits > 1 else kl
+        grid = (_runtime.cdiv(dims.NQ, pl["BLOCK_T"]), splits, dims.B)
+        tma, a_l1 = _plan_mod._load_mode(pl, use_tma)
+        _indexer_fwd._indexer_fwd_kernel[grid](
+            q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, part,
+            *_plan_mod._descriptors(pl, tma, q, k, q_idx, k_idx),
+            *_plan_mod._strides(q), *_plan_mod._strides(k), *_plan_mod._strides(q_idx), *_plan_mod._strides(k_idx), *_plan_mod._strides(weights),
+            dims.H, group, group_i, dims.NQ, dims.NK, qk_scale, 1.0 / dims.H,
+            pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"], per_split,
+            D=dims.D, BLOCK_D=pl["BLOCK_D"], DI=dims.DI, BLOCK_DI=pl["BLOCK_DI"],
+            HB=pl["HB"], IB=pl["IB"], BLOCK_T=pl["BLOCK_T"], BLOCK_N=pl["BLOCK_N"],
+            CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, NO_CONTRACT=no_contract,
+            USE_TMA=tma, SPLIT=splits > 1, A_L1=a_l1,
+            **_indexer_fwd.variant_meta(pl["variant"], _runtime.interpreting()),  # keys-major variants: "keys_flat" etc.
+            num_warps=pl["warps"], num_stages=pl["stages"])
+        if splits > 1:
+            merged_kl, merged_lse = _plan_mod._merge_splits(part)
+            kl.copy_(merged_kl)
+            lse_idx.copy_(merged_lse)
+
+    candidates = _configs._candidates("fwd", ieee_t or ieee_i, dims, _runtime.n_sm(device))
+    launch(_tuning.pick(("idx_fwd", relu) + key_base, candidates, launch))
+    return kl, lse_idx, lse_bits
+
+
+# ----------------------------------------------------------------------------------------------
+# The Gluon forward (Hopper, MQA teacher; experimental): STREAMKL_INDEXER_BACKEND chooses
+# ----------------------------------------------------------------------------------------------
+
+BACKEND_VAR = "STREAMKL_INDEXER_BACKEND"
+GLUON_MODES = ("0", "1", "auto")  # the old STREAMKL_INDEXER_GLUON / _GLUON_PACC values
+# old "auto" only where measured faster: the DSA-like family (wide MQA teacher) from this many keys on
+GLUON_AUTO_MIN_KEYS = 2048
+GLUON_AUTO_MIN_TEACHER = 64 * 512  # H * D
+
+
+def _gluon_auto(dims) -> bool:
+    return dims.NK >= GLUON_AUTO_MIN_KEYS and dims.H * dims.D >= GLUON_AUTO_MIN_TEACHER
+
+
+def _old_gluon_var(pacc: bool) -> str:
+    return "STREAMKL_INDEXER_GLUON_PACC" if pacc else "STREAMKL_INDEXER_GLUON"
+
+
+def gluon_mode(pacc: bool = False) -> str:
+    """``"0"`` the Triton kernel, ``"1"`` the Gluon kernel (``experimental/indexer_fwd_sm90.py``)
+    or a ``ValueError`` saying why it does not apply (a forced path never falls back silently),
+    ``"auto"`` the Gluon kernel where it applies and was measured faster (``_gluon_auto``).
+
+    ``STREAMKL_INDEXER_BACKEND`` (both forwards): ``auto`` (default; the Triton kernels: the Gluon
+    one is not yet measured on the GPU) and ``triton`` give ``"0"``, ``gluon`` gives ``"1"``. While
+    it is unset the old names are read, per forward: ``STREAMKL_INDEXER_GLUON`` (the forward) /
+    ``STREAMKL_INDEXER_GLUON_PACC`` (the accumulating forward) = ``0``, ``1`` or ``auto``."""
+    if _runtime.env(BACKEND_VAR) is not None:
+        return {"auto": "0", "triton": "0", "gluon": "1"}[_env.backend(BACKEND_VAR)]
+    var = _old_gluon_var(pacc)
+    mode = _env.old(var)
+    if mode is None:
+        return "0"
+    if mode not in GLUON_MODES:
+        raise ValueError(f"{var} must be one of {GLUON_MODES}, got {mode!r}")
+    return mode
+
+
+def gluon_why_not(dims, q, k, q_idx, k_idx, pacc: bool = False) -> str:
+    """Why the Gluon forward (``pacc``: the accumulating one) does not apply ('' when it does)."""
+    if _gluon_indexer is None:
+        return f"Gluon is not available ({GLUON_IMPORT_ERROR})"
+    if _runtime.interpreting() or q.device.type != "cuda":
+        return "not a CUDA device (the Gluon forward does not run under the interpreter)"
+    cap = torch.cuda.get_device_capability(q.device)
+    return _gluon_indexer.why_not(dims, (q.dtype, k.dtype, q_idx.dtype, k_idx.dtype),
+                                  all(_runtime.tma_ok(t) for t in (q, k, q_idx, k_idx)), cap, pacc)
+
+
+def _use_gluon(dims, q, k, q_idx, k_idx, pacc: bool = False) -> bool:
+    mode = gluon_mode(pacc)
+    if mode == "0":
+        return False
+    if mode == "auto" and not _gluon_auto(dims):
+        return False
+    why = gluon_why_not(dims, q, k, q_idx, k_idx, pacc)
+    if why and mode == "1":
+        var = f"{BACKEND_VAR}=gluon" if _runtime.env(BACKEND_VAR) is not None else f"{_old_gluon_var(pacc)}=1"
+        raise ValueError(f"{var}, but the Gluon {'accumulating ' if pacc else ''}forward does not apply: {why}")
+    return not why
+
+
+def _forward_gluon(dims, q, k, q_idx, k_idx, weights, lse_bits, causal, relu, key_base):
+    """(KL, LSE_I) by the Gluon forward: two key splits (its consumer warpgroups), merged here."""
+    part = _plan_mod._fresh((5, 2, dims.B, dims.NQ), torch.float32, q.device)
+
+    def launch(cfg):
+        _gluon_indexer.forward_states(q, k, q_idx, k_idx, weights, lse_bits, causal, dims.scale, relu,
+                                      config=cfg, part=part)
+
+    cands = _gluon_indexer.candidates(dims)
+    launch(_tuning.pick(("idx_gluon_fwd", relu) + key_base, cands, launch))
+    return _plan_mod._merge_splits(part)
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------------
+
+BWD_MODES = ("separate", "fused", "dqk")
+
+
+def bwd_mode() -> str:
+    """The backward's kernels: ``STREAMKL_INDEXER_BWD`` = ``separate`` (default: a dq/dweights
+    kernel and a dk kernel, each recomputing the teacher; no atomics but dk's token splits),
+    ``fused`` (the dk kernel alone, dq/dweights by fp32 atomics: the teacher read once per
+    backward) or ``dqk`` (the dq kernel alone, each key tile's dk share added by fp32 atomics,
+    DQK_TMA: one TMA bulk reduction: one pass, three indexer products per tile).
+    Which is faster is not yet measured; bench/indexer_gpu.py times separate and fused,
+    bench/idx_pacc_gpu.py separate and dqk (teacher-free)."""
+    mode = os.environ.get("STREAMKL_INDEXER_BWD", "separate")
+    if mode not in BWD_MODES:
+        raise ValueError(f"STREAMKL_INDEXER_BWD must be one of {BWD_MODES}, got {mode!r}")
+    return mode
+
+
+# The backward kernels sum the student's logits from their own products a = q_idx k_idx^T where
+# one indexer key head makes a program's rows every indexer head (offline sm_90, triton 3.9, DSA
+# student kernels on 4 warps: no spills, against 72 / 120 B with the logits formed again).
+# False: formed again by _indexer_logits, as the first backward did (bench/idx_pacc_gpu.py times both).
+BWD_LOGITS_FROM_A = True
+
+# The dq kernel's dk shares ("dqk" backward, the chunk design) by one TMA bulk reduction per tile:
+# off, fp32 atomics instead: on the H200 (triton 3.6) the TMA form stopped both with
+# "illegal instruction" / "illegal memory access" (the accumulating forward's own dk_p reduction
+# runs); not diagnosed.
+DQK_TMA = False
+
+# Tests set this: the dk kernel's token split (tokens per program) instead of the rule below.
+INTERPRETER_DK_SPLIT = None
+
+
+def dk_token_split(dims, block_t: int, key_programs: int, n_sm: int, causal: bool) -> int:
+    """Tokens per dk program (a multiple of BLOCK_T; N_Q or more means one split, no atomics).
+
+    The dk kernel has one program per key tile; at DSA-like shapes that is ~N/64 programs for
+    132 SMs, each walking up to N tokens (causal: a triangle, the first tile walks them all). So
+    the tokens are cut into fixed-size splits until there are about 8 programs per SM (causal:
+    about half exit at once), each split adding its partial dk with one fp32 atomic add.
+    Reasoned, not yet measured."""
+    if _runtime.interpreting() and INTERPRETER_DK_SPLIT is not None:
+        per = INTERPRETER_DK_SPLIT
+    else:
+        want = 8 * n_sm * (2 if causal else 1)
+        splits = max(1, min(_runtime.cdiv(want, key_programs), _runtime.cdiv(dims.NQ, 4 * block_t)))
+        per = _runtime.cdiv(dims.NQ, splits)
+    return max(block_t, _runtime.cdiv(per, block_t) * block_t)
+
+
+def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, relu, target_part=None,
+              p_saved=None):
+    """(dq_idx, dk_idx, dweights) of ``sum_t g[t] KL[t]``. ``target_part = (g0, dq_p, dk_p,
+    dweights_p)``: the forward accumulated the target's share (``_indexer_pacc``, g = g0 for
+    every row): the kernels then skip the teacher (TEACHER=False, the student's share
+    ``g softmax(I)`` only) and ``g0 * target_part`` is subtracted here; ``lse_bits`` is unused.
+    ``p_saved [B, N_Q, N_K]``: the target the forward stored (the "store" design): the
+    teacher-free kernels read p from it (P_SAVED; any g); ``lse_bits`` is unused."""
+    teacher = target_part is None and p_saved is None
+    if p_saved is not None:  # the kernels read p where they would read the teacher LSEs
+        lse_bits = p_saved
+    plan_kind = "bwd" if teacher else "bwd_student"
+    dims = check_indexer_inputs(q, k, q_idx, k_idx, weights, scale=scale)
+    out_dtypes = (q_idx.dtype, k_idx.dtype, weights.dtype)
+    q, k, q_idx, k_idx, weights = (_checks.compute_view(t) for t in (q, k, q_idx, k_idx, weights))
+    device = q.device
+    ieee_t, ieee_i = q.dtype == torch.float32, q_idx.dtype == torch.float32
+    qk_scale = dims.scale * _plan_mod.LOG2E
+    group, group_i = dims.H // dims.HK, dims.HI // dims.HKI
+    no_contract = not _runtime.interpreting()
+    use_tma = _plan_mod._use_tma(q, k, q_idx, k_idx)
+    g = g.to(torch.float32).contiguous()
+    lse_bits, lse_idx = lse_bits.contiguous(), lse_idx.contiguous()
+    dq_idx = _plan_mod._fresh((dims.B, dims.HI, dims.NQ, dims.DI), torch.float32, device)
+    dweights = _plan_mod._fresh((dims.B, dims.HI, dims.NQ), torch.float32, device)
+    dk_idx = _plan_mod._fresh((dims.B, dims.HKI, dims.NK, dims.DI), torch.float32, device)
+    common = (q, k, q_idx, k_idx, weights, lse_bits, lse_idx, g)
+    strides = _plan_mod._strides(q) + _plan_mod._strides(k) + _plan_mod._strides(q_idx) + _plan_mod._strides(k_idx) + _plan_mod._strides(weights)
+    mode = bwd_mode()
+    fused, dqk = mode == "fused", mode == "dqk"
+    if dqk:
+        dk_idx = torch.zeros((dims.B, dims.HKI, dims.NK, dims.DI), dtype=torch.float32, device=device)
+    if fused:  # dq_idx / dweights by atomics from the dk kernel
+        dq_idx = torch.zeros((dims.B, dims.HI, dims.NQ, dims.DI), dtype=torch.float32, device=device)
+        dweights = torch.zeros((dims.B, dims.HI, dims.NQ), dtype=torch.float32, device=device)
+    key_base = (mode, teacher, dims.D, dims.DI, dims.H, dims.HK, dims.HI, dims.HKI, q.dtype, q_idx.dtype, causal, relu,
+                use_tma, _tuning.bucket(dims.NQ), _tuning.bucket(dims.NK), _tuning.bucket(dims.B))
+    if p_saved is not None:
+        key_base += ("p_saved",)
+
+    def meta(pl, tma, l1):
+        return dict(D=dims.D, BLOCK_D=pl["BLOCK_D"], DI=dims.DI, BLOCK_DI=pl["BLOCK_DI"], DI_PAD=pl["DI_PAD"],
+                    HB=pl["HB"], IB=pl["IB"], GI_PAD=pl["GI_PAD"], BLOCK_T=pl["BLOCK_T"], BLOCK_N=pl["BLOCK_N"],
+                    CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, NO_CONTRACT=no_contract,
+                    USE_TMA=tma, TEACHER=teacher, L1=l1, P_SAVED=p_saved is not None,
+                    # one indexer key head: a program's rows are every indexer head, so the logits
+                    # are summed from its own products (no second product per tile)
+                    LOGITS_FROM_A=BWD_LOGITS_FROM_A and pl["n_ichunks"] == 1, num_warps=pl["warps"],
+                    num_stages=pl["stages"])
+
+    def launch_dq(cfg):
+        pl = _plan_mod._plan(dims, cfg, plan_kind)
+        grid = (_runtime.cdiv(dims.NQ, pl["BLOCK_T"]), dims.B * dims.HKI)
+        tma, l1 = _plan_mod._load_mode(pl, use_tma)
+        dk_share, dk_desc = 0, None
+        if dqk:  # dk_idx's shares from this kernel: zeroed; one bulk TMA reduction per tile on Hopper
+            dk_idx.zero_()
+            dk_share = 2 if DQK_TMA and tma and not _runtime.interpreting() else 1
+            if dk_share == 2:
+                dk_desc = _runtime.TensorDescriptor(dk_idx, list(dk_idx.shape), list(dk_idx.stride()),
+                                                    [1, 1, pl["BLOCK_N"], pl["DI_PAD"]])
+        _indexer_bwd._indexer_bwd_dq_kernel[grid](
+            *common, dq_idx, dweights, *_plan_mod._descriptors(pl, tma, q, k, q_idx, k_idx), dk_idx, dk_desc, 0, dims.NQ, *strides,
+            dims.H, group, dims.HI, dims.HKI, group_i, dims.NQ, dims.NK, qk_scale, 1.0 / dims.H,
+            pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"], DK_SHARE=dk_share, **meta(pl, tma, l1))
+
+    def launch_dk(cfg):
+        nonlocal dk_idx
+        pl = _plan_mod._plan(dims, cfg, plan_kind)
+        key_programs = _runtime.cdiv(dims.NK, pl["BLOCK_N"]) * dims.B * dims.HKI
+        per_split = dk_token_split(dims, pl["BLOCK_T"], key_programs, _runtime.n_sm(device), causal)
+        splits = _runtime.cdiv(dims.NQ, per_split)
+        if splits > 1:
+            dk_idx = torch.zeros((dims.B, dims.HKI, dims.NK, dims.DI), dtype=torch.float32, device=device)
+        if fused:
+            dq_idx.zero_()
+            dweights.zero_()
+        grid = (_runtime.cdiv(dims.NK, pl["BLOCK_N"]), dims.B * dims.HKI, splits)
+        tma, l1 = _plan_mod._load_mode(pl, use_tma)
+        _indexer_bwd._indexer_bwd_dk_kernel[grid](
+            *common, dk_idx, dq_idx, dweights, *_plan_mod._descriptors(pl, tma, q, k, q_idx, k_idx), *strides,
+            dims.H, group, dims.HI, dims.HKI, group_i, dims.NQ, dims.NK, qk_scale, 1.0 / dims.H,
+            pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"], per_split, ATOMIC=splits > 1, FUSED_DQ=fused,
+            **meta(pl, tma, l1))
+
+    ieee = ieee_t or ieee_i
+    if not fused:
+        launch_dq(_tuning.pick(("idx_bwd_dq",) + key_base, _configs._candidates("bwd", ieee, dims, teacher=teacher), launch_dq))
+    if not dqk:
+        launch_dk(_tuning.pick(("idx_bwd_dk",) + key_base, _configs._candidates("bwd", ieee, dims, teacher=teacher), launch_dk))
+    if target_part is not None:
+        g0, dq_p, dk_p, dw_p = target_part
+        g0 = g0.to(torch.float32)
+        # in place: no gradient-sized temporaries (run r5a: fwd+bwd peak 160 KB per token at DSA)
+        dq_idx.addcmul_(g0, dq_p, value=-1.0)
+        dk_idx.addcmul_(g0, dk_p, value=-1.0)
+        dweights.addcmul_(g0, dw_p, value=-1.0)
+    return dq_idx.to(out_dtypes[0]), dk_idx.to(out_dtypes[1]), dweights.to(out_dtypes[2])

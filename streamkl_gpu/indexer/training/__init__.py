@@ -1,0 +1,3 @@
+"""The indexer's training designs for scalar reductions with the teacher LSEs given, one file each:
+``accumulate`` (the forward sums the target's share of the gradient), ``store`` (the forward keeps
+p whole), ``chunk`` (the whole gradient in the forward, chunk by chunk); ``choice`` says which runs."""

@@ -1,0 +1,159 @@
+"""The chunk training design: the whole gradient of the sum formed in the forward chunk by chunk
+of tokens (linear memory), the backward only scales it by g (custom op
+``streamkl::indexer_loss_full_fwd``). The default for a single-key-head teacher."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from streamkl_ref._checks import check_indexer_inputs
+from streamkl_gpu.indexer.triton import bwd as _indexer_bwd
+from streamkl_gpu.indexer.triton import accumulate as _indexer_pacc
+from streamkl_gpu._core import checks as _checks
+from streamkl_gpu._core import runtime as _runtime
+from streamkl_gpu._core import tuning as _tuning
+from streamkl_gpu.indexer import configs as _configs
+from streamkl_gpu.indexer import host as _host
+from streamkl_gpu.indexer import plan as _plan_mod
+from streamkl_gpu.indexer.training import store as _store
+
+
+# The "chunk" design (STREAMKL_INDEXER_PSTORE=chunk): the whole gradient of the sum (g = 1) in the
+# forward, chunk by chunk of tokens: the storing forward writes the chunk's p into a scratch
+# [B, PCHUNK_TOKENS, N_K] (linear memory: 4 * PCHUNK_TOKENS bytes per key), then the teacher-free
+# dq kernel with DK_SHARE (the "dqk" backward, dk by fp32 atomics) reads it with the chunk's final LSE_I and forms
+# g (softmax(I) - p)'s contractions for those tokens; the backward only scales by g. The teacher
+# is read once, by the plain forward's tile.
+PCHUNK_TOKENS = 2048
+
+
+def _pchunk(dims, block_ts) -> int:
+    """Tokens per chunk: PCHUNK_TOKENS rounded up to a multiple of every launch's BLOCK_T."""
+    m = 1
+    for bt in block_ts:
+        m = m * bt // math.gcd(m, bt)
+    return max(m, _runtime.cdiv(min(PCHUNK_TOKENS, dims.NQ), m) * m)
+
+
+_FULL_CONFIGS = {}  # launch key -> the (storing forward, gradient kernel) configs that fit the device
+
+
+def _forward_full(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
+    """(sum of KL, LSE_I, dq1, dk1, dw1): the forward and the gradient of the sum (g = 1), fp32.
+
+    Untuned: the first candidates of each kernel (the forward's measured best tile, the student
+    backward's first), or the next ones where a launch does not fit the device (Triton raises
+    OutOfResources before the kernel runs: e.g. shared memory at D = 96); the pair
+    that fits is remembered per shape class."""
+    dims = check_indexer_inputs(q, k, q_idx, k_idx, weights, scale=scale)
+    ieee = q.dtype == torch.float32 or q_idx.dtype == torch.float32
+    fwd_cands = _configs._candidates("pstore", ieee, dims, _runtime.n_sm(q.device))
+    bwd_cands = _configs._candidates("bwd", ieee, dims, teacher=False)
+    key = ("idx_full", relu, dims.D, dims.DI, dims.H, dims.HK, dims.HI, dims.HKI, q.dtype, q_idx.dtype, causal,
+           _tuning.bucket(dims.NQ), _tuning.bucket(dims.NK), _tuning.bucket(dims.B), q.device.type,
+           tuple(fwd_cands), tuple(bwd_cands))  # (a caller forcing other candidates gets its own entry)
+    if key in _FULL_CONFIGS:
+        return _forward_full_with(*_FULL_CONFIGS[key], q, k, q_idx, k_idx, weights, lse, causal, scale, relu)
+    last = None
+    for fcfg in fwd_cands:
+        for bcfg in bwd_cands:
+            try:
+                out = _forward_full_with(fcfg, bcfg, q, k, q_idx, k_idx, weights, lse, causal, scale, relu)
+            except Exception as exc:  # noqa: BLE001 - only a launch that does not fit moves on
+                if not _tuning.out_of_resources(exc):
+                    raise
+                last = exc
+                continue
+            _FULL_CONFIGS[key] = (fcfg, bcfg)
+            return out
+    raise last
+
+
+def _forward_full_with(fcfg, bcfg, q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
+    dims = check_indexer_inputs(q, k, q_idx, k_idx, weights, scale=scale)
+    q, k, q_idx, k_idx, weights = (_checks.compute_view(t) for t in (q, k, q_idx, k_idx, weights))
+    device = q.device
+    ieee_t, ieee_i = q.dtype == torch.float32, q_idx.dtype == torch.float32
+    group, group_i = dims.H // dims.HK, dims.HI // dims.HKI
+    no_contract = not _runtime.interpreting()
+    use_tma = _plan_mod._use_tma(q, k, q_idx, k_idx)
+    lse_bits = (lse * _plan_mod.LOG2E).contiguous()
+    kl = _plan_mod._fresh((dims.B, dims.NQ), torch.float32, device)
+    lse_idx = _plan_mod._fresh((dims.B, dims.NQ), torch.float32, device)
+    dq1 = _plan_mod._fresh((dims.B, dims.HI, dims.NQ, dims.DI), torch.float32, device)
+    dw1 = _plan_mod._fresh((dims.B, dims.HI, dims.NQ), torch.float32, device)
+    dk1 = torch.zeros((dims.B, dims.HKI, dims.NK, dims.DI), dtype=torch.float32, device=device)
+    g_rows = torch.ones((dims.B, dims.NQ), dtype=torch.float32, device=device)
+    strides = _plan_mod._strides(q) + _plan_mod._strides(k) + _plan_mod._strides(q_idx) + _plan_mod._strides(k_idx) + _plan_mod._strides(weights)
+    fpl, bpl = _plan_mod._plan(dims, fcfg, "fwd"), _plan_mod._plan(dims, bcfg, "bwd_student")
+    chunk = _pchunk(dims, (fpl["BLOCK_T"], bpl["BLOCK_T"]))
+    p = _plan_mod._fresh((dims.B, chunk, dims.NK), torch.float32, device)  # one chunk's target, reused
+    splits, per_split = _plan_mod._key_splits(dims, fpl)
+    part = _plan_mod._fresh((5, splits, dims.B, dims.NQ), torch.float32, device) if splits > 1 else kl
+    ftma, fl1 = _plan_mod._load_mode(fpl, use_tma)
+    btma, _ = _plan_mod._load_mode(bpl, use_tma)
+    dk_share = 2 if _host.DQK_TMA and btma and not _runtime.interpreting() else 1
+    dk_desc = (_runtime.TensorDescriptor(dk1, list(dk1.shape), list(dk1.stride()), [1, 1, bpl["BLOCK_N"], bpl["DI_PAD"]])
+               if dk_share == 2 else None)
+    fdesc = _plan_mod._descriptors(fpl, ftma, q, k, q_idx, k_idx)
+    bdesc = _plan_mod._descriptors(bpl, btma, q, k, q_idx, k_idx)
+    for c0 in range(0, dims.NQ, chunk):
+        rows = min(chunk, dims.NQ - c0)
+        _indexer_pacc._indexer_fwd_pstore_kernel[(_runtime.cdiv(rows, fpl["BLOCK_T"]), splits, dims.B)](
+            q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, part, p, *fdesc, *strides,
+            dims.H, group, group_i, dims.NQ, dims.NK, dims.scale * _plan_mod.LOG2E, 1.0 / dims.H,
+            fpl["n_chunks"], fpl["cpg"], fpl["n_ichunks"], fpl["icpg"], per_split, c0, chunk,
+            D=dims.D, BLOCK_D=fpl["BLOCK_D"], DI=dims.DI, BLOCK_DI=fpl["BLOCK_DI"],
+            HB=fpl["HB"], IB=fpl["IB"], BLOCK_T=fpl["BLOCK_T"], BLOCK_N=fpl["BLOCK_N"],
+            CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, NO_CONTRACT=no_contract,
+            USE_TMA=ftma, SPLIT=splits > 1, A_L1=fl1, num_warps=fpl["warps"], num_stages=fpl["stages"],
+            **_store._pstore_meta(fpl))
+        if splits > 1:  # this chunk's rows merged before its gradient reads LSE_I
+            merged_kl, merged_lse = _plan_mod._merge_splits(part[..., c0:c0 + rows])
+            kl[:, c0:c0 + rows] = merged_kl
+            lse_idx[:, c0:c0 + rows] = merged_lse
+        _indexer_bwd._indexer_bwd_dq_kernel[(_runtime.cdiv(rows, bpl["BLOCK_T"]), dims.B * dims.HKI)](
+            q, k, q_idx, k_idx, weights, p, lse_idx, g_rows, dq1, dw1, *bdesc, dk1, dk_desc, c0, chunk, *strides,
+            dims.H, group, dims.HI, dims.HKI, group_i, dims.NQ, dims.NK, dims.scale * _plan_mod.LOG2E, 1.0 / dims.H,
+            bpl["n_chunks"], bpl["cpg"], bpl["n_ichunks"], bpl["icpg"], DK_SHARE=dk_share,
+            D=dims.D, BLOCK_D=bpl["BLOCK_D"], DI=dims.DI, BLOCK_DI=bpl["BLOCK_DI"], DI_PAD=bpl["DI_PAD"],
+            HB=bpl["HB"], IB=bpl["IB"], GI_PAD=bpl["GI_PAD"], BLOCK_T=bpl["BLOCK_T"], BLOCK_N=bpl["BLOCK_N"],
+            CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, NO_CONTRACT=no_contract,
+            USE_TMA=btma, TEACHER=False, L1=False, P_SAVED=True,
+            LOGITS_FROM_A=_host.BWD_LOGITS_FROM_A and bpl["n_ichunks"] == 1,
+            num_warps=bpl["warps"], num_stages=bpl["stages"])
+    return kl.sum(), lse_idx, dq1, dk1, dw1
+
+
+@torch.library.custom_op("streamkl::indexer_loss_full_fwd", mutates_args=())
+def _indexer_loss_full_fwd_op(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, k_idx: torch.Tensor,
+                              weights: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
+                              relu: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _forward_full(q, k, q_idx, k_idx, weights, lse, causal, scale, relu)
+
+
+@_indexer_loss_full_fwd_op.register_fake
+def _indexer_loss_full_fwd_fake(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
+    B, NQ, NK, HI, HKI, DI = q.shape[0], q.shape[2], k.shape[2], q_idx.shape[1], k_idx.shape[1], q_idx.shape[3]
+    f32 = torch.float32
+    return (q.new_empty((), dtype=f32), q.new_empty((B, NQ), dtype=f32), q.new_empty((B, HI, NQ, DI), dtype=f32),
+            q.new_empty((B, HKI, NK, DI), dtype=f32), q.new_empty((B, HI, NQ), dtype=f32))
+
+
+def _full_setup_context(ctx, inputs, output):
+    q_idx, k_idx, weights = inputs[2], inputs[3], inputs[4]
+    _, _, dq1, dk1, dw1 = output
+    ctx.save_for_backward(dq1, dk1, dw1)
+    ctx.dtypes = (q_idx.dtype, k_idx.dtype, weights.dtype)
+
+
+def _full_backward(ctx, g_total, g_lse_idx, g_dq, g_dk, g_dw):
+    dq1, dk1, dw1 = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    g = g_total.to(torch.float32)
+    grads = [(g * t).to(dt) if need[i] else None for i, t, dt in zip((2, 3, 4), (dq1, dk1, dw1), ctx.dtypes)]
+    return (None, None, *grads, None, None, None, None)
+
+
+_indexer_loss_full_fwd_op.register_autograd(_full_backward, setup_context=_full_setup_context)
