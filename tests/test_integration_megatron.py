@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 import sys
 import tempfile
 import time
@@ -61,14 +62,19 @@ def megatron_loss(case, t):
     return loss.detach(), {n: ins[n].grad for n in INDEXER}
 
 
-def dense_reference(case, t, dtype=torch.float64):
+def dense_reference(case, t, dtype=torch.float64, documents=None):
     """Megatron-Core's later compute_dsa_indexer_loss (masked softmax, -1 slots, query_valid_rows,
-    calculate_per_token_loss), every score matrix materialised in ``dtype``; (loss, grads)."""
+    calculate_per_token_loss), every score matrix materialised in ``dtype``; (loss, grads).
+    ``documents``: packed-sequence bounds ``[0, e1, ..., sq]`` (a row sees its own document only)."""
     ins = {n: t[n].to(dtype).requires_grad_(True) for n in INDEXER}
     query, key = t["query"].to(dtype), t["key"].to(dtype)
     sq, b, n_heads, _ = query.shape
     key = key.expand(-1, -1, n_heads, -1)
-    valid = torch.ones(sq, sq, dtype=torch.bool).tril().expand(b, sq, sq)
+    valid = torch.ones(sq, sq, dtype=torch.bool).tril()
+    if documents is not None:
+        doc = torch.bucketize(torch.arange(sq), torch.tensor(documents[1:]), right=True)
+        valid = valid & (doc[:, None] == doc[None, :])
+    valid = valid.expand(b, sq, sq)
     if case["sparse"]:
         topk = t["topk_indices"].long()
         chosen = torch.zeros(b, sq, sq + 1, dtype=torch.bool)  # column sq: the -1 slots
@@ -151,6 +157,29 @@ def test_options_megatron_0_16_lacks(case):
     assert_matches("loss", loss, ref_loss, fp32_loss, ref_loss)
     for n in INDEXER:
         assert_matches(f"d{n}", grads[n], ref_grads[n], fp32_grads[n], ref_grads[n])
+
+
+def test_packed_documents_loop_from_the_docs():
+    """docs/integrations.md's per-document loop equals the block-diagonal causal definition."""
+    with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "integrations.md")) as f:
+        blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+    code = next(b for b in blocks if "def packed_dsa_indexer_loss" in b)
+    namespace = {"dsa_indexer_loss": dsa_indexer_loss}
+    exec(code, namespace)
+    for sparse in (False, True):
+        case = dict(BASE, seed=8 + sparse, sparse=sparse, unused_slots=True)
+        t = tp_worker.make_case(case)
+        documents = [0, 5, 12]
+        ins = {n: t[n].clone().requires_grad_(True) for n in INDEXER}
+        loss = namespace["packed_dsa_indexer_loss"](
+            ins["q"], ins["weights"], ins["k"], t["topk_indices"], t["query"], t["key"], torch.tensor(documents),
+            case["scale"], case["coeff"], sparse)
+        loss.backward()
+        ref_loss, ref_grads = dense_reference(case, t, documents=documents)
+        fp32_loss, fp32_grads = dense_reference(case, t, dtype=torch.float32, documents=documents)
+        assert_matches("loss", loss.detach(), ref_loss, fp32_loss, ref_loss)
+        for n in INDEXER:
+            assert_matches(f"d{n}", ins[n].grad, ref_grads[n], fp32_grads[n], ref_grads[n])
 
 
 def test_rejects_what_it_does_not_support():
