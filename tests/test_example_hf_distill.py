@@ -2,7 +2,8 @@
 
 The --tiny run as a user runs it (a subprocess, TRITON_INTERPRET set by the script itself): the
 loss and the attention KL fall, every logged value is finite, the KL term's gradient reaches the
-student's projections, the CSV is written. In process: the capture function leaves the model's
+student's projections, the CSV is written, and the same step with the KL materialised gives the
+same loss. In process: the capture function leaves the model's
 output as transformers' SDPA gives it and records the post-RoPE queries and keys.
 """
 import csv
@@ -24,7 +25,8 @@ LAST = re.compile(r"^initial_loss=(\S+) final_loss=(\S+) initial_kl=(\S+) final_
 def test_tiny_run_distils(tmp_path):
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)  # the script must set it itself for the CPU
-    proc = subprocess.run([sys.executable, SCRIPT, "--device", "cpu", "--tiny", "--steps", "6", "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, SCRIPT, "--device", "cpu", "--tiny", "--steps", "6", "--out", str(tmp_path),
+                           "--compare-materialised", "--repeats", "1"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     found = LAST.findall(proc.stdout)
@@ -36,9 +38,15 @@ def test_tiny_run_distils(tmp_path):
     assert grad_norm > 1e-6, grad_norm  # d KL / d (student q_proj, k_proj) is not zero
     with open(tmp_path / "hf_distill.csv") as f:
         rows = list(csv.DictReader(f))
-    losses = [float(r["value"]) for r in rows if r["metric"] == "loss" and r["method"] == "streamkl"]
+    losses = [float(r["value"]) for r in rows if r["metric"] == "loss" and r["step"] != "compare"]
     assert len(losses) == 6 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
     assert {r["gpu"] for r in rows} == {"cpu"} and all(r["transformers"] and r["torch"] for r in rows)
+    # the same step with the KL materialised: the same loss (fp32 on CPU), a time for each method
+    compared = {(r["method"], r["metric"]): float(r["value"]) for r in rows if r["step"] == "compare"}
+    streamed, materialised = compared[("streamkl", "loss")], compared[("materialised", "loss")]
+    assert abs(streamed - materialised) <= 1e-5 * abs(materialised), (streamed, materialised)
+    assert abs(compared[("streamkl", "kl")] - compared[("materialised", "kl")]) <= 1e-5 * compared[("materialised", "kl")]
+    assert compared[("streamkl", "step_ms")] > 0 and compared[("materialised", "step_ms")] > 0
     assert (tmp_path / "hf_distill.log").read_text().strip().splitlines()[-1] == proc.stdout.strip().splitlines()[-1]
 
 
