@@ -99,3 +99,26 @@ def test_layer_pairs(example):
     for spec, n_t, n_s in ((None, 4, 2), ("4:0", 4, 2), ("a:b", 4, 2)):
         with pytest.raises(SystemExit):
             example.layer_pairs(spec, n_t, n_s)
+
+
+def test_local_weights_flag(example, tmp_path, capsys):
+    """--teacher / --student load local checkpoints (no download): the student's first LM loss
+    is the saved model's own on the script's tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    paths = {}
+    for role in ("teacher", "student"):
+        model = LlamaForCausalLM(LlamaConfig(max_position_embeddings=128, **example.TINY[role]))
+        paths[role] = str(tmp_path / role)
+        model.save_pretrained(paths[role])
+    tokens = torch.randint(64, (1, 16), generator=torch.Generator().manual_seed(1))  # the script's --seed 0 batch
+    with torch.no_grad():
+        want = float(model(input_ids=tokens, labels=tokens).loss)
+    code = example.main(["--device", "cpu", "--tiny", "--steps", "1", "--layers", "1:0",
+                         "--teacher", paths["teacher"], "--student", paths["student"]])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    lm = float(re.search(r"^initial: lm=(\S+) ", out, re.M).group(1))
+    assert abs(lm - want) < 1e-5, (lm, want)
+    assert "pairs=[(1, 0)]" in out
