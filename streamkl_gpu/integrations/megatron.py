@@ -173,9 +173,9 @@ def _check(q, weights, k, topk_indices, query, key, sparse_loss, mask, varlen_st
 
 def _gather_teacher(query, key, rows_of, group, world, rank):
     """(query rows of this rank with every head ``[n, b, np, hn]``, key with every head)."""
-    mine = rows_of(rank)
     if world == 1:
-        return query[mine], key
+        return query, key  # one chunk: every row
+    mine = rows_of(rank)
     sends = [query[rows_of(j)].contiguous() for j in range(world)]
     recv = [query.new_empty((len(mine),) + tuple(query.shape[1:])) for _ in range(world)]
     dist.all_to_all(recv, sends, group=group)
@@ -205,7 +205,8 @@ def dsa_indexer_loss(q, weights, k, topk_indices, query, key, softmax_scale, los
             dropped, as Megatron's causal mask drops it. Each key at most once per row.
         query: teacher queries ``[sq, b, np, hn]`` (this rank's heads under TP). key: teacher
             keys ``[sk, b, np, hn]``, or ``[sk, b, 1, hn]`` for one key head shared by every
-            query head (MQA). The teacher is a constant: no gradient.
+            query head (MQA; under TP with one local query head, a one-head key is that head's
+            own, split over the group like ``query``). The teacher is a constant: no gradient.
         softmax_scale: the teacher's score scale. loss_coeff: the factor on the loss.
         sparse_loss: the KL over each row's ``topk_indices`` (``True``) or over every causal key.
         pg_collection: Megatron's ``ProcessGroupCollection`` (its ``tp`` group is used), a
