@@ -40,8 +40,6 @@ replicated indexer gets the full gradient, as with Megatron's function.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 
