@@ -40,12 +40,9 @@ _HOMES = {  # the rest lives in .api
 }
 
 
-_SUBMODULES = ("nn",)  # public submodules reachable as attributes (they import no kernel module)
-
-
 def __getattr__(name):
-    if name in _SUBMODULES:
-        return importlib.import_module("." + name, __name__)
+    if name == "nn":  # the loss modules: a public submodule reachable as an attribute (imports no kernel)
+        return importlib.import_module(".nn", __name__)
     if name in __all__:
         value = getattr(importlib.import_module(_HOMES.get(name, ".api"), __name__), name)
         globals()[name] = value  # later lookups skip this hook (it ran on every call)
