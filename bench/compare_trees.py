@@ -216,6 +216,14 @@ def main(argv=None):
     commits = {lab: _commit(trees[lab]) for lab in labels}
     records = []
 
+    def write_rounds():
+        with open(os.path.join(args.out, "compare_rounds.csv"), "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=["gpu_name", "timestamp", "tree", "commit", "point", "round", "ms",
+                                              "first_call_s"])
+            w.writeheader()
+            for rec in records:
+                w.writerow(dict(gpu_name=gpu, timestamp=stamp, **rec))
+
     def run_rounds(first, count, pts):
         for r in range(first, first + count):
             order = labels if r % 2 == 0 else labels[::-1]
@@ -225,6 +233,7 @@ def main(argv=None):
                 for p, row in rows.items():
                     records.append(dict(tree=lab, commit=commits[lab], point=p, round=r, **row))
                 print(f"round {r} {lab}: {time.time() - t0:.1f} s", flush=True)
+                write_rounds()  # after every round: a run stopped at its limit keeps what it timed
 
     run_rounds(0, args.rounds + 1, points)  # round 0: compiles and tuning (warm-up, not counted)
     timed = set(range(1, args.rounds + 1))
@@ -242,12 +251,7 @@ def main(argv=None):
             retimed[p] = re_med[(after, p)] / re_med[(before, p)]
             ratio[p] = retimed[p]
     geo = math.exp(statistics.fmean(math.log(v) for v in ratio.values()))
-    with open(os.path.join(args.out, "compare_rounds.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["gpu_name", "timestamp", "tree", "commit", "point", "round", "ms",
-                                          "first_call_s"])
-        w.writeheader()
-        for rec in records:
-            w.writerow(dict(gpu_name=gpu, timestamp=stamp, **rec))
+    write_rounds()
     with open(os.path.join(args.out, "compare_summary.csv"), "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["gpu_name", "timestamp", "point", f"{before}_ms", f"{after}_ms", "ratio", "retimed",
