@@ -192,6 +192,7 @@ def main(argv=None):
     ap.add_argument("--retime-rounds", type=int, default=10)
     ap.add_argument("--points", default=",".join(GRID))
     ap.add_argument("--out", default=os.environ.get("OUT", "compare_out"))
+    ap.add_argument("--cache-root", help="folder for each tree's STREAMKL_CACHE_DIR (default: a new temp dir)")
     ap.add_argument("--round-timeout", type=float, default=300)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", help=argparse.SUPPRESS)
@@ -204,16 +205,19 @@ def main(argv=None):
         return worker(points, args.json)
     if len(args.tree) != 2:
         ap.error("give --tree twice: LABEL=PATH for before, then after")
-    trees = dict(t.split("=", 1) for t in args.tree)
+    trees, commits = {}, {}
+    for t in args.tree:  # LABEL=PATH or LABEL=PATH@COMMIT (a copied tree whose .git is not its own)
+        label, path = t.split("=", 1)
+        path, _, commit = path.partition("@")
+        trees[label], commits[label] = path, commit or _commit(path)
     labels = list(trees)
     os.makedirs(args.out, exist_ok=True)
-    cache_root = tempfile.mkdtemp(prefix="streamkl-compare-")
+    cache_root = args.cache_root or tempfile.mkdtemp(prefix="streamkl-compare-")
     cache_dirs = {lab: os.path.join(cache_root, lab) for lab in labels}
     import torch
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    commits = {lab: _commit(trees[lab]) for lab in labels}
     records = []
 
     def write_rounds():
