@@ -223,10 +223,10 @@ def main(argv=None):
     def write_rounds():
         with open(os.path.join(args.out, "compare_rounds.csv"), "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=["gpu_name", "timestamp", "tree", "commit", "point", "round", "ms",
-                                              "first_call_s"])
+                                              "first_call_s", "run_status"])
             w.writeheader()
             for rec in records:
-                w.writerow(dict(gpu_name=gpu, timestamp=stamp, **rec))
+                w.writerow(dict(gpu_name=gpu, timestamp=stamp, run_status="ok", **rec))
 
     def run_rounds(first, count, pts):
         for r in range(first, first + count):
@@ -259,12 +259,12 @@ def main(argv=None):
     with open(os.path.join(args.out, "compare_summary.csv"), "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["gpu_name", "timestamp", "point", f"{before}_ms", f"{after}_ms", "ratio", "retimed",
-                    "status"])
+                    "status", "run_status"])
         for p in points:
             status = "ok" if ratio[p] <= POINT_LIMIT else "slower"
             w.writerow([gpu, stamp, p, f"{med[(before, p)]:.4f}", f"{med[(after, p)]:.4f}", f"{ratio[p]:.4f}",
-                        "yes" if p in retimed else "no", status])
-        w.writerow([gpu, stamp, "geomean", "", "", f"{geo:.4f}", "", "ok" if geo <= GEOMEAN_LIMIT else "slower"])
+                        "yes" if p in retimed else "no", status, "ok"])
+        w.writerow([gpu, stamp, "geomean", "", "", f"{geo:.4f}", "", "ok" if geo <= GEOMEAN_LIMIT else "slower", "ok"])
     print(f"\n{before} = {commits[before]}, {after} = {commits[after]}, {gpu}, {args.rounds} rounds (+ warm-up)")
     print(f"{'point':24s} {before + ' ms':>12s} {after + ' ms':>12s} {'ratio':>7s}")
     for p in points:

@@ -311,9 +311,9 @@ def main(argv=None) -> int:
     if args.out:
         path = os.path.join(args.out, "hf_distill.csv")
         with open(path, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]) + ["run_status"])
             writer.writeheader()
-            writer.writerows(rows)
+            writer.writerows(dict(row, run_status="ok") for row in rows)  # the run got to its end
         log(f"wrote {path}")
     log(f"initial_loss={initial:.6f} final_loss={final:.6f} initial_kl={initial_kl:.6f} final_kl={final_kl:.6f} "
         f"kl_grad_norm={kl_grad_norm:.6e}")
