@@ -6,7 +6,7 @@ Each round runs one subprocess per tree (the order alternates between rounds), w
 first on ``sys.path`` and its own ``STREAMKL_CACHE_DIR``; the subprocess times every grid point
 with ``triton.testing.do_bench`` (median) through the public API only, so any two commits can be
 compared. The first round also pays each tree's compiles and tuning; it is kept apart as
-``round 0`` (warm-up) and the medians come from the rounds after it.
+the warm-up pass (index 0 in the CSV) and the medians come from the rounds after it.
 
 The rule (DEVELOPERS.md): over the grid the geometric mean of after/before is at most 1.01 and no
 point is above 1.03; a point above 1.03 is re-timed once with 10 rounds before it counts.
@@ -236,10 +236,10 @@ def main(argv=None):
                 rows = _run_round(lab, trees[lab], pts, cache_dirs, args.round_timeout)
                 for p, row in rows.items():
                     records.append(dict(tree=lab, commit=commits[lab], point=p, round=r, **row))
-                print(f"round {r} {lab}: {time.time() - t0:.1f} s", flush=True)
+                print(f"pass {r} {lab}: {time.time() - t0:.1f} s", flush=True)
                 write_rounds()  # after every round: a run stopped at its limit keeps what it timed
 
-    run_rounds(0, args.rounds + 1, points)  # round 0: compiles and tuning (warm-up, not counted)
+    run_rounds(0, args.rounds + 1, points)  # index 0: compiles and tuning (warm-up, not counted)
     timed = set(range(1, args.rounds + 1))
     med = _medians(records, labels, points, timed)
     before, after = labels
