@@ -20,7 +20,8 @@ from streamkl_gpu._core import runtime as _runtime
 #               accumulating design's 51.73 in the same run); teachers with several key heads
 #               take it too (the gradient formed in the forward, the GQA kernel's storing forward
 #               where it applies: indexer/triton/fwd_gqa_store.py), not yet timed against the
-#               accumulating design there (its GQA-like 8K step: 6.11 ms = 9.5x its floor). The
+#               accumulating design there (its GQA-like 8K step: 6.11 ms = 9.55x its floor,
+#               bench/results/2026-12-03_h200_aac9d99/indexer.csv). The
 #               accumulating design itself was measured faster than the
 #               plain one at both anchors (H200, 8K causal fwd+bwd: DSA-like 52.96 ms against 128.4,
 #               GQA-like 12.86 against 18.29).
