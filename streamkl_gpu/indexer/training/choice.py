@@ -1,5 +1,6 @@
 """Which training design runs (``STREAMKL_INDEXER_TRAINING``) and when a design applies: the
-accumulating, store and chunk designs serve scalar reductions with the teacher LSEs given."""
+accumulating, store and chunk designs serve scalar reductions with the teacher LSEs given (a
+training step without them computes them first: ``indexer/teacher_lse.py``)."""
 from __future__ import annotations
 
 import torch
@@ -14,10 +15,14 @@ from streamkl_gpu._core import runtime as _runtime
 #   accumulate  the forward also sums the target's share of the gradient (teacher read once)
 #   store       the forward keeps p [B, N_Q, N_K] whole (quadratic memory: an experiment)
 #   chunk       the whole gradient in the forward, chunk by chunk of tokens (linear memory)
-#   auto        chunk for a single-key-head (MQA) teacher, where it was measured faster (H200,
+#   auto        chunk for every teacher: measured faster for a single-key-head (MQA) teacher (H200,
 #               DSA-like 8K causal, mean, lse given, bf16: fwd+bwd 31.60 ms against the
-#               accumulating design's 51.73 in the same run); accumulate otherwise (GQA teachers:
-#               not timed with chunk). The accumulating design itself was measured faster than the
+#               accumulating design's 51.73 in the same run); teachers with several key heads
+#               take it too (the gradient formed in the forward, the GQA kernel's storing forward
+#               where it applies: indexer/triton/fwd_gqa_store.py), not yet timed against the
+#               accumulating design there (its GQA-like 8K step: 6.11 ms = 9.55x its floor,
+#               bench/results/2026-12-03_h200_aac9d99/indexer.csv). The
+#               accumulating design itself was measured faster than the
 #               plain one at both anchors (H200, 8K causal fwd+bwd: DSA-like 52.96 ms against 128.4,
 #               GQA-like 12.86 against 18.29).
 TRAINING_DESIGNS = ("auto", "plain", "accumulate", "store", "chunk")
@@ -65,7 +70,7 @@ def training_design(dims) -> str:
     """The design that runs for these dims, within the designs' cases: plain, accumulate, store or chunk."""
     design = _setting()
     if design == "auto":
-        return "chunk" if dims.HK == 1 else "accumulate"
+        return "chunk"
     if design == "store_if_fits":
         return "store" if pstore_bytes(dims) <= PSTORE_MAX_BYTES else "accumulate"
     return design
