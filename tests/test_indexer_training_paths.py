@@ -105,6 +105,8 @@ def test_teacher_lse_pass_matches_reference(poison):
 def test_without_lse_matches_with_lse(monkeypatch):
     """The same step with the reference's lse given: the same loss and gradients (the pass's
     LSEs equal the reference's to fp32 rounding)."""
+    # the chunk design on both steps (a GQA teacher with lse given takes the accumulating one by default)
+    monkeypatch.setenv("STREAMKL_INDEXER_TRAINING", "chunk")
     shape = (1, 4, 2, 14, 14, 16, 2, 1, 8)
     xs = make(*shape, seed=82)
     lse = torch.from_numpy(streamkl_ref.indexer_kl(*[x.double().numpy() for x in xs], return_lse=True,
@@ -236,6 +238,7 @@ GQA_CASES = [
 def test_gqa_storing_forward(monkeypatch, poison, tma, shape, causal, splits, variant, with_lse, weighted):
     """The chunk design with the GQA kernel's storing forward: vs float64, and vs the general
     storing forward on the same plan (variant "tiles")."""
+    monkeypatch.setenv("STREAMKL_INDEXER_TRAINING", "chunk")  # with lse given too (default there: accumulate)
     monkeypatch.setattr(idx_chunk, "PCHUNK_TOKENS", 16)
     xs = make(*shape, seed=sum(shape) + splits + 90)
     relu = True

@@ -1,7 +1,7 @@
 """The chunk training design: the whole gradient of the sum formed in the forward chunk by chunk
 of tokens (linear memory), the backward only scales it by g (custom op
-``streamkl::indexer_loss_full_fwd``). The default for every teacher (one or several key heads; the
-latter's storing forward: ``indexer/triton/fwd_gqa_store.py`` where the GQA kernel's plan applies).
+``streamkl::indexer_loss_full_fwd``). The default for one key head, and for several where the step computes the LSEs
+or has row weights (their storing forward: ``indexer/triton/fwd_gqa_store.py`` where the GQA kernel's plan applies).
 Per-row weights (``row_weights``, ``training/row_weights.py``) are its gradient kernel's per-row g."""
 from __future__ import annotations
 
