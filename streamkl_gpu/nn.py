@@ -116,11 +116,14 @@ class IndexerKLLoss(torch.nn.Module):
         reduction: ``"none"`` (float32 ``[B, N_Q]``), ``"sum"``, or ``"mean"`` over the rows with
             at least one visible key (Megatron's reduction); passed to the function.
 
-    ``forward(q, k, q_idx, k_idx, weights, topk_indices=None, lse=None)``: teacher
+    ``forward(q, k, q_idx, k_idx, weights, topk_indices=None, lse=None, row_weights=None)``: teacher
     ``q [B, H, N_Q, D]``, ``k [B, H_K, N_K, D]`` (a constant: no gradient), indexer
     ``q_idx [B, H_I, N_Q, D_I]``, ``k_idx [B, H_KI, N_K, D_I]``, ``weights [B, H_I, N_Q]``;
     ``topk_indices [B, N_Q, K]`` int32/int64 with ``-1`` for an unused slot; ``lse`` the teacher's
-    optional LSEs (float32 ``[B, H, N_Q]``, natural log; over each row's set with ``topk_indices``).
+    optional LSEs (float32 ``[B, H, N_Q]``, natural log; over each row's set with ``topk_indices``);
+    ``row_weights`` optional per-row weights ``[B, N_Q]`` known at forward time (per-token loss
+    weights, masked rows: the loss of ``row_weights * KL``; the dense training step keeps its
+    forward-formed gradient with them).
     """
 
     def __init__(self, *, causal: bool = False, scale: Optional[float] = None, relu: bool = True,
@@ -133,10 +136,11 @@ class IndexerKLLoss(torch.nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, k_idx: torch.Tensor,
                 weights: torch.Tensor, topk_indices: Optional[torch.Tensor] = None,
-                lse: Optional[torch.Tensor] = None) -> torch.Tensor:
+                lse: Optional[torch.Tensor] = None, row_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         from . import indexer_kl, indexer_kl_topk
 
-        options = dict(causal=self.causal, scale=self.scale, relu=self.relu, lse=lse, reduction=self.reduction)
+        options = dict(causal=self.causal, scale=self.scale, relu=self.relu, lse=lse, reduction=self.reduction,
+                       row_weights=row_weights)
         if topk_indices is None:
             return indexer_kl(q, k, q_idx, k_idx, weights, **options)
         return indexer_kl_topk(q, k, q_idx, k_idx, weights, topk_indices, **options)

@@ -159,6 +159,29 @@ def test_options_megatron_0_16_lacks(case):
         assert_matches(f"d{n}", grads[n], ref_grads[n], fp32_grads[n], ref_grads[n])
 
 
+@pytest.mark.parametrize("valid_rows", [False, True], ids=["all-rows", "valid-rows"])
+def test_dense_training_step_forms_the_gradient_in_the_forward(monkeypatch, valid_rows):
+    """The dense loss reaches indexer_kl with a scalar reduction (the valid-row mask as row
+    weights), so its training step takes the chunk design: the teacher's LSEs by one pass, the
+    gradient formed in the forward, and no recomputing backward (the teacher read a third time)."""
+    from streamkl_gpu.indexer import host as idx_host
+    from streamkl_gpu.indexer.training import chunk as idx_chunk
+
+    calls = []
+    full, bwd = idx_chunk._forward_full, idx_host._backward
+    monkeypatch.setattr(idx_chunk, "_forward_full", lambda *a: calls.append("full") or full(*a))
+    monkeypatch.setattr(idx_host, "_backward", lambda *a, **k: calls.append("recompute") or bwd(*a, **k))
+    case = dict(BASE, seed=6, mqa=True, valid_rows=valid_rows)
+    t = tp_worker.make_case(case)
+    loss, grads = streamed(case, t)
+    assert calls and set(calls) == {"full"}, calls
+    ref_loss, ref_grads = dense_reference(case, t)
+    fp32_loss, fp32_grads = dense_reference(case, t, dtype=torch.float32)
+    assert_matches("loss", loss, ref_loss, fp32_loss, ref_loss)
+    for n in INDEXER:
+        assert_matches(f"d{n}", grads[n], ref_grads[n], fp32_grads[n], ref_grads[n])
+
+
 def test_packed_documents_loop_from_the_docs():
     """docs/integrations.md's per-document loop equals the block-diagonal causal definition."""
     with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "integrations.md")) as f:

@@ -109,6 +109,33 @@ def test_indexer_module_passes_lse():
     assert_same(run(lambda *ins: loss(*ins, lse=lse), xs, INDEXER), want)
 
 
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "topk"])
+def test_indexer_module_passes_row_weights(sparse):
+    """Per-row weights reach the function; the top-k loss weights its rows as the dense one does
+    (``row_weights * KL``, the "mean" divisor unchanged), in the loss and the gradients."""
+    xs = indexer_inputs(seed=11 + sparse)
+    topk = topk_sets(9, 9, 5, seed=13) if sparse else None
+    w = torch.linspace(0.0, 2.0, 9).reshape(1, 9)  # a zero weight among them: a masked row
+    options = dict(causal=True, scale=0.2, relu=True)
+
+    def function(*ins, reduction, row_weights=None):
+        kw = dict(options, reduction=reduction, row_weights=row_weights)
+        return indexer_kl_topk(*ins, topk, **kw) if sparse else indexer_kl(*ins, **kw)
+
+    rows = function(*xs, reduction="none")
+    assert torch.equal(function(*xs, reduction="none", row_weights=w), rows * w)
+    for reduction in ("sum", "mean"):
+        loss = IndexerKLLoss(**options, reduction=reduction)
+        got = run(lambda *ins: loss(*ins, topk, row_weights=w), xs, INDEXER)
+        assert_same(got, run(lambda *ins: function(*ins, reduction=reduction, row_weights=w), xs, INDEXER))
+        by_hand = run(lambda *ins: reduce_by_hand(function(*ins, reduction="none") * w, reduction, 9), xs, INDEXER)
+        torch.testing.assert_close(got[0], by_hand[0], rtol=1e-5, atol=1e-6)
+        for a, b in zip(got[1], by_hand[1]):
+            assert (a is None) == (b is None)
+            if a is not None:
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 def test_torch_compile_fullgraph():
     """Both modules in one compiled step: no graph break (fullgraph), the eager loss and gradients."""
     att_xs, idx_xs = attention_inputs(seed=11), indexer_inputs(seed=11)

@@ -24,6 +24,7 @@ from streamkl_ref._checks import check_indexer_inputs
 from streamkl_gpu._core import checks as _checks
 from streamkl_gpu._core import runtime as _runtime
 from streamkl_gpu._core import tuning as _tuning
+from streamkl_gpu.indexer.training.row_weights import check_row_weights as _check_row_weights
 from streamkl_gpu.indexer.triton import topk as _kernels
 from streamkl_gpu.indexer.plan import _check, _fresh, _pow2, _rows_with_keys, _student_grads
 
@@ -227,7 +228,7 @@ _topk_fwd_op.register_autograd(_topk_backward, setup_context=_setup_context)
 # ----------------------------------------------------------------------------------------------
 
 def indexer_kl_topk(q, k, q_idx, k_idx, weights, topk_indices, *, causal=False, scale=None, relu=True,
-                    lse=None, reduction="none"):
+                    lse=None, reduction="none", row_weights=None):
     """The sparse stage's indexer loss: per row, ``KL(p_S || softmax_S(I))`` over the row's set ``S``.
 
     ``S_t`` = the keys listed in ``topk_indices[b, t]`` that row ``t`` sees (with ``causal``, keys
@@ -251,6 +252,9 @@ def indexer_kl_topk(q, k, q_idx, k_idx, weights, topk_indices, *, causal=False, 
             prefill's ``softmax_lse``), *not* a dense FlashAttention's full-row LSE (that one
             gives wrong rows: the target then sums to less than 1). Given, the forward skips its
             first pass over the teacher. Shape, dtype and device are checked, values are not.
+        row_weights: optional ``[B, N_Q]`` per-row weights (a constant, as in :func:`indexer_kl`):
+            rows ``row_weights * KL``, summed by ``"sum"``, divided by the rows with a visible key
+            by ``"mean"``. The backward gets ``g * row_weights`` per row.
 
     Returns:
         float32 KL in nats; rows with an empty set give 0 and zero gradient. Differentiable in
@@ -261,7 +265,10 @@ def indexer_kl_topk(q, k, q_idx, k_idx, weights, topk_indices, *, causal=False, 
     if dims.HI > MAX_TOPK_INDEXER_HEADS:
         raise ValueError(f"q_idx has {dims.HI} heads; indexer_kl_topk supports up to {MAX_TOPK_INDEXER_HEADS}")
     _check_topk(topk_indices, dims, q.device)
+    row_weights = _check_row_weights(row_weights, dims, q.device)
     kl = _topk_fwd_op(q, k, q_idx, k_idx, weights, topk_indices, lse, causal, dims.scale, relu)[0]
+    if row_weights is not None:
+        kl = kl * row_weights
     if reduction == "none":
         return kl
     total = kl.sum()

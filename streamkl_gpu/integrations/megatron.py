@@ -249,16 +249,17 @@ def dsa_indexer_loss(q, weights, k, topk_indices, query, key, softmax_scale, los
         index_k = k[:stop].permute(1, 0, 2).unsqueeze(1)
         index_w = weights[start:stop].permute(1, 2, 0)
         options = dict(causal=True, scale=float(softmax_scale), relu=use_relu)
+        # the chunk's summed loss, the valid-row mask as row weights: a scalar reduction lets the
+        # dense loss's training step form the whole gradient in its forward
+        options.update(reduction="sum", row_weights=None if valid is None else valid[:, start:stop].float())
         if sparse_loss:
             sets = topk_indices[:, start:stop]
             rows = torch.arange(start, stop, device=sets.device).view(1, n, 1)
             sets = sets.masked_fill(sets > rows, -1)  # past the diagonal (or past the prefix): unused
-            kl = indexer_kl_topk(teacher_q, teacher_k, index_q, index_k, index_w, sets, **options)
+            chunk_loss = indexer_kl_topk(teacher_q, teacher_k, index_q, index_k, index_w, sets, **options)
         else:
-            kl = indexer_kl(teacher_q, teacher_k, index_q, index_k, index_w, **options)
-        if valid is not None:
-            kl = kl * valid[:, start:stop]
-        total = total + kl.sum()
+            chunk_loss = indexer_kl(teacher_q, teacher_k, index_q, index_k, index_w, **options)
+        total = total + chunk_loss
         offset += n
     if world > 1:
         total = _SumOverGroup.apply(group, total)
