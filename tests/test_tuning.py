@@ -183,3 +183,193 @@ def test_a_long_call_is_its_own_measurement(monkeypatch):
 
     assert _tuning._time_candidates(("long",), [a, b], launch=launch) == b
     assert calls == [b]
+
+
+# ----------------------------------------------------------------------------------------------
+# Measured tuning is opt-in; the shape rule picks without timing; the cache's key and a
+# read-only cache directory.
+# ----------------------------------------------------------------------------------------------
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("value, on", [(None, False), ("0", False), ("", False), ("1", True)])
+def test_measured_tuning_is_opt_in(monkeypatch, value, on):
+    monkeypatch.setattr(_tuning, "interpreting", lambda: False)  # as on a GPU
+    if value is None:
+        monkeypatch.delenv("STREAMKL_AUTOTUNE", raising=False)
+    else:
+        monkeypatch.setenv("STREAMKL_AUTOTUNE", value)
+    assert _tuning.autotune_enabled() is on
+
+
+def test_untuned_pick_times_nothing(monkeypatch):
+    monkeypatch.setattr(_tuning, "autotune_enabled", lambda: False)
+    monkeypatch.setattr(_tuning, "_time_candidates", lambda *a: pytest.fail("timed without STREAMKL_AUTOTUNE=1"))
+    assert _tuning.pick(("k",), CANDS, launch=lambda c: pytest.fail("launched")) == CANDS[0]
+
+
+def _cited_row(csv, prefix):
+    path = os.path.join(ROOT, csv)
+    assert os.path.isfile(path), f"{csv} is not committed"
+    with open(path) as fh:
+        rows = [line for line in fh if line.startswith(prefix)]
+    assert rows, f"{csv} has no row starting {prefix!r}"
+    return rows[0]
+
+
+@pytest.mark.parametrize("rule", attn_configs.SHAPE_RULES, ids=lambda r: f"{r[0]}:{'/'.join(r[1])}")
+def test_each_shape_rule_cites_a_committed_row_naming_its_config(rule):
+    kernel, cls, cfg, csv, prefix, _why = rule
+    row = _cited_row(csv, prefix)
+    if kernel == "fwd":  # bench rows name a forward config as cfg=BM/BN/warps/stages/tma
+        assert "cfg=" + "/".join(str(x) for x in cfg) + "," in row
+    else:  # the backward bench prints the plan the API picked: mode/(dK cfg)/(dQ cfg)
+        assert "(" + ",".join(repr(x) for x in cfg) + ")" in row, row
+        mode = cls[2]
+        assert f"plan={mode}/" in row
+
+
+@pytest.fixture
+def on_gpu(monkeypatch):
+    """Candidate lists as on a Hopper GPU (the interpreter has one candidate per kernel)."""
+    monkeypatch.setattr(attn_configs, "interpreting", lambda: False)
+    monkeypatch.setattr(_tuning, "interpreting", lambda: False)
+    monkeypatch.delenv("STREAMKL_BWD_VARIANT", raising=False)
+
+
+def _rule(kernel, cls):
+    return next(r[2] for r in attn_configs.SHAPE_RULES if r[0] == kernel and r[1] == cls)
+
+
+@pytest.mark.parametrize("few", [False, True])
+@pytest.mark.parametrize("both", [False, True])
+def test_the_separate_backward_runs_the_rules_configs_untimed(on_gpu, both, few):
+    side = "both sides" if both else "one side"
+    for kind in ("dk", "dq"):
+        cands = attn_configs.bwd_variant_candidates(128, both, kind, tma=True, few=few, n_q=8192)
+        assert cands[0] == _rule("bwd_" + kind, ("d<=128", "tma", "separate", side))
+        assert len(set(cands)) == len(cands)
+        if few:  # long problems: the rule's config and the old ones
+            assert len(cands) <= 3
+
+
+def test_the_fused_backward_rule_depends_on_the_query_rows(on_gpu):
+    short = attn_configs.bwd_variant_candidates(128, False, "dk", tma=True, fused=True, n_q=16)
+    long = attn_configs.bwd_variant_candidates(128, False, "dk", tma=True, fused=True, n_q=8192)
+    assert short[0] == (32, 128, 8, 3, "ptr") and long[0] == (64, 128, 8, 2, "tma+trans+fold+rows+reduce")
+
+
+def test_classes_without_a_rule_keep_their_order(on_gpu):
+    assert attn_configs.bwd_variant_candidates(128, False, "dk", ieee=True, tma=True)[0][-1] == "ptr"
+    no_tma = attn_configs.bwd_variant_candidates(128, False, "dk", tma=False)
+    assert no_tma == attn_configs.rule_first(no_tma, "bwd_dk", ("no", "such", "class"))
+
+
+@pytest.mark.parametrize("causal, cfg", [(False, (128, 32, 8, 3, True)), (True, (128, 64, 8, 3, True))])
+def test_the_forward_rule_at_d128(on_gpu, causal, cfg):
+    dims = check_inputs(*make_inputs(1, 8, 8, 8, 8, 8, 16, 16))
+    assert attn_configs.fwd_candidates(dims, 128, False, tma=True, causal=causal)[0] == cfg
+
+
+def test_the_cache_is_keyed_by_gpu_torch_triton_and_streamkl(monkeypatch, tmp_path):
+    import torch
+    import triton
+
+    import streamkl_ref
+
+    monkeypatch.setenv("STREAMKL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("STREAMKL_TUNING_CACHE", raising=False)
+    monkeypatch.setattr(_tuning._runtime, "device_name", lambda device: "GPU A")
+    base, env = _tuning._disk_cache_dir(None)
+    assert env == {"gpu": "GPU A", "torch": torch.__version__, "triton": triton.__version__,
+                   "streamkl": streamkl_ref.__version__}
+    assert os.path.dirname(base) == str(tmp_path)
+    seen = {base}
+    monkeypatch.setattr(_tuning._runtime, "device_name", lambda device: "GPU B")
+    seen.add(_tuning._disk_cache_dir(None)[0])
+    for module in (torch, triton, streamkl_ref):
+        monkeypatch.setattr(module, "__version__", module.__version__ + ".other")
+        seen.add(_tuning._disk_cache_dir(None)[0])
+    assert len(seen) == 5  # each of the four changes the directory
+
+
+@pytest.mark.parametrize("how", ["under a file", "read-only"])
+def test_a_read_only_cache_directory_stores_nothing_and_fails_nothing(tuner, tmp_path, monkeypatch, how):
+    _, timed = tuner
+    if how == "under a file":  # makedirs fails for any user, root included
+        blocker = tmp_path / "not-a-dir"
+        blocker.write_text("")
+        root = blocker / "streamkl"
+    else:
+        root = tmp_path / "ro"
+        root.mkdir()
+        os.chmod(root, 0o555)
+        if os.access(root, os.W_OK):  # root ignores the mode bits: make the store itself fail
+            monkeypatch.setattr(_tuning.tempfile, "mkstemp",
+                                lambda **kw: (_ for _ in ()).throw(PermissionError(13, "read-only", kw["dir"])))
+    monkeypatch.setenv("STREAMKL_CACHE_DIR", str(root))
+    assert _tuning.pick(("ro",), CANDS, launch="real") == CANDS[-1]
+    assert len(timed) == 1
+    assert not [p for p in tmp_path.rglob("*.json")]
+    _tuning._TUNED.clear()  # the next process tunes again (nothing was stored), and still works
+    assert _tuning.pick(("ro",), CANDS, launch="real") == CANDS[-1]
+    assert len(timed) == 2
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_long_backward_is_timed_on_a_bounded_slice(monkeypatch, causal):
+    """Measured tuning of a backward past TUNING_WORK_LIMIT launches its candidates on the slice
+    ``tuning_slice`` names (the first rows and the keys they see), never on the whole problem,
+    and the real call still gets the whole problem's gradients. The limit and the slice are
+    scaled down so that the interpreter can run it."""
+    import torch
+
+    import streamkl_gpu
+    from streamkl_gpu.attention import launch as _launch
+
+    from _gpu_helpers import reference, rel_err
+
+    nq = nk = 48
+    xs = make_inputs(1, 2, 2, 2, nq, nk, 16, 16, seed=3)
+    g = torch.randn(1, 2, nq, generator=torch.Generator().manual_seed(4))
+    monkeypatch.setattr(_launch, "tuning_slice", lambda dims, c: (16, 16 + dims.NK - dims.NQ))
+    monkeypatch.setattr(_launch, "autotune_enabled", lambda: True)
+    monkeypatch.setattr(_tuning, "autotune_enabled", lambda: True)
+    monkeypatch.setattr(_tuning, "_TUNED", {})
+    monkeypatch.setenv("STREAMKL_TUNING_CACHE", "0")
+    monkeypatch.setenv("STREAMKL_AUTOTUNE", "1")  # a signature of its own (no plan from another test)
+    real = _launch.bwd_variant_candidates
+    monkeypatch.setattr(_launch, "bwd_variant_candidates", lambda *a, **kw: real(*a, **kw) * 2)  # two to "time"
+    launches = []
+    real_launch = _launch.fast_launch
+
+    def recording(kernel, grid, args, *rest, **kw):
+        if "bwd" in kernel.__name__:
+            launches.append((kernel.__name__, grid))
+        return real_launch(kernel, grid, args, *rest, **kw)
+
+    monkeypatch.setattr(_launch, "fast_launch", recording)
+    timed = []
+
+    def fake_time(key, candidates, launch):
+        launch(candidates[0])
+        timed.append(len(launches))
+        return candidates[0]
+
+    monkeypatch.setattr(_tuning, "_time_candidates", fake_time)
+    ins = [x.clone().requires_grad_(i >= 2) for i, x in enumerate(xs)]  # setting 1
+    streamkl_gpu.attention_kl(*ins, causal=causal, bwd_mode="separate").backward(g)
+    assert len(timed) == 2  # dK and dQ picks
+    block = _runtime_block()
+    tuning, real_call = launches[:timed[-1]], launches[timed[-1]:]
+    assert tuning and all(grid[0] == 16 // block for _, grid in tuning), tuning  # 16 rows / keys only
+    assert {grid[0] for _, grid in real_call} == {nq // block}
+    _, _, _, ref = reference(xs, g, causal=causal)
+    for name, x in (("dq2", ins[2]), ("dk2", ins[3])):
+        assert rel_err(x.grad, ref[name]) <= 1e-5, name
+
+
+def _runtime_block():
+    from streamkl_gpu._core import runtime as _runtime
+    assert _runtime.INTERPRETER_BLOCK[0] == _runtime.INTERPRETER_BLOCK[1]
+    return _runtime.INTERPRETER_BLOCK[0]

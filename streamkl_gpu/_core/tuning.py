@@ -1,8 +1,8 @@
 """Launch configurations: a few candidates per shape class, timed once per key on the GPU.
 
 A small hand-rolled tuner (``triton.autotune`` cannot run in the interpreter, and pruning by shape
-keeps the tuning cost to a handful of compiles). ``STREAMKL_AUTOTUNE=0`` takes the first
-candidate. The tuner and its disk cache only: the attention kernels' candidate lists and automatic
+keeps the tuning cost to a handful of compiles), opt-in with ``STREAMKL_AUTOTUNE=1``; by default
+the first candidate runs untimed (the shape rule's config, ``attention.configs.SHAPE_RULES``). The tuner and its disk cache only: the attention kernels' candidate lists and automatic
 rules are in ``streamkl_gpu/attention/configs.py``, the indexer's in ``streamkl_gpu/indexer/configs.py``.
 """
 from __future__ import annotations
@@ -26,7 +26,8 @@ def bucket(n: int) -> int:
 
 
 def autotune_enabled() -> bool:
-    return not interpreting() and _runtime.env("STREAMKL_AUTOTUNE", "1") != "0"
+    """Measured tuning is opt-in: ``STREAMKL_AUTOTUNE=1`` (never under the interpreter)."""
+    return not interpreting() and _runtime.env("STREAMKL_AUTOTUNE", "0") not in ("0", "")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -95,7 +96,8 @@ def pick(key, candidates, launch, proxy=None, device=None):
 
     ``launch(cfg)`` runs the real problem with ``cfg``; ``proxy(cfg)``, when given, a bounded slice
     of it with the same kernels (then the candidates are timed on the slice). Nothing else is
-    launched. ``STREAMKL_AUTOTUNE=0`` (and the interpreter) take the first candidate.
+    launched. Without ``STREAMKL_AUTOTUNE=1`` (and always in the interpreter) the first
+    candidate, untimed: the shape rule's choice (``rule_first``), the one kernel compiled.
     """
     if len(candidates) == 1 or not autotune_enabled():
         return candidates[0]

@@ -1,7 +1,12 @@
 """The attention kernels' launch configurations: the forward and backward candidate lists the tuner
 times (pruned by shape), the backward kernel variants, and the automatic rules ``auto_split_k``
 (forward key splits) and ``auto_bwd_mode`` (fused or separate backward), read off the H200
-measurements in ``bench/results/``."""
+measurements in ``bench/results/``.
+
+By default nothing is timed: the first candidate of each shape class runs, and ``SHAPE_RULES``
+(measured winners, each citing the committed CSV row that justifies it) put the winner first,
+so a new shape compiles only the kernels it runs. ``STREAMKL_AUTOTUNE=1`` opts into measured
+tuning (``streamkl_gpu/_core/tuning.py``), on a bounded slice of long problems."""
 from __future__ import annotations
 
 from streamkl_gpu._core import runtime as _runtime
@@ -26,6 +31,46 @@ _IEEE_CONFIG = (32, 32, 4, 2)
 TUNING_WORK_LIMIT = 32 * 16384 * 16384 * 256
 
 
+# The shape rule: what runs untimed (the default) is the first candidate of a shape class, and
+# these entries move the measured winner of a class to the front. Each cites the committed CSV
+# and the first characters of the row that justify it (tests/test_tuning.py checks that the file
+# holds that row and that the row names the config). Classes without an entry keep their list's
+# order. (kernel, class, config, CSV, row prefix, what the row shows)
+_BWD_MUSTS = "bench/results/2026-12-01_h200_3ab8703/bwd_musts.csv"
+_FWD_TMA = "bench/results/2026-11-29_h200_97028b2/fwd_tma_configs.csv"
+SHAPE_RULES = (
+    ("fwd", ("d128", "tma", "full"), (128, 32, 8, 3, True), _FWD_TMA,
+     "fwd,streamkl cfg=128/32/8/3/True,fwd,0,16384,16384,", "16K non-causal 12.07 ms, the best config there"),
+    ("fwd", ("d128", "tma", "causal"), (128, 64, 8, 3, True), _FWD_TMA,
+     "fwd,streamkl cfg=128/64/8/3/True,fwd,1,16384,16384,", "16K causal 5.87 ms, the best config there"),
+    ("bwd_dk", ("d<=128", "tma", "separate", "one side"), (64, 128, 8, 3, "tma+trans+fold+rows"), _BWD_MUSTS,
+     "bwd,auto,N=8K s1,", "the tuned plan at 8K/16K, causal or not, s1 and s2, GQA, D1 != D2"),
+    ("bwd_dq", ("d<=128", "tma", "separate", "one side"), (128, 64, 8, 3, "tma+fold"), _BWD_MUSTS,
+     "bwd,auto,N=8K s1,", "the same rows"),
+    ("bwd_dk", ("d<=128", "tma", "separate", "both sides"), (32, 64, 4, 3, "tma+trans+fold+rows"), _BWD_MUSTS,
+     "bwd,auto,both N=8K,", "the tuned plan at 8K, causal or not"),
+    ("bwd_dq", ("d<=128", "tma", "separate", "both sides"), (64, 32, 4, 3, "tma+fold"), _BWD_MUSTS,
+     "bwd,auto,both N=8K,", "the same rows"),
+    ("bwd_dk", ("d<=128", "tma", "fused", "one side", "long queries"), (64, 128, 8, 2, "tma+trans+fold+rows+reduce"),
+     _BWD_MUSTS, "bwd,auto,nq512 nk32K s2,", "the tuned plan at N_Q 512 x N_K 32K"),
+    ("bwd_dk", ("d<=128", "tma", "fused", "one side", "short queries"), (32, 128, 8, 3, "ptr"), _BWD_MUSTS,
+     "bwd,auto,nq16 nk32K s1,", "the tuned plan at N_Q 16 x N_K 32K"),
+)
+_RULES = {(kernel, cls): cfg for kernel, cls, cfg, *_ in SHAPE_RULES}
+# fused dK: N_Q below this is "short queries" (measured at 16 and 512 only; the boundary between
+# them is a guess: one or two query tiles per key tile, where a TMA reduce-add per tile buys little)
+RULE_SHORT_QUERIES = 256
+
+
+def rule_first(candidates, kernel, cls):
+    """``candidates`` with the shape rule's config for ``(kernel, cls)`` first (added when the
+    list lacks it); unchanged where no rule entry covers the class."""
+    cfg = _RULES.get((kernel, cls))
+    if cfg is None:
+        return list(candidates)
+    return [cfg] + [c for c in candidates if c != cfg]
+
+
 def tuning_slice(dims, causal):
     """``(n_q, n_k)`` of a bounded slice of the problem to time candidates on, or None (time the
     problem itself). The slice keeps every batch and head, the first ``n_q`` query rows and the
@@ -46,7 +91,7 @@ def tuning_slice(dims, causal):
     return nq, (min(dims.NK, nq + max(0, dims.NK - dims.NQ)) if causal else min(dims.NK, 16384))
 
 
-def fwd_candidates(dims, d_pad, split, ieee=False, tma=False):
+def fwd_candidates(dims, d_pad, split, ieee=False, tma=False, causal=False):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages, use_tma) candidates, pruned by shape.
 
     ``tma``: the key tensors can be read through TMA descriptors (Hopper, aligned strides). At
@@ -76,7 +121,8 @@ def fwd_candidates(dims, d_pad, split, ieee=False, tma=False):
         tma_cands = [(64, 64, 4, 2), (64, 32, 4, 3)]
     if not tma:
         return [c + (False,) for c in cands]
-    return [c + (True,) for c in tma_cands] + ([] if tma_only else [c + (False,) for c in cands])
+    cands = [c + (True,) for c in tma_cands] + ([] if tma_only else [c + (False,) for c in cands])
+    return rule_first(cands, "fwd", ("d128", "tma", "causal" if causal else "full")) if tma_only else cands
 
 
 def bwd_candidates(d_pad, both, kind, ieee=False):
@@ -126,7 +172,7 @@ def bwd_variant(forced=None):
     return name
 
 
-def bwd_variant_candidates(d_pad, both, kind, ieee=False, tma=False, fused=False, few=False):
+def bwd_variant_candidates(d_pad, both, kind, ieee=False, tma=False, fused=False, few=False, n_q=None):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages, variant) of the dK (``kind="dk"``) or dQ kernel.
 
     The old configs (``bwd_candidates``, variant "ptr") stay candidates; with TMA-capable inputs
@@ -134,7 +180,8 @@ def bwd_variant_candidates(d_pad, both, kind, ieee=False, tma=False, fused=False
     measures them against each other): FlashAttention-2/3's choice at D = 128 for the key-stationary
     loop is 128 keys x 64 queries, 8 warps; the dQ loop 128 queries x 64 keys. ``few`` (problems
     past TUNING_WORK_LIMIT, where the backward is timed on the whole problem): one new candidate,
-    so that a first call at long N pays one more timing, not three.
+    so that a first call at long N pays one more timing, not three. The shape rule's config
+    (``SHAPE_RULES``; ``n_q``: the query rows, for the fused dK's classes) comes first.
     """
     forced = bwd_variant()
     if forced is not None:
@@ -182,9 +229,16 @@ def bwd_variant_candidates(d_pad, both, kind, ieee=False, tma=False, fused=False
             names = ["trans+fold"]
     else:
         names = ["tma+fold"] if tma else ["fold"]
-    if few:
-        return old + [tiles[0] + (names[0],)]
-    return old + [tiles[0] + (n,) for n in names] + [tiles[1] + (names[0],)]
+    if few:  # with a rule entry: the rule's config and the old ones
+        cands = old + [tiles[0] + (names[0],)]
+    else:
+        cands = old + [tiles[0] + (n,) for n in names] + [tiles[1] + (names[0],)]
+    if not tma or d_pad > 128:
+        return cands
+    cls = ("d<=128", "tma", "fused" if fused else "separate", "both sides" if both else "one side")
+    if fused:
+        cls += ("short queries" if n_q is not None and n_q < RULE_SHORT_QUERIES else "long queries",)
+    return rule_first(cands, "bwd_" + kind, cls)[:len(cands)]
 
 
 def _kernel_variant(name, kind, fused):

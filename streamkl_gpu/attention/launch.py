@@ -21,7 +21,7 @@ from streamkl_gpu._core.launcher import launch as fast_launch
 from streamkl_gpu.attention.gluon.dispatch import device_capability, fwd_backend, gluon_forward, use_gluon
 from streamkl_gpu._core.checks import check_bwd_mode, check_tensors, compute_view, head_pad, is_empty, strides
 from streamkl_gpu._core.runtime import LOG2E, TensorDescriptor, cdiv, fresh, interpreting, n_sm, tma_ok
-from streamkl_gpu._core.tuning import UnusableConfig, bucket, pick
+from streamkl_gpu._core.tuning import UnusableConfig, autotune_enabled, bucket, pick
 from streamkl_gpu.attention.configs import TMA_MIN_KEYS, auto_bwd_mode, bwd_streams, bwd_variant, bwd_variant_candidates, fwd_candidates, split_choices, tuning_slice
 
 
@@ -166,7 +166,7 @@ def _forward_config(q1, k1, q2, k2, dims, causal, split_k, d1_pad, d2_pad):
                  n_sm=n_sm(device)):
         return GLUON
     # one pass: the usual tiles; split keys (short query blocks): the split kernel's small query tiles
-    candidates = [c + (s,) for s in splits for c in fwd_candidates(dims, d_pad, s > 1, ieee, tma)]
+    candidates = [c + (s,) for s in splits for c in fwd_candidates(dims, d_pad, s > 1, ieee, tma, causal)]
     if len(candidates) == 1:
         return candidates[0]
     launch = _fwd_runner(q1, k1, q2, k2, dims, causal, _fwd_outputs(dims, device), d1_pad, d2_pad)
@@ -231,6 +231,18 @@ def _row_constants(dims, g, kl, lse1_bits, lse2_bits, block_m, packed, both, dev
     return TensorDescriptor(rows, [6, BH, dims.NQ], list(rows.stride()), [1, 1, block_m])
 
 
+def _backward_proxy(sliced, dims, q1, k1, q2, k2, g, kl, lse1_bits, lse2_bits):
+    """The problem the backward's candidates are timed on when the whole one is past
+    TUNING_WORK_LIMIT (``tuning_slice``): the first ``n_q`` query rows and the keys they see, as
+    views of the inputs, with their row values copied contiguous ([B, H, n_q], what the kernels
+    index). The forward slices the same way; timing the whole problem instead ran every candidate
+    twice at full size (13 backward passes at N = 1M before the first real one)."""
+    nq, nk = sliced
+    rows = [t[:, :, :nq].contiguous() for t in (g, kl, lse1_bits, lse2_bits)]
+    return dict(dims=replace(dims, NQ=nq, NK=nk), q1=q1[:, :, :nq], k1=k1[:, :, :nk], q2=q2[:, :, :nq],
+                k2=k2[:, :, :nk], g=rows[0], kl=rows[1], lse1_bits=rows[2], lse2_bits=rows[3])
+
+
 def _empty_backward(dims, q1, k1, q2, k2, train1, train2):
     """Zero gradients (no visible key anywhere) or empty ones (no row, no key)."""
     def zeros(train, x):
@@ -277,7 +289,7 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
 
     # dK outputs: direct (one query head per key head), fp32 atomics into the key head (GQA,
     # default) or per-query-head fp32 buffers summed in a fixed order (GQA, deterministic).
-    def dk_buffer(train, k, group, d):
+    def dk_buffer(train, k, group, d, dims=dims):
         if not train:
             return None, False
         if group == 1:
@@ -286,18 +298,21 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
             return fresh((dims.B, dims.H, dims.NK, d), torch.float32, device), False
         return torch.zeros((dims.B, k.shape[1], dims.NK, d), dtype=torch.float32, device=device), True
 
-    def dq_buffer(train, q, d):
+    def dq_buffer(train, q, d, dims=dims):
         if not train:
             return None
         if fused:
             return torch.zeros((dims.B, dims.H, dims.NQ, d), dtype=torch.float32, device=device)
         return fresh((dims.B, dims.H, dims.NQ, d), q.dtype, device)
 
-    def run(cfg_dk, cfg_dq, plan_key=None):  # plan_key: as in _fwd_runner (direct launches)
-        dk1, dk1_atomic = dk_buffer(train1, k1, dims.group1, dims.D1)
-        dk2, dk2_atomic = dk_buffer(train2, k2, dims.group2, dims.D2)
-        dq1 = dq_buffer(train1, q1, dims.D1)
-        dq2 = dq_buffer(train2, q2, dims.D2)
+    # plan_key: as in _fwd_runner (direct launches); the keywords: the problem run (the tuner's
+    # bounded slice of a long one, _backward_proxy, or by default this call's own)
+    def run(cfg_dk, cfg_dq, plan_key=None, dims=dims, q1=q1, k1=k1, q2=q2, k2=k2, g=g, kl=kl, lse1_bits=lse1_bits,
+            lse2_bits=lse2_bits):
+        dk1, dk1_atomic = dk_buffer(train1, k1, dims.group1, dims.D1, dims)
+        dk2, dk2_atomic = dk_buffer(train2, k2, dims.group2, dims.D2, dims)
+        dq1 = dq_buffer(train1, q1, dims.D1, dims)
+        dq2 = dq_buffer(train2, q2, dims.D2, dims)
         t_dk1, t_dk2 = (dk1 if dk1 is not None else dummy), (dk2 if dk2 is not None else dummy)
         t_dq1, t_dq2 = (dq1 if dq1 is not None else dummy), (dq2 if dq2 is not None else dummy)
 
@@ -363,9 +378,11 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
         # TMA descriptors for every operand tile (and the fused dQ's reduce-add into its fp32
         # buffer, rows of D * 4 bytes: D % 4 == 0)
         tma = all(tma_ok(t) for t in (q1, k1, q2, k2)) and dims.D1 % 4 == 0 and dims.D2 % 4 == 0
-        few = tuning_slice(dims, causal) is not None  # long problems: tuned on themselves, so fewer candidates
-        dk_cands = bwd_variant_candidates(max(d1_pad, d2_pad), both, "dk", ieee1 or ieee2, tma, fused, few)
-        dq_cands = bwd_variant_candidates(max(d1_pad, d2_pad), both, "dq", ieee1 or ieee2, tma, fused, few)
+        sliced = tuning_slice(dims, causal)
+        few = sliced is not None  # long problems: fewer candidates (each compiles), timed on a bounded slice
+        dk_cands = bwd_variant_candidates(max(d1_pad, d2_pad), both, "dk", ieee1 or ieee2, tma, fused, few, dims.NQ)
+        dq_cands = bwd_variant_candidates(max(d1_pad, d2_pad), both, "dq", ieee1 or ieee2, tma, fused, few, dims.NQ)
+        on = {} if sliced is None or not autotune_enabled() else _backward_proxy(sliced, dims, q1, k1, q2, k2, g, kl, lse1_bits, lse2_bits)
         base_key = (dims.D1, dims.D2, q1.dtype, q2.dtype, causal, train1, train2,
                     bucket(dims.NQ), bucket(dims.NK), bucket(BH), dims.group1 > 1, dims.group2 > 1,
                     tma, bwd_variant())
@@ -380,10 +397,10 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
                     raise UnusableConfig(f"{cfg}: {type(exc).__name__}: {exc}") from exc
             return attempt
 
-        cfg_dk = pick(("bwd_dk", fused) + base_key, dk_cands, tolerant(lambda c: run(c, dq_cands[0])),
+        cfg_dk = pick(("bwd_dk", fused) + base_key, dk_cands, tolerant(lambda c: run(c, dq_cands[0], **on)),
                       device=device)
         cfg_dq = (dq_cands[0] if fused else
-                  pick(("bwd_dq",) + base_key, dq_cands, tolerant(lambda c: run(cfg_dk, c)), device=device))
+                  pick(("bwd_dq",) + base_key, dq_cands, tolerant(lambda c: run(cfg_dk, c, **on)), device=device))
         plan = _remember(sig, (mode, cfg_dk, cfg_dq))
     dq1, dk1, dq2, dk2 = run(plan[1], plan[2], plan_key=sig)
 
