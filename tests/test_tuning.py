@@ -373,3 +373,12 @@ def _runtime_block():
     from streamkl_gpu._core import runtime as _runtime
     assert _runtime.INTERPRETER_BLOCK[0] == _runtime.INTERPRETER_BLOCK[1]
     return _runtime.INTERPRETER_BLOCK[0]
+
+
+def test_a_packed_batch_past_the_work_limit_is_not_timed():
+    from streamkl_gpu.attention import varlen as _varlen
+
+    dims = check_inputs(*make_inputs(1, 8, 8, 8, 8, 8, 16, 16))
+    # 2M packed tokens, 16 heads, D = 128, sequences up to 64K: past the limit; 64 x 1K: under it
+    assert not _varlen._timeable(replace(dims, NQ=1 << 21, NK=1 << 21, H=16, D1=128, D2=128), 65536)
+    assert _varlen._timeable(replace(dims, NQ=65536, NK=65536, H=16, D1=128, D2=128), 1024)

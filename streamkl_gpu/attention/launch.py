@@ -382,7 +382,8 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
         few = sliced is not None  # long problems: fewer candidates (each compiles), timed on a bounded slice
         dk_cands = bwd_variant_candidates(max(d1_pad, d2_pad), both, "dk", ieee1 or ieee2, tma, fused, few, dims.NQ)
         dq_cands = bwd_variant_candidates(max(d1_pad, d2_pad), both, "dq", ieee1 or ieee2, tma, fused, few, dims.NQ)
-        on = {} if sliced is None or not autotune_enabled() else _backward_proxy(sliced, dims, q1, k1, q2, k2, g, kl, lse1_bits, lse2_bits)
+        on = ({} if sliced is None or not autotune_enabled() else  # the problem the candidates are timed on
+              _backward_proxy(sliced, dims, q1, k1, q2, k2, g, kl, lse1_bits, lse2_bits))
         base_key = (dims.D1, dims.D2, q1.dtype, q2.dtype, causal, train1, train2,
                     bucket(dims.NQ), bucket(dims.NK), bucket(BH), dims.group1 > 1, dims.group2 > 1,
                     tma, bwd_variant())

@@ -41,7 +41,8 @@ from streamkl_gpu._core.checks import (
 )
 from streamkl_gpu._core.runtime import LOG2E, TensorDescriptor, fresh, interpreting, n_sm, tma_ok
 from streamkl_gpu._core.tuning import bucket, pick
-from streamkl_gpu.attention.configs import TMA_MIN_KEYS, auto_bwd_mode, auto_split_k, bwd_candidates, fwd_candidates
+from streamkl_gpu.attention.configs import (TMA_MIN_KEYS, TUNING_WORK_LIMIT, auto_bwd_mode, auto_split_k, bwd_candidates,
+                                            fwd_candidates)
 
 __all__ = ["attention_kl_varlen"]
 
@@ -75,6 +76,14 @@ def _check_varlen(q1, k1, q2, k2, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
         both = torch.stack((cu_seqlens_q, cu_seqlens_k)).cpu().numpy()  # the one device-to-host copy
         check_seqlens_values(both[0], both[1], dims.NQ, dims.NK, max_q, max_k)
     return dims, batch, max_q, max_k
+
+
+def _timeable(dims, max_k):
+    """May the tuner (``STREAMKL_AUTOTUNE=1``) time a packed batch's candidates on the batch
+    itself? Only below TUNING_WORK_LIMIT (bounding each row's keys by the longest sequence's);
+    past it the first candidate runs untimed: a packed batch has no bounded slice yet, and timing
+    the whole of one past 2^31 elements ran every candidate twice at full size."""
+    return dims.H * dims.NQ * max_k * (dims.D1 + dims.D2) <= TUNING_WORK_LIMIT
 
 
 def _schedule_dims(dims, batch, max_q, max_k):
@@ -140,7 +149,7 @@ def _forward(q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, causal, scale1, scale2, s
 
     key = ("varlen_fwd", dims.D1, dims.D2, q1.dtype, q2.dtype, causal, split, tma,
            bucket(max_q), bucket(max_k), bucket(total_q), bucket(batch * H), n_splits)
-    launch(pick(key, candidates, launch, device=device))
+    launch(pick(key, candidates, launch, device=device) if _timeable(dims, max_k) else candidates[0])
     return kl, lse1_bits, lse2_bits
 
 
@@ -231,7 +240,7 @@ def _backward(g, q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, kl, lse1_bits, lse2_b
     base_key = ("varlen", dims.D1, dims.D2, views[0].dtype, views[2].dtype, causal, train1, train2,
                 bucket(max_q), bucket(max_k), bucket(total_q), bucket(batch * H),
                 dims.group1 > 1, dims.group2 > 1)
-    if work:
+    if work and _timeable(dims, max_k):
         cfg_dk = pick(("bwd_dk", fused) + base_key, dk_cands, lambda c: run(c, dq_cands[0]), device=device)
         cfg_dq = dq_cands[0] if fused else pick(("bwd_dq",) + base_key, dq_cands, lambda c: run(cfg_dk, c),
                                                 device=device)
