@@ -39,7 +39,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:  # streamkl_bench sits beside this file
     sys.path.insert(0, _HERE)
 
-from streamkl_bench.providers import chunked_kl, dense_kl  # noqa: E402,F401  (bench/final_fwd_check.py imports dense_kl)
+from streamkl_bench.providers import chunked_kl, dense_kl  # noqa: E402,F401  (re-exported for scripts that import bench_gpu)
 from streamkl_bench.runner import main as _main  # noqa: E402
 
 

@@ -32,7 +32,7 @@ K = 1024
 FUSED = "tma+trans+fold+rows+reduce"
 SEP_DK = "tma+trans+fold+rows"
 SEP_DQ = "tma+fold"
-# session 4 run 5 winners (bench/results/2026-12-01_h200_2a98499/bwd_variants.log)
+# the backward variants' winners (bench/results/2026-12-01_h200_2a98499/bwd_variants.log)
 REF_FUSED = (64, 128, 8, 3)
 REF_SEP_DK, REF_SEP_DQ = (64, 128, 8, 3), (128, 64, 8, 3)  # run r5c's best separate pair (s2: 5.80 ms)
 # --quick: the spaces cut to the best of run r5c (bench/results/2026-12-01_h200_121408f/: the whole spaces' timings there;

@@ -1,11 +1,10 @@
-"""GPU check and timing of the Gluon forward (issue 13), for one H200 run.
+"""GPU check and timing of the Gluon forward, for one H200 run.
 
     python bench/gluon_gpu.py OUT_DIR [--quick] [--grid] [--final] [--budget SECONDS] [--no-check]
                               [--no-autotune] [--no-prewarm] [--configs all|default|LIST]
                               [--rounds N] [--sass-seconds S] [--deadline S]
 
-Session 6 commands (one line each, ``{out}`` the output dir): ``bench/gluon_gpu_s6.txt`` (the
---quick experiments run, 110 s slot) and ``bench/gluon_gpu_final.txt`` (the closing run, --final:
+The closing run's command (one line, ``{out}`` the output dir): ``bench/gluon_gpu_final.txt`` (--final:
 the eight targets through the API vs SDPA in >= 3 interleaved rounds, the 42-point grid, the
 checks; the target table and the grid verdict printed last; <= 200 s). ``--deadline``: a watchdog
 that stops the sections in time for the SASS and the summary.

@@ -24,7 +24,7 @@ A candidate that fails (compile error, resources, wrong numbers) is printed and 
 
 Outputs: idx_dsa.csv (long format: measure, provider, shape, value, unit, note), idx_dsa.log.
 Baselines: the matmul floor of this run; torch.compile of the materialised form is not run here
-(~50 s of compile): its s5r3 number (251.1 ms fwd at DSA 8K) is in docs/design/indexer.md.
+(~50 s of compile): its measured number (251.1 ms fwd at DSA 8K) is in docs/design/indexer.md.
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ CHECK_N = 192  # strides divisible by 16: the kernels compiled for the check are
 # columns: 144 B of spills at 128 keys; 64 keys on 8 warps: one CTA per SM), keys_flat n128 w4
 # (115 / 147 KB: one CTA per SM), warp_specialize=True on the flattened loop (triton 3.6, sm_90:
 # the same SASS, ignored).
-# Run s6r2 (H200, triton 3.6, 8K causal, lse given; bench/results/2026-12-01_h200_d3b757b/): keys n128 w4 s3
+# Measured (H200, triton 3.6, 8K causal, lse given; bench/results/2026-12-01_h200_d3b757b/): keys n128 w4 s3
 # 13.69 ms = 1.87x (now the default), keys_r128 n128 w8 s3 14.18, keys n128 w8 s3 15.76, keys n128
 # w4 s2 15.75, the row-major s5 default 18.06 (20.38 re-timed last: drift), tiles_lpt 17.34,
 # keys_flat n128 w8 s2 19.23, 64-key tiles 20.0-25.6 (flat / lpt / s2 / three CTAs per SM did not

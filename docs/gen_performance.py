@@ -175,8 +175,9 @@ def indexer(path: str) -> list[str]:
            "FlashAttention's forward returns), so the teacher is read once. The floor is the teacher's "
            "scores once (forward), plus the indexer's forward and its two gradient products (step), at "
            "the measured bf16 matmul rate. torch.compile: the materialised loss. With training inputs and "
-           "`lse` given the forward also forms the gradient (the chunk design for the MQA teacher, the "
-           "accumulating design for the GQA one: see the indexer's design notes), so its time is most "
+           "`lse` given the forward also forms the gradient (the chunk design for the MQA teacher; the GQA "
+           "teacher's rows were measured with the accumulating design: see the indexer's design notes), "
+           "so its time is most "
            "of the step's.", ""]
     body = []
     for teacher in ("dsa", "gqa"):

@@ -66,11 +66,8 @@ DELEGATED = {
     "indexer_perf": Delegate("indexer_perf_gpu.py", "indexer loss: every launch candidate forced, vs float64, "
                              "the floor and torch.compile", 600, quick_budget_s=150, quick_args=("--quick",),
                              tiny_args=("--tiny",), budget_flag="--budget"),
-    # issue 10's session-6 scripts (each compiles its variants in parallel children, then times them
-    # at 8K+; every one has a --tiny CPU smoke) and the GPU fault ladder of the store / chunk designs
-    "idx_fault": Delegate("idx_fault_gpu.py", "indexer store / chunk designs: each kernel alone in its own "
-                          "process (CUDA_LAUNCH_BLOCKING), vs float64; memcheck of the first fault", 240,
-                          tiny_args=("--tiny",)),
+    # the indexer's forward candidate sweeps and its training designs (each compiles its variants in
+    # parallel children, then times them at 8K+; every one has a --tiny CPU smoke)
     "idx_dsa": Delegate("idx_dsa_gpu.py", "indexer DSA-like forward candidates, 8K-64K, vs the floor", 400,
                         quick_budget_s=115, quick_args=("--quick",), tiny_args=("--tiny",), budget_flag="--deadline"),
     "idx_gqa": Delegate("idx_gqa_gpu.py", "indexer GQA-like forward candidates, 8K-64K, vs the floor", 400,

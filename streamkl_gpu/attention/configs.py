@@ -214,14 +214,14 @@ def bwd_variant_candidates(d_pad, both, kind, ieee=False, tma=False, fused=False
     # instructions per key-tile loop (whole / masked) with 259 spill stores, rows+reduce 529 / 766
     # and none; tile 32 x 128 / 4 warps spills, 64 x 64 / 4 warps is twice the instructions per score)
     # The separate dK kernel reads its row constants packed (one TMA load per query tile): an H200 run
-    # (bench/bwd_s6.py, H200, 8K, the kernel alone) 64x128x8x3 pack vs rows s1 3.365 / 3.374 ms, s2
+    # (H200, 8K, the kernel alone) 64x128x8x3 pack vs rows s1 3.365 / 3.374 ms, s2
     # 3.306 / 3.483, causal s1 1.893 / 1.878, s2 1.779 / 1.839; N_Q 512 x N_K 32K 1.083 / 1.123 (s1),
     # 1.063 / 1.113 (s2); both settings 32x64x4x3 4.624 / 5.213. The fused kernel keeps "rows": its
     # pack form was 0.97-1.03x (N_Q 16 and 512, N_K 32K), no gain. Not in the default set (a selectable
     # variant, STREAMKL_BWD_VARIANT=tma+trans+fold+rows+pack): at one setting it is within the runs'
     # ~5 % noise (an H200 run: 3.369 / 3.374 s1, 3.390 / 3.424 s2), and the last run had device time
     # for a short check only, so the default plan stays the one an H200 run measured against SDPA and the
-    # old kernels (bench/bwd_musts_gpu.py). Its 0.887x with both settings is the next candidate.
+    # old kernels. Its 0.887x with both settings is the next candidate.
     if kind == "dk":
         names = (["tma+trans+fold+rows+reduce", "tma+trans+fold+reduce"] if fused else
                  ["tma+trans+fold+rows", "tma+trans+fold"])
@@ -252,7 +252,7 @@ def _kernel_variant(name, kind, fused):
 def bwd_streams(dims, n_sm: int) -> bool:
     """Run the separate backward's dQ kernel on a second stream beside the dK kernel (each one's
     last, partly filled wave of CTAs then overlaps the other's). ``STREAMKL_BWD_STREAMS=1`` / ``0``
-    forces it; unset: off. Measured (an H200 run, bench/bwd_s6.py, 8K): the API's backward s1 6.346 ms vs
+    forces it; unset: off. Measured (an H200 run, 8K): the API's backward s1 6.346 ms vs
     6.275 on one stream, s2 5.863 vs 6.039; within that run's ~5 % spread between identical kernels."""
     forced = _runtime.env("STREAMKL_BWD_STREAMS")
     if forced in ("0", "1"):
@@ -313,7 +313,7 @@ def auto_bwd_mode(dims, n_sm: int, both: bool = False, new_kernels: bool = False
     kernel alone 2.54 for setting 2). The fused kernel's dQ (a [64, D] fp32 product and reduce-add
     per tile pair, on the dK kernel's critical path at one CTA of 8 warps per SM) costs more than
     a second pass over the keys. Down to one wave of dQ programs (an H200 run, N_Q 2K x N_K 32K, 512
-    programs: separate 0.93x / 0.89x of fused, s1 / s2; an H200 run, bench/bwd_s6.py, N_Q 512 x N_K
+    programs: separate 0.93x / 0.89x of fused, s1 / s2; an H200 run, N_Q 512 x N_K
     32K, 128 programs on 132 SMs: separate 1.745 / 1.649 ms vs fused 64x128x8x2 1.918 / 1.904);
     below it fused (an H200 run, N_Q 16 x N_K 32K, 32 programs: separate 1.059 / 0.970 ms, fused 0.461 /
     0.469): each dQ program walks every key, so with fewer programs than SMs its time does not

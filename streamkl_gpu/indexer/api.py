@@ -11,6 +11,8 @@ from streamkl_gpu.indexer.training import choice as _choice
 from streamkl_gpu.indexer.training import chunk as _chunk
 from streamkl_gpu.indexer import host as _host
 from streamkl_gpu.indexer import plan as _plan_mod
+from streamkl_gpu.indexer import teacher_lse as _teacher_lse  # the teacher's LSEs when the caller gives none
+from streamkl_gpu.indexer.training import row_weights as _row_weights
 from streamkl_gpu.indexer.training import store as _store
 
 __all__ = ["indexer_kl", "indexer_kl_naive"]
@@ -65,7 +67,7 @@ _indexer_fwd_op.register_autograd(_indexer_backward, setup_context=_setup_contex
 
 
 def indexer_kl(q, k, q_idx, k_idx, weights, *, causal=False, scale=None, relu=True, lse=None,
-               reduction="none"):
+               reduction="none", row_weights=None):
     """The sparse-attention indexer loss ``KL(p || softmax(I))`` per query row, streamed.
 
     Args:
@@ -83,9 +85,16 @@ def indexer_kl(q, k, q_idx, k_idx, weights, *, causal=False, scale=None, relu=Tr
         lse: optional teacher LSEs, float32 ``[B, H, N_Q]``, natural log, ``-inf`` for rows with
             no visible key (FlashAttention's ``softmax_lse``): the teacher is then read once in
             the forward. Shape, dtype and device are checked, values are not (a wrong ``lse``
-            gives wrong rows).
+            gives wrong rows). Without it a training step (scalar reduction, a gradient wanted)
+            computes them in a first streaming pass (the teacher read twice) and then takes the
+            same path.
         reduction: ``"none"`` (``[B, N_Q]``), ``"sum"``, or ``"mean"`` over the rows with at
             least one visible key (Megatron's reduction).
+        row_weights: optional ``[B, N_Q]`` per-row weights known at forward time (per-token loss
+            weights, masked rows): rows ``row_weights * KL``, summed by ``"sum"``, divided by the
+            rows with a visible key by ``"mean"`` (all ones: the unweighted loss). A constant (no
+            gradient); a training step with them keeps the forward-formed gradient
+            (``indexer/training/row_weights.py``).
 
     Returns:
         float32 KL in nats, ``[B, N_Q]`` or a scalar; rows with no visible key give 0 and zero
@@ -93,14 +102,23 @@ def indexer_kl(q, k, q_idx, k_idx, weights, *, causal=False, scale=None, relu=Tr
     """
     dims = _plan_mod._check(q, k, q_idx, k_idx, weights, causal=causal, scale=scale, relu=relu, lse=lse,
                   reduction=reduction)
-    if _choice._use_pacc(dims, lse, reduction, q_idx, k_idx, weights):
-        if _choice.pstore_enabled(dims):  # store p (whole, or chunk by chunk with the gradient in the forward)
-            op = _chunk._indexer_loss_full_fwd_op if _choice.pstore_mode(dims) == "chunk" else _store._indexer_loss_pstore_fwd_op
-        else:  # accumulate the target's share
-            op = _accumulate._indexer_loss_fwd_op
+    row_weights = _row_weights.check_row_weights(row_weights, dims, q.device)
+    lse_given, weighted = lse is not None, row_weights is not None  # (they steer the automatic design)
+    if lse is None and _choice._use_pacc(dims, True, reduction, q_idx, k_idx, weights):  # (True: lse will be there)
+        # a training step without lse: the teacher's LSEs by one streaming pass, then the fast path
+        lse = _teacher_lse.teacher_lse(q, k, q_idx, k_idx, weights, causal=causal, scale=dims.scale)
+    use_pacc = _choice._use_pacc(dims, lse, reduction, q_idx, k_idx, weights)
+    if use_pacc and _choice.pstore_mode(dims, lse_given, weighted) == "chunk":  # the gradient formed in the forward (row weights as its g)
+        total = _chunk._indexer_loss_full_fwd_op(q, k, q_idx, k_idx, weights, lse, causal, dims.scale, relu,
+                                                 row_weights)[0]
+        return total if reduction == "sum" else total / _plan_mod._rows_with_keys(dims, causal)
+    if use_pacc and row_weights is None:  # store p whole, or accumulate the target's share (uniform g only)
+        op = _store._indexer_loss_pstore_fwd_op if _choice.pstore_enabled(dims, lse_given, weighted) else _accumulate._indexer_loss_fwd_op
         total = op(q, k, q_idx, k_idx, weights, lse, causal, dims.scale, relu)[0]
         return total if reduction == "sum" else total / _plan_mod._rows_with_keys(dims, causal)
     kl = _indexer_fwd_op(q, k, q_idx, k_idx, weights, lse, causal, dims.scale, relu)[0]
+    if row_weights is not None:  # the recomputing backward then gets g * row_weights per row
+        kl = kl * row_weights
     if reduction == "none":
         return kl
     total = kl.sum()

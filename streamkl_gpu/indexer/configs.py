@@ -177,6 +177,10 @@ def _gpu_candidates(kind, dims, n_sm, teacher):
         return _gpu_candidates("fwd", dims, n_sm, True)
     if kind == "lse":
         out = [(128, 128, 64, 64, 8, 2), (128, 128, 64, 64, 8, 2, 1) if gqa else (128, 128, 128, 64, 8, 2)]
+        # 4-warp tiles, two CTAs per SM (offline sm_90, triton 3.9, no spills: DSA 128 x 128, 3 stages,
+        # 233 registers, 82 KB; GQA 64 tokens x 64 keys of one head, 3 stages, 87 registers, 98 KB;
+        # the 8-warp ones 143 / 77 registers, one CTA per SM); not yet timed
+        out.append((64, 64, 64, 64, 4, 3, 1) if gqa else (128, 128, 128, 64, 4, 3))
         if dims is not None and _plan_mod._l1_fits(dims):  # the "l1" variant, as for the forward (not yet timed)
             out += [(128, 128, 64, 64, 8, 2, None, 1, "l1"), (128, 128, 32, 64, 8, 2, None, 1, "l1")]
         return out

@@ -1,6 +1,6 @@
-"""Host code of the indexer's plain forward and backward: the teacher-LSE pass, the forward over
-key tiles (the general kernel, the GQA-teacher kernel, or the experimental Hopper Gluon forward),
-the split merge, and the two recomputing backward kernels (dq_idx + dweights; dk_idx).
+"""Host code of the indexer's plain forward and backward: the teacher-LSE pass (``teacher_lse.py``),
+the forward over key tiles (the general kernel, the GQA-teacher kernel, or the experimental Hopper
+Gluon forward), the split merge, and the two recomputing backward kernels (dq_idx + dweights; dk_idx).
 
 Kernels: ``indexer/triton/fwd.py``, ``fwd_gqa.py``, ``bwd.py``. The entry point and the custom ops
 are in ``indexer/api.py``; the training designs that read the teacher once per step in
@@ -22,6 +22,7 @@ from streamkl_gpu._core import runtime as _runtime
 from streamkl_gpu._core import tuning as _tuning
 from streamkl_gpu.indexer import configs as _configs
 from streamkl_gpu.indexer import plan as _plan_mod
+from streamkl_gpu.indexer import teacher_lse as _teacher_lse  # the teacher's LSEs when the caller gives none
 from streamkl_gpu.indexer.triton import bwd as _indexer_bwd
 from streamkl_gpu.indexer.triton import fwd as _indexer_fwd
 from streamkl_gpu.indexer.triton import fwd_gqa as _indexer_fwd_gqa  # the GQA teacher's forward
@@ -51,21 +52,8 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
     key_base = (dims.D, dims.DI, dims.H, dims.HK, dims.HI, dims.HKI, q.dtype, q_idx.dtype, causal, use_tma,
                 _tuning.bucket(dims.NQ), _tuning.bucket(dims.NK), _tuning.bucket(dims.B))
 
-    if lse is None:  # first pass: the teacher's per-head LSEs, in bits
-        lse_bits = _plan_mod._fresh((dims.B, dims.H, dims.NQ), torch.float32, device)
-
-        def launch_lse(cfg):
-            pl = _plan_mod._plan(dims, cfg, "fwd")
-            grid = (_runtime.cdiv(dims.NQ, pl["BLOCK_T"]), pl["n_chunks"], dims.B)
-            tma, a_l1 = _plan_mod._load_mode(pl, use_tma)
-            q_desc, k_desc, _, _ = _plan_mod._descriptors(pl, tma, q, k, q_idx, k_idx)
-            _indexer_fwd._teacher_lse_kernel[grid](
-                q, k, q_desc, k_desc, lse_bits, *_plan_mod._strides(q), *_plan_mod._strides(k), dims.H, group, dims.NQ, dims.NK, qk_scale,
-                pl["cpg"], D=dims.D, BLOCK_D=pl["BLOCK_D"], HB=pl["HB"], BLOCK_T=pl["BLOCK_T"],
-                BLOCK_N=pl["BLOCK_N"], CAUSAL=causal, IEEE=ieee_t, NO_CONTRACT=no_contract, USE_TMA=tma,
-                A_L1=a_l1, num_warps=pl["warps"], num_stages=pl["stages"])
-
-        launch_lse(_tuning.pick(("idx_lse",) + key_base, _configs._candidates("lse", ieee_t, dims), launch_lse))
+    if lse is None:  # first pass: the teacher's per-head LSEs, in bits (indexer/teacher_lse.py)
+        lse_bits = _teacher_lse.teacher_lse_bits(q, k, q_idx, k_idx, weights, causal, dims.scale)
     else:  # the caller's natural-log LSEs, once to bits (the kernels' unit)
         lse_bits = (lse * _plan_mod.LOG2E).contiguous()
 

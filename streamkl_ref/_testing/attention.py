@@ -10,7 +10,7 @@ import numpy as np
 
 from .cases import PLANT_PAD, Case, _plant_masks, attention_cases, case_generator
 from .dense import attention_kl_torch
-from .report import (Report, Row, _hint, _keep_causal_hints_where_alignment_explains, _planted_quiet,
+from .report import (Report, Row, _hint, _row_adder, _keep_causal_hints_where_alignment_explains, _planted_quiet,
                      _raise_unless_passed, _raised, _ranges, _shape_hint)
 from .tolerance import (ZERO_GRAD_TOL, _dtype_name, _to_numpy, kl_error_and_tolerance, kl_row_floor,
                         relative_error, tolerance)
@@ -174,11 +174,7 @@ def _run_case(fn, case, dname, base, g_rows, report, *, device, grads, layout, c
 
     import streamkl_ref
 
-    def add(quantity, error, tol, status, why="", hint=""):
-        row = Row(case.name, dname, quantity, float(error), float(tol), status, why, hint)
-        if status == "fail" and not hint:
-            row.hint = _hint(case, row, claims, causal_align)
-        report.rows.append(row)
+    add = _row_adder(report, case, dname, claims, causal_align)
 
     why = _unsupported(case, dname, claims)
     if why:

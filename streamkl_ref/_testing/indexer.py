@@ -12,7 +12,7 @@ from .attention import _check_adapters, _check_reduction
 from .cases import (INDEXER_GRADS, INDEXER_INPUTS, PLANT_PAD, IndexerCase, _plant_masks, case_generator,
                     indexer_cases)
 from .dense import indexer_kl_torch
-from .report import (Report, Row, _hint, _keep_causal_hints_where_alignment_explains, _planted_quiet,
+from .report import (Report, Row, _hint, _row_adder, _keep_causal_hints_where_alignment_explains, _planted_quiet,
                      _raise_unless_passed, _raised, _ranges, _shape_hint)
 from .tolerance import (KL_ROUNDING_ULPS, ROW_STAT_EPS, ZERO_GRAD_TOL, _dtype_name, _to_numpy,
                         kl_error_and_tolerance, relative_error, tolerance)
@@ -116,11 +116,7 @@ def _run_indexer_case(fn, case, dname, base, g_rows, report, *, device, grads, l
 
     import streamkl_ref
 
-    def add(quantity, error, tol, status, why="", hint=""):
-        row = Row(case.name, dname, quantity, float(error), float(tol), status, why, hint)
-        if status == "fail" and not hint:
-            row.hint = _hint(case, row, claims, causal_align)
-        report.rows.append(row)
+    add = _row_adder(report, case, dname, claims, causal_align)
 
     why = _indexer_unsupported(case, dname, claims)
     if why:

@@ -142,6 +142,17 @@ def _shape_hint(shape, want, layout) -> str:
     return ""
 
 
+def _row_adder(report, case, dname, claims, causal_align):
+    """``add(quantity, error, tol, status, why="", hint="")`` for one case and dtype: appends a
+    Row to the report, a failing row without a hint of its own getting :func:`_hint`'s."""
+    def add(quantity, error, tol, status, why="", hint=""):
+        row = Row(case.name, dname, quantity, float(error), float(tol), status, why, hint)
+        if status == "fail" and not hint:
+            row.hint = _hint(case, row, claims, causal_align)
+        report.rows.append(row)
+    return add
+
+
 def _hint(case, row, claims, causal_align) -> str:
     """What a failing row's symptom usually means, and the option that expresses it ('' if none)."""
     not_finite = "not finite" in row.why

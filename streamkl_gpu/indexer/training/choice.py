@@ -1,5 +1,6 @@
 """Which training design runs (``STREAMKL_INDEXER_TRAINING``) and when a design applies: the
-accumulating, store and chunk designs serve scalar reductions with the teacher LSEs given."""
+accumulating, store and chunk designs serve scalar reductions with the teacher LSEs given (a
+training step without them computes them first: ``indexer/teacher_lse.py``)."""
 from __future__ import annotations
 
 import torch
@@ -14,12 +15,15 @@ from streamkl_gpu._core import runtime as _runtime
 #   accumulate  the forward also sums the target's share of the gradient (teacher read once)
 #   store       the forward keeps p [B, N_Q, N_K] whole (quadratic memory: an experiment)
 #   chunk       the whole gradient in the forward, chunk by chunk of tokens (linear memory)
-#   auto        chunk for a single-key-head (MQA) teacher, where it was measured faster (H200,
-#               DSA-like 8K causal, mean, lse given, bf16: fwd+bwd 31.60 ms against the
-#               accumulating design's 51.73 in the same run); accumulate otherwise (GQA teachers:
-#               not timed with chunk). The accumulating design itself was measured faster than the
-#               plain one at both anchors (H200, 8K causal fwd+bwd: DSA-like 52.96 ms against 128.4,
-#               GQA-like 12.86 against 18.29).
+#   auto        chunk for a single-key-head (MQA) teacher (H200, DSA-like 8K causal, mean, lse given,
+#               bf16: fwd+bwd 30.79 ms against the accumulating design's 41.07 in the same run);
+#               for a teacher with several key heads, chunk where the training step computes the
+#               teacher LSEs itself or has row weights (GQA-like 8K: 7.31 ms without lse, against
+#               11.1 before the LSE pass), the accumulating design where the user gives lse
+#               (GQA-like 8K: 6.14 ms against chunk's 6.46): bench/results/2026-12-03_h200_57f6d64/.
+#               The accumulating design itself was measured faster than the plain one at both
+#               anchors (H200, 8K causal fwd+bwd: DSA-like 52.96 ms against 128.4, GQA-like 12.86
+#               against 18.29).
 TRAINING_DESIGNS = ("auto", "plain", "accumulate", "store", "chunk")
 TRAINING_VAR = "STREAMKL_INDEXER_TRAINING"
 
@@ -61,11 +65,13 @@ def _setting() -> str:
             "auto": "store_if_fits"}[pstore]
 
 
-def training_design(dims) -> str:
-    """The design that runs for these dims, within the designs' cases: plain, accumulate, store or chunk."""
+def training_design(dims, lse_given: bool = True, row_weights: bool = False) -> str:
+    """The design that runs for these dims, within the designs' cases: plain, accumulate, store or
+    chunk. ``lse_given``: the caller passed the teacher LSEs (else the step computes them first);
+    ``row_weights``: per-row weights were given (only the chunk design takes them)."""
     design = _setting()
     if design == "auto":
-        return "chunk" if dims.HK == 1 else "accumulate"
+        return "chunk" if dims.HK == 1 or not lse_given or row_weights else "accumulate"
     if design == "store_if_fits":
         return "store" if pstore_bytes(dims) <= PSTORE_MAX_BYTES else "accumulate"
     return design
@@ -78,16 +84,16 @@ def pacc_enabled(dims=None) -> bool:
     return training_design(dims) != "plain"
 
 
-def pstore_mode(dims) -> str:
+def pstore_mode(dims, lse_given: bool = True, row_weights: bool = False) -> str:
     """The design within the teacher-once designs, in the old words: ``"chunk"``, ``"1"`` (store
     p whole) or ``"0"`` (accumulate the target's share)."""
-    design = training_design(dims)
+    design = training_design(dims, lse_given, row_weights)
     return {"chunk": "chunk", "store": "1"}.get(design, "0")
 
 
-def pstore_enabled(dims) -> bool:
+def pstore_enabled(dims, lse_given: bool = True, row_weights: bool = False) -> bool:
     """Does the forward store p (whole, or chunk by chunk)? (:func:`pstore_mode`)"""
-    return pstore_mode(dims) in ("1", "chunk")
+    return pstore_mode(dims, lse_given, row_weights) in ("1", "chunk")
 
 
 def _use_pacc(dims, lse, reduction, q_idx, k_idx, weights) -> bool:

@@ -1,15 +1,19 @@
 """The chunk training design: the whole gradient of the sum formed in the forward chunk by chunk
 of tokens (linear memory), the backward only scales it by g (custom op
-``streamkl::indexer_loss_full_fwd``). The default for a single-key-head teacher."""
+``streamkl::indexer_loss_full_fwd``). The default for one key head, and for several where the step computes the LSEs
+or has row weights (their storing forward: ``indexer/triton/fwd_gqa_store.py`` where the GQA kernel's plan applies).
+Per-row weights (``row_weights``, ``training/row_weights.py``) are its gradient kernel's per-row g."""
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
 from streamkl_ref._checks import check_indexer_inputs
 from streamkl_gpu.indexer.triton import bwd as _indexer_bwd
 from streamkl_gpu.indexer.triton import accumulate as _indexer_pacc
+from streamkl_gpu.indexer.triton import fwd_gqa_store as _indexer_gqa_store  # several key heads
 from streamkl_gpu._core import checks as _checks
 from streamkl_gpu._core import runtime as _runtime
 from streamkl_gpu._core import tuning as _tuning
@@ -39,8 +43,10 @@ def _pchunk(dims, block_ts) -> int:
 _FULL_CONFIGS = {}  # launch key -> the (storing forward, gradient kernel) configs that fit the device
 
 
-def _forward_full(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
+def _forward_full(q, k, q_idx, k_idx, weights, lse, causal, scale, relu, row_weights=None):
     """(sum of KL, LSE_I, dq1, dk1, dw1): the forward and the gradient of the sum (g = 1), fp32.
+    ``row_weights [B, N_Q]`` (fp32): the sum is ``sum_t row_weights[t] KL[t]`` and its gradient
+    (the gradient kernel's per-row g), so per-row losses known at forward time keep this path.
 
     Untuned: the first candidates of each kernel (the forward's measured best tile, the student
     backward's first), or the next ones where a launch does not fit the device (Triton raises
@@ -54,12 +60,14 @@ def _forward_full(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
            _tuning.bucket(dims.NQ), _tuning.bucket(dims.NK), _tuning.bucket(dims.B), q.device.type,
            tuple(fwd_cands), tuple(bwd_cands))  # (a caller forcing other candidates gets its own entry)
     if key in _FULL_CONFIGS:
-        return _forward_full_with(*_FULL_CONFIGS[key], q, k, q_idx, k_idx, weights, lse, causal, scale, relu)
+        return _forward_full_with(*_FULL_CONFIGS[key], q, k, q_idx, k_idx, weights, lse, causal, scale, relu,
+                                  row_weights)
     last = None
     for fcfg in fwd_cands:
         for bcfg in bwd_cands:
             try:
-                out = _forward_full_with(fcfg, bcfg, q, k, q_idx, k_idx, weights, lse, causal, scale, relu)
+                out = _forward_full_with(fcfg, bcfg, q, k, q_idx, k_idx, weights, lse, causal, scale, relu,
+                                         row_weights)
             except Exception as exc:  # noqa: BLE001 - only a launch that does not fit moves on
                 if not _tuning.out_of_resources(exc):
                     raise
@@ -70,7 +78,7 @@ def _forward_full(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
     raise last
 
 
-def _forward_full_with(fcfg, bcfg, q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
+def _forward_full_with(fcfg, bcfg, q, k, q_idx, k_idx, weights, lse, causal, scale, relu, row_weights=None):
     dims = check_indexer_inputs(q, k, q_idx, k_idx, weights, scale=scale)
     q, k, q_idx, k_idx, weights = (_checks.compute_view(t) for t in (q, k, q_idx, k_idx, weights))
     device = q.device
@@ -84,13 +92,16 @@ def _forward_full_with(fcfg, bcfg, q, k, q_idx, k_idx, weights, lse, causal, sca
     dq1 = _plan_mod._fresh((dims.B, dims.HI, dims.NQ, dims.DI), torch.float32, device)
     dw1 = _plan_mod._fresh((dims.B, dims.HI, dims.NQ), torch.float32, device)
     dk1 = torch.zeros((dims.B, dims.HKI, dims.NK, dims.DI), dtype=torch.float32, device=device)
-    g_rows = torch.ones((dims.B, dims.NQ), dtype=torch.float32, device=device)
+    g_rows = (torch.ones((dims.B, dims.NQ), dtype=torch.float32, device=device) if row_weights is None
+              else row_weights.to(torch.float32).contiguous())  # the gradient kernel's per-row g
     strides = _plan_mod._strides(q) + _plan_mod._strides(k) + _plan_mod._strides(q_idx) + _plan_mod._strides(k_idx) + _plan_mod._strides(weights)
     fpl, bpl = _plan_mod._plan(dims, fcfg, "fwd"), _plan_mod._plan(dims, bcfg, "bwd_student")
     chunk = _pchunk(dims, (fpl["BLOCK_T"], bpl["BLOCK_T"]))
     p = _plan_mod._fresh((dims.B, chunk, dims.NK), torch.float32, device)  # one chunk's target, reused
     splits, per_split = _plan_mod._key_splits(dims, fpl)
-    part = _plan_mod._fresh((5, splits, dims.B, dims.NQ), torch.float32, device) if splits > 1 else kl
+    gqa_store = _indexer_gqa_store.applies(fpl, dims, use_tma)  # several key heads: the GQA kernel's loop
+    part = (_plan_mod._fresh((5, splits, dims.B, dims.NQ), torch.float32, device) if splits > 1 and not gqa_store
+            else kl)
     ftma, fl1 = _plan_mod._load_mode(fpl, use_tma)
     btma, _ = _plan_mod._load_mode(bpl, use_tma)
     dk_share = 2 if _host.DQK_TMA and btma and not _runtime.interpreting() else 1
@@ -100,16 +111,20 @@ def _forward_full_with(fcfg, bcfg, q, k, q_idx, k_idx, weights, lse, causal, sca
     bdesc = _plan_mod._descriptors(bpl, btma, q, k, q_idx, k_idx)
     for c0 in range(0, dims.NQ, chunk):
         rows = min(chunk, dims.NQ - c0)
-        _indexer_pacc._indexer_fwd_pstore_kernel[(_runtime.cdiv(rows, fpl["BLOCK_T"]), splits, dims.B)](
-            q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, part, p, *fdesc, *strides,
-            dims.H, group, group_i, dims.NQ, dims.NK, dims.scale * _plan_mod.LOG2E, 1.0 / dims.H,
-            fpl["n_chunks"], fpl["cpg"], fpl["n_ichunks"], fpl["icpg"], per_split, c0, chunk,
-            D=dims.D, BLOCK_D=fpl["BLOCK_D"], DI=dims.DI, BLOCK_DI=fpl["BLOCK_DI"],
-            HB=fpl["HB"], IB=fpl["IB"], BLOCK_T=fpl["BLOCK_T"], BLOCK_N=fpl["BLOCK_N"],
-            CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, NO_CONTRACT=no_contract,
-            USE_TMA=ftma, SPLIT=splits > 1, A_L1=fl1, num_warps=fpl["warps"], num_stages=fpl["stages"],
-            **_store._pstore_meta(fpl))
-        if splits > 1:  # this chunk's rows merged before its gradient reads LSE_I
+        if gqa_store:  # (its key splits merged inside)
+            _indexer_gqa_store.launch_chunk(dims, fpl, q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, p, c0, rows,
+                                            causal, relu, ieee_t, ieee_i)
+        else:
+            _indexer_pacc._indexer_fwd_pstore_kernel[(_runtime.cdiv(rows, fpl["BLOCK_T"]), splits, dims.B)](
+                q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, part, p, *fdesc, *strides,
+                dims.H, group, group_i, dims.NQ, dims.NK, dims.scale * _plan_mod.LOG2E, 1.0 / dims.H,
+                fpl["n_chunks"], fpl["cpg"], fpl["n_ichunks"], fpl["icpg"], per_split, c0, chunk,
+                D=dims.D, BLOCK_D=fpl["BLOCK_D"], DI=dims.DI, BLOCK_DI=fpl["BLOCK_DI"],
+                HB=fpl["HB"], IB=fpl["IB"], BLOCK_T=fpl["BLOCK_T"], BLOCK_N=fpl["BLOCK_N"],
+                CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, NO_CONTRACT=no_contract,
+                USE_TMA=ftma, SPLIT=splits > 1, A_L1=fl1, num_warps=fpl["warps"], num_stages=fpl["stages"],
+                **_store._pstore_meta(fpl))
+        if splits > 1 and not gqa_store:  # this chunk's rows merged before its gradient reads LSE_I
             merged_kl, merged_lse = _plan_mod._merge_splits(part[..., c0:c0 + rows])
             kl[:, c0:c0 + rows] = merged_kl
             lse_idx[:, c0:c0 + rows] = merged_lse
@@ -123,18 +138,20 @@ def _forward_full_with(fcfg, bcfg, q, k, q_idx, k_idx, weights, lse, causal, sca
             USE_TMA=btma, TEACHER=False, L1=False, P_SAVED=True,
             LOGITS_FROM_A=_host.BWD_LOGITS_FROM_A and bpl["n_ichunks"] == 1,
             num_warps=bpl["warps"], num_stages=bpl["stages"])
-    return kl.sum(), lse_idx, dq1, dk1, dw1
+    total = kl.sum() if row_weights is None else torch.dot(kl.flatten(), g_rows.flatten())
+    return total, lse_idx, dq1, dk1, dw1
 
 
 @torch.library.custom_op("streamkl::indexer_loss_full_fwd", mutates_args=())
 def _indexer_loss_full_fwd_op(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, k_idx: torch.Tensor,
                               weights: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
-                              relu: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _forward_full(q, k, q_idx, k_idx, weights, lse, causal, scale, relu)
+                              relu: bool, row_weights: Optional[torch.Tensor] = None
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _forward_full(q, k, q_idx, k_idx, weights, lse, causal, scale, relu, row_weights)
 
 
 @_indexer_loss_full_fwd_op.register_fake
-def _indexer_loss_full_fwd_fake(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
+def _indexer_loss_full_fwd_fake(q, k, q_idx, k_idx, weights, lse, causal, scale, relu, row_weights=None):
     B, NQ, NK, HI, HKI, DI = q.shape[0], q.shape[2], k.shape[2], q_idx.shape[1], k_idx.shape[1], q_idx.shape[3]
     f32 = torch.float32
     return (q.new_empty((), dtype=f32), q.new_empty((B, NQ), dtype=f32), q.new_empty((B, HI, NQ, DI), dtype=f32),
@@ -153,7 +170,7 @@ def _full_backward(ctx, g_total, g_lse_idx, g_dq, g_dk, g_dw):
     need = ctx.needs_input_grad
     g = g_total.to(torch.float32)
     grads = [(g * t).to(dt) if need[i] else None for i, t, dt in zip((2, 3, 4), (dq1, dk1, dw1), ctx.dtypes)]
-    return (None, None, *grads, None, None, None, None)
+    return (None, None, *grads) + (None,) * (len(need) - 5)  # lse, causal, scale, relu, row_weights
 
 
 _indexer_loss_full_fwd_op.register_autograd(_full_backward, setup_context=_full_setup_context)

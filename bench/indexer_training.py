@@ -1,0 +1,481 @@
+#!/usr/bin/env python3
+"""The indexer loss's training step on every path: the tables of docs/indexer.md's training section.
+
+    python bench/indexer_training.py --out OUT                      # one H200: ~6 min, compiles included
+    python bench/indexer_training.py --out OUT --memory-n 131072    # + DSA-like 128K fwd+bwd extra memory
+    python bench/indexer_training.py --out /tmp/x --tiny            # CPU smoke under the interpreter (< 20 s)
+
+What it times (``triton.testing.do_bench``, medians of ``--rounds`` >= 5 interleaved rounds: every
+point's every measure once per round, in turn), 8K tokens, causal, bf16, B = 1, the indexer
+inputs requiring grad, ``reduction="mean"``:
+  * teachers: DSA-like (H=128, D=576, MQA, sigma=192^-0.5; indexer 64 heads x 128) and GQA-like
+    (H=32 over 8 key heads, D=128; indexer 16 x 64);
+  * paths: ``lse`` given (the teacher's own, FlashAttention's softmax_lse), no ``lse`` (the loss
+    computes them first), ``row_weights=`` (per-row weights, with and without ``lse``);
+  * per path: the forward alone and forward + backward of ``streamkl_gpu.indexer_kl``, the extra
+    memory of one fwd+bwd (peak minus what was allocated before the call);
+  * the baseline: ``torch.compile`` of the materialised loss (``indexer_kl_naive``, fp32 products
+    of the bf16 inputs, masked mean), fwd and fwd+bwd, or its out-of-memory (recorded);
+  * ``indexer_kl_topk`` (the sparse stage) at DSA-like 8K and 32K, ``topk = 2048`` random visible
+    keys per row, against ``torch.compile`` of the materialised top-k loss (or its OOM);
+  * the bf16 matmul rate of this process (8192^3), and each point's floor at it (FLOPs, causal):
+      lse given   2 * N^2/2 * (H D + 3 H_I D_I)
+      no lse      2 * N^2/2 * (2 H D + 3 H_I D_I)        (row weights: as their lse case)
+      top-k       2 * N * topk * (H D + 3 H_I D_I)
+  * checks against float64 (streamkl_ref) on every path and both teachers at odd shapes (B = 2,
+    N_Q = 200, N_K = 264 causal: N_Q != N_K, neither a multiple of a tile; bf16 inputs): loss
+    within 1e-5 (relative to max(1, |loss|)), gradients within 5e-3 relative (norm-wise,
+    streamkl_ref.testing.relative_error); top-k likewise.
+Output: OUT/indexer_training.csv, long format (section, measure, teacher, path, provider, n,
+value, unit, note, gpu, timestamp, torch, triton, streamkl), and the summary table on stdout.
+Exit status 1 if a check failed.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+if "--tiny" in sys.argv:  # the interpreter must be chosen before Triton is imported
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+import streamkl_ref  # noqa: E402
+import streamkl_gpu  # noqa: E402
+from streamkl_ref.testing import relative_error  # noqa: E402
+
+COLUMNS = ["section", "measure", "teacher", "path", "provider", "n", "value", "unit", "note",
+           "gpu", "timestamp", "torch", "triton", "streamkl"]
+TEACHERS = {
+    "dsa": dict(H=128, HK=1, D=576, HI=64, HKI=1, DI=128, scale=192 ** -0.5),
+    "gqa": dict(H=32, HK=8, D=128, HI=16, HKI=1, DI=64, scale=None),
+}
+TINY_TEACHERS = {  # the same head layouts, small (the interpreter runs programs one after another)
+    "dsa": dict(H=4, HK=1, D=40, HI=4, HKI=1, DI=16, scale=0.2),
+    "gqa": dict(H=4, HK=2, D=16, HI=2, HKI=1, DI=16, scale=None),
+}
+PATHS = ("lse", "no_lse", "row_weights_lse", "row_weights_no_lse")
+LOSS_TOL, GRAD_TOL = 1e-5, 5e-3
+GRADS = ("dq_idx", "dk_idx", "dweights")
+
+
+class Out:
+    def __init__(self, out_dir, device):
+        os.makedirs(out_dir, exist_ok=True)
+        self.path = os.path.join(out_dir, "indexer_training.csv")
+        self.f = open(self.path, "w", newline="")
+        self.w = csv.DictWriter(self.f, fieldnames=COLUMNS)
+        self.w.writeheader()
+        self.common = dict(gpu=torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
+                           timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                           torch=torch.__version__, triton=triton.__version__, streamkl=streamkl_gpu.__version__)
+        self.failures = 0
+
+    def row(self, section, measure, teacher, path, provider, n, value, unit, note=""):
+        self.w.writerow(dict(self.common, section=section, measure=measure, teacher=teacher, path=path,
+                             provider=provider, n=n, value=value, unit=unit, note=note))
+        self.f.flush()
+
+
+def scale_of(cfg):
+    return cfg["scale"] if cfg["scale"] is not None else cfg["D"] ** -0.5
+
+
+def make(cfg, B, NQ, NK, dtype, device, seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rnd(*shape, s=1.0):  # drawn on the device in the inputs' dtype (DSA-like 128K: 19 GB of q)
+        return torch.randn(*shape, generator=gen, device=device, dtype=dtype).mul_(s)
+
+    return [rnd(B, cfg["H"], NQ, cfg["D"]), rnd(B, cfg["HK"], NK, cfg["D"]),
+            rnd(B, cfg["HI"], NQ, cfg["DI"], s=cfg["DI"] ** -0.25), rnd(B, cfg["HKI"], NK, cfg["DI"], s=cfg["DI"] ** -0.25),
+            rnd(B, cfg["HI"], NQ, s=cfg["HI"] ** -0.5)]
+
+
+def row_weights_of(B, NQ, device, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.rand((B, NQ), generator=gen) * 2.0
+    w[:, ::7] = 0.0  # masked rows
+    return w.to(device)
+
+
+def teacher_lse(q, k, causal, scale):
+    """The teacher's own per-head LSEs (what its attention kernel returns), float32, natural log,
+    by one materialised row chunk at a time."""
+    B, H, NQ, D = q.shape
+    HK, NK = k.shape[1], k.shape[2]
+    out = torch.empty((B, H, NQ), dtype=torch.float32, device=q.device)
+    kk = k.float().repeat_interleave(H // HK, dim=1)
+    chunk = max(1, (1 << 28) // (H * NK))
+    for t0 in range(0, NQ, chunk):
+        rows = torch.arange(t0, min(NQ, t0 + chunk), device=q.device)
+        s = (q[:, :, rows].float() @ kk.transpose(-1, -2)) * scale
+        if causal:
+            s = s.masked_fill(torch.arange(NK, device=q.device)[None, :] > rows[:, None] + (NK - NQ), float("-inf"))
+        out[:, :, rows] = torch.logsumexp(s, dim=-1)
+    return out
+
+
+def floor_flops(cfg, N, path, topk=None):
+    if topk is not None:
+        return 2.0 * N * topk * (cfg["H"] * cfg["D"] + 3 * cfg["HI"] * cfg["DI"])
+    teacher = cfg["H"] * cfg["D"] * (1 if path in ("lse", "row_weights_lse") else 2)  # no lse: the teacher twice
+    return 2.0 * N * N / 2 * (teacher + 3 * cfg["HI"] * cfg["DI"])
+
+
+def matmul_rate(device):
+    if device != "cuda":
+        return float("nan")
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: a @ b, warmup=10, rep=50)
+    return 2 * 8192 ** 3 / (ms * 1e-3)
+
+
+def time_ms(fn, device, quick):
+    if device != "cuda":  # the interpreter: one call (the code path, not a time)
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    return triton.testing.do_bench(fn, warmup=5 if quick else 25, rep=20 if quick else 100)
+
+
+def extra_memory_gib(fn, device):
+    """Peak minus what was allocated before one call (GiB); NaN on CPU."""
+    if device != "cuda":
+        fn()
+        return float("nan")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+
+
+def is_oom(exc) -> bool:
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+# ----------------------------------------------------------------------------------------------
+# The timed points: (section, teacher, path, provider, n) -> {measure: callable}
+# ----------------------------------------------------------------------------------------------
+
+DESIGN_VAR = "STREAMKL_INDEXER_TRAINING"
+
+
+class Design:
+    """``STREAMKL_INDEXER_TRAINING`` (the documented design switch) set for a call, restored after;
+    None: the default."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __enter__(self):
+        self.old = os.environ.get(DESIGN_VAR)
+        if self.value is not None:
+            os.environ[DESIGN_VAR] = self.value
+
+    def __exit__(self, *exc):
+        if self.old is None:
+            os.environ.pop(DESIGN_VAR, None)
+        else:
+            os.environ[DESIGN_VAR] = self.old
+
+
+def dense_point(cfg, N, path, device, dtype, design=None):
+    xs = make(cfg, 1, N, N, dtype, device, seed=N)
+    q, k = xs[0], xs[1]
+    leaves = [x.clone().requires_grad_(True) for x in xs[2:]]
+    lse = teacher_lse(q, k, True, scale_of(cfg)) if path in ("lse", "row_weights_lse") else None
+    rw = row_weights_of(1, N, device) if path.startswith("row_weights") else None
+    kw = dict(causal=True, scale=cfg["scale"], reduction="mean", lse=lse, row_weights=rw)
+
+    def fwd():
+        with Design(design):
+            return streamkl_gpu.indexer_kl(q, k, *leaves, **kw)
+
+    def fwd_bwd():
+        loss = fwd()
+        with Design(design):
+            loss.backward()
+
+    return {"fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd}, fwd_bwd
+
+
+def rows_with_keys(NQ, NK, causal, B=1):
+    return B * (min(NQ, NK) if causal else NQ)
+
+
+def compile_point(cfg, N, device, dtype):
+    """torch.compile of the materialised loss (fp32 products of the bf16 inputs, masked mean)."""
+    xs = make(cfg, 1, N, N, dtype, device, seed=N)
+    q, k = xs[0], xs[1]
+    leaves = [x.clone().requires_grad_(True) for x in xs[2:]]
+    scale, rows = cfg["scale"], rows_with_keys(N, N, True)
+
+    from streamkl_gpu.indexer.api import indexer_kl_naive
+
+    def loss(q, k, qi, ki, w):
+        return indexer_kl_naive(q, k, qi, ki, w, causal=True, scale=scale).sum() / rows
+
+    compiled = torch.compile(loss)
+
+    def fwd():
+        return compiled(q, k, *leaves)
+
+    def fwd_bwd():
+        fwd().backward()
+
+    return {"fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd}, fwd_bwd
+
+
+def random_sets(B, N, K, device, seed=0):
+    """``[B, N, K]`` int32: per row min(K, visible) random distinct visible keys (causal), -1 padding."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = torch.full((B, N, K), -1, dtype=torch.int32, device=device)
+    chunk = max(1, (1 << 26) // N)
+    for b in range(B):
+        for t0 in range(0, N, chunk):
+            rows = torch.arange(t0, min(N, t0 + chunk), device=device)
+            r = torch.rand((len(rows), N), generator=gen, device=device)
+            r = r.masked_fill(torch.arange(N, device=device)[None, :] > rows[:, None], -1.0)
+            val, idx = r.topk(min(K, N), dim=-1)
+            out[b, t0:t0 + len(rows), :idx.shape[1]] = torch.where(val < 0, -1, idx).to(torch.int32)
+    return out
+
+
+def topk_point(cfg, N, K, device, dtype, compiled=False):
+    from streamkl_gpu.indexer.topk import indexer_kl_topk_naive
+
+    xs = make(cfg, 1, N, N, dtype, device, seed=N + 1)
+    q, k = xs[0], xs[1]
+    leaves = [x.clone().requires_grad_(True) for x in xs[2:]]
+    topk = random_sets(1, N, K, device)
+    scale, rows = cfg["scale"], rows_with_keys(N, N, True)
+    if compiled:
+        loss = torch.compile(lambda q, k, qi, ki, w, t: indexer_kl_topk_naive(
+            q, k, qi, ki, w, t, causal=True, scale=scale, compute_dtype=None).sum() / rows)
+
+        def fwd():
+            return loss(q, k, *leaves, topk)
+    else:
+        def fwd():
+            return streamkl_gpu.indexer_kl_topk(q, k, *leaves, topk, causal=True, scale=scale, reduction="mean")
+
+    def fwd_bwd():
+        fwd().backward()
+
+    return {"fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd}, fwd_bwd
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks against float64
+# ----------------------------------------------------------------------------------------------
+
+def check_dense(out, cfg, name, path, device, dtype, B, NQ, NK):
+    xs = make(cfg, B, NQ, NK, dtype, device, seed=7)
+    leaves = [x.clone().requires_grad_(True) for x in xs[2:]]
+    lse = teacher_lse(xs[0], xs[1], True, scale_of(cfg)) if path in ("lse", "row_weights_lse") else None
+    rw = row_weights_of(B, NQ, device) if path.startswith("row_weights") else None
+    loss = streamkl_gpu.indexer_kl(xs[0], xs[1], *leaves, causal=True, scale=cfg["scale"], reduction="mean",
+                                   lse=lse, row_weights=rw)
+    loss.backward()
+    x64 = [x.detach().double().cpu().numpy() for x in xs]
+    kl = streamkl_ref.indexer_kl(*x64, causal=True, scale=cfg["scale"])
+    w = np.ones_like(kl) if rw is None else rw.double().cpu().numpy()
+    rows = rows_with_keys(NQ, NK, True, B)
+    ref = streamkl_ref.indexer_kl_grad(*x64, w / rows, causal=True, scale=cfg["scale"])
+    _report_check(out, "dense", name, path, NQ, loss, (w * kl).sum() / rows, leaves, ref)
+
+
+def check_topk(out, cfg, name, device, dtype, B, N, K):
+    xs = make(cfg, B, N, N, dtype, device, seed=8)
+    leaves = [x.clone().requires_grad_(True) for x in xs[2:]]
+    topk = random_sets(B, N, K, device, seed=3)
+    loss = streamkl_gpu.indexer_kl_topk(xs[0], xs[1], *leaves, topk, causal=True, scale=cfg["scale"], reduction="mean")
+    loss.backward()
+    x64 = [x.detach().double().cpu().numpy() for x in xs]
+    t = topk.cpu().numpy()
+    kl = streamkl_ref.indexer_kl_topk(*x64, t, causal=True, scale=cfg["scale"])
+    rows = rows_with_keys(N, N, True, B)  # every causal row sees its diagonal key: no empty set
+    ref = streamkl_ref.indexer_kl_topk_grad(*x64, t, np.full(kl.shape, 1.0 / rows), causal=True, scale=cfg["scale"])
+    _report_check(out, "topk", name, f"topk={K}", N, loss, kl.sum() / rows, leaves, ref)
+
+
+def _report_check(out, section, name, path, n, loss, ref_loss, leaves, ref):
+    err = abs(loss.item() - float(ref_loss)) / max(1.0, abs(float(ref_loss)))
+    results = [("check_loss_err", err, LOSS_TOL)]
+    for g, leaf in zip(GRADS, leaves):
+        results.append((f"check_{g}_rel_err", relative_error(leaf.grad.double().cpu(), torch.from_numpy(ref[g])), GRAD_TOL))
+    for measure, value, tol in results:
+        ok = value <= tol
+        out.failures += not ok
+        out.row(section, measure, name, path, "streamkl", n, f"{value:.3e}", "rel", f"tol {tol:g} {'ok' if ok else 'FAIL'}")
+        print(f"check {section:5s} {name:3s} {path:20s} {measure:24s} {value:.2e} (tol {tol:g}) {'ok' if ok else 'FAIL'}")
+
+
+# ----------------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--tiny", action="store_true", help="CPU smoke under the interpreter (tiny shapes, fp16)")
+    p.add_argument("--n", type=int, default=None, help="tokens of the dense points (default 8192; --tiny 40)")
+    p.add_argument("--topk-n", default=None, help="tokens of the top-k points (default 8192,32768; --tiny 40)")
+    p.add_argument("--topk", type=int, default=None, help="keys per row (default 2048; --tiny 8)")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5; --tiny 1)")
+    p.add_argument("--teachers", default="dsa,gqa")
+    p.add_argument("--paths", default=",".join(PATHS))
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
+    p.add_argument("--no-topk", action="store_true")
+    p.add_argument("--no-check", action="store_true")
+    p.add_argument("--quick", action="store_true", help="shorter do_bench reps")
+    p.add_argument("--memory-n", type=int, default=None,
+                   help="also one DSA-like fwd+bwd at this N (no lse): its extra memory (e.g. 131072)")
+    a = p.parse_args(argv)
+    a.n = a.n or (24 if a.tiny else 8192)
+    a.topk_n = [int(x) for x in (a.topk_n or ("16" if a.tiny else "8192,32768")).split(",") if x]
+    a.topk = a.topk or (4 if a.tiny else 2048)
+    a.rounds = a.rounds or (1 if a.tiny else 5)
+    return a
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() and not a.tiny else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16  # the interpreter's bf16 dot is not usable
+    teachers = TINY_TEACHERS if a.tiny else TEACHERS
+    names = [t for t in a.teachers.split(",") if t]
+    paths = [p for p in a.paths.split(",") if p]
+    out = Out(a.out, device)
+    rate = matmul_rate(device)
+    out.row("env", "matmul_rate", "", "", "torch bf16 8192^3", 8192, f"{rate / 1e12:.1f}", "TFLOP/s")
+    print(f"matmul rate {rate / 1e12:.1f} TFLOP/s ({out.common['gpu']})")
+
+    # the points: key -> (measures, fwd_bwd callable for the memory figure, floor FLOPs or None)
+    points = {}
+
+    def add(key, build, floor):
+        try:
+            measures, fb = build()
+            points[key] = (measures, fb, floor)
+        except Exception as exc:  # noqa: BLE001 - an OOM (recorded) or a failure (recorded, the run goes on)
+            out.row(key[0], "error", key[1], key[2], key[3], key[4], "oom" if is_oom(exc) else "error", "",
+                    f"{type(exc).__name__}: {str(exc)[:200]}")
+            print(f"{key}: {'OOM' if is_oom(exc) else 'ERROR'} {type(exc).__name__}: {str(exc)[:200]}")
+            torch.cuda.empty_cache() if device == "cuda" else None
+
+    for name in names:
+        cfg = teachers[name]
+        for path in paths:
+            add(("dense", name, path, "streamkl", a.n), lambda cfg=cfg, path=path: dense_point(cfg, a.n, path, device, dtype),
+                floor_flops(cfg, a.n, path))
+        if "lse" in paths:  # the accumulating design beside the default, lse given
+            add(("dense", name, "lse", "streamkl_accumulating", a.n),
+                lambda cfg=cfg: dense_point(cfg, a.n, "lse", device, dtype, design="accumulate"), floor_flops(cfg, a.n, "lse"))
+        if not a.no_compile and device == "cuda":
+            add(("dense", name, "any", "torch_compile", a.n), lambda cfg=cfg: compile_point(cfg, a.n, device, dtype), None)
+    if not a.no_topk:
+        cfg = teachers["dsa"]
+        for n in a.topk_n:
+            add(("topk", "dsa", f"topk={a.topk}", "streamkl", n), lambda n=n: topk_point(cfg, n, a.topk, device, dtype),
+                floor_flops(cfg, n, "", topk=a.topk))
+            if not a.no_compile and device == "cuda":
+                add(("topk", "dsa", f"topk={a.topk}", "torch_compile", n),
+                    lambda n=n: topk_point(cfg, n, a.topk, device, dtype, compiled=True), None)
+
+    # warm-up (compiles, tuning) and the extra memory of one fwd+bwd; a point that fails here is
+    # dropped. The interpreter (a smoke of the code paths): no warm-up, no memory figure, and the
+    # fwd+bwd measure alone
+    for key in list(points) if device == "cuda" else ():
+        measures, fb, _ = points[key]
+        try:
+            t0 = time.perf_counter()
+            for fn in measures.values():
+                fn()
+                torch.cuda.synchronize()
+                if t0 is not None:  # the first call: compiles and tuning included
+                    out.row(key[0], "first_call_s", key[1], key[2], key[3], key[4],
+                            f"{time.perf_counter() - t0:.2f}", "s")
+                    t0 = None
+            mem = extra_memory_gib(fb, device)
+            out.row(key[0], "extra_mem_fwd_bwd", key[1], key[2], key[3], key[4], f"{mem:.3f}", "GiB")
+        except Exception as exc:  # noqa: BLE001
+            out.row(key[0], "error", key[1], key[2], key[3], key[4], "oom" if is_oom(exc) else "error", "",
+                    f"{type(exc).__name__}: {str(exc)[:200]}")
+            print(f"{key}: {'OOM' if is_oom(exc) else 'ERROR'} at warm-up: {type(exc).__name__}: {str(exc)[:200]}")
+            if not is_oom(exc):
+                traceback.print_exc()
+            del points[key]
+            torch.cuda.empty_cache() if device == "cuda" else None
+
+    if device != "cuda":
+        points = {key: ({"fwd_bwd_ms": ms["fwd_bwd_ms"]}, fb, fl) for key, (ms, fb, fl) in points.items()}
+    times = {(key, m): [] for key, (measures, _, _) in points.items() for m in measures}
+    for r in range(a.rounds):  # interleaved: every point's every measure once per round
+        for key, (measures, _, _) in points.items():
+            for m, fn in measures.items():
+                times[(key, m)].append(time_ms(fn, device, a.quick or a.tiny))
+    med = {}
+    for (key, m), ts in times.items():
+        med[(key, m)] = statistics.median(ts)
+        out.row(key[0], m, key[1], key[2], key[3], key[4], f"{med[(key, m)]:.4f}", "ms",
+                f"median of {len(ts)} interleaved rounds: " + " ".join(f"{t:.3f}" for t in ts))
+
+    print(f"\n{'section':6s} {'teacher':7s} {'path':20s} {'N':>6s} {'fwd ms':>9s} {'fwd+bwd':>9s} "
+          f"{'vs compile':>10s} {'floor ms':>9s} {'/ floor':>8s}")
+    for key, (measures, _, floor) in points.items():
+        if not key[3].startswith("streamkl"):
+            continue
+        fb = med.get((key, "fwd_bwd_ms"), float("nan"))
+        base_key = ((key[0], key[1], "any", "torch_compile", key[4]) if key[0] == "dense"
+                    else (key[0], key[1], key[2], "torch_compile", key[4]))
+        base = med.get((base_key, "fwd_bwd_ms"), float("nan"))
+        floor_ms = floor / rate * 1e3 if floor else float("nan")
+        ratio_c, ratio_f = base / fb, fb / floor_ms
+        if math.isfinite(floor_ms):
+            out.row(key[0], "floor_ms", key[1], key[2], "floor", key[4], f"{floor_ms:.4f}", "ms", f"{floor:.4g} FLOP")
+            out.row(key[0], "fwd_bwd_over_floor", key[1], key[2], key[3], key[4], f"{ratio_f:.3f}", "x")
+        if math.isfinite(base):
+            out.row(key[0], "compile_over_fwd_bwd", key[1], key[2], key[3], key[4], f"{ratio_c:.3f}", "x")
+        label = key[2] if key[3] == "streamkl" else f"{key[2]} ({key[3][9:]})"
+        print(f"{key[0]:6s} {key[1]:7s} {label:20s} {key[4]:6d} {med.get((key, 'fwd_ms'), float('nan')):9.3f} "
+              f"{fb:9.3f} {ratio_c:9.2f}x {floor_ms:9.3f} {ratio_f:7.2f}x")
+
+    if a.memory_n and device == "cuda":
+        cfg = teachers["dsa"]
+        try:
+            _, fb = dense_point(cfg, a.memory_n, "no_lse", device, dtype)
+            mem = extra_memory_gib(fb, device)
+            out.row("memory", "extra_mem_fwd_bwd", "dsa", "no_lse", "streamkl", a.memory_n, f"{mem:.3f}", "GiB")
+            print(f"DSA-like {a.memory_n} fwd+bwd (no lse) extra memory {mem:.2f} GiB")
+        except Exception as exc:  # noqa: BLE001
+            out.row("memory", "error", "dsa", "no_lse", "streamkl", a.memory_n, "oom" if is_oom(exc) else "error", "",
+                    f"{type(exc).__name__}: {str(exc)[:200]}")
+
+    if not a.no_check:
+        B, NQ, NK = (2, 13, 19) if a.tiny else (2, 200, 264)
+        for name in names:
+            for path in paths:
+                check_dense(out, teachers[name], name, path, device, dtype, B, NQ, NK)
+        if not a.no_topk:
+            check_topk(out, teachers["dsa"], "dsa", device, dtype, B, 13 if a.tiny else 200, 4 if a.tiny else 64)
+    print(f"\n{out.failures} check failure(s); CSV: {out.path}")
+    out.f.close()
+    return 1 if out.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""The indexer loss's teacher LSEs, one streaming pass: what ``indexer_kl`` computes first when
+the caller gives no ``lse``, so that the training step takes the same fast path as with it.
+
+``lse[b, h, t] = log sum_{s visible to t} exp(sigma q[b, h, t] . k[b, h // (H / H_K), s])``, float32
+``[B, H, N_Q]``, natural log (FlashAttention's ``softmax_lse``; ``-inf`` for a row with no visible
+key), bottom-right causal as every indexer kernel. The kernel is the forward's first pass,
+``indexer/triton/fwd.py``'s ``_teacher_lse_kernel`` (an online logsumexp of the scores over the visible keys,
+no values, the causal frontier's whole tiles unmasked and the diagonal band masked, scores in
+bits); its launch candidates are the tuner's ``"lse"`` list (``indexer/configs.py``).
+
+Cost: the teacher's scores once more, ``2 * N_Q * N_K * H * D`` FLOPs (causal: half), so a
+training step without ``lse`` has the floor ``2 * N^2/2 * (2 H D + 3 H_I D_I)`` (causal) against
+``2 * N^2/2 * (H D + 3 H_I D_I)`` with it; extra memory ``4 * B * H * N_Q`` bytes.
+
+One custom op (``streamkl::indexer_teacher_lse``) with a fake implementation, so ``indexer_kl``
+stays traceable by ``torch.compile(fullgraph=True)``; the LSEs are a constant (no gradient).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from streamkl_ref._checks import check_indexer_inputs
+
+from streamkl_gpu._core import checks as _checks
+from streamkl_gpu._core import runtime as _runtime
+from streamkl_gpu._core import tuning as _tuning
+from streamkl_gpu.indexer import configs as _configs
+from streamkl_gpu.indexer import plan as _plan_mod
+from streamkl_gpu.indexer.triton import fwd as _indexer_fwd
+
+__all__ = ["teacher_lse", "teacher_lse_bits"]
+
+LN2 = math.log(2.0)
+
+
+def teacher_lse_bits(q, k, q_idx, k_idx, weights, causal: bool, scale: float) -> torch.Tensor:
+    """The teacher's per-head LSEs in bits (log2), float32 ``[B, H, N_Q]`` (the kernels' unit)."""
+    dims = check_indexer_inputs(q, k, q_idx, k_idx, weights, scale=scale)
+    q, k, q_idx, k_idx = (_checks.compute_view(t) for t in (q, k, q_idx, k_idx))
+    ieee = q.dtype == torch.float32
+    use_tma = _plan_mod._use_tma(q, k, q_idx, k_idx)
+    lse_bits = _plan_mod._fresh((dims.B, dims.H, dims.NQ), torch.float32, q.device)
+    group = dims.H // dims.HK
+
+    def launch(cfg):
+        pl = _plan_mod._plan(dims, cfg, "fwd")
+        grid = (_runtime.cdiv(dims.NQ, pl["BLOCK_T"]), pl["n_chunks"], dims.B)
+        tma, a_l1 = _plan_mod._load_mode(pl, use_tma)
+        q_desc, k_desc, _, _ = _plan_mod._descriptors(pl, tma, q, k, q_idx, k_idx)
+        _indexer_fwd._teacher_lse_kernel[grid](
+            q, k, q_desc, k_desc, lse_bits, *_plan_mod._strides(q), *_plan_mod._strides(k), dims.H, group, dims.NQ, dims.NK,
+            dims.scale * _plan_mod.LOG2E, pl["cpg"], D=dims.D, BLOCK_D=pl["BLOCK_D"], HB=pl["HB"],
+            BLOCK_T=pl["BLOCK_T"], BLOCK_N=pl["BLOCK_N"], CAUSAL=causal, IEEE=ieee,
+            NO_CONTRACT=not _runtime.interpreting(), USE_TMA=tma, A_L1=a_l1, num_warps=pl["warps"],
+            num_stages=pl["stages"])
+
+    key = ("idx_lse", dims.D, dims.DI, dims.H, dims.HK, dims.HI, dims.HKI, q.dtype, q_idx.dtype, causal, use_tma,
+           _tuning.bucket(dims.NQ), _tuning.bucket(dims.NK), _tuning.bucket(dims.B))
+    launch(_tuning.pick(key, _configs._candidates("lse", ieee, dims), launch))
+    return lse_bits
+
+
+@torch.library.custom_op("streamkl::indexer_teacher_lse", mutates_args=())
+def _teacher_lse_op(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, k_idx: torch.Tensor,
+                    weights: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    # natural log, the unit of the caller's ``lse`` (the fast path takes it back to bits: one
+    # rounding of a number of magnitude ~|lse|, far below the loss's tolerance)
+    return teacher_lse_bits(q, k, q_idx, k_idx, weights, causal, scale).mul_(LN2)
+
+
+@_teacher_lse_op.register_fake
+def _teacher_lse_fake(q, k, q_idx, k_idx, weights, causal, scale):
+    return q.new_empty((q.shape[0], q.shape[1], q.shape[2]), dtype=torch.float32)
+
+
+def teacher_lse(q, k, q_idx, k_idx, weights, *, causal: bool, scale: float) -> torch.Tensor:
+    """The teacher's per-head LSEs, float32 ``[B, H, N_Q]``, natural log (``indexer_kl``'s ``lse``);
+    ``scale`` is the resolved score scale (``check_indexer_inputs``'s ``dims.scale``). The
+    indexer tensors only shape the launch (the tuner's key, the TMA decision); they are not read."""
+    with torch.no_grad():
+        return _teacher_lse_op(q.detach(), k.detach(), q_idx.detach(), k_idx.detach(), weights.detach(),
+                               causal, float(scale))
