@@ -373,9 +373,9 @@ def _run_own(args, device: str) -> int:
             if device == "cpu" and NK > CPU_ONE_DTYPE_NK and dtype != dtypes[0]:
                 continue  # interpreted, a multi-tile case costs seconds per dtype: the first dtype only
             dname = str(dtype).replace("torch.", "")
+            laps.lap(f"{name} {dname}")
             if not args.quiet:  # the first GPU run compiles each kernel variant: show progress
                 print(f"[{time.time() - t_start:6.1f}s] {name} {dname}", file=sys.stderr, flush=True)
-            laps.lap(f"{name} {dname}")
             xs = [x.to(dtype) for x in base]  # the exact inputs the kernel sees
             x64 = [x.double().numpy() for x in xs]
             kw = dict(causal=case.causal, scale1=case.scale1, scale2=case.scale2)
@@ -434,9 +434,9 @@ def _run_own(args, device: str) -> int:
         fp16 = name == varlen_cases[0][0]
         for dtype in (gpu_case_dtypes((D1, D2), dtypes, fp16) if device == "cuda" else dtypes):
             dname = str(dtype).replace("torch.", "")
+            laps.lap(f"{name} {dname}")
             if not args.quiet:
                 print(f"[{time.time() - t_start:6.1f}s] {name} {dname}", file=sys.stderr, flush=True)
-            laps.lap(f"{name} {dname}")
             xs = [x.to(dtype) for x in base]
             x64 = [x.double().numpy() for x in xs]
             packing = (cu_q.numpy(), cu_k.numpy(), mq, mk)
@@ -475,9 +475,9 @@ def _run_own(args, device: str) -> int:
     planted = [c for c in attention_cases(device, quick=False, which=args.cases) if c.plant]
     if args.quick:  # a smoke gate: one planted case, the quick indexer cases, the first dtype
         planted, dnames = planted[:1], dnames[:1]
+    laps.lap("NaN-planting cases")
     if not args.quiet:
         print(f"[{time.time() - t_start:6.1f}s] NaN-planting cases", file=sys.stderr, flush=True)
-    laps.lap("NaN-planting cases")
     planted_dnames = gpu_case_dtypes((16,), dnames) if device == "cuda" else dnames
     _append(report, check_attention_kl(api.attention_kl, device=device, dtypes=planted_dnames, cases=planted,
                                        seed=args.seed))
@@ -486,9 +486,9 @@ def _run_own(args, device: str) -> int:
     def indexer_mean(*a, **kw):  # Megatron's reduction: the mean over rows that see a key
         return indexer_kl(*a, reduction="mean", **kw)
 
+    laps.lap("indexer loss")
     if not args.quiet:
         print(f"[{time.time() - t_start:6.1f}s] indexer loss", file=sys.stderr, flush=True)
-    laps.lap("indexer loss")
     by_dtypes = {}  # the indexer cases grouped by the dtypes they run in (all of them off a GPU)
     for c in indexer_cases(device, quick=args.quick, which=args.cases):
         key = tuple(gpu_case_dtypes((c.D, c.DI), dnames) if device == "cuda" else dnames)
