@@ -92,8 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write the report as JSON to PATH (rows, and the shapes and options of each case)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     p.add_argument("--autotune", action="store_true",
-                   help="own kernels on a GPU: time every launch candidate; default: the first "
-                        "candidate of each shape class (one compile per kernel variant)")
+                   help="own kernels on a GPU: time every launch candidate; default: the shape "
+                        "rule's config of each shape class, untimed (one compile per kernel variant)")
     p.add_argument("-q", "--quiet", action="store_true", help="no per-case progress lines on stderr")
     g = p.add_argument_group("checking your own implementation")
     g.add_argument("--impl", metavar="MODULE:FUNCTION",
