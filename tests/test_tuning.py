@@ -13,6 +13,7 @@ import pytest
 
 from streamkl_gpu._core import tuning as _tuning
 from streamkl_gpu.attention import configs as attn_configs
+from streamkl_gpu.attention.configs import BwdConfig, FwdConfig
 from streamkl_ref._checks import check_inputs
 
 from _gpu_helpers import make_inputs
@@ -35,7 +36,8 @@ def tuner(tmp_path, monkeypatch):
     return tmp_path, timed
 
 
-CANDS = [(64, 64, 4, 2, False, 1), (128, 64, 8, 3, True, 1)]
+CANDS = [FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=2),
+         FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, use_tma=True)]
 
 
 def test_first_pick_times_and_stores_then_disk_answers(tuner):
@@ -46,8 +48,8 @@ def test_first_pick_times_and_stores_then_disk_answers(tuner):
     files = [p for p in cache.rglob("*.json")]
     assert len(files) == 1
     entry = json.loads(files[0].read_text())
-    assert entry["key"] == repr(key) and tuple(entry["config"]) == CANDS[-1]
-    assert set(entry["env"]) == {"gpu", "torch", "triton", "streamkl"}
+    assert entry["key"] == repr(key) and entry["config"] == repr(CANDS[-1])
+    assert set(entry["env"]) == {"gpu", "torch", "triton", "streamkl", "format"}
     _tuning._TUNED.clear()  # a second process: empty memory, the same disk
     assert _tuning.pick(key, CANDS, launch="real") == CANDS[-1]
     assert len(timed) == 1  # no second timing
@@ -63,9 +65,25 @@ def test_cached_choice_outside_the_candidates_is_retuned(tuner):
     _, timed = tuner
     _tuning.pick(("k2",), CANDS, launch="real")
     _tuning._TUNED.clear()
-    other = [(32, 32, 4, 2, False, 1), (16, 16, 4, 2, False, 1)]
+    other = [FwdConfig(block_m=32, block_n=32, num_warps=4, num_stages=2),
+             FwdConfig(block_m=16, block_n=16, num_warps=4, num_stages=2)]
     assert _tuning.pick(("k2",), other, launch="real") == other[-1]
     assert len(timed) == 2
+
+
+def test_an_entry_of_the_positional_format_is_ignored_not_misread(tuner):
+    """An entry written with configs as JSON lists (the positional tuples' format) names no
+    candidate: the key is timed again and the entry rewritten in the current format."""
+    cache, timed = tuner
+    key = ("old",)
+    _tuning._disk_store(None, key, CANDS[0])
+    (path,) = cache.rglob("*.json")
+    entry = json.loads(path.read_text())
+    entry["config"] = [128, 64, 8, 3, True, 1]  # CANDS[-1] as the positional format stored it
+    path.write_text(json.dumps(entry))
+    assert _tuning._disk_load(None, key, CANDS) is None
+    assert _tuning.pick(key, CANDS, launch="real") == CANDS[-1] and len(timed) == 1
+    assert json.loads(path.read_text())["config"] == repr(CANDS[-1])
 
 
 def test_cache_can_be_disabled(tuner, monkeypatch):
@@ -78,9 +96,10 @@ def test_cache_can_be_disabled(tuner, monkeypatch):
 _WRITER = """
 import sys
 from streamkl_gpu._core import tuning as _tuning
+from streamkl_gpu.attention.configs import FwdConfig
 i = int(sys.argv[1])
 for _ in range(100):
-    _tuning._disk_store(None, ("shared",), (i, i, 4, 2, False, 1))
+    _tuning._disk_store(None, ("shared",), FwdConfig(block_m=i, block_n=i, num_warps=4, num_stages=2))
 """
 
 
@@ -94,7 +113,8 @@ def test_concurrent_writers_leave_one_whole_entry(tmp_path):
     files = list(tmp_path.rglob("*.json"))
     assert len(files) == 1, files  # no temporary file left behind, one entry per key
     entry = json.loads(files[0].read_text())
-    assert entry["key"] == repr(("shared",)) and entry["config"][0] in range(3)
+    assert entry["key"] == repr(("shared",))
+    assert entry["config"] in [repr(FwdConfig(block_m=i, block_n=i, num_warps=4, num_stages=2)) for i in range(3)]
 
 
 def test_small_problems_are_tuned_on_themselves():
@@ -217,15 +237,17 @@ def _cited_row(csv, prefix):
     return rows[0]
 
 
-@pytest.mark.parametrize("rule", attn_configs.SHAPE_RULES, ids=lambda r: f"{r[0]}:{'/'.join(r[1])}")
+@pytest.mark.parametrize("rule", attn_configs.SHAPE_RULES, ids=lambda r: f"{r.kernel}:{'/'.join(r.shape_class)}")
 def test_each_shape_rule_cites_a_committed_row_naming_its_config(rule):
-    kernel, cls, cfg, csv, prefix, _why = rule
-    row = _cited_row(csv, prefix)
-    if kernel == "fwd":  # bench rows name a forward config as cfg=BM/BN/warps/stages/tma
-        assert "cfg=" + "/".join(str(x) for x in cfg) + "," in row
-    else:  # the backward bench prints the plan the API picked: mode/(dK cfg)/(dQ cfg)
-        assert "(" + ",".join(repr(x) for x in cfg) + ")" in row, row
-        mode = cls[2]
+    cfg = rule.config
+    row = _cited_row(rule.csv, rule.row_prefix)
+    tile = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)
+    if rule.kernel == "fwd":  # bench rows name a forward config as cfg=BM/BN/warps/stages/tma
+        assert cfg.splits == 1
+        assert "cfg=" + "/".join(str(x) for x in tile + (cfg.use_tma,)) + "," in row
+    else:  # the backward bench prints the plan the API picked: mode/(dK cfg)/(dQ cfg), cfg as a tuple
+        assert "(" + ",".join(repr(x) for x in tile + (cfg.variant,)) + ")" in row, row
+        mode = rule.shape_class[2]
         assert f"plan={mode}/" in row
 
 
@@ -238,7 +260,7 @@ def on_gpu(monkeypatch):
 
 
 def _rule(kernel, cls):
-    return next(r[2] for r in attn_configs.SHAPE_RULES if r[0] == kernel and r[1] == cls)
+    return next(r.config for r in attn_configs.SHAPE_RULES if r.kernel == kernel and r.shape_class == cls)
 
 
 @pytest.mark.parametrize("few", [False, True])
@@ -256,16 +278,18 @@ def test_the_separate_backward_runs_the_rules_configs_untimed(on_gpu, both, few)
 def test_the_fused_backward_rule_depends_on_the_query_rows(on_gpu):
     short = attn_configs.bwd_variant_candidates(128, False, "dk", tma=True, fused=True, n_q=16)
     long = attn_configs.bwd_variant_candidates(128, False, "dk", tma=True, fused=True, n_q=8192)
-    assert short[0] == (32, 128, 8, 3, "ptr") and long[0] == (64, 128, 8, 2, "tma+trans+fold+rows+reduce")
+    assert short[0] == BwdConfig(block_m=32, block_n=128, num_warps=8, num_stages=3, variant="ptr")
+    assert long[0] == BwdConfig(block_m=64, block_n=128, num_warps=8, num_stages=2, variant="tma+trans+fold+rows+reduce")
 
 
 def test_classes_without_a_rule_keep_their_order(on_gpu):
-    assert attn_configs.bwd_variant_candidates(128, False, "dk", ieee=True, tma=True)[0][-1] == "ptr"
+    assert attn_configs.bwd_variant_candidates(128, False, "dk", ieee=True, tma=True)[0].variant == "ptr"
     no_tma = attn_configs.bwd_variant_candidates(128, False, "dk", tma=False)
     assert no_tma == attn_configs.rule_first(no_tma, "bwd_dk", ("no", "such", "class"))
 
 
-@pytest.mark.parametrize("causal, cfg", [(False, (128, 32, 8, 3, True)), (True, (128, 64, 8, 3, True))])
+@pytest.mark.parametrize("causal, cfg", [(False, FwdConfig(block_m=128, block_n=32, num_warps=8, num_stages=3, use_tma=True)),
+                                         (True, FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, use_tma=True))])
 def test_the_forward_rule_at_d128(on_gpu, causal, cfg):
     dims = check_inputs(*make_inputs(1, 8, 8, 8, 8, 8, 16, 16))
     assert attn_configs.fwd_candidates(dims, 128, False, tma=True, causal=causal)[0] == cfg
@@ -282,7 +306,7 @@ def test_the_cache_is_keyed_by_gpu_torch_triton_and_streamkl(monkeypatch, tmp_pa
     monkeypatch.setattr(_tuning._runtime, "device_name", lambda device: "GPU A")
     base, env = _tuning._disk_cache_dir(None)
     assert env == {"gpu": "GPU A", "torch": torch.__version__, "triton": triton.__version__,
-                   "streamkl": streamkl_ref.__version__}
+                   "streamkl": streamkl_ref.__version__, "format": _tuning.CACHE_FORMAT}
     assert os.path.dirname(base) == str(tmp_path)
     seen = {base}
     monkeypatch.setattr(_tuning._runtime, "device_name", lambda device: "GPU B")
@@ -290,7 +314,9 @@ def test_the_cache_is_keyed_by_gpu_torch_triton_and_streamkl(monkeypatch, tmp_pa
     for module in (torch, triton, streamkl_ref):
         monkeypatch.setattr(module, "__version__", module.__version__ + ".other")
         seen.add(_tuning._disk_cache_dir(None)[0])
-    assert len(seen) == 5  # each of the four changes the directory
+    monkeypatch.setattr(_tuning, "CACHE_FORMAT", _tuning.CACHE_FORMAT + 1)
+    seen.add(_tuning._disk_cache_dir(None)[0])
+    assert len(seen) == 6  # each of the four, and the entry format, changes the directory
 
 
 @pytest.mark.parametrize("how", ["under a file", "read-only"])

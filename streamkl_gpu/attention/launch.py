@@ -41,7 +41,7 @@ class _TritonForward:
     """One Triton forward config bound to a call signature: grid, integer arguments and
     constexprs computed once, so a call only allocates and launches.
 
-    ``cfg = (BLOCK_M, BLOCK_N, warps, stages, use_tma, n_splits)``. ``key``: the call's plan
+    ``cfg``: a :class:`~streamkl_gpu.attention.configs.FwdConfig`. ``key``: the call's plan
     signature (inputs' shapes, strides, dtypes, alignment, flags), which with ``cfg`` fixes every
     launch argument's specialisation but the outputs' alignment: the launches then skip Triton's
     binder (``_fast_launch``). None (tuning, proxies): the binder or a derived key."""
@@ -49,7 +49,8 @@ class _TritonForward:
     __slots__ = ("grid", "ints", "constexprs", "warps", "stages", "boxes", "part_shape", "combine", "key")
 
     def __init__(self, cfg, dims, causal, d1_pad, d2_pad, in_strides, ieee1, ieee2, key=None):
-        block_m, block_n, warps, stages, use_tma, n_splits = cfg
+        block_m, block_n, warps, stages, use_tma = cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.use_tma
+        n_splits = cfg.splits
         BH = dims.B * dims.H
         key_tiles = cdiv(dims.NK, block_n)
         splits = min(n_splits, key_tiles)
@@ -167,7 +168,7 @@ def _forward_config(q1, k1, q2, k2, dims, causal, split_k, d1_pad, d2_pad):
                  n_sm=n_sm(device)):
         return GLUON
     # one pass: the usual tiles; split keys (short query blocks): the split kernel's small query tiles
-    candidates = [c + (s,) for s in splits for c in fwd_candidates(dims, d_pad, s > 1, ieee, tma, causal)]
+    candidates = [replace(c, splits=s) for s in splits for c in fwd_candidates(dims, d_pad, s > 1, ieee, tma, causal)]
     if len(candidates) == 1:
         return candidates[0]
     launch = _fwd_runner(q1, k1, q2, k2, dims, causal, _fwd_outputs(dims, device), d1_pad, d2_pad)
@@ -346,8 +347,8 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
         def s3(t):  # strides b, h, n of a buffer (last dim contiguous)
             return (t.stride(0), t.stride(1), t.stride(2)) if t.dim() == 4 else (0, 0, 0)
 
-        block_m, block_n, warps, stages, variant = cfg_dk
-        parts = variant.split("+")
+        block_m, block_n, warps, stages = cfg_dk.block_m, cfg_dk.block_n, cfg_dk.num_warps, cfg_dk.num_stages
+        parts = cfg_dk.variant.split("+")
         use_tma = "tma" in parts
         reduce_dq = fused and "reduce" in parts
         descs = {}
@@ -379,8 +380,8 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
             warps, stages, key, aligned, runtime=descs)
         if not fused:
             with torch.cuda.stream(side) if side is not None else _NO_STREAM:
-                block_m, block_n, warps, stages, variant = cfg_dq
-                parts = variant.split("+")
+                block_m, block_n, warps, stages = cfg_dq.block_m, cfg_dq.block_n, cfg_dq.num_warps, cfg_dq.num_stages
+                parts = cfg_dq.variant.split("+")
                 use_tma = "tma" in parts
                 descs = {}
                 if use_tma:
@@ -420,7 +421,7 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
                 try:
                     return launch(cfg)
                 except Exception as exc:
-                    if cfg[-1] == "ptr" or "OutOfResources" in type(exc).__name__:
+                    if cfg.variant == "ptr" or "OutOfResources" in type(exc).__name__:
                         raise
                     raise UnusableConfig(f"{cfg}: {type(exc).__name__}: {exc}") from exc
             return attempt

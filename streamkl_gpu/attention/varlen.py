@@ -112,7 +112,7 @@ def _forward(q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, causal, scale1, scale2, s
     ieee2 = q2.dtype == torch.float32
     ieee = ieee1 or ieee2
     probe = fwd_candidates(sched, max(d1_pad, d2_pad), True, ieee)[0]
-    n_splits = split_k if split_k is not None else auto_split_k(sched, probe[0], probe[1], n_sm(device))
+    n_splits = split_k if split_k is not None else auto_split_k(sched, probe.block_m, probe.block_n, n_sm(device))
     split = n_splits > 1
     # TMA: descriptors over the [1, H_K, total_k, D] views (a tile reaching into the next
     # sequence is masked in the kernel like keys past N_K)
@@ -120,7 +120,7 @@ def _forward(q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, causal, scale1, scale2, s
     candidates = fwd_candidates(sched, max(d1_pad, d2_pad), split, ieee, tma)
 
     def launch(cfg):
-        block_m, block_n, warps, stages, use_tma = cfg
+        block_m, block_n, warps, stages, use_tma = cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.use_tma
         k1_desc = k2_desc = None
         if use_tma:
             k1_desc = TensorDescriptor(k1, list(k1.shape), list(k1.stride()), [1, 1, block_n, d1_pad])
@@ -218,7 +218,7 @@ def _backward(g, q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, kl, lse1_bits, lse2_b
         scalars = (H, total_q, total_k, dims.D1, dims.D2, dims.group1, dims.group2,
                    dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2)
         in_strides = [s for v in views for s in strides(v)]
-        block_m, block_n, warps, stages = cfg_dk
+        block_m, block_n, warps, stages = cfg_dk.block_m, cfg_dk.block_n, cfg_dk.num_warps, cfg_dk.num_stages
         _bwd._kl_bwd_dk_kernel[(_runtime.cdiv(max_k, block_n), batch * H)](
             *views, lse1_bits, lse2_bits, kl, g, *bufs, *in_strides,
             *(s for b in bufs for s in s3(b)), *scalars,
@@ -226,7 +226,7 @@ def _backward(g, q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, kl, lse1_bits, lse2_b
             DK1_ATOMIC=dk1_atomic, DK2_ATOMIC=dk2_atomic, num_warps=warps, num_stages=stages, **common,
         )
         if not fused:
-            block_m, block_n, warps, stages = cfg_dq
+            block_m, block_n, warps, stages = cfg_dq.block_m, cfg_dq.block_n, cfg_dq.num_warps, cfg_dq.num_stages
             _bwd._kl_bwd_dq_kernel[(_runtime.cdiv(max_q, block_m), batch * H)](
                 *views, lse1_bits, lse2_bits, kl, g, bufs[2], bufs[3], *in_strides,
                 *s3(bufs[2]), *s3(bufs[3]), *scalars,
