@@ -148,7 +148,7 @@ def test_fused_backward_equals_separate(monkeypatch):
 
 
 def test_one_head_chunks(monkeypatch):
-    """Plans with one teacher head per chunk (the 7th config field, tried for GQA on the GPU)."""
+    """Plans with one teacher head per chunk (``max_heads_per_chunk=1``, tried for GQA on the GPU)."""
     monkeypatch.setattr(idx_configs, "INTERPRETER_CONFIG", IndexerConfig(teacher_rows=32, indexer_rows=32, block_n=32, block_d=32, num_warps=1, num_stages=1, max_heads_per_chunk=1))
     xs = make(1, 4, 2, 11, 13, 16, 2, 1, 16, seed=25)
     from streamkl_ref._checks import check_indexer_inputs

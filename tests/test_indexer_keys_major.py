@@ -1,4 +1,4 @@
-"""The indexer forward's keys-major score tiles (the "keys" variant, 9th config field; the
+"""The indexer forward's keys-major score tiles (the "keys" variant, ``IndexerConfig.variant``; the
 DSA-like speed work) and the flattened key loop ("keys_flat", "tiles_flat") under the interpreter: against the float64 reference
 (streamkl_ref.indexer_kl) over odd shapes, and against the (head, token)-major kernel.
 
@@ -111,7 +111,7 @@ def test_keys_major_gradients_after_its_forward(monkeypatch):
 
 
 def test_variant_options():
-    """The 9th config field's options: keys-major, flattened, reversed token blocks, maxnreg (a
+    """The config variant's options: keys-major, flattened, reversed token blocks, maxnreg (a
     compile option: not passed to the interpreter)."""
     from streamkl_gpu.indexer.triton.fwd import variant_meta
 

@@ -360,7 +360,7 @@ def test_chunked_design_nan_isolation_and_trace(monkeypatch, poison):
 
 @pytest.mark.parametrize("variant", ["keys", "tiles"])
 def test_chunked_design_keys_major_forward(monkeypatch, poison, variant):
-    """The chunk design's storing forward with the forward's keys-major tile (9th field "keys",
+    """The chunk design's storing forward with the forward's keys-major tile (variant "keys",
     _indexer_fwd.variant_meta): the same loss and gradients as the reference."""
     monkeypatch.setenv("STREAMKL_INDEXER_PACC", "1")
     monkeypatch.setenv("STREAMKL_INDEXER_PSTORE", "chunk")

@@ -103,7 +103,7 @@ def test_other_launch_configs_l1_and_wide_slot_tiles(monkeypatch):
 
 
 def test_separate_student_kernel_equals_the_one_kernel_forward(monkeypatch):
-    """The 7th config field: the student's logits and LSE by their own kernel first; same KL,
+    """``TopkConfig.separate_student``: the student's logits and LSE by their own kernel first; same KL,
     gradients and empty/NaN rows as the default."""
     from streamkl_gpu.indexer import topk as _indexer_topk
 

@@ -197,7 +197,7 @@ def test_accumulated_design_traceable_fullgraph(monkeypatch):
 
 @pytest.mark.parametrize("tma", [True], indirect=True)
 def test_l1_variant_pointer_loads(monkeypatch, tma):
-    """The "l1" variant (9th field): pointer loads (q rows cached in L1 on the GPU) even where TMA
+    """The "l1" variant (``IndexerConfig.variant``): pointer loads (q rows cached in L1 on the GPU) even where TMA
     is available; forward and the accumulating forward vs the reference."""
     xs = make(1, 4, 1, 13, 21, 24, 4, 1, 16, seed=44)
     assert idx_plan._use_tma(*xs[:4])

@@ -1,7 +1,7 @@
 """The indexer loss's forward for GQA teachers (H_K > 1): a lean one-pass kernel (the
 GQA-like target, <= 3.0x the matmul floor).
 
-Chosen by the 9th config field (``_indexer._plan``'s variant): ``"gqa"`` (each key head's K tile
+Chosen by the config's variant (``IndexerConfig.variant``, the plan's "variant"): ``"gqa"`` (each key head's K tile
 loaded once per key step, then its group's heads in an inner loop: a quarter of the K reads of
 ``_indexer_fwd`` at groups of 4), ``"gqa-flat"`` (one flat loop over the teacher heads, the K
 tile loaded per head as ``_indexer_fwd`` does: one longer pipelined loop), ``"gqa-pp"`` (the flat
