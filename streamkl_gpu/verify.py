@@ -92,8 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write the report as JSON to PATH (rows, and the shapes and options of each case)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     p.add_argument("--autotune", action="store_true",
-                   help="own kernels on a GPU: time every launch candidate; default: the first "
-                        "candidate of each shape class (one compile per kernel variant)")
+                   help="own kernels on a GPU: time every launch candidate; default: the shape "
+                        "rule's config of each shape class, untimed (one compile per kernel variant)")
     p.add_argument("-q", "--quiet", action="store_true", help="no per-case progress lines on stderr")
     g = p.add_argument_group("checking your own implementation")
     g.add_argument("--impl", metavar="MODULE:FUNCTION",
@@ -132,6 +132,53 @@ VARLEN_GPU_CASES = VARLEN_CPU_CASES + [
     # >= 2048 keys in one sequence: the forward reads keys through TMA descriptors (Hopper)
     ("varlen_big", [(300, 300), (0, 64), (1, 1), (513, 700), (129, 0), (2100, 2300)], 8, 2, 4, 128, 64, True, None),
 ]
+
+
+# On a GPU each new kernel specialisation compiles once (seconds; tens of seconds for an fp32
+# kernel at D = 128, whose IEEE dots unroll into huge code), so the GPU battery runs every case in
+# at least one dtype and the extra dtypes only where the kernels are small: cases with a head dim
+# above GPU_SMALL_HEAD_DIM run in bfloat16 alone, and float16 (the same kernels as bfloat16 with
+# another element type) on the quick attention cases and the first packed-sequence case only.
+# docs/verify.md, "On the GPU", lists the case-dtype pairs this leaves out.
+GPU_SMALL_HEAD_DIM = 32
+
+
+def gpu_case_dtypes(head_dims, dtypes, fp16=False):
+    """The dtypes of ``dtypes`` (names or torch dtypes) a GPU run checks a case with these head
+    dims in; ``fp16``: float16 too, where the heads are small."""
+    def name(d):
+        return str(d).replace("torch.", "")
+    if max(head_dims) > GPU_SMALL_HEAD_DIM:
+        return [d for d in dtypes if name(d) == "bfloat16"] or list(dtypes[:1])
+    return [d for d in dtypes if fp16 or name(d) != "float16"] or list(dtypes[:1])
+
+
+class _CaseClock:
+    """Per case and dtype: seconds spent compiling (the first call of each new kernel, read from
+    Triton's compiler entry point) and the rest (the check). ``lap(label)`` closes the open
+    label and opens ``label`` (None: closes only); each closed one is printed and kept."""
+
+    def __init__(self, device, quiet, t_start):
+        from streamkl_gpu._core.compile_clock import CompileClock
+
+        self.clock = CompileClock().install() if device == "cuda" else CompileClock()  # before any launch
+        self.quiet, self.t_start = quiet, t_start
+        self.seconds = {}  # label -> {"compile_s", "kernels", "check_s"}, for the JSON
+        self.open = None
+
+    def lap(self, label):
+        now = time.time()
+        if self.open is not None:
+            name, t0, snap = self.open
+            compile_s, kernels = self.clock.since(snap)
+            check_s = now - t0 - compile_s
+            self.seconds[name] = {"compile_s": round(compile_s, 3), "kernels": kernels, "check_s": round(check_s, 3)}
+            if not self.quiet:
+                print(f"[{now - self.t_start:6.1f}s]   {name}: compile {compile_s:.1f} s ({kernels} kernels), "
+                      f"check {check_s:.1f} s", file=sys.stderr, flush=True)
+        self.open = None if label is None else (label, now, self.clock.snapshot())
+        if label is None:
+            self.clock.uninstall()
 
 
 def _parse(argv):
@@ -309,6 +356,7 @@ def _run_own(args, device: str) -> int:
                              "seed": args.seed, "dtypes": [str(d).replace("torch.", "") for d in dtypes],
                              "bwd_modes": ["fused", "separate"], "autotune": args.autotune})
     t_start, cpu_start = time.time(), time.process_time()
+    laps = _CaseClock(device, args.quiet, t_start)
 
     def record(case, dtype, quantity, err, tol, ok=None, note=""):
         ok = (err <= tol) if ok is None else ok
@@ -320,10 +368,12 @@ def _run_own(args, device: str) -> int:
         name, B, H, NQ, NK = case.name, case.B, case.H, case.NQ, case.NK
         base = [torch.randn(*shape, generator=gen) for shape in case.shapes.values()]
         g = torch.randn(B, H, NQ, generator=gen)
-        for dtype in dtypes:
+        case_dtypes = gpu_case_dtypes((case.D1, case.D2), dtypes, case.quick) if device == "cuda" else dtypes
+        for dtype in case_dtypes:
             if device == "cpu" and NK > CPU_ONE_DTYPE_NK and dtype != dtypes[0]:
                 continue  # interpreted, a multi-tile case costs seconds per dtype: the first dtype only
             dname = str(dtype).replace("torch.", "")
+            laps.lap(f"{name} {dname}")
             if not args.quiet:  # the first GPU run compiles each kernel variant: show progress
                 print(f"[{time.time() - t_start:6.1f}s] {name} {dname}", file=sys.stderr, flush=True)
             xs = [x.to(dtype) for x in base]  # the exact inputs the kernel sees
@@ -381,8 +431,10 @@ def _run_own(args, device: str) -> int:
         cu_q = torch.tensor([0] + list(np.cumsum([a for a, _ in lens])), dtype=torch.int32)
         cu_k = torch.tensor([0] + list(np.cumsum([b for _, b in lens])), dtype=torch.int32)
         mq, mk = max(a for a, _ in lens), max(b for _, b in lens)
-        for dtype in dtypes:
+        fp16 = name == varlen_cases[0][0]
+        for dtype in (gpu_case_dtypes((D1, D2), dtypes, fp16) if device == "cuda" else dtypes):
             dname = str(dtype).replace("torch.", "")
+            laps.lap(f"{name} {dname}")
             if not args.quiet:
                 print(f"[{time.time() - t_start:6.1f}s] {name} {dname}", file=sys.stderr, flush=True)
             xs = [x.to(dtype) for x in base]
@@ -423,23 +475,34 @@ def _run_own(args, device: str) -> int:
     planted = [c for c in attention_cases(device, quick=False, which=args.cases) if c.plant]
     if args.quick:  # a smoke gate: one planted case, the quick indexer cases, the first dtype
         planted, dnames = planted[:1], dnames[:1]
+    laps.lap("NaN-planting cases")
     if not args.quiet:
         print(f"[{time.time() - t_start:6.1f}s] NaN-planting cases", file=sys.stderr, flush=True)
-    _append(report, check_attention_kl(api.attention_kl, device=device, dtypes=dnames, cases=planted, seed=args.seed))
+    planted_dnames = gpu_case_dtypes((16,), dnames) if device == "cuda" else dnames
+    _append(report, check_attention_kl(api.attention_kl, device=device, dtypes=planted_dnames, cases=planted,
+                                       seed=args.seed))
     from streamkl_gpu import indexer_kl
 
     def indexer_mean(*a, **kw):  # Megatron's reduction: the mean over rows that see a key
         return indexer_kl(*a, reduction="mean", **kw)
 
+    laps.lap("indexer loss")
     if not args.quiet:
         print(f"[{time.time() - t_start:6.1f}s] indexer loss", file=sys.stderr, flush=True)
-    _append(report, check_indexer_kl(indexer_kl, device=device, dtypes=dnames, quick=args.quick, seed=args.seed,
-                                     cases=args.cases), prefix="indexer:")
+    by_dtypes = {}  # the indexer cases grouped by the dtypes they run in (all of them off a GPU)
+    for c in indexer_cases(device, quick=args.quick, which=args.cases):
+        key = tuple(gpu_case_dtypes((c.D, c.DI), dnames) if device == "cuda" else dnames)
+        by_dtypes.setdefault(key, []).append(c)
+    for case_dnames, group in by_dtypes.items():
+        _append(report, check_indexer_kl(indexer_kl, device=device, dtypes=list(case_dnames), quick=args.quick,
+                                         cases=group, seed=args.seed), prefix="indexer:")
     mean_cases = [] if args.quick else [c for c in indexer_cases(device, which=args.cases)
                                         if c.name in ("causal_nq>nk", "gqa")]
     if mean_cases:
+        laps.lap("indexer loss, mean")
         _append(report, check_indexer_kl(indexer_mean, device=device, dtypes=dnames[:1], returns="mean",
                                          cases=mean_cases, seed=args.seed), prefix="indexer(mean):")
+    laps.lap(None)
     if device == "cpu":  # every launch above ran bounds- and race-checked (a violation raises)
         from streamkl_gpu.devtools import bounds as _interpreter_bounds
 
@@ -452,7 +515,8 @@ def _run_own(args, device: str) -> int:
     report.elapsed_s = time.time() - t_start
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)"
     return _finish(report, args, device_name, {"elapsed_s": report.elapsed_s,
-                                               "cpu_s": time.process_time() - cpu_start})
+                                               "cpu_s": time.process_time() - cpu_start,
+                                               "case_seconds": laps.seconds})
 
 
 

@@ -18,6 +18,7 @@ from streamkl_gpu.attention import launch as _launch
 from streamkl_gpu._core import runtime as _runtime
 from streamkl_gpu._core import tuning as _tuning
 from streamkl_gpu.attention import configs as attn_configs
+from streamkl_gpu.attention.configs import BwdConfig
 from streamkl_gpu.attention.triton.bwd import _exp2_fma
 
 import _tma_reduce_shim
@@ -46,7 +47,7 @@ def variant(request, monkeypatch):
 
 def launched(variant, mode):
     """The (dK, dQ) kernel variants of the cached plans made under ``variant`` in ``mode``."""
-    plans = {(p[1][-1], p[2][-1]) for sig, p in _launch._PLANS.items()
+    plans = {(p[1].variant, p[2].variant) for sig, p in _launch._PLANS.items()
              if sig[0] == "bwd" and sig[2][-1] == variant and p[0] == mode}
     assert len(plans) == 1, plans
     return plans.pop()
@@ -173,40 +174,41 @@ def test_default_candidates_keep_the_old_configs(gpu_rules):
     for kind in ("dk", "dq"):
         for both in (False, True):
             for fused in (False, True):
-                old = [c + ("ptr",) for c in attn_configs.bwd_candidates(128, both, kind)]
+                old = attn_configs.bwd_candidates(128, both, kind)
                 with_tma = attn_configs.bwd_variant_candidates(128, both, kind, False, True, fused)
-                assert with_tma[:len(old)] == old and len(with_tma) > len(old)
-                for c in with_tma[len(old):]:
-                    parts = c[-1].split("+")
+                assert set(old) < set(with_tma)  # every old config, and new ones (the shape rule's may lead)
+                for c in (c for c in with_tma if c not in old):
+                    parts = c.variant.split("+")
                     assert "tma" in parts
                     assert ("reduce" in parts) <= (fused and kind == "dk"), c
                     assert ("trans" in parts or "rows" in parts) <= (kind == "dk"), c
                 no_tma = attn_configs.bwd_variant_candidates(128, both, kind, False, False, fused)
-                assert all("tma" not in c[-1] for c in no_tma)
-                assert attn_configs.bwd_variant_candidates(128, both, kind, True, True, fused) == [
-                    c + ("ptr",) for c in attn_configs.bwd_candidates(128, both, kind, True)]
+                assert all("tma" not in c.variant for c in no_tma)
+                assert (attn_configs.bwd_variant_candidates(128, both, kind, True, True, fused)
+                        == attn_configs.bwd_candidates(128, both, kind, True))
 
 
 def test_long_problems_get_one_new_candidate(gpu_rules):
     for kind in ("dk", "dq"):
-        old = [c + ("ptr",) for c in attn_configs.bwd_candidates(128, False, kind)]
-        few = attn_configs.bwd_variant_candidates(128, False, kind, False, True, True, few=True)
-        assert few[:len(old)] == old and len(few) == len(old) + 1
-        assert few[-1] == attn_configs.bwd_variant_candidates(128, False, kind, False, True, True)[len(old)]
+        old = attn_configs.bwd_candidates(128, False, kind)
+        few = attn_configs.bwd_variant_candidates(128, False, kind, False, True, True, few=True, n_q=8192)
+        assert set(old) < set(few) and len(few) == len(old) + 1
+        new = [c for c in few if c not in old]
+        assert new[0] in attn_configs.bwd_variant_candidates(128, False, kind, False, True, True, n_q=8192)
 
 
 def test_forced_variant_restricts_the_candidates(gpu_rules):
     gpu_rules.setenv("STREAMKL_BWD_VARIANT", "tma+trans+fold+rows+reduce")
     dk = attn_configs.bwd_variant_candidates(128, False, "dk", False, True, True)
-    assert dk and {c[-1] for c in dk} == {"tma+trans+fold+rows+reduce"}
-    assert {c[-1] for c in attn_configs.bwd_variant_candidates(128, False, "dk", False, True, False)} == {
+    assert dk and {c.variant for c in dk} == {"tma+trans+fold+rows+reduce"}
+    assert {c.variant for c in attn_configs.bwd_variant_candidates(128, False, "dk", False, True, False)} == {
         "tma+trans+fold+rows"}  # separate kernels: no reduce
-    assert {c[-1] for c in attn_configs.bwd_variant_candidates(128, False, "dq", False, True, False)} == {"tma+fold"}
+    assert {c.variant for c in attn_configs.bwd_variant_candidates(128, False, "dq", False, True, False)} == {"tma+fold"}
     with pytest.raises(ValueError, match="TMA"):  # on a GPU a descriptor variant without TMA is an error
         attn_configs.bwd_variant_candidates(128, False, "dk", False, False, True)
     gpu_rules.setenv("STREAMKL_BWD_VARIANT", "ptr")
-    assert attn_configs.bwd_variant_candidates(128, False, "dk", False, True, True) == [
-        c + ("ptr",) for c in attn_configs.bwd_candidates(128, False, "dk")]
+    assert (attn_configs.bwd_variant_candidates(128, False, "dk", False, True, True)
+            == attn_configs.bwd_candidates(128, False, "dk"))
 
 
 def test_tuner_skips_an_unusable_variant(monkeypatch):
@@ -217,10 +219,11 @@ def test_tuner_skips_an_unusable_variant(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
 
     def launch(cfg):
-        if cfg[-1] != "ptr":
+        if cfg.variant != "ptr":
             raise _tuning.UnusableConfig(f"{cfg}: CompilationError")
 
-    cands = [(64, 128, 8, 2, "ptr"), (64, 128, 8, 2, "tma+trans")]
+    cands = [BwdConfig(block_m=64, block_n=128, num_warps=8, num_stages=2, variant="ptr"),
+             BwdConfig(block_m=64, block_n=128, num_warps=8, num_stages=2, variant="tma+trans")]
     assert _tuning._time_candidates(("k",), cands, launch) == cands[0]
 
     def broken(cfg):

@@ -15,6 +15,7 @@ import torch
 import streamkl_gpu
 import streamkl_ref
 from streamkl_gpu.indexer import configs as idx_configs
+from streamkl_gpu.indexer.plan import IndexerConfig
 from streamkl_gpu.indexer import host as idx_host
 from streamkl_gpu.indexer import plan as idx_plan
 from streamkl_gpu.indexer.api import indexer_kl_naive
@@ -147,8 +148,8 @@ def test_fused_backward_equals_separate(monkeypatch):
 
 
 def test_one_head_chunks(monkeypatch):
-    """Plans with one teacher head per chunk (the 7th config field, tried for GQA on the GPU)."""
-    monkeypatch.setattr(idx_configs, "INTERPRETER_CONFIG", (32, 32, 32, 32, 1, 1, 1))
+    """Plans with one teacher head per chunk (``max_heads_per_chunk=1``, tried for GQA on the GPU)."""
+    monkeypatch.setattr(idx_configs, "INTERPRETER_CONFIG", IndexerConfig(teacher_rows=32, indexer_rows=32, block_n=32, block_d=32, num_warps=1, num_stages=1, max_heads_per_chunk=1))
     xs = make(1, 4, 2, 11, 13, 16, 2, 1, 16, seed=25)
     from streamkl_ref._checks import check_indexer_inputs
 
@@ -159,7 +160,7 @@ def test_one_head_chunks(monkeypatch):
 def test_small_tiles_many_stages():
     """16-wide tiles: several key tiles, token blocks and D chunks per program (causal stages)."""
     old = idx_configs.INTERPRETER_CONFIG
-    idx_configs.INTERPRETER_CONFIG = (16, 16, 16, 16, 1, 1)
+    idx_configs.INTERPRETER_CONFIG = IndexerConfig(teacher_rows=16, indexer_rows=16, block_n=16, block_d=16, num_warps=1, num_stages=1)
     try:
         xs = make(1, 4, 2, 9, 35, 20, 4, 1, 16, seed=21)
         check_case(xs, with_lse=False, causal=True)
@@ -380,7 +381,7 @@ def test_plan_tiles_are_at_least_16_wide():
     for H, HK, HI, HKI in ((128, 1, 64, 1), (32, 8, 16, 1), (1, 1, 1, 1), (6, 3, 3, 1), (8, 8, 4, 4)):
         xs = make(1, H, HK, 2, 2, 8, HI, HKI, 8)
         dims = check_indexer_inputs(*xs)
-        for cfg in ((128, 128, 64, 64, 8, 2), (256, 128, 64, 64, 8, 2), (16, 16, 16, 16, 1, 1)):
+        for cfg in (IndexerConfig(teacher_rows=128, indexer_rows=128, block_n=64, block_d=64, num_warps=8, num_stages=2), IndexerConfig(teacher_rows=256, indexer_rows=128, block_n=64, block_d=64, num_warps=8, num_stages=2), IndexerConfig(teacher_rows=16, indexer_rows=16, block_n=16, block_d=16, num_warps=1, num_stages=1)):
             for kind in ("fwd", "bwd"):
                 pl = idx_plan._plan(dims, cfg, kind)
                 assert pl["HB"] * pl["BLOCK_T"] >= 16 and pl["IB"] * pl["BLOCK_T"] >= 16

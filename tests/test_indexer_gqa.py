@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from streamkl_gpu.indexer import configs as idx_configs
+from streamkl_gpu.indexer.plan import IndexerConfig
 from streamkl_gpu.indexer import host as idx_host
 from streamkl_gpu.indexer import plan as idx_plan
 from streamkl_gpu.indexer.triton import fwd_gqa as _indexer_fwd_gqa
@@ -35,7 +36,7 @@ CASES = [
 
 
 def _config(monkeypatch, block_n, splits, variant):
-    monkeypatch.setattr(idx_configs, "INTERPRETER_CONFIG", (16, 16, block_n, 32, 1, 1, 1, splits, variant))
+    monkeypatch.setattr(idx_configs, "INTERPRETER_CONFIG", IndexerConfig(teacher_rows=16, indexer_rows=16, block_n=block_n, block_d=32, num_warps=1, num_stages=1, max_heads_per_chunk=1, splits=splits, variant=variant))
 
 
 def _launched(monkeypatch):
@@ -111,12 +112,12 @@ def test_gqa_kernel_applies_only_where_it_can():
     """TMA loads and head dims <= 128 only; otherwise the general kernel runs the plan."""
     xs = make(1, 8, 2, 8, 8, 32, 4, 1, 16)
     dims = check_indexer_inputs(*xs)
-    pl = idx_plan._plan(dims, (16, 16, 16, 32, 1, 1, 1, 1, "gqa"), "fwd")
+    pl = idx_plan._plan(dims, IndexerConfig(teacher_rows=16, indexer_rows=16, block_n=16, block_d=32, num_warps=1, num_stages=1, max_heads_per_chunk=1, variant="gqa"), "fwd")
     assert _indexer_fwd_gqa.applies(pl, dims, True)
     assert not _indexer_fwd_gqa.applies(pl, dims, False)
     assert not _indexer_fwd_gqa.applies(dict(pl, variant="tiles"), dims, True)
     wide = check_indexer_inputs(*make(1, 8, 2, 8, 8, 192, 4, 1, 16))
-    assert not _indexer_fwd_gqa.applies(idx_plan._plan(wide, (16, 16, 16, 32, 1, 1, 1, 1, "gqa"), "fwd"), wide, True)
+    assert not _indexer_fwd_gqa.applies(idx_plan._plan(wide, IndexerConfig(teacher_rows=16, indexer_rows=16, block_n=16, block_d=32, num_warps=1, num_stages=1, max_heads_per_chunk=1, variant="gqa"), "fwd"), wide, True)
 
 
 def test_variant_names():
@@ -175,12 +176,12 @@ def test_default_candidates_and_split_rule():
                                                      (1, 16, n))]
         dims = check_indexer_inputs(*xs)
         first = idx_configs._new_fwd_candidates(dims, True, 132)[0]
-        assert first == (64, 64, 64, 64, 4, 2, 1, g.key_splits(n, 64, 132), "gqa-band-r128")
+        assert first == IndexerConfig(teacher_rows=64, indexer_rows=64, block_n=64, block_d=64, num_warps=4, num_stages=2, max_heads_per_chunk=1, splits=g.key_splits(n, 64, 132), variant="gqa-band-r128")
         pl = idx_plan._plan(dims, first, "fwd")
         assert _indexer_fwd_gqa.applies(pl, dims, True)
         tiles = n // 64
-        per = -(-tiles // first[7])  # whole tiles per split (8K: 48 asked, 3 tiles each, 43 splits)
+        per = -(-tiles // first.splits)  # whole tiles per split (8K: 48 asked, 3 tiles each, 43 splits)
         assert idx_plan._key_splits(dims, pl) == (-(-tiles // per), per * 64)
     small = check_indexer_inputs(*make(1, 8, 2, 100, 100, 32, 4, 1, 16))
-    pl = idx_plan._plan(small, (64, 64, 64, 64, 4, 3, 1, 24, "gqa-band"), "fwd")
+    pl = idx_plan._plan(small, IndexerConfig(teacher_rows=64, indexer_rows=64, block_n=64, block_d=64, num_warps=4, num_stages=3, max_heads_per_chunk=1, splits=24, variant="gqa-band"), "fwd")
     assert idx_plan._key_splits(small, pl)[0] == 2  # 100 keys: two 64-key tiles

@@ -1,4 +1,4 @@
-"""The indexer forward's keys-major score tiles (the "keys" variant, 9th config field; the
+"""The indexer forward's keys-major score tiles (the "keys" variant, ``IndexerConfig.variant``; the
 DSA-like speed work) and the flattened key loop ("keys_flat", "tiles_flat") under the interpreter: against the float64 reference
 (streamkl_ref.indexer_kl) over odd shapes, and against the (head, token)-major kernel.
 
@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from streamkl_gpu.indexer import configs as idx_configs
+from streamkl_gpu.indexer.plan import IndexerConfig
 from streamkl_gpu.indexer import host as idx_host
 from streamkl_gpu.indexer import plan as idx_plan
 from streamkl_ref._checks import check_indexer_inputs
 
 from test_gpu_indexer import check_case, make
 
-KEYS = (32, 32, 16, 32, 1, 1, None, 1, "keys")
+KEYS = IndexerConfig(teacher_rows=32, indexer_rows=32, block_n=16, block_d=32, num_warps=1, num_stages=1, variant="keys")
 
 
 def _with_config(monkeypatch, cfg):
@@ -32,13 +33,13 @@ def _forward(xs, lse=None, causal=True, scale=0.25, relu=True):
 # (B, H, H_K, N_Q, N_K, D, H_I, H_KI, D_I), causal, lse given, config
 CASES = [
     ((1, 4, 1, 13, 21, 24, 4, 1, 16), True, True, KEYS),     # MQA both sides, N_K > N_Q, ragged
-    ((1, 8, 1, 11, 11, 40, 4, 1, 16), True, False, (32, 32, 16, 16, 1, 1, None, 1, "keys")),  # D tiled 16 + 16 + 8
+    ((1, 8, 1, 11, 11, 40, 4, 1, 16), True, False, IndexerConfig(teacher_rows=32, indexer_rows=32, block_n=16, block_d=16, num_warps=1, num_stages=1, variant="keys")),  # D tiled 16 + 16 + 8
     ((2, 4, 2, 9, 5, 40, 2, 2, 8), True, True, KEYS),        # GQA teacher, 2 indexer key heads, N_Q > N_K
     ((1, 6, 3, 17, 17, 16, 3, 1, 12), False, True, KEYS),    # groups of 3 in boxes of 4 heads
     ((1, 2, 2, 1, 1, 8, 1, 1, 8), True, True, KEYS),         # N = 1
-    ((1, 4, 1, 19, 40, 16, 4, 1, 16), True, True, (32, 32, 16, 32, 1, 1, None, 3, "keys")),  # key splits
-    ((1, 4, 1, 13, 21, 24, 4, 1, 16), True, True, (32, 32, 16, 16, 1, 1, None, 1, "keys_flat")),  # flattened loop
-    ((1, 6, 3, 17, 17, 16, 3, 1, 12), True, False, (32, 32, 16, 16, 1, 1, None, 1, "tiles_flat")),
+    ((1, 4, 1, 19, 40, 16, 4, 1, 16), True, True, IndexerConfig(teacher_rows=32, indexer_rows=32, block_n=16, block_d=32, num_warps=1, num_stages=1, splits=3, variant="keys")),  # key splits
+    ((1, 4, 1, 13, 21, 24, 4, 1, 16), True, True, IndexerConfig(teacher_rows=32, indexer_rows=32, block_n=16, block_d=16, num_warps=1, num_stages=1, variant="keys_flat")),  # flattened loop
+    ((1, 6, 3, 17, 17, 16, 3, 1, 12), True, False, IndexerConfig(teacher_rows=32, indexer_rows=32, block_n=16, block_d=16, num_warps=1, num_stages=1, variant="tiles_flat")),
 ]
 
 
@@ -56,12 +57,12 @@ def test_keys_major_equals_rows_major(monkeypatch, tma):
     16-wide chunks (the flattened loop's inner trip count). H = 16 fills one 16-wide column block
     with one token (BLOCK_T = 1, the DSA layout: the head sum is a plain row sum)."""
     xs = make(1, 16, 1, 14, 20, 24, 16, 1, 16, seed=41)
-    pl = idx_plan._plan(check_indexer_inputs(*xs), (16, 16, 16, 16, 1, 1, None, 1, "keys"), "fwd")
+    pl = idx_plan._plan(check_indexer_inputs(*xs), IndexerConfig(teacher_rows=16, indexer_rows=16, block_n=16, block_d=16, num_warps=1, num_stages=1, variant="keys"), "fwd")
     assert pl["BLOCK_T"] == 1 and pl["HB"] == 16
     out = {}
     variants = ("keys", "keys_flat", "tiles_flat", "keys_flat_lpt_r168")
     for variant in ("tiles",) + variants:
-        _with_config(monkeypatch, (16, 16, 16, 16, 1, 1, None, 1, variant))
+        _with_config(monkeypatch, IndexerConfig(teacher_rows=16, indexer_rows=16, block_n=16, block_d=16, num_warps=1, num_stages=1, variant=variant))
         out[variant] = _forward(xs)
     for variant in variants:
         for a, b in zip(out["tiles"], out[variant]):
@@ -77,7 +78,7 @@ def test_keys_major_relu_off_and_fp16(monkeypatch):
 
 def test_keys_major_dsa_head_dim_576(monkeypatch):
     """The absorbed-MLA head width, tiled along D (9 chunks of 64 here)."""
-    _with_config(monkeypatch, (32, 32, 16, 64, 1, 1, None, 1, "keys"))
+    _with_config(monkeypatch, IndexerConfig(teacher_rows=32, indexer_rows=32, block_n=16, block_d=64, num_warps=1, num_stages=1, variant="keys"))
     xs = make(1, 2, 1, 5, 7, 576, 2, 1, 16, seed=44, qscale=0.1)
     check_case(xs, with_lse=True, causal=True, grad=False, scale=192 ** -0.5)
 
@@ -110,7 +111,7 @@ def test_keys_major_gradients_after_its_forward(monkeypatch):
 
 
 def test_variant_options():
-    """The 9th config field's options: keys-major, flattened, reversed token blocks, maxnreg (a
+    """The config variant's options: keys-major, flattened, reversed token blocks, maxnreg (a
     compile option: not passed to the interpreter)."""
     from streamkl_gpu.indexer.triton.fwd import variant_meta
 
@@ -124,7 +125,7 @@ def test_variant_options():
 def test_reversed_token_blocks_key_splits(monkeypatch):
     """LPT with key splits: the program's token block is reversed, its split is not; the merged
     result matches the reference (N_K > N_Q causal: early splits see every row)."""
-    _with_config(monkeypatch, (32, 32, 16, 32, 1, 1, None, 3, "keys_lpt"))
+    _with_config(monkeypatch, IndexerConfig(teacher_rows=32, indexer_rows=32, block_n=16, block_d=32, num_warps=1, num_stages=1, splits=3, variant="keys_lpt"))
     xs = make(1, 4, 1, 37, 45, 16, 4, 1, 16, seed=47)
     check_case(xs, with_lse=True, causal=True, grad=False)
 
@@ -166,13 +167,13 @@ def test_keys_major_first_for_the_dsa_family_only():
         return check_indexer_inputs(*[torch.empty(s, device="meta") for s in shapes], scale=0.1)
 
     dsa = idx_configs._new_fwd_candidates(dims(128, 576), False, 132)
-    assert dsa[0] == (128, 128, 128, 64, 4, 3, None, 1, "keys_lpt")  # short: one key split
+    assert dsa[0] == IndexerConfig(teacher_rows=128, indexer_rows=128, block_n=128, block_d=64, num_warps=4, num_stages=3, variant="keys_lpt")  # short: one key split
     pl = idx_plan._plan(dims(128, 576), dsa[0], "fwd")
     assert (pl["BLOCK_T"], pl["HB"], pl["BLOCK_N"], pl["variant"]) == (1, 128, 128, "keys_lpt")
     # from 8K keys on: splits of 4096 keys (an H200 run), at most 16 (bounded extra memory per token)
     for n, splits, per in ((8192, 2, 4096), (16384, 4, 4096), (65536, 16, 4096), (131072, 16, 8192)):
         first = idx_configs._new_fwd_candidates(dims(128, 576, N=n), False, 132)[0]
-        assert first == (128, 128, 128, 64, 4, 3, None, splits, "keys_lpt")
+        assert first == IndexerConfig(teacher_rows=128, indexer_rows=128, block_n=128, block_d=64, num_warps=4, num_stages=3, splits=splits, variant="keys_lpt")
         assert idx_plan._key_splits(dims(128, 576, N=n), idx_plan._plan(dims(128, 576, N=n), first, "fwd")) == (splits, per)
     small = idx_configs._new_fwd_candidates(dims(16, 64), False, 132)
-    assert small[0] == (128, 128, 128, 64, 4, 3) and dsa[0] in small
+    assert small[0] == IndexerConfig(teacher_rows=128, indexer_rows=128, block_n=128, block_d=64, num_warps=4, num_stages=3) and dsa[0] in small

@@ -8,6 +8,8 @@ design; NaN isolation through the stored p; the dispatch rule (pstore_enabled).
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -242,7 +244,7 @@ def test_accumulating_forward_keys_as_rows(monkeypatch, poison, shape, causal, r
     xs = make(*shape, seed=sum(shape) + 68)
     lse = _teacher_lse(xs, causal)
     base = idx_accumulate._forward_pacc(*xs, lse, causal, 0.3, relu)
-    monkeypatch.setattr(idx_configs, "INTERPRETER_CONFIG", idx_configs.INTERPRETER_CONFIG + (None, 1, "kt"))
+    monkeypatch.setattr(idx_configs, "INTERPRETER_CONFIG", replace(idx_configs.INTERPRETER_CONFIG, variant="kt"))
     kt = idx_accumulate._forward_pacc(*xs, lse, causal, 0.3, relu)
     for name, a, b in zip(("total", "lse_idx", "dq_p", "dk_p", "dw_p"), base, kt):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), name
@@ -277,7 +279,7 @@ def test_accumulating_forward_token_major_q(monkeypatch, variant):
     lse = _teacher_lse(xs, True)
     base = idx_accumulate._forward_pacc(*xs, lse, True, 0.3, True)
     assert idx_plan._plan(check_indexer_inputs(*xs), idx_configs.INTERPRETER_CONFIG, "bwd")["BLOCK_T"] == 1
-    monkeypatch.setattr(idx_configs, "INTERPRETER_CONFIG", idx_configs.INTERPRETER_CONFIG + (None, 1, variant))
+    monkeypatch.setattr(idx_configs, "INTERPRETER_CONFIG", replace(idx_configs.INTERPRETER_CONFIG, variant=variant))
     got = idx_accumulate._forward_pacc(*xs, lse, True, 0.3, True)
     for name, a, b in zip(("total", "lse_idx", "dq_p", "dk_p", "dw_p"), base, got):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), name
@@ -358,12 +360,12 @@ def test_chunked_design_nan_isolation_and_trace(monkeypatch, poison):
 
 @pytest.mark.parametrize("variant", ["keys", "tiles"])
 def test_chunked_design_keys_major_forward(monkeypatch, poison, variant):
-    """The chunk design's storing forward with the forward's keys-major tile (9th field "keys",
+    """The chunk design's storing forward with the forward's keys-major tile (variant "keys",
     _indexer_fwd.variant_meta): the same loss and gradients as the reference."""
     monkeypatch.setenv("STREAMKL_INDEXER_PACC", "1")
     monkeypatch.setenv("STREAMKL_INDEXER_PSTORE", "chunk")
     monkeypatch.setattr(idx_chunk, "PCHUNK_TOKENS", 8)
-    monkeypatch.setattr(idx_configs, "INTERPRETER_CONFIG", idx_configs.INTERPRETER_CONFIG + (None, 1, variant))
+    monkeypatch.setattr(idx_configs, "INTERPRETER_CONFIG", replace(idx_configs.INTERPRETER_CONFIG, variant=variant))
     shape = (1, 4, 1, 13, 21, 24, 4, 1, 16)
     xs = make(*shape, seed=72)
     x64 = [x.double().numpy() for x in xs]

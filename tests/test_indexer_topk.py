@@ -96,12 +96,14 @@ def test_other_launch_configs_l1_and_wide_slot_tiles(monkeypatch):
 
     xs = make(1, 32, 1, 3, 20, 16, 4, 1, 16, seed=2)
     topk = random_sets(1, 3, 20, 19, seed=2)
-    monkeypatch.setattr(_indexer_topk, "CONFIG_OVERRIDE", (32, 16, 16, 1, 1, True))
+    monkeypatch.setattr(_indexer_topk, "CONFIG_OVERRIDE",
+                        _indexer_topk.TopkConfig(block_k=32, block_d=16, max_heads_per_chunk=16, num_warps=1,
+                                                 num_stages=1, teacher_q_l1=True))
     check_case(xs, topk, causal=False)
 
 
 def test_separate_student_kernel_equals_the_one_kernel_forward(monkeypatch):
-    """The 7th config field: the student's logits and LSE by their own kernel first; same KL,
+    """``TopkConfig.separate_student``: the student's logits and LSE by their own kernel first; same KL,
     gradients and empty/NaN rows as the default."""
     from streamkl_gpu.indexer import topk as _indexer_topk
 
@@ -111,7 +113,9 @@ def test_separate_student_kernel_equals_the_one_kernel_forward(monkeypatch):
     bad = [x.clone() for x in xs]
     bad[2][0, 1, 4, 0] = float("nan")  # indexer query row 4
     base = run(xs, topk, g, causal=True), run(bad, topk, g, causal=True)
-    monkeypatch.setattr(_indexer_topk, "CONFIG_OVERRIDE", (16, 32, 32, 1, 1, False, True))
+    monkeypatch.setattr(_indexer_topk, "CONFIG_OVERRIDE",
+                        _indexer_topk.TopkConfig(block_k=16, block_d=32, max_heads_per_chunk=32, num_warps=1,
+                                                 num_stages=1, separate_student=True))
     check_case(xs, topk, causal=True)
     for (kl0, gr0), (kl1, gr1) in zip(base, (run(xs, topk, g, causal=True), run(bad, topk, g, causal=True))):
         assert torch.allclose(kl1, kl0, rtol=1e-5, atol=1e-6, equal_nan=True)

@@ -16,6 +16,7 @@ import torch
 import streamkl_ref
 from streamkl_gpu._core import runtime as _runtime
 from streamkl_gpu.indexer import configs as idx_configs
+from streamkl_gpu.indexer.plan import IndexerConfig
 from streamkl_gpu.indexer import host as idx_host
 from streamkl_gpu.indexer import teacher_lse as _indexer_teacher_lse
 from streamkl_gpu.indexer.training import choice as idx_choice
@@ -257,7 +258,7 @@ def test_gqa_storing_forward(monkeypatch, poison, tma, shape, causal, splits, va
     monkeypatch.setattr(_indexer_gqa_store, "launch_chunk", spy)
     out = {}
     for v in (variant, "tiles"):
-        monkeypatch.setattr(idx_configs, "INTERPRETER_CONFIG", (16, 16, 16, 32, 1, 1, 1, splits, v))
+        monkeypatch.setattr(idx_configs, "INTERPRETER_CONFIG", IndexerConfig(teacher_rows=16, indexer_rows=16, block_n=16, block_d=32, num_warps=1, num_stages=1, max_heads_per_chunk=1, splits=splits, variant=v))
         if shape[7] > 1:  # two indexer key heads: not the accumulating designs' case (H_KI = 1)
             monkeypatch.setattr(idx_choice, "_use_pacc", lambda d, l, r, *t: _use_pacc_any_hki(d, l, r, *t))
         out[v] = _step(xs, "mean", causal=causal, relu=relu, lse=lse, row_weights=w)
@@ -290,7 +291,7 @@ def test_without_lse_nan_isolation(monkeypatch, tma):
     real = _indexer_gqa_store.launch_chunk
     monkeypatch.setattr(_indexer_gqa_store, "launch_chunk", lambda *a: launches.append(1) or real(*a))
     if tma:
-        monkeypatch.setattr(idx_configs, "INTERPRETER_CONFIG", (16, 16, 16, 32, 1, 1, 1, 2, "gqa-band"))
+        monkeypatch.setattr(idx_configs, "INTERPRETER_CONFIG", IndexerConfig(teacher_rows=16, indexer_rows=16, block_n=16, block_d=32, num_warps=1, num_stages=1, max_heads_per_chunk=1, splits=2, variant="gqa-band"))
     xs = make(1, 4, 2, 21, 24, 16, 2, 1, 8, seed=92)
     _, clean = _step(xs, "sum", causal=True)
     bad = [x.clone() for x in xs]

@@ -13,6 +13,7 @@ import torch
 from streamkl_gpu.indexer.training import accumulate as idx_accumulate
 from streamkl_gpu.indexer.training import choice as idx_choice
 from streamkl_gpu.indexer import configs as idx_configs
+from streamkl_gpu.indexer.plan import IndexerConfig
 from streamkl_gpu.indexer import host as idx_host
 from streamkl_gpu.indexer import plan as idx_plan
 from streamkl_ref._checks import check_indexer_inputs
@@ -34,7 +35,7 @@ SPLIT_CASES = [
 
 @pytest.mark.parametrize("shape,causal,with_lse,splits", SPLIT_CASES)
 def test_key_splits_match_reference(monkeypatch, shape, causal, with_lse, splits):
-    _with_config(monkeypatch, (32, 32, 16, 32, 1, 1, None, splits))
+    _with_config(monkeypatch, IndexerConfig(teacher_rows=32, indexer_rows=32, block_n=16, block_d=32, num_warps=1, num_stages=1, splits=splits))
     xs = make(*shape, seed=sum(shape) + splits)
     pl = idx_plan._plan(check_indexer_inputs(*xs), idx_configs.INTERPRETER_CONFIG, "fwd")
     assert idx_plan._key_splits(check_indexer_inputs(*xs), pl)[0] > 1
@@ -47,7 +48,7 @@ def test_key_splits_equal_one_pass(monkeypatch):
     xs = make(1, 4, 2, 21, 21, 16, 2, 1, 8, seed=31)
     out = {}
     for splits in (1, 2):
-        _with_config(monkeypatch, (32, 32, 16, 32, 1, 1, None, splits))
+        _with_config(monkeypatch, IndexerConfig(teacher_rows=32, indexer_rows=32, block_n=16, block_d=32, num_warps=1, num_stages=1, splits=splits))
         kl, lse_idx, _ = idx_host._forward(*xs, None, True, 0.25, True)
         out[splits] = (kl, lse_idx)
     assert torch.allclose(out[1][0], out[2][0], rtol=1e-5, atol=1e-6)
@@ -61,7 +62,7 @@ def test_key_splits_equal_one_pass(monkeypatch):
 
 def test_key_splits_gradients(monkeypatch):
     """The backward reads the merged LSE_I: gradients after a split forward match the reference."""
-    _with_config(monkeypatch, (32, 32, 16, 32, 1, 1, 1, 3))
+    _with_config(monkeypatch, IndexerConfig(teacher_rows=32, indexer_rows=32, block_n=16, block_d=32, num_warps=1, num_stages=1, max_heads_per_chunk=1, splits=3))
     xs = make(1, 4, 2, 11, 40, 16, 2, 1, 16, seed=32)
     check_case(xs, with_lse=True, causal=True, grad=True)
 
@@ -196,11 +197,11 @@ def test_accumulated_design_traceable_fullgraph(monkeypatch):
 
 @pytest.mark.parametrize("tma", [True], indirect=True)
 def test_l1_variant_pointer_loads(monkeypatch, tma):
-    """The "l1" variant (9th field): pointer loads (q rows cached in L1 on the GPU) even where TMA
+    """The "l1" variant (``IndexerConfig.variant``): pointer loads (q rows cached in L1 on the GPU) even where TMA
     is available; forward and the accumulating forward vs the reference."""
     xs = make(1, 4, 1, 13, 21, 24, 4, 1, 16, seed=44)
     assert idx_plan._use_tma(*xs[:4])
-    cfg = (32, 32, 16, 32, 1, 1, None, 1, "l1")
+    cfg = IndexerConfig(teacher_rows=32, indexer_rows=32, block_n=16, block_d=32, num_warps=1, num_stages=1, variant="l1")
     pl = idx_plan._plan(check_indexer_inputs(*xs), cfg, "fwd")
     assert idx_plan._load_mode(pl, True) == (False, True)
     _with_config(monkeypatch, cfg)
@@ -222,7 +223,7 @@ def test_accumulated_rotated_key_order(monkeypatch):
     the plain design."""
     import streamkl_ref
 
-    _with_config(monkeypatch, (16, 16, 16, 16, 1, 1))
+    _with_config(monkeypatch, IndexerConfig(teacher_rows=16, indexer_rows=16, block_n=16, block_d=16, num_warps=1, num_stages=1))
     xs = make(1, 2, 1, 20, 70, 16, 2, 1, 8, seed=45)
     pl = idx_plan._plan(check_indexer_inputs(*xs), idx_configs.INTERPRETER_CONFIG, "bwd")
     assert pl["BLOCK_N"] == 16 and pl["BLOCK_T"] < 20  # several token blocks, each with >= 3 whole tiles
@@ -239,7 +240,7 @@ def test_accumulated_rotated_key_order(monkeypatch):
 
 def test_l1_variant_teacher_lse_pass(monkeypatch):
     """The teacher-LSE first pass (no lse given) with the "l1" variant's pointer loads."""
-    _with_config(monkeypatch, (32, 32, 16, 32, 1, 1, None, 1, "l1"))
+    _with_config(monkeypatch, IndexerConfig(teacher_rows=32, indexer_rows=32, block_n=16, block_d=32, num_warps=1, num_stages=1, variant="l1"))
     xs = make(1, 4, 1, 13, 21, 24, 4, 1, 16, seed=46)
     check_case(xs, with_lse=False, causal=True, grad=False)
 
@@ -248,7 +249,7 @@ def test_l1_variant_teacher_lse_pass(monkeypatch):
 def test_l1_variant_backward(monkeypatch, fused):
     """The plain backward's kernels with the "l1" variant's pointer loads (q rows of the dq
     kernel / key tile of the dk kernel cached in L1 on the GPU): gradients vs the reference."""
-    _with_config(monkeypatch, (32, 32, 16, 32, 1, 1, None, 1, "l1"))
+    _with_config(monkeypatch, IndexerConfig(teacher_rows=32, indexer_rows=32, block_n=16, block_d=32, num_warps=1, num_stages=1, variant="l1"))
     monkeypatch.setenv("STREAMKL_INDEXER_BWD", "fused" if fused else "separate")
     xs = make(1, 4, 1, 13, 21, 24, 4, 1, 16, seed=47)
     check_case(xs, with_lse=True, causal=True, grad=True)

@@ -126,9 +126,10 @@ def test_the_chunk_design_at_the_h200_plan_stays_in_bounds(monkeypatch):
     import streamkl_ref
     from streamkl_gpu.indexer.training import chunk as idx_chunk
     from streamkl_gpu.indexer import configs as idx_configs
+    from streamkl_gpu.indexer.plan import IndexerConfig
 
     H, D, HI, DI, N = 128, 576, 64, 128, 40
-    plans = {"pstore": [(128, 128, 128, 64, 4, 3, None, 1, "keys")], "bwd": [(128, 128, 64, 64, 8, 2)]}
+    plans = {"pstore": [IndexerConfig(teacher_rows=128, indexer_rows=128, block_n=128, block_d=64, num_warps=4, num_stages=3, variant="keys")], "bwd": [IndexerConfig(teacher_rows=128, indexer_rows=128, block_n=64, block_d=64, num_warps=8, num_stages=2)]}
     orig = idx_configs._candidates
     monkeypatch.setattr(idx_configs, "_candidates",
                         lambda kind, ieee, dims=None, n_sm=132, **kw: plans.get(kind) or orig(kind, ieee, dims, n_sm, **kw))

@@ -13,6 +13,7 @@ import pytest
 
 from streamkl_gpu._core import tuning as _tuning
 from streamkl_gpu.attention import configs as attn_configs
+from streamkl_gpu.attention.configs import BwdConfig, FwdConfig
 from streamkl_ref._checks import check_inputs
 
 from _gpu_helpers import make_inputs
@@ -35,7 +36,8 @@ def tuner(tmp_path, monkeypatch):
     return tmp_path, timed
 
 
-CANDS = [(64, 64, 4, 2, False, 1), (128, 64, 8, 3, True, 1)]
+CANDS = [FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=2),
+         FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, use_tma=True)]
 
 
 def test_first_pick_times_and_stores_then_disk_answers(tuner):
@@ -46,8 +48,8 @@ def test_first_pick_times_and_stores_then_disk_answers(tuner):
     files = [p for p in cache.rglob("*.json")]
     assert len(files) == 1
     entry = json.loads(files[0].read_text())
-    assert entry["key"] == repr(key) and tuple(entry["config"]) == CANDS[-1]
-    assert set(entry["env"]) == {"gpu", "torch", "triton", "streamkl"}
+    assert entry["key"] == repr(key) and entry["config"] == repr(CANDS[-1])
+    assert set(entry["env"]) == {"gpu", "torch", "triton", "streamkl", "format"}
     _tuning._TUNED.clear()  # a second process: empty memory, the same disk
     assert _tuning.pick(key, CANDS, launch="real") == CANDS[-1]
     assert len(timed) == 1  # no second timing
@@ -63,9 +65,25 @@ def test_cached_choice_outside_the_candidates_is_retuned(tuner):
     _, timed = tuner
     _tuning.pick(("k2",), CANDS, launch="real")
     _tuning._TUNED.clear()
-    other = [(32, 32, 4, 2, False, 1), (16, 16, 4, 2, False, 1)]
+    other = [FwdConfig(block_m=32, block_n=32, num_warps=4, num_stages=2),
+             FwdConfig(block_m=16, block_n=16, num_warps=4, num_stages=2)]
     assert _tuning.pick(("k2",), other, launch="real") == other[-1]
     assert len(timed) == 2
+
+
+def test_an_entry_of_the_positional_format_is_ignored_not_misread(tuner):
+    """An entry written with configs as JSON lists (the positional tuples' format) names no
+    candidate: the key is timed again and the entry rewritten in the current format."""
+    cache, timed = tuner
+    key = ("old",)
+    _tuning._disk_store(None, key, CANDS[0])
+    (path,) = cache.rglob("*.json")
+    entry = json.loads(path.read_text())
+    entry["config"] = [128, 64, 8, 3, True, 1]  # CANDS[-1] as the positional format stored it
+    path.write_text(json.dumps(entry))
+    assert _tuning._disk_load(None, key, CANDS) is None
+    assert _tuning.pick(key, CANDS, launch="real") == CANDS[-1] and len(timed) == 1
+    assert json.loads(path.read_text())["config"] == repr(CANDS[-1])
 
 
 def test_cache_can_be_disabled(tuner, monkeypatch):
@@ -78,9 +96,10 @@ def test_cache_can_be_disabled(tuner, monkeypatch):
 _WRITER = """
 import sys
 from streamkl_gpu._core import tuning as _tuning
+from streamkl_gpu.attention.configs import FwdConfig
 i = int(sys.argv[1])
 for _ in range(100):
-    _tuning._disk_store(None, ("shared",), (i, i, 4, 2, False, 1))
+    _tuning._disk_store(None, ("shared",), FwdConfig(block_m=i, block_n=i, num_warps=4, num_stages=2))
 """
 
 
@@ -94,7 +113,8 @@ def test_concurrent_writers_leave_one_whole_entry(tmp_path):
     files = list(tmp_path.rglob("*.json"))
     assert len(files) == 1, files  # no temporary file left behind, one entry per key
     entry = json.loads(files[0].read_text())
-    assert entry["key"] == repr(("shared",)) and entry["config"][0] in range(3)
+    assert entry["key"] == repr(("shared",))
+    assert entry["config"] in [repr(FwdConfig(block_m=i, block_n=i, num_warps=4, num_stages=2)) for i in range(3)]
 
 
 def test_small_problems_are_tuned_on_themselves():
@@ -183,3 +203,208 @@ def test_a_long_call_is_its_own_measurement(monkeypatch):
 
     assert _tuning._time_candidates(("long",), [a, b], launch=launch) == b
     assert calls == [b]
+
+
+# ----------------------------------------------------------------------------------------------
+# Measured tuning is opt-in; the shape rule picks without timing; the cache's key and a
+# read-only cache directory.
+# ----------------------------------------------------------------------------------------------
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("value, on", [(None, False), ("0", False), ("", False), ("1", True)])
+def test_measured_tuning_is_opt_in(monkeypatch, value, on):
+    monkeypatch.setattr(_tuning, "interpreting", lambda: False)  # as on a GPU
+    if value is None:
+        monkeypatch.delenv("STREAMKL_AUTOTUNE", raising=False)
+    else:
+        monkeypatch.setenv("STREAMKL_AUTOTUNE", value)
+    assert _tuning.autotune_enabled() is on
+
+
+def test_untuned_pick_times_nothing(monkeypatch):
+    monkeypatch.setattr(_tuning, "autotune_enabled", lambda: False)
+    monkeypatch.setattr(_tuning, "_time_candidates", lambda *a: pytest.fail("timed without STREAMKL_AUTOTUNE=1"))
+    assert _tuning.pick(("k",), CANDS, launch=lambda c: pytest.fail("launched")) == CANDS[0]
+
+
+def _cited_row(csv, prefix):
+    path = os.path.join(ROOT, csv)
+    assert os.path.isfile(path), f"{csv} is not committed"
+    with open(path) as fh:
+        rows = [line for line in fh if line.startswith(prefix)]
+    assert rows, f"{csv} has no row starting {prefix!r}"
+    return rows[0]
+
+
+@pytest.mark.parametrize("rule", attn_configs.SHAPE_RULES, ids=lambda r: f"{r.kernel}:{'/'.join(r.shape_class)}")
+def test_each_shape_rule_cites_a_committed_row_naming_its_config(rule):
+    cfg = rule.config
+    row = _cited_row(rule.csv, rule.row_prefix)
+    tile = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)
+    if rule.kernel == "fwd":  # bench rows name a forward config as cfg=BM/BN/warps/stages/tma
+        assert cfg.splits == 1
+        assert "cfg=" + "/".join(str(x) for x in tile + (cfg.use_tma,)) + "," in row
+    else:  # the backward bench prints the plan the API picked: mode/(dK cfg)/(dQ cfg), cfg as a tuple
+        assert "(" + ",".join(repr(x) for x in tile + (cfg.variant,)) + ")" in row, row
+        mode = rule.shape_class[2]
+        assert f"plan={mode}/" in row
+
+
+@pytest.fixture
+def on_gpu(monkeypatch):
+    """Candidate lists as on a Hopper GPU (the interpreter has one candidate per kernel)."""
+    monkeypatch.setattr(attn_configs, "interpreting", lambda: False)
+    monkeypatch.setattr(_tuning, "interpreting", lambda: False)
+    monkeypatch.delenv("STREAMKL_BWD_VARIANT", raising=False)
+
+
+def _rule(kernel, cls):
+    return next(r.config for r in attn_configs.SHAPE_RULES if r.kernel == kernel and r.shape_class == cls)
+
+
+@pytest.mark.parametrize("few", [False, True])
+@pytest.mark.parametrize("both", [False, True])
+def test_the_separate_backward_runs_the_rules_configs_untimed(on_gpu, both, few):
+    side = "both sides" if both else "one side"
+    for kind in ("dk", "dq"):
+        cands = attn_configs.bwd_variant_candidates(128, both, kind, tma=True, few=few, n_q=8192)
+        assert cands[0] == _rule("bwd_" + kind, ("d<=128", "tma", "separate", side))
+        assert len(set(cands)) == len(cands)
+        if few:  # long problems: the rule's config and the old ones
+            assert len(cands) <= 3
+
+
+def test_the_fused_backward_rule_depends_on_the_query_rows(on_gpu):
+    short = attn_configs.bwd_variant_candidates(128, False, "dk", tma=True, fused=True, n_q=16)
+    long = attn_configs.bwd_variant_candidates(128, False, "dk", tma=True, fused=True, n_q=8192)
+    assert short[0] == BwdConfig(block_m=32, block_n=128, num_warps=8, num_stages=3, variant="ptr")
+    assert long[0] == BwdConfig(block_m=64, block_n=128, num_warps=8, num_stages=2, variant="tma+trans+fold+rows+reduce")
+
+
+def test_classes_without_a_rule_keep_their_order(on_gpu):
+    assert attn_configs.bwd_variant_candidates(128, False, "dk", ieee=True, tma=True)[0].variant == "ptr"
+    no_tma = attn_configs.bwd_variant_candidates(128, False, "dk", tma=False)
+    assert no_tma == attn_configs.rule_first(no_tma, "bwd_dk", ("no", "such", "class"))
+
+
+@pytest.mark.parametrize("causal, cfg", [(False, FwdConfig(block_m=128, block_n=32, num_warps=8, num_stages=3, use_tma=True)),
+                                         (True, FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, use_tma=True))])
+def test_the_forward_rule_at_d128(on_gpu, causal, cfg):
+    dims = check_inputs(*make_inputs(1, 8, 8, 8, 8, 8, 16, 16))
+    assert attn_configs.fwd_candidates(dims, 128, False, tma=True, causal=causal)[0] == cfg
+
+
+def test_the_cache_is_keyed_by_gpu_torch_triton_and_streamkl(monkeypatch, tmp_path):
+    import torch
+    import triton
+
+    import streamkl_ref
+
+    monkeypatch.setenv("STREAMKL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("STREAMKL_TUNING_CACHE", raising=False)
+    monkeypatch.setattr(_tuning._runtime, "device_name", lambda device: "GPU A")
+    base, env = _tuning._disk_cache_dir(None)
+    assert env == {"gpu": "GPU A", "torch": torch.__version__, "triton": triton.__version__,
+                   "streamkl": streamkl_ref.__version__, "format": _tuning.CACHE_FORMAT}
+    assert os.path.dirname(base) == str(tmp_path)
+    seen = {base}
+    monkeypatch.setattr(_tuning._runtime, "device_name", lambda device: "GPU B")
+    seen.add(_tuning._disk_cache_dir(None)[0])
+    for module in (torch, triton, streamkl_ref):
+        monkeypatch.setattr(module, "__version__", module.__version__ + ".other")
+        seen.add(_tuning._disk_cache_dir(None)[0])
+    monkeypatch.setattr(_tuning, "CACHE_FORMAT", _tuning.CACHE_FORMAT + 1)
+    seen.add(_tuning._disk_cache_dir(None)[0])
+    assert len(seen) == 6  # each of the four, and the entry format, changes the directory
+
+
+@pytest.mark.parametrize("how", ["under a file", "read-only"])
+def test_a_read_only_cache_directory_stores_nothing_and_fails_nothing(tuner, tmp_path, monkeypatch, how):
+    _, timed = tuner
+    if how == "under a file":  # makedirs fails for any user, root included
+        blocker = tmp_path / "not-a-dir"
+        blocker.write_text("")
+        root = blocker / "streamkl"
+    else:
+        root = tmp_path / "ro"
+        root.mkdir()
+        os.chmod(root, 0o555)
+        if os.access(root, os.W_OK):  # root ignores the mode bits: make the store itself fail
+            monkeypatch.setattr(_tuning.tempfile, "mkstemp",
+                                lambda **kw: (_ for _ in ()).throw(PermissionError(13, "read-only", kw["dir"])))
+    monkeypatch.setenv("STREAMKL_CACHE_DIR", str(root))
+    assert _tuning.pick(("ro",), CANDS, launch="real") == CANDS[-1]
+    assert len(timed) == 1
+    assert not [p for p in tmp_path.rglob("*.json")]
+    _tuning._TUNED.clear()  # the next process tunes again (nothing was stored), and still works
+    assert _tuning.pick(("ro",), CANDS, launch="real") == CANDS[-1]
+    assert len(timed) == 2
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_long_backward_is_timed_on_a_bounded_slice(monkeypatch, causal):
+    """Measured tuning of a backward past TUNING_WORK_LIMIT launches its candidates on the slice
+    ``tuning_slice`` names (the first rows and the keys they see), never on the whole problem,
+    and the real call still gets the whole problem's gradients. The limit and the slice are
+    scaled down so that the interpreter can run it."""
+    import torch
+
+    import streamkl_gpu
+    from streamkl_gpu.attention import launch as _launch
+
+    from _gpu_helpers import reference, rel_err
+
+    nq = nk = 48
+    xs = make_inputs(1, 2, 2, 2, nq, nk, 16, 16, seed=3)
+    g = torch.randn(1, 2, nq, generator=torch.Generator().manual_seed(4))
+    monkeypatch.setattr(_launch, "tuning_slice", lambda dims, c: (16, 16 + dims.NK - dims.NQ))
+    monkeypatch.setattr(_launch, "autotune_enabled", lambda: True)
+    monkeypatch.setattr(_tuning, "autotune_enabled", lambda: True)
+    monkeypatch.setattr(_tuning, "_TUNED", {})
+    monkeypatch.setenv("STREAMKL_TUNING_CACHE", "0")
+    monkeypatch.setenv("STREAMKL_AUTOTUNE", "1")  # a signature of its own (no plan from another test)
+    real = _launch.bwd_variant_candidates
+    monkeypatch.setattr(_launch, "bwd_variant_candidates", lambda *a, **kw: real(*a, **kw) * 2)  # two to "time"
+    launches = []
+    real_launch = _launch.fast_launch
+
+    def recording(kernel, grid, args, *rest, **kw):
+        if "bwd" in kernel.__name__:
+            launches.append((kernel.__name__, grid))
+        return real_launch(kernel, grid, args, *rest, **kw)
+
+    monkeypatch.setattr(_launch, "fast_launch", recording)
+    timed = []
+
+    def fake_time(key, candidates, launch):
+        launch(candidates[0])
+        timed.append(len(launches))
+        return candidates[0]
+
+    monkeypatch.setattr(_tuning, "_time_candidates", fake_time)
+    ins = [x.clone().requires_grad_(i >= 2) for i, x in enumerate(xs)]  # setting 1
+    streamkl_gpu.attention_kl(*ins, causal=causal, bwd_mode="separate").backward(g)
+    assert len(timed) == 2  # dK and dQ picks
+    block = _runtime_block()
+    tuning, real_call = launches[:timed[-1]], launches[timed[-1]:]
+    assert tuning and all(grid[0] == 16 // block for _, grid in tuning), tuning  # 16 rows / keys only
+    assert {grid[0] for _, grid in real_call} == {nq // block}
+    _, _, _, ref = reference(xs, g, causal=causal)
+    for name, x in (("dq2", ins[2]), ("dk2", ins[3])):
+        assert rel_err(x.grad, ref[name]) <= 1e-5, name
+
+
+def _runtime_block():
+    from streamkl_gpu._core import runtime as _runtime
+    assert _runtime.INTERPRETER_BLOCK[0] == _runtime.INTERPRETER_BLOCK[1]
+    return _runtime.INTERPRETER_BLOCK[0]
+
+
+def test_a_packed_batch_past_the_work_limit_is_not_timed():
+    from streamkl_gpu.attention import varlen as _varlen
+
+    dims = check_inputs(*make_inputs(1, 8, 8, 8, 8, 8, 16, 16))
+    # 2M packed tokens, 16 heads, D = 128, sequences up to 64K: past the limit; 64 x 1K: under it
+    assert not _varlen._timeable(replace(dims, NQ=1 << 21, NK=1 << 21, H=16, D1=128, D2=128), 65536)
+    assert _varlen._timeable(replace(dims, NQ=65536, NK=65536, H=16, D1=128, D2=128), 1024)

@@ -31,6 +31,8 @@ def test_verify_passes_and_writes_a_report(tmp_path):
     # the committed quick run docs/verify.md quotes (docs/gen_verify_counts.py) has the same rows
     committed = json.loads((ROOT / "docs" / "_generated" / "verify_cpu_quick.json").read_text())
     assert len(report["rows"]) == len(committed["rows"]) and set(report["cases"]) == set(committed["cases"])
+    assert report["case_seconds"] and all({"compile_s", "kernels", "check_s"} <= set(v)
+                                          for v in report["case_seconds"].values())
 
 
 def test_verify_fails_on_a_wrong_kernel(tmp_path):

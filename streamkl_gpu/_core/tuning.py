@@ -1,8 +1,8 @@
 """Launch configurations: a few candidates per shape class, timed once per key on the GPU.
 
 A small hand-rolled tuner (``triton.autotune`` cannot run in the interpreter, and pruning by shape
-keeps the tuning cost to a handful of compiles). ``STREAMKL_AUTOTUNE=0`` takes the first
-candidate. The tuner and its disk cache only: the attention kernels' candidate lists and automatic
+keeps the tuning cost to a handful of compiles), opt-in with ``STREAMKL_AUTOTUNE=1``; by default
+the first candidate runs untimed (the shape rule's config, ``attention.configs.SHAPE_RULES``). The tuner and its disk cache only: the attention kernels' candidate lists and automatic
 rules are in ``streamkl_gpu/attention/configs.py``, the indexer's in ``streamkl_gpu/indexer/configs.py``.
 """
 from __future__ import annotations
@@ -26,17 +26,24 @@ def bucket(n: int) -> int:
 
 
 def autotune_enabled() -> bool:
-    return not interpreting() and _runtime.env("STREAMKL_AUTOTUNE", "1") != "0"
+    """Measured tuning is opt-in: ``STREAMKL_AUTOTUNE=1`` (never under the interpreter)."""
+    return not interpreting() and _runtime.env("STREAMKL_AUTOTUNE", "0") not in ("0", "")
 
 
 # ----------------------------------------------------------------------------------------------
 # The on-disk cache: one small JSON file per tuned key, under
 #   $STREAMKL_CACHE_DIR (default: $XDG_CACHE_HOME/streamkl, else ~/.cache/streamkl)
-#   / tuning-<hash of GPU name, torch, triton and streamkl versions> / <hash of the key>.json
+#   / tuning-<hash of GPU name, torch, triton and streamkl versions, the entry format> / <hash of the key>.json
+# An entry holds the key's and the chosen config's repr (configs are frozen dataclasses, their
+# repr names every field); a load takes the candidate with that repr, so an entry of an older
+# format (the directory's hash differs anyway) or of a changed candidate list is never misread.
 # written to a temporary file and renamed into place (atomic on POSIX), so any number of ranks
 # starting at once can write the same entry: each rename is whole, the last one wins, and all
 # of them hold a choice measured on this machine. STREAMKL_TUNING_CACHE=0 disables it.
 # ----------------------------------------------------------------------------------------------
+
+CACHE_FORMAT = 2  # 2: configs stored by repr (1: positional tuples stored as JSON lists)
+
 
 def _disk_cache_dir(device):
     if os.environ.get("STREAMKL_TUNING_CACHE", "1") == "0":
@@ -51,7 +58,7 @@ def _disk_cache_dir(device):
     from streamkl_ref import __version__
 
     env = {"gpu": _runtime.device_name(device), "torch": torch.__version__, "triton": triton.__version__,
-           "streamkl": __version__}
+           "streamkl": __version__, "format": CACHE_FORMAT}
     tag = hashlib.sha1(json.dumps(env, sort_keys=True).encode()).hexdigest()[:16]
     return os.path.join(root, f"tuning-{tag}"), env
 
@@ -71,8 +78,9 @@ def _disk_load(device, key, candidates):
         return None
     if entry.get("key") != repr(key):  # a hash collision, or a file from elsewhere
         return None
-    cfg = tuple(entry.get("config", ()))
-    return cfg if cfg in candidates else None  # candidates changed since: tune again
+    stored = entry.get("config")
+    # candidates changed since (or an entry of another format): tune again
+    return next((c for c in candidates if repr(c) == stored), None)
 
 
 def _disk_store(device, key, cfg):
@@ -84,7 +92,7 @@ def _disk_store(device, key, cfg):
         os.makedirs(cache, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=cache, prefix=".tmp-", suffix=".json")
         with os.fdopen(fd, "w") as fh:
-            json.dump({"key": repr(key), "config": list(cfg), "env": env}, fh)
+            json.dump({"key": repr(key), "config": repr(cfg), "env": env}, fh)
         os.replace(tmp, _key_file(cache, key))
     except OSError:  # a read-only or full cache directory only costs the next process a re-tune
         pass
@@ -95,7 +103,8 @@ def pick(key, candidates, launch, proxy=None, device=None):
 
     ``launch(cfg)`` runs the real problem with ``cfg``; ``proxy(cfg)``, when given, a bounded slice
     of it with the same kernels (then the candidates are timed on the slice). Nothing else is
-    launched. ``STREAMKL_AUTOTUNE=0`` (and the interpreter) take the first candidate.
+    launched. Without ``STREAMKL_AUTOTUNE=1`` (and always in the interpreter) the first
+    candidate, untimed: the shape rule's choice (``rule_first``), the one kernel compiled.
     """
     if len(candidates) == 1 or not autotune_enabled():
         return candidates[0]

@@ -1,12 +1,62 @@
 """The attention kernels' launch configurations: the forward and backward candidate lists the tuner
 times (pruned by shape), the backward kernel variants, and the automatic rules ``auto_split_k``
 (forward key splits) and ``auto_bwd_mode`` (fused or separate backward), read off the H200
-measurements in ``bench/results/``."""
+measurements in ``bench/results/``.
+
+By default nothing is timed: the first candidate of each shape class runs, and ``SHAPE_RULES``
+(measured winners, each citing the committed CSV row that justifies it) put the winner first,
+so a new shape compiles only the kernels it runs. ``STREAMKL_AUTOTUNE=1`` opts into measured
+tuning (``streamkl_gpu/_core/tuning.py``), on a bounded slice of long problems."""
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
 
 from streamkl_gpu._core import runtime as _runtime
 from streamkl_gpu._core import tuning as _tuning
 from streamkl_gpu._core.runtime import cdiv, interpreting
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """One launch of the forward Triton kernel (``attention/triton/fwd.py``): a query tile of
+    ``block_m`` rows against key tiles of ``block_n``, keys read through TMA descriptors when
+    ``use_tma``, the keys split over ``splits`` programs per query tile (1: the one-pass kernel;
+    more: the split-K kernel whose partial states a combine pass merges)."""
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    use_tma: bool = False
+    splits: int = 1
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """One launch of a backward Triton kernel (``attention/triton/bwd.py``), the dK kernel (key
+    tiles of ``block_n`` stationary, query tiles of ``block_m`` streamed) or the dQ kernel (the
+    other way round); ``variant``: the kernel variant's parts joined with "+" (``BWD_VARIANTS``;
+    "ptr": pointer loads, the first kernels)."""
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    variant: str = "ptr"
+
+
+@dataclass(frozen=True)
+class ShapeRule:
+    """The measured winner of one shape class, run first (untimed by default): ``kernel`` ("fwd",
+    "bwd_dk", "bwd_dq") and ``shape_class`` name the class, ``config`` its winner; ``csv`` and
+    ``row_prefix`` the committed CSV and the first characters of the row that justify it (a test
+    checks that the file holds that row and that the row names the config); ``shows``: what the row
+    shows."""
+    kernel: str
+    shape_class: tuple
+    config: Union[FwdConfig, BwdConfig]
+    csv: str
+    row_prefix: str
+    shows: str
 
 
 # Below this many keys the forward is launch-bound and the TMA path measured slower (H200, 1K
@@ -17,13 +67,61 @@ TMA_MIN_KEYS = 2048
 
 # fp32 inputs promise fp32 accuracy: their dots run in IEEE fp32 on the FMA units (no tensor
 # cores); large tiles then unroll into huge code that takes minutes to compile, so small tiles.
-_IEEE_CONFIG = (32, 32, 4, 2)
+_IEEE_TILE = dict(block_m=32, block_n=32, num_warps=4, num_stages=2)
 
 # Tuning times every candidate; past this much work per call (score entries times head-dim
 # sum: 32 heads x 16K x 16K x (128 + 128), about 12 ms of forward on an H200) the candidates are
 # timed on a bounded slice of the problem instead (``tuning_slice``), so that a first call at
 # 512K tokens pays seconds, not a minute, beyond compiling.
 TUNING_WORK_LIMIT = 32 * 16384 * 16384 * 256
+
+
+# The shape rule: what runs untimed (the default) is the first candidate of a shape class, and
+# these entries move the measured winner of a class to the front. Each cites the committed CSV
+# and the first characters of the row that justify it (tests/test_tuning.py checks that the file
+# holds that row and that the row names the config). Classes without an entry keep their list's
+# order.
+_BWD_MUSTS = "bench/results/2026-12-01_h200_3ab8703/bwd_musts.csv"
+_FWD_TMA = "bench/results/2026-11-29_h200_97028b2/fwd_tma_configs.csv"
+SHAPE_RULES = (
+    ShapeRule("fwd", ("d128", "tma", "full"),
+              FwdConfig(block_m=128, block_n=32, num_warps=8, num_stages=3, use_tma=True), _FWD_TMA,
+              "fwd,streamkl cfg=128/32/8/3/True,fwd,0,16384,16384,", "16K non-causal 12.07 ms, the best config there"),
+    ShapeRule("fwd", ("d128", "tma", "causal"),
+              FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, use_tma=True), _FWD_TMA,
+              "fwd,streamkl cfg=128/64/8/3/True,fwd,1,16384,16384,", "16K causal 5.87 ms, the best config there"),
+    ShapeRule("bwd_dk", ("d<=128", "tma", "separate", "one side"),
+              BwdConfig(block_m=64, block_n=128, num_warps=8, num_stages=3, variant="tma+trans+fold+rows"), _BWD_MUSTS,
+              "bwd,auto,N=8K s1,", "the tuned plan at 8K/16K, causal or not, s1 and s2, GQA, D1 != D2"),
+    ShapeRule("bwd_dq", ("d<=128", "tma", "separate", "one side"),
+              BwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, variant="tma+fold"), _BWD_MUSTS,
+              "bwd,auto,N=8K s1,", "the same rows"),
+    ShapeRule("bwd_dk", ("d<=128", "tma", "separate", "both sides"),
+              BwdConfig(block_m=32, block_n=64, num_warps=4, num_stages=3, variant="tma+trans+fold+rows"), _BWD_MUSTS,
+              "bwd,auto,both N=8K,", "the tuned plan at 8K, causal or not"),
+    ShapeRule("bwd_dq", ("d<=128", "tma", "separate", "both sides"),
+              BwdConfig(block_m=64, block_n=32, num_warps=4, num_stages=3, variant="tma+fold"), _BWD_MUSTS,
+              "bwd,auto,both N=8K,", "the same rows"),
+    ShapeRule("bwd_dk", ("d<=128", "tma", "fused", "one side", "long queries"),
+              BwdConfig(block_m=64, block_n=128, num_warps=8, num_stages=2, variant="tma+trans+fold+rows+reduce"),
+              _BWD_MUSTS, "bwd,auto,nq512 nk32K s2,", "the tuned plan at N_Q 512 x N_K 32K"),
+    ShapeRule("bwd_dk", ("d<=128", "tma", "fused", "one side", "short queries"),
+              BwdConfig(block_m=32, block_n=128, num_warps=8, num_stages=3, variant="ptr"), _BWD_MUSTS,
+              "bwd,auto,nq16 nk32K s1,", "the tuned plan at N_Q 16 x N_K 32K"),
+)
+_RULES = {(rule.kernel, rule.shape_class): rule.config for rule in SHAPE_RULES}
+# fused dK: N_Q below this is "short queries" (measured at 16 and 512 only; the boundary between
+# them is a guess: one or two query tiles per key tile, where a TMA reduce-add per tile buys little)
+RULE_SHORT_QUERIES = 256
+
+
+def rule_first(candidates, kernel, cls):
+    """``candidates`` with the shape rule's config for ``(kernel, cls)`` first (added when the
+    list lacks it); unchanged where no rule entry covers the class."""
+    cfg = _RULES.get((kernel, cls))
+    if cfg is None:
+        return list(candidates)
+    return [cfg] + [c for c in candidates if c != cfg]
 
 
 def tuning_slice(dims, causal):
@@ -46,8 +144,13 @@ def tuning_slice(dims, causal):
     return nq, (min(dims.NK, nq + max(0, dims.NK - dims.NQ)) if causal else min(dims.NK, 16384))
 
 
-def fwd_candidates(dims, d_pad, split, ieee=False, tma=False):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages, use_tma) candidates, pruned by shape.
+def _fwd(tiles, use_tma):
+    """Forward configs of ``(block_m, block_n, num_warps, num_stages)`` tiles."""
+    return [FwdConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st, use_tma=use_tma) for bm, bn, w, st in tiles]
+
+
+def fwd_candidates(dims, d_pad, split, ieee=False, tma=False, causal=False):
+    """:class:`FwdConfig` candidates (``splits`` 1: the caller sets the key splits), pruned by shape.
 
     ``tma``: the key tensors can be read through TMA descriptors (Hopper, aligned strides). At
     D = 128 the best TMA config beat the best pointer config in every measured case (H200, 8K/16K,
@@ -55,14 +158,15 @@ def fwd_candidates(dims, d_pad, split, ieee=False, tma=False):
     tried there; at other head dims both kinds are candidates (not measured at scale).
     """
     if interpreting():
-        return [_runtime.INTERPRETER_BLOCK + (1, 1, tma)]
+        block_m, block_n = _runtime.INTERPRETER_BLOCK
+        return [FwdConfig(block_m=block_m, block_n=block_n, num_warps=1, num_stages=1, use_tma=tma)]
     if ieee:
-        return [(16, 32, 4, 2, False) if split else _IEEE_CONFIG + (False,)]
+        return [FwdConfig(block_m=16, block_n=32, num_warps=4, num_stages=2) if split else FwdConfig(**_IEEE_TILE)]
     if split:
         bm = 16 if dims.NQ <= 16 else (32 if dims.NQ <= 32 else 64)
         cands = [(bm, 128, 4, 3), (bm, 64, 4, 3)] if d_pad <= 128 else [(bm, 64, 4, 2), (bm, 32, 4, 2)]
-        return [c + (False,) for c in cands]
-    tma_only = False
+        return _fwd(cands, False)
+    tma_only = False  # tiles (block_m, block_n, num_warps, num_stages)
     if d_pad <= 64:
         cands = [(128, 64, 4, 3), (128, 128, 8, 3)]
         tma_cands = [(128, 64, 4, 3), (128, 128, 8, 2)]
@@ -75,24 +179,32 @@ def fwd_candidates(dims, d_pad, split, ieee=False, tma=False):
         cands = [(64, 64, 4, 2), (64, 32, 4, 2)]
         tma_cands = [(64, 64, 4, 2), (64, 32, 4, 3)]
     if not tma:
-        return [c + (False,) for c in cands]
-    return [c + (True,) for c in tma_cands] + ([] if tma_only else [c + (False,) for c in cands])
+        return _fwd(cands, False)
+    cands = _fwd(tma_cands, True) + ([] if tma_only else _fwd(cands, False))
+    return rule_first(cands, "fwd", ("d128", "tma", "causal" if causal else "full")) if tma_only else cands
+
+
+def _bwd(tiles, variant):
+    """Backward configs of ``(block_m, block_n, num_warps, num_stages)`` tiles."""
+    return [BwdConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st, variant=variant) for bm, bn, w, st in tiles]
 
 
 def bwd_candidates(d_pad, both, kind, ieee=False):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the dK (``kind="dk"``) or dQ kernel."""
+    """:class:`BwdConfig` candidates of the first kernels (variant "ptr") of the dK (``kind="dk"``)
+    or dQ kernel."""
     if interpreting():
-        return [_runtime.INTERPRETER_BLOCK + (1, 1)]
+        block_m, block_n = _runtime.INTERPRETER_BLOCK
+        return [BwdConfig(block_m=block_m, block_n=block_n, num_warps=1, num_stages=1)]
     if ieee:
-        return [_IEEE_CONFIG]
+        return [BwdConfig(**_IEEE_TILE)]
     if kind == "dq":
         if d_pad <= 128 and not both:
-            return [(128, 64, 8, 2), (64, 64, 4, 2)]
-        return [(64, 64, 8, 2), (64, 32, 4, 2)]
-    # dk (BLOCK_M = query tile, BLOCK_N = key tile held in registers)
+            return _bwd([(128, 64, 8, 2), (64, 64, 4, 2)], "ptr")
+        return _bwd([(64, 64, 8, 2), (64, 32, 4, 2)], "ptr")
+    # dk (block_m = query tile, block_n = key tile held in registers)
     if d_pad <= 128 and not both:
-        return [(64, 128, 8, 2), (32, 128, 8, 3)]
-    return [(64, 64, 8, 2), (32, 64, 4, 2)]
+        return _bwd([(64, 128, 8, 2), (32, 128, 8, 3)], "ptr")
+    return _bwd([(64, 64, 8, 2), (32, 64, 4, 2)], "ptr")
 
 
 # Backward kernel variants (streamkl_gpu/attention/triton/bwd.py constexprs), named by their parts joined with "+":
@@ -126,15 +238,16 @@ def bwd_variant(forced=None):
     return name
 
 
-def bwd_variant_candidates(d_pad, both, kind, ieee=False, tma=False, fused=False, few=False):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages, variant) of the dK (``kind="dk"``) or dQ kernel.
+def bwd_variant_candidates(d_pad, both, kind, ieee=False, tma=False, fused=False, few=False, n_q=None):
+    """:class:`BwdConfig` candidates of the dK (``kind="dk"``) or dQ kernel, every variant.
 
     The old configs (``bwd_candidates``, variant "ptr") stay candidates; with TMA-capable inputs
     (``tma``) the descriptor variants join them. Not measured yet on a GPU (bench/bwd_gpu.py
     measures them against each other): FlashAttention-2/3's choice at D = 128 for the key-stationary
     loop is 128 keys x 64 queries, 8 warps; the dQ loop 128 queries x 64 keys. ``few`` (problems
     past TUNING_WORK_LIMIT, where the backward is timed on the whole problem): one new candidate,
-    so that a first call at long N pays one more timing, not three.
+    so that a first call at long N pays one more timing, not three. The shape rule's config
+    (``SHAPE_RULES``; ``n_q``: the query rows, for the fused dK's classes) comes first.
     """
     forced = bwd_variant()
     if forced is not None:
@@ -146,10 +259,12 @@ def bwd_variant_candidates(d_pad, both, kind, ieee=False, tma=False, fused=False
             forced = _kernel_variant(forced.replace("tma", "").replace("reduce", "").replace("rows", "").replace("pack", ""),
                                      kind, fused)
     if interpreting():
-        return [_runtime.INTERPRETER_BLOCK + (1, 1, forced or "ptr")]
-    old = [c + ("ptr",) for c in bwd_candidates(d_pad, both, kind, ieee)]
+        block_m, block_n = _runtime.INTERPRETER_BLOCK
+        return [BwdConfig(block_m=block_m, block_n=block_n, num_warps=1, num_stages=1, variant=forced or "ptr")]
+    old = bwd_candidates(d_pad, both, kind, ieee)
     if ieee:
         return old
+    # tiles (block_m, block_n, num_warps, num_stages) of the new variants
     if d_pad <= 128 and not both:
         tiles = {"dk": [(64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 2)],
                  # dQ: 3 stages first (run r5c, 8K, setting 2, the dQ kernel alone: 128x64x8x3 2.54 ms,
@@ -161,7 +276,7 @@ def bwd_variant_candidates(d_pad, both, kind, ieee=False, tma=False, fused=False
         tiles = {"dk": [(32, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 2), (64, 64, 8, 2)],
                  "dq": [(64, 64, 8, 2), (64, 32, 4, 3)]}[kind]
     if forced is not None:  # every tile shape of that variant (the old configs for "ptr")
-        return old if forced == "ptr" else [t + (forced,) for t in tiles]
+        return old if forced == "ptr" else _bwd(tiles, forced)
     # the tuner's default set: the old configs and the expected best new ones (SASS from the
     # offline sm_90 compile, bench/bwd_sass.py, triton 3.6, D = 128, setting 1 fused: old 1718 / 2400
     # instructions per key-tile loop (whole / masked) with 259 spill stores, rows+reduce 529 / 766
@@ -182,9 +297,16 @@ def bwd_variant_candidates(d_pad, both, kind, ieee=False, tma=False, fused=False
             names = ["trans+fold"]
     else:
         names = ["tma+fold"] if tma else ["fold"]
-    if few:
-        return old + [tiles[0] + (names[0],)]
-    return old + [tiles[0] + (n,) for n in names] + [tiles[1] + (names[0],)]
+    if few:  # with a rule entry: the rule's config and the old ones
+        cands = old + _bwd(tiles[:1], names[0])
+    else:
+        cands = old + [c for n in names for c in _bwd(tiles[:1], n)] + _bwd(tiles[1:2], names[0])
+    if not tma or d_pad > 128:
+        return cands
+    cls = ("d<=128", "tma", "fused" if fused else "separate", "both sides" if both else "one side")
+    if fused:
+        cls += ("short queries" if n_q is not None and n_q < RULE_SHORT_QUERIES else "long queries",)
+    return rule_first(cands, "bwd_" + kind, cls)[:len(cands)]
 
 
 def _kernel_variant(name, kind, fused):
@@ -236,7 +358,7 @@ def split_choices(dims, ieee, d_pad, n_sm):
     rule does not capture.
     """
     probe = fwd_candidates(dims, d_pad, True, ieee)[0]
-    block_m, block_n = probe[0], probe[1]
+    block_m, block_n = probe.block_m, probe.block_n
     rule = auto_split_k(dims, block_m, block_n, n_sm)
     if not _tuning.autotune_enabled():
         return (rule,)

@@ -6,6 +6,7 @@ for a side that is not trained). Both take resolved float scales (``api`` checks
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 from dataclasses import replace
 
@@ -21,7 +22,7 @@ from streamkl_gpu._core.launcher import launch as fast_launch
 from streamkl_gpu.attention.gluon.dispatch import device_capability, fwd_backend, gluon_forward, use_gluon
 from streamkl_gpu._core.checks import check_bwd_mode, check_tensors, compute_view, head_pad, is_empty, strides
 from streamkl_gpu._core.runtime import LOG2E, TensorDescriptor, cdiv, fresh, interpreting, n_sm, tma_ok
-from streamkl_gpu._core.tuning import UnusableConfig, bucket, pick
+from streamkl_gpu._core.tuning import UnusableConfig, autotune_enabled, bucket, pick
 from streamkl_gpu.attention.configs import TMA_MIN_KEYS, auto_bwd_mode, bwd_streams, bwd_variant, bwd_variant_candidates, fwd_candidates, split_choices, tuning_slice
 
 
@@ -40,7 +41,7 @@ class _TritonForward:
     """One Triton forward config bound to a call signature: grid, integer arguments and
     constexprs computed once, so a call only allocates and launches.
 
-    ``cfg = (BLOCK_M, BLOCK_N, warps, stages, use_tma, n_splits)``. ``key``: the call's plan
+    ``cfg``: a :class:`~streamkl_gpu.attention.configs.FwdConfig`. ``key``: the call's plan
     signature (inputs' shapes, strides, dtypes, alignment, flags), which with ``cfg`` fixes every
     launch argument's specialisation but the outputs' alignment: the launches then skip Triton's
     binder (``_fast_launch``). None (tuning, proxies): the binder or a derived key."""
@@ -48,7 +49,8 @@ class _TritonForward:
     __slots__ = ("grid", "ints", "constexprs", "warps", "stages", "boxes", "part_shape", "combine", "key")
 
     def __init__(self, cfg, dims, causal, d1_pad, d2_pad, in_strides, ieee1, ieee2, key=None):
-        block_m, block_n, warps, stages, use_tma, n_splits = cfg
+        block_m, block_n, warps, stages, use_tma = cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.use_tma
+        n_splits = cfg.splits
         BH = dims.B * dims.H
         key_tiles = cdiv(dims.NK, block_n)
         splits = min(n_splits, key_tiles)
@@ -72,8 +74,8 @@ class _TritonForward:
         kl, lse1_bits, lse2_bits = outs
         k1_desc = k2_desc = None
         if self.boxes is not None:
-            k1_desc = TensorDescriptor(k1, list(k1.shape), list(k1.stride()), self.boxes[0])
-            k2_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), self.boxes[1])
+            k1_desc = _descriptor(k1, k1.shape, k1.stride(), self.boxes[0])
+            k2_desc = _descriptor(k2, k2.shape, k2.stride(), self.boxes[1])
         part = kl if self.part_shape is None else fresh(self.part_shape, torch.float32, kl.device)
         fast_launch(_fwd._kl_fwd_kernel, self.grid,
                     (q1, k1, q2, k2, k1_desc, k2_desc, kl, lse1_bits, lse2_bits, part) + self.ints,
@@ -166,7 +168,7 @@ def _forward_config(q1, k1, q2, k2, dims, causal, split_k, d1_pad, d2_pad):
                  n_sm=n_sm(device)):
         return GLUON
     # one pass: the usual tiles; split keys (short query blocks): the split kernel's small query tiles
-    candidates = [c + (s,) for s in splits for c in fwd_candidates(dims, d_pad, s > 1, ieee, tma)]
+    candidates = [replace(c, splits=s) for s in splits for c in fwd_candidates(dims, d_pad, s > 1, ieee, tma, causal)]
     if len(candidates) == 1:
         return candidates[0]
     launch = _fwd_runner(q1, k1, q2, k2, dims, causal, _fwd_outputs(dims, device), d1_pad, d2_pad)
@@ -186,7 +188,30 @@ def _forward_config(q1, k1, q2, k2, dims, causal, split_k, d1_pad, d2_pad):
 def _desc(t, block_rows, d_pad):
     """A TMA descriptor of a [B, H, N, D] tensor with [1, 1, block_rows, d_pad] blocks (rows past N
     and dims past D read as zeros; a reduce-add drops them)."""
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_rows, d_pad])
+    return _descriptor(t, t.shape, t.stride(), (1, 1, block_rows, d_pad))
+
+
+_DESC_TEMPLATES: dict = {}  # (shape, strides, dtype, block) -> a checked descriptor without a base
+
+
+def _descriptor(t, shape, strides_, block):
+    """``TensorDescriptor(t, shape, strides_, block)``. Its checks (block shape, strides' alignment)
+    depend only on the key, so they run once per key: later calls copy the checked template and set
+    the base (the base's own 16-byte alignment is checked per call; an unaligned one takes the
+    constructor, which raises as before). Saves ~20 us per descriptor, nine of them per backward."""
+    key = (tuple(shape), tuple(strides_), t.dtype, tuple(block))
+    template = _DESC_TEMPLATES.get(key)
+    if template is None or t.data_ptr() % 16:
+        desc = TensorDescriptor(t, list(shape), list(strides_), list(block))
+        if len(_DESC_TEMPLATES) < _MAX_PLANS:
+            template = copy.copy(desc)
+            template.base = None  # the template must not keep a tensor alive
+            _DESC_TEMPLATES[key] = template
+        return desc
+    desc = object.__new__(TensorDescriptor)  # a copy of the checked template (0.3 us; copy.copy 2 us)
+    desc.__dict__.update(template.__dict__)
+    desc.base = t
+    return desc
 
 
 _SIDE_STREAMS: dict = {}  # device index -> the second stream of the separate backward
@@ -211,24 +236,39 @@ def _launch_opts(parts):
     return {"maxnreg": regs[-1]} if regs else {}
 
 
-def _row_constants(dims, g, kl, lse1_bits, lse2_bits, block_m, packed, both, device):
+def _row_constants(dims, g, kl, lse1_bits, lse2_bits, block_m, packed, both, device, key=None):
     """The rows pre-pass (_bwd._kl_bwd_rows_kernel): the dK kernel's per-row constants, once per
     row; returns the descriptor its query tiles read them through. Planes [6, B*H, N_Q] (one TMA
     load of [1, 1, BLOCK_M] per value) or, ``packed``, [B*H, N_Q, 8] rows (one load of
-    [1, BLOCK_M, 4], or 8 with both settings, per query tile)."""
+    [1, BLOCK_M, 4], or 8 with both settings, per query tile). ``key``: the plan's, for a direct
+    launch (``_core/launcher.py``)."""
     BH = dims.B * dims.H
     args = (dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2)
     grid = (cdiv(BH * dims.NQ, 1024),)
     if packed:
         rows = fresh((BH, dims.NQ, 8), torch.float32, device)
-        _bwd._kl_bwd_rows_kernel[grid](lse1_bits, lse2_bits, kl, g, rows, BH * dims.NQ, dims.NQ, 0, 0, *args,
-                                       BLOCK=1024, PACKED=True, num_warps=4)
-        return TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [1, block_m, 8 if both else 4])
+        fast_launch(_bwd._kl_bwd_rows_kernel, grid + (1, 1), (lse1_bits, lse2_bits, kl, g, rows, BH * dims.NQ, dims.NQ,
+                                                          0, 0, *args), dict(BLOCK=1024, PACKED=True), 4, 3,
+                    key and (key, "rows"), (lse1_bits, lse2_bits, kl, g, rows))
+        return _descriptor(rows, rows.shape, rows.stride(), (1, block_m, 8 if both else 4))
     pitch = cdiv(dims.NQ, 4) * 4  # 16-byte rows for the descriptor
     rows = fresh((6, BH, pitch), torch.float32, device)
-    _bwd._kl_bwd_rows_kernel[grid](lse1_bits, lse2_bits, kl, g, rows, BH * dims.NQ, dims.NQ, pitch, BH * pitch, *args,
-                                   BLOCK=1024, num_warps=4)
-    return TensorDescriptor(rows, [6, BH, dims.NQ], list(rows.stride()), [1, 1, block_m])
+    fast_launch(_bwd._kl_bwd_rows_kernel, grid + (1, 1), (lse1_bits, lse2_bits, kl, g, rows, BH * dims.NQ, dims.NQ,
+                                                      pitch, BH * pitch, *args), dict(BLOCK=1024), 4, 3,
+                key and (key, "rows"), (lse1_bits, lse2_bits, kl, g, rows))
+    return _descriptor(rows, (6, BH, dims.NQ), rows.stride(), (1, 1, block_m))
+
+
+def _backward_proxy(sliced, dims, q1, k1, q2, k2, g, kl, lse1_bits, lse2_bits):
+    """The problem the backward's candidates are timed on when the whole one is past
+    TUNING_WORK_LIMIT (``tuning_slice``): the first ``n_q`` query rows and the keys they see, as
+    views of the inputs, with their row values copied contiguous ([B, H, n_q], what the kernels
+    index). The forward slices the same way; timing the whole problem instead ran every candidate
+    twice at full size (13 backward passes at N = 1M before the first real one)."""
+    nq, nk = sliced
+    rows = [t[:, :, :nq].contiguous() for t in (g, kl, lse1_bits, lse2_bits)]
+    return dict(dims=replace(dims, NQ=nq, NK=nk), q1=q1[:, :, :nq], k1=k1[:, :, :nk], q2=q2[:, :, :nq],
+                k2=k2[:, :, :nk], g=rows[0], kl=rows[1], lse1_bits=rows[2], lse2_bits=rows[3])
 
 
 def _empty_backward(dims, q1, k1, q2, k2, train1, train2):
@@ -277,7 +317,7 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
 
     # dK outputs: direct (one query head per key head), fp32 atomics into the key head (GQA,
     # default) or per-query-head fp32 buffers summed in a fixed order (GQA, deterministic).
-    def dk_buffer(train, k, group, d):
+    def dk_buffer(train, k, group, d, dims=dims):
         if not train:
             return None, False
         if group == 1:
@@ -286,26 +326,29 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
             return fresh((dims.B, dims.H, dims.NK, d), torch.float32, device), False
         return torch.zeros((dims.B, k.shape[1], dims.NK, d), dtype=torch.float32, device=device), True
 
-    def dq_buffer(train, q, d):
+    def dq_buffer(train, q, d, dims=dims):
         if not train:
             return None
         if fused:
             return torch.zeros((dims.B, dims.H, dims.NQ, d), dtype=torch.float32, device=device)
         return fresh((dims.B, dims.H, dims.NQ, d), q.dtype, device)
 
-    def run(cfg_dk, cfg_dq, plan_key=None):  # plan_key: as in _fwd_runner (direct launches)
-        dk1, dk1_atomic = dk_buffer(train1, k1, dims.group1, dims.D1)
-        dk2, dk2_atomic = dk_buffer(train2, k2, dims.group2, dims.D2)
-        dq1 = dq_buffer(train1, q1, dims.D1)
-        dq2 = dq_buffer(train2, q2, dims.D2)
+    # plan_key: as in _fwd_runner (direct launches); the keywords: the problem run (the tuner's
+    # bounded slice of a long one, _backward_proxy, or by default this call's own)
+    def run(cfg_dk, cfg_dq, plan_key=None, dims=dims, q1=q1, k1=k1, q2=q2, k2=k2, g=g, kl=kl, lse1_bits=lse1_bits,
+            lse2_bits=lse2_bits):
+        dk1, dk1_atomic = dk_buffer(train1, k1, dims.group1, dims.D1, dims)
+        dk2, dk2_atomic = dk_buffer(train2, k2, dims.group2, dims.D2, dims)
+        dq1 = dq_buffer(train1, q1, dims.D1, dims)
+        dq2 = dq_buffer(train2, q2, dims.D2, dims)
         t_dk1, t_dk2 = (dk1 if dk1 is not None else dummy), (dk2 if dk2 is not None else dummy)
         t_dq1, t_dq2 = (dq1 if dq1 is not None else dummy), (dq2 if dq2 is not None else dummy)
 
         def s3(t):  # strides b, h, n of a buffer (last dim contiguous)
             return (t.stride(0), t.stride(1), t.stride(2)) if t.dim() == 4 else (0, 0, 0)
 
-        block_m, block_n, warps, stages, variant = cfg_dk
-        parts = variant.split("+")
+        block_m, block_n, warps, stages = cfg_dk.block_m, cfg_dk.block_n, cfg_dk.num_warps, cfg_dk.num_stages
+        parts = cfg_dk.variant.split("+")
         use_tma = "tma" in parts
         reduce_dq = fused and "reduce" in parts
         descs = {}
@@ -314,7 +357,7 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
                          Q2_DESC=_desc(q2, block_m, d2_pad), K2_DESC=_desc(k2, block_n, d2_pad))
         if "rows" in parts:  # the per-row constants, once per row (_bwd._kl_bwd_rows_kernel)
             descs["ROWS_DESC"] = _row_constants(dims, g, kl, lse1_bits, lse2_bits, block_m, "pack" in parts,
-                                                both, device)
+                                                both, device, None if plan_key is None else (plan_key, cfg_dk))
         if reduce_dq:
             descs.update(DQ1_DESC=_desc(dq1, block_m, d1_pad) if dq1 is not None else None,
                          DQ2_DESC=_desc(dq2, block_m, d2_pad) if dq2 is not None else None)
@@ -337,8 +380,8 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
             warps, stages, key, aligned, runtime=descs)
         if not fused:
             with torch.cuda.stream(side) if side is not None else _NO_STREAM:
-                block_m, block_n, warps, stages, variant = cfg_dq
-                parts = variant.split("+")
+                block_m, block_n, warps, stages = cfg_dq.block_m, cfg_dq.block_n, cfg_dq.num_warps, cfg_dq.num_stages
+                parts = cfg_dq.variant.split("+")
                 use_tma = "tma" in parts
                 descs = {}
                 if use_tma:
@@ -363,9 +406,12 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
         # TMA descriptors for every operand tile (and the fused dQ's reduce-add into its fp32
         # buffer, rows of D * 4 bytes: D % 4 == 0)
         tma = all(tma_ok(t) for t in (q1, k1, q2, k2)) and dims.D1 % 4 == 0 and dims.D2 % 4 == 0
-        few = tuning_slice(dims, causal) is not None  # long problems: tuned on themselves, so fewer candidates
-        dk_cands = bwd_variant_candidates(max(d1_pad, d2_pad), both, "dk", ieee1 or ieee2, tma, fused, few)
-        dq_cands = bwd_variant_candidates(max(d1_pad, d2_pad), both, "dq", ieee1 or ieee2, tma, fused, few)
+        sliced = tuning_slice(dims, causal)
+        few = sliced is not None  # long problems: fewer candidates (each compiles), timed on a bounded slice
+        dk_cands = bwd_variant_candidates(max(d1_pad, d2_pad), both, "dk", ieee1 or ieee2, tma, fused, few, dims.NQ)
+        dq_cands = bwd_variant_candidates(max(d1_pad, d2_pad), both, "dq", ieee1 or ieee2, tma, fused, few, dims.NQ)
+        on = ({} if sliced is None or not autotune_enabled() else  # the problem the candidates are timed on
+              _backward_proxy(sliced, dims, q1, k1, q2, k2, g, kl, lse1_bits, lse2_bits))
         base_key = (dims.D1, dims.D2, q1.dtype, q2.dtype, causal, train1, train2,
                     bucket(dims.NQ), bucket(dims.NK), bucket(BH), dims.group1 > 1, dims.group2 > 1,
                     tma, bwd_variant())
@@ -375,17 +421,18 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
                 try:
                     return launch(cfg)
                 except Exception as exc:
-                    if cfg[-1] == "ptr" or "OutOfResources" in type(exc).__name__:
+                    if cfg.variant == "ptr" or "OutOfResources" in type(exc).__name__:
                         raise
                     raise UnusableConfig(f"{cfg}: {type(exc).__name__}: {exc}") from exc
             return attempt
 
-        cfg_dk = pick(("bwd_dk", fused) + base_key, dk_cands, tolerant(lambda c: run(c, dq_cands[0])),
+        cfg_dk = pick(("bwd_dk", fused) + base_key, dk_cands, tolerant(lambda c: run(c, dq_cands[0], **on)),
                       device=device)
         cfg_dq = (dq_cands[0] if fused else
-                  pick(("bwd_dq",) + base_key, dq_cands, tolerant(lambda c: run(cfg_dk, c)), device=device))
-        plan = _remember(sig, (mode, cfg_dk, cfg_dq))
-    dq1, dk1, dq2, dk2 = run(plan[1], plan[2], plan_key=sig)
+                  pick(("bwd_dq",) + base_key, dq_cands, tolerant(lambda c: run(cfg_dk, c, **on)), device=device))
+        # a token per bound plan stands for (signature, configs) in the launches' keys: cheaper to hash
+        plan = _remember(sig, (mode, cfg_dk, cfg_dq, ("bwd", next(_PLAN_TOKENS))))
+    dq1, dk1, dq2, dk2 = run(plan[1], plan[2], plan_key=plan[3])
 
     def finish(grad, group, dtype, n_key_heads):
         if grad is None:

@@ -41,7 +41,8 @@ from streamkl_gpu._core.checks import (
 )
 from streamkl_gpu._core.runtime import LOG2E, TensorDescriptor, fresh, interpreting, n_sm, tma_ok
 from streamkl_gpu._core.tuning import bucket, pick
-from streamkl_gpu.attention.configs import TMA_MIN_KEYS, auto_bwd_mode, auto_split_k, bwd_candidates, fwd_candidates
+from streamkl_gpu.attention.configs import (TMA_MIN_KEYS, TUNING_WORK_LIMIT, auto_bwd_mode, auto_split_k, bwd_candidates,
+                                            fwd_candidates)
 
 __all__ = ["attention_kl_varlen"]
 
@@ -77,6 +78,14 @@ def _check_varlen(q1, k1, q2, k2, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     return dims, batch, max_q, max_k
 
 
+def _timeable(dims, max_k):
+    """May the tuner (``STREAMKL_AUTOTUNE=1``) time a packed batch's candidates on the batch
+    itself? Only below TUNING_WORK_LIMIT (bounding each row's keys by the longest sequence's);
+    past it the first candidate runs untimed: a packed batch has no bounded slice yet, and timing
+    the whole of one past 2^31 elements ran every candidate twice at full size."""
+    return dims.H * dims.NQ * max_k * (dims.D1 + dims.D2) <= TUNING_WORK_LIMIT
+
+
 def _schedule_dims(dims, batch, max_q, max_k):
     """The padded problem the varlen grid covers (batch x max_seqlen): for the launch rules."""
     return dataclasses.replace(dims, B=batch, NQ=max_q, NK=max_k)
@@ -103,7 +112,7 @@ def _forward(q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, causal, scale1, scale2, s
     ieee2 = q2.dtype == torch.float32
     ieee = ieee1 or ieee2
     probe = fwd_candidates(sched, max(d1_pad, d2_pad), True, ieee)[0]
-    n_splits = split_k if split_k is not None else auto_split_k(sched, probe[0], probe[1], n_sm(device))
+    n_splits = split_k if split_k is not None else auto_split_k(sched, probe.block_m, probe.block_n, n_sm(device))
     split = n_splits > 1
     # TMA: descriptors over the [1, H_K, total_k, D] views (a tile reaching into the next
     # sequence is masked in the kernel like keys past N_K)
@@ -111,7 +120,7 @@ def _forward(q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, causal, scale1, scale2, s
     candidates = fwd_candidates(sched, max(d1_pad, d2_pad), split, ieee, tma)
 
     def launch(cfg):
-        block_m, block_n, warps, stages, use_tma = cfg
+        block_m, block_n, warps, stages, use_tma = cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.use_tma
         k1_desc = k2_desc = None
         if use_tma:
             k1_desc = TensorDescriptor(k1, list(k1.shape), list(k1.stride()), [1, 1, block_n, d1_pad])
@@ -140,7 +149,7 @@ def _forward(q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, causal, scale1, scale2, s
 
     key = ("varlen_fwd", dims.D1, dims.D2, q1.dtype, q2.dtype, causal, split, tma,
            bucket(max_q), bucket(max_k), bucket(total_q), bucket(batch * H), n_splits)
-    launch(pick(key, candidates, launch, device=device))
+    launch(pick(key, candidates, launch, device=device) if _timeable(dims, max_k) else candidates[0])
     return kl, lse1_bits, lse2_bits
 
 
@@ -209,7 +218,7 @@ def _backward(g, q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, kl, lse1_bits, lse2_b
         scalars = (H, total_q, total_k, dims.D1, dims.D2, dims.group1, dims.group2,
                    dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2)
         in_strides = [s for v in views for s in strides(v)]
-        block_m, block_n, warps, stages = cfg_dk
+        block_m, block_n, warps, stages = cfg_dk.block_m, cfg_dk.block_n, cfg_dk.num_warps, cfg_dk.num_stages
         _bwd._kl_bwd_dk_kernel[(_runtime.cdiv(max_k, block_n), batch * H)](
             *views, lse1_bits, lse2_bits, kl, g, *bufs, *in_strides,
             *(s for b in bufs for s in s3(b)), *scalars,
@@ -217,7 +226,7 @@ def _backward(g, q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, kl, lse1_bits, lse2_b
             DK1_ATOMIC=dk1_atomic, DK2_ATOMIC=dk2_atomic, num_warps=warps, num_stages=stages, **common,
         )
         if not fused:
-            block_m, block_n, warps, stages = cfg_dq
+            block_m, block_n, warps, stages = cfg_dq.block_m, cfg_dq.block_n, cfg_dq.num_warps, cfg_dq.num_stages
             _bwd._kl_bwd_dq_kernel[(_runtime.cdiv(max_q, block_m), batch * H)](
                 *views, lse1_bits, lse2_bits, kl, g, bufs[2], bufs[3], *in_strides,
                 *s3(bufs[2]), *s3(bufs[3]), *scalars,
@@ -231,7 +240,7 @@ def _backward(g, q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, kl, lse1_bits, lse2_b
     base_key = ("varlen", dims.D1, dims.D2, views[0].dtype, views[2].dtype, causal, train1, train2,
                 bucket(max_q), bucket(max_k), bucket(total_q), bucket(batch * H),
                 dims.group1 > 1, dims.group2 > 1)
-    if work:
+    if work and _timeable(dims, max_k):
         cfg_dk = pick(("bwd_dk", fused) + base_key, dk_cands, lambda c: run(c, dq_cands[0]), device=device)
         cfg_dq = dq_cands[0] if fused else pick(("bwd_dq",) + base_key, dq_cands, lambda c: run(cfg_dk, c),
                                                 device=device)

@@ -1,8 +1,10 @@
-"""The indexer's launch configurations: the interpreter's fixed config and the GPU candidate lists
-of every kernel kind (forward, backward, the training designs), which the tuner times."""
+"""The indexer's launch configurations (:class:`IndexerConfig`, defined beside the plan it makes in
+``indexer/plan.py``): the interpreter's fixed config and the GPU candidate lists of every kernel
+kind (forward, backward, the training designs), which the tuner times."""
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import triton
 
@@ -10,13 +12,21 @@ from streamkl_gpu.indexer.triton import fwd as _indexer_fwd
 from streamkl_gpu.indexer.triton import fwd_gqa as _indexer_fwd_gqa  # the GQA teacher's forward
 from streamkl_gpu._core import runtime as _runtime
 from streamkl_gpu.indexer import plan as _plan_mod
+from streamkl_gpu.indexer.plan import IndexerConfig
 
 
-# One fixed configuration under the interpreter (tests may override):
-# (teacher rows, indexer rows, BLOCK_N, BLOCK_D, num_warps, num_stages)
-INTERPRETER_CONFIG = (32, 32, 32, 32, 1, 1)
-# fp32 inputs: IEEE dots on the FMA units, small tiles (as attention_kl's _IEEE_CONFIG)
-_IEEE_CONFIG = (32, 32, 32, 32, 4, 1)
+def _configs(tiles, **fields):
+    """:class:`IndexerConfig` of each ``(teacher_rows, indexer_rows, block_n, block_d, num_warps,
+    num_stages)`` tile, the optional ``fields`` (``max_heads_per_chunk``, ``splits``, ``variant``)
+    set alike on all."""
+    return [IndexerConfig(teacher_rows=rows, indexer_rows=irows, block_n=block_n, block_d=block_d, num_warps=warps,
+                          num_stages=stages, **fields) for rows, irows, block_n, block_d, warps, stages in tiles]
+
+
+# One fixed configuration under the interpreter (tests may override)
+INTERPRETER_CONFIG = IndexerConfig(teacher_rows=32, indexer_rows=32, block_n=32, block_d=32, num_warps=1, num_stages=1)
+# fp32 inputs: IEEE dots on the FMA units, small tiles (as attention_kl's fp32 tiles)
+_IEEE_CONFIG = IndexerConfig(teacher_rows=32, indexer_rows=32, block_n=32, block_d=32, num_warps=4, num_stages=1)
 
 
 def _new_fwd_candidates(dims, gqa, n_sm):
@@ -27,7 +37,8 @@ def _new_fwd_candidates(dims, gqa, n_sm):
     every key tile: about rows * BLOCK_N / (rows + BLOCK_N) FLOP per byte (43 at 128 x 64, the
     measured DSA forward ran at ~4 TB/s of it). BLOCK_N = 128 takes it to 64 (no spills at DSA:
     234 registers on triton 3.9; 256 rows x 128 keys would give 85 but spills 144 B). GQA at 8K had 64-256 programs for 132 SMs, each a serial chain of small tiles: key
-    splits (8th field) bring it to ~4 programs per SM."""
+    splits (``splits``) bring it to ~4 programs per SM. Tiles below: (teacher_rows, indexer_rows,
+    block_n, block_d, num_warps, num_stages)."""
     if dims is None:
         return []
     if not gqa:
@@ -43,14 +54,15 @@ def _new_fwd_candidates(dims, gqa, n_sm):
         # CTA per SM, nothing to overlap with). 16 warps (256 rows, or 128 x 256): capped at 128
         # registers, ~500 B of spills: left out.
         # The lead's Nsight Compute of the best (r5a): tensor pipe 24 %, L2 36 %, 2 warps per
-        # scheduler: latency bound, not L2 bound; so also 64 heads x 64 keys (7th field: 64 heads
-        # per chunk) on 4 warps: 130 registers, 41 KB, three CTAs per SM (offline).
+        # scheduler: latency bound, not L2 bound; so also 64 heads x 64 keys (max_heads_per_chunk=64)
+        # on 4 warps: 130 registers, 41 KB, three CTAs per SM (offline).
         # Measured (H200, triton 3.6, DSA 8K causal, lse given, run r5c): 4 warps 3 stages
         # 17.48 ms = 2.34x the floor (the first: the untuned choice), 4 warps 2 stages 21.36,
         # 8 warps 3 stages 24.89, 64 x 64 on 4 warps 28.25.
-        out = [(128, 128, 128, 64, 4, 3), (128, 128, 128, 64, 4, 2), (128, 128, 128, 64, 8, 3),
-               (128, 128, 128, 64, 8, 2), (64, 64, 64, 64, 4, 3, 64)]
-        # Then keys-major score tiles (9th field "keys", _indexer_fwd.variant_meta:
+        out = (_configs([(128, 128, 128, 64, 4, 3), (128, 128, 128, 64, 4, 2), (128, 128, 128, 64, 8, 3),
+                         (128, 128, 128, 64, 8, 2)])
+               + _configs([(64, 64, 64, 64, 4, 3)], max_heads_per_chunk=64))
+        # Then keys-major score tiles (variant "keys", _indexer_fwd.variant_meta:
         # S^T = k q^T, the head sum a row sum of the accumulator, no cross-warp reduction; the
         # per-column LSEs / weights loaded once per program). Measured (H200, triton 3.6, DSA 8K
         # causal, lse given, bench/idx_dsa_gpu.py): 128 keys on 4 warps, 3 stages 13.69 ms
@@ -65,8 +77,9 @@ def _new_fwd_candidates(dims, gqa, n_sm):
         # (splits alone 13.40 / 52.41 / 220.7; lpt alone 12.99 / 55.45 / 216.5; row-major 21.27 /
         # 84.34 / 328.96; 8 warps r128 with splits 13.76 / 58.78 / 222.9).
         splits = _keys_major_splits(dims)
-        keys = [(128, 128, 128, 64, 4, 3, None, splits, "keys_lpt"), (128, 128, 128, 64, 8, 3, None, splits, "keys_r128"),
-                (128, 128, 128, 64, 4, 3, None, 1, "keys")]
+        keys = (_configs([(128, 128, 128, 64, 4, 3)], splits=splits, variant="keys_lpt")
+                + _configs([(128, 128, 128, 64, 8, 3)], splits=splits, variant="keys_r128")
+                + _configs([(128, 128, 128, 64, 4, 3)], variant="keys"))
         out = keys + out if _keys_major_first(dims) else out + keys
     else:
         out = []
@@ -82,10 +95,12 @@ def _new_fwd_candidates(dims, gqa, n_sm):
         # An H200 run: "gqa-band" 64 x 64, 24 splits 1.967 ms = 4.31x at 8K, 4.464 = 2.45x at 16K, against
         # 2.681 / 6.840 for (64, 64, 64, 64, 4, 3, 1, 5) in the same run
         out += _indexer_fwd_gqa.candidates(dims, n_sm)
-        for base in ((64, 64, 64, 64, 4, 3, 1), (128, 128, 128, 64, 8, 2, 1), (128, 128, 64, 64, 8, 2, None),
-                     (128, 128, 64, 64, 8, 2, 1), (64, 64, 64, 64, 4, 2, None), (64, 64, 64, 64, 4, 2, 1),
-                     (32, 32, 64, 64, 4, 2, 1), (64, 64, 32, 64, 4, 3, 1)):
-            out.append(_canonical(base + (_plan_mod._fwd_split(dims, base, n_sm),)))
+        # (tile, teacher heads per chunk at most), each with the key splits _fwd_split sets
+        for tile, heads in (((64, 64, 64, 64, 4, 3), 1), ((128, 128, 128, 64, 8, 2), 1), ((128, 128, 64, 64, 8, 2), None),
+                            ((128, 128, 64, 64, 8, 2), 1), ((64, 64, 64, 64, 4, 2), None), ((64, 64, 64, 64, 4, 2), 1),
+                            ((32, 32, 64, 64, 4, 2), 1), ((64, 64, 32, 64, 4, 3), 1)):
+            (base,) = _configs([tile], max_heads_per_chunk=heads)
+            out.append(replace(base, splits=_plan_mod._fwd_split(dims, base, n_sm)))
     return out
 
 
@@ -109,7 +124,7 @@ KEYS_MAJOR_MAX_SPLITS = 16
 
 
 def _keys_major_splits(dims) -> int:
-    """Key splits of the keys-major forward candidates (8th config field)."""
+    """Key splits of the keys-major forward candidates (``IndexerConfig.splits``)."""
     if KEYS_MAJOR_SPLIT_FROM is None or dims.NK < KEYS_MAJOR_SPLIT_FROM:
         return 1
     return min(KEYS_MAJOR_MAX_SPLITS, _runtime.cdiv(dims.NK, KEYS_MAJOR_KEYS_PER_SPLIT))
@@ -120,17 +135,7 @@ def l1_fwd_candidates(dims):
     candidates); bench/indexer_perf_gpu.py still times them, forced."""
     if dims is None or not _plan_mod._l1_fits(dims):
         return []
-    return [(128, 128, 64, 64, 8, 2, None, 1, "l1"), (128, 128, 128, 64, 8, 2, None, 1, "l1"),
-            (128, 128, 32, 64, 8, 2, None, 1, "l1")]
-
-
-def _canonical(cfg):
-    """A config without its trailing default fields (key splits 1, heads cap None), so that
-    equal plans are one candidate."""
-    cfg = tuple(cfg)
-    while len(cfg) > 6 and cfg[-1] == (1 if len(cfg) == 8 else None):
-        cfg = cfg[:-1]
-    return cfg
+    return _configs([(128, 128, 64, 64, 8, 2), (128, 128, 128, 64, 8, 2), (128, 128, 32, 64, 8, 2)], variant="l1")
 
 
 def _candidates(kind, ieee, dims=None, n_sm=132, teacher=True):
@@ -146,19 +151,20 @@ def _candidates(kind, ieee, dims=None, n_sm=132, teacher=True):
 
 @functools.lru_cache(maxsize=1024)
 def _gpu_candidates(kind, dims, n_sm, teacher):
-    # (teacher rows, indexer rows, BLOCK_N, BLOCK_D, warps, stages); not yet measured on the GPU
+    # tiles (teacher_rows, indexer_rows, block_n, block_d, num_warps, num_stages); not yet measured on the GPU
     # Pruned by offline sm_90 compiles (triton 3.6 and 3.9, TMA path): BLOCK_N = 128 spills in the
     # forward at both anchor configs (DSA 32 B, GQA 552 B of stack); 256 teacher rows spill 104 B
     # at DSA on 3.6. The first candidate spills nowhere. Times not yet measured.
     # Measured (H200, pointer loads, before TMA; bench/results/): DSA-like 8K forward
     # 3.6x the floor, GQA-like 17.6x. GQA's chunks of 4 heads x 32 tokens need a reshape-sum per
-    # chunk and 8 chunks per key tile; a 7th field of 1 makes chunks of one head x 128 tokens
+    # chunk and 8 chunks per key tile; max_heads_per_chunk=1 makes chunks of one head x 128 tokens
     # (no head sum inside a chunk), tried where there is more than one key head. Not yet measured.
     gqa = dims is not None and dims.HK > 1
     if kind == "fwd":
         # the measured best first (the untuned choice, STREAMKL_AUTOTUNE=0), then the rest
-        second = (128, 128, 64, 64, 8, 2, 1) if gqa else (128, 128, 64, 64, 8, 3)
-        old = [(128, 128, 64, 64, 8, 2), second, (256, 128, 64, 64, 8, 2)]
+        second = (_configs([(128, 128, 64, 64, 8, 2)], max_heads_per_chunk=1) if gqa else
+                  _configs([(128, 128, 64, 64, 8, 3)]))
+        old = _configs([(128, 128, 64, 64, 8, 2)]) + second + _configs([(256, 128, 64, 64, 8, 2)])
         return list(dict.fromkeys(_new_fwd_candidates(dims, gqa, n_sm) + old))  # no duplicates
     if kind == "pacc":
         # planned as the backward ("bwd"): all indexer heads x BLOCK_T tokens per tile. Offline
@@ -170,23 +176,28 @@ def _gpu_candidates(kind, dims, n_sm, teacher):
         # r5c: BLOCK_N = 64 53.05 ms fwd+bwd (accumulating forward 38.71, backward 14.34), BLOCK_N
         # = 128 54.13. 4 warps (two CTAs per SM, as the forward's best): spills 568 B offline at
         # BLOCK_N = 64, not yet timed.
-        return [(128, 128, 64, 64, 8, 3), (128, 128, 64, 64, 4, 3), (128, 128, 128, 64, 8, 3), (128, 128, 64, 64, 8, 2),
-                (128, 128, 64, 64, 8, 2, None, 1, "l1"), (128, 128, 128, 64, 8, 2), (128, 128, 32, 64, 8, 2),
-                (128, 128, 32, 64, 8, 2, None, 1, "l1"), (128, 128, 32, 64, 8, 3), (128, 128, 32, 64, 4, 2)]
+        return (_configs([(128, 128, 64, 64, 8, 3), (128, 128, 64, 64, 4, 3), (128, 128, 128, 64, 8, 3),
+                          (128, 128, 64, 64, 8, 2)])
+                + _configs([(128, 128, 64, 64, 8, 2)], variant="l1")
+                + _configs([(128, 128, 128, 64, 8, 2), (128, 128, 32, 64, 8, 2)])
+                + _configs([(128, 128, 32, 64, 8, 2)], variant="l1")
+                + _configs([(128, 128, 32, 64, 8, 3), (128, 128, 32, 64, 4, 2)]))
     if kind == "pstore":  # the forward's tile (it only adds a store of p per tile): the forward's candidates
         return _gpu_candidates("fwd", dims, n_sm, True)
     if kind == "lse":
-        out = [(128, 128, 64, 64, 8, 2), (128, 128, 64, 64, 8, 2, 1) if gqa else (128, 128, 128, 64, 8, 2)]
+        out = _configs([(128, 128, 64, 64, 8, 2)]) + (_configs([(128, 128, 64, 64, 8, 2)], max_heads_per_chunk=1) if gqa
+                                                       else _configs([(128, 128, 128, 64, 8, 2)]))
         # 4-warp tiles, two CTAs per SM (offline sm_90, triton 3.9, no spills: DSA 128 x 128, 3 stages,
         # 233 registers, 82 KB; GQA 64 tokens x 64 keys of one head, 3 stages, 87 registers, 98 KB;
         # the 8-warp ones 143 / 77 registers, one CTA per SM); not yet timed
-        out.append((64, 64, 64, 64, 4, 3, 1) if gqa else (128, 128, 128, 64, 4, 3))
+        out += (_configs([(64, 64, 64, 64, 4, 3)], max_heads_per_chunk=1) if gqa else
+                _configs([(128, 128, 128, 64, 4, 3)]))
         if dims is not None and _plan_mod._l1_fits(dims):  # the "l1" variant, as for the forward (not yet timed)
-            out += [(128, 128, 64, 64, 8, 2, None, 1, "l1"), (128, 128, 32, 64, 8, 2, None, 1, "l1")]
+            out += _configs([(128, 128, 64, 64, 8, 2), (128, 128, 32, 64, 8, 2)], variant="l1")
         return out
-    out = [(128, 128, 64, 64, 8, 2), (64, 64, 64, 64, 4, 2)]
+    out = _configs([(128, 128, 64, 64, 8, 2), (64, 64, 64, 64, 4, 2)])
     if dims is not None and teacher and _plan_mod._l1_fits(dims):
         # the "l1" variant: the dq kernel's q rows / the dk kernel's key tile cached in L1 (not yet
         # timed; offline, triton 3.6, DSA 8K: dq no spills, dk 272 B (BLOCK_N 64) / 160 B (32))
-        out += [(128, 128, 64, 64, 8, 2, None, 1, "l1"), (128, 128, 32, 64, 8, 2, None, 1, "l1")]
+        out += _configs([(128, 128, 64, 64, 8, 2), (128, 128, 32, 64, 8, 2)], variant="l1")
     return out

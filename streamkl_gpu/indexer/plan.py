@@ -1,10 +1,12 @@
-"""Host helpers of every indexer launch: the input checks, the launch plans (how a config's tile
-chunks the heads and tokens), the key splits and their merge, TMA descriptors, and the autograd
+"""Host helpers of every indexer launch: the input checks, the launch configuration
+(:class:`IndexerConfig`) and its plan (how a config's tile chunks the heads and tokens), the key splits and their merge, TMA descriptors, and the autograd
 return shared by the designs. Imports no design and no other host module of the indexer."""
 from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -18,6 +20,26 @@ MAX_TEACHER_HEAD_DIM = 576  # absorbed MLA: 512 + 64, tiled along D (never padde
 MAX_INDEXER_HEAD_DIM = 256
 REDUCTIONS = ("none", "sum", "mean")
 LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class IndexerConfig:
+    """One launch of an indexer kernel (forward, backward, the training designs' kernels): a
+    score tile of ``teacher_rows`` (teacher head, token) rows and ``indexer_rows`` indexer rows
+    against ``block_n`` keys, the head dims read in ``block_d``-wide chunks; ``max_heads_per_chunk``:
+    teacher heads per chunk at most (None: no cap); ``splits``: key splits of a forward launch
+    (their states merged on the host, ``_merge_splits``); ``variant``: the kernel's form
+    (``indexer.triton.fwd.variant_meta``: ``tiles``, ``l1``, ``keys...``; the GQA kernel's
+    ``gqa...``, ``indexer.triton.fwd_gqa.parse_variant``). Equal fields are one plan."""
+    teacher_rows: int
+    indexer_rows: int
+    block_n: int
+    block_d: int
+    num_warps: int
+    num_stages: int
+    max_heads_per_chunk: Optional[int] = None
+    splits: int = 1
+    variant: str = "tiles"
 
 
 def _fresh(shape, dtype, device):
@@ -92,14 +114,15 @@ def _plan(dims, cfg, kind):
     """Chunking of one launch: teacher heads per chunk HB, indexer heads per chunk IB, tokens per
     block BLOCK_T (all powers of two; every dot at least 16 wide). Memoised (a pure function of
     its arguments; the host path plans every candidate on each call): a fresh dict each time."""
-    return dict(_plan_cached(dims, tuple(cfg), kind))
+    if not isinstance(cfg, IndexerConfig):
+        raise TypeError(f"an indexer launch config is an IndexerConfig, got {cfg!r}")
+    return dict(_plan_cached(dims, cfg, kind))
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan_cached(dims, cfg, kind):
-    rows, irows, block_n, block_d, warps, stages, *rest = cfg
-    # optional 7th field: teacher heads per chunk at most (None: no cap)
-    hb_max = rest[0] if rest and rest[0] is not None else rows
+    rows, irows = cfg.teacher_rows, cfg.indexer_rows
+    hb_max = cfg.max_heads_per_chunk if cfg.max_heads_per_chunk is not None else rows
     group, group_i = dims.H // dims.HK, dims.HI // dims.HKI
     hb = min(_pow2(group), _pow2(rows), hb_max)
     gi_pad = _pow2(group_i)
@@ -116,17 +139,17 @@ def _plan_cached(dims, cfg, kind):
     cpg = _runtime.cdiv(group, hb)
     icpg = _runtime.cdiv(group_i, ib)
     return dict(
-        HB=hb, IB=ib, GI_PAD=gi_pad, BLOCK_T=block_t, BLOCK_N=block_n,
-        BLOCK_D=_d_chunk(dims.D, block_d),
-        BLOCK_DI=_d_chunk(dims.DI, block_d) if kind == "fwd" else _checks.head_pad(dims.DI),
-        DI_PAD=_checks.head_pad(dims.DI), warps=warps, stages=stages,
+        HB=hb, IB=ib, GI_PAD=gi_pad, BLOCK_T=block_t, BLOCK_N=cfg.block_n,
+        BLOCK_D=_d_chunk(dims.D, cfg.block_d),
+        BLOCK_DI=_d_chunk(dims.DI, cfg.block_d) if kind == "fwd" else _checks.head_pad(dims.DI),
+        DI_PAD=_checks.head_pad(dims.DI), warps=cfg.num_warps, stages=cfg.num_stages,
         n_chunks=dims.HK * cpg, cpg=cpg, n_ichunks=dims.HKI * icpg, icpg=icpg,
-        splits=int(rest[1]) if len(rest) > 1 else 1, variant=rest[2] if len(rest) > 2 else "tiles",
+        splits=int(cfg.splits), variant=cfg.variant,
     )
 
 
 def _load_mode(pl, use_tma):
-    """(TMA loads, q rows through L1) of a launch: the "l1" variant (9th config field) reads the
+    """(TMA loads, q rows through L1) of a launch: the "l1" variant (``IndexerConfig.variant``) reads the
     score tiles by pointers, the teacher's (and indexer's) q rows cached in L1 (cp.async.ca), which
     TMA cannot do: a token's 147 KB of DSA q rows, re-read for every key tile, then come from L1."""
     if pl["variant"] == "l1":
@@ -179,7 +202,8 @@ def _fwd_split(dims, cfg, n_sm, waves=4):
 def _l1_fits(dims) -> bool:
     """The "l1" variant only where one token's teacher q rows (all heads, one key head) fit in L1
     beside the kernel's shared memory: H * D * 2 bytes <= 160 KB (DSA: 147 KB)."""
-    return dims.HK == 1 and _plan(dims, (128, 128, 64, 64, 8, 2), "fwd")["BLOCK_T"] == 1 and dims.H * dims.D * 2 <= 160 * 1024
+    probe = IndexerConfig(teacher_rows=128, indexer_rows=128, block_n=64, block_d=64, num_warps=8, num_stages=2)
+    return dims.HK == 1 and _plan(dims, probe, "fwd")["BLOCK_T"] == 1 and dims.H * dims.D * 2 <= 160 * 1024
 
 
 def _strides(t):

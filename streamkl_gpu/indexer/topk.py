@@ -14,6 +14,7 @@ launch config is tuned on the first call (``_fwd_candidates``).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -34,17 +35,32 @@ LOG2E = 1.4426950408889634
 MAX_TOPK_INDEXER_HEADS = 128  # all indexer heads of a token are one tile's rows
 TOPK_DTYPES = (torch.int32, torch.int64)
 
-# (BLOCK_K slots per tile, BLOCK_D, teacher heads per chunk at most, num_warps, num_stages[, A_L1[,
-# SEPARATE]]). A_L1 (optional 6th field, default False): the forward's teacher q rows through L1.
-# SEPARATE (7th, default False): the student's logits and LSE by their own kernel first, the teacher
-# kernel's second pass then only reads them (_topk_student_kernel).
-INTERPRETER_CONFIG = (16, 32, 32, 1, 1)
-DEFAULT_CONFIG = (64, 64, 128, 8, 2)  # r5c (H200): DSA 8K, K=2048 fwd 26.1 ms; also the backward's
-IEEE_CONFIG = (32, 32, 64, 4, 1)
-SEPARATE_CONFIG = (64, 64, 128, 8, 2, False, True)  # offline sm_90 (3.6): teacher kernel 176 registers
-L1_CONFIG = (64, 64, 128, 8, 2, True)
+@dataclass(frozen=True)
+class TopkConfig:
+    """One launch of the top-k forward kernels: ``block_k`` selected slots per tile, head dims in
+    ``block_d``-wide chunks, at most ``max_heads_per_chunk`` teacher heads per chunk;
+    ``teacher_q_l1``: the forward's teacher q rows through L1 (A_L1); ``separate_student``: the
+    student's logits and LSE by their own kernel first, the teacher kernel's second pass then only
+    reads them (_topk_student_kernel). The backward takes ``block_k`` (at most 64), warps, stages."""
+    block_k: int
+    block_d: int
+    max_heads_per_chunk: int
+    num_warps: int
+    num_stages: int
+    teacher_q_l1: bool = False
+    separate_student: bool = False
+
+
+INTERPRETER_CONFIG = TopkConfig(block_k=16, block_d=32, max_heads_per_chunk=32, num_warps=1, num_stages=1)
+# r5c (H200): DSA 8K, K=2048 fwd 26.1 ms; also the backward's
+DEFAULT_CONFIG = TopkConfig(block_k=64, block_d=64, max_heads_per_chunk=128, num_warps=8, num_stages=2)
+IEEE_CONFIG = TopkConfig(block_k=32, block_d=32, max_heads_per_chunk=64, num_warps=4, num_stages=1)
+# offline sm_90 (3.6): teacher kernel 176 registers
+SEPARATE_CONFIG = TopkConfig(block_k=64, block_d=64, max_heads_per_chunk=128, num_warps=8, num_stages=2,
+                             separate_student=True)
+L1_CONFIG = TopkConfig(block_k=64, block_d=64, max_heads_per_chunk=128, num_warps=8, num_stages=2, teacher_q_l1=True)
 # bench/indexer_topk_gpu.py sets this to time other configs (None: the rule in _config)
-CONFIG_OVERRIDE: Optional[tuple] = None
+CONFIG_OVERRIDE: Optional[TopkConfig] = None
 
 
 def _config(ieee: bool):
@@ -119,9 +135,9 @@ def _forward(q, k, q_idx, k_idx, weights, topk_indices, lse, causal, scale, relu
     p_set = _fresh((dims.B, dims.NQ, n_sel), torch.float32, device)
 
     def launch(cfg):
-        block_k, block_d, hb_max, warps, stages, *rest = cfg
-        a_l1 = bool(rest[0]) if rest else False
-        separate = bool(rest[1]) if len(rest) > 1 else False
+        block_k, block_d, hb_max, warps, stages = (cfg.block_k, cfg.block_d, cfg.max_heads_per_chunk, cfg.num_warps,
+                                                   cfg.num_stages)
+        a_l1, separate = cfg.teacher_q_l1, cfg.separate_student
         hb = max(16, min(_pow2(group), _pow2(hb_max)))
         cpg = _runtime.cdiv(group, hb)
         block_di = pad_i if pad_i <= 128 else min(block_d, pad_i)
@@ -161,7 +177,8 @@ def _backward(g, q_idx, k_idx, weights, topk_indices, p_set, lse_i, causal, relu
     device = q_idx.device
     n_sel = topk_indices.shape[-1]
     ieee_i = q_idx.dtype == torch.float32
-    block_k, _, _, warps, stages, *_ = _config(ieee_i)
+    cfg = _config(ieee_i)
+    block_k, warps, stages = cfg.block_k, cfg.num_warps, cfg.num_stages
     block_k = min(block_k, 64)  # offline sm_90 compiles (DSA, triton 3.6 and 3.9): 128 spills 192-232 B here
     g = g.to(torch.float32).contiguous()
     dq_idx = _fresh((B, HI, NQ, DI), torch.float32, device)

@@ -11,7 +11,6 @@ The Gluon import is guarded: triton builds without Gluon (or with an older API) 
 """
 from __future__ import annotations
 
-import os
 from typing import Optional, Sequence
 
 import torch
@@ -137,7 +136,7 @@ def gluon_forward(q1, k1, q2, k2, causal, scale1, scale2, out=None, dims=None):
     ``dims``: the checked sizes, when the caller has them."""
     if _gluon_fwd is None:
         raise RuntimeError(f"the Gluon forward is not available: {GLUON_IMPORT_ERROR}")
-    from streamkl_gpu._core.tuning import bucket, pick
+    from streamkl_gpu._core.tuning import autotune_enabled, bucket, pick
     from streamkl_gpu.attention.configs import tuning_slice
 
     if dims is None:
@@ -158,13 +157,13 @@ def gluon_forward(q1, k1, q2, k2, causal, scale1, scale2, out=None, dims=None):
     if cand is None:
         proxy = None
         sliced = tuning_slice(dims, causal)
-        if sliced is not None:  # time the candidates on a bounded slice (first call at long N)
+        if sliced is not None and autotune_enabled():  # time the candidates on a bounded slice (long N)
             nq, nk = sliced
             pouts = tuple(torch.empty((dims.B, dims.H, nq), dtype=torch.float32, device=q1.device)
                           for _ in range(3))
             proxy = runner((q1[:, :, :nq], k1[:, :, :nk], q2[:, :, :nq], k2[:, :, :nk]), pouts)
         cand = pick(key, _gluon_fwd_launch.candidates(dims.D1, dims.D2), launch, proxy, q1.device)
-        if os.environ.get("STREAMKL_AUTOTUNE", "1") != "0":  # untuned picks are not remembered
+        if autotune_enabled():  # untuned picks are not remembered
             _PICKED[key] = cand
     launch(cand)
     return out

@@ -36,7 +36,7 @@ __all__ = ["LN2", "LOG2E"]
 
 
 def variant_meta(variant: str, interpreting: bool = False) -> dict:
-    """Launch keywords of ``_indexer_fwd_kernel`` for a forward config's variant (9th field),
+    """Launch keywords of ``_indexer_fwd_kernel`` for a forward config's variant (``IndexerConfig.variant``),
     ``_``-separated options: first ``keys`` (keys-major score tiles, KEYS_MAJOR) or ``tiles`` /
     ``l1`` (the (head, token)-major tiles); then ``flat`` (FLATTEN: the key loop and its D-chunk
     loop as one pipelined loop), ``lpt`` (LPT: token blocks in reverse order, the longest causal
@@ -176,7 +176,7 @@ def _indexer_logits(
 
 
 # ----------------------------------------------------------------------------------------------
-# Keys-major score tiles (the "keys" variant, 9th config field): S^T [BLOCK_N keys, HB * BLOCK_T
+# Keys-major score tiles (the "keys" variant, ``IndexerConfig.variant``): S^T [BLOCK_N keys, HB * BLOCK_T
 # (head, token) columns] = k q^T. The sum over heads is then a sum along a row of the MMA
 # accumulator: in-thread adds and two lane shuffles (each thread holds a few keys' rows), where
 # the (head, token)-major tile sums down its columns: lane shuffles over 8 lanes and a cross-warp

@@ -1,7 +1,7 @@
 """The indexer loss's forward for GQA teachers (H_K > 1): a lean one-pass kernel (the
 GQA-like target, <= 3.0x the matmul floor).
 
-Chosen by the 9th config field (``_indexer._plan``'s variant): ``"gqa"`` (each key head's K tile
+Chosen by the config's variant (``IndexerConfig.variant``, the plan's "variant"): ``"gqa"`` (each key head's K tile
 loaded once per key step, then its group's heads in an inner loop: a quarter of the K reads of
 ``_indexer_fwd`` at groups of 4), ``"gqa-flat"`` (one flat loop over the teacher heads, the K
 tile loaded per head as ``_indexer_fwd`` does: one longer pipelined loop), ``"gqa-pp"`` (the flat
@@ -33,6 +33,7 @@ general kernel elsewhere (``applies``). Head dims up to 128 (one box per head an
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import NamedTuple, Optional
 
 import torch
@@ -43,7 +44,7 @@ from streamkl_gpu._core import checks as _checks
 from streamkl_gpu._core import runtime as _runtime
 from streamkl_gpu._core.jit import _dot, _key_stages
 from streamkl_gpu.indexer.triton.fwd import _finish, _online_update
-from streamkl_gpu.indexer.plan import _fresh, _key_splits, _merge_splits
+from streamkl_gpu.indexer.plan import IndexerConfig, _fresh, _key_splits, _merge_splits
 
 LOOPS = ("gqa-flat", "gqa", "gqa-pp")  # LOOP = 0, 1, 2
 
@@ -103,8 +104,11 @@ MAX_BOX_DIM = 128  # one TMA box per head and tile (D_PAD, DI_PAD)
 # "gqa-band-r128" (2 stages, 128 registers: 4 CTAs per SM) 1.425 / 3.916 / 14.17 / 59.35 ms at 8K /
 # 16K / 32K / 64K = 3.28 / 2.25 / 2.04 / 2.13x the floor, against "gqa-band" 1.506 / 4.304 / 16.76 /
 # 64.77 (3.46 / 2.48 / 2.41 / 2.33x): the first candidate since.
-CANDIDATE_BASES = ((64, 64, 64, 64, 4, 2, 1, "gqa-band-r128"), (64, 64, 64, 64, 4, 3, 1, "gqa-band"),
-                   (64, 64, 64, 64, 4, 2, 1, "gqa-flat-band"))
+# the candidates' tiles (one teacher head per chunk), their key splits set by ``key_splits``
+CANDIDATE_BASES = tuple(
+    IndexerConfig(teacher_rows=64, indexer_rows=64, block_n=64, block_d=64, num_warps=4, num_stages=stages,
+                  max_heads_per_chunk=1, variant=variant)
+    for stages, variant in ((2, "gqa-band-r128"), (3, "gqa-band"), (2, "gqa-flat-band")))
 # Key splits: more were faster at every count measured. One H200 run: 24, the most tried then, best at 8K
 # and 16K. Another (triton 3.6, round robin, 3 passes, medians), the rule of 24 / 24 / 13 / 7
 # splits at 8K / 16K / 32K / 64K against 32 and 48 forced: 1.739 / 4.911 / 18.22 / 73.68 ms,
@@ -130,8 +134,8 @@ def candidates(dims, n_sm):
     element: B token-block rows of programs share the slots)."""
     out = []
     for base in CANDIDATE_BASES:
-        splits = key_splits(dims.NQ * dims.B, base[0], n_sm)  # rows = BLOCK_T tokens (one head per tile)
-        out.append(base[:7] + (splits, base[7]))
+        splits = key_splits(dims.NQ * dims.B, base.teacher_rows, n_sm)  # rows = BLOCK_T tokens (one head per tile)
+        out.append(replace(base, splits=splits))
     return out
 
 

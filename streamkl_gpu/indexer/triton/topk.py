@@ -72,7 +72,7 @@ def _indexer_rows_logits(QI, KI, W, b, t, idx, used, j, j_ok, GROUP_I, H_KI,
     a = tl.zeros([HI_PAD, BLOCK_K], tl.float32)
     for kvi in range(0, H_KI):
         rows_ok = j_ok & (j // GROUP_I == kvi)
-        k_off = b64 * stride_kib + kvi * stride_kih + idx * stride_kin
+        k_off = b64 * stride_kib + kvi * stride_kih + idx.to(tl.int64) * stride_kin
         a += _dot_rows(QI, q_off, rows_ok, KI, k_off, used, stride_qid, stride_kid,
                        None, None, b, 0, 0, 0, 0, DI, BLOCK_DI, HI_PAD, BLOCK_K, HI_PAD, IEEE, False)
     w = tl.load(W + b64 * stride_wb + j.to(tl.int64) * stride_wh + t.to(tl.int64) * stride_wn,
@@ -99,7 +99,7 @@ def _target_tile(Q, K, LSE_T, b, t, idx, used, hh, H, GROUP, N_Q, qk_scale, inv_
         h = kv * GROUP + h_in_group
         row_ok = h_in_group < GROUP
         q_off = b64 * stride_qb + h.to(tl.int64) * stride_qh + t.to(tl.int64) * stride_qn
-        k_off = b64 * stride_kb + kv * stride_kh + idx * stride_kn
+        k_off = b64 * stride_kb + kv * stride_kh + idx.to(tl.int64) * stride_kn
         s = _dot_rows(Q, q_off, row_ok, K, k_off, used, stride_qd, stride_kd,
                       None, None, b, 0, 0, 0, 0, D, BLOCK_D, HB, BLOCK_K, HB, IEEE_T, False, A_L1)
         lse = tl.load(LSE_T + (b64 * H + h) * N_Q + t, mask=row_ok, other=float("-inf"))
@@ -186,7 +186,7 @@ def _topk_fwd_kernel(
             l = tl.zeros([HB], tl.float32)
             for s0 in range(0, extent, BLOCK_K):
                 slots, idx, used = _slots(TOPK, topk_row, s0, K_SEL, t, N_Q, N_K, stride_ts, BLOCK_K, CAUSAL)
-                k_off = b64 * stride_kb + kv * stride_kh + idx * stride_kn
+                k_off = b64 * stride_kb + kv * stride_kh + idx.to(tl.int64) * stride_kn
                 s = _dot_rows(Q, q_off, row_ok, K, k_off, used, stride_qd, stride_kd,
                               None, None, b, 0, 0, 0, 0, D, BLOCK_D, HB, BLOCK_K, HB, IEEE_T, False, A_L1)
                 x = tl.where(used[None, :], _to_bits(s, qk_scale, NO_CONTRACT), float("-inf"))

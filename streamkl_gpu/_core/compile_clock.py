@@ -1,0 +1,71 @@
+"""Where a first call's time goes: seconds inside Triton's compiler, counted per call site.
+
+``CompileClock`` wraps ``triton.compiler.compile`` (what every ``JITFunction`` — Triton and
+Gluon — calls on a kernel-cache miss in memory, once per specialisation per process; it reads
+Triton's on-disk cache first, so with warm caches a call is a load of milliseconds). The
+wrapper must be installed before a kernel's first launch in the process: a ``JITFunction`` binds
+``compile`` when it first runs (``JITFunction.create_binder``). ``streamkl verify`` and
+``bench/first_call.py`` read it; nothing else installs it.
+"""
+from __future__ import annotations
+
+import time
+
+
+class CompileClock:
+    """``seconds`` and ``calls`` spent in ``triton.compiler.compile`` while installed;
+    ``snapshot()`` / ``since(snap)`` for per-case deltas. ``available`` is False where the
+    compiler entry point could not be wrapped (no Triton): the figures then stay 0."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.calls = 0
+        self.available = False
+        self._restore = []
+
+    def install(self):
+        try:
+            import triton.compiler as package
+            import triton.compiler.compiler as module
+        except ImportError:
+            return self
+        original = module.compile
+        if getattr(original, "_streamkl_clock", None) is not None:  # already wrapped: count there too
+            original = original._streamkl_original
+
+        def compile(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+                self.calls += 1
+
+        compile._streamkl_clock = self
+        compile._streamkl_original = original
+        import triton.runtime.jit as jit  # older Triton imported compile into jit's namespace
+
+        for owner in (module, package, jit):
+            if getattr(owner, "compile", None) in (original, module.compile):
+                self._restore.append((owner, owner.compile))
+                owner.compile = compile
+        self.available = True
+        return self
+
+    def uninstall(self):
+        for owner, value in reversed(self._restore):
+            owner.compile = value
+        self._restore.clear()
+
+    def __enter__(self):
+        return self.install()
+
+    def __exit__(self, *exc):
+        self.uninstall()
+
+    def snapshot(self):
+        return self.seconds, self.calls
+
+    def since(self, snap):
+        """``(seconds, calls)`` since ``snap``."""
+        return self.seconds - snap[0], self.calls - snap[1]

@@ -1,0 +1,45 @@
+"""Host-side launch helpers of streamkl_gpu.attention.launch: the checked-once TMA descriptors and the
+backward's rows pre-pass through the plan-keyed fast launcher."""
+import pytest
+import torch
+
+from streamkl_gpu._core import runtime as _runtime
+from streamkl_gpu.attention import launch as _launch
+
+from _gpu_helpers import make_inputs
+
+
+@pytest.mark.skipif(_runtime.TensorDescriptor is None, reason="this triton has no host TensorDescriptor")
+def test_a_descriptor_from_the_template_equals_a_fresh_one():
+    a, b = torch.randn(2, 3, 40, 64), torch.randn(2, 3, 40, 64)
+    first = _launch._desc(a, 32, 64)
+    second = _launch._desc(b, 32, 64)  # from the template
+    fresh = _runtime.TensorDescriptor(b, list(b.shape), list(b.stride()), [1, 1, 32, 64])
+    assert type(second) is type(fresh)
+    assert {k: v for k, v in vars(second).items() if k != "base"} == {k: v for k, v in vars(fresh).items() if k != "base"}
+    assert second.base is b and first.base is a
+    key = (tuple(b.shape), tuple(b.stride()), b.dtype, (1, 1, 32, 64))
+    assert _launch._DESC_TEMPLATES[key].base is None  # the cache keeps no tensor alive
+    unaligned = torch.randn(2 * 3 * 40 * 64 + 1)[1:].view(2, 3, 40, 64)
+    with pytest.raises(AssertionError, match="16-byte"):  # checked per call, as the constructor does
+        _launch._desc(unaligned, 32, 64)
+
+
+def test_the_rows_pre_pass_launches_through_the_plan_keyed_launcher(monkeypatch):
+    import streamkl_gpu
+
+    monkeypatch.setenv("STREAMKL_BWD_VARIANT", "tma+trans+fold+rows")
+    monkeypatch.setattr(_runtime, "INTERPRETER_TMA", True)
+    seen = []
+    real = _launch.fast_launch
+
+    def recording(kernel, grid, args, constexprs, warps, stages, key=None, *rest, **kw):
+        seen.append((kernel.__name__, key))
+        return real(kernel, grid, args, constexprs, warps, stages, key, *rest, **kw)
+
+    monkeypatch.setattr(_launch, "fast_launch", recording)
+    xs = [x.requires_grad_(i >= 2) for i, x in enumerate(make_inputs(1, 2, 2, 2, 24, 40, 16, 16))]
+    for _ in range(2):
+        streamkl_gpu.attention_kl(*xs, causal=True, bwd_mode="separate").sum().backward()
+    rows = [key for name, key in seen if name == "_kl_bwd_rows_kernel"]
+    assert len(rows) == 2 and rows[0] is not None and rows[0] == rows[1]  # one plan, its key both times

@@ -1,0 +1,58 @@
+"""`streamkl verify`'s GPU battery (which case runs in which dtype) and its compile clock, on CPU."""
+import re
+from pathlib import Path
+
+import pytest
+
+from streamkl_gpu import verify
+from streamkl_gpu._core.compile_clock import CompileClock
+from streamkl_ref.testing import attention_cases, indexer_cases
+
+ROOT = Path(__file__).resolve().parents[1]
+DTYPES = ["float32", "float16", "bfloat16"]
+
+
+def _gpu_battery():
+    """(name, head dims, dtypes it runs in on a GPU), as verify._run_own selects them."""
+    rows = [(c.name, (c.D1, c.D2), verify.gpu_case_dtypes((c.D1, c.D2), DTYPES, c.quick))
+            for c in attention_cases("cuda", planted=False)]
+    rows += [(v[0], (v[5], v[6]), verify.gpu_case_dtypes((v[5], v[6]), DTYPES, i == 0))
+             for i, v in enumerate(verify.VARLEN_GPU_CASES)]
+    rows += [(c.name, (c.D1, c.D2), verify.gpu_case_dtypes((c.D1, c.D2), DTYPES))
+             for c in attention_cases("cuda") if c.plant]
+    rows += [("indexer:" + c.name, (c.D, c.DI), verify.gpu_case_dtypes((c.D, c.DI), DTYPES))
+             for c in indexer_cases("cuda")]
+    return rows
+
+
+def test_every_gpu_case_runs_and_every_dtype_is_checked():
+    rows = _gpu_battery()
+    assert all(dts for _, _, dts in rows)
+    for _, dims, dts in rows:
+        if max(dims) > verify.GPU_SMALL_HEAD_DIM:  # no fp32 compile at large heads
+            assert dts == ["bfloat16"]
+    attention = [dts for name, _, dts in rows[:len(attention_cases("cuda", planted=False))]]
+    assert {d for dts in attention for d in dts} == set(DTYPES)
+
+
+def test_the_docs_list_exactly_the_pairs_left_out():
+    text = (ROOT / "docs/verify.md").read_text()
+    section = text.split("## On the GPU", 1)[1].split("\n## ", 1)[0]
+    listed = {m.group(1): set(m.group(2).split(", ")) for m in re.finditer(r"^\| `([^`]+)` \| ([^|]+?) \|", section, re.M)}
+    dropped = {name: set(DTYPES) - set(dts) for name, _, dts in _gpu_battery() if set(DTYPES) - set(dts)}
+    assert listed == dropped
+
+
+def test_the_compile_clock_counts_calls_into_the_compiler_and_restores_it():
+    triton_compiler = pytest.importorskip("triton.compiler")
+    import triton.compiler.compiler as module
+
+    original = module.compile
+    with CompileClock() as clock:
+        assert clock.available and module.compile is not original and triton_compiler.compile is module.compile
+        snap = clock.snapshot()
+        with pytest.raises(Exception):
+            triton_compiler.compile(None)  # not a source: the compiler raises, the call still counts
+        seconds, calls = clock.since(snap)
+        assert calls == 1 and seconds >= 0.0
+    assert module.compile is original and triton_compiler.compile is original
