@@ -1,11 +1,14 @@
 """The no-regression check: two source trees of streamkl timed in one GPU job.
 
     python bench/compare_trees.py --tree before=/path/to/old --tree after=. --rounds 5 --out DIR
+    python bench/bench_gpu.py --sections compare --section-args compare="--tree before=/path/to/old --tree after=."
 
+(Also the suite's ``nan_cost`` section: this tree against the one before the NaN guards.)
 Each round runs one subprocess per tree (the order alternates between rounds), with that tree
-first on ``sys.path`` and its own ``STREAMKL_CACHE_DIR``; the subprocess times every grid point
-with ``triton.testing.do_bench`` (median) through the public API only, so any two commits can be
-compared. The first round also pays each tree's compiles and tuning; it is kept apart as
+as its ``PYTHONPATH`` and its own ``STREAMKL_CACHE_DIR``; the subprocess times every grid point
+with the suite's timing helper (``streamkl_bench.timing.time_ms``: ``triton.testing.do_bench``,
+median; the helper comes from this script's folder, the same code for both trees) through the
+public API only, so any two commits can be compared. The first round also pays each tree's compiles and tuning; it is kept apart as
 the warm-up pass (index 0 in the CSV) and the medians come from the rounds after it.
 
 The rule (DEVELOPERS.md): over the grid the geometric mean of after/before is at most 1.01 and no
@@ -128,9 +131,9 @@ def _indexer_case(kind, spec, torch, streamkl_gpu):
 
 def worker(points, json_path):
     import torch
-    import triton.testing
 
     import streamkl_gpu
+    from streamkl_bench.timing import time_ms  # bench/ is this script's folder: the one timing helper
 
     rows = {}
     for name in points:
@@ -141,7 +144,7 @@ def worker(points, json_path):
         fn()
         torch.cuda.synchronize()
         first_s = time.perf_counter() - t0
-        ms = triton.testing.do_bench(fn, warmup=25, rep=150, grad_to_none=leaves, return_mode="median")
+        ms = time_ms(fn, cuda=True, warmup=25, rep=150, grad_to_none=leaves)
         rows[name] = {"ms": ms, "first_call_s": first_s}
         del fn, leaves
         torch.cuda.empty_cache()

@@ -1,5 +1,4 @@
-#!/usr/bin/env python3
-"""Plots from benchmark CSVs only (no typed-in numbers).
+"""Plots from the benchmark suite's CSVs only (no typed-in numbers).
 
     python bench/plot.py                                  # the newest bench/results/*/bench.csv -> docs/assets/*.png
     python bench/plot.py --results DIR --out DIR
@@ -19,9 +18,6 @@ Writes (only those with data):
   peak_memory.png         peak extra memory vs N (forward providers, ours up to 512K, ours fwd+bwd)
   decode.png              small-N_Q forward: time per provider (incl. the bandwidth floor)
   smallq_bwd.png          fused vs separate vs auto backward vs N_Q at fixed N_K
-  sdpa_backends.png       from the newest ``*fwd_configs_sdpa_backends.csv`` (if any): our autotuned
-                          forward vs SDPA (default dispatch / flash / cuDNN backend) and torch.compile,
-                          per (N, causal); the per-launch-config ``streamkl cfg=...`` rows are left out
 All axes with N are log-log (base 2 for N).
 
 SDPA labels. bench_gpu.py writes two SDPA providers: ``sdpa`` (PyTorch's default backend dispatch)
@@ -63,15 +59,6 @@ STYLE = {  # display label -> (color, marker); anything else gets matplotlib's c
     LABELS["chunked"]: ("C4", "*"), LABELS["floor"]: ("k", "_"),
 }
 DASHED = (LABELS["floor"], LABELS["eager"], LABELS["chunked"])  # references drawn dashed
-BACKENDS_GLOB = "*fwd_configs_sdpa_backends.csv"
-# sdpa_backends.png: the providers of that file, in bar order, with display names and styles
-BACKEND_BARS = [
-    ("streamkl(autotuned)", "streamkl (autotuned)", "C3"),
-    ("sdpa(default dispatch)", SDPA_DEFAULT, "C0"),
-    ("sdpa(flash backend)", SDPA_FLASH, "C9"),
-    ("sdpa(cudnn backend)", "SDPA (cuDNN backend)", "C8"),
-    ("compile", "torch.compile", "C2"),
-]
 
 
 def newest_results(pattern):
@@ -235,53 +222,6 @@ def shape_note(rows):
     return ", ".join(f"B={b} H={h} D={d} {dt}" for b, h, d, dt in s[:2])
 
 
-def backends_plot(path, out_path, plt):
-    """Bar chart from a fwd_configs_sdpa_backends CSV: ours (autotuned) vs SDPA default dispatch /
-    flash / cuDNN and torch.compile, one group of bars per (N, causal). Missing points are marked."""
-    with open(path, newline="") as fh:
-        rows = [r for r in csv.DictReader(fh)
-                if ok(r) and r.get("kernel") == "fwd" and not r["provider"].startswith("streamkl cfg=")]
-    if not rows:
-        return False
-    known = [b[0] for b in BACKEND_BARS]
-    bars = list(BACKEND_BARS) + [(p, p, None) for p in sorted({r["provider"] for r in rows}) if p not in known]
-    bars = [b for b in bars if any(r["provider"] == b[0] for r in rows)]
-    groups = sorted({(int(r["n_q"]), int(r["n_k"]), r["causal"]) for r in rows}, key=lambda g: (g[0], g[1], g[2]))
-    t = {(r["provider"], int(r["n_q"]), int(r["n_k"]), r["causal"]): fnum(r["p50_ms"]) for r in rows}
-    fig, ax = plt.subplots(figsize=(WIDTH_IN, 5.6))
-    width = 0.8 / len(bars)
-    for k, (prov, label, color) in enumerate(bars):
-        for i, (nq, nk, c) in enumerate(groups):
-            x = i + (k - (len(bars) - 1) / 2) * width
-            v = t.get((prov, nq, nk, c))
-            if v is None:
-                ax.text(x, 0.02, "no data", rotation=90, ha="center", va="bottom", fontsize=MIN_FONT_PT, color="0.4",
-                        transform=ax.get_xaxis_transform())
-                continue
-            ax.bar(x, v, width, color=color, label=label if i == min(
-                j for j, g in enumerate(groups) if t.get((prov,) + g) is not None) else None)
-            ax.text(x, v * 1.04, f"{v:.3g}", ha="center", va="bottom", fontsize=MIN_FONT_PT,
-                    rotation=90 if len(bars) * len(groups) > 12 else 0)
-    ax.set_xticks(range(len(groups)))
-    ax.set_xticklabels([f"N={fmt_n(nq)}" + (f", N_K={fmt_n(nk)}" if nk != nq else "") +
-                        ("\ncausal" if c == "1" else "\nnon-causal") for nq, nk, c in groups])
-    ax.set_yscale("log")
-    ax.set_ylabel("time (ms, median; lower is better)")
-    ax.set_title(f"forward: ours vs SDPA backends vs torch.compile\n({shape_note(rows)})")
-    ax.grid(True, axis="y", which="both", alpha=0.3)
-    ax.legend(ncol=2, loc="upper left")
-    ax.set_ylim(top=ax.get_ylim()[1] * 6)  # room for the legend above the tallest bar
-    plain_log_y(ax)
-    folder = os.path.dirname(os.path.abspath(path))
-    for r in rows:
-        r["_commit"] = commit_of(folder)
-    fig.suptitle(subtitle(rows) + f"\n[{os.path.basename(folder)}/{os.path.basename(path)}]", y=0.995)
-    fig.tight_layout()
-    fig.savefig(out_path, dpi=DPI)
-    plt.close(fig)
-    return True
-
-
 def fmt_n(n):
     return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
 
@@ -298,34 +238,20 @@ def main(argv=None):
 
     os.makedirs(a.out, exist_ok=True)
     written = []
-    backends_dir = a.results or newest_results(BACKENDS_GLOB)
     a.results = a.results or newest_results("bench*.csv")
-    print(f"bench CSVs from {a.results}; SDPA backends from {backends_dir}")
-    backends = sorted(glob.glob(os.path.join(backends_dir, BACKENDS_GLOB)))
-
-    def plot_backends():
-        if backends:  # the newest file (names start with the date)
-            path = os.path.join(a.out, "sdpa_backends.png")
-            if backends_plot(backends[-1], path, plt):
-                written.append(path)
-            if len(backends) > 1:
-                print(f"sdpa_backends.png from {os.path.basename(backends[-1])}; not plotted: "
-                      + ", ".join(os.path.basename(b) for b in backends[:-1]))
+    print(f"bench CSVs from {a.results}")
 
     files, rows, legacy = load(a.results)
     if not rows:
-        print(f"no rows in {a.results}/bench*.csv; only sdpa_backends.png (if any) plotted", file=sys.stderr)
-        plot_backends()
-        for w in written:
-            print(w)
-        return 0 if written else 1
+        print(f"no rows in {a.results}/bench*.csv", file=sys.stderr)
+        return 1
     multi = len({r["_file"] for r in rows}) > 1
     sub = subtitle(rows)
     legacy_note = ""
     if legacy:
         legacy_note = ("SDPA (flash backend): the 'sdpa' rows of " + ", ".join(legacy) + " were forced to the "
                        "FlashAttention backend (sdpa_kernel([FLASH_ATTENTION])); that run has no default-dispatch SDPA rows"
-                       + ("; default dispatch vs flash vs cuDNN: sdpa_backends.png" if backends else "") + ".")
+                       + ".")
         print("note: " + legacy_note)
 
     def save(fig, name, rows_in=None, top=1.0):
@@ -428,10 +354,9 @@ def main(argv=None):
         n = shared_legend(fig, axes)
         save(fig, "smallq_bwd.png", sq, top=1 - legend_rows(fig, n))
 
-    plot_backends()
     for w in written:
         print(w)
-    print(f"{len(written)} plots from {len(files)} bench CSV file(s)" + (f" and {os.path.basename(backends[-1])}" if backends else ""))
+    print(f"{len(written)} plots from {len(files)} bench CSV file(s)")
     return 0
 
 

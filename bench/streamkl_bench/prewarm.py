@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from . import ROOT, SCRIPT
+from . import ROOT, SCRIPT, child_env
 from .cases import SETTINGS
 
 
@@ -103,7 +103,8 @@ def run_prewarm(r):
         if r.a.full_check:
             cmd.append("--full-check")
         logf = open(os.path.join(logs, f"w{i}.log"), "w")
-        procs.append((subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=ROOT), logf, i))
+        procs.append((subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=ROOT,
+                                       env=child_env()), logf, i))
     r.log(f"prewarm: {len(jobs) + len(compile_jobs)} jobs on {len(procs)} worker processes "
           f"(longest worker ~{est:.0f}s of work by the static estimates; logs in {logs})")
     deadline = time.perf_counter() + max(10.0, r.budget.remaining())

@@ -1,13 +1,18 @@
 """Reports: bench.csv (one row per measurement), check.csv (one row per compared tensor),
-sections.csv (one row per section), bench.log, env.json fields, and summary.txt (the ratios
-against the anchors' targets, at most 60 lines, printed last)."""
+sections.csv (one row per section), bench.log, env.json (GPU, driver, torch, triton, commit, the
+exact command), results.csv (every CSV of the run in one long format, with gpu_name, timestamp,
+version, commit and each row's section and run status), and summary.txt (the ratios against the
+anchors' targets, at most 60 lines, printed last)."""
 from __future__ import annotations
 
 import csv
 import datetime as _dt
 import math
 import os
+import glob
+import json
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -21,6 +26,68 @@ COLUMNS = ["kernel", "provider", "mode", "causal", "n_q", "n_k", "b", "h", "d1",
 CHECK_COLUMNS = ["case", "dtype", "setting", "err", "tol", "pass", "tensor", "eager_err", "detail"]
 # one row per section run: kind core (in-process) or delegated (a script, output under out/)
 SECTION_COLUMNS = ["section", "kind", "status", "rc", "seconds", "limit_s", "out", "command", "note"]
+
+RESULTS_LEAD = ["gpu_name", "timestamp", "version", "commit", "section", "file", "run_status"]
+
+
+def git_commit(short=True):
+    """The commit of the code measured (with ``-dirty`` when tracked files differ), or ``unknown``."""
+    try:
+        sha = subprocess.run(["git", "-C", ROOT, "rev-parse"] + (["--short"] if short else []) + ["HEAD"],
+                             capture_output=True, text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+    except Exception:
+        return "unknown"
+    return (sha + ("-dirty" if dirty else "")) if sha else "unknown"
+
+
+def gpu_word(device):
+    """``h200`` from "NVIDIA H200" (the results folder's <gpu>); ``cpu`` for the interpreter."""
+    if device != "cuda":
+        return "cpu"
+    import torch
+    return torch.cuda.get_device_name(0).split()[-1].lower().replace("/", "-")
+
+
+def resolve_out(path, device):
+    """``--out`` with ``{date}``, ``{gpu}``, ``{commit}`` filled: bench/results/{date}_{gpu}_{commit}."""
+    if "{" not in path:
+        return path
+    return path.format(date=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d"), gpu=gpu_word(device),
+                       commit=git_commit())
+
+
+def driver_version():
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=10).stdout.strip().splitlines()[0]
+    except Exception:
+        return None
+
+
+def write_results_csv(out_dir, env, sections):
+    """Every CSV under out_dir (but results.csv) as one long-format file: the lead columns, then the
+    union of the files' own columns. ``run_status``: the status of the section that wrote it."""
+    status = {rec["section"]: rec["status"] for rec in sections}
+    rows, fields = [], []
+    for path in sorted(glob.glob(os.path.join(out_dir, "**", "*.csv"), recursive=True)):
+        rel = os.path.relpath(path, out_dir)
+        if rel == "results.csv":
+            continue
+        section = rel.split(os.sep)[0] if os.sep in rel else ("run" if rel == "sections.csv" else "core")
+        with open(path, newline="") as f:
+            for r in csv.DictReader(f):
+                fields += [k for k in r if k and k not in fields and k not in RESULTS_LEAD]
+                rows.append(dict(r, gpu_name=env["gpu"], timestamp=env["date"], version=env.get("streamkl_version", ""),
+                                 commit=env.get("commit", ""), section=section, file=rel,
+                                 run_status=status.get(section, r.get("status", "ok") if section == "run" else "ok")))
+    with open(os.path.join(out_dir, "results.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=RESULTS_LEAD + fields, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    return len(rows)
+
 
 # Anchors (h200-2026-11-29.md): used for the summary's "measured vs anchor" lines and as a
 # labelled fallback when a baseline was skipped in this run.
@@ -53,8 +120,13 @@ class ReportMixin:
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "python": sys.version.split()[0], "cuda": getattr(torch.version, "cuda", None),
             "triton_interpret": os.environ.get("TRITON_INTERPRET", ""), "host": platform.node(),
-            "argv": sys.argv,
+            "driver": driver_version() if self.cuda else None, "commit": git_commit(),
+            "command": " ".join(shlex.quote(x) for x in ["python"] + sys.argv), "argv": sys.argv,
         }
+
+    def write_env(self):
+        with open(os.path.join(self.a.out, "env.json"), "w") as f:
+            json.dump(self.env, f, indent=1)
 
     def _version(self):
         v = None
@@ -76,15 +148,9 @@ class ReportMixin:
                                 break
                 except Exception:
                     v = "unknown"
-        try:
-            sha = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
-                                 text=True, timeout=5).stdout.strip()
-            dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
-                                   capture_output=True, text=True, timeout=5).stdout.strip()
-            if sha:
-                v = f"{v}+g{sha}" + (".dirty" if dirty else "")
-        except Exception:
-            pass
+        sha = git_commit()
+        if sha != "unknown":
+            v = f"{v}+g{sha}".replace("-dirty", ".dirty")
         return str(v)
 
     def row(self, kernel, provider, mode, causal, nq, nk, b, h, d1, d2, dtype, times=None, peak=None,

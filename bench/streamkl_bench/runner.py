@@ -15,14 +15,14 @@ import sys
 import time
 import traceback
 
-from . import ROOT, delegated
+from . import delegated
 from .cases import CORE_SECTIONS, SECTION_DOC, make_config
 from .checks import ChecksMixin
 from .cli import parse_args
 from .perf import PerfMixin
 from .prewarm import run_prewarm, worker_main
 from .providers import ProvidersMixin
-from .report import COLUMNS, SECTION_COLUMNS, ReportMixin
+from .report import COLUMNS, SECTION_COLUMNS, ReportMixin, resolve_out, write_results_csv
 from .timing import Budget, TimingMixin
 
 
@@ -65,6 +65,7 @@ class Runner(ReportMixin, TimingMixin, ProvidersMixin, ChecksMixin, PerfMixin):
             self.ak_error = f"{type(e).__name__}: {e}"
             self.log(f"WARNING: streamkl_gpu.attention_kl unavailable ({self.ak_error}); 'ours' rows will be errors")
         self.env["streamkl_version"] = self._version()
+        self.write_env()
 
 
 
@@ -124,8 +125,7 @@ def main(argv=None, doc=None):
     args = parse_args(argv, doc)
     if args.device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # before torch/triton/streamkl_gpu are imported
-    if ROOT not in sys.path:
-        sys.path.append(ROOT)  # appended: a PYTHONPATH entry (or an installed package) still wins
+    args.out = resolve_out(args.out, args.device)
     cfg = make_config(args)
     if args._worker:
         args.sections = []
@@ -157,6 +157,7 @@ def main(argv=None, doc=None):
                 r.log(f"WARNING: packing {args.out} failed: {type(e).__name__}: {e}")
     print_tails(r)
     r.summary()
+    r.write_env()
     r.bench_f.close()
     r.sections_f.close()
     if r.check_f:
@@ -165,6 +166,9 @@ def main(argv=None, doc=None):
     rc = 1 if nfail else (3 if r.section_errors else 0)
     r.log(f"done in {time.perf_counter() - r.t0:.1f}s; {nfail} failed checks; exit {rc}")
     r.log_f.close()
+    if not args._worker:
+        n_rows = write_results_csv(args.out, r.env, r.sections_done)
+        print(f"results.csv: {n_rows} rows (every CSV of the run, long format) in {args.out}", flush=True)
     if args.pack:
         path, n = delegated.pack(args.out)
         print(f"packed {n} files into {path} ({os.path.getsize(path) / 2 ** 20:.1f} MiB)", flush=True)

@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
-"""Decode-like forward: the automatic split_k against every power of two (issue 9 §5).
+"""Section ``decode_sweep``: the decode-like forward, the automatic split_k against every power of two.
 
-    python bench/decode_sweep.py OUT_DIR
+    python bench/bench_gpu.py --sections decode_sweep
 
 Grid N_Q in {1, 16, 64} x N_K in {32K, 128K} x B in {1, 8}; H = 32, D = 128, bf16, non-causal.
 Every point times split_k in {1, 2, 4, ..., 64} and the automatic choice (do_bench medians),
@@ -14,20 +13,9 @@ import csv
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.environ.get("STREAMKL_IMPORT_ROOT", ROOT))  # a legacy tree for before/after runs
+from .timing import copy_bandwidth, time_ms
 
 SPLITS = (1, 2, 4, 8, 16, 32, 64)
-
-
-def copy_bandwidth():
-    import torch
-    from triton.testing import do_bench
-
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    ms = do_bench(lambda: y.copy_(x), warmup=10, rep=50, return_mode="median")
-    return 2 * x.numel() / (ms * 1e-3)  # bytes read + written per second
 
 
 def main(argv=None):
@@ -35,7 +23,6 @@ def main(argv=None):
     out_dir = argv[0] if argv else "."
     os.makedirs(out_dir, exist_ok=True)
     import torch
-    from triton.testing import do_bench
 
     import streamkl_gpu
 
@@ -59,7 +46,7 @@ def main(argv=None):
                 for s in (None,) + SPLITS:
                     fn = lambda s=s: streamkl_gpu.attention_kl(q1, k1, q2, k2, split_k=s)
                     fn()
-                    times[s] = do_bench(fn, warmup=10, rep=40, return_mode="median")
+                    times[s] = time_ms(fn, cuda=True, warmup=10, rep=40)
                     w.writerow({"b": B, "n_q": NQ, "n_k": NK, "h": H, "d": D, "dtype": "bfloat16",
                                 "split_k": "auto" if s is None else s, "ms": f"{times[s]:.4f}",
                                 "floor_ms": f"{floor:.4f}", "note": ""})

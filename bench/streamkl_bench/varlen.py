@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
-"""Packed variable-length sequences on the GPU (issue 12): checks, then the benchmark.
+"""Section ``varlen``: packed variable-length sequences on the GPU: checks, then the benchmark.
 
-    python bench/varlen_gpu.py OUT_DIR [--parts checks,packed,a,b] [--quick] [--device cpu]
+    python bench/bench_gpu.py --sections varlen [--section-args varlen="--parts packed,a"]
 
 (``--device cpu``: a smoke run of the whole script under the Triton interpreter at toy sizes,
 timed with a wall clock; its numbers mean nothing, it only checks that the script runs.)
@@ -37,8 +36,6 @@ import random
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1:][:1] == ["cpu"]:
     os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
 
@@ -48,6 +45,8 @@ import torch  # noqa: E402
 import streamkl_gpu  # noqa: E402
 import streamkl_ref  # noqa: E402
 from streamkl_gpu.naive import attention_kl_naive  # noqa: E402
+
+from .timing import extra_memory_gib, time_ms  # noqa: E402
 
 FIELDS = ["section", "case", "provider", "metric", "value", "unit", "note"]
 DEV = "cuda"  # --device cpu: the interpreter smoke run
@@ -176,41 +175,19 @@ def bench_lens(seed=0):
 
 
 def timed(fn, grad_to_none=None, long_call=False):
-    """Median ms of ``fn`` (do_bench: L2 flushed, CUDA events); CPU smoke: one wall-clock call.
-    ``long_call`` (the padded case, ~1 s a call): one warm-up and the median of 3 event-timed calls."""
-    if DEV == "cpu":
-        t = time.perf_counter()
+    """Median ms of ``fn``; ``long_call`` (the padded case, ~1 s a call): 3 event-timed calls."""
+    if long_call and DEV == "cuda":
         fn()
-        return (time.perf_counter() - t) * 1e3
-    if long_call:
-        times = []
-        for i in range(4):
-            for x in grad_to_none or ():
-                x.grad = None
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            if i:
-                times.append(start.elapsed_time(end))
-        return sorted(times)[1]
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=10, rep=60, grad_to_none=grad_to_none, return_mode="median")
+        for x in grad_to_none or ():
+            x.grad = None
+    return time_ms(fn, cuda=DEV == "cuda", warmup=10, rep=60, grad_to_none=grad_to_none,
+                   long_call_ms=0.0 if long_call else None)
 
 
 def peak_extra(fn):
     """Peak bytes allocated during ``fn`` beyond what was allocated before it (0 on CPU)."""
-    if DEV == "cpu":
-        fn()
-        return 0
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
+    gib = extra_memory_gib(fn, cuda=DEV == "cuda")
+    return 0 if math.isnan(gib) else gib * 2 ** 30
 
 
 def benchmark(out, quick=False, parts=("packed", "a", "b")):
@@ -289,10 +266,6 @@ def bench_packed(out, res, packed_fwd, packed_fb, q2, k2):
 def bench_per_sequence(out, res, lens, starts, q1, k1, q2, k2, g):
     """(a) one attention_kl call per sequence, on [1, H, n, D] views of the packed tensors."""
     fwd_sum = fb_sum = fwd_triton_sum = 0.0
-    try:  # attention_kl may run a Gluon forward on Hopper (streamkl_gpu.attention.gluon.dispatch)
-        from streamkl_gpu.attention.gluon import dispatch as gluon_dispatch
-    except ImportError:
-        gluon_dispatch = None
     mem_a = 0
     for i, n in enumerate(lens):
         sl = slice(int(starts[i]), int(starts[i + 1]))
@@ -310,13 +283,15 @@ def bench_per_sequence(out, res, lens, starts, q1, k1, q2, k2, g):
         with torch.no_grad():
             f_fwd()
             fwd_sum += timed(f_fwd)
-            if gluon_dispatch is not None:  # the same calls on the Triton forward (the kernel varlen runs)
-                gluon_dispatch.FWD_BACKEND = "triton"
-                try:
-                    f_fwd()
-                    fwd_triton_sum += timed(f_fwd)
-                finally:
-                    gluon_dispatch.FWD_BACKEND = None
+            # the same calls on the Triton forward (the kernel varlen runs; attention_kl may pick Gluon)
+            saved = os.environ.get("STREAMKL_FWD_BACKEND")
+            os.environ["STREAMKL_FWD_BACKEND"] = "triton"  # the documented variable, read per call
+            try:
+                f_fwd()
+                fwd_triton_sum += timed(f_fwd)
+            finally:
+                os.environ.pop("STREAMKL_FWD_BACKEND") if saved is None else os.environ.update(
+                    STREAMKL_FWD_BACKEND=saved)
         f_fb()
         fb_sum += timed(f_fb, grad_to_none=[v2, w2])
         v2.grad = w2.grad = None
@@ -324,10 +299,9 @@ def bench_per_sequence(out, res, lens, starts, q1, k1, q2, k2, g):
         del v2, w2
     res["per_sequence", "fwd"] = fwd_sum
     res["per_sequence", "fwd_bwd"] = fb_sum
-    if gluon_dispatch is not None:
-        out.row("bench", "per_sequence", "attention_kl (STREAMKL_FWD_BACKEND=triton)", "fwd_ms",
-                f"{fwd_triton_sum:.4f}", "ms", "summed do_bench medians; varlen runs the Triton forward")
-        log(f"(a') per sequence, Triton forward forced, summed: fwd {fwd_triton_sum:.3f} ms")
+    out.row("bench", "per_sequence", "attention_kl (STREAMKL_FWD_BACKEND=triton)", "fwd_ms",
+            f"{fwd_triton_sum:.4f}", "ms", "summed do_bench medians; varlen runs the Triton forward")
+    log(f"(a') per sequence, Triton forward forced, summed: fwd {fwd_triton_sum:.3f} ms")
     out.row("bench", "per_sequence", "attention_kl", "fwd_bwd_peak_extra", mem_a, "bytes",
             "largest single call (16K); its clones of q2/k2 not counted")
     log(f"(a) per sequence, summed: fwd {fwd_sum:.3f} ms, fwd+bwd {fb_sum:.3f} ms")

@@ -1,9 +1,9 @@
-#!/usr/bin/env python3
-"""The indexer loss's training step on every path: the tables of docs/indexer.md's training section.
+"""Section ``indexer``: the indexer loss, dense (``indexer_kl``) and top-k (``indexer_kl_topk``), its
+training step on every path: the tables of docs/indexer.md's training section.
 
-    python bench/indexer_training.py --out OUT                      # one H200: ~6 min, compiles included
-    python bench/indexer_training.py --out OUT --memory-n 131072    # + DSA-like 128K fwd+bwd extra memory
-    python bench/indexer_training.py --out /tmp/x --tiny            # CPU smoke under the interpreter (< 20 s)
+    python bench/bench_gpu.py --sections indexer                    # one H200: ~6 min, compiles included
+    python bench/bench_gpu.py --sections indexer --section-args indexer="--memory-n 131072"   # + 128K memory
+    PYTHONPATH=bench:. python -m streamkl_bench.indexer --out /tmp/x --tiny   # CPU smoke (< 20 s)
 
 What it times (``triton.testing.do_bench``, medians of ``--rounds`` >= 5 interleaved rounds: every
 point's every measure once per round, in turn), 8K tokens, causal, bf16, B = 1, the indexer
@@ -42,8 +42,6 @@ import sys
 import time
 import traceback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 if "--tiny" in sys.argv:  # the interpreter must be chosen before Triton is imported
     os.environ["TRITON_INTERPRET"] = "1"
 
@@ -54,6 +52,9 @@ import triton  # noqa: E402
 import streamkl_ref  # noqa: E402
 import streamkl_gpu  # noqa: E402
 from streamkl_ref.testing import relative_error  # noqa: E402
+
+from . import timing  # noqa: E402
+from .timing import extra_memory_gib, is_oom  # noqa: E402,F401
 
 COLUMNS = ["section", "measure", "teacher", "path", "provider", "n", "value", "unit", "note",
            "gpu", "timestamp", "torch", "triton", "streamkl"]
@@ -135,37 +136,12 @@ def floor_flops(cfg, N, path, topk=None):
 
 
 def matmul_rate(device):
-    if device != "cuda":
-        return float("nan")
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    ms = triton.testing.do_bench(lambda: a @ b, warmup=10, rep=50)
-    return 2 * 8192 ** 3 / (ms * 1e-3)
+    return timing.matmul_tflops(device=device) * 1e12 if device == "cuda" else float("nan")
 
 
 def time_ms(fn, device, quick):
-    if device != "cuda":  # the interpreter: one call (the code path, not a time)
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    return triton.testing.do_bench(fn, warmup=5 if quick else 25, rep=20 if quick else 100)
-
-
-def extra_memory_gib(fn, device):
-    """Peak minus what was allocated before one call (GiB); NaN on CPU."""
-    if device != "cuda":
-        fn()
-        return float("nan")
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2 ** 30
-
-
-def is_oom(exc) -> bool:
-    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+    """Median ms (the interpreter: one call, the code path, not a time)."""
+    return timing.time_ms(fn, cuda=device == "cuda", warmup=5 if quick else 25, rep=20 if quick else 100)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -410,7 +386,7 @@ def main(argv=None):
                     out.row(key[0], "first_call_s", key[1], key[2], key[3], key[4],
                             f"{time.perf_counter() - t0:.2f}", "s")
                     t0 = None
-            mem = extra_memory_gib(fb, device)
+            mem = extra_memory_gib(fb, device == "cuda")
             out.row(key[0], "extra_mem_fwd_bwd", key[1], key[2], key[3], key[4], f"{mem:.3f}", "GiB")
         except Exception as exc:  # noqa: BLE001
             out.row(key[0], "error", key[1], key[2], key[3], key[4], "oom" if is_oom(exc) else "error", "",
@@ -458,7 +434,7 @@ def main(argv=None):
         cfg = teachers["dsa"]
         try:
             _, fb = dense_point(cfg, a.memory_n, "no_lse", device, dtype)
-            mem = extra_memory_gib(fb, device)
+            mem = extra_memory_gib(fb, device == "cuda")
             out.row("memory", "extra_mem_fwd_bwd", "dsa", "no_lse", "streamkl", a.memory_n, f"{mem:.3f}", "GiB")
             print(f"DSA-like {a.memory_n} fwd+bwd (no lse) extra memory {mem:.2f} GiB")
         except Exception as exc:  # noqa: BLE001

@@ -1,7 +1,8 @@
-"""GPU check of the NaN/inf contract (docs/api.md, "NaN and infinity"), through the public API only.
+"""Section ``nan``: the NaN/inf isolation contract (docs/api.md, "NaN and infinity") on the GPU,
+through the public API only. (What the guards cost: the ``nan_cost`` section.)
 
-    python bench/nan_check.py OUT_DIR            # on the GPU (about 30-60 s, mostly compiling)
-    python bench/nan_check.py OUT_DIR --tiny     # CPU smoke run under the Triton interpreter
+    python bench/bench_gpu.py --sections nan                       # about 30-60 s, mostly compiling
+    python bench/bench_gpu.py --sections nan --device cpu --tiny   # CPU smoke under the interpreter
 
 For a few shapes (ragged with GQA in bf16, fp16 and fp32; two tile-sized ones, 128 and 2K keys, the
 latter through the TMA path on Hopper; N_Q > N_K with empty rows; a decode shape that the forward
@@ -308,5 +309,4 @@ if __name__ == "__main__":
     parser.add_argument("out_dir", help="directory for nan_check.csv")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
     args = parser.parse_args()
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.exit(0 if main(args.out_dir, tiny=args.tiny) else 1)
