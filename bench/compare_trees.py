@@ -3,17 +3,13 @@
     python bench/compare_trees.py --tree before=/path/to/old --tree after=. --rounds 5 --out DIR
     python bench/bench_gpu.py --sections compare --section-args compare="--tree before=/path/to/old --tree after=."
 
-(Also the suite's ``nan_cost`` section: this tree against the one before the NaN guards.)
-Each round runs one subprocess per tree (the order alternates between rounds), with that tree
-as its ``PYTHONPATH`` and its own ``STREAMKL_CACHE_DIR``; the subprocess times every grid point
-with the suite's timing helper (``streamkl_bench.timing.time_ms``: ``triton.testing.do_bench``,
-median; the helper comes from this script's folder, the same code for both trees) through the
-public API only, so any two commits can be compared. The first round also pays each tree's compiles and tuning; it is kept apart as
-the warm-up pass (index 0 in the CSV) and the medians come from the rounds after it.
-
+(Also the suite's ``nan_cost`` section: this tree against the one before the NaN guards.) Each
+round runs one subprocess per tree (the order alternates), with that tree as its PYTHONPATH and its
+own STREAMKL_CACHE_DIR; it times every grid point through the public API only with the suite's
+timing helper (``streamkl_bench.timing.time_ms``, do_bench median; from this script's folder: the
+same code for both trees). Round 0 pays compiles and tuning (kept apart as the warm-up pass).
 The rule (DEVELOPERS.md): over the grid the geometric mean of after/before is at most 1.01 and no
 point is above 1.03; a point above 1.03 is re-timed once with 10 rounds before it counts.
-
 Writes ``DIR/compare_rounds.csv`` (long format: one row per tree, point and round, with GPU,
 timestamp and each tree's commit) and ``DIR/compare_summary.csv``; prints a short table last.
 """

@@ -3,14 +3,10 @@
     python bench/plot.py                                  # the newest bench/results/*/bench.csv -> docs/assets/*.png
     python bench/plot.py --results DIR --out DIR
 
---results defaults to the newest results folder (``bench/results/<date>_<gpu>_<commit>/``, by date
-and then by the start times in its env.json) that holds a ``bench*.csv``. Reads every file matching
-``bench*.csv`` in it (the long format bench_gpu.py writes:
-kernel, provider, mode, causal, n_q, n_k, ..., p50_ms, peak_extra_gib, status, ...). Rows whose
-status is not ``ok`` are left out. When the CSVs come from more than one GPU/run, each run's line
-is labelled with its folder and file name. Lines carry readable labels (``LABELS``), not the CSV's
-provider names; each figure is stamped with the GPU, torch, triton and the commit measured (from
-the folder's env.json).
+--results: the newest results folder (by date, then by the start in its env.json) with a
+``bench*.csv`` (bench_gpu.py's long format); rows not ``ok`` are left out; several runs are
+labelled by folder and file. Legends carry readable labels (``LABELS``); each figure is stamped
+with the GPU, torch, triton and the commit measured (the folder's env.json).
 
 Writes (only those with data):
   fwd_time.png            forward time vs N, non-causal | causal, per provider
@@ -20,11 +16,9 @@ Writes (only those with data):
   smallq_bwd.png          fused vs separate vs auto backward vs N_Q at fixed N_K
 All axes with N are log-log (base 2 for N).
 
-SDPA labels. bench_gpu.py writes two SDPA providers: ``sdpa`` (PyTorch's default backend dispatch)
-and ``sdpa_flash`` (forced to the FlashAttention backend); their rows carry ``sdpa_backend=...`` in
-``extra``. Older files (e.g. 2026-11-29_h200_f87f3b3/bench.csv) have only ``sdpa`` rows, and those were
-forced to the flash backend: for a file with no ``sdpa_flash`` row and no ``sdpa_backend=`` note,
-its ``sdpa`` rows are drawn as "SDPA (flash backend)" and the figure carries a note saying so.
+SDPA labels: ``sdpa`` is PyTorch's default backend dispatch, ``sdpa_flash`` the FlashAttention
+backend (older files with ``sdpa`` rows only, e.g. 2026-11-29_h200_f87f3b3/bench.csv, forced the
+flash backend; plot them from their own commit: ``git show 1cab9b7:bench/plot.py``).
 """
 from __future__ import annotations
 
@@ -95,29 +89,13 @@ def load(results_dir):
                 r["_file"] = os.path.basename(folder) + "/" + os.path.splitext(os.path.basename(f))[0]
                 r["_commit"] = commit
                 rows.append(r)
-    legacy = flash_only_files(rows)
     for r in rows:
-        r["_prov"] = display_provider(r, legacy)
-    return files, rows, legacy
+        r["_prov"] = display_provider(r)
+    return files, rows
 
 
-def flash_only_files(rows):
-    """Files written before bench_gpu.py had two SDPA providers: their `sdpa` rows were forced to the
-    flash backend. Detected by the absence of `sdpa_flash` rows and of any `sdpa_backend=` note."""
-    by_file = {}
-    for r in rows:
-        by_file.setdefault(r["_file"], []).append(r)
-    return sorted(f for f, rs in by_file.items()
-                  if any(r["provider"] == "sdpa" for r in rs)
-                  and not any(r["provider"] == "sdpa_flash" or "sdpa_backend=" in (r.get("extra") or "") for r in rs))
-
-
-def display_provider(r, legacy):
-    if r["provider"] == "sdpa":
-        return SDPA_FLASH if r["_file"] in legacy else SDPA_DEFAULT
-    if r["provider"] == "sdpa_flash":
-        return SDPA_FLASH
-    return LABELS.get(r["provider"], r["provider"])
+def display_provider(r):
+    return {"sdpa": SDPA_DEFAULT, "sdpa_flash": SDPA_FLASH}.get(r["provider"], LABELS.get(r["provider"], r["provider"]))
 
 
 def fnum(x):
@@ -241,29 +219,17 @@ def main(argv=None):
     a.results = a.results or newest_results("bench*.csv")
     print(f"bench CSVs from {a.results}")
 
-    files, rows, legacy = load(a.results)
+    files, rows = load(a.results)
     if not rows:
         print(f"no rows in {a.results}/bench*.csv", file=sys.stderr)
         return 1
     multi = len({r["_file"] for r in rows}) > 1
     sub = subtitle(rows)
-    legacy_note = ""
-    if legacy:
-        legacy_note = ("SDPA (flash backend): the 'sdpa' rows of " + ", ".join(legacy) + " were forced to the "
-                       "FlashAttention backend (sdpa_kernel([FLASH_ATTENTION])); that run has no default-dispatch SDPA rows"
-                       + ".")
-        print("note: " + legacy_note)
 
     def save(fig, name, rows_in=None, top=1.0):
         """``top``: the fraction of the height left to the panels (a shared legend takes the rest)."""
         fig.suptitle(sub, y=0.995)
-        note = legacy_note if legacy_note and any(
-            r["provider"] == "sdpa" and r["_file"] in legacy and ok(r) for r in (rows_in or [])) else ""
-        bottom = 0.0
-        if note:
-            fig.text(0.5, 0.004, note, ha="center", va="bottom", fontsize=MIN_FONT_PT, style="italic", wrap=True)
-            bottom = 0.5 / fig.get_figheight()
-        fig.tight_layout(rect=(0, bottom, 1, min(top, 0.98)))
+        fig.tight_layout(rect=(0, 0.0, 1, min(top, 0.98)))
         path = os.path.join(a.out, name)
         fig.savefig(path, dpi=DPI)
         plt.close(fig)

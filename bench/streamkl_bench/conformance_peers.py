@@ -1,20 +1,16 @@
-"""Section ``peers``: the conformance suite against code no one here wrote: PyTorch's own ``F.kl_div`` fed attention
-log-probabilities (eager and ``torch.compile``), flash-linear-attention's ``FusedKLDivLoss`` and
-Liger-Kernel's ``LigerKLDIVLoss``, each fed materialised attention logits through a few lines of
-glue, and streamkl's kernels for comparison.
+"""Section ``peers``: the conformance suite against code no one here wrote: PyTorch's ``F.kl_div`` on
+attention log-probabilities (eager and ``torch.compile``), flash-linear-attention's
+``FusedKLDivLoss`` and Liger-Kernel's ``LigerKLDIVLoss`` (materialised logits through a few lines
+of glue), and streamkl's kernels for comparison.
 
     python bench/bench_gpu.py --sections peers                 # on the GPU
     PYTHONPATH=bench:.:.device/peers python -m streamkl_bench.conformance_peers OUT_DIR --device cpu
 
-The peer packages come from ``.device/peers`` (the section puts it on the child's PYTHONPATH when
-it exists; the GPU machine has no network: ``pip install --no-deps --no-compile --target
-.device/peers liger-kernel==0.8.5 flash-linear-attention==0.6.0 fla-core==0.6.0 einops`` here,
-then carry ``.device/peers``) or from the environment. On CPU the Triton peers run under the
-Triton interpreter (set before anything imports Triton).
-Writes ``OUT_DIR/conformance_peers.json`` (every report, with its rows, cases and options),
-``OUT_DIR/conformance_peers.csv`` (one line per peer) and ``conformance_peers.md`` (the docs
-table, rendered from the CSV), and prints a short table last.
-A peer that cannot be imported or run is a row with the reason, not a crash.
+The peers come from ``.device/peers`` (the section puts it on the child's PYTHONPATH when it
+exists: ``pip install --no-deps --no-compile --target .device/peers liger-kernel==0.8.5
+flash-linear-attention==0.6.0 fla-core==0.6.0 einops``, then carry it) or the environment.
+Writes ``conformance_peers.{json,csv,md}`` (every report; one line per peer; the docs table) and
+prints a short table last. A peer that cannot be imported or run is a row with the reason.
 """
 from __future__ import annotations
 
@@ -39,9 +35,7 @@ def _parse():
     return p.parse_args()
 
 
-# ---------------------------------------------------------------------------------------------
 # glue: materialised logits, as a user feeding a row-wise KL loss would write it
-# ---------------------------------------------------------------------------------------------
 def _scores(q, k, scale, h):
     import torch
 

@@ -68,9 +68,7 @@ def parse_args(argv=None):
     return a
 
 
-# ----------------------------------------------------------------------------------------------
 # Process group
-# ----------------------------------------------------------------------------------------------
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -104,11 +102,8 @@ class Ctx:
         self.meta = {"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
                      "ranks": world, "torch": torch.__version__, "date": datetime.datetime.now(
                          datetime.timezone.utc).isoformat(timespec="seconds")}
-        try:
-            import triton
-            self.meta["triton"] = triton.__version__
-        except ImportError:  # pragma: no cover
-            self.meta["triton"] = ""
+        import triton
+        self.meta["triton"] = triton.__version__
 
     def log(self, msg):
         if self.rank == 0:
@@ -116,9 +111,6 @@ class Ctx:
             print(line, flush=True)
             self.logf.write(line + "\n")
             self.logf.flush()
-
-    def elapsed(self):
-        return time.monotonic() - self.t0
 
     def sync(self):
         if self.device.type == "cuda":
@@ -134,16 +126,9 @@ class Ctx:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t.tolist()
 
-    def agree(self, flag: bool) -> bool:
-        """Rank 0's decision, the same on every rank (so no rank skips a collective alone)."""
-        t = torch.tensor([int(flag)], device=self.device)
-        dist.broadcast(t, 0)
-        return bool(t.item())
 
 
-# ----------------------------------------------------------------------------------------------
 # Inputs
-# ----------------------------------------------------------------------------------------------
 
 def full_inputs(ctx, shape, dtype, seed):
     """Whole-sequence inputs and upstream gradient, identical on every rank (same seed)."""
@@ -155,17 +140,11 @@ def full_inputs(ctx, shape, dtype, seed):
     return xs, g
 
 
-def cp_call(ctx, shards, layout, causal):
-    return distributed.attention_kl(*shards, causal=causal, layout=layout)
-
-
 def leaves(xs, train):
     return [x.detach().clone().requires_grad_(t) for x, t in zip(xs, train)]
 
 
-# ----------------------------------------------------------------------------------------------
 # Section: world of one (one GPU)
-# ----------------------------------------------------------------------------------------------
 
 def sec_world1(ctx):
     a = ctx.args
@@ -211,9 +190,7 @@ def record_max_rel(ctx, case, name, ours, ref, tol, dtype):
     ctx.log(f"  {case:<34} {name:<4} max rel diff {err:.2e} (tol {tol:.0e}) {'ok' if ok else 'FAIL'}")
 
 
-# ----------------------------------------------------------------------------------------------
 # Section: scaling
-# ----------------------------------------------------------------------------------------------
 
 def time_steps(ctx, f, xs, train, reps=None, with_bwd=True):
     """Forward and forward+backward time per step (slowest rank; median over reps), peak memory
@@ -271,61 +248,30 @@ def scale_row(ctx, shape, dtype, section, provider, res, world, formula_by_mode)
                 + (f" (formula {row['bytes_sent_formula']})" if formula_by_mode else ""))
 
 
-# ----------------------------------------------------------------------------------------------
 # Output
-# ----------------------------------------------------------------------------------------------
 
 def write_outputs(ctx, final=True):
-    """CSVs and the summary (after every section, so a run killed at the time limit keeps them);
-    the summary is printed at the end."""
+    """CSVs and the summary (after every section, so a run killed at the time limit keeps them)."""
     if ctx.rank != 0:
         return
-    a = ctx.args
     for name, rows in (("context_parallel_check.csv", ctx.check_rows), ("context_parallel_scaling.csv", ctx.scale_rows)):
-        if not rows:
-            continue
-        keys = list(dict.fromkeys(k for r in rows for k in r)) + list(ctx.meta)
-        with open(os.path.join(a.out, name), "w", newline="") as fh:
-            wr = csv.DictWriter(fh, fieldnames=keys)
-            wr.writeheader()
-            for r in rows:
-                wr.writerow({**r, **ctx.meta})
+        if rows:
+            keys = list(dict.fromkeys(k for r in rows for k in r)) + list(ctx.meta)
+            with open(os.path.join(ctx.args.out, name), "w", newline="") as fh:
+                wr = csv.DictWriter(fh, fieldnames=keys)
+                wr.writeheader()
+                wr.writerows({**r, **ctx.meta} for r in rows)
     lines = [f"context parallel attention_kl: W = {ctx.world} on {ctx.meta['gpu']} (torch {ctx.meta['torch']}, "
-             f"triton {ctx.meta['triton']}), {ctx.meta['date']}"]
-    n_ok = sum(r["ok"] for r in ctx.check_rows)
-    lines.append(f"correctness: {n_ok}/{len(ctx.check_rows)} ok"
-                 + (f"; worst max-rel/rel-err ratio to tolerance "
-                    f"{max(r['error'] / r['tolerance'] for r in ctx.check_rows):.2f}" if ctx.check_rows else ""))
-    single = {(r["n"], r["mode"]): r for r in ctx.scale_rows if r["provider"] == "single" and r["status"] == "ok"}
-    lines.append(f"{'section':<16} {'provider':<14} {'W':>2} {'N':>8} {'mode':<8} {'ms/step':>10} {'speedup':>8} "
-                 f"{'eff':>5} {'peak GiB':>8} {'peak+GiB':>8} {'sent MiB':>9} {'formula':>9}")
+             f"triton {ctx.meta['triton']}), {ctx.meta['date']}",
+             f"correctness: {sum(r['ok'] for r in ctx.check_rows)}/{len(ctx.check_rows)} ok",
+             f"{'section':<16} {'provider':<14} {'N':>8} {'mode':<8} {'ms/step':>10} {'peak+GiB':>8} {'sent MiB':>9}"]
     for r in ctx.scale_rows:
-        if r["status"] != "ok":
-            lines.append(f"{r['section']:<16} {r['provider']:<14} {r['world']:>2} {r['n']:>8} {r['mode']:<8} {r['status']}")
-            continue
-        base = single.get((r["n"], r["mode"]))
-        sp = base["ms_per_step"] / r["ms_per_step"] if base and r["provider"] != "single" else None
-        r["speedup_vs_single"] = sp
-        def mib(b):
-            return "" if b is None else f"{b / 2**20:.1f}"
-
-        sp_s = "" if sp is None else f"{sp:.2f}x"
-        eff_s = "" if sp is None else f"{sp / r['world']:.2f}"
-        lines.append(f"{r['section']:<16} {r['provider']:<14} {r['world']:>2} {r['n']:>8} {r['mode']:<8} "
-                     f"{r['ms_per_step']:10.2f} {sp_s:>8} {eff_s:>5} {r['peak_gib_per_rank'] or 0:8.2f} "
-                     f"{r['peak_extra_gib_per_rank'] or 0:8.2f} "
-                     f"{mib(r['bytes_sent_per_rank']):>9} {mib(r['bytes_sent_formula']):>9}")
+        sent = "" if r["bytes_sent_per_rank"] is None else f"{r['bytes_sent_per_rank'] / 2**20:.1f}"
+        lines.append(f"{r['section']:<16} {r['provider']:<14} {r['n']:>8} {r['mode']:<8} {r['ms_per_step']:10.2f} "
+                     f"{r['peak_extra_gib_per_rank'] or 0:8.2f} {sent:>9}")
     lines.append("FAILURES: " + "; ".join(ctx.failures) if ctx.failures else "all checks passed")
-    with open(os.path.join(a.out, "context_parallel_summary.txt"), "w") as fh:
+    with open(os.path.join(ctx.args.out, "context_parallel_summary.txt"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
-    # rewrite the scaling CSV with the speedups filled in
-    if ctx.scale_rows:
-        keys = list(dict.fromkeys(k for r in ctx.scale_rows for k in r)) + list(ctx.meta)
-        with open(os.path.join(a.out, "context_parallel_scaling.csv"), "w", newline="") as fh:
-            wr = csv.DictWriter(fh, fieldnames=keys)
-            wr.writeheader()
-            for r in ctx.scale_rows:
-                wr.writerow({**r, **ctx.meta})
     if final:
         print("\n".join(lines), flush=True)
 

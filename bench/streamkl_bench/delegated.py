@@ -1,12 +1,8 @@
-"""Delegated sections: the feature modules of this package (and ``compare_trees.py``), each run as one
-section of bench_gpu.py in a subprocess.
-
-Every module takes an output directory (first argument, or ``--out``). A delegated section runs it
-(``python -m streamkl_bench.<module> OUT/<section> ...``, PYTHONPATH = bench/ and the repository
-root) in its own process group, with stdout and stderr in ``OUT/<section>/stdout.log``, under a
-time limit: past it the group gets SIGINT, then SIGKILL after KILL_GRACE_S. A subprocess per
-section isolates failures (a crash, a hang, a CUDA error that poisons the context) and frees the
-section's GPU memory before the next one starts.
+"""Delegated sections: the feature modules (and ``compare_trees.py``), each run by bench_gpu.py as
+``python -m streamkl_bench.<module> OUT/<section> ...`` (PYTHONPATH = bench/ and the repository
+root) in its own process group, stdout and stderr in ``OUT/<section>/stdout.log``, under a time
+limit (SIGINT, then SIGKILL after KILL_GRACE_S). A subprocess per section isolates failures (a
+crash, a hang, a poisoned CUDA context) and frees its GPU memory before the next one starts.
 """
 from __future__ import annotations
 
@@ -61,8 +57,6 @@ DELEGATED = {
     "first_call_big": Delegate("streamkl_bench.first_call", "the 2^31-element problems, each against its first "
                                "and last heads alone", 600, args=("--case", "big"), out_flag="--out",
                                tiny_args=("--tiny",)),
-    "decode_sweep": Delegate("streamkl_bench.decode_sweep", "decode grid N_Q {1,16,64} x N_K {32K,128K} x B {1,8}: "
-                             "auto split_k vs every power of two, copy floor", 180),
     "indexer": Delegate("streamkl_bench.indexer", "indexer loss, dense and top-k: checks vs float64, the training "
                         "step on every path vs torch.compile and the matmul floor", 480, quick_budget_s=300,
                         quick_args=("--quick",), tiny_args=("--tiny",), out_flag="--out"),

@@ -1,27 +1,22 @@
-"""Section ``first_call``: the first call of each entry point at a new shape, with empty caches;
-and (section ``first_call_big``) the 2^31-element cases.
-
-Default mode: per entry point (forward; forward + backward in each backward mode and setting;
-packed sequences; the indexer loss, dense and top-k, a training step; split-K decode), a fresh
-Python process with empty caches (``TRITON_CACHE_DIR`` and ``STREAMKL_CACHE_DIR`` set to new
-temporary directories) makes the call twice and reports the first call's wall time, the kernels
-it compiled and the seconds inside Triton's compiler (``streamkl_gpu._core.compile_clock`` where
-it exists, else this module's own count of ``triton.compiler.compile`` calls), the tuner's timing
-seconds (``TUNING_STATS`` of ``streamkl_gpu._core.tuning``, read only; 0 unless
-``STREAMKL_AUTOTUNE=1``) and the second call's wall time. One long-format CSV row per quantity,
-with GPU and version columns:
+"""Sections ``first_call`` and ``first_call_big``: the first call of each entry point at a new shape
+with empty caches; the 2^31-element cases against their heads alone.
 
     python bench/bench_gpu.py --sections first_call [--section-args first_call="--entries fwd --n 8192"]
+    python bench/bench_gpu.py --sections first_call_big [--section-args first_call_big="--case big --only varlen_s1_causal"]
 
-``--case big`` (section ``first_call_big``): the 2^31-element problems (N = 1M, H = 16, D = 128
-causal in settings 1, 2 and both, non-causal setting 1; N = 2M, H = 8 causal setting 1; a packed
-batch whose total x H x D passes 2^31, setting 1; the indexer loss at 128K, DSA-like). Each is
-timed (forward, forward + backward) and its first and last heads (sequences, batch entries) are
-run again alone and compared: forward bitwise or within 1e-6 relative, gradients within 2e-3
-relative; the indexer's extra memory is reported against the 16 GiB bound. Minutes on an H200.
-
-``--tiny`` (either mode): tiny shapes, so that tests/test_first_call_smoke.py can run it on CPU
-under the Triton interpreter (no compiles there: the compile columns read 0).
+``first_call``: per entry point (forward; forward + backward in each backward mode and setting;
+packed sequences; the indexer loss, dense and top-k, a training step; split-K decode) a fresh
+process with empty caches (new ``TRITON_CACHE_DIR`` and ``STREAMKL_CACHE_DIR``) makes the call
+twice: the first call's wall time, the kernels it compiled and the seconds in Triton's compiler
+(``streamkl_gpu._core.compile_clock`` where it exists, else this module's own count of
+``triton.compiler.compile`` calls), the tuner's timing seconds (``TUNING_STATS`` of
+``streamkl_gpu._core.tuning``, read only; 0 unless STREAMKL_AUTOTUNE=1), the second call's time.
+``--case big``: N = 1M (H = 16, D = 128; settings 1, 2, both causal, setting 1 non-causal), N = 2M
+(H = 8), a packed batch past 2^31 elements, the indexer at 128K DSA-like: forward and forward +
+backward times, and the first and last heads (sequences, batch entries) alone against the whole
+call (forward bitwise or within 1e-6, gradients within 2e-3; the indexer's extra memory vs 16 GiB).
+``--tiny``: tiny shapes on CPU under the interpreter (tests/test_first_call_smoke.py; compiles 0).
+Writes OUT/first_call.csv or first_call_big.csv (long format, GPU and version columns).
 """
 from __future__ import annotations
 
@@ -53,8 +48,7 @@ def _device():
 
 
 def _sync():
-    import torch
-    _sync_cuda(torch.cuda.is_available())
+    _sync_cuda(_device().type == "cuda")
 
 
 def _dtype():
@@ -128,9 +122,7 @@ def _attention_inputs(B, H, N, D, train, seed=0, NK=None):
 SETTING_TRAIN = {"s1": (False, False, True, True), "s2": (True, True, False, False), "both": (True,) * 4}
 
 
-# ----------------------------------------------------------------------------------------------
 # default mode: one entry point's first call, in this (fresh) process
-# ----------------------------------------------------------------------------------------------
 def _entry(name, n, tiny):
     """``(shape description, call)`` of an entry point: ``call()`` runs it once (a training step
     for the backward and indexer entries)."""
@@ -242,9 +234,7 @@ def first_calls(entries, n, tiny, out_dir, timeout):
     return rows
 
 
-# ----------------------------------------------------------------------------------------------
 # --case big: the 2^31-element problems
-# ----------------------------------------------------------------------------------------------
 def _rel(a, b):
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
@@ -262,16 +252,25 @@ def _grads(xs):
     return [None if x.grad is None else x.grad.detach().clone() for x in xs]
 
 
+def _rows(name):
+    """An empty row list and its appender ``row(shape, measure, value, unit, note="")``."""
+    rows = []
+
+    def row(shape, measure, value, unit, note=""):
+        rows.append(dict(entry=name, shape=shape, measure=measure, value=value, unit=unit, note=note))
+    return rows, row
+
+
 def big_case(name, tiny):
     """Rows for one 2^31-element problem: timings, and the first/last head (sequence) check."""
     import torch
 
     import streamkl_gpu
 
-    rows = []
+    rows, add = _rows(name)
 
     def row(measure, value, unit, note=""):
-        rows.append(dict(entry=name, shape=shape, measure=measure, value=value, unit=unit, note=note))
+        add(shape, measure, value, unit, note)
 
     if name == "indexer_128k_dsa":
         return _big_indexer(name, tiny)
@@ -315,10 +314,10 @@ def _big_varlen(name, tiny):
     lens = [20, 12, 28] if tiny else [1 << 19, 1 << 20, (1 << 19) + 4096]  # 2^21 + 4096 tokens x 16 x 128 > 2^31
     total = sum(lens)
     shape = f"seqs={lens} H={H} D={D} causal s1 (total x H x D = {total * H * D})"
-    rows = []
+    rows, add = _rows(name)
 
     def row(measure, value, unit, note=""):
-        rows.append(dict(entry=name, shape=shape, measure=measure, value=value, unit=unit, note=note))
+        add(shape, measure, value, unit, note)
 
     cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32, device=_device())
     xs = [_randn(total, H, D, seed=i).requires_grad_(i >= 2) for i in range(4)]
@@ -353,10 +352,10 @@ def _big_indexer(name, tiny):
 
     B, N, H, D, HI, DI = (2, 24, 2, 16, 2, 16) if tiny else (2, 131072, 64, 576, 64, 128)
     shape = f"B={B} N={N} H={H} D={D} HI={HI} DI={DI} causal MQA"
-    rows = []
+    rows, add = _rows(name)
 
     def row(measure, value, unit, note=""):
-        rows.append(dict(entry=name, shape=shape, measure=measure, value=value, unit=unit, note=note))
+        add(shape, measure, value, unit, note)
 
     q, k = _randn(B, H, N, D, seed=1), _randn(B, 1, N, D, seed=2)
     leaves = [_randn(B, HI, N, DI, seed=3), _randn(B, 1, N, DI, seed=4),
@@ -387,7 +386,6 @@ def _big_indexer(name, tiny):
     return rows
 
 
-# ----------------------------------------------------------------------------------------------
 def write_csv(rows, out_dir, stem):
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"{stem}.csv")

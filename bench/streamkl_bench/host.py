@@ -7,19 +7,16 @@ Wall time of 1000 back-to-back calls at B=1, H=1, N_Q=1, N_K=64, D=64, bf16 (GPU
 per call, custom-op dispatch and autograd included: forward and forward+backward (setting 1), SDPA
 at the same shape for scale, the autograd engine's floors, and the same calls through Triton's own
 binder (``STREAMKL_FAST_LAUNCH=0``: what the direct launch saves; its forward must be bitwise the
-same). ``--profile``: cProfile of 300 forward and 300 forward+backward calls and torch.profiler's
-CPU table, to OUT_DIR/host_profile.txt. Rows go to OUT_DIR/host_cost.csv (long format). (The first
-call per entry point in a fresh process is the ``first_call`` section.)
+same). ``--profile``: cProfile of 300 forward and 300 forward+backward calls, to
+OUT_DIR/host_profile.txt. Rows: OUT_DIR/host_cost.csv (long format). (First calls: ``first_call``.)
 """
-from __future__ import annotations
 
 import contextlib
 import csv
 import os
 import sys
-import time
 
-from .timing import sync
+from .timing import wall_us_per_call
 
 
 
@@ -93,14 +90,7 @@ def host_cost(out_dir, n_calls=1000, profile=False):
         _Identity.apply(x).sum().backward()
 
     def timed(fn, n):
-        for _ in range(50):
-            fn()
-        sync(True)
-        t0 = time.perf_counter()  # back-to-back calls: the host's time, not the kernels'
-        for _ in range(n):
-            fn()
-        sync(True)
-        return (time.perf_counter() - t0) / n * 1e6
+        return wall_us_per_call(fn, n, cuda=True)
 
     results = {}
     for name, fn in (("forward", fwd), ("forward+backward", fwd_bwd), ("sdpa_forward", sdpa),
@@ -147,14 +137,6 @@ def host_cost(out_dir, n_calls=1000, profile=False):
             for sort in ("tottime", "cumulative"):
                 buf.write(f"\n===== {name}: 300 calls, sorted by {sort} =====\n")
                 pstats.Stats(pr, stream=buf).sort_stats(sort).print_stats(35)
-        # the autograd engine's side (C++ ops, the backward node's own time): torch.profiler, CPU only
-        from torch.profiler import ProfilerActivity, profile as torch_profile
-        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(200):
-                fwd_bwd()
-            torch.cuda.synchronize()
-        buf.write("\n===== forward+backward: 200 calls, torch.profiler CPU, by self CPU time =====\n")
-        buf.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
         with open(os.path.join(out_dir, "host_profile.txt"), "w") as fh:
             fh.write(buf.getvalue())
     return results

@@ -5,30 +5,20 @@ training step on every path: the tables of docs/indexer.md's training section.
     python bench/bench_gpu.py --sections indexer --section-args indexer="--memory-n 131072"   # + 128K memory
     PYTHONPATH=bench:. python -m streamkl_bench.indexer --out /tmp/x --tiny   # CPU smoke (< 20 s)
 
-What it times (``triton.testing.do_bench``, medians of ``--rounds`` >= 5 interleaved rounds: every
-point's every measure once per round, in turn), 8K tokens, causal, bf16, B = 1, the indexer
-inputs requiring grad, ``reduction="mean"``:
-  * teachers: DSA-like (H=128, D=576, MQA, sigma=192^-0.5; indexer 64 heads x 128) and GQA-like
-    (H=32 over 8 key heads, D=128; indexer 16 x 64);
-  * paths: ``lse`` given (the teacher's own, FlashAttention's softmax_lse), no ``lse`` (the loss
-    computes them first), ``row_weights=`` (per-row weights, with and without ``lse``);
-  * per path: the forward alone and forward + backward of ``streamkl_gpu.indexer_kl``, the extra
-    memory of one fwd+bwd (peak minus what was allocated before the call);
-  * the baseline: ``torch.compile`` of the materialised loss (``indexer_kl_naive``, fp32 products
-    of the bf16 inputs, masked mean), fwd and fwd+bwd, or its out-of-memory (recorded);
-  * ``indexer_kl_topk`` (the sparse stage) at DSA-like 8K and 32K, ``topk = 2048`` random visible
-    keys per row, against ``torch.compile`` of the materialised top-k loss (or its OOM);
-  * the bf16 matmul rate of this process (8192^3), and each point's floor at it (FLOPs, causal):
+Times (medians of ``--rounds`` >= 5 interleaved rounds) at 8K, causal, bf16, B = 1, indexer inputs
+requiring grad, ``reduction="mean"``, for a DSA-like teacher (H=128, D=576, MQA, sigma=192^-0.5;
+indexer 64 x 128) and a GQA-like one (H=32 over 8 key heads, D=128; indexer 16 x 64), on every path
+(``lse`` given, no ``lse``, ``row_weights=`` with and without ``lse``): forward, forward+backward,
+extra memory; ``torch.compile`` of the materialised loss (or its OOM); ``indexer_kl_topk`` at 8K and
+32K with 2048 random visible keys per row against ``torch.compile`` of the top-k loss; each point's
+floor at this process's bf16 matmul rate (FLOPs, causal):
       lse given   2 * N^2/2 * (H D + 3 H_I D_I)
       no lse      2 * N^2/2 * (2 H D + 3 H_I D_I)        (row weights: as their lse case)
       top-k       2 * N * topk * (H D + 3 H_I D_I)
-  * checks against float64 (streamkl_ref) on every path and both teachers at odd shapes (B = 2,
-    N_Q = 200, N_K = 264 causal: N_Q != N_K, neither a multiple of a tile; bf16 inputs): loss
-    within 1e-5 (relative to max(1, |loss|)), gradients within 5e-3 relative (norm-wise,
-    streamkl_ref.testing.relative_error); top-k likewise.
+Checks against float64 (streamkl_ref) on every path at odd shapes (B = 2, N_Q = 200, N_K = 264):
+loss within 1e-5 (relative to max(1, |loss|)), gradients within 5e-3 relative; top-k likewise.
 Output: OUT/indexer_training.csv, long format (section, measure, teacher, path, provider, n,
 value, unit, note, gpu, timestamp, torch, triton, streamkl), and the summary table on stdout.
-Exit status 1 if a check failed.
 """
 from __future__ import annotations
 
@@ -144,9 +134,7 @@ def time_ms(fn, device, quick):
     return timing.time_ms(fn, cuda=device == "cuda", warmup=5 if quick else 25, rep=20 if quick else 100)
 
 
-# ----------------------------------------------------------------------------------------------
 # The timed points: (section, teacher, path, provider, n) -> {measure: callable}
-# ----------------------------------------------------------------------------------------------
 
 DESIGN_VAR = "STREAMKL_INDEXER_TRAINING"
 
@@ -256,9 +244,7 @@ def topk_point(cfg, N, K, device, dtype, compiled=False):
     return {"fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd}, fwd_bwd
 
 
-# ----------------------------------------------------------------------------------------------
 # Checks against float64
-# ----------------------------------------------------------------------------------------------
 
 def check_dense(out, cfg, name, path, device, dtype, B, NQ, NK):
     xs = make(cfg, B, NQ, NK, dtype, device, seed=7)
@@ -302,7 +288,6 @@ def _report_check(out, section, name, path, n, loss, ref_loss, leaves, ref):
         print(f"check {section:5s} {name:3s} {path:20s} {measure:24s} {value:.2e} (tol {tol:g}) {'ok' if ok else 'FAIL'}")
 
 
-# ----------------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -18,12 +18,10 @@ in an upstream-gradient row). Against the clean run (same layout, finite padding
   entries within 2 ulp of the dtype relative plus 1e-4 of the tensor's largest entry;
 - everywhere: every entry a NaN reaches is NaN (never a silent 0), unreached entries are finite.
 
-A row is *reached* if it holds a poisoned query (or upstream gradient, for the gradients) or sees
-a poisoned key and sees at least one key; a key's dk is reached if a reached row sees it. Writes
-``nan_check.csv`` (one line per compared tensor) to OUT_DIR and prints a pass/fail table last.
-Exit status 0 only if everything passed. STREAMKL_AUTOTUNE=0 is set (one fixed launch config per
-shape, the same for the clean and poisoned runs, no tuning time); STREAMKL_FWD_BACKEND picks the
-forward kernel per path (Triton one pass, Triton split-K, Gluon where it takes the problem).
+A row is *reached* if it holds a poisoned query (or upstream gradient) or sees a poisoned key and
+at least one key; a key's dk is reached if a reached row sees it. Writes OUT_DIR/nan_check.csv (one
+line per compared tensor), a pass/fail table last; exit 0 only if all passed. STREAMKL_AUTOTUNE=0
+(one launch config per shape); STREAMKL_FWD_BACKEND picks the forward kernel per path.
 """
 from __future__ import annotations
 

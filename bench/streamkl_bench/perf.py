@@ -2,7 +2,6 @@
 
 Each section walks its grid (cases.make_config), builds input sets (timing), times every provider
 (providers) and writes one bench.csv row per point (report)."""
-from __future__ import annotations
 
 import os
 import time

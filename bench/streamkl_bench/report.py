@@ -129,29 +129,14 @@ class ReportMixin:
             json.dump(self.env, f, indent=1)
 
     def _version(self):
-        v = None
+        """The package version plus +g<commit> (.dirty when tracked files differ)."""
         try:
-            import streamkl_gpu
-            v = getattr(streamkl_gpu, "__version__", None)
+            from importlib.metadata import version
+            v = version("streamkl")
         except Exception:
-            pass
-        if v is None:
-            try:
-                from importlib.metadata import version
-                v = version("streamkl")
-            except Exception:
-                try:
-                    with open(os.path.join(ROOT, "pyproject.toml")) as f:
-                        for line in f:
-                            if line.startswith("version"):
-                                v = line.split("=")[1].strip().strip('"')
-                                break
-                except Exception:
-                    v = "unknown"
+            v = getattr(__import__("streamkl_ref"), "__version__", "unknown")
         sha = git_commit()
-        if sha != "unknown":
-            v = f"{v}+g{sha}".replace("-dirty", ".dirty")
-        return str(v)
+        return str(v) + (f"+g{sha}".replace("-dirty", ".dirty") if sha != "unknown" else "")
 
     def row(self, kernel, provider, mode, causal, nq, nk, b, h, d1, d2, dtype, times=None, peak=None,
             status="ok", extra="", echo=None):
@@ -251,26 +236,6 @@ class ReportMixin:
             a = ANCHOR.get(akey) if not self.a.tiny else None
             return (a, " [anchor value]") if a is not None else (None, "")
 
-        # measured baselines vs anchors (do our baselines mirror the anchors' definitions?)
-        if not self.a.tiny:
-            parts = []
-            for (k, p, m, akey) in (("fwd", "eager", "fwd", "fwd"), ("fwd", "compile", "fwd", "fwd"), ("fwd", "sdpa", "fwd", "fwd")):
-                for c in (False, True):
-                    v = self.get(k, p, m, c, 8 * K)
-                    a = ANCHOR.get((akey, p, c, 8 * K))
-                    if v is not None and a:
-                        parts.append(f"{p}{'/c' if c else ''} {v:.3g}/{a:.3g}")
-            if parts:
-                L.append("baselines fwd 8K measured/anchor ms: " + ", ".join(parts) + " (sdpa = default dispatch)")
-        # the two SDPA providers side by side (the anchors' SDPA matches the default dispatch)
-        parts = []
-        for c in (False, True):
-            sd, sf = self.get("fwd", "sdpa", "fwd", c, big), self.get("fwd", "sdpa_flash", "fwd", c, big)
-            if sd or sf:
-                parts.append(f"{'c' if c else 'nc'} {sd or float('nan'):.3g}/{sf or float('nan'):.3g}"
-                             + (f" (flash x{sf / sd:.2f})" if sd and sf else ""))
-        if parts:
-            L.append(f"SDPA fwd N={fmt_n(big)} default dispatch/flash backend ms: " + ", ".join(parts))
         sdpa_key = "(d = SDPA default dispatch, f = SDPA flash backend: the faster of the two in this run, per N)"
         # forward vs compile / eager
         for c, tgt in ((False, 2.4), (True, 4.2)):
@@ -335,22 +300,6 @@ class ReportMixin:
                 if cb:
                     line(f"fwd+bwd {st:<4} N={bigb} {cs} ours(auto) vs compile: x{cb / o:.2f} (>= 1.0 'competitive'){note}",
                          cb / o >= 1.0)
-        fb_sdpa_lines = False
-        for c in (False, True):
-            parts = []
-            for n in cfg["bwd_n"]:
-                if n < bigb:
-                    continue
-                s, which, _ = self.sdpa_best("fwd_bwd", "fwd_bwd_sdpa", c, n)
-                r = [f"{st}:{self.get('fwd_bwd', 'ours_auto', f'fwd_bwd_{st}', c, n) / s:.2f}"
-                     for st in ("s1", "s2", "both") if s and self.get("fwd_bwd", "ours_auto", f"fwd_bwd_{st}", c, n)]
-                if r:
-                    parts.append(f"{fmt_n(n)}({which[0]}) " + ",".join(r))
-            if parts:
-                line(f"fwd+bwd ours/SDPA-fwd+bwd {'c ' if c else 'nc'}: " + " | ".join(parts), None)
-                fb_sdpa_lines = True
-        if fb_sdpa_lines:
-            L.append("      " + sdpa_key)
         # fused vs separate
         nk = cfg["smallq_nk"]
         for st in ("s1", "s2", "both"):

@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import csv
 import os
-import sys
 import time
 import traceback
 
 from . import delegated
-from .cases import CORE_SECTIONS, SECTION_DOC, make_config
+from .cases import SECTION_DOC, make_config
 from .checks import ChecksMixin
 from .cli import parse_args
 from .perf import PerfMixin
-from .prewarm import run_prewarm, worker_main
 from .providers import ProvidersMixin
 from .report import COLUMNS, SECTION_COLUMNS, ReportMixin, resolve_out, write_results_csv
 from .timing import Budget, TimingMixin
@@ -92,10 +90,7 @@ def run_section(r, s):
               + (f"; command: {res['command']}" if res["command"] else ""))
     else:
         try:
-            if s == "prewarm":
-                run_prewarm(r)
-            else:
-                getattr(r, f"sec_{s}")()
+            getattr(r, f"sec_{s}")()
         except Exception as e:
             r.section_errors.append(f"{s}: {type(e).__name__}: {str(e)[:120]}")
             rec.update(status="error", note=f"{type(e).__name__}: {str(e)[:200]}")
@@ -127,17 +122,10 @@ def main(argv=None, doc=None):
         os.environ["TRITON_INTERPRET"] = "1"  # before torch/triton/streamkl_gpu are imported
     args.out = resolve_out(args.out, args.device)
     cfg = make_config(args)
-    if args._worker:
-        args.sections = []
-        r = Runner(args, cfg)
-        return worker_main(r, args._worker)
     limits = {s: delegated.limit_for(s, args) for s in args.sections if s in delegated.DELEGATED}
     cfg["budgets"].update(limits)
     if args.budget_s is None:
         cfg["total"] += sum(limits.values())
-    prewarm = args.prewarm == "on" or (args.prewarm == "auto" and args.device == "cuda" and not args.tiny)
-    if prewarm and any(s in args.sections for s in CORE_SECTIONS if s != "env"):
-        args.sections = ["prewarm"] + args.sections
     r = Runner(args, cfg)
     torch = r.torch
     torch.manual_seed(args.seed)
@@ -166,9 +154,8 @@ def main(argv=None, doc=None):
     rc = 1 if nfail else (3 if r.section_errors else 0)
     r.log(f"done in {time.perf_counter() - r.t0:.1f}s; {nfail} failed checks; exit {rc}")
     r.log_f.close()
-    if not args._worker:
-        n_rows = write_results_csv(args.out, r.env, r.sections_done)
-        print(f"results.csv: {n_rows} rows (every CSV of the run, long format) in {args.out}", flush=True)
+    n_rows = write_results_csv(args.out, r.env, r.sections_done)
+    print(f"results.csv: {n_rows} rows (every CSV of the run, long format) in {args.out}", flush=True)
     if args.pack:
         path, n = delegated.pack(args.out)
         print(f"packed {n} files into {path} ({os.path.getsize(path) / 2 ** 20:.1f} MiB)", flush=True)

@@ -1,18 +1,11 @@
-"""The one timing helper of the benchmark suite: every section and ``compare_trees.py`` time with it.
+"""The one timing helper of the benchmark suite: every section and ``compare_trees.py`` time with it
+(it imports no streamkl_gpu: ``compare_trees.py`` runs it against another tree's package).
 
-Module functions (no import of streamkl_gpu here: ``compare_trees.py`` runs this file's code
-against another tree's package):
-
-- ``time_ms(fn, ...)``: median ms (or quantiles) of ``fn``; on the GPU ``triton.testing.do_bench``
-  (L2 flushed, CUDA events), a call longer than ``long_call_ms`` timed with a few CUDA events
-  instead; on CPU (the Triton interpreter) wall-clock calls (the code path, not a time);
-- ``event_ms(fn, reps)``: CUDA-event-timed calls (slow calls, distributed steps);
-- ``extra_memory_gib(fn)``: peak minus what was allocated before one call;
-- ``is_oom(exc)``, ``sync()``, ``copy_bandwidth()``, ``matmul_tflops()``;
-
-and for ``bench_gpu.py``'s in-process sections the run's time ``Budget`` and ``TimingMixin``
-(input sets and their rotation, ``measure``: warm-up, one call for peak memory, then ``time_ms``).
-"""
+``time_ms`` (do_bench on the GPU, a few CUDA-event-timed calls past ``long_call_ms``, wall-clock
+calls on CPU under the interpreter), ``event_ms``, ``wall_us_per_call`` (host cost),
+``extra_memory_gib``, ``is_oom``, ``sync``, ``copy_bandwidth``, ``matmul_tflops``; for
+``bench_gpu.py``'s in-process sections the run's ``Budget`` and ``TimingMixin`` (input sets and
+their rotation, ``measure``: warm-up, one call for peak memory, then ``time_ms``)."""
 from __future__ import annotations
 
 import contextlib
@@ -68,6 +61,18 @@ def time_ms(fn, cuda=None, warmup=25, rep=100, grad_to_none=None, quantiles=None
     if quantiles:
         return list(do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, quantiles=list(quantiles)))
     return do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median")
+
+
+def wall_us_per_call(fn, n, cuda=None, warm=50):
+    """Host cost: wall microseconds per call of ``n`` back-to-back calls (after ``warm`` calls)."""
+    for _ in range(warm):
+        fn()
+    sync(cuda)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    sync(cuda)
+    return (time.perf_counter() - t0) / n * 1e6
 
 
 def extra_memory_gib(fn, cuda=None):
@@ -272,19 +277,10 @@ class TimingMixin:
                                     quantiles=(0.2, 0.5, 0.8))
                     extra.append("timer=do_bench")
             return list(times), peak, "ok", ";".join(extra)
-        except torch.cuda.OutOfMemoryError as e:
-            self.free()
-            return None, None, "OOM", str(e).split("\n")[0][:120].replace(",", ";")
-        except RuntimeError as e:
-            if "out of memory" in str(e).lower():
-                self.free()
-                return None, None, "OOM", ""
-            self.free()
-            self.log(f"ERROR in measurement: {type(e).__name__}: {str(e)[:300]}")
-            self.log(traceback.format_exc(), stdout=False)
-            return None, None, "error", f"{type(e).__name__}: {str(e)[:100]}".replace(",", ";").replace("\n", " ")
         except Exception as e:
             self.free()
+            if is_oom(e):
+                return None, None, "OOM", str(e).split("\n")[0][:120].replace(",", ";")
             self.log(f"ERROR in measurement: {type(e).__name__}: {str(e)[:300]}")
             self.log(traceback.format_exc(), stdout=False)
             return None, None, "error", f"{type(e).__name__}: {str(e)[:100]}".replace(",", ";").replace("\n", " ")

@@ -1,30 +1,17 @@
-"""Section ``varlen``: packed variable-length sequences on the GPU: checks, then the benchmark.
+"""Section ``varlen``: packed variable-length sequences (``attention_kl_varlen``): checks, then the benchmark.
 
     python bench/bench_gpu.py --sections varlen [--section-args varlen="--parts packed,a"]
+    PYTHONPATH=bench:. python -m streamkl_bench.varlen OUT --device cpu --parts packed   # CPU smoke
 
-(``--device cpu``: a smoke run of the whole script under the Triton interpreter at toy sizes,
-timed with a wall clock; its numbers mean nothing, it only checks that the script runs.)
-
-Checks (bf16, a small packing with zero-length, length-1 and N_Q != N_K sequences and one of
-2300 keys (TMA), GQA, D1 != D2, causal and not, fused, separate and deterministic backward,
-split-K): the forward and the
-setting-1 gradients (dq2, dk2) of ``attention_kl_varlen`` against ``streamkl_ref``'s float64
-``attention_kl_varlen(_grad)``, with FlashAttention's tolerance rule (error <= 3x the error of
-the same math in bf16 PyTorch, sequence by sequence, + 5e-3).
-
-Benchmark (H = 32, D = 128, bf16, causal): one packed batch of 80K tokens in 1x16K + 2x8K +
-4x4K + 8x2K + 16x1K documents, shuffled (seed 0); forward and forward+backward (setting 1:
-grads to q2, k2). Against
-  (a) the same sequences, one ``attention_kl`` call each on ``[1, H, n, D]`` views of the packed
-      tensors (the kernel time of every call measured with do_bench, summed; the forward also
-      with the Triton backend forced, since attention_kl may pick its Gluon forward on Hopper
-      while the packed path runs the Triton kernel), and
-  (b) every sequence right-padded to 16K in one ``[31, H, 16K, D]`` causal ``attention_kl`` call.
-Peak extra memory: max_memory_allocated during the call minus what was allocated before it.
-Musts: packed <= 1.1x (a) and >= 2x faster than (b), forward and forward+backward.
-
-Writes OUT_DIR/varlen.csv (long format: section, case, provider, metric, value, unit, note) and
-prints a short table last. GPU time about 1-2 minutes on an H200.
+Checks (bf16; zero-length, length-1, N_Q != N_K sequences and one of 2300 keys (TMA); GQA, D1 != D2,
+causal and not; fused, separate and deterministic backward; split-K): the forward and setting 1's
+gradients against ``streamkl_ref``'s float64 ``attention_kl_varlen(_grad)``, error <= 3x the same
+math in bf16 PyTorch, sequence by sequence, + 5e-3. Benchmark (H = 32, D = 128, bf16, causal): 80K
+tokens in 1x16K + 2x8K + 4x4K + 8x2K + 16x1K documents, shuffled; forward and forward+backward,
+packed vs (a) one ``attention_kl`` call per sequence (summed; the forward also with
+STREAMKL_FWD_BACKEND=triton, the kernel varlen runs) vs (b) every sequence right-padded to 16K in
+one call; peak extra memory. Musts: packed <= 1.1x (a), (b) >= 2x packed. Writes OUT/varlen.csv
+(long format: section, case, provider, metric, value, unit, note); a short table last.
 """
 from __future__ import annotations
 
@@ -91,9 +78,7 @@ def cu_tensor(lens):
     return torch.tensor([0] + list(np.cumsum(lens)), dtype=torch.int32, device=DEV)
 
 
-# ----------------------------------------------------------------------------------------------
 # Checks
-# ----------------------------------------------------------------------------------------------
 
 def same_precision_bf16(xs, cu_q, cu_k, g, causal):
     """bf16 PyTorch, sequence by sequence: KL [total_q, H] and the setting-1 grads (dq2, dk2)."""
@@ -164,9 +149,7 @@ def checks(out):
     return all(results), len(results)
 
 
-# ----------------------------------------------------------------------------------------------
 # Benchmark
-# ----------------------------------------------------------------------------------------------
 
 def bench_lens(seed=0):
     lens = [16384] + [8192] * 2 + [4096] * 4 + [2048] * 8 + [1024] * 16
