@@ -7,7 +7,7 @@
 round runs one subprocess per tree (the order alternates), with that tree as its PYTHONPATH and its
 own STREAMKL_CACHE_DIR; it times every grid point through the public API only with the suite's
 timing helper (``streamkl_bench.timing.time_ms``, do_bench median; from this script's folder: the
-same code for both trees). Round 0 pays compiles and tuning (kept apart as the warm-up pass).
+same code for both trees). The first pass (index 0) pays compiles and tuning: the warm-up, not counted.
 The rule (DEVELOPERS.md): over the grid the geometric mean of after/before is at most 1.01 and no
 point is above 1.03; a point above 1.03 is re-timed once with 10 rounds before it counts.
 Writes ``DIR/compare_rounds.csv`` (long format: one row per tree, point and round, with GPU,

@@ -95,7 +95,6 @@ def test_bench_tiny_cpu(tmp_path):
             d, f = p50[("sdpa", c, n)], p50[("sdpa_flash", c, n)]
             want = f"{n}:{p50[('ours', c, n)] / min(d, f):.2f}{'d' if d <= f else 'f'}"
             assert want in ln, (want, ln)
-    assert "default dispatch/flash backend ms" in summary
     # the matmul rate vs the anchors' 756 TFLOP/s (on CPU: labelled as not comparable)
     assert re.search(r"^env: fp32 matmul 512\^3 .* TFLOP/s on CPU \(not comparable .*756", summary, re.M), summary
     assert re.search(r"^env: copy .* the anchors' 4.14", summary, re.M), summary

@@ -197,7 +197,7 @@ def test_streamkl_gpu_kernels_isolate_planted_nan():
 
 def test_torch_compile_of_the_dense_formula_conforms():
     """Dynamo capture and AOTAutograd's decompositions (``aot_eager``: no C++ build, which takes
-    minutes on CI's 2 cores); the inductor build is run by bench/conformance_peers.py and its
+    minutes on CI's 2 cores); the inductor build is run by bench/streamkl_bench/conformance_peers.py (the suite's peers section) and its
     result committed under bench/results/."""
     compiled = torch.compile(impls.correct, dynamic=True, backend="aot_eager")
     cases = [c for c in ATTENTION_CASES if c.name in ("ragged", "causal_nq<nk", "nan_keys")]

@@ -2,7 +2,8 @@
 the dispatch rule (Gluon vs Triton) and the backend override.
 
 Gluon does not run under the interpreter, so the kernel's numbers are checked on the GPU
-(bench/gluon_gpu.py: against the Triton path and float64). Here a broken kernel fails at compile
+(the benchmark suite's check section on an H200, and the committed results of the
+forward's GPU script, removed since: `git show b7066de:bench/gluon_gpu.py`; against the Triton path and float64). Here a broken kernel fails at compile
 time or in the SASS: spills to local memory (STL/LDL), or ptxas serialising the wgmma (one
 WARPGROUP.DEPBAR per HGMMA instead of the two waits per key tile the source has).
 """

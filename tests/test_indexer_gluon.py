@@ -2,7 +2,7 @@
 compiles for sm_90 and its SASS has the intended schedule; the dispatch rule and the forced mode.
 
 Gluon does not run under the interpreter, so the kernel's numbers are checked on the GPU
-(bench/indexer_perf_gpu.py: against float64 and the Triton forward, with and without lse). Here a
+(`git show b7066de:bench/indexer_perf_gpu.py`, the removed GPU script: against float64 and the Triton forward, with and without lse). Here a
 broken kernel fails at compile time or in the SASS (the wgmma count per key tile, ptxas
 serialising the products, spills in the key loops).
 """

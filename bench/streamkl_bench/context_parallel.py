@@ -11,7 +11,7 @@ causal: the distributed path's overhead at W = 1; slowest rank, CUDA events, med
 after a warm-up step; peak extra memory; bytes handed to the collectives from
 ``distributed.comm_log()``). The program on W GPUs under torchrun (correctness at 32K against one
 GPU, scaling to 1M tokens), whose results are committed, was removed from the suite: ``git show
-aabbc7f:bench/context_parallel_gpu.py``.
+b7066de:bench/context_parallel_gpu.py``.
 Outputs in OUT_DIR: context_parallel_check.csv, context_parallel_scaling.csv,
 context_parallel_summary.txt (the table printed last), context_parallel.log.
 Exit status: 0 all checks pass; 1 otherwise.
