@@ -11,19 +11,20 @@ version, commit, run_status), env.json, summary.txt, bench.log (results.tgz with
 Exit status: 0 ok; 1 a correctness check failed; 3 a section raised, failed or timed out.
 Baselines (eager, torch.compile, chunked, SDPA default dispatch and flash backend) mirror
 /work/shared/anchors/h200-2026-11-29.md; streamkl_bench/providers.py defines them.
-bench/ is on sys.path as this script's folder; when streamkl_gpu is not importable the command
-runs itself again with the repository root on PYTHONPATH.
+bench/ is on sys.path as this script's folder; when streamkl_gpu is not importable from this tree
+the command runs itself again with the repository root first on PYTHONPATH.
 """
 import importlib.util
 import os
 import sys
 
-from streamkl_bench import child_env
+from streamkl_bench import ROOT, child_env
 from streamkl_bench.runner import main as _main
 
 
 def main(argv=None):
-    if importlib.util.find_spec("streamkl_gpu") is None and not os.environ.get("STREAMKL_BENCH_REEXEC"):
+    spec = importlib.util.find_spec("streamkl_gpu")  # this tree's, not another install's
+    if (spec is None or not (spec.origin or "").startswith(ROOT + os.sep)) and not os.environ.get("STREAMKL_BENCH_REEXEC"):
         env = child_env(STREAMKL_BENCH_REEXEC="1")  # PYTHONPATH = bench/, the repository root, ...
         os.execve(sys.executable, [sys.executable, os.path.abspath(__file__)] + list(sys.argv[1:] if argv is None
                                                                                      else argv), env)
