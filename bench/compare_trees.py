@@ -1,16 +1,15 @@
 """The no-regression check: two source trees of streamkl timed in one GPU job.
 
     python bench/compare_trees.py --tree before=/path/to/old --tree after=. --rounds 5 --out DIR
+    python bench/bench_gpu.py --sections compare --section-args compare="--tree before=/path/to/old --tree after=."
 
-Each round runs one subprocess per tree (the order alternates between rounds), with that tree
-first on ``sys.path`` and its own ``STREAMKL_CACHE_DIR``; the subprocess times every grid point
-with ``triton.testing.do_bench`` (median) through the public API only, so any two commits can be
-compared. The first round also pays each tree's compiles and tuning; it is kept apart as
-the warm-up pass (index 0 in the CSV) and the medians come from the rounds after it.
-
+(Also the suite's ``nan_cost`` section: this tree against the one before the NaN guards.) Each
+round runs one subprocess per tree (the order alternates), with that tree as its PYTHONPATH and its
+own STREAMKL_CACHE_DIR; it times every grid point through the public API only with the suite's
+timing helper (``streamkl_bench.timing.time_ms``, do_bench median; from this script's folder: the
+same code for both trees). The first pass (index 0) pays compiles and tuning: the warm-up, not counted.
 The rule (DEVELOPERS.md): over the grid the geometric mean of after/before is at most 1.01 and no
 point is above 1.03; a point above 1.03 is re-timed once with 10 rounds before it counts.
-
 Writes ``DIR/compare_rounds.csv`` (long format: one row per tree, point and round, with GPU,
 timestamp and each tree's commit) and ``DIR/compare_summary.csv``; prints a short table last.
 """
@@ -128,9 +127,9 @@ def _indexer_case(kind, spec, torch, streamkl_gpu):
 
 def worker(points, json_path):
     import torch
-    import triton.testing
 
     import streamkl_gpu
+    from streamkl_bench.timing import time_ms  # bench/ is this script's folder: the one timing helper
 
     rows = {}
     for name in points:
@@ -141,7 +140,7 @@ def worker(points, json_path):
         fn()
         torch.cuda.synchronize()
         first_s = time.perf_counter() - t0
-        ms = triton.testing.do_bench(fn, warmup=25, rep=150, grad_to_none=leaves, return_mode="median")
+        ms = time_ms(fn, cuda=True, warmup=25, rep=150, grad_to_none=leaves)
         rows[name] = {"ms": ms, "first_call_s": first_s}
         del fn, leaves
         torch.cuda.empty_cache()

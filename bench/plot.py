@@ -1,17 +1,12 @@
-#!/usr/bin/env python3
-"""Plots from benchmark CSVs only (no typed-in numbers).
+"""Plots from the benchmark suite's CSVs only (no typed-in numbers).
 
     python bench/plot.py                                  # the newest bench/results/*/bench.csv -> docs/assets/*.png
     python bench/plot.py --results DIR --out DIR
 
---results defaults to the newest results folder (``bench/results/<date>_<gpu>_<commit>/``, by date
-and then by the start times in its env.json) that holds a ``bench*.csv``. Reads every file matching
-``bench*.csv`` in it (the long format bench_gpu.py writes:
-kernel, provider, mode, causal, n_q, n_k, ..., p50_ms, peak_extra_gib, status, ...). Rows whose
-status is not ``ok`` are left out. When the CSVs come from more than one GPU/run, each run's line
-is labelled with its folder and file name. Lines carry readable labels (``LABELS``), not the CSV's
-provider names; each figure is stamped with the GPU, torch, triton and the commit measured (from
-the folder's env.json).
+--results: the newest results folder (by date, then by the start in its env.json) with a
+``bench*.csv`` (bench_gpu.py's long format); rows not ``ok`` are left out; several runs are
+labelled by folder and file. Legends carry readable labels (``LABELS``); each figure is stamped
+with the GPU, torch, triton and the commit measured (the folder's env.json).
 
 Writes (only those with data):
   fwd_time.png            forward time vs N, non-causal | causal, per provider
@@ -19,16 +14,11 @@ Writes (only those with data):
   peak_memory.png         peak extra memory vs N (forward providers, ours up to 512K, ours fwd+bwd)
   decode.png              small-N_Q forward: time per provider (incl. the bandwidth floor)
   smallq_bwd.png          fused vs separate vs auto backward vs N_Q at fixed N_K
-  sdpa_backends.png       from the newest ``*fwd_configs_sdpa_backends.csv`` (if any): our autotuned
-                          forward vs SDPA (default dispatch / flash / cuDNN backend) and torch.compile,
-                          per (N, causal); the per-launch-config ``streamkl cfg=...`` rows are left out
 All axes with N are log-log (base 2 for N).
 
-SDPA labels. bench_gpu.py writes two SDPA providers: ``sdpa`` (PyTorch's default backend dispatch)
-and ``sdpa_flash`` (forced to the FlashAttention backend); their rows carry ``sdpa_backend=...`` in
-``extra``. Older files (e.g. 2026-11-29_h200_f87f3b3/bench.csv) have only ``sdpa`` rows, and those were
-forced to the flash backend: for a file with no ``sdpa_flash`` row and no ``sdpa_backend=`` note,
-its ``sdpa`` rows are drawn as "SDPA (flash backend)" and the figure carries a note saying so.
+SDPA labels: ``sdpa`` is PyTorch's default backend dispatch, ``sdpa_flash`` the FlashAttention
+backend (older files with ``sdpa`` rows only, e.g. 2026-11-29_h200_f87f3b3/bench.csv, forced the
+flash backend; plot them from their own commit: ``git show 1cab9b7:bench/plot.py``).
 """
 from __future__ import annotations
 
@@ -63,15 +53,6 @@ STYLE = {  # display label -> (color, marker); anything else gets matplotlib's c
     LABELS["chunked"]: ("C4", "*"), LABELS["floor"]: ("k", "_"),
 }
 DASHED = (LABELS["floor"], LABELS["eager"], LABELS["chunked"])  # references drawn dashed
-BACKENDS_GLOB = "*fwd_configs_sdpa_backends.csv"
-# sdpa_backends.png: the providers of that file, in bar order, with display names and styles
-BACKEND_BARS = [
-    ("streamkl(autotuned)", "streamkl (autotuned)", "C3"),
-    ("sdpa(default dispatch)", SDPA_DEFAULT, "C0"),
-    ("sdpa(flash backend)", SDPA_FLASH, "C9"),
-    ("sdpa(cudnn backend)", "SDPA (cuDNN backend)", "C8"),
-    ("compile", "torch.compile", "C2"),
-]
 
 
 def newest_results(pattern):
@@ -108,29 +89,13 @@ def load(results_dir):
                 r["_file"] = os.path.basename(folder) + "/" + os.path.splitext(os.path.basename(f))[0]
                 r["_commit"] = commit
                 rows.append(r)
-    legacy = flash_only_files(rows)
     for r in rows:
-        r["_prov"] = display_provider(r, legacy)
-    return files, rows, legacy
+        r["_prov"] = display_provider(r)
+    return files, rows
 
 
-def flash_only_files(rows):
-    """Files written before bench_gpu.py had two SDPA providers: their `sdpa` rows were forced to the
-    flash backend. Detected by the absence of `sdpa_flash` rows and of any `sdpa_backend=` note."""
-    by_file = {}
-    for r in rows:
-        by_file.setdefault(r["_file"], []).append(r)
-    return sorted(f for f, rs in by_file.items()
-                  if any(r["provider"] == "sdpa" for r in rs)
-                  and not any(r["provider"] == "sdpa_flash" or "sdpa_backend=" in (r.get("extra") or "") for r in rs))
-
-
-def display_provider(r, legacy):
-    if r["provider"] == "sdpa":
-        return SDPA_FLASH if r["_file"] in legacy else SDPA_DEFAULT
-    if r["provider"] == "sdpa_flash":
-        return SDPA_FLASH
-    return LABELS.get(r["provider"], r["provider"])
+def display_provider(r):
+    return {"sdpa": SDPA_DEFAULT, "sdpa_flash": SDPA_FLASH}.get(r["provider"], LABELS.get(r["provider"], r["provider"]))
 
 
 def fnum(x):
@@ -235,53 +200,6 @@ def shape_note(rows):
     return ", ".join(f"B={b} H={h} D={d} {dt}" for b, h, d, dt in s[:2])
 
 
-def backends_plot(path, out_path, plt):
-    """Bar chart from a fwd_configs_sdpa_backends CSV: ours (autotuned) vs SDPA default dispatch /
-    flash / cuDNN and torch.compile, one group of bars per (N, causal). Missing points are marked."""
-    with open(path, newline="") as fh:
-        rows = [r for r in csv.DictReader(fh)
-                if ok(r) and r.get("kernel") == "fwd" and not r["provider"].startswith("streamkl cfg=")]
-    if not rows:
-        return False
-    known = [b[0] for b in BACKEND_BARS]
-    bars = list(BACKEND_BARS) + [(p, p, None) for p in sorted({r["provider"] for r in rows}) if p not in known]
-    bars = [b for b in bars if any(r["provider"] == b[0] for r in rows)]
-    groups = sorted({(int(r["n_q"]), int(r["n_k"]), r["causal"]) for r in rows}, key=lambda g: (g[0], g[1], g[2]))
-    t = {(r["provider"], int(r["n_q"]), int(r["n_k"]), r["causal"]): fnum(r["p50_ms"]) for r in rows}
-    fig, ax = plt.subplots(figsize=(WIDTH_IN, 5.6))
-    width = 0.8 / len(bars)
-    for k, (prov, label, color) in enumerate(bars):
-        for i, (nq, nk, c) in enumerate(groups):
-            x = i + (k - (len(bars) - 1) / 2) * width
-            v = t.get((prov, nq, nk, c))
-            if v is None:
-                ax.text(x, 0.02, "no data", rotation=90, ha="center", va="bottom", fontsize=MIN_FONT_PT, color="0.4",
-                        transform=ax.get_xaxis_transform())
-                continue
-            ax.bar(x, v, width, color=color, label=label if i == min(
-                j for j, g in enumerate(groups) if t.get((prov,) + g) is not None) else None)
-            ax.text(x, v * 1.04, f"{v:.3g}", ha="center", va="bottom", fontsize=MIN_FONT_PT,
-                    rotation=90 if len(bars) * len(groups) > 12 else 0)
-    ax.set_xticks(range(len(groups)))
-    ax.set_xticklabels([f"N={fmt_n(nq)}" + (f", N_K={fmt_n(nk)}" if nk != nq else "") +
-                        ("\ncausal" if c == "1" else "\nnon-causal") for nq, nk, c in groups])
-    ax.set_yscale("log")
-    ax.set_ylabel("time (ms, median; lower is better)")
-    ax.set_title(f"forward: ours vs SDPA backends vs torch.compile\n({shape_note(rows)})")
-    ax.grid(True, axis="y", which="both", alpha=0.3)
-    ax.legend(ncol=2, loc="upper left")
-    ax.set_ylim(top=ax.get_ylim()[1] * 6)  # room for the legend above the tallest bar
-    plain_log_y(ax)
-    folder = os.path.dirname(os.path.abspath(path))
-    for r in rows:
-        r["_commit"] = commit_of(folder)
-    fig.suptitle(subtitle(rows) + f"\n[{os.path.basename(folder)}/{os.path.basename(path)}]", y=0.995)
-    fig.tight_layout()
-    fig.savefig(out_path, dpi=DPI)
-    plt.close(fig)
-    return True
-
-
 def fmt_n(n):
     return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
 
@@ -298,46 +216,20 @@ def main(argv=None):
 
     os.makedirs(a.out, exist_ok=True)
     written = []
-    backends_dir = a.results or newest_results(BACKENDS_GLOB)
     a.results = a.results or newest_results("bench*.csv")
-    print(f"bench CSVs from {a.results}; SDPA backends from {backends_dir}")
-    backends = sorted(glob.glob(os.path.join(backends_dir, BACKENDS_GLOB)))
+    print(f"bench CSVs from {a.results}")
 
-    def plot_backends():
-        if backends:  # the newest file (names start with the date)
-            path = os.path.join(a.out, "sdpa_backends.png")
-            if backends_plot(backends[-1], path, plt):
-                written.append(path)
-            if len(backends) > 1:
-                print(f"sdpa_backends.png from {os.path.basename(backends[-1])}; not plotted: "
-                      + ", ".join(os.path.basename(b) for b in backends[:-1]))
-
-    files, rows, legacy = load(a.results)
+    files, rows = load(a.results)
     if not rows:
-        print(f"no rows in {a.results}/bench*.csv; only sdpa_backends.png (if any) plotted", file=sys.stderr)
-        plot_backends()
-        for w in written:
-            print(w)
-        return 0 if written else 1
+        print(f"no rows in {a.results}/bench*.csv", file=sys.stderr)
+        return 1
     multi = len({r["_file"] for r in rows}) > 1
     sub = subtitle(rows)
-    legacy_note = ""
-    if legacy:
-        legacy_note = ("SDPA (flash backend): the 'sdpa' rows of " + ", ".join(legacy) + " were forced to the "
-                       "FlashAttention backend (sdpa_kernel([FLASH_ATTENTION])); that run has no default-dispatch SDPA rows"
-                       + ("; default dispatch vs flash vs cuDNN: sdpa_backends.png" if backends else "") + ".")
-        print("note: " + legacy_note)
 
     def save(fig, name, rows_in=None, top=1.0):
         """``top``: the fraction of the height left to the panels (a shared legend takes the rest)."""
         fig.suptitle(sub, y=0.995)
-        note = legacy_note if legacy_note and any(
-            r["provider"] == "sdpa" and r["_file"] in legacy and ok(r) for r in (rows_in or [])) else ""
-        bottom = 0.0
-        if note:
-            fig.text(0.5, 0.004, note, ha="center", va="bottom", fontsize=MIN_FONT_PT, style="italic", wrap=True)
-            bottom = 0.5 / fig.get_figheight()
-        fig.tight_layout(rect=(0, bottom, 1, min(top, 0.98)))
+        fig.tight_layout(rect=(0, 0.0, 1, min(top, 0.98)))
         path = os.path.join(a.out, name)
         fig.savefig(path, dpi=DPI)
         plt.close(fig)
@@ -428,10 +320,9 @@ def main(argv=None):
         n = shared_legend(fig, axes)
         save(fig, "smallq_bwd.png", sq, top=1 - legend_rows(fig, n))
 
-    plot_backends()
     for w in written:
         print(w)
-    print(f"{len(written)} plots from {len(files)} bench CSV file(s)" + (f" and {os.path.basename(backends[-1])}" if backends else ""))
+    print(f"{len(written)} plots from {len(files)} bench CSV file(s)")
     return 0
 
 

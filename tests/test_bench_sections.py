@@ -7,22 +7,17 @@ its script, and --pack puts every output into results.tgz. torch, triton and str
 imports: a missing install fails this test, it is never skipped.
 """
 import csv
+import json
 import os
-import sys
 import tarfile
 import time
-from pathlib import Path
 
 import torch  # noqa: F401  (a missing install must fail, not skip)
 import triton  # noqa: F401
 
 import streamkl_gpu  # noqa: F401
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT / "bench") not in sys.path:
-    sys.path.insert(0, str(ROOT / "bench"))
-
-from streamkl_bench import delegated, runner  # noqa: E402
+from streamkl_bench import delegated, runner  # bench/ is on pytest's pythonpath (pyproject.toml)
 
 
 def _script(tmp_path, name, body):
@@ -42,7 +37,7 @@ def test_section_dispatch_records_failures_and_goes_on(tmp_path, monkeypatch, ca
     D = delegated.Delegate
     monkeypatch.setitem(delegated.DELEGATED, "fake_fail", D(fail, "exits 2", 30))
     monkeypatch.setitem(delegated.DELEGATED, "fake_slow", D(slow, "hangs", 60))
-    monkeypatch.setitem(delegated.DELEGATED, "fake_absent", D(str(tmp_path / "nope.py"), "absent", 30, optional=True))
+    monkeypatch.setitem(delegated.DELEGATED, "fake_absent", D(ok, "absent", 30, requires=str(tmp_path / "nope")))
     monkeypatch.setitem(delegated.DELEGATED, "fake_ok", D(ok, "writes a file", 60, args=("--a",), tiny_args=("--tiny",),
                                                           budget_flag="--budget"))
 
@@ -104,3 +99,14 @@ def test_section_dispatch_records_failures_and_goes_on(tmp_path, monkeypatch, ca
     assert {"sections.csv", "summary.txt", "bench.csv", "bench.log", "fake_ok/result.txt",
             "fake_fail/stdout.log"} <= names, names
     assert not any(n.startswith("results.tgz") for n in names)
+    # the results layout: env.json names the commit and the exact command; results.csv holds every
+    # CSV of the run in one long format, each row with its section's run status
+    env = json.loads((out / "env.json").read_text())
+    assert env["commit"] and env["command"].startswith("python ") and env["gpu"] and env["torch"] and env["triton"]
+    with open(out / "results.csv", newline="") as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames[:7] == ["gpu_name", "timestamp", "version", "commit", "section", "file", "run_status"]
+        rows = list(reader)
+    by_file = {r["file"] for r in rows}
+    assert "sections.csv" in by_file
+    assert {r["run_status"] for r in rows if r["file"] == "sections.csv" and r["section"] == "run"} >= {"timeout"}

@@ -8,6 +8,7 @@ About 20 s on a 2-core machine. torch, triton and streamkl_gpu are plain imports
 install step fails this test, it is never skipped.
 """
 import csv
+import json
 import os
 import re
 import subprocess
@@ -44,6 +45,11 @@ def test_bench_tiny_cpu(tmp_path):
     tail = (proc.stdout + proc.stderr)[-4000:]
     assert proc.returncode == 0, tail
 
+    env_json = json.loads((tmp_path / "env.json").read_text())
+    assert {"gpu", "driver", "torch", "triton", "commit", "command"} <= set(env_json), env_json
+    cols, results = _read(tmp_path / "results.csv")  # every CSV of the run, one long format
+    assert cols[:4] == ["gpu_name", "timestamp", "version", "commit"]
+    assert {r["file"] for r in results} >= {"bench.csv", "check.csv", "sections.csv"}
     cols, checks = _read(tmp_path / "check.csv")
     assert cols == CHECK_COLUMNS
     assert len(checks) >= 50, tail
@@ -89,7 +95,6 @@ def test_bench_tiny_cpu(tmp_path):
             d, f = p50[("sdpa", c, n)], p50[("sdpa_flash", c, n)]
             want = f"{n}:{p50[('ours', c, n)] / min(d, f):.2f}{'d' if d <= f else 'f'}"
             assert want in ln, (want, ln)
-    assert "default dispatch/flash backend ms" in summary
     # the matmul rate vs the anchors' 756 TFLOP/s (on CPU: labelled as not comparable)
     assert re.search(r"^env: fp32 matmul 512\^3 .* TFLOP/s on CPU \(not comparable .*756", summary, re.M), summary
     assert re.search(r"^env: copy .* the anchors' 4.14", summary, re.M), summary

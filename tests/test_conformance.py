@@ -197,7 +197,7 @@ def test_streamkl_gpu_kernels_isolate_planted_nan():
 
 def test_torch_compile_of_the_dense_formula_conforms():
     """Dynamo capture and AOTAutograd's decompositions (``aot_eager``: no C++ build, which takes
-    minutes on CI's 2 cores); the inductor build is run by bench/conformance_peers.py and its
+    minutes on CI's 2 cores); the inductor build is run by bench/streamkl_bench/conformance_peers.py (the suite's peers section) and its
     result committed under bench/results/."""
     compiled = torch.compile(impls.correct, dynamic=True, backend="aot_eager")
     cases = [c for c in ATTENTION_CASES if c.name in ("ragged", "causal_nq<nk", "nan_keys")]
@@ -312,11 +312,7 @@ def test_cli_verify_indexer(capsys):
 
 
 def test_the_peers_table_in_the_docs_is_rendered_from_the_committed_results():
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import conformance_peers
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    from streamkl_bench import conformance_peers  # bench/ is on pytest's pythonpath (pyproject.toml)
     csv_path = ROOT / "bench" / "results" / "2026-12-01_cpu_e155475" / "conformance_peers.csv"
     table = (ROOT / "docs" / "_generated" / "conformance_peers.md").read_text()
     assert table == conformance_peers.render_markdown(csv_path)
@@ -327,9 +323,10 @@ def test_the_peers_table_in_the_docs_is_rendered_from_the_committed_results():
 
 
 def test_the_peers_script_runs_and_finds_the_kl_div_nan(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "conformance_peers.py"), str(tmp_path),
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "bench"), str(ROOT)]))
+    proc = subprocess.run([sys.executable, "-m", "streamkl_bench.conformance_peers", str(tmp_path),
                            "--device", "cpu", "--quick", "--peers", "torch_kl_div_inf_mask,torch_kl_div_finite_mask"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = {ln.split()[0]: ln for ln in proc.stdout.splitlines() if ln.startswith("torch_")}
     assert lines["torch_kl_div_inf_mask"].split()[1] == "False" and "causal_nq<nk:kl" in lines["torch_kl_div_inf_mask"]

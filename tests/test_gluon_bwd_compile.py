@@ -2,7 +2,7 @@
 the dispatch rule (Gluon vs Triton) and the backend override.
 
 Gluon does not run under the interpreter, so the kernel's numbers are checked on the GPU
-(bench/gluon_bwd_gpu.py: against the Triton backward and float64). Here a broken kernel fails at
+(`git show b7066de:bench/gluon_bwd_gpu.py`, the removed GPU script: against the Triton backward and float64). Here a broken kernel fails at
 compile time or in the SASS: spills to local memory (STL/LDL), ptxas serialising the wgmma (a
 WARPGROUP.DEPBAR per HGMMA instead of the three waits per query tile the source has), a masked
 (branchy) dQ atomic, more shared memory than an sm_90 CTA has, or more registers x threads than a
@@ -125,7 +125,7 @@ def test_forced_takes_settings_1_2_and_both_half_precision_64_128(d, dtype, trai
 
 
 def test_auto_stays_on_triton_until_measured(monkeypatch):
-    # GLUON_BWD_AUTO is off until bench/gluon_bwd_gpu.py has measured the kernel on an H200
+    # GLUON_BWD_AUTO stays off: the removed GPU script (`git show b7066de:bench/gluon_bwd_gpu.py`) measured it slower
     assert not dispatch.GLUON_BWD_AUTO
     assert not dispatch.use_gluon_bwd(*_args(), backend="auto")
     monkeypatch.setattr(dispatch, "GLUON_BWD_AUTO", True)

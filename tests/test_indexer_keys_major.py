@@ -131,7 +131,7 @@ def test_reversed_token_blocks_key_splits(monkeypatch):
 
 
 def test_sm90_compile_head_sum_stays_in_registers():
-    """Offline sm_90 compile (CPU, bench/idx_dsa_aot.py) of the DSA-like forward: the keys-major
+    """Offline sm_90 compile (CPU, tests/_indexer_fwd_sm90_compile.py) of the DSA-like forward: the keys-major
     tile (64 keys on 4 warps) has no spills, a few dozen lane shuffles, not the row-major tile's
     hundreds (its head sum crosses lanes and warps), and fits three CTAs per SM (<= 168
     registers, <= 75 KB of shared memory)."""
@@ -143,8 +143,9 @@ def test_sm90_compile_head_sum_stays_in_registers():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH", "")]))  # the helper's imports
     cfgs = "128,128,128,64,4,3;128,128,64,64,4,3,None,1,keys"
-    proc = subprocess.run([sys.executable, os.path.join(root, "bench", "idx_dsa_aot.py"), cfgs], cwd=root, env=env,
+    proc = subprocess.run([sys.executable, os.path.join(root, "tests", "_indexer_fwd_sm90_compile.py"), cfgs], cwd=root, env=env,
                           capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("[")]

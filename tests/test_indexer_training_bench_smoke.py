@@ -1,9 +1,8 @@
-"""CPU smoke of bench/indexer_training.py (the training-step tables): its ``--tiny`` run under the
+"""CPU smoke of the benchmark's ``indexer`` section (bench/streamkl_bench/indexer.py: dense, top-k, the training-step tables): its ``--tiny`` run under the
 interpreter must exit 0, time every teacher x path and the top-k point, and check each against
 float64 within the loss's tolerances (loss 1e-5, gradients 5e-3) (the CSV's check rows, parsed here); the floors are the
 documented formulas (the published H200 numbers at 752 TFLOP/s). ~15 s."""
 import csv
-import importlib.util
 import os
 import subprocess
 import sys
@@ -12,19 +11,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "bench" / "indexer_training.py"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("indexer_training_bench", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from streamkl_bench import indexer  # bench/ is on pytest's pythonpath (pyproject.toml)
+    return indexer
 
 
 def test_tiny_run(tmp_path):
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--tiny"], cwd=ROOT, env=env,
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "bench"), str(ROOT)]))
+    proc = subprocess.run([sys.executable, "-m", "streamkl_bench.indexer", "--out", str(tmp_path), "--tiny"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     mod = _module()

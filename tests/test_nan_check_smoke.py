@@ -1,11 +1,8 @@
-"""CPU smoke run of bench/nan_check.py (the GPU NaN-isolation check) under the Triton interpreter:
+"""CPU smoke run of the benchmark's ``nan`` section (bench/streamkl_bench/nan_check.py, the GPU NaN-isolation check) under the Triton interpreter:
 its tiny shapes pass, every path compared unreached entries (and had reached ones), and the table ends
 with ALL PASS.
 (That the check can fail was seen by running it on the unfixed kernels: every path FAILed.)"""
 import csv
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch  # noqa: F401  (a missing install must fail, not skip)
@@ -13,15 +10,12 @@ import torch  # noqa: F401  (a missing install must fail, not skip)
 import streamkl_gpu  # noqa: F401
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NaN arithmetic is the point
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "nan_check.py"
 
 
 def test_nan_check_tiny_cpu(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("STREAMKL_AUTOTUNE", "0")  # restored after the test (the script sets it)
-    spec = importlib.util.spec_from_file_location("nan_check", SCRIPT)
-    nan_check = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "nan_check", nan_check)  # its dataclasses look their module up
-    spec.loader.exec_module(nan_check)
+    from streamkl_bench import nan_check  # bench/ is on pytest's pythonpath (pyproject.toml)
+
     assert nan_check.main(str(tmp_path), tiny=True)
     with open(tmp_path / "nan_check.csv", newline="") as f:
         rows = list(csv.DictReader(f))

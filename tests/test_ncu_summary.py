@@ -1,13 +1,13 @@
-"""bench/ncu_summary.py reads the committed Nsight Compute text (H200, 2026-12-01): our kernels' rows
+"""bench/profile/ncu_summary.py reads the committed Nsight Compute text (H200, 2026-12-01): our kernels' rows
 only, the figures the docs quote, every stall reason; --trim keeps only our kernels' sections."""
 import csv
-import sys
+import importlib.util
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-
-import ncu_summary  # noqa: E402
+_spec = importlib.util.spec_from_file_location("ncu_summary", ROOT / "bench" / "profile" / "ncu_summary.py")
+ncu_summary = importlib.util.module_from_spec(_spec)  # a standalone tool (bench/profile/), loaded by its path
+_spec.loader.exec_module(ncu_summary)
 
 RESULTS = ROOT / "bench" / "results" / "2026-12-01_h200_5702577"
 

@@ -8,7 +8,6 @@ CORE_SECTIONS = ["env", "check", "fwd", "bwd", "decode", "smallq", "long"]
 SETTINGS = {"s1": ("q2", "k2"), "s2": ("q1", "k1"), "both": ("q1", "k1", "q2", "k2")}
 
 SECTION_DOC = {
-    "prewarm": "compile everything in parallel worker processes (fills the on-disk caches)",
     "env": "copy bandwidth + 8192^3 bf16 matmul",
     "check": "correctness vs float64 (fp32/fp16/bf16, settings, modes, GQA, D1!=D2, NQ!=NK, split-K, determinism)",
     "fwd": "forward N=1K..64K: ours, SDPA (default dispatch, flash backend), eager, chunked, compile",
@@ -27,7 +26,7 @@ def make_config(a):
             compile_bwd_settings=["s1", "s2"], chunk=32,
             decode=[(1, 512), (4, 512)], smallq_nq=[4, 16], smallq_nk=256,
             long_h=2, long_n=[128, 256], long_bwd_n=[256], warmup_ms=5, rep_ms=20,
-            budgets=dict(prewarm=60, env=30, check=240, fwd=90, bwd=90, decode=30, smallq=30, long=30), total=600,
+            budgets=dict(env=30, check=240, fwd=90, bwd=90, decode=30, smallq=30, long=30), total=600,
         )
     elif a.quick:
         c = dict(
@@ -35,7 +34,7 @@ def make_config(a):
             compile_bwd_n=[8 * K], compile_bwd_settings=["s1", "s2"], chunk=1024,
             decode=[(1, 128 * K), (16, 128 * K), (1, 32 * K)], smallq_nq=[16, 512], smallq_nk=32 * K,
             long_h=8, long_n=[16 * K, 128 * K, 512 * K], long_bwd_n=[16 * K, 512 * K], warmup_ms=10, rep_ms=40,
-            budgets=dict(prewarm=90, env=10, check=40, fwd=50, bwd=60, decode=10, smallq=10, long=25), total=300,
+            budgets=dict(env=10, check=40, fwd=50, bwd=60, decode=10, smallq=10, long=25), total=300,
         )
     else:
         c = dict(
@@ -45,7 +44,7 @@ def make_config(a):
             decode=[(1, 128 * K), (16, 128 * K), (1, 32 * K)], smallq_nq=[16, 64, 256, 512], smallq_nk=32 * K,
             long_h=8, long_n=[4 * K, 16 * K, 64 * K, 128 * K, 256 * K, 512 * K], long_bwd_n=[4 * K, 64 * K, 512 * K],
             warmup_ms=25, rep_ms=100,
-            budgets=dict(prewarm=110, env=10, check=45, fwd=100, bwd=135, decode=10, smallq=20, long=30), total=460,
+            budgets=dict(env=10, check=45, fwd=100, bwd=135, decode=10, smallq=20, long=30), total=460,
         )
     if a.compile_fwd_n:
         c["compile_fwd_n"] = [int(x) for x in a.compile_fwd_n.split(",") if x]

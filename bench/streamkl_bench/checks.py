@@ -4,7 +4,6 @@ Tolerance, FlashAttention style: err(ours) <= C * err(eager at the same dtype) +
 abs difference against dense_kl in float64 on the same rounded inputs (gradients by autograd).
 Also split-K against one pass, bitwise determinism, and the bench's float64 reference against
 streamkl_ref.attention_kl. One check.csv row per compared tensor (report.crow)."""
-from __future__ import annotations
 
 import contextlib
 import os

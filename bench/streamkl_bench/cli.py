@@ -1,5 +1,4 @@
 """The command line of bench/bench_gpu.py (its docstring is the --help text)."""
-from __future__ import annotations
 
 import argparse
 import os
@@ -16,7 +15,7 @@ def parse_args(argv=None, doc=None):
                         "default), 'extra' = the second, 'all' = both")
     p.add_argument("--quick", action="store_true", help="fewer N points and shorter do_bench reps")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test / GPU sanity)")
-    p.add_argument("--out", default=os.environ.get("OUT") or "bench_out", help="output dir (default $OUT or ./bench_out)")
+    p.add_argument("--out", default=os.environ.get("OUT") or "bench_out", help="output dir (default $OUT or ./bench_out); {date}, {gpu}, {commit} are filled in")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--budget-s", type=float, default=None,
                    help="wall-time budget for the whole run; perf points that would overrun are recorded "
@@ -29,12 +28,6 @@ def parse_args(argv=None, doc=None):
                         "STREAMKL_AUTOTUNE=0 there, i.e. the first candidate config; saves compiles)")
     p.add_argument("--full-check", action="store_true",
                    help="the full dtype x setting x mode product and more feature cases (~2x the compiles)")
-    p.add_argument("--prewarm", choices=["auto", "on", "off"], default="auto",
-                   help="compile in parallel worker processes first (Triton kernels of every section, "
-                        "torch.compile graphs) so the serial run hits the on-disk caches. auto = on for "
-                        "--device cuda without --tiny")
-    p.add_argument("--prewarm-workers", type=int, default=None, help="default min(12, cpu_count - 2)")
-    p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-v", "--verbose", action="store_true", help="one stdout line per measurement (always in bench.log)")
     p.add_argument("--section-budget", action="append", default=[], metavar="NAME=S",

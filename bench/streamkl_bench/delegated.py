@@ -1,11 +1,8 @@
-"""Delegated sections: the per-feature GPU scripts, each run as one section of bench_gpu.py.
-
-Every script takes an output directory as its first argument. A delegated section runs it as a
-subprocess (``python bench/<script> OUT/<section> ...``) in its own process group, with stdout and
-stderr in ``OUT/<section>/stdout.log``, under a time limit: past it the group gets SIGINT, then
-SIGKILL after KILL_GRACE_S. A subprocess per section isolates failures (a crash, a hang, a CUDA
-error that poisons the context) and frees the section's GPU memory before the next one starts.
-The scripts themselves are not changed here; their owners keep them runnable on their own.
+"""Delegated sections: the feature modules (and ``compare_trees.py``), each run by bench_gpu.py as
+``python -m streamkl_bench.<module> OUT/<section> ...`` (PYTHONPATH = bench/ and the repository
+root) in its own process group, stdout and stderr in ``OUT/<section>/stdout.log``, under a time
+limit (SIGINT, then SIGKILL after KILL_GRACE_S). A subprocess per section isolates failures (a
+crash, a hang, a poisoned CUDA context) and frees its GPU memory before the next one starts.
 """
 from __future__ import annotations
 
@@ -19,7 +16,7 @@ import tarfile
 import time
 from dataclasses import dataclass
 
-from . import BENCH_DIR, ROOT
+from . import BENCH_DIR, ROOT, child_env
 
 KILL_GRACE_S = 10.0  # between SIGINT (a script may flush its CSV) and SIGKILL
 BUDGET_MARGIN_S = 30.0  # a script with its own budget option gets the limit minus this
@@ -27,7 +24,7 @@ BUDGET_MARGIN_S = 30.0  # a script with its own budget option gets the limit min
 
 @dataclass(frozen=True)
 class Delegate:
-    script: str  # file under bench/ (or an absolute path)
+    module: str  # streamkl_bench.<module>, or a script file under bench/ (ends in .py)
     doc: str
     budget_s: float  # the section's time limit in a full run
     quick_budget_s: float | None = None  # ... with --quick (default: budget_s)
@@ -35,50 +32,53 @@ class Delegate:
     quick_args: tuple = ()  # added with --quick
     tiny_args: tuple = ()  # added with --tiny
     cpu_args: tuple = ()  # added with --device cpu (TRITON_INTERPRET=1 is set for every section then)
-    budget_flag: str | None = None  # the script's own time-budget option, given limit - BUDGET_MARGIN_S
-    optional: bool = False  # a missing script is 'skipped(absent)', not a failure
+    budget_flag: str | None = None  # the module's own time-budget option, given limit - BUDGET_MARGIN_S
+    out_flag: str | None = None  # the output directory as this option's value (default: first argument)
+    requires: str | None = None  # a path (from the repository root) without which it is 'skipped(absent)'
+    env: tuple = ()  # (NAME, VALUE) pairs for its environment
+    pythonpath: tuple = ()  # extra PYTHONPATH entries (from the repository root), where they exist
 
-    def path(self):
-        return self.script if os.path.isabs(self.script) else os.path.join(BENCH_DIR, self.script)
+    def argv0(self):
+        if self.module.endswith(".py"):
+            return [os.path.join(BENCH_DIR, self.module)]
+        return ["-m", self.module]
 
+
+# the no-regression points of the NaN guards' cost (forward and setting 1's step at 8K)
+NAN_COST_POINTS = "fwd_8k_nc,fwd_8k_c,step1_8k_nc,step1_8k_c"
 
 # In the order `--sections extra` runs them. Limits are estimates for an H200 (not measured as sections yet).
 DELEGATED = {
-    "host": Delegate("host_cost.py", "host cost per call (1000 tiny calls, fwd and fwd+bwd), cProfile, "
-                     "first call at 512K / 16K in fresh processes", 240, args=("--profile", "--first-call")),
-    "decode_sweep": Delegate("decode_sweep.py", "decode grid N_Q {1,16,64} x N_K {32K,128K} x B {1,8}: auto "
-                             "split_k vs every power of two, copy floor", 180),
-    "gluon": Delegate("gluon_gpu.py", "Gluon forward: check vs Triton and float64, SASS, targets, grid", 300,
-                      quick_budget_s=200, quick_args=("--quick",), budget_flag="--budget"),
-    "indexer": Delegate("indexer_gpu.py", "indexer loss: checks vs float64, timings dsa/gqa configs", 360,
-                        quick_budget_s=200, quick_args=("--quick",), tiny_args=("--tiny",)),
-    "varlen": Delegate("varlen_gpu.py", "packed variable-length sequences: checks, packed vs per-sequence "
+    "host": Delegate("streamkl_bench.host", "host cost per call (1000 tiny calls, fwd and fwd+bwd), cProfile",
+                     240, args=("--profile",)),
+    "first_call": Delegate("streamkl_bench.first_call", "first call per entry point in fresh processes with "
+                           "empty caches: wall, kernels compiled, compile and tuning seconds", 480,
+                           out_flag="--out", tiny_args=("--tiny",)),
+    "first_call_big": Delegate("streamkl_bench.first_call", "the 2^31-element problems, each against its first "
+                               "and last heads alone", 600, args=("--case", "big"), out_flag="--out",
+                               tiny_args=("--tiny",)),
+    "indexer": Delegate("streamkl_bench.indexer", "indexer loss, dense and top-k: checks vs float64, the training "
+                        "step on every path vs torch.compile and the matmul floor", 480, quick_budget_s=300,
+                        quick_args=("--quick",), tiny_args=("--tiny",), out_flag="--out"),
+    "varlen": Delegate("streamkl_bench.varlen", "packed variable-length sequences: checks, packed vs per-sequence "
                        "vs padded", 180, quick_budget_s=120, quick_args=("--quick",), cpu_args=("--device", "cpu")),
-    "cp": Delegate("context_parallel_gpu.py", "context parallel, world of 1 (a 1-rank group): vs "
+    "cp": Delegate("streamkl_bench.context_parallel", "context parallel, world of 1 (a 1-rank group): vs "
                    "attention_kl, overhead at 32K", 240, tiny_args=("--tiny",), cpu_args=("--device", "cpu"),
                    budget_flag="--budget-s"),
-    "bwd_variants": Delegate("bwd_gpu.py", "Triton backward variants: checks vs float64 and the previous "
-                             "kernels, backward vs SDPA's at 8K/16K, torch.compile 8K", 600, quick_budget_s=240,
-                             quick_args=("--quick",), tiny_args=("--tiny",), budget_flag="--budget-s"),
-    "gluon_bwd": Delegate("gluon_bwd_gpu.py", "Gluon backward (forced): checks vs Triton and float64, SASS, "
-                          "backward vs SDPA's", 450, quick_budget_s=130, quick_args=("--quick",),
-                          budget_flag="--budget"),
-    "indexer_perf": Delegate("indexer_perf_gpu.py", "indexer loss: every launch candidate forced, vs float64, "
-                             "the floor and torch.compile", 600, quick_budget_s=150, quick_args=("--quick",),
-                             tiny_args=("--tiny",), budget_flag="--budget"),
-    # the indexer's forward candidate sweeps and its training designs (each compiles its variants in
-    # parallel children, then times them at 8K+; every one has a --tiny CPU smoke)
-    "idx_dsa": Delegate("idx_dsa_gpu.py", "indexer DSA-like forward candidates, 8K-64K, vs the floor", 400,
-                        quick_budget_s=115, quick_args=("--quick",), tiny_args=("--tiny",), budget_flag="--deadline"),
-    "idx_gqa": Delegate("idx_gqa_gpu.py", "indexer GQA-like forward candidates, 8K-64K, vs the floor", 400,
-                        quick_budget_s=90, quick_args=("--quick",), tiny_args=("--tiny",), budget_flag="--deadline"),
-    "idx_pacc": Delegate("idx_pacc_gpu.py", "indexer fwd+bwd designs (accumulating, chunk) at 8K DSA-like, "
-                         "forward and backward alone, vs float64", 400, quick_budget_s=170, quick_args=("--quick",),
-                         tiny_args=("--tiny",), budget_flag="--deadline"),
-    "nan": Delegate("nan_check.py", "NaN/inf isolation through the public API (bitwise vs the clean run)", 150,
-                    tiny_args=("--tiny",), optional=True),
-    "nan_cost": Delegate("nan_cost.py", "what the NaN-isolation guards cost at 8K: this tree vs the legacy "
-                         "tree (.legacy/fec3a94, carry it), interleaved", 180, optional=True),
+    "nan": Delegate("streamkl_bench.nan_check", "NaN/inf isolation through the public API (bitwise vs the clean "
+                    "run)", 150, tiny_args=("--tiny",)),
+    "nan_cost": Delegate("compare_trees.py", "what the NaN-isolation guards cost at 8K: this tree vs the tree "
+                         "before them (.legacy/fec3a94, carry it), alternating rounds", 240,
+                         args=("--tree", "before=.legacy/fec3a94@fec3a94", "--tree", "after=.", "--points",
+                               NAN_COST_POINTS, "--rounds", "3"), out_flag="--out", requires=".legacy/fec3a94",
+                         env=(("STREAMKL_FWD_BACKEND", "triton"),)),
+    "peers": Delegate("streamkl_bench.conformance_peers", "the conformance suite against public kernels "
+                      "(F.kl_div, fla, Liger) and ours", 600, args=("--device", "cuda"), quick_args=("--quick",),
+                      cpu_args=("--device", "cpu"), pythonpath=(".device/peers",)),
+    "compare": Delegate("compare_trees.py", "no-regression: the tree in .legacy/before vs this one, alternating "
+                        "rounds (or --section-args compare=\"--tree before=PATH --tree after=.\")", 570,
+                        args=("--tree", "before=.legacy/before", "--tree", "after=."), out_flag="--out",
+                        requires=".legacy/before"),
 }
 
 
@@ -114,7 +114,8 @@ def command(name, a, out_dir, limit_s):
         args += spec.cpu_args
     if spec.budget_flag and spec.budget_flag not in args:
         args += [spec.budget_flag, f"{max(10.0, limit_s - BUDGET_MARGIN_S):.0f}"]
-    return [sys.executable, spec.path(), out_dir] + args
+    out = [spec.out_flag, out_dir] if spec.out_flag else [out_dir]
+    return [sys.executable] + spec.argv0() + out + args
 
 
 def run(name, a, out_dir, limit_s, log):
@@ -122,14 +123,14 @@ def run(name, a, out_dir, limit_s, log):
     spec = DELEGATED[name]
     t0 = time.perf_counter()
     res = dict(status="ok", rc="", seconds=0.0, command="", note="")
-    if not os.path.exists(spec.path()):
-        res["status"] = "skipped(absent)" if spec.optional else "error"
-        res["note"] = f"{spec.path()} not found"
+    needed = spec.requires and name not in a.section_args and os.path.join(ROOT, spec.requires)
+    if needed and not os.path.exists(needed):
+        res["status"], res["note"] = "skipped(absent)", f"{spec.requires} not found"
         return res
     cmd = command(name, a, out_dir, limit_s)
     res["command"] = " ".join(shlex.quote(os.path.relpath(c, ROOT) if c.startswith(ROOT) else c) for c in cmd)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH", "")]))
+    extra = [os.path.join(ROOT, p) for p in spec.pythonpath if os.path.isdir(os.path.join(ROOT, p))]
+    env = child_env(extra, PYTHONUNBUFFERED="1", **dict(spec.env))
     if a.device == "cpu":
         env["TRITON_INTERPRET"] = "1"
     try:

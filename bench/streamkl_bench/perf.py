@@ -2,9 +2,7 @@
 
 Each section walks its grid (cases.make_config), builds input sets (timing), times every provider
 (providers) and writes one bench.csv row per point (report)."""
-from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -29,8 +27,7 @@ class PerfMixin:
         del a, b
         self.free()
         self.env.update(copy_tb_s=round(bw / 1e12, 4), matmul_tflops=round(tflops, 2), matmul_n=n)
-        with open(os.path.join(self.a.out, "env.json"), "w") as f:
-            json.dump(self.env, f, indent=1)
+        self.write_env()
         self.log(f"env: {self.env['gpu']} torch {self.env['torch']} triton {self.env['triton']} "
                  f"streamkl {self.env['streamkl_version']}; copy {bw / 1e12:.3f} TB/s (anchor 4.14); "
                  f"{'bf16 ' if self.cuda else ''}matmul {n}^3 {tflops:.1f} TFLOP/s (anchor 756)")

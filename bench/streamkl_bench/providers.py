@@ -12,9 +12,7 @@ import math
 from .cases import SETTINGS
 
 
-# ----------------------------------------------------------------------------------------------
 # the math the baselines and the float64 reference share
-# ----------------------------------------------------------------------------------------------
 def dense_kl(q1, k1, q2, k2, causal=False, scale1=None, scale2=None, cdt=None, diag=None):
     """Eager attention KL: materialised log_softmax of both score matrices in `cdt` (default fp32).
 

@@ -1,13 +1,18 @@
 """Reports: bench.csv (one row per measurement), check.csv (one row per compared tensor),
-sections.csv (one row per section), bench.log, env.json fields, and summary.txt (the ratios
-against the anchors' targets, at most 60 lines, printed last)."""
+sections.csv (one row per section), bench.log, env.json (GPU, driver, torch, triton, commit, the
+exact command), results.csv (every CSV of the run in one long format, with gpu_name, timestamp,
+version, commit and each row's section and run status), and summary.txt (the ratios against the
+anchors' targets, at most 60 lines, printed last)."""
 from __future__ import annotations
 
 import csv
 import datetime as _dt
 import math
 import os
+import glob
+import json
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -21,6 +26,68 @@ COLUMNS = ["kernel", "provider", "mode", "causal", "n_q", "n_k", "b", "h", "d1",
 CHECK_COLUMNS = ["case", "dtype", "setting", "err", "tol", "pass", "tensor", "eager_err", "detail"]
 # one row per section run: kind core (in-process) or delegated (a script, output under out/)
 SECTION_COLUMNS = ["section", "kind", "status", "rc", "seconds", "limit_s", "out", "command", "note"]
+
+RESULTS_LEAD = ["gpu_name", "timestamp", "version", "commit", "section", "file", "run_status"]
+
+
+def git_commit(short=True):
+    """The commit of the code measured (with ``-dirty`` when tracked files differ), or ``unknown``."""
+    try:
+        sha = subprocess.run(["git", "-C", ROOT, "rev-parse"] + (["--short"] if short else []) + ["HEAD"],
+                             capture_output=True, text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+    except Exception:
+        return "unknown"
+    return (sha + ("-dirty" if dirty else "")) if sha else "unknown"
+
+
+def gpu_word(device):
+    """``h200`` from "NVIDIA H200" (the results folder's <gpu>); ``cpu`` for the interpreter."""
+    if device != "cuda":
+        return "cpu"
+    import torch
+    return torch.cuda.get_device_name(0).split()[-1].lower().replace("/", "-")
+
+
+def resolve_out(path, device):
+    """``--out`` with ``{date}``, ``{gpu}``, ``{commit}`` filled: bench/results/{date}_{gpu}_{commit}."""
+    if "{" not in path:
+        return path
+    return path.format(date=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d"), gpu=gpu_word(device),
+                       commit=git_commit())
+
+
+def driver_version():
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=10).stdout.strip().splitlines()[0]
+    except Exception:
+        return None
+
+
+def write_results_csv(out_dir, env, sections):
+    """Every CSV under out_dir (but results.csv) as one long-format file: the lead columns, then the
+    union of the files' own columns. ``run_status``: the status of the section that wrote it."""
+    status = {rec["section"]: rec["status"] for rec in sections}
+    rows, fields = [], []
+    for path in sorted(glob.glob(os.path.join(out_dir, "**", "*.csv"), recursive=True)):
+        rel = os.path.relpath(path, out_dir)
+        if rel == "results.csv":
+            continue
+        section = rel.split(os.sep)[0] if os.sep in rel else ("run" if rel == "sections.csv" else "core")
+        with open(path, newline="") as f:
+            for r in csv.DictReader(f):
+                fields += [k for k in r if k and k not in fields and k not in RESULTS_LEAD]
+                rows.append(dict(r, gpu_name=env["gpu"], timestamp=env["date"], version=env.get("streamkl_version", ""),
+                                 commit=env.get("commit", ""), section=section, file=rel,
+                                 run_status=status.get(section, r.get("status", "ok") if section == "run" else "ok")))
+    with open(os.path.join(out_dir, "results.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=RESULTS_LEAD + fields, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    return len(rows)
+
 
 # Anchors (h200-2026-11-29.md): used for the summary's "measured vs anchor" lines and as a
 # labelled fallback when a baseline was skipped in this run.
@@ -53,39 +120,23 @@ class ReportMixin:
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "python": sys.version.split()[0], "cuda": getattr(torch.version, "cuda", None),
             "triton_interpret": os.environ.get("TRITON_INTERPRET", ""), "host": platform.node(),
-            "argv": sys.argv,
+            "driver": driver_version() if self.cuda else None, "commit": git_commit(),
+            "command": " ".join(shlex.quote(x) for x in ["python"] + sys.argv), "argv": sys.argv,
         }
 
+    def write_env(self):
+        with open(os.path.join(self.a.out, "env.json"), "w") as f:
+            json.dump(self.env, f, indent=1)
+
     def _version(self):
-        v = None
+        """The package version plus +g<commit> (.dirty when tracked files differ)."""
         try:
-            import streamkl_gpu
-            v = getattr(streamkl_gpu, "__version__", None)
+            from importlib.metadata import version
+            v = version("streamkl")
         except Exception:
-            pass
-        if v is None:
-            try:
-                from importlib.metadata import version
-                v = version("streamkl")
-            except Exception:
-                try:
-                    with open(os.path.join(ROOT, "pyproject.toml")) as f:
-                        for line in f:
-                            if line.startswith("version"):
-                                v = line.split("=")[1].strip().strip('"')
-                                break
-                except Exception:
-                    v = "unknown"
-        try:
-            sha = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
-                                 text=True, timeout=5).stdout.strip()
-            dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
-                                   capture_output=True, text=True, timeout=5).stdout.strip()
-            if sha:
-                v = f"{v}+g{sha}" + (".dirty" if dirty else "")
-        except Exception:
-            pass
-        return str(v)
+            v = getattr(__import__("streamkl_ref"), "__version__", "unknown")
+        sha = git_commit()
+        return str(v) + (f"+g{sha}".replace("-dirty", ".dirty") if sha != "unknown" else "")
 
     def row(self, kernel, provider, mode, causal, nq, nk, b, h, d1, d2, dtype, times=None, peak=None,
             status="ok", extra="", echo=None):
@@ -185,26 +236,6 @@ class ReportMixin:
             a = ANCHOR.get(akey) if not self.a.tiny else None
             return (a, " [anchor value]") if a is not None else (None, "")
 
-        # measured baselines vs anchors (do our baselines mirror the anchors' definitions?)
-        if not self.a.tiny:
-            parts = []
-            for (k, p, m, akey) in (("fwd", "eager", "fwd", "fwd"), ("fwd", "compile", "fwd", "fwd"), ("fwd", "sdpa", "fwd", "fwd")):
-                for c in (False, True):
-                    v = self.get(k, p, m, c, 8 * K)
-                    a = ANCHOR.get((akey, p, c, 8 * K))
-                    if v is not None and a:
-                        parts.append(f"{p}{'/c' if c else ''} {v:.3g}/{a:.3g}")
-            if parts:
-                L.append("baselines fwd 8K measured/anchor ms: " + ", ".join(parts) + " (sdpa = default dispatch)")
-        # the two SDPA providers side by side (the anchors' SDPA matches the default dispatch)
-        parts = []
-        for c in (False, True):
-            sd, sf = self.get("fwd", "sdpa", "fwd", c, big), self.get("fwd", "sdpa_flash", "fwd", c, big)
-            if sd or sf:
-                parts.append(f"{'c' if c else 'nc'} {sd or float('nan'):.3g}/{sf or float('nan'):.3g}"
-                             + (f" (flash x{sf / sd:.2f})" if sd and sf else ""))
-        if parts:
-            L.append(f"SDPA fwd N={fmt_n(big)} default dispatch/flash backend ms: " + ", ".join(parts))
         sdpa_key = "(d = SDPA default dispatch, f = SDPA flash backend: the faster of the two in this run, per N)"
         # forward vs compile / eager
         for c, tgt in ((False, 2.4), (True, 4.2)):
@@ -269,22 +300,6 @@ class ReportMixin:
                 if cb:
                     line(f"fwd+bwd {st:<4} N={bigb} {cs} ours(auto) vs compile: x{cb / o:.2f} (>= 1.0 'competitive'){note}",
                          cb / o >= 1.0)
-        fb_sdpa_lines = False
-        for c in (False, True):
-            parts = []
-            for n in cfg["bwd_n"]:
-                if n < bigb:
-                    continue
-                s, which, _ = self.sdpa_best("fwd_bwd", "fwd_bwd_sdpa", c, n)
-                r = [f"{st}:{self.get('fwd_bwd', 'ours_auto', f'fwd_bwd_{st}', c, n) / s:.2f}"
-                     for st in ("s1", "s2", "both") if s and self.get("fwd_bwd", "ours_auto", f"fwd_bwd_{st}", c, n)]
-                if r:
-                    parts.append(f"{fmt_n(n)}({which[0]}) " + ",".join(r))
-            if parts:
-                line(f"fwd+bwd ours/SDPA-fwd+bwd {'c ' if c else 'nc'}: " + " | ".join(parts), None)
-                fb_sdpa_lines = True
-        if fb_sdpa_lines:
-            L.append("      " + sdpa_key)
         # fused vs separate
         nk = cfg["smallq_nk"]
         for st in ("s1", "s2", "both"):

@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import csv
 import os
-import sys
 import time
 import traceback
 
-from . import ROOT, delegated
-from .cases import CORE_SECTIONS, SECTION_DOC, make_config
+from . import delegated
+from .cases import SECTION_DOC, make_config
 from .checks import ChecksMixin
 from .cli import parse_args
 from .perf import PerfMixin
-from .prewarm import run_prewarm, worker_main
 from .providers import ProvidersMixin
-from .report import COLUMNS, SECTION_COLUMNS, ReportMixin
+from .report import COLUMNS, SECTION_COLUMNS, ReportMixin, resolve_out, write_results_csv
 from .timing import Budget, TimingMixin
 
 
@@ -65,6 +63,7 @@ class Runner(ReportMixin, TimingMixin, ProvidersMixin, ChecksMixin, PerfMixin):
             self.ak_error = f"{type(e).__name__}: {e}"
             self.log(f"WARNING: streamkl_gpu.attention_kl unavailable ({self.ak_error}); 'ours' rows will be errors")
         self.env["streamkl_version"] = self._version()
+        self.write_env()
 
 
 
@@ -91,10 +90,7 @@ def run_section(r, s):
               + (f"; command: {res['command']}" if res["command"] else ""))
     else:
         try:
-            if s == "prewarm":
-                run_prewarm(r)
-            else:
-                getattr(r, f"sec_{s}")()
+            getattr(r, f"sec_{s}")()
         except Exception as e:
             r.section_errors.append(f"{s}: {type(e).__name__}: {str(e)[:120]}")
             rec.update(status="error", note=f"{type(e).__name__}: {str(e)[:200]}")
@@ -124,20 +120,12 @@ def main(argv=None, doc=None):
     args = parse_args(argv, doc)
     if args.device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # before torch/triton/streamkl_gpu are imported
-    if ROOT not in sys.path:
-        sys.path.append(ROOT)  # appended: a PYTHONPATH entry (or an installed package) still wins
+    args.out = resolve_out(args.out, args.device)
     cfg = make_config(args)
-    if args._worker:
-        args.sections = []
-        r = Runner(args, cfg)
-        return worker_main(r, args._worker)
     limits = {s: delegated.limit_for(s, args) for s in args.sections if s in delegated.DELEGATED}
     cfg["budgets"].update(limits)
     if args.budget_s is None:
         cfg["total"] += sum(limits.values())
-    prewarm = args.prewarm == "on" or (args.prewarm == "auto" and args.device == "cuda" and not args.tiny)
-    if prewarm and any(s in args.sections for s in CORE_SECTIONS if s != "env"):
-        args.sections = ["prewarm"] + args.sections
     r = Runner(args, cfg)
     torch = r.torch
     torch.manual_seed(args.seed)
@@ -157,6 +145,7 @@ def main(argv=None, doc=None):
                 r.log(f"WARNING: packing {args.out} failed: {type(e).__name__}: {e}")
     print_tails(r)
     r.summary()
+    r.write_env()
     r.bench_f.close()
     r.sections_f.close()
     if r.check_f:
@@ -165,6 +154,8 @@ def main(argv=None, doc=None):
     rc = 1 if nfail else (3 if r.section_errors else 0)
     r.log(f"done in {time.perf_counter() - r.t0:.1f}s; {nfail} failed checks; exit {rc}")
     r.log_f.close()
+    n_rows = write_results_csv(args.out, r.env, r.sections_done)
+    print(f"results.csv: {n_rows} rows (every CSV of the run, long format) in {args.out}", flush=True)
     if args.pack:
         path, n = delegated.pack(args.out)
         print(f"packed {n} files into {path} ({os.path.getsize(path) / 2 ** 20:.1f} MiB)", flush=True)

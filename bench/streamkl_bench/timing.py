@@ -1,5 +1,11 @@
-"""Timing: the run's time budget, input sets and their rotation, and ``measure`` (warm-up, one call
-for peak memory, then do_bench, CUDA events for slow calls, perf_counter on CPU)."""
+"""The one timing helper of the benchmark suite: every section and ``compare_trees.py`` time with it
+(it imports no streamkl_gpu: ``compare_trees.py`` runs it against another tree's package).
+
+``time_ms`` (do_bench on the GPU, a few CUDA-event-timed calls past ``long_call_ms``, wall-clock
+calls on CPU under the interpreter), ``event_ms``, ``wall_us_per_call`` (host cost),
+``extra_memory_gib``, ``is_oom``, ``sync``, ``copy_bandwidth``, ``matmul_tflops``; for
+``bench_gpu.py``'s in-process sections the run's ``Budget`` and ``TimingMixin`` (input sets and
+their rotation, ``measure``: warm-up, one call for peak memory, then ``time_ms``)."""
 from __future__ import annotations
 
 import contextlib
@@ -7,6 +13,114 @@ import gc
 import math
 import time
 import traceback
+
+
+def _cuda():
+    import torch
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def sync(cuda=None):
+    import torch
+    if _cuda() if cuda is None else cuda:
+        torch.cuda.synchronize()
+
+
+def event_ms(fn, reps=3):
+    """Times of ``reps`` calls of ``fn`` in ms, each between two CUDA events (no warm-up)."""
+    import torch
+    out = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        fn()
+        e1.record()
+        torch.cuda.synchronize()
+        out.append(e0.elapsed_time(e1))
+    return out
+
+
+def time_ms(fn, cuda=None, warmup=25, rep=100, grad_to_none=None, quantiles=None, long_call_ms=None, cpu_reps=1):
+    """Median ms of ``fn`` (a list of ``quantiles`` if given). GPU: ``do_bench(warmup, rep)``, or,
+    when one warm call takes longer than ``long_call_ms``, the median of 3 event-timed calls.
+    CPU: the median of ``cpu_reps`` wall-clock calls."""
+    cuda = _cuda() if cuda is None else cuda
+    if not cuda:
+        samples = []
+        for _ in range(cpu_reps):
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+        return quantiles_of(samples, quantiles) if quantiles else sorted(samples)[len(samples) // 2]
+    if long_call_ms is not None:
+        one = event_ms(fn, 1)[0]
+        if one > long_call_ms:
+            samples = [one] + event_ms(fn, 2)
+            return quantiles_of(samples, quantiles) if quantiles else sorted(samples)[1]
+    from triton.testing import do_bench
+    if quantiles:
+        return list(do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, quantiles=list(quantiles)))
+    return do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median")
+
+
+def wall_us_per_call(fn, n, cuda=None, warm=50):
+    """Host cost: wall microseconds per call of ``n`` back-to-back calls (after ``warm`` calls)."""
+    for _ in range(warm):
+        fn()
+    sync(cuda)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    sync(cuda)
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def extra_memory_gib(fn, cuda=None):
+    """Peak allocated during one call of ``fn`` minus what was allocated before it (GiB); NaN on CPU."""
+    import torch
+    if not (_cuda() if cuda is None else cuda):
+        fn()
+        return float("nan")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+
+
+def is_oom(exc) -> bool:
+    import torch
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def copy_bandwidth(nbytes=1 << 30, device="cuda"):
+    """Device copy bandwidth, bytes read + written per second (a ``copy_`` of ``nbytes``)."""
+    import torch
+    x = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    ms = time_ms(lambda: y.copy_(x), cuda=device == "cuda", warmup=10, rep=50, cpu_reps=3)
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def matmul_tflops(n=8192, device="cuda"):
+    """bf16 TFLOP/s of one n^3 matmul (the floors' rate)."""
+    import torch
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    ms = time_ms(lambda: a @ b, cuda=device == "cuda", warmup=10, rep=50)
+    return 2 * n ** 3 / (ms * 1e-3) / 1e12
+
+
+def quantiles_of(samples, ps=(0.2, 0.5, 0.8)):
+    s = sorted(samples)
+
+    def q(p):
+        x = p * (len(s) - 1)
+        lo = int(math.floor(x))
+        hi = min(lo + 1, len(s) - 1)
+        return s[lo] + (s[hi] - s[lo]) * (x - lo)
+    return [q(p) for p in ps]
 
 
 class Budget:
@@ -38,19 +152,6 @@ class Budget:
 
     def allows(self, cost_s):
         return cost_s <= self.remaining()
-
-
-def quantiles(samples):
-    s = sorted(samples)
-    if len(s) == 1:
-        return [s[0]] * 3
-
-    def q(p):
-        x = p * (len(s) - 1)
-        lo = int(math.floor(x))
-        hi = min(lo + 1, len(s) - 1)
-        return s[lo] + (s[hi] - s[lo]) * (x - lo)
-    return [q(0.2), q(0.5), q(0.8)]
 
 
 class TimingMixin:
@@ -156,7 +257,7 @@ class TimingMixin:
                         tc = time.perf_counter()
                         fn()
                         samples.append((time.perf_counter() - tc) * 1e3)
-                    times = quantiles(samples)
+                    times = quantiles_of(samples)
                     extra.append(f"reps={len(samples)};timer=perf_counter")
                 elif t_one > 300.0:  # slow: a few event-timed calls, no do_bench
                     reps = slow_reps or (3 if t_one < 1500.0 else 1)
@@ -169,27 +270,17 @@ class TimingMixin:
                         e1.record()
                         torch.cuda.synchronize()
                         samples.append(e0.elapsed_time(e1))
-                    times = quantiles(samples)
+                    times = quantiles_of(samples)
                     extra.append(f"reps={len(samples)};timer=cuda_events" + (";no_warmup" if slow else ""))
                 else:
-                    from triton.testing import do_bench
-                    times = do_bench(fn, warmup=self.cfg["warmup_ms"], rep=self.cfg["rep_ms"],
-                                     quantiles=[0.2, 0.5, 0.8])
+                    times = time_ms(fn, cuda=True, warmup=self.cfg["warmup_ms"], rep=self.cfg["rep_ms"],
+                                    quantiles=(0.2, 0.5, 0.8))
                     extra.append("timer=do_bench")
             return list(times), peak, "ok", ";".join(extra)
-        except torch.cuda.OutOfMemoryError as e:
-            self.free()
-            return None, None, "OOM", str(e).split("\n")[0][:120].replace(",", ";")
-        except RuntimeError as e:
-            if "out of memory" in str(e).lower():
-                self.free()
-                return None, None, "OOM", ""
-            self.free()
-            self.log(f"ERROR in measurement: {type(e).__name__}: {str(e)[:300]}")
-            self.log(traceback.format_exc(), stdout=False)
-            return None, None, "error", f"{type(e).__name__}: {str(e)[:100]}".replace(",", ";").replace("\n", " ")
         except Exception as e:
             self.free()
+            if is_oom(e):
+                return None, None, "OOM", str(e).split("\n")[0][:120].replace(",", ";")
             self.log(f"ERROR in measurement: {type(e).__name__}: {str(e)[:300]}")
             self.log(traceback.format_exc(), stdout=False)
             return None, None, "error", f"{type(e).__name__}: {str(e)[:100]}".replace(",", ";").replace("\n", " ")
@@ -209,16 +300,10 @@ class TimingMixin:
         return self.row(*meta, times=times, peak=peak, status=status, extra=ex)
 
     def bench_simple(self, fn):
-        if self.cuda:
-            from triton.testing import do_bench
-            return list(do_bench(fn, warmup=self.cfg["warmup_ms"], rep=self.cfg["rep_ms"], quantiles=[0.2, 0.5, 0.8]))
-        fn()
-        s = []
-        for _ in range(3):
-            t = time.perf_counter()
-            fn()
-            s.append((time.perf_counter() - t) * 1e3)
-        return quantiles(s)
+        if not self.cuda:
+            fn()  # warm
+        return time_ms(fn, cuda=self.cuda, warmup=self.cfg["warmup_ms"], rep=self.cfg["rep_ms"],
+                       quantiles=(0.2, 0.5, 0.8), cpu_reps=3)
 
     def measure_copy(self):
         if self.copy_bw is None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Nsight Compute on the warm target calls of bench/ncu_targets.py: sections (speed of light,
+# Nsight Compute on the warm target calls of bench/profile/ncu_targets.py: sections (speed of light,
 # pipe utilisation, warp stalls, scheduler, memory) and a few named pipe metrics, as text.
-#   bash bench/ncu_run.sh OUTDIR CASE [CASE ...]
+#   bash bench/profile/ncu_run.sh OUTDIR CASE [CASE ...]    (from the repository root)
 set -u
 out=$1; shift
 mkdir -p "$out"
@@ -11,7 +11,7 @@ for case in "$@"; do
   "$NCU" --clock-control none --profile-from-start off \
     --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
     --section SchedulerStats --section InstructionStats --section MemoryWorkloadAnalysis --section Occupancy \
-    --section LaunchStats -f -o "$out/$case" python3 bench/ncu_targets.py "$case" > "$out/$case.run.log" 2>&1
+    --section LaunchStats -f -o "$out/$case" env PYTHONPATH=. python3 bench/profile/ncu_targets.py "$case" > "$out/$case.run.log" 2>&1
   echo "$case sections rc=$?"
   "$NCU" --import "$out/$case.ncu-rep" --page details --print-details all > "$out/$case.details.txt" 2>&1
   "$NCU" --import "$out/$case.ncu-rep" --page raw --csv --metrics \

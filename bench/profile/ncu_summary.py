@@ -1,6 +1,6 @@
 """Long-format CSV of the figures that matter from `ncu --page details --print-details all` text.
 
-    python bench/ncu_summary.py OUT.csv CASE=DETAILS.txt [CASE=DETAILS.txt ...] [--trim DIR]
+    python bench/profile/ncu_summary.py OUT.csv CASE=DETAILS.txt [CASE=DETAILS.txt ...] [--trim DIR]
 
 One row per (case, kernel, metric): duration, pipe activity (tensor, MUFU = XU, FMA, ALU), issue
 slots, L2 / DRAM throughput, registers, shared memory, occupancy and every warp-stall reason

@@ -1,18 +1,16 @@
-"""The conformance suite against code no one here wrote: PyTorch's own ``F.kl_div`` fed attention
-log-probabilities (eager and ``torch.compile``), flash-linear-attention's ``FusedKLDivLoss`` and
-Liger-Kernel's ``LigerKLDIVLoss``, each fed materialised attention logits through a few lines of
-glue, and streamkl's kernels for comparison.
+"""Section ``peers``: the conformance suite against code no one here wrote: PyTorch's ``F.kl_div`` on
+attention log-probabilities (eager and ``torch.compile``), flash-linear-attention's
+``FusedKLDivLoss`` and Liger-Kernel's ``LigerKLDIVLoss`` (materialised logits through a few lines
+of glue), and streamkl's kernels for comparison.
 
-    python bench/conformance_peers.py OUT_DIR [--device cpu|cuda] [--site PATH] [--quick]
+    python bench/bench_gpu.py --sections peers                 # on the GPU
+    PYTHONPATH=bench:.:.device/peers python -m streamkl_bench.conformance_peers OUT_DIR --device cpu
 
-``--site PATH``: a directory prepended to ``sys.path`` holding the peer packages (the GPU machine
-has no network: ``pip install --no-deps --no-compile --target .device/peers liger-kernel==0.8.5
-flash-linear-attention==0.6.0 fla-core==0.6.0 einops`` here, then carry ``.device/peers``). On
-CPU the Triton peers run under the Triton interpreter (set before anything imports Triton).
-Writes ``OUT_DIR/conformance_peers.json`` (every report, with its rows, cases and options),
-``OUT_DIR/conformance_peers.csv`` (one line per peer) and ``conformance_peers.md`` (the docs
-table, rendered from the CSV), and prints a short table last.
-A peer that cannot be imported or run is a row with the reason, not a crash.
+The peers come from ``.device/peers`` (the section puts it on the child's PYTHONPATH when it
+exists: ``pip install --no-deps --no-compile --target .device/peers liger-kernel==0.8.5
+flash-linear-attention==0.6.0 fla-core==0.6.0 einops``, then carry it) or the environment.
+Writes ``conformance_peers.{json,csv,md}`` (every report; one line per peer; the docs table) and
+prints a short table last. A peer that cannot be imported or run is a row with the reason.
 """
 from __future__ import annotations
 
@@ -27,22 +25,17 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def _parse():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out_dir", help="directory for the JSON and CSV results")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--site", help="directory with the peer packages, prepended to sys.path")
     p.add_argument("--quick", action="store_true", help="the quick subset of the battery")
     p.add_argument("--peers", help="comma list of peers to run (default: all)")
     return p.parse_args()
 
 
-# ---------------------------------------------------------------------------------------------
 # glue: materialised logits, as a user feeding a row-wise KL loss would write it
-# ---------------------------------------------------------------------------------------------
 def _scores(q, k, scale, h):
     import torch
 
@@ -184,9 +177,6 @@ def main() -> int:
     args = _parse()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if args.site:
-        sys.path.insert(0, os.path.abspath(args.site))
-    sys.path.insert(0, str(ROOT))
     import torch
 
     device = args.device

@@ -1,7 +1,8 @@
-"""GPU check of the NaN/inf contract (docs/api.md, "NaN and infinity"), through the public API only.
+"""Section ``nan``: the NaN/inf isolation contract (docs/api.md, "NaN and infinity") on the GPU,
+through the public API only. (What the guards cost: the ``nan_cost`` section.)
 
-    python bench/nan_check.py OUT_DIR            # on the GPU (about 30-60 s, mostly compiling)
-    python bench/nan_check.py OUT_DIR --tiny     # CPU smoke run under the Triton interpreter
+    python bench/bench_gpu.py --sections nan                       # about 30-60 s, mostly compiling
+    python bench/bench_gpu.py --sections nan --device cpu --tiny   # CPU smoke under the interpreter
 
 For a few shapes (ragged with GQA in bf16, fp16 and fp32; two tile-sized ones, 128 and 2K keys, the
 latter through the TMA path on Hopper; N_Q > N_K with empty rows; a decode shape that the forward
@@ -17,12 +18,10 @@ in an upstream-gradient row). Against the clean run (same layout, finite padding
   entries within 2 ulp of the dtype relative plus 1e-4 of the tensor's largest entry;
 - everywhere: every entry a NaN reaches is NaN (never a silent 0), unreached entries are finite.
 
-A row is *reached* if it holds a poisoned query (or upstream gradient, for the gradients) or sees
-a poisoned key and sees at least one key; a key's dk is reached if a reached row sees it. Writes
-``nan_check.csv`` (one line per compared tensor) to OUT_DIR and prints a pass/fail table last.
-Exit status 0 only if everything passed. STREAMKL_AUTOTUNE=0 is set (one fixed launch config per
-shape, the same for the clean and poisoned runs, no tuning time); STREAMKL_FWD_BACKEND picks the
-forward kernel per path (Triton one pass, Triton split-K, Gluon where it takes the problem).
+A row is *reached* if it holds a poisoned query (or upstream gradient) or sees a poisoned key and
+at least one key; a key's dk is reached if a reached row sees it. Writes OUT_DIR/nan_check.csv (one
+line per compared tensor), a pass/fail table last; exit 0 only if all passed. STREAMKL_AUTOTUNE=0
+(one launch config per shape); STREAMKL_FWD_BACKEND picks the forward kernel per path.
 """
 from __future__ import annotations
 
@@ -308,5 +307,4 @@ if __name__ == "__main__":
     parser.add_argument("out_dir", help="directory for nan_check.csv")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
     args = parser.parse_args()
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.exit(0 if main(args.out_dir, tiny=args.tiny) else 1)

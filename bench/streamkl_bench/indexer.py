@@ -1,34 +1,24 @@
-#!/usr/bin/env python3
-"""The indexer loss's training step on every path: the tables of docs/indexer.md's training section.
+"""Section ``indexer``: the indexer loss, dense (``indexer_kl``) and top-k (``indexer_kl_topk``), its
+training step on every path: the tables of docs/indexer.md's training section.
 
-    python bench/indexer_training.py --out OUT                      # one H200: ~6 min, compiles included
-    python bench/indexer_training.py --out OUT --memory-n 131072    # + DSA-like 128K fwd+bwd extra memory
-    python bench/indexer_training.py --out /tmp/x --tiny            # CPU smoke under the interpreter (< 20 s)
+    python bench/bench_gpu.py --sections indexer                    # one H200: ~6 min, compiles included
+    python bench/bench_gpu.py --sections indexer --section-args indexer="--memory-n 131072"   # + 128K memory
+    PYTHONPATH=bench:. python -m streamkl_bench.indexer --out /tmp/x --tiny   # CPU smoke (< 20 s)
 
-What it times (``triton.testing.do_bench``, medians of ``--rounds`` >= 5 interleaved rounds: every
-point's every measure once per round, in turn), 8K tokens, causal, bf16, B = 1, the indexer
-inputs requiring grad, ``reduction="mean"``:
-  * teachers: DSA-like (H=128, D=576, MQA, sigma=192^-0.5; indexer 64 heads x 128) and GQA-like
-    (H=32 over 8 key heads, D=128; indexer 16 x 64);
-  * paths: ``lse`` given (the teacher's own, FlashAttention's softmax_lse), no ``lse`` (the loss
-    computes them first), ``row_weights=`` (per-row weights, with and without ``lse``);
-  * per path: the forward alone and forward + backward of ``streamkl_gpu.indexer_kl``, the extra
-    memory of one fwd+bwd (peak minus what was allocated before the call);
-  * the baseline: ``torch.compile`` of the materialised loss (``indexer_kl_naive``, fp32 products
-    of the bf16 inputs, masked mean), fwd and fwd+bwd, or its out-of-memory (recorded);
-  * ``indexer_kl_topk`` (the sparse stage) at DSA-like 8K and 32K, ``topk = 2048`` random visible
-    keys per row, against ``torch.compile`` of the materialised top-k loss (or its OOM);
-  * the bf16 matmul rate of this process (8192^3), and each point's floor at it (FLOPs, causal):
+Times (medians of ``--rounds`` >= 5 interleaved rounds) at 8K, causal, bf16, B = 1, indexer inputs
+requiring grad, ``reduction="mean"``, for a DSA-like teacher (H=128, D=576, MQA, sigma=192^-0.5;
+indexer 64 x 128) and a GQA-like one (H=32 over 8 key heads, D=128; indexer 16 x 64), on every path
+(``lse`` given, no ``lse``, ``row_weights=`` with and without ``lse``): forward, forward+backward,
+extra memory; ``torch.compile`` of the materialised loss (or its OOM); ``indexer_kl_topk`` at 8K and
+32K with 2048 random visible keys per row against ``torch.compile`` of the top-k loss; each point's
+floor at this process's bf16 matmul rate (FLOPs, causal):
       lse given   2 * N^2/2 * (H D + 3 H_I D_I)
       no lse      2 * N^2/2 * (2 H D + 3 H_I D_I)        (row weights: as their lse case)
       top-k       2 * N * topk * (H D + 3 H_I D_I)
-  * checks against float64 (streamkl_ref) on every path and both teachers at odd shapes (B = 2,
-    N_Q = 200, N_K = 264 causal: N_Q != N_K, neither a multiple of a tile; bf16 inputs): loss
-    within 1e-5 (relative to max(1, |loss|)), gradients within 5e-3 relative (norm-wise,
-    streamkl_ref.testing.relative_error); top-k likewise.
+Checks against float64 (streamkl_ref) on every path at odd shapes (B = 2, N_Q = 200, N_K = 264):
+loss within 1e-5 (relative to max(1, |loss|)), gradients within 5e-3 relative; top-k likewise.
 Output: OUT/indexer_training.csv, long format (section, measure, teacher, path, provider, n,
 value, unit, note, gpu, timestamp, torch, triton, streamkl), and the summary table on stdout.
-Exit status 1 if a check failed.
 """
 from __future__ import annotations
 
@@ -42,8 +32,6 @@ import sys
 import time
 import traceback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 if "--tiny" in sys.argv:  # the interpreter must be chosen before Triton is imported
     os.environ["TRITON_INTERPRET"] = "1"
 
@@ -54,6 +42,9 @@ import triton  # noqa: E402
 import streamkl_ref  # noqa: E402
 import streamkl_gpu  # noqa: E402
 from streamkl_ref.testing import relative_error  # noqa: E402
+
+from . import timing  # noqa: E402
+from .timing import extra_memory_gib, is_oom  # noqa: E402,F401
 
 COLUMNS = ["section", "measure", "teacher", "path", "provider", "n", "value", "unit", "note",
            "gpu", "timestamp", "torch", "triton", "streamkl"]
@@ -135,42 +126,15 @@ def floor_flops(cfg, N, path, topk=None):
 
 
 def matmul_rate(device):
-    if device != "cuda":
-        return float("nan")
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    ms = triton.testing.do_bench(lambda: a @ b, warmup=10, rep=50)
-    return 2 * 8192 ** 3 / (ms * 1e-3)
+    return timing.matmul_tflops(device=device) * 1e12 if device == "cuda" else float("nan")
 
 
 def time_ms(fn, device, quick):
-    if device != "cuda":  # the interpreter: one call (the code path, not a time)
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    return triton.testing.do_bench(fn, warmup=5 if quick else 25, rep=20 if quick else 100)
+    """Median ms (the interpreter: one call, the code path, not a time)."""
+    return timing.time_ms(fn, cuda=device == "cuda", warmup=5 if quick else 25, rep=20 if quick else 100)
 
 
-def extra_memory_gib(fn, device):
-    """Peak minus what was allocated before one call (GiB); NaN on CPU."""
-    if device != "cuda":
-        fn()
-        return float("nan")
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2 ** 30
-
-
-def is_oom(exc) -> bool:
-    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
-
-
-# ----------------------------------------------------------------------------------------------
 # The timed points: (section, teacher, path, provider, n) -> {measure: callable}
-# ----------------------------------------------------------------------------------------------
 
 DESIGN_VAR = "STREAMKL_INDEXER_TRAINING"
 
@@ -280,9 +244,7 @@ def topk_point(cfg, N, K, device, dtype, compiled=False):
     return {"fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd}, fwd_bwd
 
 
-# ----------------------------------------------------------------------------------------------
 # Checks against float64
-# ----------------------------------------------------------------------------------------------
 
 def check_dense(out, cfg, name, path, device, dtype, B, NQ, NK):
     xs = make(cfg, B, NQ, NK, dtype, device, seed=7)
@@ -326,7 +288,6 @@ def _report_check(out, section, name, path, n, loss, ref_loss, leaves, ref):
         print(f"check {section:5s} {name:3s} {path:20s} {measure:24s} {value:.2e} (tol {tol:g}) {'ok' if ok else 'FAIL'}")
 
 
-# ----------------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -410,7 +371,7 @@ def main(argv=None):
                     out.row(key[0], "first_call_s", key[1], key[2], key[3], key[4],
                             f"{time.perf_counter() - t0:.2f}", "s")
                     t0 = None
-            mem = extra_memory_gib(fb, device)
+            mem = extra_memory_gib(fb, device == "cuda")
             out.row(key[0], "extra_mem_fwd_bwd", key[1], key[2], key[3], key[4], f"{mem:.3f}", "GiB")
         except Exception as exc:  # noqa: BLE001
             out.row(key[0], "error", key[1], key[2], key[3], key[4], "oom" if is_oom(exc) else "error", "",
@@ -458,7 +419,7 @@ def main(argv=None):
         cfg = teachers["dsa"]
         try:
             _, fb = dense_point(cfg, a.memory_n, "no_lse", device, dtype)
-            mem = extra_memory_gib(fb, device)
+            mem = extra_memory_gib(fb, device == "cuda")
             out.row("memory", "extra_mem_fwd_bwd", "dsa", "no_lse", "streamkl", a.memory_n, f"{mem:.3f}", "GiB")
             print(f"DSA-like {a.memory_n} fwd+bwd (no lse) extra memory {mem:.2f} GiB")
         except Exception as exc:  # noqa: BLE001

@@ -1,14 +1,15 @@
-"""Offline sm_90 compile of the DSA-like indexer forward (lse given), no GPU needed: registers,
-spills, shared memory, and what the score tile's epilogue costs (TTGIR layout conversions, SASS
-instruction counts: HGMMA, MUFU.EX2, SHFL, BAR, STS/LDS, STL/LDL) for each forward config.
+"""Test helper (run in its own process by tests/test_indexer_keys_major.py): offline sm_90 compile
+of the DSA-like indexer forward (lse given), no GPU needed: registers, spills, shared memory, and
+what the score tile's epilogue costs (TTGIR layout conversions, SASS instruction counts: HGMMA,
+MUFU.EX2, SHFL, BAR, STS/LDS, STL/LDL) for each forward config given.
 
-    python bench/idx_dsa_aot.py                                   # the default + idx_dsa_gpu.py's candidates
-    python bench/idx_dsa_aot.py "128,128,128,64,4,3;128,128,128,64,4,3,None,1,keys"
-    PYTHONPATH=/tmp/tr36/site python bench/idx_dsa_aot.py         # triton 3.6 (the GPU image's)
-    DUMP=/tmp/ttgir python bench/idx_dsa_aot.py ...               # also write TTGIR / SASS per config
+    python tests/_indexer_fwd_sm90_compile.py "128,128,128,64,4,3;128,128,128,64,4,3,None,1,keys"
+    DUMP=/tmp/ttgir python tests/_indexer_fwd_sm90_compile.py ...   # also write TTGIR / SASS per config
 
-It intercepts the launch of streamkl_gpu.indexer.host._forward (CPU tensors, no kernel runs) as
-bench/indexer_aot_check.py does, and compiles with triton.compile for GPUTarget("cuda", 90, 32).
+It intercepts the launch of streamkl_gpu.indexer.host._forward (CPU tensors, no kernel runs; a
+test helper may patch the library's private names, a benchmark never does) and compiles with
+triton.compile for GPUTarget("cuda", 90, 32). Moved here from the benchmark folder, where its
+sweep over candidates was an exploration whose results are committed.
 """
 import os
 import re
@@ -18,9 +19,6 @@ import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)
 os.environ["STREAMKL_AUTOTUNE"] = "0"
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -112,11 +110,7 @@ def compile_one(name, fn, args, kw):
 
 
 def main(argv):
-    if argv:
-        cfgs = [parse_cfg(c) for c in argv[0].split(";")]
-    else:
-        from idx_dsa_gpu import CANDIDATES
-        cfgs = [c for _, c in CANDIDATES]
+    cfgs = [parse_cfg(c) for c in argv[0].split(";")]
     orig = idx_configs._candidates
     _tuning.pick = lambda key, cands, launch, *a, **k: [launch(c) for c in cands] and cands[0]
     N = int(os.environ.get("N", "256"))

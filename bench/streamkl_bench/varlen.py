@@ -1,31 +1,17 @@
-#!/usr/bin/env python3
-"""Packed variable-length sequences on the GPU (issue 12): checks, then the benchmark.
+"""Section ``varlen``: packed variable-length sequences (``attention_kl_varlen``): checks, then the benchmark.
 
-    python bench/varlen_gpu.py OUT_DIR [--parts checks,packed,a,b] [--quick] [--device cpu]
+    python bench/bench_gpu.py --sections varlen [--section-args varlen="--parts packed,a"]
+    PYTHONPATH=bench:. python -m streamkl_bench.varlen OUT --device cpu --parts packed   # CPU smoke
 
-(``--device cpu``: a smoke run of the whole script under the Triton interpreter at toy sizes,
-timed with a wall clock; its numbers mean nothing, it only checks that the script runs.)
-
-Checks (bf16, a small packing with zero-length, length-1 and N_Q != N_K sequences and one of
-2300 keys (TMA), GQA, D1 != D2, causal and not, fused, separate and deterministic backward,
-split-K): the forward and the
-setting-1 gradients (dq2, dk2) of ``attention_kl_varlen`` against ``streamkl_ref``'s float64
-``attention_kl_varlen(_grad)``, with FlashAttention's tolerance rule (error <= 3x the error of
-the same math in bf16 PyTorch, sequence by sequence, + 5e-3).
-
-Benchmark (H = 32, D = 128, bf16, causal): one packed batch of 80K tokens in 1x16K + 2x8K +
-4x4K + 8x2K + 16x1K documents, shuffled (seed 0); forward and forward+backward (setting 1:
-grads to q2, k2). Against
-  (a) the same sequences, one ``attention_kl`` call each on ``[1, H, n, D]`` views of the packed
-      tensors (the kernel time of every call measured with do_bench, summed; the forward also
-      with the Triton backend forced, since attention_kl may pick its Gluon forward on Hopper
-      while the packed path runs the Triton kernel), and
-  (b) every sequence right-padded to 16K in one ``[31, H, 16K, D]`` causal ``attention_kl`` call.
-Peak extra memory: max_memory_allocated during the call minus what was allocated before it.
-Musts: packed <= 1.1x (a) and >= 2x faster than (b), forward and forward+backward.
-
-Writes OUT_DIR/varlen.csv (long format: section, case, provider, metric, value, unit, note) and
-prints a short table last. GPU time about 1-2 minutes on an H200.
+Checks (bf16; zero-length, length-1, N_Q != N_K sequences and one of 2300 keys (TMA); GQA, D1 != D2,
+causal and not; fused, separate and deterministic backward; split-K): the forward and setting 1's
+gradients against ``streamkl_ref``'s float64 ``attention_kl_varlen(_grad)``, error <= 3x the same
+math in bf16 PyTorch, sequence by sequence, + 5e-3. Benchmark (H = 32, D = 128, bf16, causal): 80K
+tokens in 1x16K + 2x8K + 4x4K + 8x2K + 16x1K documents, shuffled; forward and forward+backward,
+packed vs (a) one ``attention_kl`` call per sequence (summed; the forward also with
+STREAMKL_FWD_BACKEND=triton, the kernel varlen runs) vs (b) every sequence right-padded to 16K in
+one call; peak extra memory. Musts: packed <= 1.1x (a), (b) >= 2x packed. Writes OUT/varlen.csv
+(long format: section, case, provider, metric, value, unit, note); a short table last.
 """
 from __future__ import annotations
 
@@ -37,8 +23,6 @@ import random
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1:][:1] == ["cpu"]:
     os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
 
@@ -48,6 +32,8 @@ import torch  # noqa: E402
 import streamkl_gpu  # noqa: E402
 import streamkl_ref  # noqa: E402
 from streamkl_gpu.naive import attention_kl_naive  # noqa: E402
+
+from .timing import extra_memory_gib, time_ms  # noqa: E402
 
 FIELDS = ["section", "case", "provider", "metric", "value", "unit", "note"]
 DEV = "cuda"  # --device cpu: the interpreter smoke run
@@ -92,9 +78,7 @@ def cu_tensor(lens):
     return torch.tensor([0] + list(np.cumsum(lens)), dtype=torch.int32, device=DEV)
 
 
-# ----------------------------------------------------------------------------------------------
 # Checks
-# ----------------------------------------------------------------------------------------------
 
 def same_precision_bf16(xs, cu_q, cu_k, g, causal):
     """bf16 PyTorch, sequence by sequence: KL [total_q, H] and the setting-1 grads (dq2, dk2)."""
@@ -165,9 +149,7 @@ def checks(out):
     return all(results), len(results)
 
 
-# ----------------------------------------------------------------------------------------------
 # Benchmark
-# ----------------------------------------------------------------------------------------------
 
 def bench_lens(seed=0):
     lens = [16384] + [8192] * 2 + [4096] * 4 + [2048] * 8 + [1024] * 16
@@ -176,41 +158,19 @@ def bench_lens(seed=0):
 
 
 def timed(fn, grad_to_none=None, long_call=False):
-    """Median ms of ``fn`` (do_bench: L2 flushed, CUDA events); CPU smoke: one wall-clock call.
-    ``long_call`` (the padded case, ~1 s a call): one warm-up and the median of 3 event-timed calls."""
-    if DEV == "cpu":
-        t = time.perf_counter()
+    """Median ms of ``fn``; ``long_call`` (the padded case, ~1 s a call): 3 event-timed calls."""
+    if long_call and DEV == "cuda":
         fn()
-        return (time.perf_counter() - t) * 1e3
-    if long_call:
-        times = []
-        for i in range(4):
-            for x in grad_to_none or ():
-                x.grad = None
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            if i:
-                times.append(start.elapsed_time(end))
-        return sorted(times)[1]
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=10, rep=60, grad_to_none=grad_to_none, return_mode="median")
+        for x in grad_to_none or ():
+            x.grad = None
+    return time_ms(fn, cuda=DEV == "cuda", warmup=10, rep=60, grad_to_none=grad_to_none,
+                   long_call_ms=0.0 if long_call else None)
 
 
 def peak_extra(fn):
     """Peak bytes allocated during ``fn`` beyond what was allocated before it (0 on CPU)."""
-    if DEV == "cpu":
-        fn()
-        return 0
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
+    gib = extra_memory_gib(fn, cuda=DEV == "cuda")
+    return 0 if math.isnan(gib) else gib * 2 ** 30
 
 
 def benchmark(out, quick=False, parts=("packed", "a", "b")):
@@ -289,10 +249,6 @@ def bench_packed(out, res, packed_fwd, packed_fb, q2, k2):
 def bench_per_sequence(out, res, lens, starts, q1, k1, q2, k2, g):
     """(a) one attention_kl call per sequence, on [1, H, n, D] views of the packed tensors."""
     fwd_sum = fb_sum = fwd_triton_sum = 0.0
-    try:  # attention_kl may run a Gluon forward on Hopper (streamkl_gpu.attention.gluon.dispatch)
-        from streamkl_gpu.attention.gluon import dispatch as gluon_dispatch
-    except ImportError:
-        gluon_dispatch = None
     mem_a = 0
     for i, n in enumerate(lens):
         sl = slice(int(starts[i]), int(starts[i + 1]))
@@ -310,13 +266,15 @@ def bench_per_sequence(out, res, lens, starts, q1, k1, q2, k2, g):
         with torch.no_grad():
             f_fwd()
             fwd_sum += timed(f_fwd)
-            if gluon_dispatch is not None:  # the same calls on the Triton forward (the kernel varlen runs)
-                gluon_dispatch.FWD_BACKEND = "triton"
-                try:
-                    f_fwd()
-                    fwd_triton_sum += timed(f_fwd)
-                finally:
-                    gluon_dispatch.FWD_BACKEND = None
+            # the same calls on the Triton forward (the kernel varlen runs; attention_kl may pick Gluon)
+            saved = os.environ.get("STREAMKL_FWD_BACKEND")
+            os.environ["STREAMKL_FWD_BACKEND"] = "triton"  # the documented variable, read per call
+            try:
+                f_fwd()
+                fwd_triton_sum += timed(f_fwd)
+            finally:
+                os.environ.pop("STREAMKL_FWD_BACKEND") if saved is None else os.environ.update(
+                    STREAMKL_FWD_BACKEND=saved)
         f_fb()
         fb_sum += timed(f_fb, grad_to_none=[v2, w2])
         v2.grad = w2.grad = None
@@ -324,10 +282,9 @@ def bench_per_sequence(out, res, lens, starts, q1, k1, q2, k2, g):
         del v2, w2
     res["per_sequence", "fwd"] = fwd_sum
     res["per_sequence", "fwd_bwd"] = fb_sum
-    if gluon_dispatch is not None:
-        out.row("bench", "per_sequence", "attention_kl (STREAMKL_FWD_BACKEND=triton)", "fwd_ms",
-                f"{fwd_triton_sum:.4f}", "ms", "summed do_bench medians; varlen runs the Triton forward")
-        log(f"(a') per sequence, Triton forward forced, summed: fwd {fwd_triton_sum:.3f} ms")
+    out.row("bench", "per_sequence", "attention_kl (STREAMKL_FWD_BACKEND=triton)", "fwd_ms",
+            f"{fwd_triton_sum:.4f}", "ms", "summed do_bench medians; varlen runs the Triton forward")
+    log(f"(a') per sequence, Triton forward forced, summed: fwd {fwd_triton_sum:.3f} ms")
     out.row("bench", "per_sequence", "attention_kl", "fwd_bwd_peak_extra", mem_a, "bytes",
             "largest single call (16K); its clones of q2/k2 not counted")
     log(f"(a) per sequence, summed: fwd {fwd_sum:.3f} ms, fwd+bwd {fb_sum:.3f} ms")

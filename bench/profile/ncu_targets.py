@@ -1,22 +1,19 @@
 """One warm call of a target, between cudaProfilerStart/Stop (and an NVTX range "profile"), for Nsight Compute.
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight ... \
-        python bench/ncu_targets.py CASE
+        PYTHONPATH=. python bench/profile/ncu_targets.py CASE
 
 CASE: fwd8k (attention_kl forward, B=1 H=32 N=8K D=128 bf16, non-causal, automatic backend),
 bwd8k (setting 1's backward, q2/k2 trained, of the same shape: the forward runs outside the range),
 idx_dsa8k (indexer_kl forward, DSA-like config, 8K causal, ``lse`` given), idx_gqa8k (GQA-like).
 Every case first runs the call twice outside the range (compiles, tuning), so the profiled call
-is a warm one. ``bench/ncu_run.sh`` drives it and writes the reports' text.
+is a warm one. ``bench/profile/ncu_run.sh`` drives it and writes the reports' text.
 """
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import streamkl_gpu  # noqa: E402
+import streamkl_gpu  # the installed package or the repository root on PYTHONPATH
 
 DSA = dict(H=128, D=576, HK=1, HI=64, DI=128, HKI=1, scale=192 ** -0.5)
 GQA = dict(H=32, D=128, HK=8, HI=16, DI=64, HKI=1, scale=None)

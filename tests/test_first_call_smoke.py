@@ -1,0 +1,48 @@
+"""The benchmark's ``first_call`` section (bench/streamkl_bench/first_call.py) on CPU under the
+interpreter, tiny shapes: the fresh-process first calls (two entry points) and the 2^31-element
+cases' head/sequence checks at toy size."""
+import csv
+
+import pytest
+
+# the interpreter evaluates masked-off lanes too (their NaN is selected away, never used)
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+def _module():
+    from streamkl_bench import first_call  # bench/ is on pytest's pythonpath (pyproject.toml)
+    return first_call
+
+
+def _rows(path):
+    with open(path) as fh:
+        return list(csv.DictReader(fh))
+
+
+def test_first_calls_in_fresh_processes(tmp_path):
+    mod = _module()
+    assert mod.main(["--out", str(tmp_path), "--tiny", "--entries", "fwd,fwd_bwd_auto_s1"]) == 0
+    rows = _rows(tmp_path / "first_call.csv")
+    by = {(r["entry"], r["measure"]): r for r in rows}
+    for entry in ("fwd", "fwd_bwd_auto_s1"):
+        assert float(by[entry, "first_call_s"]["value"]) > 0
+        assert float(by[entry, "second_call_s"]["value"]) > 0
+        assert int(by[entry, "kernels_compiled"]["value"]) == 0  # the interpreter compiles nothing
+        assert float(by[entry, "tuning_s"]["value"]) == 0.0  # nothing timed by default
+        assert by[entry, "first_call_s"]["gpu_name"] and by[entry, "first_call_s"]["version"]
+    assert not any(r["measure"] == "error" for r in rows) and {r["run_status"] for r in rows} == {"ok"}
+
+
+def test_big_cases_match_their_heads_alone(tmp_path):
+    mod = _module()
+    only = "fwd_bwd_s1_causal,fwd_bwd_both_causal,varlen_s1_causal,indexer_128k_dsa"
+    assert mod.main(["--out", str(tmp_path), "--tiny", "--case", "big", "--only", only]) == 0
+    rows = _rows(tmp_path / "first_call_big.csv")
+    entries = {r["entry"] for r in rows}
+    assert entries == set(only.split(","))
+    errs = [r for r in rows if r["unit"] == "rel"]
+    # both settings: kl and four gradients, for the first and the last head
+    assert sum(r["entry"] == "fwd_bwd_both_causal" for r in errs) == 2 * 5
+    assert all(float(r["value"]) <= (1e-6 if "_kl_" in r["measure"] else 2e-3) for r in errs)
+    assert all(float(r["value"]) > 0 for r in rows if r["measure"] in ("fwd_s", "fwd_bwd_s"))
+    assert {r["run_status"] for r in rows} == {"ok"}
