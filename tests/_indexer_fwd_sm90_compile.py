@@ -11,6 +11,7 @@ test helper may patch the library's private names, a benchmark never does) and c
 triton.compile for GPUTarget("cuda", 90, 32). Moved here from the benchmark folder, where its
 sweep over candidates was an exploration whose results are committed.
 """
+import dataclasses
 import os
 import re
 import subprocess
@@ -27,6 +28,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import mangle_type  # noqa: E402
 
 from streamkl_gpu.indexer import configs as idx_configs  # noqa: E402
+from streamkl_gpu.indexer.plan import IndexerConfig  # noqa: E402
 from streamkl_gpu.indexer import host as idx_host  # noqa: E402
 from streamkl_gpu.indexer.triton import fwd as _indexer_fwd
 from streamkl_gpu._core import runtime as _runtime
@@ -53,7 +55,13 @@ _indexer_fwd._indexer_fwd_kernel = Rec("_indexer_fwd_kernel", _indexer_fwd._inde
 
 
 def parse_cfg(text):
-    return tuple(None if v == "None" else (int(v) if v.lstrip("-").isdigit() else v) for v in text.split(","))
+    """``"128,128,64,64,4,3,None,1,keys"`` as an IndexerConfig (its fields in order)."""
+    fields = [None if v == "None" else (int(v) if v.lstrip("-").isdigit() else v) for v in text.split(",")]
+    return IndexerConfig(*fields)
+
+
+def cfg_text(cfg):
+    return "[" + ", ".join(repr(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)) + "]"
 
 
 def compile_one(name, fn, args, kw):
@@ -125,9 +133,9 @@ def main(argv):
         try:
             idx_host._forward(q, k, qi, ki, w, torch.zeros(1, H, N), True, 192 ** -0.5, True)
             for name, fn, args, kw in records[:1]:  # pick's launches and the chosen one's: one compile
-                print(f"{list(cfg)}: " + compile_one(name, fn, args, kw), flush=True)
+                print(f"{cfg_text(cfg)}: " + compile_one(name, fn, args, kw), flush=True)
         except Exception as exc:  # noqa: BLE001 - report and go on
-            print(f"{list(cfg)}: FAILED {type(exc).__name__}: {str(exc)[:1500]}", flush=True)
+            print(f"{cfg_text(cfg)}: FAILED {type(exc).__name__}: {str(exc)[:1500]}", flush=True)
     idx_configs._candidates = orig
 
 
