@@ -24,7 +24,7 @@ def tuner(tmp_path, monkeypatch):
     """Tuning on (as on a GPU), the cache in a temporary directory, timing recorded, not run."""
     monkeypatch.setenv("STREAMKL_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("STREAMKL_TUNING_CACHE", raising=False)
-    monkeypatch.setattr(_tuning, "autotune_enabled", lambda: True)
+    monkeypatch.setattr(_tuning, "autotune_enabled", lambda *a, **k: True)
     monkeypatch.setattr(_tuning, "_TUNED", {})
     timed = []
 
@@ -140,10 +140,10 @@ def test_long_problems_are_tuned_on_a_bounded_slice(causal):
 def test_split_choices(monkeypatch):
     dims = check_inputs(*make_inputs(1, 32, 32, 32, 1, 8, 16, 16))
     decode = replace(dims, NK=131072, D1=128, D2=128)
-    monkeypatch.setattr(_tuning, "autotune_enabled", lambda: False)
+    monkeypatch.setattr(_tuning, "autotune_enabled", lambda *a, **k: False)
     rule = attn_configs.auto_split_k(decode, 16, 128, 132)
     assert attn_configs.split_choices(decode, False, 128, 132) == (rule,)
-    monkeypatch.setattr(_tuning, "autotune_enabled", lambda: True)
+    monkeypatch.setattr(_tuning, "autotune_enabled", lambda *a, **k: True)
     opts = attn_configs.split_choices(decode, False, 128, 132)
     assert 1 in opts and 8 in opts and rule in opts and max(opts) <= 64
     many = replace(decode, B=8, NQ=512)  # enough query blocks: one pass only
@@ -212,18 +212,35 @@ def test_a_long_call_is_its_own_measurement(monkeypatch):
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("value, on", [(None, False), ("0", False), ("", False), ("1", True)])
-def test_measured_tuning_is_opt_in(monkeypatch, value, on):
+@pytest.mark.parametrize("value, ruled_on, unruled_on", [
+    (None, False, True), ("auto", False, True), ("", False, True), ("0", False, False), ("1", True, True)])
+def test_which_picks_are_timed(monkeypatch, value, ruled_on, unruled_on):
+    """auto (the default): the picks with a shape rule untimed, the others (indexer kernels, the
+    decode key splits) timed; 0 none; 1 all."""
     monkeypatch.setattr(_tuning, "interpreting", lambda: False)  # as on a GPU
     if value is None:
         monkeypatch.delenv("STREAMKL_AUTOTUNE", raising=False)
     else:
         monkeypatch.setenv("STREAMKL_AUTOTUNE", value)
-    assert _tuning.autotune_enabled() is on
+    assert _tuning.autotune_enabled() is ruled_on
+    assert _tuning.autotune_enabled(ruled=False) is unruled_on
+
+
+def test_bad_autotune_value_names_the_variable(monkeypatch):
+    monkeypatch.setattr(_tuning, "interpreting", lambda: False)
+    monkeypatch.setenv("STREAMKL_AUTOTUNE", "yes")
+    with pytest.raises(ValueError, match="STREAMKL_AUTOTUNE must be one of"):
+        _tuning.autotune_enabled()
+
+
+def test_never_timed_under_the_interpreter(monkeypatch):
+    monkeypatch.setattr(_tuning, "interpreting", lambda: True)
+    monkeypatch.setenv("STREAMKL_AUTOTUNE", "1")
+    assert not _tuning.autotune_enabled() and not _tuning.autotune_enabled(ruled=False)
 
 
 def test_untuned_pick_times_nothing(monkeypatch):
-    monkeypatch.setattr(_tuning, "autotune_enabled", lambda: False)
+    monkeypatch.setattr(_tuning, "autotune_enabled", lambda *a, **k: False)
     monkeypatch.setattr(_tuning, "_time_candidates", lambda *a: pytest.fail("timed without STREAMKL_AUTOTUNE=1"))
     assert _tuning.pick(("k",), CANDS, launch=lambda c: pytest.fail("launched")) == CANDS[0]
 
@@ -359,8 +376,8 @@ def test_a_long_backward_is_timed_on_a_bounded_slice(monkeypatch, causal):
     xs = make_inputs(1, 2, 2, 2, nq, nk, 16, 16, seed=3)
     g = torch.randn(1, 2, nq, generator=torch.Generator().manual_seed(4))
     monkeypatch.setattr(_launch, "tuning_slice", lambda dims, c: (16, 16 + dims.NK - dims.NQ))
-    monkeypatch.setattr(_launch, "autotune_enabled", lambda: True)
-    monkeypatch.setattr(_tuning, "autotune_enabled", lambda: True)
+    monkeypatch.setattr(_launch, "autotune_enabled", lambda *a, **k: True)
+    monkeypatch.setattr(_tuning, "autotune_enabled", lambda *a, **k: True)
     monkeypatch.setattr(_tuning, "_TUNED", {})
     monkeypatch.setenv("STREAMKL_TUNING_CACHE", "0")
     monkeypatch.setenv("STREAMKL_AUTOTUNE", "1")  # a signature of its own (no plan from another test)

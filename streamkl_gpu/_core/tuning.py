@@ -1,8 +1,10 @@
 """Launch configurations: a few candidates per shape class, timed once per key on the GPU.
 
 A small hand-rolled tuner (``triton.autotune`` cannot run in the interpreter, and pruning by shape
-keeps the tuning cost to a handful of compiles), opt-in with ``STREAMKL_AUTOTUNE=1``; by default
-the first candidate runs untimed (the shape rule's config, ``attention.configs.SHAPE_RULES``). The tuner and its disk cache only: the attention kernels' candidate lists and automatic
+keeps the tuning cost to a handful of compiles). By default (``STREAMKL_AUTOTUNE=auto``) the
+attention kernels run their first candidate untimed (the shape rule's config,
+``attention.configs.SHAPE_RULES``) and the kernels without a derived rule are timed
+(:func:`autotune_enabled`). The tuner and its disk cache only: the attention kernels' candidate lists and automatic
 rules are in ``streamkl_gpu/attention/configs.py``, the indexer's in ``streamkl_gpu/indexer/configs.py``.
 """
 from __future__ import annotations
@@ -25,9 +27,22 @@ def bucket(n: int) -> int:
     return 1 << max(0, int(n - 1).bit_length())
 
 
-def autotune_enabled() -> bool:
-    """Measured tuning is opt-in: ``STREAMKL_AUTOTUNE=1`` (never under the interpreter)."""
-    return not interpreting() and _runtime.env("STREAMKL_AUTOTUNE", "0") not in ("0", "")
+AUTOTUNE_MODES = ("auto", "0", "1")
+
+
+def autotune_enabled(ruled: bool = True) -> bool:
+    """Is this pick timed? ``STREAMKL_AUTOTUNE``: ``auto`` (default) times only the picks with no
+    derived shape rule yet (``ruled=False``: the indexer's kernels and the forward's key splits for
+    short query blocks, whose first candidates were measured up to 2x slower than the tuned choice:
+    H200, bench/results/2026-12-03_h200_0d2b5d7/); the attention kernels' picks (``ruled=True``) run
+    the shape rule's config untimed (measured equal to the tuned choice there). ``1`` times every
+    pick, ``0`` none. Never under the interpreter."""
+    if interpreting():
+        return False
+    value = (_runtime.env("STREAMKL_AUTOTUNE", "auto") or "auto").strip().lower()
+    if value not in AUTOTUNE_MODES:
+        raise ValueError(f"STREAMKL_AUTOTUNE must be one of {AUTOTUNE_MODES}, got {value!r}")
+    return value == "1" or (value == "auto" and not ruled)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -98,15 +113,15 @@ def _disk_store(device, key, cfg):
         pass
 
 
-def pick(key, candidates, launch, proxy=None, device=None):
+def pick(key, candidates, launch, proxy=None, device=None, ruled=True):
     """The fastest of ``candidates`` for ``key``: from memory, from the disk cache, or timed once.
 
     ``launch(cfg)`` runs the real problem with ``cfg``; ``proxy(cfg)``, when given, a bounded slice
     of it with the same kernels (then the candidates are timed on the slice). Nothing else is
-    launched. Without ``STREAMKL_AUTOTUNE=1`` (and always in the interpreter) the first
-    candidate, untimed: the shape rule's choice (``rule_first``), the one kernel compiled.
+    launched. Where the pick is not timed (:func:`autotune_enabled` of ``ruled``; always in the
+    interpreter) the first candidate, untimed: the shape rule's choice, the one kernel compiled.
     """
-    if len(candidates) == 1 or not autotune_enabled():
+    if len(candidates) == 1 or not autotune_enabled(ruled):
         return candidates[0]
     cfg = _TUNED.get(key)
     if cfg is not None:

@@ -90,7 +90,7 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
             lse_idx.copy_(merged_lse)
 
     candidates = _configs._candidates("fwd", ieee_t or ieee_i, dims, _runtime.n_sm(device))
-    launch(_tuning.pick(("idx_fwd", relu) + key_base, candidates, launch))
+    launch(_tuning.pick(("idx_fwd", relu) + key_base, candidates, launch, ruled=False))
     return kl, lse_idx, lse_bits
 
 
@@ -166,7 +166,7 @@ def _forward_gluon(dims, q, k, q_idx, k_idx, weights, lse_bits, causal, relu, ke
                                       config=cfg, part=part)
 
     cands = _gluon_indexer.candidates(dims)
-    launch(_tuning.pick(("idx_gluon_fwd", relu) + key_base, cands, launch))
+    launch(_tuning.pick(("idx_gluon_fwd", relu) + key_base, cands, launch, ruled=False))
     return _plan_mod._merge_splits(part)
 
 
@@ -311,9 +311,9 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
 
     ieee = ieee_t or ieee_i
     if not fused:
-        launch_dq(_tuning.pick(("idx_bwd_dq",) + key_base, _configs._candidates("bwd", ieee, dims, teacher=teacher), launch_dq))
+        launch_dq(_tuning.pick(("idx_bwd_dq",) + key_base, _configs._candidates("bwd", ieee, dims, teacher=teacher), launch_dq, ruled=False))
     if not dqk:
-        launch_dk(_tuning.pick(("idx_bwd_dk",) + key_base, _configs._candidates("bwd", ieee, dims, teacher=teacher), launch_dk))
+        launch_dk(_tuning.pick(("idx_bwd_dk",) + key_base, _configs._candidates("bwd", ieee, dims, teacher=teacher), launch_dk, ruled=False))
     if target_part is not None:
         g0, dq_p, dk_p, dw_p = target_part
         g0 = g0.to(torch.float32)

@@ -164,7 +164,7 @@ def _forward(q, k, q_idx, k_idx, weights, topk_indices, lse, causal, scale, relu
     key = ("topk_fwd", dims.D, dims.DI, dims.H, dims.HK, dims.HI, dims.HKI, q.dtype, q_idx.dtype, causal, relu,
            lse is not None, _tuning.bucket(dims.NQ), _tuning.bucket(dims.NK), _tuning.bucket(n_sel),
            _tuning.bucket(dims.B))
-    launch(_tuning.pick(key, _fwd_candidates(ieee_t or ieee_i), launch))
+    launch(_tuning.pick(key, _fwd_candidates(ieee_t or ieee_i), launch, ruled=False))
     return kl, lse_i, p_set
 
 

@@ -83,10 +83,10 @@ def _forward_pacc(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
                                           config=cfg, part=part, grads=(dq_p, dw_p, dk_p))
 
         gl_key = ("idx_gluon_pacc",) + key[1:]
-        launch_gluon(_tuning.pick(gl_key, _host._gluon_indexer.candidates(dims, pacc=True), launch_gluon))
+        launch_gluon(_tuning.pick(gl_key, _host._gluon_indexer.candidates(dims, pacc=True), launch_gluon, ruled=False))
         kl, lse_idx = _plan_mod._merge_splits(part)
         return kl.sum(), lse_idx, dq_p, dk_p, dw_p
-    launch(_tuning.pick(key, _configs._candidates("pacc", ieee_t or ieee_i, dims), launch))
+    launch(_tuning.pick(key, _configs._candidates("pacc", ieee_t or ieee_i, dims), launch, ruled=False))
     return kl.sum(), lse_idx, dq_p, dk_p, dw_p
 
 
@@ -135,7 +135,7 @@ def _backward_gluon_student(dims, g, q, k, q_idx, k_idx, weights, lse_idx, causa
 
     key = ("idx_gluon_student", relu, dims.D, dims.DI, dims.H, dims.HI, q.dtype, q_idx.dtype, causal,
            _tuning.bucket(dims.NQ), _tuning.bucket(dims.NK), _tuning.bucket(dims.B))
-    launch(_tuning.pick(key, _host._gluon_indexer.candidates(dims, student=True), launch))
+    launch(_tuning.pick(key, _host._gluon_indexer.candidates(dims, student=True), launch, ruled=False))
     g0 = g.to(torch.float32)
     # in place (no gradient-sized temporaries): the student buffers become g * (student - target)
     return tuple(s.sub_(p).mul_(g0).to(dt) for s, p, dt in ((dq_s, dq_p, out_dtypes[0]), (dk_s, dk_p, out_dtypes[1]),

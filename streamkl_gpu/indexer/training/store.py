@@ -68,7 +68,7 @@ def _forward_pstore(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
             kl.copy_(merged_kl)
             lse_idx.copy_(merged_lse)
 
-    launch(_tuning.pick(key, _configs._candidates("pstore", ieee_t or ieee_i, dims, _runtime.n_sm(device)), launch))
+    launch(_tuning.pick(key, _configs._candidates("pstore", ieee_t or ieee_i, dims, _runtime.n_sm(device)), launch, ruled=False))
     return kl.sum(), lse_idx, p
 
 
