@@ -425,3 +425,26 @@ def test_a_packed_batch_past_the_work_limit_is_not_timed():
     # 2M packed tokens, 16 heads, D = 128, sequences up to 64K: past the limit; 64 x 1K: under it
     assert not _varlen._timeable(replace(dims, NQ=1 << 21, NK=1 << 21, H=16, D1=128, D2=128), 65536)
     assert _varlen._timeable(replace(dims, NQ=65536, NK=65536, H=16, D1=128, D2=128), 1024)
+
+
+def test_several_key_splits_make_the_forward_pick_timed(monkeypatch):
+    """Where split_choices offers several key splits (decoding, with the splits timed), the
+    forward's pick over the splits x tiles product is a timed one (ruled=False): the untimed first
+    candidate would be the one-pass kernel (split 1), measured 6-8x slower at N_Q = 1, N_K = 128K.
+    One split: the shape rule's pick (ruled=True)."""
+    import torch
+
+    import streamkl_gpu.attention.launch as _launch_mod
+
+    seen = []
+    monkeypatch.setattr(_launch_mod, "pick", lambda key, cands, *a, ruled=True, **k: seen.append(
+        (sorted({c.splits for c in cands}), ruled)) or cands[0])
+    xs = [torch.randn(1, 2, n, 16) for n in (1, 256, 1, 256)]
+    dims = check_inputs(*xs)
+    monkeypatch.setattr(_launch_mod, "split_choices", lambda *a: (1, 4))
+    _launch_mod._forward_config(*xs, dims, False, None, 16, 16)
+    assert seen == [([1, 4], False)], seen
+    seen.clear()
+    monkeypatch.setattr(_launch_mod, "split_choices", lambda *a: (4,))
+    _launch_mod._forward_config(*xs, dims, False, None, 16, 16)
+    assert all(ruled for _, ruled in seen), seen  # (no pick at all where one candidate is left)

@@ -182,7 +182,9 @@ def _forward_config(q1, k1, q2, k2, dims, causal, split_k, d1_pad, d2_pad):
     key = ("fwd", dims.D1, dims.D2, q1.dtype, q2.dtype, causal, tma,
            bucket(dims.NQ), bucket(dims.NK), bucket(dims.B * dims.H), dims.group1 > 1, dims.group2 > 1,
            "auto" if split_k is None else split_k)
-    return pick(key, candidates, launch, proxy, device)
+    # several key splits to choose among exist only where the splits are timed (no derived rule
+    # for them yet: configs.split_choices); then the whole product is timed, tiles included
+    return pick(key, candidates, launch, proxy, device, ruled=len(splits) == 1)
 
 
 def _desc(t, block_rows, d_pad):
