@@ -179,9 +179,10 @@ def _run_round(label, tree, points, cache_dirs, timeout):
 
 
 def _medians(records, labels, points, rounds):
-    return {(lab, p): statistics.median(r["ms"] for r in records if r["tree"] == lab and r["point"] == p
-                                         and r["round"] in rounds)
-            for lab in labels for p in points}
+    def median(values):
+        return statistics.median(values) if values else math.nan  # (no such rounds: a run cut short)
+    return {(lab, p): median([r["ms"] for r in records if r["tree"] == lab and r["point"] == p
+                              and r["round"] in rounds]) for lab in labels for p in points}
 
 
 def main(argv=None):
@@ -193,6 +194,7 @@ def main(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT", "compare_out"))
     ap.add_argument("--cache-root", help="folder for each tree's STREAMKL_CACHE_DIR (default: a new temp dir)")
     ap.add_argument("--round-timeout", type=float, default=300)
+    ap.add_argument("--from-rounds", help="a compare_rounds.csv: its verdict, nothing timed (a run cut short)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -202,7 +204,7 @@ def main(argv=None):
         ap.error(f"unknown points {unknown}; known: {', '.join(GRID)}")
     if args.worker:
         return worker(points, args.json)
-    if len(args.tree) != 2:
+    if len(args.tree) != 2 and not args.from_rounds:
         ap.error("give --tree twice: LABEL=PATH for before, then after")
     trees, commits = {}, {}
     for t in args.tree:  # LABEL=PATH or LABEL=PATH@COMMIT (a copied tree whose .git is not its own)
@@ -238,7 +240,15 @@ def main(argv=None):
                 print(f"pass {r} {lab}: {time.time() - t0:.1f} s", flush=True)
                 write_rounds()  # after every round: a run stopped at its limit keeps what it timed
 
-    run_rounds(0, args.rounds + 1, points)  # index 0: compiles and tuning (warm-up, not counted)
+    if args.from_rounds:  # the verdict of a run stopped at its limit, from the rounds it wrote
+        with open(args.from_rounds) as f:
+            records = [dict(r, round=int(r["round"]), ms=float(r["ms"])) for r in csv.DictReader(f)]
+        labels = list(dict.fromkeys(r["tree"] for r in records))
+        commits = {r["tree"]: r["commit"] for r in records}
+        points = [p for p in points if any(r["point"] == p for r in records)]
+        gpu, stamp = records[0]["gpu_name"], records[0]["timestamp"]
+    else:
+        run_rounds(0, args.rounds + 1, points)  # index 0: compiles and tuning (warm-up, not counted)
     timed = set(range(1, args.rounds + 1))
     med = _medians(records, labels, points, timed)
     before, after = labels
@@ -247,14 +257,16 @@ def main(argv=None):
     retimed = {}
     if failing:
         first = args.rounds + 1
-        run_rounds(first, args.retime_rounds, failing)
+        if not args.from_rounds:
+            run_rounds(first, args.retime_rounds, failing)
         re_rounds = set(range(first, first + args.retime_rounds))
         re_med = _medians(records, labels, failing, re_rounds)
         for p in failing:
-            retimed[p] = re_med[(after, p)] / re_med[(before, p)]
-            ratio[p] = retimed[p]
+            if not math.isnan(re_med[(after, p)] + re_med[(before, p)]):
+                retimed[p] = ratio[p] = re_med[(after, p)] / re_med[(before, p)]
     geo = math.exp(statistics.fmean(math.log(v) for v in ratio.values()))
-    write_rounds()
+    if not args.from_rounds:
+        write_rounds()
     with open(os.path.join(args.out, "compare_summary.csv"), "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["gpu_name", "timestamp", "point", f"{before}_ms", f"{after}_ms", "ratio", "retimed",
@@ -264,7 +276,8 @@ def main(argv=None):
             w.writerow([gpu, stamp, p, f"{med[(before, p)]:.4f}", f"{med[(after, p)]:.4f}", f"{ratio[p]:.4f}",
                         "yes" if p in retimed else "no", status, "ok"])
         w.writerow([gpu, stamp, "geomean", "", "", f"{geo:.4f}", "", "ok" if geo <= GEOMEAN_LIMIT else "slower", "ok"])
-    print(f"\n{before} = {commits[before]}, {after} = {commits[after]}, {gpu}, {args.rounds} rounds (+ warm-up)")
+    done = len({r["round"] for r in records if r["round"] in timed})
+    print(f"\n{before} = {commits[before]}, {after} = {commits[after]}, {gpu}, {done} rounds (+ warm-up)")
     print(f"{'point':24s} {before + ' ms':>12s} {after + ' ms':>12s} {'ratio':>7s}")
     for p in points:
         flag = " (re-timed)" if p in retimed else ""

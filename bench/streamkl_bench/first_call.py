@@ -127,7 +127,6 @@ def _entry(name, n, tiny):
     """``(shape description, call)`` of an entry point: ``call()`` runs it once (a training step
     for the backward and indexer entries)."""
     import torch
-
     import streamkl_gpu
 
     H, D = (2, 16) if tiny else (16, 128)
@@ -252,11 +251,11 @@ def _grads(xs):
     return [None if x.grad is None else x.grad.detach().clone() for x in xs]
 
 
-def _rows(name):
-    """An empty row list and its appender ``row(shape, measure, value, unit, note="")``."""
+def _rows(name, shape):
+    """An empty row list and its appender ``row(measure, value, unit, note="")``."""
     rows = []
 
-    def row(shape, measure, value, unit, note=""):
+    def row(measure, value, unit, note=""):
         rows.append(dict(entry=name, shape=shape, measure=measure, value=value, unit=unit, note=note))
     return rows, row
 
@@ -264,13 +263,7 @@ def _rows(name):
 def big_case(name, tiny):
     """Rows for one 2^31-element problem: timings, and the first/last head (sequence) check."""
     import torch
-
     import streamkl_gpu
-
-    rows, add = _rows(name)
-
-    def row(measure, value, unit, note=""):
-        add(shape, measure, value, unit, note)
 
     if name == "indexer_128k_dsa":
         return _big_indexer(name, tiny)
@@ -281,6 +274,7 @@ def big_case(name, tiny):
     N, H = ((32, 2) if tiny else (1 << 20, 16)) if not name.endswith("2m") else ((48, 2) if tiny else (1 << 21, 8))
     D = 16 if tiny else 128
     shape = f"B=1 H={H} N={N} D={D} {'causal' if causal else 'full'} {setting}"
+    rows, row = _rows(name, shape)
     train = SETTING_TRAIN[setting]
     xs = _attention_inputs(1, H, N, D, train)
     with torch.no_grad():  # the first forward compiles; the second is the one the ratio uses
@@ -309,17 +303,13 @@ def big_case(name, tiny):
 def _big_varlen(name, tiny):
     """A packed batch whose total x H x D passes 2^31 (setting 1, causal): first and last sequence alone."""
     import torch
-
     import streamkl_gpu
 
     H, D = (2, 16) if tiny else (16, 128)
     lens = [20, 12, 28] if tiny else [1 << 19, 1 << 20, (1 << 19) + 4096]  # 2^21 + 4096 tokens x 16 x 128 > 2^31
     total = sum(lens)
     shape = f"seqs={lens} H={H} D={D} causal s1 (total x H x D = {total * H * D})"
-    rows, add = _rows(name)
-
-    def row(measure, value, unit, note=""):
-        add(shape, measure, value, unit, note)
+    rows, row = _rows(name, shape)
 
     cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32, device=_device())
     xs = [_randn(total, H, D, seed=i).requires_grad_(i >= 2) for i in range(4)]
@@ -350,15 +340,11 @@ def _big_indexer(name, tiny):
     """The indexer loss at 128K, DSA-like (MQA teacher D = 576, 64 indexer heads of 128), two batch
     entries: the step's time and extra memory, and each entry alone against the batched call."""
     import torch
-
     import streamkl_gpu
 
     B, N, H, D, HI, DI = (2, 24, 2, 16, 2, 16) if tiny else (2, 131072, 64, 576, 64, 128)
     shape = f"B={B} N={N} H={H} D={D} HI={HI} DI={DI} causal MQA"
-    rows, add = _rows(name)
-
-    def row(measure, value, unit, note=""):
-        add(shape, measure, value, unit, note)
+    rows, row = _rows(name, shape)
 
     q, k = _randn(B, H, N, D, seed=1), _randn(B, 1, N, D, seed=2)
     leaves = [_randn(B, HI, N, DI, seed=3), _randn(B, 1, N, DI, seed=4),

@@ -34,7 +34,7 @@ def autotune_enabled(ruled: bool = True) -> bool:
     """Is this pick timed? ``STREAMKL_AUTOTUNE``: ``auto`` (default) times only the picks with no
     derived shape rule yet (``ruled=False``: the indexer's kernels and the forward's key splits for
     short query blocks, whose first candidates were measured up to 2x slower than the tuned choice:
-    H200, bench/results/2026-12-03_h200_0d2b5d7/); the attention kernels' picks (``ruled=True``) run
+    H200, bench/results/2026-12-03_h200_37a1792/); the attention kernels' picks (``ruled=True``) run
     the shape rule's config untimed (measured equal to the tuned choice there). ``1`` times every
     pick, ``0`` none. Never under the interpreter."""
     if interpreting():
