@@ -59,7 +59,9 @@ IEEE_CONFIG = TopkConfig(block_k=32, block_d=32, max_heads_per_chunk=64, num_war
 SEPARATE_CONFIG = TopkConfig(block_k=64, block_d=64, max_heads_per_chunk=128, num_warps=8, num_stages=2,
                              separate_student=True)
 L1_CONFIG = TopkConfig(block_k=64, block_d=64, max_heads_per_chunk=128, num_warps=8, num_stages=2, teacher_q_l1=True)
-# bench/indexer_topk_gpu.py sets this to time other configs (None: the rule in _config)
+# set to time other configs (None: the rule in _config); tests/test_indexer_topk.py sets it, as did a
+# GPU script since removed (``git show b7066de:bench/indexer_topk_gpu.py``;
+# bench/results/2026-12-01_h200_121408f/indexer_topk.csv)
 CONFIG_OVERRIDE: Optional[TopkConfig] = None
 
 
