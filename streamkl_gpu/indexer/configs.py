@@ -59,7 +59,8 @@ def _new_fwd_candidates(dims, gqa, n_sm):
         # The lead's Nsight Compute of the best (r5a): tensor pipe 24 %, L2 36 %, 2 warps per
         # scheduler: latency bound, not L2 bound; so also 64 heads x 64 keys (max_heads_per_chunk=64)
         # on 4 warps: 130 registers, 41 KB, three CTAs per SM (offline).
-        # Measured (H200, triton 3.6, DSA 8K causal, lse given, run r5c): 4 warps 3 stages
+        # Measured (H200, triton 3.6, DSA 8K causal, lse given,
+        # bench/results/2026-12-01_h200_121408f/indexer_perf.csv): 4 warps 3 stages
         # 17.48 ms = 2.34x the floor (the first: the untuned choice), 4 warps 2 stages 21.36,
         # 8 warps 3 stages 24.89, 64 x 64 on 4 warps 28.25.
         out = (_configs([(128, 128, 128, 64, 4, 3), (128, 128, 128, 64, 4, 2), (128, 128, 128, 64, 8, 3),
@@ -93,7 +94,8 @@ def _new_fwd_candidates(dims, gqa, n_sm):
         # Compute of it (Nsight Compute): tensor pipe 19 %, instruction issue at 24 %, stalls on waits and barriers:
         # latency bound). Smaller tiles for more CTAs per SM: 32 x 64 (136 registers, 24 KB: three
         # per SM), 64 x 32 (108 registers, 74 KB, 3 stages: three per SM).
-        # Measured (r5c, GQA 8K): 64 x 64 3 stages 2.341 ms = 5.02x (first), 128 x 128 8 warps
+        # Measured (bench/results/2026-12-01_h200_121408f/indexer_perf.csv, GQA 8K):
+        # 64 x 64 3 stages 2.341 ms = 5.02x (first), 128 x 128 8 warps
         # 2.483, 64 x 32 2.700, 64 x 64 2 stages 3.256, 32 x 64 4.785.
         # The GQA kernel (_indexer_fwd_gqa) first, its key splits by its own rule; run
         # An H200 run: "gqa-band" 64 x 64, 24 splits 1.967 ms = 4.31x at 8K, 4.464 = 2.45x at 16K, against
@@ -178,7 +180,8 @@ def _gpu_candidates(kind, dims, n_sm, teacher):
         # Measured (H200, DSA 8K causal fwd+bwd, 12:49 run): BLOCK_N = 64 73.2 ms, 32 101.3 ms.
         # An H200 run: 3 stages 52.96 ms, 2 stages 61.79, "l1" 60.29. Later: BLOCK_N = 128 (the
         # forward's best tile; offline sm_90, triton 3.9: ~1 KB of spills, BLOCK_N = 64 328 B),
-        # r5c: BLOCK_N = 64 53.05 ms fwd+bwd (accumulating forward 38.71, backward 14.34), BLOCK_N
+        # bench/results/2026-12-01_h200_121408f/indexer_perf.csv:
+        # BLOCK_N = 64 53.05 ms fwd+bwd (accumulating forward 38.71, backward 14.34), BLOCK_N
         # = 128 54.13. 4 warps (two CTAs per SM, as the forward's best): spills 568 B offline at
         # BLOCK_N = 64, not yet timed.
         return (_configs([(128, 128, 64, 64, 8, 3), (128, 128, 64, 64, 4, 3), (128, 128, 128, 64, 8, 3),
