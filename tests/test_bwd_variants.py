@@ -251,7 +251,8 @@ def test_variant_strided_inputs(variant, mode):
 
 def test_auto_mode_separate_for_one_setting_with_the_new_kernels():
     """With the TMA variants as candidates, one setting runs separate where the dQ kernel has
-    programs for >= 90 % of the SMs (run r5c: setting 2 at 8K, separate 5.80 ms vs fused 6.79; run
+    programs for >= 90 % of the SMs (bench/results/2026-12-01_h200_121408f/bwd_sweep.csv: setting 2
+    at 8K, separate 5.80 ms vs fused 6.79; run
     an H200 run: N_Q 512 x N_K 32K separate 0.87-0.91x, N_Q 16 fused 2.1-2.3x faster); smaller N_Q, both
     settings and the old kernels (varlen, fp32, no TMA) keep their rules."""
     from streamkl_ref._checks import Dims

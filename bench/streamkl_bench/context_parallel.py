@@ -10,8 +10,8 @@ difference of the KL <= 1e-3, of the gradients <= 1e-2), then times both at 32K 
 causal: the distributed path's overhead at W = 1; slowest rank, CUDA events, median of --reps
 after a warm-up step; peak extra memory; bytes handed to the collectives from
 ``distributed.comm_log()``). The program on W GPUs under torchrun (correctness at 32K against one
-GPU, scaling to 1M tokens), whose results are committed, was removed from the suite: ``git show
-b7066de:bench/context_parallel_gpu.py``.
+GPU, scaling to 1M tokens) was removed from the suite before its multi-GPU run was made (see
+docs/distributed.md); restore it with ``git show b7066de:bench/context_parallel_gpu.py``.
 Outputs in OUT_DIR: context_parallel_check.csv, context_parallel_scaling.csv,
 context_parallel_summary.txt (the table printed last), context_parallel.log.
 Exit status: 0 all checks pass; 1 otherwise.

@@ -5,7 +5,8 @@ Gluon — calls on a kernel-cache miss in memory, once per specialisation per pr
 Triton's on-disk cache first, so with warm caches a call is a load of milliseconds). The
 wrapper must be installed before a kernel's first launch in the process: a ``JITFunction`` binds
 ``compile`` when it first runs (``JITFunction.create_binder``). ``streamkl verify`` and
-``bench/first_call.py`` read it; nothing else installs it.
+``bench/streamkl_bench/first_call.py`` (the ``first_call`` section) read it; nothing else
+installs it.
 """
 from __future__ import annotations
 

@@ -134,13 +134,15 @@ def pick(key, candidates, launch, proxy=None, device=None, ruled=True):
     return cfg
 
 
-# Where first calls spend their time (bench/host_cost.py reports it): seconds in the first launch
-# of each candidate (compiling it, or loading it from Triton's cache) and in timing them.
+# Where first calls spend their time (the first_call section, bench/streamkl_bench/first_call.py,
+# reports it): seconds in the first launch of each candidate (compiling it, or loading it from
+# Triton's cache) and in timing them.
 TUNING_STATS = {"compile_s": 0.0, "timing_s": 0.0, "keys": 0}
 TUNING_LOG: dict = {}  # key -> [(cfg, median ms)], what the tuner measured
 # A candidate whose one timed call takes longer than this is not timed again: do_bench would run
 # it about 8 more times (its estimate, warm-up and repeat calls), which is what made the first
-# fused both-settings backward at N = 32K take 4.9 s in the first H200 bench (bench/NOTES.md).
+# fused both-settings backward at N = 32K take 4.9 s in the first H200 bench
+# (docs/design/attention_backward.md, "A harness outlier, explained").
 LONG_CALL_S = 0.05
 TUNING_RETIMED: dict = {}  # key -> {cfg: median of the interleaved re-timings, ms}
 RETIME_MARGIN = 0.15  # candidates within 15 % of the first pass's best are timed again

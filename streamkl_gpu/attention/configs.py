@@ -242,9 +242,11 @@ def bwd_variant_candidates(d_pad, both, kind, ieee=False, tma=False, fused=False
     """:class:`BwdConfig` candidates of the dK (``kind="dk"``) or dQ kernel, every variant.
 
     The old configs (``bwd_candidates``, variant "ptr") stay candidates; with TMA-capable inputs
-    (``tma``) the descriptor variants join them. Not measured yet on a GPU (bench/bwd_gpu.py
-    measures them against each other): FlashAttention-2/3's choice at D = 128 for the key-stationary
-    loop is 128 keys x 64 queries, 8 warps; the dQ loop 128 queries x 64 keys. ``few`` (problems
+    (``tma``) the descriptor variants join them. Chosen before a GPU measured them (a script
+    since removed, ``git show b7066de:bench/bwd_gpu.py``, then timed them against each other:
+    bench/results/2026-12-01_h200_2a98499/bwd_variants.csv): FlashAttention-2/3's choice at
+    D = 128 for the key-stationary loop is 128 keys x 64 queries, 8 warps; the dQ loop 128 queries
+    x 64 keys. ``few`` (problems
     past TUNING_WORK_LIMIT, where the backward is timed on the whole problem): one new candidate,
     so that a first call at long N pays one more timing, not three. The shape rule's config
     (``SHAPE_RULES``; ``n_q``: the query rows, for the fused dK's classes) comes first.
@@ -267,8 +269,9 @@ def bwd_variant_candidates(d_pad, both, kind, ieee=False, tma=False, fused=False
     # tiles (block_m, block_n, num_warps, num_stages) of the new variants
     if d_pad <= 128 and not both:
         tiles = {"dk": [(64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 2)],
-                 # dQ: 3 stages first (run r5c, 8K, setting 2, the dQ kernel alone: 128x64x8x3 2.54 ms,
-                 # 128x64x8x2 2.91): the one new candidate of long problems ("few")
+                 # dQ: 3 stages first (bench/results/2026-12-01_h200_121408f/bwd_sweep.csv, 8K,
+                 # setting 2, the dQ kernel alone: 128x64x8x3 2.54 ms, 128x64x8x2 2.91): the one new
+                 # candidate of long problems ("few")
                  "dq": [(128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3)]}[kind]
     else:
         # dK: 64 keys make one warpgroup's rows (key-major tiles): 4 warps; 8 warps would split the
@@ -278,7 +281,8 @@ def bwd_variant_candidates(d_pad, both, kind, ieee=False, tma=False, fused=False
     if forced is not None:  # every tile shape of that variant (the old configs for "ptr")
         return old if forced == "ptr" else _bwd(tiles, forced)
     # the tuner's default set: the old configs and the expected best new ones (SASS from the
-    # offline sm_90 compile, bench/bwd_sass.py, triton 3.6, D = 128, setting 1 fused: old 1718 / 2400
+    # offline sm_90 compile of a script since removed, ``git show b7066de:bench/bwd_sass.py``,
+    # triton 3.6, D = 128, setting 1 fused: old 1718 / 2400
     # instructions per key-tile loop (whole / masked) with 259 spill stores, rows+reduce 529 / 766
     # and none; tile 32 x 128 / 4 warps spills, 64 x 64 / 4 warps is twice the instructions per score)
     # The separate dK kernel reads its row constants packed (one TMA load per query tile): an H200 run
@@ -377,8 +381,9 @@ def auto_bwd_mode(dims, n_sm: int, both: bool = False, new_kernels: bool = False
 
     ``new_kernels``: the TMA variants are candidates (Hopper, aligned, half precision). Then one
     setting runs separate wherever the dQ kernel alone has programs for at least 90 % of the SMs
-    (one wave): measured (H200, 2026-12-01 run r5c, bench/bwd_gpu.py --sweep, 8K non-causal, direct
-    launches) setting 2 separate 64x128x8x3 + 128x64x8x3 5.80 ms vs fused 64x128x8x3 6.79 (0.85x);
+    (one wave): measured (H200, bench/results/2026-12-01_h200_121408f/bwd_sweep.csv, the tile sweep
+    (``--sweep``) of a script since removed, ``git show b7066de:bench/bwd_gpu.py``, 8K non-causal,
+    direct launches) setting 2 separate 64x128x8x3 + 128x64x8x3 5.80 ms vs fused 64x128x8x3 6.79 (0.85x);
     setting 1 fused 6.89, of which its dQ share costs 3.54 (the dK kernel alone 3.35; the dQ
     kernel alone 2.54 for setting 2). The fused kernel's dQ (a [64, D] fp32 product and reduce-add
     per tile pair, on the dK kernel's critical path at one CTA of 8 warps per SM) costs more than

@@ -6,9 +6,10 @@ module (tests, benchmarks) or else the environment variable ``STREAMKL_BWD_BACKE
 (default), ``triton`` (never Gluon) or ``gluon`` (Gluon or a ``ValueError`` saying why not: a
 forced path never falls back silently, so a test of the Gluon path cannot pass on the Triton one).
 
-``auto`` keeps the Triton kernels until the Gluon backward is measured on an H200
-(``GLUON_BWD_AUTO``: bench/gluon_bwd_gpu.py decides it). The Gluon import is guarded: triton
-builds without Gluon leave ``GLUON_BWD_AVAILABLE`` False and every problem on the Triton path.
+``auto`` keeps the Triton kernels until the Gluon backward is measured faster on an H200
+(``GLUON_BWD_AUTO``; its H200 timings so far: bench/results/2026-12-01_h200_2a98499/gluon_bwd.csv,
+by a script since removed, ``git show b7066de:bench/gluon_bwd_gpu.py``). The Gluon import is
+guarded: triton builds without Gluon leave ``GLUON_BWD_AVAILABLE`` False and every problem on the Triton path.
 """
 from __future__ import annotations
 
@@ -36,8 +37,8 @@ BWD_BACKEND: Optional[str] = None  # module override; None: read ENV_VAR (defaul
 
 GLUON_BWD_DTYPES = (torch.float16, torch.bfloat16)
 GLUON_BWD_HEAD_DIMS = (64, 128)  # D1 = D2, one of these
-# "auto" picks Gluon only once measured faster (bench/gluon_bwd_gpu.py on an H200); until then
-# only the forced backend runs it.
+# "auto" picks Gluon only once measured faster on an H200 (so far slower:
+# bench/results/2026-12-01_h200_2a98499/gluon_bwd.csv); until then only the forced backend runs it.
 GLUON_BWD_AUTO = False
 GLUON_BWD_MIN_KEYS = 2048  # with GLUON_BWD_AUTO: the sizes from which it is taken
 GLUON_BWD_MIN_QUERIES = 128

@@ -2,7 +2,8 @@
 (``tests/test_gluon_bwd_schedule.py`` replays the schedule in PyTorch: keep the two in step.)
 
 Same math and conventions as ``_bwd`` (the portable Triton kernels, the reference this one is
-checked against on the GPU by ``bench/gluon_bwd_gpu.py``): P1, P2 recomputed from the saved LSEs
+checked against on the GPU by a script since removed, ``git show b7066de:bench/gluon_bwd_gpu.py``:
+bench/results/2026-12-01_h200_2a98499/gluon_bwd.csv): P1, P2 recomputed from the saved LSEs
 (bits), for the trained side t
 
     setting 1 (t = 2):  dS2 = g * sigma2 * (P2 - P1)
@@ -25,8 +26,9 @@ stationary in shared memory, loaded once by TMA); a producer warp streams 64-row
   ``dQ_t[:, w-th half of D] = dS_t [64 q, 128 keys] K_t[:, w-th half]``, added with fp32 vector
   atomics (``_add_pairs``) into a [B, H, N_Q rounded up to 64, D] buffer the host converts.
 Three waits per tile, all inside the iteration (tests/test_gluon_bwd_compile.py checks the SASS).
-DQ_LAG (config entry, off by default until measured faster; bench/gluon_bwd_gpu.py times it): the
-meeting moves one tile later, so that a warpgroup no longer waits for the other's dS of the tile
+DQ_LAG (config entry, off by default until measured faster; checked on the GPU, not yet timed:
+docs/design/attention_backward.md): the meeting moves one tile later, so that a warpgroup no
+longer waits for the other's dS of the tile
 it is on: tile i waits for its dK product, releases its Q slot, then adds the dQ half of tile
 i - 1 (``_dq_tile``: by then the other warpgroup wrote that dS a tile ago), and the last tile's dQ
 comes after the loop. Four waits per tile; it needs DS_BUFS >= 2 (tile i's dS is written while
@@ -136,8 +138,9 @@ def _load_partition(q1_desc, k1_desc, q2_desc, k2_desc, q1_ring, q2_ring, k1_sme
             _tma_load(q2_desc, [b, h, start_m, c * DC], q_ready.index(s), q2_ring.index(s * 2 + c))
 
 
-# Variants (bench/gluon_bwd_gpu.py): no_dq_atomics is wrong on purpose (what the dQ atomics
-# cost); scalar_dq_atomics adds dQ with gl.atomic_add instead of _add_pairs (right, slower).
+# Variants (for the GPU script since removed, ``git show b7066de:bench/gluon_bwd_gpu.py``):
+# no_dq_atomics is wrong on purpose (what the dQ atomics cost); scalar_dq_atomics adds dQ with
+# gl.atomic_add instead of _add_pairs (right, slower).
 VARIANTS = {"kernel": 0, "no_dq_atomics": 1, "scalar_dq_atomics": 2}
 
 

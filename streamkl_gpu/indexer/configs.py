@@ -31,7 +31,9 @@ _IEEE_CONFIG = IndexerConfig(teacher_rows=32, indexer_rows=32, block_n=32, block
 
 def _new_fwd_candidates(dims, gqa, n_sm):
     """The forward candidates of the first tensor-core tuning (the DSA and GQA targets; chosen by offline sm_90 compiles and
-    the FLOP-per-byte count of a score tile, not yet timed; bench/indexer_perf_gpu.py times each).
+    the FLOP-per-byte count of a score tile, before they were timed; a script since removed,
+    ``git show b7066de:bench/indexer_perf_gpu.py``, timed each:
+    bench/results/2026-12-01_h200_3c98559/indexer_perf.csv).
 
     The score tile of ``rows`` (head, token) pairs by BLOCK_N keys re-reads its q rows from L2 for
     every key tile: about rows * BLOCK_N / (rows + BLOCK_N) FLOP per byte (43 at 128 x 64, the
@@ -46,7 +48,8 @@ def _new_fwd_candidates(dims, gqa, n_sm):
         # 3.6, none on 3.9). Measured (H200, DSA 8K causal, lse given): 8 warps, 3
         # stages 25.05 ms (3.50x the floor), 2 stages 30.26. The "l1" variants (pointer loads, the
         # token's q rows cached in L1) measured 46.1 / 30.9 / 71.0 ms at BLOCK_N = 64 / 128 / 32:
-        # no longer candidates (bench/indexer_perf_gpu.py still times them, forced).
+        # no longer candidates (bench/results/2026-12-01_h200_3c98559/indexer_perf.csv, timed forced by a
+        # script since removed, ``git show b7066de:bench/indexer_perf_gpu.py``).
         # Next: 128 x 128 tiles on 4 warps (one warpgroup, two m64 wgmma per k-step): offline
         # sm_90 compiles, triton 3.6 and 3.9, 255 registers, no spills, 49 KB (2 stages) / 82 KB
         # (3 stages) of shared memory: two CTAs per SM, so one CTA's exponentials and head sums
@@ -56,7 +59,8 @@ def _new_fwd_candidates(dims, gqa, n_sm):
         # The lead's Nsight Compute of the best (r5a): tensor pipe 24 %, L2 36 %, 2 warps per
         # scheduler: latency bound, not L2 bound; so also 64 heads x 64 keys (max_heads_per_chunk=64)
         # on 4 warps: 130 registers, 41 KB, three CTAs per SM (offline).
-        # Measured (H200, triton 3.6, DSA 8K causal, lse given, run r5c): 4 warps 3 stages
+        # Measured (H200, triton 3.6, DSA 8K causal, lse given,
+        # bench/results/2026-12-01_h200_121408f/indexer_perf.csv): 4 warps 3 stages
         # 17.48 ms = 2.34x the floor (the first: the untuned choice), 4 warps 2 stages 21.36,
         # 8 warps 3 stages 24.89, 64 x 64 on 4 warps 28.25.
         out = (_configs([(128, 128, 128, 64, 4, 3), (128, 128, 128, 64, 4, 2), (128, 128, 128, 64, 8, 3),
@@ -65,8 +69,9 @@ def _new_fwd_candidates(dims, gqa, n_sm):
         # Then keys-major score tiles (variant "keys", _indexer_fwd.variant_meta:
         # S^T = k q^T, the head sum a row sum of the accumulator, no cross-warp reduction; the
         # per-column LSEs / weights loaded once per program). Measured (H200, triton 3.6, DSA 8K
-        # causal, lse given, bench/idx_dsa_gpu.py): 128 keys on 4 warps, 3 stages 13.69 ms
-        # = 1.87x the floor (row-major default 18.06 in the same run), 16K 61.2 ms = 2.08x (default
+        # causal, lse given, bench/results/2026-12-01_h200_d3b757b/idx_dsa.csv): 128 keys on 4 warps,
+        # 3 stages 13.69 ms = 1.87x the floor (row-major default 18.06 in the same run), 16K 61.2 ms
+        # = 2.08x (default
         # 77.4); 8 warps at maxnreg 128 14.18; 8 warps 15.76; 2 stages 15.75; 64-key tiles 20.0-25.6
         # (flattened loops, "flat", and reversed token order, "lpt", did not close the gap).
         # First for the DSA-like family (one token per tile, H >= 128: the measured layout);
@@ -89,7 +94,8 @@ def _new_fwd_candidates(dims, gqa, n_sm):
         # Compute of it (Nsight Compute): tensor pipe 19 %, instruction issue at 24 %, stalls on waits and barriers:
         # latency bound). Smaller tiles for more CTAs per SM: 32 x 64 (136 registers, 24 KB: three
         # per SM), 64 x 32 (108 registers, 74 KB, 3 stages: three per SM).
-        # Measured (r5c, GQA 8K): 64 x 64 3 stages 2.341 ms = 5.02x (first), 128 x 128 8 warps
+        # Measured (bench/results/2026-12-01_h200_121408f/indexer_perf.csv, GQA 8K):
+        # 64 x 64 3 stages 2.341 ms = 5.02x (first), 128 x 128 8 warps
         # 2.483, 64 x 32 2.700, 64 x 64 2 stages 3.256, 32 x 64 4.785.
         # The GQA kernel (_indexer_fwd_gqa) first, its key splits by its own rule; run
         # An H200 run: "gqa-band" 64 x 64, 24 splits 1.967 ms = 4.31x at 8K, 4.464 = 2.45x at 16K, against
@@ -132,7 +138,8 @@ def _keys_major_splits(dims) -> int:
 
 def l1_fwd_candidates(dims):
     """The forward's "l1" variants (measured slower at DSA: no longer the tuner's
-    candidates); bench/indexer_perf_gpu.py still times them, forced."""
+    candidates: bench/results/2026-12-01_h200_3c98559/indexer_perf.csv, timed forced by a script
+    since removed, ``git show b7066de:bench/indexer_perf_gpu.py``)."""
     if dims is None or not _plan_mod._l1_fits(dims):
         return []
     return _configs([(128, 128, 64, 64, 8, 2), (128, 128, 128, 64, 8, 2), (128, 128, 32, 64, 8, 2)], variant="l1")
@@ -173,7 +180,8 @@ def _gpu_candidates(kind, dims, n_sm, teacher):
         # Measured (H200, DSA 8K causal fwd+bwd, 12:49 run): BLOCK_N = 64 73.2 ms, 32 101.3 ms.
         # An H200 run: 3 stages 52.96 ms, 2 stages 61.79, "l1" 60.29. Later: BLOCK_N = 128 (the
         # forward's best tile; offline sm_90, triton 3.9: ~1 KB of spills, BLOCK_N = 64 328 B),
-        # r5c: BLOCK_N = 64 53.05 ms fwd+bwd (accumulating forward 38.71, backward 14.34), BLOCK_N
+        # bench/results/2026-12-01_h200_121408f/indexer_perf.csv:
+        # BLOCK_N = 64 53.05 ms fwd+bwd (accumulating forward 38.71, backward 14.34), BLOCK_N
         # = 128 54.13. 4 warps (two CTAs per SM, as the forward's best): spills 568 B offline at
         # BLOCK_N = 64, not yet timed.
         return (_configs([(128, 128, 64, 64, 8, 3), (128, 128, 64, 64, 4, 3), (128, 128, 128, 64, 8, 3),

@@ -183,8 +183,10 @@ def bwd_mode() -> str:
     ``fused`` (the dk kernel alone, dq/dweights by fp32 atomics: the teacher read once per
     backward) or ``dqk`` (the dq kernel alone, each key tile's dk share added by fp32 atomics,
     DQK_TMA: one TMA bulk reduction: one pass, three indexer products per tile).
-    Which is faster is not yet measured; bench/indexer_gpu.py times separate and fused,
-    bench/idx_pacc_gpu.py separate and dqk (teacher-free)."""
+    Which is faster is not yet measured; scripts since removed timed separate and fused
+    (``git show b7066de:bench/indexer_gpu.py``) and separate and dqk, teacher-free
+    (``git show b7066de:bench/idx_pacc_gpu.py``;
+    bench/results/2026-12-01_h200_58bba27/idx_pacc.csv)."""
     mode = os.environ.get("STREAMKL_INDEXER_BWD", "separate")
     if mode not in BWD_MODES:
         raise ValueError(f"STREAMKL_INDEXER_BWD must be one of {BWD_MODES}, got {mode!r}")
@@ -194,7 +196,8 @@ def bwd_mode() -> str:
 # The backward kernels sum the student's logits from their own products a = q_idx k_idx^T where
 # one indexer key head makes a program's rows every indexer head (offline sm_90, triton 3.9, DSA
 # student kernels on 4 warps: no spills, against 72 / 120 B with the logits formed again).
-# False: formed again by _indexer_logits, as the first backward did (bench/idx_pacc_gpu.py times both).
+# False: formed again by _indexer_logits, as the first backward did (a script since
+# removed, ``git show b7066de:bench/idx_pacc_gpu.py``, timed both).
 BWD_LOGITS_FROM_A = True
 
 # The dq kernel's dk shares ("dqk" backward, the chunk design) by one TMA bulk reduction per tile:

@@ -52,14 +52,17 @@ class TopkConfig:
 
 
 INTERPRETER_CONFIG = TopkConfig(block_k=16, block_d=32, max_heads_per_chunk=32, num_warps=1, num_stages=1)
-# r5c (H200): DSA 8K, K=2048 fwd 26.1 ms; also the backward's
+# bench/results/2026-12-01_h200_121408f/indexer_topk.csv (H200): DSA 8K, K=2048 fwd 26.1 ms;
+# also the backward's
 DEFAULT_CONFIG = TopkConfig(block_k=64, block_d=64, max_heads_per_chunk=128, num_warps=8, num_stages=2)
 IEEE_CONFIG = TopkConfig(block_k=32, block_d=32, max_heads_per_chunk=64, num_warps=4, num_stages=1)
 # offline sm_90 (3.6): teacher kernel 176 registers
 SEPARATE_CONFIG = TopkConfig(block_k=64, block_d=64, max_heads_per_chunk=128, num_warps=8, num_stages=2,
                              separate_student=True)
 L1_CONFIG = TopkConfig(block_k=64, block_d=64, max_heads_per_chunk=128, num_warps=8, num_stages=2, teacher_q_l1=True)
-# bench/indexer_topk_gpu.py sets this to time other configs (None: the rule in _config)
+# set to time other configs (None: the rule in _config); tests/test_indexer_topk.py sets it, as did a
+# GPU script since removed (``git show b7066de:bench/indexer_topk_gpu.py``;
+# bench/results/2026-12-01_h200_121408f/indexer_topk.csv)
 CONFIG_OVERRIDE: Optional[TopkConfig] = None
 
 
@@ -108,7 +111,8 @@ def _fwd_candidates(ieee: bool):
     """The forward's launch configs, tuned on the first call of each shape bucket
     (``_tuning.pick``: memory, disk cache, or timed once; STREAMKL_AUTOTUNE=0 takes the first):
     the one-kernel default, the separate-student design and the L1 variant. Not yet compared on
-    a GPU (r5c measured the first alone: DSA 8K fwd 26.1 ms, 16.5 with lse)."""
+    a GPU (the first alone: DSA 8K fwd 26.1 ms, 16.5 with lse,
+    bench/results/2026-12-01_h200_121408f/indexer_topk.csv)."""
     if CONFIG_OVERRIDE is not None or _runtime.interpreting() or ieee:
         return [_config(ieee)]
     return [DEFAULT_CONFIG, SEPARATE_CONFIG, L1_CONFIG]

@@ -107,7 +107,9 @@ def experiments(d1: int, d2: int):
     ]
 
 
-# The second schedule search's experiments (none beat the default on the H200), for ``bench/gluon_gpu.py --configs``.
+# The second schedule search's experiments (none beat the default on the H200), timed by a script
+# since removed (``git show b7066de:bench/gluon_gpu.py``, ``--configs``):
+# bench/results/2026-12-01_h200_e1a7af2/gluon.csv.
 SEARCHED_EXPERIMENTS = (
     (128, 2, 168, 1), (128, 2, 168, 0, 0, 0, 0, 2), (128, 2, 168, 0, 0, 0, 0, 2, 1),
     (64, 4, 168, 0, 0, 0, 0, 2, 1, 1), (128, 2, 168, 1, 0, 0, 0, 2, 0, 0, 1),
@@ -117,7 +119,8 @@ SEARCHED_EXPERIMENTS = (
 
 
 def configs_to_measure(d1: int, d2: int):
-    """The tuner's candidates, then the experiments: what bench/gluon_gpu.py checks and times."""
+    """The tuner's candidates, then the experiments: what the removed GPU script checked and timed
+    (``git show b7066de:bench/gluon_gpu.py``) and tests/test_gluon_compile.py compiles."""
     cands = candidates(d1, d2)
     return cands + [c for c in experiments(d1, d2) if c not in cands]
 

@@ -44,8 +44,10 @@ from streamkl_gpu.attention.triton.fwd import _batch_offsets, _row_layout, _sequ
 # exp2(s - EMPTY_LSE) = 0 exactly for every fp32 score, while (s1 - lse1) - (s2 - lse2) stays finite.
 EMPTY_LSE = tl.constexpr(1e30)
 
-# Timing probes of the dK kernel (``PROBE``, bit flags; bench/bwd_gpu.py --sweep times the best
-# kernel with each one to say what limits it). They give wrong gradients; _launch never sets them.
+# Timing probes of the dK kernel (``PROBE``, bit flags; the tile sweep, ``--sweep``, of a script
+# since removed, ``git show b7066de:bench/bwd_gpu.py``, timed the best kernel with each one to say
+# what limits it: bench/results/2026-12-01_h200_121408f/bwd_sweep.csv). They give wrong gradients;
+# _launch never sets them.
 # (The kernels test the bits with literal arithmetic: the interpreter passes PROBE as a plain int.)
 PROBE_NO_EXP = 1  # P = the exponent itself (no MUFU.EX2)
 PROBE_ONE_SCORE = 2  # S2 := S1 (one score product per tile instead of two)
@@ -153,7 +155,7 @@ def _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, kl_bits, g, offs_m, cols, N_K
     ROW_SCALE=False (FOLD only): the per-row factor (g * sigma_t, times ln2 for side 1) is left out,
     for a caller that applies it once to its dQ rows after the key loop (the dQ kernel); then
     ds1 = P1 * (s1*qk_scale1 - (s2*qk_scale2 + (lse1 - lse2 + KL))), ds2 = P2 - P1.
-    PROBE (timing only, wrong results; bench/bwd_gpu.py --sweep): see PROBE_* below.
+    PROBE (timing only, wrong results): see PROBE_* below.
     POLY (setting 1 only, two exponentials per score): half of P2's on the FMA pipe (_exp2_split).
     """
     if TRANS:

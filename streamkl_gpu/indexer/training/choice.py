@@ -36,7 +36,8 @@ PSTORE_MODES = ("default", "auto", "0", "1", "chunk")
 PSTORE_DEFAULT = "default"
 PSTORE_MAX_BYTES = 2 << 30  # old PSTORE=auto: the stored p at most this (8K x 8K fp32: 256 MiB)
 # p's storage dtype: float32; float16 halves the memory (p in [0, 1]: relative error 2^-11 from
-# 6e-5 up, absolute below; bench/idx_pacc_gpu.py checks and times it as a variant)
+# 6e-5 up, absolute below; tests/test_indexer_pstore.py checks it, and a GPU script since removed,
+# ``git show b7066de:bench/idx_pacc_gpu.py``, checked and timed it as a variant)
 PSTORE_DTYPE = torch.float32
 
 

@@ -93,8 +93,9 @@ MAX_BOX_DIM = 128  # one TMA box per head and tile (D_PAD, DI_PAD)
 
 
 # The tuner's GQA-kernel candidates, measured best first (H200, triton 3.6, GQA-like causal bf16,
-# lse given, bench/idx_gqa_gpu.py). An H200 run (round robin, 3 passes): "gqa-band" 64 tokens x 64
-# keys on 4 warps, 3 stages (157 registers offline: 3 CTAs/SM) at 8K 5 / 10 / 16 / 24 key splits
+# lse given; a script since removed, ``git show b7066de:bench/idx_gqa_gpu.py``). An H200 run
+# (bench/results/2026-12-01_h200_d2682d7/idx_gqa.csv; round robin, 3 passes): "gqa-band" 64 tokens
+# x 64 keys on 4 warps, 3 stages (157 registers offline: 3 CTAs/SM) at 8K 5 / 10 / 16 / 24 key splits
 # 2.221 / 2.105 / 2.002 / 1.967 ms (4.31x the floor at 24), at 16K 5.633 / 5.123 / 4.638 / 4.464 ms
 # (2.45x at 24), against 2.681 / 6.840 ms for the general kernel's former default
 # (64, 64, 64, 64, 4, 3, 1, 5); "gqa-band-r128" (2 stages, capped at 128 registers) 10 splits 1.951
