@@ -8,9 +8,8 @@ with empty caches; the 2^31-element cases against their heads alone.
 packed sequences; the indexer loss, dense and top-k, a training step; split-K decode) a fresh
 process with empty caches (new ``TRITON_CACHE_DIR`` and ``STREAMKL_CACHE_DIR``) makes the call
 twice: the first call's wall time, the kernels it compiled and the seconds in Triton's compiler
-(``streamkl_gpu._core.compile_clock`` where it exists, else this module's own count of
-``triton.compiler.compile`` calls), the tuner's timing seconds (``TUNING_STATS`` of
-``streamkl_gpu._core.tuning``, read only; 0 unless STREAMKL_AUTOTUNE=1), the second call's time.
+(``streamkl_gpu._core.compile_clock``), the tuner's timing seconds (``TUNING_STATS`` of
+``streamkl_gpu._core.tuning``, read only; 0 where nothing is timed), the second call's time.
 ``--case big``: N = 1M (H = 16, D = 128; settings 1, 2, both causal, setting 1 non-causal), N = 2M
 (H = 8), a packed batch past 2^31 elements, the indexer at 128K DSA-like: forward and forward +
 backward times, and the first and last heads (sequences, batch entries) alone against the whole
@@ -69,46 +68,12 @@ def _env_columns():
     import streamkl_ref
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (Triton interpreter)"
     return dict(gpu_name=gpu, torch=torch.__version__, triton=triton.__version__, version=streamkl_ref.__version__,
-                autotune=os.environ.get("STREAMKL_AUTOTUNE", "0"),
+                autotune=os.environ.get("STREAMKL_AUTOTUNE") or "auto",
                 timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
 
 
-class _CompileCounter:
-    """Seconds and calls in ``triton.compiler.compile`` (what a JITFunction calls on a cache miss;
-    wrapped before any kernel's first launch in the process): the stand-in for
-    ``streamkl_gpu._core.compile_clock.CompileClock`` where that module does not exist."""
-
-    def __init__(self):
-        self.seconds, self.calls, self.available = 0.0, 0, False
-
-    def install(self):
-        try:
-            import triton.compiler as package
-            import triton.compiler.compiler as module
-            import triton.runtime.jit as jit
-        except ImportError:
-            return self
-        original = module.compile
-
-        def compile(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - t0
-                self.calls += 1
-        for owner in (module, package, jit):  # older Triton imported compile into jit's namespace
-            if getattr(owner, "compile", None) is original:
-                owner.compile = compile
-        self.available = True
-        return self
-
-
 def _compile_clock():
-    try:
-        from streamkl_gpu._core.compile_clock import CompileClock
-    except ImportError:
-        return _CompileCounter().install()
+    from streamkl_gpu._core.compile_clock import CompileClock
     return CompileClock().install()
 
 
