@@ -152,3 +152,31 @@ def test_the_fast_environment_read_follows_os_environ(monkeypatch):
     assert _runtime.env("STREAMKL_TEST_ENV_READ") == "é1"
     monkeypatch.delenv("STREAMKL_TEST_ENV_READ")
     assert _runtime.env("STREAMKL_TEST_ENV_READ") is None
+
+
+def test_a_thread_compiling_ahead_only_compiles_and_binds_nothing(direct, monkeypatch):
+    """In a compile-ahead thread a launch goes to ``fn.warmup`` with the launch's arguments and
+    keywords, launches nothing and keeps nothing; the calling thread's launches are unchanged."""
+    import threading
+
+    fn = _FakeJIT()
+    fn.warmup = lambda *args, grid, **kw: fn.log.append(("warmup", grid, args, kw))
+    x = torch.zeros(8)
+    seen = []
+
+    def ahead():
+        _fast_launch._AHEAD.on = True
+        try:
+            seen.append(_fast_launch.compiling_ahead())
+            seen.append(_fast_launch.launch(fn, (2, 1, 1), (x, 5, 0.5), {"BLOCK": 16}, 4, 2))
+        finally:
+            _fast_launch._AHEAD.on = False
+
+    thread = threading.Thread(target=ahead)
+    thread.start()
+    thread.join()
+    assert seen == [True, None]
+    assert fn.log == [("warmup", (2, 1, 1), (x, 5, 0.5), {"BLOCK": 16, "num_warps": 4, "num_stages": 2})]
+    assert _fast_launch._KERNELS == {} and not _fast_launch.compiling_ahead()
+    _fast_launch.launch(fn, (2, 1, 1), (x, 5, 0.5), {"BLOCK": 16}, 4, 2)  # this thread: a real launch
+    assert [e[0] for e in fn.log] == ["warmup", "bound"]

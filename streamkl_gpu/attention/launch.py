@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import os
 from dataclasses import replace
 
 import torch
@@ -18,6 +19,7 @@ from streamkl_gpu.attention.triton import bwd as _bwd
 from streamkl_gpu.attention.triton import fwd as _fwd
 from streamkl_gpu.experimental import attention_bwd_dispatch as _gluon_bwd_dispatch
 from streamkl_gpu._core import runtime as _runtime
+from streamkl_gpu._core.launcher import compile_ahead, compiling_ahead
 from streamkl_gpu._core.launcher import launch as fast_launch
 from streamkl_gpu.attention.gluon.dispatch import device_capability, fwd_backend, gluon_forward, use_gluon
 from streamkl_gpu._core.checks import check_bwd_mode, check_tensors, compute_view, head_pad, is_empty, strides
@@ -273,6 +275,46 @@ def _backward_proxy(sliced, dims, q1, k1, q2, k2, g, kl, lse1_bits, lse2_bits):
                 k2=k2[:, :, :nk], g=rows[0], kl=rows[1], lse1_bits=rows[2], lse2_bits=rows[3])
 
 
+def _backward_signature(dims, causal, train1, train2, bwd_mode, deterministic, inputs):
+    return _signature("bwd", dims, (causal, train1, train2, bwd_mode, deterministic, bwd_variant()), inputs)
+
+
+# The backward's first call at a new signature compiles its kernels (two or three, seconds each).
+# A training forward starts compiling them on a background thread (_core/launcher.compile_ahead)
+# while its own kernel compiles, so a first forward + backward costs about the compile time of
+# the slower of the two instead of their sum. Only where the backward's configs are untimed (the
+# shape rule's: nothing to measure ahead of time), on the Triton backward, and for problems whose
+# stand-in buffers (the gradients; the backward's row inputs) are small: past AHEAD_MAX_ELEMENTS
+# elements per input the compiles are a small part of the first call anyway.
+_BACKWARD_AHEAD: dict = {}  # backward signature -> the thread compiling its kernels
+AHEAD_MAX_ELEMENTS = 1 << 26
+
+
+def _triton_backward() -> bool:
+    """The backward runs the Triton kernels whatever the shape (try_gluon_backward's first test)."""
+    backend = _gluon_bwd_dispatch.bwd_backend()
+    return backend == "triton" or (backend == "auto" and not _gluon_bwd_dispatch.GLUON_BWD_AUTO)
+
+
+def compile_backward_ahead(q1, k1, q2, k2, causal, dims, train1, train2, bwd_mode, deterministic):
+    """Start compiling the kernels of the backward this training call will run, unless they are
+    known already (its plan is bound), would be timed, or the problem is large. The backward
+    joins the thread before it looks its plan up. ``STREAMKL_COMPILE_AHEAD=0`` turns it off."""
+    if (q1.device.type != "cuda" or interpreting() or os.environ.get("STREAMKL_COMPILE_AHEAD", "1") == "0"
+            or not (train1 or train2) or is_empty(dims) or autotune_enabled(ruled=True)
+            or not _triton_backward()
+            or max(t.numel() for t in (q1, k1, q2, k2)) > AHEAD_MAX_ELEMENTS):
+        return
+    sig = _backward_signature(dims, causal, train1, train2, bwd_mode, deterministic, (q1, k1, q2, k2))
+    if sig in _PLANS or sig in _BACKWARD_AHEAD:
+        return
+    rows = torch.zeros((4, dims.B, dims.H, dims.NQ), dtype=torch.float32, device=q1.device)  # g, kl, lse1, lse2
+    g, kl, lse1_bits, lse2_bits = rows.unbind(0)
+    _BACKWARD_AHEAD[sig] = compile_ahead(
+        lambda: backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, dims.scale1, dims.scale2,
+                         train1, train2, bwd_mode, deterministic, dims=dims), q1.device)
+
+
 def _empty_backward(dims, q1, k1, q2, k2, train1, train2):
     """Zero gradients (no visible key anywhere) or empty ones (no row, no key)."""
     def zeros(train, x):
@@ -302,7 +344,11 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
     if grads is not None:  # the Hopper kernel (_gluon_bwd), chosen by use_gluon_bwd (STREAMKL_BWD_BACKEND)
         return grads
     both = train1 and train2
-    sig = _signature("bwd", dims, (causal, train1, train2, bwd_mode, deterministic, bwd_variant()), (q1, k1, q2, k2))
+    sig = _backward_signature(dims, causal, train1, train2, bwd_mode, deterministic, (q1, k1, q2, k2))
+    if not compiling_ahead():
+        ahead = _BACKWARD_AHEAD.pop(sig, None)
+        if ahead is not None:  # this signature's kernels are compiling (compile_backward_ahead)
+            ahead.join()
     plan = _PLANS.get(sig)
     if plan is not None:
         mode = plan[0]

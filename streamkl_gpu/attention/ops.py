@@ -20,6 +20,7 @@ import torch
 
 from streamkl_gpu._core.checks import MAX_HEAD_DIM, SUPPORTED_DTYPES, check_bwd_mode, check_causal, check_flag, check_split_k, check_tensors
 from streamkl_gpu.attention.launch import backward as _backward
+from streamkl_gpu.attention.launch import compile_backward_ahead
 from streamkl_gpu.attention.launch import forward as _forward
 from streamkl_gpu._core.runtime import LN2, interpreting
 from streamkl_gpu.attention.configs import auto_bwd_mode, auto_split_k
@@ -104,6 +105,9 @@ class _EagerAttentionKL(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q1, k1, q2, k2, causal, dims, split_k, bwd_mode, deterministic):
+        train1, train2 = _trained_sides(ctx.needs_input_grad)
+        # a new signature: the backward's kernels compile beside the forward's (launch.py)
+        compile_backward_ahead(q1, k1, q2, k2, causal, dims, train1, train2, bwd_mode, deterministic)
         kl, lse1_bits, lse2_bits = _forward(q1, k1, q2, k2, causal, dims.scale1, dims.scale2, split_k, dims=dims)
         ctx.save_for_backward(q1, k1, q2, k2, kl, lse1_bits, lse2_bits)
         ctx.args = (causal, dims, bwd_mode, deterministic)
