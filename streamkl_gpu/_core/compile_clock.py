@@ -6,7 +6,8 @@ Triton's on-disk cache first, so with warm caches a call is a load of millisecon
 wrapper must be installed before a kernel's first launch in the process: a ``JITFunction`` binds
 ``compile`` when it first runs (``JITFunction.create_binder``). ``streamkl verify`` and
 ``bench/streamkl_bench/first_call.py`` (the ``first_call`` section) read it; nothing else
-installs it.
+installs it. Compiles on several threads at once (compiling ahead, ``_core.launcher``) each add
+their own seconds, so ``seconds`` can exceed the wall time they took.
 """
 from __future__ import annotations
 

@@ -71,6 +71,14 @@ def compile_ahead(work, device):
     return thread
 
 
+def kernel_call(fn, grid):
+    """``fn[grid]``; in a compile-ahead thread its compile-only twin (``fn.warmup``). For launch
+    sites that call a JIT function directly: ``kernel_call(fn, grid)(*args, **kwargs)``."""
+    if compiling_ahead():
+        return lambda *args, **kwargs: fn.warmup(*args, grid=grid, **kwargs)
+    return fn[grid]
+
+
 def _raw_stream(device: int) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 

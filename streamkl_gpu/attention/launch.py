@@ -300,7 +300,7 @@ def compile_backward_ahead(q1, k1, q2, k2, causal, dims, train1, train2, bwd_mod
     """Start compiling the kernels of the backward this training call will run, unless they are
     known already (its plan is bound), would be timed, or the problem is large. The backward
     joins the thread before it looks its plan up. ``STREAMKL_COMPILE_AHEAD=0`` turns it off."""
-    if (q1.device.type != "cuda" or interpreting() or os.environ.get("STREAMKL_COMPILE_AHEAD", "1") == "0"
+    if (q1.device.type != "cuda" or interpreting() or _runtime.env("STREAMKL_COMPILE_AHEAD", "1") == "0"
             or not (train1 or train2) or is_empty(dims) or autotune_enabled(ruled=True)
             or not _triton_backward()
             or max(t.numel() for t in (q1, k1, q2, k2)) > AHEAD_MAX_ELEMENTS):

@@ -41,6 +41,7 @@ from streamkl_gpu._core.checks import (
 )
 from streamkl_gpu._core.runtime import LOG2E, TensorDescriptor, fresh, interpreting, n_sm, tma_ok
 from streamkl_gpu._core.tuning import bucket, pick
+from streamkl_gpu._core.launcher import kernel_call
 from streamkl_gpu.attention.configs import (TMA_MIN_KEYS, TUNING_WORK_LIMIT, auto_bwd_mode, auto_split_k, bwd_candidates,
                                             fwd_candidates)
 
@@ -131,7 +132,7 @@ def _forward(q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, causal, scale1, scale2, s
         splits = max(1, _runtime.cdiv(max_k, keys_per_split))
         part = fresh((5, splits, total_q * H), torch.float32, device) if splits > 1 else kl
         grid = (_runtime.cdiv(max_q, block_m), batch * H, splits)
-        _fwd._kl_fwd_kernel[grid](
+        kernel_call(_fwd._kl_fwd_kernel, grid)(
             q1, k1, q2, k2, k1_desc, k2_desc, kl, lse1_bits, lse2_bits, part,
             *strides(q1), *strides(k1), *strides(q2), *strides(k2),
             H, total_q, dims.NK, dims.D1, dims.D2, dims.group1, dims.group2,
@@ -144,7 +145,7 @@ def _forward(q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, causal, scale1, scale2, s
         if splits > 1:
             rows = total_q * H
             block = 256
-            _fwd._kl_combine_kernel[(_runtime.cdiv(rows, block),)](
+            kernel_call(_fwd._kl_combine_kernel, (_runtime.cdiv(rows, block),))(
                 part, kl, lse1_bits, lse2_bits, rows, splits, BLOCK=block, num_warps=4)
 
     key = ("varlen_fwd", dims.D1, dims.D2, q1.dtype, q2.dtype, causal, split, tma,
@@ -220,7 +221,7 @@ def _backward(g, q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, kl, lse1_bits, lse2_b
                    dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2)
         in_strides = [s for v in views for s in strides(v)]
         block_m, block_n, warps, stages = cfg_dk.block_m, cfg_dk.block_n, cfg_dk.num_warps, cfg_dk.num_stages
-        _bwd._kl_bwd_dk_kernel[(_runtime.cdiv(max_k, block_n), batch * H)](
+        kernel_call(_bwd._kl_bwd_dk_kernel, (_runtime.cdiv(max_k, block_n), batch * H))(
             *views, lse1_bits, lse2_bits, kl, g, *bufs, *in_strides,
             *(s for b in bufs for s in s3(b)), *scalars,
             BLOCK_M=block_m, BLOCK_N=block_n, FUSED_DQ=fused,
@@ -228,7 +229,7 @@ def _backward(g, q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, kl, lse1_bits, lse2_b
         )
         if not fused:
             block_m, block_n, warps, stages = cfg_dq.block_m, cfg_dq.block_n, cfg_dq.num_warps, cfg_dq.num_stages
-            _bwd._kl_bwd_dq_kernel[(_runtime.cdiv(max_q, block_m), batch * H)](
+            kernel_call(_bwd._kl_bwd_dq_kernel, (_runtime.cdiv(max_q, block_m), batch * H))(
                 *views, lse1_bits, lse2_bits, kl, g, bufs[2], bufs[3], *in_strides,
                 *s3(bufs[2]), *s3(bufs[3]), *scalars,
                 BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common,

@@ -47,6 +47,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.extra import libdevice
 
 from streamkl_gpu._core import forcing as _forcing
+from streamkl_gpu._core.launcher import kernel_call
 
 # TMA load, renamed in triton 3.8 (``async_load``); 3.6/3.7 have only the old name, 3.9 rejects it.
 if hasattr(tma, "async_load"):
@@ -494,7 +495,7 @@ def student_grads(q, k, q_idx, k_idx, weights, lse_idx, causal, relu, grads, con
     (``lse_idx``: the forward's student LSE [B, N_Q], nats, fp32 contiguous)."""
     grid, args, constexprs, options = launch_args(q, k, q_idx, k_idx, weights, lse_idx, lse_idx, causal, 1.0, relu,
                                                   config, grads, student=True)
-    kernel = _gluon_indexer_fwd_kernel[grid](*args, **constexprs, **options)
+    kernel = kernel_call(_gluon_indexer_fwd_kernel, grid)(*args, **constexprs, **options)
     _forcing.record("indexer_fwd_sm90", kernel, **constexprs)  # for an open forcing block
     return grads
 
@@ -508,7 +509,7 @@ def forward_states(q, k, q_idx, k_idx, weights, lse_bits, causal, scale, relu, c
         part = torch.empty((5, 2, B, N_Q), dtype=torch.float32, device=q.device)
     grid, args, constexprs, options = launch_args(q, k, q_idx, k_idx, weights, lse_bits, part, causal, scale, relu,
                                                   config, grads)
-    kernel = _gluon_indexer_fwd_kernel[grid](*args, **constexprs, **options)
+    kernel = kernel_call(_gluon_indexer_fwd_kernel, grid)(*args, **constexprs, **options)
     _forcing.record("indexer_fwd_sm90", kernel, **constexprs)  # for an open forcing block
     return part
 

@@ -20,6 +20,7 @@ from streamkl_gpu._core import checks as _checks
 from streamkl_gpu._core import env as _env
 from streamkl_gpu._core import runtime as _runtime
 from streamkl_gpu._core import tuning as _tuning
+from streamkl_gpu._core.launcher import kernel_call
 from streamkl_gpu.indexer import configs as _configs
 from streamkl_gpu.indexer import plan as _plan_mod
 from streamkl_gpu.indexer import teacher_lse as _teacher_lse  # the teacher's LSEs when the caller gives none
@@ -72,7 +73,7 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
         part = _plan_mod._fresh((5, splits, dims.B, dims.NQ), torch.float32, device) if splits > 1 else kl
         grid = (_runtime.cdiv(dims.NQ, pl["BLOCK_T"]), splits, dims.B)
         tma, a_l1 = _plan_mod._load_mode(pl, use_tma)
-        _indexer_fwd._indexer_fwd_kernel[grid](
+        kernel_call(_indexer_fwd._indexer_fwd_kernel, grid)(
             q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, part,
             *_plan_mod._descriptors(pl, tma, q, k, q_idx, k_idx),
             *_plan_mod._strides(q), *_plan_mod._strides(k), *_plan_mod._strides(q_idx), *_plan_mod._strides(k_idx), *_plan_mod._strides(weights),
@@ -288,7 +289,7 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
             if dk_share == 2:
                 dk_desc = _runtime.TensorDescriptor(dk_idx, list(dk_idx.shape), list(dk_idx.stride()),
                                                     [1, 1, pl["BLOCK_N"], pl["DI_PAD"]])
-        _indexer_bwd._indexer_bwd_dq_kernel[grid](
+        kernel_call(_indexer_bwd._indexer_bwd_dq_kernel, grid)(
             *common, dq_idx, dweights, *_plan_mod._descriptors(pl, tma, q, k, q_idx, k_idx), dk_idx, dk_desc, 0, dims.NQ, *strides,
             dims.H, group, dims.HI, dims.HKI, group_i, dims.NQ, dims.NK, qk_scale, 1.0 / dims.H,
             pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"], DK_SHARE=dk_share, **meta(pl, tma, l1))
@@ -306,7 +307,7 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
             dweights.zero_()
         grid = (_runtime.cdiv(dims.NK, pl["BLOCK_N"]), dims.B * dims.HKI, splits)
         tma, l1 = _plan_mod._load_mode(pl, use_tma)
-        _indexer_bwd._indexer_bwd_dk_kernel[grid](
+        kernel_call(_indexer_bwd._indexer_bwd_dk_kernel, grid)(
             *common, dk_idx, dq_idx, dweights, *_plan_mod._descriptors(pl, tma, q, k, q_idx, k_idx), *strides,
             dims.H, group, dims.HI, dims.HKI, group_i, dims.NQ, dims.NK, qk_scale, 1.0 / dims.H,
             pl["n_chunks"], pl["cpg"], pl["n_ichunks"], pl["icpg"], per_split, ATOMIC=splits > 1, FUSED_DQ=fused,

@@ -26,6 +26,7 @@ from streamkl_ref._checks import check_indexer_inputs
 from streamkl_gpu._core import checks as _checks
 from streamkl_gpu._core import runtime as _runtime
 from streamkl_gpu._core import tuning as _tuning
+from streamkl_gpu._core.launcher import kernel_call
 from streamkl_gpu.indexer import configs as _configs
 from streamkl_gpu.indexer import plan as _plan_mod
 from streamkl_gpu.indexer.triton import fwd as _indexer_fwd
@@ -49,7 +50,7 @@ def teacher_lse_bits(q, k, q_idx, k_idx, weights, causal: bool, scale: float) ->
         grid = (_runtime.cdiv(dims.NQ, pl["BLOCK_T"]), pl["n_chunks"], dims.B)
         tma, a_l1 = _plan_mod._load_mode(pl, use_tma)
         q_desc, k_desc, _, _ = _plan_mod._descriptors(pl, tma, q, k, q_idx, k_idx)
-        _indexer_fwd._teacher_lse_kernel[grid](
+        kernel_call(_indexer_fwd._teacher_lse_kernel, grid)(
             q, k, q_desc, k_desc, lse_bits, *_plan_mod._strides(q), *_plan_mod._strides(k), dims.H, group, dims.NQ, dims.NK,
             dims.scale * _plan_mod.LOG2E, pl["cpg"], D=dims.D, BLOCK_D=pl["BLOCK_D"], HB=pl["HB"],
             BLOCK_T=pl["BLOCK_T"], BLOCK_N=pl["BLOCK_N"], CAUSAL=causal, IEEE=ieee,

@@ -25,6 +25,7 @@ from streamkl_ref._checks import check_indexer_inputs
 from streamkl_gpu._core import checks as _checks
 from streamkl_gpu._core import runtime as _runtime
 from streamkl_gpu._core import tuning as _tuning
+from streamkl_gpu._core.launcher import kernel_call
 from streamkl_gpu.indexer.training.row_weights import check_row_weights as _check_row_weights
 from streamkl_gpu.indexer.triton import topk as _kernels
 from streamkl_gpu.indexer.plan import _check, _fresh, _pow2, _rows_with_keys, _student_grads
@@ -148,13 +149,13 @@ def _forward(q, k, q_idx, k_idx, weights, topk_indices, lse, causal, scale, relu
         logits = p_set
         if separate:
             logits = _fresh((dims.B, dims.NQ, n_sel), torch.float32, device)
-            _kernels._topk_student_kernel[(dims.NQ, dims.B)](
+            kernel_call(_kernels._topk_student_kernel, (dims.NQ, dims.B))(
                 q_idx, k_idx, weights, topk_indices, logits, lse_i,
                 *_strides(q_idx), *_strides(k_idx), *_strides(weights), *_strides(topk_indices),
                 dims.HI, dims.HKI, group_i, dims.NQ, dims.NK, n_sel,
                 DI=dims.DI, BLOCK_DI=block_di, HI_PAD=hi_pad, BLOCK_K=block_k, CAUSAL=causal, RELU=relu,
                 IEEE_I=ieee_i, num_warps=4, num_stages=2)
-        _kernels._topk_fwd_kernel[(dims.NQ, dims.B)](
+        kernel_call(_kernels._topk_fwd_kernel, (dims.NQ, dims.B))(
             q, k, q_idx, k_idx, weights, topk_indices, lse_t, kl, lse_i, p_set, logits,
             *_strides(q), *_strides(k), *_strides(q_idx), *_strides(k_idx), *_strides(weights),
             *_strides(topk_indices),
@@ -188,7 +189,7 @@ def _backward(g, q_idx, k_idx, weights, topk_indices, p_set, lse_i, causal, relu
     dq_idx = _fresh((B, HI, NQ, DI), torch.float32, device)
     dweights = _fresh((B, HI, NQ), torch.float32, device)
     dk_idx = torch.zeros((B, HKI, NK, DI), dtype=torch.float32, device=device)  # atomic adds
-    _kernels._topk_bwd_kernel[(NQ, B)](
+    kernel_call(_kernels._topk_bwd_kernel, (NQ, B))(
         q_idx, k_idx, weights, topk_indices, p_set.contiguous(), lse_i.contiguous(), g, dq_idx, dk_idx, dweights,
         *_strides(q_idx), *_strides(k_idx), *_strides(weights), *_strides(topk_indices),
         HI, HKI, HI // HKI, NQ, NK, n_sel,

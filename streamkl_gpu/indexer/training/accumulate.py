@@ -11,6 +11,7 @@ from streamkl_gpu._core import checks as _checks
 from streamkl_gpu._core import forcing as _forcing
 from streamkl_gpu._core import runtime as _runtime
 from streamkl_gpu._core import tuning as _tuning
+from streamkl_gpu._core.launcher import kernel_call
 from streamkl_gpu.devtools import diagnostics as _diagnostics
 from streamkl_gpu.indexer import configs as _configs
 from streamkl_gpu.indexer import host as _host
@@ -62,7 +63,7 @@ def _forward_pacc(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
         if q_tm:
             qv = q.permute(0, 2, 1, 3)
             descs[0] = _runtime.TensorDescriptor(qv, list(qv.shape), list(qv.stride()), [1, 1, pl["HB"], pl["BLOCK_D"]])
-        _indexer_pacc._indexer_fwd_pacc_kernel[grid](
+        kernel_call(_indexer_pacc._indexer_fwd_pacc_kernel, grid)(
             q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, dq_p, dw_p, dk_p,
             *descs, dk_desc,
             *_plan_mod._strides(q), *_plan_mod._strides(k), *_plan_mod._strides(q_idx), *_plan_mod._strides(k_idx), *_plan_mod._strides(weights),

@@ -17,6 +17,7 @@ from streamkl_gpu.indexer.triton import fwd_gqa_store as _indexer_gqa_store  # s
 from streamkl_gpu._core import checks as _checks
 from streamkl_gpu._core import runtime as _runtime
 from streamkl_gpu._core import tuning as _tuning
+from streamkl_gpu._core.launcher import kernel_call
 from streamkl_gpu.indexer import configs as _configs
 from streamkl_gpu.indexer import host as _host
 from streamkl_gpu.indexer import plan as _plan_mod
@@ -115,7 +116,7 @@ def _forward_full_with(fcfg, bcfg, q, k, q_idx, k_idx, weights, lse, causal, sca
             _indexer_gqa_store.launch_chunk(dims, fpl, q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, p, c0, rows,
                                             causal, relu, ieee_t, ieee_i)
         else:
-            _indexer_pacc._indexer_fwd_pstore_kernel[(_runtime.cdiv(rows, fpl["BLOCK_T"]), splits, dims.B)](
+            kernel_call(_indexer_pacc._indexer_fwd_pstore_kernel, (_runtime.cdiv(rows, fpl["BLOCK_T"]), splits, dims.B))(
                 q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, part, p, *fdesc, *strides,
                 dims.H, group, group_i, dims.NQ, dims.NK, dims.scale * _plan_mod.LOG2E, 1.0 / dims.H,
                 fpl["n_chunks"], fpl["cpg"], fpl["n_ichunks"], fpl["icpg"], per_split, c0, chunk,
@@ -128,7 +129,7 @@ def _forward_full_with(fcfg, bcfg, q, k, q_idx, k_idx, weights, lse, causal, sca
             merged_kl, merged_lse = _plan_mod._merge_splits(part[..., c0:c0 + rows])
             kl[:, c0:c0 + rows] = merged_kl
             lse_idx[:, c0:c0 + rows] = merged_lse
-        _indexer_bwd._indexer_bwd_dq_kernel[(_runtime.cdiv(rows, bpl["BLOCK_T"]), dims.B * dims.HKI)](
+        kernel_call(_indexer_bwd._indexer_bwd_dq_kernel, (_runtime.cdiv(rows, bpl["BLOCK_T"]), dims.B * dims.HKI))(
             q, k, q_idx, k_idx, weights, p, lse_idx, g_rows, dq1, dw1, *bdesc, dk1, dk_desc, c0, chunk, *strides,
             dims.H, group, dims.HI, dims.HKI, group_i, dims.NQ, dims.NK, dims.scale * _plan_mod.LOG2E, 1.0 / dims.H,
             bpl["n_chunks"], bpl["cpg"], bpl["n_ichunks"], bpl["icpg"], DK_SHARE=dk_share,

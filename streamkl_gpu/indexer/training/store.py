@@ -11,6 +11,7 @@ from streamkl_gpu.indexer.triton import accumulate as _indexer_pacc
 from streamkl_gpu._core import checks as _checks
 from streamkl_gpu._core import runtime as _runtime
 from streamkl_gpu._core import tuning as _tuning
+from streamkl_gpu._core.launcher import kernel_call
 from streamkl_gpu.indexer.training import choice as _choice
 from streamkl_gpu.indexer import configs as _configs
 from streamkl_gpu.indexer import host as _host
@@ -52,7 +53,7 @@ def _forward_pstore(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
         part = _plan_mod._fresh((5, splits, dims.B, dims.NQ), torch.float32, device) if splits > 1 else kl
         grid = (_runtime.cdiv(dims.NQ, pl["BLOCK_T"]), splits, dims.B)
         tma, a_l1 = _plan_mod._load_mode(pl, use_tma)
-        _indexer_pacc._indexer_fwd_pstore_kernel[grid](
+        kernel_call(_indexer_pacc._indexer_fwd_pstore_kernel, grid)(
             q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, part, p,
             *_plan_mod._descriptors(pl, tma, q, k, q_idx, k_idx),
             *_plan_mod._strides(q), *_plan_mod._strides(k), *_plan_mod._strides(q_idx), *_plan_mod._strides(k_idx), *_plan_mod._strides(weights),

@@ -43,6 +43,7 @@ import triton.language as tl
 from streamkl_gpu._core import checks as _checks
 from streamkl_gpu._core import runtime as _runtime
 from streamkl_gpu._core.jit import _dot, _key_stages
+from streamkl_gpu._core.launcher import kernel_call
 from streamkl_gpu.indexer.triton.fwd import _finish, _online_update
 from streamkl_gpu.indexer.plan import IndexerConfig, _fresh, _key_splits, _merge_splits
 
@@ -179,14 +180,14 @@ def launch(dims, pl, q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, causal,
         band_stream = _side_stream(q.device)
         band_stream.wait_stream(main_stream)
         with torch.cuda.stream(band_stream):
-            _indexer_fwd_gqa_kernel[(1, n_t, dims.B)](*args, dims.NK, splits, slots, **meta, SPLIT_MAJOR=True,
+            kernel_call(_indexer_fwd_gqa_kernel, (1, n_t, dims.B))(*args, dims.NK, splits, slots, **meta, SPLIT_MAJOR=True,
                                                       STAGES=2)
-    _indexer_fwd_gqa_kernel[grid](*args, per_split, 0, slots, **meta, SPLIT_MAJOR=var.split_major,
+    kernel_call(_indexer_fwd_gqa_kernel, grid)(*args, per_split, 0, slots, **meta, SPLIT_MAJOR=var.split_major,
                                   STAGES=1 if var.band else 0, **extra)
     if side:  # the merge (and everything after, on this stream) waits for the band
         main_stream.wait_stream(band_stream)
     elif var.band:  # one program per token block: its masked band only, into slot ``splits``
-        _indexer_fwd_gqa_kernel[(1, n_t, dims.B)](*args, dims.NK, splits, slots, **meta, SPLIT_MAJOR=True,
+        kernel_call(_indexer_fwd_gqa_kernel, (1, n_t, dims.B))(*args, dims.NK, splits, slots, **meta, SPLIT_MAJOR=True,
                                                   STAGES=2)
     if slots > 1:
         if MERGE_KERNEL:
@@ -218,7 +219,7 @@ def merge_states(part, kl, lse_idx):
     """``kl``, ``lse_idx`` [B, N_Q] from ``part [5, splits, B, N_Q]`` (contiguous fp32): exactly
     ``_indexer._merge_splits`` (its formula; the tests compare the two), one launch."""
     rows = kl.numel()
-    _merge_states_kernel[(_runtime.cdiv(rows, MERGE_BLOCK),)](part, kl, lse_idx, part.shape[1], rows,
+    kernel_call(_merge_states_kernel, (_runtime.cdiv(rows, MERGE_BLOCK),))(part, kl, lse_idx, part.shape[1], rows,
                                                             BLOCK=MERGE_BLOCK, num_warps=4)
 
 

@@ -33,6 +33,7 @@ import triton.language as tl
 from streamkl_gpu._core import checks as _checks
 from streamkl_gpu._core import runtime as _runtime
 from streamkl_gpu._core.jit import _dot, _key_stages
+from streamkl_gpu._core.launcher import kernel_call
 from streamkl_gpu.indexer.plan import _fresh, _key_splits, _merge_splits
 from streamkl_gpu.indexer.triton import fwd_gqa as _indexer_fwd_gqa
 from streamkl_gpu.indexer.triton.fwd import _finish, _online_update
@@ -82,10 +83,10 @@ def launch_chunk(dims, pl, q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, p
                 BLOCK_N=bn, CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, SPLIT=slots > 1, P_TMA=p_tma,
                 HEAD_LOOP=1 if var.loop == 1 else 0, num_warps=pl["warps"], num_stages=pl["stages"])
     grid = (splits, n_t, dims.B) if var.split_major else (n_t, splits, dims.B)
-    _indexer_fwd_gqa_store_kernel[grid](*args, per_split, c0, p_rows, 0, slots, **meta,
+    kernel_call(_indexer_fwd_gqa_store_kernel, grid)(*args, per_split, c0, p_rows, 0, slots, **meta,
                                         SPLIT_MAJOR=var.split_major, STAGES=1 if var.band else 0, **extra)
     if var.band:  # one program per token block: its masked band only, into slot ``splits``
-        _indexer_fwd_gqa_store_kernel[(1, n_t, dims.B)](*args, dims.NK, c0, p_rows, splits, slots, **meta,
+        kernel_call(_indexer_fwd_gqa_store_kernel, (1, n_t, dims.B))(*args, dims.NK, c0, p_rows, splits, slots, **meta,
                                                         SPLIT_MAJOR=True, STAGES=2)
     if slots > 1:  # this chunk's rows, before the gradient kernel reads LSE_I
         if _indexer_fwd_gqa.MERGE_KERNEL:
