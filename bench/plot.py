@@ -53,6 +53,9 @@ STYLE = {  # display label -> (color, marker); anything else gets matplotlib's c
     LABELS["chunked"]: ("C4", "*"), LABELS["floor"]: ("k", "_"),
 }
 DASHED = (LABELS["floor"], LABELS["eager"], LABELS["chunked"])  # references drawn dashed
+# the CSV's settings and modes -> words (legends and titles show no column values)
+SETTINGS = {"s1": "setting 1", "s2": "setting 2", "both": "both settings"}
+MODES = {"fwd": "forward", **{f"fwd_bwd_{k}": f"fwd+bwd, {v}" for k, v in SETTINGS.items()}}
 
 
 def newest_results(pattern):
@@ -98,6 +101,10 @@ def display_provider(r):
     return {"sdpa": SDPA_DEFAULT, "sdpa_flash": SDPA_FLASH}.get(r["provider"], LABELS.get(r["provider"], r["provider"]))
 
 
+def display_mode(mode):
+    return MODES.get(mode, mode)
+
+
 def fnum(x):
     try:
         return float(x)
@@ -126,13 +133,15 @@ def series(rows, multi, x="n_k", y="p50_ms", key=("_prov",)):
 
 def style_for(label):
     for name in sorted(STYLE, key=len, reverse=True):  # "ours_auto ..." is not "ours"
-        if label == name or label.startswith(name + " "):
+        if label == name or label.startswith((name + " ", name + ",")):
             return STYLE[name]
     return (None, ".")
 
 
 def plain_log_y(ax):
     """Log y axis labelled 0.1, 1, 10 (not 10^k); under ~1.5 decades the minor ticks get labels too."""
+    import math
+
     import matplotlib.ticker as mt
     fmt = mt.FuncFormatter(lambda v, _: f"{v:g}")
     ax.yaxis.set_major_formatter(fmt)
@@ -140,6 +149,14 @@ def plain_log_y(ax):
     if lo > 0 and hi / lo < 30:
         ax.yaxis.set_minor_formatter(fmt)
         ax.tick_params(axis="y", which="minor", labelsize=MIN_FONT_PT)
+    elif lo > 0 and hi / lo < 1000:  # 2 and 5 of each decade, as plain numbers (not 2 x 10^-1)
+        def minor(v, _):
+            mantissa = v / 10 ** math.floor(math.log10(v) + 1e-9)
+            return f"{v:g}" if round(mantissa) in (2, 5) else ""
+        ax.yaxis.set_minor_formatter(mt.FuncFormatter(minor))
+        ax.tick_params(axis="y", which="minor", labelsize=MIN_FONT_PT)
+    else:  # many decades: the powers of ten alone
+        ax.yaxis.set_minor_formatter(mt.NullFormatter())
 
 
 def draw(ax, data, title, ylabel, xlabel="N (= N_Q = N_K)", legend="in"):
@@ -256,7 +273,7 @@ def main(argv=None):
                 sel = [r for r in fb if r["causal"] == c and r["mode"] in (f"fwd_bwd_{st}", "fwd_bwd_sdpa")]
                 # SDPA fwd+bwd does not depend on the setting: drawn in every panel as the reference
                 draw(axes[i][j], series(sel, multi),
-                     f"setting {st}, {'causal' if c == '1' else 'non-causal'}", "fwd+bwd time (ms)", legend=None)
+                     f"{SETTINGS[st]}, {'causal' if c == '1' else 'non-causal'}", "fwd+bwd time (ms)", legend=None)
         n = shared_legend(fig, axes.flat)
         save(fig, "fwd_bwd_time.png", fb, top=1 - legend_rows(fig, n))
 
@@ -267,8 +284,8 @@ def main(argv=None):
         fig, ax = plt.subplots(figsize=(WIDTH_IN, 7.5))
         data = {}
         for r in mem:
-            tag = "fwd" if r["kernel"] == "fwd" else r["mode"]
-            label = f"{r['_prov']} {tag} H={r['h']}{' causal' if r['causal'] == '1' else ''}"
+            tag = display_mode("fwd" if r["kernel"] == "fwd" else r["mode"])
+            label = f"{r['_prov']}, {tag}, H={r['h']}{' causal' if r['causal'] == '1' else ''}"
             if multi:
                 label += f" [{r['_file']}]"
             v = max(fnum(r["peak_extra_gib"]), 1e-4)  # log axis: an O(N_Q) output can be ~0 GiB
@@ -314,8 +331,9 @@ def main(argv=None):
         fig, axes = plt.subplots(3, 1, figsize=(WIDTH_IN, 10), sharex=True)
         for ax, st in zip(axes, ("s1", "s2", "both")):
             sel = [r for r in sq if r["mode"] == f"fwd_bwd_{st}"]
-            nk = sorted({r["n_k"] for r in sel})
-            draw(ax, series(sel, multi, x="n_q"), f"fwd+bwd {st}, N_K={','.join(nk)}", "time (ms)", xlabel="N_Q",
+            nk = sorted({int(r["n_k"]) for r in sel})
+            draw(ax, series(sel, multi, x="n_q"), f"fwd+bwd, {SETTINGS[st]}, N_K = {', '.join(map(fmt_n, nk))}",
+                 "time (ms)", xlabel="N_Q",
                  legend=None)
         n = shared_legend(fig, axes)
         save(fig, "smallq_bwd.png", sq, top=1 - legend_rows(fig, n))

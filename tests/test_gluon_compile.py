@@ -18,6 +18,8 @@ import torch
 from streamkl_gpu.attention.gluon import dispatch as dispatch
 from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
 from streamkl_gpu.attention.gluon import fwd_sm90_launch as _gluon_fwd_launch
+from streamkl_gpu.attention.gluon.fwd_sm90_launch import GluonFwdConfig
+from streamkl_gpu.devtools.sass import config_from_spec, config_spec
 from streamkl_ref._checks import Dims
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,18 +34,18 @@ CTA_THREADS = 384  # what the H200 reported for a Gluon forward CTA (OutOfResour
 # is in the SASS (side 1's exponentials between the two waits).
 # And the two-tile lookahead (LOOK, side 2 first) at 64-key tiles: 4 waits per two-tile iteration,
 # side 2's exponentials of the first tile issued before the S1 wait.
-FENCE_SPEC = "bf16:causal:128:128:64:4:168:0:0:0:0:1"
-LOOK_SPEC = "bf16:causal:128:128:64:4:168:0:0:0:0:0:1:1"
+FENCE_SPEC = "bf16:causal:128:128:block_n=64:num_stages=4:fence=1"
+LOOK_SPEC = "bf16:causal:128:128:block_n=64:num_stages=4:order=1:look=1"
 # And the knob-free schedule (the second search's default) the third search's knobs of the default
 # (DEFAULT_KNOBS: MERGE, FOLD, MASK1) are measured against in the SASS: MERGE (one ready and one
 # empty barrier per ring slot: fewer BAR.SYNC per key tile; triton's membar puts one at each
 # mbarrier op of the loop), FOLD (whole-tile loops: the scale folded into the exponent's FFMA),
 # MASK1 (masked loops: the mask applied once).
-KNOB_FREE_SPEC = "bf16:causal:128:128:128:2:168:0"
+KNOB_FREE_SPEC = "bf16:causal:128:128:block_n=128:num_stages=2"
 MASK1_SPEC = "bf16:causal:128:128"  # the default, causal (whole and masked loops)
 CI_SPECS = ["bf16:full:128:128", "fp16:causal:128:128", "bf16:causal:128:128", "bf16:causal:64:128",
             "bf16:full:64:64"] + [
-    "bf16:causal:64:64:" + ":".join(map(str, c)) for c in _gluon_fwd_launch.candidates(64, 64)[1:] if c[2] == 168] + [
+    "bf16:causal:64:64:" + config_spec(c) for c in _gluon_fwd_launch.candidates(64, 64)[1:] if c.maxnreg == 168] + [
     FENCE_SPEC, LOOK_SPEC, KNOB_FREE_SPEC]
 
 
@@ -63,9 +65,9 @@ def compiled():
 @pytest.mark.parametrize("spec", CI_SPECS)
 def test_sass_no_spills_and_two_waits_per_key_tile(compiled, spec):
     row = compiled[spec]
-    _, mode, d1, d2, *cand = spec.split(":")
-    cfg = _gluon_fwd_launch.config_of(tuple(map(int, cand))) if cand else _gluon_fwd_launch.kernel_config(int(d1), int(d2))
-    waits = _gluon_fwd_launch.waits_per_tile(_gluon_fwd_launch.sched_of(cfg))
+    _, mode, d1, d2, *items = spec.split(":")
+    cfg = config_from_spec(GluonFwdConfig, items) if items else _gluon_fwd_launch.kernel_config(int(d1), int(d2))
+    waits = _gluon_fwd_launch.waits_per_tile(cfg.sched)
     assert row["stl"] == 0 and row["ldl"] == 0, f"{spec}: local-memory spills in the SASS: {row}"
     assert row["resources"]["local"] == 0, f"{spec}: ptxas reports local memory: {row['resources']}"
     assert row["hgmma"] > 0, f"{spec}: no HGMMA in the SASS (wgmma lowered to something else)"
@@ -73,24 +75,24 @@ def test_sass_no_spills_and_two_waits_per_key_tile(compiled, spec):
     loops = row["loops"]
     assert len(loops) == 4, f"{spec}: expected 4 key-tile loops with HGMMA, found {len(loops)}: {loops}"
     # one HGMMA 64xNx16 per 16 of each side's head dim, per (sub-)tile
-    k_steps = (int(d1) + int(d2)) // 16 * (1 + cfg["SPLIT"])
-    per_side = 64 * cfg["BLOCK_N"] // 128  # exponentials per thread and side per key tile
-    mufu_side2 = {0: per_side, 1: 0, 2: per_side // 2}[cfg["POLY"]]  # POLY: on the FMA pipe instead
+    k_steps = (int(d1) + int(d2)) // 16 * (1 + cfg.split)
+    per_side = 64 * cfg.block_n // 128  # exponentials per thread and side per key tile
+    mufu_side2 = {0: per_side, 1: 0, 2: per_side // 2}[cfg.poly]  # POLY: on the FMA pipe instead
     # LOOK: the whole-tile loop folds two key tiles per iteration (one in each warpgroup)
     tiles = [loop["hgmma"] // k_steps for loop in loops]
-    assert sorted(tiles) == ([1, 1, 2, 2] if cfg["LOOK"] else [1] * 4), f"{spec}: HGMMA per loop {loops}"
+    assert sorted(tiles) == ([1, 1, 2, 2] if cfg.look else [1] * 4), f"{spec}: HGMMA per loop {loops}"
     for loop, n in zip(loops, tiles):
         assert loop["hgmma"] == n * k_steps, f"{spec}: {loop['hgmma']} HGMMA per loop, expected {n * k_steps}"
         # the source waits twice per key tile (S1, then S2; four with SPLIT); one DEPBAR per HGMMA
         # is ptxas serialising the products (the back-edge trap of the sketch)
-        assert 1 <= loop["depbar"] <= min(waits, 2 * n * (1 + cfg["SPLIT"])), \
+        assert 1 <= loop["depbar"] <= min(waits, 2 * n * (1 + cfg.split)), \
             f"{spec}: {loop['depbar']} WARPGROUP.DEPBAR per loop of {n} key tile(s): {loop}"
         assert loop["ex2"] >= n * (per_side + mufu_side2), f"{spec}: too few MUFU.EX2 per key tile: {loop}"
-        if cfg["LOOK"] and n == 2:  # its point: tile a's side-2 exponentials while S1a runs
+        if cfg.look and n == 2:  # its point: tile a's side-2 exponentials while S1a runs
             assert loop["ex2_between_waits"] >= per_side, f"{spec}: LOOK lost the overlap: {loop}"
-        if cfg["FENCE"] == 1:  # its point: side 1's exponentials issued before the S2 wait
+        if cfg.fence == 1:  # its point: side 1's exponentials issued before the S2 wait
             assert loop["ex2_between_waits"] >= per_side, f"{spec}: FENCE did not keep the overlap: {loop}"
-    if cfg["FENCE"] == 2:  # whole tiles only: the two whole-tile loops
+    if cfg.fence == 2:  # whole tiles only: the two whole-tile loops
         assert sum(lp["ex2_between_waits"] >= per_side for lp in loops) == 2, f"{spec}: {loops}"
 
 
@@ -263,17 +265,48 @@ def test_candidates_fit_shared_memory_and_round_trip():
         assert len(set(measured)) == len(measured)
         names = [_gluon_fwd_launch.describe(c) for c in measured]
         assert len(set(names)) == len(names), names  # the GPU script's provider names are unique
-        for cand in measured:
-            cfg = _gluon_fwd_launch.config_of(cand)
-            assert tuple(cfg[f] for f in _gluon_fwd_launch.CAND_FIELDS[:len(cand)]) == tuple(cand)
+        for cfg in measured:
+            assert isinstance(cfg, GluonFwdConfig) and cfg.sched >= 0  # every one packs (no refused knobs)
+            assert config_from_spec(GluonFwdConfig, config_spec(cfg).split(":")) == cfg  # the compile spec
             # Q (two warpgroups) + the key ring + barriers within sm_90's 227 KB per CTA
-            smem = 2 * 64 * (d1 + d2) * 2 + cfg["NUM_STAGES"] * cfg["BLOCK_N"] * (d1 + d2) * 2
-            assert smem <= 227 * 1024 - 1024, (cand, smem)
+            smem = 2 * 64 * (d1 + d2) * 2 + cfg.num_stages * cfg.block_n * (d1 + d2) * 2
+            assert smem <= 227 * 1024 - 1024, (cfg, smem)
             # registers: the CTA (two consumer warpgroups + the producer's, 384 threads as the GPU
             # reported when a 224-register config failed to launch) within the SM's 65536
-            assert cfg["maxnreg"] * CTA_THREADS <= 65536, (cand, cfg["maxnreg"])
-    with pytest.raises(ValueError, match="candidate"):
-        _gluon_fwd_launch.config_of((128, 2))
+            assert cfg.maxnreg * CTA_THREADS <= 65536, (cfg, cfg.maxnreg)
+    with pytest.raises(ValueError, match="name=value"):
+        config_from_spec(GluonFwdConfig, ["128", "2"])
+    with pytest.raises(TypeError, match="GluonFwdConfig"):  # the old dict of launch entries
+        _gluon_fwd_launch._statics(128, 128, dict(BLOCK_N=128), False, 0)
+
+
+def test_gluon_launch_configurations_are_frozen_dataclasses():
+    """Every Gluon kernel's launch configuration is a frozen dataclass, as the Triton kernels'
+    (attention.configs.FwdConfig, BwdConfig): hashable (the tuner keys on it), its repr names
+    every field (the tuner's disk cache stores it), and no field can change after the tuner's pick."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from streamkl_gpu.experimental import attention_bwd_sm90, indexer_fwd_sm90
+
+    made = {
+        _gluon_fwd_launch.GluonFwdConfig: _gluon_fwd_launch.configs_to_measure(64, 128)
+        + list(_gluon_fwd_launch.SEARCHED_EXPERIMENTS),
+        indexer_fwd_sm90.GluonIndexerConfig: indexer_fwd_sm90.candidates(SimpleNamespace(H=128, D=576, DI=128)),
+        attention_bwd_sm90.GluonBwdConfig: [attention_bwd_sm90.kernel_config(d, c) for d in (64, 128) for c in (0, 1)]
+        + [attention_bwd_sm90.fallback_config(128, True)],
+    }
+    for cls, configs in made.items():
+        assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen, cls
+        assert configs and all(type(c) is cls for c in configs), (cls, configs)
+        assert len({hash(c) for c in configs}) == len(set(configs))
+        for f in dataclasses.fields(cls):
+            assert f"{f.name}=" in repr(configs[0])
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(configs[0], dataclasses.fields(cls)[0].name, 1)
+    fallback = attention_bwd_sm90.fallback_config(128, True)
+    assert (fallback.ds_bufs, fallback.dq_lag) == (1, False)
+    assert fallback.num_stages == attention_bwd_sm90.kernel_config(128, True).num_stages
 
 
 def test_exp2_polynomial_twin_accuracy_zeros_and_nan():
@@ -292,12 +325,14 @@ def test_exp2_polynomial_twin_accuracy_zeros_and_nan():
 
 
 def test_schedule_knobs_pack_into_sched():
-    cfg = _gluon_fwd_launch.config_of((64, 4, 168, 1, 0, 2, 1, 1))
-    sched = _gluon_fwd_launch.sched_of(cfg)
+    cfg = GluonFwdConfig(block_n=64, num_stages=4, pingpong=1, poly=2, rescale=1, fence=1)
+    sched = cfg.sched
+    assert sched == _gluon_fwd_launch.sched_of(cfg.knobs())
     for name, (off, width) in _gluon_fwd.SCHED_BITS.items():
-        assert (sched >> off) & ((1 << width) - 1) == cfg[name]
+        assert (sched >> off) & ((1 << width) - 1) == getattr(cfg, name.lower())
     assert _gluon_fwd_launch.waits_per_tile(sched) == 2
-    assert _gluon_fwd_launch.waits_per_tile(_gluon_fwd_launch.sched_of(_gluon_fwd_launch.config_of((128, 2, 224, 1, 1)))) == 4
+    assert _gluon_fwd_launch.waits_per_tile(GluonFwdConfig(block_n=128, num_stages=2, maxnreg=224, pingpong=1,
+                                                           split=1).sched) == 4
     assert _gluon_fwd_launch.waits_per_tile(_gluon_fwd_launch.sched_of(dict(ORDER=1, LOOK=1))) == 4
     with pytest.raises(ValueError, match="POLY"):
         _gluon_fwd_launch.sched_of(dict(POLY=4))
@@ -315,19 +350,22 @@ def test_tuner_candidates_measured_winner_at_d128():
     timing noise between near-equal configurations made the tuned path slower than the default
     forced (docs/design/attention_forward.md). Other head dims keep the three candidates, default
     first, each with the same knobs."""
-    knobs = dict(MERGE=1, FOLD=1, MASK1=1)  # the third schedule search's default
-    assert _gluon_fwd_launch.candidates(128, 128) == [_gluon_fwd_launch.make_cand(128, 128, 128, 168, **knobs)]
+    knobs = dict(merge=1, fold=1, mask1=1)  # the third schedule search's default
+    assert _gluon_fwd_launch.DEFAULT_KNOBS == knobs
+    assert _gluon_fwd_launch.candidates(128, 128) == [_gluon_fwd_launch.make_config(128, 128, 128, 168, **knobs)]
     cfg = _gluon_fwd_launch.kernel_config(128, 128)
-    assert cfg == _gluon_fwd_launch.config_of(_gluon_fwd_launch.candidates(128, 128)[0])
-    assert (cfg["BLOCK_N"], cfg["NUM_STAGES"], cfg["maxnreg"], cfg["PINGPONG"]) == (128, 2, 168, 0)
-    assert all(cfg[k] == 1 for k in knobs) and sum(cfg[k] for k in _gluon_fwd.SCHED_BITS) == 3
+    assert cfg == _gluon_fwd_launch.candidates(128, 128)[0]
+    assert (cfg.block_n, cfg.num_stages, cfg.maxnreg, cfg.pingpong, cfg.consumer_regs) == (128, 2, 168, 0, 240)
+    assert all(getattr(cfg, k) == 1 for k in knobs) and sum(cfg.knobs().values()) == 3
     for d1, d2 in ((64, 64), (64, 128), (128, 64)):
         cands = _gluon_fwd_launch.candidates(d1, d2)
-        assert len(cands) == 3 and cands[0][:3] == (128, _gluon_fwd_launch._ring_stages(d1, d2, 128), 168), cands
-        assert all(_gluon_fwd_launch.config_of(c)[k] == 1 for c in cands for k in knobs), cands
+        assert len(cands) == 3 and (cands[0].block_n, cands[0].num_stages, cands[0].maxnreg) == (
+            128, _gluon_fwd_launch._ring_stages(d1, d2, 128), 168), cands
+        assert all(getattr(c, k) == 1 for c in cands for k in knobs), cands
     # the second search's default stays measured (the control of the third search's knobs)
-    assert (128, 2, 168, 0) in _gluon_fwd_launch.configs_to_measure(128, 128)
-    assert _gluon_fwd_launch.candidates(128, 128)[0] == (128, 2, 168, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 1, 1)
+    assert GluonFwdConfig(block_n=128, num_stages=2) in _gluon_fwd_launch.configs_to_measure(128, 128)
+    # the default's launch: SCHED = MERGE | FOLD | MASK1 (bits 10, 12, 13)
+    assert cfg.sched == (1 << 10) | (1 << 12) | (1 << 13)
 
 
 def test_fold_rounding_twin_max_is_bitwise_and_shift_within_an_ulp():

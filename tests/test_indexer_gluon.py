@@ -31,11 +31,14 @@ CI_SPECS = ["bf16:causal:128:576:64:128", "fp16:full:48:40:24:24", "bf16:causal+
 
 
 def _expected(spec):
-    _, mode, H, D, HI, DI, *cand = spec.split(":")
+    from streamkl_gpu.devtools.sass import config_from_spec
+
+    _, mode, H, D, HI, DI, *items = spec.split(":")
     H, D, HI, DI = map(int, (H, D, HI, DI))
     pacc, student = mode.endswith("+pacc"), mode.endswith("+student")
     dims = SimpleNamespace(H=H, D=D, DI=DI)
-    block_n, stages, regs = tuple(map(int, cand)) if cand else gluon.candidates(dims, pacc, student)[0]
+    cfg = config_from_spec(gluon.GluonIndexerConfig, items) if items else gluon.candidates(dims, pacc, student)[0]
+    block_n = cfg.block_n
     nt, dc, dic = 64 if H <= 64 else 128, (0 if student else -(-D // 64)), -(-DI // 64)
     pacc = pacc or student
     # one m64 x N x k16 HGMMA per 16 of each 64-wide chunk (N: all heads); the accumulating fold
@@ -99,9 +102,10 @@ BF = (torch.bfloat16,) * 4
 def test_applies_to_the_dsa_like_config():
     assert gluon.why_not(_dims(), BF, True, (9, 0)) == ""
     assert gluon.why_not(_dims(), BF, True, (9, 0), pacc=True) == ""
-    assert gluon.candidates(_dims(), pacc=True) == [(64, 5, 240), (64, 4, 240)]  # beside 2 coefficient tiles
+    cfg = gluon.GluonIndexerConfig
+    assert gluon.candidates(_dims(), pacc=True) == [cfg(64, 5, 240), cfg(64, 4, 240)]  # beside 2 coefficient tiles
     assert "D_I" in gluon.why_not(_dims(DI=256), BF, True, (9, 0), pacc=True)
-    assert gluon.candidates(_dims()) == [(64, 7, 240), (64, 4, 240)]  # 7 slots of 8 KB beside 160 KB
+    assert gluon.candidates(_dims()) == [cfg(block_n=64, num_stages=7), cfg(block_n=64, num_stages=4)]  # 7 slots of 8 KB beside 160 KB
 
 
 @pytest.mark.parametrize("dims,dtypes,tma,cap,word", [
@@ -122,7 +126,8 @@ def test_does_not_apply(dims, dtypes, tma, cap, word):
 def test_candidates_fit_shared_memory():
     for dims, pacc in ((_dims(), False), (_dims(), True), (_dims(H=64, D=128, HI=32, DI=64), True),
                        (_dims(D=512, DI=256), False)):
-        for block_n, stages, regs in gluon.candidates(dims, pacc):
+        for c in gluon.candidates(dims, pacc):
+            block_n, stages, regs = c.block_n, c.num_stages, c.consumer_regs
             used = (gluon.resident_bytes(dims.H, dims.D, dims.DI) + stages * block_n * 64 * 2
                     + (2 * block_n * 64 * 2 + 4 * 128 * 4 if pacc else 0))
             assert stages >= 2 and used + gluon.SMEM_RESERVE <= gluon.SMEM_BYTES

@@ -3,7 +3,8 @@ a period of work, a run id or an issue number.
 
 Every tracked file (``git ls-files``; binary files are skipped, their paths are still checked) is
 searched, case-insensitively, for a period of work ("session" and a number), a run id (``s`` digits
-``r`` digits, e.g. the id of the third run of the seventh period), an issue number ("issue" and a
+``r`` digits, e.g. the id of the third run of the seventh period, or ``r`` digits and a letter),
+an issue number ("issue" and a
 number, with or without ``#``) and "round" and a number. Ordinary words stay: pytest's
 ``scope="session"``, "a round trip", "issue" without a number. A hit fails the test with
 file:line of each. The patterns are built from pieces so that this file does not match them.
@@ -20,6 +21,8 @@ _D = r"\d"  # the patterns are assembled, so this file's own text never spells o
 PATTERNS = {
     "period of work": re.compile("sess" + "ion ?" + _D + "|sess" + "ion" + _D, re.IGNORECASE),
     "run id": re.compile(r"\b" + "s" + _D + "+" + "r" + _D + r"+\b", re.IGNORECASE),
+    # the short form, a run within a period ("r" digits and a letter: the first run of the fifth)
+    "short run id": re.compile(r"\b" + "r" + _D + "+" + r"[a-z]\b", re.IGNORECASE),
     "issue number": re.compile("iss" + "ue ?#?" + _D + "+", re.IGNORECASE),
     "round number": re.compile("rou" + "nd " + _D, re.IGNORECASE),
 }
@@ -36,9 +39,10 @@ def hits(name, text):
 def test_the_patterns_find_history_words_and_leave_ordinary_words():
     assert hits("x", "see sess" + "ion 12 and Sess" + "ion3") and hits("x", "as run " + "s7" + "r3 showed")
     assert hits("x", "fixes iss" + "ue #24") and hits("x", "Iss" + "ue 9") and hits("x", "the rou" + "nd 2 grid")
-    assert hits("notes/sess" + "ion2.md", "") and hits("x", "(S12" + "R4)")
+    assert hits("notes/sess" + "ion2.md", "") and hits("x", "(S12" + "R4)") and hits("x", "(run " + "r5" + "a)")
     ordinary = ('@pytest.fixture(scope="session")', "a round trip", "an issue with NaN", "rounds 3",
-                "issues show", "sessions", "the s1 setting, r2 rows", "ds1r2x", "round-off", "regression 1")
+                "issues show", "sessions", "the s1 setting, r2 rows", "ds1r2x", "round-off", "regression 1",
+                "r2 = 0.99", "Hopper's r2a4")
     for text in ordinary:
         assert not hits("x", text), text
 

@@ -11,13 +11,16 @@ prints one JSON object per line (the CI tests run it in a fresh process: the tes
 under TRITON_INTERPRET=1, which Gluon does not support). Specs, per kernel:
 
 - ``attention_fwd`` (the default; ``compile_sm90``): ``bf16|fp16 : causal|full : D1 : D2``, then
-  optionally a candidate tuple (``fwd_sm90_launch.CAND_FIELDS``: BLOCK_N : NUM_STAGES : maxnreg
-  [: PINGPONG : SPLIT : POLY : RESCALE : FENCE]; default: the first tuning candidate).
+  optionally a launch configuration as ``name=value`` fields of ``fwd_sm90_launch.GluonFwdConfig``
+  (``block_n=64:num_stages=4:fence=1``; :func:`config_spec` writes one; default: the first tuning
+  candidate).
 - ``attention_bwd`` (the experimental Gluon backward; ``compile_attention_bwd_sm90``):
   ``bf16|fp16 : causal|full : D : trained side (1|2) [: gqa] [: lag] [: bufs3]``.
 - ``indexer_fwd`` (the experimental Gluon indexer; ``compile_indexer_sm90``):
-  ``bf16|fp16 : causal|full[+pacc|+student] : H : D : H_I : D_I [: BLOCK_N : NUM_STAGES : REGS]``.
+  ``bf16|fp16 : causal|full[+pacc|+student] : H : D : H_I : D_I``, then optionally ``name=value``
+  fields of ``indexer_fwd_sm90.GluonIndexerConfig`` (``block_n=64:num_stages=4``).
 """
+import dataclasses
 import json
 import os
 import re
@@ -28,6 +31,30 @@ import time
 
 import torch
 import triton
+
+
+def config_spec(cfg) -> str:
+    """A launch configuration (a frozen dataclass) as spec fields: ``name=value`` joined by ``:``,
+    the required fields and those that differ from their defaults (:func:`config_from_spec`'s input)."""
+    items = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.default is dataclasses.MISSING or value != f.default:
+            items.append(f"{f.name}={int(value) if isinstance(value, bool) else value}")
+    return ":".join(items)
+
+
+def config_from_spec(cls, items):
+    """``cls(**fields)`` from spec fields ``["name=value", ...]`` (integers; flags as 0 or 1);
+    a ``ValueError`` naming the fields ``cls`` has for anything else."""
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        if not eq or name not in names:
+            raise ValueError(f"a {cls.__name__} spec field is name=value with name in {sorted(names)}, got {item!r}")
+        fields[name] = bool(int(value)) if names[name].type in (bool, "bool") else int(value)
+    return cls(**fields)
 
 
 def cuobjdump() -> str:
@@ -153,8 +180,8 @@ def _main_attention_fwd(argv):
     from streamkl_gpu.attention.gluon import fwd_sm90_launch as _gluon_fwd_launch
 
     for spec in argv:
-        dtype, mode, d1, d2, *cand = spec.split(":")
-        config = _gluon_fwd_launch.config_of(tuple(map(int, cand))) if cand else None
+        dtype, mode, d1, d2, *items = spec.split(":")
+        config = config_from_spec(_gluon_fwd_launch.GluonFwdConfig, items) if items else None
         t0 = time.time()
         kernel = compile_sm90(int(d1), int(d2), DTYPES[dtype], mode == "causal", config=config)
         sass = sass_of(kernel)
@@ -208,19 +235,23 @@ def bwd_spec_name(dtype: str, causal: bool, d: int, train: int, gqa: bool = Fals
     return f"{dtype}:{'causal' if causal else 'full'}:{d}:{train}" + (":gqa" if gqa else "")
 
 
-# backward spec suffixes that change the launch config (``attention_bwd_sm90.kernel_config`` entries)
-SPEC_CONFIGS = {"lag": dict(DQ_LAG=True), "bufs3": dict(DS_BUFS=3)}
+# backward spec suffixes that change the launch config (``attention_bwd_sm90.GluonBwdConfig``
+# fields replaced in ``kernel_config``'s)
+SPEC_CONFIGS = {"lag": dict(dq_lag=True), "bufs3": dict(ds_bufs=3)}
 
 
 def parse_bwd_spec(spec):
     """dtype, causal, D, trained side, gqa, config from
-    ``bf16|fp16 : causal|full : D : 1|2 [: gqa] [: lag] [: bufs3]``."""
+    ``bf16|fp16 : causal|full : D : 1|2 [: gqa] [: lag] [: bufs3]`` (config None: the default)."""
+    from streamkl_gpu.experimental import attention_bwd_sm90 as gb
+
     dtype, mode, d, train, *rest = spec.split(":")
-    config = {}
+    changes = {}
     for r in rest:
         if r != "gqa":
-            config.update(SPEC_CONFIGS[r])
-    return DTYPES[dtype], mode == "causal", int(d), int(train), "gqa" in rest, config or None
+            changes.update(SPEC_CONFIGS[r])
+    config = dataclasses.replace(gb.kernel_config(int(d), mode == "causal"), **changes) if changes else None
+    return DTYPES[dtype], mode == "causal", int(d), int(train), "gqa" in rest, config
 
 
 def _main_attention_bwd(argv):
@@ -265,10 +296,12 @@ def compile_indexer_sm90(H, D, HI, DI, dtype, causal, n=256, config=None, relu=T
 
 def _main_indexer_fwd(argv):
     for spec in argv:
-        dtype, mode, H, D, HI, DI, *cand = spec.split(":")
+        from streamkl_gpu.experimental import indexer_fwd_sm90 as g
+
+        dtype, mode, H, D, HI, DI, *items = spec.split(":")
         pacc = mode.endswith("+pacc")  # causal+pacc / full+pacc: the accumulating forward
         student = mode.endswith("+student")  # the backward's student part
-        config = tuple(map(int, cand)) if cand else None
+        config = config_from_spec(g.GluonIndexerConfig, items) if items else None
         t0 = time.time()
         kernel = compile_indexer_sm90(int(H), int(D), int(HI), int(DI), DTYPES[dtype], mode.startswith("causal"),
                               config=config, pacc=pacc, student=student)

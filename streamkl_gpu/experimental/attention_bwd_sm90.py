@@ -26,7 +26,7 @@ stationary in shared memory, loaded once by TMA); a producer warp streams 64-row
   ``dQ_t[:, w-th half of D] = dS_t [64 q, 128 keys] K_t[:, w-th half]``, added with fp32 vector
   atomics (``_add_pairs``) into a [B, H, N_Q rounded up to 64, D] buffer the host converts.
 Three waits per tile, all inside the iteration (tests/test_gluon_bwd_compile.py checks the SASS).
-DQ_LAG (config entry, off by default until measured faster; checked on the GPU, not yet timed:
+DQ_LAG (``GluonBwdConfig.dq_lag``, off by default until measured faster; checked on the GPU, not yet timed:
 docs/design/attention_backward.md): the meeting moves one tile later, so that a warpgroup no
 longer waits for the other's dS of the tile
 it is on: tile i waits for its dK product, releases its Q slot, then adds the dQ half of tile
@@ -51,6 +51,8 @@ GQA per side: K_s is read at key head h // GROUP_s; with more than one query hea
 on the trained side dK is added with fp32 atomics into the key head (``DK_ATOMIC``; the host
 converts). This module imports Gluon unconditionally; ``_gluon_bwd_dispatch`` guards the import.
 """
+from dataclasses import dataclass, replace
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -491,16 +493,27 @@ def _gluon_kl_bwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, LSE1, LSE2, KL, G, 
 MAX_REGS = 168
 
 
-def kernel_config(d: int, causal: bool):
+@dataclass(frozen=True)
+class GluonBwdConfig:
+    """One launch of the Hopper Gluon backward: a ring of ``num_stages`` query-tile slots,
+    ``ds_bufs`` dS buffers in shared memory, the consumer warpgroups at ``consumer_regs``
+    registers per thread (setmaxnreg), ptxas capped at ``maxnreg`` (0: no cap), and ``dq_lag``:
+    each tile's dQ added one tile later (needs ``ds_bufs >= 2``)."""
+    num_stages: int
+    ds_bufs: int = 2
+    consumer_regs: int = 240
+    maxnreg: int = MAX_REGS
+    dq_lag: bool = False
+
+
+def kernel_config(d: int, causal: bool) -> GluonBwdConfig:
     """Launch configuration for head dim d (= D1 = D2). Not tuned on the GPU yet. Shared memory
     per CTA (16-bit, 227 KB on sm_90): K1, K2 512 d bytes; each ring stage 256 d; dS 16 KB per
     buffer (two: a warpgroup may run one tile ahead of the other); with CAUSAL the finite copies
     512 d. maxnreg: ``MAX_REGS``."""
-    if d == 128:  # causal: 225 KB of 227 with the finite copies (FALLBACK: DS_BUFS=1, 209 KB); full: 193 KB
-        if causal:
-            return dict(NUM_STAGES=2, DS_BUFS=2, CONSUMER_REGS=240, maxnreg=MAX_REGS)
-        return dict(NUM_STAGES=3, DS_BUFS=2, CONSUMER_REGS=240, maxnreg=MAX_REGS)
-    return dict(NUM_STAGES=3, DS_BUFS=2, CONSUMER_REGS=240, maxnreg=MAX_REGS)
+    if d == 128 and causal:  # 225 KB of 227 with the finite copies (FALLBACK: one dS buffer, 209 KB); full: 193 KB
+        return GluonBwdConfig(num_stages=2)
+    return GluonBwdConfig(num_stages=3)
 
 
 _GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -518,11 +531,12 @@ def launch_args(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, sca
     """(grid, positional args, constexprs, options) of one backward launch for trained side
     ``train`` (1 or 2); also used by the CI compile test. ``dq``: fp32 zeros [B, H, N_Q rounded up to
     a multiple of 64, D] (atomics, no row mask); ``dk``: [B, H, N_K, D] contiguous in the key
-    dtype, or with GQA on the trained side fp32 zeros [B, H_K, N_K rounded up to 128, D]. ``config``: entries replacing
-    :func:`kernel_config`'s; ``variant``: a key of ``VARIANTS`` (anything else than "kernel" is wrong)."""
+    dtype, or with GQA on the trained side fp32 zeros [B, H_K, N_K rounded up to 128, D]. ``config``: a
+    :class:`GluonBwdConfig` (None: :func:`kernel_config`'s); ``variant``: a key of ``VARIANTS``
+    (anything else than "kernel" is wrong)."""
     B, H, N_Q, D = q1.shape
     N_K = k1.shape[2]
-    cfg = {**kernel_config(D, bool(causal)), **(config or {})}
+    cfg = config if config is not None else kernel_config(D, bool(causal))
     descs = (make_descriptor(q1, BLOCK_M.value), make_descriptor(k1, WG_N.value),
              make_descriptor(q2, BLOCK_M.value), make_descriptor(k2, WG_N.value))
     coef = scale2 if train == 2 else scale1 * LN2
@@ -530,22 +544,27 @@ def launch_args(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, sca
     args = descs + (lse1_bits, lse2_bits, kl, g, dq, dk, H, N_Q, N_K, group1, group2, scale1 * LOG2E,
                     scale2 * LOG2E, coef)
     dk_atomic = (group1 if train == 1 else group2) > 1
-    constexprs = dict(D=D, NUM_STAGES=cfg["NUM_STAGES"], DS_BUFS=cfg["DS_BUFS"], TRAIN=int(train),
-                      CAUSAL=bool(causal), DK_ATOMIC=dk_atomic, CONSUMER_REGS=cfg["CONSUMER_REGS"],
-                      VARIANT=VARIANTS[variant], DQ_LAG=bool(cfg.get("DQ_LAG", False)))
-    if constexprs["DQ_LAG"] and cfg["DS_BUFS"] < 2:  # the lagged dQ reads tile i - 1's dS while tile i writes
+    constexprs = dict(D=D, NUM_STAGES=cfg.num_stages, DS_BUFS=cfg.ds_bufs, TRAIN=int(train),
+                      CAUSAL=bool(causal), DK_ATOMIC=dk_atomic, CONSUMER_REGS=cfg.consumer_regs,
+                      VARIANT=VARIANTS[variant], DQ_LAG=bool(cfg.dq_lag))
+    if constexprs["DQ_LAG"] and cfg.ds_bufs < 2:  # the lagged dQ reads tile i - 1's dS while tile i writes
         raise ValueError("DQ_LAG needs DS_BUFS >= 2")
     options = dict(num_warps=4)
-    if cfg.get("maxnreg"):
-        options["maxnreg"] = cfg["maxnreg"]
+    if cfg.maxnreg:
+        options["maxnreg"] = cfg.maxnreg
     grid = (triton.cdiv(N_K, BLOCK_N.value), B * H)
     return grid, args, constexprs, options
 
 
 # if a default config does not fit the device's shared memory (OutOfResources at the launch):
-# the entries that replace it, and the (D, causal) that needed them
-FALLBACK = dict(DS_BUFS=1, DQ_LAG=False)
+# the fields that replace its (``fallback_config``), and the (D, causal) that needed them
+FALLBACK = dict(ds_bufs=1, dq_lag=False)
 _FELL_BACK: set = set()
+
+
+def fallback_config(d: int, causal: bool) -> GluonBwdConfig:
+    """:func:`kernel_config` with ``FALLBACK``'s fields: one dS buffer, no lagged dQ."""
+    return replace(kernel_config(d, causal), **FALLBACK)
 
 
 def gluon_backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2, train,
@@ -566,7 +585,7 @@ def gluon_backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, 
         dk = torch.empty((B, H, N_K, D), dtype=k_t.dtype, device=q1.device)
     key = (D, bool(causal))
     if config is None and key in _FELL_BACK:
-        config = FALLBACK
+        config = fallback_config(D, bool(causal))
     grid, args, constexprs, options = launch_args(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1,
                                                   scale2, train, dq, dk, config, variant)
     try:
@@ -576,7 +595,8 @@ def gluon_backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, 
             raise
         _FELL_BACK.add(key)  # nothing was launched: the same buffers serve the smaller config
         grid, args, constexprs, options = launch_args(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1,
-                                                      scale2, train, dq, dk, FALLBACK, variant)
+                                                      scale2, train, dq, dk, fallback_config(D, bool(causal)),
+                                                      variant)
         kernel = _gluon_kl_bwd_kernel[grid](*args, **constexprs, **options)
     _forcing.record("attention_bwd_sm90", kernel, **constexprs)  # for an open forcing block
     if k_t.shape[1] != H:

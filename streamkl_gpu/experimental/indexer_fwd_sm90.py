@@ -35,6 +35,7 @@ indexer heads past H_I are TMA zero fill; their LSE is +inf (teacher) and weight
 
 This module imports Gluon unconditionally; ``_indexer`` guards the import.
 """
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -445,15 +446,26 @@ def why_not(dims, dtypes, tensors_tma_ok: bool, capability, pacc: bool = False) 
     return ""
 
 
+@dataclass(frozen=True)
+class GluonIndexerConfig:
+    """One launch of the Hopper Gluon indexer forward: key tiles of ``block_n`` keys through a ring
+    of ``num_stages`` TMA slots, the consumer warpgroups at ``consumer_regs`` registers per thread
+    (setmaxnreg; the producer's group gets the rest, ``producer_regs``). Equal fields are one launch."""
+    block_n: int
+    num_stages: int
+    consumer_regs: int = 240
+
+
 def candidates(dims, pacc: bool = False, student: bool = False):
-    """Launch configurations (BLOCK_N, NUM_STAGES, CONSUMER_REGS), default first: 64-key tiles,
-    the deepest ring that fits (DSA-like: 7 slots), and a 4-slot ring. 128-key tiles hold three
+    """Launch configurations (:class:`GluonIndexerConfig`), default first: 64-key tiles, the
+    deepest ring that fits (DSA-like: 7 slots), and a 4-slot ring. 128-key tiles hold three
     [64, 128] fp32 accumulators per thread: 66 local loads/stores per key tile in an offline
     sm_90 compile (triton 3.9); 64-key tiles none but one reload. Not yet timed."""
     stages = ring_stages(dims.H, dims.D, dims.DI, 64, pacc=pacc, student=student)
     if stages < 2:
         return []
-    return list(dict.fromkeys([(64, stages, 240), (64, min(stages, 4), 240)]))
+    return list(dict.fromkeys([GluonIndexerConfig(block_n=64, num_stages=stages),
+                               GluonIndexerConfig(block_n=64, num_stages=min(stages, 4))]))
 
 
 _GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -472,11 +484,13 @@ def launch_args(q, k, q_idx, k_idx, weights, lse_bits, part, causal, scale, relu
     ``part``: [5, 2, B, N_Q] fp32; ``grads``: the accumulating forward's zeroed fp32 buffers
     (dq_p [B, H_I, N_Q, D_I], dw_p [B, H_I, N_Q], dk_p [B, 1, N_K, D_I]), or None. ``student``:
     the backward's student part into ``grads`` (no teacher; ``lse_bits`` is then the student's
-    LSE [B, N_Q] in nats, ``part`` unused)."""
+    LSE [B, N_Q] in nats, ``part`` unused). ``config``: a :class:`GluonIndexerConfig` (None: the
+    first of :func:`candidates`)."""
     B, H, N_Q, D = q.shape
     N_K, H_I, DI = k.shape[2], q_idx.shape[1], q_idx.shape[3]
     pacc = grads is not None
-    block_n, stages, regs = config or candidates(SimpleNamespace(H=H, D=D, DI=DI), pacc, student)[0]
+    cfg = config if config is not None else candidates(SimpleNamespace(H=H, D=D, DI=DI), pacc, student)[0]
+    block_n, stages, regs = cfg.block_n, cfg.num_stages, cfg.consumer_regs
     nt = 64 if H <= 64 else 128  # all teacher heads in one wgmma N
     descs = (make_descriptor(q, [1, nt, 1, 64]), make_descriptor(k, [1, 1, block_n, 64]),
              make_descriptor(q_idx, [1, 64, 1, 64]), make_descriptor(k_idx, [1, 1, block_n, 64]))

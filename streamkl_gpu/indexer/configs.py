@@ -56,8 +56,9 @@ def _new_fwd_candidates(dims, gqa, n_sm):
         # run while the other's products are on the tensor cores (8 warps x 253 registers: one
         # CTA per SM, nothing to overlap with). 16 warps (256 rows, or 128 x 256): capped at 128
         # registers, ~500 B of spills: left out.
-        # The lead's Nsight Compute of the best (r5a): tensor pipe 24 %, L2 36 %, 2 warps per
-        # scheduler: latency bound, not L2 bound; so also 64 heads x 64 keys (max_heads_per_chunk=64)
+        # Nsight Compute of the best (bench/results/2026-12-01_h200_5702577/ncu_idx_dsa8k.txt):
+        # tensor pipe 24 %, L2 36 %, 2 warps per scheduler: latency bound, not L2 bound; so also
+        # 64 heads x 64 keys (max_heads_per_chunk=64)
         # on 4 warps: 130 registers, 41 KB, three CTAs per SM (offline).
         # Measured (H200, triton 3.6, DSA 8K causal, lse given,
         # bench/results/2026-12-01_h200_121408f/indexer_perf.csv): 4 warps 3 stages

@@ -184,10 +184,16 @@ def bwd_mode() -> str:
     ``fused`` (the dk kernel alone, dq/dweights by fp32 atomics: the teacher read once per
     backward) or ``dqk`` (the dq kernel alone, each key tile's dk share added by fp32 atomics,
     DQK_TMA: one TMA bulk reduction: one pass, three indexer products per tile).
-    Which is faster is not yet measured; scripts since removed timed separate and fused
-    (``git show b7066de:bench/indexer_gpu.py``) and separate and dqk, teacher-free
-    (``git show b7066de:bench/idx_pacc_gpu.py``;
-    bench/results/2026-12-01_h200_58bba27/idx_pacc.csv)."""
+
+    Measured on an H200 at the DSA-like 8K causal point, by scripts since removed: ``fused``
+    against ``separate`` with the teacher, fwd+bwd 132.9 ms against 136.7, one run
+    (bench/results/2026-12-01_h200_e7b0b01/indexer_perf.csv, ``git show
+    b7066de:bench/indexer_perf_gpu.py``); ``dqk`` against ``separate`` without the teacher (the
+    accumulating design's student backward), 17.57 ms against 13.08 and 18.68 against 13.13 in
+    two runs (bench/results/2026-12-01_h200_58bba27/idx_pacc.csv,
+    bench/results/2026-12-01_h200_6c0ad88/idx_pacc.csv, ``git show b7066de:bench/idx_pacc_gpu.py``).
+    ``separate`` stays the default: fused's 3 % lead is one run, dqk was 34-42 % slower; dqk
+    with the teacher has not been timed."""
     mode = os.environ.get("STREAMKL_INDEXER_BWD", "separate")
     if mode not in BWD_MODES:
         raise ValueError(f"STREAMKL_INDEXER_BWD must be one of {BWD_MODES}, got {mode!r}")
@@ -321,7 +327,8 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
     if target_part is not None:
         g0, dq_p, dk_p, dw_p = target_part
         g0 = g0.to(torch.float32)
-        # in place: no gradient-sized temporaries (run r5a: fwd+bwd peak 160 KB per token at DSA)
+        # in place: no gradient-sized temporaries (with them the fwd+bwd peak was 160 KB per token at
+        # DSA, 20.28 GiB at 128K: bench/results/2026-12-01_h200_5702577/indexer_memory.csv)
         dq_idx.addcmul_(g0, dq_p, value=-1.0)
         dk_idx.addcmul_(g0, dk_p, value=-1.0)
         dweights.addcmul_(g0, dw_p, value=-1.0)

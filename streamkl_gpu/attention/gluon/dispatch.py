@@ -131,8 +131,8 @@ _PICKED: dict = {}  # tuning key -> the chosen candidate (what pick found; skips
 
 def gluon_forward(q1, k1, q2, k2, causal, scale1, scale2, out=None, dims=None):
     """(kl nats, lse1_bits, lse2_bits) from the Gluon kernel with a tuned launch configuration
-    (``_gluon_fwd_launch.candidates``, timed once per shape bucket by ``_tuning.pick``, on a bounded
-    slice of long problems like the Triton path); see ``_gluon_fwd_launch.gluon_forward``.
+    (``fwd_sm90_launch.candidates``, timed once per shape bucket by ``_tuning.pick``, on a bounded
+    slice of long problems like the Triton path); see ``fwd_sm90_launch.gluon_forward``.
     ``dims``: the checked sizes, when the caller has them."""
     if _gluon_fwd is None:
         raise RuntimeError(f"the Gluon forward is not available: {GLUON_IMPORT_ERROR}")
@@ -147,8 +147,7 @@ def gluon_forward(q1, k1, q2, k2, causal, scale1, scale2, out=None, dims=None):
         out = tuple(torch.empty((dims.B, dims.H, dims.NQ), dtype=torch.float32, device=q1.device) for _ in range(3))
 
     def runner(xs, outs):
-        return lambda cand: _gluon_fwd_launch.gluon_forward(*xs, causal, scale1, scale2, out=outs,
-                                                     config=_gluon_fwd_launch.config_of(cand))
+        return lambda cfg: _gluon_fwd_launch.gluon_forward(*xs, causal, scale1, scale2, out=outs, config=cfg)
 
     launch = runner((q1, k1, q2, k2), out)
     key = ("gluon_fwd", dims.D1, dims.D2, q1.dtype, q2.dtype, bool(causal), bucket(dims.NQ), bucket(dims.NK),

@@ -96,7 +96,8 @@ def _exp2(x, VARIANT: gl.constexpr):
     return out
 
 
-# Schedule knobs, packed into one constexpr ``SCHED`` (bit offset, width); see ``config_of``.
+# Schedule knobs, packed into one constexpr ``SCHED`` (bit offset, width); the fields of
+# ``fwd_sm90_launch.GluonFwdConfig``, packed by its ``sched_of``.
 SCHED_BITS = dict(PINGPONG=(0, 1), SPLIT=(1, 1), POLY=(2, 2), RESCALE=(4, 1), FENCE=(5, 2), ORDER=(7, 1),
                   LOOK=(8, 1), TURN=(9, 1), MERGE=(10, 1), RELTURN=(11, 1), FOLD=(12, 1), MASK1=(13, 1),
                   DEFER=(14, 1))

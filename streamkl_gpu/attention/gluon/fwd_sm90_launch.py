@@ -1,11 +1,14 @@
-"""Host side of the Hopper Gluon forward (``fwd_sm90``): launch configurations and the candidate
-lists the tuner times, TMA descriptors, the per-call constexprs, and the launch through a cache of
-compiled kernels (later launches call the compiled launcher directly; ``_core/launcher.py``'s key).
+"""Host side of the Hopper Gluon forward (``fwd_sm90``): launch configurations
+(:class:`GluonFwdConfig`) and the candidate lists the tuner times, TMA descriptors, the per-call
+constexprs, and the launch through a cache of compiled kernels (later launches call the compiled
+launcher directly; ``_core/launcher.py``'s key).
 
 Diagnostic variants (``streamkl_gpu.devtools.diagnostics``) are reached only through the forcing
 hook (``streamkl_gpu._core.forcing``), which also records every launch (the compiled kernel and its
 ``SCHED`` constexpr) for the benchmarks that read its SASS.
 """
+from dataclasses import dataclass, fields
+
 import torch
 import triton
 from triton.experimental.gluon import language as gl
@@ -16,6 +19,49 @@ from streamkl_gpu._core import launcher as _fast_launch
 from streamkl_gpu.attention.gluon import fwd_sm90 as _kernel
 from streamkl_gpu.devtools import diagnostics as _diagnostics
 
+
+@dataclass(frozen=True)
+class GluonFwdConfig:
+    """One launch of the Hopper Gluon forward (``fwd_sm90``): key tiles of ``block_n`` keys
+    through a ring of ``num_stages`` TMA slots, ptxas capped at ``maxnreg`` registers per thread
+    (the consumer warpgroups raise theirs to ``consumer_regs`` with setmaxnreg), and the schedule
+    knobs, each 0 (off) or its level, packed into the kernel's ``SCHED`` constexpr by
+    :func:`sched_of` (``fwd_sm90.SCHED_BITS``; the fields below are its names in lower case).
+    Equal fields are one launch (the tuner and its disk cache key on them)."""
+    block_n: int
+    num_stages: int
+    maxnreg: int = 168
+    pingpong: int = 0  # the turnstile: the two consumer warpgroups take turns on the tensor cores
+    split: int = 0  # each key tile as two half-tile products
+    poly: int = 0  # 1-3: a share of side 2's exponentials by a polynomial on the FMA pipe
+    rescale: int = 0  # a new reference max only when the max grows by more than RESCALE_BITS
+    fence: int = 0  # 1, 2: fences that keep side 1's exponentials before the S2 wait (2: whole tiles only)
+    order: int = 0  # side 2 folded first
+    look: int = 0  # two key tiles per iteration of the whole-tile loop (needs order)
+    turn: int = 0  # the turnstile handed over after the tile's last wait (needs pingpong)
+    merge: int = 0  # one ready and one empty barrier per ring slot for K1 and K2
+    relturn: int = 0  # the per-warpgroup releases as the turn (needs pingpong, turn, merge)
+    fold: int = 0  # whole tiles: the scale folded into the exponent's FFMA
+    mask1: int = 0  # masked tiles: the mask applied once
+    defer: int = 0  # l1, l2, acc as per-thread partial sums, reduced across the quad at the end
+    consumer_regs: int = 240
+
+    def knobs(self) -> dict:
+        """The schedule knobs by the kernel's names (``SCHED_BITS``: ``{"PINGPONG": 0, ...}``)."""
+        return {name: getattr(self, name.lower()) for name in _kernel.SCHED_BITS}
+
+    @property
+    def sched(self) -> int:
+        """The ``SCHED`` constexpr of this launch (a ``ValueError`` for knobs the kernel does not take)."""
+        return sched_of(self.knobs())
+
+
+# every knob of the kernel is a field
+KNOB_FIELDS = tuple(name.lower() for name in _kernel.SCHED_BITS)
+if not set(KNOB_FIELDS) <= {f.name for f in fields(GluonFwdConfig)}:
+    raise ImportError(f"fwd_sm90.SCHED_BITS has knobs GluonFwdConfig lacks: {sorted(KNOB_FIELDS)}")
+
+
 def _ring_stages(d1: int, d2: int, block_n: int) -> int:
     """Key-ring depth that fits beside Q: per CTA Q takes 256 (D1+D2) bytes, a ring stage
     2 block_n (D1+D2) bytes; 227 KB of shared memory per CTA on sm_90; at most 4 stages."""
@@ -23,20 +69,18 @@ def _ring_stages(d1: int, d2: int, block_n: int) -> int:
     return max(2, min(4, budget // (2 * block_n * (d1 + d2))))
 
 
-def kernel_config(d1: int, d2: int):
+def kernel_config(d1: int, d2: int) -> GluonFwdConfig:
     """Default launch configuration for head dims (d1, d2): 128-key tiles, the deepest key ring
     that fits, 168 registers per thread (the sketch's setting), the ``DEFAULT_KNOBS``."""
-    return config_of(candidates(d1, d2)[0])
+    return candidates(d1, d2)[0]
 
 
 def candidates(d1: int, d2: int):
-    """Launch configurations the tuner times, as (BLOCK_N, NUM_STAGES, maxnreg, PINGPONG) tuples,
-    default first. H200, 2026-12-01 (bench/results/): the
+    """Launch configurations the tuner times, default first. H200, 2026-12-01 (bench/results/): the
     default ran 8K bf16 D=128 at 1.51x SDPA non-causal, 1.40x causal; the others are the
     plausible knobs (more registers for ptxas' scheduling; 64-key tiles: half the live score
     registers, twice the tiles; the sketch's turnstile, which orders the two warpgroups' turns on
     the tensor cores) that run 2 measures next."""
-    s128, s64 = _ring_stages(d1, d2, 128), _ring_stages(d1, d2, 64)
     # H200, 2026-12-01 (bench/results/): the 224-register
     # configs cannot launch (a CTA of 384 threads x 224 registers exceeds the SM's 65536:
     # "OutOfResources: threads, Required: 384, Hardware limit: 256"), so none is a candidate.
@@ -46,9 +90,9 @@ def candidates(d1: int, d2: int):
         # lost at every D = 128 point by 10-18 % and the turnstile was within +-5 % of the default
         # (won 8K causal by 3 %, lost 8K full by 5 %), while the tuned API path ran 8K full 6 %
         # slower than the default forced: timing noise picks, so do not time
-        return [make_cand(d1, d2, 128, 168, **knobs)]
-    return [make_cand(d1, d2, 128, 168, **knobs), make_cand(d1, d2, 64, 168, **knobs),
-            make_cand(d1, d2, 128, 168, PINGPONG=1, **knobs)]
+        return [make_config(d1, d2, 128, 168, **knobs)]
+    return [make_config(d1, d2, 128, 168, **knobs), make_config(d1, d2, 64, 168, **knobs),
+            make_config(d1, d2, 128, 168, pingpong=1, **knobs)]
 
 
 # Schedule knobs every tuner candidate carries (a knob joins only on a GPU measurement).
@@ -59,24 +103,19 @@ def candidates(d1: int, d2: int):
 # 1.33x / 1.24x, 64K 1.25x / 1.28x, against the default's 1.52x / 1.48x at 8K. Same accuracy on
 # the four check cases (rel. error vs float64 2.4e-7 on kl, 4.4e-8 on lse2, as before; one-key
 # rows exactly 0; NaN isolated).
-DEFAULT_KNOBS: dict = dict(MERGE=1, FOLD=1, MASK1=1)
+DEFAULT_KNOBS: dict = dict(merge=1, fold=1, mask1=1)
 
 
-def make_cand(d1: int, d2: int, block_n: int, maxnreg: int, **knobs):
-    """A candidate tuple (``CAND_FIELDS``): BLOCK_N, the deepest ring that fits, maxnreg, the knobs
-    (trailing defaults left out, at least up to PINGPONG: shorter names on disk)."""
-    f = dict(zip(CAND_FIELDS, range(len(CAND_FIELDS))))
-    out = [block_n, _ring_stages(d1, d2, block_n), maxnreg] + [0] * (len(CAND_FIELDS) - 3)
-    for name, value in knobs.items():
-        out[f[name]] = value
-    while len(out) > 4 and out[-1] == 0:
-        out.pop()
-    return tuple(out)
+def make_config(d1: int, d2: int, block_n: int, maxnreg: int, **knobs) -> GluonFwdConfig:
+    """A launch configuration of ``block_n``-key tiles with the deepest ring that fits beside Q for
+    head dims (d1, d2), ``maxnreg`` registers, and the given knobs (:class:`GluonFwdConfig` fields)
+    on; the others off."""
+    return GluonFwdConfig(block_n=block_n, num_stages=_ring_stages(d1, d2, block_n), maxnreg=maxnreg, **knobs)
 
 
 def experiments(d1: int, d2: int):
     """Schedules the GPU script measures beside the tuner's candidates (not chosen by the tuner
-    until a run shows they pay), same tuple form as :func:`candidates` (fields ``CAND_FIELDS``).
+    until a run shows they pay), as :class:`GluonFwdConfig`.
     The second schedule search: the first search's losers (64-key tiles with PINGPONG/FENCE, POLY, RESCALE, all
     5-25 % slower than the default at 8K, bench/results/) are no longer
     measured; the side-2-first order (ORDER) and the two-tile lookahead (LOOK) are. SASS on CPU
@@ -86,7 +125,7 @@ def experiments(d1: int, d2: int):
     waits, 4 DEPBAR per two-tile iteration; LOOK at 128-key tiles spills (~20 STL per loop, also
     at maxnreg 240)."""
     def cand(block_n, maxnreg, **knobs):
-        return make_cand(d1, d2, block_n, maxnreg, **knobs)
+        return make_config(d1, d2, block_n, maxnreg, **knobs)
 
     # The third schedule search: FOLD, MASK1 and MERGE became the default (DEFAULT_KNOBS); POLY 3
     # (a quarter of side 2's exponentials by the polynomial: 1.05-1.48x the old default, spills)
@@ -96,26 +135,32 @@ def experiments(d1: int, d2: int):
     # MERGE says what MERGE adds.
     d = DEFAULT_KNOBS
     return [cand(128, 168)] * bool(DEFAULT_KNOBS) + [
-        cand(128, 168, FOLD=1, MASK1=1),
-        cand(128, 168, FENCE=2, **d),
-        cand(128, 168, PINGPONG=1, **d),
+        cand(128, 168, fold=1, mask1=1),
+        cand(128, 168, fence=2, **d),
+        cand(128, 168, pingpong=1, **d),
         # FA3's ping-pong with the late turn, as the per-warpgroup releases (RELTURN needs MERGE)
-        cand(128, 168, PINGPONG=1, TURN=1, RELTURN=1, **d),
+        cand(128, 168, pingpong=1, turn=1, relturn=1, **d),
         # DEFER: l1, l2, acc as per-thread partial row sums, the quad's shuffles once at the end:
         # 776 instead of 797 instructions per whole-tile loop, 8 SHFL instead of 20 (triton 3.6)
-        cand(128, 168, DEFER=1, **d),
+        cand(128, 168, defer=1, **d),
     ]
 
 
 # The second schedule search's experiments (none beat the default on the H200), timed by a script
 # since removed (``git show b7066de:bench/gluon_gpu.py``, ``--configs``):
 # bench/results/2026-12-01_h200_e1a7af2/gluon.csv.
-SEARCHED_EXPERIMENTS = (
-    (128, 2, 168, 1), (128, 2, 168, 0, 0, 0, 0, 2), (128, 2, 168, 0, 0, 0, 0, 2, 1),
-    (64, 4, 168, 0, 0, 0, 0, 2, 1, 1), (128, 2, 168, 1, 0, 0, 0, 2, 0, 0, 1),
-    (128, 2, 168, 1, 0, 0, 0, 2, 1, 0, 1), (128, 2, 168, 0, 0, 0, 0, 0, 0, 0, 0, 1),
-    (128, 2, 168, 0, 0, 0, 0, 2, 0, 0, 0, 1), (128, 2, 168, 1, 0, 0, 0, 2, 0, 0, 1, 1),
-    (128, 2, 168, 1, 0, 0, 0, 2, 0, 0, 1, 1, 1), (64, 4, 168, 0, 0, 0, 0, 2, 1, 1, 0, 1))
+SEARCHED_EXPERIMENTS = tuple(GluonFwdConfig(**c) for c in (
+    dict(block_n=128, num_stages=2, pingpong=1),
+    dict(block_n=128, num_stages=2, fence=2),
+    dict(block_n=128, num_stages=2, fence=2, order=1),
+    dict(block_n=64, num_stages=4, fence=2, order=1, look=1),
+    dict(block_n=128, num_stages=2, pingpong=1, fence=2, turn=1),
+    dict(block_n=128, num_stages=2, pingpong=1, fence=2, order=1, turn=1),
+    dict(block_n=128, num_stages=2, merge=1),
+    dict(block_n=128, num_stages=2, fence=2, merge=1),
+    dict(block_n=128, num_stages=2, pingpong=1, fence=2, turn=1, merge=1),
+    dict(block_n=128, num_stages=2, pingpong=1, fence=2, turn=1, merge=1, relturn=1),
+    dict(block_n=64, num_stages=4, fence=2, order=1, look=1, merge=1)))
 
 
 def configs_to_measure(d1: int, d2: int):
@@ -125,16 +170,15 @@ def configs_to_measure(d1: int, d2: int):
     return cands + [c for c in experiments(d1, d2) if c not in cands]
 
 
-# The fields of a candidate tuple, in order; trailing ones may be left out (their defaults).
-CAND_FIELDS = ("BLOCK_N", "NUM_STAGES", "maxnreg") + tuple(_kernel.SCHED_BITS)
-CAND_DEFAULTS = {k: 0 for k in _kernel.SCHED_BITS}
-_FLAG_NAMES = dict(PINGPONG="pingpong", SPLIT="split", POLY="poly", RESCALE="rescale", FENCE="fence",
-                   ORDER="s2first", LOOK="look", TURN="lateturn", MERGE="merged",
-                   RELTURN="relturn", FOLD="ffma", MASK1="mask1", DEFER="defer")
+_FLAG_NAMES = dict(pingpong="pingpong", split="split", poly="poly", rescale="rescale", fence="fence",
+                   order="s2first", look="look", turn="lateturn", merge="merged",
+                   relturn="relturn", fold="ffma", mask1="mask1", defer="defer")
 
 
-def sched_of(cfg) -> int:
-    """The ``SCHED`` constexpr of a launch configuration: its knobs packed by ``SCHED_BITS``."""
+def sched_of(knobs) -> int:
+    """The ``SCHED`` constexpr of schedule knobs ``{"PINGPONG": 1, ...}`` (the kernel's names; a
+    knob left out is 0), packed by ``SCHED_BITS``; :attr:`GluonFwdConfig.sched` of a launch."""
+    cfg = knobs
     out = 0
     for name, (off, width) in _kernel.SCHED_BITS.items():
         v = int(cfg.get(name, 0))
@@ -158,19 +202,11 @@ def sched_of(cfg) -> int:
     return out
 
 
-def config_of(cand) -> dict:
-    """The launch configuration (``launch_args``' ``config``) of a candidate tuple."""
-    if len(cand) > len(CAND_FIELDS) or len(cand) < 3:
-        raise ValueError(f"a Gluon candidate has 3..{len(CAND_FIELDS)} fields {CAND_FIELDS}, got {cand!r}")
-    cfg = {**CAND_DEFAULTS, **dict(zip(CAND_FIELDS, cand))}
-    return dict(cfg, CONSUMER_REGS=240)
-
-
-def describe(cand) -> str:
-    """A short name of a candidate for tables: ``n128 s2 r168`` plus its switched-on flags."""
-    cfg = config_of(cand)
-    flags = [_FLAG_NAMES[k] + ("" if cfg[k] == 1 else str(cfg[k])) for k in _FLAG_NAMES if cfg[k]]
-    return " ".join([f"n{cfg['BLOCK_N']} s{cfg['NUM_STAGES']} r{cfg['maxnreg']}"] + flags)
+def describe(cfg: GluonFwdConfig) -> str:
+    """A short name of a launch configuration for tables: ``n128 s2 r168`` plus its switched-on knobs."""
+    flags = [_FLAG_NAMES[k] + ("" if getattr(cfg, k) == 1 else str(getattr(cfg, k)))
+             for k in _FLAG_NAMES if getattr(cfg, k)]
+    return " ".join([f"n{cfg.block_n} s{cfg.num_stages} r{cfg.maxnreg}"] + flags)
 
 
 _GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -198,25 +234,27 @@ _MAX_STATICS = 1024
 
 
 def _statics(D1, D2, config, causal, variant):
-    key = (D1, D2, tuple(sorted((config or {}).items())), bool(causal), variant)
+    if config is not None and not isinstance(config, GluonFwdConfig):
+        raise TypeError(f"config must be a GluonFwdConfig or None, got {type(config).__name__}")
+    key = (D1, D2, config, bool(causal), variant)
     hit = _STATICS.get(key)
     if hit is None:
-        cfg = {**kernel_config(D1, D2), **(config or {})}
-        constexprs = dict(D1=D1, D2=D2, BLOCK_N=cfg["BLOCK_N"], NUM_STAGES=cfg["NUM_STAGES"], CAUSAL=bool(causal),
-                          CONSUMER_REGS=cfg["CONSUMER_REGS"], VARIANT=variant, SCHED=sched_of(cfg))
+        cfg = config if config is not None else kernel_config(D1, D2)
+        constexprs = dict(D1=D1, D2=D2, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, CAUSAL=bool(causal),
+                          CONSUMER_REGS=cfg.consumer_regs, VARIANT=variant, SCHED=cfg.sched)
         options = dict(num_warps=4)
-        if cfg.get("maxnreg"):
-            options["maxnreg"] = cfg["maxnreg"]
+        if cfg.maxnreg:
+            options["maxnreg"] = cfg.maxnreg
         if len(_STATICS) >= _MAX_STATICS:
             _STATICS.clear()
-        hit = _STATICS[key] = (cfg["BLOCK_N"], constexprs, options)
+        hit = _STATICS[key] = (cfg.block_n, constexprs, options)
     return hit
 
 
 def launch_args(q1, k1, q2, k2, causal, scale1, scale2, kl, lse1_bits, lse2_bits, config=None):
     """(grid, positional args, constexprs, options) of one forward launch; also used by the CI
-    compile test, which passes the same descriptors to ``GluonASTSource``. ``config``: entries
-    that replace :func:`kernel_config`'s (the GPU script's config sweep). A diagnostic variant
+    compile test, which passes the same descriptors to ``GluonASTSource``. ``config``: a
+    :class:`GluonFwdConfig` (None: :func:`kernel_config`'s, the default). A diagnostic variant
     forced by ``forcing(attention_fwd_variant=...)`` computes wrong results, for timing only."""
     B, H, N_Q, D1 = q1.shape
     N_K, D2 = k1.shape[2], q2.shape[3]

@@ -44,16 +44,6 @@ from streamkl_gpu.attention.triton.fwd import _batch_offsets, _row_layout, _sequ
 # exp2(s - EMPTY_LSE) = 0 exactly for every fp32 score, while (s1 - lse1) - (s2 - lse2) stays finite.
 EMPTY_LSE = tl.constexpr(1e30)
 
-# Timing probes of the dK kernel (``PROBE``, bit flags; the tile sweep, ``--sweep``, of a script
-# since removed, ``git show b7066de:bench/bwd_gpu.py``, timed the best kernel with each one to say
-# what limits it: bench/results/2026-12-01_h200_121408f/bwd_sweep.csv). They give wrong gradients;
-# _launch never sets them.
-# (The kernels test the bits with literal arithmetic: the interpreter passes PROBE as a plain int.)
-PROBE_NO_EXP = 1  # P = the exponent itself (no MUFU.EX2)
-PROBE_ONE_SCORE = 2  # S2 := S1 (one score product per tile instead of two)
-PROBE_NO_DK = 4  # no dK += dS^T Q product (dK stays 0)
-
-
 @triton.jit
 def _row_consts(LSE1, LSE2, KL, G, rows, row_ok):
     """Per-row constants of the backward, read from the forward's saved values (bits)."""
@@ -143,7 +133,7 @@ def _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, kl_bits, g, offs_m, cols, N_K
              MASKED: tl.constexpr, CAUSAL: tl.constexpr, TRAIN1: tl.constexpr, TRAIN2: tl.constexpr,
              IEEE1: tl.constexpr, IEEE2: tl.constexpr,
              TRANS: tl.constexpr = False, FOLD: tl.constexpr = False, ROW_SCALE: tl.constexpr = True,
-             c2=None, a1=None, a2=None, rc=None, PROBE: tl.constexpr = 0, POLY: tl.constexpr = 0):
+             c2=None, a1=None, a2=None, rc=None, POLY: tl.constexpr = 0):
     """dS1 (if TRAIN1) and dS2 (if TRAIN2) of one [BLOCK_M, BLOCK_N] tile, sigma and g folded in.
 
     TRANS: the tile is computed key-major, dS^T [BLOCK_N, BLOCK_M] (S^T = K Q^T), so that dK += dS^T Q
@@ -155,21 +145,14 @@ def _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, kl_bits, g, offs_m, cols, N_K
     ROW_SCALE=False (FOLD only): the per-row factor (g * sigma_t, times ln2 for side 1) is left out,
     for a caller that applies it once to its dQ rows after the key loop (the dQ kernel); then
     ds1 = P1 * (s1*qk_scale1 - (s2*qk_scale2 + (lse1 - lse2 + KL))), ds2 = P2 - P1.
-    PROBE (timing only, wrong results): see PROBE_* below.
     POLY (setting 1 only, two exponentials per score): half of P2's on the FMA pipe (_exp2_split).
     """
     if TRANS:
         s1 = _dot(k1, tl.trans(q1), IEEE1)
-        if PROBE // 2 % 2 == 1:  # PROBE_ONE_SCORE
-            s2 = s1
-        else:
-            s2 = _dot(k2, tl.trans(q2), IEEE2)
+        s2 = _dot(k2, tl.trans(q2), IEEE2)
     else:
         s1 = _dot(q1, tl.trans(k1), IEEE1)
-        if PROBE // 2 % 2 == 1:  # PROBE_ONE_SCORE
-            s2 = s1
-        else:
-            s2 = _dot(q2, tl.trans(k2), IEEE2)
+        s2 = _dot(q2, tl.trans(k2), IEEE2)
     # log2 P_t = s_t * sigma_t * log2(e) - lse_t (bits; one FFMA, the forward's fold)
     x1 = s1 * qk_scale1 - _along_rows(lse1_bits, TRANS)
     if FOLD:
@@ -200,16 +183,11 @@ def _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, kl_bits, g, offs_m, cols, N_K
         x1 = tl.where(visible, x1, float("-inf"))
         if TRAIN2:
             x2 = tl.where(visible, x2, float("-inf"))
-    if PROBE % 2 == 1:  # PROBE_NO_EXP
-        p1 = x1
-    else:
-        p1 = tl.exp2(x1)
+    p1 = tl.exp2(x1)
     ds1 = p1
     ds2 = p1
     if TRAIN2:
-        if PROBE % 2 == 1:  # PROBE_NO_EXP
-            p2 = x2
-        elif POLY and not TRAIN1:
+        if POLY and not TRAIN1:
             p2 = _exp2_split(x2)
         else:
             p2 = tl.exp2(x2)
@@ -233,16 +211,14 @@ def _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, kl_bits, g, offs_m, cols, N_K
 @triton.jit
 def _dk_dq_side(dk, ds, q, k, dq_ptrs, dq_mask, dq_desc, tma_b, h, start_m,
                 MASKED: tl.constexpr, FUSED_DQ: tl.constexpr, IEEE: tl.constexpr,
-                TRANS: tl.constexpr = False, DQ_REDUCE: tl.constexpr = False, PROBE: tl.constexpr = 0):
+                TRANS: tl.constexpr = False, DQ_REDUCE: tl.constexpr = False):
     """One side's share of a tile: dK += dS^T Q in registers; with FUSED_DQ, dQ += dS K by atomics
     (per element, or with DQ_REDUCE one TMA bulk reduce-add of the whole [BLOCK_M, D] tile; rows
     past N_Q and dims past D fall outside the descriptor and are dropped). TRANS: ``ds`` holds dS^T."""
     ds = ds.to(q.dtype)  # the tensor-core operand precision, as FlashAttention's backward
     if MASKED:  # a NaN query row must not reach the dK of keys it cannot see
         q = _finite(q)
-    if PROBE // 4 % 2 == 1:  # PROBE_NO_DK
-        pass
-    elif TRANS:
+    if TRANS:
         dk += _dot(ds, q, IEEE)
     else:
         dk += _dot(tl.trans(ds), q, IEEE)
@@ -271,7 +247,7 @@ def _dk_query_range(
     FUSED_DQ: tl.constexpr, IEEE1: tl.constexpr, IEEE2: tl.constexpr,
     q1_desc, q2_desc, dq1_desc, dq2_desc, tma_b, h,
     USE_TMA: tl.constexpr, TRANS: tl.constexpr, FOLD: tl.constexpr, DQ_REDUCE: tl.constexpr,
-    rows_desc, pid_bh, ROWS: tl.constexpr, PROBE: tl.constexpr = 0, ROWS_PACKED: tl.constexpr = False,
+    rows_desc, pid_bh, ROWS: tl.constexpr, ROWS_PACKED: tl.constexpr = False,
     POLY: tl.constexpr = 0,
 ):
     offs_d1 = tl.arange(0, D1_PAD)
@@ -323,16 +299,15 @@ def _dk_query_range(
                                                scale1, scale2)
         ds1, ds2 = _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, kl_bits, g, offs_m, cols, N_K,
                             diag_offset, qk_scale1, qk_scale2, scale1, scale2,
-                            MASKED, CAUSAL, TRAIN1, TRAIN2, IEEE1, IEEE2, TRANS, FOLD, True, c2, a1, a2, rc, PROBE,
-                            POLY)
+                            MASKED, CAUSAL, TRAIN1, TRAIN2, IEEE1, IEEE2, TRANS, FOLD, True, c2, a1, a2, rc, POLY)
         if TRAIN1:
             dk1 = _dk_dq_side(dk1, ds1, q1, k1, DQ1 + rows64[:, None] * stride_dq1n + offs_d1[None, :],
                               row_ok[:, None] & (offs_d1[None, :] < D1), dq1_desc, tma_b, h, start_m,
-                              MASKED, FUSED_DQ, IEEE1, TRANS, DQ_REDUCE, PROBE)
+                              MASKED, FUSED_DQ, IEEE1, TRANS, DQ_REDUCE)
         if TRAIN2:
             dk2 = _dk_dq_side(dk2, ds2, q2, k2, DQ2 + rows64[:, None] * stride_dq2n + offs_d2[None, :],
                               row_ok[:, None] & (offs_d2[None, :] < D2), dq2_desc, tma_b, h, start_m,
-                              MASKED, FUSED_DQ, IEEE2, TRANS, DQ_REDUCE, PROBE)
+                              MASKED, FUSED_DQ, IEEE2, TRANS, DQ_REDUCE)
     return dk1, dk2
 
 
@@ -367,7 +342,6 @@ def _kl_bwd_dk_kernel(
     # ROWS_PACKED (with ROWS): ROWS_DESC over [B*H, N_Q, 8] (PACKED_PLANES), blocks [1, BLOCK_M, 4 or 8]
     ROWS_PACKED: tl.constexpr = False,
     POLY: tl.constexpr = 0,  # setting 1: half of P2's exponentials on the FMA pipe (_exp2_split)
-    PROBE: tl.constexpr = 0,  # timing-only variants (PROBE_* flags; wrong gradients): never set by _launch
 ):
     # VARLEN: as in _kl_fwd_kernel (b is the sequence, N_Q/N_K the totals, [total, H, D] tensors
     # as [1, H, total, D] views); the grid covers the longest sequence's key tiles.
@@ -429,7 +403,7 @@ def _kl_bwd_dk_kernel(
         N_Q, N_K, D1, D2, diag_offset, qk_scale1, qk_scale2, scale1, scale2,
         BLOCK_M, D1_PAD, D2_PAD, True, CAUSAL, TRAIN1, TRAIN2, FUSED_DQ, IEEE1, IEEE2,
         Q1_DESC, Q2_DESC, DQ1_DESC, DQ2_DESC, b, h, USE_TMA, TRANS, FOLD, DQ_REDUCE, ROWS_DESC, pid_bh, ROWS,
-            PROBE, ROWS_PACKED, POLY)
+            ROWS_PACKED, POLY)
     if start_n + BLOCK_N <= N_K:
         dk1, dk2 = _dk_query_range(
             dk1, dk2, k1, k2, start_n, cols, m_full, N_Q,
@@ -438,7 +412,7 @@ def _kl_bwd_dk_kernel(
             N_Q, N_K, D1, D2, diag_offset, qk_scale1, qk_scale2, scale1, scale2,
             BLOCK_M, D1_PAD, D2_PAD, False, CAUSAL, TRAIN1, TRAIN2, FUSED_DQ, IEEE1, IEEE2,
             Q1_DESC, Q2_DESC, DQ1_DESC, DQ2_DESC, b, h, USE_TMA, TRANS, FOLD, DQ_REDUCE, ROWS_DESC, pid_bh, ROWS,
-            PROBE, ROWS_PACKED, POLY)
+            ROWS_PACKED, POLY)
     else:  # the ragged last key tile: keys past N_K must be masked out of every query tile
         dk1, dk2 = _dk_query_range(
             dk1, dk2, k1, k2, start_n, cols, m_full, N_Q,
@@ -447,7 +421,7 @@ def _kl_bwd_dk_kernel(
             N_Q, N_K, D1, D2, diag_offset, qk_scale1, qk_scale2, scale1, scale2,
             BLOCK_M, D1_PAD, D2_PAD, True, CAUSAL, TRAIN1, TRAIN2, FUSED_DQ, IEEE1, IEEE2,
             Q1_DESC, Q2_DESC, DQ1_DESC, DQ2_DESC, b, h, USE_TMA, TRANS, FOLD, DQ_REDUCE, ROWS_DESC, pid_bh, ROWS,
-            PROBE, ROWS_PACKED, POLY)
+            ROWS_PACKED, POLY)
 
     if TRAIN1:
         if DK1_ATOMIC:  # GQA: add into the shared key head's fp32 buffer
