@@ -604,7 +604,9 @@ def _check_indexer_mean_case(case, dname, seed, device, report):
 # ---- running the units: here, or in worker processes
 
 @dataclass(frozen=True)
-class _RunSettings:
+class RunSettings:
+    """What every unit of a run shares."""
+
     device: str
     seed: int
     quiet: bool
@@ -622,7 +624,7 @@ class UnitOutcome:
     errors: list  # what to print for each dtype whose check raised
 
 
-def _run_unit(unit: Unit, run: _RunSettings, laps: _CaseClock) -> UnitOutcome:
+def _run_unit(unit: Unit, run: RunSettings, laps: _CaseClock) -> UnitOutcome:
     """Check ``unit`` in each of its dtypes. A dtype whose check raises gets a failing row (its
     traceback goes to ``errors``) and the other dtypes still run: nothing is dropped silently."""
     report, seconds, errors = Report(), {}, []
@@ -651,7 +653,7 @@ def _bounds_counts(device: str) -> dict:
 _worker = {}  # in a worker process: its run settings, clock and checks (set by _start_worker)
 
 
-def _start_worker(run: _RunSettings) -> None:
+def _start_worker(run: RunSettings) -> None:
     """A worker process's set-up: the checks and the clock of a run in one process (os.environ,
     STREAMKL_AUTOTUNE and TRITON_INTERPRET included, is the parent's, copied at the spawn)."""
     checks = contextlib.ExitStack()  # held open for the life of the process
@@ -664,7 +666,7 @@ def _run_unit_in_worker(unit: Unit) -> UnitOutcome:
     return _run_unit(unit, _worker["run"], _worker["laps"])
 
 
-def run_units(units: list, run: _RunSettings, jobs: int) -> list:
+def run_units(units: list, run: RunSettings, jobs: int) -> list:
     """Each unit's :class:`UnitOutcome`, in the order of ``units``: checked here one after another
     (``jobs`` 1), or by ``jobs`` worker processes (spawned: CUDA cannot be forked), handed out one
     at a time, the most expensive first. A unit that raises, or whose worker process dies, comes
@@ -734,7 +736,7 @@ def _run_own(args, device: str) -> int:
     t_start, cpu_start = time.time(), _cpu_seconds()
     if jobs > 1 and not args.quiet:
         print(f"[{0:6.1f}s] {len(units)} cases in {jobs} worker processes", file=sys.stderr, flush=True)
-    outcomes = run_units(units, _RunSettings(device, args.seed, args.quiet, t_start), jobs)
+    outcomes = run_units(units, RunSettings(device, args.seed, args.quiet, t_start), jobs)
     case_seconds, seen = {}, collections.Counter()
     for outcome in outcomes:
         report.rows += outcome.rows

@@ -19,8 +19,8 @@ CHEAP = ["causal_nq<nk", "nan_keys", "indexer:gqa"]
 
 def _cli(out, *args):
     env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "streamkl_ref", "verify", "--device", "cpu", *args, "--json", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    cmd = [sys.executable, "-m", "streamkl_ref", "verify", "--device", "cpu", *args, "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     return proc, (json.loads(out.read_text()) if out.exists() else None)
 
 
@@ -40,7 +40,7 @@ def test_jobs_2_gives_the_rows_of_one_process(tmp_path):
 
 
 def _cpu_run(seed=0):
-    return verify._RunSettings(device="cpu", seed=seed, quiet=True, t_start=0.0)
+    return verify.RunSettings(device="cpu", seed=seed, quiet=True, t_start=0.0)
 
 
 def _unit(name, dtypes=("float32",)):
