@@ -10,6 +10,12 @@ with ``streamkl_ref`` in float64 (and with mpmath for the small cases). On a GPU
 fp16 and bf16; on CPU, under the Triton interpreter, fp32 and fp16 (the interpreter's bf16 dot
 is wrong, and the kernels compute bf16 in fp32 there).
 
+The battery is a list of units, one per case of the report (:func:`own_units`); each draws its
+inputs from its own generator (seed and case name), so its rows do not depend on the process it
+runs in or on what ran before it. ``--jobs N`` checks them in N spawned worker processes (on a
+GPU, by default): a first GPU run is mostly Triton compiling kernel variants, CPU work that runs
+well side by side; the rows come back in battery order, the same rows as in one process.
+
 With ``--impl MODULE:FUNCTION`` it runs the conformance suite of ``streamkl_ref.testing``
 (``check_attention_kl``, or ``check_indexer_kl`` with ``--indexer``) against that callable: the
 same battery (plus NaN-planting cases), the same reference, table, JSON and exit status.
@@ -24,15 +30,20 @@ Exit status: 0 when every row passes, 1 otherwise (2 for a usage or set-up probl
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import datetime
 import importlib
 import json
+import math
 import os
 import platform
 import sys
 import time
+import traceback
 import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from streamkl_ref.testing import (
     CASE_SETS,
@@ -43,6 +54,7 @@ from streamkl_ref.testing import (
     Report,
     Row,
     attention_cases,
+    case_generator,
     check_attention_kl,
     check_indexer_kl,
     indexer_cases,
@@ -54,13 +66,17 @@ from streamkl_ref.testing import (
 
 MP_MAX_SCORES = 1500  # mpmath check only for B*H*N_Q*N_K up to this
 CPU_ONE_DTYPE_NK = 128  # on CPU, cases with more keys (several tiles) run in the first dtype only
+MAX_DEFAULT_JOBS = 8  # worker processes of a GPU run without --jobs, at most
 
 DESCRIPTION = """\
 Check attention-KL kernels against the float64 references, as a numerical gate.
 
 Without --impl: streamkl's own kernels: streamkl_gpu.attention_kl (forward; backward in the
-fused and separate modes; split-K; NaN planting) and streamkl_gpu.indexer_kl. With --impl MODULE:FUNCTION: your callable, through the conformance
-suite of streamkl_ref.testing (the same battery plus NaN-planting cases). It is called as
+fused and separate modes; split-K; NaN planting) and streamkl_gpu.indexer_kl, case by case in
+--jobs worker processes (default on a GPU: min(8, CPU cores), since a first run is mostly Triton
+compiling, CPU work; on CPU: 1), with the rows of a run in one process.
+With --impl MODULE:FUNCTION: your callable, through the conformance suite of
+streamkl_ref.testing (the same battery plus NaN-planting cases). It is called as
 FUNCTION(q1, k1, q2, k2, causal=..., scale1=..., scale2=...) with torch tensors, or, with
 --indexer, as FUNCTION(q, k, q_idx, k_idx, weights, causal=..., scale=..., relu=...).
 
@@ -71,6 +87,8 @@ Exit status: 0 when every row passes, 1 when any fails, 2 for a usage or set-up 
 EPILOG = """\
 examples:
   streamkl verify --quick
+  streamkl verify --jobs 16 --json report.json
+  streamkl verify --only tiles_300,indexer:gqa --jobs 1
   streamkl verify --impl mypkg.kl:attention_kl --layout bnhd --returns sum --json report.json
   streamkl verify --impl mypkg.kl:attention_kl --cases all --seed 3
   streamkl verify --impl mypkg.kl:kl_sdpa --causal-align top-left --no-grad"""
@@ -94,6 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--autotune", action="store_true",
                    help="own kernels on a GPU: time every launch candidate; default: the shape "
                         "rule's config of each shape class, untimed (one compile per kernel variant)")
+    p.add_argument("--jobs", type=int, metavar="N",
+                   help="check the cases in N worker processes (default: on a GPU min(8, CPU cores), as a "
+                        "first run is mostly Triton compiling, CPU work that runs well side by side; on CPU 1); "
+                        "1: all in this process")
+    p.add_argument("--only", metavar="NAMES",
+                   help="only these cases of the battery (comma list, names as in the report, e.g. "
+                        "n=1,varlen_mixed,indexer:gqa); each gets the inputs it gets in the full run")
     p.add_argument("-q", "--quiet", action="store_true", help="no per-case progress lines on stderr")
     g = p.add_argument_group("checking your own implementation")
     g.add_argument("--impl", metavar="MODULE:FUNCTION",
@@ -153,37 +178,115 @@ def gpu_case_dtypes(head_dims, dtypes, fp16=False):
     return [d for d in dtypes if fp16 or name(d) != "float16"] or list(dtypes[:1])
 
 
+# ---- streamkl's own kernels: the battery as units, one per case of the report, each checked in
+# its dtypes by a module-level function (a worker process imports it by name)
+
+@dataclass(frozen=True)
+class Unit:
+    """One case of the own-kernel battery and the dtypes it runs in. ``check(case, dtype, seed,
+    device, report)`` checks one dtype, adding its rows and its entry of ``report.cases``. It draws
+    its inputs from the case's own generator (``case_generator(seed, name)``), so a unit's rows
+    are the same in whichever process it runs and whatever ran before it."""
+
+    name: str  # the case, as the report names it
+    check: Callable
+    case: Any  # a Case, an IndexerCase or an entry of VARLEN_*_CASES
+    dtypes: tuple  # dtype names
+    head_dims: tuple
+
+    @property
+    def cost(self) -> int:
+        """A static estimate of its first run's compile time, to start the expensive units first:
+        each dtype compiles kernels of its own, larger with the head dim."""
+        return len(self.dtypes) * max(self.head_dims)
+
+
+def own_dtypes(device: str, quick: bool = False) -> list:
+    """The dtypes streamkl's own kernels are checked in: float32, float16 and, on a GPU, bfloat16
+    (the interpreter's bf16 dot is wrong); ``--quick`` on a GPU: float32 and bfloat16."""
+    if device != "cuda":
+        return ["float32", "float16"]
+    return ["float32", "bfloat16"] if quick else ["float32", "float16", "bfloat16"]
+
+
+def own_units(device: str, quick: bool = False, which: str = "default") -> list:
+    """The own-kernel battery, one :class:`Unit` per case, in report order: the attention cases,
+    the packed sequences, the NaN-planting cases, the indexer cases and the indexer's mean."""
+    on_gpu = device == "cuda"
+    dtypes = own_dtypes(device, quick)
+    rest = dtypes[:1] if quick else dtypes  # NaN planting and the indexer; the smoke gate: the first dtype
+
+    def pick(dims, names, fp16=False):
+        return tuple(gpu_case_dtypes(dims, names, fp16) if on_gpu else names)
+
+    units = []
+    for c in attention_cases(device, quick=quick, planted=False, which=which):
+        case_dtypes = pick((c.D1, c.D2), dtypes, c.quick)
+        if not on_gpu and c.NK > CPU_ONE_DTYPE_NK:
+            case_dtypes = case_dtypes[:1]  # interpreted, a multi-tile case costs seconds per dtype
+        units.append(Unit(c.name, _check_attention_case, c, case_dtypes, (c.D1, c.D2)))
+    varlen = VARLEN_GPU_CASES if on_gpu else VARLEN_CPU_CASES
+    for i, v in enumerate(varlen[:1] if quick else varlen):
+        units.append(Unit(v[0], _check_varlen_case, v, pick((v[5], v[6]), dtypes, fp16=i == 0), (v[5], v[6])))
+    planted = [c for c in attention_cases(device, which=which) if c.plant]
+    for c in planted[:1] if quick else planted:
+        units.append(Unit(c.name, _check_planted_case, c, pick((c.D1, c.D2), rest), (c.D1, c.D2)))
+    for c in indexer_cases(device, quick=quick, which=which):
+        units.append(Unit("indexer:" + c.name, _check_indexer_case, c, pick((c.D, c.DI), rest), (c.D, c.DI)))
+    if not quick:
+        for c in indexer_cases(device, which=which):
+            if c.name in ("causal_nq>nk", "gqa"):
+                units.append(Unit("indexer(mean):" + c.name, _check_indexer_mean_case, c, tuple(rest[:1]),
+                                  (c.D, c.DI)))
+    return units
+
+
+def default_jobs(device: str) -> int:
+    """Worker processes of a run without ``--jobs``: on a GPU, min(8, the CPU cores this process
+    may use): the run is mostly Triton compiling, CPU work that runs well side by side; elsewhere
+    1 (the interpreter is CPU-bound itself)."""
+    if device != "cuda":
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(MAX_DEFAULT_JOBS, cores))
+
+
 class _CaseClock:
-    """Per case and dtype: seconds spent compiling (the first call of each new kernel, read from
-    Triton's compiler entry point) and the rest (the check). ``lap(label)`` closes the open
-    label and opens ``label`` (None: closes only); each closed one is printed and kept."""
+    """Seconds per case and dtype: compiling (the first call of each new kernel, read from
+    Triton's compiler entry point; on a GPU) and the rest (the check). ``timed(label, seconds)``
+    times a block into ``seconds[label]`` and prints its progress lines, stamped with the time
+    since ``t_start`` (the start of the whole run, in whichever process the block runs)."""
 
     def __init__(self, device, quiet, t_start):
         from streamkl_gpu._core.compile_clock import CompileClock
 
         self.clock = CompileClock().install() if device == "cuda" else CompileClock()  # before any launch
         self.quiet, self.t_start = quiet, t_start
-        self.seconds = {}  # label -> {"compile_s", "kernels", "check_s"}, for the JSON
-        self.open = None
 
-    def lap(self, label):
-        now = time.time()
-        if self.open is not None:
-            name, t0, snap = self.open
-            compile_s, kernels = self.clock.since(snap)
-            check_s = now - t0 - compile_s
-            self.seconds[name] = {"compile_s": round(compile_s, 3), "kernels": kernels, "check_s": round(check_s, 3)}
-            if not self.quiet:
-                print(f"[{now - self.t_start:6.1f}s]   {name}: compile {compile_s:.1f} s ({kernels} kernels), "
-                      f"check {check_s:.1f} s", file=sys.stderr, flush=True)
-        self.open = None if label is None else (label, now, self.clock.snapshot())
-        if label is None:
-            self.clock.uninstall()
+    def say(self, text):
+        if not self.quiet:
+            print(f"[{time.time() - self.t_start:6.1f}s] {text}", file=sys.stderr, flush=True)
+
+    @contextlib.contextmanager
+    def timed(self, label, seconds):
+        self.say(label)  # the first GPU run compiles each kernel variant: show progress
+        t0, snap = time.time(), self.clock.snapshot()
+        yield
+        compile_s, kernels = self.clock.since(snap)
+        check_s = time.time() - t0 - compile_s
+        seconds[label] = {"compile_s": round(compile_s, 3), "kernels": kernels, "check_s": round(check_s, 3)}
+        self.say(f"  {label}: compile {compile_s:.1f} s ({kernels} kernels), check {check_s:.1f} s")
 
 
 def _parse(argv):
     p = build_parser()
     args = p.parse_args(argv)
+    if args.seed < 0:
+        p.error(f"--seed must be a non-negative int, got {args.seed}")
+    if args.jobs is not None and args.jobs < 1:
+        p.error(f"--jobs must be at least 1, got {args.jobs}")
+    if args.impl is not None and (args.jobs is not None or args.only is not None):
+        p.error("--jobs and --only run streamkl's own kernels: they do not go with --impl")
     if args.impl is None:
         for opt, dflt in (("indexer", False), ("no_grad", False), ("layout", "bhnd"),
                           ("causal_align", "bottom-right"), ("returns", "rows"), ("dtypes", None),
@@ -238,10 +341,22 @@ def _run(args) -> int:
         return 2
     if device != "cpu":
         return _run_impl(args, device) if args.impl is not None else _run_own(args, device)
-    # on CPU every interpreted launch is bounds- and race-checked: an access outside the launch's
-    # tensors (an illegal memory access on a GPU), or an address two programs touch with a plain
-    # store (an order-dependent result there), fails the gate; with --impl, a user's Triton kernel
-    # that does either fails its case (the conformance suite reports the exception).
+    from streamkl_gpu.devtools import bounds as _interpreter_bounds
+
+    with _interpreter_checks():
+        try:
+            return _run_impl(args, device) if args.impl is not None else _run_own(args, device)
+        except (_interpreter_bounds.OutOfBoundsAccess, _interpreter_bounds.DataRace) as exc:
+            print(f"streamkl verify: FAIL, {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
+
+
+@contextlib.contextmanager
+def _interpreter_checks():
+    """On CPU every interpreted launch is bounds- and race-checked: an access outside the launch's
+    tensors (an illegal memory access on a GPU), or an address two programs touch with a plain
+    store (an order-dependent result there), fails the gate; with --impl, a user's Triton kernel
+    that does either fails its case (the conformance suite reports the exception)."""
     from streamkl_gpu.devtools import bounds as _interpreter_bounds
 
     with contextlib.ExitStack() as stack:
@@ -253,11 +368,7 @@ def _run(args) -> int:
             stack.enter_context(_interpreter_bounds.checked(races=True))
         except ImportError:  # no Triton (a pure-PyTorch --impl): nothing to check
             pass
-        try:
-            return _run_impl(args, device) if args.impl is not None else _run_own(args, device)
-        except (_interpreter_bounds.OutOfBoundsAccess, _interpreter_bounds.DataRace) as exc:
-            print(f"streamkl verify: FAIL, {type(exc).__name__}: {exc}", file=sys.stderr)
-            return 1
+        yield
 
 
 def _finish(report: Report, args, device_name: str, extra: dict) -> int:
@@ -338,7 +449,15 @@ def _run_impl(args, device: str) -> int:
     return _finish(report, args, name, {"impl": args.impl, "loss": "indexer" if args.indexer else "attention"})
 
 
-def _run_own(args, device: str) -> int:
+def _record(report, case, dname, quantity, err, tol, ok=None, note=""):
+    ok = (err <= tol) if ok is None else ok
+    report.rows.append(Row(case, dname, quantity, float(err), float(tol), "pass" if ok else "fail", note))
+
+
+def _check_attention_case(case, dname, seed, device, report):
+    """``streamkl_gpu.attention_kl`` on one case in one dtype: the KL (also against mpmath when
+    small, split-K against one pass, empty rows exactly 0) and the four gradients of both
+    backward modes."""
     import numpy as np
     import torch
 
@@ -346,178 +465,294 @@ def _run_own(args, device: str) -> int:
     from streamkl_gpu import api
     from streamkl_ref.testing import attention_kl_torch
 
-    dtypes = [torch.float32, torch.float16] + ([torch.bfloat16] if device == "cuda" else [])
-    cases = attention_cases(device, quick=args.quick, planted=False, which=args.cases)
-    if args.quick:
-        dtypes = dtypes[:2] if device == "cpu" else [torch.float32, torch.bfloat16]
-    gen = torch.Generator().manual_seed(args.seed)
-    report = Report(options={"impl": "streamkl_gpu.attention_kl", "device": device, "quick": args.quick,
-                             "cases": args.cases,
-                             "seed": args.seed, "dtypes": [str(d).replace("torch.", "") for d in dtypes],
-                             "bwd_modes": ["fused", "separate"], "autotune": args.autotune})
-    t_start, cpu_start = time.time(), time.process_time()
-    laps = _CaseClock(device, args.quiet, t_start)
+    report.cases[case.name] = case.to_dict()
+    name, B, H, NQ, NK = case.name, case.B, case.H, case.NQ, case.NK
+    gen = case_generator(seed, case)
+    base = [torch.randn(*shape, generator=gen) for shape in case.shapes.values()]
+    g = torch.randn(B, H, NQ, generator=gen)
+    dtype = getattr(torch, dname)
 
-    def record(case, dtype, quantity, err, tol, ok=None, note=""):
-        ok = (err <= tol) if ok is None else ok
-        report.rows.append(Row(case, str(dtype).replace("torch.", ""), quantity, float(err), float(tol),
-                               "pass" if ok else "fail", note))
+    def record(*row, **kw):
+        _record(report, name, dname, *row, **kw)
 
-    for case in cases:
-        report.cases[case.name] = case.to_dict()
-        name, B, H, NQ, NK = case.name, case.B, case.H, case.NQ, case.NK
-        base = [torch.randn(*shape, generator=gen) for shape in case.shapes.values()]
-        g = torch.randn(B, H, NQ, generator=gen)
-        case_dtypes = gpu_case_dtypes((case.D1, case.D2), dtypes, case.quick) if device == "cuda" else dtypes
-        for dtype in case_dtypes:
-            if device == "cpu" and NK > CPU_ONE_DTYPE_NK and dtype != dtypes[0]:
-                continue  # interpreted, a multi-tile case costs seconds per dtype: the first dtype only
-            dname = str(dtype).replace("torch.", "")
-            laps.lap(f"{name} {dname}")
-            if not args.quiet:  # the first GPU run compiles each kernel variant: show progress
-                print(f"[{time.time() - t_start:6.1f}s] {name} {dname}", file=sys.stderr, flush=True)
-            xs = [x.to(dtype) for x in base]  # the exact inputs the kernel sees
-            x64 = [x.double().numpy() for x in xs]
-            kw = dict(causal=case.causal, scale1=case.scale1, scale2=case.scale2)
-            ref_kl, ref_lse1, ref_lse2 = streamkl_ref.attention_kl(*x64, return_lse=True, **kw)
-            row_floor = kl_row_floor(ref_lse1, ref_lse2, ref_kl, dname)
-            ref_grad = streamkl_ref.attention_kl_grad(*x64, g.double().numpy(), **kw)
-            # the same math at the inputs' precision: sets the tolerance scale
-            same = [x.clone().requires_grad_(True) for x in xs]
-            same_kl = attention_kl_torch(*same, compute_dtype=dtype, **kw)
-            same_kl.backward(g.to(same_kl.dtype))
-            floor = FLOOR[dname]
-            dev_xs = [x.to(device) for x in xs]
-            kl = api.attention_kl(*dev_xs, split_k=case.split_k, **kw)
-            record(name, dtype, "kl", *kl_error_and_tolerance(kl, ref_kl, same_kl, row_floor, dname))
-            if case.split_k is not None:
-                kl1 = api.attention_kl(*dev_xs, split_k=1, **kw)
-                err = relative_error(kl, kl1.double().cpu().numpy())
-                record(name, dtype, "kl split-K vs one pass", err, 8 * floor)
-            if case.causal and NQ > NK:
-                empty = slice(0, NQ - NK)
-                ok = bool((kl[..., empty] == 0).all())
-                record(name, dtype, "kl of empty rows == 0", 0.0 if ok else 1.0, 0.0, ok)
-            if B * H * NQ * NK <= MP_MAX_SCORES and dtype == torch.float32:
-                mp_kl = streamkl_ref.attention_kl_mp(*x64, dps=50, **kw)
-                record(name, dtype, "kl vs mpmath", *kl_error_and_tolerance(kl, mp_kl, same_kl, row_floor, dname))
-            for mode in ("fused", "separate"):
-                ins = [x.clone().requires_grad_(True) for x in dev_xs]
-                out = api.attention_kl(*ins, bwd_mode=mode, **kw)
-                out.backward(g.to(device))
-                for tname, t, s in zip(("dq1", "dk1", "dq2", "dk2"), ins, same):
-                    if not np.any(ref_grad[tname]):
-                        # exactly zero gradient (e.g. one key per row): relative error is undefined;
-                        # the kernel's fp32 arithmetic must leave only rounding noise of O(1) terms
-                        err = t.grad.detach().double().abs().max().item()
-                        record(name, dtype, f"{tname} ({mode}) max|.|", err, ZERO_GRAD_TOL,
-                               note="reference gradient is exactly 0")
-                        continue
-                    tol = tolerance(relative_error(s.grad, ref_grad[tname]), dname)
-                    record(name, dtype, f"{tname} ({mode})", relative_error(t.grad, ref_grad[tname]), tol)
+    xs = [x.to(dtype) for x in base]  # the exact inputs the kernel sees
+    x64 = [x.double().numpy() for x in xs]
+    kw = dict(causal=case.causal, scale1=case.scale1, scale2=case.scale2)
+    ref_kl, ref_lse1, ref_lse2 = streamkl_ref.attention_kl(*x64, return_lse=True, **kw)
+    row_floor = kl_row_floor(ref_lse1, ref_lse2, ref_kl, dname)
+    ref_grad = streamkl_ref.attention_kl_grad(*x64, g.double().numpy(), **kw)
+    # the same math at the inputs' precision: sets the tolerance scale
+    same = [x.clone().requires_grad_(True) for x in xs]
+    same_kl = attention_kl_torch(*same, compute_dtype=dtype, **kw)
+    same_kl.backward(g.to(same_kl.dtype))
+    floor = FLOOR[dname]
+    dev_xs = [x.to(device) for x in xs]
+    kl = api.attention_kl(*dev_xs, split_k=case.split_k, **kw)
+    record("kl", *kl_error_and_tolerance(kl, ref_kl, same_kl, row_floor, dname))
+    if case.split_k is not None:
+        kl1 = api.attention_kl(*dev_xs, split_k=1, **kw)
+        err = relative_error(kl, kl1.double().cpu().numpy())
+        record("kl split-K vs one pass", err, 8 * floor)
+    if case.causal and NQ > NK:
+        empty = slice(0, NQ - NK)
+        ok = bool((kl[..., empty] == 0).all())
+        record("kl of empty rows == 0", 0.0 if ok else 1.0, 0.0, ok)
+    if B * H * NQ * NK <= MP_MAX_SCORES and dtype == torch.float32:
+        mp_kl = streamkl_ref.attention_kl_mp(*x64, dps=50, **kw)
+        record("kl vs mpmath", *kl_error_and_tolerance(kl, mp_kl, same_kl, row_floor, dname))
+    for mode in ("fused", "separate"):
+        ins = [x.clone().requires_grad_(True) for x in dev_xs]
+        out = api.attention_kl(*ins, bwd_mode=mode, **kw)
+        out.backward(g.to(device))
+        for tname, t, s in zip(("dq1", "dk1", "dq2", "dk2"), ins, same):
+            if not np.any(ref_grad[tname]):
+                # exactly zero gradient (e.g. one key per row): relative error is undefined;
+                # the kernel's fp32 arithmetic must leave only rounding noise of O(1) terms
+                err = t.grad.detach().double().abs().max().item()
+                record(f"{tname} ({mode}) max|.|", err, ZERO_GRAD_TOL, note="reference gradient is exactly 0")
+                continue
+            tol = tolerance(relative_error(s.grad, ref_grad[tname]), dname)
+            record(f"{tname} ({mode})", relative_error(t.grad, ref_grad[tname]), tol)
+
+
+def _check_varlen_case(case, dname, seed, device, report):
+    """``streamkl_gpu.attention_kl_varlen`` on one packing in one dtype: the KL (key-less
+    sequences exactly 0) and the four gradients of both backward modes."""
+    import numpy as np
+    import torch
+
+    import streamkl_ref
     from streamkl_gpu import attention_kl_varlen
+    from streamkl_ref.testing import attention_kl_torch
 
-    varlen_cases = VARLEN_GPU_CASES if device == "cuda" else VARLEN_CPU_CASES
-    if args.quick:
-        varlen_cases = varlen_cases[:1]
-    for (name, lens, H, HK1, HK2, D1, D2, causal, split) in varlen_cases:
-        report.cases[name] = {"kind": "varlen", "seqlens_qk": [list(x) for x in lens], "H": H, "HK1": HK1,
-                              "HK2": HK2, "D1": D1, "D2": D2, "causal": causal, "split_k": split,
-                              "why": VARLEN_WHY}
-        tq, tk = sum(a for a, _ in lens), sum(b for _, b in lens)
-        base = [torch.randn(tq, H, D1, generator=gen), torch.randn(tk, HK1, D1, generator=gen),
-                torch.randn(tq, H, D2, generator=gen), torch.randn(tk, HK2, D2, generator=gen)]
-        g = torch.randn(tq, H, generator=gen)
-        cu_q = torch.tensor([0] + list(np.cumsum([a for a, _ in lens])), dtype=torch.int32)
-        cu_k = torch.tensor([0] + list(np.cumsum([b for _, b in lens])), dtype=torch.int32)
-        mq, mk = max(a for a, _ in lens), max(b for _, b in lens)
-        fp16 = name == varlen_cases[0][0]
-        for dtype in (gpu_case_dtypes((D1, D2), dtypes, fp16) if device == "cuda" else dtypes):
-            dname = str(dtype).replace("torch.", "")
-            laps.lap(f"{name} {dname}")
-            if not args.quiet:
-                print(f"[{time.time() - t_start:6.1f}s] {name} {dname}", file=sys.stderr, flush=True)
-            xs = [x.to(dtype) for x in base]
-            x64 = [x.double().numpy() for x in xs]
-            packing = (cu_q.numpy(), cu_k.numpy(), mq, mk)
-            ref_kl, ref_lse1, ref_lse2 = streamkl_ref.attention_kl_varlen(*x64, *packing, causal=causal,
-                                                                          return_lse=True)
-            row_floor = kl_row_floor(ref_lse1, ref_lse2, ref_kl, dname)
-            ref_grad = streamkl_ref.attention_kl_varlen_grad(*x64, *packing, g.double().numpy(), causal=causal)
-            # the same math at the inputs' precision, sequence by sequence (tolerance scale)
-            same = [x.clone().requires_grad_(True) for x in xs]
-            same_kl = torch.zeros(tq, H, dtype=torch.float64)
-            for i in range(len(lens)):
-                rows_i, keys_i = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
-                if rows_i.start == rows_i.stop or keys_i.start == keys_i.stop:
-                    continue
-                seq = [x[sl].transpose(0, 1)[None] for x, sl in zip(same, (rows_i, keys_i, rows_i, keys_i))]
-                out = attention_kl_torch(*seq, causal=causal, compute_dtype=dtype)
-                out.backward(g[rows_i].T[None].to(out.dtype))
-                same_kl[rows_i] = out[0].T.detach().double()
-            dev_xs = [x.to(device) for x in xs]
-            dev_cu = (cu_q.to(device), cu_k.to(device), mq, mk)
-            kl = attention_kl_varlen(*dev_xs, *dev_cu, causal=causal, split_k=split)
-            record(name, dtype, "kl", *kl_error_and_tolerance(kl, ref_kl, same_kl, row_floor, dname))
-            no_keys = [i for i, (a, b) in enumerate(lens) if a and not b]
-            if no_keys:
-                ok = all(bool((kl[int(cu_q[i]):int(cu_q[i + 1])] == 0).all()) for i in no_keys)
-                record(name, dtype, "kl no-key seqs == 0", 0.0 if ok else 1.0, 0.0, ok)
-            for mode in ("fused", "separate"):
-                ins = [x.clone().requires_grad_(True) for x in dev_xs]
-                out = attention_kl_varlen(*ins, *dev_cu, causal=causal, bwd_mode=mode)
-                out.backward(g.to(device))
-                for tname, t, s in zip(("dq1", "dk1", "dq2", "dk2"), ins, same):
-                    tol = tolerance(relative_error(s.grad, ref_grad[tname]), dname)
-                    record(name, dtype, f"{tname} ({mode})", relative_error(t.grad, ref_grad[tname]), tol)
-    # the NaN/inf isolation contract (planted cases) and the indexer loss, through the conformance suite
-    dnames = [str(d).replace("torch.", "") for d in dtypes]
-    planted = [c for c in attention_cases(device, quick=False, which=args.cases) if c.plant]
-    if args.quick:  # a smoke gate: one planted case, the quick indexer cases, the first dtype
-        planted, dnames = planted[:1], dnames[:1]
-    laps.lap("NaN-planting cases")
-    if not args.quiet:
-        print(f"[{time.time() - t_start:6.1f}s] NaN-planting cases", file=sys.stderr, flush=True)
-    planted_dnames = gpu_case_dtypes((16,), dnames) if device == "cuda" else dnames
-    _append(report, check_attention_kl(api.attention_kl, device=device, dtypes=planted_dnames, cases=planted,
-                                       seed=args.seed))
+    name, lens, H, HK1, HK2, D1, D2, causal, split = case
+    report.cases[name] = {"kind": "varlen", "seqlens_qk": [list(x) for x in lens], "H": H, "HK1": HK1,
+                          "HK2": HK2, "D1": D1, "D2": D2, "causal": causal, "split_k": split, "why": VARLEN_WHY}
+    tq, tk = sum(a for a, _ in lens), sum(b for _, b in lens)
+    gen = case_generator(seed, name)
+    base = [torch.randn(tq, H, D1, generator=gen), torch.randn(tk, HK1, D1, generator=gen),
+            torch.randn(tq, H, D2, generator=gen), torch.randn(tk, HK2, D2, generator=gen)]
+    g = torch.randn(tq, H, generator=gen)
+    cu_q = torch.tensor([0] + list(np.cumsum([a for a, _ in lens])), dtype=torch.int32)
+    cu_k = torch.tensor([0] + list(np.cumsum([b for _, b in lens])), dtype=torch.int32)
+    mq, mk = max(a for a, _ in lens), max(b for _, b in lens)
+    dtype = getattr(torch, dname)
+
+    def record(*row, **kw):
+        _record(report, name, dname, *row, **kw)
+
+    xs = [x.to(dtype) for x in base]
+    x64 = [x.double().numpy() for x in xs]
+    packing = (cu_q.numpy(), cu_k.numpy(), mq, mk)
+    ref_kl, ref_lse1, ref_lse2 = streamkl_ref.attention_kl_varlen(*x64, *packing, causal=causal, return_lse=True)
+    row_floor = kl_row_floor(ref_lse1, ref_lse2, ref_kl, dname)
+    ref_grad = streamkl_ref.attention_kl_varlen_grad(*x64, *packing, g.double().numpy(), causal=causal)
+    # the same math at the inputs' precision, sequence by sequence (tolerance scale)
+    same = [x.clone().requires_grad_(True) for x in xs]
+    same_kl = torch.zeros(tq, H, dtype=torch.float64)
+    for i in range(len(lens)):
+        rows_i, keys_i = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+        if rows_i.start == rows_i.stop or keys_i.start == keys_i.stop:
+            continue
+        seq = [x[sl].transpose(0, 1)[None] for x, sl in zip(same, (rows_i, keys_i, rows_i, keys_i))]
+        out = attention_kl_torch(*seq, causal=causal, compute_dtype=dtype)
+        out.backward(g[rows_i].T[None].to(out.dtype))
+        same_kl[rows_i] = out[0].T.detach().double()
+    dev_xs = [x.to(device) for x in xs]
+    dev_cu = (cu_q.to(device), cu_k.to(device), mq, mk)
+    kl = attention_kl_varlen(*dev_xs, *dev_cu, causal=causal, split_k=split)
+    record("kl", *kl_error_and_tolerance(kl, ref_kl, same_kl, row_floor, dname))
+    no_keys = [i for i, (a, b) in enumerate(lens) if a and not b]
+    if no_keys:
+        ok = all(bool((kl[int(cu_q[i]):int(cu_q[i + 1])] == 0).all()) for i in no_keys)
+        record("kl no-key seqs == 0", 0.0 if ok else 1.0, 0.0, ok)
+    for mode in ("fused", "separate"):
+        ins = [x.clone().requires_grad_(True) for x in dev_xs]
+        out = attention_kl_varlen(*ins, *dev_cu, causal=causal, bwd_mode=mode)
+        out.backward(g.to(device))
+        for tname, t, s in zip(("dq1", "dk1", "dq2", "dk2"), ins, same):
+            tol = tolerance(relative_error(s.grad, ref_grad[tname]), dname)
+            record(f"{tname} ({mode})", relative_error(t.grad, ref_grad[tname]), tol)
+
+
+# the NaN/inf isolation contract (planted cases) and the indexer loss: through the conformance suite
+def _check_planted_case(case, dname, seed, device, report):
+    from streamkl_gpu import api
+
+    _append(report, check_attention_kl(api.attention_kl, device=device, dtypes=[dname], cases=[case], seed=seed))
+
+
+def _check_indexer_case(case, dname, seed, device, report):
     from streamkl_gpu import indexer_kl
 
-    def indexer_mean(*a, **kw):  # Megatron's reduction: the mean over rows that see a key
-        return indexer_kl(*a, reduction="mean", **kw)
+    _append(report, check_indexer_kl(indexer_kl, device=device, dtypes=[dname], cases=[case], seed=seed),
+            prefix="indexer:")
 
-    laps.lap("indexer loss")
-    if not args.quiet:
-        print(f"[{time.time() - t_start:6.1f}s] indexer loss", file=sys.stderr, flush=True)
-    by_dtypes = {}  # the indexer cases grouped by the dtypes they run in (all of them off a GPU)
-    for c in indexer_cases(device, quick=args.quick, which=args.cases):
-        key = tuple(gpu_case_dtypes((c.D, c.DI), dnames) if device == "cuda" else dnames)
-        by_dtypes.setdefault(key, []).append(c)
-    for case_dnames, group in by_dtypes.items():
-        _append(report, check_indexer_kl(indexer_kl, device=device, dtypes=list(case_dnames), quick=args.quick,
-                                         cases=group, seed=args.seed), prefix="indexer:")
-    mean_cases = [] if args.quick else [c for c in indexer_cases(device, which=args.cases)
-                                        if c.name in ("causal_nq>nk", "gqa")]
-    if mean_cases:
-        laps.lap("indexer loss, mean")
-        _append(report, check_indexer_kl(indexer_mean, device=device, dtypes=dnames[:1], returns="mean",
-                                         cases=mean_cases, seed=args.seed), prefix="indexer(mean):")
-    laps.lap(None)
-    if device == "cpu":  # every launch above ran bounds- and race-checked (a violation raises)
-        from streamkl_gpu.devtools import bounds as _interpreter_bounds
 
-        seen = _interpreter_bounds.stats()
-        record("interpreter", "-", "accesses outside the launch's tensors, races", 0.0, 0.0,
-               ok=seen["launches"] > 0 and seen["race_checked_launches"] > 0,
-               note=f"{seen['launches']} launches ({seen['race_checked_launches']} race-checked), "
-                    f"{seen['checked_accesses']} element accesses checked"
-                    + ("" if seen["launches"] > 0 else "; no launch was checked: the bounds checks were not on"))
+def _indexer_mean(*args, **kwargs):
+    """The indexer loss with Megatron's reduction: the mean over the rows that see a key."""
+    from streamkl_gpu import indexer_kl
+
+    return indexer_kl(*args, reduction="mean", **kwargs)
+
+
+def _check_indexer_mean_case(case, dname, seed, device, report):
+    _append(report, check_indexer_kl(_indexer_mean, device=device, dtypes=[dname], returns="mean", cases=[case],
+                                     seed=seed), prefix="indexer(mean):")
+
+
+# ---- running the units: here, or in worker processes
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What every unit of a run shares."""
+
+    device: str
+    seed: int
+    quiet: bool
+    t_start: float  # time.time() at the start of the run: every process's progress lines count from it
+
+
+@dataclass
+class UnitOutcome:
+    """What running a unit hands back (plain data: it comes back from a worker process)."""
+
+    rows: list
+    cases: dict
+    seconds: dict  # "case dtype" -> {"compile_s", "kernels", "check_s"}
+    bounds: dict  # on CPU: the interpreter's bounds-check counts of the unit's launches
+    errors: list  # what to print for each dtype whose check raised
+
+
+def _run_unit(unit: Unit, run: RunSettings, laps: _CaseClock) -> UnitOutcome:
+    """Check ``unit`` in each of its dtypes. A dtype whose check raises gets a failing row (its
+    traceback goes to ``errors``) and the other dtypes still run: nothing is dropped silently."""
+    report, seconds, errors = Report(), {}, []
+    before = _bounds_counts(run.device)
+    for dname in unit.dtypes:
+        label = f"{unit.name} {dname}"
+        try:
+            with laps.timed(label, seconds):
+                unit.check(unit.case, dname, run.seed, run.device, report)
+        except Exception as exc:  # noqa: BLE001 (fails the gate: a failing row, the traceback on stderr)
+            report.rows.append(Row(unit.name, dname, "(check)", math.nan, math.nan, "fail",
+                                   f"raised {type(exc).__name__}: {str(exc)[:300]}"))
+            errors.append(f"{label} raised:\n{traceback.format_exc()}")
+    after = _bounds_counts(run.device)
+    return UnitOutcome(report.rows, report.cases, seconds, {k: after[k] - before[k] for k in after}, errors)
+
+
+def _bounds_counts(device: str) -> dict:
+    if device != "cpu":
+        return {}
+    from streamkl_gpu.devtools import bounds as _interpreter_bounds
+
+    return _interpreter_bounds.stats()
+
+
+_worker = {}  # in a worker process: its run settings, clock and checks (set by _start_worker)
+
+
+def _start_worker(run: RunSettings) -> None:
+    """A worker process's set-up: the checks and the clock of a run in one process (os.environ,
+    STREAMKL_AUTOTUNE and TRITON_INTERPRET included, is the parent's, copied at the spawn)."""
+    checks = contextlib.ExitStack()  # held open for the life of the process
+    if run.device == "cpu":
+        checks.enter_context(_interpreter_checks())
+    _worker.update(run=run, laps=_CaseClock(run.device, run.quiet, run.t_start), checks=checks)
+
+
+def _run_unit_in_worker(unit: Unit) -> UnitOutcome:
+    return _run_unit(unit, _worker["run"], _worker["laps"])
+
+
+def run_units(units: list, run: RunSettings, jobs: int) -> list:
+    """Each unit's :class:`UnitOutcome`, in the order of ``units``: checked here one after another
+    (``jobs`` 1), or by ``jobs`` worker processes (spawned: CUDA cannot be forked), handed out one
+    at a time, the most expensive first. A unit that raises, or whose worker process dies, comes
+    back as failing rows with its traceback or cause printed: the run neither hangs nor drops it."""
+    if jobs <= 1:
+        laps = _CaseClock(run.device, run.quiet, run.t_start)
+        try:
+            return [_print_errors(_run_unit(u, run, laps)) for u in units]
+        finally:
+            laps.clock.uninstall()
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    outcomes = [None] * len(units)
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_start_worker, initargs=(run,)) as pool:
+        futures = {pool.submit(_run_unit_in_worker, units[i]): i for i in hand_out_order(units)}
+        for future in as_completed(futures):
+            unit = units[futures[future]]
+            try:
+                outcome = future.result()
+            except Exception as exc:  # noqa: BLE001 (its worker died, or the outcome could not come back)
+                why = f"not checked: {type(exc).__name__}: {exc}"
+                outcome = UnitOutcome([Row(unit.name, d, "(check)", math.nan, math.nan, "fail", why)
+                                       for d in unit.dtypes], {}, {}, {}, [f"{unit.name}: {why}"])
+            outcomes[futures[future]] = _print_errors(outcome)
+    return outcomes
+
+
+def hand_out_order(units: list) -> list:
+    """The indices of ``units`` in the order workers get them: the most expensive first (by
+    :attr:`Unit.cost`; ties in battery order), so the long compiles do not come last."""
+    return sorted(range(len(units)), key=lambda i: -units[i].cost)
+
+
+def _print_errors(outcome: UnitOutcome) -> UnitOutcome:
+    for text in outcome.errors:
+        print(f"streamkl verify: FAIL, {text}", file=sys.stderr, flush=True)
+    return outcome
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and of its finished child processes (worker processes, and the
+    compilers Triton starts)."""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def _run_own(args, device: str) -> int:
+    import torch
+
+    units = own_units(device, quick=args.quick, which=args.cases)
+    if args.only:
+        wanted = {name.strip() for name in args.only.split(",") if name.strip()}
+        unknown = sorted(wanted - {u.name for u in units})
+        if unknown:
+            print(f"streamkl verify: --only: no case {', '.join(unknown)} in this battery; its cases: "
+                  + ", ".join(u.name for u in units), file=sys.stderr)
+            return 2
+        units = [u for u in units if u.name in wanted]
+    jobs = max(1, min(args.jobs or default_jobs(device), len(units)))
+    report = Report(options={"impl": "streamkl_gpu.attention_kl", "device": device, "quick": args.quick,
+                             "cases": args.cases, "seed": args.seed, "dtypes": own_dtypes(device, args.quick),
+                             "bwd_modes": ["fused", "separate"], "autotune": args.autotune})
+    t_start, cpu_start = time.time(), _cpu_seconds()
+    if jobs > 1 and not args.quiet:
+        print(f"[{0:6.1f}s] {len(units)} cases in {jobs} worker processes", file=sys.stderr, flush=True)
+    outcomes = run_units(units, RunSettings(device, args.seed, args.quiet, t_start), jobs)
+    case_seconds, seen = {}, collections.Counter()
+    for outcome in outcomes:
+        report.rows += outcome.rows
+        report.cases.update(outcome.cases)
+        case_seconds.update(outcome.seconds)
+        seen.update(outcome.bounds)
+    if device == "cpu":  # every launch above ran bounds- and race-checked (a violation fails its case)
+        _record(report, "interpreter", "-", "accesses outside the launch's tensors, races", 0.0, 0.0,
+                ok=seen["launches"] > 0 and seen["race_checked_launches"] > 0,
+                note=f"{seen['launches']} launches ({seen['race_checked_launches']} race-checked), "
+                     f"{seen['checked_accesses']} element accesses checked"
+                     + ("" if seen["launches"] > 0 else "; no launch was checked: the bounds checks were not on"))
     report.elapsed_s = time.time() - t_start
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)"
-    return _finish(report, args, device_name, {"elapsed_s": report.elapsed_s,
-                                               "cpu_s": time.process_time() - cpu_start,
-                                               "case_seconds": laps.seconds})
-
+    return _finish(report, args, device_name, {"elapsed_s": report.elapsed_s, "cpu_s": _cpu_seconds() - cpu_start,
+                                               "jobs": jobs, "case_seconds": case_seconds})
 
 
 if __name__ == "__main__":

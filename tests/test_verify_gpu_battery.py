@@ -6,23 +6,17 @@ import pytest
 
 from streamkl_gpu import verify
 from streamkl_gpu._core.compile_clock import CompileClock
-from streamkl_ref.testing import attention_cases, indexer_cases
+from streamkl_ref.testing import attention_cases
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = ["float32", "float16", "bfloat16"]
 
 
 def _gpu_battery():
-    """(name, head dims, dtypes it runs in on a GPU), as verify._run_own selects them."""
-    rows = [(c.name, (c.D1, c.D2), verify.gpu_case_dtypes((c.D1, c.D2), DTYPES, c.quick))
-            for c in attention_cases("cuda", planted=False)]
-    rows += [(v[0], (v[5], v[6]), verify.gpu_case_dtypes((v[5], v[6]), DTYPES, i == 0))
-             for i, v in enumerate(verify.VARLEN_GPU_CASES)]
-    rows += [(c.name, (c.D1, c.D2), verify.gpu_case_dtypes((c.D1, c.D2), DTYPES))
-             for c in attention_cases("cuda") if c.plant]
-    rows += [("indexer:" + c.name, (c.D, c.DI), verify.gpu_case_dtypes((c.D, c.DI), DTYPES))
-             for c in indexer_cases("cuda")]
-    return rows
+    """(name, head dims, dtypes it runs in on a GPU) of each case of verify's GPU battery (its unit
+    list), but the indexer's mean reduction (float32 alone on every device)."""
+    return [(u.name, u.head_dims, list(u.dtypes)) for u in verify.own_units("cuda")
+            if not u.name.startswith("indexer(mean):")]
 
 
 def test_every_gpu_case_runs_and_every_dtype_is_checked():

@@ -103,16 +103,18 @@ PLANT_PAD = (3, 5)  # planted cases: buffers this much longer in N and wider in 
 
 
 def case_generator(seed: int, case):
-    """The torch CPU generator of one case's inputs: seeded by ``seed`` and the case's name, so a
-    case gets the same inputs whichever other cases run with it (a failing case re-run alone, with
-    ``cases=[that_case]``, sees exactly the inputs it failed on)."""
+    """The torch CPU generator of one case's inputs: seeded by ``seed`` and the case's name
+    (``case``: a case, or its name), so a case gets the same inputs whichever other cases run with
+    it, and in whichever process (a failing case re-run alone, with ``cases=[that_case]``, sees
+    exactly the inputs it failed on)."""
     import zlib
 
     import torch
 
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
-    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(case.name.encode())) % 2 ** 63)
+    name = case if isinstance(case, str) else case.name
+    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2 ** 63)
 
 
 def _case_set(which, device, small, large) -> tuple:
