@@ -47,8 +47,8 @@ def variant(request, monkeypatch):
 
 def launched(variant, mode):
     """The (dK, dQ) kernel variants of the cached plans made under ``variant`` in ``mode``."""
-    plans = {(p[1].variant, p[2].variant) for sig, p in _launch._PLANS.items()
-             if sig[0] == "bwd" and sig[2][-1] == variant and p[0] == mode}
+    plans = {(p.cfg_dk.variant, p.cfg_dq.variant) for sig, p in _launch._PLANS.items()
+             if sig[0] == "bwd" and sig[2][-1] == variant and p.mode == mode}
     assert len(plans) == 1, plans
     return plans.pop()
 

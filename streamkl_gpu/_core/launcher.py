@@ -160,9 +160,11 @@ def launch(fn, grid, args, constexprs, num_warps, num_stages, key=None, tensors=
         return fn[grid](*args, **constexprs, **runtime, num_warps=num_warps, num_stages=num_stages)
     if key is None:
         lookup = _full_key(fn, args, constexprs, num_warps, num_stages, runtime)
-    else:
-        lookup = (fn, key, tuple(t.data_ptr() % 16 == 0 for t in tensors))
+    else:  # id(fn): a JITFunction hashes in Python; the entry keeps fn, compared by identity
+        lookup = (id(fn), key, tuple([t.data_ptr() % 16 == 0 for t in tensors]) if tensors else ())
     hit = _KERNELS.get(lookup)
+    if hit is not None and hit[3] is not fn:
+        hit = None
     if hit is not None and key is not None and CHECK:
         full = _full_key(fn, args, constexprs, num_warps, num_stages, runtime)
         if full != hit[2]:
@@ -175,10 +177,10 @@ def launch(fn, grid, args, constexprs, num_warps, num_stages, key=None, tensors=
         if len(_KERNELS) >= _MAX_KERNELS:
             _KERNELS.clear()
         full = _full_key(fn, args, constexprs, num_warps, num_stages, runtime) if (key is not None and CHECK) else None
-        _KERNELS[lookup] = (kernel, _tail(fn, len(args), constexprs, runtime), full)
+        _KERNELS[lookup] = (kernel, _tail(fn, len(args), constexprs, runtime), full, fn)
         STATS["bound"] += 1
         return kernel
-    kernel, (tail, slots), _ = hit
+    kernel, (tail, slots), _, _ = hit
     if slots:
         tail = list(tail)
         for i, name in slots:

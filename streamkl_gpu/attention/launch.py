@@ -5,7 +5,6 @@ for a side that is not trained). Both take resolved float scales (``api`` checks
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import itertools
 import os
@@ -65,7 +64,10 @@ class _TritonForward:
                                CAUSAL=causal, SPLIT=splits > 1, IEEE1=ieee1, IEEE2=ieee2, USE_TMA=use_tma,
                                NO_CONTRACT=not interpreting())
         self.warps, self.stages = warps, stages
-        self.boxes = ([1, 1, block_n, d1_pad], [1, 1, block_n, d2_pad]) if use_tma else None
+        # the keys' descriptors (the inputs' shapes and strides are the signature's)
+        self.boxes = ((_BoundDescriptor((dims.B, dims.HK1, dims.NK, dims.D1), in_strides[4:8], (1, 1, block_n, d1_pad)),
+                       _BoundDescriptor((dims.B, dims.HK2, dims.NK, dims.D2), in_strides[12:16], (1, 1, block_n, d2_pad)))
+                      if use_tma else None)
         self.part_shape = (5, splits, BH, dims.NQ) if splits > 1 else None
         rows = BH * dims.NQ
         self.combine = ((cdiv(rows, 256), 1, 1), (rows, splits)) if splits > 1 else None
@@ -76,8 +78,7 @@ class _TritonForward:
         kl, lse1_bits, lse2_bits = outs
         k1_desc = k2_desc = None
         if self.boxes is not None:
-            k1_desc = _descriptor(k1, k1.shape, k1.stride(), self.boxes[0])
-            k2_desc = _descriptor(k2, k2.shape, k2.stride(), self.boxes[1])
+            k1_desc, k2_desc = self.boxes[0](k1), self.boxes[1](k2)
         part = kl if self.part_shape is None else fresh(self.part_shape, torch.float32, kl.device)
         fast_launch(_fwd._kl_fwd_kernel, self.grid,
                     (q1, k1, q2, k2, k1_desc, k2_desc, kl, lse1_bits, lse2_bits, part) + self.ints,
@@ -117,10 +118,13 @@ _MAX_PLANS = 4096
 GLUON = "gluon"  # the forward plan that runs the Gluon kernel instead of a Triton config
 
 
-def _signature(kind, dims, flags, tensors):
-    settings = (_runtime.env("STREAMKL_AUTOTUNE"), _runtime.INTERPRETER_BLOCK, _runtime.INTERPRETER_TMA)
-    return (kind, dims, flags, settings) + tuple(
-        (t.dtype, t.stride(), t.data_ptr() % 16, t.device) for t in tensors)
+def _signature(kind, dims, flags, q1, k1, q2, k2):
+    """What a plan is bound to: the problem's sizes, flags and settings, and the inputs' dtypes,
+    strides, alignment and devices (written out: a generator over the inputs cost more)."""
+    return (kind, dims, flags, (_runtime.env("STREAMKL_AUTOTUNE"), _runtime.INTERPRETER_BLOCK, _runtime.INTERPRETER_TMA),
+            q1.dtype, k1.dtype, q2.dtype, k2.dtype, q1.stride(), k1.stride(), q2.stride(), k2.stride(),
+            q1.data_ptr() % 16, k1.data_ptr() % 16, q2.data_ptr() % 16, k2.data_ptr() % 16,
+            q1.device, k1.device, q2.device, k2.device)
 
 
 def _remember(sig, plan):
@@ -140,10 +144,10 @@ def forward(q1, k1, q2, k2, causal, scale1, scale2, split_k, dims=None, one_buff
         return _empty_forward(dims, device)
     if interpreting():  # bf16 computed in fp32 there (compute_view)
         q1, k1, q2, k2 = (compute_view(t) for t in (q1, k1, q2, k2))
-    d1_pad, d2_pad = head_pad(dims.D1), head_pad(dims.D2)
-    sig = _signature("fwd", dims, (causal, split_k, fwd_backend()), (q1, k1, q2, k2))
+    sig = _signature("fwd", dims, (causal, split_k, fwd_backend()), q1, k1, q2, k2)
     plan = _PLANS.get(sig)
     if plan is None:
+        d1_pad, d2_pad = head_pad(dims.D1), head_pad(dims.D2)
         cfg = _forward_config(q1, k1, q2, k2, dims, causal, split_k, d1_pad, d2_pad)
         plan = _remember(sig, cfg if cfg is GLUON else
                          _bind_forward(cfg, q1, k1, q2, k2, dims, causal, d1_pad, d2_pad, key=sig))
@@ -218,8 +222,32 @@ def _descriptor(t, shape, strides_, block):
     return desc
 
 
+class _BoundDescriptor:
+    """A descriptor of a bound plan: shape, strides and block fixed, so its checks run once (the
+    first call's, through ``_descriptor``); a call copies the checked template and sets the base.
+    ``check``: a per-call buffer, whose base alignment is checked on every call (an unaligned one
+    takes the constructor, which raises); without it the base is an input, whose alignment is part
+    of the plan's signature."""
+
+    __slots__ = ("shape", "strides", "block", "check", "template")
+
+    def __init__(self, shape, strides_, block, check=False):
+        self.shape, self.strides, self.block, self.check = tuple(shape), tuple(strides_), tuple(block), check
+        self.template = None
+
+    def __call__(self, t):
+        template = self.template
+        if template is None or (self.check and t.data_ptr() % 16):
+            desc = _descriptor(t, self.shape, self.strides, self.block)
+            self.template = _DESC_TEMPLATES.get((self.shape, self.strides, t.dtype, self.block))
+            return desc
+        desc = object.__new__(TensorDescriptor)
+        desc.__dict__.update(template.__dict__)
+        desc.base = t
+        return desc
+
+
 _SIDE_STREAMS: dict = {}  # device index -> the second stream of the separate backward
-_NO_STREAM = contextlib.nullcontext()
 
 
 def _side_stream(dims, device):
@@ -240,29 +268,6 @@ def _launch_opts(parts):
     return {"maxnreg": regs[-1]} if regs else {}
 
 
-def _row_constants(dims, g, kl, lse1_bits, lse2_bits, block_m, packed, both, device, key=None):
-    """The rows pre-pass (_bwd._kl_bwd_rows_kernel): the dK kernel's per-row constants, once per
-    row; returns the descriptor its query tiles read them through. Planes [6, B*H, N_Q] (one TMA
-    load of [1, 1, BLOCK_M] per value) or, ``packed``, [B*H, N_Q, 8] rows (one load of
-    [1, BLOCK_M, 4], or 8 with both settings, per query tile). ``key``: the plan's, for a direct
-    launch (``_core/launcher.py``)."""
-    BH = dims.B * dims.H
-    args = (dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2)
-    grid = (cdiv(BH * dims.NQ, 1024),)
-    if packed:
-        rows = fresh((BH, dims.NQ, 8), torch.float32, device)
-        fast_launch(_bwd._kl_bwd_rows_kernel, grid + (1, 1), (lse1_bits, lse2_bits, kl, g, rows, BH * dims.NQ, dims.NQ,
-                                                          0, 0, *args), dict(BLOCK=1024, PACKED=True), 4, 3,
-                    key and (key, "rows"), (lse1_bits, lse2_bits, kl, g, rows))
-        return _descriptor(rows, rows.shape, rows.stride(), (1, block_m, 8 if both else 4))
-    pitch = cdiv(dims.NQ, 4) * 4  # 16-byte rows for the descriptor
-    rows = fresh((6, BH, pitch), torch.float32, device)
-    fast_launch(_bwd._kl_bwd_rows_kernel, grid + (1, 1), (lse1_bits, lse2_bits, kl, g, rows, BH * dims.NQ, dims.NQ,
-                                                      pitch, BH * pitch, *args), dict(BLOCK=1024), 4, 3,
-                key and (key, "rows"), (lse1_bits, lse2_bits, kl, g, rows))
-    return _descriptor(rows, (6, BH, dims.NQ), rows.stride(), (1, 1, block_m))
-
-
 def _backward_proxy(sliced, dims, q1, k1, q2, k2, g, kl, lse1_bits, lse2_bits):
     """The problem the backward's candidates are timed on when the whole one is past
     TUNING_WORK_LIMIT (``tuning_slice``): the first ``n_q`` query rows and the keys they see, as
@@ -275,8 +280,9 @@ def _backward_proxy(sliced, dims, q1, k1, q2, k2, g, kl, lse1_bits, lse2_bits):
                 k2=k2[:, :, :nk], g=rows[0], kl=rows[1], lse1_bits=rows[2], lse2_bits=rows[3])
 
 
-def _backward_signature(dims, causal, train1, train2, bwd_mode, deterministic, inputs):
-    return _signature("bwd", dims, (causal, train1, train2, bwd_mode, deterministic, bwd_variant()), inputs)
+def _backward_signature(dims, causal, train1, train2, bwd_mode, deterministic, q1, k1, q2, k2):
+    return _signature("bwd", dims, (causal, train1, train2, bwd_mode, deterministic, _runtime.env("STREAMKL_BWD_STREAMS"),
+                                    bwd_variant()), q1, k1, q2, k2)
 
 
 # The backward's first call at a new signature compiles its kernels (two or three, seconds each).
@@ -305,7 +311,7 @@ def compile_backward_ahead(q1, k1, q2, k2, causal, dims, train1, train2, bwd_mod
             or not _triton_backward()
             or max(t.numel() for t in (q1, k1, q2, k2)) > AHEAD_MAX_ELEMENTS):
         return
-    sig = _backward_signature(dims, causal, train1, train2, bwd_mode, deterministic, (q1, k1, q2, k2))
+    sig = _backward_signature(dims, causal, train1, train2, bwd_mode, deterministic, q1, k1, q2, k2)
     if sig in _PLANS or sig in _BACKWARD_AHEAD:
         return
     rows = torch.zeros((4, dims.B, dims.H, dims.NQ), dtype=torch.float32, device=q1.device)  # g, kl, lse1, lse2
@@ -322,6 +328,204 @@ def _empty_backward(dims, q1, k1, q2, k2, train1, train2):
     return zeros(train1, q1), zeros(train1, k1), zeros(train2, q2), zeros(train2, k2)
 
 
+def _contiguous_strides(shape):
+    """The strides of a new tensor of ``shape`` (what ``fresh`` and ``torch.zeros`` return)."""
+    return tuple(torch.empty(shape, device="meta").stride())
+
+
+class _TritonBackward:
+    """The backward's kernels for one (dK, dQ) config pair bound to a call signature, like
+    :class:`_TritonForward`: buffers' shapes and dtypes, grids, integer arguments, constexprs and
+    descriptor templates are computed once, so a call allocates, puts its tensors into the
+    descriptors and launches: the rows pre-pass (``_bwd._kl_bwd_rows_kernel``: the dK kernel's
+    per-row constants, once per row, read through a descriptor), the dK kernel (with the fused dQ,
+    or) then the dQ kernel.
+
+    ``key``: the call's plan signature; with the configs it fixes every launch argument's
+    specialisation but the alignment of the per-call tensors, which each call adds to a token of
+    the plan (a direct launch, ``_core/launcher.py``). None (the tuner's candidates): the binder or
+    a derived key. ``side``: the second stream of the separate backward's dQ kernel, or None."""
+
+    __slots__ = ("mode", "cfg_dk", "cfg_dq", "device", "fused", "side", "token", "dk1", "dk2", "dq1", "dq2",
+                 "sum1", "sum2", "finish_shapes", "dk_grid", "dk_ints", "dk_constexprs", "dq_grid", "dq_ints",
+                 "dq_constexprs", "dk_tma", "dq_tma", "rows", "rows_grid", "rows_args", "rows_constexprs",
+                 "rows_desc", "dq1_desc", "dq2_desc", "reduce_dq")
+
+    def __init__(self, mode, cfg_dk, cfg_dq, dims, causal, train1, train2, deterministic, q1, k1, q2, k2,
+                 side=None, key=None):
+        self.mode, self.cfg_dk, self.cfg_dq = mode, cfg_dk, cfg_dq
+        fused = self.fused = mode == "fused"
+        self.device, self.side = q1.device, side
+        self.token = None if key is None else ("bwd", next(_PLAN_TOKENS))
+        d1_pad, d2_pad = head_pad(dims.D1), head_pad(dims.D2)
+        ieee1, ieee2 = q1.dtype == torch.float32, q2.dtype == torch.float32
+        both = train1 and train2
+        B, H, NQ, NK, BH = dims.B, dims.H, dims.NQ, dims.NK, dims.B * dims.H
+
+        # the outputs, as (shape, dtype, zeroed) or None. dK: direct (one query head per key head),
+        # fp32 atomics into the key head (GQA, default) or per-query-head fp32 buffers summed in a
+        # fixed order (GQA, deterministic); dQ: fp32 atomics (fused) or direct (separate)
+        def dk_buffer(train, k, group, d):
+            if not train:
+                return None, False
+            if group == 1:
+                return ((B, H, NK, d), k.dtype, False), False
+            if deterministic:
+                return ((B, H, NK, d), torch.float32, False), False
+            return ((B, k.shape[1], NK, d), torch.float32, True), True
+
+        def dq_buffer(train, q, d):
+            if not train:
+                return None
+            return ((B, H, NQ, d), torch.float32, True) if fused else ((B, H, NQ, d), q.dtype, False)
+
+        self.dk1, dk1_atomic = dk_buffer(train1, k1, dims.group1, dims.D1)
+        self.dk2, dk2_atomic = dk_buffer(train2, k2, dims.group2, dims.D2)
+        self.dq1, self.dq2 = dq_buffer(train1, q1, dims.D1), dq_buffer(train2, q2, dims.D2)
+        # per-query-head dK buffers: each group summed in order (``finish``)
+        self.sum1 = self.dk1 is not None and self.dk1[0][1] != dims.HK1
+        self.sum2 = self.dk2 is not None and self.dk2[0][1] != dims.HK2
+        self.finish_shapes = ((B, dims.HK1, dims.group1, NK, dims.D1), (B, dims.HK2, dims.group2, NK, dims.D2))
+
+        def s3(spec):  # strides b, h, n of a buffer (last dim contiguous); the placeholder's: zeros
+            return _contiguous_strides(spec[0])[:3] if spec is not None else (0, 0, 0)
+
+        in_strides = (*strides(q1), *strides(k1), *strides(q2), *strides(k2))
+        sizes = (H, NQ, NK, dims.D1, dims.D2, dims.group1, dims.group2,
+                 dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2)
+
+        def tma_descs(cfg):  # the operand tiles' descriptors (their alignment is in the signature)
+            return (_BoundDescriptor(q1.shape, q1.stride(), (1, 1, cfg.block_m, d1_pad)),
+                    _BoundDescriptor(k1.shape, k1.stride(), (1, 1, cfg.block_n, d1_pad)),
+                    _BoundDescriptor(q2.shape, q2.stride(), (1, 1, cfg.block_m, d2_pad)),
+                    _BoundDescriptor(k2.shape, k2.stride(), (1, 1, cfg.block_n, d2_pad)))
+
+        parts = cfg_dk.variant.split("+")
+        use_tma = "tma" in parts
+        self.reduce_dq = reduce_dq = fused and "reduce" in parts
+        self.dk_grid = (cdiv(NK, cfg_dk.block_n), BH, 1)
+        self.dk_ints = in_strides + s3(self.dk1) + s3(self.dk2) + s3(self.dq1) + s3(self.dq2) + sizes
+        self.dk_constexprs = dict(
+            BLOCK_M=cfg_dk.block_m, BLOCK_N=cfg_dk.block_n, D1_PAD=d1_pad, D2_PAD=d2_pad, CAUSAL=causal,
+            TRAIN1=train1, TRAIN2=train2, FUSED_DQ=fused, DK1_ATOMIC=dk1_atomic, DK2_ATOMIC=dk2_atomic,
+            IEEE1=ieee1, IEEE2=ieee2,
+            USE_TMA=use_tma, TRANS="trans" in parts, FOLD="fold" in parts, DQ_REDUCE=reduce_dq,
+            ROWS="rows" in parts, ROWS_PACKED="pack" in parts, POLY=int("poly" in parts), **_launch_opts(parts))
+        self.dk_tma = tma_descs(cfg_dk) if use_tma else None
+        # the rows pre-pass: planes [6, B*H, N_Q] (one TMA load of [1, 1, BLOCK_M] per value) or,
+        # "pack", [B*H, N_Q, 8] rows (one load of [1, BLOCK_M, 4], or 8 with both settings, per query tile)
+        self.rows = self.rows_desc = None
+        if "rows" in parts:
+            self.rows_grid = (cdiv(BH * NQ, 1024), 1, 1)
+            row_scales = (dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2)
+            if "pack" in parts:
+                self.rows = (BH, NQ, 8)
+                self.rows_args = (BH * NQ, NQ, 0, 0) + row_scales
+                self.rows_constexprs = dict(BLOCK=1024, PACKED=True)
+                self.rows_desc = _BoundDescriptor(self.rows, _contiguous_strides(self.rows),
+                                                  (1, cfg_dk.block_m, 8 if both else 4), check=True)
+            else:
+                pitch = cdiv(NQ, 4) * 4  # 16-byte rows for the descriptor
+                self.rows = (6, BH, pitch)
+                self.rows_args = (BH * NQ, NQ, pitch, BH * pitch) + row_scales
+                self.rows_constexprs = dict(BLOCK=1024)
+                self.rows_desc = _BoundDescriptor((6, BH, NQ), _contiguous_strides(self.rows), (1, 1, cfg_dk.block_m),
+                                                  check=True)
+        # the fused dQ's reduce-add into its fp32 buffer
+        self.dq1_desc = self.dq2_desc = None
+        if reduce_dq:
+            if self.dq1 is not None:
+                self.dq1_desc = _BoundDescriptor(self.dq1[0], _contiguous_strides(self.dq1[0]),
+                                                 (1, 1, cfg_dk.block_m, d1_pad), check=True)
+            if self.dq2 is not None:
+                self.dq2_desc = _BoundDescriptor(self.dq2[0], _contiguous_strides(self.dq2[0]),
+                                                 (1, 1, cfg_dk.block_m, d2_pad), check=True)
+        self.dq_grid = self.dq_ints = self.dq_constexprs = self.dq_tma = None
+        if not fused:
+            parts = cfg_dq.variant.split("+")
+            use_tma = "tma" in parts
+            self.dq_grid = (cdiv(NQ, cfg_dq.block_m), BH, 1)
+            self.dq_ints = in_strides + s3(self.dq1) + s3(self.dq2) + sizes
+            self.dq_constexprs = dict(
+                BLOCK_M=cfg_dq.block_m, BLOCK_N=cfg_dq.block_n, D1_PAD=d1_pad, D2_PAD=d2_pad, CAUSAL=causal,
+                TRAIN1=train1, TRAIN2=train2, IEEE1=ieee1, IEEE2=ieee2,
+                USE_TMA=use_tma, FOLD="fold" in parts, HEAVY_FIRST=causal and "heavy" in parts,
+                POLY=int("poly" in parts), **_launch_opts(parts))
+            self.dq_tma = tma_descs(cfg_dq) if use_tma else None
+
+    def launch(self, q1, k1, q2, k2, g, kl, lse1_bits, lse2_bits):
+        """Allocate the gradient buffers and launch; returns them raw (dq1, dk1, dq2, dk2)."""
+        device = self.device
+        dk1 = None if self.dk1 is None else _buffer(self.dk1, device)
+        dk2 = None if self.dk2 is None else _buffer(self.dk2, device)
+        dq1 = None if self.dq1 is None else _buffer(self.dq1, device)
+        dq2 = None if self.dq2 is None else _buffer(self.dq2, device)
+        dummy = kl  # placeholder pointer for outputs a launch does not write
+        t_dk1, t_dk2 = (dk1 if dk1 is not None else dummy), (dk2 if dk2 is not None else dummy)
+        t_dq1, t_dq2 = (dq1 if dq1 is not None else dummy), (dq2 if dq2 is not None else dummy)
+        rows_in = (lse1_bits, lse2_bits, kl, g)
+        # the launches' keys: the plan's token and the per-call tensors' alignment (computed once
+        # for the three launches, so none is passed to the launcher to derive it again)
+        key = None if self.token is None else (
+            self.token, tuple([t.data_ptr() % 16 == 0 for t in rows_in + (t_dk1, t_dk2, t_dq1, t_dq2)]))
+        descs = {}
+        if self.dk_tma is not None:
+            d_q1, d_k1, d_q2, d_k2 = self.dk_tma
+            descs = dict(Q1_DESC=d_q1(q1), K1_DESC=d_k1(k1), Q2_DESC=d_q2(q2), K2_DESC=d_k2(k2))
+        if self.rows is not None:  # the per-row constants, once per row (_bwd._kl_bwd_rows_kernel)
+            rows = fresh(self.rows, torch.float32, device)
+            fast_launch(_bwd._kl_bwd_rows_kernel, self.rows_grid, rows_in + (rows,) + self.rows_args,
+                        self.rows_constexprs, 4, 3, None if key is None else (key, rows.data_ptr() % 16 == 0))
+            descs["ROWS_DESC"] = self.rows_desc(rows)
+        if self.reduce_dq:
+            descs.update(DQ1_DESC=self.dq1_desc(dq1) if dq1 is not None else None,
+                         DQ2_DESC=self.dq2_desc(dq2) if dq2 is not None else None)
+        side = self.side
+        if side is not None:  # the dQ kernel beside the dK kernel (configs.bwd_streams): forked here
+            side.wait_stream(torch.cuda.current_stream(device))
+        fast_launch(_bwd._kl_bwd_dk_kernel, self.dk_grid,
+                    (q1, k1, q2, k2, lse1_bits, lse2_bits, kl, g, t_dk1, t_dk2, t_dq1, t_dq2) + self.dk_ints,
+                    self.dk_constexprs, self.cfg_dk.num_warps, self.cfg_dk.num_stages, key,
+                    runtime=descs)
+        if not self.fused:
+            if side is None:
+                self._launch_dq(q1, k1, q2, k2, g, kl, lse1_bits, lse2_bits, t_dq1, t_dq2, key)
+            else:
+                with torch.cuda.stream(side):
+                    self._launch_dq(q1, k1, q2, k2, g, kl, lse1_bits, lse2_bits, t_dq1, t_dq2, key)
+                torch.cuda.current_stream(device).wait_stream(side)  # joined before anything reads dQ or frees an input
+        return dq1, dk1, dq2, dk2
+
+    def _launch_dq(self, q1, k1, q2, k2, g, kl, lse1_bits, lse2_bits, t_dq1, t_dq2, key):
+        descs = {}
+        if self.dq_tma is not None:
+            d_q1, d_k1, d_q2, d_k2 = self.dq_tma
+            descs = dict(Q1_DESC=d_q1(q1), K1_DESC=d_k1(k1), Q2_DESC=d_q2(q2), K2_DESC=d_k2(k2))
+        fast_launch(_bwd._kl_bwd_dq_kernel, self.dq_grid,
+                    (q1, k1, q2, k2, lse1_bits, lse2_bits, kl, g, t_dq1, t_dq2) + self.dq_ints,
+                    self.dq_constexprs, self.cfg_dq.num_warps, self.cfg_dq.num_stages, key,
+                    runtime=descs)
+
+    def __call__(self, q1, k1, q2, k2, g, kl, lse1_bits, lse2_bits, out_dtypes):
+        """The four gradients in the inputs' dtypes (``out_dtypes``), None for a side not trained."""
+        dq1, dk1, dq2, dk2 = self.launch(q1, k1, q2, k2, g, kl, lse1_bits, lse2_bits)
+        if self.sum1:  # per-query-head buffer: sum each group in order
+            dk1 = dk1.view(self.finish_shapes[0]).sum(dim=2)
+        if self.sum2:
+            dk2 = dk2.view(self.finish_shapes[1]).sum(dim=2)
+        # a conversion only where the buffer's dtype is not the input's (fp32 buffers, compute views)
+        dq1_t, dk1_t, dq2_t, dk2_t = out_dtypes
+        return (dq1 if dq1 is None or dq1.dtype == dq1_t else dq1.to(dq1_t),
+                dk1 if dk1 is None or dk1.dtype == dk1_t else dk1.to(dk1_t),
+                dq2 if dq2 is None or dq2.dtype == dq2_t else dq2.to(dq2_t),
+                dk2 if dk2 is None or dk2.dtype == dk2_t else dk2.to(dk2_t))
+
+
+def _buffer(spec, device):
+    shape, dtype, zeroed = spec
+    return torch.zeros(shape, dtype=dtype, device=device) if zeroed else fresh(shape, dtype, device)
+
+
 def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2,
              train1, train2, bwd_mode, deterministic, dims=None):
     """(dq1, dk1, dq2, dk2), None for a side not trained. ``dims``: already checked inputs."""
@@ -332,166 +536,76 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
     out_dtypes = (q1.dtype, k1.dtype, q2.dtype, k2.dtype)
     if interpreting():  # bf16 computed in fp32 there (compute_view)
         q1, k1, q2, k2 = (compute_view(t) for t in (q1, k1, q2, k2))
-    device = q1.device
-    BH = dims.B * dims.H
-    d1_pad, d2_pad = head_pad(dims.D1), head_pad(dims.D2)
-    ieee1 = q1.dtype == torch.float32
-    ieee2 = q2.dtype == torch.float32
-    g = g.to(torch.float32).contiguous()
+    if g.dtype != torch.float32:
+        g = g.to(torch.float32)
+    g = g.contiguous()
     kl, lse1_bits, lse2_bits = kl.contiguous(), lse1_bits.contiguous(), lse2_bits.contiguous()
     grads = _gluon_bwd_dispatch.try_gluon_backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, dims, train1,
                                                    train2, bwd_mode, deterministic, strides)
     if grads is not None:  # the Hopper kernel (_gluon_bwd), chosen by use_gluon_bwd (STREAMKL_BWD_BACKEND)
         return grads
-    both = train1 and train2
-    sig = _backward_signature(dims, causal, train1, train2, bwd_mode, deterministic, (q1, k1, q2, k2))
+    sig = _backward_signature(dims, causal, train1, train2, bwd_mode, deterministic, q1, k1, q2, k2)
     if not compiling_ahead():
         ahead = _BACKWARD_AHEAD.pop(sig, None)
         if ahead is not None:  # this signature's kernels are compiling (compile_backward_ahead)
             ahead.join()
     plan = _PLANS.get(sig)
-    if plan is not None:
-        mode = plan[0]
-    else:
-        mode = check_bwd_mode(bwd_mode)
-        if deterministic:
-            mode = "separate"  # no atomics on dQ
-        elif mode == "auto":  # new_kernels: the TMA variants are candidates (bwd_variant_candidates)
-            new_kernels = (all(tma_ok(t) for t in (q1, k1, q2, k2)) and dims.D1 % 4 == 0 and dims.D2 % 4 == 0
-                           and not (ieee1 or ieee2))
-            mode = auto_bwd_mode(dims, n_sm(device), both, new_kernels)
-    fused = mode == "fused"
-    dummy = kl  # placeholder pointer for outputs a launch does not write
-
-    # dK outputs: direct (one query head per key head), fp32 atomics into the key head (GQA,
-    # default) or per-query-head fp32 buffers summed in a fixed order (GQA, deterministic).
-    def dk_buffer(train, k, group, d, dims=dims):
-        if not train:
-            return None, False
-        if group == 1:
-            return fresh((dims.B, dims.H, dims.NK, d), k.dtype, device), False
-        if deterministic:
-            return fresh((dims.B, dims.H, dims.NK, d), torch.float32, device), False
-        return torch.zeros((dims.B, k.shape[1], dims.NK, d), dtype=torch.float32, device=device), True
-
-    def dq_buffer(train, q, d, dims=dims):
-        if not train:
-            return None
-        if fused:
-            return torch.zeros((dims.B, dims.H, dims.NQ, d), dtype=torch.float32, device=device)
-        return fresh((dims.B, dims.H, dims.NQ, d), q.dtype, device)
-
-    # plan_key: as in _fwd_runner (direct launches); the keywords: the problem run (the tuner's
-    # bounded slice of a long one, _backward_proxy, or by default this call's own)
-    def run(cfg_dk, cfg_dq, plan_key=None, dims=dims, q1=q1, k1=k1, q2=q2, k2=k2, g=g, kl=kl, lse1_bits=lse1_bits,
-            lse2_bits=lse2_bits):
-        dk1, dk1_atomic = dk_buffer(train1, k1, dims.group1, dims.D1, dims)
-        dk2, dk2_atomic = dk_buffer(train2, k2, dims.group2, dims.D2, dims)
-        dq1 = dq_buffer(train1, q1, dims.D1, dims)
-        dq2 = dq_buffer(train2, q2, dims.D2, dims)
-        t_dk1, t_dk2 = (dk1 if dk1 is not None else dummy), (dk2 if dk2 is not None else dummy)
-        t_dq1, t_dq2 = (dq1 if dq1 is not None else dummy), (dq2 if dq2 is not None else dummy)
-
-        def s3(t):  # strides b, h, n of a buffer (last dim contiguous)
-            return (t.stride(0), t.stride(1), t.stride(2)) if t.dim() == 4 else (0, 0, 0)
-
-        block_m, block_n, warps, stages = cfg_dk.block_m, cfg_dk.block_n, cfg_dk.num_warps, cfg_dk.num_stages
-        parts = cfg_dk.variant.split("+")
-        use_tma = "tma" in parts
-        reduce_dq = fused and "reduce" in parts
-        descs = {}
-        if use_tma:
-            descs = dict(Q1_DESC=_desc(q1, block_m, d1_pad), K1_DESC=_desc(k1, block_n, d1_pad),
-                         Q2_DESC=_desc(q2, block_m, d2_pad), K2_DESC=_desc(k2, block_n, d2_pad))
-        if "rows" in parts:  # the per-row constants, once per row (_bwd._kl_bwd_rows_kernel)
-            descs["ROWS_DESC"] = _row_constants(dims, g, kl, lse1_bits, lse2_bits, block_m, "pack" in parts,
-                                                both, device, None if plan_key is None else (plan_key, cfg_dk))
-        if reduce_dq:
-            descs.update(DQ1_DESC=_desc(dq1, block_m, d1_pad) if dq1 is not None else None,
-                         DQ2_DESC=_desc(dq2, block_m, d2_pad) if dq2 is not None else None)
-        key = None if plan_key is None else (plan_key, mode, cfg_dk, cfg_dq)
-        aligned = (g, kl, lse1_bits, lse2_bits, t_dk1, t_dk2, t_dq1, t_dq2)
-        side = None if fused else _side_stream(dims, device)
-        if side is not None:  # the dQ kernel beside the dK kernel (_tuning.bwd_streams): forked here
-            side.wait_stream(torch.cuda.current_stream(device))
-        fast_launch(_bwd._kl_bwd_dk_kernel, (cdiv(dims.NK, block_n), BH, 1), (
-            q1, k1, q2, k2, lse1_bits, lse2_bits, kl, g, t_dk1, t_dk2, t_dq1, t_dq2,
-            *strides(q1), *strides(k1), *strides(q2), *strides(k2),
-            *s3(t_dk1), *s3(t_dk2), *s3(t_dq1), *s3(t_dq2),
-            dims.H, dims.NQ, dims.NK, dims.D1, dims.D2, dims.group1, dims.group2,
-            dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2), dict(
-            BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1_pad, D2_PAD=d2_pad, CAUSAL=causal,
-            TRAIN1=train1, TRAIN2=train2, FUSED_DQ=fused, DK1_ATOMIC=dk1_atomic, DK2_ATOMIC=dk2_atomic,
-            IEEE1=ieee1, IEEE2=ieee2,
-            USE_TMA=use_tma, TRANS="trans" in parts, FOLD="fold" in parts, DQ_REDUCE=reduce_dq,
-            ROWS="rows" in parts, ROWS_PACKED="pack" in parts, POLY=int("poly" in parts), **_launch_opts(parts)),
-            warps, stages, key, aligned, runtime=descs)
-        if not fused:
-            with torch.cuda.stream(side) if side is not None else _NO_STREAM:
-                block_m, block_n, warps, stages = cfg_dq.block_m, cfg_dq.block_n, cfg_dq.num_warps, cfg_dq.num_stages
-                parts = cfg_dq.variant.split("+")
-                use_tma = "tma" in parts
-                descs = {}
-                if use_tma:
-                    descs = dict(Q1_DESC=_desc(q1, block_m, d1_pad), K1_DESC=_desc(k1, block_n, d1_pad),
-                                 Q2_DESC=_desc(q2, block_m, d2_pad), K2_DESC=_desc(k2, block_n, d2_pad))
-                fast_launch(_bwd._kl_bwd_dq_kernel, (cdiv(dims.NQ, block_m), BH, 1), (
-                    q1, k1, q2, k2, lse1_bits, lse2_bits, kl, g, t_dq1, t_dq2,
-                    *strides(q1), *strides(k1), *strides(q2), *strides(k2),
-                    *s3(t_dq1), *s3(t_dq2),
-                    dims.H, dims.NQ, dims.NK, dims.D1, dims.D2, dims.group1, dims.group2,
-                    dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2), dict(
-                    BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1_pad, D2_PAD=d2_pad, CAUSAL=causal,
-                    TRAIN1=train1, TRAIN2=train2, IEEE1=ieee1, IEEE2=ieee2,
-                    USE_TMA=use_tma, FOLD="fold" in parts, HEAVY_FIRST=causal and "heavy" in parts,
-                    POLY=int("poly" in parts),
-                    **_launch_opts(parts)), warps, stages, key, aligned, runtime=descs)
-            if side is not None:  # joined before anything reads dQ or frees an input
-                torch.cuda.current_stream(device).wait_stream(side)
-        return dq1, dk1, dq2, dk2
-
     if plan is None:
-        # TMA descriptors for every operand tile (and the fused dQ's reduce-add into its fp32
-        # buffer, rows of D * 4 bytes: D % 4 == 0)
-        tma = all(tma_ok(t) for t in (q1, k1, q2, k2)) and dims.D1 % 4 == 0 and dims.D2 % 4 == 0
-        sliced = tuning_slice(dims, causal)
-        few = sliced is not None  # long problems: fewer candidates (each compiles), timed on a bounded slice
-        dk_cands = bwd_variant_candidates(max(d1_pad, d2_pad), both, "dk", ieee1 or ieee2, tma, fused, few, dims.NQ)
-        dq_cands = bwd_variant_candidates(max(d1_pad, d2_pad), both, "dq", ieee1 or ieee2, tma, fused, few, dims.NQ)
-        on = ({} if sliced is None or not autotune_enabled() else  # the problem the candidates are timed on
-              _backward_proxy(sliced, dims, q1, k1, q2, k2, g, kl, lse1_bits, lse2_bits))
-        base_key = (dims.D1, dims.D2, q1.dtype, q2.dtype, causal, train1, train2,
-                    bucket(dims.NQ), bucket(dims.NK), bucket(BH), dims.group1 > 1, dims.group2 > 1,
-                    tma, bwd_variant())
+        plan = _remember(sig, _backward_plan(sig, g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, dims, causal, train1,
+                                             train2, bwd_mode, deterministic))
+    return plan(q1, k1, q2, k2, g, kl, lse1_bits, lse2_bits, out_dtypes)
 
-        def tolerant(launch):
-            def attempt(cfg):  # a new variant that fails to compile here is skipped by the tuner
-                try:
-                    return launch(cfg)
-                except Exception as exc:
-                    if cfg.variant == "ptr" or "OutOfResources" in type(exc).__name__:
-                        raise
-                    raise UnusableConfig(f"{cfg}: {type(exc).__name__}: {exc}") from exc
-            return attempt
 
-        cfg_dk = pick(("bwd_dk", fused) + base_key, dk_cands, tolerant(lambda c: run(c, dq_cands[0], **on)),
-                      device=device)
-        cfg_dq = (dq_cands[0] if fused else
-                  pick(("bwd_dq",) + base_key, dq_cands, tolerant(lambda c: run(cfg_dk, c, **on)), device=device))
-        # a token per bound plan stands for (signature, configs) in the launches' keys: cheaper to hash
-        plan = _remember(sig, (mode, cfg_dk, cfg_dq, ("bwd", next(_PLAN_TOKENS))))
-    dq1, dk1, dq2, dk2 = run(plan[1], plan[2], plan_key=plan[3])
+def _backward_plan(sig, g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, dims, causal, train1, train2, bwd_mode,
+                   deterministic):
+    """The backward's bound plan for this signature: the mode, then the dK and dQ configs
+    (candidates pruned by shape, tuned where the tuner times them), bound as a keyed plan."""
+    device = q1.device
+    BH = dims.B * dims.H
+    d1_pad, d2_pad = head_pad(dims.D1), head_pad(dims.D2)
+    ieee1, ieee2 = q1.dtype == torch.float32, q2.dtype == torch.float32
+    both = train1 and train2
+    mode = check_bwd_mode(bwd_mode)
+    if deterministic:
+        mode = "separate"  # no atomics on dQ
+    elif mode == "auto":  # new_kernels: the TMA variants are candidates (bwd_variant_candidates)
+        new_kernels = (all(tma_ok(t) for t in (q1, k1, q2, k2)) and dims.D1 % 4 == 0 and dims.D2 % 4 == 0
+                       and not (ieee1 or ieee2))
+        mode = auto_bwd_mode(dims, n_sm(device), both, new_kernels)
+    fused = mode == "fused"
+    side = None if fused else _side_stream(dims, device)
+    # TMA descriptors for every operand tile (and the fused dQ's reduce-add into its fp32
+    # buffer, rows of D * 4 bytes: D % 4 == 0)
+    tma = all(tma_ok(t) for t in (q1, k1, q2, k2)) and dims.D1 % 4 == 0 and dims.D2 % 4 == 0
+    sliced = tuning_slice(dims, causal)
+    few = sliced is not None  # long problems: fewer candidates (each compiles), timed on a bounded slice
+    dk_cands = bwd_variant_candidates(max(d1_pad, d2_pad), both, "dk", ieee1 or ieee2, tma, fused, few, dims.NQ)
+    dq_cands = bwd_variant_candidates(max(d1_pad, d2_pad), both, "dq", ieee1 or ieee2, tma, fused, few, dims.NQ)
+    on = dict(dims=dims, q1=q1, k1=k1, q2=q2, k2=k2, g=g, kl=kl, lse1_bits=lse1_bits, lse2_bits=lse2_bits)
+    if sliced is not None and autotune_enabled():  # the problem the candidates are timed on
+        on = _backward_proxy(sliced, dims, q1, k1, q2, k2, g, kl, lse1_bits, lse2_bits)
 
-    def finish(grad, group, dtype, n_key_heads):
-        if grad is None:
-            return None
-        if grad.shape[1] != n_key_heads:  # per-query-head buffer: sum each group in order
-            grad = grad.view(dims.B, n_key_heads, group, dims.NK, grad.shape[-1]).sum(dim=2)
-        return grad.to(dtype)
+    def run(cfg_dk, cfg_dq):  # one candidate pair, bound without a key (the binder), on ``on``
+        plan = _TritonBackward(mode, cfg_dk, cfg_dq, on["dims"], causal, train1, train2, deterministic,
+                               on["q1"], on["k1"], on["q2"], on["k2"], side)
+        plan.launch(on["q1"], on["k1"], on["q2"], on["k2"], on["g"], on["kl"], on["lse1_bits"], on["lse2_bits"])
 
-    return (
-        None if dq1 is None else dq1.to(out_dtypes[0]),
-        finish(dk1, dims.group1, out_dtypes[1], dims.HK1),
-        None if dq2 is None else dq2.to(out_dtypes[2]),
-        finish(dk2, dims.group2, out_dtypes[3], dims.HK2),
-    )
+    base_key = (dims.D1, dims.D2, q1.dtype, q2.dtype, causal, train1, train2,
+                bucket(dims.NQ), bucket(dims.NK), bucket(BH), dims.group1 > 1, dims.group2 > 1,
+                tma, bwd_variant())
+
+    def tolerant(launch):
+        def attempt(cfg):  # a new variant that fails to compile here is skipped by the tuner
+            try:
+                return launch(cfg)
+            except Exception as exc:
+                if cfg.variant == "ptr" or "OutOfResources" in type(exc).__name__:
+                    raise
+                raise UnusableConfig(f"{cfg}: {type(exc).__name__}: {exc}") from exc
+        return attempt
+
+    cfg_dk = pick(("bwd_dk", fused) + base_key, dk_cands, tolerant(lambda c: run(c, dq_cands[0])), device=device)
+    cfg_dq = (dq_cands[0] if fused else
+              pick(("bwd_dq",) + base_key, dq_cands, tolerant(lambda c: run(cfg_dk, c)), device=device))
+    return _TritonBackward(mode, cfg_dk, cfg_dq, dims, causal, train1, train2, deterministic, q1, k1, q2, k2,
+                           side, key=sig)
