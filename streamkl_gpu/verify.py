@@ -45,6 +45,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from streamkl_ref._testing import reference_cache
 from streamkl_ref.testing import (
     CASE_SETS,
     FLOOR,
@@ -116,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="check the cases in N worker processes (default: on a GPU min(8, CPU cores), as a "
                         "first run is mostly Triton compiling, CPU work that runs well side by side; on CPU 1); "
                         "1: all in this process")
+    p.add_argument("--no-reference-cache", action="store_true",
+                   help="compute every float64 reference (by default a GPU run keeps them under "
+                        "$STREAMKL_CACHE_DIR/reference, keyed by the reference code and the exact inputs)")
     p.add_argument("--only", metavar="NAMES",
                    help="only these cases of the battery (comma list, names as in the report, e.g. "
                         "n=1,varlen_mixed,indexer:gqa); each gets the inputs it gets in the full run")
@@ -440,6 +444,7 @@ def _run_impl(args, device: str) -> int:
     kwargs = dict(device=device, dtypes=dtypes, grads=not args.no_grad, quick=args.quick,
                   layout=args.layout, causal_align=args.causal_align, returns=args.returns,
                   supports=supports, seed=args.seed, cases=args.cases)
+    reference_cache.use(reference_directory(args, device))
     try:
         report = check(fn, **kwargs)
     except ValueError as exc:  # a bad option value (dtype name, supports key, ...)
@@ -478,9 +483,9 @@ def _check_attention_case(case, dname, seed, device, report):
     xs = [x.to(dtype) for x in base]  # the exact inputs the kernel sees
     x64 = [x.double().numpy() for x in xs]
     kw = dict(causal=case.causal, scale1=case.scale1, scale2=case.scale2)
-    ref_kl, ref_lse1, ref_lse2 = streamkl_ref.attention_kl(*x64, return_lse=True, **kw)
+    ref_kl, ref_lse1, ref_lse2 = reference_cache.call(streamkl_ref.attention_kl, *x64, return_lse=True, **kw)
     row_floor = kl_row_floor(ref_lse1, ref_lse2, ref_kl, dname)
-    ref_grad = streamkl_ref.attention_kl_grad(*x64, g.double().numpy(), **kw)
+    ref_grad = reference_cache.call(streamkl_ref.attention_kl_grad, *x64, g.double().numpy(), **kw)
     # the same math at the inputs' precision: sets the tolerance scale
     same = [x.clone().requires_grad_(True) for x in xs]
     same_kl = attention_kl_torch(*same, compute_dtype=dtype, **kw)
@@ -498,7 +503,7 @@ def _check_attention_case(case, dname, seed, device, report):
         ok = bool((kl[..., empty] == 0).all())
         record("kl of empty rows == 0", 0.0 if ok else 1.0, 0.0, ok)
     if B * H * NQ * NK <= MP_MAX_SCORES and dtype == torch.float32:
-        mp_kl = streamkl_ref.attention_kl_mp(*x64, dps=50, **kw)
+        mp_kl = reference_cache.call(streamkl_ref.attention_kl_mp, *x64, dps=50, **kw)
         record("kl vs mpmath", *kl_error_and_tolerance(kl, mp_kl, same_kl, row_floor, dname))
     for mode in ("fused", "separate"):
         ins = [x.clone().requires_grad_(True) for x in dev_xs]
@@ -544,9 +549,11 @@ def _check_varlen_case(case, dname, seed, device, report):
     xs = [x.to(dtype) for x in base]
     x64 = [x.double().numpy() for x in xs]
     packing = (cu_q.numpy(), cu_k.numpy(), mq, mk)
-    ref_kl, ref_lse1, ref_lse2 = streamkl_ref.attention_kl_varlen(*x64, *packing, causal=causal, return_lse=True)
+    ref_kl, ref_lse1, ref_lse2 = reference_cache.call(streamkl_ref.attention_kl_varlen, *x64, *packing, causal=causal,
+                                                      return_lse=True)
     row_floor = kl_row_floor(ref_lse1, ref_lse2, ref_kl, dname)
-    ref_grad = streamkl_ref.attention_kl_varlen_grad(*x64, *packing, g.double().numpy(), causal=causal)
+    ref_grad = reference_cache.call(streamkl_ref.attention_kl_varlen_grad, *x64, *packing, g.double().numpy(),
+                                causal=causal)
     # the same math at the inputs' precision, sequence by sequence (tolerance scale)
     same = [x.clone().requires_grad_(True) for x in xs]
     same_kl = torch.zeros(tq, H, dtype=torch.float64)
@@ -611,6 +618,7 @@ class RunSettings:
     seed: int
     quiet: bool
     t_start: float  # time.time() at the start of the run: every process's progress lines count from it
+    reference_cache: str | None = None  # where the float64 references persist (reference_directory)
 
 
 @dataclass
@@ -660,10 +668,25 @@ def _start_worker(run: RunSettings) -> None:
     if run.device == "cpu":
         checks.enter_context(_interpreter_checks())
     _worker.update(run=run, laps=_CaseClock(run.device, run.quiet, run.t_start), checks=checks)
+    reference_cache.use(run.reference_cache)
 
 
 def _run_unit_in_worker(unit: Unit) -> UnitOutcome:
     return _run_unit(unit, _worker["run"], _worker["laps"])
+
+
+def reference_directory(args, device: str):
+    """Where the float64 references persist (``streamkl_ref._testing.reference_cache``): on a GPU
+    ``$STREAMKL_CACHE_DIR/reference`` (default ``$XDG_CACHE_HOME/streamkl``, else
+    ``~/.cache/streamkl``), so a warm gate recomputes none; None on CPU (the interpreter's own
+    time dominates there) and with ``--no-reference-cache``."""
+    if device == "cpu" or getattr(args, "no_reference_cache", False):
+        return None
+    root = os.environ.get("STREAMKL_CACHE_DIR")
+    if not root:
+        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+                            "streamkl")
+    return os.path.join(root, "reference")
 
 
 def run_units(units: list, run: RunSettings, jobs: int) -> list:
@@ -672,6 +695,7 @@ def run_units(units: list, run: RunSettings, jobs: int) -> list:
     at a time, the most expensive first. A unit that raises, or whose worker process dies, comes
     back as failing rows with its traceback or cause printed: the run neither hangs nor drops it."""
     if jobs <= 1:
+        reference_cache.use(run.reference_cache)
         laps = _CaseClock(run.device, run.quiet, run.t_start)
         try:
             return [_print_errors(_run_unit(u, run, laps)) for u in units]
@@ -736,7 +760,7 @@ def _run_own(args, device: str) -> int:
     t_start, cpu_start = time.time(), _cpu_seconds()
     if jobs > 1 and not args.quiet:
         print(f"[{0:6.1f}s] {len(units)} cases in {jobs} worker processes", file=sys.stderr, flush=True)
-    outcomes = run_units(units, RunSettings(device, args.seed, args.quiet, t_start), jobs)
+    outcomes = run_units(units, RunSettings(device, args.seed, args.quiet, t_start, reference_directory(args, device)), jobs)
     case_seconds, seen = {}, collections.Counter()
     for outcome in outcomes:
         report.rows += outcome.rows

@@ -10,6 +10,7 @@ import numpy as np
 
 from .cases import PLANT_PAD, Case, _plant_masks, attention_cases, case_generator
 from .dense import attention_kl_torch
+from . import reference_cache
 from .report import (Report, Row, _hint, _row_adder, _keep_causal_hints_where_alignment_explains, _planted_quiet,
                      _raise_unless_passed, _raised, _ranges, _shape_hint)
 from .tolerance import (ZERO_GRAD_TOL, _dtype_name, _to_numpy, kl_error_and_tolerance, kl_row_floor,
@@ -196,9 +197,9 @@ def _run_case(fn, case, dname, base, g_rows, report, *, device, grads, layout, c
     rows_ok, keys_ok = _plant_masks(case) if case.plant else (np.ones(case.NQ, bool), None)
 
     # float64 reference (on the clean inputs: planted values are invisible to what is compared)
-    ref_kl, ref_lse1, ref_lse2 = streamkl_ref.attention_kl(*x64, return_lse=True, **kw)
+    ref_kl, ref_lse1, ref_lse2 = reference_cache.call(streamkl_ref.attention_kl, *x64, return_lse=True, **kw)
     row_floor = kl_row_floor(ref_lse1, ref_lse2, ref_kl, dname)
-    ref_grad = streamkl_ref.attention_kl_grad(*x64, g.numpy(), **kw) if grads else None
+    ref_grad = reference_cache.call(streamkl_ref.attention_kl_grad, *x64, g.numpy(), **kw) if grads else None
     # the same math at the inputs' precision: the tolerance scale
     want_grad = set(claims["grad_inputs"]) if grads else set()
     same = [x.clone().requires_grad_(n in want_grad) for x, n in zip(xs, INPUT_NAMES)]

@@ -12,6 +12,7 @@ from .attention import _check_adapters, _check_reduction
 from .cases import (INDEXER_GRADS, INDEXER_INPUTS, PLANT_PAD, IndexerCase, _plant_masks, case_generator,
                     indexer_cases)
 from .dense import indexer_kl_torch
+from . import reference_cache
 from .report import (Report, Row, _hint, _row_adder, _keep_causal_hints_where_alignment_explains, _planted_quiet,
                      _raise_unless_passed, _raised, _ranges, _shape_hint)
 from .tolerance import (KL_ROUNDING_ULPS, ROW_STAT_EPS, ZERO_GRAD_TOL, _dtype_name, _to_numpy,
@@ -138,10 +139,10 @@ def _run_indexer_case(fn, case, dname, base, g_rows, report, *, device, grads, l
          "mean": torch.full_like(g_rows, 1.0 / max(n_keyed, 1))}[returns]
     rows_ok, keys_ok = _plant_masks(case) if case.plant else (np.ones(case.NQ, bool), None)
 
-    ref_kl, ref_lse_idx, ref_lse_teacher = streamkl_ref.indexer_kl(*x64, return_lse=True, **kw)
+    ref_kl, ref_lse_idx, ref_lse_teacher = reference_cache.call(streamkl_ref.indexer_kl, *x64, return_lse=True, **kw)
     row_floor = indexer_row_floor(ref_lse_idx, ref_lse_teacher, ref_kl, case, dname)
     want_grad = set(claims["grad_inputs"]) if grads else set()
-    ref_grad = streamkl_ref.indexer_kl_grad(*x64, g.numpy(), **kw) if want_grad else None
+    ref_grad = reference_cache.call(streamkl_ref.indexer_kl_grad, *x64, g.numpy(), **kw) if want_grad else None
     same = [x.clone().requires_grad_(n in want_grad) for x, n in zip(xs, INDEXER_INPUTS)]
     same_kl = indexer_kl_torch(*same, compute_dtype=dtype, **kw)
     if want_grad:
