@@ -444,9 +444,9 @@ def _run_impl(args, device: str) -> int:
     kwargs = dict(device=device, dtypes=dtypes, grads=not args.no_grad, quick=args.quick,
                   layout=args.layout, causal_align=args.causal_align, returns=args.returns,
                   supports=supports, seed=args.seed, cases=args.cases)
-    reference_cache.use(reference_directory(args, device))
     try:
-        report = check(fn, **kwargs)
+        with reference_cache.kept_in(reference_directory(args, device)):
+            report = check(fn, **kwargs)
     except ValueError as exc:  # a bad option value (dtype name, supports key, ...)
         print(f"streamkl verify: {exc}", file=sys.stderr)
         return 2
@@ -682,11 +682,9 @@ def reference_directory(args, device: str):
     time dominates there) and with ``--no-reference-cache``."""
     if device == "cpu" or getattr(args, "no_reference_cache", False):
         return None
-    root = os.environ.get("STREAMKL_CACHE_DIR")
-    if not root:
-        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-                            "streamkl")
-    return os.path.join(root, "reference")
+    from streamkl_gpu._core.tuning import cache_root
+
+    return os.path.join(cache_root(), "reference")
 
 
 def run_units(units: list, run: RunSettings, jobs: int) -> list:
@@ -695,10 +693,10 @@ def run_units(units: list, run: RunSettings, jobs: int) -> list:
     at a time, the most expensive first. A unit that raises, or whose worker process dies, comes
     back as failing rows with its traceback or cause printed: the run neither hangs nor drops it."""
     if jobs <= 1:
-        reference_cache.use(run.reference_cache)
         laps = _CaseClock(run.device, run.quiet, run.t_start)
         try:
-            return [_print_errors(_run_unit(u, run, laps)) for u in units]
+            with reference_cache.kept_in(run.reference_cache):
+                return [_print_errors(_run_unit(u, run, laps)) for u in units]
         finally:
             laps.clock.uninstall()
     import multiprocessing

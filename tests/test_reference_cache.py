@@ -86,3 +86,10 @@ def test_off_by_default_and_for_verify_on_cpu(monkeypatch, tmp_path):
     assert verify.reference_directory(argparse.Namespace(no_reference_cache=True), "cuda") is None
     with pytest.raises(TypeError, match="cannot key"):
         reference_cache.key(streamkl_ref.attention_kl, (object(),), {})
+
+
+def test_kept_in_restores_the_setting_before_it(tmp_path):
+    assert reference_cache.directory() is None
+    with reference_cache.kept_in(tmp_path):
+        assert reference_cache.directory() == str(tmp_path)
+    assert reference_cache.directory() is None

@@ -43,6 +43,11 @@ STATS = {"direct": 0, "bound": 0}  # launches by each path (tests and the host-c
 _AHEAD = threading.local()  # .on: this thread compiles ahead (launch() only compiles)
 
 
+def ahead_allowed() -> bool:
+    """May kernels compile ahead here? Not under the interpreter, nor with ``STREAMKL_COMPILE_AHEAD=0``."""
+    return not interpreting() and env("STREAMKL_COMPILE_AHEAD", "1") != "0"
+
+
 def compiling_ahead() -> bool:
     """Is this thread compiling ahead (:func:`compile_ahead`)? Its launches only compile."""
     return getattr(_AHEAD, "on", False)

@@ -60,13 +60,19 @@ def autotune_enabled(ruled: bool = True) -> bool:
 CACHE_FORMAT = 2  # 2: configs stored by repr (1: positional tuples stored as JSON lists)
 
 
+def cache_root() -> str:
+    """streamkl's cache directory: ``$STREAMKL_CACHE_DIR``, else ``$XDG_CACHE_HOME/streamkl``, else
+    ``~/.cache/streamkl`` (tuned choices here; ``streamkl verify``'s references beside them)."""
+    root = os.environ.get("STREAMKL_CACHE_DIR")
+    if root:
+        return root
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "streamkl")
+
+
 def _disk_cache_dir(device):
     if os.environ.get("STREAMKL_TUNING_CACHE", "1") == "0":
         return None
-    root = os.environ.get("STREAMKL_CACHE_DIR")
-    if not root:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        root = os.path.join(base, "streamkl")
+    root = cache_root()
     import torch
     import triton
 
@@ -164,11 +170,9 @@ def _compile_side_by_side(candidates, launch):
     GPU only; ``STREAMKL_COMPILE_AHEAD=0`` turns it off."""
     import torch
 
-    from streamkl_gpu._core.launcher import compile_ahead
-    from streamkl_gpu._core.runtime import env, interpreting
+    from streamkl_gpu._core.launcher import ahead_allowed, compile_ahead
 
-    if (len(candidates) < 2 or interpreting() or env("STREAMKL_COMPILE_AHEAD", "1") == "0"
-            or not torch.cuda.is_available()):
+    if len(candidates) < 2 or not ahead_allowed() or not torch.cuda.is_available():
         return
     device = torch.cuda.current_device()
     width = max(1, min(len(candidates), os.cpu_count() or 1))

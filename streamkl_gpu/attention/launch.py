@@ -18,7 +18,7 @@ from streamkl_gpu.attention.triton import bwd as _bwd
 from streamkl_gpu.attention.triton import fwd as _fwd
 from streamkl_gpu.experimental import attention_bwd_dispatch as _gluon_bwd_dispatch
 from streamkl_gpu._core import runtime as _runtime
-from streamkl_gpu._core.launcher import compile_ahead, compiling_ahead
+from streamkl_gpu._core.launcher import ahead_allowed, compile_ahead, compiling_ahead
 from streamkl_gpu._core.launcher import launch as fast_launch
 from streamkl_gpu.attention.gluon.dispatch import device_capability, fwd_backend, gluon_forward, use_gluon
 from streamkl_gpu._core.checks import check_bwd_mode, check_tensors, compute_view, head_pad, is_empty, strides
@@ -306,7 +306,7 @@ def compile_backward_ahead(q1, k1, q2, k2, causal, dims, train1, train2, bwd_mod
     """Start compiling the kernels of the backward this training call will run, unless they are
     known already (its plan is bound), would be timed, or the problem is large. The backward
     joins the thread before it looks its plan up. ``STREAMKL_COMPILE_AHEAD=0`` turns it off."""
-    if (q1.device.type != "cuda" or interpreting() or _runtime.env("STREAMKL_COMPILE_AHEAD", "1") == "0"
+    if (q1.device.type != "cuda" or not ahead_allowed()
             or not (train1 or train2) or is_empty(dims) or autotune_enabled(ruled=True)
             or not _triton_backward()
             or max(t.numel() for t in (q1, k1, q2, k2)) > AHEAD_MAX_ELEMENTS):

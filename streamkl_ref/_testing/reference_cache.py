@@ -17,6 +17,7 @@ is the user's own cache, read as trusted as Triton's.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -37,6 +38,17 @@ def use(directory) -> None:
 
 def directory():
     return _DIR
+
+
+@contextlib.contextmanager
+def kept_in(directory):
+    """:func:`use` ``directory`` inside the block; the setting before it afterwards."""
+    saved = _DIR
+    use(directory)
+    try:
+        yield
+    finally:
+        use(saved)
 
 
 @functools.lru_cache(maxsize=1)

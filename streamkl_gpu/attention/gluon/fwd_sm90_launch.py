@@ -308,10 +308,8 @@ def _launch(grid, args, constexprs, options):
     on, descriptors by type, block shape, dtype and base alignment), saving the JIT binder's
     tens of microseconds per call (the 2K points of the no-regression grid are host-bound).
     In a compile-ahead thread (``_core.launcher``) it only compiles."""
-    if _fast_launch.compiling_ahead():
+    if _fast_launch.compiling_ahead() or not _fast_launch.enabled():
         return _fast_launch.kernel_call(_kernel._gluon_kl_fwd_kernel, grid)(*args, **constexprs, **options)
-    if not _fast_launch.enabled():
-        return _kernel._gluon_kl_fwd_kernel[grid](*args, **constexprs, **options)
     key = (tuple(constexprs.items()), tuple(sorted(options.items())), tuple(_fast_launch._spec(a) for a in args))
     hit = _COMPILED.get(key)
     if hit is None:
