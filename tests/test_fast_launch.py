@@ -180,3 +180,38 @@ def test_a_thread_compiling_ahead_only_compiles_and_binds_nothing(direct, monkey
     assert _fast_launch._KERNELS == {} and not _fast_launch.compiling_ahead()
     _fast_launch.launch(fn, (2, 1, 1), (x, 5, 0.5), {"BLOCK": 16}, 4, 2)  # this thread: a real launch
     assert [e[0] for e in fn.log] == ["warmup", "bound"]
+
+
+def test_compiling_ahead_compiles_each_kernel_on_its_own_thread_once(direct):
+    """compile_ahead's work reaches two kernels and one of them twice: the two compile at the same
+    time (each waits at a barrier for the other; one after the other, the barrier would break),
+    the repeated launch compiles once, and the returned thread ends only after both compiles."""
+    import threading
+    import time
+
+    both_started = threading.Barrier(2, timeout=10)
+    log = []
+
+    def fake(name):
+        fn = _FakeJIT()
+
+        def warmup(*args, grid, **kw):
+            both_started.wait()
+            time.sleep(0.05)
+            log.append((name, threading.current_thread().name, args[1], kw["BLOCK"]))
+        fn.warmup = warmup
+        return fn
+
+    dk, dq = fake("dk"), fake("dq")
+    x = torch.zeros(8)
+
+    def work():
+        assert _fast_launch.launch(dk, (2, 1, 1), (x, 5, 0.5), {"BLOCK": 16}, 4, 2) is None
+        _fast_launch.kernel_call(dq, (1, 1, 1))(x, 7, 0.5, BLOCK=32)
+        _fast_launch.launch(dk, (2, 1, 1), (x, 5, 0.5), {"BLOCK": 16}, 4, 2)  # the same compile again
+
+    thread = _fast_launch.compile_ahead(work, None)
+    thread.join(timeout=30)
+    assert not thread.is_alive() and not both_started.broken
+    assert sorted(log) == [("dk", "streamkl-compile", 5, 16), ("dq", "streamkl-compile", 7, 32)]
+    assert _fast_launch._KERNELS == {} and not _fast_launch.compiling_ahead()

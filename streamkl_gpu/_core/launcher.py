@@ -18,9 +18,12 @@ launching (``JITFunction.warmup``), so that kernels a later call will need compi
 call's own kernels compile on the calling thread: Triton releases the GIL in its compiler passes
 and ptxas is a subprocess, so two compiles on two cores take the time of one (measured with
 triton 3.9: a forward and a backward kernel for sm_90, 7.2 s one after the other, 3.7 s side by side).
+Inside a compile-ahead thread each kernel compiles on a thread of its own (:func:`_compile_only`):
+a backward of three kernels then waits for its slowest compile, not for the three in a row.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -55,32 +58,79 @@ def compiling_ahead() -> bool:
 
 def compile_ahead(work, device):
     """Start ``work()`` on a background thread in which every :func:`launch` compiles its kernel
-    (``fn.warmup``) and launches nothing; returns the thread (``join()`` it before the kernels are
-    needed). ``work`` must reach its kernels only through :func:`launch`: anything else it does
-    (allocations, small torch ops) really runs, on the calling thread's current stream. An
-    exception ends the thread quietly: the real call then compiles and raises it itself."""
-    stream = torch.cuda.current_stream(device)
+    (``fn.warmup``, each on a thread of its own) and launches nothing; returns the thread, which
+    ends when every compile has (``join()`` it before the kernels are needed). ``work`` must reach
+    its kernels only through :func:`launch` or :func:`kernel_call`, and must not use what they
+    return (None here): anything else it does (allocations, small torch ops) really runs, on the
+    calling thread's current stream. An exception ends the thread quietly: the real call then
+    compiles and raises it itself."""
+    stream = None if device is None else torch.cuda.current_stream(device)  # None: no CUDA (tests)
 
     def body():
-        _AHEAD.on = True
+        _AHEAD.on, _AHEAD.device, _AHEAD.pending, _AHEAD.seen = True, device, [], set()
         try:
-            with torch.cuda.device(device), torch.cuda.stream(stream):
+            with _on_device(device), (contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)):
                 work()
         except Exception:  # noqa: BLE001 - the real call meets the same error and raises it
             pass
         finally:
-            _AHEAD.on = False
+            for compiling in _AHEAD.pending:
+                compiling.join()
+            _AHEAD.on, _AHEAD.pending, _AHEAD.seen = False, None, None
 
     thread = threading.Thread(target=body, name="streamkl-compile-ahead", daemon=True)
     thread.start()
     return thread
 
 
+def _value_key(v):
+    """A compile's argument as it matters to the kernel it selects: tensors and descriptors by
+    what Triton specialises on, plain values (constexprs, integers) by value."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    return _spec(v)
+
+
+def _compile_only(fn, grid, args, kwargs):
+    """In a compile-ahead thread: ``fn.warmup(*args, grid=grid, **kwargs)`` on a new thread that
+    the compile-ahead thread joins before it ends. A launch with the same kernel and arguments as
+    an earlier one of the same work compiles once. Returns None (nothing is launched)."""
+    key = (id(fn), tuple(_value_key(a) for a in args), tuple((k, _value_key(v)) for k, v in kwargs.items()))
+    seen, pending = getattr(_AHEAD, "seen", None), getattr(_AHEAD, "pending", None)
+    if pending is None:  # a thread marked by hand, not started by compile_ahead: compile here
+        fn.warmup(*args, grid=grid, **kwargs)
+        return None
+    try:
+        if key in seen:
+            return None
+        seen.add(key)
+    except TypeError:  # an unhashable argument: compile it anyway
+        pass
+    device = getattr(_AHEAD, "device", None)
+
+    def body():
+        try:
+            with _on_device(device):
+                fn.warmup(*args, grid=grid, **kwargs)
+        except Exception:  # noqa: BLE001 - the real launch meets the same error and raises it
+            pass
+
+    compiling = threading.Thread(target=body, name="streamkl-compile", daemon=True)
+    compiling.start()
+    pending.append(compiling)
+    return None
+
+
+def _on_device(device):
+    return contextlib.nullcontext() if device is None else torch.cuda.device(device)
+
+
 def kernel_call(fn, grid):
-    """``fn[grid]``; in a compile-ahead thread its compile-only twin (``fn.warmup``). For launch
-    sites that call a JIT function directly: ``kernel_call(fn, grid)(*args, **kwargs)``."""
+    """``fn[grid]``; in a compile-ahead thread its compile-only twin (``fn.warmup`` on a thread of
+    its own, returning None). For launch sites that call a JIT function directly:
+    ``kernel_call(fn, grid)(*args, **kwargs)``."""
     if compiling_ahead():
-        return lambda *args, **kwargs: fn.warmup(*args, grid=grid, **kwargs)
+        return lambda *args, **kwargs: _compile_only(fn, grid, args, kwargs)
     return fn[grid]
 
 
@@ -159,8 +209,7 @@ def launch(fn, grid, args, constexprs, num_warps, num_stages, key=None, tensors=
     block shapes come from the config, their tensors' alignment from ``tensors``)."""
     runtime = runtime or {}
     if compiling_ahead():  # compile only: nothing runs, nothing is bound
-        fn.warmup(*args, grid=grid, **constexprs, **runtime, num_warps=num_warps, num_stages=num_stages)
-        return None
+        return _compile_only(fn, grid, args, dict(constexprs, **runtime, num_warps=num_warps, num_stages=num_stages))
     if not enabled():
         return fn[grid](*args, **constexprs, **runtime, num_warps=num_warps, num_stages=num_stages)
     if key is None:
