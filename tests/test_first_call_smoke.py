@@ -46,3 +46,7 @@ def test_big_cases_match_their_heads_alone(tmp_path):
     assert all(float(r["value"]) <= (1e-6 if "_kl_" in r["measure"] else 2e-3) for r in errs)
     assert all(float(r["value"]) > 0 for r in rows if r["measure"] in ("fwd_s", "fwd_bwd_s"))
     assert {r["run_status"] for r in rows} == {"ok"}
+    # the compile seconds inside the timed forward + backward: 0 under the interpreter
+    compiled = [r for r in rows if r["measure"] == "fwd_bwd_compile_s"]
+    assert {r["entry"] for r in compiled} == {"fwd_bwd_s1_causal", "fwd_bwd_both_causal", "varlen_s1_causal"}
+    assert all(float(r["value"]) == 0 for r in compiled)

@@ -225,15 +225,26 @@ def _rows(name, shape):
     return rows, row
 
 
-def big_case(name, tiny):
-    """Rows for one 2^31-element problem: timings, and the first/last head (sequence) check."""
+def _compile_rows(row, clock, compiled_before, t_fb, t_fwd):
+    """The seconds Triton compiled inside the timed forward + backward (its backward's kernels,
+    compiled on the calling thread at this size) and the ratio without them."""
+    if clock is None or not clock.available:
+        return
+    compiled = clock.seconds - compiled_before
+    row("fwd_bwd_compile_s", compiled, "s", "inside fwd_bwd_s")
+    row("fwd_bwd_without_compile_over_fwd", (t_fb - compiled) / t_fwd, "x", "(fwd_bwd_s - fwd_bwd_compile_s) / fwd_s")
+
+
+def big_case(name, tiny, clock=None):
+    """Rows for one 2^31-element problem: timings, and the first/last head (sequence) check.
+    ``clock``: an installed ``CompileClock`` (the compile seconds inside the forward + backward)."""
     import torch
     import streamkl_gpu
 
     if name == "indexer_128k_dsa":
         return _big_indexer(name, tiny)
     if name == "varlen_s1_causal":
-        return _big_varlen(name, tiny)
+        return _big_varlen(name, tiny, clock)
     parts = name.split("_")  # fwd_bwd_<setting>_<causal|full>[_2m]
     setting, causal = parts[2], parts[3] == "causal"
     N, H = ((32, 2) if tiny else (1 << 20, 16)) if not name.endswith("2m") else ((48, 2) if tiny else (1 << 21, 8))
@@ -248,9 +259,11 @@ def big_case(name, tiny):
     row("fwd_first_s", t_first, "s", "compiles included")
     row("fwd_s", t_fwd, "s")
     g = torch.randn(kl.shape, generator=torch.Generator().manual_seed(7)).to(kl.device)
+    compiled_before = clock.seconds if clock is not None else 0.0
     _, t_fb = _timed(lambda: streamkl_gpu.attention_kl(*xs, causal=causal).backward(g))
     row("fwd_bwd_s", t_fb, "s")
     row("fwd_bwd_over_fwd", t_fb / t_fwd, "x", "Must: <= 5 (the backward's compiles inside fwd_bwd_s)")
+    _compile_rows(row, clock, compiled_before, t_fb, t_fwd)
     full_grads = _grads(xs)
     for head in (0, H - 1):  # the head alone, a separate call
         alone = [x.detach()[:, head:head + 1].clone().requires_grad_(t) for x, t in zip(xs, train)]
@@ -265,7 +278,7 @@ def big_case(name, tiny):
     return rows
 
 
-def _big_varlen(name, tiny):
+def _big_varlen(name, tiny, clock=None):
     """A packed batch whose total x H x D passes 2^31 (setting 1, causal): first and last sequence alone."""
     import torch
     import streamkl_gpu
@@ -284,10 +297,12 @@ def _big_varlen(name, tiny):
                                                                          max(lens), max(lens), causal=True))
             row(measure, t_fwd, "s", "compiles included" if measure == "fwd_first_s" else "")
     g = torch.randn(kl.shape, generator=torch.Generator().manual_seed(7)).to(kl.device)
+    compiled_before = clock.seconds if clock is not None else 0.0
     _, t_fb = _timed(lambda: streamkl_gpu.attention_kl_varlen(*xs, cu, cu, max(lens), max(lens),
                                                               causal=True).backward(g))
     row("fwd_bwd_s", t_fb, "s")
     row("fwd_bwd_over_fwd", t_fb / t_fwd, "x", "Must: <= 5 (the backward's compiles inside fwd_bwd_s)")
+    _compile_rows(row, clock, compiled_before, t_fb, t_fwd)
     for i in (0, len(lens) - 1):
         lo, hi = int(cu[i]), int(cu[i + 1])
         alone = [x.detach()[lo:hi][None].transpose(1, 2).clone().requires_grad_(j >= 2) for j, x in enumerate(xs)]
@@ -383,10 +398,11 @@ def main(argv=None):
         if unknown:
             p.error(f"unknown --only cases {sorted(unknown)}")
         env_cols = _env_columns()
+        clock = _compile_clock()  # before any kernel's first launch
         rows, failed = [], False
         for name in names:
             print(f"{name} ...", flush=True)
-            got = big_case(name, args.tiny)
+            got = big_case(name, args.tiny, clock)
             for r in got:
                 r.update(env_cols)
                 print(f"  {r['measure']:24s} {r['value']:.6g} {r['unit']}  {r['note']}", flush=True)
