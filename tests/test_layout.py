@@ -113,6 +113,12 @@ def test_no_library_file_over_800_lines():
     assert not long, long
 
 
+def test_bench_stays_a_small_suite():
+    """bench/ holds at most 5,000 lines of Python (the suite, not a second library)."""
+    lines = sum(len(p.read_text().splitlines()) for p in (ROOT / "bench").rglob("*.py"))
+    assert lines <= 5000, f"bench/ has {lines} lines of Python"
+
+
 def test_init_files_only_re_export():
     """Every ``__init__.py`` of streamkl_gpu holds a docstring, imports, ``__all__`` and (the top
     package) the lazy lookup of its public names: no code of its own."""

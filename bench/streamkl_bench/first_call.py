@@ -200,8 +200,7 @@ def first_calls(entries, n, tiny, out_dir, timeout):
 
 # --case big: the 2^31-element problems
 def _rel(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+    return float((a.detach().double() - b.detach()).norm() / b.detach().double().norm().clamp_min(1e-300))
 
 
 def _timed(fn):
@@ -226,18 +225,15 @@ def _rows(name, shape):
 
 
 def _compile_rows(row, clock, compiled_before, t_fb, t_fwd):
-    """The seconds Triton compiled inside the timed forward + backward (its backward's kernels,
-    compiled on the calling thread at this size) and the ratio without them."""
-    if clock is None or not clock.available:
-        return
-    compiled = clock.seconds - compiled_before
-    row("fwd_bwd_compile_s", compiled, "s", "inside fwd_bwd_s")
-    row("fwd_bwd_without_compile_over_fwd", (t_fb - compiled) / t_fwd, "x", "(fwd_bwd_s - fwd_bwd_compile_s) / fwd_s")
+    """The compile seconds inside the timed forward + backward, and the ratio without them."""
+    if clock is not None and clock.available:
+        row("fwd_bwd_compile_s", clock.seconds - compiled_before, "s", "inside fwd_bwd_s")
+        row("fwd_bwd_without_compile_over_fwd", (t_fb - clock.seconds + compiled_before) / t_fwd, "x",
+            "(fwd_bwd_s - fwd_bwd_compile_s) / fwd_s")
 
 
 def big_case(name, tiny, clock=None):
-    """Rows for one 2^31-element problem: timings, and the first/last head (sequence) check.
-    ``clock``: an installed ``CompileClock`` (the compile seconds inside the forward + backward)."""
+    """Rows for one 2^31-element problem: timings (``clock``: a CompileClock), the first/last head check."""
     import torch
     import streamkl_gpu
 
@@ -314,13 +310,10 @@ def _big_varlen(name, tiny, clock=None):
         row(f"seq{i}_kl_rel_err", err, "rel", "Must: 0 or <= 1e-6" + (" (bitwise)" if err == 0 else ""))
         for gname, x, part in (("dq2", xs[2], alone[2]), ("dk2", xs[3], alone[3])):
             row(f"seq{i}_{gname}_rel_err", _rel(x.grad[lo:hi], part.grad), "rel", "Must: <= 2e-3")
-        del alone, kl_s
-        # and through the dense entry point (other kernels: the Gluon forward on Hopper), for reference
-        with torch.no_grad():
+        with torch.no_grad():  # the dense entry point: other kernels (Gluon on Hopper), no bound
             dense = streamkl_gpu.attention_kl(*[x.detach()[lo:hi][None].transpose(1, 2) for x in xs], causal=True)
-        row(f"seq{i}_kl_rel_diff_dense", _rel(kl[lo:hi].T[None], dense), "diff",
-            "attention_kl on the sequence (other kernels, another summation order): no bound")
-        del dense
+        row(f"seq{i}_kl_rel_diff_dense", _rel(kl[lo:hi].T[None], dense), "diff", "attention_kl on the sequence")
+        del alone, kl_s, dense
     return rows
 
 
