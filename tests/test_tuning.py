@@ -205,6 +205,31 @@ def test_a_long_call_is_its_own_measurement(monkeypatch):
     assert calls == [b]
 
 
+def test_a_pick_stops_timing_past_its_budget_and_keeps_the_best_so_far(monkeypatch):
+    """Each candidate costs two real calls; once they have taken KEY_BUDGET_S the rest are not
+    launched at all (a 2^31-element problem would time each for seconds) and the best so far wins."""
+    import time as _time
+    a, b, c, d = ("a",), ("b",), ("c",), ("d",)
+    _scripted_timing(monkeypatch, {}, {})
+    monkeypatch.setattr(_tuning, "KEY_BUDGET_S", 0.3)
+    monkeypatch.setattr(_tuning, "TUNING_STATS", dict(_tuning.TUNING_STATS, cut_keys=0))
+    seconds = {a: 0.1, b: 0.06, c: 0.001, d: 0.001}  # per call: a and b long calls, c and d would win
+    launched = []
+
+    def launch(cfg):
+        launched.append(cfg)
+        _time.sleep(seconds[cfg])
+        return cfg
+
+    assert _tuning._time_candidates(("budget",), [a, b, c, d], launch=launch) == b
+    assert set(launched) == {a, b} and _tuning.TUNING_STATS["cut_keys"] == 1
+    monkeypatch.setattr(_tuning, "KEY_BUDGET_S", 60.0)  # within budget: every candidate is timed
+    calls = _scripted_timing(monkeypatch, {c: 0.001, d: 0.002}, {c: [0.001] * 3, d: [0.002] * 3})
+    launched.clear()
+    assert _tuning._time_candidates(("budget2",), [a, b, c, d], launch=launch) == c
+    assert set(launched) == {a, b, c, d} and _tuning.TUNING_STATS["cut_keys"] == 1
+
+
 # ----------------------------------------------------------------------------------------------
 # Measured tuning is opt-in; the shape rule picks without timing; the cache's key and a
 # read-only cache directory.

@@ -124,7 +124,7 @@ def pick(key, candidates, launch, proxy=None, device=None, ruled=True):
 
     ``launch(cfg)`` runs the real problem with ``cfg``; ``proxy(cfg)``, when given, a bounded slice
     of it with the same kernels (then the candidates are timed on the slice). Nothing else is
-    launched. Where the pick is not timed (:func:`autotune_enabled` of ``ruled``; always in the
+    launched. Timing stops after ``KEY_BUDGET_S`` seconds with the best so far. Where the pick is not timed (:func:`autotune_enabled` of ``ruled``; always in the
     interpreter) the first candidate, untimed: the shape rule's choice, the one kernel compiled.
     """
     if len(candidates) == 1 or not autotune_enabled(ruled):
@@ -143,13 +143,21 @@ def pick(key, candidates, launch, proxy=None, device=None, ruled=True):
 # Where first calls spend their time (the first_call section, bench/streamkl_bench/first_call.py,
 # reports it): seconds in the first launch of each candidate (compiling it, or loading it from
 # Triton's cache) and in timing them.
-TUNING_STATS = {"compile_s": 0.0, "timing_s": 0.0, "keys": 0}
+TUNING_STATS = {"compile_s": 0.0, "timing_s": 0.0, "keys": 0, "cut_keys": 0}
 TUNING_LOG: dict = {}  # key -> [(cfg, median ms)], what the tuner measured
 # A candidate whose one timed call takes longer than this is not timed again: do_bench would run
 # it about 8 more times (its estimate, warm-up and repeat calls), which is what made the first
 # fused both-settings backward at N = 32K take 4.9 s in the first H200 bench
 # (docs/design/attention_backward.md, "A harness outlier, explained").
 LONG_CALL_S = 0.05
+# A pick stops timing once its candidates have taken this long (each costs two calls of the real
+# problem: its first launch and one timed call) and keeps the best so far; candidates come in the
+# order of the shape rule, its choice first. Past this the timing costs more than any choice can
+# save in a first call: the indexer loss at 128K tokens (DSA-like, B = 2) runs seconds per call,
+# and timing its eight forward candidates and the backward's on the whole problem did not finish
+# in 450 s (the first_call_big section, bench/results/2026-12-04_h200_e7f5ad9/). Attention's
+# backward picks time a bounded slice instead (``proxy``).
+KEY_BUDGET_S = 20.0
 TUNING_RETIMED: dict = {}  # key -> {cfg: median of the interleaved re-timings, ms}
 RETIME_MARGIN = 0.15  # candidates within 15 % of the first pass's best are timed again
 RETIME_ROUNDS = 3
@@ -194,7 +202,11 @@ def _time_candidates(key, candidates, launch):
     t0 = time.perf_counter()
     _compile_side_by_side(candidates, launch)
     TUNING_STATS["compile_s"] += time.perf_counter() - t0
+    loop_start = time.perf_counter()
     for cfg in candidates:
+        if best is not None and time.perf_counter() - loop_start > KEY_BUDGET_S:
+            TUNING_STATS["cut_keys"] += 1  # the rest untimed: the best so far stands
+            break
         try:
             t0 = time.perf_counter()
             launch(cfg)  # compiles (or loads) this candidate: not part of the tuning budget
