@@ -50,3 +50,23 @@ def test_the_compile_clock_counts_calls_into_the_compiler_and_restores_it():
         seconds, calls = clock.since(snap)
         assert calls == 1 and seconds >= 0.0
     assert module.compile is original and triton_compiler.compile is original
+
+
+def test_a_clock_installed_over_another_wraps_every_owner_and_restores_the_first():
+    """A second clock over one still installed (verify inside a benchmark process) replaces the
+    compiler entry point in the module and the package alike, and its exit puts the first back."""
+    triton_compiler = pytest.importorskip("triton.compiler")
+    import triton.compiler.compiler as module
+
+    original = module.compile
+    outer = CompileClock().install()
+    try:
+        with CompileClock() as inner:
+            assert inner.available and triton_compiler.compile is module.compile
+            with pytest.raises(Exception):
+                triton_compiler.compile(None)
+            assert inner.calls == 1
+        assert module.compile is triton_compiler.compile is not original
+    finally:
+        outer.uninstall()
+    assert module.compile is original and triton_compiler.compile is original

@@ -47,8 +47,9 @@ class CompileClock:
         compile._streamkl_original = original
         import triton.runtime.jit as jit  # older Triton imported compile into jit's namespace
 
+        current = module.compile  # read once: the loop replaces module.compile before the package's
         for owner in (module, package, jit):
-            if getattr(owner, "compile", None) in (original, module.compile):
+            if getattr(owner, "compile", None) in (original, current):
                 self._restore.append((owner, owner.compile))
                 owner.compile = compile
         self.available = True
