@@ -45,7 +45,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from streamkl_ref._testing import reference_cache
+from streamkl_ref._testing import reference_cache, same_precision
 from streamkl_ref.testing import (
     CASE_SETS,
     FLOOR,
@@ -468,7 +468,6 @@ def _check_attention_case(case, dname, seed, device, report):
 
     import streamkl_ref
     from streamkl_gpu import api
-    from streamkl_ref.testing import attention_kl_torch
 
     report.cases[case.name] = case.to_dict()
     name, B, H, NQ, NK = case.name, case.B, case.H, case.NQ, case.NK
@@ -487,9 +486,8 @@ def _check_attention_case(case, dname, seed, device, report):
     row_floor = kl_row_floor(ref_lse1, ref_lse2, ref_kl, dname)
     ref_grad = reference_cache.call(streamkl_ref.attention_kl_grad, *x64, g.double().numpy(), **kw)
     # the same math at the inputs' precision: sets the tolerance scale
-    same = [x.clone().requires_grad_(True) for x in xs]
-    same_kl = attention_kl_torch(*same, compute_dtype=dtype, **kw)
-    same_kl.backward(g.to(same_kl.dtype))
+    same = same_precision.call(same_precision.attention_kl_same, *x64, g.double().numpy(), dtype=dname, **kw)
+    same_kl = same["kl"]
     floor = FLOOR[dname]
     dev_xs = [x.to(device) for x in xs]
     kl = api.attention_kl(*dev_xs, split_k=case.split_k, **kw)
@@ -509,14 +507,14 @@ def _check_attention_case(case, dname, seed, device, report):
         ins = [x.clone().requires_grad_(True) for x in dev_xs]
         out = api.attention_kl(*ins, bwd_mode=mode, **kw)
         out.backward(g.to(device))
-        for tname, t, s in zip(("dq1", "dk1", "dq2", "dk2"), ins, same):
+        for tname, t in zip(("dq1", "dk1", "dq2", "dk2"), ins):
             if not np.any(ref_grad[tname]):
                 # exactly zero gradient (e.g. one key per row): relative error is undefined;
                 # the kernel's fp32 arithmetic must leave only rounding noise of O(1) terms
                 err = t.grad.detach().double().abs().max().item()
                 record(f"{tname} ({mode}) max|.|", err, ZERO_GRAD_TOL, note="reference gradient is exactly 0")
                 continue
-            tol = tolerance(relative_error(s.grad, ref_grad[tname]), dname)
+            tol = tolerance(relative_error(same[tname], ref_grad[tname]), dname)
             record(f"{tname} ({mode})", relative_error(t.grad, ref_grad[tname]), tol)
 
 
@@ -528,7 +526,6 @@ def _check_varlen_case(case, dname, seed, device, report):
 
     import streamkl_ref
     from streamkl_gpu import attention_kl_varlen
-    from streamkl_ref.testing import attention_kl_torch
 
     name, lens, H, HK1, HK2, D1, D2, causal, split = case
     report.cases[name] = {"kind": "varlen", "seqlens_qk": [list(x) for x in lens], "H": H, "HK1": HK1,
@@ -555,16 +552,9 @@ def _check_varlen_case(case, dname, seed, device, report):
     ref_grad = reference_cache.call(streamkl_ref.attention_kl_varlen_grad, *x64, *packing, g.double().numpy(),
                                 causal=causal)
     # the same math at the inputs' precision, sequence by sequence (tolerance scale)
-    same = [x.clone().requires_grad_(True) for x in xs]
-    same_kl = torch.zeros(tq, H, dtype=torch.float64)
-    for i in range(len(lens)):
-        rows_i, keys_i = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
-        if rows_i.start == rows_i.stop or keys_i.start == keys_i.stop:
-            continue
-        seq = [x[sl].transpose(0, 1)[None] for x, sl in zip(same, (rows_i, keys_i, rows_i, keys_i))]
-        out = attention_kl_torch(*seq, causal=causal, compute_dtype=dtype)
-        out.backward(g[rows_i].T[None].to(out.dtype))
-        same_kl[rows_i] = out[0].T.detach().double()
+    same = same_precision.call(same_precision.attention_kl_varlen_same, *x64, *packing[:2], g.double().numpy(),
+                               dtype=dname, causal=causal)
+    same_kl = same["kl"]
     dev_xs = [x.to(device) for x in xs]
     dev_cu = (cu_q.to(device), cu_k.to(device), mq, mk)
     kl = attention_kl_varlen(*dev_xs, *dev_cu, causal=causal, split_k=split)
@@ -577,8 +567,8 @@ def _check_varlen_case(case, dname, seed, device, report):
         ins = [x.clone().requires_grad_(True) for x in dev_xs]
         out = attention_kl_varlen(*ins, *dev_cu, causal=causal, bwd_mode=mode)
         out.backward(g.to(device))
-        for tname, t, s in zip(("dq1", "dk1", "dq2", "dk2"), ins, same):
-            tol = tolerance(relative_error(s.grad, ref_grad[tname]), dname)
+        for tname, t in zip(("dq1", "dk1", "dq2", "dk2"), ins):
+            tol = tolerance(relative_error(same[tname], ref_grad[tname]), dname)
             record(f"{tname} ({mode})", relative_error(t.grad, ref_grad[tname]), tol)
 
 

@@ -93,3 +93,90 @@ def test_kept_in_restores_the_setting_before_it(tmp_path):
     with reference_cache.kept_in(tmp_path):
         assert reference_cache.directory() == str(tmp_path)
     assert reference_cache.directory() is None
+
+
+# ---- the tolerance scale: the same-precision dense results (streamkl_ref._testing.same_precision)
+
+def _count_dense(monkeypatch):
+    """Patch the dense PyTorch functions that same_precision calls; returns the list of calls."""
+    from streamkl_ref._testing import same_precision
+
+    calls = []
+    for name in ("attention_kl_torch", "indexer_kl_torch"):
+        def counted(*a, _real=getattr(same_precision, name), _name=name, **kw):
+            calls.append(_name)
+            return _real(*a, **kw)
+        monkeypatch.setattr(same_precision, name, counted)
+    return calls
+
+
+def _bits(report):
+    return [(r.case, r.dtype, r.quantity, np.float64(r.error).tobytes(), np.float64(r.tolerance).tobytes(), r.status)
+            for r in report.rows]
+
+
+def _conformance_rows():
+    from streamkl_ref import testing
+
+    def kl_sum(*a, **kw):
+        return testing.attention_kl_torch(*a, **kw).sum()
+
+    att = [c for c in testing.attention_cases("cpu") if c.name in ("ragged", "causal_nq>nk", "nan_queries")]
+    idx = [c for c in testing.indexer_cases("cpu") if c.name in ("ragged", "causal_nq>nk", "nan_keys")]
+    dtypes = ("bfloat16", "float32")
+    return (_bits(testing.check_attention_kl(testing.attention_kl_torch, dtypes=dtypes, cases=att))
+            + _bits(testing.check_attention_kl(kl_sum, dtypes=dtypes, cases=att[:1], returns="sum",
+                                               supports={"grad_inputs": ("q2", "k2")}))
+            + _bits(testing.check_indexer_kl(testing.indexer_kl_torch, dtypes=dtypes, cases=idx)))
+
+
+def test_the_conformance_checks_keep_their_tolerance_scale(monkeypatch, tmp_path):
+    calls = _count_dense(monkeypatch)
+    want = _conformance_rows()  # cache off: computed
+    assert calls
+    with reference_cache.kept_in(tmp_path):
+        first = _conformance_rows()
+        n, misses = len(calls), reference_cache.STATS["misses"]
+        again = _conformance_rows()
+    assert len(calls) == n and reference_cache.STATS["misses"] == misses  # nothing computed again
+    assert first == want and again == want  # errors and tolerances bitwise
+
+
+def test_verify_keeps_the_tolerance_scale_of_attention_and_varlen_cases(monkeypatch, tmp_path):
+    from streamkl_gpu import verify
+    from streamkl_ref import testing
+    from streamkl_ref._testing.report import Report
+
+    case = next(c for c in testing.attention_cases("cpu") if c.name == "ragged")
+    packed = ("varlen_small", ((5, 7), (0, 3), (6, 0), (9, 9)), 2, 1, 2, 16, 8, True, None)
+
+    def rows():
+        report = Report(options={})
+        verify._check_attention_case(case, "bfloat16", 0, "cpu", report)
+        verify._check_varlen_case(packed, "bfloat16", 0, "cpu", report)
+        return _bits(report)
+
+    calls = _count_dense(monkeypatch)
+    want = rows()
+    assert calls
+    with reference_cache.kept_in(tmp_path):
+        first = rows()
+        n, misses = len(calls), reference_cache.STATS["misses"]
+        again = rows()
+    assert len(calls) == n and reference_cache.STATS["misses"] == misses
+    assert first == want and again == want
+
+
+def test_the_tolerance_scale_is_keyed_by_torch_version_and_dtype():
+    import torch
+
+    from streamkl_ref._testing.same_precision import attention_kl_same
+
+    xs, g = _inputs(), np.ones((1, 2, 5))
+    kw = dict(dtype="bfloat16", causal=True, scale1=None, scale2=None, torch_version=torch.__version__)
+    base = reference_cache.key(attention_kl_same, (*xs, g), kw)
+    assert reference_cache.key(attention_kl_same, (*xs, g), dict(kw)) == base
+    assert reference_cache.key(attention_kl_same, (*xs, g), {**kw, "torch_version": "0.0"}) != base
+    assert reference_cache.key(attention_kl_same, (*xs, g), {**kw, "dtype": "float16"}) != base
+    with pytest.raises(ValueError, match="torch_version"):  # a result is only ever computed by the torch it names
+        attention_kl_same(*xs, g, **{**kw, "torch_version": "0.0"})

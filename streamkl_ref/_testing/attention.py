@@ -9,8 +9,7 @@ from typing import Callable
 import numpy as np
 
 from .cases import PLANT_PAD, Case, _plant_masks, attention_cases, case_generator
-from .dense import attention_kl_torch
-from . import reference_cache
+from . import reference_cache, same_precision
 from .report import (Report, Row, _hint, _row_adder, _keep_causal_hints_where_alignment_explains, _planted_quiet,
                      _raise_unless_passed, _raised, _ranges, _shape_hint)
 from .tolerance import (ZERO_GRAD_TOL, _dtype_name, _to_numpy, kl_error_and_tolerance, kl_row_floor,
@@ -200,12 +199,11 @@ def _run_case(fn, case, dname, base, g_rows, report, *, device, grads, layout, c
     ref_kl, ref_lse1, ref_lse2 = reference_cache.call(streamkl_ref.attention_kl, *x64, return_lse=True, **kw)
     row_floor = kl_row_floor(ref_lse1, ref_lse2, ref_kl, dname)
     ref_grad = reference_cache.call(streamkl_ref.attention_kl_grad, *x64, g.numpy(), **kw) if grads else None
-    # the same math at the inputs' precision: the tolerance scale
+    # the same math at the inputs' precision: the tolerance scale (kept by the reference cache)
     want_grad = set(claims["grad_inputs"]) if grads else set()
-    same = [x.clone().requires_grad_(n in want_grad) for x, n in zip(xs, INPUT_NAMES)]
-    same_kl = attention_kl_torch(*same, compute_dtype=dtype, **kw)
-    if want_grad:
-        same_kl.backward(g.to(same_kl.dtype))
+    same = same_precision.call(same_precision.attention_kl_same, *x64, g.numpy() if want_grad else None,
+                               dtype=dname, grad_inputs=tuple(n for n in INPUT_NAMES if n in want_grad), **kw)
+    same_kl = torch.from_numpy(same["kl"]).to(dtype)  # its values exactly, for the sum or mean below
 
     # ---- call fn
     leaves, views = _user_inputs(xs, case, layout, translate, device, want_grad)
@@ -283,13 +281,13 @@ def _run_case(fn, case, dname, base, g_rows, report, *, device, grads, layout, c
         add("(backward)", math.nan, math.nan, "fail", _raised("backward", exc))
         return
     grads_got = _user_grads(leaves, case, layout, translate)
-    for name, inp, gname in zip(INPUT_NAMES, same, GRAD_NAMES):
+    for name, gname in zip(INPUT_NAMES, GRAD_NAMES):
         if name not in want_grad:
             add(gname, math.nan, math.nan, "skipped", f"outside supports: grad_inputs {list(claims['grad_inputs'])}")
             continue
         got_g = grads_got[name]
         ref_g = ref_grad[gname]
-        same_g = inp.grad
+        same_g = same[gname]
         if got_g is None:
             add(gname, math.inf, 0.0, "fail", f"no gradient reached {name}")
             continue

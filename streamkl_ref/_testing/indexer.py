@@ -11,8 +11,7 @@ import numpy as np
 from .attention import _check_adapters, _check_reduction
 from .cases import (INDEXER_GRADS, INDEXER_INPUTS, PLANT_PAD, IndexerCase, _plant_masks, case_generator,
                     indexer_cases)
-from .dense import indexer_kl_torch
-from . import reference_cache
+from . import reference_cache, same_precision
 from .report import (Report, Row, _hint, _row_adder, _keep_causal_hints_where_alignment_explains, _planted_quiet,
                      _raise_unless_passed, _raised, _ranges, _shape_hint)
 from .tolerance import (KL_ROUNDING_ULPS, ROW_STAT_EPS, ZERO_GRAD_TOL, _dtype_name, _to_numpy,
@@ -143,10 +142,10 @@ def _run_indexer_case(fn, case, dname, base, g_rows, report, *, device, grads, l
     row_floor = indexer_row_floor(ref_lse_idx, ref_lse_teacher, ref_kl, case, dname)
     want_grad = set(claims["grad_inputs"]) if grads else set()
     ref_grad = reference_cache.call(streamkl_ref.indexer_kl_grad, *x64, g.numpy(), **kw) if want_grad else None
-    same = [x.clone().requires_grad_(n in want_grad) for x, n in zip(xs, INDEXER_INPUTS)]
-    same_kl = indexer_kl_torch(*same, compute_dtype=dtype, **kw)
-    if want_grad:
-        same_kl.backward(g.to(same_kl.dtype))
+    # the same math at the inputs' precision: the tolerance scale (kept by the reference cache)
+    same = same_precision.call(same_precision.indexer_kl_same, *x64, g.numpy() if want_grad else None, dtype=dname,
+                               grad_inputs=tuple(n for n in INDEXER_INPUTS if n in want_grad), **kw)
+    same_kl = torch.from_numpy(same["kl"]).to(dtype)  # its values exactly, for the sum or mean below
 
     leaves, views = {}, []
     pad_n, pad_d = PLANT_PAD
@@ -239,7 +238,7 @@ def _run_indexer_case(fn, case, dname, base, g_rows, report, *, device, grads, l
     except Exception as exc:  # noqa: BLE001
         add("(backward)", math.nan, math.nan, "fail", _raised("backward", exc))
         return
-    for name, inp in zip(INDEXER_INPUTS, same):
+    for name in INDEXER_INPUTS:
         if name not in INDEXER_GRADS:
             continue
         gname = INDEXER_GRADS[name]
@@ -263,7 +262,7 @@ def _run_indexer_case(fn, case, dname, base, g_rows, report, *, device, grads, l
             sel, label = (slice(None), slice(None), keys_ok), f"{gname} of keys {_ranges(keys_ok)} (unreached)"
         else:
             sel, label = (slice(None), slice(None), rows_ok), f"{gname} of rows {_ranges(rows_ok)} (unreached)"
-        ref_sel, got_sel, same_sel = ref_grad[gname][sel], _to_numpy(gr)[sel], _to_numpy(inp.grad)[sel]
+        ref_sel, got_sel, same_sel = ref_grad[gname][sel], _to_numpy(gr)[sel], same[gname][sel]
         if not np.any(ref_sel):
             err = float(np.max(np.abs(got_sel))) if got_sel.size else 0.0
             ok = err <= ZERO_GRAD_TOL

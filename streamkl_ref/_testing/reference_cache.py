@@ -12,6 +12,10 @@ Changing the reference code, the inputs (seed, case, dtype) or the options makes
 unreadable or damaged entry is computed again; a directory that cannot be written only loses
 the saving. Off by default: a direct caller of the checks computes every reference.
 
+The same-precision dense results that set each tolerance scale (PyTorch at the inputs' dtype,
+``streamkl_ref._testing.same_precision``) go through the same cache, their keys adding the
+running torch's version (its CPU kernels make those numbers).
+
 Entries are pickles written atomically (a temporary file, then ``os.replace``); the directory
 is the user's own cache, read as trusted as Triton's.
 """
