@@ -55,6 +55,19 @@ GRID = {
     "idx_dsa_8k_fwd": ("idx_fwd", dict(teacher="dsa", n=8192, lse=False)),
     "idx_gqa_8k_fwd": ("idx_fwd", dict(teacher="gqa", n=8192, lse=False)),
 }
+# The record of the shape rules (--tuning-log): other sizes, the step without lse, per-row losses (reduction
+# "none", summed), an MQA teacher of 64 heads (first_call's), the top-k loss, decoding at other key counts.
+TUNING_POINTS = {
+    **{f"idx_{t}_{n // 1024}k_lse_step": ("idx_step", dict(teacher=t, n=n, lse=True))
+       for t in ("dsa", "gqa") for n in (4096, 16384)},
+    **{f"idx_{t}_16k_fwd": ("idx_fwd", dict(teacher=t, n=16384, lse=False)) for t in ("dsa", "gqa")},
+    **{f"idx_{t}_8k_{r}step": ("idx_step", dict(teacher=t, n=8192, lse=False, reduction=r and "none"))
+       for t in ("dsa", "gqa", "mqa64") for r in ("", "rows_")},
+    **{f"idx_{t}_8k_topk_step": ("idx_step", dict(teacher=t, n=8192, lse=False, topk=2048)) for t in ("dsa", "mqa64")},
+    **{f"decode_q{q}_k{k // 1024}k": ("fwd", dict(n=q, n_k=k, causal=q > 1))
+       for q, k in ((1, 8192), (1, 32768), (4, 32768), (64, 131072), (1, 524288))},
+}
+GRID.update(TUNING_POINTS)
 GEOMEAN_LIMIT, POINT_LIMIT = 1.01, 1.03
 
 
@@ -85,38 +98,28 @@ def _attention_case(kind, spec, torch, streamkl_gpu):
     return step, leaves
 
 
-def _teacher_lse(q, k, scale, torch):
-    """float32 [B, H, N] natural-log LSEs of the causal teacher, head by head (setup only)."""
-    b, h, n, _ = q.shape
-    group = h // k.shape[1]
-    out = torch.empty(b, h, n, device=q.device, dtype=torch.float32)
-    mask = torch.ones(n, n, device=q.device, dtype=torch.bool).tril()
-    for i in range(h):
-        s = (q[0, i].float() @ k[0, i // group].float().T) * scale
-        out[0, i] = s.masked_fill(~mask, float("-inf")).logsumexp(-1)
-    return out
-
-
 def _indexer_case(kind, spec, torch, streamkl_gpu):
+    from streamkl_bench.indexer import TEACHERS, make, scale_of, teacher_lse  # (this tree's streamkl_gpu)
+
     n = spec["n"]
-    if spec["teacher"] == "dsa":
-        h, h_k, d, h_i, d_i, scale = 128, 1, 576, 64, 128, 192 ** -0.5
-    else:
-        h, h_k, d, h_i, d_i, scale = 32, 8, 128, 16, 64, 128 ** -0.5
-    g = torch.Generator(device="cuda").manual_seed(0)
-
-    def rand(*shape, dtype=torch.bfloat16):
-        return torch.randn(*shape, device="cuda", dtype=dtype, generator=g)
-
-    q, k = rand(1, h, n, d), rand(1, h_k, n, d)
-    q_idx, k_idx = rand(1, h_i, n, d_i), rand(1, 1, n, d_i)
-    weights = rand(1, h_i, n, dtype=torch.float32) * h_i ** -0.5
-    lse = _teacher_lse(q, k, scale, torch) if spec["lse"] else None
+    cfg = TEACHERS.get(spec["teacher"]) or dict(TEACHERS["dsa"], H=64, scale=None)  # mqa64: first_call's
+    q, k, q_idx, k_idx, weights = make(cfg, 1, n, n, torch.bfloat16, "cuda")
+    scale = scale_of(cfg)
+    lse = teacher_lse(q, k, True, scale) if spec["lse"] else None
     leaves = [q_idx, k_idx, weights]
+    reduction = spec.get("reduction") or "mean"
+    if spec.get("topk"):  # the last topk keys of each row (-1 past the first keys)
+        rows = torch.arange(n, device="cuda")[:, None]
+        idx = (rows - torch.arange(spec["topk"], device="cuda")[None, :]).clamp(min=-1).to(torch.int32)[None]
 
     def loss():
-        return streamkl_gpu.indexer_kl(q, k, q_idx, k_idx, weights, causal=True, scale=scale, lse=lse,
-                                       reduction="mean")
+        if spec.get("topk"):
+            out = streamkl_gpu.indexer_kl_topk(q, k, q_idx, k_idx, weights, idx, causal=True, scale=scale,
+                                               reduction=reduction)
+        else:
+            out = streamkl_gpu.indexer_kl(q, k, q_idx, k_idx, weights, causal=True, scale=scale, lse=lse,
+                                          reduction=reduction)
+        return out.sum() if reduction == "none" else out  # per-row losses: summed, as a user would
 
     if kind == "idx_fwd":
         return loss, None
@@ -132,6 +135,7 @@ def worker(points, json_path):
     from streamkl_bench.timing import time_ms  # bench/ is this script's folder: the one timing helper
 
     rows = {}
+    tuning_log = os.environ.get("STREAMKL_BENCH_TUNING_LOG") == "1"
     for name in points:
         kind, spec = GRID[name]
         build = _indexer_case if kind.startswith("idx") else _attention_case
@@ -140,12 +144,40 @@ def worker(points, json_path):
         fn()
         torch.cuda.synchronize()
         first_s = time.perf_counter() - t0
-        ms = time_ms(fn, cuda=True, warmup=25, rep=150, grad_to_none=leaves)
-        rows[name] = {"ms": ms, "first_call_s": first_s}
+        if tuning_log:  # the tuner's record of this point's first call; nothing else timed
+            from streamkl_gpu._core import tuning
+            rows[name] = {"first_call_s": first_s, "picks": [
+                {"key": repr(key), "config": repr(cfg), "ms": t, "retimed_ms": tuning.TUNING_RETIMED.get(key, {}).get(cfg)}
+                for key, measured in tuning.TUNING_LOG.items() for cfg, t in measured]}
+            tuning.TUNING_LOG.clear()
+            tuning.TUNING_RETIMED.clear()
+        else:
+            rows[name] = {"ms": time_ms(fn, cuda=True, warmup=25, rep=150, grad_to_none=leaves),
+                          "first_call_s": first_s}
         del fn, leaves
         torch.cuda.empty_cache()
     with open(json_path, "w") as f:
         json.dump({"file": streamkl_gpu.__file__, "rows": rows}, f)
+
+
+def write_tuning_log(tree, points, out, timeout):
+    """``--tuning-log``: one fresh process of ``tree``, ``STREAMKL_AUTOTUNE=1``, empty caches, runs each
+    point once; every candidate the tuner timed, with its median, goes to ``out/tuning_log.csv``."""
+    import torch
+
+    rows = _run_round("tuned", tree, points, {"tuned": tempfile.mkdtemp(prefix="streamkl-tuning-")}, timeout,
+                      extra_env={"STREAMKL_AUTOTUNE": "1", "STREAMKL_BENCH_TUNING_LOG": "1"})
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "tuning_log.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["gpu_name", "timestamp", "commit", "point", "first_call_s", "key",
+                                          "config", "ms", "retimed_ms", "run_status"])
+        w.writeheader()
+        fixed = dict(gpu_name=torch.cuda.get_device_name(), commit=_commit(tree), run_status="ok",
+                     timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+        for point, row in rows.items():
+            print(f"{point:28s} first call {row['first_call_s']:7.2f} s, {len(row['picks'])} candidates timed")
+            w.writerows(dict(fixed, point=point, first_call_s=f"{row['first_call_s']:.3f}", **p) for p in row["picks"])
+    return 0
 
 
 # ---------------------------------------------------------------- orchestrator
@@ -161,9 +193,9 @@ def _commit(tree):
         return "unknown"
 
 
-def _run_round(label, tree, points, cache_dirs, timeout):
+def _run_round(label, tree, points, cache_dirs, timeout, extra_env=None):
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), STREAMKL_CACHE_DIR=cache_dirs[label],
-               PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1", **(extra_env or {}))
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
         path = tmp.name
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--points", ",".join(points), "--json", path]
@@ -195,6 +227,8 @@ def main(argv=None):
     ap.add_argument("--cache-root", help="folder for each tree's STREAMKL_CACHE_DIR (default: a new temp dir)")
     ap.add_argument("--round-timeout", type=float, default=300)
     ap.add_argument("--from-rounds", help="a compare_rounds.csv: its verdict, nothing timed (a run cut short)")
+    ap.add_argument("--tuning-log", metavar="TREE", help="no comparison: TREE's tuner record of every point "
+                    "(STREAMKL_AUTOTUNE=1, empty caches) to OUT/tuning_log.csv")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -204,6 +238,8 @@ def main(argv=None):
         ap.error(f"unknown points {unknown}; known: {', '.join(GRID)}")
     if args.worker:
         return worker(points, args.json)
+    if args.tuning_log:
+        return write_tuning_log(args.tuning_log, points, args.out, args.round_timeout)
     if len(args.tree) != 2 and not args.from_rounds:
         ap.error("give --tree twice: LABEL=PATH for before, then after")
     trees, commits = {}, {}

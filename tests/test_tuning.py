@@ -142,7 +142,12 @@ def test_split_choices(monkeypatch):
     decode = replace(dims, NK=131072, D1=128, D2=128)
     monkeypatch.setattr(_tuning, "autotune_enabled", lambda *a, **k: False)
     rule = attn_configs.auto_split_k(decode, 16, 128, 132)
-    assert attn_configs.split_choices(decode, False, 128, 132) == (rule,)
+    wave = attn_configs.wave_split_k(decode, 16, 128, 132)  # decoding's measured rule, untimed
+    assert wave is not None and wave * decode.B * decode.H <= 132 < 2 * wave * decode.B * decode.H
+    assert attn_configs.split_choices(decode, False, 128, 132) == (wave,)
+    wide = replace(decode, H=64)  # half the SMs busy with query blocks: no measured rule, auto_split_k
+    assert attn_configs.wave_split_k(wide, 16, 128, 132) is None
+    assert attn_configs.split_choices(wide, False, 128, 132) == (attn_configs.auto_split_k(wide, 16, 128, 132),)
     monkeypatch.setattr(_tuning, "autotune_enabled", lambda *a, **k: True)
     opts = attn_configs.split_choices(decode, False, 128, 132)
     assert 1 in opts and 8 in opts and rule in opts and max(opts) <= 64

@@ -9,6 +9,7 @@ import contextlib
 import os
 import time
 import traceback
+from unittest import mock
 
 from .cases import SETTINGS, check_cases, hash_str
 from .providers import dense_kl
@@ -208,16 +209,8 @@ class ChecksMixin:
     def sec_check(self):
         # streamkl_gpu tunes launch configs per shape bucket on first use (each candidate a compile);
         # correctness needs one config per shape, so take the first candidate unless asked not to.
-        old = os.environ.get("STREAMKL_AUTOTUNE")
-        if not self.a.check_autotune:
-            os.environ["STREAMKL_AUTOTUNE"] = "0"
-        try:
+        with mock.patch.dict(os.environ, {} if self.a.check_autotune else {"STREAMKL_AUTOTUNE": "0"}):
             self._sec_check()
-        finally:
-            if old is None:
-                os.environ.pop("STREAMKL_AUTOTUNE", None)
-            else:
-                os.environ["STREAMKL_AUTOTUNE"] = old
 
     def _sec_check(self):
         if self.ak is None:

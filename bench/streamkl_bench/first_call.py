@@ -224,6 +224,24 @@ def _compile_rows(row, clock, compiled_before, t_fb, t_fwd):
             "(fwd_bwd_s - fwd_bwd_compile_s) / fwd_s")
 
 
+def _fwd_then_step(row, clock, fwd, step):
+    """Rows of a forward timed twice (the first compiles; the second is the one the ratio uses) and
+    of a forward + backward ``step(g)`` (``g``: a seeded upstream gradient); returns (out, g)."""
+    import torch
+
+    with torch.no_grad():
+        for measure in ("fwd_first_s", "fwd_s"):
+            out, t_fwd = _timed(fwd)
+            row(measure, t_fwd, "s", "compiles included" if measure == "fwd_first_s" else "")
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.device)
+    compiled_before = clock.seconds if clock is not None else 0.0
+    _, t_fb = _timed(lambda: step(g))
+    row("fwd_bwd_s", t_fb, "s")
+    row("fwd_bwd_over_fwd", t_fb / t_fwd, "x", "Must: <= 5 (the backward's compiles inside fwd_bwd_s)")
+    _compile_rows(row, clock, compiled_before, t_fb, t_fwd)
+    return out, g
+
+
 def big_case(name, tiny, clock=None):
     """Rows for one 2^31-element problem: timings (``clock``: a CompileClock), the first/last head check."""
     import torch
@@ -241,17 +259,8 @@ def big_case(name, tiny, clock=None):
     rows, row = _rows(name, shape)
     train = SETTING_TRAIN[setting]
     xs = _attention_inputs(1, H, N, D, train)
-    with torch.no_grad():  # the first forward compiles; the second is the one the ratio uses
-        kl, t_first = _timed(lambda: streamkl_gpu.attention_kl(*[x.detach() for x in xs], causal=causal))
-        kl, t_fwd = _timed(lambda: streamkl_gpu.attention_kl(*[x.detach() for x in xs], causal=causal))
-    row("fwd_first_s", t_first, "s", "compiles included")
-    row("fwd_s", t_fwd, "s")
-    g = torch.randn(kl.shape, generator=torch.Generator().manual_seed(7)).to(kl.device)
-    compiled_before = clock.seconds if clock is not None else 0.0
-    _, t_fb = _timed(lambda: streamkl_gpu.attention_kl(*xs, causal=causal).backward(g))
-    row("fwd_bwd_s", t_fb, "s")
-    row("fwd_bwd_over_fwd", t_fb / t_fwd, "x", "Must: <= 5 (the backward's compiles inside fwd_bwd_s)")
-    _compile_rows(row, clock, compiled_before, t_fb, t_fwd)
+    kl, g = _fwd_then_step(row, clock, lambda: streamkl_gpu.attention_kl(*[x.detach() for x in xs], causal=causal),
+                           lambda g: streamkl_gpu.attention_kl(*xs, causal=causal).backward(g))
     full_grads = _grads(xs)
     for head in (0, H - 1):  # the head alone, a separate call
         alone = [x.detach()[:, head:head + 1].clone().requires_grad_(t) for x, t in zip(xs, train)]
@@ -279,18 +288,9 @@ def _big_varlen(name, tiny, clock=None):
 
     cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32, device=_device())
     xs = [_randn(total, H, D, seed=i).requires_grad_(i >= 2) for i in range(4)]
-    with torch.no_grad():  # the first forward compiles; the second is the one the ratio uses
-        for measure in ("fwd_first_s", "fwd_s"):
-            kl, t_fwd = _timed(lambda: streamkl_gpu.attention_kl_varlen(*[x.detach() for x in xs], cu, cu,
-                                                                         max(lens), max(lens), causal=True))
-            row(measure, t_fwd, "s", "compiles included" if measure == "fwd_first_s" else "")
-    g = torch.randn(kl.shape, generator=torch.Generator().manual_seed(7)).to(kl.device)
-    compiled_before = clock.seconds if clock is not None else 0.0
-    _, t_fb = _timed(lambda: streamkl_gpu.attention_kl_varlen(*xs, cu, cu, max(lens), max(lens),
-                                                              causal=True).backward(g))
-    row("fwd_bwd_s", t_fb, "s")
-    row("fwd_bwd_over_fwd", t_fb / t_fwd, "x", "Must: <= 5 (the backward's compiles inside fwd_bwd_s)")
-    _compile_rows(row, clock, compiled_before, t_fb, t_fwd)
+    kl, g = _fwd_then_step(row, clock, lambda: streamkl_gpu.attention_kl_varlen(
+        *[x.detach() for x in xs], cu, cu, max(lens), max(lens), causal=True),
+        lambda g: streamkl_gpu.attention_kl_varlen(*xs, cu, cu, max(lens), max(lens), causal=True).backward(g))
     for i in (0, len(lens) - 1):
         lo, hi = int(cu[i]), int(cu[i + 1])
         # the sequence alone through the same entry point (a packed batch of one: the same kernels)

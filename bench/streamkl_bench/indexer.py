@@ -31,6 +31,7 @@ import statistics
 import sys
 import time
 import traceback
+from unittest import mock
 
 if "--tiny" in sys.argv:  # the interpreter must be chosen before Triton is imported
     os.environ["TRITON_INTERPRET"] = "1"
@@ -139,23 +140,10 @@ def time_ms(fn, device, quick):
 DESIGN_VAR = "STREAMKL_INDEXER_TRAINING"
 
 
-class Design:
-    """``STREAMKL_INDEXER_TRAINING`` (the documented design switch) set for a call, restored after;
-    None: the default."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def __enter__(self):
-        self.old = os.environ.get(DESIGN_VAR)
-        if self.value is not None:
-            os.environ[DESIGN_VAR] = self.value
-
-    def __exit__(self, *exc):
-        if self.old is None:
-            os.environ.pop(DESIGN_VAR, None)
-        else:
-            os.environ[DESIGN_VAR] = self.old
+def Design(value):
+    """``STREAMKL_INDEXER_TRAINING`` (the documented design switch) set for a call, the environment
+    restored after; None: the default."""
+    return mock.patch.dict(os.environ, {} if value is None else {DESIGN_VAR: value})
 
 
 def dense_point(cfg, N, path, device, dtype, design=None):

@@ -31,6 +31,7 @@ import math
 import os
 import sys
 import time
+from unittest import mock
 from dataclasses import dataclass
 
 COLUMNS = ["case", "dtype", "poison", "path", "tensor", "compared", "reached", "max_abs_diff", "tol",
@@ -222,15 +223,8 @@ def main(out_dir, tiny: bool = False) -> bool:
              ("bwd fused", "bwd", ("fused", False), "auto"), ("bwd separate", "bwd", ("separate", False), "auto")]
 
     def run_path(kind, arg, backend, views, g):
-        saved = os.environ.get("STREAMKL_FWD_BACKEND")
-        os.environ["STREAMKL_FWD_BACKEND"] = backend
-        try:
+        with mock.patch.dict(os.environ, {"STREAMKL_FWD_BACKEND": backend}):
             return forward(views, arg) if kind == "fwd" else backward(views, g, *arg)
-        finally:
-            if saved is None:
-                os.environ.pop("STREAMKL_FWD_BACKEND", None)
-            else:
-                os.environ["STREAMKL_FWD_BACKEND"] = saved
 
     summary = {}
     cases = tiny_cases() if tiny else gpu_cases()

@@ -5,6 +5,7 @@ Each section walks its grid (cases.make_config), builds input sets (timing), tim
 
 import os
 import time
+from unittest import mock
 
 from .cases import SETTINGS, prio
 from .providers import chunked_kl
@@ -197,15 +198,8 @@ class PerfMixin:
     def sec_long(self):
         # streamkl_gpu tunes per shape bucket by timing every candidate config; at 512K one forward
         # is ~1 s, so tuning would cost minutes: the first candidate config is used here.
-        old = os.environ.get("STREAMKL_AUTOTUNE")
-        os.environ["STREAMKL_AUTOTUNE"] = "0"
-        try:
+        with mock.patch.dict(os.environ, {"STREAMKL_AUTOTUNE": "0"}):
             self._sec_long()
-        finally:
-            if old is None:
-                os.environ.pop("STREAMKL_AUTOTUNE", None)
-            else:
-                os.environ["STREAMKL_AUTOTUNE"] = old
 
     def _sec_long(self):
         cfg, D, H = self.cfg, self.cfg["D"], self.cfg["long_h"]

@@ -349,12 +349,32 @@ def auto_split_k(dims, block_m: int, block_n: int, n_sm: int) -> int:
 SPLIT_OPTIONS = (1, 2, 4, 8, 16, 32, 64)
 
 
+def wave_split_k(dims, block_m: int, block_n: int, n_sm: int):
+    """Decoding's measured rule (query tiles of at most 16 rows, at most a quarter of the SMs busy
+    with query blocks): the most key splits, a power of two, that keep every program in one wave
+    (``programs * splits <= n_sm``) with at least 4 key tiles per split; None outside that range
+    (the splits are then timed). The record (H200, triton 3.6, every tile and split timed,
+    bench/results/2026-12-04_h200_19ad57e/tuning_log.csv; B = 1, H = 32, D = 128, bf16): at
+    N_Q = 1, 4, 16 and N_K = 32K-512K, 4 splits of 16 x 128 tiles (128 programs on 132 SMs) were
+    the fastest of 18 candidates; :func:`auto_split_k`'s 17 splits (four waves) 1.11-1.21x slower.
+    At N_Q = 1, N_K = 8K (0.05 ms a call) the candidates' medians were within noise of each other."""
+    programs = cdiv(dims.NQ, block_m) * dims.B * dims.H
+    if block_m > 16 or 4 * programs > n_sm:
+        return None
+    splits, key_tiles = 1, cdiv(dims.NK, block_n)
+    while programs * splits * 2 <= n_sm and splits * 2 <= key_tiles // 4:
+        splits *= 2
+    return splits
+
+
 def split_choices(dims, ieee, d_pad, n_sm):
     """The forward's key splits to choose among when ``split_k=None``.
 
-    Without tuning (interpreter, ``STREAMKL_AUTOTUNE=0``): the one value of :func:`auto_split_k`
-    (measured 1.16x slower than the timed choice at N_Q = 1 and 16, N_K = 128K: so the default,
-    ``auto``, times them).
+    Without tuning (``STREAMKL_AUTOTUNE=auto`` or ``0``, the interpreter): the measured rule of
+    :func:`wave_split_k` where it applies (decoding); elsewhere with ``0`` and in the interpreter
+    the one value of :func:`auto_split_k`, and with ``auto`` the options below, timed (no rule
+    derived there: :func:`auto_split_k` measured 1.16x slower than the timed choice at N_Q = 1
+    and 16, N_K = 128K).
     With tuning, where the query blocks leave the GPU short of programs (fewer than 8 per SM) and
     there are keys to split: every power of two up to 64 that keeps at least 4 key tiles per
     split and at most 32 programs per SM, all timed on the real problem (decode calls are short).
@@ -366,8 +386,9 @@ def split_choices(dims, ieee, d_pad, n_sm):
     probe = fwd_candidates(dims, d_pad, True, ieee)[0]
     block_m, block_n = probe.block_m, probe.block_n
     rule = auto_split_k(dims, block_m, block_n, n_sm)
-    if not _tuning.autotune_enabled(ruled=False):  # no derived rule for the splits yet: timed by default
-        return (rule,)
+    wave = wave_split_k(dims, block_m, block_n, n_sm)
+    if not _tuning.autotune_enabled(ruled=wave is not None):  # no derived rule elsewhere: timed by default
+        return (rule if wave is None else wave,)
     programs = cdiv(dims.NQ, block_m) * dims.B * dims.H
     key_tiles = cdiv(dims.NK, block_n)
     if programs >= 8 * n_sm or key_tiles < 8:

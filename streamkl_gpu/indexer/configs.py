@@ -146,15 +146,83 @@ def l1_fwd_candidates(dims):
     return _configs([(128, 128, 64, 64, 8, 2), (128, 128, 128, 64, 8, 2), (128, 128, 32, 64, 8, 2)], variant="l1")
 
 
+# ----------------------------------------------------------------------------------------------
+# The shape rules: where the tuner's record covers a teacher family, the pick's winner goes first
+# and, by default (STREAMKL_AUTOTUNE=auto), runs untimed: one kernel compiled per pick.
+# The record: every candidate of every pick timed (STREAMKL_AUTOTUNE=1, the tuner's medians, close
+# ones re-timed) at DSA-like (H = 128, D = 576, one key head; indexer 64 x 128) 8K and 16K, an MQA
+# teacher of 64 heads at 8K, and GQA-like (H = 32 over 8 key heads, D = 128; indexer 16 x 64) 4K-16K,
+# causal, bf16 (H200, triton 3.6: bench/results/2026-12-04_h200_19ad57e/tuning_log.csv, written by
+# ``python bench/compare_trees.py --tuning-log .``). In every row below the rule's config is the
+# fastest or within 0.5 % of it at every point of its family, and the first candidate before was
+# up to 2.4x slower (the ratio, worst point). A family or kind not listed stays timed.
+#   dsa  lse     128 x 128 x 128, 4 warps, 3 stages           (first before: 1.67x)
+#        fwd     the keys-major "keys_lpt" forward with splits (already first: 1.00x)
+#        bwd_dq  128 x 128 x 64, 8 warps, 2 stages             (already first; 64 x 64 on 4 warps 1.09x)
+#        bwd_dk  64 x 64 x 64, 4 warps, 2 stages               (first before: 1.20x)
+#        topk    the separate-student forward                  (0.4 % from the best; 1.60x better at mqa)
+#   mqa  (one key head, 64 <= H < 128) as dsa, but bwd_dq 64 x 64 x 64 on 4 warps (first before 1.42x);
+#        fwd keys_lpt first (the row-major first before: 1.28x)
+#   gqa  lse     128 x 128 x 64, 8 warps, 2 stages, one head per chunk (first before: 1.03x)
+#        fwd     the GQA kernel's band ("gqa-band-r128", already first: 1.00x)
+#        pacc    128 x 128 x 64, 4 warps, 3 stages             (first before: 1.96x)
+#        bwd_dq, bwd_dk  64 x 64 x 64, 4 warps, 2 stages       (first before: 2.37x, 2.05x)
+# ----------------------------------------------------------------------------------------------
+_TILES_64_4W = dict(teacher_rows=64, block_n=64, num_warps=4, num_stages=2, variant="tiles")
+_MQA_LSE = dict(teacher_rows=128, block_n=128, num_warps=4, num_stages=3, variant="tiles")
+SHAPE_RULES = {
+    ("dsa", "lse"): _MQA_LSE, ("mqa", "lse"): _MQA_LSE,
+    ("dsa", "fwd"): dict(variant="keys_lpt"), ("mqa", "fwd"): dict(variant="keys_lpt"),
+    ("dsa", "bwd_dq"): dict(teacher_rows=128, block_n=64, num_warps=8, num_stages=2, variant="tiles"),
+    ("mqa", "bwd_dq"): _TILES_64_4W, ("dsa", "bwd_dk"): _TILES_64_4W, ("mqa", "bwd_dk"): _TILES_64_4W,
+    ("gqa", "lse"): dict(teacher_rows=128, block_n=64, num_warps=8, num_stages=2, max_heads_per_chunk=1),
+    ("gqa", "fwd"): dict(variant="gqa-band-r128"),
+    ("gqa", "pacc"): dict(teacher_rows=128, block_n=64, num_warps=4, num_stages=3, variant="tiles"),
+    ("gqa", "bwd_dq"): _TILES_64_4W, ("gqa", "bwd_dk"): _TILES_64_4W,
+    ("dsa", "topk"): dict(separate_student=True), ("mqa", "topk"): dict(separate_student=True),
+}
+
+
+def teacher_family(dims):
+    """The rules' teacher family: ``"dsa"`` (one key head, >= 128 heads), ``"mqa"`` (one key head,
+    64-127 heads), ``"gqa"`` (several key heads), or None (no rule: timed)."""
+    if dims is None:
+        return None
+    if dims.HK > 1:
+        return "gqa"
+    return "dsa" if dims.H >= 128 else "mqa" if dims.H >= 64 else None
+
+
+def _matches(cfg, fields):
+    return all(getattr(cfg, name, None) == value for name, value in fields.items())
+
+
+def _rule_first(kind, dims, cands):
+    """``cands`` with the shape rule's config of ``kind`` first (unchanged where there is none)."""
+    fields = SHAPE_RULES.get((teacher_family(dims), kind))
+    hit = next((c for c in cands if fields is not None and _matches(c, fields)), None)
+    return cands if hit is None else [hit] + [c for c in cands if c is not hit]
+
+
+def ruled(kind, dims, candidates) -> bool:
+    """Does a shape rule choose this pick (its config first in ``candidates``)? Then the pick is not
+    timed by default (``_tuning.pick``'s ``ruled``)."""
+    fields = SHAPE_RULES.get((teacher_family(dims), kind))
+    return fields is not None and bool(candidates) and _matches(candidates[0], fields)
+
+
 def _candidates(kind, ieee, dims=None, n_sm=132, teacher=True):
-    """Launch configs of a kernel kind, the untuned default first. The GPU's lists are memoised:
-    forming them plans every candidate, which cost ~half of a GQA forward's host time (a CPU
-    timing with the launches stubbed: 650 -> 300 us with the host-side cdiv alone)."""
+    """Launch configs of a kernel kind, the untuned default first (the shape rule's, where one
+    covers the kind: ``SHAPE_RULES``; ``bwd_dq`` and ``bwd_dk`` are the recomputing backward's two
+    kernels, ordered apart from the ``bwd`` list the chunk design takes). The GPU's lists are
+    memoised: forming them plans every candidate, which cost ~half of a GQA forward's host time (a
+    CPU timing with the launches stubbed: 650 -> 300 us with the host-side cdiv alone)."""
     if _runtime.interpreting():
         return [INTERPRETER_CONFIG]
     if ieee:
         return [_IEEE_CONFIG]
-    return list(_gpu_candidates(kind, dims, n_sm, teacher))
+    base = "bwd" if kind in ("bwd_dq", "bwd_dk") else kind
+    return _rule_first(kind, dims, list(_gpu_candidates(base, dims, n_sm, teacher)))
 
 
 @functools.lru_cache(maxsize=1024)

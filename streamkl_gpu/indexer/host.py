@@ -91,7 +91,7 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
             lse_idx.copy_(merged_lse)
 
     candidates = _configs._candidates("fwd", ieee_t or ieee_i, dims, _runtime.n_sm(device))
-    launch(_tuning.pick(("idx_fwd", relu) + key_base, candidates, launch, ruled=False))
+    launch(_tuning.pick(("idx_fwd", relu) + key_base, candidates, launch, ruled=_configs.ruled("fwd", dims, candidates)))
     return kl, lse_idx, lse_bits
 
 
@@ -320,10 +320,10 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
             **meta(pl, tma, l1))
 
     ieee = ieee_t or ieee_i
-    if not fused:
-        launch_dq(_tuning.pick(("idx_bwd_dq",) + key_base, _configs._candidates("bwd", ieee, dims, teacher=teacher), launch_dq, ruled=False))
-    if not dqk:
-        launch_dk(_tuning.pick(("idx_bwd_dk",) + key_base, _configs._candidates("bwd", ieee, dims, teacher=teacher), launch_dk, ruled=False))
+    for kind, run, wanted in (("bwd_dq", launch_dq, not fused), ("bwd_dk", launch_dk, not dqk)):
+        if wanted:
+            cands = _configs._candidates(kind, ieee, dims, teacher=teacher)
+            run(_tuning.pick(("idx_" + kind,) + key_base, cands, run, ruled=_configs.ruled(kind, dims, cands)))
     if target_part is not None:
         g0, dq_p, dk_p, dw_p = target_part
         g0 = g0.to(torch.float32)

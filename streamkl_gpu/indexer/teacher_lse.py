@@ -59,7 +59,8 @@ def teacher_lse_bits(q, k, q_idx, k_idx, weights, causal: bool, scale: float) ->
 
     key = ("idx_lse", dims.D, dims.DI, dims.H, dims.HK, dims.HI, dims.HKI, q.dtype, q_idx.dtype, causal, use_tma,
            _tuning.bucket(dims.NQ), _tuning.bucket(dims.NK), _tuning.bucket(dims.B))
-    launch(_tuning.pick(key, _configs._candidates("lse", ieee, dims), launch, ruled=False))
+    cands = _configs._candidates("lse", ieee, dims)
+    launch(_tuning.pick(key, cands, launch, ruled=_configs.ruled("lse", dims, cands)))
     return lse_bits
 
 

@@ -87,7 +87,8 @@ def _forward_pacc(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
         launch_gluon(_tuning.pick(gl_key, _host._gluon_indexer.candidates(dims, pacc=True), launch_gluon, ruled=False))
         kl, lse_idx = _plan_mod._merge_splits(part)
         return kl.sum(), lse_idx, dq_p, dk_p, dw_p
-    launch(_tuning.pick(key, _configs._candidates("pacc", ieee_t or ieee_i, dims), launch, ruled=False))
+    cands = _configs._candidates("pacc", ieee_t or ieee_i, dims)
+    launch(_tuning.pick(key, cands, launch, ruled=_configs.ruled("pacc", dims, cands)))
     return kl.sum(), lse_idx, dq_p, dk_p, dw_p
 
 

@@ -1,0 +1,112 @@
+"""The indexer's shape rules (streamkl_gpu/indexer/configs.py, SHAPE_RULES): on the GPU's candidate
+lists each rule's config exists, goes first and makes the pick untimed by default; picks without a
+rule stay timed; the record the rules cite is committed and names every rule's winner."""
+import csv
+import os
+import re
+
+import pytest
+import torch
+
+from streamkl_ref._checks import check_indexer_inputs
+from streamkl_gpu._core import runtime as _runtime
+from streamkl_gpu._core import tuning as _tuning
+from streamkl_gpu.indexer import configs as idx_configs
+from streamkl_gpu.indexer import topk as idx_topk
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECORD = os.path.join(ROOT, "bench", "results", "2026-12-04_h200_19ad57e", "tuning_log.csv")
+
+# (H, HK, D, HI, DI) of the record's teachers, and a family without rules (one key head, 16 heads)
+TEACHERS = {"dsa": (128, 1, 576, 64, 128), "mqa": (64, 1, 576, 64, 128), "gqa": (32, 8, 128, 16, 64),
+            None: (16, 1, 128, 8, 64)}
+KINDS = ("lse", "fwd", "pacc", "bwd_dq", "bwd_dk")
+
+
+def _dims(family, n=8192):
+    h, hk, d, hi, di = TEACHERS[family]
+    xs = [torch.empty(s, device="meta") for s in ((1, h, n, d), (1, hk, n, d), (1, hi, n, di), (1, 1, n, di), (1, hi, n))]
+    return check_indexer_inputs(*xs, scale=d ** -0.5)
+
+
+@pytest.fixture
+def gpu_lists(monkeypatch):
+    """The GPU's candidate lists (formed on CPU: they only plan)."""
+    monkeypatch.setattr(_runtime, "interpreting", lambda: False)
+    idx_configs._gpu_candidates.cache_clear()
+    yield
+    idx_configs._gpu_candidates.cache_clear()
+
+
+@pytest.mark.parametrize("family", ["dsa", "mqa", "gqa", None])
+@pytest.mark.parametrize("n", [4096, 8192, 16384, 65536])
+def test_each_rule_config_exists_and_goes_first(gpu_lists, family, n):
+    dims = _dims(family, n)
+    assert idx_configs.teacher_family(dims) == family
+    for kind in KINDS:
+        cands = idx_configs._candidates(kind, False, dims)
+        rule = idx_configs.SHAPE_RULES.get((family, kind))
+        assert idx_configs.ruled(kind, dims, cands) == (rule is not None), (family, kind)
+        if rule is not None:
+            assert idx_configs._matches(cands[0], rule), (family, kind, cands[0])
+            assert len(set(cands)) == len(cands)  # moved, not copied
+    topk = idx_topk._fwd_candidates(False, dims)
+    assert idx_configs.ruled("topk", dims, topk) == (family in ("dsa", "mqa"))
+    assert sorted(map(repr, topk)) == sorted(map(repr, idx_topk._fwd_candidates(False)))  # the same three
+
+
+def test_the_chunk_design_keeps_its_tiles(gpu_lists):
+    """The rules reorder the recomputing backward's kernels (bwd_dq, bwd_dk) and the plain forward;
+    the lists the chunk design takes first ("pstore", "bwd") are not theirs to change."""
+    for family in ("dsa", "mqa", "gqa"):
+        dims = _dims(family)
+        assert idx_configs._candidates("pstore", False, dims) == list(idx_configs._gpu_candidates("fwd", dims, 132, True))
+        assert idx_configs._candidates("bwd", False, dims, teacher=False) == list(
+            idx_configs._gpu_candidates("bwd", dims, 132, False))
+
+
+def test_a_ruled_pick_is_untimed_by_default_and_timed_when_asked(gpu_lists, monkeypatch):
+    dims = _dims("gqa")
+    cands = idx_configs._candidates("pacc", False, dims)
+    timed = []
+    monkeypatch.setattr(_tuning, "_time_candidates", lambda key, c, launch: timed.append(key) or c[-1])
+    monkeypatch.setattr(_tuning, "_disk_load", lambda *a: None)
+    monkeypatch.setattr(_tuning, "_disk_store", lambda *a: None)
+    monkeypatch.setattr(_tuning, "interpreting", lambda: False)  # (the tuner never times in the interpreter)
+    monkeypatch.setenv("STREAMKL_AUTOTUNE", "auto")
+    assert _tuning.pick(("t", 1), cands, None, ruled=idx_configs.ruled("pacc", dims, cands)) == cands[0]
+    assert not timed
+    monkeypatch.setenv("STREAMKL_AUTOTUNE", "1")
+    assert _tuning.pick(("t", 2), cands, None, ruled=True) == cands[-1] and timed == [("t", 2)]
+    mqa = _dims("mqa")  # no pacc rule for one key head: timed by default
+    assert not idx_configs.ruled("pacc", mqa, idx_configs._candidates("pacc", False, mqa))
+
+
+def test_the_record_names_each_rule_winner(gpu_lists):
+    """Every rule's config is, in the committed record, the fastest or within 0.5 % of it at every
+    point of its family where the pick was timed."""
+    with open(RECORD) as f:
+        rows = list(csv.DictReader(f))
+    assert rows and {r["run_status"] for r in rows} == {"ok"}
+    family_of = {"dsa": "dsa", "mqa64": "mqa", "gqa": "gqa"}
+    kind_of = {"idx_lse": "lse", "idx_fwd": "fwd", "idx_pacc": "pacc", "idx_bwd_dq": "bwd_dq",
+               "idx_bwd_dk": "bwd_dk", "topk_fwd": "topk"}
+    picks = {}
+    for r in rows:
+        kind = kind_of.get(r["key"].split("'")[1])
+        if kind is None or not r["point"].startswith("idx_"):
+            continue
+        family = family_of[r["point"].split("_")[1]]
+        ms = float(r["retimed_ms"] or r["ms"])
+        picks.setdefault((family, kind, r["point"], r["key"]), {})[r["config"]] = ms
+    covered = set()
+    for (family, kind, point, _), times in picks.items():
+        rule = idx_configs.SHAPE_RULES.get((family, kind))
+        if rule is None:
+            continue
+        winner = [c for c in times if all(re.search(rf"\b{name}={re.escape(repr(value))}[,)]", c)
+                                          for name, value in rule.items())]
+        assert winner, (family, kind, point)
+        assert min(times[c] for c in winner) <= 1.005 * min(times.values()), (family, kind, point)
+        covered.add((family, kind))
+    assert covered == set(idx_configs.SHAPE_RULES), set(idx_configs.SHAPE_RULES) - covered  # each one measured
