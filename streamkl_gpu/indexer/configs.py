@@ -158,11 +158,12 @@ def l1_fwd_candidates(dims):
 # up to 2.4x slower (the ratio, worst point). A family or kind not listed stays timed.
 #   dsa  lse     128 x 128 x 128, 4 warps, 3 stages           (first before: 1.67x)
 #        fwd     the keys-major "keys_lpt" forward with splits (already first: 1.00x)
-#        bwd_dq  128 x 128 x 64, 8 warps, 2 stages             (already first; 64 x 64 on 4 warps 1.09x)
-#        bwd_dk  64 x 64 x 64, 4 warps, 2 stages               (first before: 1.20x)
 #        topk    the separate-student forward                  (0.4 % from the best; 1.60x better at mqa)
-#   mqa  (one key head, 64 <= H < 128) as dsa, but bwd_dq 64 x 64 x 64 on 4 warps (first before 1.42x);
-#        fwd keys_lpt first (the row-major first before: 1.28x)
+#        (the recomputing backward stays timed: with the record's winners, dq 128 x 128 x 64 on 8
+#        warps and dk 64 x 64 x 64 on 4, the per-row-loss step at 8K measured 5.2 % slower than with
+#        the tuner's own choice, 10 interleaved rounds: bench/results/2026-12-04_h200_4a5f2d4/)
+#   mqa  (one key head, 64 <= H < 128) as dsa, and bwd_dq, bwd_dk 64 x 64 x 64 on 4 warps, 2 stages
+#        (first before 1.42x, 1.15x); fwd keys_lpt first (the row-major first before: 1.28x)
 #   gqa  lse     128 x 128 x 64, 8 warps, 2 stages, one head per chunk (first before: 1.03x)
 #        fwd     the GQA kernel's band ("gqa-band-r128", already first: 1.00x)
 #        pacc    128 x 128 x 64, 4 warps, 3 stages             (first before: 1.96x)
@@ -173,8 +174,7 @@ _MQA_LSE = dict(teacher_rows=128, block_n=128, num_warps=4, num_stages=3, varian
 SHAPE_RULES = {
     ("dsa", "lse"): _MQA_LSE, ("mqa", "lse"): _MQA_LSE,
     ("dsa", "fwd"): dict(variant="keys_lpt"), ("mqa", "fwd"): dict(variant="keys_lpt"),
-    ("dsa", "bwd_dq"): dict(teacher_rows=128, block_n=64, num_warps=8, num_stages=2, variant="tiles"),
-    ("mqa", "bwd_dq"): _TILES_64_4W, ("dsa", "bwd_dk"): _TILES_64_4W, ("mqa", "bwd_dk"): _TILES_64_4W,
+    ("mqa", "bwd_dq"): _TILES_64_4W, ("mqa", "bwd_dk"): _TILES_64_4W,
     ("gqa", "lse"): dict(teacher_rows=128, block_n=64, num_warps=8, num_stages=2, max_heads_per_chunk=1),
     ("gqa", "fwd"): dict(variant="gqa-band-r128"),
     ("gqa", "pacc"): dict(teacher_rows=128, block_n=64, num_warps=4, num_stages=3, variant="tiles"),
