@@ -25,6 +25,7 @@ import torch
 
 from streamkl_ref._varlen import check_seqlens_values, check_varlen, padded_view
 
+from streamkl_gpu._core import custom_ops as _custom_ops
 from streamkl_gpu.attention.triton import bwd as _bwd
 from streamkl_gpu.attention.triton import fwd as _fwd
 from streamkl_gpu._core import runtime as _runtime
@@ -269,7 +270,7 @@ def _backward(g, q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, kl, lse1_bits, lse2_b
 # torch.library custom ops + autograd
 # ----------------------------------------------------------------------------------------------
 
-@torch.library.custom_op("streamkl::kl_varlen_fwd", mutates_args=())
+@_custom_ops.custom_op("streamkl::kl_varlen_fwd", mutates_args=())
 def _kl_varlen_fwd_op(q1: torch.Tensor, k1: torch.Tensor, q2: torch.Tensor, k2: torch.Tensor,
                       cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                       max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale1: float, scale2: float,
@@ -286,7 +287,7 @@ def _kl_varlen_fwd_fake(q1, k1, q2, k2, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     return tuple(q1.new_empty(shape, dtype=torch.float32) for _ in range(3))
 
 
-@torch.library.custom_op("streamkl::kl_varlen_bwd", mutates_args=())
+@_custom_ops.custom_op("streamkl::kl_varlen_bwd", mutates_args=())
 def _kl_varlen_bwd_op(g: torch.Tensor, q1: torch.Tensor, k1: torch.Tensor, q2: torch.Tensor,
                       k2: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                       max_seqlen_q: int, max_seqlen_k: int, kl: torch.Tensor, lse1_bits: torch.Tensor,
@@ -328,14 +329,14 @@ def _kl_varlen_backward(ctx, g_kl, g_lse1, g_lse2):
     if not (train1 or train2):
         return (None,) * N_FWD_ARGS
     # the LSE outputs are internal (saved for backward); attention_kl_varlen never hands them out
-    dq1, dk1, dq2, dk2 = _kl_varlen_bwd_op(g_kl, q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, kl,
+    dq1, dk1, dq2, dk2 = _custom_ops.call(_kl_varlen_bwd_op, g_kl, q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, kl,
                                            lse1_bits, lse2_bits, causal, scale1, scale2, train1,
                                            train2, bwd_mode, deterministic)
     return (dq1 if need[0] else None, dk1 if need[1] else None,
             dq2 if need[2] else None, dk2 if need[3] else None) + (None,) * (N_FWD_ARGS - 4)
 
 
-_kl_varlen_fwd_op.register_autograd(_kl_varlen_backward, setup_context=_setup_context)
+_custom_ops.register_autograd(_kl_varlen_fwd_op, _kl_varlen_backward, _setup_context)
 
 
 def _call(q1, k1, q2, k2, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale1,
@@ -348,7 +349,7 @@ def _call(q1, k1, q2, k2, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     check_bwd_mode(bwd_mode)
     check_split_k(split_k)
     deterministic = check_flag(deterministic, "deterministic")
-    return _kl_varlen_fwd_op(q1, k1, q2, k2, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal,
+    return _custom_ops.call(_kl_varlen_fwd_op, q1, k1, q2, k2, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal,
                              dims.scale1, dims.scale2, 0 if split_k is None else split_k, bwd_mode,
                              deterministic)
 

@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from streamkl_gpu._core import custom_ops as _custom_ops
 from streamkl_gpu.indexer.training import accumulate as _accumulate
 from streamkl_gpu.indexer.training import choice as _choice
 from streamkl_gpu.indexer.training import chunk as _chunk
@@ -22,7 +23,7 @@ __all__ = ["indexer_kl", "indexer_kl_naive"]
 # torch.library custom ops + autograd (traceable by torch.compile)
 # ----------------------------------------------------------------------------------------------
 
-@torch.library.custom_op("streamkl::indexer_fwd", mutates_args=())
+@_custom_ops.custom_op("streamkl::indexer_fwd", mutates_args=())
 def _indexer_fwd_op(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, k_idx: torch.Tensor,
                     weights: torch.Tensor, lse: Optional[torch.Tensor], causal: bool, scale: float,
                     relu: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -36,7 +37,7 @@ def _indexer_fwd_fake(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
             q.new_empty((B, H, NQ), dtype=torch.float32))
 
 
-@torch.library.custom_op("streamkl::indexer_bwd", mutates_args=())
+@_custom_ops.custom_op("streamkl::indexer_bwd", mutates_args=())
 def _indexer_bwd_op(g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor,
                     k_idx: torch.Tensor, weights: torch.Tensor, lse_bits: torch.Tensor,
                     lse_idx: torch.Tensor, causal: bool, scale: float,
@@ -59,11 +60,11 @@ def _setup_context(ctx, inputs, output):
 def _indexer_backward(ctx, g_kl, g_lse_idx, g_lse_bits):
     q, k, q_idx, k_idx, weights, lse_bits, lse_idx = ctx.saved_tensors
     causal, scale, relu = ctx.args
-    return _plan_mod._student_grads(ctx.needs_input_grad, lambda: _indexer_bwd_op(
+    return _plan_mod._student_grads(ctx.needs_input_grad, lambda: _custom_ops.call(_indexer_bwd_op, 
         g_kl, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, relu))
 
 
-_indexer_fwd_op.register_autograd(_indexer_backward, setup_context=_setup_context)
+_custom_ops.register_autograd(_indexer_fwd_op, _indexer_backward, _setup_context)
 
 
 def indexer_kl(q, k, q_idx, k_idx, weights, *, causal=False, scale=None, relu=True, lse=None,
@@ -109,14 +110,14 @@ def indexer_kl(q, k, q_idx, k_idx, weights, *, causal=False, scale=None, relu=Tr
         lse = _teacher_lse.teacher_lse(q, k, q_idx, k_idx, weights, causal=causal, scale=dims.scale)
     use_pacc = _choice._use_pacc(dims, lse, reduction, q_idx, k_idx, weights)
     if use_pacc and _choice.pstore_mode(dims, lse_given, weighted) == "chunk":  # the gradient formed in the forward (row weights as its g)
-        total = _chunk._indexer_loss_full_fwd_op(q, k, q_idx, k_idx, weights, lse, causal, dims.scale, relu,
+        total = _custom_ops.call(_chunk._indexer_loss_full_fwd_op, q, k, q_idx, k_idx, weights, lse, causal, dims.scale, relu,
                                                  row_weights)[0]
         return total if reduction == "sum" else total / _plan_mod._rows_with_keys(dims, causal)
     if use_pacc and row_weights is None:  # store p whole, or accumulate the target's share (uniform g only)
         op = _store._indexer_loss_pstore_fwd_op if _choice.pstore_enabled(dims, lse_given, weighted) else _accumulate._indexer_loss_fwd_op
-        total = op(q, k, q_idx, k_idx, weights, lse, causal, dims.scale, relu)[0]
+        total = _custom_ops.call(op, q, k, q_idx, k_idx, weights, lse, causal, dims.scale, relu)[0]
         return total if reduction == "sum" else total / _plan_mod._rows_with_keys(dims, causal)
-    kl = _indexer_fwd_op(q, k, q_idx, k_idx, weights, lse, causal, dims.scale, relu)[0]
+    kl = _custom_ops.call(_indexer_fwd_op, q, k, q_idx, k_idx, weights, lse, causal, dims.scale, relu)[0]
     if row_weights is not None:  # the recomputing backward then gets g * row_weights per row
         kl = kl * row_weights
     if reduction == "none":

@@ -23,6 +23,7 @@ import torch
 
 from streamkl_ref._checks import check_indexer_inputs
 
+from streamkl_gpu._core import custom_ops as _custom_ops
 from streamkl_gpu._core import checks as _checks
 from streamkl_gpu._core import runtime as _runtime
 from streamkl_gpu._core import tuning as _tuning
@@ -64,7 +65,7 @@ def teacher_lse_bits(q, k, q_idx, k_idx, weights, causal: bool, scale: float) ->
     return lse_bits
 
 
-@torch.library.custom_op("streamkl::indexer_teacher_lse", mutates_args=())
+@_custom_ops.custom_op("streamkl::indexer_teacher_lse", mutates_args=())
 def _teacher_lse_op(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, k_idx: torch.Tensor,
                     weights: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
     # natural log, the unit of the caller's ``lse`` (the fast path takes it back to bits: one
@@ -82,5 +83,5 @@ def teacher_lse(q, k, q_idx, k_idx, weights, *, causal: bool, scale: float) -> t
     ``scale`` is the resolved score scale (``check_indexer_inputs``'s ``dims.scale``). The
     indexer tensors only shape the launch (the tuner's key, the TMA decision); they are not read."""
     with torch.no_grad():
-        return _teacher_lse_op(q.detach(), k.detach(), q_idx.detach(), k_idx.detach(), weights.detach(),
+        return _custom_ops.call(_teacher_lse_op, q.detach(), k.detach(), q_idx.detach(), k_idx.detach(), weights.detach(),
                                causal, float(scale))

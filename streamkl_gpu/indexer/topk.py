@@ -23,6 +23,7 @@ import triton
 
 from streamkl_ref._checks import check_indexer_inputs
 
+from streamkl_gpu._core import custom_ops as _custom_ops
 from streamkl_gpu._core import checks as _checks
 from streamkl_gpu._core import runtime as _runtime
 from streamkl_gpu._core import tuning as _tuning
@@ -205,7 +206,7 @@ def _backward(g, q_idx, k_idx, weights, topk_indices, p_set, lse_i, causal, relu
 # torch.library custom ops + autograd (traceable by torch.compile)
 # ----------------------------------------------------------------------------------------------
 
-@torch.library.custom_op("streamkl::indexer_topk_fwd", mutates_args=())
+@_custom_ops.custom_op("streamkl::indexer_topk_fwd", mutates_args=())
 def _topk_fwd_op(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, k_idx: torch.Tensor,
                  weights: torch.Tensor, topk_indices: torch.Tensor, lse: Optional[torch.Tensor], causal: bool,
                  scale: float, relu: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -219,7 +220,7 @@ def _topk_fwd_fake(q, k, q_idx, k_idx, weights, topk_indices, lse, causal, scale
     return (q.new_empty((B, NQ), dtype=f32), q.new_empty((B, NQ), dtype=f32), q.new_empty((B, NQ, KS), dtype=f32))
 
 
-@torch.library.custom_op("streamkl::indexer_topk_bwd", mutates_args=())
+@_custom_ops.custom_op("streamkl::indexer_topk_bwd", mutates_args=())
 def _topk_bwd_op(g: torch.Tensor, q_idx: torch.Tensor, k_idx: torch.Tensor, weights: torch.Tensor,
                  topk_indices: torch.Tensor, p_set: torch.Tensor, lse_i: torch.Tensor, causal: bool,
                  relu: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -241,11 +242,11 @@ def _setup_context(ctx, inputs, output):
 def _topk_backward(ctx, g_kl, g_lse_i, g_p_set):
     q_idx, k_idx, weights, topk_indices, p_set, lse_i = ctx.saved_tensors
     causal, relu = ctx.args
-    return _student_grads(ctx.needs_input_grad, lambda: _topk_bwd_op(
+    return _student_grads(ctx.needs_input_grad, lambda: _custom_ops.call(_topk_bwd_op, 
         g_kl, q_idx, k_idx, weights, topk_indices, p_set, lse_i, causal, relu))
 
 
-_topk_fwd_op.register_autograd(_topk_backward, setup_context=_setup_context)
+_custom_ops.register_autograd(_topk_fwd_op, _topk_backward, _setup_context)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -291,7 +292,7 @@ def indexer_kl_topk(q, k, q_idx, k_idx, weights, topk_indices, *, causal=False, 
         raise ValueError(f"q_idx has {dims.HI} heads; indexer_kl_topk supports up to {MAX_TOPK_INDEXER_HEADS}")
     _check_topk(topk_indices, dims, q.device)
     row_weights = _check_row_weights(row_weights, dims, q.device)
-    kl = _topk_fwd_op(q, k, q_idx, k_idx, weights, topk_indices, lse, causal, dims.scale, relu)[0]
+    kl = _custom_ops.call(_topk_fwd_op, q, k, q_idx, k_idx, weights, topk_indices, lse, causal, dims.scale, relu)[0]
     if row_weights is not None:
         kl = kl * row_weights
     if reduction == "none":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from streamkl_ref._checks import check_indexer_inputs
+from streamkl_gpu._core import custom_ops as _custom_ops
 from streamkl_gpu.indexer.triton import accumulate as _indexer_pacc
 from streamkl_gpu._core import checks as _checks
 from streamkl_gpu._core import forcing as _forcing
@@ -92,7 +93,7 @@ def _forward_pacc(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
     return kl.sum(), lse_idx, dq_p, dk_p, dw_p
 
 
-@torch.library.custom_op("streamkl::indexer_loss_fwd", mutates_args=())
+@_custom_ops.custom_op("streamkl::indexer_loss_fwd", mutates_args=())
 def _indexer_loss_fwd_op(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, k_idx: torch.Tensor,
                          weights: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
                          relu: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -107,7 +108,7 @@ def _indexer_loss_fwd_fake(q, k, q_idx, k_idx, weights, lse, causal, scale, relu
             q.new_empty((B, 1, NK, DI), dtype=f32), q.new_empty((B, HI, NQ), dtype=f32))
 
 
-@torch.library.custom_op("streamkl::indexer_loss_bwd", mutates_args=())
+@_custom_ops.custom_op("streamkl::indexer_loss_bwd", mutates_args=())
 def _indexer_loss_bwd_op(g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor,
                          k_idx: torch.Tensor, weights: torch.Tensor, lse_idx: torch.Tensor, dq_p: torch.Tensor,
                          dk_p: torch.Tensor, dw_p: torch.Tensor, causal: bool, scale: float,
@@ -159,8 +160,8 @@ def _loss_setup_context(ctx, inputs, output):
 def _loss_backward(ctx, g_total, g_lse_idx, g_dq, g_dk, g_dw):
     q, k, q_idx, k_idx, weights, lse_idx, dq_p, dk_p, dw_p = ctx.saved_tensors
     causal, scale, relu = ctx.args
-    return _plan_mod._student_grads(ctx.needs_input_grad, lambda: _indexer_loss_bwd_op(
+    return _plan_mod._student_grads(ctx.needs_input_grad, lambda: _custom_ops.call(_indexer_loss_bwd_op, 
         g_total, q, k, q_idx, k_idx, weights, lse_idx, dq_p, dk_p, dw_p, causal, scale, relu))
 
 
-_indexer_loss_fwd_op.register_autograd(_loss_backward, setup_context=_loss_setup_context)
+_custom_ops.register_autograd(_indexer_loss_fwd_op, _loss_backward, _loss_setup_context)

@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from streamkl_ref._checks import check_indexer_inputs
+from streamkl_gpu._core import custom_ops as _custom_ops
 from streamkl_gpu.indexer.triton import bwd as _indexer_bwd
 from streamkl_gpu.indexer.triton import accumulate as _indexer_pacc
 from streamkl_gpu.indexer.triton import fwd_gqa_store as _indexer_gqa_store  # several key heads
@@ -143,7 +144,7 @@ def _forward_full_with(fcfg, bcfg, q, k, q_idx, k_idx, weights, lse, causal, sca
     return total, lse_idx, dq1, dk1, dw1
 
 
-@torch.library.custom_op("streamkl::indexer_loss_full_fwd", mutates_args=())
+@_custom_ops.custom_op("streamkl::indexer_loss_full_fwd", mutates_args=())
 def _indexer_loss_full_fwd_op(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, k_idx: torch.Tensor,
                               weights: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
                               relu: bool, row_weights: Optional[torch.Tensor] = None
@@ -174,4 +175,4 @@ def _full_backward(ctx, g_total, g_lse_idx, g_dq, g_dk, g_dw):
     return (None, None, *grads) + (None,) * (len(need) - 5)  # lse, causal, scale, relu, row_weights
 
 
-_indexer_loss_full_fwd_op.register_autograd(_full_backward, setup_context=_full_setup_context)
+_custom_ops.register_autograd(_indexer_loss_full_fwd_op, _full_backward, _full_setup_context)

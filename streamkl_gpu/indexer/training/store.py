@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from streamkl_ref._checks import check_indexer_inputs
+from streamkl_gpu._core import custom_ops as _custom_ops
 from streamkl_gpu.indexer.triton import fwd as _indexer_fwd
 from streamkl_gpu.indexer.triton import accumulate as _indexer_pacc
 from streamkl_gpu._core import checks as _checks
@@ -73,7 +74,7 @@ def _forward_pstore(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
     return kl.sum(), lse_idx, p
 
 
-@torch.library.custom_op("streamkl::indexer_loss_pstore_fwd", mutates_args=())
+@_custom_ops.custom_op("streamkl::indexer_loss_pstore_fwd", mutates_args=())
 def _indexer_loss_pstore_fwd_op(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, k_idx: torch.Tensor,
                                 weights: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
                                 relu: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -87,7 +88,7 @@ def _indexer_loss_pstore_fwd_fake(q, k, q_idx, k_idx, weights, lse, causal, scal
     return q.new_empty((), dtype=f32), q.new_empty((B, NQ), dtype=f32), q.new_empty((B, NQ, NK), dtype=_choice.PSTORE_DTYPE)
 
 
-@torch.library.custom_op("streamkl::indexer_loss_pstore_bwd", mutates_args=())
+@_custom_ops.custom_op("streamkl::indexer_loss_pstore_bwd", mutates_args=())
 def _indexer_loss_pstore_bwd_op(g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor,
                                 k_idx: torch.Tensor, weights: torch.Tensor, lse_idx: torch.Tensor, p: torch.Tensor,
                                 causal: bool, scale: float, relu: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -110,8 +111,8 @@ def _pstore_setup_context(ctx, inputs, output):
 def _pstore_backward(ctx, g_total, g_lse_idx, g_p):
     q, k, q_idx, k_idx, weights, lse_idx, p = ctx.saved_tensors
     causal, scale, relu = ctx.args
-    return _plan_mod._student_grads(ctx.needs_input_grad, lambda: _indexer_loss_pstore_bwd_op(
+    return _plan_mod._student_grads(ctx.needs_input_grad, lambda: _custom_ops.call(_indexer_loss_pstore_bwd_op, 
         g_total, q, k, q_idx, k_idx, weights, lse_idx, p, causal, scale, relu))
 
 
-_indexer_loss_pstore_fwd_op.register_autograd(_pstore_backward, setup_context=_pstore_setup_context)
+_custom_ops.register_autograd(_indexer_loss_pstore_fwd_op, _pstore_backward, _pstore_setup_context)
