@@ -34,8 +34,10 @@ def gpu_lists(monkeypatch):
     """The GPU's candidate lists (formed on CPU: they only plan)."""
     monkeypatch.setattr(_runtime, "interpreting", lambda: False)
     idx_configs._gpu_candidates.cache_clear()
+    idx_configs._ruled_candidates.cache_clear()
     yield
     idx_configs._gpu_candidates.cache_clear()
+    idx_configs._ruled_candidates.cache_clear()
 
 
 @pytest.mark.parametrize("family", ["dsa", "mqa", "gqa", None])

@@ -58,8 +58,8 @@ def _eager_function(op):
 
 
 @functools.lru_cache(maxsize=None)
-def _signature(fn):
-    return inspect.signature(fn)
+def _arity(fn):
+    return len(inspect.signature(fn).parameters)
 
 
 def call(op, *args):
@@ -68,9 +68,10 @@ def call(op, *args):
     if torch.compiler.is_compiling():
         return op(*args)
     fn, backward, _ = _REGISTRY[op]
-    bound = _signature(fn).bind(*args)
-    bound.apply_defaults()
-    args = bound.args
+    if len(args) < _arity(fn):  # defaults filled in, as the dispatcher does for setup_context
+        bound = inspect.signature(fn).bind(*args)
+        bound.apply_defaults()
+        args = bound.args
     if backward is None or not torch.is_grad_enabled() or not any(
             isinstance(a, torch.Tensor) and a.requires_grad for a in args):
         with torch.no_grad():  # as below the dispatcher's autograd: nothing recorded

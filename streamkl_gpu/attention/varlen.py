@@ -329,9 +329,9 @@ def _kl_varlen_backward(ctx, g_kl, g_lse1, g_lse2):
     if not (train1 or train2):
         return (None,) * N_FWD_ARGS
     # the LSE outputs are internal (saved for backward); attention_kl_varlen never hands them out
-    dq1, dk1, dq2, dk2 = _custom_ops.call(_kl_varlen_bwd_op, g_kl, q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, kl,
-                                           lse1_bits, lse2_bits, causal, scale1, scale2, train1,
-                                           train2, bwd_mode, deterministic)
+    dq1, dk1, dq2, dk2 = _custom_ops.call(_kl_varlen_bwd_op, g_kl, q1, k1, q2, k2, cu_q, cu_k, max_q, max_k,
+                                          kl, lse1_bits, lse2_bits, causal, scale1, scale2, train1, train2,
+                                          bwd_mode, deterministic)
     return (dq1 if need[0] else None, dk1 if need[1] else None,
             dq2 if need[2] else None, dk2 if need[3] else None) + (None,) * (N_FWD_ARGS - 4)
 
@@ -350,8 +350,7 @@ def _call(q1, k1, q2, k2, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     check_split_k(split_k)
     deterministic = check_flag(deterministic, "deterministic")
     return _custom_ops.call(_kl_varlen_fwd_op, q1, k1, q2, k2, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal,
-                             dims.scale1, dims.scale2, 0 if split_k is None else split_k, bwd_mode,
-                             deterministic)
+                            dims.scale1, dims.scale2, 0 if split_k is None else split_k, bwd_mode, deterministic)
 
 
 def attention_kl_varlen(q1, k1, q2, k2, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,

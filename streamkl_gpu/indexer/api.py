@@ -60,7 +60,7 @@ def _setup_context(ctx, inputs, output):
 def _indexer_backward(ctx, g_kl, g_lse_idx, g_lse_bits):
     q, k, q_idx, k_idx, weights, lse_bits, lse_idx = ctx.saved_tensors
     causal, scale, relu = ctx.args
-    return _plan_mod._student_grads(ctx.needs_input_grad, lambda: _custom_ops.call(_indexer_bwd_op, 
+    return _plan_mod._student_grads(ctx.needs_input_grad, lambda: _custom_ops.call(_indexer_bwd_op,
         g_kl, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, relu))
 
 
@@ -110,8 +110,8 @@ def indexer_kl(q, k, q_idx, k_idx, weights, *, causal=False, scale=None, relu=Tr
         lse = _teacher_lse.teacher_lse(q, k, q_idx, k_idx, weights, causal=causal, scale=dims.scale)
     use_pacc = _choice._use_pacc(dims, lse, reduction, q_idx, k_idx, weights)
     if use_pacc and _choice.pstore_mode(dims, lse_given, weighted) == "chunk":  # the gradient formed in the forward (row weights as its g)
-        total = _custom_ops.call(_chunk._indexer_loss_full_fwd_op, q, k, q_idx, k_idx, weights, lse, causal, dims.scale, relu,
-                                                 row_weights)[0]
+        total = _custom_ops.call(_chunk._indexer_loss_full_fwd_op, q, k, q_idx, k_idx, weights, lse, causal,
+                                 dims.scale, relu, row_weights)[0]
         return total if reduction == "sum" else total / _plan_mod._rows_with_keys(dims, causal)
     if use_pacc and row_weights is None:  # store p whole, or accumulate the target's share (uniform g only)
         op = _store._indexer_loss_pstore_fwd_op if _choice.pstore_enabled(dims, lse_given, weighted) else _accumulate._indexer_loss_fwd_op

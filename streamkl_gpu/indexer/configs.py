@@ -221,8 +221,13 @@ def _candidates(kind, ieee, dims=None, n_sm=132, teacher=True):
         return [INTERPRETER_CONFIG]
     if ieee:
         return [_IEEE_CONFIG]
+    return list(_ruled_candidates(kind, dims, n_sm, teacher))
+
+
+@functools.lru_cache(maxsize=1024)
+def _ruled_candidates(kind, dims, n_sm, teacher):
     base = "bwd" if kind in ("bwd_dq", "bwd_dk") else kind
-    return _rule_first(kind, dims, list(_gpu_candidates(base, dims, n_sm, teacher)))
+    return tuple(_rule_first(kind, dims, list(_gpu_candidates(base, dims, n_sm, teacher))))
 
 
 @functools.lru_cache(maxsize=1024)

@@ -83,5 +83,5 @@ def teacher_lse(q, k, q_idx, k_idx, weights, *, causal: bool, scale: float) -> t
     ``scale`` is the resolved score scale (``check_indexer_inputs``'s ``dims.scale``). The
     indexer tensors only shape the launch (the tuner's key, the TMA decision); they are not read."""
     with torch.no_grad():
-        return _custom_ops.call(_teacher_lse_op, q.detach(), k.detach(), q_idx.detach(), k_idx.detach(), weights.detach(),
-                               causal, float(scale))
+        return _custom_ops.call(_teacher_lse_op, q.detach(), k.detach(), q_idx.detach(), k_idx.detach(),
+                                weights.detach(), causal, float(scale))

@@ -242,7 +242,7 @@ def _setup_context(ctx, inputs, output):
 def _topk_backward(ctx, g_kl, g_lse_i, g_p_set):
     q_idx, k_idx, weights, topk_indices, p_set, lse_i = ctx.saved_tensors
     causal, relu = ctx.args
-    return _student_grads(ctx.needs_input_grad, lambda: _custom_ops.call(_topk_bwd_op, 
+    return _student_grads(ctx.needs_input_grad, lambda: _custom_ops.call(_topk_bwd_op,
         g_kl, q_idx, k_idx, weights, topk_indices, p_set, lse_i, causal, relu))
 
 

@@ -160,7 +160,7 @@ def _loss_setup_context(ctx, inputs, output):
 def _loss_backward(ctx, g_total, g_lse_idx, g_dq, g_dk, g_dw):
     q, k, q_idx, k_idx, weights, lse_idx, dq_p, dk_p, dw_p = ctx.saved_tensors
     causal, scale, relu = ctx.args
-    return _plan_mod._student_grads(ctx.needs_input_grad, lambda: _custom_ops.call(_indexer_loss_bwd_op, 
+    return _plan_mod._student_grads(ctx.needs_input_grad, lambda: _custom_ops.call(_indexer_loss_bwd_op,
         g_total, q, k, q_idx, k_idx, weights, lse_idx, dq_p, dk_p, dw_p, causal, scale, relu))
 
 

@@ -111,7 +111,7 @@ def _pstore_setup_context(ctx, inputs, output):
 def _pstore_backward(ctx, g_total, g_lse_idx, g_p):
     q, k, q_idx, k_idx, weights, lse_idx, p = ctx.saved_tensors
     causal, scale, relu = ctx.args
-    return _plan_mod._student_grads(ctx.needs_input_grad, lambda: _custom_ops.call(_indexer_loss_pstore_bwd_op, 
+    return _plan_mod._student_grads(ctx.needs_input_grad, lambda: _custom_ops.call(_indexer_loss_pstore_bwd_op,
         g_total, q, k, q_idx, k_idx, weights, lse_idx, p, causal, scale, relu))
 
 
