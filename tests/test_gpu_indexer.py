@@ -390,3 +390,20 @@ def test_plan_tiles_are_at_least_16_wide():
                 if kind == "bwd":
                     assert pl["GI_PAD"] * pl["BLOCK_T"] >= 16 and pl["GI_PAD"] >= HI // HKI
                 assert math.log2(pl["BLOCK_T"]).is_integer()
+
+
+@pytest.mark.parametrize("n", [1000, 8192, 32768, 131072])
+@pytest.mark.parametrize("causal", [True, False])
+def test_dk_token_split_does_not_depend_on_the_batch_size(n, causal):
+    """A batch entry's dk is summed over the same token splits as the entry alone, so a batched
+    call's dk_idx equals the entries' own calls (the 128K first-call check): the split is chosen
+    from one entry's key programs."""
+    from streamkl_ref._checks import check_indexer_inputs
+
+    def inputs(b):
+        shapes = [(b, 2, n, 16), (b, 1, n, 16), (b, 2, n, 8), (b, 1, n, 8), (b, 2, n)]
+        return [torch.empty(s, device="meta") for s in shapes]
+
+    dims = {b: check_indexer_inputs(*inputs(b), scale=0.25) for b in (1, 2, 8)}
+    splits = {b: idx_host.dk_token_split(d, 64, 64, 132, causal) for b, d in dims.items()}
+    assert len(set(splits.values())) == 1, splits

@@ -9,6 +9,8 @@ an H200 image without: bench/results/2026-12-04_h200_cd11444/first_call_profile.
 call pays the schema binding. :func:`call` runs the op's own function, and its registered autograd
 as a plain ``torch.autograd.Function``, when not compiling; ``attention_kl`` does the same with its
 own Function (``attention/ops.py``). Both paths run the same function with the same arguments.
+In a compile-ahead thread (``_core.launcher``) :func:`call` also runs the op's backward, on zero
+stand-in gradients, so that a first call's backward kernels compile beside its forward's.
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ import functools
 import inspect
 
 import torch
+
+from streamkl_gpu._core.launcher import compiling_ahead
 
 # op -> [function, backward, setup_context] (backward and setup_context None: no autograd registered)
 _REGISTRY: dict = {}
@@ -62,18 +66,53 @@ def _arity(fn):
     return len(inspect.signature(fn).parameters)
 
 
+class _StandInContext:
+    """What ``setup_context`` and ``backward`` use of an autograd context, for a compile-ahead
+    thread's backward (:func:`call`): saved tensors, the gradient flags, attributes."""
+
+    def __init__(self, needs_input_grad):
+        self.needs_input_grad = needs_input_grad
+        self.saved_tensors = ()
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+    def mark_non_differentiable(self, *tensors):
+        pass
+
+    def set_materialize_grads(self, value):
+        pass
+
+
+def _compile_ahead_call(fn, backward, setup_context, args, train):
+    """In a compile-ahead thread (``_core.launcher``): the forward, then, where a gradient is
+    wanted, the registered backward on zero gradients, so that both reach their kernels (which
+    only compile there). Returns the forward's outputs (garbage: no kernel ran)."""
+    with torch.no_grad():
+        out = fn(*args)
+        if train and backward is not None:
+            ctx = _StandInContext(tuple(isinstance(a, torch.Tensor) and a.requires_grad for a in args))
+            setup_context(ctx, args, out)
+            outs = out if isinstance(out, tuple) else (out,)
+            backward(ctx, *(torch.zeros_like(o) if isinstance(o, torch.Tensor) else None for o in outs))
+    return out
+
+
 def call(op, *args):
     """``op(*args)``: the custom op under ``torch.compile``; in eager mode its function directly, with
     its registered autograd where an input requires a gradient."""
     if torch.compiler.is_compiling():
         return op(*args)
-    fn, backward, _ = _REGISTRY[op]
+    fn, backward, setup_context = _REGISTRY[op]
     if len(args) < _arity(fn):  # defaults filled in, as the dispatcher does for setup_context
         bound = inspect.signature(fn).bind(*args)
         bound.apply_defaults()
         args = bound.args
-    if backward is None or not torch.is_grad_enabled() or not any(
-            isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+    train = backward is not None and torch.is_grad_enabled() and any(
+        isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+    if compiling_ahead():
+        return _compile_ahead_call(fn, backward, setup_context, args, train)
+    if not train:
         with torch.no_grad():  # as below the dispatcher's autograd: nothing recorded
             return fn(*args)
     return _eager_function(op).apply(*args)

@@ -18,8 +18,17 @@ launching (``JITFunction.warmup``), so that kernels a later call will need compi
 call's own kernels compile on the calling thread: Triton releases the GIL in its compiler passes
 and ptxas is a subprocess, so two compiles on two cores take the time of one (measured with
 triton 3.9: a forward and a backward kernel for sm_90, 7.2 s one after the other, 3.7 s side by side).
-Inside a compile-ahead thread each kernel compiles on a thread of its own (:func:`_compile_only`):
-a backward of three kernels then waits for its slowest compile, not for the three in a row.
+Inside a compile-ahead thread each kernel compiles on a thread of its own (:func:`_compile_only`),
+and that thread also loads the compiled kernel (``CompiledKernel._init_handles``: the module load
+and, with triton 3.6, the C launcher's build by the host compiler, about 0.4 s per kernel): a
+backward of three kernels then waits for its slowest compile, not for the three in a row.
+
+A first call at a new signature (:func:`compile_first_call`): the entry points whose one call
+launches several kernels one after another (the indexer losses, packed sequences) first run the
+whole call, forward and backward, in a compile-ahead thread and wait for it, so that every
+kernel of the call compiles at once; then they run it. The backward is reached through
+``_core.custom_ops.call``, which in a compile-ahead thread runs an op's registered backward on
+zero stand-in gradients.
 """
 from __future__ import annotations
 
@@ -83,6 +92,42 @@ def compile_ahead(work, device):
     return thread
 
 
+_FIRST_CALLS: set = set()  # signatures whose first call compiled ahead (compile_first_call)
+_MAX_FIRST_CALLS = 4096
+
+
+def compile_first_call(signature, work, device) -> bool:
+    """At a signature not met before in this process, run ``work()`` (the entry point's whole call)
+    in a compile-ahead thread and wait for it: every kernel it would launch compiles at the same
+    time, each on a thread of its own; returns whether it did. Nothing of ``work``'s launches
+    runs; its torch operations on their outputs (garbage) do, so the caller's real call comes
+    after. Off where compiling ahead is (:func:`ahead_allowed`), off the GPU, inside a
+    compile-ahead thread or a ``torch.compile`` region. ``signature`` should change where the
+    kernels do (dtypes, gradient flags, bucketed sizes); a signature that misses a change only
+    lets that kernel compile in the real call, one after another, as without this."""
+    if (getattr(device, "type", None) != "cuda" or compiling_ahead() or not ahead_allowed()
+            or torch.compiler.is_compiling() or signature in _FIRST_CALLS):
+        return False
+    if len(_FIRST_CALLS) >= _MAX_FIRST_CALLS:
+        _FIRST_CALLS.clear()
+    _FIRST_CALLS.add(signature)
+    compile_ahead(work, device).join()
+    return True
+
+
+def call_signature(*args) -> tuple:
+    """A first-call signature of an entry point's arguments: tensors by dtype, device, gradient
+    flag, unit last stride and each size's power-of-two bucket; other values as they are."""
+    out = [torch.is_grad_enabled()]
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append((a.dtype, a.device, a.requires_grad, a.ndim > 0 and a.stride(-1) == 1,
+                        tuple(1 << max(0, int(n - 1).bit_length()) for n in a.shape)))
+        else:
+            out.append(a)
+    return tuple(out)
+
+
 def _value_key(v):
     """A compile's argument as it matters to the kernel it selects: tensors and descriptors by
     what Triton specialises on, plain values (constexprs, integers) by value."""
@@ -111,7 +156,10 @@ def _compile_only(fn, grid, args, kwargs):
     def body():
         try:
             with _on_device(device):
-                fn.warmup(*args, grid=grid, **kwargs)
+                kernel = fn.warmup(*args, grid=grid, **kwargs)
+                init = getattr(kernel, "_init_handles", None)
+                if device is not None and init is not None:  # load it here too (module, launcher)
+                    init()
         except Exception:  # noqa: BLE001 - the real launch meets the same error and raises it
             pass
 

@@ -15,6 +15,7 @@ import os
 import tempfile
 
 from streamkl_gpu._core import runtime as _runtime
+from streamkl_gpu._core.launcher import compiling_ahead
 from streamkl_gpu._core.runtime import interpreting
 
 # Tuned choices: in memory for this process, and on disk for the next one (see _disk_cache_dir).
@@ -126,6 +127,8 @@ def pick(key, candidates, launch, proxy=None, device=None, ruled=True):
     of it with the same kernels (then the candidates are timed on the slice). Nothing else is
     launched. Timing stops after ``KEY_BUDGET_S`` seconds with the best so far. Where the pick is not timed (:func:`autotune_enabled` of ``ruled``; always in the
     interpreter) the first candidate, untimed: the shape rule's choice, the one kernel compiled.
+    In a compile-ahead thread (``_core.launcher``) a pick not yet decided compiles every candidate
+    and returns the first, recording nothing.
     """
     if len(candidates) == 1 or not autotune_enabled(ruled):
         return candidates[0]
@@ -133,6 +136,12 @@ def pick(key, candidates, launch, proxy=None, device=None, ruled=True):
     if cfg is not None:
         return cfg
     cfg = _disk_load(device, key, candidates)
+    if cfg is None and compiling_ahead():
+        # a compile-ahead thread's launches run nothing, so nothing can be timed here: compile
+        # every candidate (each on a thread of its own) for the real call's timing, decide nothing
+        for other in candidates[1:]:
+            launch(other)
+        return candidates[0]
     if cfg is None:
         cfg = _time_candidates(key, candidates, proxy or launch)
         _disk_store(device, key, cfg)

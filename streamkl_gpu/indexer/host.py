@@ -217,18 +217,27 @@ DQK_TMA = False
 INTERPRETER_DK_SPLIT = None
 
 
-def dk_token_split(dims, block_t: int, key_programs: int, n_sm: int, causal: bool) -> int:
+def dk_token_split(dims, block_t: int, block_n: int, n_sm: int, causal: bool) -> int:
     """Tokens per dk program (a multiple of BLOCK_T; N_Q or more means one split, no atomics).
 
     The dk kernel has one program per key tile; at DSA-like shapes that is ~N/64 programs for
     132 SMs, each walking up to N tokens (causal: a triangle, the first tile walks them all). So
     the tokens are cut into fixed-size splits until there are about 8 programs per SM (causal:
     about half exit at once), each split adding its partial dk with one fp32 atomic add.
-    Reasoned, not yet measured."""
+    Reasoned, not yet measured.
+
+    The programs are counted for **one batch entry** (key tiles x indexer key heads), so that
+    the split, and with it the grouping of each entry's dk sum, does not depend on the batch
+    size: an entry of a batch sums its dk as it does alone (with one or two splits bitwise, as
+    fp32 addition of two partials onto zero commutes; with more, in an order the atomics
+    choose). Counted over the whole batch, the split changed with B, and at 128K tokens
+    (DSA-like, B = 2) the batched dk_idx was 8.5e-3 relative away from each entry's own
+    (bench/results/2026-12-04_h200_cd11444/first_call_big.csv)."""
     if _runtime.interpreting() and INTERPRETER_DK_SPLIT is not None:
         per = INTERPRETER_DK_SPLIT
     else:
         want = 8 * n_sm * (2 if causal else 1)
+        key_programs = _runtime.cdiv(dims.NK, block_n) * dims.HKI  # one batch entry's (see above)
         splits = max(1, min(_runtime.cdiv(want, key_programs), _runtime.cdiv(dims.NQ, 4 * block_t)))
         per = _runtime.cdiv(dims.NQ, splits)
     return max(block_t, _runtime.cdiv(per, block_t) * block_t)
@@ -303,8 +312,7 @@ def _backward(g, q, k, q_idx, k_idx, weights, lse_bits, lse_idx, causal, scale, 
     def launch_dk(cfg):
         nonlocal dk_idx
         pl = _plan_mod._plan(dims, cfg, plan_kind)
-        key_programs = _runtime.cdiv(dims.NK, pl["BLOCK_N"]) * dims.B * dims.HKI
-        per_split = dk_token_split(dims, pl["BLOCK_T"], key_programs, _runtime.n_sm(device), causal)
+        per_split = dk_token_split(dims, pl["BLOCK_T"], pl["BLOCK_N"], _runtime.n_sm(device), causal)
         splits = _runtime.cdiv(dims.NQ, per_split)
         if splits > 1:
             dk_idx = torch.zeros((dims.B, dims.HKI, dims.NK, dims.DI), dtype=torch.float32, device=device)

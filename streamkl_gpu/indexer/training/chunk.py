@@ -18,7 +18,7 @@ from streamkl_gpu.indexer.triton import fwd_gqa_store as _indexer_gqa_store  # s
 from streamkl_gpu._core import checks as _checks
 from streamkl_gpu._core import runtime as _runtime
 from streamkl_gpu._core import tuning as _tuning
-from streamkl_gpu._core.launcher import kernel_call
+from streamkl_gpu._core.launcher import compiling_ahead, kernel_call
 from streamkl_gpu.indexer import configs as _configs
 from streamkl_gpu.indexer import host as _host
 from streamkl_gpu.indexer import plan as _plan_mod
@@ -75,7 +75,8 @@ def _forward_full(q, k, q_idx, k_idx, weights, lse, causal, scale, relu, row_wei
                     raise
                 last = exc
                 continue
-            _FULL_CONFIGS[key] = (fcfg, bcfg)
+            if not compiling_ahead():  # (there nothing ran: a launch that does not fit raised nothing)
+                _FULL_CONFIGS[key] = (fcfg, bcfg)
             return out
     raise last
 
