@@ -65,6 +65,14 @@ class ShapeRule:
 # per-launch cost of encoding two host descriptors; not profiled.
 TMA_MIN_KEYS = 2048
 
+# Below this many keys the backward runs without TMA descriptors (its pointer variants): there it
+# is launch-bound, and each call paid Triton's per-launch encoding of up to nine host descriptors
+# for its two kernels, plus the rows pre-pass's launch (H200, B=1 H=1 N_Q=1 N_K=64 D=64, setting 1:
+# 33 of the 284 ms of 300 profiled fwd+bwd calls in Triton's descriptor wrapper,
+# bench/results/2026-12-04_h200_02748e6/host_profile.txt). Every point of the benchmark
+# grids has at least this many keys, so none of their measured configs moves.
+BWD_TMA_MIN_KEYS = 1024
+
 # fp32 inputs promise fp32 accuracy: their dots run in IEEE fp32 on the FMA units (no tensor
 # cores); large tiles then unroll into huge code that takes minutes to compile, so small tiles.
 _IEEE_TILE = dict(block_m=32, block_n=32, num_warps=4, num_stages=2)

@@ -24,7 +24,7 @@ from streamkl_gpu.attention.gluon.dispatch import device_capability, fwd_backend
 from streamkl_gpu._core.checks import check_bwd_mode, check_tensors, compute_view, head_pad, is_empty, strides
 from streamkl_gpu._core.runtime import LOG2E, TensorDescriptor, cdiv, fresh, interpreting, n_sm, tma_ok
 from streamkl_gpu._core.tuning import UnusableConfig, autotune_enabled, bucket, pick
-from streamkl_gpu.attention.configs import TMA_MIN_KEYS, auto_bwd_mode, bwd_streams, bwd_variant, bwd_variant_candidates, fwd_candidates, split_choices, tuning_slice
+from streamkl_gpu.attention.configs import BWD_TMA_MIN_KEYS, TMA_MIN_KEYS, auto_bwd_mode, bwd_streams, bwd_variant, bwd_variant_candidates, fwd_candidates, split_choices, tuning_slice
 
 
 def _empty_forward(dims, device):
@@ -565,18 +565,17 @@ def _backward_plan(sig, g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, dims, causa
     d1_pad, d2_pad = head_pad(dims.D1), head_pad(dims.D2)
     ieee1, ieee2 = q1.dtype == torch.float32, q2.dtype == torch.float32
     both = train1 and train2
+    # TMA descriptors for every operand tile (and the fused dQ's reduce-add into its fp32
+    # buffer, rows of D * 4 bytes: D % 4 == 0); not for a launch-bound backward (BWD_TMA_MIN_KEYS)
+    tma = (all(tma_ok(t) for t in (q1, k1, q2, k2)) and dims.D1 % 4 == 0 and dims.D2 % 4 == 0
+           and (interpreting() or dims.NK >= BWD_TMA_MIN_KEYS))
     mode = check_bwd_mode(bwd_mode)
     if deterministic:
         mode = "separate"  # no atomics on dQ
     elif mode == "auto":  # new_kernels: the TMA variants are candidates (bwd_variant_candidates)
-        new_kernels = (all(tma_ok(t) for t in (q1, k1, q2, k2)) and dims.D1 % 4 == 0 and dims.D2 % 4 == 0
-                       and not (ieee1 or ieee2))
-        mode = auto_bwd_mode(dims, n_sm(device), both, new_kernels)
+        mode = auto_bwd_mode(dims, n_sm(device), both, tma and not (ieee1 or ieee2))
     fused = mode == "fused"
     side = None if fused else _side_stream(dims, device)
-    # TMA descriptors for every operand tile (and the fused dQ's reduce-add into its fp32
-    # buffer, rows of D * 4 bytes: D % 4 == 0)
-    tma = all(tma_ok(t) for t in (q1, k1, q2, k2)) and dims.D1 % 4 == 0 and dims.D2 % 4 == 0
     sliced = tuning_slice(dims, causal)
     few = sliced is not None  # long problems: fewer candidates (each compiles), timed on a bounded slice
     dk_cands = bwd_variant_candidates(max(d1_pad, d2_pad), both, "dk", ieee1 or ieee2, tma, fused, few, dims.NQ)
