@@ -215,3 +215,19 @@ def test_compiling_ahead_compiles_each_kernel_on_its_own_thread_once(direct):
     assert not thread.is_alive() and not both_started.broken
     assert sorted(log) == [("dk", "streamkl-compile", 5, 16), ("dq", "streamkl-compile", 7, 32)]
     assert _fast_launch._KERNELS == {} and not _fast_launch.compiling_ahead()
+
+
+def test_compiling_ahead_keys_runtime_arguments_by_their_specialisation(direct):
+    """A chunk loop's launches differ only in an offset: offsets Triton specialises alike (0 and
+    2048: both multiples of 16) compile once, an offset specialised otherwise (5) again."""
+    log = []
+    fn = _FakeJIT()
+    fn.warmup = lambda *args, grid, **kw: log.append(args[1])
+    x = torch.zeros(8)
+
+    def work():
+        for offset in (0, 2048, 5):
+            _fast_launch.kernel_call(fn, (1, 1, 1))(x, offset, 0.5, BLOCK=32)
+
+    _fast_launch.compile_ahead(work, None).join(timeout=30)
+    assert sorted(log) == [0, 5]

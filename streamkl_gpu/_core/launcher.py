@@ -139,8 +139,10 @@ def _value_key(v):
 def _compile_only(fn, grid, args, kwargs):
     """In a compile-ahead thread: ``fn.warmup(*args, grid=grid, **kwargs)`` on a new thread that
     the compile-ahead thread joins before it ends. A launch with the same kernel and arguments as
-    an earlier one of the same work compiles once. Returns None (nothing is launched)."""
-    key = (id(fn), tuple(_value_key(a) for a in args), tuple((k, _value_key(v)) for k, v in kwargs.items()))
+    an earlier one of the same work compiles once: runtime arguments by what Triton specialises
+    them on (a chunk loop's offsets 0 and 2048 are one compile, not two side by side), keywords
+    (constexprs, warps, stages) by value. Returns None (nothing is launched)."""
+    key = (id(fn), tuple(_spec(a) for a in args), tuple((k, _value_key(v)) for k, v in kwargs.items()))
     seen, pending = getattr(_AHEAD, "seen", None), getattr(_AHEAD, "pending", None)
     if pending is None:  # a thread marked by hand, not started by compile_ahead: compile here
         fn.warmup(*args, grid=grid, **kwargs)
