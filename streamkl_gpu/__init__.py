@@ -44,11 +44,7 @@ def __getattr__(name):
     if name == "nn":  # the loss modules: a public submodule reachable as an attribute (imports no kernel)
         return importlib.import_module(".nn", __name__)
     if name in __all__:
-        from ._core import triton_setup  # (imports nothing heavy: Triton's set-up runs beside the import)
-
-        with triton_setup.beside():
-            module = importlib.import_module(_HOMES.get(name, ".api"), __name__)
-        value = getattr(module, name)
+        value = getattr(importlib.import_module(_HOMES.get(name, ".api"), __name__), name)
         globals()[name] = value  # later lookups skip this hook (it ran on every call)
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
