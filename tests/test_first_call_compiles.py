@@ -165,14 +165,14 @@ def test_the_first_call_of_a_signature_waits_for_its_compiles_once(monkeypatch):
     monkeypatch.setattr(launcher, "_FIRST_CALLS", set())
     monkeypatch.setattr(launcher, "compile_ahead", lambda work, device: _Joined(work))
     ran = []
-    assert launcher.compile_first_call(("sig", 1), lambda: ran.append(1), _Cuda())
+    assert launcher.compile_first_call("sig", (1,), lambda: ran.append(1), _Cuda())
     assert ran == [1]  # done before it returns
-    assert not launcher.compile_first_call(("sig", 1), lambda: ran.append(2), _Cuda())
-    assert launcher.compile_first_call(("sig", 2), lambda: ran.append(3), _Cuda())
-    assert not launcher.compile_first_call(("sig", 3), lambda: ran.append(4), torch.device("cpu"))
-    assert not launcher.compile_first_call(("sig", 4), lambda: ran.append(5), None)
+    assert not launcher.compile_first_call("sig", (1,), lambda: ran.append(2), _Cuda())
+    assert launcher.compile_first_call("sig", (2,), lambda: ran.append(3), _Cuda())
+    assert not launcher.compile_first_call("sig", (3,), lambda: ran.append(4), torch.device("cpu"))
+    assert not launcher.compile_first_call("sig", (4,), lambda: ran.append(5), None)
     monkeypatch.setattr(launcher, "ahead_allowed", lambda: False)  # the interpreter, STREAMKL_COMPILE_AHEAD=0
-    assert not launcher.compile_first_call(("sig", 5), lambda: ran.append(6), _Cuda())
+    assert not launcher.compile_first_call("sig", (5,), lambda: ran.append(6), _Cuda())
     assert ran == [1, 3]
 
 
@@ -193,3 +193,18 @@ def test_signatures_follow_what_the_kernels_specialise_on():
     assert launcher.call_signature(x, 2.0, None) != base
     with torch.no_grad():
         assert launcher.call_signature(x, 1.0, None) != base
+
+
+def test_inside_torch_compile_nothing_runs_and_no_signature_is_formed(monkeypatch):
+    """Traced by torch.compile, the entry point's custom ops take over: no signature (its shape
+    reads would become guards), no thread."""
+    import types
+
+    monkeypatch.setattr(launcher, "ahead_allowed", lambda: True)
+    monkeypatch.setattr(launcher, "torch", types.SimpleNamespace(compiler=types.SimpleNamespace(is_compiling=lambda: True)))
+
+    def no_signature(*args):
+        raise AssertionError("signature formed while compiling")
+
+    monkeypatch.setattr(launcher, "call_signature", no_signature)
+    assert not launcher.compile_first_call("sig", (1,), lambda: None, _Cuda())

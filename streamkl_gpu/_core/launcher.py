@@ -96,17 +96,21 @@ _FIRST_CALLS: set = set()  # signatures whose first call compiled ahead (compile
 _MAX_FIRST_CALLS = 4096
 
 
-def compile_first_call(signature, work, device) -> bool:
+def compile_first_call(entry: str, signature_args: tuple, work, device) -> bool:
     """At a signature not met before in this process, run ``work()`` (the entry point's whole call)
     in a compile-ahead thread and wait for it: every kernel it would launch compiles at the same
     time, each on a thread of its own; returns whether it did. Nothing of ``work``'s launches
     runs; its torch operations on their outputs (garbage) do, so the caller's real call comes
     after. Off where compiling ahead is (:func:`ahead_allowed`), off the GPU, inside a
-    compile-ahead thread or a ``torch.compile`` region. ``signature`` should change where the
-    kernels do (dtypes, gradient flags, bucketed sizes); a signature that misses a change only
+    compile-ahead thread or a ``torch.compile`` region (checked before the signature is formed).
+    The signature is ``entry`` and :func:`call_signature` of ``signature_args``: it should change
+    where the kernels do (dtypes, gradient flags, bucketed sizes); one that misses a change only
     lets that kernel compile in the real call, one after another, as without this."""
-    if (getattr(device, "type", None) != "cuda" or compiling_ahead() or not ahead_allowed()
-            or torch.compiler.is_compiling() or signature in _FIRST_CALLS):
+    if (getattr(device, "type", None) != "cuda" or torch.compiler.is_compiling() or compiling_ahead()
+            or not ahead_allowed()):
+        return False
+    signature = (entry,) + call_signature(*signature_args)
+    if signature in _FIRST_CALLS:
         return False
     if len(_FIRST_CALLS) >= _MAX_FIRST_CALLS:
         _FIRST_CALLS.clear()

@@ -42,7 +42,7 @@ from streamkl_gpu._core.checks import (
 )
 from streamkl_gpu._core.runtime import LOG2E, TensorDescriptor, fresh, interpreting, n_sm, tma_ok
 from streamkl_gpu._core.tuning import bucket, pick
-from streamkl_gpu._core.launcher import call_signature, compile_first_call, kernel_call
+from streamkl_gpu._core.launcher import compile_first_call, kernel_call
 from streamkl_gpu.attention.configs import (TMA_MIN_KEYS, TUNING_WORK_LIMIT, auto_bwd_mode, auto_split_k, bwd_candidates,
                                             fwd_candidates)
 
@@ -387,6 +387,6 @@ def attention_kl_varlen(q1, k1, q2, k2, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
             scale1, scale2, split_k, bwd_mode, deterministic, check_seqlens)
     # a new signature: the forward's and the backward's kernels compile at once before it runs
     # (_core/launcher.compile_first_call; the sequence lengths by their power-of-two buckets)
-    signature = call_signature(*args[:6], *(bucket(n) if isinstance(n, int) else n for n in args[6:8]), *args[8:])
-    compile_first_call(("attention_kl_varlen",) + signature, lambda: _call(*args), getattr(q1, "device", None))
+    signature_args = (*args[:6], *(bucket(n) if isinstance(n, int) else n for n in args[6:8]), *args[8:])
+    compile_first_call("attention_kl_varlen", signature_args, lambda: _call(*args), getattr(q1, "device", None))
     return _call(*args)[0]

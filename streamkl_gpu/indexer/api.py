@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from streamkl_gpu._core import custom_ops as _custom_ops
-from streamkl_gpu._core.launcher import call_signature, compile_first_call
+from streamkl_gpu._core.launcher import compile_first_call
 from streamkl_gpu.indexer.training import accumulate as _accumulate
 from streamkl_gpu.indexer.training import choice as _choice
 from streamkl_gpu.indexer.training import chunk as _chunk
@@ -105,7 +105,7 @@ def indexer_kl(q, k, q_idx, k_idx, weights, *, causal=False, scale=None, relu=Tr
     args = (q, k, q_idx, k_idx, weights, causal, scale, relu, lse, reduction, row_weights)
     # a new signature: every kernel of the call (the LSE pass, the forward, the backward's)
     # compiles at once before it runs (_core/launcher.compile_first_call)
-    compile_first_call(("indexer_kl",) + call_signature(*args), lambda: _indexer_kl(*args), getattr(q, "device", None))
+    compile_first_call("indexer_kl", args, lambda: _indexer_kl(*args), getattr(q, "device", None))
     return _indexer_kl(*args)
 
 

@@ -27,7 +27,7 @@ from streamkl_gpu._core import custom_ops as _custom_ops
 from streamkl_gpu._core import checks as _checks
 from streamkl_gpu._core import runtime as _runtime
 from streamkl_gpu._core import tuning as _tuning
-from streamkl_gpu._core.launcher import call_signature, compile_first_call, kernel_call
+from streamkl_gpu._core.launcher import compile_first_call, kernel_call
 from streamkl_gpu.indexer import configs as _configs
 from streamkl_gpu.indexer.training.row_weights import check_row_weights as _check_row_weights
 from streamkl_gpu.indexer.triton import topk as _kernels
@@ -288,8 +288,7 @@ def indexer_kl_topk(q, k, q_idx, k_idx, weights, topk_indices, *, causal=False, 
     """
     args = (q, k, q_idx, k_idx, weights, topk_indices, causal, scale, relu, lse, reduction, row_weights)
     # a new signature: the call's kernels compile at once before it runs (_core/launcher.py)
-    compile_first_call(("indexer_kl_topk",) + call_signature(*args), lambda: _indexer_kl_topk(*args),
-                       getattr(q, "device", None))
+    compile_first_call("indexer_kl_topk", args, lambda: _indexer_kl_topk(*args), getattr(q, "device", None))
     return _indexer_kl_topk(*args)
 
 
