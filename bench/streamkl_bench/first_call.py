@@ -5,7 +5,7 @@ with empty caches; the 2^31-element cases against their heads alone.
     python bench/bench_gpu.py --sections first_call_big [--section-args first_call_big="--case big --only varlen_s1_causal"]
 
 ``first_call``: per entry point (forward; forward + backward in each backward mode and setting;
-packed sequences; the indexer loss, dense and top-k, a training step; split-K decode) a fresh
+packed sequences; the indexer loss: per-row losses summed, the mean training step, top-k; split-K decode) a fresh
 process with empty caches (new ``TRITON_CACHE_DIR`` and ``STREAMKL_CACHE_DIR``) makes the call
 twice: the first call's wall time, the kernels it compiled and the seconds in Triton's compiler
 (``streamkl_gpu._core.compile_clock``), the tuner's timing seconds (``TUNING_STATS`` of
@@ -25,8 +25,8 @@ from . import ROOT, child_env
 from .timing import sync as _sync_cuda
 
 # entry name -> what it runs (see _entry); every one a new shape class in a fresh process
-ENTRIES = ("fwd", "fwd_bwd_auto_s1", "fwd_bwd_fused_s1", "fwd_bwd_separate_s1", "fwd_bwd_auto_s2",
-           "fwd_bwd_auto_both", "varlen_fwd_bwd_s1", "indexer_dense_step", "indexer_topk_step", "decode_splitk")
+ENTRIES = ("fwd", "fwd_bwd_auto_s1", "fwd_bwd_fused_s1", "fwd_bwd_separate_s1", "fwd_bwd_auto_s2", "fwd_bwd_auto_both",
+           "varlen_fwd_bwd_s1", "indexer_dense_step", "indexer_mean_step", "indexer_topk_step", "decode_splitk")
 BIG = ("fwd_bwd_s1_causal", "fwd_bwd_s2_causal", "fwd_bwd_both_causal", "fwd_bwd_s1_full", "fwd_bwd_s1_causal_2m",
        "varlen_s1_causal", "indexer_128k_dsa")
 FIELDS = ("gpu_name", "timestamp", "version", "torch", "triton", "autotune", "entry", "shape", "measure", "value",
@@ -106,17 +106,17 @@ def _entry(name, n, tiny):
         def step():
             streamkl_gpu.attention_kl_varlen(*xs, cu, cu, max(lens), max(lens), causal=True).sum().backward()
         return f"seqs={lens} H={H} D={D} causal s1", step
-    if name in ("indexer_dense_step", "indexer_topk_step"):
+    if name in ("indexer_dense_step", "indexer_mean_step", "indexer_topk_step"):
         Hq, Dq, HI, DI = (2, 16, 2, 16) if tiny else (64, 576, 64, 128)  # DSA-like: MQA teacher, MLA heads
         q, k = _randn(1, Hq, n, Dq, seed=1), _randn(1, 1, n, Dq, seed=2)
         q_idx = _randn(1, HI, n, DI, seed=3).requires_grad_(True)
         k_idx = _randn(1, 1, n, DI, seed=4).requires_grad_(True)
         w = _randn(1, HI, n, std=(HI * DI) ** -0.5, seed=5).requires_grad_(True)
         scale = Dq ** -0.5
-        if name == "indexer_dense_step":
-            def step():
-                streamkl_gpu.indexer_kl(q, k, q_idx, k_idx, w, causal=True, scale=scale).sum().backward()
-            return f"B=1 H={Hq} HI={HI} N={n} D={Dq} DI={DI} causal", step
+        if name != "indexer_topk_step":  # dense: per-row losses summed, or the training step as documented
+            red = "mean" if name == "indexer_mean_step" else "none"
+            step = lambda: streamkl_gpu.indexer_kl(q, k, q_idx, k_idx, w, causal=True, scale=scale, reduction=red).sum().backward()  # noqa: E731
+            return f"B=1 H={Hq} HI={HI} N={n} D={Dq} DI={DI} causal" + ("" if red == "none" else f" reduction={red}"), step
         top = min(n, 16 if tiny else 2048)
         rows = torch.arange(n, device=_device())[:, None]
         idx = (rows - torch.arange(top, device=_device())[None, :]).clamp(min=-1).to(torch.int32)[None]  # the last keys
