@@ -164,6 +164,7 @@ def test_the_first_call_of_a_signature_waits_for_its_compiles_once(monkeypatch):
     monkeypatch.setattr(launcher, "ahead_allowed", lambda: True)
     monkeypatch.setattr(launcher, "_FIRST_CALLS", set())
     monkeypatch.setattr(launcher, "compile_ahead", lambda work, device: _Joined(work))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # (a CPU build raises)
     ran = []
     assert launcher.compile_first_call("sig", (1,), lambda: ran.append(1), _Cuda())
     assert ran == [1]  # done before it returns
@@ -171,6 +172,9 @@ def test_the_first_call_of_a_signature_waits_for_its_compiles_once(monkeypatch):
     assert launcher.compile_first_call("sig", (2,), lambda: ran.append(3), _Cuda())
     assert not launcher.compile_first_call("sig", (3,), lambda: ran.append(4), torch.device("cpu"))
     assert not launcher.compile_first_call("sig", (4,), lambda: ran.append(5), None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)  # a CUDA graph capture
+    assert not launcher.compile_first_call("sig", (6,), lambda: ran.append(7), _Cuda())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(launcher, "ahead_allowed", lambda: False)  # the interpreter, STREAMKL_COMPILE_AHEAD=0
     assert not launcher.compile_first_call("sig", (5,), lambda: ran.append(6), _Cuda())
     assert ran == [1, 3]
@@ -201,7 +205,8 @@ def test_inside_torch_compile_nothing_runs_and_no_signature_is_formed(monkeypatc
     import types
 
     monkeypatch.setattr(launcher, "ahead_allowed", lambda: True)
-    monkeypatch.setattr(launcher, "torch", types.SimpleNamespace(compiler=types.SimpleNamespace(is_compiling=lambda: True)))
+    monkeypatch.setattr(launcher, "torch", types.SimpleNamespace(compiler=types.SimpleNamespace(is_compiling=lambda: True),
+                                                                 cuda=types.SimpleNamespace(is_current_stream_capturing=lambda: False)))
 
     def no_signature(*args):
         raise AssertionError("signature formed while compiling")

@@ -102,12 +102,13 @@ def compile_first_call(entry: str, signature_args: tuple, work, device) -> bool:
     time, each on a thread of its own; returns whether it did. Nothing of ``work``'s launches
     runs; its torch operations on their outputs (garbage) do, so the caller's real call comes
     after. Off where compiling ahead is (:func:`ahead_allowed`), off the GPU, inside a
-    compile-ahead thread or a ``torch.compile`` region (checked before the signature is formed).
+    compile-ahead thread, a ``torch.compile`` region (checked before the signature is formed) or
+    a CUDA graph capture.
     The signature is ``entry`` and :func:`call_signature` of ``signature_args``: it should change
     where the kernels do (dtypes, gradient flags, bucketed sizes); one that misses a change only
     lets that kernel compile in the real call, one after another, as without this."""
     if (getattr(device, "type", None) != "cuda" or torch.compiler.is_compiling() or compiling_ahead()
-            or not ahead_allowed()):
+            or not ahead_allowed() or torch.cuda.is_current_stream_capturing()):  # (its torch ops would be captured)
         return False
     signature = (entry,) + call_signature(*signature_args)
     if signature in _FIRST_CALLS:
