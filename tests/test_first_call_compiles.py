@@ -19,7 +19,8 @@ from streamkl_gpu._core import custom_ops, launcher, tuning
 from streamkl_gpu.attention import varlen
 from streamkl_gpu.indexer import api, topk
 
-from test_nn_losses import indexer_inputs, topk_sets
+from test_custom_ops_eager import _indexer_leaves as _indexer, _lse
+from test_nn_losses import topk_sets
 
 
 @pytest.fixture
@@ -38,17 +39,6 @@ def kernels(monkeypatch):
                         lambda fn, grid, args, kw: log["compile"].append((threading.current_thread().name,
                                                                           fn.fn.__name__)))
     return log
-
-
-def _indexer(seed=0):
-    xs = indexer_inputs(seed=seed)
-    return xs[:2], [t.clone().requires_grad_(True) for t in xs[2:]]
-
-
-def _lse(q, k):
-    s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    visible = torch.ones(s.shape[-2:], dtype=torch.bool).tril()
-    return s.masked_fill(~visible, float("-inf")).logsumexp(-1).float()
 
 
 def _varlen_inputs():
