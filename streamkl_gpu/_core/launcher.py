@@ -38,7 +38,7 @@ import threading
 
 import torch
 
-from streamkl_gpu._core.runtime import env, interpreting
+from streamkl_gpu._core.runtime import bucket, env, interpreting
 
 try:
     from triton import knobs as _knobs
@@ -127,7 +127,7 @@ def call_signature(*args) -> tuple:
     for a in args:
         if isinstance(a, torch.Tensor):
             out.append((a.dtype, a.device, a.requires_grad, a.ndim > 0 and a.stride(-1) == 1,
-                        tuple(1 << max(0, int(n - 1).bit_length()) for n in a.shape)))
+                        tuple(bucket(n) for n in a.shape)))
         else:
             out.append(a)
     return tuple(out)

@@ -49,6 +49,12 @@ def env(name: str, default=None):
     return os.environ.get(name, default)
 
 
+def bucket(n: int) -> int:
+    """The shape bucket of a size: the next power of two (tuned choices, and first-call
+    signatures, are shared within it)."""
+    return 1 << max(0, int(n - 1).bit_length())
+
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for host code (triton.cdiv is a constexpr function with per-call overhead)."""
     return -(-a // b)

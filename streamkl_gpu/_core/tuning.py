@@ -16,16 +16,12 @@ import tempfile
 
 from streamkl_gpu._core import runtime as _runtime
 from streamkl_gpu._core.launcher import compiling_ahead
-from streamkl_gpu._core.runtime import interpreting
+from streamkl_gpu._core.runtime import bucket, interpreting  # bucket: the tuner's shape classes
 
 # Tuned choices: in memory for this process, and on disk for the next one (see _disk_cache_dir).
 _TUNED: dict = {}
 
 
-
-def bucket(n: int) -> int:
-    """The shape bucket of a size: the next power of two (tuned choices are shared within it)."""
-    return 1 << max(0, int(n - 1).bit_length())
 
 
 AUTOTUNE_MODES = ("auto", "0", "1")
