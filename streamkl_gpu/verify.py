@@ -13,8 +13,9 @@ is wrong, and the kernels compute bf16 in fp32 there).
 The battery is a list of units, one per case of the report (:func:`own_units`); each draws its
 inputs from its own generator (seed and case name), so its rows do not depend on the process it
 runs in or on what ran before it. ``--jobs N`` checks them in N spawned worker processes (on a
-GPU, by default): a first GPU run is mostly Triton compiling kernel variants, CPU work that runs
-well side by side; the rows come back in battery order, the same rows as in one process.
+GPU, by default), one dtype of one case at a time: a first GPU run is mostly Triton compiling
+kernel variants, CPU work that runs well side by side, and each dtype compiles kernels of its
+own; the rows come back in battery order, the same rows as in one process.
 
 With ``--impl MODULE:FUNCTION`` it runs the conformance suite of ``streamkl_ref.testing``
 (``check_attention_kl``, or ``check_indexer_kl`` with ``--indexer``) against that callable: the
@@ -42,7 +43,7 @@ import sys
 import time
 import traceback
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from streamkl_ref._testing import reference_cache, same_precision
@@ -68,6 +69,7 @@ from streamkl_ref.testing import (
 MP_MAX_SCORES = 1500  # mpmath check only for B*H*N_Q*N_K up to this
 CPU_ONE_DTYPE_NK = 128  # on CPU, cases with more keys (several tiles) run in the first dtype only
 MAX_DEFAULT_JOBS = 8  # worker processes of a GPU run without --jobs, at most
+FLOAT32_COST = 2  # a float32 case's compile cost against a 16-bit one's (Unit.cost)
 
 DESCRIPTION = """\
 Check attention-KL kernels against the float64 references, as a numerical gate.
@@ -198,11 +200,13 @@ class Unit:
     dtypes: tuple  # dtype names
     head_dims: tuple
 
-    @property
-    def cost(self) -> int:
-        """A static estimate of its first run's compile time, to start the expensive units first:
-        each dtype compiles kernels of its own, larger with the head dim."""
-        return len(self.dtypes) * max(self.head_dims)
+    def cost(self, dtype: str) -> int:
+        """A static estimate of the first run's compile time of this case in ``dtype``, to start
+        the expensive work first: kernels grow with the head dim, and a float32 kernel (IEEE dots,
+        which unroll into far more code) costs about twice a 16-bit one (measured on an H200:
+        float32 1.2-2.6x bfloat16 per case, bench/results/2026-12-04_h200_c67a99f/verify_cold.json
+        and verify_quick_cold.json)."""
+        return max(self.head_dims) * (FLOAT32_COST if dtype == "float32" else 1)
 
 
 def own_dtypes(device: str, quick: bool = False) -> list:
@@ -680,8 +684,10 @@ def reference_directory(args, device: str):
 def run_units(units: list, run: RunSettings, jobs: int) -> list:
     """Each unit's :class:`UnitOutcome`, in the order of ``units``: checked here one after another
     (``jobs`` 1), or by ``jobs`` worker processes (spawned: CUDA cannot be forked), handed out one
-    at a time, the most expensive first. A unit that raises, or whose worker process dies, comes
-    back as failing rows with its traceback or cause printed: the run neither hangs nor drops it."""
+    dtype of one unit at a time, the most expensive first, so that a case's dtypes compile side by
+    side rather than one after another in one worker. A unit that raises, or whose worker process
+    dies, comes back as failing rows with its traceback or cause printed: the run neither hangs
+    nor drops it."""
     if jobs <= 1:
         laps = _CaseClock(run.device, run.quiet, run.t_start)
         try:
@@ -692,26 +698,43 @@ def run_units(units: list, run: RunSettings, jobs: int) -> list:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
-    outcomes = [None] * len(units)
+    parts = {}  # (unit index, dtype) -> its outcome
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
                              initializer=_start_worker, initargs=(run,)) as pool:
-        futures = {pool.submit(_run_unit_in_worker, units[i]): i for i in hand_out_order(units)}
+        futures = {pool.submit(_run_unit_in_worker, replace(units[i], dtypes=(d,))): (i, d)
+                   for i, d in hand_out_order(units)}
         for future in as_completed(futures):
-            unit = units[futures[future]]
+            i, dname = futures[future]
             try:
                 outcome = future.result()
             except Exception as exc:  # noqa: BLE001 (its worker died, or the outcome could not come back)
                 why = f"not checked: {type(exc).__name__}: {exc}"
-                outcome = UnitOutcome([Row(unit.name, d, "(check)", math.nan, math.nan, "fail", why)
-                                       for d in unit.dtypes], {}, {}, {}, [f"{unit.name}: {why}"])
-            outcomes[futures[future]] = _print_errors(outcome)
-    return outcomes
+                outcome = UnitOutcome([Row(units[i].name, dname, "(check)", math.nan, math.nan, "fail", why)],
+                                      {}, {}, {}, [f"{units[i].name} {dname}: {why}"])
+            parts[i, dname] = _print_errors(outcome)
+    return [_merged([parts[i, d] for d in unit.dtypes]) for i, unit in enumerate(units)]
+
+
+def _merged(outcomes: list) -> UnitOutcome:
+    """One unit's outcome from those of its dtypes, in the unit's dtype order (the rows of a run
+    in one process)."""
+    merged = UnitOutcome([], {}, {}, collections.Counter(), [])
+    for o in outcomes:
+        merged.rows += o.rows
+        merged.cases.update(o.cases)
+        merged.seconds.update(o.seconds)
+        merged.bounds.update(o.bounds)
+        merged.errors += o.errors
+    merged.bounds = dict(merged.bounds)
+    return merged
 
 
 def hand_out_order(units: list) -> list:
-    """The indices of ``units`` in the order workers get them: the most expensive first (by
-    :attr:`Unit.cost`; ties in battery order), so the long compiles do not come last."""
-    return sorted(range(len(units)), key=lambda i: -units[i].cost)
+    """The ``(unit index, dtype)`` pairs of ``units`` in the order workers get them: the most
+    expensive first (by :meth:`Unit.cost`; ties in battery order), so the long compiles do not
+    come last."""
+    pairs = [(i, d) for i, u in enumerate(units) for d in u.dtypes]
+    return sorted(pairs, key=lambda p: -units[p[0]].cost(p[1]))
 
 
 def _print_errors(outcome: UnitOutcome) -> UnitOutcome:

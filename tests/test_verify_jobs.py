@@ -93,18 +93,24 @@ def test_a_dead_worker_fails_verify_and_does_not_hang(tmp_path, monkeypatch, cap
     monkeypatch.setattr(verify, "own_units", lambda *a, **k: units)
     out = tmp_path / "r.json"
     assert verify.main(["--device", "cpu", "--jobs", "2", "-q", "--json", str(out)]) == 1
-    assert "streamkl verify: FAIL, dying_unit: not checked: BrokenProcessPool" in capfd.readouterr().err
+    assert "streamkl verify: FAIL, dying_unit float32: not checked: BrokenProcessPool" in capfd.readouterr().err
     rows = {(r["case"], r["dtype"]): r for r in json.loads(out.read_text())["rows"]}
     assert not rows["dying_unit", "float32"]["pass"] and "not checked" in rows["dying_unit", "float32"]["why"]
 
 
 def test_workers_get_the_most_expensive_units_first():
     units = [_unit(name) for name in CHEAP] + [_unit("tiles_300")]
-    order = [units[i].name for i in verify.hand_out_order(units)]
-    assert order == ["indexer:gqa", "causal_nq<nk", "nan_keys", "tiles_300"]  # ties: in battery order
+    order = [(units[i].name, d) for i, d in verify.hand_out_order(units)]
+    assert order == [("indexer:gqa", "float32"), ("causal_nq<nk", "float32"), ("nan_keys", "float32"),
+                     ("tiles_300", "float32")]  # ties: in battery order
     gpu = verify.own_units("cuda")
-    first = [gpu[i].name for i in verify.hand_out_order(gpu)][:2]
-    assert first == ["indexer:big_mla_576", "big_d128_d64"]
+    pairs = [(gpu[i].name, d) for i, d in verify.hand_out_order(gpu)]
+    assert pairs[:2] == [("indexer:big_mla_576", "bfloat16"), ("big_d128_d64", "bfloat16")]
+    # one dtype of one case at a time: every pair of the battery exactly once, float32 before
+    # the 16-bit dtypes of the same case
+    assert sorted(pairs) == sorted((u.name, d) for u in gpu for d in u.dtypes)
+    ragged = [d for name, d in pairs if name == "ragged"]
+    assert ragged[0] == "float32" and set(ragged) == {"float32", "float16", "bfloat16"}
 
 
 def test_jobs_defaults_and_usage_errors(capsys):
