@@ -203,3 +203,29 @@ def test_inside_torch_compile_nothing_runs_and_no_signature_is_formed(monkeypatc
 
     monkeypatch.setattr(launcher, "call_signature", no_signature)
     assert not launcher.compile_first_call("sig", (1,), lambda: None, _Cuda())
+
+
+def test_compile_threads_compute_tritons_compiler_key_once(monkeypatch):
+    """Triton's per-process compiler key (a hash of its sources and shared library) is computed
+    by one compile thread while the others wait, not by every compile thread of a first call at once."""
+    import time
+
+    from triton.runtime import cache
+
+    calls = []
+
+    def slow_key():
+        calls.append(threading.current_thread().name)
+        time.sleep(0.05)  # long enough for every thread to arrive while the first computes
+        return "key"
+
+    monkeypatch.setattr(cache, "triton_key", slow_key)
+    monkeypatch.setattr(launcher, "_KEY_READY", [])
+    threads = [threading.Thread(target=launcher._compiler_key) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and launcher._KEY_READY == [True]
+    launcher._compiler_key()
+    assert len(calls) == 1
