@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import datetime
 import importlib
 import json
@@ -41,9 +40,7 @@ import os
 import platform
 import sys
 import time
-import traceback
-import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from streamkl_ref._testing import reference_cache, same_precision
@@ -64,6 +61,17 @@ from streamkl_ref.testing import (
     kl_row_floor,
     relative_error,
     tolerance,
+)
+
+from streamkl_gpu.verify_workers import (  # the runner (re-exported: tests and tools use verify.run_units)
+    EarlyWorkers,
+    RunSettings,
+    _cpu_seconds,
+    _interpreter_checks,
+    _warm_worker,
+    _worker_ready,
+    hand_out_order,
+    run_units,
 )
 
 MP_MAX_SCORES = 1500  # mpmath check only for B*H*N_Q*N_K up to this
@@ -259,33 +267,6 @@ def default_jobs(device: str) -> int:
     return max(1, min(MAX_DEFAULT_JOBS, cores))
 
 
-class _CaseClock:
-    """Seconds per case and dtype: compiling (the first call of each new kernel, read from
-    Triton's compiler entry point; on a GPU) and the rest (the check). ``timed(label, seconds)``
-    times a block into ``seconds[label]`` and prints its progress lines, stamped with the time
-    since ``t_start`` (the start of the whole run, in whichever process the block runs)."""
-
-    def __init__(self, device, quiet, t_start):
-        from streamkl_gpu._core.compile_clock import CompileClock
-
-        self.clock = CompileClock().install() if device == "cuda" else CompileClock()  # before any launch
-        self.quiet, self.t_start = quiet, t_start
-
-    def say(self, text):
-        if not self.quiet:
-            print(f"[{time.time() - self.t_start:6.1f}s] {text}", file=sys.stderr, flush=True)
-
-    @contextlib.contextmanager
-    def timed(self, label, seconds):
-        self.say(label)  # the first GPU run compiles each kernel variant: show progress
-        t0, snap = time.time(), self.clock.snapshot()
-        yield
-        compile_s, kernels = self.clock.since(snap)
-        check_s = time.time() - t0 - compile_s
-        seconds[label] = {"compile_s": round(compile_s, 3), "kernels": kernels, "check_s": round(check_s, 3)}
-        self.say(f"  {label}: compile {compile_s:.1f} s ({kernels} kernels), check {check_s:.1f} s")
-
-
 def _parse(argv):
     p = build_parser()
     args = p.parse_args(argv)
@@ -344,39 +325,31 @@ def _pick_device(args):
 
 
 def _run(args) -> int:
-    device = _pick_device(args)
-    if device is None:
-        return 2
+    early = start_workers_early(args)  # before this process imports torch (_pick_device)
+    try:
+        device = _pick_device(args)
+        if device is None:
+            return 2
+        if early is not None and early.device != device:  # (a GPU seen in /dev that torch does not see)
+            early.pool.shutdown(wait=False, cancel_futures=True)
+            early = None
+        return _run_on(args, device, early)
+    finally:
+        if early is not None:
+            early.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _run_on(args, device, early) -> int:
     if device != "cpu":
-        return _run_impl(args, device) if args.impl is not None else _run_own(args, device)
+        return _run_impl(args, device) if args.impl is not None else _run_own(args, device, early)
     from streamkl_gpu.devtools import bounds as _interpreter_bounds
 
     with _interpreter_checks():
         try:
-            return _run_impl(args, device) if args.impl is not None else _run_own(args, device)
+            return _run_impl(args, device) if args.impl is not None else _run_own(args, device, early)
         except (_interpreter_bounds.OutOfBoundsAccess, _interpreter_bounds.DataRace) as exc:
             print(f"streamkl verify: FAIL, {type(exc).__name__}: {exc}", file=sys.stderr)
             return 1
-
-
-@contextlib.contextmanager
-def _interpreter_checks():
-    """On CPU every interpreted launch is bounds- and race-checked: an access outside the launch's
-    tensors (an illegal memory access on a GPU), or an address two programs touch with a plain
-    store (an order-dependent result there), fails the gate; with --impl, a user's Triton kernel
-    that does either fails its case (the conformance suite reports the exception)."""
-    from streamkl_gpu.devtools import bounds as _interpreter_bounds
-
-    with contextlib.ExitStack() as stack:
-        # the interpreter runs kernels in NumPy, masked lanes included: its RuntimeWarnings
-        # (0 * inf, log2(0) in lanes a mask discards) say nothing about the results the rows judge
-        stack.enter_context(warnings.catch_warnings())
-        warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"triton\.runtime\.interpreter")
-        try:
-            stack.enter_context(_interpreter_bounds.checked(races=True))
-        except ImportError:  # no Triton (a pure-PyTorch --impl): nothing to check
-            pass
-        yield
 
 
 def _finish(report: Report, args, device_name: str, extra: dict) -> int:
@@ -602,71 +575,42 @@ def _check_indexer_mean_case(case, dname, seed, device, report):
                                      seed=seed), prefix="indexer(mean):")
 
 
-# ---- running the units: here, or in worker processes
+def _gpu_visible() -> bool:
+    """A cheap guess, without torch, that torch will see an NVIDIA GPU: the driver's device
+    nodes exist and ``CUDA_VISIBLE_DEVICES`` hides none of them all."""
+    import glob
 
-@dataclass(frozen=True)
-class RunSettings:
-    """What every unit of a run shares."""
-
-    device: str
-    seed: int
-    quiet: bool
-    t_start: float  # time.time() at the start of the run: every process's progress lines count from it
-    reference_cache: str | None = None  # where the float64 references persist (reference_directory)
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    return bool(glob.glob("/dev/nvidia[0-9]*"))
 
 
-@dataclass
-class UnitOutcome:
-    """What running a unit hands back (plain data: it comes back from a worker process)."""
+def start_workers_early(args):
+    """Start the run's worker processes now, before this process imports torch, where the run
+    will use them: the parent's torch import (seconds) and the workers' own imports then overlap.
+    Only where the device is known without torch (``--device cuda``, ``--device cpu`` with
+    ``--jobs``, or ``auto`` with a GPU's device nodes present) and more than one worker will run;
+    otherwise None (the pool starts later, as it would). ``_run`` shuts the pool down if torch
+    then sees another device."""
+    if args.impl is not None:
+        return None
+    device = args.device
+    if device == "auto":
+        device = "cuda" if _gpu_visible() else None
+    if device is None or (device == "cpu" and args.jobs is None):
+        return None
+    jobs = run_jobs(args, device, selected_units(args, device) or [])
+    if jobs <= 1:
+        return None
+    if device == "cpu":  # before the workers import the kernel modules (as _pick_device does here)
+        os.environ["TRITON_INTERPRET"] = "1"
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
 
-    rows: list
-    cases: dict
-    seconds: dict  # "case dtype" -> {"compile_s", "kernels", "check_s"}
-    bounds: dict  # on CPU: the interpreter's bounds-check counts of the unit's launches
-    errors: list  # what to print for each dtype whose check raised
-
-
-def _run_unit(unit: Unit, run: RunSettings, laps: _CaseClock) -> UnitOutcome:
-    """Check ``unit`` in each of its dtypes. A dtype whose check raises gets a failing row (its
-    traceback goes to ``errors``) and the other dtypes still run: nothing is dropped silently."""
-    report, seconds, errors = Report(), {}, []
-    before = _bounds_counts(run.device)
-    for dname in unit.dtypes:
-        label = f"{unit.name} {dname}"
-        try:
-            with laps.timed(label, seconds):
-                unit.check(unit.case, dname, run.seed, run.device, report)
-        except Exception as exc:  # noqa: BLE001 (fails the gate: a failing row, the traceback on stderr)
-            report.rows.append(Row(unit.name, dname, "(check)", math.nan, math.nan, "fail",
-                                   f"raised {type(exc).__name__}: {str(exc)[:300]}"))
-            errors.append(f"{label} raised:\n{traceback.format_exc()}")
-    after = _bounds_counts(run.device)
-    return UnitOutcome(report.rows, report.cases, seconds, {k: after[k] - before[k] for k in after}, errors)
-
-
-def _bounds_counts(device: str) -> dict:
-    if device != "cpu":
-        return {}
-    from streamkl_gpu.devtools import bounds as _interpreter_bounds
-
-    return _interpreter_bounds.stats()
-
-
-_worker = {}  # in a worker process: its run settings, clock and checks (set by _start_worker)
-
-
-def _start_worker(run: RunSettings) -> None:
-    """A worker process's set-up: the checks and the clock of a run in one process (os.environ,
-    STREAMKL_AUTOTUNE and TRITON_INTERPRET included, is the parent's, copied at the spawn)."""
-    checks = contextlib.ExitStack()  # held open for the life of the process
-    if run.device == "cpu":
-        checks.enter_context(_interpreter_checks())
-    _worker.update(run=run, laps=_CaseClock(run.device, run.quiet, run.t_start), checks=checks)
-    reference_cache.use(run.reference_cache)
-
-
-def _run_unit_in_worker(unit: Unit) -> UnitOutcome:
-    return _run_unit(unit, _worker["run"], _worker["laps"])
+    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_warm_worker)
+    for _ in range(jobs):  # a pool starts its processes as work arrives
+        pool.submit(_worker_ready)
+    return EarlyWorkers(pool, device, jobs)
 
 
 def reference_directory(args, device: str):
@@ -681,97 +625,46 @@ def reference_directory(args, device: str):
     return os.path.join(cache_root(), "reference")
 
 
-def run_units(units: list, run: RunSettings, jobs: int) -> list:
-    """Each unit's :class:`UnitOutcome`, in the order of ``units``: checked here one after another
-    (``jobs`` 1), or by ``jobs`` worker processes (spawned: CUDA cannot be forked), handed out one
-    dtype of one unit at a time, the most expensive first, so that a case's dtypes compile side by
-    side rather than one after another in one worker. A unit that raises, or whose worker process
-    dies, comes back as failing rows with its traceback or cause printed: the run neither hangs
-    nor drops it."""
-    if jobs <= 1:
-        laps = _CaseClock(run.device, run.quiet, run.t_start)
-        try:
-            with reference_cache.kept_in(run.reference_cache):
-                return [_print_errors(_run_unit(u, run, laps)) for u in units]
-        finally:
-            laps.clock.uninstall()
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-
-    parts = {}  # (unit index, dtype) -> its outcome
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_start_worker, initargs=(run,)) as pool:
-        futures = {pool.submit(_run_unit_in_worker, replace(units[i], dtypes=(d,))): (i, d)
-                   for i, d in hand_out_order(units)}
-        for future in as_completed(futures):
-            i, dname = futures[future]
-            try:
-                outcome = future.result()
-            except Exception as exc:  # noqa: BLE001 (its worker died, or the outcome could not come back)
-                why = f"not checked: {type(exc).__name__}: {exc}"
-                outcome = UnitOutcome([Row(units[i].name, dname, "(check)", math.nan, math.nan, "fail", why)],
-                                      {}, {}, {}, [f"{units[i].name} {dname}: {why}"])
-            parts[i, dname] = _print_errors(outcome)
-    return [_merged([parts[i, d] for d in unit.dtypes]) for i, unit in enumerate(units)]
+def selected_units(args, device: str):
+    """The battery's units that ``--only`` selects (all without it); None if it names a case the
+    battery lacks."""
+    units = own_units(device, quick=args.quick, which=args.cases)
+    if not args.only:
+        return units
+    wanted = {name.strip() for name in args.only.split(",") if name.strip()}
+    if wanted - {u.name for u in units}:
+        return None
+    return [u for u in units if u.name in wanted]
 
 
-def _merged(outcomes: list) -> UnitOutcome:
-    """One unit's outcome from those of its dtypes, in the unit's dtype order (the rows of a run
-    in one process)."""
-    merged = UnitOutcome([], {}, {}, collections.Counter(), [])
-    for o in outcomes:
-        merged.rows += o.rows
-        merged.cases.update(o.cases)
-        merged.seconds.update(o.seconds)
-        merged.bounds.update(o.bounds)
-        merged.errors += o.errors
-    merged.bounds = dict(merged.bounds)
-    return merged
+def run_jobs(args, device: str, units: list) -> int:
+    """Worker processes of the run: ``--jobs`` or :func:`default_jobs`, at most one per unit."""
+    return max(1, min(args.jobs or default_jobs(device), len(units)))
 
 
-def hand_out_order(units: list) -> list:
-    """The ``(unit index, dtype)`` pairs of ``units`` in the order workers get them: the most
-    expensive first (by :meth:`Unit.cost`; ties in battery order), so the long compiles do not
-    come last."""
-    pairs = [(i, d) for i, u in enumerate(units) for d in u.dtypes]
-    return sorted(pairs, key=lambda p: -units[p[0]].cost(p[1]))
-
-
-def _print_errors(outcome: UnitOutcome) -> UnitOutcome:
-    for text in outcome.errors:
-        print(f"streamkl verify: FAIL, {text}", file=sys.stderr, flush=True)
-    return outcome
-
-
-def _cpu_seconds() -> float:
-    """CPU seconds of this process and of its finished child processes (worker processes, and the
-    compilers Triton starts)."""
-    import resource
-
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
-
-
-def _run_own(args, device: str) -> int:
+def _run_own(args, device: str, early=None) -> int:
     import torch
 
-    units = own_units(device, quick=args.quick, which=args.cases)
-    if args.only:
+    units = selected_units(args, device)
+    if units is None:
+        names = own_units(device, quick=args.quick, which=args.cases)
         wanted = {name.strip() for name in args.only.split(",") if name.strip()}
-        unknown = sorted(wanted - {u.name for u in units})
-        if unknown:
-            print(f"streamkl verify: --only: no case {', '.join(unknown)} in this battery; its cases: "
-                  + ", ".join(u.name for u in units), file=sys.stderr)
-            return 2
-        units = [u for u in units if u.name in wanted]
-    jobs = max(1, min(args.jobs or default_jobs(device), len(units)))
+        unknown = sorted(wanted - {u.name for u in names})
+        print(f"streamkl verify: --only: no case {', '.join(unknown)} in this battery; its cases: "
+              + ", ".join(u.name for u in names), file=sys.stderr)
+        return 2
+    jobs = run_jobs(args, device, units)
+    if early is not None and early.jobs != jobs:  # (cannot differ: the same units and count)
+        early.pool.shutdown(wait=False, cancel_futures=True)
+        early = None
     report = Report(options={"impl": "streamkl_gpu.attention_kl", "device": device, "quick": args.quick,
                              "cases": args.cases, "seed": args.seed, "dtypes": own_dtypes(device, args.quick),
                              "bwd_modes": ["fused", "separate"], "autotune": args.autotune})
     t_start, cpu_start = time.time(), _cpu_seconds()
     if jobs > 1 and not args.quiet:
         print(f"[{0:6.1f}s] {len(units)} cases in {jobs} worker processes", file=sys.stderr, flush=True)
-    outcomes = run_units(units, RunSettings(device, args.seed, args.quiet, t_start, reference_directory(args, device)), jobs)
+    outcomes = run_units(units, RunSettings(device, args.seed, args.quiet, t_start, reference_directory(args, device)), jobs,
+                         pool=None if early is None else early.pool)
     case_seconds, seen = {}, collections.Counter()
     for outcome in outcomes:
         report.rows += outcome.rows

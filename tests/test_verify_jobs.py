@@ -121,3 +121,37 @@ def test_jobs_defaults_and_usage_errors(capsys):
     assert verify.main(["--device", "cpu", "--only", "no_such_case"]) == 2
     err = capsys.readouterr().err
     assert "--jobs must be at least 1" in err and "do not go with --impl" in err and "no case no_such_case" in err
+
+
+def test_workers_start_before_torch_where_the_device_is_known_without_it(monkeypatch):
+    """`start_workers_early`: a pool only where the run will use one and the device needs no torch
+    to know (an explicit device, or auto with a GPU's device nodes); never for a run in one process."""
+    started = []
+
+    class Pool:
+        def __init__(self, jobs, **kw):
+            started.append(jobs)
+            self.submitted = 0
+
+        def submit(self, fn, *args):
+            self.submitted += 1
+
+    import concurrent.futures
+
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Pool)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    args = lambda *argv: verify._parse(list(argv))  # noqa: E731
+    cheap = ",".join(CHEAP)
+    early = verify.start_workers_early(args("--device", "cpu", "--jobs", "2", "--only", cheap))
+    assert (early.device, early.jobs, early.pool.submitted, started) == ("cpu", 2, 2, [2])
+    assert os.environ["TRITON_INTERPRET"] == "1"  # set before the workers import the kernels
+    # one unit: one worker, in this process; no --jobs on CPU; --impl; a device torch must tell
+    assert verify.start_workers_early(args("--device", "cpu", "--jobs", "2", "--only", "n=1")) is None
+    assert verify.start_workers_early(args("--device", "cpu")) is None
+    assert verify.start_workers_early(args("--impl", "x:y")) is None
+    monkeypatch.setattr(verify, "_gpu_visible", lambda: False)
+    assert verify.start_workers_early(args("--device", "auto")) is None
+    monkeypatch.setattr(verify, "_gpu_visible", lambda: True)
+    monkeypatch.setattr(verify, "default_jobs", lambda device: 8)
+    early = verify.start_workers_early(args("--device", "auto", "--only", cheap))
+    assert (early.device, early.jobs, started[1:]) == ("cuda", 3, [3])  # at most one per case
