@@ -607,7 +607,8 @@ def start_workers_early(args):
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_warm_worker)
+    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_warm_worker,
+                               initargs=(device,))
     for _ in range(jobs):  # a pool starts its processes as work arrives
         pool.submit(_worker_ready)
     return EarlyWorkers(pool, device, jobs)

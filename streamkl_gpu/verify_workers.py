@@ -121,12 +121,24 @@ def _bounds_counts(device: str) -> dict:
 _worker = {}  # in a worker process: its run settings, clock and checks (set up by its first unit)
 
 
-def _warm_worker() -> None:
+def _warm_worker(device: str) -> None:
     """A worker process's start: import what every check needs (torch, Triton, the kernels'
-    modules; seconds), so that the process is ready when its first unit comes. os.environ,
-    STREAMKL_AUTOTUNE and TRITON_INTERPRET included, is the parent's, copied at the spawn."""
-    import torch  # noqa: F401
-    import streamkl_gpu.api  # noqa: F401  (the attention, packed-sequence and indexer entry points)
+    modules; seconds) and, on a GPU, create the CUDA context and Triton's driver, so that the
+    process is ready when its first unit comes. os.environ, STREAMKL_AUTOTUNE and
+    TRITON_INTERPRET included, is the parent's, copied at the spawn. A failure here is left to
+    the first unit, which meets it again and fails by name."""
+    try:
+        import torch
+
+        import streamkl_gpu.api  # noqa: F401  (the attention, packed-sequence and indexer entry points)
+
+        if device == "cuda":
+            torch.empty(1, device="cuda")  # the CUDA context
+            from triton.runtime import driver
+
+            driver.active.get_current_target()  # Triton's driver (its C utilities loaded or built)
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def _set_up_worker(run: RunSettings) -> None:
@@ -179,7 +191,8 @@ def run_units(units: list, run: RunSettings, jobs: int, pool=None) -> list:
 
     parts = {}  # (unit index, dtype) -> its outcome
     if pool is None:
-        pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_warm_worker)
+        pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_warm_worker,
+                                   initargs=(run.device,))
     with pool:
         futures = {pool.submit(_run_unit_in_worker, replace(units[i], dtypes=(d,)), run): (i, d)
                    for i, d in hand_out_order(units)}
