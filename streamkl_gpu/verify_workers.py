@@ -22,7 +22,6 @@ from streamkl_ref._testing import reference_cache
 from streamkl_ref.testing import Report, Row
 
 
-
 class _CaseClock:
     """Seconds per case and dtype: compiling (the first call of each new kernel, read from
     Triton's compiler entry point; on a GPU) and the rest (the check). ``timed(label, seconds)``
