@@ -330,10 +330,8 @@ def _run(args) -> int:
         device = _pick_device(args)
         if device is None:
             return 2
-        if early is not None and early.device != device:  # (a GPU seen in /dev that torch does not see)
-            early.pool.shutdown(wait=False, cancel_futures=True)
-            early = None
-        return _run_on(args, device, early)
+        # (another device: a GPU seen in /dev that torch does not see; the pool is shut down below)
+        return _run_on(args, device, early if early is not None and early.device == device else None)
     finally:
         if early is not None:
             early.pool.shutdown(wait=False, cancel_futures=True)
@@ -599,7 +597,8 @@ def start_workers_early(args):
         device = "cuda" if _gpu_visible() else None
     if device is None or (device == "cpu" and args.jobs is None):
         return None
-    jobs = run_jobs(args, device, selected_units(args, device) or [])
+    units, unknown = selected_units(args, device)
+    jobs = 0 if unknown else run_jobs(args, device, units)
     if jobs <= 1:
         return None
     if device == "cpu":  # before the workers import the kernel modules (as _pick_device does here)
@@ -627,15 +626,13 @@ def reference_directory(args, device: str):
 
 
 def selected_units(args, device: str):
-    """The battery's units that ``--only`` selects (all without it); None if it names a case the
-    battery lacks."""
+    """``(units, unknown)``: the battery's units that ``--only`` selects (all without it), and
+    the names it gives that the battery lacks, sorted."""
     units = own_units(device, quick=args.quick, which=args.cases)
     if not args.only:
-        return units
+        return units, []
     wanted = {name.strip() for name in args.only.split(",") if name.strip()}
-    if wanted - {u.name for u in units}:
-        return None
-    return [u for u in units if u.name in wanted]
+    return [u for u in units if u.name in wanted], sorted(wanted - {u.name for u in units})
 
 
 def run_jobs(args, device: str, units: list) -> int:
@@ -646,26 +643,20 @@ def run_jobs(args, device: str, units: list) -> int:
 def _run_own(args, device: str, early=None) -> int:
     import torch
 
-    units = selected_units(args, device)
-    if units is None:
-        names = own_units(device, quick=args.quick, which=args.cases)
-        wanted = {name.strip() for name in args.only.split(",") if name.strip()}
-        unknown = sorted(wanted - {u.name for u in names})
+    units, unknown = selected_units(args, device)
+    if unknown:
         print(f"streamkl verify: --only: no case {', '.join(unknown)} in this battery; its cases: "
-              + ", ".join(u.name for u in names), file=sys.stderr)
+              + ", ".join(u.name for u in own_units(device, quick=args.quick, which=args.cases)), file=sys.stderr)
         return 2
     jobs = run_jobs(args, device, units)
-    if early is not None and early.jobs != jobs:  # (cannot differ: the same units and count)
-        early.pool.shutdown(wait=False, cancel_futures=True)
-        early = None
     report = Report(options={"impl": "streamkl_gpu.attention_kl", "device": device, "quick": args.quick,
                              "cases": args.cases, "seed": args.seed, "dtypes": own_dtypes(device, args.quick),
                              "bwd_modes": ["fused", "separate"], "autotune": args.autotune})
     t_start, cpu_start = time.time(), _cpu_seconds()
     if jobs > 1 and not args.quiet:
         print(f"[{0:6.1f}s] {len(units)} cases in {jobs} worker processes", file=sys.stderr, flush=True)
-    outcomes = run_units(units, RunSettings(device, args.seed, args.quiet, t_start, reference_directory(args, device)), jobs,
-                         pool=None if early is None else early.pool)
+    run = RunSettings(device, args.seed, args.quiet, t_start, reference_directory(args, device))
+    outcomes = run_units(units, run, jobs, pool=None if early is None else early.pool)
     case_seconds, seen = {}, collections.Counter()
     for outcome in outcomes:
         report.rows += outcome.rows
