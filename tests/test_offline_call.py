@@ -1,0 +1,38 @@
+"""streamkl_gpu.devtools.offline_call: the kernels of one indexer training step, compiled for sm_90
+on this CPU (no GPU), with what ptxas made of each. Run in a process of its own (it installs a
+stand-in driver; the test session runs under the interpreter)."""
+import csv
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(args, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    env["STREAMKL_CACHE_DIR"] = str(tmp_path / "streamkl")
+    return subprocess.run([sys.executable, "-m", "streamkl_gpu.devtools.offline_call", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=400)
+
+
+def test_gqa_training_step_kernels_compile_and_report(tmp_path):
+    """A GQA-like step with lse given (the accumulating design): its forward and the backward's two
+    student kernels are found by the walk and compiled; each row has ptxas' registers, Hopper MMA
+    (HGMMA) in every kernel and the config it was compiled with."""
+    out = tmp_path / "census.csv"
+    proc = _run(["--csv", str(out), "gqa:256:lse"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    rows = list(csv.DictReader(open(out)))
+    kernels = [r["kernel"] for r in rows]
+    assert "_indexer_fwd_pacc_kernel" in kernels and "_indexer_bwd_dq_kernel" in kernels, kernels
+    for r in rows:
+        assert 0 < int(r["registers"]) <= 255 and int(r["hgmma"]) > 0, r
+        assert "num_warps=" in r["config"] and int(r["instructions"]) > int(r["hgmma"]), r
+    assert len(proc.stdout.strip().splitlines()) == len(rows)
+
+
+def test_bad_spec_is_a_clear_error(tmp_path):
+    proc = _run(["nosuch:256:lse"], tmp_path)
+    assert proc.returncode != 0 and "teacher:N:lse|nolse" in proc.stderr, proc.stderr[-2000:]
