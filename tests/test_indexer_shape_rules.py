@@ -67,6 +67,37 @@ def test_the_chunk_design_keeps_its_tiles(gpu_lists):
             idx_configs._gpu_candidates("bwd", dims, 132, False))
 
 
+def test_the_storing_forward_order_a_benchmark_may_force(gpu_lists, monkeypatch):
+    """The forcing hook's ``indexer_storing_forward_order``: "candidates" is the list as it stands,
+    "forward_rule" the same configs with the plain forward's rule first (the 64-head MQA's
+    keys-major tile; unchanged where the rule's tile is first already); the chunk design asks for
+    the order the innermost forcing block names."""
+    from streamkl_gpu._core.forcing import forcing
+    from streamkl_gpu.indexer.training import chunk
+
+    for family in ("dsa", "mqa", "gqa"):
+        dims = _dims(family)
+        listed = idx_configs.storing_forward_candidates(False, dims, 132)
+        ruled = idx_configs.storing_forward_candidates(False, dims, 132, "forward_rule")
+        assert listed == idx_configs._candidates("pstore", False, dims) and sorted(map(repr, ruled)) == sorted(map(repr, listed))
+        assert idx_configs._matches(ruled[0], idx_configs.SHAPE_RULES[(family, "fwd")]), (family, ruled[0])
+        assert (ruled == listed) == (family != "mqa"), family  # only the 64-head MQA's order differs
+    with pytest.raises(ValueError, match="forward_rule"):
+        idx_configs.storing_forward_candidates(False, _dims("mqa"), 132, "fastest")
+    class Asked(Exception):
+        pass
+
+    def ask(ieee, dims, n_sm, order="candidates"):
+        raise Asked(order)
+    monkeypatch.setattr(idx_configs, "storing_forward_candidates", ask)
+    xs = [torch.zeros(s) for s in ((1, 64, 8, 16), (1, 1, 8, 16), (1, 4, 8, 8), (1, 1, 8, 8), (1, 4, 8))]
+    lse = torch.zeros(1, 64, 8)
+    with forcing(indexer_storing_forward_order="forward_rule"), pytest.raises(Asked, match="^forward_rule$"):
+        chunk._forward_full(*xs, lse, True, 0.25, True)
+    with pytest.raises(Asked, match="^candidates$"):
+        chunk._forward_full(*xs, lse, True, 0.25, True)
+
+
 def test_a_ruled_pick_is_untimed_by_default_and_timed_when_asked(gpu_lists, monkeypatch):
     dims = _dims("gqa")
     cands = idx_configs._candidates("pacc", False, dims)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import itertools
 import math
 import os
 import statistics
@@ -42,6 +43,7 @@ import triton  # noqa: E402
 
 import streamkl_ref  # noqa: E402
 import streamkl_gpu  # noqa: E402
+from streamkl_gpu._core.forcing import forcing  # noqa: E402
 from streamkl_ref.testing import relative_error  # noqa: E402
 
 from . import timing  # noqa: E402
@@ -52,10 +54,12 @@ COLUMNS = ["section", "measure", "teacher", "path", "provider", "n", "value", "u
 TEACHERS = {
     "dsa": dict(H=128, HK=1, D=576, HI=64, HKI=1, DI=128, scale=192 ** -0.5),
     "gqa": dict(H=32, HK=8, D=128, HI=16, HKI=1, DI=64, scale=None),
+    "mqa64": dict(H=64, HK=1, D=576, HI=64, HKI=1, DI=128, scale=576 ** -0.5),  # the first-call section's teacher
 }
 TINY_TEACHERS = {  # the same head layouts, small (the interpreter runs programs one after another)
     "dsa": dict(H=4, HK=1, D=40, HI=4, HKI=1, DI=16, scale=0.2),
     "gqa": dict(H=4, HK=2, D=16, HI=2, HKI=1, DI=16, scale=None),
+    "mqa64": dict(H=4, HK=1, D=40, HI=4, HKI=1, DI=16, scale=0.2),
 }
 PATHS = ("lse", "no_lse", "row_weights_lse", "row_weights_no_lse")
 LOSS_TOL, GRAD_TOL = 1e-5, 5e-3
@@ -146,21 +150,20 @@ def Design(value):
     return mock.patch.dict(os.environ, {} if value is None else {DESIGN_VAR: value})
 
 
-def dense_point(cfg, N, path, device, dtype, design=None):
+def dense_point(cfg, N, path, device, dtype, design=None, order=None):
     xs = make(cfg, 1, N, N, dtype, device, seed=N)
-    q, k = xs[0], xs[1]
-    leaves = [x.clone().requires_grad_(True) for x in xs[2:]]
+    q, k, leaves = xs[0], xs[1], [x.clone().requires_grad_(True) for x in xs[2:]]
     lse = teacher_lse(q, k, True, scale_of(cfg)) if path in ("lse", "row_weights_lse") else None
     rw = row_weights_of(1, N, device) if path.startswith("row_weights") else None
     kw = dict(causal=True, scale=cfg["scale"], reduction="mean", lse=lse, row_weights=rw)
 
     def fwd():
-        with Design(design):
+        with Design(design), forcing(indexer_storing_forward_order=order):  # (None: the library's own)
             return streamkl_gpu.indexer_kl(q, k, *leaves, **kw)
 
     def fwd_bwd():
         loss = fwd()
-        with Design(design):
+        with Design(design), forcing(indexer_storing_forward_order=order):
             loss.backward()
 
     return {"fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd}, fwd_bwd
@@ -173,8 +176,7 @@ def rows_with_keys(NQ, NK, causal, B=1):
 def compile_point(cfg, N, device, dtype):
     """torch.compile of the materialised loss (fp32 products of the bf16 inputs, masked mean)."""
     xs = make(cfg, 1, N, N, dtype, device, seed=N)
-    q, k = xs[0], xs[1]
-    leaves = [x.clone().requires_grad_(True) for x in xs[2:]]
+    q, k, leaves = xs[0], xs[1], [x.clone().requires_grad_(True) for x in xs[2:]]
     scale, rows = cfg["scale"], rows_with_keys(N, N, True)
 
     from streamkl_gpu.indexer.api import indexer_kl_naive
@@ -212,8 +214,7 @@ def topk_point(cfg, N, K, device, dtype, compiled=False):
     from streamkl_gpu.indexer.topk import indexer_kl_topk_naive
 
     xs = make(cfg, 1, N, N, dtype, device, seed=N + 1)
-    q, k = xs[0], xs[1]
-    leaves = [x.clone().requires_grad_(True) for x in xs[2:]]
+    q, k, leaves = xs[0], xs[1], [x.clone().requires_grad_(True) for x in xs[2:]]
     topk = random_sets(1, N, K, device)
     scale, rows = cfg["scale"], rows_with_keys(N, N, True)
     if compiled:
@@ -276,7 +277,6 @@ def _report_check(out, section, name, path, n, loss, ref_loss, leaves, ref):
         print(f"check {section:5s} {name:3s} {path:20s} {measure:24s} {value:.2e} (tol {tol:g}) {'ok' if ok else 'FAIL'}")
 
 
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
@@ -285,10 +285,11 @@ def parse_args(argv=None):
     p.add_argument("--topk-n", default=None, help="tokens of the top-k points (default 8192,32768; --tiny 40)")
     p.add_argument("--topk", type=int, default=None, help="keys per row (default 2048; --tiny 8)")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5; --tiny 1)")
-    p.add_argument("--teachers", default="dsa,gqa")
+    p.add_argument("--teachers", default="dsa,gqa", help="of: dsa, gqa, mqa64 (the first-call section's 64 heads)")
     p.add_argument("--paths", default=",".join(PATHS))
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
     p.add_argument("--no-topk", action="store_true")
+    p.add_argument("--forward-rule-tiles", action="store_true", help="also each path, chunk tiles in the forward's rule order")
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--quick", action="store_true", help="shorter do_bench reps")
     p.add_argument("--memory-n", type=int, default=None,
@@ -316,21 +317,25 @@ def main(argv=None):
     # the points: key -> (measures, fwd_bwd callable for the memory figure, floor FLOPs or None)
     points = {}
 
+    def failed(key, exc, when=""):  # an OOM or a failure: recorded, the run goes on
+        what = f"{type(exc).__name__}: {str(exc)[:200]}"
+        out.row(key[0], "error", key[1], key[2], key[3], key[4], "oom" if is_oom(exc) else "error", "", what)
+        print(f"{key}: {'OOM' if is_oom(exc) else 'ERROR'}{when} {what}")
+        torch.cuda.empty_cache() if device == "cuda" else None
+
     def add(key, build, floor):
         try:
             measures, fb = build()
             points[key] = (measures, fb, floor)
-        except Exception as exc:  # noqa: BLE001 - an OOM (recorded) or a failure (recorded, the run goes on)
-            out.row(key[0], "error", key[1], key[2], key[3], key[4], "oom" if is_oom(exc) else "error", "",
-                    f"{type(exc).__name__}: {str(exc)[:200]}")
-            print(f"{key}: {'OOM' if is_oom(exc) else 'ERROR'} {type(exc).__name__}: {str(exc)[:200]}")
-            torch.cuda.empty_cache() if device == "cuda" else None
+        except Exception as exc:  # noqa: BLE001
+            failed(key, exc)
 
+    orders = [("streamkl", None)] + [("streamkl_forward_rule_tiles", "forward_rule")] * a.forward_rule_tiles
     for name in names:
         cfg = teachers[name]
-        for path in paths:
-            add(("dense", name, path, "streamkl", a.n), lambda cfg=cfg, path=path: dense_point(cfg, a.n, path, device, dtype),
-                floor_flops(cfg, a.n, path))
+        for path, (provider, order) in itertools.product(paths, orders):  # (forward_rule: the chunk design's other tiles)
+            add(("dense", name, path, provider, a.n), lambda cfg=cfg, path=path, order=order: dense_point(
+                cfg, a.n, path, device, dtype, order=order), floor_flops(cfg, a.n, path))
         if "lse" in paths:  # the accumulating design beside the default, lse given
             add(("dense", name, "lse", "streamkl_accumulating", a.n),
                 lambda cfg=cfg: dense_point(cfg, a.n, "lse", device, dtype, design="accumulate"), floor_flops(cfg, a.n, "lse"))
@@ -362,13 +367,9 @@ def main(argv=None):
             mem = extra_memory_gib(fb, device == "cuda")
             out.row(key[0], "extra_mem_fwd_bwd", key[1], key[2], key[3], key[4], f"{mem:.3f}", "GiB")
         except Exception as exc:  # noqa: BLE001
-            out.row(key[0], "error", key[1], key[2], key[3], key[4], "oom" if is_oom(exc) else "error", "",
-                    f"{type(exc).__name__}: {str(exc)[:200]}")
-            print(f"{key}: {'OOM' if is_oom(exc) else 'ERROR'} at warm-up: {type(exc).__name__}: {str(exc)[:200]}")
-            if not is_oom(exc):
-                traceback.print_exc()
+            traceback.print_exc() if not is_oom(exc) else None
+            failed(key, exc, " at warm-up:")
             del points[key]
-            torch.cuda.empty_cache() if device == "cuda" else None
 
     if device != "cuda":
         points = {key: ({"fwd_bwd_ms": ms["fwd_bwd_ms"]}, fb, fl) for key, (ms, fb, fl) in points.items()}
@@ -411,8 +412,7 @@ def main(argv=None):
             out.row("memory", "extra_mem_fwd_bwd", "dsa", "no_lse", "streamkl", a.memory_n, f"{mem:.3f}", "GiB")
             print(f"DSA-like {a.memory_n} fwd+bwd (no lse) extra memory {mem:.2f} GiB")
         except Exception as exc:  # noqa: BLE001
-            out.row("memory", "error", "dsa", "no_lse", "streamkl", a.memory_n, "oom" if is_oom(exc) else "error", "",
-                    f"{type(exc).__name__}: {str(exc)[:200]}")
+            failed(("memory", "dsa", "no_lse", "streamkl", a.memory_n), exc)
 
     if not a.no_check:
         B, NQ, NK = (2, 13, 19) if a.tiny else (2, 200, 264)

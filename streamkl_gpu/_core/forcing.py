@@ -14,6 +14,11 @@ Forcible choices (keyword arguments of :func:`forcing`; unknown names raise ``Va
   explain the kernel's time, they are never a candidate).
 - ``indexer_accumulate_parts``: a timing-only variant of the indexer's accumulating forward, one of
   ``streamkl_gpu.devtools.diagnostics.INDEXER_ACCUMULATE_PARTS`` (incomplete gradients).
+- ``indexer_storing_forward_order``: the order in which the indexer's chunk design tries its
+  storing forward's tiles (it takes the first that fits, untimed): ``"candidates"`` (the default,
+  also for None: the forward's candidate list as it stands) or ``"forward_rule"`` (that list reordered by the
+  plain forward's shape rule for the teacher family, ``indexer/configs.py SHAPE_RULES``), so a
+  benchmark can time the chunk design with the other tile (correct results either way).
 
 Every Gluon launch inside the block is recorded in the yielded :class:`Record` (kernel name, the
 compiled kernel, its constexprs). Outside a ``forcing`` block nothing is recorded and nothing is
@@ -25,7 +30,7 @@ import contextlib
 import dataclasses
 from typing import Any, Optional
 
-CHOICES = ("attention_fwd_variant", "indexer_accumulate_parts")
+CHOICES = ("attention_fwd_variant", "indexer_accumulate_parts", "indexer_storing_forward_order")
 
 
 @dataclasses.dataclass(frozen=True)

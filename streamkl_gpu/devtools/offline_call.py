@@ -14,11 +14,13 @@ the rest of the process (CPU tensors stand for the GPU's; nothing runs on them).
 
     python -m streamkl_gpu.devtools.offline_call dsa:8192:lse gqa:8192:nolse mqa64:8192:nolse
     python -m streamkl_gpu.devtools.offline_call --csv OUT.csv gqa:8192:lse
+    python -m streamkl_gpu.devtools.offline_call --force indexer_storing_forward_order=forward_rule mqa64:8192:nolse
 
 A spec is ``teacher:N:lse|nolse[:reduction]`` (reduction ``mean`` by default, as a training step);
 the teachers are the benchmark's: ``dsa`` (H = 128, D = 576, MQA; indexer 64 x 128), ``mqa64``
 (the first-call section's: 64 heads, otherwise DSA-like), ``gqa`` (H = 32 over 8 key heads,
-D = 128; indexer 16 x 64). One CSV row (or printed line) per distinct kernel launch.
+D = 128; indexer 16 x 64). One CSV row (or printed line) per distinct kernel launch. ``--force
+NAME=VALUE``: the call inside ``_core.forcing.forcing(NAME=VALUE)`` (the documented hook).
 """
 import csv
 import os
@@ -146,15 +148,22 @@ def census(spec):
 
 
 def main(argv):
-    out = None
-    if argv[:1] == ["--csv"]:
-        out, argv = argv[1], argv[2:]
+    out, forced = None, {}
+    while argv[:1] in (["--csv"], ["--force"]) and len(argv) > 1:
+        if argv[0] == "--csv":
+            out = argv[1]
+        else:
+            name, _, value = argv[1].partition("=")
+            forced[name] = value
+        argv = argv[2:]
     if not argv:
         print(__doc__)
         return 2
     os.environ.pop("TRITON_INTERPRET", None)
     _stand_in_gpu()
-    rows = [row for spec in argv for row in census(spec)]
+    from streamkl_gpu._core.forcing import forcing
+    with forcing(**forced):
+        rows = [row for spec in argv for row in census(spec)]
     for row in rows:
         print(" ".join(f"{name}={row[name]}" for name in FIELDS))
     if out:

@@ -204,6 +204,19 @@ def _rule_first(kind, dims, cands):
     return cands if hit is None else [hit] + [c for c in cands if c is not hit]
 
 
+STORING_FORWARD_ORDERS = ("candidates", "forward_rule")
+
+
+def storing_forward_candidates(ieee, dims, n_sm, order="candidates"):
+    """The chunk design's storing-forward tiles, in the order it tries them (the first that fits
+    runs, untimed): the forward's candidates as listed, or (``"forward_rule"``, a benchmark's
+    choice through the forcing hook) with the plain forward's shape rule first."""
+    if order not in STORING_FORWARD_ORDERS:
+        raise ValueError(f"indexer_storing_forward_order is one of {STORING_FORWARD_ORDERS}, got {order!r}")
+    cands = _candidates("pstore", ieee, dims, n_sm)
+    return _rule_first("fwd", dims, cands) if order == "forward_rule" else cands
+
+
 def ruled(kind, dims, candidates) -> bool:
     """Does a shape rule choose this pick (its config first in ``candidates``)? Then the pick is not
     timed by default (``_tuning.pick``'s ``ruled``)."""

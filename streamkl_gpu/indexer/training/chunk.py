@@ -12,6 +12,7 @@ import torch
 
 from streamkl_ref._checks import check_indexer_inputs
 from streamkl_gpu._core import custom_ops as _custom_ops
+from streamkl_gpu._core import forcing as _forcing
 from streamkl_gpu.indexer.triton import bwd as _indexer_bwd
 from streamkl_gpu.indexer.triton import accumulate as _indexer_pacc
 from streamkl_gpu.indexer.triton import fwd_gqa_store as _indexer_gqa_store  # several key heads
@@ -56,7 +57,8 @@ def _forward_full(q, k, q_idx, k_idx, weights, lse, causal, scale, relu, row_wei
     that fits is remembered per shape class."""
     dims = check_indexer_inputs(q, k, q_idx, k_idx, weights, scale=scale)
     ieee = q.dtype == torch.float32 or q_idx.dtype == torch.float32
-    fwd_cands = _configs._candidates("pstore", ieee, dims, _runtime.n_sm(q.device))
+    fwd_cands = _configs.storing_forward_candidates(ieee, dims, _runtime.n_sm(q.device),
+                                                    _forcing.forced("indexer_storing_forward_order") or "candidates")
     bwd_cands = _configs._candidates("bwd", ieee, dims, teacher=False)
     key = ("idx_full", relu, dims.D, dims.DI, dims.H, dims.HK, dims.HI, dims.HKI, q.dtype, q_idx.dtype, causal,
            _tuning.bucket(dims.NQ), _tuning.bucket(dims.NK), _tuning.bucket(dims.B), q.device.type,
