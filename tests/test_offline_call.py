@@ -36,3 +36,5 @@ def test_gqa_training_step_kernels_compile_and_report(tmp_path):
 def test_bad_spec_is_a_clear_error(tmp_path):
     proc = _run(["nosuch:256:lse"], tmp_path)
     assert proc.returncode != 0 and "teacher:N:lse|nolse" in proc.stderr, proc.stderr[-2000:]
+    proc = _run(["gqa:256:lse:bogus"], tmp_path)  # the call's own error, not an empty census
+    assert proc.returncode != 0 and "reduction must be one of" in proc.stderr, proc.stderr[-2000:]

@@ -109,12 +109,24 @@ def _launches(spec):
             seen.add(key)
             found.append((fn, grid, args, kwargs))
 
+    raised = []
+
+    def call():  # (the backward's kernels too: in the walk, custom_ops.call runs each op's backward)
+        try:
+            streamkl_gpu.indexer_kl(q, k, *student, causal=True, scale=D ** -0.5, lse=lse, reduction=reduction)
+        except Exception as exc:  # the walk ends quietly; say why here
+            raised.append(exc)
+            raise
+
     launcher._compile_only, kept = record, launcher._compile_only
     try:
-        launcher.compile_ahead(lambda: streamkl_gpu.indexer_kl(
-            q, k, *student, causal=True, scale=D ** -0.5, lse=lse, reduction=reduction).backward(), None).join()
+        launcher.compile_ahead(call, None).join()
     finally:
         launcher._compile_only = kept
+    if raised:
+        raise RuntimeError(f"the call of {spec!r} raised in the compile-ahead walk") from raised[0]
+    if not found:
+        raise RuntimeError(f"the call of {spec!r} reached no kernel launch")
     return found
 
 
