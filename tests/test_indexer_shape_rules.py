@@ -98,6 +98,40 @@ def test_the_storing_forward_order_a_benchmark_may_force(gpu_lists, monkeypatch)
         chunk._forward_full(*xs, lse, True, 0.25, True)
 
 
+def test_the_chunk_gradient_order_a_benchmark_may_force(gpu_lists, monkeypatch):
+    """The forcing hook's ``indexer_chunk_gradient_order``: "candidates" is the student backward's
+    list as it stands, "four_warps_first" the same configs with the first 4-warp tile first (at
+    GQA the recomputing backward's dq rule tile); the chunk design asks for the innermost order."""
+    from streamkl_gpu._core.forcing import forcing
+    from streamkl_gpu.indexer.training import chunk
+
+    for family in ("dsa", "mqa", "gqa"):
+        dims = _dims(family)
+        listed = idx_configs.chunk_gradient_candidates(False, dims)
+        four = idx_configs.chunk_gradient_candidates(False, dims, "four_warps_first")
+        assert listed == idx_configs._candidates("bwd", False, dims, teacher=False)
+        assert sorted(map(repr, four)) == sorted(map(repr, listed)) and four != listed, family
+        assert four[0].num_warps == 4 and listed[0].num_warps != 4, family
+    gqa_dq_rule = idx_configs.SHAPE_RULES[("gqa", "bwd_dq")]
+    assert idx_configs._matches(idx_configs.chunk_gradient_candidates(False, _dims("gqa"), "four_warps_first")[0],
+                                gqa_dq_rule)
+    with pytest.raises(ValueError, match="four_warps_first"):
+        idx_configs.chunk_gradient_candidates(False, _dims("gqa"), "fastest")
+
+    class Asked(Exception):
+        pass
+
+    def ask(ieee, dims, order="candidates"):
+        raise Asked(order)
+    monkeypatch.setattr(idx_configs, "chunk_gradient_candidates", ask)
+    xs = [torch.zeros(s) for s in ((1, 64, 8, 16), (1, 1, 8, 16), (1, 4, 8, 8), (1, 1, 8, 8), (1, 4, 8))]
+    lse = torch.zeros(1, 64, 8)
+    with forcing(indexer_chunk_gradient_order="four_warps_first"), pytest.raises(Asked, match="^four_warps_first$"):
+        chunk._forward_full(*xs, lse, True, 0.25, True)
+    with pytest.raises(Asked, match="^candidates$"):
+        chunk._forward_full(*xs, lse, True, 0.25, True)
+
+
 def test_a_ruled_pick_is_untimed_by_default_and_timed_when_asked(gpu_lists, monkeypatch):
     dims = _dims("gqa")
     cands = idx_configs._candidates("pacc", False, dims)

@@ -19,6 +19,9 @@ Forcible choices (keyword arguments of :func:`forcing`; unknown names raise ``Va
   also for None: the forward's candidate list as it stands) or ``"forward_rule"`` (that list reordered by the
   plain forward's shape rule for the teacher family, ``indexer/configs.py SHAPE_RULES``), so a
   benchmark can time the chunk design with the other tile (correct results either way).
+- ``indexer_chunk_gradient_order``: the order in which the chunk design tries its gradient
+  kernel's tiles: ``"candidates"`` (the default, also for None) or ``"four_warps_first"`` (the
+  first 4-warp tile first: ``indexer/configs.py chunk_gradient_candidates``); correct either way.
 
 Every Gluon launch inside the block is recorded in the yielded :class:`Record` (kernel name, the
 compiled kernel, its constexprs). Outside a ``forcing`` block nothing is recorded and nothing is
@@ -30,7 +33,8 @@ import contextlib
 import dataclasses
 from typing import Any, Optional
 
-CHOICES = ("attention_fwd_variant", "indexer_accumulate_parts", "indexer_storing_forward_order")
+CHOICES = ("attention_fwd_variant", "indexer_accumulate_parts", "indexer_storing_forward_order",
+           "indexer_chunk_gradient_order")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -217,6 +217,22 @@ def storing_forward_candidates(ieee, dims, n_sm, order="candidates"):
     return _rule_first("fwd", dims, cands) if order == "forward_rule" else cands
 
 
+CHUNK_GRADIENT_ORDERS = ("candidates", "four_warps_first")
+
+
+def chunk_gradient_candidates(ieee, dims, order="candidates"):
+    """The chunk design's gradient-kernel tiles, in the order it tries them (the first that fits
+    runs, untimed): the student backward's candidates as listed (``"candidates"``), or
+    (``"four_warps_first"``, a benchmark's choice through the forcing hook) with the first 4-warp
+    tile moved to the front: the tile the recomputing backward's dq rule picks for GQA teachers
+    (``SHAPE_RULES[("gqa", "bwd_dq")]``), so a benchmark can time the chunk design with it."""
+    if order not in CHUNK_GRADIENT_ORDERS:
+        raise ValueError(f"indexer_chunk_gradient_order is one of {CHUNK_GRADIENT_ORDERS}, got {order!r}")
+    cands = _candidates("bwd", ieee, dims, teacher=False)
+    hit = next((c for c in cands if c.num_warps == 4), None) if order == "four_warps_first" else None
+    return cands if hit is None else [hit] + [c for c in cands if c is not hit]
+
+
 def ruled(kind, dims, candidates) -> bool:
     """Does a shape rule choose this pick (its config first in ``candidates``)? Then the pick is not
     timed by default (``_tuning.pick``'s ``ruled``)."""

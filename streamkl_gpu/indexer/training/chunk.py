@@ -59,7 +59,7 @@ def _forward_full(q, k, q_idx, k_idx, weights, lse, causal, scale, relu, row_wei
     ieee = q.dtype == torch.float32 or q_idx.dtype == torch.float32
     fwd_cands = _configs.storing_forward_candidates(ieee, dims, _runtime.n_sm(q.device),
                                                     _forcing.forced("indexer_storing_forward_order") or "candidates")
-    bwd_cands = _configs._candidates("bwd", ieee, dims, teacher=False)
+    bwd_cands = _configs.chunk_gradient_candidates(ieee, dims, _forcing.forced("indexer_chunk_gradient_order") or "candidates")
     key = ("idx_full", relu, dims.D, dims.DI, dims.H, dims.HK, dims.HI, dims.HKI, q.dtype, q_idx.dtype, causal,
            _tuning.bucket(dims.NQ), _tuning.bucket(dims.NK), _tuning.bucket(dims.B), q.device.type,
            tuple(fwd_cands), tuple(bwd_cands))  # (a caller forcing other candidates gets its own entry)
