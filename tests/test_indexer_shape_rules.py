@@ -12,6 +12,7 @@ from streamkl_ref._checks import check_indexer_inputs
 from streamkl_gpu._core import runtime as _runtime
 from streamkl_gpu._core import tuning as _tuning
 from streamkl_gpu.indexer import configs as idx_configs
+from streamkl_gpu.indexer.plan import IndexerConfig
 from streamkl_gpu.indexer import topk as idx_topk
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -100,8 +101,9 @@ def test_the_storing_forward_order_a_benchmark_may_force(gpu_lists, monkeypatch)
 
 def test_the_chunk_gradient_order_a_benchmark_may_force(gpu_lists, monkeypatch):
     """The forcing hook's ``indexer_chunk_gradient_order``: "candidates" is the student backward's
-    list as it stands, "four_warps_first" the same configs with the first 4-warp tile first (at
-    GQA the recomputing backward's dq rule tile); the chunk design asks for the innermost order."""
+    list as it stands, then the keys-major tiles; "four_warps_first" the same configs with the
+    first 4-warp tile first (at GQA the recomputing backward's dq rule tile); "keys_first" the
+    keys-major tiles first; the chunk design asks for the innermost order."""
     from streamkl_gpu._core.forcing import forcing
     from streamkl_gpu.indexer.training import chunk
 
@@ -109,7 +111,10 @@ def test_the_chunk_gradient_order_a_benchmark_may_force(gpu_lists, monkeypatch):
         dims = _dims(family)
         listed = idx_configs.chunk_gradient_candidates(False, dims)
         four = idx_configs.chunk_gradient_candidates(False, dims, "four_warps_first")
-        assert listed == idx_configs._candidates("bwd", False, dims, teacher=False)
+        rows = idx_configs._candidates("bwd", False, dims, teacher=False)
+        keys = idx_configs.chunk_gradient_candidates(False, dims, "keys_first")
+        assert listed[:len(rows)] == rows and all(c.variant == "keys" for c in listed[len(rows):]), family
+        assert keys == listed[len(rows):] + rows and len(keys) > len(rows), family
         assert sorted(map(repr, four)) == sorted(map(repr, listed)) and four != listed, family
         assert four[0].num_warps == 4 and listed[0].num_warps != 4, family
     gqa_dq_rule = idx_configs.SHAPE_RULES[("gqa", "bwd_dq")]
@@ -117,11 +122,18 @@ def test_the_chunk_gradient_order_a_benchmark_may_force(gpu_lists, monkeypatch):
                                 gqa_dq_rule)
     with pytest.raises(ValueError, match="four_warps_first"):
         idx_configs.chunk_gradient_candidates(False, _dims("gqa"), "fastest")
+    one = IndexerConfig(teacher_rows=64, indexer_rows=64, block_n=128, block_d=64, num_warps=8, num_stages=2,
+                        variant="keys")  # the forcing hook's indexer_chunk_gradient_config: tried first
+    listed = idx_configs.chunk_gradient_candidates(False, _dims("dsa"))
+    firsted = idx_configs.chunk_gradient_candidates(False, _dims("dsa"), "candidates", one)
+    assert firsted[0] == one and firsted[1:] == [c for c in listed if c != one] and len(firsted) >= len(listed)
+    with pytest.raises(ValueError, match="IndexerConfig"):
+        idx_configs.chunk_gradient_candidates(False, _dims("dsa"), "candidates", (64, 64))
 
     class Asked(Exception):
         pass
 
-    def ask(ieee, dims, order="candidates"):
+    def ask(ieee, dims, order="candidates", first=None):
         raise Asked(order)
     monkeypatch.setattr(idx_configs, "chunk_gradient_candidates", ask)
     xs = [torch.zeros(s) for s in ((1, 64, 8, 16), (1, 1, 8, 16), (1, 4, 8, 8), (1, 1, 8, 8), (1, 4, 8))]

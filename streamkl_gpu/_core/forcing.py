@@ -21,7 +21,11 @@ Forcible choices (keyword arguments of :func:`forcing`; unknown names raise ``Va
   benchmark can time the chunk design with the other tile (correct results either way).
 - ``indexer_chunk_gradient_order``: the order in which the chunk design tries its gradient
   kernel's tiles: ``"candidates"`` (the default, also for None) or ``"four_warps_first"`` (the
-  first 4-warp tile first: ``indexer/configs.py chunk_gradient_candidates``); correct either way.
+  first 4-warp tile first) or ``"keys_first"`` (the keys-major tiles first,
+  ``indexer/triton/chunk_grad_keys.py``): ``indexer/configs.py chunk_gradient_candidates``;
+  correct either way.
+- ``indexer_chunk_gradient_config``: an ``IndexerConfig`` the chunk design tries first for its
+  gradient kernel (variant ``"keys"``: the keys-major kernel), so a benchmark can time one tile.
 
 Every Gluon launch inside the block is recorded in the yielded :class:`Record` (kernel name, the
 compiled kernel, its constexprs). Outside a ``forcing`` block nothing is recorded and nothing is
@@ -34,7 +38,7 @@ import dataclasses
 from typing import Any, Optional
 
 CHOICES = ("attention_fwd_variant", "indexer_accumulate_parts", "indexer_storing_forward_order",
-           "indexer_chunk_gradient_order")
+           "indexer_chunk_gradient_order", "indexer_chunk_gradient_config")
 
 
 @dataclasses.dataclass(frozen=True)

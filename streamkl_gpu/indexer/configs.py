@@ -217,20 +217,39 @@ def storing_forward_candidates(ieee, dims, n_sm, order="candidates"):
     return _rule_first("fwd", dims, cands) if order == "forward_rule" else cands
 
 
-CHUNK_GRADIENT_ORDERS = ("candidates", "four_warps_first")
+CHUNK_GRADIENT_ORDERS = ("candidates", "four_warps_first", "keys_first")
+# The chunk design's keys-major gradient tiles (``indexer/triton/chunk_grad_keys.py``): (indexer
+# columns, keys, warps, stages). Not yet timed on a GPU: tried only when forced (``keys_first``)
+# or where no row-major tile fits.
+_KEYS_GRADIENT_TILES = ((128, 64, 8, 2), (64, 128, 4, 2), (64, 64, 4, 2))
 
 
-def chunk_gradient_candidates(ieee, dims, order="candidates"):
+def chunk_gradient_candidates(ieee, dims, order="candidates", first=None):
     """The chunk design's gradient-kernel tiles, in the order it tries them (the first that fits
-    runs, untimed): the student backward's candidates as listed (``"candidates"``), or
-    (``"four_warps_first"``, a benchmark's choice through the forcing hook) with the first 4-warp
-    tile moved to the front: the tile the recomputing backward's dq rule picks for GQA teachers
-    (``SHAPE_RULES[("gqa", "bwd_dq")]``), so a benchmark can time the chunk design with it."""
+    runs, untimed): the student backward's candidates, then the keys-major tiles
+    (``"candidates"``); or, a benchmark's choice through the forcing hook, the first 4-warp
+    row-major tile first (``"four_warps_first"``: the tile the recomputing backward's dq rule
+    picks for GQA teachers, ``SHAPE_RULES[("gqa", "bwd_dq")]``) or the keys-major tiles first
+    (``"keys_first"``). ``first``: an :class:`IndexerConfig` tried before all of them (the forcing
+    hook's ``indexer_chunk_gradient_config``). The interpreter's list is its one config, keys-major
+    after it."""
     if order not in CHUNK_GRADIENT_ORDERS:
         raise ValueError(f"indexer_chunk_gradient_order is one of {CHUNK_GRADIENT_ORDERS}, got {order!r}")
-    cands = _candidates("bwd", ieee, dims, teacher=False)
-    hit = next((c for c in cands if c.num_warps == 4), None) if order == "four_warps_first" else None
-    return cands if hit is None else [hit] + [c for c in cands if c is not hit]
+    if first is not None:
+        if not isinstance(first, IndexerConfig):
+            raise ValueError(f"indexer_chunk_gradient_config is an IndexerConfig, got {first!r}")
+        return [first] + [c for c in chunk_gradient_candidates(ieee, dims, order) if c != first]
+    rows = _candidates("bwd", ieee, dims, teacher=False)
+    if _runtime.interpreting() or ieee:
+        keys = [replace(c, variant="keys") for c in rows]
+    else:
+        keys = _configs([(cols, cols, block_n, 64, warps, stages) for cols, block_n, warps, stages in _KEYS_GRADIENT_TILES],
+                        variant="keys")
+    if order == "keys_first":
+        return keys + rows
+    hit = next((c for c in rows if c.num_warps == 4), None) if order == "four_warps_first" else None
+    rows = rows if hit is None else [hit] + [c for c in rows if c is not hit]
+    return rows + keys
 
 
 def ruled(kind, dims, candidates) -> bool:

@@ -14,6 +14,7 @@ from streamkl_ref._checks import check_indexer_inputs
 from streamkl_gpu._core import custom_ops as _custom_ops
 from streamkl_gpu._core import forcing as _forcing
 from streamkl_gpu.indexer.triton import bwd as _indexer_bwd
+from streamkl_gpu.indexer.triton import chunk_grad_keys as _chunk_grad_keys
 from streamkl_gpu.indexer.triton import accumulate as _indexer_pacc
 from streamkl_gpu.indexer.triton import fwd_gqa_store as _indexer_gqa_store  # several key heads
 from streamkl_gpu._core import checks as _checks
@@ -59,7 +60,8 @@ def _forward_full(q, k, q_idx, k_idx, weights, lse, causal, scale, relu, row_wei
     ieee = q.dtype == torch.float32 or q_idx.dtype == torch.float32
     fwd_cands = _configs.storing_forward_candidates(ieee, dims, _runtime.n_sm(q.device),
                                                     _forcing.forced("indexer_storing_forward_order") or "candidates")
-    bwd_cands = _configs.chunk_gradient_candidates(ieee, dims, _forcing.forced("indexer_chunk_gradient_order") or "candidates")
+    bwd_cands = _configs.chunk_gradient_candidates(ieee, dims, _forcing.forced("indexer_chunk_gradient_order") or "candidates",
+                                                   _forcing.forced("indexer_chunk_gradient_config"))
     key = ("idx_full", relu, dims.D, dims.DI, dims.H, dims.HK, dims.HI, dims.HKI, q.dtype, q_idx.dtype, causal,
            _tuning.bucket(dims.NQ), _tuning.bucket(dims.NK), _tuning.bucket(dims.B), q.device.type,
            tuple(fwd_cands), tuple(bwd_cands))  # (a caller forcing other candidates gets its own entry)
@@ -133,6 +135,14 @@ def _forward_full_with(fcfg, bcfg, q, k, q_idx, k_idx, weights, lse, causal, sca
             merged_kl, merged_lse = _plan_mod._merge_splits(part[..., c0:c0 + rows])
             kl[:, c0:c0 + rows] = merged_kl
             lse_idx[:, c0:c0 + rows] = merged_lse
+        if bpl["variant"].startswith("keys"):  # keys-major tiles (chunk_grad_keys.py)
+            kernel_call(_chunk_grad_keys._chunk_grad_keys_kernel, (_runtime.cdiv(rows, bpl["BLOCK_T"]), dims.B * dims.HKI))(
+                q_idx, k_idx, weights, p, lse_idx, g_rows, dq1, dw1, dk1, bdesc[2], bdesc[3], dk_desc, c0, chunk,
+                *q_idx.stride(), *k_idx.stride(), *weights.stride(), dims.HI, dims.HKI, group_i, dims.NQ, dims.NK,
+                DI=dims.DI, DI_PAD=bpl["DI_PAD"], GI_PAD=bpl["GI_PAD"], BLOCK_T=bpl["BLOCK_T"], BLOCK_N=bpl["BLOCK_N"],
+                CAUSAL=causal, RELU=relu, IEEE_I=ieee_i, USE_TMA=btma, DK_SHARE=dk_share,
+                num_warps=bpl["warps"], num_stages=bpl["stages"])
+            continue
         kernel_call(_indexer_bwd._indexer_bwd_dq_kernel, (_runtime.cdiv(rows, bpl["BLOCK_T"]), dims.B * dims.HKI))(
             q, k, q_idx, k_idx, weights, p, lse_idx, g_rows, dq1, dw1, *bdesc, dk1, dk_desc, c0, chunk, *strides,
             dims.H, group, dims.HI, dims.HKI, group_i, dims.NQ, dims.NK, dims.scale * _plan_mod.LOG2E, 1.0 / dims.H,
