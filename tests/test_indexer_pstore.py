@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
+
 import pytest
 import torch
 
@@ -400,9 +401,10 @@ def test_chunk_design_moves_past_a_config_that_does_not_fit(monkeypatch):
     xs = make(1, 2, 1, 5, 7, 8, 2, 1, 8, seed=63)
     lse = torch.zeros(1, 2, 5)
     assert idx_chunk._forward_full(*xs, lse, True, 0.3, True) == "ran"
-    assert tried == [(("f0",), ("b0",)), (("f1",), ("b0",))]
+    keys = replace(idx_configs.INTERPRETER_CONFIG, variant="keys")  # the keys-major tile, listed last
+    assert tried == [(("f0",), ("b0",)), (("f0",), keys), (("f1",), ("b0",))]
     assert idx_chunk._forward_full(*xs, lse, True, 0.3, True) == "ran"
-    assert tried[-1] == (("f1",), ("b0",)) and len(tried) == 3  # remembered: no second try of f0
+    assert tried[-1] == (("f1",), ("b0",)) and len(tried) == 4  # remembered: no second try of f0
 
     def broken(*a):
         raise ValueError("not a resource problem")

@@ -240,8 +240,8 @@ def chunk_gradient_candidates(ieee, dims, order="candidates", first=None):
             raise ValueError(f"indexer_chunk_gradient_config is an IndexerConfig, got {first!r}")
         return [first] + [c for c in chunk_gradient_candidates(ieee, dims, order) if c != first]
     rows = _candidates("bwd", ieee, dims, teacher=False)
-    if _runtime.interpreting() or ieee:
-        keys = [replace(c, variant="keys") for c in rows]
+    if _runtime.interpreting() or ieee:  # their one config, keys-major
+        keys = [replace(INTERPRETER_CONFIG if _runtime.interpreting() else _IEEE_CONFIG, variant="keys")]
     else:
         keys = _configs([(cols, cols, block_n, 64, warps, stages) for cols, block_n, warps, stages in _KEYS_GRADIENT_TILES],
                         variant="keys")
