@@ -54,6 +54,7 @@ def _chunk_grad_key_range(
     w_for_dk = q_w
     if MASKED:  # a non-finite (w q) column must not reach the keys it cannot see through C^T (w q)
         w_for_dk = _finite_or_zero(q_w)
+    q_t = tl.trans(q_rows)  # formed before the loop, so its shared-memory copy is written once, not per tile
     n_tiles = tl.cdiv(hi - lo, BLOCK_N)
     n_div = tl.maximum(n_tiles, 1)  # never 0: the GPU forms a zero-trip loop's first addresses (bwd.py)
     for i in range(0, n_tiles):
@@ -66,7 +67,7 @@ def _chunk_grad_key_range(
         else:
             k_tile = tl.load(ki_base + keys.to(tl.int64)[:, None] * stride_kin + offs_d[None, :] * stride_kid,
                              mask=(keys < N_K)[:, None] & (offs_d < DI)[None, :], other=0.0)
-        a = _dot(k_tile, tl.trans(q_rows), IEEE_I)  # [BLOCK_N, COLS], from the raw key tile
+        a = _dot(k_tile, q_t, IEEE_I)  # [BLOCK_N, COLS], from the raw key tile
         if MASKED:  # a non-finite key that a token cannot see must not reach it through C k
             k_tile = _finite_or_zero(k_tile)
         if RELU:
