@@ -40,7 +40,7 @@ _LISTED = idx_configs.chunk_gradient_candidates
 
 
 def _force(monkeypatch, order):
-    monkeypatch.setattr(idx_configs, "chunk_gradient_candidates", lambda ieee, dims, o="candidates", first=None: _LISTED(ieee, dims, order))
+    monkeypatch.setattr(idx_configs, "chunk_gradient_candidates", lambda ieee, dims, o="rule", first=None: _LISTED(ieee, dims, order))
 
 
 def test_the_interpreter_lists_a_keys_major_tile():
@@ -86,12 +86,12 @@ def test_keys_major_equals_row_major(monkeypatch, launched, tma):
     shape = (2, 8, 2, 19, 23, 16, 4, 1, 16)
     xs = make(*shape, seed=3)
     out = {}
-    for order in ("candidates", "keys_first"):
+    for order in ("rows_first", "keys_first"):
         _force(monkeypatch, order)
         launched.clear()
         out[order] = _step(xs, "sum", causal=True)
-        assert set(launched) == {"rows" if order == "candidates" else "keys"}, (order, launched)
-    (loss_r, grads_r), (loss_k, grads_k) = out["candidates"], out["keys_first"]
+        assert set(launched) == {"rows" if order == "rows_first" else "keys"}, (order, launched)
+    (loss_r, grads_r), (loss_k, grads_k) = out["rows_first"], out["keys_first"]
     assert torch.equal(loss_r, loss_k)  # the forward is the same kernel
     for name in NAMES:
         assert torch.allclose(grads_k[name], grads_r[name], rtol=1e-5, atol=1e-6), name

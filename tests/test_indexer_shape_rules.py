@@ -69,17 +69,17 @@ def test_the_chunk_design_keeps_its_tiles(gpu_lists):
 
 
 def test_the_storing_forward_order_a_benchmark_may_force(gpu_lists, monkeypatch):
-    """The forcing hook's ``indexer_storing_forward_order``: "candidates" is the list as it stands,
-    "forward_rule" the same configs with the plain forward's rule first (the 64-head MQA's
-    keys-major tile; unchanged where the rule's tile is first already); the chunk design asks for
-    the order the innermost forcing block names."""
+    """The chunk design's storing forward takes the forward's candidates in the plain forward's
+    rule order ("forward_rule", the default: the 64-head MQA's keys-major tile first, the same list
+    elsewhere); "candidates", forcible, is the list as it stands; the chunk design asks for the
+    order the innermost forcing block names."""
     from streamkl_gpu._core.forcing import forcing
     from streamkl_gpu.indexer.training import chunk
 
     for family in ("dsa", "mqa", "gqa"):
         dims = _dims(family)
-        listed = idx_configs.storing_forward_candidates(False, dims, 132)
-        ruled = idx_configs.storing_forward_candidates(False, dims, 132, "forward_rule")
+        ruled = idx_configs.storing_forward_candidates(False, dims, 132)
+        listed = idx_configs.storing_forward_candidates(False, dims, 132, "candidates")
         assert listed == idx_configs._candidates("pstore", False, dims) and sorted(map(repr, ruled)) == sorted(map(repr, listed))
         assert idx_configs._matches(ruled[0], idx_configs.SHAPE_RULES[(family, "fwd")]), (family, ruled[0])
         assert (ruled == listed) == (family != "mqa"), family  # only the 64-head MQA's order differs
@@ -88,59 +88,61 @@ def test_the_storing_forward_order_a_benchmark_may_force(gpu_lists, monkeypatch)
     class Asked(Exception):
         pass
 
-    def ask(ieee, dims, n_sm, order="candidates"):
+    def ask(ieee, dims, n_sm, order="forward_rule"):
         raise Asked(order)
     monkeypatch.setattr(idx_configs, "storing_forward_candidates", ask)
     xs = [torch.zeros(s) for s in ((1, 64, 8, 16), (1, 1, 8, 16), (1, 4, 8, 8), (1, 1, 8, 8), (1, 4, 8))]
     lse = torch.zeros(1, 64, 8)
-    with forcing(indexer_storing_forward_order="forward_rule"), pytest.raises(Asked, match="^forward_rule$"):
+    with forcing(indexer_storing_forward_order="candidates"), pytest.raises(Asked, match="^candidates$"):
         chunk._forward_full(*xs, lse, True, 0.25, True)
-    with pytest.raises(Asked, match="^candidates$"):
+    with pytest.raises(Asked, match="^forward_rule$"):
         chunk._forward_full(*xs, lse, True, 0.25, True)
 
 
-def test_the_chunk_gradient_order_a_benchmark_may_force(gpu_lists, monkeypatch):
-    """The forcing hook's ``indexer_chunk_gradient_order``: "candidates" is the student backward's
-    list as it stands, then the keys-major tiles; "four_warps_first" the same configs with the
-    first 4-warp tile first (at GQA the recomputing backward's dq rule tile); "keys_first" the
-    keys-major tiles first; the chunk design asks for the innermost order."""
+def test_the_chunk_gradient_tiles_and_the_orders_a_benchmark_may_force(gpu_lists, monkeypatch):
+    """The chunk design's gradient tiles: by default ("rule") the family's CHUNK_GRADIENT_RULES tile
+    (keys-major) first, then the student backward's row-major list, then the other keys-major
+    tiles; "rows_first" the row-major list first (the order before the rule), "keys_first" the
+    keys-major tiles first, the same configs in each; a forced config goes before all; the
+    chunk design asks for the innermost order."""
     from streamkl_gpu._core.forcing import forcing
     from streamkl_gpu.indexer.training import chunk
 
-    for family in ("dsa", "mqa", "gqa"):
+    for family in ("dsa", "mqa", "gqa", None):
         dims = _dims(family)
-        listed = idx_configs.chunk_gradient_candidates(False, dims)
-        four = idx_configs.chunk_gradient_candidates(False, dims, "four_warps_first")
         rows = idx_configs._candidates("bwd", False, dims, teacher=False)
-        keys = idx_configs.chunk_gradient_candidates(False, dims, "keys_first")
-        assert listed[:len(rows)] == rows and all(c.variant == "keys" for c in listed[len(rows):]), family
-        assert keys == listed[len(rows):] + rows and len(keys) > len(rows), family
-        assert sorted(map(repr, four)) == sorted(map(repr, listed)) and four != listed, family
-        assert four[0].num_warps == 4 and listed[0].num_warps != 4, family
-    gqa_dq_rule = idx_configs.SHAPE_RULES[("gqa", "bwd_dq")]
-    assert idx_configs._matches(idx_configs.chunk_gradient_candidates(False, _dims("gqa"), "four_warps_first")[0],
-                                gqa_dq_rule)
-    with pytest.raises(ValueError, match="four_warps_first"):
+        ruled = idx_configs.chunk_gradient_candidates(False, dims)
+        first_rows = idx_configs.chunk_gradient_candidates(False, dims, "rows_first")
+        first_keys = idx_configs.chunk_gradient_candidates(False, dims, "keys_first")
+        assert first_rows[:len(rows)] == rows and all(c.variant == "keys" for c in first_rows[len(rows):]), family
+        assert first_keys == first_rows[len(rows):] + rows, family
+        assert sorted(map(repr, ruled)) == sorted(map(repr, first_rows)) and len(set(ruled)) == len(ruled), family
+        rule = idx_configs.CHUNK_GRADIENT_RULES.get(family)
+        if rule is None:
+            assert ruled == first_rows, family
+        else:
+            assert idx_configs._matches(ruled[0], rule) and ruled[0].variant == "keys", family
+    with pytest.raises(ValueError, match="rows_first"):
         idx_configs.chunk_gradient_candidates(False, _dims("gqa"), "fastest")
     one = IndexerConfig(teacher_rows=64, indexer_rows=64, block_n=128, block_d=64, num_warps=8, num_stages=2,
                         variant="keys")  # the forcing hook's indexer_chunk_gradient_config: tried first
     listed = idx_configs.chunk_gradient_candidates(False, _dims("dsa"))
-    firsted = idx_configs.chunk_gradient_candidates(False, _dims("dsa"), "candidates", one)
-    assert firsted[0] == one and firsted[1:] == [c for c in listed if c != one] and len(firsted) >= len(listed)
+    firsted = idx_configs.chunk_gradient_candidates(False, _dims("dsa"), "rule", one)
+    assert firsted[0] == one and firsted[1:] == [c for c in listed if c != one]
     with pytest.raises(ValueError, match="IndexerConfig"):
-        idx_configs.chunk_gradient_candidates(False, _dims("dsa"), "candidates", (64, 64))
+        idx_configs.chunk_gradient_candidates(False, _dims("dsa"), "rule", (64, 64))
 
     class Asked(Exception):
         pass
 
-    def ask(ieee, dims, order="candidates", first=None):
+    def ask(ieee, dims, order="rule", first=None):
         raise Asked(order)
     monkeypatch.setattr(idx_configs, "chunk_gradient_candidates", ask)
     xs = [torch.zeros(s) for s in ((1, 64, 8, 16), (1, 1, 8, 16), (1, 4, 8, 8), (1, 1, 8, 8), (1, 4, 8))]
     lse = torch.zeros(1, 64, 8)
-    with forcing(indexer_chunk_gradient_order="four_warps_first"), pytest.raises(Asked, match="^four_warps_first$"):
+    with forcing(indexer_chunk_gradient_order="rows_first"), pytest.raises(Asked, match="^rows_first$"):
         chunk._forward_full(*xs, lse, True, 0.25, True)
-    with pytest.raises(Asked, match="^candidates$"):
+    with pytest.raises(Asked, match="^rule$"):
         chunk._forward_full(*xs, lse, True, 0.25, True)
 
 
@@ -189,3 +191,21 @@ def test_the_record_names_each_rule_winner(gpu_lists):
         assert min(times[c] for c in winner) <= 1.005 * min(times.values()), (family, kind, point)
         covered.add((family, kind))
     assert covered == set(idx_configs.SHAPE_RULES), set(idx_configs.SHAPE_RULES) - covered  # each one measured
+
+
+CHUNK_RECORD = os.path.join(ROOT, "bench", "results", "2026-12-06_h100_0120efb", "kernel_split.csv")
+
+
+def test_the_chunk_gradient_rule_is_the_measured_fastest():
+    """CHUNK_GRADIENT_RULES' tile is, in the committed kernel split of the 8K training steps, the
+    fastest gradient kernel of every tile timed for that teacher (DSA-like with lse, GQA-like
+    without), row-major and keys-major."""
+    with open(CHUNK_RECORD) as f:
+        rows = [r for r in csv.DictReader(f) if r["kernel"] in ("_indexer_bwd_dq_kernel", "_chunk_grad_keys_kernel")]
+    assert rows and {r["run_status"] for r in rows} == {"ok"}
+    for family, base in (("dsa", "dsa_lse"), ("gqa", "gqa_no_lse")):
+        rule = idx_configs.CHUNK_GRADIENT_RULES[family]
+        tile = f"_keys{rule['indexer_rows']}x{rule['block_n']}x{rule['num_warps']}"
+        times = {r["case"]: float(r["us"]) for r in rows if r["case"] == base or r["case"].startswith(base + "_")}
+        assert base + tile in times and len(times) >= 4, sorted(times)
+        assert times[base + tile] == min(times.values()), times

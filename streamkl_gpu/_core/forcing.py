@@ -15,13 +15,13 @@ Forcible choices (keyword arguments of :func:`forcing`; unknown names raise ``Va
 - ``indexer_accumulate_parts``: a timing-only variant of the indexer's accumulating forward, one of
   ``streamkl_gpu.devtools.diagnostics.INDEXER_ACCUMULATE_PARTS`` (incomplete gradients).
 - ``indexer_storing_forward_order``: the order in which the indexer's chunk design tries its
-  storing forward's tiles (it takes the first that fits, untimed): ``"candidates"`` (the default,
-  also for None: the forward's candidate list as it stands) or ``"forward_rule"`` (that list reordered by the
-  plain forward's shape rule for the teacher family, ``indexer/configs.py SHAPE_RULES``), so a
-  benchmark can time the chunk design with the other tile (correct results either way).
+  storing forward's tiles (it takes the first that fits, untimed): ``"forward_rule"`` (the
+  default, also for None: the forward's candidates with the plain forward's shape rule for the
+  teacher family first, ``indexer/configs.py SHAPE_RULES``) or ``"candidates"`` (the list as it
+  stands), so a benchmark can time the chunk design with the other tile (correct either way).
 - ``indexer_chunk_gradient_order``: the order in which the chunk design tries its gradient
-  kernel's tiles: ``"candidates"`` (the default, also for None) or ``"four_warps_first"`` (the
-  first 4-warp tile first) or ``"keys_first"`` (the keys-major tiles first,
+  kernel's tiles: ``"rule"`` (the default, also for None: ``CHUNK_GRADIENT_RULES``' tile first),
+  ``"rows_first"`` (the row-major tiles first) or ``"keys_first"`` (the keys-major tiles first,
   ``indexer/triton/chunk_grad_keys.py``): ``indexer/configs.py chunk_gradient_candidates``;
   correct either way.
 - ``indexer_chunk_gradient_config``: an ``IndexerConfig`` the chunk design tries first for its

@@ -204,35 +204,46 @@ def _rule_first(kind, dims, cands):
     return cands if hit is None else [hit] + [c for c in cands if c is not hit]
 
 
-STORING_FORWARD_ORDERS = ("candidates", "forward_rule")
+STORING_FORWARD_ORDERS = ("forward_rule", "candidates")
 
 
-def storing_forward_candidates(ieee, dims, n_sm, order="candidates"):
+def storing_forward_candidates(ieee, dims, n_sm, order="forward_rule"):
     """The chunk design's storing-forward tiles, in the order it tries them (the first that fits
-    runs, untimed): the forward's candidates as listed, or (``"forward_rule"``, a benchmark's
-    choice through the forcing hook) with the plain forward's shape rule first."""
+    runs, untimed): the forward's candidates with the plain forward's shape rule first
+    (``"forward_rule"``, the default), or as listed (``"candidates"``, a benchmark's choice through
+    the forcing hook). The two orders differ only for the 64-127-head MQA teachers ("mqa"), where
+    the rule's keys-major tile ran the 64-head training step at 8K in 38.41 ms against the listed
+    row-major tile's 41.32 (H100, bench/results/2026-12-06_h100_0120efb/step_times.csv,
+    mqa64_no_lse_fwdrule and mqa64_no_lse) and compiles in 1.52 s instead of 2.45
+    (bench/results/2026-12-05_cpu-2core_abe628f/pstore_order_mqa64.csv)."""
     if order not in STORING_FORWARD_ORDERS:
         raise ValueError(f"indexer_storing_forward_order is one of {STORING_FORWARD_ORDERS}, got {order!r}")
     cands = _candidates("pstore", ieee, dims, n_sm)
     return _rule_first("fwd", dims, cands) if order == "forward_rule" else cands
 
 
-CHUNK_GRADIENT_ORDERS = ("candidates", "four_warps_first", "keys_first")
+CHUNK_GRADIENT_ORDERS = ("rule", "rows_first", "keys_first")
 # The chunk design's keys-major gradient tiles (``indexer/triton/chunk_grad_keys.py``): (indexer
-# columns, keys, warps, stages). Not yet timed on a GPU: tried only when forced (``keys_first``)
-# or where no row-major tile fits.
-_KEYS_GRADIENT_TILES = ((128, 64, 8, 2), (64, 128, 4, 2), (64, 64, 4, 2))
+# columns, keys, warps, stages).
+_KEYS_GRADIENT_TILES = ((128, 64, 8, 2), (64, 128, 8, 2), (64, 64, 4, 2))
+# The gradient kernel's tile by teacher family (the kernel reads no teacher tile: what matters is
+# the indexer, 64 x 128 for "dsa" and "mqa", 16 x 64 for "gqa"): the keys-major 128-column tile.
+# Measured, 8K causal training steps, the gradient kernel's device time against the row-major
+# tile's (H100, bench/results/2026-12-06_h100_0120efb/kernel_split.csv): DSA-like 21.14 against
+# 22.62 ms (the other keys-major tiles 33.03, the 4-warp row-major tile 34.54); GQA-like 3.31
+# against 4.98 (keys-major 64 columns 4.63 / 4.78, 4-warp row-major 5.35).
+CHUNK_GRADIENT_RULES = {family: dict(variant="keys", indexer_rows=128, block_n=64, num_warps=8, num_stages=2)
+                        for family in ("dsa", "mqa", "gqa")}
 
 
-def chunk_gradient_candidates(ieee, dims, order="candidates", first=None):
+def chunk_gradient_candidates(ieee, dims, order="rule", first=None):
     """The chunk design's gradient-kernel tiles, in the order it tries them (the first that fits
-    runs, untimed): the student backward's candidates, then the keys-major tiles
-    (``"candidates"``); or, a benchmark's choice through the forcing hook, the first 4-warp
-    row-major tile first (``"four_warps_first"``: the tile the recomputing backward's dq rule
-    picks for GQA teachers, ``SHAPE_RULES[("gqa", "bwd_dq")]``) or the keys-major tiles first
-    (``"keys_first"``). ``first``: an :class:`IndexerConfig` tried before all of them (the forcing
-    hook's ``indexer_chunk_gradient_config``). The interpreter's list is its one config, keys-major
-    after it."""
+    runs, untimed): the family's ``CHUNK_GRADIENT_RULES`` tile first, then the student backward's
+    row-major candidates, then the keys-major tiles (``"rule"``, the default); or, a benchmark's
+    choice through the forcing hook, the row-major tiles first (``"rows_first"``, the order before
+    the rule) or the keys-major tiles first (``"keys_first"``). ``first``: an
+    :class:`IndexerConfig` tried before all of them (the hook's ``indexer_chunk_gradient_config``).
+    The interpreter's and fp32's lists are their one config, then the same keys-major."""
     if order not in CHUNK_GRADIENT_ORDERS:
         raise ValueError(f"indexer_chunk_gradient_order is one of {CHUNK_GRADIENT_ORDERS}, got {order!r}")
     if first is not None:
@@ -242,14 +253,15 @@ def chunk_gradient_candidates(ieee, dims, order="candidates", first=None):
     rows = _candidates("bwd", ieee, dims, teacher=False)
     if _runtime.interpreting() or ieee:  # their one config, keys-major
         keys = [replace(INTERPRETER_CONFIG if _runtime.interpreting() else _IEEE_CONFIG, variant="keys")]
-    else:
-        keys = _configs([(cols, cols, block_n, 64, warps, stages) for cols, block_n, warps, stages in _KEYS_GRADIENT_TILES],
-                        variant="keys")
+        return keys + rows if order == "keys_first" else rows + keys
+    keys = _configs([(cols, cols, block_n, 64, warps, stages) for cols, block_n, warps, stages in _KEYS_GRADIENT_TILES],
+                    variant="keys")
     if order == "keys_first":
         return keys + rows
-    hit = next((c for c in rows if c.num_warps == 4), None) if order == "four_warps_first" else None
-    rows = rows if hit is None else [hit] + [c for c in rows if c is not hit]
-    return rows + keys
+    listed = rows + keys
+    fields = CHUNK_GRADIENT_RULES.get(teacher_family(dims)) if order == "rule" else None
+    hit = next((c for c in listed if fields is not None and _matches(c, fields)), None)
+    return listed if hit is None else [hit] + [c for c in listed if c is not hit]
 
 
 def ruled(kind, dims, candidates) -> bool:

@@ -52,15 +52,16 @@ def _forward_full(q, k, q_idx, k_idx, weights, lse, causal, scale, relu, row_wei
     ``row_weights [B, N_Q]`` (fp32): the sum is ``sum_t row_weights[t] KL[t]`` and its gradient
     (the gradient kernel's per-row g), so per-row losses known at forward time keep this path.
 
-    Untuned: the first candidates of each kernel (the forward's measured best tile, the student
-    backward's first), or the next ones where a launch does not fit the device (Triton raises
+    Untuned: the first candidates of each kernel (the storing forward's in the plain forward's
+    rule order, the gradient kernel's rule tile: ``configs.storing_forward_candidates``,
+    ``configs.chunk_gradient_candidates``), or the next ones where a launch does not fit the device (Triton raises
     OutOfResources before the kernel runs: e.g. shared memory at D = 96); the pair
     that fits is remembered per shape class."""
     dims = check_indexer_inputs(q, k, q_idx, k_idx, weights, scale=scale)
     ieee = q.dtype == torch.float32 or q_idx.dtype == torch.float32
     fwd_cands = _configs.storing_forward_candidates(ieee, dims, _runtime.n_sm(q.device),
-                                                    _forcing.forced("indexer_storing_forward_order") or "candidates")
-    bwd_cands = _configs.chunk_gradient_candidates(ieee, dims, _forcing.forced("indexer_chunk_gradient_order") or "candidates",
+                                                    _forcing.forced("indexer_storing_forward_order") or "forward_rule")
+    bwd_cands = _configs.chunk_gradient_candidates(ieee, dims, _forcing.forced("indexer_chunk_gradient_order") or "rule",
                                                    _forcing.forced("indexer_chunk_gradient_config"))
     key = ("idx_full", relu, dims.D, dims.DI, dims.H, dims.HK, dims.HI, dims.HKI, q.dtype, q_idx.dtype, causal,
            _tuning.bucket(dims.NQ), _tuning.bucket(dims.NK), _tuning.bucket(dims.B), q.device.type,
