@@ -68,14 +68,31 @@ def test_the_chunk_design_keeps_its_tiles(gpu_lists):
             idx_configs._gpu_candidates("bwd", dims, 132, False))
 
 
+def _chunk_asks(monkeypatch, lister, hook, forced, default):
+    """The chunk design asks ``configs.<lister>`` for the order the innermost forcing block's
+    ``hook`` names (``forced``), and for ``default`` outside one."""
+    from streamkl_gpu._core.forcing import forcing
+    from streamkl_gpu.indexer.training import chunk
+
+    class Asked(Exception):
+        pass
+
+    def ask(*args):
+        raise Asked(next(a for a in args if isinstance(a, str)))  # the order: its one string argument
+    monkeypatch.setattr(idx_configs, lister, ask)
+    xs = [torch.zeros(s) for s in ((1, 64, 8, 16), (1, 1, 8, 16), (1, 4, 8, 8), (1, 1, 8, 8), (1, 4, 8))]
+    lse = torch.zeros(1, 64, 8)
+    with forcing(**{hook: forced}), pytest.raises(Asked, match=f"^{forced}$"):
+        chunk._forward_full(*xs, lse, True, 0.25, True)
+    with pytest.raises(Asked, match=f"^{default}$"):
+        chunk._forward_full(*xs, lse, True, 0.25, True)
+
+
 def test_the_storing_forward_order_a_benchmark_may_force(gpu_lists, monkeypatch):
     """The chunk design's storing forward takes the forward's candidates in the plain forward's
     rule order ("forward_rule", the default: the 64-head MQA's keys-major tile first, the same list
     elsewhere); "candidates", forcible, is the list as it stands; the chunk design asks for the
     order the innermost forcing block names."""
-    from streamkl_gpu._core.forcing import forcing
-    from streamkl_gpu.indexer.training import chunk
-
     for family in ("dsa", "mqa", "gqa"):
         dims = _dims(family)
         ruled = idx_configs.storing_forward_candidates(False, dims, 132)
@@ -85,18 +102,7 @@ def test_the_storing_forward_order_a_benchmark_may_force(gpu_lists, monkeypatch)
         assert (ruled == listed) == (family != "mqa"), family  # only the 64-head MQA's order differs
     with pytest.raises(ValueError, match="forward_rule"):
         idx_configs.storing_forward_candidates(False, _dims("mqa"), 132, "fastest")
-    class Asked(Exception):
-        pass
-
-    def ask(ieee, dims, n_sm, order="forward_rule"):
-        raise Asked(order)
-    monkeypatch.setattr(idx_configs, "storing_forward_candidates", ask)
-    xs = [torch.zeros(s) for s in ((1, 64, 8, 16), (1, 1, 8, 16), (1, 4, 8, 8), (1, 1, 8, 8), (1, 4, 8))]
-    lse = torch.zeros(1, 64, 8)
-    with forcing(indexer_storing_forward_order="candidates"), pytest.raises(Asked, match="^candidates$"):
-        chunk._forward_full(*xs, lse, True, 0.25, True)
-    with pytest.raises(Asked, match="^forward_rule$"):
-        chunk._forward_full(*xs, lse, True, 0.25, True)
+    _chunk_asks(monkeypatch, "storing_forward_candidates", "indexer_storing_forward_order", "candidates", "forward_rule")
 
 
 def test_the_chunk_gradient_tiles_and_the_orders_a_benchmark_may_force(gpu_lists, monkeypatch):
@@ -105,8 +111,6 @@ def test_the_chunk_gradient_tiles_and_the_orders_a_benchmark_may_force(gpu_lists
     tiles; "rows_first" the row-major list first (the order before the rule), "keys_first" the
     keys-major tiles first, the same configs in each; a forced config goes before all; the
     chunk design asks for the innermost order."""
-    from streamkl_gpu._core.forcing import forcing
-    from streamkl_gpu.indexer.training import chunk
 
     for family in ("dsa", "mqa", "gqa", None):
         dims = _dims(family)
@@ -132,18 +136,7 @@ def test_the_chunk_gradient_tiles_and_the_orders_a_benchmark_may_force(gpu_lists
     with pytest.raises(ValueError, match="IndexerConfig"):
         idx_configs.chunk_gradient_candidates(False, _dims("dsa"), "rule", (64, 64))
 
-    class Asked(Exception):
-        pass
-
-    def ask(ieee, dims, order="rule", first=None):
-        raise Asked(order)
-    monkeypatch.setattr(idx_configs, "chunk_gradient_candidates", ask)
-    xs = [torch.zeros(s) for s in ((1, 64, 8, 16), (1, 1, 8, 16), (1, 4, 8, 8), (1, 1, 8, 8), (1, 4, 8))]
-    lse = torch.zeros(1, 64, 8)
-    with forcing(indexer_chunk_gradient_order="rows_first"), pytest.raises(Asked, match="^rows_first$"):
-        chunk._forward_full(*xs, lse, True, 0.25, True)
-    with pytest.raises(Asked, match="^rule$"):
-        chunk._forward_full(*xs, lse, True, 0.25, True)
+    _chunk_asks(monkeypatch, "chunk_gradient_candidates", "indexer_chunk_gradient_order", "rows_first", "rule")
 
 
 def test_a_ruled_pick_is_untimed_by_default_and_timed_when_asked(gpu_lists, monkeypatch):
