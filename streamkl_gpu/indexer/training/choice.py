@@ -15,14 +15,18 @@ from streamkl_gpu._core import runtime as _runtime
 #   accumulate  the forward also sums the target's share of the gradient (teacher read once)
 #   store       the forward keeps p [B, N_Q, N_K] whole (quadratic memory: an experiment)
 #   chunk       the whole gradient in the forward, chunk by chunk of tokens (linear memory)
-#   auto        chunk: for a single-key-head (MQA) teacher (H200, DSA-like 8K causal, mean, lse given,
-#               bf16: fwd+bwd 30.79 ms against the accumulating design's 41.07 in the same run,
-#               bench/results/2026-12-03_h200_57f6d64/), and for several key heads since its
-#               gradient kernel runs keys-major tiles (GQA-like 8K, lse given: the times are in
-#               docs/design/indexer.md; before those tiles the accumulating design won there, 6.14 ms
-#               against 6.46). The accumulating design itself was measured faster
-#               than the plain one at both anchors (H200, 8K causal fwd+bwd: DSA-like 52.96 ms
-#               against 128.4, GQA-like 12.86 against 18.29).
+#   auto        chunk for a single-key-head (MQA) teacher (H200, DSA-like 8K causal, mean, lse given,
+#               bf16: fwd+bwd 30.79 ms against the accumulating design's 41.07 in the same run);
+#               for a teacher with several key heads, chunk where the training step computes the
+#               teacher LSEs itself or has row weights (GQA-like 8K: 7.31 ms without lse, against
+#               11.1 before the LSE pass), the accumulating design where the user gives lse
+#               (GQA-like 8K: 6.14 ms against chunk's 6.46): bench/results/2026-12-03_h200_57f6d64/.
+#               With the keys-major gradient tile the chunk design's kernels there add up to about
+#               5.4 ms against the accumulating design's 6.10 (H100, docs/design/indexer.md), not
+#               timed as a step: this default stays until it is.
+#               The accumulating design itself was measured faster than the plain one at both
+#               anchors (H200, 8K causal fwd+bwd: DSA-like 52.96 ms against 128.4, GQA-like 12.86
+#               against 18.29).
 TRAINING_DESIGNS = ("auto", "plain", "accumulate", "store", "chunk")
 TRAINING_VAR = "STREAMKL_INDEXER_TRAINING"
 
@@ -71,7 +75,7 @@ def training_design(dims, lse_given: bool = True, row_weights: bool = False) -> 
     ``row_weights``: per-row weights were given (only the chunk design takes them)."""
     design = _setting()
     if design == "auto":
-        return "chunk"
+        return "chunk" if dims.HK == 1 or not lse_given or row_weights else "accumulate"
     if design == "store_if_fits":
         return "store" if pstore_bytes(dims) <= PSTORE_MAX_BYTES else "accumulate"
     return design
