@@ -17,9 +17,8 @@ floor at this process's bf16 matmul rate (FLOPs, causal):
       top-k       2 * N * topk * (H D + 3 H_I D_I)
 Checks against float64 (streamkl_ref) on every path at odd shapes (B = 2, N_Q = 200, N_K = 264):
 loss within 1e-5 (relative to max(1, |loss|)), gradients within 5e-3 relative; top-k likewise.
-Output: OUT/indexer_training.csv, long format (section, measure, teacher, path, provider, n,
-value, unit, note, gpu, timestamp, torch, triton, streamkl), and the summary table on stdout.
-"""
+Output: OUT/indexer_training.csv (long format: section, measure, teacher, path, provider, n, value,
+unit, note, gpu, timestamp, torch, triton, streamkl); the summary table on stdout."""
 from __future__ import annotations
 
 import argparse
@@ -139,9 +138,10 @@ def time_ms(fn, device, quick):
     return timing.time_ms(fn, cuda=device == "cuda", warmup=5 if quick else 25, rep=20 if quick else 100)
 
 
-# The timed points: (section, teacher, path, provider, n) -> {measure: callable}
-
+# The timed points: (section, teacher, path, provider, n) -> {measure: callable}. PREVIOUS_TILES (forcing
+# hook): the chunk design's tiles before its keys-major gradient rule and storing-forward rule order
 DESIGN_VAR = "STREAMKL_INDEXER_TRAINING"
+PREVIOUS_TILES = dict(indexer_chunk_gradient_order="rows_first", indexer_storing_forward_order="candidates")
 
 
 def Design(value):
@@ -150,7 +150,7 @@ def Design(value):
     return mock.patch.dict(os.environ, {} if value is None else {DESIGN_VAR: value})
 
 
-def dense_point(cfg, N, path, device, dtype, design=None, order=None):
+def dense_point(cfg, N, path, device, dtype, design=None, force=None):
     xs = make(cfg, 1, N, N, dtype, device, seed=N)
     q, k, leaves = xs[0], xs[1], [x.clone().requires_grad_(True) for x in xs[2:]]
     lse = teacher_lse(q, k, True, scale_of(cfg)) if path in ("lse", "row_weights_lse") else None
@@ -158,12 +158,12 @@ def dense_point(cfg, N, path, device, dtype, design=None, order=None):
     kw = dict(causal=True, scale=cfg["scale"], reduction="mean", lse=lse, row_weights=rw)
 
     def fwd():
-        with Design(design), forcing(indexer_storing_forward_order=order):  # (None: the library's own)
+        with Design(design), forcing(**(force or {})):  # (the documented hook; none: the library's own)
             return streamkl_gpu.indexer_kl(q, k, *leaves, **kw)
 
     def fwd_bwd():
         loss = fwd()
-        with Design(design), forcing(indexer_storing_forward_order=order):
+        with Design(design), forcing(**(force or {})):
             loss.backward()
 
     return {"fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd}, fwd_bwd
@@ -289,7 +289,7 @@ def parse_args(argv=None):
     p.add_argument("--paths", default=",".join(PATHS))
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
     p.add_argument("--no-topk", action="store_true")
-    p.add_argument("--forward-rule-tiles", action="store_true", help="also each path, chunk tiles in the forward's rule order")
+    p.add_argument("--previous-tiles", action="store_true", help="also each path with the chunk design's previous tiles")
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--quick", action="store_true", help="shorter do_bench reps")
     p.add_argument("--memory-n", type=int, default=None,
@@ -330,12 +330,12 @@ def main(argv=None):
         except Exception as exc:  # noqa: BLE001
             failed(key, exc)
 
-    orders = [("streamkl", None)] + [("streamkl_forward_rule_tiles", "forward_rule")] * a.forward_rule_tiles
+    orders = [("streamkl", None)] + [("streamkl_previous_tiles", PREVIOUS_TILES)] * a.previous_tiles
     for name in names:
         cfg = teachers[name]
-        for path, (provider, order) in itertools.product(paths, orders):  # (forward_rule: the chunk design's other tiles)
-            add(("dense", name, path, provider, a.n), lambda cfg=cfg, path=path, order=order: dense_point(
-                cfg, a.n, path, device, dtype, order=order), floor_flops(cfg, a.n, path))
+        for path, (provider, force) in itertools.product(paths, orders):  # (force: the chunk design's previous tiles)
+            add(("dense", name, path, provider, a.n), lambda cfg=cfg, path=path, force=force: dense_point(
+                cfg, a.n, path, device, dtype, force=force), floor_flops(cfg, a.n, path))
         if "lse" in paths:  # the accumulating design beside the default, lse given
             add(("dense", name, "lse", "streamkl_accumulating", a.n),
                 lambda cfg=cfg: dense_point(cfg, a.n, "lse", device, dtype, design="accumulate"), floor_flops(cfg, a.n, "lse"))
