@@ -34,11 +34,13 @@ def _dims(family, n=8192):
 def gpu_lists(monkeypatch):
     """The GPU's candidate lists (formed on CPU: they only plan)."""
     monkeypatch.setattr(_runtime, "interpreting", lambda: False)
-    idx_configs._gpu_candidates.cache_clear()
-    idx_configs._ruled_candidates.cache_clear()
+    memoised = (idx_configs._gpu_candidates, idx_configs._ruled_candidates, idx_configs._storing_forward_rule_order,
+                idx_configs._gpu_chunk_gradient_candidates)
+    for f in memoised:
+        f.cache_clear()
     yield
-    idx_configs._gpu_candidates.cache_clear()
-    idx_configs._ruled_candidates.cache_clear()
+    for f in memoised:
+        f.cache_clear()
 
 
 @pytest.mark.parametrize("family", ["dsa", "mqa", "gqa", None])

@@ -219,7 +219,14 @@ def storing_forward_candidates(ieee, dims, n_sm, order="forward_rule"):
     if order not in STORING_FORWARD_ORDERS:
         raise ValueError(f"indexer_storing_forward_order is one of {STORING_FORWARD_ORDERS}, got {order!r}")
     cands = _candidates("pstore", ieee, dims, n_sm)
-    return _rule_first("fwd", dims, cands) if order == "forward_rule" else cands
+    if order != "forward_rule" or _runtime.interpreting() or ieee:  # (those lists are one config)
+        return cands
+    return list(_storing_forward_rule_order(dims, n_sm))
+
+
+@functools.lru_cache(maxsize=1024)
+def _storing_forward_rule_order(dims, n_sm):  # memoised: the chunk design asks on every call
+    return tuple(_rule_first("fwd", dims, _candidates("pstore", False, dims, n_sm)))
 
 
 CHUNK_GRADIENT_ORDERS = ("rule", "rows_first", "keys_first")
@@ -250,18 +257,24 @@ def chunk_gradient_candidates(ieee, dims, order="rule", first=None):
         if not isinstance(first, IndexerConfig):
             raise ValueError(f"indexer_chunk_gradient_config is an IndexerConfig, got {first!r}")
         return [first] + [c for c in chunk_gradient_candidates(ieee, dims, order) if c != first]
-    rows = _candidates("bwd", ieee, dims, teacher=False)
     if _runtime.interpreting() or ieee:  # their one config, keys-major
+        rows = _candidates("bwd", ieee, dims, teacher=False)
         keys = [replace(INTERPRETER_CONFIG if _runtime.interpreting() else _IEEE_CONFIG, variant="keys")]
         return keys + rows if order == "keys_first" else rows + keys
+    return list(_gpu_chunk_gradient_candidates(dims, order))
+
+
+@functools.lru_cache(maxsize=1024)
+def _gpu_chunk_gradient_candidates(dims, order):  # memoised: the chunk design asks on every call
+    rows = _candidates("bwd", False, dims, teacher=False)
     keys = _configs([(cols, cols, block_n, 64, warps, stages) for cols, block_n, warps, stages in _KEYS_GRADIENT_TILES],
                     variant="keys")
     if order == "keys_first":
-        return keys + rows
+        return tuple(keys + rows)
     listed = rows + keys
     fields = CHUNK_GRADIENT_RULES.get(teacher_family(dims)) if order == "rule" else None
     hit = next((c for c in listed if fields is not None and _matches(c, fields)), None)
-    return listed if hit is None else [hit] + [c for c in listed if c is not hit]
+    return tuple(listed if hit is None else [hit] + [c for c in listed if c is not hit])
 
 
 def ruled(kind, dims, candidates) -> bool:
