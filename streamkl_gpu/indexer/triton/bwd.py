@@ -62,6 +62,31 @@ def _query_rows(QI, QI_DESC, b, j0, t0, j, tok, row_ok, stride_qib, stride_qih, 
 
 
 @triton.jit
+def _token_block(QI, QI_DESC, W, T_OFF, H_KI, GROUP_I, N_Q, stride_qib, stride_qih, stride_qin, stride_qid,
+                 stride_wb, stride_wh, stride_wn, DI: tl.constexpr, DI_PAD: tl.constexpr, GI_PAD: tl.constexpr,
+                 BLOCK_T: tl.constexpr, USE_TMA: tl.constexpr):
+    """The program's token block (grid: token blocks from T_OFF, B * H_KI) and every indexer head of
+    its key head ``kvi``, as ``r = j * BLOCK_T + t`` rows (``GI_PAD * BLOCK_T``): ``(b, kvi, t0,
+    tok, j, ok, q_rows [rows, DI_PAD], w [rows] fp32)``, q rows and weights 0 where not ``ok``."""
+    ROWS: tl.constexpr = GI_PAD * BLOCK_T
+    pid_t = tl.program_id(0)
+    pid_bk = tl.program_id(1)
+    b = pid_bk // H_KI
+    kvi = pid_bk % H_KI
+    t0 = T_OFF + pid_t * BLOCK_T
+    rows = tl.arange(0, ROWS)
+    tok = t0 + rows % BLOCK_T
+    j_in_group = rows // BLOCK_T
+    j = kvi * GROUP_I + j_in_group
+    ok = (j_in_group < GROUP_I) & (tok < N_Q)
+    q_rows = _query_rows(QI, QI_DESC, b, kvi * GROUP_I, t0, j, tok, ok, stride_qib, stride_qih, stride_qin,
+                         stride_qid, DI, DI_PAD, ROWS, USE_TMA)
+    w = tl.load(W + b.to(tl.int64) * stride_wb + j.to(tl.int64) * stride_wh + tok.to(tl.int64) * stride_wn,
+                mask=ok, other=0.0).to(tl.float32)
+    return b, kvi, t0, tok, j, ok, q_rows, w
+
+
+@triton.jit
 def _row_grad_coef(
     Q, K, QI, KI, Q_DESC, K_DESC, QI_DESC, KI_DESC, W, LSE_T, LSE_I, G_UP,
     stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
@@ -225,21 +250,11 @@ def _indexer_bwd_dq_kernel(
     reduction per tile)."""
     ROWS: tl.constexpr = GI_PAD * BLOCK_T
     pid_t = tl.program_id(0)
-    pid_bk = tl.program_id(1)
-    b = pid_bk // H_KI
-    kvi = pid_bk % H_KI
-    t0 = T_OFF + pid_t * BLOCK_T
-    rows = tl.arange(0, ROWS)
-    tok = t0 + rows % BLOCK_T
-    j_in_group = rows // BLOCK_T
-    j = kvi * GROUP_I + j_in_group
-    row_ok = (j_in_group < GROUP_I) & (tok < N_Q)
+    b, kvi, t0, tok, j, row_ok, q_rows, w_rows = _token_block(
+        QI, QI_DESC, W, T_OFF, H_KI, GROUP_I, N_Q, stride_qib, stride_qih, stride_qin, stride_qid,
+        stride_wb, stride_wh, stride_wn, DI, DI_PAD, GI_PAD, BLOCK_T, USE_TMA)
     offs_d = tl.arange(0, DI_PAD)
     b64 = b.to(tl.int64)
-    q_rows = _query_rows(QI, QI_DESC, b, kvi * GROUP_I, t0, j, tok, row_ok, stride_qib, stride_qih, stride_qin,
-                         stride_qid, DI, DI_PAD, ROWS, USE_TMA)
-    w_rows = tl.load(W + b64 * stride_wb + j.to(tl.int64) * stride_wh + tok.to(tl.int64) * stride_wn,
-                     mask=row_ok, other=0.0).to(tl.float32)
     ki_base = KI + b64 * stride_kib + kvi.to(tl.int64) * stride_kih
     dq = tl.zeros([ROWS, DI_PAD], tl.float32)
     dw = tl.zeros([ROWS], tl.float32)

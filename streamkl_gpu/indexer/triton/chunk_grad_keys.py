@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from streamkl_gpu._core.jit import LOG2E, _dot, _key_stages
-from streamkl_gpu.indexer.triton.bwd import _finite_or_zero, _query_rows
+from streamkl_gpu.indexer.triton.bwd import _finite_or_zero, _query_rows, _token_block
 from streamkl_gpu.indexer.triton.fwd import _token_visible_keys
 
 
@@ -115,20 +115,10 @@ def _chunk_grad_keys_kernel(
     tile; 1: fp32 atomics). Grid (token blocks of the chunk, B * H_KI)."""
     COLS: tl.constexpr = GI_PAD * BLOCK_T
     pid_t = tl.program_id(0)
-    pid_bk = tl.program_id(1)
-    b = pid_bk // H_KI
-    kvi = pid_bk % H_KI
-    t0 = T_OFF + pid_t * BLOCK_T
-    cols = tl.arange(0, COLS)
-    tok_c = t0 + cols % BLOCK_T
-    j_in_group = cols // BLOCK_T
-    j = kvi * GROUP_I + j_in_group
-    col_ok = (j_in_group < GROUP_I) & (tok_c < N_Q)
+    b, kvi, t0, tok_c, j, col_ok, q_rows, w_cols = _token_block(
+        QI, QI_DESC, W, T_OFF, H_KI, GROUP_I, N_Q, stride_qib, stride_qih, stride_qin, stride_qid,
+        stride_wb, stride_wh, stride_wn, DI, DI_PAD, GI_PAD, BLOCK_T, USE_TMA)  # columns c = j * BLOCK_T + t
     b64 = b.to(tl.int64)
-    q_rows = _query_rows(QI, QI_DESC, b, kvi * GROUP_I, t0, j, tok_c, col_ok, stride_qib, stride_qih, stride_qin,
-                         stride_qid, DI, DI_PAD, COLS, USE_TMA)
-    w_cols = tl.load(W + b64 * stride_wb + j.to(tl.int64) * stride_wh + tok_c.to(tl.int64) * stride_wn,
-                     mask=col_ok, other=0.0).to(tl.float32)
     q_w = (q_rows.to(tl.float32) * w_cols[:, None]).to(q_rows.dtype)  # the dk operand, weights folded in
     ki_base = KI + b64 * stride_kib + kvi.to(tl.int64) * stride_kih
     dq_hat = tl.zeros([COLS, DI_PAD], tl.float32)
