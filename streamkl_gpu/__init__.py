@@ -11,7 +11,6 @@ choose the interpreter after ``import streamkl_gpu``.
 import importlib
 
 from streamkl_ref import __version__  # one version for both packages
-from streamkl_gpu._core import warm as _warm  # noqa: F401 - warms Triton's compiler on a background thread on a CUDA machine (_core/warm.py)
 
 __all__ = [
     "attention_kl",

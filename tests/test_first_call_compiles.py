@@ -15,7 +15,7 @@ import torch
 from triton.runtime import interpreter
 
 from streamkl_gpu import attention_kl_varlen, indexer_kl, indexer_kl_topk
-from streamkl_gpu._core import custom_ops, launcher, tuning, warm
+from streamkl_gpu._core import custom_ops, launcher, tuning
 from streamkl_gpu.attention import varlen
 from streamkl_gpu.indexer import api, topk
 
@@ -220,57 +220,12 @@ def test_compile_threads_compute_tritons_compiler_key_once(monkeypatch):
         return "key"
 
     monkeypatch.setattr(cache, "triton_key", slow_key)
-    monkeypatch.setattr(warm, "_KEY_READY", [])
-    threads = [threading.Thread(target=warm.compiler_key) for _ in range(6)]
+    monkeypatch.setattr(launcher, "_KEY_READY", [])
+    threads = [threading.Thread(target=launcher._compiler_key) for _ in range(6)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert len(calls) == 1 and warm._KEY_READY == [True]
-    warm.compiler_key()
+    assert len(calls) == 1 and launcher._KEY_READY == [True]
+    launcher._compiler_key()
     assert len(calls) == 1
-
-
-def test_import_time_warm_up_is_gated(monkeypatch, tmp_path):
-    """The import-time warm-up starts only where a first compile for an NVIDIA GPU will come: an
-    NVIDIA driver installed, not under the interpreter, not with STREAMKL_COMPILE_AHEAD=0; and once."""
-    driver = tmp_path / "version"
-    driver.write_text("NVRM version: test")
-    monkeypatch.setattr(warm, "NVIDIA_DRIVER", str(driver))
-    monkeypatch.setattr(warm, "_STARTED", [])
-    monkeypatch.setattr(warm, "warm", lambda: None)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.delenv("STREAMKL_COMPILE_AHEAD", raising=False)
-    assert warm.should_start()
-    for name, value in (("TRITON_INTERPRET", "1"), ("STREAMKL_COMPILE_AHEAD", "0")):
-        with monkeypatch.context() as m:
-            m.setenv(name, value)
-            assert not warm.should_start() and not warm.start()
-    with monkeypatch.context() as m:
-        m.setattr(warm, "NVIDIA_DRIVER", str(tmp_path / "absent"))
-        assert not warm.should_start() and not warm.start()
-    assert warm.start() and not warm.start()  # once per process
-    warm._STARTED[0].join()
-
-
-def test_warm_up_computes_the_key_and_builds_the_helper_without_touching_cuda(monkeypatch):
-    """The warm-up computes Triton's compiler key (through the one-thread guard, so a compile thread
-    then finds it ready) and builds the CUDA helper module, and asks torch nothing about CUDA (a
-    device query would fix CUDA_VISIBLE_DEVICES before the caller's own set-up)."""
-    from triton.backends.nvidia import driver
-    from triton.runtime import cache
-
-    done = []
-    monkeypatch.setattr(cache, "triton_key", lambda: done.append("key") or "key")
-    monkeypatch.setattr(driver, "CudaUtils", lambda: done.append("cuda_utils"))
-    monkeypatch.setattr(warm, "_KEY_READY", [])
-
-    def no_cuda(*args, **kwargs):
-        raise AssertionError("the warm-up asked torch about CUDA")
-
-    for name in ("is_available", "device_count", "init", "current_device"):
-        monkeypatch.setattr(torch.cuda, name, no_cuda)
-    warm.warm()
-    assert done == ["key", "cuda_utils"] and warm._KEY_READY == [True]
-    warm.compiler_key()  # ready: not computed again
-    assert done == ["key", "cuda_utils"]

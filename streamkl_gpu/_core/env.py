@@ -27,7 +27,7 @@ VARIABLES = {
     "STREAMKL_TUNING_CACHE": ("1", "0: tuned choices in memory only"),
     "STREAMKL_FAST_LAUNCH": ("1", "0: every launch through Triton's binder"),
     "STREAMKL_FAST_LAUNCH_CHECK": ("0", "1 (read at import): check every cached launch's specialisation"),
-    "STREAMKL_COMPILE_AHEAD": ("1", "0: nothing compiles ahead (a training forward its backward's kernels, a first call of the indexer losses or packed sequences all of its kernels, the tuner its candidates side by side, the import its compiler warm-up)"),
+    "STREAMKL_COMPILE_AHEAD": ("1", "0: nothing compiles ahead (a training forward its backward's kernels, a first call of the indexer losses or packed sequences all of its kernels, the tuner its candidates side by side)"),
 }
 
 # old name -> its replacement (docs/api.md, "Old names")

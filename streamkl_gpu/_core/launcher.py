@@ -33,13 +33,13 @@ zero stand-in gradients.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import threading
 
 import torch
 
 from streamkl_gpu._core.runtime import bucket, env, interpreting
-from streamkl_gpu._core.warm import compiler_key
 
 try:
     from triton import knobs as _knobs
@@ -163,7 +163,7 @@ def _compile_only(fn, grid, args, kwargs):
 
     def body():
         try:
-            compiler_key()
+            _compiler_key()
             with _on_device(device):
                 kernel = fn.warmup(*args, grid=grid, **kwargs)
                 init = getattr(kernel, "_init_handles", None)
@@ -176,6 +176,32 @@ def _compile_only(fn, grid, args, kwargs):
     compiling.start()
     pending.append(compiling)
     return None
+
+
+_KEY_LOCK = threading.Lock()
+_KEY_READY = []  # [True] once Triton's compiler key is computed in this process
+
+
+def _compiler_key() -> None:
+    """Triton's per-process compiler key (``triton_key``: sha256 of Triton's compiler sources and
+    of its shared library, hundreds of MB; 0.35-0.4 s, cached once computed), computed by one
+    compile thread while the others wait for it. Unguarded, every compile thread of a process's
+    first call hashes it at once: six threads took 1.0 s instead of 0.35 s on two cores, and
+    eight processes of ``streamkl verify`` each doing so share the host's cores and memory."""
+    if _KEY_READY:
+        return
+    with _KEY_LOCK:
+        if _KEY_READY:
+            return
+        for module in ("triton.runtime.cache", "triton.compiler.compiler"):  # (its home moved)
+            try:
+                key = getattr(importlib.import_module(module), "triton_key", None)
+            except ImportError:  # pragma: no cover - a Triton without that module
+                key = None
+            if key is not None:
+                key()
+                break
+        _KEY_READY.append(True)
 
 
 def _on_device(device):
