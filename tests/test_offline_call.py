@@ -9,8 +9,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(args, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+def _run(args, tmp_path, **extra_env):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | extra_env
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
     env["STREAMKL_CACHE_DIR"] = str(tmp_path / "streamkl")
     return subprocess.run([sys.executable, "-m", "streamkl_gpu.devtools.offline_call", *args], cwd=ROOT, env=env,
@@ -18,23 +18,31 @@ def _run(args, tmp_path):
 
 
 def test_gqa_training_step_kernels_compile_and_report(tmp_path):
-    """A GQA-like step with lse given (the accumulating design: its forward and the backward's two
-    student kernels) and one without (the chunk design: the LSE pass, the storing forward, the
-    keys-major gradient kernel) are found by the walk and compiled; each row has ptxas' registers,
-    Hopper MMA (HGMMA) in every kernel but the split merge, and the config it was compiled with."""
+    """A GQA-like step with lse given (the chunk design: the storing forward, the keys-major
+    gradient kernel), one without (the same after the LSE pass) and one with lse given under the
+    accumulating design (its forward and the backward's two student kernels) are found by the walk
+    and compiled; each row has ptxas' registers, Hopper MMA (HGMMA) in every kernel but the split
+    merge, and the config it was compiled with."""
     out = tmp_path / "census.csv"
     proc = _run(["--csv", str(out), "gqa:256:lse", "gqa:256:nolse"], tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     every = list(csv.DictReader(open(out)))
+    assert len(proc.stdout.strip().splitlines()) == len(every)
     rows = [r for r in every if r["kernel"] != "_merge_states_kernel"]  # (no MMA in the merge)
     kernels = {spec: [r["kernel"] for r in rows if r["spec"] == spec] for spec in ("gqa:256:lse", "gqa:256:nolse")}
-    assert {"_indexer_fwd_pacc_kernel", "_indexer_bwd_dq_kernel"} <= set(kernels["gqa:256:lse"]), kernels
+    assert {"_indexer_fwd_gqa_store_kernel", "_chunk_grad_keys_kernel"} <= set(kernels["gqa:256:lse"]), kernels
     assert {"_teacher_lse_kernel", "_indexer_fwd_gqa_store_kernel", "_chunk_grad_keys_kernel"} <= set(
         kernels["gqa:256:nolse"]), kernels
+    accumulating = tmp_path / "accumulating.csv"
+    proc = _run(["--csv", str(accumulating), "gqa:256:lse"], tmp_path, STREAMKL_INDEXER_TRAINING="accumulate")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    rows_acc = list(csv.DictReader(open(accumulating)))
+    assert {"_indexer_fwd_pacc_kernel", "_indexer_bwd_dq_kernel"} <= {r["kernel"] for r in rows_acc}, rows_acc
+    rows += rows_acc
+    assert len(proc.stdout.strip().splitlines()) == len(rows_acc)
     for r in rows:
         assert 0 < int(r["registers"]) <= 255 and int(r["hgmma"]) > 0, r
         assert "num_warps=" in r["config"] and int(r["instructions"]) > int(r["hgmma"]), r
-    assert len(proc.stdout.strip().splitlines()) == len(every)
 
 
 def test_bad_spec_is_a_clear_error(tmp_path):

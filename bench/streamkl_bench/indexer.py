@@ -335,10 +335,9 @@ def main(argv=None):
         for path, (provider, force) in itertools.product(paths, orders):  # (force: the chunk design's previous tiles)
             add(("dense", name, path, provider, a.n), lambda cfg=cfg, path=path, force=force: dense_point(
                 cfg, a.n, path, device, dtype, force=force), floor_flops(cfg, a.n, path))
-        if "lse" in paths:  # lse given: the design the default does not take (chunk for one key head)
-            other = "accumulate" if cfg["HK"] == 1 else "chunk"
-            add(("dense", name, "lse", f"streamkl_{other}", a.n), lambda cfg=cfg, other=other: dense_point(
-                cfg, a.n, "lse", device, dtype, design=other), floor_flops(cfg, a.n, "lse"))
+        if "lse" in paths:  # the accumulating design beside the default (chunk), lse given
+            add(("dense", name, "lse", "streamkl_accumulating", a.n),
+                lambda cfg=cfg: dense_point(cfg, a.n, "lse", device, dtype, design="accumulate"), floor_flops(cfg, a.n, "lse"))
         if not a.no_compile and device == "cuda":
             add(("dense", name, "any", "torch_compile", a.n), lambda cfg=cfg: compile_point(cfg, a.n, device, dtype), None)
     if not a.no_topk:

@@ -15,15 +15,12 @@ from streamkl_gpu._core import runtime as _runtime
 #   accumulate  the forward also sums the target's share of the gradient (teacher read once)
 #   store       the forward keeps p [B, N_Q, N_K] whole (quadratic memory: an experiment)
 #   chunk       the whole gradient in the forward, chunk by chunk of tokens (linear memory)
-#   auto        chunk for a single-key-head (MQA) teacher (H200, DSA-like 8K causal, mean, lse given,
-#               bf16: fwd+bwd 30.79 ms against the accumulating design's 41.07 in the same run);
-#               for a teacher with several key heads, chunk where the training step computes the
-#               teacher LSEs itself or has row weights (GQA-like 8K: 7.31 ms without lse, against
-#               11.1 before the LSE pass), the accumulating design where the user gives lse
-#               (GQA-like 8K: 6.14 ms against chunk's 6.46): bench/results/2026-12-03_h200_57f6d64/.
-#               With the keys-major gradient tile the chunk design's kernels there add up to about
-#               5.4 ms against the accumulating design's 6.10 (H100, docs/design/indexer.md), not
-#               timed as a step: this default stays until it is.
+#   auto        chunk, for every teacher. One key head (MQA; H200, DSA-like 8K causal, mean, lse
+#               given, bf16): fwd+bwd 30.79 ms against the accumulating design's 41.07 in the same
+#               run (bench/results/2026-12-03_h200_57f6d64/). Several key heads (GQA-like 8K, H100,
+#               5 interleaved rounds in one process): lse given 5.37 ms against the accumulating
+#               design's 6.10, without lse 6.29 ms (the LSE pass first; 11.1 before it), with
+#               row weights 5.35 (bench/results/2026-12-06_h100_26b8f65/indexer_training.csv).
 #               The accumulating design itself was measured faster than the plain one at both
 #               anchors (H200, 8K causal fwd+bwd: DSA-like 52.96 ms against 128.4, GQA-like 12.86
 #               against 18.29).
@@ -75,7 +72,7 @@ def training_design(dims, lse_given: bool = True, row_weights: bool = False) -> 
     ``row_weights``: per-row weights were given (only the chunk design takes them)."""
     design = _setting()
     if design == "auto":
-        return "chunk" if dims.HK == 1 or not lse_given or row_weights else "accumulate"
+        return "chunk"
     if design == "store_if_fits":
         return "store" if pstore_bytes(dims) <= PSTORE_MAX_BYTES else "accumulate"
     return design
