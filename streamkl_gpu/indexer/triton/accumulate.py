@@ -105,7 +105,7 @@ def _target_shares(dq_p, dw_p, p, visible, a, k_tile, q_rows, q_for_dk, w_rows, 
         else:
             out = b.to(tl.int64) * N_K + keys
             tl.atomic_add(DK_P + out[:, None] * DI + offs_d[None, :], dk_part,
-                          mask=(keys < N_K)[:, None] & (offs_d < DI)[None, :])
+                          mask=(keys < N_K)[:, None] & (offs_d < DI)[None, :], sem="relaxed")
     return dq_p, dw_p
 
 
@@ -265,7 +265,7 @@ def _pacc_key_range_kt(
             dk_part = _dot(coef_t.to(q_rows.dtype), q_for_dk, IEEE_I)  # [BLOCK_N, DI_PAD]
             out = b64 * N_K + keys
             tl.atomic_add(DK_P + out[:, None] * DI + offs_d[None, :], dk_part,
-                          mask=(keys < N_K)[:, None] & (offs_d < DI)[None, :])
+                          mask=(keys < N_K)[:, None] & (offs_d < DI)[None, :], sem="relaxed")
     return m, l, mass, acc, plogp, dq_p, dw_p
 
 

@@ -223,7 +223,7 @@ def _dq_key_range(
             else:
                 out = (b.to(tl.int64) * H_KI + kvi) * N_K + keys
                 tl.atomic_add(DK + out[:, None] * DI + offs_d[None, :], dk_part,
-                              mask=(keys < N_K)[:, None] & (offs_d < DI)[None, :])
+                              mask=(keys < N_K)[:, None] & (offs_d < DI)[None, :], sem="relaxed")
     return dq, dw
 
 
@@ -332,8 +332,8 @@ def _dk_token_range(
             dq_part = _dot(coef.to(k_for_dq.dtype), k_for_dq, IEEE_I)
             row_out = (b64 * H_I + j) * N_Q + tok
             tl.atomic_add(DQ + row_out[:, None] * DI + offs_d[None, :], dq_part,
-                          mask=row_ok[:, None] & (offs_d < DI)[None, :])
-            tl.atomic_add(DW + row_out, tl.sum(dw_terms, 1), mask=row_ok)
+                          mask=row_ok[:, None] & (offs_d < DI)[None, :], sem="relaxed")
+            tl.atomic_add(DW + row_out, tl.sum(dw_terms, 1), mask=row_ok, sem="relaxed")
     return dk
 
 
@@ -416,6 +416,6 @@ def _indexer_bwd_dk_kernel(
     out_ok = (keys < N_K)[:, None] & (offs_d < DI)[None, :]
     if ATOMIC:
         if mask_lo < split_hi:  # splits before the first visible token add nothing
-            tl.atomic_add(DK + out_row[:, None] * DI + offs_d[None, :], dk, mask=out_ok)
+            tl.atomic_add(DK + out_row[:, None] * DI + offs_d[None, :], dk, mask=out_ok, sem="relaxed")
     else:
         tl.store(DK + out_row[:, None] * DI + offs_d[None, :], dk, mask=out_ok)
