@@ -67,39 +67,29 @@ def _chunk_grad_key_range(
         else:
             k_tile = tl.load(ki_base + keys.to(tl.int64)[:, None] * stride_kin + offs_d[None, :] * stride_kid,
                              mask=(keys < N_K)[:, None] & (offs_d < DI)[None, :], other=0.0)
+        a = _dot(k_tile, q_t, IEEE_I)  # [BLOCK_N, COLS], from the raw key tile
+        if MASKED:  # a non-finite key that a token cannot see must not reach it through C k
+            k_tile = _finite_or_zero(k_tile)
+        if RELU:
+            act = tl.maximum(a, 0.0, propagate_nan=tl.PropagateNan.ALL)  # relu(NaN) stays NaN
+        else:
+            act = a
+        contrib = tl.where(col_ok[None, :], act * w_cols[None, :], 0.0)
+        logits = tl.sum(tl.reshape(contrib, [BLOCK_N, GI_PAD, BLOCK_T]), axis=1)  # [BLOCK_N, BLOCK_T]
         # the stored target, read only where visible (the storing forward wrote those entries)
         visible = _token_visible_keys(toks, keys, N_Q, N_K, diag_offset, MASKED, CAUSAL) \
             & (lse_i != float("-inf"))[None, :]
         p_at = (b.to(tl.int64) * p_rows + (toks - t_off).to(tl.int64))[None, :] * N_K + keys[:, None]
         p = tl.load(P + p_at, mask=visible, other=0.0)
+        soft = tl.exp2(logits * LOG2E - lse_bits[None, :])
+        grad = tl.where(visible, g[None, :] * (soft - p), 0.0)
+        grad_c = tl.reshape(tl.broadcast_to(grad[:, None, :], [BLOCK_N, GI_PAD, BLOCK_T]), [BLOCK_N, COLS])
         vis_c = tl.reshape(tl.broadcast_to(visible[:, None, :], [BLOCK_N, GI_PAD, BLOCK_T]), [BLOCK_N, COLS])
-        coef = tl.zeros([BLOCK_N, COLS], k_tile.dtype)
-        # Always taken (i < n_tiles). Forming a and C^T under a branch hides "a's product feeds the
-        # next products" from Triton's MMA layout choice (AccelerateMatmul's chained-dot rule gives a
-        # chained product warpsPerCTA [num_warps, 1], which at BLOCK_N = 64 rows and 8 warps has both
-        # warpgroups form the same [BLOCK_N, COLS] tile and all its element-wise work); unchained it
-        # gets [4, 2]: each warpgroup half the columns. The product itself must be inside the branch:
-        # with it outside (its result used only in the branch) triton 3.6's software pipeliner
-        # (TritonGPUPipeline, make_ttgir) fails. Checked offline for sm_90 with triton 3.6.0 and 3.9
-        # (TTGIR: this product [4, 2]; 20 HGMMA per DSA-like tile, 28 before).
-        if n_tiles > 0:
-            a = _dot(k_tile, q_t, IEEE_I)  # [BLOCK_N, COLS], from the raw key tile
-            if RELU:
-                act = tl.maximum(a, 0.0, propagate_nan=tl.PropagateNan.ALL)  # relu(NaN) stays NaN
-            else:
-                act = a
-            contrib = tl.where(col_ok[None, :], act * w_cols[None, :], 0.0)
-            logits = tl.sum(tl.reshape(contrib, [BLOCK_N, GI_PAD, BLOCK_T]), axis=1)  # [BLOCK_N, BLOCK_T]
-            soft = tl.exp2(logits * LOG2E - lse_bits[None, :])
-            grad = tl.where(visible, g[None, :] * (soft - p), 0.0)
-            grad_c = tl.reshape(tl.broadcast_to(grad[:, None, :], [BLOCK_N, GI_PAD, BLOCK_T]), [BLOCK_N, COLS])
-            if RELU:  # the indicator multiplies (not selects): a NaN G stays NaN
-                coef = grad_c * (a > 0).to(tl.float32)
-            else:
-                coef = grad_c
-            coef = tl.where(vis_c, coef, 0.0).to(k_tile.dtype)  # (narrowed here: the layout conversions after move bf16)
-        if MASKED:  # a non-finite key that a token cannot see must not reach it through C k
-            k_tile = _finite_or_zero(k_tile)
+        if RELU:  # the indicator multiplies (not selects): a NaN G stays NaN
+            coef = grad_c * (a > 0).to(tl.float32)
+        else:
+            coef = grad_c
+        coef = tl.where(vis_c, coef, 0.0)
         dq_hat += _dot(tl.trans(coef.to(k_tile.dtype)), k_tile, IEEE_I)
         dk_part = _dot(coef.to(w_for_dk.dtype), w_for_dk, IEEE_I)  # [BLOCK_N, DI_PAD]
         if DK_SHARE == 2:  # one bulk TMA reduction (Hopper)
