@@ -126,3 +126,32 @@ def test_keys_major_nan_isolation(monkeypatch, launched):
     for name in ("dq_idx", "dweights"):
         assert close(dirty[name][:, :, :17], clean[name][:, :, :17]), name
         assert torch.isnan(dirty[name][:, :, 17:]).all(), name
+
+
+def test_branch_layout_variant_is_listed_first_on_request():
+    """The forcing order "branch_first" puts the rule's keys-major tile in the variant "keys_branch"
+    first, then the default list; the default order never lists that variant."""
+    from test_indexer_shape_rules import _dims
+    dims = _dims("gqa")
+    listed = idx_configs.chunk_gradient_candidates(False, dims, "branch_first")
+    assert listed[0] == replace(idx_configs.INTERPRETER_CONFIG, variant="keys_branch")
+    assert listed[1:] == idx_configs.chunk_gradient_candidates(False, dims)
+    assert all(c.variant != "keys_branch" for c in idx_configs.chunk_gradient_candidates(False, dims))
+
+
+@pytest.mark.parametrize("shape,causal,reduction,relu", CASES[:3])
+def test_branch_layout_variant_matches_float64(monkeypatch, poison, launched, shape, causal, reduction, relu):
+    """The variant with the first product under a branch: the same loss and gradients as float64."""
+    monkeypatch.setenv("STREAMKL_INDEXER_TRAINING", "chunk")
+    _force(monkeypatch, "branch_first")
+    seen = []
+    real = idx_chunk.kernel_call
+
+    def spy(fn, grid):
+        call = real(fn, grid)
+        return lambda *a, **kw: seen.append(kw.get("BRANCH_LAYOUT")) or call(*a, **kw)
+    monkeypatch.setattr(idx_chunk, "kernel_call", spy)
+    xs = make(*shape, seed=sum(shape) + 11)
+    loss, grads = _step(xs, reduction, causal=causal, relu=relu)
+    assert launched and set(launched) == {"keys"} and seen.count(True) == len(launched), (launched, seen)
+    _assert_close(loss, grads, *_reference(xs, shape, causal, relu, reduction))

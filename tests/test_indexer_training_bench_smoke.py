@@ -63,16 +63,17 @@ def test_topk_floor():
     assert mod.floor_flops(cfg, 32768, "", topk=2048) == 2.0 * 32768 * 2048 * (128 * 576 + 3 * 64 * 128)
 
 
-def test_tiny_run_with_the_previous_tiles(tmp_path):
-    """``--teachers mqa64 --previous-tiles``: the first-call section's teacher, each path also with
-    the chunk design's previous tiles (through the forcing hook)."""
+def test_tiny_run_with_forced_choices(tmp_path):
+    """``--teachers mqa64 --forced previous_tiles,branch_layout``: the first-call section's teacher,
+    each path also with the chunk design's previous tiles and with the gradient kernel's
+    "keys_branch" variant (through the forcing hook)."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([str(ROOT / "bench"), str(ROOT)]))
     proc = subprocess.run([sys.executable, "-m", "streamkl_bench.indexer", "--out", str(tmp_path), "--tiny", "--teachers",
-                           "mqa64", "--paths", "no_lse", "--previous-tiles", "--no-topk", "--no-check"],
+                           "mqa64", "--paths", "no_lse", "--forced", "previous_tiles,branch_layout", "--no-topk", "--no-check"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     with open(tmp_path / "indexer_training.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     timed = {(r["teacher"], r["path"], r["provider"]) for r in rows if r["measure"] == "fwd_bwd_ms" and float(r["value"]) > 0}
-    assert timed == {("mqa64", "no_lse", "streamkl"), ("mqa64", "no_lse", "streamkl_previous_tiles")}, timed
+    assert timed == {("mqa64", "no_lse", p) for p in ("streamkl", "streamkl_previous_tiles", "streamkl_branch_layout")}, timed

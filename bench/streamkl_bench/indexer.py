@@ -138,10 +138,11 @@ def time_ms(fn, device, quick):
     return timing.time_ms(fn, cuda=device == "cuda", warmup=5 if quick else 25, rep=20 if quick else 100)
 
 
-# The timed points: (section, teacher, path, provider, n) -> {measure: callable}. PREVIOUS_TILES (forcing
-# hook): the chunk design's tiles before its keys-major gradient rule and storing-forward rule order
+# The timed points: (section, teacher, path, provider, n) -> {measure: callable}. FORCED (forcing hook), each
+# also timed on request: the chunk design's previous tiles, the gradient kernel's "keys_branch" variant
 DESIGN_VAR = "STREAMKL_INDEXER_TRAINING"
-PREVIOUS_TILES = dict(indexer_chunk_gradient_order="rows_first", indexer_storing_forward_order="candidates")
+FORCED = dict(previous_tiles=dict(indexer_chunk_gradient_order="rows_first", indexer_storing_forward_order="candidates"),
+              branch_layout=dict(indexer_chunk_gradient_order="branch_first"))
 
 
 def Design(value):
@@ -288,7 +289,7 @@ def parse_args(argv=None):
     p.add_argument("--paths", default=",".join(PATHS))
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
     p.add_argument("--no-topk", action="store_true")
-    p.add_argument("--previous-tiles", action="store_true", help="also each path with the chunk design's previous tiles")
+    p.add_argument("--forced", default="", help=f"comma list: also each path forced so, of {sorted(FORCED)}")
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--quick", action="store_true", help="shorter do_bench reps")
     p.add_argument("--memory-n", type=int, default=None,
@@ -329,7 +330,7 @@ def main(argv=None):
         except Exception as exc:  # noqa: BLE001
             failed(key, exc)
 
-    orders = [("streamkl", None)] + [("streamkl_previous_tiles", PREVIOUS_TILES)] * a.previous_tiles
+    orders = [("streamkl", None)] + [(f"streamkl_{name}", FORCED[name]) for name in a.forced.split(",") if name]
     for name in names:
         cfg = teachers[name]
         for path, (provider, force) in itertools.product(paths, orders):  # (force: the chunk design's previous tiles)

@@ -229,7 +229,7 @@ def _storing_forward_rule_order(dims, n_sm):  # memoised: the chunk design asks 
     return tuple(_rule_first("fwd", dims, _candidates("pstore", False, dims, n_sm)))
 
 
-CHUNK_GRADIENT_ORDERS = ("rule", "rows_first", "keys_first")
+CHUNK_GRADIENT_ORDERS = ("rule", "rows_first", "keys_first", "branch_first")
 # The chunk design's keys-major gradient tiles (``indexer/triton/chunk_grad_keys.py``): (indexer
 # columns, keys, warps, stages).
 _KEYS_GRADIENT_TILES = ((128, 64, 8, 2), (64, 128, 8, 2), (64, 64, 4, 2))
@@ -248,7 +248,9 @@ def chunk_gradient_candidates(ieee, dims, order="rule", first=None):
     runs, untimed): the family's ``CHUNK_GRADIENT_RULES`` tile first, then the student backward's
     row-major candidates, then the keys-major tiles (``"rule"``, the default); or, a benchmark's
     choice through the forcing hook, the row-major tiles first (``"rows_first"``, the order before
-    the rule) or the keys-major tiles first (``"keys_first"``). ``first``: an
+    the rule), the keys-major tiles first (``"keys_first"``), or the rule's keys-major tile (the
+    interpreter's: its one) in the variant ``"keys_branch"`` first (``"branch_first"``: the first
+    product under a branch, ``chunk_grad_keys.py``; not yet timed on a GPU). ``first``: an
     :class:`IndexerConfig` tried before all of them (the hook's ``indexer_chunk_gradient_config``).
     The interpreter's and fp32's lists are their one config, then the same keys-major."""
     if order not in CHUNK_GRADIENT_ORDERS:
@@ -257,6 +259,13 @@ def chunk_gradient_candidates(ieee, dims, order="rule", first=None):
         if not isinstance(first, IndexerConfig):
             raise ValueError(f"indexer_chunk_gradient_config is an IndexerConfig, got {first!r}")
         return [first] + [c for c in chunk_gradient_candidates(ieee, dims, order) if c != first]
+    if order == "branch_first":
+        base = _chunk_gradient_listed(ieee, dims, "rule")
+        return [replace(next(c for c in base if c.variant == "keys"), variant="keys_branch")] + base
+    return _chunk_gradient_listed(ieee, dims, order)
+
+
+def _chunk_gradient_listed(ieee, dims, order):
     if _runtime.interpreting() or ieee:  # their one config, keys-major
         rows = _candidates("bwd", ieee, dims, teacher=False)
         keys = [replace(INTERPRETER_CONFIG if _runtime.interpreting() else _IEEE_CONFIG, variant="keys")]

@@ -35,12 +35,50 @@ from streamkl_gpu.indexer.triton.fwd import _token_visible_keys
 
 
 @triton.jit
+def _visible_target(P, b, p_rows, toks, t_off, keys, lse_i, N_Q, N_K, diag_offset, MASKED: tl.constexpr,
+                    CAUSAL: tl.constexpr):
+    """Which (key, token) entries of the tile are visible, and the stored target there (the storing
+    forward wrote those entries; nothing else is read)."""
+    visible = _token_visible_keys(toks, keys, N_Q, N_K, diag_offset, MASKED, CAUSAL) & (lse_i != float("-inf"))[None, :]
+    p_at = (b.to(tl.int64) * p_rows + (toks - t_off).to(tl.int64))[None, :] * N_K + keys[:, None]
+    return visible, tl.load(P + p_at, mask=visible, other=0.0)
+
+
+@triton.jit
+def _student_logits(a, col_ok, w_cols, BLOCK_N: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                    RELU: tl.constexpr):
+    """I^T [BLOCK_N, BLOCK_T] of one key tile from its scores a^T (the module's I^T line)."""
+    if RELU:
+        act = tl.maximum(a, 0.0, propagate_nan=tl.PropagateNan.ALL)  # relu(NaN) stays NaN
+    else:
+        act = a
+    contrib = tl.where(col_ok[None, :], act * w_cols[None, :], 0.0)
+    return tl.sum(tl.reshape(contrib, [BLOCK_N, GI_PAD, BLOCK_T]), axis=1)
+
+
+@triton.jit
+def _coefficient_tile(a, logits, visible, p, g, lse_bits, BLOCK_N: tl.constexpr, GI_PAD: tl.constexpr,
+                      BLOCK_T: tl.constexpr, RELU: tl.constexpr):
+    """C^T [BLOCK_N, COLS] of one key tile (the module's G^T and C^T lines)."""
+    COLS: tl.constexpr = GI_PAD * BLOCK_T
+    soft = tl.exp2(logits * LOG2E - lse_bits[None, :])
+    grad = tl.where(visible, g[None, :] * (soft - p), 0.0)
+    grad_c = tl.reshape(tl.broadcast_to(grad[:, None, :], [BLOCK_N, GI_PAD, BLOCK_T]), [BLOCK_N, COLS])
+    vis_c = tl.reshape(tl.broadcast_to(visible[:, None, :], [BLOCK_N, GI_PAD, BLOCK_T]), [BLOCK_N, COLS])
+    if RELU:  # the indicator multiplies (not selects): a NaN G stays NaN
+        coef = grad_c * (a > 0).to(tl.float32)
+    else:
+        coef = grad_c
+    return tl.where(vis_c, coef, 0.0)
+
+
+@triton.jit
 def _chunk_grad_key_range(
     dq_hat, q_rows, w_cols, q_w, col_ok, KI, KI_DESC, ki_base, P, LSE_I, G_UP, DK, DK_DESC,
     b, kvi, t0, lo, hi, rot, t_off, p_rows, H_KI, N_Q, N_K, stride_kin, stride_kid,
     DI: tl.constexpr, DI_PAD: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, RELU: tl.constexpr,
-    IEEE_I: tl.constexpr, USE_TMA: tl.constexpr, DK_SHARE: tl.constexpr,
+    IEEE_I: tl.constexpr, USE_TMA: tl.constexpr, DK_SHARE: tl.constexpr, BRANCH_LAYOUT: tl.constexpr,
 ):
     COLS: tl.constexpr = GI_PAD * BLOCK_T
     diag_offset = N_K - N_Q
@@ -67,29 +105,30 @@ def _chunk_grad_key_range(
         else:
             k_tile = tl.load(ki_base + keys.to(tl.int64)[:, None] * stride_kin + offs_d[None, :] * stride_kid,
                              mask=(keys < N_K)[:, None] & (offs_d < DI)[None, :], other=0.0)
-        a = _dot(k_tile, q_t, IEEE_I)  # [BLOCK_N, COLS], from the raw key tile
-        if MASKED:  # a non-finite key that a token cannot see must not reach it through C k
-            k_tile = _finite_or_zero(k_tile)
-        if RELU:
-            act = tl.maximum(a, 0.0, propagate_nan=tl.PropagateNan.ALL)  # relu(NaN) stays NaN
+        if BRANCH_LAYOUT:
+            # The variant "keys_branch" (not the default: not yet timed on a GPU). The first product
+            # and C^T under an always-taken branch (i < n_tiles) hide "a's product feeds the next
+            # products" from Triton's MMA layout choice, whose chained-dot rule gives that product
+            # warpsPerCTA [num_warps, 1]: at 64 keys and 8 warps both warpgroups then form the same
+            # [BLOCK_N, COLS] tile and all its element-wise work; unchained it is [4, 2]. With the
+            # product outside the branch (its result used only inside) triton 3.6's software
+            # pipeliner fails (make_ttgir). Offline sm_90, DSA-like tile: 20 HGMMA per key tile
+            # instead of 28, loop 788 / 878 instructions instead of 989 / 1254 (triton 3.6).
+            visible, p = _visible_target(P, b, p_rows, toks, t_off, keys, lse_i, N_Q, N_K, diag_offset, MASKED, CAUSAL)
+            coef = tl.zeros([BLOCK_N, COLS], k_tile.dtype)
+            if n_tiles > 0:
+                a = _dot(k_tile, q_t, IEEE_I)  # [BLOCK_N, COLS], from the raw key tile
+                logits = _student_logits(a, col_ok, w_cols, BLOCK_N, GI_PAD, BLOCK_T, RELU)
+                coef = _coefficient_tile(a, logits, visible, p, g, lse_bits, BLOCK_N, GI_PAD, BLOCK_T, RELU).to(k_tile.dtype)
+            if MASKED:  # a non-finite key that a token cannot see must not reach it through C k
+                k_tile = _finite_or_zero(k_tile)
         else:
-            act = a
-        contrib = tl.where(col_ok[None, :], act * w_cols[None, :], 0.0)
-        logits = tl.sum(tl.reshape(contrib, [BLOCK_N, GI_PAD, BLOCK_T]), axis=1)  # [BLOCK_N, BLOCK_T]
-        # the stored target, read only where visible (the storing forward wrote those entries)
-        visible = _token_visible_keys(toks, keys, N_Q, N_K, diag_offset, MASKED, CAUSAL) \
-            & (lse_i != float("-inf"))[None, :]
-        p_at = (b.to(tl.int64) * p_rows + (toks - t_off).to(tl.int64))[None, :] * N_K + keys[:, None]
-        p = tl.load(P + p_at, mask=visible, other=0.0)
-        soft = tl.exp2(logits * LOG2E - lse_bits[None, :])
-        grad = tl.where(visible, g[None, :] * (soft - p), 0.0)
-        grad_c = tl.reshape(tl.broadcast_to(grad[:, None, :], [BLOCK_N, GI_PAD, BLOCK_T]), [BLOCK_N, COLS])
-        vis_c = tl.reshape(tl.broadcast_to(visible[:, None, :], [BLOCK_N, GI_PAD, BLOCK_T]), [BLOCK_N, COLS])
-        if RELU:  # the indicator multiplies (not selects): a NaN G stays NaN
-            coef = grad_c * (a > 0).to(tl.float32)
-        else:
-            coef = grad_c
-        coef = tl.where(vis_c, coef, 0.0)
+            a = _dot(k_tile, q_t, IEEE_I)  # [BLOCK_N, COLS], from the raw key tile
+            if MASKED:  # a non-finite key that a token cannot see must not reach it through C k
+                k_tile = _finite_or_zero(k_tile)
+            logits = _student_logits(a, col_ok, w_cols, BLOCK_N, GI_PAD, BLOCK_T, RELU)
+            visible, p = _visible_target(P, b, p_rows, toks, t_off, keys, lse_i, N_Q, N_K, diag_offset, MASKED, CAUSAL)
+            coef = _coefficient_tile(a, logits, visible, p, g, lse_bits, BLOCK_N, GI_PAD, BLOCK_T, RELU)
         dq_hat += _dot(tl.trans(coef.to(k_tile.dtype)), k_tile, IEEE_I)
         dk_part = _dot(coef.to(w_for_dk.dtype), w_for_dk, IEEE_I)  # [BLOCK_N, DI_PAD]
         if DK_SHARE == 2:  # one bulk TMA reduction (Hopper)
@@ -109,6 +148,7 @@ def _chunk_grad_keys_kernel(
     stride_wb, stride_wh, stride_wn, H_I, H_KI, GROUP_I, N_Q, N_K,
     DI: tl.constexpr, DI_PAD: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, RELU: tl.constexpr, IEEE_I: tl.constexpr, USE_TMA: tl.constexpr, DK_SHARE: tl.constexpr,
+    BRANCH_LAYOUT: tl.constexpr = False,
 ):
     """dq_idx [B, H_I, N_Q, D_I] and dweights [B, H_I, N_Q] (fp32) of indexer key head ``kvi``'s
     heads for one token block of the chunk starting at T_OFF (P: its target [B, P_ROWS, N_K]), and
@@ -127,11 +167,11 @@ def _chunk_grad_keys_kernel(
     dq_hat = _chunk_grad_key_range(
         dq_hat, q_rows, w_cols, q_w, col_ok, KI, KI_DESC, ki_base, P, LSE_I, G_UP, DK, DK_DESC,
         b, kvi, t0, 0, full_hi, pid_t, T_OFF, P_ROWS, H_KI, N_Q, N_K, stride_kin, stride_kid,
-        DI, DI_PAD, GI_PAD, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_I, USE_TMA, DK_SHARE)
+        DI, DI_PAD, GI_PAD, BLOCK_T, BLOCK_N, False, CAUSAL, RELU, IEEE_I, USE_TMA, DK_SHARE, BRANCH_LAYOUT)
     dq_hat = _chunk_grad_key_range(
         dq_hat, q_rows, w_cols, q_w, col_ok, KI, KI_DESC, ki_base, P, LSE_I, G_UP, DK, DK_DESC,
         b, kvi, t0, full_hi, key_hi, pid_t, T_OFF, P_ROWS, H_KI, N_Q, N_K, stride_kin, stride_kid,
-        DI, DI_PAD, GI_PAD, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_I, USE_TMA, DK_SHARE)
+        DI, DI_PAD, GI_PAD, BLOCK_T, BLOCK_N, True, CAUSAL, RELU, IEEE_I, USE_TMA, DK_SHARE, BRANCH_LAYOUT)
     offs_d = tl.arange(0, DI_PAD)
     out_row = (b64 * H_I + j) * N_Q + tok_c
     tl.store(DQ + out_row[:, None] * DI + offs_d[None, :], dq_hat * w_cols[:, None],
