@@ -21,6 +21,9 @@ from streamkl_gpu._core import runtime as _runtime
 #               5 interleaved rounds in one process): lse given 5.37 ms against the accumulating
 #               design's 6.10, without lse 6.29 ms (the LSE pass first; 11.1 before it), with
 #               row weights 5.35 (bench/results/2026-12-06_h100_26b8f65/indexer_training.csv).
+#               Both before the relaxed atomics, which took the chunk design's GQA-like lse step to
+#               3.55 ms on an H200 (bench/results/2026-12-06_h200_a1ce46d/); the accumulating
+#               design, whose atomics changed too, was not timed again.
 #               The accumulating design itself was measured faster than the plain one at both
 #               anchors (H200, 8K causal fwd+bwd: DSA-like 52.96 ms against 128.4, GQA-like 12.86
 #               against 18.29).
