@@ -128,10 +128,7 @@ def test_store_design_dispatch(monkeypatch):
     assert idx_choice.PSTORE_DEFAULT == "default" and d.HK == 1
     assert idx_choice.pstore_mode(d) == "chunk" and idx_choice.pstore_enabled(d)  # MQA teacher: the chunk design
     gqa = check_indexer_inputs(*make(1, 4, 2, 5, 7, 8, 2, 1, 8, seed=63))
-    # several key heads: the chunk design too, lse given or not, with row weights or not
-    assert idx_choice.pstore_mode(gqa) == "chunk" and idx_choice.pstore_enabled(gqa)
-    assert idx_choice.pstore_mode(gqa, lse_given=False) == "chunk" and idx_choice.pstore_enabled(gqa, False)
-    assert idx_choice.pstore_mode(gqa, row_weights=True) == "chunk"
+    assert idx_choice.pstore_mode(gqa) == "chunk" and idx_choice.pstore_enabled(gqa)  # several key heads: the same
     monkeypatch.setenv("STREAMKL_INDEXER_TRAINING", "accumulate")  # the accumulating design on request
     assert idx_choice.pstore_mode(gqa) == "0" and not idx_choice.pstore_enabled(gqa)
     monkeypatch.delenv("STREAMKL_INDEXER_TRAINING")

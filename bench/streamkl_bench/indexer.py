@@ -333,7 +333,7 @@ def main(argv=None):
     orders = [("streamkl", None)] + [(f"streamkl_{name}", FORCED[name]) for name in a.forced.split(",") if name]
     for name in names:
         cfg = teachers[name]
-        for path, (provider, force) in itertools.product(paths, orders):  # (force: the chunk design's previous tiles)
+        for path, (provider, force) in itertools.product(paths, orders):  # (force: a FORCED entry, or none)
             add(("dense", name, path, provider, a.n), lambda cfg=cfg, path=path, force=force: dense_point(
                 cfg, a.n, path, device, dtype, force=force), floor_flops(cfg, a.n, path))
         if "lse" in paths:  # the accumulating design beside the default (chunk), lse given

@@ -113,17 +113,16 @@ def _indexer_kl(q, k, q_idx, k_idx, weights, causal, scale, relu, lse, reduction
     dims = _plan_mod._check(q, k, q_idx, k_idx, weights, causal=causal, scale=scale, relu=relu, lse=lse,
                   reduction=reduction)
     row_weights = _row_weights.check_row_weights(row_weights, dims, q.device)
-    lse_given, weighted = lse is not None, row_weights is not None  # (they steer the automatic design)
     if lse is None and _choice._use_pacc(dims, True, reduction, q_idx, k_idx, weights):  # (True: lse will be there)
         # a training step without lse: the teacher's LSEs by one streaming pass, then the fast path
         lse = _teacher_lse.teacher_lse(q, k, q_idx, k_idx, weights, causal=causal, scale=dims.scale)
     use_pacc = _choice._use_pacc(dims, lse, reduction, q_idx, k_idx, weights)
-    if use_pacc and _choice.pstore_mode(dims, lse_given, weighted) == "chunk":  # the gradient formed in the forward (row weights as its g)
+    if use_pacc and _choice.pstore_mode(dims) == "chunk":  # the gradient formed in the forward (row weights as its g)
         total = _custom_ops.call(_chunk._indexer_loss_full_fwd_op, q, k, q_idx, k_idx, weights, lse, causal,
                                  dims.scale, relu, row_weights)[0]
         return total if reduction == "sum" else total / _plan_mod._rows_with_keys(dims, causal)
     if use_pacc and row_weights is None:  # store p whole, or accumulate the target's share (uniform g only)
-        op = _store._indexer_loss_pstore_fwd_op if _choice.pstore_enabled(dims, lse_given, weighted) else _accumulate._indexer_loss_fwd_op
+        op = _store._indexer_loss_pstore_fwd_op if _choice.pstore_enabled(dims) else _accumulate._indexer_loss_fwd_op
         total = _custom_ops.call(op, q, k, q_idx, k_idx, weights, lse, causal, dims.scale, relu)[0]
         return total if reduction == "sum" else total / _plan_mod._rows_with_keys(dims, causal)
     kl = _custom_ops.call(_indexer_fwd_op, q, k, q_idx, k_idx, weights, lse, causal, dims.scale, relu)[0]

@@ -69,10 +69,9 @@ def _setting() -> str:
             "auto": "store_if_fits"}[pstore]
 
 
-def training_design(dims, lse_given: bool = True, row_weights: bool = False) -> str:
+def training_design(dims) -> str:
     """The design that runs for these dims, within the designs' cases: plain, accumulate, store or
-    chunk. ``lse_given``: the caller passed the teacher LSEs (else the step computes them first);
-    ``row_weights``: per-row weights were given (only the chunk design takes them)."""
+    chunk (the same with the teacher LSEs given or computed first, with row weights or without)."""
     design = _setting()
     if design == "auto":
         return "chunk"
@@ -88,16 +87,16 @@ def pacc_enabled(dims=None) -> bool:
     return training_design(dims) != "plain"
 
 
-def pstore_mode(dims, lse_given: bool = True, row_weights: bool = False) -> str:
+def pstore_mode(dims) -> str:
     """The design within the teacher-once designs, in the old words: ``"chunk"``, ``"1"`` (store
     p whole) or ``"0"`` (accumulate the target's share)."""
-    design = training_design(dims, lse_given, row_weights)
+    design = training_design(dims)
     return {"chunk": "chunk", "store": "1"}.get(design, "0")
 
 
-def pstore_enabled(dims, lse_given: bool = True, row_weights: bool = False) -> bool:
+def pstore_enabled(dims) -> bool:
     """Does the forward store p (whole, or chunk by chunk)? (:func:`pstore_mode`)"""
-    return pstore_mode(dims, lse_given, row_weights) in ("1", "chunk")
+    return pstore_mode(dims) in ("1", "chunk")
 
 
 def _use_pacc(dims, lse, reduction, q_idx, k_idx, weights) -> bool:
