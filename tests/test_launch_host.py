@@ -43,3 +43,33 @@ def test_the_rows_pre_pass_launches_through_the_plan_keyed_launcher(monkeypatch)
         streamkl_gpu.attention_kl(*xs, causal=True, bwd_mode="separate").sum().backward()
     rows = [key for name, key in seen if name == "_kl_bwd_rows_kernel"]
     assert len(rows) == 2 and rows[0] is not None and rows[0] == rows[1]  # one plan, its key both times
+
+
+def test_a_training_call_binds_its_backward_plan_once(monkeypatch):
+    """The forward's training binding carries the backward's plan: the second call's backward
+    launches without forming its signature, with the same gradients; a changed backward setting
+    is a new binding."""
+    import streamkl_gpu
+
+    xs = [x.requires_grad_(i >= 2) for i, x in enumerate(make_inputs(1, 2, 1, 2, 24, 40, 16, 8, seed=3))]
+    g = torch.randn(1, 2, 24)
+
+    def grads():
+        kl = streamkl_gpu.attention_kl(*xs, causal=True, bwd_mode="separate")
+        return torch.autograd.grad(kl, xs[2:], g)
+
+    first = grads()
+    bound = [b for b in _launch._BINDINGS.values() if b.plan is not None]
+    assert bound, "the first backward binds its plan"
+    signatures = []
+    real = _launch._backward_signature
+    monkeypatch.setattr(_launch, "_backward_signature", lambda *a: signatures.append(a) or real(*a))
+    second = grads()
+    assert signatures == []  # the bound plan ran: no signature formed, forward or backward
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    monkeypatch.setenv("STREAMKL_BWD_STREAMS", "0")
+    third = grads()
+    assert len(signatures) == 1  # a new setting: a new binding, its signature formed once
+    for a, b in zip(first, third):
+        torch.testing.assert_close(a, b)

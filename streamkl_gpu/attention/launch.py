@@ -145,6 +145,11 @@ def forward(q1, k1, q2, k2, causal, scale1, scale2, split_k, dims=None, one_buff
     if interpreting():  # bf16 computed in fp32 there (compute_view)
         q1, k1, q2, k2 = (compute_view(t) for t in (q1, k1, q2, k2))
     sig = _signature("fwd", dims, (causal, split_k, fwd_backend()), q1, k1, q2, k2)
+    return _run_forward(sig, q1, k1, q2, k2, causal, split_k, dims, device, one_buffer)
+
+
+def _run_forward(sig, q1, k1, q2, k2, causal, split_k, dims, device, one_buffer=True):
+    """The forward's launches under its plan signature ``sig`` (bound at the signature's first call)."""
     plan = _PLANS.get(sig)
     if plan is None:
         d1_pad, d2_pad = head_pad(dims.D1), head_pad(dims.D2)
@@ -302,16 +307,18 @@ def _triton_backward() -> bool:
     return backend == "triton" or (backend == "auto" and not _gluon_bwd_dispatch.GLUON_BWD_AUTO)
 
 
-def compile_backward_ahead(q1, k1, q2, k2, causal, dims, train1, train2, bwd_mode, deterministic):
+def compile_backward_ahead(q1, k1, q2, k2, causal, dims, train1, train2, bwd_mode, deterministic, sig=None):
     """Start compiling the kernels of the backward this training call will run, unless they are
     known already (its plan is bound), would be timed, or the problem is large. The backward
-    joins the thread before it looks its plan up. ``STREAMKL_COMPILE_AHEAD=0`` turns it off."""
+    joins the thread before it looks its plan up. ``STREAMKL_COMPILE_AHEAD=0`` turns it off.
+    ``sig``: the backward's plan signature, when the caller has it."""
     if (q1.device.type != "cuda" or not ahead_allowed()
             or not (train1 or train2) or is_empty(dims) or autotune_enabled(ruled=True)
             or not _triton_backward()
             or max(t.numel() for t in (q1, k1, q2, k2)) > AHEAD_MAX_ELEMENTS):
         return
-    sig = _backward_signature(dims, causal, train1, train2, bwd_mode, deterministic, q1, k1, q2, k2)
+    if sig is None:
+        sig = _backward_signature(dims, causal, train1, train2, bwd_mode, deterministic, q1, k1, q2, k2)
     if sig in _PLANS or sig in _BACKWARD_AHEAD:
         return
     rows = torch.zeros((4, dims.B, dims.H, dims.NQ), dtype=torch.float32, device=q1.device)  # g, kl, lse1, lse2
@@ -319,6 +326,44 @@ def compile_backward_ahead(q1, k1, q2, k2, causal, dims, train1, train2, bwd_mod
     _BACKWARD_AHEAD[sig] = compile_ahead(
         lambda: backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, dims.scale1, dims.scale2,
                          train1, train2, bwd_mode, deterministic, dims=dims), q1.device)
+
+
+class TrainingBinding:
+    """What a training call's backward needs, decided once per forward signature and backward
+    settings (:func:`training_forward`), as the forward's plan is: the backward's plan signature
+    and, from the first backward on, its bound plan. A later call's backward then launches
+    without forming its signature, asking the Gluon backward's dispatch or joining a compile."""
+
+    __slots__ = ("bwd_sig", "plan")
+
+    def __init__(self, bwd_sig):
+        self.bwd_sig, self.plan = bwd_sig, None
+
+
+_BINDINGS: dict = {}  # (forward signature, gradient flags, backward settings) -> TrainingBinding
+
+
+def training_forward(q1, k1, q2, k2, causal, dims, split_k, train1, train2, bwd_mode, deterministic):
+    """:func:`forward` for a call whose backward follows: ``(kl, lse1_bits, lse2_bits), binding``.
+    The binding's key holds everything the backward's plan depends on beyond the forward's
+    signature (the gradient flags, the mode, and the backward's environment settings)."""
+    device = q1.device
+    if is_empty(dims):
+        return _empty_forward(dims, device), None
+    if interpreting():  # bf16 computed in fp32 there (compute_view)
+        q1, k1, q2, k2 = (compute_view(t) for t in (q1, k1, q2, k2))
+    sig = _signature("fwd", dims, (causal, split_k, fwd_backend()), q1, k1, q2, k2)
+    key = (sig, train1, train2, bwd_mode, deterministic, _gluon_bwd_dispatch.bwd_backend(),
+           _runtime.env("STREAMKL_BWD_STREAMS"), bwd_variant())
+    binding = _BINDINGS.get(key)
+    if binding is None:
+        if len(_BINDINGS) >= _MAX_PLANS:
+            _BINDINGS.clear()
+        bwd_sig = _backward_signature(dims, causal, train1, train2, bwd_mode, deterministic, q1, k1, q2, k2)
+        binding = _BINDINGS[key] = TrainingBinding(bwd_sig)
+        # a new signature: the backward's kernels compile beside the forward's
+        compile_backward_ahead(q1, k1, q2, k2, causal, dims, train1, train2, bwd_mode, deterministic, sig=bwd_sig)
+    return _run_forward(sig, q1, k1, q2, k2, causal, split_k, dims, device), binding
 
 
 def _empty_backward(dims, q1, k1, q2, k2, train1, train2):
@@ -527,8 +572,9 @@ def _buffer(spec, device):
 
 
 def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2,
-             train1, train2, bwd_mode, deterministic, dims=None):
-    """(dq1, dk1, dq2, dk2), None for a side not trained. ``dims``: already checked inputs."""
+             train1, train2, bwd_mode, deterministic, dims=None, binding=None):
+    """(dq1, dk1, dq2, dk2), None for a side not trained. ``dims``: already checked inputs;
+    ``binding``: the :class:`TrainingBinding` that :func:`training_forward` gave the forward."""
     if dims is None:
         dims = check_inputs(q1, k1, q2, k2, scale1=scale1, scale2=scale2)
     if is_empty(dims):
@@ -540,11 +586,14 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
         g = g.to(torch.float32)
     g = g.contiguous()
     kl, lse1_bits, lse2_bits = kl.contiguous(), lse1_bits.contiguous(), lse2_bits.contiguous()
+    if binding is not None and binding.plan is not None:  # bound by an earlier backward of this binding
+        return binding.plan(q1, k1, q2, k2, g, kl, lse1_bits, lse2_bits, out_dtypes)
     grads = _gluon_bwd_dispatch.try_gluon_backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, dims, train1,
                                                    train2, bwd_mode, deterministic, strides)
     if grads is not None:  # the Hopper kernel (_gluon_bwd), chosen by use_gluon_bwd (STREAMKL_BWD_BACKEND)
         return grads
-    sig = _backward_signature(dims, causal, train1, train2, bwd_mode, deterministic, q1, k1, q2, k2)
+    sig = (binding.bwd_sig if binding is not None else
+           _backward_signature(dims, causal, train1, train2, bwd_mode, deterministic, q1, k1, q2, k2))
     if not compiling_ahead():
         ahead = _BACKWARD_AHEAD.pop(sig, None)
         if ahead is not None:  # this signature's kernels are compiling (compile_backward_ahead)
@@ -553,6 +602,8 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
     if plan is None:
         plan = _remember(sig, _backward_plan(sig, g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, dims, causal, train1,
                                              train2, bwd_mode, deterministic))
+    if binding is not None and not compiling_ahead():
+        binding.plan = plan
     return plan(q1, k1, q2, k2, g, kl, lse1_bits, lse2_bits, out_dtypes)
 
 

@@ -20,8 +20,8 @@ import torch
 
 from streamkl_gpu._core.checks import MAX_HEAD_DIM, SUPPORTED_DTYPES, check_bwd_mode, check_causal, check_flag, check_split_k, check_tensors
 from streamkl_gpu.attention.launch import backward as _backward
-from streamkl_gpu.attention.launch import compile_backward_ahead
 from streamkl_gpu.attention.launch import forward as _forward
+from streamkl_gpu.attention.launch import training_forward as _training_forward
 from streamkl_gpu._core.runtime import LN2, interpreting
 from streamkl_gpu.attention.configs import auto_bwd_mode, auto_split_k
 
@@ -100,37 +100,43 @@ class _EagerAttentionKL(torch.autograd.Function):
     The custom ops exist for torch.compile (fake implementations, no graph breaks); outside a
     compiled region their dispatch (schema binding, the dynamo-disable wrapper, autograd
     registration) cost more host time per call than the launches themselves, so eager calls
-    come here. Both paths run ``_launch.forward`` / ``_launch.backward`` with the same arguments.
+    come here. Both paths run ``launch.forward`` / ``launch.backward`` with the same arguments.
+    The forward's training binding (``launch.training_forward``) carries the backward's plan
+    from one call to the next. ``want_lse``: the LSEs are outputs too (``attention_kl_with_lse``);
+    otherwise the KL is the one output and the LSEs are only saved for the backward.
     """
 
     @staticmethod
-    def forward(ctx, q1, k1, q2, k2, causal, dims, split_k, bwd_mode, deterministic):
+    def forward(ctx, q1, k1, q2, k2, causal, dims, split_k, bwd_mode, deterministic, want_lse):
         train1, train2 = _trained_sides(ctx.needs_input_grad)
-        # a new signature: the backward's kernels compile beside the forward's (launch.py)
-        compile_backward_ahead(q1, k1, q2, k2, causal, dims, train1, train2, bwd_mode, deterministic)
-        kl, lse1_bits, lse2_bits = _forward(q1, k1, q2, k2, causal, dims.scale1, dims.scale2, split_k, dims=dims)
+        (kl, lse1_bits, lse2_bits), ctx.binding = _training_forward(q1, k1, q2, k2, causal, dims, split_k, train1,
+                                                                    train2, bwd_mode, deterministic)
         ctx.save_for_backward(q1, k1, q2, k2, kl, lse1_bits, lse2_bits)
         ctx.args = (causal, dims, bwd_mode, deterministic)
+        if not want_lse:
+            return kl
         ctx.mark_non_differentiable(lse1_bits, lse2_bits)
         ctx.set_materialize_grads(False)  # no zero tensors for the LSE outputs (never differentiated)
         return kl, lse1_bits, lse2_bits
 
     @staticmethod
-    def backward(ctx, g_kl, g_lse1, g_lse2):
+    def backward(ctx, g_kl, *g_lse):
         q1, k1, q2, k2, kl, lse1_bits, lse2_bits = ctx.saved_tensors
         causal, dims, bwd_mode, deterministic = ctx.args
         need = ctx.needs_input_grad
         train1, train2 = _trained_sides(need)
         if not (train1 or train2) or g_kl is None:  # None: the KL output took no part in the loss
-            return (None,) * 9
+            return (None,) * 10
         dq1, dk1, dq2, dk2 = _backward(g_kl, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, dims.scale1,
-                                       dims.scale2, train1, train2, bwd_mode, deterministic, dims=dims)
+                                       dims.scale2, train1, train2, bwd_mode, deterministic, dims=dims,
+                                       binding=ctx.binding)
         return (dq1 if need[0] else None, dk1 if need[1] else None,
-                dq2 if need[2] else None, dk2 if need[3] else None) + (None,) * 5
+                dq2 if need[2] else None, dk2 if need[3] else None) + (None,) * 6
 
 
-def _call(q1, k1, q2, k2, causal, scale1, scale2, split_k, bwd_mode, deterministic):
-    """Check the arguments, then run the forward: (kl in nats, lse1, lse2 in bits).
+def _call(q1, k1, q2, k2, causal, scale1, scale2, split_k, bwd_mode, deterministic, want_lse=True):
+    """Check the arguments, then run the forward: (kl in nats, lse1, lse2 in bits), or the KL
+    alone with ``want_lse=False``.
 
     Under torch.compile: the custom op; in eager mode: the same launches without its dispatch."""
     causal = check_causal(causal)
@@ -139,11 +145,13 @@ def _call(q1, k1, q2, k2, causal, scale1, scale2, split_k, bwd_mode, determinist
     check_split_k(split_k)
     deterministic = check_flag(deterministic, "deterministic")
     if torch.compiler.is_compiling():
-        return _kl_fwd_op(q1, k1, q2, k2, causal, dims.scale1, dims.scale2,
-                          0 if split_k is None else split_k, bwd_mode, deterministic)
-    if torch.is_grad_enabled() and (q1.requires_grad or k1.requires_grad or q2.requires_grad or k2.requires_grad):
-        return _EagerAttentionKL.apply(q1, k1, q2, k2, causal, dims, split_k, bwd_mode, deterministic)
-    return _forward(q1, k1, q2, k2, causal, dims.scale1, dims.scale2, split_k, dims=dims)  # nothing to train
+        out = _kl_fwd_op(q1, k1, q2, k2, causal, dims.scale1, dims.scale2,
+                         0 if split_k is None else split_k, bwd_mode, deterministic)
+    elif torch.is_grad_enabled() and (q1.requires_grad or k1.requires_grad or q2.requires_grad or k2.requires_grad):
+        return _EagerAttentionKL.apply(q1, k1, q2, k2, causal, dims, split_k, bwd_mode, deterministic, want_lse)
+    else:  # nothing to train
+        out = _forward(q1, k1, q2, k2, causal, dims.scale1, dims.scale2, split_k, dims=dims)
+    return out if want_lse else out[0]
 
 
 def attention_kl_with_lse(q1, k1, q2, k2, *, causal=False, scale1=None, scale2=None,
@@ -179,4 +187,4 @@ def attention_kl(q1, k1, q2, k2, *, causal=False, scale1=None, scale2=None,
         the inputs that require grad (setting 1: q2, k2; setting 2: q1, k1; or all four).
         NaN in an input gives NaN in the rows it reaches; it is never turned into 0.
     """
-    return _call(q1, k1, q2, k2, causal, scale1, scale2, split_k, bwd_mode, deterministic)[0]
+    return _call(q1, k1, q2, k2, causal, scale1, scale2, split_k, bwd_mode, deterministic, want_lse=False)
