@@ -231,3 +231,45 @@ def test_compiling_ahead_keys_runtime_arguments_by_their_specialisation(direct):
 
     _fast_launch.compile_ahead(work, None).join(timeout=30)
     assert sorted(log) == [0, 5]
+
+
+def test_the_compiler_warm_up_runs_once_and_a_compile_joins_it(monkeypatch):
+    """warm_compiler starts Triton's key and driver set-up on threads (on a GPU machine, outside
+    the interpreter); compiler_ready joins them; a second warm_compiler starts nothing more."""
+    import threading
+
+    calls, release = [], threading.Event()
+
+    def slow_key():
+        release.wait(5)
+        calls.append("key")
+
+    monkeypatch.setattr(_fast_launch, "_compiler_key", slow_key)
+    monkeypatch.setattr(_fast_launch, "ahead_allowed", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_fast_launch, "_WARMUP", [])
+    _fast_launch.warm_compiler()
+    threads = list(_fast_launch._WARMUP)
+    assert [t.name for t in threads] == ["streamkl-compiler-key", "streamkl-compiler-driver"]
+    _fast_launch.warm_compiler()  # running already: nothing new
+    assert _fast_launch._WARMUP == threads
+    release.set()
+    _fast_launch.compiler_ready()  # joins both (the driver's failure without a GPU is swallowed)
+    assert calls == ["key"] and _fast_launch._WARMUP == [] and not any(t.is_alive() for t in threads)
+
+
+def test_no_compiler_warm_up_without_a_gpu_or_when_compiling_ahead_is_off(monkeypatch):
+    monkeypatch.setattr(_fast_launch, "_WARMUP", [])
+    monkeypatch.setattr(_fast_launch, "interpreting", lambda: False)  # as on a GPU machine
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _fast_launch.warm_compiler()
+    assert _fast_launch._WARMUP == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("STREAMKL_COMPILE_AHEAD", "0")
+    _fast_launch.warm_compiler()
+    assert _fast_launch._WARMUP == []
+    monkeypatch.delenv("STREAMKL_COMPILE_AHEAD")
+    monkeypatch.setattr(_fast_launch, "_compiler_key", lambda: None)
+    _fast_launch.warm_compiler()  # the control: with a GPU and compiling ahead on, it starts
+    assert len(_fast_launch._WARMUP) == 2
+    _fast_launch.compiler_ready()

@@ -163,6 +163,7 @@ def _compile_only(fn, grid, args, kwargs):
 
     def body():
         try:
+            compiler_ready()
             _compiler_key()
             with _on_device(device):
                 kernel = fn.warmup(*args, grid=grid, **kwargs)
@@ -204,6 +205,51 @@ def _compiler_key() -> None:
         _KEY_READY.append(True)
 
 
+_WARMUP: list = []  # the compiler warm-up's threads (warm_compiler), until a compile joins them
+
+
+def warm_compiler() -> None:
+    """Start, on two background threads, the two pieces of Triton's per-process set-up that every
+    first compile waits for: its compiler key (``_compiler_key``, hashing its sources and shared
+    library) and its CUDA driver (``driver.active``: with cold caches the host compiler builds the
+    driver's helper module). The first API use calls this after importing Triton whole on the
+    calling thread (``streamkl_gpu.__getattr__``), then imports the kernel modules, which takes
+    about as long; the first compile joins the threads (:func:`compiler_ready`). Started at
+    ``import streamkl_gpu`` instead, before the caller had imported Triton, the key's package walk
+    raced the caller's own import of Triton (``KeyError: 'triton'``). Off where compiling ahead
+    is (:func:`ahead_allowed`) and without a GPU."""
+    if _WARMUP or not ahead_allowed() or not torch.cuda.is_available():
+        return
+
+    def driver_init():
+        from triton.runtime import driver
+        driver.active  # noqa: B018 - the property builds and loads the driver's helper module
+
+    def quietly(work):
+        def body():
+            try:
+                work()
+            except Exception:  # noqa: BLE001 - the first compile meets the same error and raises it
+                pass
+        return body
+
+    for name, work in (("key", _compiler_key), ("driver", driver_init)):
+        thread = threading.Thread(target=quietly(work), name=f"streamkl-compiler-{name}", daemon=True)
+        thread.start()
+        _WARMUP.append(thread)
+
+
+def compiler_ready() -> None:
+    """Join the compiler warm-up (:func:`warm_compiler`) before a compile, so that it does not do
+    the same set-up again beside it. A list check when there is none."""
+    while _WARMUP:
+        try:
+            thread = _WARMUP.pop()
+        except IndexError:  # another thread took the last one
+            break
+        thread.join()
+
+
 def _on_device(device):
     return contextlib.nullcontext() if device is None else torch.cuda.device(device)
 
@@ -214,6 +260,7 @@ def kernel_call(fn, grid):
     ``kernel_call(fn, grid)(*args, **kwargs)``."""
     if compiling_ahead():
         return lambda *args, **kwargs: _compile_only(fn, grid, args, kwargs)
+    compiler_ready()
     return fn[grid]
 
 
@@ -294,6 +341,7 @@ def launch(fn, grid, args, constexprs, num_warps, num_stages, key=None, tensors=
     if compiling_ahead():  # compile only: nothing runs, nothing is bound
         return _compile_only(fn, grid, args, dict(constexprs, **runtime, num_warps=num_warps, num_stages=num_stages))
     if not enabled():
+        compiler_ready()
         return fn[grid](*args, **constexprs, **runtime, num_warps=num_warps, num_stages=num_stages)
     if key is None:
         lookup = _full_key(fn, args, constexprs, num_warps, num_stages, runtime)
@@ -308,6 +356,7 @@ def launch(fn, grid, args, constexprs, num_warps, num_stages, key=None, tensors=
             raise RuntimeError(f"streamkl fast launch: the caller's key {key!r} maps to two specialisations "
                                f"of {getattr(fn, '__name__', fn)}: {hit[2]!r} and {full!r}")
     if hit is None:
+        compiler_ready()
         kernel = fn[grid](*args, **constexprs, **runtime, num_warps=num_warps, num_stages=num_stages)
         if hasattr(kernel, "result"):  # an asynchronous compile (triton >= 3.5)
             kernel = kernel.result()

@@ -313,6 +313,7 @@ def _launch(grid, args, constexprs, options):
     key = (tuple(constexprs.items()), tuple(sorted(options.items())), tuple(_fast_launch._spec(a) for a in args))
     hit = _COMPILED.get(key)
     if hit is None:
+        _fast_launch.compiler_ready()
         kernel = _kernel._gluon_kl_fwd_kernel[grid](*args, **constexprs, **options)
         if hasattr(kernel, "result"):  # an asynchronous compile (triton >= 3.5)
             kernel = kernel.result()
