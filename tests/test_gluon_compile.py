@@ -499,3 +499,48 @@ def test_merged_ring_barriers_cost_fewer_warpgroup_rendezvous(compiled):
     default = [lp["bar"] for lp in compiled[KNOB_FREE_SPEC]["loops"]]
     assert len(merged) == len(default) == 4, (merged, default)
     assert all(1 <= m < d for m, d in zip(merged, default)), (merged, default)
+
+
+# ----------------------------------------------------------------------------------------------
+# the complete variant lazy_max (diagnostics.ATTENTION_FWD_COMPLETE_VARIANTS): per-path SASS
+# ----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def lazy_rows(tmp_path_factory):
+    """``devtools.sass_table`` rows of the default and of lazy_max, bf16 D = 128 causal (fresh process)."""
+    out = tmp_path_factory.mktemp("sass_table") / "rows.csv"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, "-m", "streamkl_gpu.devtools.sass_table", "--csv", str(out),
+                           "--variant", "kernel", "--variant", "lazy_max", MASK1_SPEC], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"sass_table failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
+    import csv
+
+    with open(out, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def test_lazy_max_is_a_complete_variant_named_with_the_diagnostics():
+    from streamkl_gpu.devtools import diagnostics
+
+    assert diagnostics.attention_fwd_variant("lazy_max") == 4
+    assert set(diagnostics.ATTENTION_FWD_COMPLETE_VARIANTS) <= set(diagnostics.ATTENTION_FWD_VARIANTS)
+
+
+def test_lazy_max_fast_path_has_no_max_and_fewer_instructions(lazy_rows):
+    rows = lambda variant, stage, path: [r for r in lazy_rows if (r["variant"], r["stage"], r["path"]) ==
+                                         (variant, stage, path)]
+    default = rows("kernel", "whole", "static")
+    fast = rows("lazy_max", "whole", "fast")
+    slow = rows("lazy_max", "whole", "slow")
+    assert len(default) == len(fast) == len(slow) == 2, lazy_rows  # one whole-tile loop per consumer
+    for d, f, s in zip(default, fast, slow):
+        assert int(d["stack"]) == 0 and int(d["spill"]) == 0, d  # the default is untouched
+        assert int(f["fmnmx"]) == 0 and int(f["hgmma"]) == int(d["hgmma"]) and int(f["wg_depbar"]) == 2, f
+        assert int(f["mufu_ex2"]) == 128, f  # the scores' exponentials only: alpha = 1 needs none
+        assert int(f["instructions"]) < 0.9 * int(d["instructions"]), (f, d)
+        assert int(s["hgmma"]) == 2 * int(d["hgmma"]), s  # the rare path issues the products again
+        assert not int(f["serialised"]) and not int(s["serialised"]), (f, s)
+        assert int(f["spill"]) <= 8, f  # a few scalar spills (the vote's scratch addresses)
+    assert [r["instructions"] for r in rows("lazy_max", "masked", "static")], lazy_rows

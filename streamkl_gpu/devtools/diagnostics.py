@@ -1,6 +1,8 @@
 """Diagnostic kernel variants: deliberately incomplete kernels that explain where a kernel's time
 goes (each leaves out one part of the work and is timed against the whole). They compute wrong
-results on purpose, are never a tuner candidate, and are reached only through the forcing hook:
+results on purpose, are never a tuner candidate, and are reached only through the forcing hook
+(which also reaches the complete variants, ``ATTENTION_FWD_COMPLETE_VARIANTS``: correct kernels
+not yet timed against the default):
 
     from streamkl_gpu._core.forcing import forcing
     with forcing(attention_fwd_variant="no_exp"):
@@ -18,6 +20,14 @@ ATTENTION_FWD_VARIANTS = {
     "no_exp": 1,  # the exponentials replaced by their argument: the MUFU share of the time
     "no_second_product": 2,  # side 2's score product skipped: one product's share
     "no_acc": 3,  # the log-ratio accumulator left out: the second pass's share
+    "lazy_max": 4,  # complete (not diagnostic): ATTENTION_FWD_COMPLETE_VARIANTS below
+}
+# Complete variants of the same kernel (correct KL, lse1, lse2, within float rounding of the
+# default), forced the same way so that a GPU script can time them against the default in one
+# process; never a tuner candidate until a GPU timing says so.
+ATTENTION_FWD_COMPLETE_VARIANTS = {
+    # whole tiles without the row maxima while they grow by <= 8 bits (fwd_sm90._fold_sub_lazy)
+    "lazy_max": 4,
 }
 
 # The indexer's accumulating forward's PARTS constexpr (3: the whole forward).

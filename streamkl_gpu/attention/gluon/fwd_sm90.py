@@ -83,8 +83,8 @@ def _load_partition(q1_desc, k1_desc, q2_desc, k2_desc, q1_smem, q2_smem, k1_sme
 
 
 # VARIANT constexpr: 0 the kernel; 1-3 diagnostic variants that leave out one part of the work
-# (wrong results on purpose, for timing only; named in devtools/diagnostics.py, forced through
-# _core/forcing.py).
+# (wrong results on purpose, for timing only); 4 a complete variant (``_fold_sub_lazy``). Named in
+# devtools/diagnostics.py, forced through _core/forcing.py.
 
 
 @gluon.jit
@@ -349,6 +349,46 @@ def _fold_sub(st, t1, t2, k1, k2, k1_free, k2_free, turn_next, visible, qk_scale
     return m1_new, l1_new, m2_new, l2, acc
 
 
+LAZY_LIMIT = gl.constexpr(256.0)  # VARIANT 4: a tile's row sum of 2^x at the old reference at most 2^RESCALE_BITS
+
+
+@gluon.jit
+def _fold_sub_lazy(st, t1, t2, q1, q2, k1, k2, k1_free, k2_free, turn_next, qk_scale1, qk_scale2, zero, ONE,
+                   SCHED: gl.constexpr):
+    """VARIANT 4 (``lazy_max``), whole tiles after the first: _fold_sub without the row maxima
+    while they barely move. Both sides are taken at the old references, x = fma(s, c, -m) (no
+    FMNMX, no max shuffles); where every row's sums stay <= LAZY_LIMIT (every x <= 8: the
+    exponentials' range under RESCALE; exact, the reference cancels in lse and KL) the tile is
+    folded with the references kept (alpha = 1, nothing moves). Otherwise (a max grew by more
+    than 8 bits; -inf references, +inf or NaN sums) the warpgroup issues S1 and S2 again (the key
+    slot is released only after the vote) and folds them by _fold_sub: bitwise the default's
+    fold. One warpgroup-wide vote per tile (a reduction through shared memory)."""
+    m1, l1, m2, l2, acc = st
+    s1, k1 = warpgroup_mma_wait(num_outstanding=1, deps=(t1, k1))
+    x1 = gl.fma(s1, qk_scale1, -m1[:, None])
+    p1 = gl.exp2(x1)
+    sum1 = gl.sum(p1, axis=1)
+    s2, k2 = warpgroup_mma_wait(num_outstanding=0, deps=(t2, k2))
+    x2 = gl.fma(s2, qk_scale2, -m2[:, None])
+    sum2 = gl.sum(gl.exp2(x2), axis=1)
+    bad = gl.where((sum1 <= LAZY_LIMIT) & (sum2 <= LAZY_LIMIT), 0, 1)  # NaN and +inf sums are bad
+    if gl.max(bad, axis=0) == 0:
+        l1 = l1 + sum1
+        l2 = l2 + sum2
+        acc = acc + gl.sum(p1 * (x1 - x2), axis=1)
+        if _knob(SCHED, "PINGPONG") and _knob(SCHED, "TURN") and not _knob(SCHED, "RELTURN"):
+            mbarrier.arrive(turn_next, count=1)
+        if not _knob(SCHED, "MERGE"):
+            mbarrier.arrive(k1_free, count=1)
+        mbarrier.arrive(k2_free, count=1)
+    else:
+        t1 = warpgroup_mma(q1, k1.permute((1, 0)), zero, use_acc=False, is_async=True)
+        t2 = warpgroup_mma(q2, k2.permute((1, 0)), zero, use_acc=False, is_async=True)
+        m1, l1, m2, l2, acc = _fold_sub((m1, l1, m2, l2, acc), t1, t2, k1, k2, k1_free, k2_free, turn_next, 0,
+                                        qk_scale1, qk_scale2, zero, ONE, 1, 0, True, False, 0, SCHED)
+    return m1, l1, m2, l2, acc
+
+
 # ---- side 2 first (ORDER) and the two-tile lookahead (LOOK): the same formulas as _fold_sub,
 # with the products issued S2 then S1. Side 2 is folded while S1 runs; it leaves only x2 live (its
 # exponentials feed l2 alone), where side 1 first leaves p1 and x1 live across the S2 wait (192
@@ -570,6 +610,9 @@ def _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_em
                        qk_scale2, zero, ONE, 2 * P - 1, 2 * P - 2, False, MASKED, VARIANT, SCHED)
         st = _fold_sub(st, t1b, t2b, k1b, k2b, k1_free, k2_free, turn_next, visible_b, qk_scale1,
                        qk_scale2, zero, ONE, P - 1, 0, True, MASKED, VARIANT, SCHED)
+    elif VARIANT == 4 and not MASKED:
+        st = _fold_sub_lazy(st, t1, t2, q1, q2, k1, k2, k1_free, k2_free, turn_next, qk_scale1, qk_scale2, zero,
+                            ONE, SCHED)
     else:
         st = _fold_sub(st, t1, t2, k1, k2, k1_free, k2_free, turn_next, visible_a, qk_scale1,
                        qk_scale2, zero, ONE, P - 1, 0, True, MASKED, VARIANT, SCHED)
@@ -625,7 +668,13 @@ def _consumer(WG: gl.constexpr, q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_re
                             n_full - 1, zero, rows, N_K, diag_offset, qk_scale1, qk_scale2, ONE, D1, D2, BLOCK_N,
                             NUM_STAGES, False, CAUSAL, VARIANT, WG, SCHED)
     else:
-        for i in range(n_full):
+        lo = 0
+        if VARIANT == 4 and n_full > 0:  # lazy_max: the first whole tile sets finite references
+            st = _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars, 0,
+                            zero, rows, N_K, diag_offset, qk_scale1, qk_scale2, ONE, D1, D2, BLOCK_N, NUM_STAGES,
+                            False, CAUSAL, 0, WG, SCHED)
+            lo = 1
+        for i in range(lo, n_full):
             st = _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars, i,
                             zero, rows, N_K, diag_offset, qk_scale1, qk_scale2, ONE, D1, D2, BLOCK_N, NUM_STAGES,
                             False, CAUSAL, VARIANT, WG, SCHED)
