@@ -44,33 +44,12 @@ def __getattr__(name):
     if name == "nn":  # the loss modules: a public submodule reachable as an attribute (imports no kernel)
         return importlib.import_module(".nn", __name__)
     if name in __all__:
-        if name != "__version__":
-            _warm_compiler()
+        if name != "__version__":  # the first API use: Triton's compiler set-up starts (_core/first_use.py)
+            importlib.import_module("._core.first_use", __name__).warm_compiler()
         value = getattr(importlib.import_module(_HOMES.get(name, ".api"), __name__), name)
         globals()[name] = value  # later lookups skip this hook (it ran on every call)
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-_WARMED = []
-
-
-def _warm_compiler():
-    """The first API use: import Triton whole here, then start its per-process compiler set-up on
-    background threads (``_core.launcher.warm_compiler``) while the kernel modules import. Not
-    under the interpreter (nothing compiles) nor with ``STREAMKL_COMPILE_AHEAD=0``."""
-    if _WARMED:
-        return
-    _WARMED.append(True)
-    import os
-
-    if os.environ.get("TRITON_INTERPRET", "0") == "1" or os.environ.get("STREAMKL_COMPILE_AHEAD", "1") == "0":
-        return
-    import triton  # noqa: F401 - whole, on this thread, before the warm-up threads walk its packages
-
-    from ._core.launcher import warm_compiler
-
-    warm_compiler()
 
 
 def __dir__():

@@ -1,8 +1,8 @@
 """Diagnostic kernel variants: deliberately incomplete kernels that explain where a kernel's time
 goes (each leaves out one part of the work and is timed against the whole). They compute wrong
 results on purpose, are never a tuner candidate, and are reached only through the forcing hook
-(which also reaches the complete variants, ``ATTENTION_FWD_COMPLETE_VARIANTS``: correct kernels
-not yet timed against the default):
+(which also reaches the complete variants, ``ATTENTION_FWD_COMPLETE_VARIANTS``: correct kernels,
+the default among them, that a GPU script times against each other):
 
     from streamkl_gpu._core.forcing import forcing
     with forcing(attention_fwd_variant="no_exp"):
@@ -15,20 +15,27 @@ from __future__ import annotations
 
 from typing import Optional
 
-# The Hopper Gluon forward's VARIANT constexpr (0: the kernel itself).
+# The Hopper Gluon forward's VARIANT constexpr. What runs unforced is ATTENTION_FWD_DEFAULT (4, the
+# lazy maxima); 0 is the fold with the row maxima on every tile, which the diagnostic variants 1-3
+# modify.
 ATTENTION_FWD_VARIANTS = {
     "no_exp": 1,  # the exponentials replaced by their argument: the MUFU share of the time
     "no_second_product": 2,  # side 2's score product skipped: one product's share
     "no_acc": 3,  # the log-ratio accumulator left out: the second pass's share
     "lazy_max": 4,  # complete (not diagnostic): ATTENTION_FWD_COMPLETE_VARIANTS below
+    "eager_max": 0,  # complete: ATTENTION_FWD_COMPLETE_VARIANTS below
 }
-# Complete variants of the same kernel (correct KL, lse1, lse2, within float rounding of the
-# default), forced the same way so that a GPU script can time them against the default in one
-# process; never a tuner candidate until a GPU timing says so.
+# Complete variants of the same kernel (correct KL, lse1, lse2, within float rounding of each
+# other), forced the same way so that a GPU script can time them against each other in one process.
 ATTENTION_FWD_COMPLETE_VARIANTS = {
-    # whole tiles without the row maxima while they grow by <= 8 bits (fwd_sm90._fold_sub_lazy)
+    # whole tiles without the row maxima while they grow by <= 8 bits (fwd_sm90._fold_sub_lazy);
+    # the default: 0.89-0.97x the eager fold's time at B=1 H=32 D=128 bf16, 4K-32K
+    # (bench/results/2026-12-06_h100_3b920d9/fwd_variants.csv)
     "lazy_max": 4,
+    # the row maxima folded on every tile (fwd_sm90._fold_sub): the kernel before lazy_max
+    "eager_max": 0,
 }
+ATTENTION_FWD_DEFAULT = ATTENTION_FWD_COMPLETE_VARIANTS["lazy_max"]
 
 # The indexer's accumulating forward's PARTS constexpr (3: the whole forward).
 INDEXER_ACCUMULATE_PARTS = {
@@ -39,9 +46,10 @@ INDEXER_ACCUMULATE_PARTS = {
 
 
 def attention_fwd_variant(name: Optional[str]) -> int:
-    """The VARIANT constexpr of a forced attention forward variant (``None``: the kernel, 0)."""
+    """The VARIANT constexpr of a forced attention forward variant (``None``: what runs unforced,
+    ``ATTENTION_FWD_DEFAULT``)."""
     if name is None:
-        return 0
+        return ATTENTION_FWD_DEFAULT
     if name not in ATTENTION_FWD_VARIANTS:
         raise ValueError(f"attention_fwd_variant must be one of {sorted(ATTENTION_FWD_VARIANTS)}, got {name!r}")
     return ATTENTION_FWD_VARIANTS[name]

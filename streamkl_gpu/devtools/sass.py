@@ -181,9 +181,12 @@ def _main_attention_fwd(argv):
 
     for spec in argv:
         dtype, mode, d1, d2, *items = spec.split(":")
+        # "variant=NAME": a forced variant (devtools.diagnostics); without it, what runs unforced
+        variant = next((i.split("=", 1)[1] for i in items if i.startswith("variant=")), "kernel")
+        items = [i for i in items if not i.startswith("variant=")]
         config = config_from_spec(_gluon_fwd_launch.GluonFwdConfig, items) if items else None
         t0 = time.time()
-        kernel = compile_sm90(int(d1), int(d2), DTYPES[dtype], mode == "causal", config=config)
+        kernel = compile_sm90(int(d1), int(d2), DTYPES[dtype], mode == "causal", config=config, variant=variant)
         sass = sass_of(kernel)
         row = dict(spec=spec, seconds=round(time.time() - t0, 1), triton=triton.__version__,
                    resources=resource_usage(kernel), **sass_counts(sass))

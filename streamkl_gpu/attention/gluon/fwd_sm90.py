@@ -82,8 +82,9 @@ def _load_partition(q1_desc, k1_desc, q2_desc, k2_desc, q1_smem, q2_smem, k1_sme
             _tma_load(k2_desc, [b, kv_head2, i * BLOCK_N, 0], k2_ready.index(s), k2_smem.index(s))
 
 
-# VARIANT constexpr: 0 the kernel; 1-3 diagnostic variants that leave out one part of the work
-# (wrong results on purpose, for timing only); 4 a complete variant (``_fold_sub_lazy``). Named in
+# VARIANT constexpr: 4 what runs unforced (the lazy maxima, ``_fold_sub_lazy``); 0 the fold with the
+# row maxima on every tile (``_fold_sub``, forced as "eager_max"); 1-3 diagnostic variants of that
+# fold that leave out one part of the work (wrong results on purpose, for timing only). Named in
 # devtools/diagnostics.py, forced through _core/forcing.py.
 
 
