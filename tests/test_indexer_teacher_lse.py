@@ -75,8 +75,8 @@ def test_a_gpu_candidate_forced_by_name_at_a_small_shape():
     tokens, 64-key tiles, D = 40 in one masked 64-wide chunk)."""
     xs = make(1, 8, 1, 19, 23, 40, 2, 1, 16, seed=31)
     dims = check_indexer_inputs(*xs)
-    assert "qreg_128x64_w8s2" in idx_configs.lse_config_names(dims)
-    _assert_lse(_lse(xs, True, 0.2, "qreg_128x64_w8s2"), _reference(xs[0], xs[1], True, 0.2))
+    assert "qreg_128x64_w8s3" in idx_configs.lse_config_names(dims)
+    _assert_lse(_lse(xs, True, 0.2, "qreg_128x64_w8s3"), _reference(xs[0], xs[1], True, 0.2))
 
 
 def _dims(H, HK, D, n=8192):

@@ -30,7 +30,7 @@ Forcible choices (keyword arguments of :func:`forcing`; unknown names raise ``Va
 - ``indexer_teacher_lse_config``: the launch config of the teacher-LSE pass (what a call without
   ``lse`` runs first, ``indexer/teacher_lse.py``), launched untimed instead of the tuner's pick:
   a short name of one of the GPU's ``"lse"`` candidates (``indexer/configs.py lse_config_name``,
-  e.g. ``"tiles_128x128_w4s3"`` or ``"qreg_128x64_w8s2"``; ``lse_config_names(dims)`` lists
+  e.g. ``"tiles_128x128_w4s3"`` or ``"qreg_128x64_w8s3"``; ``lse_config_names(dims)`` lists
   them; an unknown name raises ``ValueError`` with the list) or an ``IndexerConfig``; correct
   either way.
 

@@ -296,7 +296,7 @@ def ruled(kind, dims, candidates) -> bool:
 def lse_config_name(cfg) -> str:
     """The short name of a teacher-LSE launch config (the forcing hook's ``indexer_teacher_lse_config``):
     ``<variant>_<teacher_rows>x<block_n>_w<warps>s<stages>``, ``_h<n>`` for at most n heads per
-    chunk, ``_k<n>`` for n key splits; e.g. ``tiles_128x128_w4s3``, ``qreg_128x64_w8s2``."""
+    chunk, ``_k<n>`` for n key splits; e.g. ``tiles_128x128_w4s3``, ``qreg_128x64_w8s3``."""
     name = f"{cfg.variant}_{cfg.teacher_rows}x{cfg.block_n}_w{cfg.num_warps}s{cfg.num_stages}"
     if cfg.block_d != 64:
         name += f"_d{cfg.block_d}"
@@ -395,12 +395,13 @@ def _gpu_candidates(kind, dims, n_sm, teacher):
         # as the products' A operand, so a key tile reads only its keys from L2 (at DSA ~128 FLOP
         # per byte against ~64 for the tiles that re-read a token's 147 KB of q rows per key tile;
         # docs/design/indexer.md, "The teacher LSE pass"). 128 rows x 576 dims need two
-        # warpgroups (8 warps: 144 registers of q per thread). Not yet timed.
+        # warpgroups (8 warps: 144 registers of q per thread); 3 stages of 64-key tiles, 221 KB of
+        # shared memory, no spills on triton 3.6 (225 registers) and 3.9 (253); 2 stages spill 56 B
+        # on 3.9, 32-key tiles 8 B (bench/results/2026-12-06_sass-sm90_2b3f2c0/). Not yet timed.
         # "qreg_lpt": the same, token blocks in reverse order (the longest causal rows first).
         out += (_configs([(64, 64, 64, 64, 4, 3), (128, 128, 64, 64, 8, 2)], max_heads_per_chunk=1, variant="qreg")
-                if gqa else _configs([(128, 128, 64, 64, 8, 2), (128, 128, 64, 64, 8, 3), (128, 128, 32, 64, 8, 3)],
-                                     variant="qreg")
-                + _configs([(128, 128, 64, 64, 8, 2)], variant="qreg_lpt"))
+                if gqa else _configs([(128, 128, 64, 64, 8, 3)], variant="qreg")
+                + _configs([(128, 128, 64, 64, 8, 3)], variant="qreg_lpt"))
         return out
     out = _configs([(128, 128, 64, 64, 8, 2), (64, 64, 64, 64, 4, 2)])
     if dims is not None and teacher and _plan_mod._l1_fits(dims):
