@@ -27,6 +27,12 @@ Forcible choices (keyword arguments of :func:`forcing`; unknown names raise ``Va
   chunk_gradient_candidates``; correct either way.
 - ``indexer_chunk_gradient_config``: an ``IndexerConfig`` the chunk design tries first for its
   gradient kernel (variant ``"keys"``: the keys-major kernel), so a benchmark can time one tile.
+- ``indexer_teacher_lse_config``: the launch config of the teacher-LSE pass (what a call without
+  ``lse`` runs first, ``indexer/teacher_lse.py``), launched untimed instead of the tuner's pick:
+  a short name of one of the GPU's ``"lse"`` candidates (``indexer/configs.py lse_config_name``,
+  e.g. ``"tiles_128x128_w4s3"`` or ``"qreg_128x64_w8s3"``; ``lse_config_names(dims)`` lists
+  them; an unknown name raises ``ValueError`` with the list) or an ``IndexerConfig``; correct
+  either way.
 
 Every Gluon launch inside the block is recorded in the yielded :class:`Record` (kernel name, the
 compiled kernel, its constexprs). Outside a ``forcing`` block nothing is recorded and nothing is
@@ -39,7 +45,7 @@ import dataclasses
 from typing import Any, Optional
 
 CHOICES = ("attention_fwd_variant", "indexer_accumulate_parts", "indexer_storing_forward_order",
-           "indexer_chunk_gradient_order", "indexer_chunk_gradient_config")
+           "indexer_chunk_gradient_order", "indexer_chunk_gradient_config", "indexer_teacher_lse_config")
 
 
 @dataclasses.dataclass(frozen=True)

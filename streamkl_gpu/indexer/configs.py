@@ -293,6 +293,39 @@ def ruled(kind, dims, candidates) -> bool:
     return fields is not None and bool(candidates) and _matches(candidates[0], fields)
 
 
+def lse_config_name(cfg) -> str:
+    """The short name of a teacher-LSE launch config (the forcing hook's ``indexer_teacher_lse_config``):
+    ``<variant>_<teacher_rows>x<block_n>_w<warps>s<stages>``, ``_h<n>`` for at most n heads per
+    chunk, ``_k<n>`` for n key splits; e.g. ``tiles_128x128_w4s3``, ``qreg_128x64_w8s3``."""
+    name = f"{cfg.variant}_{cfg.teacher_rows}x{cfg.block_n}_w{cfg.num_warps}s{cfg.num_stages}"
+    if cfg.block_d != 64:
+        name += f"_d{cfg.block_d}"
+    if cfg.max_heads_per_chunk is not None:
+        name += f"_h{cfg.max_heads_per_chunk}"
+    if cfg.splits != 1:
+        name += f"_k{cfg.splits}"
+    return name
+
+
+def lse_config_names(dims, n_sm=132):
+    """The names of the GPU's teacher-LSE candidates at ``dims``, in the tuner's order (the shape
+    rule's first)."""
+    return [lse_config_name(c) for c in _ruled_candidates("lse", dims, n_sm, True)]
+
+
+def forced_lse_config(choice, dims, n_sm=132):
+    """The teacher-LSE config the forcing hook names: an :class:`IndexerConfig` as is, or the name
+    (``lse_config_name``) of one of the GPU's candidates at ``dims`` (under the interpreter too, so
+    a test can run a GPU tile at a small shape); ``ValueError`` listing the names otherwise."""
+    if isinstance(choice, IndexerConfig):
+        return choice
+    for cfg in _ruled_candidates("lse", dims, n_sm, True):
+        if lse_config_name(cfg) == choice:
+            return cfg
+    raise ValueError(f"indexer_teacher_lse_config is an IndexerConfig or one of {lse_config_names(dims, n_sm)}, "
+                     f"got {choice!r}")
+
+
 def _candidates(kind, ieee, dims=None, n_sm=132, teacher=True):
     """Launch configs of a kernel kind, the untuned default first (the shape rule's, where one
     covers the kind: ``SHAPE_RULES``; ``bwd_dq`` and ``bwd_dk`` are the recomputing backward's two
@@ -358,6 +391,17 @@ def _gpu_candidates(kind, dims, n_sm, teacher):
                 _configs([(128, 128, 128, 64, 4, 3)]))
         if dims is not None and _plan_mod._l1_fits(dims):  # the "l1" variant, as for the forward (not yet timed)
             out += _configs([(128, 128, 64, 64, 8, 2), (128, 128, 32, 64, 8, 2)], variant="l1")
+        # The "qreg" variant (Q_RESIDENT): the program's q rows loaded once and kept in registers
+        # as the products' A operand, so a key tile reads only its keys from L2 (at DSA ~128 FLOP
+        # per byte against ~64 for the tiles that re-read a token's 147 KB of q rows per key tile;
+        # docs/design/indexer.md, "The teacher LSE pass"). 128 rows x 576 dims need two
+        # warpgroups (8 warps: 144 registers of q per thread); 3 stages of 64-key tiles, 221 KB of
+        # shared memory, no spills on triton 3.6 (225 registers) and 3.9 (253); 2 stages spill 56 B
+        # on 3.9, 32-key tiles 8 B (bench/results/2026-12-06_sass-sm90_2b3f2c0/). Not yet timed.
+        # "qreg_lpt": the same, token blocks in reverse order (the longest causal rows first).
+        out += (_configs([(64, 64, 64, 64, 4, 3), (128, 128, 64, 64, 8, 2)], max_heads_per_chunk=1, variant="qreg")
+                if gqa else _configs([(128, 128, 64, 64, 8, 3)], variant="qreg")
+                + _configs([(128, 128, 64, 64, 8, 3)], variant="qreg_lpt"))
         return out
     out = _configs([(128, 128, 64, 64, 8, 2), (64, 64, 64, 64, 4, 2)])
     if dims is not None and teacher and _plan_mod._l1_fits(dims):

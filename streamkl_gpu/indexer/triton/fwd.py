@@ -500,6 +500,20 @@ def _finish(m, l, acc, plogp):
 
 
 @triton.jit
+def _lse_fold(m, l, s, keys, tok, N_K, diag_offset, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    """One key tile's scores ``s [ROWS, BLOCK_N]`` (bits) folded into the online max and sum."""
+    if MASKED:
+        visible = (keys < N_K)[None, :] & (tok >= 0)[:, None]
+        if CAUSAL:
+            visible = visible & (keys[None, :] <= tok[:, None] + diag_offset)
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    shift = _safe(m_new)
+    l = l * tl.exp2(m - shift) + tl.sum(tl.exp2(s - shift[:, None]), 1)
+    return m_new, l
+
+
+@triton.jit
 def _lse_key_range(m, l, Q, K, Q_DESC, K_DESC, q_off, row_ok, k_off_base, tok, b, h0, t0, kv,
                    lo, hi, N_Q, N_K, stride_qd, stride_kn, stride_kd,
                    qk_scale, D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -512,16 +526,57 @@ def _lse_key_range(m, l, Q, K, Q_DESC, K_DESC, q_off, row_ok, k_off_base, tok, b
         s = _dot_rows(Q, q_off, row_ok, K, k_off_base + keys.to(tl.int64) * stride_kn, key_ok,
                       stride_qd, stride_kd, Q_DESC, K_DESC, b, h0, t0, kv, s0,
                       D, BLOCK_D, ROWS, BLOCK_N, HB, IEEE, USE_TMA, A_L1)
-        s = _to_bits(s, qk_scale, NO_CONTRACT)
-        if MASKED:
-            visible = key_ok[None, :] & (tok >= 0)[:, None]
-            if CAUSAL:
-                visible = visible & (keys[None, :] <= tok[:, None] + diag_offset)
-            s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        shift = _safe(m_new)
-        l = l * tl.exp2(m - shift) + tl.sum(tl.exp2(s - shift[:, None]), 1)
-        m = m_new
+        m, l = _lse_fold(m, l, _to_bits(s, qk_scale, NO_CONTRACT), keys, tok, N_K, diag_offset, MASKED, CAUSAL)
+    return m, l
+
+
+@triton.jit
+def _lse_q_chunks(Q, Q_DESC, q_off, row_ok, stride_qd, b, h0, t0,
+                  D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, HB: tl.constexpr,
+                  USE_TMA: tl.constexpr):
+    """The program's q rows, loaded once: a tuple of cdiv(D, BLOCK_D) chunks [ROWS, BLOCK_D] (dims
+    past D and rows outside ``row_ok`` zero). The selection on ``row_ok`` makes each chunk a computed
+    value, so the compiler keeps it in registers as the products' A operand (wgmma with A in
+    registers) rather than staging it through shared memory from a load."""
+    offs_d = tl.arange(0, BLOCK_D)
+    NCH: tl.constexpr = (D + BLOCK_D - 1) // BLOCK_D
+    chunks = ()
+    for c in tl.static_range(0, NCH):
+        if USE_TMA:
+            qc = Q_DESC.load([b, h0, t0, c * BLOCK_D]).reshape(ROWS, BLOCK_D)
+        else:
+            d = c * BLOCK_D + offs_d
+            qc = tl.load(Q + q_off[:, None] + d[None, :] * stride_qd, mask=row_ok[:, None] & (d < D)[None, :],
+                         other=0.0)
+        chunks = chunks + (tl.where(row_ok[:, None], qc, tl.zeros_like(qc)),)
+    return chunks
+
+
+@triton.jit
+def _lse_key_range_resident(m, l, q_chunks, K, K_DESC, k_off_base, tok, b, kv,
+                            lo, hi, N_Q, N_K, stride_kn, stride_kd, qk_scale,
+                            D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                            MASKED: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+                            NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr):
+    """``_lse_key_range`` with the q rows resident (``_lse_q_chunks``): per key tile only the key
+    chunks are read, the D loop unrolled (one product per chunk, the same order of sums)."""
+    diag_offset = N_K - N_Q
+    offs_d = tl.arange(0, BLOCK_D)
+    NCH: tl.constexpr = (D + BLOCK_D - 1) // BLOCK_D
+    for s0 in range(lo, hi, BLOCK_N):
+        keys = s0 + tl.arange(0, BLOCK_N)
+        key_ok = keys < N_K
+        k_off = k_off_base + keys.to(tl.int64) * stride_kn
+        s = tl.zeros([q_chunks[0].shape[0], BLOCK_N], tl.float32)
+        for c in tl.static_range(0, NCH):
+            if USE_TMA:
+                kc = K_DESC.load([b, kv, s0, c * BLOCK_D]).reshape(BLOCK_N, BLOCK_D)
+            else:
+                d = c * BLOCK_D + offs_d
+                kc = tl.load(K + k_off[:, None] + d[None, :] * stride_kd, mask=key_ok[:, None] & (d < D)[None, :],
+                             other=0.0)
+            s += _dot(q_chunks[c], tl.trans(kc), IEEE)
+        m, l = _lse_fold(m, l, _to_bits(s, qk_scale, NO_CONTRACT), keys, tok, N_K, diag_offset, MASKED, CAUSAL)
     return m, l
 
 
@@ -531,12 +586,17 @@ def _teacher_lse_kernel(
     H, GROUP, N_Q, N_K, qk_scale, chunks_per_group,
     D: tl.constexpr, BLOCK_D: tl.constexpr, HB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, IEEE: tl.constexpr, NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr,
-    A_L1: tl.constexpr = False,
+    A_L1: tl.constexpr = False, Q_RESIDENT: tl.constexpr = False, LPT: tl.constexpr = False,
 ):
     """The teacher's per-head LSEs in bits, ``[B, H, N_Q]`` (-inf for rows with no visible key):
-    the first pass when the caller gives no ``lse``. One program per (token block, head chunk, b)."""
+    the first pass when the caller gives no ``lse``. One program per (token block, head chunk, b).
+    Q_RESIDENT (variant ``qreg``): the program's q rows are loaded once, before the key loop, and
+    kept in registers (``_lse_q_chunks``), so a key tile reads only its keys. LPT: token blocks in
+    reverse order (the longest causal rows first)."""
     ROWS: tl.constexpr = HB * BLOCK_T
     pid_t = tl.program_id(0)
+    if LPT:
+        pid_t = tl.num_programs(0) - 1 - pid_t
     c = tl.program_id(1)
     b = tl.program_id(2)
     t0 = pid_t * BLOCK_T
@@ -553,11 +613,20 @@ def _teacher_lse_kernel(
     m = tl.full([ROWS], float("-inf"), tl.float32)
     l = tl.zeros([ROWS], tl.float32)
     full_hi, key_hi = _key_stages(t0, 0, N_K, N_Q, N_K, BLOCK_T, BLOCK_N, CAUSAL)
-    m, l = _lse_key_range(m, l, Q, K, Q_DESC, K_DESC, q_off, row_ok, k_off_base, tok, b, h0, t0, kv,
-                          0, full_hi, N_Q, N_K, stride_qd, stride_kn, stride_kd, qk_scale, D, BLOCK_D,
-                          ROWS, BLOCK_N, HB, False, CAUSAL, IEEE, NO_CONTRACT, USE_TMA, A_L1)
-    m, l = _lse_key_range(m, l, Q, K, Q_DESC, K_DESC, q_off, row_ok, k_off_base, tok, b, h0, t0, kv,
-                          full_hi, key_hi, N_Q, N_K, stride_qd, stride_kn, stride_kd, qk_scale, D, BLOCK_D,
-                          ROWS, BLOCK_N, HB, True, CAUSAL, IEEE, NO_CONTRACT, USE_TMA, A_L1)
+    if Q_RESIDENT:
+        q_chunks = _lse_q_chunks(Q, Q_DESC, q_off, row_ok, stride_qd, b, h0, t0, D, BLOCK_D, ROWS, HB, USE_TMA)
+        m, l = _lse_key_range_resident(m, l, q_chunks, K, K_DESC, k_off_base, tok, b, kv, 0, full_hi,
+                                       N_Q, N_K, stride_kn, stride_kd, qk_scale, D, BLOCK_D, BLOCK_N, False, CAUSAL,
+                                       IEEE, NO_CONTRACT, USE_TMA)
+        m, l = _lse_key_range_resident(m, l, q_chunks, K, K_DESC, k_off_base, tok, b, kv, full_hi, key_hi,
+                                       N_Q, N_K, stride_kn, stride_kd, qk_scale, D, BLOCK_D, BLOCK_N, True, CAUSAL,
+                                       IEEE, NO_CONTRACT, USE_TMA)
+    else:
+        m, l = _lse_key_range(m, l, Q, K, Q_DESC, K_DESC, q_off, row_ok, k_off_base, tok, b, h0, t0, kv,
+                              0, full_hi, N_Q, N_K, stride_qd, stride_kn, stride_kd, qk_scale, D, BLOCK_D,
+                              ROWS, BLOCK_N, HB, False, CAUSAL, IEEE, NO_CONTRACT, USE_TMA, A_L1)
+        m, l = _lse_key_range(m, l, Q, K, Q_DESC, K_DESC, q_off, row_ok, k_off_base, tok, b, h0, t0, kv,
+                              full_hi, key_hi, N_Q, N_K, stride_qd, stride_kn, stride_kd, qk_scale, D, BLOCK_D,
+                              ROWS, BLOCK_N, HB, True, CAUSAL, IEEE, NO_CONTRACT, USE_TMA, A_L1)
     lse = tl.where(l == 0.0, float("-inf"), m + tl.log2(l))  # l is NaN (not 0) for a NaN row
     tl.store(LSE_T + (b64 * H + h) * N_Q + tok, lse, mask=row_ok)
