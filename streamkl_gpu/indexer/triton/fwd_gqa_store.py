@@ -89,14 +89,17 @@ def launch_chunk(dims, pl, q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, p
         kernel_call(_indexer_fwd_gqa_store_kernel, (1, n_t, dims.B))(*args, dims.NK, c0, p_rows, splits, slots, **meta,
                                                         SPLIT_MAJOR=True, STAGES=2)
     if slots > 1:  # this chunk's rows, before the gradient kernel reads LSE_I
-        if _indexer_fwd_gqa.MERGE_KERNEL:
+        if var.wide_merge:  # (in place: no chunk-sized copies)
+            _indexer_fwd_gqa.merge_states_wide(part, kl, lse_idx, c0, rows)
+        elif _indexer_fwd_gqa.MERGE_KERNEL:
             kl_c = _fresh((dims.B, p_rows), torch.float32, q.device)
             lse_c = _fresh((dims.B, p_rows), torch.float32, q.device)
             _indexer_fwd_gqa.merge_states(part, kl_c, lse_c)
         else:
             kl_c, lse_c = _merge_splits(part)
-        kl[:, c0:c0 + rows] = kl_c[:, :rows]
-        lse_idx[:, c0:c0 + rows] = lse_c[:, :rows]
+        if not var.wide_merge:
+            kl[:, c0:c0 + rows] = kl_c[:, :rows]
+            lse_idx[:, c0:c0 + rows] = lse_c[:, :rows]
 
 
 @triton.jit
