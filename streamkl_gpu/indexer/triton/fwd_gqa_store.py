@@ -15,7 +15,9 @@ Plans: the GQA kernel's (``fwd_gqa.applies``: TMA descriptors, head dims <= 128,
 teacher head per tile); its variant string chooses the loop (``"gqa"``: one K tile per key head,
 its group's heads inside; ``"gqa-flat"`` and ``"gqa-pp"``: one flat loop over the heads), the
 grid order (``-tm``), the masked band in a second launch (``-band``; ``-ss``'s side stream is
-not used here: the band runs after the main launch) and a register cap (``-rNNN``, GPU only).
+not used here: the band runs after the main launch), a register cap (``-rNNN``, GPU only), the
+key splits merged by ``fwd_gqa.merge_states_wide`` straight into the chunk's rows (``-wm``) and one
+chunk within the chunk design's p budget (``-one``: ``training/chunk.py``'s ``PCHUNK_MAX_BYTES``).
 Key splits as the plan says; their states are merged per chunk before the gradient kernel reads
 LSE_I.
 
