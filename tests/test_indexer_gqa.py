@@ -124,14 +124,14 @@ def test_variant_names():
     """``gqa[-flat|-pp][-tm][-band[-ss]][-rNNN]``: the loop, the grid order, the band launch (on
     a side stream), the register cap; other variants are not this kernel's."""
     parse = _indexer_fwd_gqa.parse_variant
-    assert parse("gqa") == (1, None, True, False, False)
-    assert parse("gqa-flat") == (0, None, True, False, False)
-    assert parse("gqa-pp") == (2, None, True, False, False)
-    assert parse("gqa-r168") == (1, 168, True, False, False)
-    assert parse("gqa-tm") == (1, None, False, False, False)
-    assert parse("gqa-band") == (1, None, True, True, False)
-    assert parse("gqa-band-ss") == (1, None, True, True, True)
-    assert parse("gqa-flat-tm-band-r128") == (0, 128, False, True, False)
+    assert parse("gqa") == (1, None, True, False, False, False, False)
+    assert parse("gqa-flat") == (0, None, True, False, False, False, False)
+    assert parse("gqa-pp") == (2, None, True, False, False, False, False)
+    assert parse("gqa-r168") == (1, 168, True, False, False, False, False)
+    assert parse("gqa-tm") == (1, None, False, False, False, False, False)
+    assert parse("gqa-band") == (1, None, True, True, False, False, False)
+    assert parse("gqa-band-ss") == (1, None, True, True, True, False, False)
+    assert parse("gqa-flat-tm-band-r128") == (0, 128, False, True, False, False, False)
     for other in ("tiles", "l1", None, "gqa-x", "gqa-r", "flat", "gqa-r168-tm", "tm", "gqa-band-tm", "gqa-band-band",
                   "gqa-ss", "gqa-ss-band"):
         assert parse(other) is None, other
@@ -158,6 +158,49 @@ def test_merge_kernel_equals_host_merge():
     assert torch.allclose(lse, lse_ref, rtol=1e-6, atol=1e-6, equal_nan=True)
     assert kl[1, 7] == 0 and lse[1, 7] == float("-inf")
     assert torch.isnan(kl[1, 9]) and torch.isfinite(kl[0]).all()
+
+
+@pytest.mark.parametrize("splits,t_off,n_valid", [(3, 0, 37), (5, 11, 30), (44, 4, 19)])
+def test_wide_merge_kernel_equals_host_merge(splits, t_off, n_valid):
+    """merge_states_wide (all splits of a row block at once, written in place at a row offset) against
+    idx_plan._merge_splits: odd split counts (padded to a power of 2), batch 2, the special rows of
+    test_merge_kernel_equals_host_merge; rows past n_valid and outside [t_off, t_off + n_valid) untouched."""
+    gen = torch.Generator().manual_seed(splits)
+    B, N, NQ = 2, 37, 53
+    part = torch.empty(5, splits, B, N)
+    part[0] = 4 * torch.randn(splits, B, N, generator=gen)
+    part[1] = torch.rand(splits, B, N, generator=gen) * 5 + 1
+    part[2] = torch.rand(splits, B, N, generator=gen) / splits
+    part[3] = torch.randn(splits, B, N, generator=gen)
+    part[4] = -torch.rand(splits, B, N, generator=gen)
+    part[:, 1, 0, 5] = torch.tensor([float("-inf"), 0.0, 0.0, 0.0, 0.0])
+    part[:, :, 1, 7] = torch.tensor([float("-inf"), 0.0, 0.0, 0.0, 0.0])[:, None]
+    part[0, 2, 1, 9] = float("nan")
+    kl_ref, lse_ref = idx_plan._merge_splits(part)
+    kl, lse = torch.full((B, NQ), 7.0), torch.full((B, NQ), 7.0)
+    _indexer_fwd_gqa.merge_states_wide(part.contiguous(), kl, lse, t_off, n_valid)
+    got_kl, got_lse = kl[:, t_off:t_off + n_valid], lse[:, t_off:t_off + n_valid]
+    assert torch.allclose(got_kl, kl_ref[:, :n_valid], rtol=1e-5, atol=1e-6, equal_nan=True)
+    assert torch.allclose(got_lse, lse_ref[:, :n_valid], rtol=1e-6, atol=1e-6, equal_nan=True)
+    assert got_kl[1, 7] == 0 and got_lse[1, 7] == float("-inf") and torch.isnan(got_kl[1, 9])
+    outside = torch.ones(B, NQ, dtype=torch.bool)
+    outside[:, t_off:t_off + n_valid] = False
+    assert (kl[outside] == 7.0).all() and (lse[outside] == 7.0).all()
+
+
+def test_variant_flags():
+    """The flags -wm and -one parse, and with_flags adds them in their place (before -rNNN)."""
+    g = _indexer_fwd_gqa
+    assert g.with_flags("gqa-band-r128", ["one", "wm"]) == "gqa-band-wm-one-r128"
+    var = g.parse_variant("gqa-band-wm-one-r128")
+    assert var.band and var.wide_merge and var.one_chunk and var.cap == 128
+    assert not g.parse_variant("gqa-band-r128").wide_merge and g.parse_variant("gqa-one-wm") is None
+    with pytest.raises(ValueError):
+        g.with_flags("gqa", ["x"])
+    cands = idx_configs.storing_forward_candidates(False, None, 132, "candidates+wm")  # no GQA candidate: unchanged
+    assert cands == idx_configs.storing_forward_candidates(False, None, 132, "candidates")
+    with pytest.raises(ValueError):
+        idx_configs.storing_forward_candidates(False, None, 132, "fast")
 
 
 def test_default_candidates_and_split_rule():

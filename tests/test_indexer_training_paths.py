@@ -231,6 +231,11 @@ GQA_CASES = [
     ((2, 8, 4, 29, 20, 16, 2, 1, 16), True, 1, "gqa-band", False, True),      # N_Q > N_K: empty rows, the band launch
     ((1, 4, 4, 19, 23, 16, 4, 2, 16), False, 2, "gqa-pp-band", True, False),  # MHA, not causal, 2 indexer key heads
     ((1, 4, 2, 18, 20, 16, 2, 1, 16), True, 1, "gqa-flat", True, False),     # one split, no band: KL stored directly
+    # the forms -wm (splits merged side by side, in place) and -one (one chunk within PCHUNK_MAX_BYTES)
+    ((2, 8, 2, 37, 37, 32, 4, 1, 16), True, 2, "gqa-band-wm", False, False),  # batch 2, 3 chunks merged in place
+    ((2, 6, 3, 21, 36, 24, 4, 1, 12), True, 3, "gqa-wm-one", True, True),     # batch 2, N_K > N_Q, one chunk
+    ((2, 8, 4, 29, 20, 16, 2, 1, 16), True, 2, "gqa-band-wm-one", False, False),  # N_Q > N_K: empty rows
+    ((1, 4, 4, 19, 23, 16, 4, 2, 16), False, 2, "gqa-band-one", True, False),  # not causal, one chunk, old merge
 ]
 
 
@@ -264,6 +269,7 @@ def test_gqa_storing_forward(monkeypatch, poison, tma, shape, causal, splits, va
         out[v] = _step(xs, "mean", causal=causal, relu=relu, lse=lse, row_weights=w)
         if v == variant:
             assert launches and sum(launches) == shape[3], launches  # every token, chunk by chunk
+            assert len(launches) == (1 if "-one" in variant else -(-shape[3] // 16)), launches
             launches.clear()
     assert not launches  # "tiles": the general storing forward
     assert stores == {"tma" if shape[4] % 4 == 0 else "pointers"}

@@ -216,12 +216,25 @@ def storing_forward_candidates(ieee, dims, n_sm, order="forward_rule"):
     row-major tile's 41.32 (H100, bench/results/2026-12-06_h100_0120efb/step_times.csv,
     mqa64_no_lse_fwdrule and mqa64_no_lse) and compiles in 1.52 s instead of 2.45
     (bench/results/2026-12-05_cpu-2core_abe628f/pstore_order_mqa64.csv)."""
+    order, *flags = order.split("+")
     if order not in STORING_FORWARD_ORDERS:
-        raise ValueError(f"indexer_storing_forward_order is one of {STORING_FORWARD_ORDERS}, got {order!r}")
+        raise ValueError(f"indexer_storing_forward_order is one of {STORING_FORWARD_ORDERS}, optionally with "
+                         f"+flags of the GQA kernel's variant ({_indexer_fwd_gqa.FLAGS}), got {order!r}")
     cands = _candidates("pstore", ieee, dims, n_sm)
-    if order != "forward_rule" or _runtime.interpreting() or ieee:  # (those lists are one config)
+    if order == "forward_rule" and not (_runtime.interpreting() or ieee):  # (those lists are one config)
+        cands = list(_storing_forward_rule_order(dims, n_sm))
+    return _with_gqa_flags(cands, flags) if flags else cands
+
+
+def _with_gqa_flags(cands, flags):
+    """``cands`` with its first GQA-kernel config given the variant flags ``flags`` (``fwd_gqa.FLAGS``:
+    e.g. ``wm``, ``one``), put first; unchanged where no candidate is the GQA kernel's. The order's
+    ``+flag`` suffixes (``"forward_rule+wm+one"``), a benchmark's choice through the forcing hook."""
+    hit = next((c for c in cands if _indexer_fwd_gqa.parse_variant(c.variant) is not None), None)
+    if hit is None:
         return cands
-    return list(_storing_forward_rule_order(dims, n_sm))
+    first = replace(hit, variant=_indexer_fwd_gqa.with_flags(hit.variant, flags))
+    return [first] + [c for c in cands if c is not hit]
 
 
 @functools.lru_cache(maxsize=1024)

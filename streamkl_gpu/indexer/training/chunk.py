@@ -34,14 +34,24 @@ from streamkl_gpu.indexer.training import store as _store
 # g (softmax(I) - p)'s contractions for those tokens; the backward only scales by g. The teacher
 # is read once, by the plain forward's tile.
 PCHUNK_TOKENS = 2048
+# The GQA storing forward's variant flag "-one" (fwd_gqa.parse_variant; not the default, not yet
+# timed): as many tokens per chunk as keep the scratch p within this budget (at least PCHUNK_TOKENS),
+# so a short sequence runs in one chunk: one storing forward, one merge, one gradient launch instead
+# of one per 2048 tokens (GQA-like 8K: 256 MiB of p, 4 chunks -> 1). Extra memory stays linear in N
+# past the budget (max(budget, 4 * PCHUNK_TOKENS * N_K * B bytes)).
+PCHUNK_MAX_BYTES = 256 << 20
 
 
-def _pchunk(dims, block_ts) -> int:
-    """Tokens per chunk: PCHUNK_TOKENS rounded up to a multiple of every launch's BLOCK_T."""
+def _pchunk(dims, block_ts, one_chunk=False) -> int:
+    """Tokens per chunk: PCHUNK_TOKENS (``one_chunk``: as many as PCHUNK_MAX_BYTES of p hold, at
+    least PCHUNK_TOKENS) rounded up to a multiple of every launch's BLOCK_T."""
     m = 1
     for bt in block_ts:
         m = m * bt // math.gcd(m, bt)
-    return max(m, _runtime.cdiv(min(PCHUNK_TOKENS, dims.NQ), m) * m)
+    tokens = PCHUNK_TOKENS
+    if one_chunk:
+        tokens = max(tokens, PCHUNK_MAX_BYTES // (4 * dims.B * dims.NK))
+    return max(m, _runtime.cdiv(min(tokens, dims.NQ), m) * m)
 
 
 _FULL_CONFIGS = {}  # launch key -> the (storing forward, gradient kernel) configs that fit the device
@@ -104,10 +114,11 @@ def _forward_full_with(fcfg, bcfg, q, k, q_idx, k_idx, weights, lse, causal, sca
               else row_weights.to(torch.float32).contiguous())  # the gradient kernel's per-row g
     strides = _plan_mod._strides(q) + _plan_mod._strides(k) + _plan_mod._strides(q_idx) + _plan_mod._strides(k_idx) + _plan_mod._strides(weights)
     fpl, bpl = _plan_mod._plan(dims, fcfg, "fwd"), _plan_mod._plan(dims, bcfg, "bwd_student")
-    chunk = _pchunk(dims, (fpl["BLOCK_T"], bpl["BLOCK_T"]))
-    p = _plan_mod._fresh((dims.B, chunk, dims.NK), torch.float32, device)  # one chunk's target, reused
     splits, per_split = _plan_mod._key_splits(dims, fpl)
     gqa_store = _indexer_gqa_store.applies(fpl, dims, use_tma)  # several key heads: the GQA kernel's loop
+    one_chunk = gqa_store and _indexer_gqa_store.parse_variant(fpl["variant"]).one_chunk
+    chunk = _pchunk(dims, (fpl["BLOCK_T"], bpl["BLOCK_T"]), one_chunk)
+    p = _plan_mod._fresh((dims.B, chunk, dims.NK), torch.float32, device)  # one chunk's target, reused
     part = (_plan_mod._fresh((5, splits, dims.B, dims.NQ), torch.float32, device) if splits > 1 and not gqa_store
             else kl)
     ftma, fl1 = _plan_mod._load_mode(fpl, use_tma)

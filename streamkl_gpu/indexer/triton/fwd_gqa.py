@@ -56,13 +56,15 @@ class Variant(NamedTuple):
     split_major: bool  # grid (key splits, token blocks, B) with the last token blocks first
     band: bool  # the masked tiles (causal diagonal band, ragged last tile) in a second launch
     side: bool  # -band's second launch on a side stream, concurrent with the main one
+    wide_merge: bool = False  # -wm: the key splits merged by merge_states_wide (splits side by side, in place)
+    one_chunk: bool = False  # -one: the chunk design's storing forward in one chunk where p fits its budget
 
 
-FLAGS = ("tm", "band", "ss")
+FLAGS = ("tm", "band", "ss", "wm", "one")
 
 
 def parse_variant(variant) -> Optional[Variant]:
-    """The :class:`Variant` of ``"gqa[-flat|-pp][-tm][-band[-ss]][-rNNN]"``, or None when it is not
+    """The :class:`Variant` of ``"gqa[-flat|-pp][-tm][-band[-ss]][-wm][-one][-rNNN]"``, or None when it is not
     one of this kernel's. ``-rNNN``: ptxas capped at NNN registers (``"gqa-r168"``: three 4-warp
     CTAs per SM). ``-tm``: the general kernel's token-major grid (token blocks fastest); without
     it the key splits of a token block are neighbours in the grid (and the heaviest, causal-last,
@@ -71,7 +73,12 @@ def parse_variant(variant) -> Optional[Variant]:
     register allocation) the masked band, its state one more split for the merge: the masked
     stage's selects cost ~40 registers (offline, 64x64: 208 with it, 165 without). ``-ss``
     (with ``-band``): the band's launch on a side stream, so its few programs run beside the
-    main launch's instead of after them (on a GPU; the interpreter runs them in turn)."""
+    main launch's instead of after them (on a GPU; the interpreter runs them in turn). ``-wm``: the
+    key splits' states merged by :func:`merge_states_wide` (all splits of a row block loaded at once,
+    written in place: the chunk design's storing forward writes its chunk's rows of KL / LSE_I
+    directly). ``-one``: the chunk design (``training/chunk.py``) runs this storing forward in one
+    chunk of up to ``PCHUNK_MAX_BYTES`` of p (its budget) instead of ``PCHUNK_TOKENS``-token chunks.
+    Neither is the default: not yet timed on a GPU."""
     if not isinstance(variant, str):
         return None
     parts = variant.split("-")
@@ -87,7 +94,23 @@ def parse_variant(variant) -> Optional[Variant]:
         return None
     if "ss" in flags and "band" not in flags:
         return None
-    return Variant(LOOPS.index(loop), cap, "tm" not in flags, "band" in flags, "ss" in flags)
+    return Variant(LOOPS.index(loop), cap, "tm" not in flags, "band" in flags, "ss" in flags, "wm" in flags,
+                   "one" in flags)
+
+
+def with_flags(variant: str, flags) -> str:
+    """``variant`` with the flags ``flags`` (of FLAGS) added in their place (before ``-rNNN``)."""
+    var = parse_variant(variant)
+    if var is None:
+        raise ValueError(f"{variant!r} is not a GQA kernel variant")
+    bad = sorted(set(flags) - set(FLAGS))
+    if bad:
+        raise ValueError(f"GQA variant flags are {FLAGS}, got {bad}")
+    have = {"tm": not var.split_major, "band": var.band, "ss": var.side, "wm": var.wide_merge, "one": var.one_chunk}
+    out = [LOOPS[var.loop]] + [f for f in FLAGS if have[f] or f in flags]
+    if var.cap is not None:
+        out.append(f"r{var.cap}")
+    return "-".join(out)
 
 
 MAX_BOX_DIM = 128  # one TMA box per head and tile (D_PAD, DI_PAD)
@@ -190,7 +213,9 @@ def launch(dims, pl, q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, causal,
         kernel_call(_indexer_fwd_gqa_kernel, (1, n_t, dims.B))(*args, dims.NK, splits, slots, **meta, SPLIT_MAJOR=True,
                                                   STAGES=2)
     if slots > 1:
-        if MERGE_KERNEL:
+        if var.wide_merge:
+            merge_states_wide(part, kl, lse_idx, 0, dims.NQ)
+        elif MERGE_KERNEL:
             merge_states(part, kl, lse_idx)
         else:
             merged_kl, merged_lse = _merge_splits(part)
@@ -221,6 +246,60 @@ def merge_states(part, kl, lse_idx):
     rows = kl.numel()
     kernel_call(_merge_states_kernel, (_runtime.cdiv(rows, MERGE_BLOCK),))(part, kl, lse_idx, part.shape[1], rows,
                                                             BLOCK=MERGE_BLOCK, num_warps=4)
+
+
+# merge_states_wide: rows per program for its [SPLITS, rows] tiles (SPLITS: the splits padded to a power of 2)
+WIDE_MERGE_ELEMENTS = 2048
+
+
+def merge_states_wide(part, kl, lse_idx, t_off, n_valid):
+    """As :func:`merge_states`, but each program loads all splits of its rows at once (one latency, not
+    two per split: the chunk design's 2048-row merge of ~44 splits ran on two programs, each walking
+    the splits in turn) and writes in place: ``part [5, splits, B, p_rows]``'s row ``(b, t)`` for
+    ``t < n_valid`` into ``kl`` / ``lse_idx [B, N_Q]`` at ``(b, t_off + t)``."""
+    n_splits, batch, p_rows = part.shape[1], part.shape[2], part.shape[3]
+    splits_pad = _runtime.next_power_of_2(n_splits)
+    block = max(16, min(1024, WIDE_MERGE_ELEMENTS // splits_pad))
+    rows = batch * p_rows
+    kernel_call(_merge_states_wide_kernel, (_runtime.cdiv(rows, block),))(
+        part, kl, lse_idx, n_splits, rows, p_rows, kl.shape[1], t_off, n_valid, SPLITS=splits_pad, BLOCK=block,
+        num_warps=4)
+
+
+@triton.jit
+def _nan_max(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _merge_states_wide_kernel(PART, KL, LSE_I, n_splits, rows, p_rows, n_q, t_off, n_valid, SPLITS: tl.constexpr,
+                              BLOCK: tl.constexpr):
+    """``_merge_states_kernel``'s formulas on a [SPLITS, BLOCK] tile of each plane (splits as rows,
+    loaded at once; padded splits read as a split that saw no key), the sums as tree reductions.
+    Row ``r = b * p_rows + t`` of PART goes to ``b * n_q + t_off + t`` of KL / LSE_I when ``t < n_valid``."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < rows
+    sp = tl.arange(0, SPLITS)
+    mask = (sp < n_splits)[:, None] & ok[None, :]
+    at = PART + sp[:, None].to(tl.int64) * rows + offs[None, :]
+    plane = n_splits.to(tl.int64) * rows
+    m = tl.load(at, mask=mask, other=float("-inf"))
+    m_all = tl.reduce(m, 0, _nan_max)
+    shift = tl.where(m_all == float("-inf"), 0.0, m_all)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    l_all = tl.sum(tl.load(at + plane, mask=mask, other=0.0) * tl.exp(m - shift[None, :]), 0)
+    acc = tl.load(at + 3 * plane, mask=mask, other=0.0) - tl.load(at + 2 * plane, mask=mask, other=0.0) * (
+        shift[None, :] - m_safe)
+    acc_all = tl.sum(acc, 0)
+    plogp_all = tl.sum(tl.load(at + 4 * plane, mask=mask, other=0.0), 0)
+    empty = l_all == 0.0
+    log_l = tl.log(tl.where(empty, 1.0, l_all))
+    b = offs // p_rows
+    t = offs - b * p_rows
+    out = b.to(tl.int64) * n_q + t_off + t
+    keep = ok & (t < n_valid)
+    tl.store(KL + out, tl.where(empty, 0.0, plogp_all - acc_all + log_l), mask=keep)
+    tl.store(LSE_I + out, tl.where(empty, float("-inf"), m_all + log_l), mask=keep)
 
 
 @triton.jit

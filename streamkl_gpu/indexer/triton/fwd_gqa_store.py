@@ -15,7 +15,9 @@ Plans: the GQA kernel's (``fwd_gqa.applies``: TMA descriptors, head dims <= 128,
 teacher head per tile); its variant string chooses the loop (``"gqa"``: one K tile per key head,
 its group's heads inside; ``"gqa-flat"`` and ``"gqa-pp"``: one flat loop over the heads), the
 grid order (``-tm``), the masked band in a second launch (``-band``; ``-ss``'s side stream is
-not used here: the band runs after the main launch) and a register cap (``-rNNN``, GPU only).
+not used here: the band runs after the main launch), a register cap (``-rNNN``, GPU only), the
+key splits merged by ``fwd_gqa.merge_states_wide`` straight into the chunk's rows (``-wm``) and one
+chunk within the chunk design's p budget (``-one``: ``training/chunk.py``'s ``PCHUNK_MAX_BYTES``).
 Key splits as the plan says; their states are merged per chunk before the gradient kernel reads
 LSE_I.
 
@@ -89,14 +91,17 @@ def launch_chunk(dims, pl, q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, p
         kernel_call(_indexer_fwd_gqa_store_kernel, (1, n_t, dims.B))(*args, dims.NK, c0, p_rows, splits, slots, **meta,
                                                         SPLIT_MAJOR=True, STAGES=2)
     if slots > 1:  # this chunk's rows, before the gradient kernel reads LSE_I
-        if _indexer_fwd_gqa.MERGE_KERNEL:
+        if var.wide_merge:  # (in place: no chunk-sized copies)
+            _indexer_fwd_gqa.merge_states_wide(part, kl, lse_idx, c0, rows)
+        elif _indexer_fwd_gqa.MERGE_KERNEL:
             kl_c = _fresh((dims.B, p_rows), torch.float32, q.device)
             lse_c = _fresh((dims.B, p_rows), torch.float32, q.device)
             _indexer_fwd_gqa.merge_states(part, kl_c, lse_c)
         else:
             kl_c, lse_c = _merge_splits(part)
-        kl[:, c0:c0 + rows] = kl_c[:, :rows]
-        lse_idx[:, c0:c0 + rows] = lse_c[:, :rows]
+        if not var.wide_merge:
+            kl[:, c0:c0 + rows] = kl_c[:, :rows]
+            lse_idx[:, c0:c0 + rows] = lse_c[:, :rows]
 
 
 @triton.jit
