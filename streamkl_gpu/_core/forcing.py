@@ -17,8 +17,10 @@ Forcible choices (keyword arguments of :func:`forcing`; unknown names raise ``Va
 - ``indexer_storing_forward_order``: the order in which the indexer's chunk design tries its
   storing forward's tiles (it takes the first that fits, untimed): ``"forward_rule"`` (the
   default, also for None: the forward's candidates with the plain forward's shape rule for the
-  teacher family first, ``indexer/configs.py SHAPE_RULES``) or ``"candidates"`` (the list as it
-  stands), so a benchmark can time the chunk design with the other tile (correct either way).
+  teacher family first, ``indexer/configs.py SHAPE_RULES``, the GQA kernel with the flags
+  ``STORING_FORWARD_GQA_FLAGS``) or ``"candidates"`` (the list as it stands, no flags), either
+  with ``+flag`` suffixes of the GQA kernel (``"forward_rule+wm"``: only those flags), so a
+  benchmark can time the chunk design with another tile or form (correct either way).
 - ``indexer_chunk_gradient_order``: the order in which the chunk design tries its gradient
   kernel's tiles: ``"rule"`` (the default, also for None: ``CHUNK_GRADIENT_RULES``' tile first),
   ``"rows_first"`` (the row-major tiles first), ``"keys_first"`` (the keys-major tiles first,

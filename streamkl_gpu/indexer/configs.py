@@ -156,7 +156,12 @@ def l1_fwd_candidates(dims):
 # ``python bench/compare_trees.py --tuning-log .``). In every row below the rule's config is the
 # fastest or within 0.5 % of it at every point of its family, and the first candidate before was
 # up to 2.4x slower (the ratio, worst point). A family or kind not listed stays timed.
-#   dsa  lse     128 x 128 x 128, 4 warps, 3 stages           (first before: 1.67x)
+#   dsa  lse     the "qreg" form, 128 rows x 64 keys, 8 warps, 3 stages: measured after the record, forced
+#                one candidate at a time (H100, 8K causal, 5 interleaved rounds): 9.84 ms against the
+#                record's rule tile (128 x 128 x 128, 4 warps, 3 stages) 12.90, the training step
+#                without lse 32.65 against 35.46 ms (64-head MQA: 22.93 against 24.41); GQA-like the
+#                64 x 64 "qreg" tile on 4 warps, 3 stages, one head per chunk: 0.614 against 0.948 ms
+#                (bench/results/2026-12-06_h100_6dc1dc9/lse_sweep.csv, dsa_nolse.csv)
 #        fwd     the keys-major "keys_lpt" forward with splits (already first: 1.00x)
 #        topk    the separate-student forward                  (0.4 % from the best; 1.60x better at mqa)
 #        (the recomputing backward stays timed: with the record's winners, dq 128 x 128 x 64 on 8
@@ -164,18 +169,19 @@ def l1_fwd_candidates(dims):
 #        the tuner's own choice, 10 interleaved rounds: bench/results/2026-12-04_h200_4a5f2d4/)
 #   mqa  (one key head, 64 <= H < 128) as dsa, and bwd_dq, bwd_dk 64 x 64 x 64 on 4 warps, 2 stages
 #        (first before 1.42x, 1.15x); fwd keys_lpt first (the row-major first before: 1.28x)
-#   gqa  lse     128 x 128 x 64, 8 warps, 2 stages, one head per chunk (first before: 1.03x)
+#   gqa  lse     "qreg" 64 x 64, 4 warps, 3 stages, one head per chunk (see dsa lse)
 #        fwd     the GQA kernel's band ("gqa-band-r128", already first: 1.00x)
 #        pacc    128 x 128 x 64, 4 warps, 3 stages             (first before: 1.96x)
 #        bwd_dq, bwd_dk  64 x 64 x 64, 4 warps, 2 stages       (first before: 2.37x, 2.05x)
 # ----------------------------------------------------------------------------------------------
 _TILES_64_4W = dict(teacher_rows=64, block_n=64, num_warps=4, num_stages=2, variant="tiles")
-_MQA_LSE = dict(teacher_rows=128, block_n=128, num_warps=4, num_stages=3, variant="tiles")
+# the teacher-LSE pass with the program's q rows kept in registers ("qreg"): see the rule notes above
+_MQA_LSE = dict(teacher_rows=128, block_n=64, num_warps=8, num_stages=3, variant="qreg")
 SHAPE_RULES = {
     ("dsa", "lse"): _MQA_LSE, ("mqa", "lse"): _MQA_LSE,
     ("dsa", "fwd"): dict(variant="keys_lpt"), ("mqa", "fwd"): dict(variant="keys_lpt"),
     ("mqa", "bwd_dq"): _TILES_64_4W, ("mqa", "bwd_dk"): _TILES_64_4W,
-    ("gqa", "lse"): dict(teacher_rows=128, block_n=64, num_warps=8, num_stages=2, max_heads_per_chunk=1),
+    ("gqa", "lse"): dict(teacher_rows=64, block_n=64, num_warps=4, num_stages=3, max_heads_per_chunk=1, variant="qreg"),
     ("gqa", "fwd"): dict(variant="gqa-band-r128"),
     ("gqa", "pacc"): dict(teacher_rows=128, block_n=64, num_warps=4, num_stages=3, variant="tiles"),
     ("gqa", "bwd_dq"): _TILES_64_4W, ("gqa", "bwd_dk"): _TILES_64_4W,
@@ -220,10 +226,25 @@ def storing_forward_candidates(ieee, dims, n_sm, order="forward_rule"):
     if order not in STORING_FORWARD_ORDERS:
         raise ValueError(f"indexer_storing_forward_order is one of {STORING_FORWARD_ORDERS}, optionally with "
                          f"+flags of the GQA kernel's variant ({_indexer_fwd_gqa.FLAGS}), got {order!r}")
+    if order == "forward_rule" and not flags and not (_runtime.interpreting() or ieee):
+        return list(_storing_forward_default(dims, n_sm))
     cands = _candidates("pstore", ieee, dims, n_sm)
     if order == "forward_rule" and not (_runtime.interpreting() or ieee):  # (those lists are one config)
         cands = list(_storing_forward_rule_order(dims, n_sm))
     return _with_gqa_flags(cands, flags) if flags else cands
+
+
+# The GQA kernel's flags in the default order: the key splits merged side by side and written in
+# place ("wm"), the chunk design in one chunk while p fits PCHUNK_MAX_BYTES ("one"). GQA-like 8K
+# causal training step (H100, 5 interleaved rounds): 2.752 against 3.599 ms with lse given, 3.684
+# against 4.539 without; kernels launched 24 against 44 (bench/results/2026-12-06_h100_6dc1dc9/
+# gqa_variants.csv). The order "candidates" keeps the list without them.
+STORING_FORWARD_GQA_FLAGS = ("wm", "one")
+
+
+@functools.lru_cache(maxsize=1024)
+def _storing_forward_default(dims, n_sm):  # memoised: the chunk design asks on every call
+    return tuple(_with_gqa_flags(list(_storing_forward_rule_order(dims, n_sm)), STORING_FORWARD_GQA_FLAGS))
 
 
 def _with_gqa_flags(cands, flags):
