@@ -25,7 +25,7 @@ Forcible choices (keyword arguments of :func:`forcing`; unknown names raise ``Va
   kernel's tiles: ``"rule"`` (the default, also for None: ``CHUNK_GRADIENT_RULES``' tile first),
   ``"rows_first"`` (the row-major tiles first), ``"keys_first"`` (the keys-major tiles first,
   ``indexer/triton/chunk_grad_keys.py``) or ``"branch_first"`` (the rule's keys-major tile in its
-  variant with the first product under a branch, not yet timed): ``indexer/configs.py
+  variant with the first product under a branch, timed and no faster): ``indexer/configs.py
   chunk_gradient_candidates``; correct either way.
 - ``indexer_chunk_gradient_config``: an ``IndexerConfig`` the chunk design tries first for its
   gradient kernel (variant ``"keys"``: the keys-major kernel), so a benchmark can time one tile.

@@ -284,7 +284,7 @@ def chunk_gradient_candidates(ieee, dims, order="rule", first=None):
     choice through the forcing hook, the row-major tiles first (``"rows_first"``, the order before
     the rule), the keys-major tiles first (``"keys_first"``), or the rule's keys-major tile (the
     interpreter's: its one) in the variant ``"keys_branch"`` first (``"branch_first"``: the first
-    product under a branch, ``chunk_grad_keys.py``; not yet timed on a GPU). ``first``: an
+    product under a branch, ``chunk_grad_keys.py``; timed, no faster). ``first``: an
     :class:`IndexerConfig` tried before all of them (the hook's ``indexer_chunk_gradient_config``).
     The interpreter's and fp32's lists are their one config, then the same keys-major."""
     if order not in CHUNK_GRADIENT_ORDERS:
@@ -420,10 +420,13 @@ def _gpu_candidates(kind, dims, n_sm, teacher):
                                                        else _configs([(128, 128, 128, 64, 8, 2)]))
         # 4-warp tiles, two CTAs per SM (offline sm_90, triton 3.9, no spills: DSA 128 x 128, 3 stages,
         # 233 registers, 82 KB; GQA 64 tokens x 64 keys of one head, 3 stages, 87 registers, 98 KB;
-        # the 8-warp ones 143 / 77 registers, one CTA per SM); not yet timed
+        # the 8-warp ones 143 / 77 registers, one CTA per SM); timed with the rest below (lse_sweep.csv)
         out += (_configs([(64, 64, 64, 64, 4, 3)], max_heads_per_chunk=1) if gqa else
                 _configs([(128, 128, 128, 64, 4, 3)]))
-        if dims is not None and _plan_mod._l1_fits(dims):  # the "l1" variant, as for the forward (not yet timed)
+        # every one of these timed forced on an H100 (DSA-like / GQA-like 8K, ms): the tiles 12.90-23.75 /
+        # 0.95-1.07, "l1" 21.57 and 39.81 (DSA), "qreg" 9.84 / 0.61, the rules' choice
+        # (bench/results/2026-12-06_h100_6dc1dc9/lse_sweep.csv)
+        if dims is not None and _plan_mod._l1_fits(dims):  # the "l1" variant, as for the forward
             out += _configs([(128, 128, 64, 64, 8, 2), (128, 128, 32, 64, 8, 2)], variant="l1")
         # The "qreg" variant (Q_RESIDENT): the program's q rows loaded once and kept in registers
         # as the products' A operand, so a key tile reads only its keys from L2 (at DSA ~128 FLOP
@@ -431,7 +434,7 @@ def _gpu_candidates(kind, dims, n_sm, teacher):
         # docs/design/indexer.md, "The teacher LSE pass"). 128 rows x 576 dims need two
         # warpgroups (8 warps: 144 registers of q per thread); 3 stages of 64-key tiles, 221 KB of
         # shared memory, no spills on triton 3.6 (225 registers) and 3.9 (253); 2 stages spill 56 B
-        # on 3.9, 32-key tiles 8 B (bench/results/2026-12-06_sass-sm90_2b3f2c0/). Not yet timed.
+        # on 3.9, 32-key tiles 8 B (bench/results/2026-12-06_sass-sm90_2b3f2c0/). The rules' choice (SHAPE_RULES).
         # "qreg_lpt": the same, token blocks in reverse order (the longest causal rows first).
         out += (_configs([(64, 64, 64, 64, 4, 3), (128, 128, 64, 64, 8, 2)], max_heads_per_chunk=1, variant="qreg")
                 if gqa else _configs([(128, 128, 64, 64, 8, 3)], variant="qreg")

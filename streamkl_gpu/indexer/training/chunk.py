@@ -34,8 +34,8 @@ from streamkl_gpu.indexer.training import store as _store
 # g (softmax(I) - p)'s contractions for those tokens; the backward only scales by g. The teacher
 # is read once, by the plain forward's tile.
 PCHUNK_TOKENS = 2048
-# The GQA storing forward's variant flag "-one" (fwd_gqa.parse_variant; not the default, not yet
-# timed): as many tokens per chunk as keep the scratch p within this budget (at least PCHUNK_TOKENS),
+# The GQA storing forward's variant flag "-one" (fwd_gqa.parse_variant; the default order's,
+# configs.STORING_FORWARD_GQA_FLAGS): as many tokens per chunk as keep the scratch p within this budget (at least PCHUNK_TOKENS),
 # so a short sequence runs in one chunk: one storing forward, one merge, one gradient launch instead
 # of one per 2048 tokens (GQA-like 8K: 256 MiB of p, 4 chunks -> 1). Extra memory stays linear in N
 # past the budget (max(budget, 4 * PCHUNK_TOKENS * N_K * B bytes)).

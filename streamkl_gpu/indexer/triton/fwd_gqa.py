@@ -78,7 +78,8 @@ def parse_variant(variant) -> Optional[Variant]:
     written in place: the chunk design's storing forward writes its chunk's rows of KL / LSE_I
     directly). ``-one``: the chunk design (``training/chunk.py``) runs this storing forward in one
     chunk of up to ``PCHUNK_MAX_BYTES`` of p (its budget) instead of ``PCHUNK_TOKENS``-token chunks.
-    Neither is the default: not yet timed on a GPU."""
+    Both are in the chunk design's default order (``configs.STORING_FORWARD_GQA_FLAGS``): the
+    GQA-like 8K step 2.75 against 3.60 ms with them (H100, bench/results/2026-12-06_h100_6dc1dc9/)."""
     if not isinstance(variant, str):
         return None
     parts = variant.split("-")
