@@ -9,8 +9,10 @@ see what ran, without assigning to private names.
 
 Forcible choices (keyword arguments of :func:`forcing`; unknown names raise ``ValueError``):
 
-- ``attention_fwd_variant``: a diagnostic variant of the Hopper Gluon forward, one of
-  ``streamkl_gpu.devtools.diagnostics.ATTENTION_FWD_VARIANTS`` (deliberately wrong results: they
+- ``attention_fwd_variant``: a variant of the Hopper Gluon forward, one of
+  ``streamkl_gpu.devtools.diagnostics.ATTENTION_FWD_VARIANTS``: a complete one
+  (``ATTENTION_FWD_COMPLETE_VARIANTS``: ``"lazy_max"``, what runs unforced, or ``"eager_max"``, the
+  fold with the row maxima on every tile) or a diagnostic one (deliberately wrong results: they
   explain the kernel's time, they are never a candidate).
 - ``indexer_accumulate_parts``: a timing-only variant of the indexer's accumulating forward, one of
   ``streamkl_gpu.devtools.diagnostics.INDEXER_ACCUMULATE_PARTS`` (incomplete gradients).
