@@ -570,3 +570,50 @@ def test_lazy_max_fast_path_has_no_max_and_fewer_instructions(lazy_rows):
         assert not int(f["serialised"]) and not int(s["serialised"]), (f, s)
         assert int(f["spill"]) <= 8, f  # a few scalar spills (the vote's scratch addresses)
     assert [r["instructions"] for r in rows("kernel", "masked", "static")], lazy_rows
+
+
+# ----------------------------------------------------------------------------------------------
+# the complete variant lazy_vote: lazy_max with the cheaper vote (fwd_sm90._vote, VOTE 1)
+# ----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def vote_rows(tmp_path_factory):
+    """``devtools.sass_table`` rows of the default (lazy_max) and of lazy_vote, bf16 D = 128 causal (fresh process)."""
+    out = tmp_path_factory.mktemp("sass_table_vote") / "rows.csv"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, "-m", "streamkl_gpu.devtools.sass_table", "--csv", str(out),
+                           "--variant", "kernel", "--variant", "lazy_vote", MASK1_SPEC], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"sass_table failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
+    import csv
+
+    with open(out, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def test_lazy_vote_is_a_complete_variant_named_with_the_diagnostics():
+    from streamkl_gpu.devtools import diagnostics
+
+    assert diagnostics.attention_fwd_variant("lazy_vote") == 5 != diagnostics.ATTENTION_FWD_DEFAULT
+    assert diagnostics.ATTENTION_FWD_COMPLETE_VARIANTS["lazy_vote"] == 5
+
+
+def test_lazy_vote_fast_path_has_fewer_local_accesses_and_no_more_barriers(vote_rows):
+    """Its whole-tile fast path: the lazy one's (no FMNMX, 128 MUFU.EX2, two waits, nothing
+    serialised), with fewer local-memory accesses over the two consumers than the default's (no
+    vote scratch address spilled: triton 3.6 1 + 4 LDL against 3 + 5 LDL/STL, 3.9 0 + 2 against
+    3 + 3) and no more BAR.SYNC (3.6: 3 against 4, the vote's one barrier; 3.9: 2 both)."""
+    rows = lambda variant, stage, path: [r for r in vote_rows if (r["variant"], r["stage"], r["path"]) ==
+                                         (variant, stage, path)]
+    lazy, vote = rows("kernel", "whole", "fast"), rows("lazy_vote", "whole", "fast")
+    slow = rows("lazy_vote", "whole", "slow")
+    assert len(lazy) == len(vote) == len(slow) == 2, vote_rows
+    for f, s, d in zip(vote, slow, lazy):
+        assert int(f["fmnmx"]) == 0 and int(f["mufu_ex2"]) == 128 and int(f["wg_depbar"]) == 2, f
+        assert int(f["hgmma"]) == int(d["hgmma"]) and int(s["hgmma"]) == 2 * int(d["hgmma"]), (f, s)
+        assert not int(f["serialised"]) and not int(s["serialised"]), (f, s)
+        assert int(f["bar_sync"]) <= int(d["bar_sync"]), (f, d)
+        assert int(f["instructions"]) <= 1.01 * int(d["instructions"]), (f, d)
+    assert sum(int(f["spill"]) for f in vote) < sum(int(d["spill"]) for d in lazy), (vote, lazy)
+    assert int(vote[0]["stack"]) <= 64, vote[0]

@@ -24,6 +24,7 @@ ATTENTION_FWD_VARIANTS = {
     "no_acc": 3,  # the log-ratio accumulator left out: the second pass's share
     "lazy_max": 4,  # complete (not diagnostic): ATTENTION_FWD_COMPLETE_VARIANTS below
     "eager_max": 0,  # complete: ATTENTION_FWD_COMPLETE_VARIANTS below
+    "lazy_vote": 5,  # complete: ATTENTION_FWD_COMPLETE_VARIANTS below
 }
 # Complete variants of the same kernel (correct KL, lse1, lse2, within float rounding of each
 # other), forced the same way so that a GPU script can time them against each other in one process.
@@ -34,6 +35,12 @@ ATTENTION_FWD_COMPLETE_VARIANTS = {
     "lazy_max": 4,
     # the row maxima folded on every tile (fwd_sm90._fold_sub): the kernel before lazy_max
     "eager_max": 0,
+    # lazy_max with a cheaper vote (fwd_sm90._vote VOTE 1: the 4 warps' votes through 4 shared ints,
+    # one barrier) and the slot's descriptors rebuilt on the slow path. Offline SASS per whole-tile
+    # fast path (bf16 D = 128, the two consumers), triton 3.6: 665 / 669 instructions, 3 BAR.SYNC,
+    # 1 + 4 LDL, no STL, 56 B stack (lazy_max: 675 / 679, 4 BAR, 3 + 5 LDL/STL, 48 B); 3.9: 700 / 715,
+    # 2 BAR, 0 + 2 LDL/STL, 56 B (lazy_max: 699 / 712, 2 BAR, 3 + 3, 72 B). Not timed yet
+    "lazy_vote": 5,
 }
 ATTENTION_FWD_DEFAULT = ATTENTION_FWD_COMPLETE_VARIANTS["lazy_max"]
 

@@ -82,7 +82,8 @@ def _load_partition(q1_desc, k1_desc, q2_desc, k2_desc, q1_smem, q2_smem, k1_sme
             _tma_load(k2_desc, [b, kv_head2, i * BLOCK_N, 0], k2_ready.index(s), k2_smem.index(s))
 
 
-# VARIANT constexpr: 4 what runs unforced (the lazy maxima, ``_fold_sub_lazy``); 0 the fold with the
+# VARIANT constexpr: 4 what runs unforced (the lazy maxima, ``_fold_sub_lazy``; 5 the same with ``_vote``'s
+# VOTE 1, forced as "lazy_vote"); 0 the fold with the
 # row maxima on every tile (``_fold_sub``, forced as "eager_max"); 1-3 diagnostic variants of that
 # fold that leave out one part of the work (wrong results on purpose, for timing only). Named in
 # devtools/diagnostics.py, forced through _core/forcing.py.
@@ -350,12 +351,26 @@ def _fold_sub(st, t1, t2, k1, k2, k1_free, k2_free, turn_next, visible, qk_scale
     return m1_new, l1_new, m2_new, l2, acc
 
 
+@gluon.jit
+def _vote(bad, VOTE: gl.constexpr):
+    """Any row of the warpgroup bad (0 or 1, uniform). VOTE 0: one reduction over the rows;
+    1: each warp's 16 rows by shuffles, the 4 warps' votes through a shared buffer of 4 ints read
+    back whole by every thread (one barrier, warp-uniform addresses)."""
+    if VOTE == 1:
+        per_warp = gl.max(gl.reshape(bad, [4, bad.shape[0] // 4]), axis=1)
+        buf = gl.allocate_shared_memory(gl.int32, [4], gl.SwizzledSharedLayout(1, 1, 1, order=[0]), per_warp)
+        out = gl.max(buf.load(gl.BlockedLayout([4], [32], [4], [0])), axis=0)
+    else:
+        out = gl.max(bad, axis=0)
+    return out
+
+
 LAZY_LIMIT = gl.constexpr(256.0)  # VARIANT 4: a tile's row sum of 2^x at the old reference at most 2^RESCALE_BITS
 
 
 @gluon.jit
 def _fold_sub_lazy(st, t1, t2, q1, q2, k1, k2, k1_free, k2_free, turn_next, qk_scale1, qk_scale2, zero, ONE,
-                   SCHED: gl.constexpr):
+                   SCHED: gl.constexpr, VOTE: gl.constexpr = 0, k1_smem=0, k2_smem=0, slot=0):
     """VARIANT 4 (``lazy_max``), whole tiles after the first: _fold_sub without the row maxima
     while they barely move. Both sides are taken at the old references, x = fma(s, c, -m) (no
     FMNMX, no max shuffles); where every row's sums stay <= LAZY_LIMIT (every x <= 8: the
@@ -373,16 +388,23 @@ def _fold_sub_lazy(st, t1, t2, q1, q2, k1, k2, k1_free, k2_free, turn_next, qk_s
     x2 = gl.fma(s2, qk_scale2, -m2[:, None])
     sum2 = gl.sum(gl.exp2(x2), axis=1)
     bad = gl.where((sum1 <= LAZY_LIMIT) & (sum2 <= LAZY_LIMIT), 0, 1)  # NaN and +inf sums are bad
-    if gl.max(bad, axis=0) == 0:
-        l1 = l1 + sum1
-        l2 = l2 + sum2
-        acc = acc + gl.sum(p1 * (x1 - x2), axis=1)
+    l1_f = l1 + sum1  # the fast fold above the vote (VARIANT 4's SASS unchanged; 5 spills less)
+    l2_f = l2 + sum2
+    acc_f = acc + gl.sum(p1 * (x1 - x2), axis=1)
+    if _vote(bad, VOTE) == 0:
+        l1 = l1_f
+        l2 = l2_f
+        acc = acc_f
         if _knob(SCHED, "PINGPONG") and _knob(SCHED, "TURN") and not _knob(SCHED, "RELTURN"):
             mbarrier.arrive(turn_next, count=1)
         if not _knob(SCHED, "MERGE"):
             mbarrier.arrive(k1_free, count=1)
         mbarrier.arrive(k2_free, count=1)
     else:
+        if VOTE:  # the slot's descriptors rebuilt here, from an opaque copy of the slot (not live across the fold)
+            so = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [slot], gl.int32, False, 1)
+            k1 = k1_smem.index(so).reshape(k1.shape)
+            k2 = k2_smem.index(so).reshape(k2.shape)
         t1 = warpgroup_mma(q1, k1.permute((1, 0)), zero, use_acc=False, is_async=True)
         t2 = warpgroup_mma(q2, k2.permute((1, 0)), zero, use_acc=False, is_async=True)
         m1, l1, m2, l2, acc = _fold_sub((m1, l1, m2, l2, acc), t1, t2, k1, k2, k1_free, k2_free, turn_next, 0,
@@ -611,9 +633,9 @@ def _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_em
                        qk_scale2, zero, ONE, 2 * P - 1, 2 * P - 2, False, MASKED, VARIANT, SCHED)
         st = _fold_sub(st, t1b, t2b, k1b, k2b, k1_free, k2_free, turn_next, visible_b, qk_scale1,
                        qk_scale2, zero, ONE, P - 1, 0, True, MASKED, VARIANT, SCHED)
-    elif VARIANT == 4 and not MASKED:
+    elif VARIANT >= 4 and not MASKED:
         st = _fold_sub_lazy(st, t1, t2, q1, q2, k1, k2, k1_free, k2_free, turn_next, qk_scale1, qk_scale2, zero,
-                            ONE, SCHED)
+                            ONE, SCHED, VARIANT - 4, k1_smem, k2_smem, s)
     else:
         st = _fold_sub(st, t1, t2, k1, k2, k1_free, k2_free, turn_next, visible_a, qk_scale1,
                        qk_scale2, zero, ONE, P - 1, 0, True, MASKED, VARIANT, SCHED)
@@ -670,7 +692,7 @@ def _consumer(WG: gl.constexpr, q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_re
                             NUM_STAGES, False, CAUSAL, VARIANT, WG, SCHED)
     else:
         lo = 0
-        if VARIANT == 4 and n_full > 0:  # lazy_max: the first whole tile sets finite references
+        if VARIANT >= 4 and n_full > 0:  # lazy_max: the first whole tile sets finite references
             st = _fold_tile(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars, 0,
                             zero, rows, N_K, diag_offset, qk_scale1, qk_scale2, ONE, D1, D2, BLOCK_N, NUM_STAGES,
                             False, CAUSAL, 0, WG, SCHED)
