@@ -12,7 +12,7 @@ def test_each_name_takes_each_slot_in_turn():
 
 
 def test_a_slot_bias_does_not_pick_the_winner():
-    """Two identical candidates and a timer that charges the first slot of each round 10 % more:
+    """Two identical candidates and a timer that charges 10 % more for the first slot of every round:
     a fixed order would make the first name look slower; rotated, the medians are equal."""
     seen = []
 
