@@ -531,13 +531,14 @@ def test_merged_ring_barriers_cost_fewer_warpgroup_rendezvous(compiled):
 
 @pytest.fixture(scope="module")
 def lazy_rows(tmp_path_factory):
-    """``devtools.sass_table`` rows of eager_max and of the default (lazy_max), bf16 D = 128 causal (fresh process)."""
+    """``devtools.sass_table`` rows of eager_max, the default (lazy_max) and lazy_vote, bf16 D = 128
+    causal, compiled once in a fresh process (the lazy_vote section below reads them too)."""
     out = tmp_path_factory.mktemp("sass_table") / "rows.csv"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     proc = subprocess.run([sys.executable, "-m", "streamkl_gpu.devtools.sass_table", "--csv", str(out),
-                           "--variant", "eager_max", "--variant", "kernel", MASK1_SPEC], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+                           "--variant", "eager_max", "--variant", "kernel", "--variant", "lazy_vote", MASK1_SPEC],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"sass_table failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
     import csv
 
@@ -577,19 +578,9 @@ def test_lazy_max_fast_path_has_no_max_and_fewer_instructions(lazy_rows):
 # ----------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def vote_rows(tmp_path_factory):
-    """``devtools.sass_table`` rows of the default (lazy_max) and of lazy_vote, bf16 D = 128 causal (fresh process)."""
-    out = tmp_path_factory.mktemp("sass_table_vote") / "rows.csv"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-m", "streamkl_gpu.devtools.sass_table", "--csv", str(out),
-                           "--variant", "kernel", "--variant", "lazy_vote", MASK1_SPEC], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"sass_table failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
-    import csv
-
-    with open(out, newline="") as fh:
-        return list(csv.DictReader(fh))
+def vote_rows(lazy_rows):
+    """The default's and lazy_vote's rows of the one sass_table compile (``lazy_rows``)."""
+    return [r for r in lazy_rows if r["variant"] in ("kernel", "lazy_vote")]
 
 
 def test_lazy_vote_is_a_complete_variant_named_with_the_diagnostics():
