@@ -107,3 +107,44 @@ def test_unforced_call_is_the_rule():
     xs = make(1, 4, 1, 9, 9, 16, 2, 1, 16, seed=3)
     assert torch.equal(_lse(xs, True, 0.5), _lse(xs, True, 0.5, idx_configs.INTERPRETER_CONFIG))
     assert math.isfinite(float(_lse(xs, True, 0.5).max()))
+
+
+def test_a_pick_that_does_not_fit_the_device_gives_way_to_the_next_candidate(monkeypatch):
+    """The rule's "qreg" tiles need a Hopper's shared memory: where the launch is refused (Triton's
+    OutOfResources) the next candidate runs, and is remembered for the key; other errors raise."""
+    from streamkl_gpu.indexer import teacher_lse as tl_mod
+
+    xs = make(1, 4, 1, 13, 21, 40, 2, 1, 16, seed=7)
+    plain = IndexerConfig(teacher_rows=32, indexer_rows=32, block_n=16, block_d=16, num_warps=1, num_stages=1)
+    monkeypatch.setattr(idx_configs, "_candidates", lambda kind, ieee, dims, *a: [QREG[0], plain])
+    monkeypatch.setattr(tl_mod, "_FITTING", {})
+    real = tl_mod.kernel_call
+    launched = []
+
+    class OutOfResources(Exception):
+        pass
+
+    def refusing(fn, grid):
+        def call(*args, **kw):
+            launched.append(kw["Q_RESIDENT"])
+            if kw["Q_RESIDENT"]:
+                raise OutOfResources("out of resource: shared memory, Required: 226304, Hardware limit: 166912")
+            return real(fn, grid)(*args, **kw)
+        return call
+
+    monkeypatch.setattr(tl_mod, "kernel_call", refusing)
+    got = _lse(xs, True, 0.3)
+    _assert_lse(got, _reference(xs[0], xs[1], True, 0.3))
+    assert launched == [True, False] and list(tl_mod._FITTING.values()) == [plain]
+    _lse(xs, True, 0.3)
+    assert launched == [True, False, False]  # remembered: the refused tile is not tried again
+
+    def failing(fn, grid):
+        def call(*args, **kw):
+            raise ValueError("a bug, not a device limit")
+        return call
+
+    monkeypatch.setattr(tl_mod, "_FITTING", {})
+    monkeypatch.setattr(tl_mod, "kernel_call", failing)
+    with pytest.raises(ValueError, match="a bug"):
+        _lse(xs, True, 0.3)
