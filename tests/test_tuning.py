@@ -478,3 +478,38 @@ def test_several_key_splits_make_the_forward_pick_timed(monkeypatch):
     monkeypatch.setattr(_launch_mod, "split_choices", lambda *a: (4,))
     _launch_mod._forward_config(*xs, dims, False, None, 16, 16)
     assert all(ruled for _, ruled in seen), seen  # (no pick at all where one candidate is left)
+
+
+def test_first_that_fits_moves_past_refusals_only_and_remembers_outside_compile_ahead(monkeypatch):
+    """A launch Triton refuses (OutOfResources) moves on to the next choice, which is remembered
+    for the key and run directly later; another error raises; the choices are not read for a
+    remembered key; in a compile-ahead thread nothing is remembered (nothing ran)."""
+    class OutOfResources(Exception):
+        pass
+
+    ran = []
+
+    def run(choice):
+        ran.append(choice)
+        if choice == "big":
+            raise OutOfResources("out of resource: shared memory")
+        if choice == "bug":
+            raise ValueError("a bug")
+        return choice.upper()
+
+    cache = {}
+    assert _tuning.first_that_fits(cache, "k", ["big", "small", "other"], run) == "SMALL"
+    assert ran == ["big", "small"] and cache == {"k": "small"}
+
+    def unread():
+        raise AssertionError("the choices of a remembered key are read")
+        yield  # pragma: no cover
+
+    assert _tuning.first_that_fits(cache, "k", unread(), run) == "SMALL" and ran[-1] == "small"
+    with pytest.raises(ValueError, match="a bug"):
+        _tuning.first_that_fits({}, "b", ["bug", "small"], run)
+    with pytest.raises(OutOfResources):
+        _tuning.first_that_fits({}, "n", ["big"], run)  # none fits: the last refusal
+    monkeypatch.setattr(_tuning, "compiling_ahead", lambda: True)
+    ahead = {}
+    assert _tuning.first_that_fits(ahead, "k", ["small"], run) == "SMALL" and ahead == {}

@@ -175,6 +175,34 @@ def out_of_resources(exc) -> bool:
     return "OutOfResources" in type(exc).__name__ or "out of resource" in str(exc).lower()
 
 
+def first_that_fits(cache: dict, key, choices, run):
+    """``run(choice)`` for the first of ``choices`` (any iterable; read only when ``key`` is not in
+    ``cache``) that this device launches: a launch Triton refuses before the kernel runs
+    (:func:`out_of_resources`: shared memory, registers) moves on to the next; any other error
+    raises. The choice that ran is remembered in ``cache[key]`` and run directly by later calls,
+    except in a compile-ahead thread, where nothing runs and so nothing is refused. Raises the
+    last refusal when no choice fits."""
+    if key in cache:
+        return run(cache[key])
+    last = None
+    for choice in choices:
+        try:
+            out = run(choice)
+        except Exception as exc:  # noqa: BLE001 - only a launch that does not fit moves on
+            if not out_of_resources(exc):
+                raise
+            last = exc
+            continue
+        if not compiling_ahead():
+            if len(cache) >= 4096:
+                cache.clear()
+            cache[key] = choice
+        return out
+    if last is None:
+        raise ValueError(f"no launch configuration to try for {key}")
+    raise last
+
+
 def _compile_side_by_side(candidates, launch):
     """Compile the candidates' kernels on up to ``os.cpu_count()`` threads at once (compile-ahead
     threads: their launches only compile, ``_core.launcher``), so that the timing loop below finds

@@ -66,24 +66,15 @@ def teacher_lse_bits(q, k, q_idx, k_idx, weights, causal: bool, scale: float) ->
     if forced is not None:  # a benchmark's choice (the forcing hook): launched as named, untimed
         launch(_configs.forced_lse_config(forced, dims))
         return lse_bits
-    fitting = _FITTING.get(key)
-    if fitting is not None:
-        launch(fitting)
-        return lse_bits
-    cands = _configs._candidates("lse", ieee, dims)
-    picked = _tuning.pick(key, cands, launch, ruled=_configs.ruled("lse", dims, cands))
-    for cfg in [picked] + [c for c in cands if c is not picked]:
-        try:
-            launch(cfg)
-        except Exception as exc:  # noqa: BLE001 - only a refusal to launch on this device is passed over
-            if not _tuning.out_of_resources(exc):
-                raise
-            continue
-        if len(_FITTING) >= 1024:
-            _FITTING.clear()
-        _FITTING[key] = cfg
-        return lse_bits
-    raise RuntimeError(f"no teacher-LSE launch configuration fits this device for {key}")
+
+    def in_order():  # the pick, then the other candidates (read only for a key not yet in _FITTING)
+        cands = _configs._candidates("lse", ieee, dims)
+        picked = _tuning.pick(key, cands, launch, ruled=_configs.ruled("lse", dims, cands))
+        yield picked
+        yield from (c for c in cands if c is not picked)
+
+    _tuning.first_that_fits(_FITTING, key, in_order(), launch)
+    return lse_bits
 
 
 # launch key -> the config that ran: the pick, or where it does not fit the device (the DSA "qreg"

@@ -20,7 +20,7 @@ from streamkl_gpu.indexer.triton import fwd_gqa_store as _indexer_gqa_store  # s
 from streamkl_gpu._core import checks as _checks
 from streamkl_gpu._core import runtime as _runtime
 from streamkl_gpu._core import tuning as _tuning
-from streamkl_gpu._core.launcher import compiling_ahead, kernel_call
+from streamkl_gpu._core.launcher import kernel_call
 from streamkl_gpu.indexer import configs as _configs
 from streamkl_gpu.indexer import host as _host
 from streamkl_gpu.indexer import plan as _plan_mod
@@ -76,24 +76,9 @@ def _forward_full(q, k, q_idx, k_idx, weights, lse, causal, scale, relu, row_wei
     key = ("idx_full", relu, dims.D, dims.DI, dims.H, dims.HK, dims.HI, dims.HKI, q.dtype, q_idx.dtype, causal,
            _tuning.bucket(dims.NQ), _tuning.bucket(dims.NK), _tuning.bucket(dims.B), q.device.type,
            tuple(fwd_cands), tuple(bwd_cands))  # (a caller forcing other candidates gets its own entry)
-    if key in _FULL_CONFIGS:
-        return _forward_full_with(*_FULL_CONFIGS[key], q, k, q_idx, k_idx, weights, lse, causal, scale, relu,
-                                  row_weights)
-    last = None
-    for fcfg in fwd_cands:
-        for bcfg in bwd_cands:
-            try:
-                out = _forward_full_with(fcfg, bcfg, q, k, q_idx, k_idx, weights, lse, causal, scale, relu,
-                                         row_weights)
-            except Exception as exc:  # noqa: BLE001 - only a launch that does not fit moves on
-                if not _tuning.out_of_resources(exc):
-                    raise
-                last = exc
-                continue
-            if not compiling_ahead():  # (there nothing ran: a launch that does not fit raised nothing)
-                _FULL_CONFIGS[key] = (fcfg, bcfg)
-            return out
-    raise last
+    return _tuning.first_that_fits(
+        _FULL_CONFIGS, key, ((fcfg, bcfg) for fcfg in fwd_cands for bcfg in bwd_cands),
+        lambda pair: _forward_full_with(*pair, q, k, q_idx, k_idx, weights, lse, causal, scale, relu, row_weights))
 
 
 def _forward_full_with(fcfg, bcfg, q, k, q_idx, k_idx, weights, lse, causal, scale, relu, row_weights=None):
