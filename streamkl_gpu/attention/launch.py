@@ -139,13 +139,18 @@ def forward(q1, k1, q2, k2, causal, scale1, scale2, split_k, dims=None, one_buff
     ``one_buffer=False``: three separate output tensors (for the custom op)."""
     if dims is None:
         dims = check_tensors(q1, k1, q2, k2, scale1, scale2)
-    device = q1.device
     if is_empty(dims):
-        return _empty_forward(dims, device)
-    if interpreting():  # bf16 computed in fp32 there (compute_view)
+        return _empty_forward(dims, q1.device)
+    (q1, k1, q2, k2), sig = _kernel_inputs(q1, k1, q2, k2, causal, split_k, dims)
+    return _run_forward(sig, q1, k1, q2, k2, causal, split_k, dims, q1.device, one_buffer)
+
+
+def _kernel_inputs(q1, k1, q2, k2, causal, split_k, dims):
+    """The inputs as the kernels read them (bf16 computed in fp32 under the interpreter:
+    ``compute_view``) and the forward's plan signature."""
+    if interpreting():
         q1, k1, q2, k2 = (compute_view(t) for t in (q1, k1, q2, k2))
-    sig = _signature("fwd", dims, (causal, split_k, fwd_backend()), q1, k1, q2, k2)
-    return _run_forward(sig, q1, k1, q2, k2, causal, split_k, dims, device, one_buffer)
+    return (q1, k1, q2, k2), _signature("fwd", dims, (causal, split_k, fwd_backend()), q1, k1, q2, k2)
 
 
 def _run_forward(sig, q1, k1, q2, k2, causal, split_k, dims, device, one_buffer=True):
@@ -347,12 +352,9 @@ def training_forward(q1, k1, q2, k2, causal, dims, split_k, train1, train2, bwd_
     """:func:`forward` for a call whose backward follows: ``(kl, lse1_bits, lse2_bits), binding``.
     The binding's key holds everything the backward's plan depends on beyond the forward's
     signature (the gradient flags, the mode, and the backward's environment settings)."""
-    device = q1.device
     if is_empty(dims):
-        return _empty_forward(dims, device), None
-    if interpreting():  # bf16 computed in fp32 there (compute_view)
-        q1, k1, q2, k2 = (compute_view(t) for t in (q1, k1, q2, k2))
-    sig = _signature("fwd", dims, (causal, split_k, fwd_backend()), q1, k1, q2, k2)
+        return _empty_forward(dims, q1.device), None
+    (q1, k1, q2, k2), sig = _kernel_inputs(q1, k1, q2, k2, causal, split_k, dims)
     key = (sig, train1, train2, bwd_mode, deterministic, _gluon_bwd_dispatch.bwd_backend(),
            _runtime.env("STREAMKL_BWD_STREAMS"), bwd_variant())
     binding = _BINDINGS.get(key)
@@ -363,7 +365,7 @@ def training_forward(q1, k1, q2, k2, causal, dims, split_k, train1, train2, bwd_
         binding = _BINDINGS[key] = TrainingBinding(bwd_sig)
         # a new signature: the backward's kernels compile beside the forward's
         compile_backward_ahead(q1, k1, q2, k2, causal, dims, train1, train2, bwd_mode, deterministic, sig=bwd_sig)
-    return _run_forward(sig, q1, k1, q2, k2, causal, split_k, dims, device), binding
+    return _run_forward(sig, q1, k1, q2, k2, causal, split_k, dims, q1.device), binding
 
 
 def _empty_backward(dims, q1, k1, q2, k2, train1, train2):
