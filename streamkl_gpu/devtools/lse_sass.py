@@ -29,34 +29,28 @@ from streamkl_gpu.devtools import sass as S
 from streamkl_gpu.devtools import sass_table as T
 from streamkl_ref._checks import check_indexer_inputs
 
+def _inputs(teacher, n):
+    """Zero stand-ins of ``teacher``'s q, k, indexer q, k and weights at N = n (bf16)."""
+    H, HK, D, HI, DI = offline_call.TEACHERS[teacher]
+    bf = torch.bfloat16
+    return (torch.zeros(1, H, n, D, dtype=bf), torch.zeros(1, HK, n, D, dtype=bf), torch.zeros(1, HI, n, DI, dtype=bf),
+            torch.zeros(1, 1, n, DI, dtype=bf), torch.zeros(1, HI, n, dtype=bf))
+
+
 def launches(teacher, n, name):
     """The teacher-LSE launches (kernel, grid, args, kwargs) of ``teacher``'s call at N = n, forced to ``name``."""
-    from streamkl_gpu._core import launcher
     from streamkl_gpu._core.forcing import forcing
     from streamkl_gpu.indexer import teacher_lse as TL
 
-    H, HK, D, HI, DI = offline_call.TEACHERS[teacher]
-    bf = torch.bfloat16
-    q, k = torch.zeros(1, H, n, D, dtype=bf), torch.zeros(1, HK, n, D, dtype=bf)
-    qi, ki, w = torch.zeros(1, HI, n, DI, dtype=bf), torch.zeros(1, 1, n, DI, dtype=bf), torch.zeros(1, HI, n, dtype=bf)
-    found = []
-    def record(fn, grid, args, kwargs):
-        found.append((fn, grid, args, kwargs))
-    kept = launcher._compile_only
-    launcher._compile_only = record
-    try:
-        with forcing(indexer_teacher_lse_config=name):
-            launcher.compile_ahead(lambda: TL.teacher_lse(q, k, qi, ki, w, causal=True, scale=192 ** -0.5), None).join()
-    finally:
-        launcher._compile_only = kept
+    xs = _inputs(teacher, n)
+    with forcing(indexer_teacher_lse_config=name):
+        found = offline_call.recorded_launches(lambda: TL.teacher_lse(*xs, causal=True, scale=192 ** -0.5),
+                                               f"teacher_lse {teacher} {name}")
     return [f for f in found if f[0].fn.__name__ == "_teacher_lse_kernel"]
 
+
 def dims_of(teacher, n):
-    H, HK, D, HI, DI = offline_call.TEACHERS[teacher]
-    bf = torch.bfloat16
-    return check_indexer_inputs(torch.zeros(1, H, n, D, dtype=bf), torch.zeros(1, HK, n, D, dtype=bf),
-                                torch.zeros(1, HI, n, DI, dtype=bf), torch.zeros(1, 1, n, DI, dtype=bf),
-                                torch.zeros(1, HI, n, dtype=bf), scale=None)
+    return check_indexer_inputs(*_inputs(teacher, n), scale=None)
 
 FIELDS = ["triton", "teacher", "config", "rule_choice", "grid", "rows", "block_n", "warps", "stages", "loop", "stage",
           "registers", "stack", "shared_bytes", "d_chunk_loop", "instructions", "hgmma", "hgmma_a_regs", "wg_arrive",
@@ -65,17 +59,11 @@ FIELDS = ["triton", "teacher", "config", "rule_choice", "grid", "rows", "block_n
 
 def key_loops(text):
     """(outer body, inner bodies) per key-tile loop: the outermost loops with HGMMA, each with the
-    HGMMA loops nested in it (the D-chunk loop of the "tiles" kernels; none for "qreg")."""
+    innermost HGMMA loops nested in it (the D-chunk loop of the "tiles" kernels; none for "qreg")."""
     ins = S._instructions(text)
-    spans = []
-    for addr, t in ins:
-        m = S._BRA.search(t)
-        if m and t.startswith("@") and int(m.group(1), 16) < addr:
-            spans.append((int(m.group(1), 16), addr))
-    body = lambda sp: [t for a, t in ins if sp[0] <= a <= sp[1]]
-    mma = [sp for sp in set(spans) if any("HGMMA" in t for t in body(sp))]
-    outer = sorted(sp for sp in mma if not any(o != sp and o[0] <= sp[0] and sp[1] <= o[1] for o in mma))
-    return [(body(o), [body(i) for i in mma if i != o and o[0] <= i[0] and i[1] <= o[1]]) for o in outer]
+    inner = S.mma_loop_spans(ins)
+    return [(S.loop_body(ins, o), [S.loop_body(ins, i) for i in inner if i != o and o[0] <= i[0] and i[1] <= o[1]])
+            for o in S.mma_loop_spans(ins, innermost=False)]
 
 COLS = ["instructions", "hgmma", "hgmma_a_regs", "wg_arrive", "wg_depbar", "ldg", "ldgsts", "utmaldg", "lds", "ldsm",
         "sts", "membar", "bar_sync", "mbarrier", "mufu_ex2", "fp32", "shfl", "spill"]

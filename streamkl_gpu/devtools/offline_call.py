@@ -87,7 +87,6 @@ def _launches(spec):
     """The distinct launches (kernel, grid, args, kwargs) of the call ``spec`` names."""
     import torch
     import streamkl_gpu
-    from streamkl_gpu._core import launcher
 
     parts = spec.split(":")
     if len(parts) not in (3, 4) or parts[0] not in TEACHERS or parts[2] not in ("lse", "nolse"):
@@ -100,6 +99,18 @@ def _launches(spec):
                torch.zeros(1, 1, n, DI, dtype=bf, requires_grad=True),
                torch.zeros(1, HI, n, dtype=bf, requires_grad=True)]
     lse = torch.zeros(1, H, n) if parts[2] == "lse" else None
+    # (the backward's kernels too: in the walk, custom_ops.call runs each op's backward)
+    return recorded_launches(
+        lambda: streamkl_gpu.indexer_kl(q, k, *student, causal=True, scale=D ** -0.5, lse=lse, reduction=reduction),
+        spec)
+
+
+def recorded_launches(call, what):
+    """The distinct launches (kernel, grid, args, kwargs) ``call()`` makes in a compile-ahead walk
+    (``launcher.compile_ahead``), recorded instead of compiled; ``what`` names the call in the
+    errors (it raised, or it reached no launch)."""
+    from streamkl_gpu._core import launcher
+
     seen, found = set(), []
 
     def record(fn, grid, args, kwargs):
@@ -111,22 +122,22 @@ def _launches(spec):
 
     raised = []
 
-    def call():  # (the backward's kernels too: in the walk, custom_ops.call runs each op's backward)
+    def walk():
         try:
-            streamkl_gpu.indexer_kl(q, k, *student, causal=True, scale=D ** -0.5, lse=lse, reduction=reduction)
+            call()
         except Exception as exc:  # the walk ends quietly; say why here
             raised.append(exc)
             raise
 
     launcher._compile_only, kept = record, launcher._compile_only
     try:
-        launcher.compile_ahead(call, None).join()
+        launcher.compile_ahead(walk, None).join()
     finally:
         launcher._compile_only = kept
     if raised:
-        raise RuntimeError(f"the call of {spec!r} raised in the compile-ahead walk") from raised[0]
+        raise RuntimeError(f"the call of {what!r} raised in the compile-ahead walk") from raised[0]
     if not found:
-        raise RuntimeError(f"the call of {spec!r} reached no kernel launch")
+        raise RuntimeError(f"the call of {what!r} reached no kernel launch")
     return found
 
 

@@ -135,21 +135,30 @@ def _instructions(sass):
     return [(int(a, 16), text) for a, text in _INSTR.findall(sass)]
 
 
-def main_loops(sass):
-    """The innermost loops whose bodies hold HGMMA: a list of instruction lists. A loop is the
-    span of a conditional backward branch (the latch); unconditional backward branches are the
-    retry paths of mbarrier waits that ptxas places after the kernel's exit."""
-    ins = _instructions(sass)
-    spans = []
+def mma_loop_spans(ins, innermost=True):
+    """The (first, last) address spans, in code order, of the loops of ``ins`` (``_instructions``)
+    whose bodies hold HGMMA: the innermost ones, or with ``innermost=False`` the outermost ones.
+    A loop is the span of a conditional backward branch (the latch); unconditional backward
+    branches are the retry paths of mbarrier waits that ptxas places after the kernel's exit."""
+    spans = set()
     for addr, text in ins:
         m = _BRA.search(text)
         if m and text.startswith("@") and int(m.group(1), 16) < addr:
-            spans.append((int(m.group(1), 16), addr))
-    bodies = {sp: [t for a, t in ins if sp[0] <= a <= sp[1]] for sp in spans}
-    with_mma = [sp for sp in spans if any("HGMMA" in t for t in bodies[sp])]
-    innermost = [sp for sp in with_mma
-                 if not any(o != sp and sp[0] <= o[0] and o[1] <= sp[1] for o in with_mma)]
-    return [bodies[sp] for sp in sorted(set(innermost))]
+            spans.add((int(m.group(1), 16), addr))
+    with_mma = [sp for sp in spans if any("HGMMA" in t for a, t in ins if sp[0] <= a <= sp[1])]
+    inside = (lambda sp, o: sp[0] <= o[0] and o[1] <= sp[1]) if innermost else (lambda sp, o: o[0] <= sp[0] and sp[1] <= o[1])
+    return sorted(sp for sp in with_mma if not any(o != sp and inside(sp, o) for o in with_mma))
+
+
+def loop_body(ins, span):
+    """The instruction texts of ``ins`` inside ``span`` (its first and last address)."""
+    return [t for a, t in ins if span[0] <= a <= span[1]]
+
+
+def main_loops(sass):
+    """The innermost loops whose bodies hold HGMMA (``mma_loop_spans``): a list of instruction lists."""
+    ins = _instructions(sass)
+    return [loop_body(ins, sp) for sp in mma_loop_spans(ins)]
 
 
 def sass_counts(sass):

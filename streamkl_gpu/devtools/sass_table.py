@@ -75,9 +75,8 @@ def loop_paths(sass_text: str) -> list:
     ins = sass._instructions(sass_text)
     at = {a: k for k, (a, _) in enumerate(ins)}
     out = []
-    for body in sass.main_loops(sass_text):
-        first = next(k for k, (_, t) in enumerate(ins) if t == body[0] and ins[k + len(body) - 1][1] == body[-1])
-        lo, hi = ins[first][0], ins[first + len(body) - 1][0]
+    for lo, hi in sass.mma_loop_spans(ins):
+        first = at[lo]
         paths = []
 
         def walk(k, taken, depth=0):
