@@ -155,3 +155,23 @@ def test_branch_layout_variant_matches_float64(monkeypatch, poison, launched, sh
     loss, grads = _step(xs, reduction, causal=causal, relu=relu)
     assert launched and set(launched) == {"keys"} and seen.count(True) == len(launched), (launched, seen)
     _assert_close(loss, grads, *_reference(xs, shape, causal, relu, reduction))
+
+
+def test_no_dk_diagnostic_leaves_out_dk_alone(monkeypatch, launched):
+    """The timing-only variant "no_dk" (forcing indexer_chunk_gradient_parts): the keys-major kernel
+    without each key tile's dk share: dk_idx comes out 0, the loss and the other gradients equal
+    the whole kernel's; an unknown name raises."""
+    from streamkl_gpu._core.forcing import forcing
+    _force(monkeypatch, "keys_first")
+    xs = make(2, 8, 2, 19, 23, 16, 4, 1, 16, seed=4)
+    loss, grads = _step(xs, "sum", causal=True)
+    with forcing(indexer_chunk_gradient_parts="no_dk"):
+        loss_n, grads_n = _step(xs, "sum", causal=True)
+    assert set(launched) == {"keys"}, launched
+    assert torch.equal(loss, loss_n)
+    assert grads["dk_idx"].abs().sum() > 0 and torch.count_nonzero(grads_n["dk_idx"]) == 0
+    for name in ("dq_idx", "dweights"):
+        assert torch.equal(grads_n[name], grads[name]), name
+    with pytest.raises(ValueError, match="indexer_chunk_gradient_parts"):
+        with forcing(indexer_chunk_gradient_parts="no_dq"):
+            _step(xs, "sum", causal=True)

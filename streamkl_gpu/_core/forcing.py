@@ -37,6 +37,9 @@ Forcible choices (keyword arguments of :func:`forcing`; unknown names raise ``Va
   e.g. ``"tiles_128x128_w4s3"`` or ``"qreg_128x64_w8s3"``; ``lse_config_names(dims)`` lists
   them; an unknown name raises ``ValueError`` with the list) or an ``IndexerConfig``; correct
   either way.
+- ``indexer_chunk_gradient_parts``: a timing-only variant of the chunk design's keys-major gradient
+  kernel, one of ``streamkl_gpu.devtools.diagnostics.INDEXER_CHUNK_GRADIENT_PARTS`` (``"no_dk"``:
+  no dk_idx share per key tile; dk_idx comes out 0).
 
 Every Gluon launch inside the block is recorded in the yielded :class:`Record` (kernel name, the
 compiled kernel, its constexprs). Outside a ``forcing`` block nothing is recorded and nothing is
@@ -49,7 +52,8 @@ import dataclasses
 from typing import Any, Optional
 
 CHOICES = ("attention_fwd_variant", "indexer_accumulate_parts", "indexer_storing_forward_order",
-           "indexer_chunk_gradient_order", "indexer_chunk_gradient_config", "indexer_teacher_lse_config")
+           "indexer_chunk_gradient_order", "indexer_chunk_gradient_config", "indexer_teacher_lse_config",
+           "indexer_chunk_gradient_parts")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,6 +51,13 @@ INDEXER_ACCUMULATE_PARTS = {
     "nodk": 2,  # + dq_p and dweights_p, no dk_p
 }
 
+# The chunk design's keys-major gradient kernel's DK_SHARE constexpr (indexer/triton/chunk_grad_keys.py),
+# forced to leave out each key tile's dk_idx share (its product and its reduction into dk): the
+# share's part of the kernel's time (dk_idx comes out 0).
+INDEXER_CHUNK_GRADIENT_PARTS = {
+    "no_dk": 0,
+}
+
 
 def attention_fwd_variant(name: Optional[str]) -> int:
     """The VARIANT constexpr of a forced attention forward variant (``None``: what runs unforced,
@@ -69,3 +76,10 @@ def indexer_accumulate_parts(name: Optional[str]) -> int:
     if name not in INDEXER_ACCUMULATE_PARTS:
         raise ValueError(f"indexer_accumulate_parts must be one of {sorted(INDEXER_ACCUMULATE_PARTS)}, got {name!r}")
     return INDEXER_ACCUMULATE_PARTS[name]
+
+
+def indexer_chunk_gradient_parts(name: str) -> int:
+    """The DK_SHARE constexpr of a forced chunk-gradient variant."""
+    if name not in INDEXER_CHUNK_GRADIENT_PARTS:
+        raise ValueError(f"indexer_chunk_gradient_parts must be one of {sorted(INDEXER_CHUNK_GRADIENT_PARTS)}, got {name!r}")
+    return INDEXER_CHUNK_GRADIENT_PARTS[name]

@@ -13,6 +13,7 @@ import torch
 from streamkl_ref._checks import check_indexer_inputs
 from streamkl_gpu._core import custom_ops as _custom_ops
 from streamkl_gpu._core import forcing as _forcing
+from streamkl_gpu.devtools import diagnostics as _diagnostics
 from streamkl_gpu.indexer.triton import bwd as _indexer_bwd
 from streamkl_gpu.indexer.triton import chunk_grad_keys as _chunk_grad_keys
 from streamkl_gpu.indexer.triton import accumulate as _indexer_pacc
@@ -109,6 +110,8 @@ def _forward_full_with(fcfg, bcfg, q, k, q_idx, k_idx, weights, lse, causal, sca
     ftma, fl1 = _plan_mod._load_mode(fpl, use_tma)
     btma, _ = _plan_mod._load_mode(bpl, use_tma)
     dk_share = 2 if _host.DQK_TMA and btma and not _runtime.interpreting() else 1
+    if _forcing.forced("indexer_chunk_gradient_parts") is not None:  # a diagnostic (wrong dk_idx)
+        dk_share = _diagnostics.indexer_chunk_gradient_parts(_forcing.forced("indexer_chunk_gradient_parts"))
     dk_desc = (_runtime.TensorDescriptor(dk1, list(dk1.shape), list(dk1.stride()), [1, 1, bpl["BLOCK_N"], bpl["DI_PAD"]])
                if dk_share == 2 else None)
     fdesc = _plan_mod._descriptors(fpl, ftma, q, k, q_idx, k_idx)

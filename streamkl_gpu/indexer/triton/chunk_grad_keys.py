@@ -132,14 +132,16 @@ def _chunk_grad_key_range(
             visible, p = _visible_target(P, b, p_rows, toks, t_off, keys, lse_i, N_Q, N_K, diag_offset, MASKED, CAUSAL)
             coef = _coefficient_tile(a, logits, visible, p, g, lse_bits, BLOCK_N, GI_PAD, BLOCK_T, RELU)
         dq_hat += _dot(tl.trans(coef.to(k_tile.dtype)), k_tile, IEEE_I)
-        dk_part = _dot(coef.to(w_for_dk.dtype), w_for_dk, IEEE_I)  # [BLOCK_N, DI_PAD]
         if DK_SHARE == 2:  # one bulk TMA reduction (Hopper)
+            dk_part = _dot(coef.to(w_for_dk.dtype), w_for_dk, IEEE_I)  # [BLOCK_N, DI_PAD]
             DK_DESC.atomic_add([b, kvi, s0, 0], dk_part.reshape(1, 1, BLOCK_N, DI_PAD))
-        else:  # relaxed: a sum read only after the kernel (the default acq_rel puts a MEMBAR.ALL.GPU
-            # before every atomic in the SASS: 8 fenced L2 round trips per tile at DSA-like)
+        elif DK_SHARE == 1:  # relaxed: a sum read only after the kernel (the default acq_rel puts a
+            # MEMBAR.ALL.GPU before every atomic in the SASS: 8 fenced L2 round trips per tile at DSA-like)
+            dk_part = _dot(coef.to(w_for_dk.dtype), w_for_dk, IEEE_I)  # [BLOCK_N, DI_PAD]
             out = (b.to(tl.int64) * H_KI + kvi) * N_K + keys
             tl.atomic_add(DK + out[:, None] * DI + offs_d[None, :], dk_part,
                           mask=(keys < N_K)[:, None] & (offs_d < DI)[None, :], sem="relaxed")
+        # DK_SHARE 0: no dk share (the diagnostic "no_dk", devtools/diagnostics.py: dq and dweights alone)
     return dq_hat
 
 
@@ -155,7 +157,7 @@ def _chunk_grad_keys_kernel(
     """dq_idx [B, H_I, N_Q, D_I] and dweights [B, H_I, N_Q] (fp32) of indexer key head ``kvi``'s
     heads for one token block of the chunk starting at T_OFF (P: its target [B, P_ROWS, N_K]), and
     their dk_idx share added into the zeroed fp32 DK (DK_SHARE 2: one TMA bulk reduction per
-    tile; 1: fp32 atomics). Grid (token blocks of the chunk, B * H_KI)."""
+    tile; 1: fp32 atomics; 0: none, a diagnostic). Grid (token blocks of the chunk, B * H_KI)."""
     COLS: tl.constexpr = GI_PAD * BLOCK_T
     pid_t = tl.program_id(0)
     b, kvi, t0, tok_c, j, col_ok, q_rows, w_cols = _token_block(
