@@ -141,7 +141,8 @@ def _forward_full_with(fcfg, bcfg, q, k, q_idx, k_idx, weights, lse, causal, sca
                 *q_idx.stride(), *k_idx.stride(), *weights.stride(), dims.HI, dims.HKI, group_i, dims.NQ, dims.NK,
                 DI=dims.DI, DI_PAD=bpl["DI_PAD"], GI_PAD=bpl["GI_PAD"], BLOCK_T=bpl["BLOCK_T"], BLOCK_N=bpl["BLOCK_N"],
                 CAUSAL=causal, RELU=relu, IEEE_I=ieee_i, USE_TMA=btma, DK_SHARE=dk_share,
-                BRANCH_LAYOUT=bpl["variant"] == "keys_branch", num_warps=bpl["warps"], num_stages=bpl["stages"])
+                BRANCH_LAYOUT=bpl["variant"] == "keys_branch", LPT=causal and _host.CHUNK_GRADIENT_LPT,
+                num_warps=bpl["warps"], num_stages=bpl["stages"])
             continue
         kernel_call(_indexer_bwd._indexer_bwd_dq_kernel, (_runtime.cdiv(rows, bpl["BLOCK_T"]), dims.B * dims.HKI))(
             q, k, q_idx, k_idx, weights, p, lse_idx, g_rows, dq1, dw1, *bdesc, dk1, dk_desc, c0, chunk, *strides,

@@ -64,12 +64,16 @@ def _query_rows(QI, QI_DESC, b, j0, t0, j, tok, row_ok, stride_qib, stride_qih, 
 @triton.jit
 def _token_block(QI, QI_DESC, W, T_OFF, H_KI, GROUP_I, N_Q, stride_qib, stride_qih, stride_qin, stride_qid,
                  stride_wb, stride_wh, stride_wn, DI: tl.constexpr, DI_PAD: tl.constexpr, GI_PAD: tl.constexpr,
-                 BLOCK_T: tl.constexpr, USE_TMA: tl.constexpr):
+                 BLOCK_T: tl.constexpr, USE_TMA: tl.constexpr, LPT: tl.constexpr = False):
     """The program's token block (grid: token blocks from T_OFF, B * H_KI) and every indexer head of
     its key head ``kvi``, as ``r = j * BLOCK_T + t`` rows (``GI_PAD * BLOCK_T``): ``(b, kvi, t0,
-    tok, j, ok, q_rows [rows, DI_PAD], w [rows] fp32)``, q rows and weights 0 where not ``ok``."""
+    tok, j, ok, q_rows [rows, DI_PAD], w [rows] fp32)``, q rows and weights 0 where not ``ok``.
+    LPT: token blocks in reverse order (causal: the longest rows start first, the short ones fill
+    the last wave)."""
     ROWS: tl.constexpr = GI_PAD * BLOCK_T
     pid_t = tl.program_id(0)
+    if LPT:
+        pid_t = tl.num_programs(0) - 1 - pid_t
     pid_bk = tl.program_id(1)
     b = pid_bk // H_KI
     kvi = pid_bk % H_KI

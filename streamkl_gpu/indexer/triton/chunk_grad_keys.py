@@ -152,17 +152,18 @@ def _chunk_grad_keys_kernel(
     stride_wb, stride_wh, stride_wn, H_I, H_KI, GROUP_I, N_Q, N_K,
     DI: tl.constexpr, DI_PAD: tl.constexpr, GI_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, RELU: tl.constexpr, IEEE_I: tl.constexpr, USE_TMA: tl.constexpr, DK_SHARE: tl.constexpr,
-    BRANCH_LAYOUT: tl.constexpr = False,
+    BRANCH_LAYOUT: tl.constexpr = False, LPT: tl.constexpr = False,
 ):
     """dq_idx [B, H_I, N_Q, D_I] and dweights [B, H_I, N_Q] (fp32) of indexer key head ``kvi``'s
     heads for one token block of the chunk starting at T_OFF (P: its target [B, P_ROWS, N_K]), and
     their dk_idx share added into the zeroed fp32 DK (DK_SHARE 2: one TMA bulk reduction per
-    tile; 1: fp32 atomics; 0: none, a diagnostic). Grid (token blocks of the chunk, B * H_KI)."""
+    tile; 1: fp32 atomics; 0: none, a diagnostic). Grid (token blocks of the chunk, B * H_KI); LPT
+    (causal): the token blocks in reverse order, the longest rows first (``bwd._token_block``)."""
     COLS: tl.constexpr = GI_PAD * BLOCK_T
     pid_t = tl.program_id(0)
     b, kvi, t0, tok_c, j, col_ok, q_rows, w_cols = _token_block(
         QI, QI_DESC, W, T_OFF, H_KI, GROUP_I, N_Q, stride_qib, stride_qih, stride_qin, stride_qid,
-        stride_wb, stride_wh, stride_wn, DI, DI_PAD, GI_PAD, BLOCK_T, USE_TMA)  # columns c = j * BLOCK_T + t
+        stride_wb, stride_wh, stride_wn, DI, DI_PAD, GI_PAD, BLOCK_T, USE_TMA, LPT)  # columns c = j * BLOCK_T + t
     b64 = b.to(tl.int64)
     q_w = (q_rows.to(tl.float32) * w_cols[:, None]).to(q_rows.dtype)  # the dk operand, weights folded in
     ki_base = KI + b64 * stride_kib + kvi.to(tl.int64) * stride_kih
