@@ -175,3 +175,25 @@ def test_no_dk_diagnostic_leaves_out_dk_alone(monkeypatch, launched):
     with pytest.raises(ValueError, match="indexer_chunk_gradient_parts"):
         with forcing(indexer_chunk_gradient_parts="no_dq"):
             _step(xs, "sum", causal=True)
+
+
+@pytest.mark.parametrize("variant", ["keys", "keys_lpt"])
+@pytest.mark.parametrize("shape,causal,reduction,relu", CASES[:2])
+def test_storing_forward_keys_major_and_lpt_match_float64(monkeypatch, poison, launched, variant, shape, causal,
+                                                          reduction, relu):
+    """The chunk design's storing forward on keys-major tiles, in token order and with the longest
+    rows first (``lpt``, the plain forward's rule variant at DSA-like teachers), then the keys-major
+    gradient kernel (itself LPT when causal): the loss and gradients against float64."""
+    from streamkl_gpu.indexer.training import store as idx_store
+    monkeypatch.setenv("STREAMKL_INDEXER_TRAINING", "chunk")
+    _force(monkeypatch, "keys_first")
+    forced = replace(idx_configs.INTERPRETER_CONFIG, variant=variant)
+    monkeypatch.setattr(idx_configs, "storing_forward_candidates", lambda *a, **kw: [forced])
+    metas = []
+    real_meta = idx_store._pstore_meta
+    monkeypatch.setattr(idx_store, "_pstore_meta", lambda pl: metas.append(real_meta(pl)) or metas[-1])
+    xs = make(*shape, seed=sum(shape) + 23)
+    loss, grads = _step(xs, reduction, causal=causal, relu=relu)
+    assert metas and all(m["KEYS_MAJOR"] and m["LPT"] == (variant == "keys_lpt") for m in metas), metas
+    assert set(launched) == {"keys"}, launched
+    _assert_close(loss, grads, *_reference(xs, shape, causal, relu, reduction))

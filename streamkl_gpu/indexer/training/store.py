@@ -27,9 +27,9 @@ from streamkl_gpu.indexer import plan as _plan_mod
 
 def _pstore_meta(pl) -> dict:
     """The storing forward's options from the forward config's variant (_indexer_fwd.variant_meta):
-    the keys-major tile (KEYS_MAJOR) and a register cap; its other options (flat, lpt) not."""
+    the keys-major tile (KEYS_MAJOR), the longest rows first (LPT) and a register cap; flat not."""
     meta = _indexer_fwd.variant_meta(str(pl["variant"]), _runtime.interpreting())
-    return {k: v for k, v in meta.items() if k in ("KEYS_MAJOR", "maxnreg")}
+    return {k: v for k, v in meta.items() if k in ("KEYS_MAJOR", "LPT", "maxnreg")}
 
 
 def _forward_pstore(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):

@@ -426,13 +426,16 @@ def _indexer_fwd_pstore_kernel(
     HB: tl.constexpr, IB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, RELU: tl.constexpr, IEEE_T: tl.constexpr, IEEE_I: tl.constexpr,
     NO_CONTRACT: tl.constexpr, USE_TMA: tl.constexpr, SPLIT: tl.constexpr, A_L1: tl.constexpr = False,
-    KEYS_MAJOR: tl.constexpr = False,
+    KEYS_MAJOR: tl.constexpr = False, LPT: tl.constexpr = False,
 ):
     """``_indexer_fwd._indexer_fwd_kernel`` (same grid, key splits and outputs) that also stores
     the target ``p`` of every tile it visits into ``P [B, p_rows, N_K]`` (tiles past a block's
     causal frontier are not written: the backward reads only visible entries). The grid covers
-    the tokens ``t_off ..`` (a chunk of p_rows tokens; the whole problem: 0 and N_Q)."""
+    the tokens ``t_off ..`` (a chunk of p_rows tokens; the whole problem: 0 and N_Q). LPT: token
+    blocks in reverse order (causal: the longest rows first), as the forward's."""
     pid_t = tl.program_id(0)
+    if LPT:
+        pid_t = tl.num_programs(0) - 1 - pid_t
     split = tl.program_id(1)
     b = tl.program_id(2)
     t0 = t_off + pid_t * BLOCK_T
