@@ -550,7 +550,7 @@ def test_lazy_max_is_a_complete_variant_named_with_the_diagnostics():
     from streamkl_gpu.devtools import diagnostics
 
     assert diagnostics.attention_fwd_variant("lazy_max") == 4
-    assert diagnostics.attention_fwd_variant(None) == diagnostics.ATTENTION_FWD_DEFAULT == 4  # what runs unforced
+    assert diagnostics.attention_fwd_variant(None, causal=True) == diagnostics.ATTENTION_FWD_DEFAULTS[True] == 4  # unforced
     assert diagnostics.attention_fwd_variant("eager_max") == 0
     assert set(diagnostics.ATTENTION_FWD_COMPLETE_VARIANTS) <= set(diagnostics.ATTENTION_FWD_VARIANTS)
 
@@ -586,7 +586,7 @@ def vote_rows(lazy_rows):
 def test_lazy_vote_is_a_complete_variant_named_with_the_diagnostics():
     from streamkl_gpu.devtools import diagnostics
 
-    assert diagnostics.attention_fwd_variant("lazy_vote") == 5 != diagnostics.ATTENTION_FWD_DEFAULT
+    assert diagnostics.attention_fwd_variant("lazy_vote") == 5 == diagnostics.attention_fwd_variant(None, causal=False)
     assert diagnostics.ATTENTION_FWD_COMPLETE_VARIANTS["lazy_vote"] == 5
 
 

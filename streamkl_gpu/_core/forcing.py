@@ -11,9 +11,10 @@ Forcible choices (keyword arguments of :func:`forcing`; unknown names raise ``Va
 
 - ``attention_fwd_variant``: a variant of the Hopper Gluon forward, one of
   ``streamkl_gpu.devtools.diagnostics.ATTENTION_FWD_VARIANTS``: a complete one
-  (``ATTENTION_FWD_COMPLETE_VARIANTS``: ``"lazy_max"``, what runs unforced, or ``"eager_max"``, the
-  fold with the row maxima on every tile) or a diagnostic one (deliberately wrong results: they
-  explain the kernel's time, they are never a candidate).
+  (``ATTENTION_FWD_COMPLETE_VARIANTS``: ``"lazy_vote"`` and ``"lazy_max"``, what runs unforced
+  without and with a causal mask, or ``"eager_max"``, the fold with the row maxima on every tile)
+  or a diagnostic one (deliberately wrong results: they explain the kernel's time, they are never
+  a candidate).
 - ``indexer_accumulate_parts``: a timing-only variant of the indexer's accumulating forward, one of
   ``streamkl_gpu.devtools.diagnostics.INDEXER_ACCUMULATE_PARTS`` (incomplete gradients).
 - ``indexer_storing_forward_order``: the order in which the indexer's chunk design tries its

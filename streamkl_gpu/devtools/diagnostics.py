@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-# The Hopper Gluon forward's VARIANT constexpr. What runs unforced is ATTENTION_FWD_DEFAULT (4, the
-# lazy maxima); 0 is the fold with the row maxima on every tile, which the diagnostic variants 1-3
-# modify.
+# The Hopper Gluon forward's VARIANT constexpr. What runs unforced is ATTENTION_FWD_DEFAULTS' entry for
+# the mask (the lazy maxima: 5, with the cheaper vote, non-causal; 4 causal); 0 is the fold with the
+# row maxima on every tile, which the diagnostic variants 1-3 modify.
 ATTENTION_FWD_VARIANTS = {
     "no_exp": 1,  # the exponentials replaced by their argument: the MUFU share of the time
     "no_second_product": 2,  # side 2's score product skipped: one product's share
@@ -39,10 +39,15 @@ ATTENTION_FWD_COMPLETE_VARIANTS = {
     # one barrier) and the slot's descriptors rebuilt on the slow path. Offline SASS per whole-tile
     # fast path (bf16 D = 128, the two consumers), triton 3.6: 665 / 669 instructions, 3 BAR.SYNC,
     # 1 + 4 LDL, no STL, 56 B stack (lazy_max: 675 / 679, 4 BAR, 3 + 5 LDL/STL, 48 B); 3.9: 700 / 715,
-    # 2 BAR, 0 + 2 LDL/STL, 56 B (lazy_max: 699 / 712, 2 BAR, 3 + 3, 72 B). Not timed yet
+    # 2 BAR, 0 + 2 LDL/STL, 56 B (lazy_max: 699 / 712, 2 BAR, 3 + 3, 72 B). Timed against lazy_max
+    # (one H100, B=1 H=32 D=128 bf16, 5 rounds in rotated order, bench/results/2026-12-06_h100_2037f01/
+    # attn_vs_cudnn.csv): non-causal 0.909 / 0.917 / 0.992 / 1.016 / 0.992x at 4K / 8K / 16K / 32K /
+    # 64K, causal 1.041-1.105x (slower at every N): the non-causal default
     "lazy_vote": 5,
 }
-ATTENTION_FWD_DEFAULT = ATTENTION_FWD_COMPLETE_VARIANTS["lazy_max"]
+# What runs unforced, by mask (causal -> VARIANT)
+ATTENTION_FWD_DEFAULTS = {False: ATTENTION_FWD_COMPLETE_VARIANTS["lazy_vote"],
+                          True: ATTENTION_FWD_COMPLETE_VARIANTS["lazy_max"]}
 
 # The indexer's accumulating forward's PARTS constexpr (3: the whole forward).
 INDEXER_ACCUMULATE_PARTS = {
@@ -59,11 +64,11 @@ INDEXER_CHUNK_GRADIENT_PARTS = {
 }
 
 
-def attention_fwd_variant(name: Optional[str]) -> int:
-    """The VARIANT constexpr of a forced attention forward variant (``None``: what runs unforced,
-    ``ATTENTION_FWD_DEFAULT``)."""
+def attention_fwd_variant(name: Optional[str], causal: bool = True) -> int:
+    """The VARIANT constexpr of a forced attention forward variant (``None``: what runs unforced at
+    that mask, ``ATTENTION_FWD_DEFAULTS[causal]``)."""
     if name is None:
-        return ATTENTION_FWD_DEFAULT
+        return ATTENTION_FWD_DEFAULTS[bool(causal)]
     if name not in ATTENTION_FWD_VARIANTS:
         raise ValueError(f"attention_fwd_variant must be one of {sorted(ATTENTION_FWD_VARIANTS)}, got {name!r}")
     return ATTENTION_FWD_VARIANTS[name]

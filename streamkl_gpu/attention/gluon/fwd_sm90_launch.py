@@ -258,7 +258,7 @@ def launch_args(q1, k1, q2, k2, causal, scale1, scale2, kl, lse1_bits, lse2_bits
     forced by ``forcing(attention_fwd_variant=...)`` computes wrong results, for timing only."""
     B, H, N_Q, D1 = q1.shape
     N_K, D2 = k1.shape[2], q2.shape[3]
-    variant = _diagnostics.attention_fwd_variant(_forcing.forced("attention_fwd_variant"))
+    variant = _diagnostics.attention_fwd_variant(_forcing.forced("attention_fwd_variant"), causal)
     block_n, constexprs, options = _statics(D1, D2, config, causal, variant)
     descs = (make_descriptor(q1, _kernel.WG_M.value), make_descriptor(k1, block_n),
              make_descriptor(q2, _kernel.WG_M.value), make_descriptor(k2, block_n))
