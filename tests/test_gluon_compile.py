@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from streamkl_gpu.attention.gluon import dispatch as dispatch
-from streamkl_gpu.attention.gluon import fwd_sm90 as _gluon_fwd
+from streamkl_gpu.attention.gluon import fwd_sm90_fold as _gluon_fold
 from streamkl_gpu.attention.gluon import fwd_sm90_launch as _gluon_fwd_launch
 from streamkl_gpu.attention.gluon.fwd_sm90_launch import GluonFwdConfig
 from streamkl_gpu.devtools.sass import config_from_spec, config_spec
@@ -341,18 +341,18 @@ def test_exp2_polynomial_twin_accuracy_zeros_and_nan():
 
     x = np.concatenate([np.linspace(-126.0, 0.0, 400001), -np.geomspace(1e-8, 1.0, 1000), [0.0, -0.5, -1.5]])
     x = x.astype(np.float32)
-    got = _gluon_fwd.exp2_poly_reference(x).astype(np.float64)
+    got = _gluon_fold.exp2_poly_reference(x).astype(np.float64)
     want = np.exp2(x.astype(np.float64))
     assert np.max(np.abs(got / want - 1.0)) < 3e-7
-    assert np.all(_gluon_fwd.exp2_poly_reference(np.float32([-127.0, -200.0, -1e30, -np.inf])) == 0.0)
-    assert np.isnan(_gluon_fwd.exp2_poly_reference(np.float32([np.nan]))).all()
+    assert np.all(_gluon_fold.exp2_poly_reference(np.float32([-127.0, -200.0, -1e30, -np.inf])) == 0.0)
+    assert np.isnan(_gluon_fold.exp2_poly_reference(np.float32([np.nan]))).all()
 
 
 def test_schedule_knobs_pack_into_sched():
     cfg = GluonFwdConfig(block_n=64, num_stages=4, pingpong=1, poly=2, rescale=1, fence=1)
     sched = cfg.sched
     assert sched == _gluon_fwd_launch.sched_of(cfg.knobs())
-    for name, (off, width) in _gluon_fwd.SCHED_BITS.items():
+    for name, (off, width) in _gluon_fold.SCHED_BITS.items():
         assert (sched >> off) & ((1 << width) - 1) == getattr(cfg, name.lower())
     assert _gluon_fwd_launch.waits_per_tile(sched) == 2
     assert _gluon_fwd_launch.waits_per_tile(GluonFwdConfig(block_n=128, num_stages=2, maxnreg=224, pingpong=1,
@@ -574,7 +574,7 @@ def test_lazy_max_fast_path_has_no_max_and_fewer_instructions(lazy_rows):
 
 
 # ----------------------------------------------------------------------------------------------
-# the complete variant lazy_vote: lazy_max with the cheaper vote (fwd_sm90._vote, VOTE 1)
+# the complete variant lazy_vote: lazy_max with the cheaper vote (fwd_sm90_fold._vote, VOTE 1)
 # ----------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

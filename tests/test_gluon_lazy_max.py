@@ -1,10 +1,10 @@
-"""The lazy_max variant's fold (``fwd_sm90._fold_sub_lazy``) as a NumPy float32 twin, against the
+"""The lazy_max variant's fold (``fwd_sm90_fold._fold_sub_lazy``) as a NumPy float32 twin, against the
 default's fold (``_fold_sub``, whole tiles, FOLD) and float64: Gluon does not run on CPU, so the
 formulas are checked here and the kernel on the GPU (``.device`` scripts)."""
 import numpy as np
 import pytest
 
-from streamkl_gpu.attention.gluon import fwd_sm90 as g
+from streamkl_gpu.attention.gluon import fwd_sm90_fold as g
 
 F = np.float32
 

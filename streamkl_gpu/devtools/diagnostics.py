@@ -29,13 +29,13 @@ ATTENTION_FWD_VARIANTS = {
 # Complete variants of the same kernel (correct KL, lse1, lse2, within float rounding of each
 # other), forced the same way so that a GPU script can time them against each other in one process.
 ATTENTION_FWD_COMPLETE_VARIANTS = {
-    # whole tiles without the row maxima while they grow by <= 8 bits (fwd_sm90._fold_sub_lazy);
+    # whole tiles without the row maxima while they grow by <= 8 bits (fwd_sm90_fold._fold_sub_lazy);
     # the default: 0.89-0.97x the eager fold's time at B=1 H=32 D=128 bf16, 4K-32K
     # (bench/results/2026-12-06_h100_3b920d9/fwd_variants.csv)
     "lazy_max": 4,
-    # the row maxima folded on every tile (fwd_sm90._fold_sub): the kernel before lazy_max
+    # the row maxima folded on every tile (fwd_sm90_fold._fold_sub): the kernel before lazy_max
     "eager_max": 0,
-    # lazy_max with a cheaper vote (fwd_sm90._vote VOTE 1: the 4 warps' votes through 4 shared ints,
+    # lazy_max with a cheaper vote (fwd_sm90_fold._vote VOTE 1: the 4 warps' votes through 4 shared ints,
     # one barrier) and the slot's descriptors rebuilt on the slow path. Offline SASS per whole-tile
     # fast path (bf16 D = 128, the two consumers), triton 3.6: 665 / 669 instructions, 3 BAR.SYNC,
     # 1 + 4 LDL, no STL, 56 B stack (lazy_max: 675 / 679, 4 BAR, 3 + 5 LDL/STL, 48 B); 3.9: 700 / 715,

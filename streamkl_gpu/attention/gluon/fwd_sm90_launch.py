@@ -17,6 +17,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from streamkl_gpu._core import forcing as _forcing
 from streamkl_gpu._core import launcher as _fast_launch
 from streamkl_gpu.attention.gluon import fwd_sm90 as _kernel
+from streamkl_gpu.attention.gluon import fwd_sm90_fold as _fold
 from streamkl_gpu.devtools import diagnostics as _diagnostics
 
 
@@ -26,7 +27,7 @@ class GluonFwdConfig:
     through a ring of ``num_stages`` TMA slots, ptxas capped at ``maxnreg`` registers per thread
     (the consumer warpgroups raise theirs to ``consumer_regs`` with setmaxnreg), and the schedule
     knobs, each 0 (off) or its level, packed into the kernel's ``SCHED`` constexpr by
-    :func:`sched_of` (``fwd_sm90.SCHED_BITS``; the fields below are its names in lower case).
+    :func:`sched_of` (``fwd_sm90_fold.SCHED_BITS``; the fields below are its names in lower case).
     Equal fields are one launch (the tuner and its disk cache key on them)."""
     block_n: int
     num_stages: int
@@ -48,7 +49,7 @@ class GluonFwdConfig:
 
     def knobs(self) -> dict:
         """The schedule knobs by the kernel's names (``SCHED_BITS``: ``{"PINGPONG": 0, ...}``)."""
-        return {name: getattr(self, name.lower()) for name in _kernel.SCHED_BITS}
+        return {name: getattr(self, name.lower()) for name in _fold.SCHED_BITS}
 
     @property
     def sched(self) -> int:
@@ -57,9 +58,9 @@ class GluonFwdConfig:
 
 
 # every knob of the kernel is a field
-KNOB_FIELDS = tuple(name.lower() for name in _kernel.SCHED_BITS)
+KNOB_FIELDS = tuple(name.lower() for name in _fold.SCHED_BITS)
 if not set(KNOB_FIELDS) <= {f.name for f in fields(GluonFwdConfig)}:
-    raise ImportError(f"fwd_sm90.SCHED_BITS has knobs GluonFwdConfig lacks: {sorted(KNOB_FIELDS)}")
+    raise ImportError(f"fwd_sm90_fold.SCHED_BITS has knobs GluonFwdConfig lacks: {sorted(KNOB_FIELDS)}")
 
 
 def _ring_stages(d1: int, d2: int, block_n: int) -> int:
@@ -180,7 +181,7 @@ def sched_of(knobs) -> int:
     knob left out is 0), packed by ``SCHED_BITS``; :attr:`GluonFwdConfig.sched` of a launch."""
     cfg = knobs
     out = 0
-    for name, (off, width) in _kernel.SCHED_BITS.items():
+    for name, (off, width) in _fold.SCHED_BITS.items():
         v = int(cfg.get(name, 0))
         if not 0 <= v < (1 << width):
             raise ValueError(f"{name}={v} does not fit in {width} bit(s)")
@@ -270,11 +271,11 @@ def launch_args(q1, k1, q2, k2, causal, scale1, scale2, kl, lse1_bits, lse2_bits
 
 def waits_per_tile(sched: int) -> int:
     """The wgmma waits in the source of one key-tile loop body: two per (sub-)tile product pair."""
-    if (sched >> _kernel.SCHED_BITS["LOOK"][0]) & 1:  # two key tiles per iteration of the whole-tile loop
+    if (sched >> _fold.SCHED_BITS["LOOK"][0]) & 1:  # two key tiles per iteration of the whole-tile loop
         return 4
-    if (sched >> _kernel.SCHED_BITS["POLY"][0]) & 3 == 3:  # the loop holds both tile bodies (a branch on i % 2)
+    if (sched >> _fold.SCHED_BITS["POLY"][0]) & 3 == 3:  # the loop holds both tile bodies (a branch on i % 2)
         return 4
-    return 2 * (1 + ((sched >> _kernel.SCHED_BITS["SPLIT"][0]) & 1))
+    return 2 * (1 + ((sched >> _fold.SCHED_BITS["SPLIT"][0]) & 1))
 
 
 def gluon_forward(q1, k1, q2, k2, causal, scale1, scale2, out=None, config=None):
