@@ -397,7 +397,7 @@ def test_fold_rounding_twin_max_is_bitwise_and_shift_within_an_ulp():
     and scaled once is bitwise the max of the scaled scores (rounding is monotone, qk_scale > 0:
     the same m, so lse and the NaN/empty-row conventions are unchanged), and the shifted score
     fma(s, c, -m) (one rounding; emulated in float64, where the product of two float32 is exact)
-    differs from today's rn(rn(s c) - m) by at most half an ulp of s c plus the two results'
+    differs from the unfolded rn(rn(s c) - m) by at most half an ulp of s c plus the two results'
     half ulps, and is never farther from the exact s c - m."""
     import numpy as np
 
@@ -410,17 +410,17 @@ def test_fold_rounding_twin_max_is_bitwise_and_shift_within_an_ulp():
         scaled = (s * c).astype(np.float32)  # rn(s * c)
         m = scaled.max(axis=1)
         assert np.array_equal((s.max(axis=1) * c).astype(np.float32), m)
-        x_today = (scaled - m[:, None]).astype(np.float32)
+        x_unfolded = (scaled - m[:, None]).astype(np.float32)
         exact = s.astype(np.float64) * np.float64(c) - m[:, None].astype(np.float64)
         x_fold = exact.astype(np.float32)  # fma: one rounding of the exact value
         ulp = lambda v: np.spacing(np.abs(v)).astype(np.float64)  # noqa: E731
-        # today: rn(s c) (half an ulp of s c), then the rounded subtraction; FOLD: one rounding
-        bound = 0.5 * ulp(scaled) + 0.5 * ulp(x_today) + 0.5 * ulp(x_fold)
-        assert np.all(np.abs(x_fold.astype(np.float64) - x_today) <= bound)
+        # unfolded: rn(s c) (half an ulp of s c), then the rounded subtraction; FOLD: one rounding
+        bound = 0.5 * ulp(scaled) + 0.5 * ulp(x_unfolded) + 0.5 * ulp(x_fold)
+        assert np.all(np.abs(x_fold.astype(np.float64) - x_unfolded) <= bound)
         slack = np.abs(exact) * 2.0 ** -50  # the float64 subtraction's own rounding
-        assert np.all(np.abs(x_fold - exact) <= np.abs(x_today - exact) + slack)
+        assert np.all(np.abs(x_fold - exact) <= np.abs(x_unfolded - exact) + slack)
         # at the max, x is s c - rn(s c): up to half an ulp of m above 0 (2^x <= 1 + 2^-24 |m| ln 2,
-        # no overflow; today's x is exactly 0 there)
+        # no overflow; the unfolded x is exactly 0 there)
         assert np.all(x_fold <= 0.5 * ulp(m)[:, None])
         assert np.all(np.abs(x_fold.max(axis=1)) <= 0.5 * ulp(m))
 

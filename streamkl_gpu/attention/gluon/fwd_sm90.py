@@ -90,7 +90,7 @@ def _fold_pair(st, q1, q2, k1_smem, k2_smem, k1_ready, k2_ready, k1_empty, k2_em
                NUM_STAGES: gl.constexpr, VARIANT: gl.constexpr, SCHED: gl.constexpr):
     """LOOK: whole key tiles i and i + 1 in one iteration, side 2 first, the next product issued
     before each fold so that the tensor cores have this warpgroup's work during three of the four
-    folds (one today's two): S2a S1a | fold 2a | S2b | fold 1a | S1b | fold 2b | fold 1b. At most
+    folds (one of two without LOOK): S2a S1a | fold 2a | S2b | fold 1a | S1b | fold 2b | fold 1b. At most
     two groups in flight, every one waited inside the iteration (no token over the back edge, the
     sketch's trap). Not for VARIANT 2 (the caller folds single tiles then)."""
     m1, l1, m2, l2, acc = st

@@ -138,7 +138,7 @@ def _shifted(m, s_raw, qk_scale, visible, MASKED: gl.constexpr, RESCALE: gl.cons
     monotone and qk_scale > 0, so rn(max(s) * c) is bitwise the max of rn(s * c): the same m), and
     x = fma(s, c, -shift), one FFMA per score instead of FMUL + FADD (-128 instructions per
     128-key tile and thread). x is then rounded once instead of twice (closer to float64, within
-    half an ulp of s * c of today's); masked tiles keep ``mul.rn`` + subtract, so that one-key rows
+    half an ulp of s * c of the two-rounding form's); masked tiles keep ``mul.rn`` + subtract, so that one-key rows
     stay exactly 0 (x = 0 at the max: the FFMA fold left KL ~1e-7 there, docs/design/attention_forward.md v4)."""
     if FOLD and not MASKED:
         m_tile = libdevice.mul_rn(gl.max(s_raw, axis=1), qk_scale)
