@@ -80,9 +80,11 @@ def test_sass_one_chain_of_wgmma_per_key_tile(compiled, spec):
         assert loop["ex2"] >= per_thread_exp, f"{spec}: too few MUFU.EX2 per key tile: {loop}"
         # (the 4-slot ring: one value of the prologue, spilled across setmaxnreg, reloaded once per
         # tile; never the accumulators, which would be dozens per tile). The accumulating forward
-        # holds dq_p (64 registers) across the loop: 16 / 29 local accesses per tile in the two
-        # loops (triton 3.9), 68 / 95 before its LSEs and weights were parked in shared memory
-        limit = 40 if want["pacc"] else 2
+        # holds dq_p (64 registers) across the loop: 15 / 44 local accesses per tile in the two
+        # loops (triton 3.9; its 5 ring slots split 3 / 2 between the warpgroups' rings; 16 / 29 with
+        # the one shared ring, which raced; triton 3.6, the GPU image's, 94 / 88 against 119 / 88),
+        # 68 / 95 before its LSEs and weights were parked in shared memory
+        limit = 48 if want["pacc"] else 2
         assert loop["spills"] <= limit, f"{spec}: local-memory traffic in the key loop: {loop}"
     assert row["resources"]["local"] == 0, row["resources"]
 
@@ -105,7 +107,8 @@ def test_applies_to_the_dsa_like_config():
     cfg = gluon.GluonIndexerConfig
     assert gluon.candidates(_dims(), pacc=True) == [cfg(64, 5, 240), cfg(64, 4, 240)]  # beside 2 coefficient tiles
     assert "D_I" in gluon.why_not(_dims(DI=256), BF, True, (9, 0), pacc=True)
-    assert gluon.candidates(_dims()) == [cfg(block_n=64, num_stages=7), cfg(block_n=64, num_stages=4)]  # 7 slots of 8 KB beside 160 KB
+    # 7 slots of 8 KB beside 160 KB: rings of 4 and 3 for the two consumer warpgroups
+    assert gluon.candidates(_dims()) == [cfg(block_n=64, num_stages=7), cfg(block_n=64, num_stages=4)]
 
 
 @pytest.mark.parametrize("dims,dtypes,tma,cap,word", [

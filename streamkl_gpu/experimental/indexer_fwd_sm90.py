@@ -18,12 +18,18 @@ query rows resident in shared memory for the whole key loop; only key tiles stre
 Schedule: one CTA per (token, batch element), causal tokens longest first.
 - a producer warp loads q (cdiv(D, 64) boxes of all heads x 64 dims) and q_idx once, then for
   every key tile its cdiv(D, 64) teacher key chunks and cdiv(D_I, 64) indexer key chunks
-  ([BLOCK_N, 64] each) into one ring of NUM_STAGES slots, in tile order;
+  ([BLOCK_N, 64] each), in tile order, into the ring of the warpgroup that takes the tile (the
+  NUM_STAGES slots split between the two, the first taking the odd one);
 - two consumer warpgroups take the key tiles in turn (tile i: warpgroup i % 2). The score tiles
   are transposed, keys as rows: ``s [BLOCK_N keys, NT heads] = K_chunk q_chunk^T`` chained over
   the D chunks (A: the streamed key chunk; B: the resident query chunk; N = all teacher heads,
   64 or 128, so one m64 x N x k16 wgmma per 16 dims), ``a [BLOCK_N, 64]`` likewise for the
-  indexer. A ring slot is released once the products reading it have retired. Then the fold:
+  indexer. A ring slot is released once the products reading it have retired. Each warpgroup has
+  its own ring: with one ring shared in turn, warpgroup 1's first chunks (11 per DSA tile, 7
+  slots) sit a whole phase past slots whose first load may not have landed, where a parity wait on
+  a fresh barrier passes at once (a stale read, then a release the producer counts for another
+  chunk). In its own ring a warpgroup waits for a chunk only after releasing the chunk the slot
+  held before, so the slot's last completed phase is that one's. Then the fold:
   ``p[s] = (1/H) sum_h exp2(s_h - lse_h)`` and ``I[s] = sum_j w_j relu(a_j)`` are row sums
   (within a thread and 4 lanes, no cross-warp reduction), and the online update. The ring order
   makes the warpgroups take turns on the tensor cores: one's exponentials run while the other's
@@ -81,12 +87,15 @@ def _load_partition(q_desc, k_desc, qi_desc, ki_desc, q_smem, qi_smem, ring, q_b
     for c in gl.static_range(DIC):
         _tma_load(qi_desc, [b, 0, t, c * DCH], q_bar, qi_smem.index(c))
     NCH: gl.constexpr = DC + DIC
+    SH0: gl.constexpr = (NUM_STAGES + 1) // 2  # warpgroup 0's ring: slots 0 .. SH0 - 1
+    SH1: gl.constexpr = NUM_STAGES // 2  # warpgroup 1's: SH0 ..
     for i in range(n_tiles):
         key0 = ((i + rot) % n_tiles) * BLOCK_N  # the i-th tile walked (rotated by rot)
+        sh = gl.where(i % 2 == 0, SH0, SH1)
         for c in gl.static_range(NCH):
-            g = i * NCH + c
-            s = g % NUM_STAGES
-            ph = (g // NUM_STAGES) & 1
+            g = (i // 2) * NCH + c  # the chunk's place in warpgroup i % 2's ring
+            s = (i % 2) * SH0 + g % sh
+            ph = (g // sh) & 1
             mbarrier.wait(empty.index(s), ph ^ 1)  # a fresh barrier passes the phase-1 wait
             mbarrier.expect(ready.index(s), k_desc.block_type.nbytes)
             if c < DC:
@@ -96,17 +105,18 @@ def _load_partition(q_desc, k_desc, qi_desc, ki_desc, q_smem, qi_smem, ring, q_b
 
 
 @gluon.jit
-def _chunk(g, ring, ready, NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Ring slot of chunk ``g`` once it has landed: the wgmma's A operand [BLOCK_N keys, 64]."""
-    s = g % NUM_STAGES
-    mbarrier.wait(ready.index(s), (g // NUM_STAGES) & 1)
+def _chunk(g, base: gl.constexpr, ring, ready, SH: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Slot of chunk ``g`` of the ring at ``base`` (``SH`` slots) once it has landed: the wgmma's A
+    operand [BLOCK_N keys, 64]."""
+    s = base + g % SH
+    mbarrier.wait(ready.index(s), (g // SH) & 1)
     return ring.index(s).reshape([BLOCK_N, DCH])
 
 
 @gluon.jit
-def _scores(q_smem, qi_smem, ring, ready, empty, g0, zero_t, zero_i,
+def _scores(q_smem, qi_smem, ring, ready, empty, g0, base: gl.constexpr, zero_t, zero_i,
             NT: gl.constexpr, DC: gl.constexpr, DIC: gl.constexpr, BLOCK_N: gl.constexpr,
-            NUM_STAGES: gl.constexpr, KEEP_KI: gl.constexpr):
+            SH: gl.constexpr, KEEP_KI: gl.constexpr):
     """The score tiles of one key tile, keys as rows: teacher ``s [BLOCK_N, NT]`` (all heads in
     one wgmma N) and indexer ``a [BLOCK_N, 64]``, fp32, chained over the D chunks (A: the
     streamed key chunk; B: the resident query chunk, transposed). A ring slot is released once
@@ -114,22 +124,22 @@ def _scores(q_smem, qi_smem, ring, ready, empty, g0, zero_t, zero_i,
     chunks stay (the accumulating fold reads them again, then releases them)."""
     s = zero_t
     for c in gl.static_range(DC):
-        kc = _chunk(g0 + c, ring, ready, NUM_STAGES, BLOCK_N)
+        kc = _chunk(g0 + c, base, ring, ready, SH, BLOCK_N)
         s = warpgroup_mma(kc, q_smem.index(c).reshape([NT, DCH]).permute((1, 0)), s, use_acc=c > 0, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
         if c > 0:  # chunk c - 1's product has retired: its slot is free
-            mbarrier.arrive(empty.index((g0 + c - 1) % NUM_STAGES), count=1)
+            mbarrier.arrive(empty.index(base + (g0 + c - 1) % SH), count=1)
     a = zero_i
     for c in gl.static_range(DIC):
-        kc = _chunk(g0 + DC + c, ring, ready, NUM_STAGES, BLOCK_N)
+        kc = _chunk(g0 + DC + c, base, ring, ready, SH, BLOCK_N)
         a = warpgroup_mma(kc, qi_smem.index(c).reshape([HEADS, DCH]).permute((1, 0)), a, use_acc=c > 0,
                           is_async=True)
         s, a = warpgroup_mma_wait(num_outstanding=1, deps=(s, a))
         if (c == 0 and DC > 0) or (c > 0 and not KEEP_KI):  # the previous chunk's slot
-            mbarrier.arrive(empty.index((g0 + DC + c - 1) % NUM_STAGES), count=1)
+            mbarrier.arrive(empty.index(base + (g0 + DC + c - 1) % SH), count=1)
     s, a = warpgroup_mma_wait(num_outstanding=0, deps=(s, a))
     if not KEEP_KI:
-        mbarrier.arrive(empty.index((g0 + DC + DIC - 1) % NUM_STAGES), count=1)
+        mbarrier.arrive(empty.index(base + (g0 + DC + DIC - 1) % SH), count=1)
     return s, a
 
 
@@ -152,9 +162,9 @@ def _rows_layout():
 
 
 @gluon.jit
-def _pacc_fold(p, visible, a, w, dq0, dq1, dw, cs, qi_smem, ring, empty, DK_P, b64, g0, tile, key_lim, N_K, zero_i,
-               DC: gl.constexpr, DIC: gl.constexpr, DI: gl.constexpr, BLOCK_N: gl.constexpr,
-               NUM_STAGES: gl.constexpr, RELU: gl.constexpr):
+def _pacc_fold(p, visible, a, w, dq0, dq1, dw, cs, qi_smem, ring, empty, DK_P, b64, g0, base: gl.constexpr, tile,
+               key_lim, N_K, zero_i, DC: gl.constexpr, DIC: gl.constexpr, DI: gl.constexpr, BLOCK_N: gl.constexpr,
+               SH: gl.constexpr, RELU: gl.constexpr):
     """The target's share of the gradient for one key tile (g = 1; ``_indexer_pacc``'s sums):
     ``coef[s, j] = p[s] w_j 1[a > 0]`` (0 where not visible), ``dweights_p[j] += sum_s p relu(a)``,
     ``dq_p[j] += coef^T k_idx``, ``dk_p[s] += coef q_idx`` (fp32 atomics). ``a`` is relu'd already
@@ -178,16 +188,16 @@ def _pacc_fold(p, visible, a, w, dq0, dq1, dw, cs, qi_smem, ring, empty, DK_P, b
         rl: gl.constexpr = _rows_layout()
         key_ok = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, rl)) < key_lim
         for c in gl.static_range(DIC):
-            slot = ring.index((g0 + DC + c) % NUM_STAGES).reshape([BLOCK_N, DCH])
+            slot = ring.index(base + (g0 + DC + c) % SH).reshape([BLOCK_N, DCH])
             x = slot.load(rl)
             slot.store(gl.where(key_ok[:, None], x, 0.0).to(x.dtype))
     fence_async_shared()
     # dq_p += coef^T k_idx (both chunks in flight), then dk_p's shares chunk by chunk (one
     # [BLOCK_N, 64] fp32 tile of registers at a time)
-    k0 = ring.index((g0 + DC) % NUM_STAGES).reshape([BLOCK_N, DCH])
+    k0 = ring.index(base + (g0 + DC) % SH).reshape([BLOCK_N, DCH])
     dq0 = warpgroup_mma(cs.permute((1, 0)), k0, dq0, is_async=True)
     if DIC == 2:
-        k1 = ring.index((g0 + DC + 1) % NUM_STAGES).reshape([BLOCK_N, DCH])
+        k1 = ring.index(base + (g0 + DC + 1) % SH).reshape([BLOCK_N, DCH])
         dq1 = warpgroup_mma(cs.permute((1, 0)), k1, dq1, is_async=True)
     keys = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=irow)
     cols = gl.arange(0, DCH, layout=gl.SliceLayout(0, i_layout))
@@ -201,7 +211,7 @@ def _pacc_fold(p, visible, a, w, dq0, dq1, dw, cs, qi_smem, ring, empty, DK_P, b
             dq0, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dq0, dk))
         if c == 0:  # every product reading the tile's k_idx chunks has retired
             for cc in gl.static_range(DIC):
-                mbarrier.arrive(empty.index((g0 + DC + cc) % NUM_STAGES), count=1)
+                mbarrier.arrive(empty.index(base + (g0 + DC + cc) % SH), count=1)
         gl.atomic_add(at + c * DCH, gl.where(ok, dk, 0.0), mask=ok & (c * DCH + cols < DI)[None, :], sem="relaxed")
     return dq0, dq1, dw
 
@@ -259,11 +269,13 @@ def _consumer(WG: gl.constexpr, q_smem, qi_smem, ring, coef_smem, vec_smem, q_ba
     dw = gl.zeros([HEADS], gl.float32, gl.SliceLayout(0, i_layout))
     cs = coef_smem.index(WG)
     mbarrier.wait(q_bar, 0)
+    SH: gl.constexpr = (NUM_STAGES + 1 - WG) // 2  # this warpgroup's ring: slots base .. base + SH - 1
+    base: gl.constexpr = WG * ((NUM_STAGES + 1) // 2)
     for i in range(WG, n_tiles, 2):
-        g0 = i * NCH
+        g0 = (i // 2) * NCH  # the tile's first chunk in this warpgroup's ring
         tile = (i + rot) % n_tiles
-        s, a = _scores(q_smem, qi_smem, ring, ready, empty, g0, zero_t, zero_i, NT, DC, DIC, BLOCK_N,
-                       NUM_STAGES, PACC)
+        s, a = _scores(q_smem, qi_smem, ring, ready, empty, g0, base, zero_t, zero_i, NT, DC, DIC, BLOCK_N,
+                       SH, PACC)
         if PACC:
             w = w_s.load(gl.SliceLayout(0, i_layout))
         if not STUDENT:
@@ -293,8 +305,8 @@ def _consumer(WG: gl.constexpr, q_smem, qi_smem, ring, coef_smem, vec_smem, q_ba
             mass += gl.sum(p, axis=0)
             m = m_new
         if PACC:
-            dq0, dq1, dw = _pacc_fold(p, visible, a, w, dq0, dq1, dw, cs, qi_smem, ring, empty, DK_P, b64, g0, tile,
-                                      key_lim, N_K, zero_i, DC, DIC, DI, BLOCK_N, NUM_STAGES, RELU)
+            dq0, dq1, dw = _pacc_fold(p, visible, a, w, dq0, dq1, dw, cs, qi_smem, ring, empty, DK_P, b64, g0, base,
+                                      tile, key_lim, N_K, zero_i, DC, DIC, DI, BLOCK_N, SH, RELU)
     if PACC:  # this warpgroup's share of the token's dq_p / dweights_p (the other adds its own)
         rows = gl.arange(0, HEADS, layout=gl.SliceLayout(1, i_layout))
         cols = gl.arange(0, DCH, layout=gl.SliceLayout(0, i_layout))
@@ -419,8 +431,9 @@ def resident_bytes(H: int, D: int, DI: int, student: bool = False) -> int:
 
 
 def ring_stages(H: int, D: int, DI: int, block_n: int, most: int = 8, pacc: bool = False, student: bool = False) -> int:
-    """Ring slots that fit beside the resident rows (0: none fit, the kernel does not apply);
-    ``pacc`` (and ``student``, the backward): beside the two coefficient tiles [block_n, 64] too."""
+    """Ring slots that fit beside the resident rows (0: none fit, the kernel does not apply), split
+    between the consumer warpgroups' rings (the first takes the odd one); ``pacc`` (and
+    ``student``, the backward): beside the two coefficient tiles [block_n, 64] too."""
     free = (SMEM_BYTES - SMEM_RESERVE - resident_bytes(H, D, DI, student)
             - (2 * block_n * 64 * 2 if (pacc or student) else 0))
     return max(0, min(most, free // (block_n * 64 * 2)))
@@ -441,8 +454,8 @@ def why_not(dims, dtypes, tensors_tma_ok: bool, capability, pacc: bool = False) 
         return "a tensor is not TMA-legal (unit stride in D, 16-byte aligned base and strides)"
     if pacc and dims.DI > 128:
         return f"D_I = {dims.DI}: the accumulating forward holds dq_p for D_I <= 128"
-    if ring_stages(dims.H, dims.D, dims.DI, 64, pacc=pacc) < 2:
-        return f"D = {dims.D}, D_I = {dims.DI}: the resident rows leave no room for a key ring"
+    if ring_stages(dims.H, dims.D, dims.DI, 64, pacc=pacc) < 4:
+        return f"D = {dims.D}, D_I = {dims.DI}: the resident rows leave no room for two key rings of two slots"
     return ""
 
 
@@ -458,11 +471,11 @@ class GluonIndexerConfig:
 
 def candidates(dims, pacc: bool = False, student: bool = False):
     """Launch configurations (:class:`GluonIndexerConfig`), default first: 64-key tiles, the
-    deepest ring that fits (DSA-like: 7 slots), and a 4-slot ring. 128-key tiles hold three
-    [64, 128] fp32 accumulators per thread: 66 local loads/stores per key tile in an offline
-    sm_90 compile (triton 3.9); 64-key tiles none but one reload. Not yet timed."""
+    deepest rings that fit (DSA-like: 7 slots, 4 and 3 for the consumer warpgroups), and 4 slots. 128-key
+    tiles hold three [64, 128] fp32 accumulators per thread: 66 local loads/stores per key tile
+    in an offline sm_90 compile (triton 3.9); 64-key tiles none but one reload. Not yet timed."""
     stages = ring_stages(dims.H, dims.D, dims.DI, 64, pacc=pacc, student=student)
-    if stages < 2:
+    if stages < 4:
         return []
     return list(dict.fromkeys([GluonIndexerConfig(block_n=64, num_stages=stages),
                                GluonIndexerConfig(block_n=64, num_stages=min(stages, 4))]))
