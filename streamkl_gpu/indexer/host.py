@@ -213,11 +213,6 @@ BWD_LOGITS_FROM_A = True
 # runs); not diagnosed.
 DQK_TMA = False
 
-# The chunk design's keys-major gradient kernel, causal: its token blocks in reverse order, the
-# longest rows first (LPT in chunk_grad_keys.py). In token order the longest programs started last
-# and ran alone at the end of the grid (GQA-like 8K: 1024 programs of 8 tokens, 1 to 128 key tiles each).
-CHUNK_GRADIENT_LPT = True
-
 # Tests set this: the dk kernel's token split (tokens per program) instead of the rule below.
 INTERPRETER_DK_SPLIT = None
 

@@ -110,8 +110,9 @@ def _forward_full_with(fcfg, bcfg, q, k, q_idx, k_idx, weights, lse, causal, sca
     ftma, fl1 = _plan_mod._load_mode(fpl, use_tma)
     btma, _ = _plan_mod._load_mode(bpl, use_tma)
     dk_share = 2 if _host.DQK_TMA and btma and not _runtime.interpreting() else 1
-    if _forcing.forced("indexer_chunk_gradient_parts") is not None:  # a diagnostic (wrong dk_idx)
-        dk_share = _diagnostics.indexer_chunk_gradient_parts(_forcing.forced("indexer_chunk_gradient_parts"))
+    parts = _forcing.forced("indexer_chunk_gradient_parts")
+    if parts is not None:  # a diagnostic (wrong dk_idx)
+        dk_share = _diagnostics.indexer_chunk_gradient_parts(parts)
     dk_desc = (_runtime.TensorDescriptor(dk1, list(dk1.shape), list(dk1.stride()), [1, 1, bpl["BLOCK_N"], bpl["DI_PAD"]])
                if dk_share == 2 else None)
     fdesc = _plan_mod._descriptors(fpl, ftma, q, k, q_idx, k_idx)
@@ -141,7 +142,7 @@ def _forward_full_with(fcfg, bcfg, q, k, q_idx, k_idx, weights, lse, causal, sca
                 *q_idx.stride(), *k_idx.stride(), *weights.stride(), dims.HI, dims.HKI, group_i, dims.NQ, dims.NK,
                 DI=dims.DI, DI_PAD=bpl["DI_PAD"], GI_PAD=bpl["GI_PAD"], BLOCK_T=bpl["BLOCK_T"], BLOCK_N=bpl["BLOCK_N"],
                 CAUSAL=causal, RELU=relu, IEEE_I=ieee_i, USE_TMA=btma, DK_SHARE=dk_share,
-                BRANCH_LAYOUT=bpl["variant"] == "keys_branch", LPT=causal and _host.CHUNK_GRADIENT_LPT,
+                BRANCH_LAYOUT=bpl["variant"] == "keys_branch", LPT=causal,  # causal: the longest rows first
                 num_warps=bpl["warps"], num_stages=bpl["stages"])
             continue
         kernel_call(_indexer_bwd._indexer_bwd_dq_kernel, (_runtime.cdiv(rows, bpl["BLOCK_T"]), dims.B * dims.HKI))(
