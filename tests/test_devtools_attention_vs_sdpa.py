@@ -23,9 +23,9 @@ def test_measure_rotates_each_points_providers_and_rows_give_the_cudnn_ratio():
     calls = []
     groups = {"p": {name: (lambda name=name: calls.append(name)) for name in ("a", "sdpa_cudnn", "c")}}
     cost = {"a": 3.0, "sdpa_cudnn": 2.0, "c": 1.0}
-    samples = tool.measure(groups, 3, lambda fn: fn() or cost[calls[-1]])
+    medians = tool.measure(groups, 3, lambda fn: fn() or cost[calls[-1]])
     assert calls[:3] == ["a", "sdpa_cudnn", "c"]  # once each before timing
     assert calls[3:] == ["a", "sdpa_cudnn", "c", "sdpa_cudnn", "c", "a", "c", "a", "sdpa_cudnn"]
-    table = {r["provider"]: r for r in tool.rows(samples, "cpu", "t", "tr")}
+    table = {r["provider"]: r for r in tool.rows(medians, 3, "cpu", "t", "tr")}
     assert table["a"]["median_ms"] == "3.0000" and table["a"]["over_cudnn"] == "1.5000"
     assert table["c"]["over_cudnn"] == "0.5000" and table["a"]["rounds"] == 3 and table["a"]["run_status"] == "ok"

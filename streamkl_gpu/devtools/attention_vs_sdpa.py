@@ -2,7 +2,7 @@
 process with the cuDNN backend pinned (``sdpa_kernel(SDPBackend.CUDNN_ATTENTION)``) and its default
 dispatch beside it; the forward, and forward + backward in setting 1 (gradients of q2, k2) and
 setting 2 (q1, k1) against SDPA's forward + backward (q, k, v); every point's providers timed in
-``rounds`` rounds whose order rotates (``rotated_timing.rotation``: a fixed order biased the slots
+``rounds`` rounds whose order rotates (``rotated_timing.rotated_medians``: a fixed order biased the slots
 by up to 10 % on an H100), medians. Forced forward variants (``--variant lazy_max``) are timed
 beside the default through the forcing hook.
 
@@ -18,11 +18,10 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
-import statistics
 import sys
 import time
 
-from streamkl_gpu.devtools.rotated_timing import rotation
+from streamkl_gpu.devtools.rotated_timing import rotated_medians
 
 SETTINGS = {1: (2, 3), 2: (0, 1)}  # setting -> the trained inputs of (q1, k1, q2, k2)
 
@@ -92,16 +91,9 @@ def points(fwd_ns, step_ns, variants=(), device="cuda", dtype=None, B=1, H=32, D
 
 
 def measure(groups, rounds, timer):
-    """``{(point, provider): [ms per round]}``: each point's providers once (compiles), then
-    ``rounds`` rounds in the rotated order."""
-    samples = {}
-    for name, fns in groups.items():
-        for fn in fns.values():
-            fn()
-        for order in rotation(fns, rounds):
-            for prov in order:
-                samples.setdefault((name, prov), []).append(timer(fns[prov]))
-    return samples
+    """``{point: {provider: median ms}}``: each point's providers by
+    ``rotated_timing.rotated_medians`` (each once, compiles, then ``rounds`` rotated rounds)."""
+    return {name: rotated_medians(fns, rounds, timer) for name, fns in groups.items()}
 
 
 def _timer(cuda):
@@ -116,16 +108,16 @@ def _timer(cuda):
     return wall
 
 
-def rows(samples, gpu, torch_version, triton_version):
-    """The CSV rows (dicts) of :func:`measure`'s samples."""
+def rows(medians, rounds, gpu, torch_version, triton_version):
+    """The CSV rows (dicts) of :func:`measure`'s medians."""
     ts = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     out = []
-    for (name, prov), values in samples.items():
-        med = statistics.median(values)
-        ref = samples.get((name, "sdpa_cudnn"))
-        out.append(dict(gpu=gpu, timestamp=ts, torch=torch_version, triton=triton_version, point=name, provider=prov,
-                        median_ms=f"{med:.4f}", rounds=len(values),
-                        over_cudnn=f"{med / statistics.median(ref):.4f}" if ref else "", run_status="ok"))
+    for name, by_provider in medians.items():
+        ref = by_provider.get("sdpa_cudnn")
+        for prov, med in by_provider.items():
+            out.append(dict(gpu=gpu, timestamp=ts, torch=torch_version, triton=triton_version, point=name,
+                            provider=prov, median_ms=f"{med:.4f}", rounds=rounds,
+                            over_cudnn=f"{med / ref:.4f}" if ref else "", run_status="ok"))
     return out
 
 
@@ -143,7 +135,7 @@ def main(argv=None):
     cuda = torch.cuda.is_available()
     ns = lambda s: tuple(int(x) for x in s.split(",") if x)
     groups = points(ns(a.fwd_n), ns(a.step_n), a.variant, device="cuda" if cuda else "cpu")
-    table = rows(measure(groups, a.rounds, _timer(cuda)), torch.cuda.get_device_name() if cuda else "cpu",
+    table = rows(measure(groups, a.rounds, _timer(cuda)), a.rounds, torch.cuda.get_device_name() if cuda else "cpu",
                  torch.__version__, triton.__version__)
     with open(a.out, "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(table[0]))
