@@ -100,6 +100,28 @@ def test_the_thread_reaches_the_kernels_of_the_call_and_runs_none(case, kernels)
     assert all(torch.equal(a, b) for a, b in zip(before[1], after[1])), case
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the attention backward's interpreter plan")
+def test_the_attention_backward_compiled_ahead_allocates_only_stand_ins(monkeypatch):
+    """What a training forward compiles ahead for its backward (attention/launch.compile_backward_ahead)
+    reaches the same kernels with 16-element stand-ins for the row inputs and the gradient buffers,
+    so a forward at 2^31 elements allocates nothing the size of its inputs for it."""
+    from streamkl_gpu.attention import launch
+
+    numels = []
+    monkeypatch.setattr(launcher, "_compile_only", lambda fn, grid, args, kw: numels.append(
+        (fn.fn.__name__, sorted(a.numel() for a in args if isinstance(a, torch.Tensor)))))
+    gen = torch.Generator().manual_seed(3)
+    q1, k1, q2, k2 = (torch.randn(1, 2, 40, 16, generator=gen) for _ in range(4))
+    rows = [torch.zeros(16) for _ in range(4)]  # g, kl, lse1_bits, lse2_bits: the function's stand-ins
+    out = []
+    launcher.compile_ahead(lambda: out.append(launch.backward(rows[0], q1, k1, q2, k2, *rows[1:], True, 0.25, 0.25,
+                                                               False, True, "separate", False)), None).join(timeout=60)
+    assert out == [(None, None, None, None)]
+    assert {name for name, _ in numels} == {"_kl_bwd_dk_kernel", "_kl_bwd_dq_kernel"}
+    for name, sizes in numels:  # the four inputs whole, every other tensor a stand-in
+        assert sizes.count(q1.numel()) == 4 and set(sizes) == {16, q1.numel()}, (name, sizes)
+
+
 def test_the_backward_runs_on_stand_in_gradients_and_records_nothing(monkeypatch):
     seen = []
 

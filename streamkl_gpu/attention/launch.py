@@ -299,11 +299,18 @@ def _backward_signature(dims, causal, train1, train2, bwd_mode, deterministic, q
 # A training forward starts compiling them on a background thread (_core/launcher.compile_ahead)
 # while its own kernel compiles, so a first forward + backward costs about the compile time of
 # the slower of the two instead of their sum. Only where the backward's configs are untimed (the
-# shape rule's: nothing to measure ahead of time), on the Triton backward, and for problems whose
-# stand-in buffers (the gradients; the backward's row inputs) are small: past AHEAD_MAX_ELEMENTS
-# elements per input the compiles are a small part of the first call anyway.
+# shape rule's: nothing to measure ahead of time) and on the Triton backward, at any size: the
+# thread's launches only compile, so the backward's row inputs and gradient buffers are small
+# stand-ins there (``_stand_in``: a kernel specialises on a pointer's 16-byte alignment, never on
+# what it points to) and compiling ahead allocates nothing the size of the problem (it used to
+# allocate the gradients, and so stopped at 2^26 elements per input, where a long problem's
+# forward and backward compiles then ran one after the other).
 _BACKWARD_AHEAD: dict = {}  # backward signature -> the thread compiling its kernels
-AHEAD_MAX_ELEMENTS = 1 << 26
+
+
+def _stand_in(dtype, device):
+    """A buffer for a launch that only compiles (a compile-ahead thread): 16-byte aligned, tiny."""
+    return torch.empty(16, dtype=dtype, device=device)
 
 
 def _triton_backward() -> bool:
@@ -314,20 +321,18 @@ def _triton_backward() -> bool:
 
 def compile_backward_ahead(q1, k1, q2, k2, causal, dims, train1, train2, bwd_mode, deterministic, sig=None):
     """Start compiling the kernels of the backward this training call will run, unless they are
-    known already (its plan is bound), would be timed, or the problem is large. The backward
-    joins the thread before it looks its plan up. ``STREAMKL_COMPILE_AHEAD=0`` turns it off.
-    ``sig``: the backward's plan signature, when the caller has it."""
+    known already (its plan is bound) or would be timed. The backward joins the thread before it
+    looks its plan up. ``STREAMKL_COMPILE_AHEAD=0`` turns it off. ``sig``: the backward's plan
+    signature, when the caller has it."""
     if (q1.device.type != "cuda" or not ahead_allowed()
             or not (train1 or train2) or is_empty(dims) or autotune_enabled(ruled=True)
-            or not _triton_backward()
-            or max(t.numel() for t in (q1, k1, q2, k2)) > AHEAD_MAX_ELEMENTS):
+            or not _triton_backward()):
         return
     if sig is None:
         sig = _backward_signature(dims, causal, train1, train2, bwd_mode, deterministic, q1, k1, q2, k2)
     if sig in _PLANS or sig in _BACKWARD_AHEAD:
         return
-    rows = torch.zeros((4, dims.B, dims.H, dims.NQ), dtype=torch.float32, device=q1.device)  # g, kl, lse1, lse2
-    g, kl, lse1_bits, lse2_bits = rows.unbind(0)
+    g, kl, lse1_bits, lse2_bits = (_stand_in(torch.float32, q1.device) for _ in range(4))
     _BACKWARD_AHEAD[sig] = compile_ahead(
         lambda: backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, dims.scale1, dims.scale2,
                          train1, train2, bwd_mode, deterministic, dims=dims), q1.device)
@@ -503,10 +508,11 @@ class _TritonBackward:
     def launch(self, q1, k1, q2, k2, g, kl, lse1_bits, lse2_bits):
         """Allocate the gradient buffers and launch; returns them raw (dq1, dk1, dq2, dk2)."""
         device = self.device
-        dk1 = None if self.dk1 is None else _buffer(self.dk1, device)
-        dk2 = None if self.dk2 is None else _buffer(self.dk2, device)
-        dq1 = None if self.dq1 is None else _buffer(self.dq1, device)
-        dq2 = None if self.dq2 is None else _buffer(self.dq2, device)
+        buffer = _stand_in_buffer if compiling_ahead() else _buffer  # (nothing launches there)
+        dk1 = None if self.dk1 is None else buffer(self.dk1, device)
+        dk2 = None if self.dk2 is None else buffer(self.dk2, device)
+        dq1 = None if self.dq1 is None else buffer(self.dq1, device)
+        dq2 = None if self.dq2 is None else buffer(self.dq2, device)
         dummy = kl  # placeholder pointer for outputs a launch does not write
         t_dk1, t_dk2 = (dk1 if dk1 is not None else dummy), (dk2 if dk2 is not None else dummy)
         t_dq1, t_dq2 = (dq1 if dq1 is not None else dummy), (dq2 if dq2 is not None else dummy)
@@ -520,7 +526,7 @@ class _TritonBackward:
             d_q1, d_k1, d_q2, d_k2 = self.dk_tma
             descs = dict(Q1_DESC=d_q1(q1), K1_DESC=d_k1(k1), Q2_DESC=d_q2(q2), K2_DESC=d_k2(k2))
         if self.rows is not None:  # the per-row constants, once per row (_bwd._kl_bwd_rows_kernel)
-            rows = fresh(self.rows, torch.float32, device)
+            rows = buffer((self.rows, torch.float32, False), device)
             fast_launch(_bwd._kl_bwd_rows_kernel, self.rows_grid, rows_in + (rows,) + self.rows_args,
                         self.rows_constexprs, 4, 3, None if key is None else (key, rows.data_ptr() % 16 == 0))
             descs["ROWS_DESC"] = self.rows_desc(rows)
@@ -556,6 +562,8 @@ class _TritonBackward:
     def __call__(self, q1, k1, q2, k2, g, kl, lse1_bits, lse2_bits, out_dtypes):
         """The four gradients in the inputs' dtypes (``out_dtypes``), None for a side not trained."""
         dq1, dk1, dq2, dk2 = self.launch(q1, k1, q2, k2, g, kl, lse1_bits, lse2_bits)
+        if compiling_ahead():  # stand-ins: nothing to finish
+            return None, None, None, None
         if self.sum1:  # per-query-head buffer: sum each group in order
             dk1 = dk1.view(self.finish_shapes[0]).sum(dim=2)
         if self.sum2:
@@ -571,6 +579,10 @@ class _TritonBackward:
 def _buffer(spec, device):
     shape, dtype, zeroed = spec
     return torch.zeros(shape, dtype=dtype, device=device) if zeroed else fresh(shape, dtype, device)
+
+
+def _stand_in_buffer(spec, device):
+    return _stand_in(spec[1], device)
 
 
 def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2,
