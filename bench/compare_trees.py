@@ -28,6 +28,7 @@ import tempfile
 import time
 
 # name -> (kind, spec). kind: fwd | step (forward + backward) | idx_step | idx_fwd
+BOTH_POINTS = ((8192, True), (8192, False), (16384, True))  # both settings' steps
 GRID = {
     # attention_kl, B=1, H=32, D=128, bf16 unless said
     "fwd_4k_nc": ("fwd", dict(n=4096, causal=False)),
@@ -47,7 +48,7 @@ GRID = {
     "step1_8k_nc": ("step", dict(n=8192, causal=False, train=2)),
     "step1_8k_c": ("step", dict(n=8192, causal=True, train=2)),
     "step2_8k_c": ("step", dict(n=8192, causal=True, train=1)),
-    "stepboth_8k_c": ("step", dict(n=8192, causal=True, train=3)),
+    **{f"stepboth_{n // 1024}k_{'c' if c else 'nc'}": ("step", dict(n=n, causal=c, train=3)) for n, c in BOTH_POINTS},
     "step1_8k_c_gqa": ("step", dict(n=8192, causal=True, train=2, h_k=8)),
     # indexer_kl, 8K causal, indexer inputs requiring grad, reduction="mean"
     "idx_dsa_8k_lse_step": ("idx_step", dict(teacher="dsa", n=8192, lse=True)),

@@ -19,7 +19,6 @@ import sys
 from .timing import wall_us_per_call
 
 
-
 def _rows_writer(out_dir, name):
     path = os.path.join(out_dir, name)
     new = not os.path.exists(path)
