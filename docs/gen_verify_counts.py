@@ -5,7 +5,7 @@ interpreter), full and --quick, and render the counts and times docs/verify.md q
     python docs/gen_verify_counts.py --render   # re-render the .md from the committed JSON
 
 tests/test_verify.py checks that the page quotes this rendering and that the committed run has
-the cases the battery has today.
+every case of the current battery.
 """
 from __future__ import annotations
 

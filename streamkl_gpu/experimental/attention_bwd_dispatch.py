@@ -111,7 +111,7 @@ def try_gluon_backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, dims
     fp32 [B, H, N_Q]; ``strides_of``: ``_checks.strides``."""
     backend = bwd_backend()
     if backend == "triton" or (backend == "auto" and not GLUON_BWD_AUTO):
-        return None  # the default today: no further host work on the Triton path
+        return None  # the default: no further host work on the Triton path
     inputs = (q1, k1, q2, k2)
     if not use_gluon_bwd(dims, tuple(t.dtype for t in inputs), tuple(strides_of(t) for t in inputs),
                          device_capability(q1.device), train1, train2, bwd_mode, deterministic,
