@@ -9,6 +9,8 @@ import math
 from typing import Optional
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 
 from streamkl_ref._checks import check_indexer_inputs
 from streamkl_gpu._core import custom_ops as _custom_ops
@@ -18,6 +20,7 @@ from streamkl_gpu.indexer.triton import bwd as _indexer_bwd
 from streamkl_gpu.indexer.triton import chunk_grad_keys as _chunk_grad_keys
 from streamkl_gpu.indexer.triton import accumulate as _indexer_pacc
 from streamkl_gpu.indexer.triton import fwd_gqa_store as _indexer_gqa_store  # several key heads
+from streamkl_gpu.indexer.triton import scale_grads as _scale_grads
 from streamkl_gpu._core import checks as _checks
 from streamkl_gpu._core import runtime as _runtime
 from streamkl_gpu._core import tuning as _tuning
@@ -185,9 +188,35 @@ def _full_setup_context(ctx, inputs, output):
 def _full_backward(ctx, g_total, g_lse_idx, g_dq, g_dk, g_dw):
     dq1, dk1, dw1 = ctx.saved_tensors
     need = ctx.needs_input_grad
-    g = g_total.to(torch.float32)
-    grads = [(g * t).to(dt) if need[i] else None for i, t, dt in zip((2, 3, 4), (dq1, dk1, dw1), ctx.dtypes)]
+    grads = _scaled_grads(g_total.to(torch.float32), [(t, dt) if need[i] else None
+                                                      for i, t, dt in zip((2, 3, 4), (dq1, dk1, dw1), ctx.dtypes)])
     return (None, None, *grads) + (None,) * (len(need) - 5)  # lse, causal, scale, relu, row_weights
+
+
+_SCALE_BLOCK = 1024  # elements per program (8 per thread at 4 warps)
+_FAKE = (FakeTensor, FunctionalTensor)
+
+
+def _scaled_grads(g, parts):
+    """``[(g * t).to(dtype) or None for each (t, dtype) or None]`` in one launch
+    (``triton/scale_grads.py``); ``g``: the 0-dim fp32 upstream gradient. Traced (torch.compile
+    traces this backward with fake tensors), the PyTorch expression, which the compiler fuses."""
+    if torch.compiler.is_compiling() or any(isinstance(t, _FAKE) for t in [g] + [p[0] for p in parts if p]):
+        return [None if part is None else (g * part[0]).to(part[1]) for part in parts]
+    outs = [None if part is None else torch.empty(part[0].shape, dtype=part[1], device=part[0].device)
+            for part in parts]
+    live = [(part[0], out) for part, out in zip(parts, outs) if part is not None]
+    if not live:
+        return outs
+    while len(live) < 3:
+        live.append((g, g))  # (no elements: no program reads it)
+    sizes = [0 if src is g else src.numel() for src, _ in live]
+    grid = (sum(_runtime.cdiv(n, _SCALE_BLOCK) for n in sizes),)
+    if grid[0]:
+        kernel_call(_scale_grads._scale_cast_kernel, grid)(
+            g, live[0][0], live[0][1], sizes[0], live[1][0], live[1][1], sizes[1], live[2][0], live[2][1], sizes[2],
+            BLOCK=_SCALE_BLOCK, num_warps=4)
+    return outs
 
 
 _custom_ops.register_autograd(_indexer_loss_full_fwd_op, _full_backward, _full_setup_context)
