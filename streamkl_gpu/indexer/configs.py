@@ -266,15 +266,19 @@ def _storing_forward_rule_order(dims, n_sm):  # memoised: the chunk design asks 
 CHUNK_GRADIENT_ORDERS = ("rule", "rows_first", "keys_first", "branch_first")
 # The chunk design's keys-major gradient tiles (``indexer/triton/chunk_grad_keys.py``): (indexer
 # columns, keys, warps, stages).
-_KEYS_GRADIENT_TILES = ((128, 64, 8, 2), (64, 128, 8, 2), (64, 64, 4, 2))
+_KEYS_GRADIENT_TILES = ((128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 4, 2), (64, 128, 8, 2), (64, 64, 4, 2))
 # The gradient kernel's tile by teacher family (the kernel reads no teacher tile: what matters is
-# the indexer, 64 x 128 for "dsa" and "mqa", 16 x 64 for "gqa"): the keys-major 128-column tile.
-# Measured, 8K causal training steps, the gradient kernel's device time against the row-major
-# tile's (H100, bench/results/2026-12-06_h100_0120efb/kernel_split.csv): DSA-like 21.14 against
-# 22.62 ms (the other keys-major tiles 33.03, the 4-warp row-major tile 34.54); GQA-like 3.31
-# against 4.98 (keys-major 64 columns 4.63 / 4.78, 4-warp row-major 5.35).
-CHUNK_GRADIENT_RULES = {family: dict(variant="keys", indexer_rows=128, block_n=64, num_warps=8, num_stages=2)
-                        for family in ("dsa", "mqa", "gqa")}
+# the indexer, 64 x 128 for "dsa" and "mqa", 16 x 64 for "gqa"): keys-major, 128 columns. Each
+# tile forced first in turn through the forcing hook, the 8K causal training step with lse given
+# (H100, rotated rounds, bench/results/2026-12-06_h100_8fbe1d5/chunk_gradient_tiles.csv): DSA-like
+# 128 keys x 8 warps 20.87 ms against 22.48 for the 64-key tile before it (128 x 32: 25.05, 256
+# columns: 31.41); GQA-like 64 keys x 4 warps 1.90 ms against 2.51 (128 keys x 8 warps 2.08, 64
+# columns x 4 warps 1.99). Before that record the 64-key, 8-warp tile won a kernel split against
+# the row-major tiles (bench/results/2026-12-06_h100_0120efb/kernel_split.csv).
+CHUNK_GRADIENT_RULES = {
+    **{family: dict(variant="keys", indexer_rows=128, block_n=128, num_warps=8, num_stages=2) for family in ("dsa", "mqa")},
+    "gqa": dict(variant="keys", indexer_rows=128, block_n=64, num_warps=4, num_stages=2),
+}
 
 
 def chunk_gradient_candidates(ieee, dims, order="rule", first=None):
