@@ -302,9 +302,9 @@ def _backward_signature(dims, causal, train1, train2, bwd_mode, deterministic, q
 # shape rule's: nothing to measure ahead of time) and on the Triton backward, at any size: the
 # thread's launches only compile, so the backward's row inputs and gradient buffers are small
 # stand-ins there (``_stand_in``: a kernel specialises on a pointer's 16-byte alignment, never on
-# what it points to) and compiling ahead allocates nothing the size of the problem (it used to
-# allocate the gradients, and so stopped at 2^26 elements per input, where a long problem's
-# forward and backward compiles then ran one after the other).
+# what it points to) and compiling ahead allocates nothing the size of the problem (the real
+# gradient buffers there would hold a forward's memory for nothing, and would bound compiling
+# ahead to small problems, leaving a long one's forward and backward compiles one after the other).
 _BACKWARD_AHEAD: dict = {}  # backward signature -> the thread compiling its kernels
 
 
