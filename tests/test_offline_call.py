@@ -22,7 +22,8 @@ def test_gqa_training_step_kernels_compile_and_report(tmp_path):
     gradient kernel), one without (the same after the LSE pass) and one with lse given under the
     accumulating design (its forward and the backward's two student kernels) are found by the walk
     and compiled; each row has ptxas' registers, Hopper MMA (HGMMA) in every kernel but the split
-    merge (the GQA storing forward's wide one by default), and the config it was compiled with."""
+    merge (the GQA storing forward's wide one by default) and the chunk design's backward (its
+    gradients scaled and cast), and the config it was compiled with."""
     out = tmp_path / "census.csv"
     proc = _run(["--csv", str(out), "gqa:256:lse", "gqa:256:nolse"], tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
@@ -30,7 +31,9 @@ def test_gqa_training_step_kernels_compile_and_report(tmp_path):
     assert len(proc.stdout.strip().splitlines()) == len(every)
     merges = ("_merge_states_kernel", "_merge_states_wide_kernel")  # (no MMA in the key splits' merge)
     assert any(r["kernel"] in merges for r in every), every
-    rows = [r for r in every if r["kernel"] not in merges]
+    scale = "_scale_cast_kernel"  # the chunk design's backward (no MMA either)
+    assert {r["spec"] for r in every if r["kernel"] == scale} == {"gqa:256:lse", "gqa:256:nolse"}, every
+    rows = [r for r in every if r["kernel"] not in merges + (scale,)]
     kernels = {spec: [r["kernel"] for r in rows if r["spec"] == spec] for spec in ("gqa:256:lse", "gqa:256:nolse")}
     assert {"_indexer_fwd_gqa_store_kernel", "_chunk_grad_keys_kernel"} <= set(kernels["gqa:256:lse"]), kernels
     assert {"_teacher_lse_kernel", "_indexer_fwd_gqa_store_kernel", "_chunk_grad_keys_kernel"} <= set(
