@@ -100,7 +100,9 @@ def test_the_thread_reaches_the_kernels_of_the_call_and_runs_none(case, kernels)
     assert all(torch.equal(a, b) for a, b in zip(before[1], after[1])), case
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the attention backward's interpreter plan")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="takes the backward's CPU plan (the interpreter's one tile, no descriptors); on a GPU "
+                           "the first_call bench section measures compiling ahead")
 def test_the_attention_backward_compiled_ahead_allocates_only_stand_ins(monkeypatch):
     """What a training forward compiles ahead for its backward (attention/launch.compile_backward_ahead)
     reaches the same kernels with 16-element stand-ins for the row inputs and the gradient buffers,

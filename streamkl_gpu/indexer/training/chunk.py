@@ -205,17 +205,12 @@ def _scaled_grads(g, parts):
         return [None if part is None else (g * part[0]).to(part[1]) for part in parts]
     outs = [None if part is None else torch.empty(part[0].shape, dtype=part[1], device=part[0].device)
             for part in parts]
-    live = [(part[0], out) for part, out in zip(parts, outs) if part is not None]
-    if not live:
-        return outs
-    while len(live) < 3:
-        live.append((g, g))  # (no elements: no program reads it)
-    sizes = [0 if src is g else src.numel() for src, _ in live]
-    grid = (sum(_runtime.cdiv(n, _SCALE_BLOCK) for n in sizes),)
+    buffers = [(part[0], out, part[0].numel()) for part, out in zip(parts, outs) if part is not None]
+    buffers += [(g, g, 0)] * (3 - len(buffers))  # (no elements: no program reads it)
+    grid = (sum(_runtime.cdiv(n, _SCALE_BLOCK) for _, _, n in buffers),)
     if grid[0]:
-        kernel_call(_scale_grads._scale_cast_kernel, grid)(
-            g, live[0][0], live[0][1], sizes[0], live[1][0], live[1][1], sizes[1], live[2][0], live[2][1], sizes[2],
-            BLOCK=_SCALE_BLOCK, num_warps=4)
+        kernel_call(_scale_grads._scale_cast_kernel, grid)(g, *(x for buf in buffers for x in buf),
+                                                            BLOCK=_SCALE_BLOCK, num_warps=4)
     return outs
 
 
