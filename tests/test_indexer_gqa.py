@@ -160,11 +160,13 @@ def test_merge_kernel_equals_host_merge():
     assert torch.isnan(kl[1, 9]) and torch.isfinite(kl[0]).all()
 
 
-@pytest.mark.parametrize("splits,t_off,n_valid", [(3, 0, 37), (5, 11, 30), (44, 4, 19)])
-def test_wide_merge_kernel_equals_host_merge(splits, t_off, n_valid):
+@pytest.mark.parametrize("splits,t_off,n_valid,t0", [(3, 0, 37, 0), (5, 11, 30, 0), (44, 4, 19, 0), (3, 9, 20, 3),
+                                                     (7, 0, 1, 36)])
+def test_wide_merge_kernel_equals_host_merge(splits, t_off, n_valid, t0):
     """merge_states_wide (all splits of a row block at once, written in place at a row offset) against
     idx_plan._merge_splits: odd split counts (padded to a power of 2), batch 2, the special rows of
-    test_merge_kernel_equals_host_merge; rows past n_valid and outside [t_off, t_off + n_valid) untouched."""
+    test_merge_kernel_equals_host_merge; part rows from t0 on (a chunk inside a full-length part);
+    rows past n_valid and outside [t_off, t_off + n_valid) untouched."""
     gen = torch.Generator().manual_seed(splits)
     B, N, NQ = 2, 37, 53
     part = torch.empty(5, splits, B, N)
@@ -178,11 +180,12 @@ def test_wide_merge_kernel_equals_host_merge(splits, t_off, n_valid):
     part[0, 2, 1, 9] = float("nan")
     kl_ref, lse_ref = idx_plan._merge_splits(part)
     kl, lse = torch.full((B, NQ), 7.0), torch.full((B, NQ), 7.0)
-    _indexer_fwd_gqa.merge_states_wide(part.contiguous(), kl, lse, t_off, n_valid)
+    _indexer_fwd_gqa.merge_states_wide(part.contiguous(), kl, lse, t_off, n_valid, t0=t0)
     got_kl, got_lse = kl[:, t_off:t_off + n_valid], lse[:, t_off:t_off + n_valid]
-    assert torch.allclose(got_kl, kl_ref[:, :n_valid], rtol=1e-5, atol=1e-6, equal_nan=True)
-    assert torch.allclose(got_lse, lse_ref[:, :n_valid], rtol=1e-6, atol=1e-6, equal_nan=True)
-    assert got_kl[1, 7] == 0 and got_lse[1, 7] == float("-inf") and torch.isnan(got_kl[1, 9])
+    assert torch.allclose(got_kl, kl_ref[:, t0:t0 + n_valid], rtol=1e-5, atol=1e-6, equal_nan=True)
+    assert torch.allclose(got_lse, lse_ref[:, t0:t0 + n_valid], rtol=1e-6, atol=1e-6, equal_nan=True)
+    if t0 == 0:
+        assert got_kl[1, 7] == 0 and got_lse[1, 7] == float("-inf") and torch.isnan(got_kl[1, 9])
     outside = torch.ones(B, NQ, dtype=torch.bool)
     outside[:, t_off:t_off + n_valid] = False
     assert (kl[outside] == 7.0).all() and (lse[outside] == 7.0).all()

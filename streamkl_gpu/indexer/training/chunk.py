@@ -19,6 +19,7 @@ from streamkl_gpu.devtools import diagnostics as _diagnostics
 from streamkl_gpu.indexer.triton import bwd as _indexer_bwd
 from streamkl_gpu.indexer.triton import chunk_grad_keys as _chunk_grad_keys
 from streamkl_gpu.indexer.triton import accumulate as _indexer_pacc
+from streamkl_gpu.indexer.triton import fwd_gqa as _indexer_fwd_gqa  # the key splits' merge kernel
 from streamkl_gpu.indexer.triton import fwd_gqa_store as _indexer_gqa_store  # several key heads
 from streamkl_gpu.indexer.triton import scale_grads as _scale_grads
 from streamkl_gpu._core import checks as _checks
@@ -135,10 +136,8 @@ def _forward_full_with(fcfg, bcfg, q, k, q_idx, k_idx, weights, lse, causal, sca
                 CAUSAL=causal, RELU=relu, IEEE_T=ieee_t, IEEE_I=ieee_i, NO_CONTRACT=no_contract,
                 USE_TMA=ftma, SPLIT=splits > 1, A_L1=fl1, num_warps=fpl["warps"], num_stages=fpl["stages"],
                 **_store._pstore_meta(fpl))
-        if splits > 1 and not gqa_store:  # this chunk's rows merged before its gradient reads LSE_I
-            merged_kl, merged_lse = _plan_mod._merge_splits(part[..., c0:c0 + rows])
-            kl[:, c0:c0 + rows] = merged_kl
-            lse_idx[:, c0:c0 + rows] = merged_lse
+        if splits > 1 and not gqa_store:  # this chunk's rows merged (one launch) before its gradient reads LSE_I
+            _indexer_fwd_gqa.merge_states_wide(part, kl, lse_idx, c0, rows, t0=c0)
         if bpl["variant"].startswith("keys"):  # keys-major tiles (chunk_grad_keys.py)
             kernel_call(_chunk_grad_keys._chunk_grad_keys_kernel, (_runtime.cdiv(rows, bpl["BLOCK_T"]), dims.B * dims.HKI))(
                 q_idx, k_idx, weights, p, lse_idx, g_rows, dq1, dw1, dk1, bdesc[2], bdesc[3], dk_desc, c0, chunk,

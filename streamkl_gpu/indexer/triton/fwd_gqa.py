@@ -253,18 +253,20 @@ def merge_states(part, kl, lse_idx):
 WIDE_MERGE_ELEMENTS = 2048
 
 
-def merge_states_wide(part, kl, lse_idx, t_off, n_valid):
+def merge_states_wide(part, kl, lse_idx, t_off, n_valid, t0=0):
     """As :func:`merge_states`, but each program loads all splits of its rows at once (one latency, not
     two per split: the chunk design's 2048-row merge of ~44 splits ran on two programs, each walking
-    the splits in turn) and writes in place: ``part [5, splits, B, p_rows]``'s row ``(b, t)`` for
-    ``t < n_valid`` into ``kl`` / ``lse_idx [B, N_Q]`` at ``(b, t_off + t)``."""
+    the splits in turn) and writes in place: ``part [5, splits, B, p_rows]``'s rows ``(b, t0 + t)``
+    for ``t < n_valid`` into ``kl`` / ``lse_idx [B, N_Q]`` at ``(b, t_off + t)``."""
     n_splits, batch, p_rows = part.shape[1], part.shape[2], part.shape[3]
     splits_pad = _runtime.next_power_of_2(n_splits)
     block = max(16, min(1024, WIDE_MERGE_ELEMENTS // splits_pad))
-    rows = batch * p_rows
+    rows = batch * n_valid
+    if rows == 0:
+        return
     kernel_call(_merge_states_wide_kernel, (_runtime.cdiv(rows, block),))(
-        part, kl, lse_idx, n_splits, rows, p_rows, kl.shape[1], t_off, n_valid, SPLITS=splits_pad, BLOCK=block,
-        num_warps=4)
+        part, kl, lse_idx, n_splits, batch * p_rows, p_rows, t0, n_valid, rows, kl.shape[1], t_off,
+        SPLITS=splits_pad, BLOCK=block, num_warps=4)
 
 
 @triton.jit
@@ -273,17 +275,21 @@ def _nan_max(a, b):
 
 
 @triton.jit
-def _merge_states_wide_kernel(PART, KL, LSE_I, n_splits, rows, p_rows, n_q, t_off, n_valid, SPLITS: tl.constexpr,
-                              BLOCK: tl.constexpr):
+def _merge_states_wide_kernel(PART, KL, LSE_I, n_splits, split_stride, p_rows, t0, n_valid, rows, n_q, t_off,
+                              SPLITS: tl.constexpr, BLOCK: tl.constexpr):
     """``_merge_states_kernel``'s formulas on a [SPLITS, BLOCK] tile of each plane (splits as rows,
     loaded at once; padded splits read as a split that saw no key), the sums as tree reductions.
-    Row ``r = b * p_rows + t`` of PART goes to ``b * n_q + t_off + t`` of KL / LSE_I when ``t < n_valid``."""
+    Work item ``r = b * n_valid + t`` (``rows`` of them) reads row ``b * p_rows + t0 + t`` of each
+    split (``split_stride`` apart) and writes ``b * n_q + t_off + t`` of KL / LSE_I."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < rows
+    b = offs // n_valid
+    t = offs - b * n_valid
+    src = b.to(tl.int64) * p_rows + t0 + t
     sp = tl.arange(0, SPLITS)
     mask = (sp < n_splits)[:, None] & ok[None, :]
-    at = PART + sp[:, None].to(tl.int64) * rows + offs[None, :]
-    plane = n_splits.to(tl.int64) * rows
+    at = PART + sp[:, None].to(tl.int64) * split_stride + src[None, :]
+    plane = n_splits.to(tl.int64) * split_stride
     m = tl.load(at, mask=mask, other=float("-inf"))
     m_all = tl.reduce(m, 0, _nan_max)
     shift = tl.where(m_all == float("-inf"), 0.0, m_all)
@@ -295,12 +301,9 @@ def _merge_states_wide_kernel(PART, KL, LSE_I, n_splits, rows, p_rows, n_q, t_of
     plogp_all = tl.sum(tl.load(at + 4 * plane, mask=mask, other=0.0), 0)
     empty = l_all == 0.0
     log_l = tl.log(tl.where(empty, 1.0, l_all))
-    b = offs // p_rows
-    t = offs - b * p_rows
     out = b.to(tl.int64) * n_q + t_off + t
-    keep = ok & (t < n_valid)
-    tl.store(KL + out, tl.where(empty, 0.0, plogp_all - acc_all + log_l), mask=keep)
-    tl.store(LSE_I + out, tl.where(empty, float("-inf"), m_all + log_l), mask=keep)
+    tl.store(KL + out, tl.where(empty, 0.0, plogp_all - acc_all + log_l), mask=ok)
+    tl.store(LSE_I + out, tl.where(empty, float("-inf"), m_all + log_l), mask=ok)
 
 
 @triton.jit
