@@ -311,7 +311,8 @@ def test_gluon_launch_configurations_are_frozen_dataclasses():
     import dataclasses
     from types import SimpleNamespace
 
-    from streamkl_gpu.experimental import attention_bwd_sm90, indexer_fwd_sm90
+    from streamkl_gpu.experimental import attention_bwd_sm90
+    from streamkl_gpu.indexer.gluon import fwd_sm90 as indexer_fwd_sm90
 
     made = {
         _gluon_fwd_launch.GluonFwdConfig: _gluon_fwd_launch.configs_to_measure(64, 128)

@@ -1,10 +1,11 @@
-"""The indexer's Gluon forward (``_gluon_indexer``, Hopper, MQA teacher) on CI, no GPU: it
-compiles for sm_90 and its SASS has the intended schedule; the dispatch rule and the forced mode.
+"""The indexer's Gluon forward (``indexer/gluon/fwd_sm90.py``, Hopper, MQA teacher) on CI, no GPU: it
+compiles for sm_90 and its SASS has the intended schedule; the dispatch rules and the forced modes.
 
-Gluon does not run under the interpreter, so the kernel's numbers are checked on the GPU
-(`git show b7066de:bench/indexer_perf_gpu.py`, the removed GPU script: against float64 and the Triton forward, with and without lse). Here a
-broken kernel fails at compile time or in the SASS (the wgmma count per key tile, ptxas
-serialising the products, spills in the key loops).
+Gluon does not run under the interpreter, so the kernel's numbers are checked on the GPU: the
+benchmark's ``indexer`` section with ``--forced gluon_store`` checks the training step with the
+Gluon storing forward against float64 at odd shapes on every path. Here a broken kernel fails at
+compile time or in the SASS (the wgmma count per key tile, ptxas serialising the products, spills
+in the key loops).
 """
 import json
 import os
@@ -27,7 +28,8 @@ gluon = idx_host._gluon_indexer
 # (D = 40: one zero-filled chunk; D_I = 24) and H_I < 64, and the accumulating forward at DSA
 # (the 4-slot ring candidate differs from the default in NUM_STAGES only: left out, ~15 s each)
 CI_SPECS = ["bf16:causal:128:576:64:128", "fp16:full:48:40:24:24", "bf16:causal+pacc:128:576:64:128",
-            "bf16:causal+student:128:576:64:128"]  # and the backward's student part (no teacher)
+            "bf16:causal+student:128:576:64:128",  # and the backward's student part (no teacher)
+            "bf16:causal+store:128:576:64:128"]  # the chunk design's storing forward (the default at DSA)
 
 
 def _expected(spec):
@@ -234,3 +236,32 @@ def test_auto_only_for_the_measured_family():
     assert idx_host._gluon_auto(_dims(N=8192))
     assert not idx_host._gluon_auto(_dims(N=1024))  # short: launch-bound, not measured
     assert not idx_host._gluon_auto(_dims(H=32, D=128, N=8192))  # a narrow teacher: not measured
+
+
+def test_storing_forward_backend_rule(monkeypatch):
+    """The chunk design's storing forward (host.use_gluon_store): by default the Gluon kernel only
+    where it applies in the measured family (a CPU tensor: never, silently); forced "gluon", by
+    the forcing hook or the backend variable, where it does not apply is a ValueError saying why;
+    forced "triton" never runs it; an unknown forced word is a ValueError."""
+    from streamkl_gpu._core.forcing import forcing
+
+    monkeypatch.delenv("STREAMKL_INDEXER_BACKEND", raising=False)
+    xs = [torch.randn(s) for s in [(1, 128, 8, 512), (1, 1, 2048, 512), (1, 64, 8, 16), (1, 1, 2048, 16), (1, 64, 8)]]
+    d = check_indexer_inputs(*xs, scale=0.25)
+    assert not idx_host.use_gluon_store(d, *xs[:4])  # the family, but a CPU tensor: does not apply
+    with forcing(indexer_storing_forward_backend="triton"):
+        assert not idx_host.use_gluon_store(d, *xs[:4])
+    with forcing(indexer_storing_forward_backend="gluon"), pytest.raises(ValueError, match="does not apply"):
+        idx_host.use_gluon_store(d, *xs[:4])
+    with forcing(indexer_storing_forward_backend="yes"), pytest.raises(ValueError, match="'gluon' or 'triton'"):
+        idx_host.use_gluon_store(d, *xs[:4])
+    monkeypatch.setenv("STREAMKL_INDEXER_BACKEND", "gluon")
+    with pytest.raises(ValueError, match="STREAMKL_INDEXER_BACKEND=gluon"):
+        idx_host.use_gluon_store(d, *xs[:4])
+    # where it would apply (patched: a Hopper device), the default takes it in the family only
+    monkeypatch.delenv("STREAMKL_INDEXER_BACKEND")
+    monkeypatch.setattr(idx_host, "gluon_why_not", lambda *a, **k: "")
+    assert idx_host.use_gluon_store(d, *xs[:4])
+    assert not idx_host.use_gluon_store(_dims(N=1024), *xs[:4])
+    with forcing(indexer_storing_forward_backend="triton"):
+        assert not idx_host.use_gluon_store(d, *xs[:4])

@@ -44,6 +44,8 @@ import triton  # noqa: E402
 import streamkl_ref  # noqa: E402
 import streamkl_gpu  # noqa: E402
 from streamkl_gpu._core.forcing import forcing  # noqa: E402
+from streamkl_gpu.indexer.api import indexer_kl_naive  # noqa: E402
+from streamkl_gpu.indexer.topk import indexer_kl_topk_naive  # noqa: E402
 from streamkl_ref.testing import relative_error  # noqa: E402
 
 from . import timing  # noqa: E402
@@ -139,11 +141,13 @@ def time_ms(fn, device, quick):
     return timing.time_ms(fn, cuda=device == "cuda", warmup=5 if quick else 25, rep=20 if quick else 100)
 
 
-# The timed points: (section, teacher, path, provider, n) -> {measure: callable}. FORCED (forcing hook), each
-# also timed on request: the chunk design's previous tiles, the gradient kernel's "keys_branch" variant
+# The timed points: (section, teacher, path, provider, n) -> {measure: callable}. FORCED (forcing hook), each also timed
+# and checked on request: the chunk design's previous tiles, the "keys_branch" gradient, the storing forward's kernels
 DESIGN_VAR = "STREAMKL_INDEXER_TRAINING"
 FORCED = dict(previous_tiles=dict(indexer_chunk_gradient_order="rows_first", indexer_storing_forward_order="candidates"),
-              branch_layout=dict(indexer_chunk_gradient_order="branch_first"))
+              branch_layout=dict(indexer_chunk_gradient_order="branch_first"),
+              triton_store=dict(indexer_storing_forward_backend="triton"),
+              gluon_store=dict(indexer_storing_forward_backend="gluon"))
 
 
 def Design(value):
@@ -171,6 +175,13 @@ def dense_point(cfg, N, path, device, dtype, design=None, force=None):
     return {"fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd}, fwd_bwd
 
 
+def measures(fwd):
+    """A point's timed measures from its loss callable; its fwd+bwd is also the memory figure's call."""
+    def fwd_bwd():
+        fwd().backward()
+    return {"fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd}, fwd_bwd
+
+
 def rows_with_keys(NQ, NK, causal, B=1):
     return B * (min(NQ, NK) if causal else NQ)
 
@@ -181,20 +192,11 @@ def compile_point(cfg, N, device, dtype):
     q, k, leaves = xs[0], xs[1], [x.clone().requires_grad_(True) for x in xs[2:]]
     scale, rows = cfg["scale"], rows_with_keys(N, N, True)
 
-    from streamkl_gpu.indexer.api import indexer_kl_naive
-
     def loss(q, k, qi, ki, w):
         return indexer_kl_naive(q, k, qi, ki, w, causal=True, scale=scale).sum() / rows
 
     compiled = torch.compile(loss)
-
-    def fwd():
-        return compiled(q, k, *leaves)
-
-    def fwd_bwd():
-        fwd().backward()
-
-    return {"fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd}, fwd_bwd
+    return measures(lambda: compiled(q, k, *leaves))
 
 
 def random_sets(B, N, K, device, seed=0):
@@ -213,8 +215,6 @@ def random_sets(B, N, K, device, seed=0):
 
 
 def topk_point(cfg, N, K, device, dtype, compiled=False):
-    from streamkl_gpu.indexer.topk import indexer_kl_topk_naive
-
     xs = make(cfg, 1, N, N, dtype, device, seed=N + 1)
     q, k, leaves = xs[0], xs[1], [x.clone().requires_grad_(True) for x in xs[2:]]
     topk = random_sets(1, N, K, device)
@@ -222,22 +222,13 @@ def topk_point(cfg, N, K, device, dtype, compiled=False):
     if compiled:
         loss = torch.compile(lambda q, k, qi, ki, w, t: indexer_kl_topk_naive(
             q, k, qi, ki, w, t, causal=True, scale=scale, compute_dtype=None).sum() / rows)
-
-        def fwd():
-            return loss(q, k, *leaves, topk)
-    else:
-        def fwd():
-            return streamkl_gpu.indexer_kl_topk(q, k, *leaves, topk, causal=True, scale=scale, reduction="mean")
-
-    def fwd_bwd():
-        fwd().backward()
-
-    return {"fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd}, fwd_bwd
+        return measures(lambda: loss(q, k, *leaves, topk))
+    return measures(lambda: streamkl_gpu.indexer_kl_topk(q, k, *leaves, topk, causal=True, scale=scale, reduction="mean"))
 
 
 # Checks against float64
 
-def check_dense(out, cfg, name, path, device, dtype, B, NQ, NK):
+def check_dense(out, cfg, name, path, device, dtype, B, NQ, NK, label=None):
     xs = make(cfg, B, NQ, NK, dtype, device, seed=7)
     leaves = [x.clone().requires_grad_(True) for x in xs[2:]]
     lse = teacher_lse(xs[0], xs[1], True, scale_of(cfg)) if path in ("lse", "row_weights_lse") else None
@@ -250,7 +241,7 @@ def check_dense(out, cfg, name, path, device, dtype, B, NQ, NK):
     w = np.ones_like(kl) if rw is None else rw.double().cpu().numpy()
     rows = rows_with_keys(NQ, NK, True, B)
     ref = streamkl_ref.indexer_kl_grad(*x64, w / rows, causal=True, scale=cfg["scale"])
-    _report_check(out, "dense", name, path, NQ, loss, (w * kl).sum() / rows, leaves, ref)
+    _report_check(out, "dense", name, label or path, NQ, loss, (w * kl).sum() / rows, leaves, ref)
 
 
 def check_topk(out, cfg, name, device, dtype, B, N, K):
@@ -416,9 +407,12 @@ def main(argv=None):
 
     if not a.no_check:
         B, NQ, NK = (2, 13, 19) if a.tiny else (2, 200, 264)
-        for name in names:
-            for path in paths:
-                check_dense(out, teachers[name], name, path, device, dtype, B, NQ, NK)
+        for name, path, (provider, force) in itertools.product(names, paths, orders):
+            try:  # (a forced choice that does not apply to a teacher raises, saying why: an error row)
+                with forcing(**(force or {})):
+                    check_dense(out, teachers[name], name, path, device, dtype, B, NQ, NK, force and f"{path} ({provider[9:]})")
+            except ValueError as exc:
+                failed(("dense", name, path, provider, NQ), exc)
         if not a.no_topk:
             check_topk(out, teachers["dsa"], "dsa", device, dtype, B, 13 if a.tiny else 200, 4 if a.tiny else 64)
     print(f"\n{out.failures} check failure(s); CSV: {out.path}")

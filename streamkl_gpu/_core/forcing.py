@@ -24,6 +24,10 @@ Forcible choices (keyword arguments of :func:`forcing`; unknown names raise ``Va
   ``STORING_FORWARD_GQA_FLAGS``) or ``"candidates"`` (the list as it stands, no flags), either
   with ``+flag`` suffixes of the GQA kernel (``"forward_rule+wm"``: only those flags), so a
   benchmark can time the chunk design with another tile or form (correct either way).
+- ``indexer_storing_forward_backend``: ``"gluon"`` (the Hopper Gluon kernel,
+  ``indexer/gluon/fwd_sm90.py``; a ``ValueError`` says why where it does not apply) or
+  ``"triton"``: the chunk design's storing forward, over ``STREAMKL_INDEXER_BACKEND`` and the
+  default rule (``indexer/host.py use_gluon_store``); correct either way.
 - ``indexer_chunk_gradient_order``: the order in which the chunk design tries its gradient
   kernel's tiles: ``"rule"`` (the default, also for None: ``CHUNK_GRADIENT_RULES``' tile first),
   ``"rows_first"`` (the row-major tiles first), ``"keys_first"`` (the keys-major tiles first,
@@ -53,6 +57,7 @@ import dataclasses
 from typing import Any, Optional
 
 CHOICES = ("attention_fwd_variant", "indexer_accumulate_parts", "indexer_storing_forward_order",
+           "indexer_storing_forward_backend",
            "indexer_chunk_gradient_order", "indexer_chunk_gradient_config", "indexer_teacher_lse_config",
            "indexer_chunk_gradient_parts")
 

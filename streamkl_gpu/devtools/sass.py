@@ -16,9 +16,9 @@ under TRITON_INTERPRET=1, which Gluon does not support). Specs, per kernel:
   candidate).
 - ``attention_bwd`` (the experimental Gluon backward; ``compile_attention_bwd_sm90``):
   ``bf16|fp16 : causal|full : D : trained side (1|2) [: gqa] [: lag] [: bufs3]``.
-- ``indexer_fwd`` (the experimental Gluon indexer; ``compile_indexer_sm90``):
-  ``bf16|fp16 : causal|full[+pacc|+student] : H : D : H_I : D_I``, then optionally ``name=value``
-  fields of ``indexer_fwd_sm90.GluonIndexerConfig`` (``block_n=64:num_stages=4``).
+- ``indexer_fwd`` (the Gluon indexer forward; ``compile_indexer_sm90``):
+  ``bf16|fp16 : causal|full[+pacc|+student|+store] : H : D : H_I : D_I``, then optionally ``name=value``
+  fields of ``indexer.gluon.fwd_sm90.GluonIndexerConfig`` (``block_n=64:num_stages=4``).
 """
 import dataclasses
 import json
@@ -279,14 +279,15 @@ def _main_attention_bwd(argv):
 
 
 # ----------------------------------------------------------------------------------------------
-# The experimental Gluon indexer forward
+# The Gluon indexer forward
 # ----------------------------------------------------------------------------------------------
 
-def compile_indexer_sm90(H, D, HI, DI, dtype, causal, n=256, config=None, relu=True, pacc=False, student=False):
+def compile_indexer_sm90(H, D, HI, DI, dtype, causal, n=256, config=None, relu=True, pacc=False, student=False,
+                         store=False):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from streamkl_gpu.experimental import indexer_fwd_sm90 as g
+    from streamkl_gpu.indexer.gluon import fwd_sm90 as g
 
     B = 1
     q = torch.empty(B, H, n, D, dtype=dtype)
@@ -299,8 +300,9 @@ def compile_indexer_sm90(H, D, HI, DI, dtype, causal, n=256, config=None, relu=T
     grads = (torch.empty(B, HI, n, DI), torch.empty(B, HI, n), torch.empty(B, 1, n, DI)) if (pacc or student) else None
     if student:
         lse = torch.empty(B, n, dtype=torch.float32)
+    p = (torch.empty(B, n, n, dtype=torch.float32), 0, n) if store else None  # the chunk design's storing forward
     _, args, constexprs, options = g.launch_args(q, k, qi, ki, w, lse, part, causal, 0.07, relu, config, grads,
-                                                 student=student)
+                                                 student=student, store=p)
     sig = gluon_signature(g._gluon_indexer_fwd_kernel, args, constexprs)
     src = GluonASTSource(g._gluon_indexer_fwd_kernel, sig, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
@@ -308,15 +310,16 @@ def compile_indexer_sm90(H, D, HI, DI, dtype, causal, n=256, config=None, relu=T
 
 def _main_indexer_fwd(argv):
     for spec in argv:
-        from streamkl_gpu.experimental import indexer_fwd_sm90 as g
+        from streamkl_gpu.indexer.gluon import fwd_sm90 as g
 
         dtype, mode, H, D, HI, DI, *items = spec.split(":")
         pacc = mode.endswith("+pacc")  # causal+pacc / full+pacc: the accumulating forward
         student = mode.endswith("+student")  # the backward's student part
+        store = mode.endswith("+store")  # the chunk design's storing forward
         config = config_from_spec(g.GluonIndexerConfig, items) if items else None
         t0 = time.time()
         kernel = compile_indexer_sm90(int(H), int(D), int(HI), int(DI), DTYPES[dtype], mode.startswith("causal"),
-                              config=config, pacc=pacc, student=student)
+                              config=config, pacc=pacc, student=student, store=store)
         sass = sass_of(kernel)
         row = dict(spec=spec, seconds=round(time.time() - t0, 1), triton=triton.__version__,
                    shared=kernel.metadata.shared, resources=resource_usage(kernel), **sass_counts(sass))

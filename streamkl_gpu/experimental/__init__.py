@@ -1,3 +1,2 @@
 """Kernels that are not the default anywhere and run only when forced: the Hopper Gluon backward of
-the attention KL (``STREAMKL_BWD_BACKEND=gluon``) and the Hopper Gluon indexer forward
-(``STREAMKL_INDEXER_BACKEND=gluon``). Each is paired with the Triton path it is checked against."""
+the attention KL (``STREAMKL_BWD_BACKEND=gluon``), paired with the Triton path it is checked against."""

@@ -1,6 +1,6 @@
 """Host code of the indexer's plain forward and backward: the teacher-LSE pass (``teacher_lse.py``),
-the forward over key tiles (the general kernel, the GQA-teacher kernel, or the experimental Hopper
-Gluon forward), the split merge, and the two recomputing backward kernels (dq_idx + dweights; dk_idx).
+the forward over key tiles (the general kernel, the GQA-teacher kernel, or the Hopper Gluon forward,
+``indexer/gluon/fwd_sm90.py``, when forced), the split merge, and the two recomputing backward kernels (dq_idx + dweights; dk_idx).
 
 Kernels: ``indexer/triton/fwd.py``, ``fwd_gqa.py``, ``bwd.py``. The entry point and the custom ops
 are in ``indexer/api.py``; the training designs that read the teacher once per step in
@@ -18,6 +18,7 @@ from streamkl_ref._checks import check_indexer_inputs
 
 from streamkl_gpu._core import checks as _checks
 from streamkl_gpu._core import env as _env
+from streamkl_gpu._core import forcing as _forcing
 from streamkl_gpu._core import runtime as _runtime
 from streamkl_gpu._core import tuning as _tuning
 from streamkl_gpu._core.launcher import kernel_call
@@ -29,7 +30,7 @@ from streamkl_gpu.indexer.triton import fwd as _indexer_fwd
 from streamkl_gpu.indexer.triton import fwd_gqa as _indexer_fwd_gqa  # the GQA teacher's forward
 
 try:  # the Hopper forward in Gluon (MQA teachers); triton builds without Gluon keep the Triton path
-    from streamkl_gpu.experimental import indexer_fwd_sm90 as _gluon_indexer
+    from streamkl_gpu.indexer.gluon import fwd_sm90 as _gluon_indexer
 except Exception as exc:  # noqa: BLE001 - no triton.experimental.gluon, or an API it does not know
     _gluon_indexer = None
     GLUON_IMPORT_ERROR: Optional[str] = f"{type(exc).__name__}: {exc}"
@@ -96,7 +97,8 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
 
 
 # ----------------------------------------------------------------------------------------------
-# The Gluon forward (Hopper, MQA teacher; experimental): STREAMKL_INDEXER_BACKEND chooses
+# The Gluon forward (Hopper, MQA teacher): STREAMKL_INDEXER_BACKEND chooses; by default the chunk
+# design's storing forward in the measured family (use_gluon_store), the plain forward never
 # ----------------------------------------------------------------------------------------------
 
 BACKEND_VAR = "STREAMKL_INDEXER_BACKEND"
@@ -115,7 +117,7 @@ def _old_gluon_var(pacc: bool) -> str:
 
 
 def gluon_mode(pacc: bool = False) -> str:
-    """``"0"`` the Triton kernel, ``"1"`` the Gluon kernel (``experimental/indexer_fwd_sm90.py``)
+    """``"0"`` the Triton kernel, ``"1"`` the Gluon kernel (``indexer/gluon/fwd_sm90.py``)
     or a ``ValueError`` saying why it does not apply (a forced path never falls back silently),
     ``"auto"`` the Gluon kernel where it applies and was measured faster (``_gluon_auto``).
 
@@ -155,6 +157,30 @@ def _use_gluon(dims, q, k, q_idx, k_idx, pacc: bool = False) -> bool:
     if why and mode == "1":
         var = f"{BACKEND_VAR}=gluon" if _runtime.env(BACKEND_VAR) is not None else f"{_old_gluon_var(pacc)}=1"
         raise ValueError(f"{var}, but the Gluon {'accumulating ' if pacc else ''}forward does not apply: {why}")
+    return not why
+
+
+# The chunk design's storing forward (training/chunk.py) in Gluon under STREAMKL_INDEXER_BACKEND=auto:
+# where it applies and _gluon_auto's family holds (wide MQA teachers from 2048 keys on), measured
+# faster there than the Triton storing forward (docs/indexer.md, "The storing forward").
+GLUON_STORE_AUTO = True
+
+
+def use_gluon_store(dims, q, k, q_idx, k_idx) -> bool:
+    """Does the chunk design's storing forward run the Gluon kernel? The forcing hook's
+    ``indexer_storing_forward_backend`` (``"gluon"`` / ``"triton"``) first, else
+    ``STREAMKL_INDEXER_BACKEND``: ``gluon`` forces it (a ``ValueError`` says why where it does not
+    apply), ``triton`` never, ``auto`` (default) where it applies in the measured family."""
+    forced = _forcing.forced("indexer_storing_forward_backend")
+    if forced is not None and forced not in ("gluon", "triton"):
+        raise ValueError(f"indexer_storing_forward_backend is 'gluon' or 'triton', got {forced!r}")
+    mode = forced or _env.backend(BACKEND_VAR)
+    if mode == "triton" or (mode == "auto" and not (GLUON_STORE_AUTO and _gluon_auto(dims))):
+        return False
+    why = gluon_why_not(dims, q, k, q_idx, k_idx)
+    if why and mode == "gluon":
+        how = "indexer_storing_forward_backend='gluon'" if forced else f"{BACKEND_VAR}=gluon"
+        raise ValueError(f"{how}, but the Gluon storing forward does not apply: {why}")
     return not why
 
 

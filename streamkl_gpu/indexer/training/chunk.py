@@ -67,8 +67,8 @@ def _forward_full(q, k, q_idx, k_idx, weights, lse, causal, scale, relu, row_wei
     ``row_weights [B, N_Q]`` (fp32): the sum is ``sum_t row_weights[t] KL[t]`` and its gradient
     (the gradient kernel's per-row g), so per-row losses known at forward time keep this path.
 
-    Untuned: the first candidates of each kernel (the storing forward's in the plain forward's
-    rule order, the gradient kernel's rule tile: ``configs.storing_forward_candidates``,
+    Untuned: the first candidates of each kernel (the storing forward's: the Gluon kernel's where
+    ``host.use_gluon_store``, then the Triton ones in the plain forward's rule order, the gradient kernel's rule tile: ``configs.storing_forward_candidates``,
     ``configs.chunk_gradient_candidates``), or the next ones where a launch does not fit the device (Triton raises
     OutOfResources before the kernel runs: e.g. shared memory at D = 96); the pair
     that fits is remembered per shape class."""
@@ -76,6 +76,8 @@ def _forward_full(q, k, q_idx, k_idx, weights, lse, causal, scale, relu, row_wei
     ieee = q.dtype == torch.float32 or q_idx.dtype == torch.float32
     fwd_cands = _configs.storing_forward_candidates(ieee, dims, _runtime.n_sm(q.device),
                                                     _forcing.forced("indexer_storing_forward_order") or "forward_rule")
+    if _host.use_gluon_store(dims, q, k, q_idx, k_idx):  # the Hopper Gluon kernel first (host.py)
+        fwd_cands = tuple(_host._gluon_indexer.candidates(dims)) + tuple(fwd_cands)
     bwd_cands = _configs.chunk_gradient_candidates(ieee, dims, _forcing.forced("indexer_chunk_gradient_order") or "rule",
                                                    _forcing.forced("indexer_chunk_gradient_config"))
     key = ("idx_full", relu, dims.D, dims.DI, dims.H, dims.HK, dims.HI, dims.HKI, q.dtype, q_idx.dtype, causal,
@@ -103,15 +105,22 @@ def _forward_full_with(fcfg, bcfg, q, k, q_idx, k_idx, weights, lse, causal, sca
     g_rows = (torch.ones((dims.B, dims.NQ), dtype=torch.float32, device=device) if row_weights is None
               else row_weights.to(torch.float32).contiguous())  # the gradient kernel's per-row g
     strides = _plan_mod._strides(q) + _plan_mod._strides(k) + _plan_mod._strides(q_idx) + _plan_mod._strides(k_idx) + _plan_mod._strides(weights)
-    fpl, bpl = _plan_mod._plan(dims, fcfg, "fwd"), _plan_mod._plan(dims, bcfg, "bwd_student")
-    splits, per_split = _plan_mod._key_splits(dims, fpl)
-    gqa_store = _indexer_gqa_store.applies(fpl, dims, use_tma)  # several key heads: the GQA kernel's loop
-    one_chunk = gqa_store and _indexer_gqa_store.parse_variant(fpl["variant"]).one_chunk
-    chunk = _pchunk(dims, (fpl["BLOCK_T"], bpl["BLOCK_T"]), one_chunk)
+    bpl = _plan_mod._plan(dims, bcfg, "bwd_student")
+    gluon = _host._gluon_indexer is not None and isinstance(fcfg, _host._gluon_indexer.GluonIndexerConfig)
+    if gluon:  # one CTA per token; its two consumer warpgroups are two key splits
+        fpl, splits, gqa_store = None, 2, False
+        chunk = _pchunk(dims, (1, bpl["BLOCK_T"]))
+    else:
+        fpl = _plan_mod._plan(dims, fcfg, "fwd")
+        splits, per_split = _plan_mod._key_splits(dims, fpl)
+        gqa_store = _indexer_gqa_store.applies(fpl, dims, use_tma)  # several key heads: the GQA kernel's loop
+        one_chunk = gqa_store and _indexer_gqa_store.parse_variant(fpl["variant"]).one_chunk
+        chunk = _pchunk(dims, (fpl["BLOCK_T"], bpl["BLOCK_T"]), one_chunk)
+        ftma, fl1 = _plan_mod._load_mode(fpl, use_tma)
+        fdesc = _plan_mod._descriptors(fpl, ftma, q, k, q_idx, k_idx)
     p = _plan_mod._fresh((dims.B, chunk, dims.NK), torch.float32, device)  # one chunk's target, reused
     part = (_plan_mod._fresh((5, splits, dims.B, dims.NQ), torch.float32, device) if splits > 1 and not gqa_store
             else kl)
-    ftma, fl1 = _plan_mod._load_mode(fpl, use_tma)
     btma, _ = _plan_mod._load_mode(bpl, use_tma)
     dk_share = 2 if _host.DQK_TMA and btma and not _runtime.interpreting() else 1
     parts = _forcing.forced("indexer_chunk_gradient_parts")
@@ -119,11 +128,13 @@ def _forward_full_with(fcfg, bcfg, q, k, q_idx, k_idx, weights, lse, causal, sca
         dk_share = _diagnostics.indexer_chunk_gradient_parts(parts)
     dk_desc = (_runtime.TensorDescriptor(dk1, list(dk1.shape), list(dk1.stride()), [1, 1, bpl["BLOCK_N"], bpl["DI_PAD"]])
                if dk_share == 2 else None)
-    fdesc = _plan_mod._descriptors(fpl, ftma, q, k, q_idx, k_idx)
     bdesc = _plan_mod._descriptors(bpl, btma, q, k, q_idx, k_idx)
     for c0 in range(0, dims.NQ, chunk):
         rows = min(chunk, dims.NQ - c0)
-        if gqa_store:  # (its key splits merged inside)
+        if gluon:
+            _host._gluon_indexer.storing_states(q, k, q_idx, k_idx, weights, lse_bits, causal, dims.scale, relu, part,
+                                                p, c0, rows, fcfg)
+        elif gqa_store:  # (its key splits merged inside)
             _indexer_gqa_store.launch_chunk(dims, fpl, q, k, q_idx, k_idx, weights, lse_bits, kl, lse_idx, p, c0, rows,
                                             causal, relu, ieee_t, ieee_i)
         else:

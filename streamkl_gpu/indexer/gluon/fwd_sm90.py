@@ -218,16 +218,18 @@ def _pacc_fold(p, visible, a, w, dq0, dq1, dw, cs, qi_smem, ring, empty, DK_P, b
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, q_smem, qi_smem, ring, coef_smem, vec_smem, q_bar, ready, empty, LSE_T, W, PART,
-              DQ_P, DW_P, DK_P, b, t, n_tiles, rot, H, H_I, N_Q, N_K, stride_wb, stride_wh, stride_wn, qk_scale,
-              inv_heads, part_plane,
+              DQ_P, DW_P, DK_P, P, T_OFF, P_ROWS, b, t, n_tiles, rot, H, H_I, N_Q, N_K, stride_wb, stride_wh,
+              stride_wn, qk_scale, inv_heads, part_plane,
               NT: gl.constexpr, DC: gl.constexpr, DIC: gl.constexpr, DI: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, RELU: gl.constexpr, PACC: gl.constexpr,
-              STUDENT: gl.constexpr):
+              STUDENT: gl.constexpr, STORE: gl.constexpr):
     """Walked tiles WG, WG + 2, ... of token t (tile ``(i + rot) % n_tiles``): the online state,
     stored as key split WG. PACC: also the target's share of the gradient (g = 1), added into
     DQ_P [B, H_I, N_Q, DI], DW_P [B, H_I, N_Q], DK_P [B, 1, N_K, DI] (zeroed fp32). STUDENT
     (the backward, no teacher: DC = 0, PACC): the same sums with ``softmax(I)`` in place of
-    ``p``, from the student's LSE ``LSE_T [B, N_Q]`` (nats); no state stored."""
+    ``p``, from the student's LSE ``LSE_T [B, N_Q]`` (nats); no state stored. STORE (the chunk
+    design's storing forward): also the target row of token t, ``p`` of its visible keys, into row
+    ``t - T_OFF`` of ``P [B, P_ROWS, N_K]`` (fp32; the gradient kernel reads only visible keys)."""
     t_layout: gl.constexpr = _acc_layout(NT)
     i_layout: gl.constexpr = _acc_layout(HEADS)
     key_layout: gl.constexpr = gl.SliceLayout(1, t_layout)
@@ -292,6 +294,8 @@ def _consumer(WG: gl.constexpr, q_smem, qi_smem, ring, coef_smem, vec_smem, q_ba
             p = gl.where(visible, gl.exp2((logits - lse_i) * _LOG2E), 0.0)
         else:
             p = gl.where(visible, p * inv_heads, 0.0)
+            if STORE:
+                gl.store(P + (b64 * P_ROWS + (t - T_OFF)) * N_K + keys, p, mask=keys < N_K)
             # the online update (_indexer_fwd._online_update on one token)
             m_new = gl.maximum(m, gl.max(gl.where(visible, logits, float("-inf")), axis=0))
             shift = _safe(m_new)
@@ -327,39 +331,42 @@ def _consumer(WG: gl.constexpr, q_smem, qi_smem, ring, coef_smem, vec_smem, q_ba
 
 @gluon.jit
 def _consumer0(q_smem, qi_smem, ring, coef_smem, vec_smem, q_bar, ready, empty, LSE_T, W, PART, DQ_P, DW_P, DK_P,
-               b, t, n_tiles, rot, H, H_I, N_Q, N_K, stride_wb, stride_wh, stride_wn, qk_scale, inv_heads,
-               part_plane, NT: gl.constexpr, DC: gl.constexpr, DIC: gl.constexpr, DI: gl.constexpr,
+               P, T_OFF, P_ROWS, b, t, n_tiles, rot, H, H_I, N_Q, N_K, stride_wb, stride_wh, stride_wn, qk_scale,
+               inv_heads, part_plane, NT: gl.constexpr, DC: gl.constexpr, DIC: gl.constexpr, DI: gl.constexpr,
                BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, RELU: gl.constexpr,
-               PACC: gl.constexpr, STUDENT: gl.constexpr):
+               PACC: gl.constexpr, STUDENT: gl.constexpr, STORE: gl.constexpr):
     _consumer(0, q_smem, qi_smem, ring, coef_smem, vec_smem, q_bar, ready, empty, LSE_T, W, PART, DQ_P, DW_P, DK_P,
-              b, t, n_tiles, rot, H, H_I, N_Q, N_K, stride_wb, stride_wh, stride_wn, qk_scale, inv_heads,
-              part_plane, NT, DC, DIC, DI, BLOCK_N, NUM_STAGES, CAUSAL, RELU, PACC, STUDENT)
+              P, T_OFF, P_ROWS, b, t, n_tiles, rot, H, H_I, N_Q, N_K, stride_wb, stride_wh, stride_wn, qk_scale,
+              inv_heads, part_plane, NT, DC, DIC, DI, BLOCK_N, NUM_STAGES, CAUSAL, RELU, PACC, STUDENT, STORE)
 
 
 @gluon.jit
 def _consumer1(q_smem, qi_smem, ring, coef_smem, vec_smem, q_bar, ready, empty, LSE_T, W, PART, DQ_P, DW_P, DK_P,
-               b, t, n_tiles, rot, H, H_I, N_Q, N_K, stride_wb, stride_wh, stride_wn, qk_scale, inv_heads,
-               part_plane, NT: gl.constexpr, DC: gl.constexpr, DIC: gl.constexpr, DI: gl.constexpr,
+               P, T_OFF, P_ROWS, b, t, n_tiles, rot, H, H_I, N_Q, N_K, stride_wb, stride_wh, stride_wn, qk_scale,
+               inv_heads, part_plane, NT: gl.constexpr, DC: gl.constexpr, DIC: gl.constexpr, DI: gl.constexpr,
                BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, RELU: gl.constexpr,
-               PACC: gl.constexpr, STUDENT: gl.constexpr):
+               PACC: gl.constexpr, STUDENT: gl.constexpr, STORE: gl.constexpr):
     _consumer(1, q_smem, qi_smem, ring, coef_smem, vec_smem, q_bar, ready, empty, LSE_T, W, PART, DQ_P, DW_P, DK_P,
-              b, t, n_tiles, rot, H, H_I, N_Q, N_K, stride_wb, stride_wh, stride_wn, qk_scale, inv_heads,
-              part_plane, NT, DC, DIC, DI, BLOCK_N, NUM_STAGES, CAUSAL, RELU, PACC, STUDENT)
+              P, T_OFF, P_ROWS, b, t, n_tiles, rot, H, H_I, N_Q, N_K, stride_wb, stride_wh, stride_wn, qk_scale,
+              inv_heads, part_plane, NT, DC, DIC, DI, BLOCK_N, NUM_STAGES, CAUSAL, RELU, PACC, STUDENT, STORE)
 
 
 @gluon.jit
-def _gluon_indexer_fwd_kernel(q_desc, k_desc, qi_desc, ki_desc, LSE_T, W, PART, DQ_P, DW_P, DK_P,
+def _gluon_indexer_fwd_kernel(q_desc, k_desc, qi_desc, ki_desc, LSE_T, W, PART, DQ_P, DW_P, DK_P, P, T_OFF, P_ROWS,
                               H, H_I, N_Q, N_K, stride_wb, stride_wh, stride_wn, qk_scale, inv_heads,
                               NT: gl.constexpr, DC: gl.constexpr, DIC: gl.constexpr, DI: gl.constexpr,
                               BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                              RELU: gl.constexpr, PACC: gl.constexpr, STUDENT: gl.constexpr,
+                              RELU: gl.constexpr, PACC: gl.constexpr, STUDENT: gl.constexpr, STORE: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    """Grid (N_Q, B): one CTA per token. PART [5, 2, B, N_Q] (m, l, mass, acc, plogp per
-    consumer warpgroup); LSE_T [B, H, N_Q] teacher LSEs in bits. PACC: DQ_P, DW_P, DK_P get
-    the target's share of the gradient (zeroed fp32 buffers; else unused)."""
+    """Grid (tokens, B): one CTA per token, tokens ``T_OFF ..`` (0 .. N_Q - 1 but in the chunk
+    design's storing forward). PART [5, 2, B, N_Q] (m, l, mass, acc, plogp per consumer
+    warpgroup); LSE_T [B, H, N_Q] teacher LSEs in bits. PACC: DQ_P, DW_P, DK_P get the target's
+    share of the gradient (zeroed fp32 buffers; else unused). STORE: P [B, P_ROWS, N_K] gets the
+    tokens' target rows (else unused)."""
     t = gl.program_id(0)
     if CAUSAL:  # the longest tokens (most key tiles) first: fewer idle SMs in the last wave
         t = gl.num_programs(0) - 1 - t
+    t = T_OFF + t
     b = gl.program_id(1)
     key_hi = N_K
     if CAUSAL:
@@ -395,11 +402,13 @@ def _gluon_indexer_fwd_kernel(q_desc, k_desc, qi_desc, ki_desc, LSE_T, W, PART, 
     # argument tuples inline: a tuple bound to a local turns its constexprs into tensors (sketch)
     gl.warp_specialize([
         (_consumer0, (q_smem, qi_smem, ring, coef_smem, vec_smem, q_bar, ready, empty, LSE_T, W, PART, DQ_P, DW_P, DK_P,
-                      b, t, n_tiles, rot, H, H_I, N_Q, N_K, stride_wb, stride_wh, stride_wn, qk_scale, inv_heads,
-                      part_plane, NT, DC, DIC, DI, BLOCK_N, NUM_STAGES, CAUSAL, RELU, PACC, STUDENT)),
+                      P, T_OFF, P_ROWS, b, t, n_tiles, rot, H, H_I, N_Q, N_K, stride_wb, stride_wh, stride_wn,
+                      qk_scale, inv_heads, part_plane, NT, DC, DIC, DI, BLOCK_N, NUM_STAGES, CAUSAL, RELU, PACC,
+                      STUDENT, STORE)),
         (_consumer1, (q_smem, qi_smem, ring, coef_smem, vec_smem, q_bar, ready, empty, LSE_T, W, PART, DQ_P, DW_P, DK_P,
-                      b, t, n_tiles, rot, H, H_I, N_Q, N_K, stride_wb, stride_wh, stride_wn, qk_scale, inv_heads,
-                      part_plane, NT, DC, DIC, DI, BLOCK_N, NUM_STAGES, CAUSAL, RELU, PACC, STUDENT)),
+                      P, T_OFF, P_ROWS, b, t, n_tiles, rot, H, H_I, N_Q, N_K, stride_wb, stride_wh, stride_wn,
+                      qk_scale, inv_heads, part_plane, NT, DC, DIC, DI, BLOCK_N, NUM_STAGES, CAUSAL, RELU, PACC,
+                      STUDENT, STORE)),
         (_load_partition, (q_desc, k_desc, qi_desc, ki_desc, q_smem, qi_smem, ring, q_bar, ready, empty,
                            b, t, n_tiles, rot, DC, DIC, BLOCK_N, NUM_STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -491,14 +500,15 @@ def make_descriptor(t, block):
 
 
 def launch_args(q, k, q_idx, k_idx, weights, lse_bits, part, causal, scale, relu, config=None, grads=None,
-                student=False):
+                student=False, store=None):
     """(grid, positional args, constexprs, options) of one launch (the CI compile test passes the
     same to ``GluonASTSource``). ``lse_bits``: [B, H, N_Q] fp32 contiguous, teacher LSEs in bits;
     ``part``: [5, 2, B, N_Q] fp32; ``grads``: the accumulating forward's zeroed fp32 buffers
     (dq_p [B, H_I, N_Q, D_I], dw_p [B, H_I, N_Q], dk_p [B, 1, N_K, D_I]), or None. ``student``:
     the backward's student part into ``grads`` (no teacher; ``lse_bits`` is then the student's
-    LSE [B, N_Q] in nats, ``part`` unused). ``config``: a :class:`GluonIndexerConfig` (None: the
-    first of :func:`candidates`)."""
+    LSE [B, N_Q] in nats, ``part`` unused). ``store``: ``(p, t_off, rows)``, the chunk design's
+    storing forward (:func:`storing_states`), or None. ``config``: a :class:`GluonIndexerConfig`
+    (None: the first of :func:`candidates`)."""
     B, H, N_Q, D = q.shape
     N_K, H_I, DI = k.shape[2], q_idx.shape[1], q_idx.shape[3]
     pacc = grads is not None
@@ -508,12 +518,14 @@ def launch_args(q, k, q_idx, k_idx, weights, lse_bits, part, causal, scale, relu
     descs = (make_descriptor(q, [1, nt, 1, 64]), make_descriptor(k, [1, 1, block_n, 64]),
              make_descriptor(q_idx, [1, 64, 1, 64]), make_descriptor(k_idx, [1, 1, block_n, 64]))
     dq_p, dw_p, dk_p = grads if pacc else (part, part, part)
-    args = descs + (lse_bits, weights, part, dq_p, dw_p, dk_p, H, H_I, N_Q, N_K, *weights.stride(),
-                    float(scale * LOG2E), 1.0 / H)
+    p, t_off, rows = store if store is not None else (part, 0, N_Q)
+    args = descs + (lse_bits, weights, part, dq_p, dw_p, dk_p, p, t_off, p.shape[1] if store is not None else 0,
+                    H, H_I, N_Q, N_K, *weights.stride(), float(scale * LOG2E), 1.0 / H)
     constexprs = dict(NT=nt, DC=0 if student else triton.cdiv(D, 64), DIC=triton.cdiv(DI, 64), DI=DI,
                       BLOCK_N=block_n, NUM_STAGES=stages, CAUSAL=bool(causal), RELU=bool(relu), PACC=pacc,
-                      STUDENT=bool(student), CONSUMER_REGS=regs, PRODUCER_REGS=producer_regs(regs))
-    return (N_Q, B), args, constexprs, dict(num_warps=4, maxnreg=CTA_REGS // CTA_THREADS)
+                      STUDENT=bool(student), STORE=store is not None, CONSUMER_REGS=regs,
+                      PRODUCER_REGS=producer_regs(regs))
+    return (rows, B), args, constexprs, dict(num_warps=4, maxnreg=CTA_REGS // CTA_THREADS)
 
 
 def student_grads(q, k, q_idx, k_idx, weights, lse_idx, causal, relu, grads, config=None):
@@ -536,6 +548,18 @@ def forward_states(q, k, q_idx, k_idx, weights, lse_bits, causal, scale, relu, c
         part = torch.empty((5, 2, B, N_Q), dtype=torch.float32, device=q.device)
     grid, args, constexprs, options = launch_args(q, k, q_idx, k_idx, weights, lse_bits, part, causal, scale, relu,
                                                   config, grads)
+    kernel = kernel_call(_gluon_indexer_fwd_kernel, grid)(*args, **constexprs, **options)
+    _forcing.record("indexer_fwd_sm90", kernel, **constexprs)  # for an open forcing block
+    return part
+
+
+def storing_states(q, k, q_idx, k_idx, weights, lse_bits, causal, scale, relu, part, p, t_off, rows, config=None):
+    """The chunk design's storing forward on tokens ``t_off .. t_off + rows - 1``: their two
+    consumer states into ``part [5, 2, B, N_Q]`` (as :func:`forward_states`; merge the chunk's rows
+    with ``fwd_gqa.merge_states_wide``) and their target rows into ``p [B, P_ROWS, N_K]`` (fp32,
+    row ``t - t_off``; only visible keys are written)."""
+    grid, args, constexprs, options = launch_args(q, k, q_idx, k_idx, weights, lse_bits, part, causal, scale, relu,
+                                                  config, store=(p, t_off, rows))
     kernel = kernel_call(_gluon_indexer_fwd_kernel, grid)(*args, **constexprs, **options)
     _forcing.record("indexer_fwd_sm90", kernel, **constexprs)  # for an open forcing block
     return part
