@@ -121,8 +121,10 @@ def gluon_mode(pacc: bool = False) -> str:
     or a ``ValueError`` saying why it does not apply (a forced path never falls back silently),
     ``"auto"`` the Gluon kernel where it applies and was measured faster (``_gluon_auto``).
 
-    ``STREAMKL_INDEXER_BACKEND`` (both forwards): ``auto`` (default; the Triton kernels: the Gluon
-    one is not yet measured on the GPU) and ``triton`` give ``"0"``, ``gluon`` gives ``"1"``. While
+    ``STREAMKL_INDEXER_BACKEND`` (the plain and accumulating forwards; the chunk design's storing
+    forward: :func:`use_gluon_store`): ``auto`` (default; the Triton kernels: the plain Gluon forward
+    was timed faster at DSA-like 8K once, the rule not yet changed) and ``triton`` give ``"0"``,
+    ``gluon`` gives ``"1"``. While
     it is unset the old names are read, per forward: ``STREAMKL_INDEXER_GLUON`` (the forward) /
     ``STREAMKL_INDEXER_GLUON_PACC`` (the accumulating forward) = ``0``, ``1`` or ``auto``."""
     if _runtime.env(BACKEND_VAR) is not None:
