@@ -313,11 +313,13 @@ def test_gluon_launch_configurations_are_frozen_dataclasses():
 
     from streamkl_gpu.experimental import attention_bwd_sm90
     from streamkl_gpu.indexer.gluon import fwd_sm90 as indexer_fwd_sm90
+    from streamkl_gpu.indexer.gluon import lse_sm90
 
     made = {
         _gluon_fwd_launch.GluonFwdConfig: _gluon_fwd_launch.configs_to_measure(64, 128)
         + list(_gluon_fwd_launch.SEARCHED_EXPERIMENTS),
         indexer_fwd_sm90.GluonIndexerConfig: indexer_fwd_sm90.candidates(SimpleNamespace(H=128, D=576, DI=128)),
+        lse_sm90.GluonLseConfig: lse_sm90.candidates(None),
         attention_bwd_sm90.GluonBwdConfig: [attention_bwd_sm90.kernel_config(d, c) for d in (64, 128) for c in (0, 1)]
         + [attention_bwd_sm90.fallback_config(128, True)],
     }

@@ -19,10 +19,12 @@ import torch
 from streamkl_gpu.indexer.training import accumulate as idx_accumulate
 from streamkl_gpu.indexer import host as idx_host
 from streamkl_gpu.indexer import plan as idx_plan
+from streamkl_gpu.indexer import teacher_lse as idx_teacher_lse
 from streamkl_ref._checks import check_indexer_inputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 gluon = idx_host._gluon_indexer
+lse_sm90 = idx_teacher_lse._gluon_lse
 
 # DSA-like default config, a small fp16 non-causal case with 48 heads (N = 64), ragged head dims
 # (D = 40: one zero-filled chunk; D_I = 24) and H_I < 64, and the accumulating forward at DSA
@@ -63,6 +65,7 @@ def compiled():
 
 def test_gluon_import_available_with_ci_triton():
     assert gluon is not None, idx_host.GLUON_IMPORT_ERROR
+    assert lse_sm90 is not None, idx_teacher_lse.GLUON_IMPORT_ERROR
 
 
 @pytest.mark.parametrize("spec", CI_SPECS)
@@ -265,3 +268,71 @@ def test_storing_forward_backend_rule(monkeypatch):
     assert not idx_host.use_gluon_store(_dims(N=1024), *xs[:4])
     with forcing(indexer_storing_forward_backend="triton"):
         assert not idx_host.use_gluon_store(d, *xs[:4])
+
+
+# ----------------------------------------------------------------------------------------------
+# the teacher-LSE pass in Gluon (indexer/gluon/lse_sm90.py)
+# ----------------------------------------------------------------------------------------------
+
+LSE_SPEC = "bf16:causal:128:576"  # DSA-like: one token per CTA, 9 q chunks in registers
+
+
+@pytest.fixture(scope="module")
+def compiled_lse():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, "-m", "streamkl_gpu.devtools.sass", "indexer_lse", LSE_SPEC], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, f"Gluon compile failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
+    return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][0])
+
+
+def test_lse_sass_one_chain_of_register_a_products_per_key_tile(compiled_lse):
+    """Per key tile of each consumer warpgroup (whole tiles, then the masked band): one HGMMA per 16
+    dims of D (the q chunks from registers), one wait, the tile's 64 x 64 exponentials (32 per
+    thread, and the rescale), no local memory in the loops."""
+    row = compiled_lse
+    assert row["shared"] <= lse_sm90.SMEM_BYTES and row["resources"]["local"] == 0, row
+    assert len(row["loops"]) == 4, row["loops"]  # two warpgroups x (whole tiles, masked tiles)
+    for loop in row["loops"]:
+        assert loop["hgmma"] == 576 // 16, loop
+        assert loop["depbar"] == 1, f"ptxas serialising the products: {loop}"
+        assert loop["ex2"] >= 32 and loop["spills"] == 0, loop
+
+
+def test_lse_rule_and_forced_choices(monkeypatch):
+    """teacher_lse.use_gluon: the family rule by default (a CPU tensor never applies, silently);
+    forced "gluon" by the hook or the backend variable where it does not apply is a ValueError
+    saying why; "triton" never runs it."""
+    from streamkl_gpu._core.forcing import forcing
+    from streamkl_gpu.indexer import teacher_lse
+
+    monkeypatch.delenv("STREAMKL_INDEXER_BACKEND", raising=False)
+    xs = [torch.randn(s) for s in [(1, 128, 8, 512), (1, 1, 2048, 512), (1, 64, 8, 16), (1, 1, 2048, 16), (1, 64, 8)]]
+    d = check_indexer_inputs(*xs, scale=0.25)
+    assert not teacher_lse.use_gluon(d, *xs[:2])
+    with forcing(indexer_teacher_lse_config="triton"):
+        assert not teacher_lse.use_gluon(d, *xs[:2])
+    with forcing(indexer_teacher_lse_config="gluon"), pytest.raises(ValueError, match="does not apply"):
+        teacher_lse.use_gluon(d, *xs[:2])
+    monkeypatch.setenv("STREAMKL_INDEXER_BACKEND", "gluon")
+    with pytest.raises(ValueError, match="STREAMKL_INDEXER_BACKEND=gluon"):
+        teacher_lse.use_gluon(d, *xs[:2])
+    monkeypatch.delenv("STREAMKL_INDEXER_BACKEND")
+    monkeypatch.setattr(teacher_lse, "gluon_why_not", lambda *a: "")  # as on a Hopper device
+    assert teacher_lse.use_gluon(d, *xs[:2]) and not teacher_lse.use_gluon(_dims(N=1024), *xs[:2])
+    with forcing(indexer_teacher_lse_config="qreg_128x64_w8s3"):  # a Triton config
+        assert not teacher_lse.use_gluon(d, *xs[:2])
+
+
+@pytest.mark.parametrize("dims,dtype,tma,cap,word", [
+    (_dims(), torch.bfloat16, True, (10, 0), "capability"),
+    (_dims(), torch.float32, True, (9, 0), "dtype"),
+    (_dims(H=32, HK=8, D=128, HI=16, DI=64), torch.bfloat16, True, (9, 0), "H_K"),
+    (_dims(H=256), torch.bfloat16, True, (9, 0), "at most"),
+    (_dims(D=640), torch.bfloat16, True, (9, 0), "D = 640"),
+    (_dims(), torch.bfloat16, False, (9, 0), "TMA"),
+])
+def test_lse_does_not_apply(dims, dtype, tma, cap, word):
+    assert lse_sm90.why_not(_dims(), torch.bfloat16, True, (9, 0)) == ""
+    assert word in lse_sm90.why_not(dims, dtype, tma, cap)

@@ -142,12 +142,14 @@ def time_ms(fn, device, quick):
 
 
 # The timed points: (section, teacher, path, provider, n) -> {measure: callable}. FORCED (forcing hook), each also timed
-# and checked on request: the chunk design's previous tiles, the "keys_branch" gradient, the storing forward's kernels
+# and checked on request: the chunk design's previous tiles, the "keys_branch" gradient, the storing forward's and
+# the teacher-LSE pass's kernels
 DESIGN_VAR = "STREAMKL_INDEXER_TRAINING"
 FORCED = dict(previous_tiles=dict(indexer_chunk_gradient_order="rows_first", indexer_storing_forward_order="candidates"),
               branch_layout=dict(indexer_chunk_gradient_order="branch_first"),
               triton_store=dict(indexer_storing_forward_backend="triton"),
-              gluon_store=dict(indexer_storing_forward_backend="gluon"))
+              gluon_store=dict(indexer_storing_forward_backend="gluon"),
+              triton_lse=dict(indexer_teacher_lse_config="triton"), gluon_lse=dict(indexer_teacher_lse_config="gluon"))
 
 
 def Design(value):

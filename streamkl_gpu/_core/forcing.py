@@ -36,12 +36,13 @@ Forcible choices (keyword arguments of :func:`forcing`; unknown names raise ``Va
   chunk_gradient_candidates``; correct either way.
 - ``indexer_chunk_gradient_config``: an ``IndexerConfig`` the chunk design tries first for its
   gradient kernel (variant ``"keys"``: the keys-major kernel), so a benchmark can time one tile.
-- ``indexer_teacher_lse_config``: the launch config of the teacher-LSE pass (what a call without
-  ``lse`` runs first, ``indexer/teacher_lse.py``), launched untimed instead of the tuner's pick:
-  a short name of one of the GPU's ``"lse"`` candidates (``indexer/configs.py lse_config_name``,
-  e.g. ``"tiles_128x128_w4s3"`` or ``"qreg_128x64_w8s3"``; ``lse_config_names(dims)`` lists
-  them; an unknown name raises ``ValueError`` with the list) or an ``IndexerConfig``; correct
-  either way.
+- ``indexer_teacher_lse_config``: the teacher-LSE pass (what a call without ``lse`` runs first,
+  ``indexer/teacher_lse.py``): ``"gluon"`` (the Hopper Gluon pass, ``indexer/gluon/lse_sm90.py``; a
+  ``ValueError`` says why where it does not apply), ``"triton"`` (the Triton pass, its own pick),
+  or a Triton launch config launched untimed instead of the tuner's pick: a short name of one of
+  the GPU's ``"lse"`` candidates (``indexer/configs.py lse_config_name``, e.g.
+  ``"tiles_128x128_w4s3"`` or ``"qreg_128x64_w8s3"``; ``lse_config_names(dims)`` lists them; an
+  unknown name raises ``ValueError`` with the list) or an ``IndexerConfig``; correct either way.
 - ``indexer_chunk_gradient_parts``: a timing-only variant of the chunk design's keys-major gradient
   kernel, one of ``streamkl_gpu.devtools.diagnostics.INDEXER_CHUNK_GRADIENT_PARTS`` (``"no_dk"``:
   no dk_idx share per key tile; dk_idx comes out 0).

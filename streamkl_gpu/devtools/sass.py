@@ -5,7 +5,7 @@ CPU tensors' descriptors (triton >= 3.9 compiles without a driver); ``sass_of`` 
 compiled kernel with the ``cuobjdump`` bundled in triton; ``sass_counts`` counts what the checks
 look at, per main loop (the innermost loops that hold HGMMA).
 
-    python -m streamkl_gpu.devtools.sass [attention_fwd|attention_bwd|indexer_fwd] SPEC...
+    python -m streamkl_gpu.devtools.sass [attention_fwd|attention_bwd|indexer_fwd|indexer_lse] SPEC...
 
 prints one JSON object per line (the CI tests run it in a fresh process: the test session runs
 under TRITON_INTERPRET=1, which Gluon does not support). Specs, per kernel:
@@ -19,6 +19,8 @@ under TRITON_INTERPRET=1, which Gluon does not support). Specs, per kernel:
 - ``indexer_fwd`` (the Gluon indexer forward; ``compile_indexer_sm90``):
   ``bf16|fp16 : causal|full[+pacc|+student|+store] : H : D : H_I : D_I``, then optionally ``name=value``
   fields of ``indexer.gluon.fwd_sm90.GluonIndexerConfig`` (``block_n=64:num_stages=4``).
+- ``indexer_lse`` (the Gluon teacher-LSE pass; ``compile_indexer_lse_sm90``):
+  ``bf16|fp16 : causal|full : H : D``, then optionally fields of ``indexer.gluon.lse_sm90.GluonLseConfig``.
 """
 import dataclasses
 import json
@@ -326,10 +328,37 @@ def _main_indexer_fwd(argv):
         print(json.dumps(row), flush=True)
 
 
+def compile_indexer_lse_sm90(H, D, dtype, causal, n=256, config=None):
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from streamkl_gpu.indexer.gluon import lse_sm90 as g
+
+    q, k = torch.empty(1, H, n, D, dtype=dtype), torch.empty(1, 1, n, D, dtype=dtype)
+    lse = torch.empty(1, H, n, dtype=torch.float32)
+    _, args, constexprs, options = g.launch_args(q, k, lse, causal, 0.07, config)
+    sig = gluon_signature(g._gluon_teacher_lse_kernel, args, constexprs)
+    src = GluonASTSource(g._gluon_teacher_lse_kernel, sig, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def _main_indexer_lse(argv):
+    for spec in argv:
+        from streamkl_gpu.indexer.gluon import lse_sm90 as g
+
+        dtype, mode, H, D, *items = spec.split(":")
+        config = config_from_spec(g.GluonLseConfig, items) if items else None
+        t0 = time.time()
+        kernel = compile_indexer_lse_sm90(int(H), int(D), DTYPES[dtype], mode == "causal", config=config)
+        row = dict(spec=spec, seconds=round(time.time() - t0, 1), triton=triton.__version__,
+                   shared=kernel.metadata.shared, resources=resource_usage(kernel), **sass_counts(sass_of(kernel)))
+        print(json.dumps(row), flush=True)
+
+
 def _main(argv):
     """The command line (module docstring): an optional kernel name, then its specs."""
     kernels = {"attention_fwd": _main_attention_fwd, "attention_bwd": _main_attention_bwd,
-               "indexer_fwd": _main_indexer_fwd}
+               "indexer_fwd": _main_indexer_fwd, "indexer_lse": _main_indexer_lse}
     if argv and argv[0] in kernels:
         return kernels[argv[0]](argv[1:])
     return _main_attention_fwd(argv)

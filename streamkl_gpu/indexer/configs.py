@@ -189,6 +189,18 @@ SHAPE_RULES = {
 }
 
 
+# The Gluon kernels (indexer/gluon/, Hopper, one teacher key head) under STREAMKL_INDEXER_BACKEND=auto
+# only where they were measured faster: wide MQA teachers from 2048 keys on (docs/indexer.md,
+# "The Hopper forward in Gluon"; bench/results/2026-12-06_h100_526679b/)
+BACKEND_VAR = "STREAMKL_INDEXER_BACKEND"
+GLUON_MIN_KEYS = 2048
+GLUON_MIN_TEACHER = 64 * 512  # H * D
+
+
+def gluon_family(dims) -> bool:
+    return dims.NK >= GLUON_MIN_KEYS and dims.H * dims.D >= GLUON_MIN_TEACHER
+
+
 def teacher_family(dims):
     """The rules' teacher family: ``"dsa"`` (one key head, >= 128 heads), ``"mqa"`` (one key head,
     64-127 heads), ``"gqa"`` (several key heads), or None (no rule: timed)."""

@@ -101,15 +101,9 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
 # design's storing forward in the measured family (use_gluon_store), the plain forward never
 # ----------------------------------------------------------------------------------------------
 
-BACKEND_VAR = "STREAMKL_INDEXER_BACKEND"
+BACKEND_VAR = _configs.BACKEND_VAR
 GLUON_MODES = ("0", "1", "auto")  # the old STREAMKL_INDEXER_GLUON / _GLUON_PACC values
-# old "auto" only where measured faster: the DSA-like family (wide MQA teacher) from this many keys on
-GLUON_AUTO_MIN_KEYS = 2048
-GLUON_AUTO_MIN_TEACHER = 64 * 512  # H * D
-
-
-def _gluon_auto(dims) -> bool:
-    return dims.NK >= GLUON_AUTO_MIN_KEYS and dims.H * dims.D >= GLUON_AUTO_MIN_TEACHER
+_gluon_auto = _configs.gluon_family  # (old "auto" too: the family where the Gluon kernels were measured faster)
 
 
 def _old_gluon_var(pacc: bool) -> str:
