@@ -143,11 +143,13 @@ def test_candidates_fit_shared_memory():
             assert gluon.producer_regs(regs) >= 24
 
 
-def test_mode_default_off_and_forced_mode_says_why(monkeypatch):
-    """Default 0 (not yet measured faster); 1 on a CPU tensor is a ValueError naming the reason,
-    never a silent fallback; anything else is a ValueError naming the variable."""
+def test_mode_default_and_forced_mode_says_why(monkeypatch):
+    """Default "auto" for the plain forward (the measured family only; a CPU tensor never), 0 for
+    the accumulating one (not timed); 1 on a CPU tensor is a ValueError naming the reason, never a
+    silent fallback; anything else is a ValueError naming the variable."""
     monkeypatch.delenv("STREAMKL_INDEXER_GLUON", raising=False)
-    assert idx_host.gluon_mode() == "0"
+    monkeypatch.delenv("STREAMKL_INDEXER_BACKEND", raising=False)
+    assert idx_host.gluon_mode() == "auto"
     xs = [torch.randn(s) for s in [(1, 2, 8, 16), (1, 1, 8, 16), (1, 2, 8, 16), (1, 1, 8, 16), (1, 2, 8)]]
     d = check_indexer_inputs(*xs, scale=0.25)
     assert not idx_host._use_gluon(d, *xs[:4])

@@ -219,7 +219,10 @@ def test_indexer_backend_words_and_old_names(monkeypatch):
 
     for var in ("STREAMKL_INDEXER_BACKEND", "STREAMKL_INDEXER_GLUON", "STREAMKL_INDEXER_GLUON_PACC"):
         monkeypatch.delenv(var, raising=False)
-    assert host.gluon_mode() == host.gluon_mode(pacc=True) == "0"  # auto: the Triton kernels
+    # auto: the plain forward's Gluon kernel in the measured family, the accumulating one's never
+    assert (host.gluon_mode(), host.gluon_mode(pacc=True)) == ("auto", "0")
+    monkeypatch.setenv("STREAMKL_INDEXER_BACKEND", "triton")
+    assert host.gluon_mode() == host.gluon_mode(pacc=True) == "0"
     monkeypatch.setenv("STREAMKL_INDEXER_BACKEND", "gluon")
     assert host.gluon_mode() == host.gluon_mode(pacc=True) == "1"
     monkeypatch.setenv("STREAMKL_INDEXER_BACKEND", "cuda")
@@ -230,7 +233,7 @@ def test_indexer_backend_words_and_old_names(monkeypatch):
     monkeypatch.setenv("STREAMKL_INDEXER_GLUON_PACC", "1")
     with pytest.warns(FutureWarning, match="use STREAMKL_INDEXER_BACKEND"):
         assert host.gluon_mode(pacc=True) == "1"
-    assert host.gluon_mode() == "0"  # the old names were per forward
+    assert host.gluon_mode() == "auto"  # the old names were per forward (the plain one: its default)
 
 
 def test_forcing_hook_validates_and_nests():

@@ -97,8 +97,8 @@ def _forward(q, k, q_idx, k_idx, weights, lse, causal, scale, relu):
 
 
 # ----------------------------------------------------------------------------------------------
-# The Gluon forward (Hopper, MQA teacher): STREAMKL_INDEXER_BACKEND chooses; by default the chunk
-# design's storing forward in the measured family (use_gluon_store), the plain forward never
+# The Gluon forward (Hopper, MQA teacher): STREAMKL_INDEXER_BACKEND chooses; by default the plain
+# forward and the chunk design's storing forward (use_gluon_store) in the measured family
 # ----------------------------------------------------------------------------------------------
 
 BACKEND_VAR = _configs.BACKEND_VAR
@@ -116,17 +116,19 @@ def gluon_mode(pacc: bool = False) -> str:
     ``"auto"`` the Gluon kernel where it applies and was measured faster (``_gluon_auto``).
 
     ``STREAMKL_INDEXER_BACKEND`` (the plain and accumulating forwards; the chunk design's storing
-    forward: :func:`use_gluon_store`): ``auto`` (default; the Triton kernels: the plain Gluon forward
-    was timed faster at DSA-like 8K once, the rule not yet changed) and ``triton`` give ``"0"``,
-    ``gluon`` gives ``"1"``. While
-    it is unset the old names are read, per forward: ``STREAMKL_INDEXER_GLUON`` (the forward) /
-    ``STREAMKL_INDEXER_GLUON_PACC`` (the accumulating forward) = ``0``, ``1`` or ``auto``."""
+    forward: :func:`use_gluon_store`): ``auto`` (default) gives ``"auto"`` for the plain forward
+    (measured faster in ``configs.gluon_family``) and ``"0"`` for the accumulating one (its Gluon
+    form not timed), ``triton`` gives ``"0"``, ``gluon`` gives ``"1"``. While it is set to nothing
+    the old names are read, per forward: ``STREAMKL_INDEXER_GLUON`` (the forward) /
+    ``STREAMKL_INDEXER_GLUON_PACC`` (the accumulating forward) = ``0``, ``1`` or ``auto``; neither
+    set: the default."""
+    default = "0" if pacc else "auto"
     if _runtime.env(BACKEND_VAR) is not None:
-        return {"auto": "0", "triton": "0", "gluon": "1"}[_env.backend(BACKEND_VAR)]
+        return {"auto": default, "triton": "0", "gluon": "1"}[_env.backend(BACKEND_VAR)]
     var = _old_gluon_var(pacc)
     mode = _env.old(var)
     if mode is None:
-        return "0"
+        return default
     if mode not in GLUON_MODES:
         raise ValueError(f"{var} must be one of {GLUON_MODES}, got {mode!r}")
     return mode
@@ -158,7 +160,7 @@ def _use_gluon(dims, q, k, q_idx, k_idx, pacc: bool = False) -> bool:
 
 # The chunk design's storing forward (training/chunk.py) in Gluon under STREAMKL_INDEXER_BACKEND=auto:
 # where it applies and _gluon_auto's family holds (wide MQA teachers from 2048 keys on), measured
-# faster there than the Triton storing forward (docs/indexer.md, "The storing forward").
+# faster there than the Triton storing forward (docs/indexer.md, "The Hopper forward in Gluon").
 GLUON_STORE_AUTO = True
 
 
@@ -188,9 +190,12 @@ def _forward_gluon(dims, q, k, q_idx, k_idx, weights, lse_bits, causal, relu, ke
         _gluon_indexer.forward_states(q, k, q_idx, k_idx, weights, lse_bits, causal, dims.scale, relu,
                                       config=cfg, part=part)
 
-    cands = _gluon_indexer.candidates(dims)
-    launch(_tuning.pick(("idx_gluon_fwd", relu) + key_base, cands, launch, ruled=False))
-    return _plan_mod._merge_splits(part)
+    cands = _gluon_indexer.candidates(dims)  # the first (the deepest ring) untimed, as the storing forward's
+    launch(_tuning.pick(("idx_gluon_fwd", relu) + key_base, cands, launch, ruled=True))
+    kl = _plan_mod._fresh((dims.B, dims.NQ), torch.float32, q.device)
+    lse_idx = _plan_mod._fresh((dims.B, dims.NQ), torch.float32, q.device)
+    _indexer_fwd_gqa.merge_states_wide(part, kl, lse_idx, 0, dims.NQ)  # the two warpgroups' states, one launch
+    return kl, lse_idx
 
 
 # ----------------------------------------------------------------------------------------------
