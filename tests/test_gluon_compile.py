@@ -45,10 +45,10 @@ KNOB_FREE_SPEC = "bf16:causal:128:128:block_n=128:num_stages=2"
 MASK1_SPEC = "bf16:causal:128:128"  # the default, causal (whole and masked loops)
 # The schedule checks below are of the fold with the row maxima on every tile (forced "eager_max",
 # what the schedule knobs were built on); what runs unforced, the lazy maxima, has its own checks
-# (LAZY_SPECS, and the per-path table of lazy_rows at the end).
+# (LAZY_SPECS, and the per-path table of lazy_rows at the end). The eager fold at the other dtype
+# and head dims the lazy specs cover is left out (their compiles took ~8 s each of CI's ten minutes).
 EAGER = ":variant=eager_max"
-CI_SPECS = [s + EAGER for s in ["bf16:full:128:128", "fp16:causal:128:128", "bf16:causal:128:128",
-                                "bf16:causal:64:128", "bf16:full:64:64"]] + [
+CI_SPECS = [s + EAGER for s in ["bf16:full:128:128", "bf16:causal:128:128"]] + [
     "bf16:causal:64:64:" + config_spec(c) + EAGER for c in _gluon_fwd_launch.candidates(64, 64)[1:]
     if c.maxnreg == 168] + [s + EAGER for s in (FENCE_SPEC, LOOK_SPEC, KNOB_FREE_SPEC)]
 LAZY_SPECS = ["bf16:full:128:128", "fp16:causal:128:128", "bf16:causal:128:128", "bf16:causal:64:128",

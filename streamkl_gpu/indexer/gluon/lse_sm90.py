@@ -115,12 +115,18 @@ def _fold(m, l, s, qk_scale, keys, key_lim, MASKED: gl.constexpr):
 
 
 @gluon.jit
-def _tile(m, l, q_chunks, ring, ready, empty, zero, g0, i, qk_scale, key_lim, keys0, DC: gl.constexpr,
-          NUM_STAGES: gl.constexpr, MASKED: gl.constexpr):
+def _tile(m, l, q_chunks, ring, ready, empty, turn, zero, g0, i, qk_scale, key_lim, keys0, WG: gl.constexpr,
+          DC: gl.constexpr, NUM_STAGES: gl.constexpr, MASKED: gl.constexpr, PINGPONG: gl.constexpr):
+    """Key tile i: its products, then its fold. PINGPONG (FlashAttention-3's turnstile): the
+    warpgroups issue a tile's products in turn, so one folds while the other's products run."""
+    if PINGPONG:
+        mbarrier.wait(turn.index(WG), i & 1)
     s = zero
     for c in gl.static_range(DC):
         kc = _landed(ring, ready, g0 + c, NUM_STAGES)
         s = warpgroup_mma(q_chunks[c], kc.permute((1, 0)), s, use_acc=c > 0, is_async=True)
+    if PINGPONG:  # issued: the other warpgroup's turn
+        mbarrier.arrive(turn.index(1 - WG), count=1)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     for c in gl.static_range(DC):  # every product reading the tile's chunks has retired
         mbarrier.arrive(empty.index((g0 + c) % NUM_STAGES), count=1)
@@ -128,8 +134,9 @@ def _tile(m, l, q_chunks, ring, ready, empty, zero, g0, i, qk_scale, key_lim, ke
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, ring, ready, empty, LSE_T, b, t, n_full, n_tiles, H, N_Q, N_K, qk_scale,
-              DC: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, TWO_TOKENS: gl.constexpr):
+def _consumer(WG: gl.constexpr, ring, ready, empty, turn, LSE_T, b, t, n_full, n_tiles, H, N_Q, N_K, qk_scale,
+              DC: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, TWO_TOKENS: gl.constexpr,
+              PINGPONG: gl.constexpr):
     acc_layout: gl.constexpr = _acc_layout()
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
@@ -148,11 +155,11 @@ def _consumer(WG: gl.constexpr, ring, ready, empty, LSE_T, b, t, n_full, n_tiles
     m = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
     l = gl.zeros([ROWS], gl.float32, row_layout)
     for i in range(n_full):  # tiles every row of the CTA sees whole
-        m, l = _tile(m, l, q_chunks, ring, ready, empty, zero, 2 * DC + i * DC, i, qk_scale, key_lim, keys0, DC,
-                     NUM_STAGES, False)
+        m, l = _tile(m, l, q_chunks, ring, ready, empty, turn, zero, 2 * DC + i * DC, i, qk_scale, key_lim, keys0,
+                     WG, DC, NUM_STAGES, False, PINGPONG)
     for i in range(n_full, n_tiles):  # the causal band and the ragged last tile
-        m, l = _tile(m, l, q_chunks, ring, ready, empty, zero, 2 * DC + i * DC, i, qk_scale, key_lim, keys0, DC,
-                     NUM_STAGES, True)
+        m, l = _tile(m, l, q_chunks, ring, ready, empty, turn, zero, 2 * DC + i * DC, i, qk_scale, key_lim, keys0,
+                     WG, DC, NUM_STAGES, True, PINGPONG)
     lse = gl.where(l == 0.0, float("-inf"), m + gl.log2(l))  # l is NaN (not 0) for a NaN row
     heads = h0 + gl.arange(0, ROWS, layout=row_layout)
     ok = (heads < H) & (tok < N_Q)
@@ -160,23 +167,23 @@ def _consumer(WG: gl.constexpr, ring, ready, empty, LSE_T, b, t, n_full, n_tiles
 
 
 @gluon.jit
-def _consumer0(ring, ready, empty, LSE_T, b, t, n_full, n_tiles, H, N_Q, N_K, qk_scale, DC: gl.constexpr,
-               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, TWO_TOKENS: gl.constexpr):
-    _consumer(0, ring, ready, empty, LSE_T, b, t, n_full, n_tiles, H, N_Q, N_K, qk_scale, DC, NUM_STAGES, CAUSAL,
-              TWO_TOKENS)
+def _consumer0(ring, ready, empty, turn, LSE_T, b, t, n_full, n_tiles, H, N_Q, N_K, qk_scale, DC: gl.constexpr,
+               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, TWO_TOKENS: gl.constexpr, PINGPONG: gl.constexpr):
+    _consumer(0, ring, ready, empty, turn, LSE_T, b, t, n_full, n_tiles, H, N_Q, N_K, qk_scale, DC, NUM_STAGES,
+              CAUSAL, TWO_TOKENS, PINGPONG)
 
 
 @gluon.jit
-def _consumer1(ring, ready, empty, LSE_T, b, t, n_full, n_tiles, H, N_Q, N_K, qk_scale, DC: gl.constexpr,
-               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, TWO_TOKENS: gl.constexpr):
-    _consumer(1, ring, ready, empty, LSE_T, b, t, n_full, n_tiles, H, N_Q, N_K, qk_scale, DC, NUM_STAGES, CAUSAL,
-              TWO_TOKENS)
+def _consumer1(ring, ready, empty, turn, LSE_T, b, t, n_full, n_tiles, H, N_Q, N_K, qk_scale, DC: gl.constexpr,
+               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, TWO_TOKENS: gl.constexpr, PINGPONG: gl.constexpr):
+    _consumer(1, ring, ready, empty, turn, LSE_T, b, t, n_full, n_tiles, H, N_Q, N_K, qk_scale, DC, NUM_STAGES,
+              CAUSAL, TWO_TOKENS, PINGPONG)
 
 
 @gluon.jit
 def _gluon_teacher_lse_kernel(q_desc, k_desc, LSE_T, H, N_Q, N_K, qk_scale, DC: gl.constexpr,
                               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, TWO_TOKENS: gl.constexpr,
-                              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                              PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """Grid (cdiv(N_Q, tokens per CTA), B); LSE_T [B, H, N_Q] fp32, bits."""
     TOKENS: gl.constexpr = 2 if TWO_TOKENS else 1
     pid = gl.program_id(0)
@@ -198,12 +205,17 @@ def _gluon_teacher_lse_kernel(q_desc, k_desc, LSE_T, H, N_Q, N_K, qk_scale, DC: 
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumer warpgroups release every chunk
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
+    if PINGPONG:
+        mbarrier.arrive(turn.index(0), count=1)  # warpgroup 0 goes first
 
     gl.warp_specialize([
-        (_consumer0, (ring, ready, empty, LSE_T, b, t, n_full, n_tiles, H, N_Q, N_K, qk_scale, DC, NUM_STAGES,
-                      CAUSAL, TWO_TOKENS)),
-        (_consumer1, (ring, ready, empty, LSE_T, b, t, n_full, n_tiles, H, N_Q, N_K, qk_scale, DC, NUM_STAGES,
-                      CAUSAL, TWO_TOKENS)),
+        (_consumer0, (ring, ready, empty, turn, LSE_T, b, t, n_full, n_tiles, H, N_Q, N_K, qk_scale, DC, NUM_STAGES,
+                      CAUSAL, TWO_TOKENS, PINGPONG)),
+        (_consumer1, (ring, ready, empty, turn, LSE_T, b, t, n_full, n_tiles, H, N_Q, N_K, qk_scale, DC, NUM_STAGES,
+                      CAUSAL, TWO_TOKENS, PINGPONG)),
         (_load_partition, (q_desc, k_desc, ring, ready, empty, b, t, n_tiles, DC, NUM_STAGES, TWO_TOKENS)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -223,9 +235,11 @@ def producer_regs(consumer_regs: int) -> int:
 @dataclass(frozen=True)
 class GluonLseConfig:
     """One launch of the Gluon teacher-LSE pass: ``num_stages`` ring slots of one [64, 64] box, the
-    consumer warpgroups at ``consumer_regs`` registers per thread (setmaxnreg)."""
+    consumer warpgroups at ``consumer_regs`` registers per thread (setmaxnreg); ``pingpong``: the
+    warpgroups issue each key tile's products in turn (FlashAttention-3's turnstile)."""
     num_stages: int
     consumer_regs: int = 240
+    pingpong: bool = True
 
 
 def candidates(dims):
@@ -270,7 +284,7 @@ def launch_args(q, k, lse_bits, causal, scale, config=None):
     args = (_descriptor(q, [1, 64, 1, 64]), _descriptor(k, [1, 1, 64, 64]), lse_bits, H, N_Q, k.shape[2],
             float(scale * LOG2E))
     constexprs = dict(DC=triton.cdiv(D, 64), NUM_STAGES=cfg.num_stages, CAUSAL=bool(causal), TWO_TOKENS=two,
-                      CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=producer_regs(cfg.consumer_regs))
+                      PINGPONG=bool(cfg.pingpong), CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=producer_regs(cfg.consumer_regs))
     return grid, args, constexprs, dict(num_warps=4, maxnreg=CTA_REGS // CTA_THREADS)
 
 
