@@ -236,10 +236,12 @@ def producer_regs(consumer_regs: int) -> int:
 class GluonLseConfig:
     """One launch of the Gluon teacher-LSE pass: ``num_stages`` ring slots of one [64, 64] box, the
     consumer warpgroups at ``consumer_regs`` registers per thread (setmaxnreg); ``pingpong``: the
-    warpgroups issue each key tile's products in turn (FlashAttention-3's turnstile)."""
+    warpgroups issue each key tile's products in turn (FlashAttention-3's turnstile). Off: on an H100
+    it ran the DSA-like pass 3 % faster alone and the MQA-64 one 3 % slower, the training steps within
+    their spread (bench/results/2026-12-06_h100_1080bf3/)."""
     num_stages: int
     consumer_regs: int = 240
-    pingpong: bool = True
+    pingpong: bool = False
 
 
 def candidates(dims):
