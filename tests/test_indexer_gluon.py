@@ -243,33 +243,42 @@ def test_auto_only_for_the_measured_family():
     assert not idx_host._gluon_auto(_dims(H=32, D=128, N=8192))  # a narrow teacher: not measured
 
 
-def test_storing_forward_backend_rule(monkeypatch):
-    """The chunk design's storing forward (host.use_gluon_store): by default the Gluon kernel only
-    where it applies in the measured family (a CPU tensor: never, silently); forced "gluon", by
-    the forcing hook or the backend variable, where it does not apply is a ValueError saying why;
-    forced "triton" never runs it; an unknown forced word is a ValueError."""
+@pytest.mark.parametrize("kernel", ["storing forward", "teacher-LSE pass"])
+def test_gluon_default_family_and_forced_choices(monkeypatch, kernel):
+    """The chunk design's storing forward (host.use_gluon_store) and the teacher-LSE pass
+    (teacher_lse.use_gluon): by default the Gluon kernel only where it applies in the measured
+    family (a CPU tensor: never, silently); forced "gluon", by the forcing hook or the backend
+    variable, where it does not apply is a ValueError saying why; "triton" never runs it."""
     from streamkl_gpu._core.forcing import forcing
+    from streamkl_gpu.indexer import teacher_lse
 
+    if kernel == "storing forward":
+        module, choice, rule = idx_host, "indexer_storing_forward_backend", lambda d, xs: idx_host.use_gluon_store(d, *xs[:4])
+    else:
+        module, choice, rule = teacher_lse, "indexer_teacher_lse_config", lambda d, xs: teacher_lse.use_gluon(d, *xs[:2])
     monkeypatch.delenv("STREAMKL_INDEXER_BACKEND", raising=False)
     xs = [torch.randn(s) for s in [(1, 128, 8, 512), (1, 1, 2048, 512), (1, 64, 8, 16), (1, 1, 2048, 16), (1, 64, 8)]]
     d = check_indexer_inputs(*xs, scale=0.25)
-    assert not idx_host.use_gluon_store(d, *xs[:4])  # the family, but a CPU tensor: does not apply
-    with forcing(indexer_storing_forward_backend="triton"):
-        assert not idx_host.use_gluon_store(d, *xs[:4])
-    with forcing(indexer_storing_forward_backend="gluon"), pytest.raises(ValueError, match="does not apply"):
-        idx_host.use_gluon_store(d, *xs[:4])
-    with forcing(indexer_storing_forward_backend="yes"), pytest.raises(ValueError, match="'gluon' or 'triton'"):
-        idx_host.use_gluon_store(d, *xs[:4])
+    assert not rule(d, xs)  # the family, but a CPU tensor: does not apply
+    with forcing(**{choice: "triton"}):
+        assert not rule(d, xs)
+    with forcing(**{choice: "gluon"}), pytest.raises(ValueError, match="does not apply"):
+        rule(d, xs)
     monkeypatch.setenv("STREAMKL_INDEXER_BACKEND", "gluon")
     with pytest.raises(ValueError, match="STREAMKL_INDEXER_BACKEND=gluon"):
-        idx_host.use_gluon_store(d, *xs[:4])
+        rule(d, xs)
     # where it would apply (patched: a Hopper device), the default takes it in the family only
     monkeypatch.delenv("STREAMKL_INDEXER_BACKEND")
-    monkeypatch.setattr(idx_host, "gluon_why_not", lambda *a, **k: "")
-    assert idx_host.use_gluon_store(d, *xs[:4])
-    assert not idx_host.use_gluon_store(_dims(N=1024), *xs[:4])
-    with forcing(indexer_storing_forward_backend="triton"):
-        assert not idx_host.use_gluon_store(d, *xs[:4])
+    monkeypatch.setattr(module, "gluon_why_not", lambda *a, **k: "")
+    assert rule(d, xs) and not rule(_dims(N=1024), xs)
+    with forcing(**{choice: "triton"}):
+        assert not rule(d, xs)
+    if kernel == "storing forward":
+        with forcing(**{choice: "yes"}), pytest.raises(ValueError, match="'gluon' or 'triton'"):
+            rule(d, xs)
+    else:  # any other word names a Triton launch config
+        with forcing(**{choice: "qreg_128x64_w8s3"}):
+            assert not rule(d, xs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -300,31 +309,6 @@ def test_lse_sass_one_chain_of_register_a_products_per_key_tile(compiled_lse):
         assert loop["hgmma"] == 576 // 16, loop
         assert loop["depbar"] == 1, f"ptxas serialising the products: {loop}"
         assert loop["ex2"] >= 32 and loop["spills"] == 0, loop
-
-
-def test_lse_rule_and_forced_choices(monkeypatch):
-    """teacher_lse.use_gluon: the family rule by default (a CPU tensor never applies, silently);
-    forced "gluon" by the hook or the backend variable where it does not apply is a ValueError
-    saying why; "triton" never runs it."""
-    from streamkl_gpu._core.forcing import forcing
-    from streamkl_gpu.indexer import teacher_lse
-
-    monkeypatch.delenv("STREAMKL_INDEXER_BACKEND", raising=False)
-    xs = [torch.randn(s) for s in [(1, 128, 8, 512), (1, 1, 2048, 512), (1, 64, 8, 16), (1, 1, 2048, 16), (1, 64, 8)]]
-    d = check_indexer_inputs(*xs, scale=0.25)
-    assert not teacher_lse.use_gluon(d, *xs[:2])
-    with forcing(indexer_teacher_lse_config="triton"):
-        assert not teacher_lse.use_gluon(d, *xs[:2])
-    with forcing(indexer_teacher_lse_config="gluon"), pytest.raises(ValueError, match="does not apply"):
-        teacher_lse.use_gluon(d, *xs[:2])
-    monkeypatch.setenv("STREAMKL_INDEXER_BACKEND", "gluon")
-    with pytest.raises(ValueError, match="STREAMKL_INDEXER_BACKEND=gluon"):
-        teacher_lse.use_gluon(d, *xs[:2])
-    monkeypatch.delenv("STREAMKL_INDEXER_BACKEND")
-    monkeypatch.setattr(teacher_lse, "gluon_why_not", lambda *a: "")  # as on a Hopper device
-    assert teacher_lse.use_gluon(d, *xs[:2]) and not teacher_lse.use_gluon(_dims(N=1024), *xs[:2])
-    with forcing(indexer_teacher_lse_config="qreg_128x64_w8s3"):  # a Triton config
-        assert not teacher_lse.use_gluon(d, *xs[:2])
 
 
 @pytest.mark.parametrize("dims,dtype,tma,cap,word", [
