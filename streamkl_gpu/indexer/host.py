@@ -1,6 +1,7 @@
 """Host code of the indexer's plain forward and backward: the teacher-LSE pass (``teacher_lse.py``),
-the forward over key tiles (the general kernel, the GQA-teacher kernel, or the Hopper Gluon forward,
-``indexer/gluon/fwd_sm90.py``, when forced), the split merge, and the two recomputing backward kernels (dq_idx + dweights; dk_idx).
+the forward over key tiles (the general kernel, the GQA-teacher kernel, or for wide MQA teachers
+the Hopper Gluon forward, ``indexer/gluon/fwd_sm90.py``), the split merge, and the two recomputing
+backward kernels (dq_idx + dweights; dk_idx).
 
 Kernels: ``indexer/triton/fwd.py``, ``fwd_gqa.py``, ``bwd.py``. The entry point and the custom ops
 are in ``indexer/api.py``; the training designs that read the teacher once per step in
@@ -158,22 +159,18 @@ def _use_gluon(dims, q, k, q_idx, k_idx, pacc: bool = False) -> bool:
     return not why
 
 
-# The chunk design's storing forward (training/chunk.py) in Gluon under STREAMKL_INDEXER_BACKEND=auto:
-# where it applies and _gluon_auto's family holds (wide MQA teachers from 2048 keys on), measured
-# faster there than the Triton storing forward (docs/indexer.md, "The Hopper forward in Gluon").
-GLUON_STORE_AUTO = True
-
-
 def use_gluon_store(dims, q, k, q_idx, k_idx) -> bool:
     """Does the chunk design's storing forward run the Gluon kernel? The forcing hook's
     ``indexer_storing_forward_backend`` (``"gluon"`` / ``"triton"``) first, else
     ``STREAMKL_INDEXER_BACKEND``: ``gluon`` forces it (a ``ValueError`` says why where it does not
-    apply), ``triton`` never, ``auto`` (default) where it applies in the measured family."""
+    apply), ``triton`` never, ``auto`` (default) where it applies in ``configs.gluon_family``, where
+    it was measured faster than the Triton storing forward (docs/indexer.md, "The Hopper forward in
+    Gluon")."""
     forced = _forcing.forced("indexer_storing_forward_backend")
     if forced is not None and forced not in ("gluon", "triton"):
         raise ValueError(f"indexer_storing_forward_backend is 'gluon' or 'triton', got {forced!r}")
     mode = forced or _env.backend(BACKEND_VAR)
-    if mode == "triton" or (mode == "auto" and not (GLUON_STORE_AUTO and _gluon_auto(dims))):
+    if mode == "triton" or (mode == "auto" and not _gluon_auto(dims)):
         return False
     why = gluon_why_not(dims, q, k, q_idx, k_idx)
     if why and mode == "gluon":

@@ -106,8 +106,9 @@ def gluon_why_not(dims, q, k) -> str:
 def use_gluon(dims, q, k) -> bool:
     """Does the Gluon pass run? The forcing hook's ``indexer_teacher_lse_config``: ``"gluon"``
     forces it (a ``ValueError`` says why where it does not apply), ``"triton"`` the Triton pass
-    with its own pick, any other choice is a Triton config; else ``STREAMKL_INDEXER_BACKEND``: ``gluon`` forces it, ``triton`` never, ``auto``
-    (default) where it applies in ``configs.gluon_family``."""
+    with its own pick, any other choice is a Triton config; else ``STREAMKL_INDEXER_BACKEND``:
+    ``gluon`` forces it, ``triton`` never, ``auto`` (default) where it applies in
+    ``configs.gluon_family``."""
     forced = _forcing.forced("indexer_teacher_lse_config")
     mode = ("gluon" if forced == "gluon" else "triton") if forced is not None else _env.backend(_configs.BACKEND_VAR)
     if mode == "triton" or (mode == "auto" and not _configs.gluon_family(dims)):

@@ -68,7 +68,8 @@ def _forward_full(q, k, q_idx, k_idx, weights, lse, causal, scale, relu, row_wei
     (the gradient kernel's per-row g), so per-row losses known at forward time keep this path.
 
     Untuned: the first candidates of each kernel (the storing forward's: the Gluon kernel's where
-    ``host.use_gluon_store``, then the Triton ones in the plain forward's rule order, the gradient kernel's rule tile: ``configs.storing_forward_candidates``,
+    ``host.use_gluon_store``, then the Triton ones in the plain forward's rule order,
+    ``configs.storing_forward_candidates``; the gradient kernel's rule tile,
     ``configs.chunk_gradient_candidates``), or the next ones where a launch does not fit the device (Triton raises
     OutOfResources before the kernel runs: e.g. shared memory at D = 96); the pair
     that fits is remembered per shape class."""
