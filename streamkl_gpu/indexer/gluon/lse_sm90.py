@@ -7,10 +7,12 @@ against on the GPU, beside float64).
 (``mul.rn`` of the score, then the online max and sum of ``_indexer_fwd._lse_fold``), ``-inf``
 for a row with no visible key, NaN for a row whose scores hold a NaN; bottom-right causal.
 
-Why: the Triton "qreg" pass keeps its q rows in registers but runs at about 530 TFLOP/s at DSA;
-the Gluon storing forward reads both wgmma operands from shared memory, which at 64-wide tiles
-is about the shared-memory bandwidth the products need. Here the q rows are the wgmma's A
-operand from registers, so a product reads only its key chunk from shared memory.
+Why: the Triton "qreg" pass keeps its q rows in registers but ran at 505-530 TFLOP/s of products
+at DSA-like 8K on an H100; the Gluon storing forward reads both wgmma operands from shared memory,
+which at 64-wide tiles is about the shared-memory bandwidth the products need. Here the q rows are
+the wgmma's A operand from registers, so a product reads only its key chunk from shared memory:
+8.42 ms against the Triton pass's 9.64 (587 against 513 TFLOP/s;
+bench/results/2026-12-06_h100_0361b36/teacher_lse_gluon.txt).
 
 Schedule: one CTA per token (H > 64: consumer warpgroup w takes heads 64 w .. 64 w + 63) or per
 two tokens (H <= 64: warpgroup w takes token t + w, all heads), causal CTAs longest first.
