@@ -64,8 +64,9 @@ def _acc_layout():
 
 
 @gluon.jit
-def _rows_of(WG: gl.constexpr, t, TWO_TOKENS: gl.constexpr):
-    """(first head, token) of warpgroup WG's rows."""
+def _rows_of(WG, t, TWO_TOKENS: gl.constexpr):
+    """(first head, token) of warpgroup WG's rows (WG: a constexpr in the consumers, a runtime
+    value in the producer)."""
     if TWO_TOKENS:
         return 0, t + WG
     return WG * ROWS, t
@@ -80,13 +81,7 @@ def _load_partition(q_desc, k_desc, ring, ready, empty, b, t, n_tiles, DC: gl.co
         mbarrier.wait(empty.index(s), ((g // NUM_STAGES) & 1) ^ 1)  # a fresh barrier passes the phase-1 wait
         slot = ring.index(s)
         if g < 2 * DC:
-            wg = g // DC  # the warpgroup whose q chunk this is (_rows_of)
-            if TWO_TOKENS:
-                h0 = 0
-                tok = t + wg
-            else:
-                h0 = wg * ROWS
-                tok = t
+            h0, tok = _rows_of(g // DC, t, TWO_TOKENS)  # the warpgroup whose q chunk this is
             mbarrier.expect(ready.index(s), q_desc.block_type.nbytes)
             _tma_load(q_desc, [b, h0, tok, (g % DC) * BOX], ready.index(s), slot.reshape([1, ROWS, 1, BOX]))
         else:
