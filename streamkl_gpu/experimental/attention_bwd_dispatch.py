@@ -38,7 +38,8 @@ BWD_BACKEND: Optional[str] = None  # module override; None: read ENV_VAR (defaul
 GLUON_BWD_DTYPES = (torch.float16, torch.bfloat16)
 GLUON_BWD_HEAD_DIMS = (64, 128)  # D1 = D2, one of these
 # "auto" picks Gluon only once measured faster on an H200 (so far slower:
-# bench/results/2026-12-01_h200_2a98499/gluon_bwd.csv); until then only the forced backend runs it.
+# bench/results/2026-12-01_h200_2a98499/gluon_bwd.csv; on an H100 1.08-1.14x the Triton step,
+# bench/results/2026-12-06_h100_db14c85/gluon_bwd.csv); until then only the forced backend runs it.
 GLUON_BWD_AUTO = False
 GLUON_BWD_MIN_KEYS = 2048  # with GLUON_BWD_AUTO: the sizes from which it is taken
 GLUON_BWD_MIN_QUERIES = 128

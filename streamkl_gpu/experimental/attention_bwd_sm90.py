@@ -26,14 +26,13 @@ stationary in shared memory, loaded once by TMA); a producer warp streams 64-row
   ``dQ_t[:, w-th half of D] = dS_t [64 q, 128 keys] K_t[:, w-th half]``, added with fp32 vector
   atomics (``_add_pairs``) into a [B, H, N_Q rounded up to 64, D] buffer the host converts.
 Three waits per tile, all inside the iteration (tests/test_gluon_bwd_compile.py checks the SASS).
-DQ_LAG (``GluonBwdConfig.dq_lag``, off by default until measured faster; checked on the GPU, not yet timed:
-docs/design/attention_backward.md): the meeting moves one tile later, so that a warpgroup no
-longer waits for the other's dS of the tile
-it is on: tile i waits for its dK product, releases its Q slot, then adds the dQ half of tile
-i - 1 (``_dq_tile``: by then the other warpgroup wrote that dS a tile ago), and the last tile's dQ
-comes after the loop. Four waits per tile; it needs DS_BUFS >= 2 (tile i's dS is written while
-tile i - 1's is read); the barrier protocol is replayed under random interleavings in
-tests/test_gluon_bwd_schedule.py.
+DQ_LAG (``GluonBwdConfig.dq_lag``, off: checked on the GPU, 1-4 % faster than without, the kernel
+still slower than the Triton pair: docs/design/attention_backward.md): the meeting moves one tile
+later, so that a warpgroup no longer waits for the other's dS of the tile it is on: tile i waits
+for its dK product, releases its Q slot, then adds the dQ half of tile i - 1 (``_dq_tile``: by then
+the other warpgroup wrote that dS a tile ago), and the last tile's dQ comes after the loop. Four
+waits per tile; it needs DS_BUFS >= 2 (tile i's dS is written while tile i - 1's is read); the
+barrier protocol is replayed under random interleavings in tests/test_gluon_bwd_schedule.py.
 Head dims are held as two chunks of D/2 (TMA boxes [64, D/2]) so that every operand is a whole
 shared-memory tile: the dQ split across the warpgroups needs no sub-tile slicing. Both sides
 trained (setting 3): one launch per side (``_gluon_bwd_dispatch.try_gluon_backward``).
