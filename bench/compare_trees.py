@@ -50,6 +50,8 @@ GRID = {
     "step2_8k_c": ("step", dict(n=8192, causal=True, train=1)),
     **{f"stepboth_{n // 1024}k_{'c' if c else 'nc'}": ("step", dict(n=n, causal=c, train=3)) for n, c in BOTH_POINTS},
     "step1_8k_c_gqa": ("step", dict(n=8192, causal=True, train=2, h_k=8)),
+    "step1_8k_c_d64": ("step", dict(n=8192, causal=True, train=2, d=64)),
+    "step2_4k_nc_fp16": ("step", dict(n=4096, causal=False, train=1, dtype="float16")),
     # indexer_kl, 8K causal, indexer inputs requiring grad, reduction="mean"
     "idx_dsa_8k_lse_step": ("idx_step", dict(teacher="dsa", n=8192, lse=True)),
     "idx_gqa_8k_lse_step": ("idx_step", dict(teacher="gqa", n=8192, lse=True)),

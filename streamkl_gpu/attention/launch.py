@@ -299,9 +299,9 @@ def _backward_signature(dims, causal, train1, train2, bwd_mode, deterministic, q
 # A training forward starts compiling them on a background thread (_core/launcher.compile_ahead)
 # while its own kernel compiles, so a first forward + backward costs about the compile time of
 # the slower of the two instead of their sum. Only where the backward's configs are untimed (the
-# shape rule's: nothing to measure ahead of time) and on the Triton backward, at any size: the
-# thread's launches only compile, so the backward's row inputs and gradient buffers are small
-# stand-ins there (``_stand_in``: a kernel specialises on a pointer's 16-byte alignment, never on
+# shape rule's: nothing to measure ahead of time), on either backward (the Gluon one compiles only
+# there too, on stand-in gradient buffers), at any size: the thread's launches only compile, so the
+# backward's row inputs and gradient buffers are small stand-ins there (``_stand_in``: a kernel specialises on a pointer's 16-byte alignment, never on
 # what it points to) and compiling ahead allocates nothing the size of the problem (the real
 # gradient buffers there would hold a forward's memory for nothing, and would bound compiling
 # ahead to small problems, leaving a long one's forward and backward compiles one after the other).
@@ -313,20 +313,13 @@ def _stand_in(dtype, device):
     return torch.empty(16, dtype=dtype, device=device)
 
 
-def _triton_backward() -> bool:
-    """The backward runs the Triton kernels whatever the shape (try_gluon_backward's first test)."""
-    backend = _gluon_bwd_dispatch.bwd_backend()
-    return backend == "triton" or (backend == "auto" and not _gluon_bwd_dispatch.GLUON_BWD_AUTO)
-
-
 def compile_backward_ahead(q1, k1, q2, k2, causal, dims, train1, train2, bwd_mode, deterministic, sig=None):
     """Start compiling the kernels of the backward this training call will run, unless they are
     known already (its plan is bound) or would be timed. The backward joins the thread before it
     looks its plan up. ``STREAMKL_COMPILE_AHEAD=0`` turns it off. ``sig``: the backward's plan
     signature, when the caller has it."""
     if (q1.device.type != "cuda" or not ahead_allowed()
-            or not (train1 or train2) or is_empty(dims) or autotune_enabled(ruled=True)
-            or not _triton_backward()):
+            or not (train1 or train2) or is_empty(dims) or autotune_enabled(ruled=True)):
         return
     if sig is None:
         sig = _backward_signature(dims, causal, train1, train2, bwd_mode, deterministic, q1, k1, q2, k2)
@@ -602,16 +595,16 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
     kl, lse1_bits, lse2_bits = kl.contiguous(), lse1_bits.contiguous(), lse2_bits.contiguous()
     if binding is not None and binding.plan is not None:  # bound by an earlier backward of this binding
         return binding.plan(q1, k1, q2, k2, g, kl, lse1_bits, lse2_bits, out_dtypes)
-    grads = _gluon_bwd_dispatch.try_gluon_backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, dims, train1,
-                                                   train2, bwd_mode, deterministic, strides)
-    if grads is not None:  # the Hopper kernel (_gluon_bwd), chosen by use_gluon_bwd (STREAMKL_BWD_BACKEND)
-        return grads
     sig = (binding.bwd_sig if binding is not None else
            _backward_signature(dims, causal, train1, train2, bwd_mode, deterministic, q1, k1, q2, k2))
     if not compiling_ahead():
         ahead = _BACKWARD_AHEAD.pop(sig, None)
         if ahead is not None:  # this signature's kernels are compiling (compile_backward_ahead)
             ahead.join()
+    grads = _gluon_bwd_dispatch.try_gluon_backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, dims, train1,
+                                                   train2, bwd_mode, deterministic, strides)
+    if grads is not None:  # the Hopper kernel (_gluon_bwd), chosen by use_gluon_bwd (STREAMKL_BWD_BACKEND)
+        return grads
     plan = _PLANS.get(sig)
     if plan is None:
         plan = _remember(sig, _backward_plan(sig, g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, dims, causal, train1,

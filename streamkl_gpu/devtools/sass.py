@@ -14,7 +14,7 @@ under TRITON_INTERPRET=1, which Gluon does not support). Specs, per kernel:
   optionally a launch configuration as ``name=value`` fields of ``fwd_sm90_launch.GluonFwdConfig``
   (``block_n=64:num_stages=4:fence=1``; :func:`config_spec` writes one; default: the first tuning
   candidate).
-- ``attention_bwd`` (the experimental Gluon backward; ``compile_attention_bwd_sm90``):
+- ``attention_bwd`` (the Gluon backward; ``compile_attention_bwd_sm90``):
   ``bf16|fp16 : causal|full : D : trained side (1|2) [: gqa] [: lag] [: bufs3]``.
 - ``indexer_fwd`` (the Gluon indexer forward; ``compile_indexer_sm90``):
   ``bf16|fp16 : causal|full[+pacc|+student|+store] : H : D : H_I : D_I``, then optionally ``name=value``
@@ -205,7 +205,7 @@ def _main_attention_fwd(argv):
 
 
 # ----------------------------------------------------------------------------------------------
-# The experimental Gluon backward of the attention KL
+# The Gluon backward of the attention KL
 # ----------------------------------------------------------------------------------------------
 
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90
@@ -213,11 +213,13 @@ REGS_PER_CTA = 65536  # Triton's launch check: registers per thread x threads pe
 
 
 def bwd_counts(sass):
-    """``sass_counts`` plus, per main loop, the dQ atomics (REDG/ATOMG), the divergent-branch
-    scopes (BSSY: a masked atomic is one per element) and the local-memory accesses (STL/LDL)."""
+    """``sass_counts`` plus, per main loop, the dQ atomics from registers (REDG/ATOMG), the TMA
+    reduce-adds from shared memory (UTMAREDG), the divergent-branch scopes (BSSY: a masked atomic is
+    one per element) and the local-memory accesses (STL/LDL)."""
     counts = sass_counts(sass)
     for loop, body in zip(counts["loops"], main_loops(sass)):
         loop["red"] = sum(bool(re.search(r"\b(REDG|ATOMG|RED)\.", t)) for t in body)
+        loop["tma_red"] = sum("UTMAREDG" in t for t in body)
         loop["bssy"] = sum("BSSY" in t for t in body)
         loop["spill"] = sum(bool(re.search(r"\b(STL|LDL)\b", t)) for t in body)
     return counts

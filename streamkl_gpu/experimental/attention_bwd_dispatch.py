@@ -6,10 +6,14 @@ module (tests, benchmarks) or else the environment variable ``STREAMKL_BWD_BACKE
 (default), ``triton`` (never Gluon) or ``gluon`` (Gluon or a ``ValueError`` saying why not: a
 forced path never falls back silently, so a test of the Gluon path cannot pass on the Triton one).
 
-``auto`` keeps the Triton kernels until the Gluon backward is measured faster on an H200
-(``GLUON_BWD_AUTO``; its H200 timings so far: bench/results/2026-12-01_h200_2a98499/gluon_bwd.csv,
-by a script since removed, ``git show b7066de:bench/gluon_bwd_gpu.py``). The Gluon import is
-guarded: triton builds without Gluon leave ``GLUON_BWD_AVAILABLE`` False and every problem on the Triton path.
+With ``GLUON_BWD_AUTO`` (off until timed under the no-regression rule), ``auto`` runs the Gluon
+backward where it was measured faster than the Triton kernels (:func:`auto_takes`): one trained
+side (settings 1 and 2), ``bwd_mode="auto"``, not deterministic, from ``GLUON_BWD_MIN_KEYS`` keys
+and ``GLUON_BWD_MIN_QUERIES`` query rows (an H100, dQ by TMA reduce-adds:
+bench/results/2026-12-06_h100_c32c559/gluon_bwd_dq.csv, the training step 0.83-0.91x the Triton
+one's time at 8K and 16K, causal and not; with both sides trained, one launch per side, 1.07-1.18x,
+so both sides stay on the Triton kernels). The Gluon import is guarded:
+triton builds without Gluon leave ``GLUON_BWD_AVAILABLE`` False and every problem on the Triton path.
 """
 from __future__ import annotations
 
@@ -37,9 +41,9 @@ BWD_BACKEND: Optional[str] = None  # module override; None: read ENV_VAR (defaul
 
 GLUON_BWD_DTYPES = (torch.float16, torch.bfloat16)
 GLUON_BWD_HEAD_DIMS = (64, 128)  # D1 = D2, one of these
-# "auto" picks Gluon only once measured faster on an H200 (so far slower:
-# bench/results/2026-12-01_h200_2a98499/gluon_bwd.csv; on an H100 1.08-1.14x the Triton step,
-# bench/results/2026-12-06_h100_db14c85/gluon_bwd.csv); until then only the forced backend runs it.
+# "auto" picks Gluon for one trained side from these sizes (module docstring). With its dQ added by
+# fp32 vector atomics it was slower than the Triton pair (1.08-1.14x the step on an H100,
+# bench/results/2026-12-06_h100_db14c85/gluon_bwd.csv; 3-7 % on an H200, bench/results/2026-12-01_h200_2a98499/gluon_bwd.csv).
 GLUON_BWD_AUTO = False
 GLUON_BWD_MIN_KEYS = 2048  # with GLUON_BWD_AUTO: the sizes from which it is taken
 GLUON_BWD_MIN_QUERIES = 128
@@ -84,16 +88,23 @@ def gluon_bwd_unsupported(dims, dtypes: Sequence[torch.dtype], strides: Sequence
     return None
 
 
+def auto_takes(dims, train1, train2, bwd_mode="auto", deterministic=False) -> bool:
+    """The ``auto`` rule's cheap part (no strides or device): ``GLUON_BWD_AUTO``, one trained side,
+    ``bwd_mode="auto"``, not deterministic, at least ``GLUON_BWD_MIN_KEYS`` keys and
+    ``GLUON_BWD_MIN_QUERIES`` query rows."""
+    return (GLUON_BWD_AUTO and train1 != train2 and bwd_mode == "auto" and not deterministic
+            and dims.NK >= GLUON_BWD_MIN_KEYS and dims.NQ >= GLUON_BWD_MIN_QUERIES)
+
+
 def use_gluon_bwd(dims, dtypes, strides, device_capability, train1, train2, bwd_mode="auto", deterministic=False,
                   data_ptrs=(0, 0, 0, 0), backend: Optional[str] = None) -> bool:
     """True: run the Gluon backward. ``backend`` (default :func:`bwd_backend`): ``"triton"`` is
     always False; ``"gluon"`` is True or raises ``ValueError`` with the reason; ``"auto"`` is True
-    only with ``GLUON_BWD_AUTO`` (not yet: unmeasured) for a problem the kernel takes that is large
-    enough (``GLUON_BWD_MIN_KEYS`` / ``_QUERIES``)."""
+    for a problem the kernel takes that :func:`auto_takes`."""
     backend = bwd_backend() if backend is None else backend
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "triton" or (backend == "auto" and not GLUON_BWD_AUTO):
+    if backend == "triton" or (backend == "auto" and not auto_takes(dims, train1, train2, bwd_mode, deterministic)):
         return False
     why = gluon_bwd_unsupported(dims, dtypes, strides, device_capability, train1, train2, bwd_mode, deterministic,
                                 data_ptrs)
@@ -101,8 +112,7 @@ def use_gluon_bwd(dims, dtypes, strides, device_capability, train1, train2, bwd_
         if why:
             raise ValueError(f"{ENV_VAR}=gluon, but {why}")
         return True
-    return (GLUON_BWD_AUTO and why is None and dims.NK >= GLUON_BWD_MIN_KEYS
-            and dims.NQ >= GLUON_BWD_MIN_QUERIES)
+    return why is None
 
 
 def try_gluon_backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, dims, train1, train2, bwd_mode,
@@ -111,15 +121,15 @@ def try_gluon_backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, dims
     takes the problem, else None (the Triton path runs). ``g``, ``kl``, ``lse*_bits``: contiguous
     fp32 [B, H, N_Q]; ``strides_of``: ``_checks.strides``."""
     backend = bwd_backend()
-    if backend == "triton" or (backend == "auto" and not GLUON_BWD_AUTO):
-        return None  # the default: no further host work on the Triton path
+    if backend == "triton" or (backend == "auto" and not auto_takes(dims, train1, train2, bwd_mode, deterministic)):
+        return None  # no further host work on the Triton path
     inputs = (q1, k1, q2, k2)
     if not use_gluon_bwd(dims, tuple(t.dtype for t in inputs), tuple(strides_of(t) for t in inputs),
                          device_capability(q1.device), train1, train2, bwd_mode, deterministic,
                          tuple(t.data_ptr() for t in inputs), backend=backend):
         return None
     grads = [None, None, None, None]
-    for side, trained in ((1, train1), (2, train2)):  # both sides: one launch per side (8 products, not 6)
+    for side, trained in ((1, train1), (2, train2)):  # both sides (forced): one launch per side (8 products, not 6)
         if trained:
             grads[2 * side - 2: 2 * side] = _gluon_bwd.gluon_backward(
                 g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, dims.scale1, dims.scale2, side)

@@ -62,12 +62,28 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.errors import OutOfResources
 
 from streamkl_gpu._core import forcing as _forcing
+from streamkl_gpu._core import launcher as _fast_launch
 
 # TMA load, renamed in triton 3.8 (``async_load``); 3.6/3.7 have only the old name, 3.9 rejects it.
 if hasattr(tma, "async_load"):
     _tma_load = tma.async_load
 else:  # pragma: no cover - triton < 3.8 (the GPU image: 3.6)
     _tma_load = tma.async_copy_global_to_shared
+# shared-memory views of another dtype: ``reinterpret`` from triton 3.9, ``_reinterpret`` before
+_NEW_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+# TMA reduce-add from shared memory: ``tma.async_atomic_add`` from triton 3.9; 3.6 has the builder's
+# op without its Gluon wrapper, called here the way 3.9's wrapper calls it
+if hasattr(tma, "async_atomic_add"):
+    _tma_reduce_add = tma.async_atomic_add
+else:  # pragma: no cover - triton < 3.9 (the GPU image: 3.6)
+    from triton._C.libtriton import ir as _ir
+    from triton.experimental.gluon.language._core import builtin as _builtin
+
+    @_builtin
+    def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                  src.handle)
 # CTA (here: partition) barrier, renamed in triton 3.7
 _barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 
@@ -139,10 +155,13 @@ def _load_partition(q1_desc, k1_desc, q2_desc, k2_desc, q1_ring, q2_ring, k1_sme
             _tma_load(q2_desc, [b, h, start_m, c * DC], q_ready.index(s), q2_ring.index(s * 2 + c))
 
 
-# Variants (for the GPU script since removed, ``git show b7066de:bench/gluon_bwd_gpu.py``):
-# no_dq_atomics is wrong on purpose (what the dQ atomics cost); scalar_dq_atomics adds dQ with
-# gl.atomic_add instead of _add_pairs (right, slower).
-VARIANTS = {"kernel": 0, "no_dq_atomics": 1, "scalar_dq_atomics": 2}
+# Variants (``VARIANT`` constexpr): "kernel" (3) stages each dQ tile in shared memory and adds it
+# with one TMA reduce-add (the host passes a descriptor of the dQ buffer); "vector_atomics" (0)
+# adds it with fp32 vector atomics from registers (_add_pairs: right, 1.22-1.27x the step's time on
+# an H100, bench/results/2026-12-06_h100_c32c559/gluon_bwd_dq.csv); scalar_dq_atomics (2) with
+# gl.atomic_add (right, slower still); no_dq_atomics (1) is wrong on purpose (no dQ: what it costs).
+VARIANTS = {"kernel": 3, "vector_atomics": 0, "no_dq_atomics": 1, "scalar_dq_atomics": 2}
+DQ_TMA_VARIANT = 3  # the variant whose DQ argument is a TMA descriptor (launch_args)
 
 
 @gluon.jit
@@ -159,7 +178,7 @@ def _add_pairs(ptrs, x):
 
 
 @gluon.jit
-def _bwd_tile(WG: gl.constexpr, dk0, dk1, i, m_lo, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem,
+def _bwd_tile(WG: gl.constexpr, dk0, dk1, i, m_lo, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem, dq_smem,
               q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, pid_bh, keys, N_Q, N_K, diag_offset,
               qk_scale1, qk_scale2, coef,
               D: gl.constexpr, DC: gl.constexpr, NUM_STAGES: gl.constexpr, DS_BUFS: gl.constexpr,
@@ -199,6 +218,9 @@ def _bwd_tile(WG: gl.constexpr, dk0, dk1, i, m_lo, q1_ring, q2_ring, k1_smem, k2
 
     mbarrier.wait(q_ready.index(s), ph)
     if MASKED:
+        if CAUSAL and VARIANT == 3:  # the copies share their buffer with the dQ staging tile
+            tma.store_wait(0)  # the last reduce-add has read it
+            _barrier()
         if CAUSAL:  # the dK product's Q: a finite copy (a NaN query row vs the keys it cannot see),
             # made before the score products so that its registers are not live beside theirs
             _finite_copy(_tile(q_t, s * 2, DC), qfin_smem.index(WG * 2), DC)
@@ -257,7 +279,7 @@ def _bwd_tile(WG: gl.constexpr, dk0, dk1, i, m_lo, q1_ring, q2_ring, k1_smem, k2
         dk0, dk1 = warpgroup_mma_wait(num_outstanding=0, deps=(dk0, dk1))
         mbarrier.arrive(q_empty.index(s), count=1)
         if i > 0:
-            _dq_tile(WG, i - 1, m_lo, k1_smem, k2_smem, kfin_smem, ds_smem, ds_ready, ds_free, DQ, pid_bh, N_Q,
+            _dq_tile(WG, i - 1, m_lo, k1_smem, k2_smem, kfin_smem, ds_smem, dq_smem, ds_ready, ds_free, DQ, pid_bh, N_Q,
                      D, DC, DS_BUFS, TRAIN, CAUSAL, VARIANT)
     else:
         kq0, kq1 = _dq_keys(WG, k1_smem, k2_smem, kfin_smem, DC, TRAIN, CAUSAL)
@@ -268,7 +290,7 @@ def _bwd_tile(WG: gl.constexpr, dk0, dk1, i, m_lo, q1_ring, q2_ring, k1_smem, k2
         dk0, dk1, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dk0, dk1, tq))
         mbarrier.arrive(q_empty.index(s), count=1)
         mbarrier.arrive(ds_free.index(buf), count=1)
-        _dq_add(WG, dq, start_m, DQ, pid_bh, N_Q, D, DC, VARIANT)
+        _dq_add(WG, dq, start_m, DQ, dq_smem, pid_bh, N_Q, D, DC, VARIANT)
     return dk0, dk1
 
 
@@ -290,11 +312,23 @@ def _dq_keys(WG: gl.constexpr, k1_smem, k2_smem, kfin_smem, DC: gl.constexpr, TR
 
 
 @gluon.jit
-def _dq_add(WG: gl.constexpr, dq, start_m, DQ, pid_bh, N_Q, D: gl.constexpr, DC: gl.constexpr,
+def _dq_add(WG: gl.constexpr, dq, start_m, DQ, dq_smem, pid_bh, N_Q, D: gl.constexpr, DC: gl.constexpr,
             VARIANT: gl.constexpr):
-    """dQ[start_m .. +63, WG-th half of D] += dq (fp32 atomics)."""
+    """dQ[start_m .. +63, WG-th half of D] += dq: (VARIANT 3, the default) the tile staged in this
+    warpgroup's ``dq_smem`` buffer and added by one TMA reduce-add through the descriptor ``DQ``
+    (FlashAttention-3's way: one bulk operation instead of 16 vector atomics per thread), or fp32
+    atomics from registers."""
     c_layout: gl.constexpr = _mma_layout(DC)
-    if VARIANT != 1:
+    if VARIANT == 3:
+        N_Q_PAD = gl.cdiv(N_Q, BLOCK_M) * BLOCK_M
+        buf = dq_smem.index(WG)
+        tma.store_wait(0)  # this warpgroup's last reduce-add has read the buffer (its issuing thread waits)
+        _barrier()  # ... before any thread of the warpgroup overwrites it
+        buf.store(dq)
+        fence_async_shared()
+        _barrier()  # every thread has written before the one that issues the copy
+        _tma_reduce_add(DQ, [pid_bh * N_Q_PAD + start_m, WG * DC], buf)
+    elif VARIANT != 1:
         N_Q_PAD = gl.cdiv(N_Q, BLOCK_M) * BLOCK_M
         q_rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, c_layout))
         cols = WG * DC + gl.arange(0, DC, layout=gl.SliceLayout(0, c_layout))
@@ -307,7 +341,7 @@ def _dq_add(WG: gl.constexpr, dq, start_m, DQ, pid_bh, N_Q, D: gl.constexpr, DC:
 
 
 @gluon.jit
-def _dq_tile(WG: gl.constexpr, j, m_lo, k1_smem, k2_smem, kfin_smem, ds_smem, ds_ready, ds_free, DQ, pid_bh, N_Q,
+def _dq_tile(WG: gl.constexpr, j, m_lo, k1_smem, k2_smem, kfin_smem, ds_smem, dq_smem, ds_ready, ds_free, DQ, pid_bh, N_Q,
              D: gl.constexpr, DC: gl.constexpr, DS_BUFS: gl.constexpr, TRAIN: gl.constexpr, CAUSAL: gl.constexpr,
              VARIANT: gl.constexpr):
     """DQ_LAG: warpgroup WG's dQ half of query tile j, once both halves of its dS are written
@@ -322,11 +356,11 @@ def _dq_tile(WG: gl.constexpr, j, m_lo, k1_smem, k2_smem, kfin_smem, ds_smem, ds
     tq = warpgroup_mma(ds_smem.index(buf * 2 + 1), kq1, tq, is_async=True)
     dq = warpgroup_mma_wait(num_outstanding=0, deps=(tq,))
     mbarrier.arrive(ds_free.index(buf), count=1)
-    _dq_add(WG, dq, m_lo + j * BLOCK_M, DQ, pid_bh, N_Q, D, DC, VARIANT)
+    _dq_add(WG, dq, m_lo + j * BLOCK_M, DQ, dq_smem, pid_bh, N_Q, D, DC, VARIANT)
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem,
+def _consumer(WG: gl.constexpr, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem, dq_smem,
               k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK,
               pid_bh, dk_row0, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
               D: gl.constexpr, DC: gl.constexpr, NUM_STAGES: gl.constexpr, DS_BUFS: gl.constexpr,
@@ -351,18 +385,18 @@ def _consumer(WG: gl.constexpr, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, q
     dk1 = gl.zeros([WG_N, DC], gl.float32, c_layout)
     # the causal band (and every tile of the ragged last key block), then whole tiles
     for i in range(n_masked):
-        dk0, dk1 = _bwd_tile(WG, dk0, dk1, i, m_lo, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem,
+        dk0, dk1 = _bwd_tile(WG, dk0, dk1, i, m_lo, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem, dq_smem,
                              q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, pid_bh, keys, N_Q, N_K,
                              diag_offset, qk_scale1, qk_scale2, coef, D, DC, NUM_STAGES, DS_BUFS, TRAIN, True,
                              CAUSAL, VARIANT, DQ_LAG)
     for i in range(n_masked, n_tiles):
-        dk0, dk1 = _bwd_tile(WG, dk0, dk1, i, m_lo, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem,
+        dk0, dk1 = _bwd_tile(WG, dk0, dk1, i, m_lo, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem, dq_smem,
                              q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, pid_bh, keys, N_Q, N_K,
                              diag_offset, qk_scale1, qk_scale2, coef, D, DC, NUM_STAGES, DS_BUFS, TRAIN, False,
                              CAUSAL, VARIANT, DQ_LAG)
     if DQ_LAG:  # the last tile's dQ half
         if n_tiles > 0:
-            _dq_tile(WG, n_tiles - 1, m_lo, k1_smem, k2_smem, kfin_smem, ds_smem, ds_ready, ds_free, DQ, pid_bh, N_Q,
+            _dq_tile(WG, n_tiles - 1, m_lo, k1_smem, k2_smem, kfin_smem, ds_smem, dq_smem, ds_ready, ds_free, DQ, pid_bh, N_Q,
                      D, DC, DS_BUFS, TRAIN, CAUSAL, VARIANT)
     out_keys = start_n + WG * WG_N + gl.arange(0, WG_N, layout=gl.SliceLayout(1, c_layout))
     cols = gl.arange(0, DC, layout=gl.SliceLayout(0, c_layout))
@@ -377,26 +411,26 @@ def _consumer(WG: gl.constexpr, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, q
 
 
 @gluon.jit
-def _consumer0(q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem,
+def _consumer0(q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem, dq_smem,
                k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK,
                pid_bh, dk_row0, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
                D: gl.constexpr, DC: gl.constexpr, NUM_STAGES: gl.constexpr, DS_BUFS: gl.constexpr,
                TRAIN: gl.constexpr, CAUSAL: gl.constexpr, DK_ATOMIC: gl.constexpr, VARIANT: gl.constexpr,
                DQ_LAG: gl.constexpr):
-    _consumer(0, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem,
+    _consumer(0, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem, dq_smem,
               k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK,
               pid_bh, dk_row0, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
               D, DC, NUM_STAGES, DS_BUFS, TRAIN, CAUSAL, DK_ATOMIC, VARIANT, DQ_LAG)
 
 
 @gluon.jit
-def _consumer1(q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem,
+def _consumer1(q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem, dq_smem,
                k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK,
                pid_bh, dk_row0, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
                D: gl.constexpr, DC: gl.constexpr, NUM_STAGES: gl.constexpr, DS_BUFS: gl.constexpr,
                TRAIN: gl.constexpr, CAUSAL: gl.constexpr, DK_ATOMIC: gl.constexpr, VARIANT: gl.constexpr,
                DQ_LAG: gl.constexpr):
-    _consumer(1, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem,
+    _consumer(1, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem, dq_smem,
               k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK,
               pid_bh, dk_row0, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
               D, DC, NUM_STAGES, DS_BUFS, TRAIN, CAUSAL, DK_ATOMIC, VARIANT, DQ_LAG)
@@ -452,6 +486,16 @@ def _gluon_kl_bwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, LSE1, LSE2, KL, G, 
     fin_layout: gl.constexpr = _tile_smem_layout(DC, q1_desc.dtype)
     kfin_smem = gl.allocate_shared_memory(k1_desc.dtype, [FIN, WG_N, DC], fin_layout)  # [key half, chunk]
     qfin_smem = gl.allocate_shared_memory(q1_desc.dtype, [FIN, BLOCK_M, DC], fin_layout)  # [warpgroup, chunk]
+    if VARIANT == 3:  # a [64, DC] fp32 staging tile per warpgroup, DQ its TMA descriptor
+        if CAUSAL:  # on each warpgroup's own finite copies of Q (no room beside them at D = 128)
+            if _NEW_REINTERPRET:
+                dq_smem = qfin_smem.reinterpret(gl.float32, [2, BLOCK_M, DC], DQ.layout)
+            else:
+                dq_smem = qfin_smem._reinterpret(gl.float32, [2, BLOCK_M, DC], DQ.layout)
+        else:
+            dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, DC], DQ.layout)
+    else:  # unused
+        dq_smem = ds_smem
     k_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -467,11 +511,11 @@ def _gluon_kl_bwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, LSE1, LSE2, KL, G, 
 
     # argument tuples inline: a tuple bound to a local turns its constexprs into tensors (sketch)
     gl.warp_specialize([
-        (_consumer0, (q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem,
+        (_consumer0, (q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem, dq_smem,
                       k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK,
                       pid_bh, dk_row0, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
                       D, DC, NUM_STAGES, DS_BUFS, TRAIN, CAUSAL, DK_ATOMIC, VARIANT, DQ_LAG)),
-        (_consumer1, (q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem,
+        (_consumer1, (q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem, dq_smem,
                       k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK,
                       pid_bh, dk_row0, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
                       D, DC, NUM_STAGES, DS_BUFS, TRAIN, CAUSAL, DK_ATOMIC, VARIANT, DQ_LAG)),
@@ -506,13 +550,13 @@ class GluonBwdConfig:
 
 
 def kernel_config(d: int, causal: bool) -> GluonBwdConfig:
-    """Launch configuration for head dim d (= D1 = D2). Not tuned on the GPU yet. Shared memory
-    per CTA (16-bit, 227 KB on sm_90): K1, K2 512 d bytes; each ring stage 256 d; dS 16 KB per
-    buffer (two: a warpgroup may run one tile ahead of the other); with CAUSAL the finite copies
-    512 d. maxnreg: ``MAX_REGS``."""
-    if d == 128 and causal:  # 225 KB of 227 with the finite copies (FALLBACK: one dS buffer, 209 KB); full: 193 KB
-        return GluonBwdConfig(num_stages=2)
-    return GluonBwdConfig(num_stages=3)
+    """Launch configuration for head dim d (= D1 = D2): two ring stages (on an H100 as fast as three
+    where three fit: bench/results/2026-12-06_h100_c32c559/gluon_bwd_dq.csv). Shared memory per CTA
+    (16-bit inputs, 227 KB on sm_90): K1, K2 512 d bytes; each ring stage 256 d; dS 16 KB per buffer
+    (two: a warpgroup may run one tile ahead of the other); the dQ staging tiles 256 d (fp32); with
+    CAUSAL the finite copies 512 d, the staging tiles on the Q copies. D = 128: 193 KB, causal
+    225 KB. maxnreg: ``MAX_REGS``."""
+    return GluonBwdConfig(num_stages=2)
 
 
 _GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -540,7 +584,13 @@ def launch_args(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, sca
              make_descriptor(q2, BLOCK_M.value), make_descriptor(k2, WG_N.value))
     coef = scale2 if train == 2 else scale1 * LN2
     group1, group2 = H // k1.shape[1], H // k2.shape[1]
-    args = descs + (lse1_bits, lse2_bits, kl, g, dq, dk, H, N_Q, N_K, group1, group2, scale1 * LOG2E,
+    dq_arg = dq
+    if VARIANTS[variant] == DQ_TMA_VARIANT:  # the fp32 buffer as rows of D, tiles [64, D/2] (a warpgroup's half)
+        rows = dq.reshape(-1, D)
+        block = [BLOCK_M.value, D // 2]
+        dq_arg = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), block,
+                                  gl.NVMMASharedLayout.get_default_for(block, gl.float32))
+    args = descs + (lse1_bits, lse2_bits, kl, g, dq_arg, dk, H, N_Q, N_K, group1, group2, scale1 * LOG2E,
                     scale2 * LOG2E, coef)
     dk_atomic = (group1 if train == 1 else group2) > 1
     constexprs = dict(D=D, NUM_STAGES=cfg.num_stages, DS_BUFS=cfg.ds_bufs, TRAIN=int(train),
@@ -575,9 +625,12 @@ def gluon_backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, 
     B, H, N_Q, D = q1.shape
     N_K = k1.shape[2]
     q_t, k_t = (q1, k1) if train == 1 else (q2, k2)
+    if _fast_launch.compiling_ahead():  # nothing the size of the problem: a launch that only compiles
+        B = H = N_Q = 1  # specialises on the buffers' alignment and the descriptors' blocks, not on sizes
+        N_K = min(N_K, BLOCK_N.value)
     dq = torch.zeros((B, H, triton.cdiv(N_Q, BLOCK_M.value) * BLOCK_M.value, D), dtype=torch.float32,
                      device=q1.device)
-    if k_t.shape[1] != H:  # GQA: fp32 atomics into the key head, whole 128-key blocks
+    if k_t.shape[1] != q1.shape[1]:  # GQA: fp32 atomics into the key head, whole 128-key blocks
         dk = torch.zeros((B, k_t.shape[1], triton.cdiv(N_K, BLOCK_N.value) * BLOCK_N.value, D), dtype=torch.float32,
                          device=q1.device)
     else:
@@ -587,7 +640,11 @@ def gluon_backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, 
         config = fallback_config(D, bool(causal))
     grid, args, constexprs, options = launch_args(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1,
                                                   scale2, train, dq, dk, config, variant)
+    if _fast_launch.compiling_ahead():  # a compile-ahead thread (launch.compile_backward_ahead): compile only
+        _fast_launch.kernel_call(_gluon_kl_bwd_kernel, grid)(*args, **constexprs, **options)
+        return None, None
     try:
+        _fast_launch.compiler_ready()
         kernel = _gluon_kl_bwd_kernel[grid](*args, **constexprs, **options)
     except OutOfResources:
         if config is not None:
