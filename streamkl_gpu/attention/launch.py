@@ -300,11 +300,12 @@ def _backward_signature(dims, causal, train1, train2, bwd_mode, deterministic, q
 # while its own kernel compiles, so a first forward + backward costs about the compile time of
 # the slower of the two instead of their sum. Only where the backward's configs are untimed (the
 # shape rule's: nothing to measure ahead of time), on either backward (the Gluon one compiles only
-# there too, on stand-in gradient buffers), at any size: the thread's launches only compile, so the
-# backward's row inputs and gradient buffers are small stand-ins there (``_stand_in``: a kernel specialises on a pointer's 16-byte alignment, never on
-# what it points to) and compiling ahead allocates nothing the size of the problem (the real
-# gradient buffers there would hold a forward's memory for nothing, and would bound compiling
-# ahead to small problems, leaving a long one's forward and backward compiles one after the other).
+# there too, on stand-in gradient buffers), at any size: the thread's launches only compile, so
+# the backward's row inputs and gradient buffers are small stand-ins there (``_stand_in``: a
+# kernel specialises on a pointer's 16-byte alignment, never on what it points to) and compiling
+# ahead allocates nothing the size of the problem (the real gradient buffers there would hold a
+# forward's memory for nothing, and would bound compiling ahead to small problems, leaving a long
+# one's forward and backward compiles one after the other).
 _BACKWARD_AHEAD: dict = {}  # backward signature -> the thread compiling its kernels
 
 

@@ -178,7 +178,8 @@ def _add_pairs(ptrs, x):
 
 
 @gluon.jit
-def _bwd_tile(WG: gl.constexpr, dk0, dk1, i, m_lo, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem, dq_smem,
+def _bwd_tile(WG: gl.constexpr, dk0, dk1, i, m_lo, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem,
+              dq_smem,
               q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, pid_bh, keys, N_Q, N_K, diag_offset,
               qk_scale1, qk_scale2, coef,
               D: gl.constexpr, DC: gl.constexpr, NUM_STAGES: gl.constexpr, DS_BUFS: gl.constexpr,
@@ -341,7 +342,8 @@ def _dq_add(WG: gl.constexpr, dq, start_m, DQ, dq_smem, pid_bh, N_Q, D: gl.const
 
 
 @gluon.jit
-def _dq_tile(WG: gl.constexpr, j, m_lo, k1_smem, k2_smem, kfin_smem, ds_smem, dq_smem, ds_ready, ds_free, DQ, pid_bh, N_Q,
+def _dq_tile(WG: gl.constexpr, j, m_lo, k1_smem, k2_smem, kfin_smem, ds_smem,
+             dq_smem, ds_ready, ds_free, DQ, pid_bh, N_Q,
              D: gl.constexpr, DC: gl.constexpr, DS_BUFS: gl.constexpr, TRAIN: gl.constexpr, CAUSAL: gl.constexpr,
              VARIANT: gl.constexpr):
     """DQ_LAG: warpgroup WG's dQ half of query tile j, once both halves of its dS are written
@@ -385,18 +387,21 @@ def _consumer(WG: gl.constexpr, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, q
     dk1 = gl.zeros([WG_N, DC], gl.float32, c_layout)
     # the causal band (and every tile of the ragged last key block), then whole tiles
     for i in range(n_masked):
-        dk0, dk1 = _bwd_tile(WG, dk0, dk1, i, m_lo, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem, dq_smem,
+        dk0, dk1 = _bwd_tile(WG, dk0, dk1, i, m_lo, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem,
+                             dq_smem,
                              q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, pid_bh, keys, N_Q, N_K,
                              diag_offset, qk_scale1, qk_scale2, coef, D, DC, NUM_STAGES, DS_BUFS, TRAIN, True,
                              CAUSAL, VARIANT, DQ_LAG)
     for i in range(n_masked, n_tiles):
-        dk0, dk1 = _bwd_tile(WG, dk0, dk1, i, m_lo, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem, dq_smem,
+        dk0, dk1 = _bwd_tile(WG, dk0, dk1, i, m_lo, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem,
+                             dq_smem,
                              q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, pid_bh, keys, N_Q, N_K,
                              diag_offset, qk_scale1, qk_scale2, coef, D, DC, NUM_STAGES, DS_BUFS, TRAIN, False,
                              CAUSAL, VARIANT, DQ_LAG)
     if DQ_LAG:  # the last tile's dQ half
         if n_tiles > 0:
-            _dq_tile(WG, n_tiles - 1, m_lo, k1_smem, k2_smem, kfin_smem, ds_smem, dq_smem, ds_ready, ds_free, DQ, pid_bh, N_Q,
+            _dq_tile(WG, n_tiles - 1, m_lo, k1_smem, k2_smem, kfin_smem, ds_smem,
+                     dq_smem, ds_ready, ds_free, DQ, pid_bh, N_Q,
                      D, DC, DS_BUFS, TRAIN, CAUSAL, VARIANT)
     out_keys = start_n + WG * WG_N + gl.arange(0, WG_N, layout=gl.SliceLayout(1, c_layout))
     cols = gl.arange(0, DC, layout=gl.SliceLayout(0, c_layout))
