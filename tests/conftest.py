@@ -51,6 +51,23 @@ def _bounds_checked_interpreter():
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _helper_calls_patch_once():
+    """Under the interpreter a ``@triton.jit`` helper called inside a launch skips patching
+    triton.language again (streamkl_gpu.devtools.interpreter_calls: a third of an interpreted
+    test's time, the same results; tests/test_interpreter_calls.py)."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        yield
+        return
+    from streamkl_gpu.devtools import interpreter_calls as _interpreter_calls
+
+    _interpreter_calls.install()
+    yield
+    _interpreter_calls.uninstall()
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _poisoned_fresh_buffers():
     """Every fresh kernel output of the suite starts as NaN (``_runtime.POISON_FRESH``), so an
     element a kernel fails to write cannot pass anywhere (``STREAMKL_TEST_POISON=0``: off)."""

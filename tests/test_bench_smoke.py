@@ -4,7 +4,7 @@ Runs ``bench/bench_gpu.py --device cpu --tiny --sections env,check,fwd`` in a su
 sets TRITON_INTERPRET=1 before importing streamkl_gpu; it is set here too) and checks the CSVs:
 the columns, that every correctness row passed, that the forward rows include our kernel and both
 SDPA providers (default dispatch and flash backend), and what the summary says about them.
-About 70 s on a 2-core machine (the check section, ~50 s). torch, triton and streamkl_gpu are plain imports: a missing
+About 50 s in the suite on a 2-core machine (the check section, ~38 s). torch, triton and streamkl_gpu are plain imports: a missing
 install step fails this test, it is never skipped.
 """
 import csv
