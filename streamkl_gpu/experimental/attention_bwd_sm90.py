@@ -23,16 +23,18 @@ stationary in shared memory, loaded once by TMA); a producer warp streams 64-row
 - ``dK_t += dS_t^T Q_t``: the transposed shared-memory view of its own dS half as the A operand,
   accumulated in registers over the query tiles;
 - meets the other warpgroup on an mbarrier (``ds_ready``: both halves written) and computes
-  ``dQ_t[:, w-th half of D] = dS_t [64 q, 128 keys] K_t[:, w-th half]``, added with fp32 vector
-  atomics (``_add_pairs``) into a [B, H, N_Q rounded up to 64, D] buffer the host converts.
+  ``dQ_t[:, w-th half of D] = dS_t [64 q, 128 keys] K_t[:, w-th half]``, staged in shared memory
+  and added by one TMA reduce-add (``_dq_add``) into a [B, H, N_Q rounded up to 64, D] fp32
+  buffer the host converts (the variant ``vector_atomics``: fp32 vector atomics from registers).
 Three waits per tile, all inside the iteration (tests/test_gluon_bwd_compile.py checks the SASS).
-DQ_LAG (``GluonBwdConfig.dq_lag``, off: checked on the GPU, 1-4 % faster than without, the kernel
-still slower than the Triton pair: docs/design/attention_backward.md): the meeting moves one tile
-later, so that a warpgroup no longer waits for the other's dS of the tile it is on: tile i waits
-for its dK product, releases its Q slot, then adds the dQ half of tile i - 1 (``_dq_tile``: by then
-the other warpgroup wrote that dS a tile ago), and the last tile's dQ comes after the loop. Four
-waits per tile; it needs DS_BUFS >= 2 (tile i's dS is written while tile i - 1's is read); the
-barrier protocol is replayed under random interleavings in tests/test_gluon_bwd_schedule.py.
+DQ_LAG (``GluonBwdConfig.dq_lag``, off: checked on the GPU; with the vector atomics 1-4 % faster
+than without, with the TMA reduce-adds within 3 % either way: docs/design/attention_backward.md):
+the meeting moves one tile later, so that a warpgroup no longer waits for the other's dS of the
+tile it is on: tile i waits for its dK product, releases its Q slot, then adds the dQ half of tile
+i - 1 (``_dq_tile``: by then the other warpgroup wrote that dS a tile ago), and the last tile's dQ
+comes after the loop. Four waits per tile; it needs DS_BUFS >= 2 (tile i's dS is written while
+tile i - 1's is read); the barrier protocol is replayed under random interleavings in
+tests/test_gluon_bwd_schedule.py.
 Head dims are held as two chunks of D/2 (TMA boxes [64, D/2]) so that every operand is a whole
 shared-memory tile: the dQ split across the warpgroups needs no sub-tile slicing. Both sides
 trained (setting 3): one launch per side (``_gluon_bwd_dispatch.try_gluon_backward``).
