@@ -322,8 +322,8 @@ def _dq_add(WG: gl.constexpr, dq, start_m, DQ, dq_smem, pid_bh, N_Q, D: gl.const
     (FlashAttention-3's way: one bulk operation instead of 16 vector atomics per thread), or fp32
     atomics from registers."""
     c_layout: gl.constexpr = _mma_layout(DC)
+    N_Q_PAD = gl.cdiv(N_Q, BLOCK_M) * BLOCK_M  # the buffer's rows per (b, h): whole 64-row tiles
     if VARIANT == 3:
-        N_Q_PAD = gl.cdiv(N_Q, BLOCK_M) * BLOCK_M
         buf = dq_smem.index(WG)
         tma.store_wait(0)  # this warpgroup's last reduce-add has read the buffer (its issuing thread waits)
         _barrier()  # ... before any thread of the warpgroup overwrites it
@@ -332,7 +332,6 @@ def _dq_add(WG: gl.constexpr, dq, start_m, DQ, dq_smem, pid_bh, N_Q, D: gl.const
         _barrier()  # every thread has written before the one that issues the copy
         _tma_reduce_add(DQ, [pid_bh * N_Q_PAD + start_m, WG * DC], buf)
     elif VARIANT != 1:
-        N_Q_PAD = gl.cdiv(N_Q, BLOCK_M) * BLOCK_M
         q_rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, c_layout))
         cols = WG * DC + gl.arange(0, DC, layout=gl.SliceLayout(0, c_layout))
         # the buffer has whole 64-row tiles (rows past N_Q add zeros): no mask, no branches
@@ -632,7 +631,8 @@ def gluon_backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, 
     B, H, N_Q, D = q1.shape
     N_K = k1.shape[2]
     q_t, k_t = (q1, k1) if train == 1 else (q2, k2)
-    if _fast_launch.compiling_ahead():  # nothing the size of the problem: a launch that only compiles
+    ahead = _fast_launch.compiling_ahead()
+    if ahead:  # nothing the size of the problem: a launch that only compiles
         B = H = N_Q = 1  # specialises on the buffers' alignment and the descriptors' blocks, not on sizes
         N_K = min(N_K, BLOCK_N.value)
     dq = torch.zeros((B, H, triton.cdiv(N_Q, BLOCK_M.value) * BLOCK_M.value, D), dtype=torch.float32,
@@ -647,7 +647,7 @@ def gluon_backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, 
         config = fallback_config(D, bool(causal))
     grid, args, constexprs, options = launch_args(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1,
                                                   scale2, train, dq, dk, config, variant)
-    if _fast_launch.compiling_ahead():  # a compile-ahead thread (launch.compile_backward_ahead): compile only
+    if ahead:  # a compile-ahead thread (launch.compile_backward_ahead): compile only
         _fast_launch.kernel_call(_gluon_kl_bwd_kernel, grid)(*args, **constexprs, **options)
         return None, None
     try:
