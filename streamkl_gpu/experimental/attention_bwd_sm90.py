@@ -64,30 +64,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.errors import OutOfResources
 
 from streamkl_gpu._core import forcing as _forcing
+from streamkl_gpu._core.gluon_compat import NEW_REINTERPRET, cta_barrier, tma_load, tma_reduce_add
 from streamkl_gpu._core import launcher as _fast_launch
 
-# TMA load, renamed in triton 3.8 (``async_load``); 3.6/3.7 have only the old name, 3.9 rejects it.
-if hasattr(tma, "async_load"):
-    _tma_load = tma.async_load
-else:  # pragma: no cover - triton < 3.8 (the GPU image: 3.6)
-    _tma_load = tma.async_copy_global_to_shared
-# shared-memory views of another dtype: ``reinterpret`` from triton 3.9, ``_reinterpret`` before
-_NEW_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
-# TMA reduce-add from shared memory: ``tma.async_atomic_add`` from triton 3.9; 3.6 has the builder's
-# op without its Gluon wrapper, called here the way 3.9's wrapper calls it
-if hasattr(tma, "async_atomic_add"):
-    _tma_reduce_add = tma.async_atomic_add
-else:  # pragma: no cover - triton < 3.9 (the GPU image: 3.6)
-    from triton._C.libtriton import ir as _ir
-    from triton.experimental.gluon.language._core import builtin as _builtin
-
-    @_builtin
-    def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
-        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-        _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
-                                                  src.handle)
-# CTA (here: partition) barrier, renamed in triton 3.7
-_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 
 WG_N = gl.constexpr(64)  # keys per consumer warpgroup (the wgmma M of S^T and dK)
 BLOCK_N = gl.constexpr(128)  # keys per CTA: two consumer warpgroups
@@ -144,8 +123,8 @@ def _load_partition(q1_desc, k1_desc, q2_desc, k2_desc, q1_ring, q2_ring, k1_sme
     mbarrier.expect(k_bar, 4 * k1_desc.block_type.nbytes + 4 * k2_desc.block_type.nbytes)
     for kh in gl.static_range(2):
         for c in gl.static_range(2):
-            _tma_load(k1_desc, [b, kv_head1, start_n + kh * WG_N, c * DC], k_bar, k1_smem.index(kh * 2 + c))
-            _tma_load(k2_desc, [b, kv_head2, start_n + kh * WG_N, c * DC], k_bar, k2_smem.index(kh * 2 + c))
+            tma_load(k1_desc, [b, kv_head1, start_n + kh * WG_N, c * DC], k_bar, k1_smem.index(kh * 2 + c))
+            tma_load(k2_desc, [b, kv_head2, start_n + kh * WG_N, c * DC], k_bar, k2_smem.index(kh * 2 + c))
     for i in range(n_tiles):
         s = i % NUM_STAGES
         ph = (i // NUM_STAGES) & 1
@@ -153,8 +132,8 @@ def _load_partition(q1_desc, k1_desc, q2_desc, k2_desc, q1_ring, q2_ring, k1_sme
         mbarrier.wait(q_empty.index(s), ph ^ 1)  # a fresh barrier passes the phase-1 wait
         mbarrier.expect(q_ready.index(s), 2 * q1_desc.block_type.nbytes + 2 * q2_desc.block_type.nbytes)
         for c in gl.static_range(2):
-            _tma_load(q1_desc, [b, h, start_m, c * DC], q_ready.index(s), q1_ring.index(s * 2 + c))
-            _tma_load(q2_desc, [b, h, start_m, c * DC], q_ready.index(s), q2_ring.index(s * 2 + c))
+            tma_load(q1_desc, [b, h, start_m, c * DC], q_ready.index(s), q1_ring.index(s * 2 + c))
+            tma_load(q2_desc, [b, h, start_m, c * DC], q_ready.index(s), q2_ring.index(s * 2 + c))
 
 
 # Variants (``VARIANT`` constexpr): "kernel" (3) stages each dQ tile in shared memory and adds it
@@ -223,7 +202,7 @@ def _bwd_tile(WG: gl.constexpr, dk0, dk1, i, m_lo, q1_ring, q2_ring, k1_smem, k2
     if MASKED:
         if CAUSAL and VARIANT == 3:  # the copies share their buffer with the dQ staging tile
             tma.store_wait(0)  # the last reduce-add has read it
-            _barrier()
+            cta_barrier()
         if CAUSAL:  # the dK product's Q: a finite copy (a NaN query row vs the keys it cannot see),
             # made before the score products so that its registers are not live beside theirs
             _finite_copy(_tile(q_t, s * 2, DC), qfin_smem.index(WG * 2), DC)
@@ -269,7 +248,7 @@ def _bwd_tile(WG: gl.constexpr, dk0, dk1, i, m_lo, q1_ring, q2_ring, k1_smem, k2
     ds_own = ds_smem.index(buf * 2 + WG)
     ds_own.store(ds.to(dtype))
     fence_async_shared()
-    _barrier()  # every thread of this warpgroup has written (the arrive below is one thread's)
+    cta_barrier()  # every thread of this warpgroup has written (the arrive below is one thread's)
     mbarrier.arrive(ds_ready.index(buf), count=1)
     # dK_t += dS^T Q_t
     if MASKED and CAUSAL:
@@ -326,11 +305,11 @@ def _dq_add(WG: gl.constexpr, dq, start_m, DQ, dq_smem, pid_bh, N_Q, D: gl.const
     if VARIANT == 3:
         buf = dq_smem.index(WG)
         tma.store_wait(0)  # this warpgroup's last reduce-add has read the buffer (its issuing thread waits)
-        _barrier()  # ... before any thread of the warpgroup overwrites it
+        cta_barrier()  # ... before any thread of the warpgroup overwrites it
         buf.store(dq)
         fence_async_shared()
-        _barrier()  # every thread has written before the one that issues the copy
-        _tma_reduce_add(DQ, [pid_bh * N_Q_PAD + start_m, WG * DC], buf)
+        cta_barrier()  # every thread has written before the one that issues the copy
+        tma_reduce_add(DQ, [pid_bh * N_Q_PAD + start_m, WG * DC], buf)
     elif VARIANT != 1:
         q_rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, c_layout))
         cols = WG * DC + gl.arange(0, DC, layout=gl.SliceLayout(0, c_layout))
@@ -383,7 +362,7 @@ def _consumer(WG: gl.constexpr, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, q
         _finite_copy(_tile(k_t, WG, DC), kfin_smem.index(WG), DC)
         _finite_copy(_tile(k_t, 2 + WG, DC), kfin_smem.index(2 + WG), DC)
         fence_async_shared()
-        _barrier()
+        cta_barrier()
     dk0 = gl.zeros([WG_N, DC], gl.float32, c_layout)
     dk1 = gl.zeros([WG_N, DC], gl.float32, c_layout)
     # the causal band (and every tile of the ragged last key block), then whole tiles
@@ -494,7 +473,7 @@ def _gluon_kl_bwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, LSE1, LSE2, KL, G, 
     qfin_smem = gl.allocate_shared_memory(q1_desc.dtype, [FIN, BLOCK_M, DC], fin_layout)  # [warpgroup, chunk]
     if VARIANT == 3:  # a [64, DC] fp32 staging tile per warpgroup, DQ its TMA descriptor
         if CAUSAL:  # on each warpgroup's own finite copies of Q (no room beside them at D = 128)
-            if _NEW_REINTERPRET:
+            if NEW_REINTERPRET:
                 dq_smem = qfin_smem.reinterpret(gl.float32, [2, BLOCK_M, DC], DQ.layout)
             else:
                 dq_smem = qfin_smem._reinterpret(gl.float32, [2, BLOCK_M, DC], DQ.layout)

@@ -32,15 +32,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
+from streamkl_gpu._core.gluon_compat import tma_load
 from streamkl_gpu.attention.triton import fwd as _fwd
 from streamkl_gpu.attention.gluon.fwd_sm90_fold import (_fold_sub, _fold_sub_lazy, _fold_sub_s2first, _half1, _half2,
                                                        _knob, _row_sum, _with_knob)
 
-# TMA load, renamed in triton 3.8 (``async_load``); 3.6/3.7 have only the old name, 3.9 rejects it.
-if hasattr(tma, "async_load"):
-    _tma_load = tma.async_load
-else:  # pragma: no cover - triton < 3.8 (the GPU image: 3.6)
-    _tma_load = tma.async_copy_global_to_shared
 
 WG_M = gl.constexpr(64)  # query rows per consumer warpgroup (the wgmma M)
 BLOCK_M = gl.constexpr(128)  # query rows per CTA: two consumer warpgroups
@@ -61,10 +57,10 @@ def _load_partition(q1_desc, k1_desc, q2_desc, k2_desc, q1_smem, q2_smem, k1_sme
     """Producer warp: Q1, Q2 of both warpgroups once, then key tile i into ring slot i % NUM_STAGES.
     MERGE: K1 and K2 of a slot share one ready and one empty barrier (k1_ready, k1_empty)."""
     mbarrier.expect(q_bar, 2 * q1_desc.block_type.nbytes + 2 * q2_desc.block_type.nbytes)
-    _tma_load(q1_desc, [b, h, start_m, 0], q_bar, q1_smem.index(0))
-    _tma_load(q2_desc, [b, h, start_m, 0], q_bar, q2_smem.index(0))
-    _tma_load(q1_desc, [b, h, start_m + WG_M, 0], q_bar, q1_smem.index(1))
-    _tma_load(q2_desc, [b, h, start_m + WG_M, 0], q_bar, q2_smem.index(1))
+    tma_load(q1_desc, [b, h, start_m, 0], q_bar, q1_smem.index(0))
+    tma_load(q2_desc, [b, h, start_m, 0], q_bar, q2_smem.index(0))
+    tma_load(q1_desc, [b, h, start_m + WG_M, 0], q_bar, q1_smem.index(1))
+    tma_load(q2_desc, [b, h, start_m + WG_M, 0], q_bar, q2_smem.index(1))
     for i in range(n_tiles):
         s = i % NUM_STAGES
         ph = (i // NUM_STAGES) & 1
@@ -73,15 +69,15 @@ def _load_partition(q1_desc, k1_desc, q2_desc, k2_desc, q1_smem, q2_smem, k1_sme
             if _knob(SCHED, "RELTURN"):  # per-warpgroup empty barriers
                 mbarrier.wait(k2_empty.index(s), ph ^ 1)
             mbarrier.expect(k1_ready.index(s), k1_desc.block_type.nbytes + k2_desc.block_type.nbytes)
-            _tma_load(k1_desc, [b, kv_head1, i * BLOCK_N, 0], k1_ready.index(s), k1_smem.index(s))
-            _tma_load(k2_desc, [b, kv_head2, i * BLOCK_N, 0], k1_ready.index(s), k2_smem.index(s))
+            tma_load(k1_desc, [b, kv_head1, i * BLOCK_N, 0], k1_ready.index(s), k1_smem.index(s))
+            tma_load(k2_desc, [b, kv_head2, i * BLOCK_N, 0], k1_ready.index(s), k2_smem.index(s))
         else:
             mbarrier.wait(k1_empty.index(s), ph ^ 1)  # a fresh barrier passes the phase-1 wait
             mbarrier.expect(k1_ready.index(s), k1_desc.block_type.nbytes)
-            _tma_load(k1_desc, [b, kv_head1, i * BLOCK_N, 0], k1_ready.index(s), k1_smem.index(s))
+            tma_load(k1_desc, [b, kv_head1, i * BLOCK_N, 0], k1_ready.index(s), k1_smem.index(s))
             mbarrier.wait(k2_empty.index(s), ph ^ 1)
             mbarrier.expect(k2_ready.index(s), k2_desc.block_type.nbytes)
-            _tma_load(k2_desc, [b, kv_head2, i * BLOCK_N, 0], k2_ready.index(s), k2_smem.index(s))
+            tma_load(k2_desc, [b, kv_head2, i * BLOCK_N, 0], k2_ready.index(s), k2_smem.index(s))
 
 
 @gluon.jit

@@ -54,13 +54,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.extra import libdevice
 
 from streamkl_gpu._core import forcing as _forcing
+from streamkl_gpu._core.gluon_compat import tma_load
 from streamkl_gpu._core.launcher import kernel_call
 
-# TMA load, renamed in triton 3.8 (``async_load``); 3.6/3.7 have only the old name, 3.9 rejects it.
-if hasattr(tma, "async_load"):
-    _tma_load = tma.async_load
-else:  # pragma: no cover - triton < 3.8 (the GPU image: 3.6)
-    _tma_load = tma.async_copy_global_to_shared
 
 HEADS = gl.constexpr(64)  # heads per wgmma (its M), teacher and indexer
 DCH = gl.constexpr(64)  # D chunk of a box (128 bytes of bf16: the 128-byte swizzle)
@@ -83,9 +79,9 @@ def _load_partition(q_desc, k_desc, qi_desc, ki_desc, q_smem, qi_smem, ring, q_b
     """Producer warp: the token's q and q_idx rows once, then the key chunks of every tile."""
     mbarrier.expect(q_bar, DC * q_desc.block_type.nbytes + DIC * qi_desc.block_type.nbytes)
     for c in gl.static_range(DC):
-        _tma_load(q_desc, [b, 0, t, c * DCH], q_bar, q_smem.index(c))
+        tma_load(q_desc, [b, 0, t, c * DCH], q_bar, q_smem.index(c))
     for c in gl.static_range(DIC):
-        _tma_load(qi_desc, [b, 0, t, c * DCH], q_bar, qi_smem.index(c))
+        tma_load(qi_desc, [b, 0, t, c * DCH], q_bar, qi_smem.index(c))
     NCH: gl.constexpr = DC + DIC
     SH0: gl.constexpr = (NUM_STAGES + 1) // 2  # warpgroup 0's ring: slots 0 .. SH0 - 1
     SH1: gl.constexpr = NUM_STAGES // 2  # warpgroup 1's: SH0 ..
@@ -99,9 +95,9 @@ def _load_partition(q_desc, k_desc, qi_desc, ki_desc, q_smem, qi_smem, ring, q_b
             mbarrier.wait(empty.index(s), ph ^ 1)  # a fresh barrier passes the phase-1 wait
             mbarrier.expect(ready.index(s), k_desc.block_type.nbytes)
             if c < DC:
-                _tma_load(k_desc, [b, 0, key0, c * DCH], ready.index(s), ring.index(s))
+                tma_load(k_desc, [b, 0, key0, c * DCH], ready.index(s), ring.index(s))
             else:
-                _tma_load(ki_desc, [b, 0, key0, (c - DC) * DCH], ready.index(s), ring.index(s))
+                tma_load(ki_desc, [b, 0, key0, (c - DC) * DCH], ready.index(s), ring.index(s))
 
 
 @gluon.jit

@@ -41,12 +41,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.extra import libdevice
 
 from streamkl_gpu._core import forcing as _forcing
+from streamkl_gpu._core.gluon_compat import tma_load
 from streamkl_gpu._core.launcher import kernel_call
 
-if hasattr(tma, "async_load"):  # renamed in triton 3.8; 3.6/3.7 have only the old name
-    _tma_load = tma.async_load
-else:  # pragma: no cover - triton < 3.8 (the GPU image: 3.6)
-    _tma_load = tma.async_copy_global_to_shared
 
 ROWS = gl.constexpr(64)  # q rows per consumer warpgroup (the wgmma's M)
 BOX = gl.constexpr(64)  # keys per tile and dims per chunk: one [64, 64] box (128 bytes of bf16 per row)
@@ -83,11 +80,11 @@ def _load_partition(q_desc, k_desc, ring, ready, empty, b, t, n_tiles, DC: gl.co
         if g < 2 * DC:
             h0, tok = _rows_of(g // DC, t, TWO_TOKENS)  # the warpgroup whose q chunk this is
             mbarrier.expect(ready.index(s), q_desc.block_type.nbytes)
-            _tma_load(q_desc, [b, h0, tok, (g % DC) * BOX], ready.index(s), slot.reshape([1, ROWS, 1, BOX]))
+            tma_load(q_desc, [b, h0, tok, (g % DC) * BOX], ready.index(s), slot.reshape([1, ROWS, 1, BOX]))
         else:
             tile = (g - 2 * DC) // DC
             mbarrier.expect(ready.index(s), k_desc.block_type.nbytes)
-            _tma_load(k_desc, [b, 0, tile * BOX, ((g - 2 * DC) % DC) * BOX], ready.index(s), slot)
+            tma_load(k_desc, [b, 0, tile * BOX, ((g - 2 * DC) % DC) * BOX], ready.index(s), slot)
 
 
 @gluon.jit
