@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from streamkl_gpu.experimental import attention_bwd_dispatch as dispatch
+from streamkl_gpu.attention.gluon import bwd_dispatch as dispatch
 from streamkl_ref._checks import Dims
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -133,7 +133,7 @@ def test_forced_takes_settings_1_2_and_both_half_precision_64_128(d, dtype, trai
 
 
 def test_auto_default():
-    assert not dispatch.GLUON_BWD_AUTO  # until measured under the no-regression rule (dispatch docstring)
+    assert dispatch.GLUON_BWD_AUTO  # measured under the no-regression rule (dispatch docstring)
 
 
 def test_auto_takes_one_trained_side_from_the_measured_sizes(monkeypatch):

@@ -15,7 +15,7 @@ from streamkl_gpu._core.runtime import env
 # name -> (default, effect). The one list of the variables the library reads.
 VARIABLES = {
     "STREAMKL_FWD_BACKEND": ("auto", "attention forward: auto, triton, gluon"),
-    "STREAMKL_BWD_BACKEND": ("auto", "attention backward: auto (the Triton kernels), triton, gluon (experimental)"),
+    "STREAMKL_BWD_BACKEND": ("auto", "attention backward: auto (the Hopper Gluon kernel for one trained side where it applies), triton, gluon"),
     "STREAMKL_INDEXER_BACKEND": ("auto", "indexer forwards: auto (Gluon for wide MQA teachers on Hopper, else Triton), triton, gluon"),
     "STREAMKL_INDEXER_TRAINING": ("auto", "indexer training design: auto, plain, accumulate, store, chunk"),
     "STREAMKL_INDEXER_BWD": ("separate", "indexer backward kernels: separate, fused, dqk"),

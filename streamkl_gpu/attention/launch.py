@@ -16,7 +16,7 @@ from streamkl_ref._checks import check_inputs
 
 from streamkl_gpu.attention.triton import bwd as _bwd
 from streamkl_gpu.attention.triton import fwd as _fwd
-from streamkl_gpu.experimental import attention_bwd_dispatch as _gluon_bwd_dispatch
+from streamkl_gpu.attention.gluon import bwd_dispatch as _gluon_bwd_dispatch
 from streamkl_gpu._core import runtime as _runtime
 from streamkl_gpu._core.launcher import ahead_allowed, compile_ahead, compiling_ahead
 from streamkl_gpu._core.launcher import launch as fast_launch

@@ -231,7 +231,7 @@ def compile_attention_bwd_sm90(d, dtype, causal, train, n_q=256, n_k=256, config
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from streamkl_gpu.experimental import attention_bwd_sm90 as gb
+    from streamkl_gpu.attention.gluon import bwd_sm90 as gb
 
     B, H = 1, 2
     q = torch.empty(B, H, n_q, d, dtype=dtype)
@@ -259,7 +259,7 @@ SPEC_CONFIGS = {"lag": dict(dq_lag=True), "bufs3": dict(ds_bufs=3)}
 def parse_bwd_spec(spec):
     """dtype, causal, D, trained side, gqa, config from
     ``bf16|fp16 : causal|full : D : 1|2 [: gqa] [: lag] [: bufs3]`` (config None: the default)."""
-    from streamkl_gpu.experimental import attention_bwd_sm90 as gb
+    from streamkl_gpu.attention.gluon import bwd_sm90 as gb
 
     dtype, mode, d, train, *rest = spec.split(":")
     changes = {}

@@ -6,13 +6,14 @@ module (tests, benchmarks) or else the environment variable ``STREAMKL_BWD_BACKE
 (default), ``triton`` (never Gluon) or ``gluon`` (Gluon or a ``ValueError`` saying why not: a
 forced path never falls back silently, so a test of the Gluon path cannot pass on the Triton one).
 
-With ``GLUON_BWD_AUTO`` (off until timed under the no-regression rule), ``auto`` runs the Gluon
-backward where it was measured faster than the Triton kernels (:func:`auto_takes`): one trained
-side (settings 1 and 2), ``bwd_mode="auto"``, not deterministic, from ``GLUON_BWD_MIN_KEYS`` keys
-and ``GLUON_BWD_MIN_QUERIES`` query rows (an H100, dQ by TMA reduce-adds:
-bench/results/2026-12-06_h100_c32c559/gluon_bwd_dq.csv, the training step 0.83-0.91x the Triton
-one's time at 8K and 16K, causal and not; with both sides trained, one launch per side, 1.07-1.18x,
-so both sides stay on the Triton kernels). The Gluon import is guarded:
+With ``GLUON_BWD_AUTO`` (on), ``auto`` runs the Gluon backward where it was measured faster than
+the Triton kernels (:func:`auto_takes`): one trained side (settings 1 and 2), ``bwd_mode="auto"``,
+not deterministic, from ``GLUON_BWD_MIN_KEYS`` keys and ``GLUON_BWD_MIN_QUERIES`` query rows. On an
+H100 (dQ by TMA reduce-adds): the training step 0.83-0.91x the Triton one's time at 8K and 16K,
+causal and not (bench/results/2026-12-06_h100_c32c559/gluon_bwd_dq.csv), and under the
+no-regression rule 0.79-0.92x on the step grid (4K, 8K, GQA, D = 64, fp16;
+bench/results/2026-12-06_h100_79636d9/compare_summary.csv); with both sides trained, one launch
+per side, 1.07-1.18x, so both sides stay on the Triton kernels. The Gluon import is guarded:
 triton builds without Gluon leave ``GLUON_BWD_AVAILABLE`` False and every problem on the Triton path.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ from streamkl_gpu._core import runtime as _runtime
 from streamkl_gpu.attention.gluon.dispatch import GLUON_CAPABILITY, _tma_legal, device_capability
 
 try:
-    from streamkl_gpu.experimental import attention_bwd_sm90 as _gluon_bwd
+    from streamkl_gpu.attention.gluon import bwd_sm90 as _gluon_bwd
 except Exception as exc:  # no triton.experimental.gluon, or an API this kernel does not know
     _gluon_bwd = None
     GLUON_BWD_IMPORT_ERROR: Optional[str] = f"{type(exc).__name__}: {exc}"
@@ -43,8 +44,9 @@ GLUON_BWD_DTYPES = (torch.float16, torch.bfloat16)
 GLUON_BWD_HEAD_DIMS = (64, 128)  # D1 = D2, one of these
 # "auto" picks Gluon for one trained side from these sizes (module docstring). With its dQ added by
 # fp32 vector atomics it was slower than the Triton pair (1.08-1.14x the step on an H100,
-# bench/results/2026-12-06_h100_db14c85/gluon_bwd.csv; 3-7 % on an H200, bench/results/2026-12-01_h200_2a98499/gluon_bwd.csv).
-GLUON_BWD_AUTO = False
+# bench/results/2026-12-06_h100_db14c85/gluon_bwd.csv; 3-7 % on an H200, bench/results/2026-12-01_h200_2a98499/gluon_bwd.csv);
+# below 2048 keys it was not timed against them.
+GLUON_BWD_AUTO = True
 GLUON_BWD_MIN_KEYS = 2048  # with GLUON_BWD_AUTO: the sizes from which it is taken
 GLUON_BWD_MIN_QUERIES = 128
 

@@ -37,7 +37,7 @@ tile i - 1's is read); the barrier protocol is replayed under random interleavin
 tests/test_gluon_bwd_schedule.py.
 Head dims are held as two chunks of D/2 (TMA boxes [64, D/2]) so that every operand is a whole
 shared-memory tile: the dQ split across the warpgroups needs no sub-tile slicing. Both sides
-trained (setting 3): one launch per side (``_gluon_bwd_dispatch.try_gluon_backward``).
+trained (setting 3): one launch per side (``bwd_dispatch.try_gluon_backward``).
 
 Causal (bottom-right) with tile skipping: a key block sees query rows from ``start_n - (N_K - N_Q)``
 on; the band of query tiles that see the block partly is the masked stage, the rest is unmasked
@@ -50,7 +50,7 @@ only masked entries are TMA zero fill (keys past N_K, rows past N_Q).
 
 GQA per side: K_s is read at key head h // GROUP_s; with more than one query head per key head
 on the trained side dK is added with fp32 atomics into the key head (``DK_ATOMIC``; the host
-converts). This module imports Gluon unconditionally; ``_gluon_bwd_dispatch`` guards the import.
+converts). This module imports Gluon unconditionally; ``bwd_dispatch`` guards the import.
 """
 from dataclasses import dataclass, replace
 
