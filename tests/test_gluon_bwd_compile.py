@@ -238,3 +238,60 @@ def test_api_backward_consults_the_dispatch(backend):
     q2.grad = None
     attention_kl(q1, k1, q2, k2).sum().backward()
     assert q2.grad is not None and torch.isfinite(q2.grad).all() and q2.grad.abs().sum() > 0
+
+
+# Run without TRITON_INTERPRET (Gluon's JIT binder): the launch that a compile-ahead thread makes
+# (stand-in buffers, B = H = N_Q = 1) and the real launch of the same problem, both caught before
+# Triton sees them, and each's specialisation as Triton's binder forms it for sm_90.
+_AHEAD_SPEC_SCRIPT = r'''
+import json, threading, torch
+from triton.backends.compiler import GPUTarget
+from triton.compiler import make_backend
+from triton.runtime.jit import create_function_from_signature
+from streamkl_gpu._core import launcher
+from streamkl_gpu.attention.gluon import bwd_sm90 as gb
+
+kernel = gb._gluon_kl_bwd_kernel
+binder = create_function_from_signature(kernel.signature, kernel.params, make_backend(GPUTarget("cuda", 90, 32)))
+caught = []
+
+class Catch:  # stands in for the JIT function: records the launch's specialisation
+    def warmup(self, *args, grid, **kwargs):
+        caught.append(binder(*args, **kwargs)[1])
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.warmup(*args, grid=grid, **kwargs)
+
+gb._gluon_kl_bwd_kernel = Catch()
+rows = []
+for (h, hk, nq, nk, d, causal, train, dtype) in ((16, 16, 8192, 8192, 128, True, 2, torch.bfloat16),
+                                                (32, 8, 4096, 8192, 128, False, 1, torch.float16),
+                                                (4, 4, 200, 2100, 64, True, 1, torch.bfloat16)):
+    q1, q2 = [torch.zeros(1, h, nq, d, dtype=dtype) for _ in range(2)]
+    k1, k2 = [torch.zeros(1, hk, nk, d, dtype=dtype) for _ in range(2)]
+    caught.clear()
+    launcher._AHEAD.on, launcher._AHEAD.pending = True, None  # a compile-ahead thread, compiling in place
+    stand_in = torch.empty(16)
+    gb.gluon_backward(stand_in, q1, k1, q2, k2, stand_in, stand_in, stand_in, causal, 0.1, 0.1, train)
+    launcher._AHEAD.on = False
+    g, kl, lse1, lse2 = (torch.zeros(1, h, nq) for _ in range(4))
+    gb.gluon_backward(g, q1, k1, q2, k2, kl, lse1, lse2, causal, 0.1, 0.1, train)
+    rows.append(dict(case=[h, hk, nq, nk, d, causal, train, str(dtype)], launches=len(caught),
+                     same=len(caught) == 2 and caught[0] == caught[1], ahead=repr(caught[0]), real=repr(caught[-1])))
+print(json.dumps(rows))
+'''
+
+
+def test_compile_ahead_launch_has_the_real_launch_specialisation():
+    """The backward's first call joins the compile-ahead thread, then launches: the kernel that
+    thread compiled is only reused if the stand-in launch specialises exactly as the real one (else
+    the real launch compiles a second time, one compile after the forward's instead of beside it)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, "-c", _AHEAD_SPEC_SCRIPT], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(rows) == 3
+    for row in rows:
+        assert row["launches"] == 2, row
+        assert row["same"], f"{row['case']}: ahead {row['ahead']} != real {row['real']}"
