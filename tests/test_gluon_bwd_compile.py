@@ -244,7 +244,7 @@ def test_api_backward_consults_the_dispatch(backend):
 # (stand-in buffers, B = H = N_Q = 1) and the real launch of the same problem, both caught before
 # Triton sees them, and each's specialisation as Triton's binder forms it for sm_90.
 _AHEAD_SPEC_SCRIPT = r'''
-import json, threading, torch
+import json, torch
 from triton.backends.compiler import GPUTarget
 from triton.compiler import make_backend
 from triton.runtime.jit import create_function_from_signature
