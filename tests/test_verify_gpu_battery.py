@@ -52,6 +52,30 @@ def test_the_compile_clock_counts_calls_into_the_compiler_and_restores_it():
     assert module.compile is original and triton_compiler.compile is original
 
 
+def test_the_compile_clock_keeps_each_compiles_kernel_thread_and_window():
+    """The first-call timeline (bench first_call's compile_window_s rows): which kernel compiled on
+    which thread, from when to when."""
+    import threading
+    from types import SimpleNamespace
+
+    triton_compiler = pytest.importorskip("triton.compiler")
+    source = SimpleNamespace(fn=SimpleNamespace(__name__="_some_kernel"))  # an ASTSource's JIT function
+
+    def compile_it():
+        with pytest.raises(Exception):
+            triton_compiler.compile(source)  # not a real source: the compiler raises, the call still counts
+
+    with CompileClock() as clock:
+        worker = threading.Thread(target=compile_it, name="compile-worker")
+        worker.start()
+        worker.join()
+        compile_it()
+    assert [(k, t) for k, t, _, _ in clock.events] == [("_some_kernel", "compile-worker"),
+                                                        ("_some_kernel", threading.current_thread().name)]
+    assert all(0 <= end - start <= clock.seconds for _, _, start, end in clock.events)
+    assert clock.events[0][3] <= clock.events[1][2]  # one after the other here
+
+
 def test_a_clock_installed_over_another_wraps_every_owner_and_restores_the_first():
     """A second clock over one still installed (verify inside a benchmark process) replaces the
     compiler entry point in the module and the package alike, and its exit puts the first back."""

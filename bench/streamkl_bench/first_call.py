@@ -7,9 +7,10 @@ with empty caches; the 2^31-element cases against their heads alone.
 ``first_call``: per entry point (forward; forward + backward in each backward mode and setting;
 packed sequences; the indexer loss: per-row losses summed, the mean training step, top-k; split-K decode) a fresh
 process with empty caches (new ``TRITON_CACHE_DIR`` and ``STREAMKL_CACHE_DIR``) makes the call
-twice: the first call's wall time, the kernels it compiled and the seconds in Triton's compiler
-(``streamkl_gpu._core.compile_clock``), the tuner's timing seconds (``TUNING_STATS`` of
-``streamkl_gpu._core.tuning``, read only; 0 where nothing is timed), the second call's time.
+twice: the first call's wall time, the kernels it compiled, the seconds in Triton's compiler
+(``streamkl_gpu._core.compile_clock``) and a ``compile_window_s`` row per compile (kernel, thread, start:
+what compiled side by side), the tuner's timing seconds (``TUNING_STATS`` of ``streamkl_gpu._core.tuning``,
+read only; 0 where nothing is timed), the second call's time.
 ``--case big``: N = 1M (H = 16, D = 128; settings 1, 2, both causal, setting 1 non-causal), N = 2M
 (H = 8), a packed batch past 2^31 elements, the indexer at 128K DSA-like: forward and forward +
 backward times, and the first and last heads (sequences, batch entries) alone against the whole
@@ -54,10 +55,7 @@ def _randn(*shape, std=1.0, seed=0):
 
 
 def _env_columns():
-    import torch
-    import triton
-
-    import streamkl_ref
+    import streamkl_ref, torch, triton
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (Triton interpreter)"
     return dict(gpu_name=gpu, torch=torch.__version__, triton=triton.__version__, version=streamkl_ref.__version__,
                 autotune=os.environ.get("STREAMKL_AUTOTUNE") or "auto",
@@ -139,18 +137,18 @@ def child(name, n, tiny, out_json):
 
     shape, call = _entry(name, n, tiny)
     _sync()
-    t0 = time.perf_counter()
+    t_first = time.perf_counter()
     call()
     _sync()
-    first = time.perf_counter() - t0
+    first = time.perf_counter() - t_first
     compile_s, kernels = clock.seconds, clock.calls
     t0 = time.perf_counter()
     call()
     _sync()
     second = time.perf_counter() - t0
     result = dict(entry=name, shape=shape, first_call_s=first, second_call_s=second, compile_s=compile_s,
-                  kernels_compiled=kernels, tuning_s=tuning.TUNING_STATS["timing_s"],
-                  clock_available=clock.available)
+                  kernels_compiled=kernels, tuning_s=tuning.TUNING_STATS["timing_s"], clock_available=clock.available,
+                  compiles=[(k, th, a - t_first, b - t_first) for k, th, a, b in clock.events[:kernels]])
     with open(out_json, "w") as fh:
         json.dump(result, fh)
 
@@ -184,6 +182,8 @@ def first_calls(entries, n, tiny, out_dir, timeout):
                              **env_cols))
         rows.append(dict(entry=name, shape=r["shape"], measure="process_s", value=wall, unit="s",
                          note="the whole fresh process (imports included)", **env_cols))
+        rows += [dict(entry=name, shape=r["shape"], measure="compile_window_s", value=end - start, unit="s", **env_cols,
+                      note=f"{kernel} on {thread}, from {start:.3f} s into the first call") for kernel, thread, start, end in r["compiles"]]
         print(f"{name:24s} first {r['first_call_s']:7.2f} s  compile {r['compile_s']:7.2f} s "
               f"({r['kernels_compiled']} kernels)  tuning {r['tuning_s']:.2f} s  second {r['second_call_s']:.4f} s",
               flush=True)

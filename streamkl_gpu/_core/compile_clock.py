@@ -7,21 +7,25 @@ wrapper must be installed before a kernel's first launch in the process: a ``JIT
 ``compile`` when it first runs (``JITFunction.create_binder``). ``streamkl verify`` and
 ``bench/streamkl_bench/first_call.py`` (the ``first_call`` section) read it; nothing else
 installs it. Compiles on several threads at once (compiling ahead, ``_core.launcher``) each add
-their own seconds, so ``seconds`` can exceed the wall time they took.
+their own seconds, so ``seconds`` can exceed the wall time they took; ``events`` keeps each compile's
+kernel, thread and start and end (``time.perf_counter``), the timeline that shows which ran side by side.
 """
 from __future__ import annotations
 
+import threading
 import time
 
 
 class CompileClock:
     """``seconds`` and ``calls`` spent in ``triton.compiler.compile`` while installed;
-    ``snapshot()`` / ``since(snap)`` for per-case deltas. ``available`` is False where the
-    compiler entry point could not be wrapped (no Triton): the figures then stay 0."""
+    ``snapshot()`` / ``since(snap)`` for per-case deltas; ``events``: (kernel, thread, start, end)
+    per compile. ``available`` is False where the compiler entry point could not be wrapped (no
+    Triton): the figures then stay 0."""
 
     def __init__(self):
         self.seconds = 0.0
         self.calls = 0
+        self.events = []
         self.available = False
         self._restore = []
 
@@ -40,8 +44,12 @@ class CompileClock:
             try:
                 return original(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - t0
+                t1 = time.perf_counter()
+                self.seconds += t1 - t0
                 self.calls += 1
+                fn = getattr(args[0] if args else kwargs.get("src"), "fn", None)  # an ASTSource's JIT function
+                name = getattr(fn, "__name__", None) or getattr(getattr(fn, "fn", None), "__name__", "?")
+                self.events.append((name, threading.current_thread().name, t0, t1))
 
         compile._streamkl_clock = self
         compile._streamkl_original = original
