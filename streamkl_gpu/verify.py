@@ -76,6 +76,10 @@ from streamkl_gpu.verify_workers import (  # the runner (re-exported: tests and 
 
 MP_MAX_SCORES = 1500  # mpmath check only for B*H*N_Q*N_K up to this
 CPU_ONE_DTYPE_NK = 128  # on CPU, cases with more keys (several tiles) run in the first dtype only
+# cases with this many keys also check settings 1 and 2 (one trained side) with the default
+# backward mode: a training step's path, on Hopper the Gluon backward where it applies
+# (attention/gluon/bwd_dispatch.auto_takes)
+SETTINGS_MIN_KEYS = 2048
 MAX_DEFAULT_JOBS = 8  # worker processes of a GPU run without --jobs, at most
 FLOAT32_COST = 2  # a float32 case's compile cost against a 16-bit one's (Unit.cost)
 
@@ -437,7 +441,7 @@ def _record(report, case, dname, quantity, err, tol, ok=None, note=""):
 def _check_attention_case(case, dname, seed, device, report):
     """``streamkl_gpu.attention_kl`` on one case in one dtype: the KL (also against mpmath when
     small, split-K against one pass, empty rows exactly 0) and the four gradients of both
-    backward modes."""
+    backward modes; from ``SETTINGS_MIN_KEYS`` keys also settings 1 and 2 in the default mode."""
     import numpy as np
     import torch
 
@@ -491,6 +495,15 @@ def _check_attention_case(case, dname, seed, device, report):
                 continue
             tol = tolerance(relative_error(same[tname], ref_grad[tname]), dname)
             record(f"{tname} ({mode})", relative_error(t.grad, ref_grad[tname]), tol)
+    if NK < SETTINGS_MIN_KEYS:
+        return
+    for setting, trained in ((1, ("dq2", "dk2")), (2, ("dq1", "dk1"))):
+        ins = [x.clone().requires_grad_(n in trained) for n, x in zip(("dq1", "dk1", "dq2", "dk2"), dev_xs)]
+        api.attention_kl(*ins, **kw).backward(g.to(device))
+        for tname, t in zip(("dq1", "dk1", "dq2", "dk2"), ins):
+            if tname in trained:
+                tol = tolerance(relative_error(same[tname], ref_grad[tname]), dname)
+                record(f"{tname} (setting {setting})", relative_error(t.grad, ref_grad[tname]), tol)
 
 
 def _check_varlen_case(case, dname, seed, device, report):

@@ -94,3 +94,34 @@ def test_a_clock_installed_over_another_wraps_every_owner_and_restores_the_first
     finally:
         outer.uninstall()
     assert module.compile is original and triton_compiler.compile is original
+
+
+def test_long_cases_check_settings_1_and_2_with_the_default_backward(monkeypatch):
+    """From SETTINGS_MIN_KEYS keys (the GPU battery's long cases) the trained side's gradients of
+    settings 1 and 2 in the default mode are rows of their own, and a wrong one fails. Here the
+    threshold is lowered onto a small case (the interpreter)."""
+    from streamkl_gpu import api
+    from streamkl_ref._testing.report import Report
+
+    assert any(c.NK >= verify.SETTINGS_MIN_KEYS and c.D1 == c.D2 and c.NQ >= 128
+               for c in attention_cases("cuda"))  # a GPU case where Hopper's Gluon backward can run
+    case = next(c for c in attention_cases("cpu") if c.name == "ragged")
+    monkeypatch.setattr(verify, "SETTINGS_MIN_KEYS", 0)
+    report = Report(options={})
+    verify._check_attention_case(case, "float32", 0, "cpu", report)
+    rows = {r.quantity: r.status for r in report.rows}
+    settings = {q: s for q, s in rows.items() if "setting" in q}
+    assert settings == {"dq2 (setting 1)": "pass", "dk2 (setting 1)": "pass",
+                        "dq1 (setting 2)": "pass", "dk1 (setting 2)": "pass"}
+
+    real = api.attention_kl
+
+    def off_with_one_side(q1, k1, q2, k2, **kw):  # 1 % off whenever exactly one side is trained
+        kl = real(q1, k1, q2, k2, **kw)
+        return kl * 1.01 if q1.requires_grad != q2.requires_grad else kl
+
+    monkeypatch.setattr(api, "attention_kl", off_with_one_side)
+    report = Report(options={})
+    verify._check_attention_case(case, "float32", 0, "cpu", report)
+    failed = {r.quantity for r in report.failed}
+    assert failed == set(settings), failed

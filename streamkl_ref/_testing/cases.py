@@ -96,6 +96,9 @@ GPU_ATTENTION_CASES = ATTENTION_CASES + (
          why="head dims that are not powers of two (padded tiles), causal, ragged"),
     Case("decode_splitk_1x4096", 1, 8, 2, 8, 1, 4096, 128, 128,
          why="decode: one query against 4096 keys (split-K, long accumulation)"),
+    Case("long_causal_d64", 1, 4, 4, 2, 160, 2100, 64, 64, causal=True,
+         why="a training length: 2100 keys (16 tiles of 128 and a ragged one), 160 rows, equal head "
+             "dims, GQA on side 2; where a kernel switches to its long-sequence path"),
 )
 LARGE_ATTENTION_CASES = GPU_ATTENTION_CASES[len(ATTENTION_CASES):]
 CASE_SETS = ("default", "large", "all")
