@@ -44,8 +44,9 @@ GLUON_BWD_DTYPES = (torch.float16, torch.bfloat16)
 GLUON_BWD_HEAD_DIMS = (64, 128)  # D1 = D2, one of these
 # "auto" picks Gluon for one trained side from these sizes (module docstring). With its dQ added by
 # fp32 vector atomics it was slower than the Triton pair (1.08-1.14x the step on an H100,
-# bench/results/2026-12-06_h100_db14c85/gluon_bwd.csv; 3-7 % on an H200, bench/results/2026-12-01_h200_2a98499/gluon_bwd.csv);
-# below 2048 keys it was not timed against them.
+# bench/results/2026-12-06_h100_db14c85/gluon_bwd.csv; 3-7 % on an H200, bench/results/2026-12-01_h200_2a98499/gluon_bwd.csv).
+# With the TMA reduce-adds the shortest timed against them is 4096 keys (0.88-0.92x); from 2048 to
+# 4096 keys it is taken untimed, as the Gluon forward is from 2048 keys.
 GLUON_BWD_AUTO = True
 GLUON_BWD_MIN_KEYS = 2048  # with GLUON_BWD_AUTO: the sizes from which it is taken
 GLUON_BWD_MIN_QUERIES = 128
