@@ -24,14 +24,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Specialisations compiled on CI (dtype : causal|full : D : trained side): every axis the dispatch
 # can choose is covered at least once; the GPU script compiles and checks every one it runs.
-CI_SPECS = ["bf16:full:128:2", "fp16:causal:128:1", "bf16:causal:64:2", "fp16:full:128:1:gqa",
+CI_SPECS = ["bf16:full:128:2", "fp16:causal:128:1", "bf16:causal:64:2", "fp16:full:128:1:gqa", "bf16:causal:128:2:gqa",
             # the lagged dQ (DQ_LAG, opt-in until measured faster): causal (finite copies, the tightest
             # shared memory) and full with three dS buffers
             "bf16:causal:128:1:lag", "bf16:full:128:2:lag:bufs3"]
 # Local-memory accesses allowed (per main loop, in the whole kernel): none, but causal, D = 128,
-# side 1 trained, where triton 3.9 keeps 1-2 reloads per tile (24 B of stack) beside the dQ
-# staging tile; the GPU's triton 3.6 compiles the same specs with none.
-SPILLS_ALLOWED = {("causal", 128, "1"): (2, 40)}
+# side 1 trained, or side 2 with GQA (dK atomics), where triton 3.9 keeps 1-2 reloads per tile
+# (24 B of stack) beside the dQ staging tile; the GPU's triton 3.6 compiles every spec with none
+# (bench/results/2026-12-06_cpu-2core_c70607f/gluon_bwd_sass_counts.csv). Key: (mask, D, side, GQA).
+SPILLS_ALLOWED = {("causal", 128, "1", False): (2, 40), ("causal", 128, "2", True): (2, 40)}
 WAITS_PER_TILE = 3  # S1, S2, then dK + dQ together (_gluon_bwd._bwd_tile)
 WAITS_PER_TILE_LAG = 4  # S1, S2, dK, then the previous tile's dQ (_gluon_bwd._dq_tile)
 
@@ -57,7 +58,7 @@ def test_sass_no_spills_three_waits_per_query_tile(compiled, spec):
     _, mode, d, train, *rest = spec.split(":")
     d = int(d)
     waits = WAITS_PER_TILE_LAG if "lag" in rest else WAITS_PER_TILE
-    per_loop, in_all = SPILLS_ALLOWED.get((mode, d, train), (0, 0))
+    per_loop, in_all = SPILLS_ALLOWED.get((mode, d, train, "gqa" in rest), (0, 0))
     assert row["stl"] + row["ldl"] <= in_all, f"{spec}: local-memory spills in the SASS: {row}"
     assert all(loop["spill"] <= per_loop for loop in row["loops"]), f"{spec}: spills in the main loops: {row}"
     assert row["resources"]["local"] == 0, f"{spec}: ptxas reports local memory: {row['resources']}"
