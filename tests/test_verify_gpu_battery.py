@@ -103,7 +103,11 @@ def test_long_cases_check_settings_1_and_2_with_the_default_backward(monkeypatch
     from streamkl_gpu import api
     from streamkl_ref._testing.report import Report
 
-    assert any(c.NK >= verify.SETTINGS_MIN_KEYS and c.D1 == c.D2 and c.NQ >= 128
+    from streamkl_gpu.attention.gluon import bwd_dispatch
+
+    # verify keeps torch out of its import, so the threshold is its own constant: kept in step here
+    assert verify.SETTINGS_MIN_KEYS == bwd_dispatch.GLUON_BWD_MIN_KEYS
+    assert any(c.NK >= verify.SETTINGS_MIN_KEYS and c.D1 == c.D2 and c.NQ >= bwd_dispatch.GLUON_BWD_MIN_QUERIES
                for c in attention_cases("cuda"))  # a GPU case where Hopper's Gluon backward can run
     case = next(c for c in attention_cases("cpu") if c.name == "ragged")
     monkeypatch.setattr(verify, "SETTINGS_MIN_KEYS", 0)
