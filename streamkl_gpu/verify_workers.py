@@ -23,8 +23,9 @@ from streamkl_ref.testing import Report, Row
 
 
 class _CaseClock:
-    """Seconds per case and dtype: compiling (the first call of each new kernel, read from
-    Triton's compiler entry point; on a GPU) and the rest (the check). ``timed(label, seconds)``
+    """Seconds per case and dtype: compiling (the wall time during which a kernel compiled, read
+    from Triton's compiler entry point; on a GPU) and the rest (the check); the two add up to the
+    case's wall time. ``timed(label, seconds)``
     times a block into ``seconds[label]`` and prints its progress lines, stamped with the time
     since ``t_start`` (the start of the whole run, in whichever process the block runs)."""
 
@@ -41,10 +42,12 @@ class _CaseClock:
     @contextlib.contextmanager
     def timed(self, label, seconds):
         self.say(label)  # the first GPU run compiles each kernel variant: show progress
-        t0, snap = time.time(), self.clock.snapshot()
+        t0, snap = time.perf_counter(), self.clock.snapshot()
         yield
-        compile_s, kernels = self.clock.since(snap)
-        check_s = time.time() - t0 - compile_s
+        t1 = time.perf_counter()
+        _, kernels = self.clock.since(snap)
+        compile_s = self.clock.wall_since(t0, t1)  # wall time with a compile running (several run side by side)
+        check_s = t1 - t0 - compile_s
         seconds[label] = {"compile_s": round(compile_s, 3), "kernels": kernels, "check_s": round(check_s, 3)}
         self.say(f"  {label}: compile {compile_s:.1f} s ({kernels} kernels), check {check_s:.1f} s")
 

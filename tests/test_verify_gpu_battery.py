@@ -76,6 +76,20 @@ def test_the_compile_clock_keeps_each_compiles_kernel_thread_and_window():
     assert clock.events[0][3] <= clock.events[1][2]  # one after the other here
 
 
+def test_the_compile_wall_counts_side_by_side_compiles_once_and_stays_in_its_span():
+    """verify's per-case compile seconds (``wall_since``): overlapping compile windows count once,
+    windows are clipped to the case's span, and compile + check never exceeds the case's wall time
+    (summed thread seconds made the check time negative when compiles ran side by side)."""
+    clock = CompileClock()
+    clock.events = [("a", "t1", 1.0, 4.0), ("b", "t2", 2.0, 5.0),  # side by side: 1..5 is 4 s, not 6
+                    ("c", "t1", 7.0, 8.0), ("d", "t3", 7.5, 7.6),  # one inside another
+                    ("e", "t1", 9.0, 12.0)]                        # runs past the span's end
+    assert clock.wall_since(0.0, 10.0) == pytest.approx(4.0 + 1.0 + 1.0)
+    assert clock.wall_since(3.0, 7.8) == pytest.approx(2.0 + 0.8)  # clipped at both ends
+    assert clock.wall_since(5.0, 7.0) == 0.0
+    assert sum(t1 - t0 for _, _, t0, t1 in clock.events) > clock.wall_since(0.0, 12.0) == pytest.approx(8.0)
+
+
 def test_a_clock_installed_over_another_wraps_every_owner_and_restores_the_first():
     """A second clock over one still installed (verify inside a benchmark process) replaces the
     compiler entry point in the module and the package alike, and its exit puts the first back."""

@@ -8,7 +8,8 @@ wrapper must be installed before a kernel's first launch in the process: a ``JIT
 ``bench/streamkl_bench/first_call.py`` (the ``first_call`` section) read it; nothing else
 installs it. Compiles on several threads at once (compiling ahead, ``_core.launcher``) each add
 their own seconds, so ``seconds`` can exceed the wall time they took; ``events`` keeps each compile's
-kernel, thread and start and end (``time.perf_counter``), the timeline that shows which ran side by side.
+kernel, thread and start and end (``time.perf_counter``), the timeline that shows which ran side by side,
+and ``wall_since`` the wall seconds during which at least one compile ran (the union of those windows).
 """
 from __future__ import annotations
 
@@ -80,3 +81,16 @@ class CompileClock:
     def since(self, snap):
         """``(seconds, calls)`` since ``snap``."""
         return self.seconds - snap[0], self.calls - snap[1]
+
+    def wall_since(self, start, end=None):
+        """Wall seconds between ``start`` and ``end`` (``time.perf_counter``; default now) during
+        which at least one compile ran: the union of the compile windows, clipped to the span.
+        Never more than ``end - start``, where ``since`` counts two side-by-side compiles twice."""
+        end = time.perf_counter() if end is None else end
+        spans = sorted((max(t0, start), min(t1, end)) for _, _, t0, t1 in list(self.events) if t1 > start and t0 < end)
+        total, covered = 0.0, start
+        for t0, t1 in spans:
+            if t1 > covered:
+                total += t1 - max(t0, covered)
+                covered = t1
+        return total
