@@ -28,6 +28,7 @@ def test_first_calls_in_fresh_processes(tmp_path):
         assert float(by[entry, "first_call_s"]["value"]) > 0
         assert float(by[entry, "second_call_s"]["value"]) > 0
         assert int(by[entry, "kernels_compiled"]["value"]) == 0  # the interpreter compiles nothing
+        assert 0.0 == float(by[entry, "compile_wall_s"]["value"]) <= float(by[entry, "first_call_s"]["value"])
         assert float(by[entry, "tuning_s"]["value"]) == 0.0  # nothing timed by default
         assert by[entry, "first_call_s"]["gpu_name"] and by[entry, "first_call_s"]["version"]
     assert not any(r["measure"] == "error" for r in rows) and {r["run_status"] for r in rows} == {"ok"}
