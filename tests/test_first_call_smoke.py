@@ -34,6 +34,15 @@ def test_first_calls_in_fresh_processes(tmp_path):
     assert not any(r["measure"] == "error" for r in rows) and {r["run_status"] for r in rows} == {"ok"}
 
 
+def test_first_call_with_the_api_name_imported_first(tmp_path):
+    """--imported resolves the API name before the inputs (``from streamkl_gpu import ...`` at a
+    script's top); its rows say so."""
+    mod = _module()
+    assert mod.main(["--out", str(tmp_path), "--tiny", "--entries", "fwd", "--imported"]) == 0
+    rows = [r for r in _rows(tmp_path / "first_call.csv") if r["measure"] == "first_call_s"]
+    assert len(rows) == 1 and float(rows[0]["value"]) > 0 and "imported before the inputs" in rows[0]["note"]
+
+
 def test_big_cases_match_their_heads_alone(tmp_path):
     mod = _module()
     only = "fwd_bwd_s1_causal,fwd_bwd_both_causal,varlen_s1_causal,indexer_128k_dsa"
