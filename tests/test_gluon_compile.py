@@ -53,6 +53,9 @@ CI_SPECS = [s + EAGER for s in ["bf16:full:128:128", "bf16:causal:128:128"]] + [
     if c.maxnreg == 168] + [s + EAGER for s in (FENCE_SPEC, LOOK_SPEC, KNOB_FREE_SPEC)]
 LAZY_SPECS = ["bf16:full:128:128", "fp16:causal:128:128", "bf16:causal:128:128", "bf16:causal:64:128",
               "bf16:full:64:64"]
+# The quick twin of the causal default (``fwd_sm90_launch.quick_twin``: UNITE, both consumer
+# warpgroups in one partition), what a first call at a new shape runs while the default compiles.
+TWIN_SPEC = "bf16:causal:128:128:" + config_spec(_gluon_fwd_launch.quick_twin(_gluon_fwd_launch.kernel_config(128, 128)))
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +64,7 @@ def compiled():
     runs under the interpreter, which Gluon does not support); one JSON line per spec."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # 3.9 warns when unset; 1 is its default
-    proc = subprocess.run([sys.executable, "-m", "streamkl_gpu.devtools.sass", *CI_SPECS, *LAZY_SPECS], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "streamkl_gpu.devtools.sass", *CI_SPECS, *LAZY_SPECS, TWIN_SPEC], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"Gluon compile failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -83,6 +86,21 @@ def test_sass_of_the_lazy_default_per_key_tile(compiled, spec):
         assert 1 <= loop["depbar"] <= 2 * (loop["hgmma"] // k_steps), f"{spec}: serialised products? {loop}"
         assert loop["spills"] <= 16, f"{spec}: {loop['spills']} local-memory accesses in a key-tile loop: {loop}"
     assert row["resources"]["stack"] <= 128 and row["resources"]["local"] == 0, f"{spec}: {row['resources']}"
+
+
+def test_sass_of_the_quick_twin(compiled):
+    """The twin has one copy of the lazy fold (the default has one per consumer warpgroup): one
+    whole-tile loop (the fast path and the rare one) and one masked loop, no serialised products,
+    a bounded few spills, and fewer instructions to compile than the default's."""
+    row, default = compiled[TWIN_SPEC], compiled["bf16:causal:128:128"]
+    k_steps = 256 // 16
+    loops = row["loops"]
+    assert sorted(lp["hgmma"] // k_steps for lp in loops) == [1, 2], f"one copy of the fold expected: {loops}"
+    for loop in loops:
+        assert 1 <= loop["depbar"] <= 2 * (loop["hgmma"] // k_steps), f"serialised products? {loop}"
+        assert loop["spills"] <= 16, f"{loop['spills']} local-memory accesses in a key-tile loop: {loop}"
+    assert row["hgmma"] * 2 == default["hgmma"], (row["hgmma"], default["hgmma"])
+    assert row["resources"]["stack"] <= 128 and row["resources"]["local"] == 0, row["resources"]
 
 
 @pytest.mark.parametrize("spec", CI_SPECS)

@@ -381,17 +381,15 @@ def main(argv=None):
         p.error("--out DIR is needed")
     if args.case == "first":
         entries = [e for e in args.entries.split(",") if e]
-        unknown = set(entries) - set(ENTRIES)
-        if unknown:
-            p.error(f"unknown entries {sorted(unknown)}")
+        if set(entries) - set(ENTRIES):
+            p.error(f"unknown entries {sorted(set(entries) - set(ENTRIES))}")
         rows = first_calls(entries, n, args.tiny, args.out, args.timeout, args.imported)
         path = write_csv(rows, args.out, "first_call")
         failed = any(r["measure"] == "error" for r in rows)
     else:
         names = [c for c in (args.only or ",".join(BIG)).split(",") if c]
-        unknown = set(names) - set(BIG)
-        if unknown:
-            p.error(f"unknown --only cases {sorted(unknown)}")
+        if set(names) - set(BIG):
+            p.error(f"unknown --only cases {sorted(set(names) - set(BIG))}")
         env_cols = _env_columns()
         clock = _compile_clock()  # before any kernel's first launch
         rows, failed = [], False

@@ -37,10 +37,7 @@ def binder_launches():
     try:
         yield
     finally:
-        if saved is None:
-            del os.environ["STREAMKL_FAST_LAUNCH"]
-        else:
-            os.environ["STREAMKL_FAST_LAUNCH"] = saved
+        os.environ.pop("STREAMKL_FAST_LAUNCH") if saved is None else os.environ.update(STREAMKL_FAST_LAUNCH=saved)
 
 
 def host_cost(out_dir, n_calls=1000, profile=False):

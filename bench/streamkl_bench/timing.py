@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import sys
 import time
 import traceback
 
@@ -40,6 +41,10 @@ def event_ms(fn, reps=3):
     return out
 
 
+def _settle():  # a first call's background compiles (streamkl_gpu._core.launcher.settle): time what stays
+    getattr(sys.modules.get("streamkl_gpu._core.launcher"), "settle", lambda: None)()
+
+
 def time_ms(fn, cuda=None, warmup=25, rep=100, grad_to_none=None, quantiles=None, long_call_ms=None, cpu_reps=1):
     """Median ms of ``fn`` (a list of ``quantiles`` if given). GPU: ``do_bench(warmup, rep)``, or,
     when one warm call takes longer than ``long_call_ms``, the median of 3 event-timed calls.
@@ -52,6 +57,8 @@ def time_ms(fn, cuda=None, warmup=25, rep=100, grad_to_none=None, quantiles=None
             fn()
             samples.append((time.perf_counter() - t0) * 1e3)
         return quantiles_of(samples, quantiles) if quantiles else sorted(samples)[len(samples) // 2]
+    fn()
+    _settle()
     if long_call_ms is not None:
         one = event_ms(fn, 1)[0]
         if one > long_call_ms:
@@ -67,6 +74,7 @@ def wall_us_per_call(fn, n, cuda=None, warm=50):
     """Host cost: wall microseconds per call of ``n`` back-to-back calls (after ``warm`` calls)."""
     for _ in range(warm):
         fn()
+    _settle()
     sync(cuda)
     t0 = time.perf_counter()
     for _ in range(n):
@@ -113,14 +121,10 @@ def matmul_tflops(n=8192, device="cuda"):
 
 
 def quantiles_of(samples, ps=(0.2, 0.5, 0.8)):
-    s = sorted(samples)
-
-    def q(p):
-        x = p * (len(s) - 1)
-        lo = int(math.floor(x))
-        hi = min(lo + 1, len(s) - 1)
-        return s[lo] + (s[hi] - s[lo]) * (x - lo)
-    return [q(p) for p in ps]
+    """Quantiles ``ps`` of ``samples``, linear between the two nearest."""
+    s, last = sorted(samples), len(samples) - 1
+    at = [(p * last, int(math.floor(p * last))) for p in ps]
+    return [s[lo] + (s[min(lo + 1, last)] - s[lo]) * (x - lo) for x, lo in at]
 
 
 class Budget:

@@ -93,6 +93,32 @@ def compile_ahead(work, device):
     return thread
 
 
+_BACKGROUND: list = []  # threads started by compile_in_background, until settle() joins them
+
+
+def compile_in_background(work, name: str) -> threading.Thread:
+    """Start ``work()`` (a compile that a later call will pick up) on a daemon thread; an exception
+    ends it quietly (the later call compiles again and raises). :func:`settle` waits for it."""
+    def body():
+        try:
+            compiler_ready()
+            work()
+        except Exception:  # noqa: BLE001 - the later call meets the same error and raises it
+            pass
+
+    thread = threading.Thread(target=body, name=name, daemon=True)
+    _BACKGROUND[:] = [t for t in _BACKGROUND if t.is_alive()] + [thread]
+    thread.start()
+    return thread
+
+
+def settle() -> None:
+    """Wait for every compile started by :func:`compile_in_background`: after this, the calls
+    already made at a shape have their default kernels (what a benchmark should time)."""
+    while _BACKGROUND:
+        _BACKGROUND.pop().join()
+
+
 _FIRST_CALLS: set = set()  # signatures whose first call compiled ahead (compile_first_call)
 _MAX_FIRST_CALLS = 4096
 

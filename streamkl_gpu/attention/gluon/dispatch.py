@@ -146,10 +146,11 @@ def gluon_forward(q1, k1, q2, k2, causal, scale1, scale2, out=None, dims=None):
     if out is None:
         out = tuple(torch.empty((dims.B, dims.H, dims.NQ), dtype=torch.float32, device=q1.device) for _ in range(3))
 
-    def runner(xs, outs):
-        return lambda cfg: _gluon_fwd_launch.gluon_forward(*xs, causal, scale1, scale2, out=outs, config=cfg)
+    def runner(xs, outs, quick_first=False):
+        return lambda cfg: _gluon_fwd_launch.gluon_forward(*xs, causal, scale1, scale2, out=outs, config=cfg,
+                                                           quick_first=quick_first)
 
-    launch = runner((q1, k1, q2, k2), out)
+    launch = runner((q1, k1, q2, k2), out, quick_first=not autotune_enabled())
     key = ("gluon_fwd", dims.D1, dims.D2, q1.dtype, q2.dtype, bool(causal), bucket(dims.NQ), bucket(dims.NK),
            bucket(dims.B * dims.H), dims.group1 > 1, dims.group2 > 1)
     cand = _PICKED.get(key)

@@ -44,9 +44,9 @@ LOG2E = 1.4426950408889634
 
 
 @gluon.constexpr_function
-def _acc_layout(block_n):
-    # wgmma accumulator of one warpgroup: [64, block_n] fp32
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, int(block_n), 16])
+def _acc_layout(block_n, warps=4):
+    # wgmma accumulator of one warpgroup: [64, block_n] fp32 (UNITE: two warpgroups, [128, block_n])
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[int(warps), 1], instr_shape=[16, int(block_n), 16])
 
 
 @gluon.jit
@@ -56,11 +56,16 @@ def _load_partition(q1_desc, k1_desc, q2_desc, k2_desc, q1_smem, q2_smem, k1_sme
                     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, SCHED: gl.constexpr):
     """Producer warp: Q1, Q2 of both warpgroups once, then key tile i into ring slot i % NUM_STAGES.
     MERGE: K1 and K2 of a slot share one ready and one empty barrier (k1_ready, k1_empty)."""
-    mbarrier.expect(q_bar, 2 * q1_desc.block_type.nbytes + 2 * q2_desc.block_type.nbytes)
-    tma_load(q1_desc, [b, h, start_m, 0], q_bar, q1_smem.index(0))
-    tma_load(q2_desc, [b, h, start_m, 0], q_bar, q2_smem.index(0))
-    tma_load(q1_desc, [b, h, start_m + WG_M, 0], q_bar, q1_smem.index(1))
-    tma_load(q2_desc, [b, h, start_m + WG_M, 0], q_bar, q2_smem.index(1))
+    if _knob(SCHED, "UNITE"):  # one [128, D] block per side
+        mbarrier.expect(q_bar, q1_desc.block_type.nbytes + q2_desc.block_type.nbytes)
+        tma_load(q1_desc, [b, h, start_m, 0], q_bar, q1_smem.index(0))
+        tma_load(q2_desc, [b, h, start_m, 0], q_bar, q2_smem.index(0))
+    else:
+        mbarrier.expect(q_bar, 2 * q1_desc.block_type.nbytes + 2 * q2_desc.block_type.nbytes)
+        tma_load(q1_desc, [b, h, start_m, 0], q_bar, q1_smem.index(0))
+        tma_load(q2_desc, [b, h, start_m, 0], q_bar, q2_smem.index(0))
+        tma_load(q1_desc, [b, h, start_m + WG_M, 0], q_bar, q1_smem.index(1))
+        tma_load(q2_desc, [b, h, start_m + WG_M, 0], q_bar, q2_smem.index(1))
     for i in range(n_tiles):
         s = i % NUM_STAGES
         ph = (i // NUM_STAGES) & 1
@@ -130,7 +135,7 @@ def _visible(i, h, rows, N_K, diag_offset, BLOCK_N: gl.constexpr, SUB_N: gl.cons
     """Which entries of sub-tile h of key tile i a row sees: keys < N_K, and the causal band.
     ONE_TEST (MASK1, causal): the two bounds folded into one per-row last visible key, one
     compare per entry (the same set: j < N_K and j <= i + diag  <=>  j <= min(N_K - 1, i + diag))."""
-    cols = i * BLOCK_N + h * SUB_N + gl.arange(0, SUB_N, layout=gl.SliceLayout(0, _acc_layout(SUB_N)))
+    cols = i * BLOCK_N + h * SUB_N + gl.arange(0, SUB_N, layout=gl.SliceLayout(0, _acc_layout(SUB_N, rows.shape[0] // 16)))
     if ONE_TEST and CAUSAL:
         visible = cols[None, :] <= gl.minimum(rows + diag_offset, N_K - 1)[:, None]
     else:
@@ -238,16 +243,18 @@ def _consumer(WG: gl.constexpr, q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_re
               CAUSAL: gl.constexpr, VARIANT: gl.constexpr, SCHED: gl.constexpr):
     """Consumer warpgroup WG: query rows start_m + 64 WG .. +63, all key tiles of the CTA."""
     SUB_N: gl.constexpr = BLOCK_N // (1 + _knob(SCHED, "SPLIT"))  # keys per wgmma
-    acc_layout: gl.constexpr = _acc_layout(SUB_N)
+    UNITE: gl.constexpr = _knob(SCHED, "UNITE")  # one partition of both warpgroups: all 128 rows
+    M: gl.constexpr = WG_M * (1 + UNITE)
+    acc_layout: gl.constexpr = _acc_layout(SUB_N, 4 * (1 + UNITE))
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
     mbarrier.wait(q_bar, 0)
-    q1 = q1_smem.index(WG).reshape([WG_M, D1])
-    q2 = q2_smem.index(WG).reshape([WG_M, D2])
-    zero = gl.zeros([WG_M, SUB_N], gl.float32, acc_layout)
-    rows = start_m + WG * WG_M + gl.arange(0, WG_M, layout=row_layout)
+    q1 = q1_smem.index(WG).reshape([M, D1])
+    q2 = q2_smem.index(WG).reshape([M, D2])
+    zero = gl.zeros([M, SUB_N], gl.float32, acc_layout)
+    rows = start_m + WG * WG_M + gl.arange(0, M, layout=row_layout)
     diag_offset = N_K - N_Q
-    m1 = gl.full([WG_M], float("-inf"), gl.float32, row_layout)
-    m2 = gl.full([WG_M], float("-inf"), gl.float32, row_layout)
+    m1 = gl.full([M], float("-inf"), gl.float32, row_layout)
+    m2 = gl.full([M], float("-inf"), gl.float32, row_layout)
     DEFER: gl.constexpr = _knob(SCHED, "DEFER")
     l1 = _row_sum(zero, DEFER)  # zeros: [WG_M] rows, or DEFER's [WG_M, 4] per-thread parts
     l2 = _row_sum(zero, DEFER)
@@ -350,8 +357,9 @@ def _gluon_kl_fwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, KL, LSE1, LSE2,
     n_full = full_hi // BLOCK_N
     n_tiles = gl.cdiv(key_hi, BLOCK_N)
 
-    q1_smem = gl.allocate_shared_memory(q1_desc.dtype, [2, 1, 1, WG_M, D1], q1_desc.layout)
-    q2_smem = gl.allocate_shared_memory(q2_desc.dtype, [2, 1, 1, WG_M, D2], q2_desc.layout)
+    Q_BLOCKS: gl.constexpr = 2 - _knob(SCHED, "UNITE")  # UNITE: one [128, D] Q block per side
+    q1_smem = gl.allocate_shared_memory(q1_desc.dtype, [Q_BLOCKS, 1, 1, BLOCK_M // Q_BLOCKS, D1], q1_desc.layout)
+    q2_smem = gl.allocate_shared_memory(q2_desc.dtype, [Q_BLOCKS, 1, 1, BLOCK_M // Q_BLOCKS, D2], q2_desc.layout)
     k1_smem = gl.allocate_shared_memory(k1_desc.dtype, [NUM_STAGES, 1, 1, BLOCK_N, D1], k1_desc.layout)
     k2_smem = gl.allocate_shared_memory(k2_desc.dtype, [NUM_STAGES, 1, 1, BLOCK_N, D2], k2_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -364,8 +372,8 @@ def _gluon_kl_fwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, KL, LSE1, LSE2,
         mbarrier.init(k1_ready.index(i), count=1)
         mbarrier.init(k2_ready.index(i), count=1)
         # both consumer warpgroups release a slot; RELTURN: k1_empty warpgroup 0's, k2_empty 1's
-        mbarrier.init(k1_empty.index(i), count=1 if _knob(SCHED, "RELTURN") else 2)
-        mbarrier.init(k2_empty.index(i), count=1 if _knob(SCHED, "RELTURN") else 2)
+        mbarrier.init(k1_empty.index(i), count=1 if _knob(SCHED, "RELTURN") or _knob(SCHED, "UNITE") else 2)
+        mbarrier.init(k2_empty.index(i), count=1 if _knob(SCHED, "RELTURN") or _knob(SCHED, "UNITE") else 2)
     turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(turn_bars.index(0), count=1)
     mbarrier.init(turn_bars.index(1), count=1)
@@ -373,14 +381,24 @@ def _gluon_kl_fwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, KL, LSE1, LSE2,
         mbarrier.arrive(turn_bars.index(0), count=1)  # warpgroup 0 goes first
 
     # argument tuples inline: a tuple bound to a local turns its constexprs into tensors (sketch)
-    gl.warp_specialize([
-        (_consumer0, (q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty,
-                      turn_bars, KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2,
-                      ONE, D1, D2, BLOCK_N, NUM_STAGES, CAUSAL, VARIANT, SCHED)),
-        (_consumer1, (q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty,
-                      turn_bars, KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2,
-                      ONE, D1, D2, BLOCK_N, NUM_STAGES, CAUSAL, VARIANT, SCHED)),
-        (_load_partition, (q1_desc, k1_desc, q2_desc, k2_desc, q1_smem, q2_smem, k1_smem, k2_smem,
-                           q_bar, k1_ready, k2_ready, k1_empty, k2_empty,
-                           b, h, kv_head1, kv_head2, start_m, n_tiles, BLOCK_N, NUM_STAGES, SCHED)),
-    ], [4, 1], [CONSUMER_REGS, 24])
+    if _knob(SCHED, "UNITE"):  # one consumer partition of 8 warps (the kernel's num_warps): one code copy
+        gl.warp_specialize([
+            (_consumer0, (q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty,
+                          turn_bars, KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1,
+                          qk_scale2, ONE, D1, D2, BLOCK_N, NUM_STAGES, CAUSAL, VARIANT, SCHED)),
+            (_load_partition, (q1_desc, k1_desc, q2_desc, k2_desc, q1_smem, q2_smem, k1_smem, k2_smem,
+                               q_bar, k1_ready, k2_ready, k1_empty, k2_empty,
+                               b, h, kv_head1, kv_head2, start_m, n_tiles, BLOCK_N, NUM_STAGES, SCHED)),
+        ], [1], [24])
+    else:
+        gl.warp_specialize([
+            (_consumer0, (q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty,
+                          turn_bars, KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2,
+                          ONE, D1, D2, BLOCK_N, NUM_STAGES, CAUSAL, VARIANT, SCHED)),
+            (_consumer1, (q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty,
+                          turn_bars, KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2,
+                          ONE, D1, D2, BLOCK_N, NUM_STAGES, CAUSAL, VARIANT, SCHED)),
+            (_load_partition, (q1_desc, k1_desc, q2_desc, k2_desc, q1_smem, q2_smem, k1_smem, k2_smem,
+                               q_bar, k1_ready, k2_ready, k1_empty, k2_empty,
+                               b, h, kv_head1, kv_head2, start_m, n_tiles, BLOCK_N, NUM_STAGES, SCHED)),
+        ], [4, 1], [CONSUMER_REGS, 24])

@@ -38,7 +38,7 @@ def _exp2(x, VARIANT: gl.constexpr):
 # ``fwd_sm90_launch.GluonFwdConfig``, packed by its ``sched_of``.
 SCHED_BITS = dict(PINGPONG=(0, 1), SPLIT=(1, 1), POLY=(2, 2), RESCALE=(4, 1), FENCE=(5, 2), ORDER=(7, 1),
                   LOOK=(8, 1), TURN=(9, 1), MERGE=(10, 1), RELTURN=(11, 1), FOLD=(12, 1), MASK1=(13, 1),
-                  DEFER=(14, 1))
+                  DEFER=(14, 1), UNITE=(15, 1))
 RESCALE_BITS = gl.constexpr(8.0)  # conditional rescaling: a new reference max only when the max grows by more
 
 
@@ -293,9 +293,10 @@ def _vote(bad, VOTE: gl.constexpr):
     1: each warp's 16 rows by shuffles, the 4 warps' votes through a shared buffer of 4 ints read
     back whole by every thread (one barrier, warp-uniform addresses)."""
     if VOTE == 1:
-        per_warp = gl.max(gl.reshape(bad, [4, bad.shape[0] // 4]), axis=1)
-        buf = gl.allocate_shared_memory(gl.int32, [4], gl.SwizzledSharedLayout(1, 1, 1, order=[0]), per_warp)
-        out = gl.max(buf.load(gl.BlockedLayout([4], [32], [4], [0])), axis=0)
+        W: gl.constexpr = bad.shape[0] // 16  # warps: 16 rows each (4; 8 with UNITE)
+        per_warp = gl.max(gl.reshape(bad, [W, 16]), axis=1)
+        buf = gl.allocate_shared_memory(gl.int32, [W], gl.SwizzledSharedLayout(1, 1, 1, order=[0]), per_warp)
+        out = gl.max(buf.load(gl.BlockedLayout([W], [32], [W], [0])), axis=0)
     else:
         out = gl.max(bad, axis=0)
     return out

@@ -7,6 +7,7 @@ Diagnostic variants (``streamkl_gpu.devtools.diagnostics``) are reached only thr
 hook (``streamkl_gpu._core.forcing``), which also records every launch (the compiled kernel and its
 ``SCHED`` constexpr) for the benchmarks that read its SASS.
 """
+import dataclasses
 from dataclasses import dataclass, fields
 
 import torch
@@ -45,6 +46,7 @@ class GluonFwdConfig:
     fold: int = 0  # whole tiles: the scale folded into the exponent's FFMA
     mask1: int = 0  # masked tiles: the mask applied once
     defer: int = 0  # l1, l2, acc as per-thread partial sums, reduced across the quad at the end
+    unite: int = 0  # both consumer warpgroups in one partition of 8 warps (one code copy: half the compile)
     consumer_regs: int = 240
 
     def knobs(self) -> dict:
@@ -243,7 +245,7 @@ def _statics(D1, D2, config, causal, variant):
         cfg = config if config is not None else kernel_config(D1, D2)
         constexprs = dict(D1=D1, D2=D2, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, CAUSAL=bool(causal),
                           CONSUMER_REGS=cfg.consumer_regs, VARIANT=variant, SCHED=cfg.sched)
-        options = dict(num_warps=4)
+        options = dict(num_warps=8 if cfg.unite else 4)
         if cfg.maxnreg:
             options["maxnreg"] = cfg.maxnreg
         if len(_STATICS) >= _MAX_STATICS:
@@ -261,8 +263,9 @@ def launch_args(q1, k1, q2, k2, causal, scale1, scale2, kl, lse1_bits, lse2_bits
     N_K, D2 = k1.shape[2], q2.shape[3]
     variant = _diagnostics.attention_fwd_variant(_forcing.forced("attention_fwd_variant"), causal)
     block_n, constexprs, options = _statics(D1, D2, config, causal, variant)
-    descs = (make_descriptor(q1, _kernel.WG_M.value), make_descriptor(k1, block_n),
-             make_descriptor(q2, _kernel.WG_M.value), make_descriptor(k2, block_n))
+    q_rows = _kernel.BLOCK_M.value if (constexprs["SCHED"] >> _fold.SCHED_BITS["UNITE"][0]) & 1 else _kernel.WG_M.value
+    descs = (make_descriptor(q1, q_rows), make_descriptor(k1, block_n),
+             make_descriptor(q2, q_rows), make_descriptor(k2, block_n))
     args = descs + (kl, lse1_bits, lse2_bits, H, N_Q, N_K, H // k1.shape[1], H // k2.shape[1],
                     scale1 * _kernel.LOG2E, scale2 * _kernel.LOG2E, 1)
     grid = (triton.cdiv(N_Q, _kernel.BLOCK_M.value), B * H)
@@ -278,19 +281,28 @@ def waits_per_tile(sched: int) -> int:
     return 2 * (1 + ((sched >> _fold.SCHED_BITS["SPLIT"][0]) & 1))
 
 
-def gluon_forward(q1, k1, q2, k2, causal, scale1, scale2, out=None, config=None):
+def gluon_forward(q1, k1, q2, k2, causal, scale1, scale2, out=None, config=None, quick_first=False):
     """Launch the Gluon forward: (kl nats, lse1_bits, lse2_bits), float32 [B, H, N_Q].
 
     The caller (``use_gluon``) has checked the shapes, dtypes, strides and device. ``out``: an
     optional triple of output buffers (the API passes NaN-poisoned ones in tests); ``config``:
-    see :func:`launch_args`. The launch is recorded for an open ``forcing`` block."""
-    B, H, N_Q, _ = q1.shape
+    see :func:`launch_args`. ``quick_first`` (the API's untuned path): at a specialisation not
+    compiled yet in this process, compile it on a background thread and launch its
+    :func:`quick_twin` (bitwise the same outputs, about half the compile) until it is kept: a first
+    call waits for the twin's compile only. The launch is recorded for an open ``forcing`` block
+    (the twin's while it runs)."""
+    B, H, N_Q, D1 = q1.shape
     if out is None:
         out = tuple(torch.empty((B, H, N_Q), dtype=torch.float32, device=q1.device) for _ in range(3))
     kl, lse1_bits, lse2_bits = out
     grid, args, constexprs, options = launch_args(q1, k1, q2, k2, causal, scale1, scale2, kl, lse1_bits, lse2_bits,
                                                   config)
-    kernel = _launch(grid, args, constexprs, options)
+    twin = None
+    if quick_first:  # built only at a specialisation's first meetings (_launch)
+        def twin():
+            cfg = quick_twin(config or kernel_config(D1, q2.shape[3]))
+            return cfg and launch_args(q1, k1, q2, k2, causal, scale1, scale2, kl, lse1_bits, lse2_bits, cfg)
+    kernel, constexprs = _launch(grid, args, constexprs, options, twin)
     _forcing.record("attention_fwd_sm90", kernel, **constexprs)
     return kl, lse1_bits, lse2_bits
 
@@ -302,29 +314,81 @@ _COMPILED: dict = {}  # specialisation key -> (CompiledKernel, the constexpr tai
 FAST_STATS = {"direct": 0, "bound": 0}
 
 
-def _launch(grid, args, constexprs, options):
+def quick_twin(cfg: GluonFwdConfig) -> GluonFwdConfig:
+    """The launch that computes what ``cfg`` does with both consumer warpgroups in one partition
+    (UNITE): one copy of the fold's code, so about half of ``cfg``'s compile
+    (None where there is none: the turnstile and the two-tile loop order two warpgroups)."""
+    if cfg.unite or cfg.pingpong or cfg.look:
+        return None
+    return dataclasses.replace(cfg, unite=1)
+
+
+_BACKGROUND: dict = {}  # specialisation key -> the thread that compiled (or compiles) the default launch
+
+
+def _key(args, constexprs, options):
+    return (tuple(constexprs.items()), tuple(sorted(options.items())), tuple(_fast_launch._spec(a) for a in args))
+
+
+def _first_compile_pending(key, grid, args, constexprs, options) -> bool:
+    """Is the launch at specialisation ``key`` (not kept in ``_COMPILED``) compiling on a background
+    thread? At its first meeting, start that compile (``_core.launcher``'s compile-ahead rules: not
+    under the interpreter, not with ``STREAMKL_COMPILE_AHEAD=0``, not in a compile-ahead thread);
+    True until it has finished."""
+    if _fast_launch.compiling_ahead() or not _fast_launch.ahead_allowed():
+        return False
+    thread = _BACKGROUND.get(key)
+    if thread is None:
+        device = torch.cuda.current_device()
+
+        def work():
+            with torch.cuda.device(device):
+                kernel = _kernel._gluon_kl_fwd_kernel.warmup(*args, grid=grid, **constexprs, **options)
+                kernel._init_handles()  # the module load (and triton 3.6's launcher build) here too
+            _keep(key, kernel, constexprs, len(args))
+
+        if len(_BACKGROUND) >= 1024:
+            _BACKGROUND.clear()
+        _BACKGROUND[key] = _fast_launch.compile_in_background(work, "streamkl-compile-default")
+        return True
+    # finished: kept (the next _launch runs it directly), or failed (the next _launch compiles it
+    # on the calling thread and raises there)
+    return thread.is_alive()
+
+
+def _keep(key, kernel, constexprs, n_args):
+    if len(_COMPILED) >= 1024:
+        _COMPILED.clear()
+    _COMPILED[key] = (kernel, _fast_launch._tail(_kernel._gluon_kl_fwd_kernel, n_args, constexprs, {})[0])
+
+
+def _launch(grid, args, constexprs, options, twin=None):
     """``_gluon_kl_fwd_kernel[grid](*args, **constexprs, **options)``; unless ``STREAMKL_FAST_LAUNCH=0``
     the first launch of each specialisation keeps the compiled kernel and later ones call its
     launcher directly (``_fast_launch``'s method and key: what Triton specialises each argument
     on, descriptors by type, block shape, dtype and base alignment), saving the JIT binder's
     tens of microseconds per call (the 2K points of the no-regression grid are host-bound).
-    In a compile-ahead thread (``_core.launcher``) it only compiles."""
+    In a compile-ahead thread (``_core.launcher``) it only compiles. ``twin``: None, or a function
+    of no arguments that gives the (grid, args, constexprs, options) of a launch with the same
+    outputs that compiles faster, or None (:func:`quick_twin`): while this launch compiles on a
+    background thread, the twin is launched instead. Returns the kernel and the constexprs launched."""
     if _fast_launch.compiling_ahead() or not _fast_launch.enabled():
-        return _fast_launch.kernel_call(_kernel._gluon_kl_fwd_kernel, grid)(*args, **constexprs, **options)
-    key = (tuple(constexprs.items()), tuple(sorted(options.items())), tuple(_fast_launch._spec(a) for a in args))
+        return _fast_launch.kernel_call(_kernel._gluon_kl_fwd_kernel, grid)(*args, **constexprs, **options), constexprs
+    key = _key(args, constexprs, options)
     hit = _COMPILED.get(key)
     if hit is None:
+        quick = twin() if twin is not None else None
+        if quick is not None and _first_compile_pending(key, grid, args, constexprs, options):
+            return _launch(*quick)
         _fast_launch.compiler_ready()
         kernel = _kernel._gluon_kl_fwd_kernel[grid](*args, **constexprs, **options)
         if hasattr(kernel, "result"):  # an asynchronous compile (triton >= 3.5)
             kernel = kernel.result()
-        if len(_COMPILED) >= 1024:
-            _COMPILED.clear()
-        _COMPILED[key] = (kernel, _fast_launch._tail(_kernel._gluon_kl_fwd_kernel, len(args), constexprs, {})[0])
+        _keep(key, kernel, constexprs, len(args))
         FAST_STATS["bound"] += 1
-        return kernel
+        return kernel, constexprs
     kernel, tail = hit
     stream = _fast_launch._raw_stream(torch.cuda.current_device())
     kernel.run(grid[0], grid[1], 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *tail)
     FAST_STATS["direct"] += 1
-    return kernel
+    return kernel, constexprs
