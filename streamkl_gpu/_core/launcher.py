@@ -88,16 +88,21 @@ def compile_ahead(work, device):
                 compiling.join()
             _AHEAD.on, _AHEAD.pending, _AHEAD.seen = False, None, None
 
-    thread = threading.Thread(target=body, name="streamkl-compile-ahead", daemon=True)
+    thread = threading.Thread(target=body, name="streamkl-compile-ahead")
     thread.start()
     return thread
 
 
 _BACKGROUND: list = []  # threads started by compile_in_background, until settle() joins them
 
+# Every compile thread here is a non-daemon thread, so a process that ends while one runs waits for
+# it: a daemon thread still inside Triton's compiler at interpreter exit aborts the process
+# ("terminate called after throwing an instance of ''", SIGABRT; seen on the GPU with a forward's
+# background compile in a process that ended after its first two calls).
+
 
 def compile_in_background(work, name: str) -> threading.Thread:
-    """Start ``work()`` (a compile that a later call will pick up) on a daemon thread; an exception
+    """Start ``work()`` (a compile that a later call will pick up) on a thread of its own; an exception
     ends it quietly (the later call compiles again and raises). :func:`settle` waits for it."""
     def body():
         try:
@@ -106,7 +111,7 @@ def compile_in_background(work, name: str) -> threading.Thread:
         except Exception:  # noqa: BLE001 - the later call meets the same error and raises it
             pass
 
-    thread = threading.Thread(target=body, name=name, daemon=True)
+    thread = threading.Thread(target=body, name=name)
     _BACKGROUND[:] = [t for t in _BACKGROUND if t.is_alive()] + [thread]
     thread.start()
     return thread
@@ -199,7 +204,7 @@ def _compile_only(fn, grid, args, kwargs):
         except Exception:  # noqa: BLE001 - the real launch meets the same error and raises it
             pass
 
-    compiling = threading.Thread(target=body, name="streamkl-compile", daemon=True)
+    compiling = threading.Thread(target=body, name="streamkl-compile")
     compiling.start()
     pending.append(compiling)
     return None
@@ -260,7 +265,7 @@ def warm_compiler() -> None:
         return body
 
     for name, work in (("key", _compiler_key), ("driver", driver_init)):
-        thread = threading.Thread(target=quietly(work), name=f"streamkl-compiler-{name}", daemon=True)
+        thread = threading.Thread(target=quietly(work), name=f"streamkl-compiler-{name}")
         thread.start()
         _WARMUP.append(thread)
 
