@@ -119,3 +119,11 @@ def test_no_twin_where_compiling_ahead_is_off(fake, monkeypatch):
     monkeypatch.setattr(_fast_launch, "ahead_allowed", lambda: False)
     assert L._launch((1, 1), (0,), dict(SCHED=DEFAULT), {}, _twin)[0].sched == DEFAULT
     assert fake.background == []
+
+
+def test_unite_refuses_the_schedules_that_order_two_warpgroups():
+    with pytest.raises(ValueError, match="UNITE"):
+        L.sched_of({"UNITE": 1, "PINGPONG": 1})
+    with pytest.raises(ValueError, match="UNITE"):
+        L.sched_of({"UNITE": 1, "LOOK": 1, "ORDER": 1})
+    assert L.sched_of({"UNITE": 1, **{k.upper(): v for k, v in L.DEFAULT_KNOBS.items()}}) > 0

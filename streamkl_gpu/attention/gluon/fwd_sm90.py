@@ -135,7 +135,8 @@ def _visible(i, h, rows, N_K, diag_offset, BLOCK_N: gl.constexpr, SUB_N: gl.cons
     """Which entries of sub-tile h of key tile i a row sees: keys < N_K, and the causal band.
     ONE_TEST (MASK1, causal): the two bounds folded into one per-row last visible key, one
     compare per entry (the same set: j < N_K and j <= i + diag  <=>  j <= min(N_K - 1, i + diag))."""
-    cols = i * BLOCK_N + h * SUB_N + gl.arange(0, SUB_N, layout=gl.SliceLayout(0, _acc_layout(SUB_N, rows.shape[0] // 16)))
+    col_layout: gl.constexpr = gl.SliceLayout(0, _acc_layout(SUB_N, rows.shape[0] // 16))  # 16 rows per warp
+    cols = i * BLOCK_N + h * SUB_N + gl.arange(0, SUB_N, layout=col_layout)
     if ONE_TEST and CAUSAL:
         visible = cols[None, :] <= gl.minimum(rows + diag_offset, N_K - 1)[:, None]
     else:
