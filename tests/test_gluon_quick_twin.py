@@ -4,6 +4,9 @@ the call launches the default's quick twin (``fwd_sm90_launch.quick_twin``: the 
 both consumer warpgroups in one partition, half the code to compile); then the default, directly.
 That the twin's outputs are bitwise the default's is checked on the GPU (the forward's GPU script,
 bench/results/); its SASS in tests/test_gluon_compile.py."""
+import pathlib
+import subprocess
+import sys
 import threading
 import types
 
@@ -127,3 +130,15 @@ def test_unite_refuses_the_schedules_that_order_two_warpgroups():
     with pytest.raises(ValueError, match="UNITE"):
         L.sched_of({"UNITE": 1, "LOOK": 1, "ORDER": 1})
     assert L.sched_of({"UNITE": 1, **{k.upper(): v for k, v in L.DEFAULT_KNOBS.items()}}) > 0
+
+
+def test_a_process_ending_during_a_background_compile_waits_for_it(tmp_path):
+    """The compile threads are non-daemon threads: a process that ends while one runs waits for
+    it (a daemon thread inside Triton's compiler at interpreter exit aborts the process)."""
+    done = tmp_path / "done"
+    code = ("import time\nfrom streamkl_gpu._core import launcher\n"
+            f"launcher.compile_in_background(lambda: (time.sleep(0.5), open({str(done)!r}, 'w').close()), 'test')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=str(pathlib.Path(__file__).resolve().parents[1]))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert done.exists(), "the process ended before its background compile"
