@@ -73,7 +73,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(L.torch.cuda, "device", lambda d: _Device())
     monkeypatch.setattr(_fast_launch, "_raw_stream", lambda device: 0)
     monkeypatch.setattr(L, "_COMPILED", {})
-    monkeypatch.setattr(L, "_BACKGROUND", {})
+    monkeypatch.setattr(L, "_COMPILING", {})
     yield kernel
     kernel.release.set()
     _fast_launch.settle()

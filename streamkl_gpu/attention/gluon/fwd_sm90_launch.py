@@ -325,7 +325,7 @@ def quick_twin(cfg: GluonFwdConfig):
     return dataclasses.replace(cfg, unite=1)
 
 
-_BACKGROUND: dict = {}  # specialisation key -> the thread that compiled (or compiles) the default launch
+_COMPILING: dict = {}  # specialisation key -> the thread that compiled (or compiles) the default launch
 
 
 def _key(args, constexprs, options):
@@ -335,11 +335,11 @@ def _key(args, constexprs, options):
 def _first_compile_pending(key, grid, args, constexprs, options) -> bool:
     """Is the launch at specialisation ``key`` (not kept in ``_COMPILED``) compiling on a background
     thread? At its first meeting, start that compile (``_core.launcher``'s compile-ahead rules: not
-    under the interpreter, not with ``STREAMKL_COMPILE_AHEAD=0``, not in a compile-ahead thread);
-    True until it has finished."""
-    if _fast_launch.compiling_ahead() or not _fast_launch.ahead_allowed():
+    under the interpreter, not with ``STREAMKL_COMPILE_AHEAD=0``; :func:`_launch` never asks from a
+    compile-ahead thread); True until it has finished."""
+    if not _fast_launch.ahead_allowed():
         return False
-    thread = _BACKGROUND.get(key)
+    thread = _COMPILING.get(key)
     if thread is None:
         device = torch.cuda.current_device()
 
@@ -349,9 +349,9 @@ def _first_compile_pending(key, grid, args, constexprs, options) -> bool:
                 kernel._init_handles()  # the module load (and triton 3.6's launcher build) here too
             _keep(key, kernel, constexprs, len(args))
 
-        if len(_BACKGROUND) >= 1024:
-            _BACKGROUND.clear()
-        _BACKGROUND[key] = _fast_launch.compile_in_background(work, "streamkl-compile-default")
+        if len(_COMPILING) >= 1024:
+            _COMPILING.clear()
+        _COMPILING[key] = _fast_launch.compile_in_background(work, "streamkl-compile-default")
         return True
     # finished: kept (the next _launch runs it directly), or failed (the next _launch compiles it
     # on the calling thread and raises there)
