@@ -329,7 +329,7 @@ def test_gluon_launch_configurations_are_frozen_dataclasses():
     import dataclasses
     from types import SimpleNamespace
 
-    from streamkl_gpu.attention.gluon import bwd_sm90 as attention_bwd_sm90
+    from streamkl_gpu.attention.gluon import bwd_sm90_launch as attention_bwd_sm90
     from streamkl_gpu.indexer.gluon import fwd_sm90 as indexer_fwd_sm90
     from streamkl_gpu.indexer.gluon import lse_sm90
 

@@ -4,7 +4,8 @@
         PYTHONPATH=. python bench/profile/ncu_targets.py CASE
 
 CASE: fwd8k (attention_kl forward, B=1 H=32 N=8K D=128 bf16, non-causal, automatic backend),
-bwd8k (setting 1's backward, q2/k2 trained, of the same shape: the forward runs outside the range),
+fwd8k_causal (the same, causal), bwd8k (setting 1's backward, q2/k2 trained, of the same shape: the
+forward runs outside the range), bwd8k_both (both sides trained),
 idx_dsa8k (indexer_kl forward, DSA-like config, 8K causal, ``lse`` given), idx_gqa8k (GQA-like).
 Every case first runs the call twice outside the range (compiles, tuning), so the profiled call
 is a warm one. ``bench/profile/ncu_run.sh`` drives it and writes the reports' text.
@@ -19,19 +20,18 @@ DSA = dict(H=128, D=576, HK=1, HI=64, DI=128, HKI=1, scale=192 ** -0.5)
 GQA = dict(H=32, D=128, HK=8, HI=16, DI=64, HKI=1, scale=None)
 
 
-def attention_case(backward: bool):
+def attention_case(backward: bool, causal: bool = False, both: bool = False):
     g = torch.Generator(device="cuda").manual_seed(0)
     shape = (1, 32, 8192, 128)
     q1, k1, q2, k2 = (torch.randn(shape, generator=g, device="cuda").to(torch.bfloat16) for _ in range(4))
     if not backward:
-        return lambda: streamkl_gpu.attention_kl(q1, k1, q2, k2)
-    q2.requires_grad_(True)  # setting 1: side 2 (the student) is trained
-    k2.requires_grad_(True)
-    kl = streamkl_gpu.attention_kl(q1, k1, q2, k2)
+        return lambda: streamkl_gpu.attention_kl(q1, k1, q2, k2, causal=causal)
+    trained = [t.requires_grad_(True) for t in ((q1, k1, q2, k2) if both else (q2, k2))]  # setting 1: side 2
+    kl = streamkl_gpu.attention_kl(q1, k1, q2, k2, causal=causal)
     loss = kl.sum()
 
     def run():
-        torch.autograd.grad(loss, (q2, k2), retain_graph=True)
+        torch.autograd.grad(loss, trained, retain_graph=True)
     return run
 
 
@@ -58,12 +58,12 @@ def indexer_case(cfg):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("case", choices=["fwd8k", "bwd8k", "idx_dsa8k", "idx_gqa8k"])
+    p.add_argument("case", choices=["fwd8k", "fwd8k_causal", "bwd8k", "bwd8k_both", "idx_dsa8k", "idx_gqa8k"])
     a = p.parse_args()
-    fn = {"fwd8k": lambda: attention_case(False), "bwd8k": lambda: attention_case(True),
+    fn = {"fwd8k": lambda: attention_case(False), "fwd8k_causal": lambda: attention_case(False, causal=True),
+          "bwd8k": lambda: attention_case(True), "bwd8k_both": lambda: attention_case(True, both=True),
           "idx_dsa8k": lambda: indexer_case(DSA), "idx_gqa8k": lambda: indexer_case(GQA)}[a.case]()
-    for _ in range(2):
-        fn()
+    fn(), fn()
     torch.cuda.synchronize()
     # cudaProfilerStart/Stop are process-wide (autograd runs the backward's kernels on its own
     # thread, which a thread-local NVTX push/pop range does not cover)

@@ -1,2 +1,3 @@
-"""The Hopper (sm_90) Gluon kernels of the attention KL: the forward (``fwd_sm90``) and the backward
-for one trained side (``bwd_sm90``), each with the rule that chooses it (``dispatch``, ``bwd_dispatch``)."""
+"""The Hopper (sm_90) Gluon kernels of the attention KL: the forward (``fwd_sm90``, host side
+``fwd_sm90_launch``) and the backward (``bwd_sm90``, host side ``bwd_sm90_launch``), each with the
+rule that chooses it (``dispatch``, ``bwd_dispatch``)."""

@@ -1,4 +1,4 @@
-"""Hopper (sm_90) backward in Gluon for one trained side (settings 1 and 2), FA3's schedule.
+"""Hopper (sm_90) backward in Gluon (settings 1 and 2, and both sides trained), FA3's schedule.
 (``tests/test_gluon_bwd_schedule.py`` replays the schedule in PyTorch: keep the two in step.)
 
 Same math and conventions as ``_bwd`` (the portable Triton kernels, the reference this one is
@@ -37,7 +37,9 @@ tile i - 1's is read); the barrier protocol is replayed under random interleavin
 tests/test_gluon_bwd_schedule.py.
 Head dims are held as two chunks of D/2 (TMA boxes [64, D/2]) so that every operand is a whole
 shared-memory tile: the dQ split across the warpgroups needs no sub-tile slicing. Both sides
-trained (setting 3): one launch per side (``bwd_dispatch.try_gluon_backward``).
+trained (TRAIN 3, ``_bwd_tile_both``): one launch, S1 and S2 once per tile for both sides' dS,
+dK1 and dK2 accumulated side by side (four accumulators), the two dQ halves one after the other:
+six products per tile where a launch per side takes eight. Host side: ``bwd_sm90_launch``.
 
 Causal (bottom-right) with tile skipping: a key block sees query rows from ``start_n - (N_K - N_Q)``
 on; the band of query tiles that see the block partly is the masked stage, the rest is unmasked
@@ -52,20 +54,12 @@ GQA per side: K_s is read at key head h // GROUP_s; with more than one query hea
 on the trained side dK is added with fp32 atomics into the key head (``DK_ATOMIC``; the host
 converts). This module imports Gluon unconditionally; ``bwd_dispatch`` guards the import.
 """
-from dataclasses import dataclass, replace
-
-import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from triton.runtime.errors import OutOfResources
 
-from streamkl_gpu._core import forcing as _forcing
 from streamkl_gpu._core.gluon_compat import NEW_REINTERPRET, cta_barrier, tma_load, tma_reduce_add
-from streamkl_gpu._core import launcher as _fast_launch
 
 
 WG_N = gl.constexpr(64)  # keys per consumer warpgroup (the wgmma M of S^T and dK)
@@ -277,6 +271,140 @@ def _bwd_tile(WG: gl.constexpr, dk0, dk1, i, m_lo, q1_ring, q2_ring, k1_smem, k2
 
 
 @gluon.jit
+def _bwd_tile_both(WG: gl.constexpr, dk0, dk1, dk2, dk3, i, m_lo, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem,
+                   qfin_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DQ2,
+                   pid_bh, keys, N_Q, N_K, diag_offset, qk_scale1, qk_scale2, coef1, coef2,
+                   D: gl.constexpr, DC: gl.constexpr, NUM_STAGES: gl.constexpr, DS_BUFS: gl.constexpr,
+                   MASKED: gl.constexpr, CAUSAL: gl.constexpr, VARIANT: gl.constexpr):
+    """Both sides trained (TRAIN 3): one query tile for warpgroup WG. S1 and S2 once; dS1 by
+    setting 2's formula and dS2 by setting 1's, each written as ``_bwd_tile`` writes it for its side
+    alone; dK1 += dS1^T Q1 (dk0, dk1), dK2 += dS2^T Q2 (dk2, dk3); then the dQ halves of side 1 and
+    side 2, one after the other through the warpgroup's staging tile. Six products per tile where
+    a launch per side takes eight, and two exponentials per score where they take three.
+    dS buffer ``buf`` holds [side 1 key halves, side 2 key halves]. Causal masked tiles make the
+    finite copies per side, one side after the other, in the one-side kernel's buffers: Q_t for the
+    dK product, this warpgroup's K_t chunks for its dQ half. Whole tiles read Q_t and K_t as they
+    are: every row of such a tile sees every key of the block, so a non-finite query or key there
+    makes its rows' gradients NaN whatever the copies hold."""
+    s_layout: gl.constexpr = _mma_layout(WG_N)
+    c_layout: gl.constexpr = _mma_layout(DC)
+    dtype: gl.constexpr = q1_ring.dtype
+    s = i % NUM_STAGES
+    ph = (i // NUM_STAGES) & 1
+    buf = i % DS_BUFS
+    ds_ph = (i // DS_BUFS) & 1
+    start_m = m_lo + i * BLOCK_M
+
+    rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    row_ok = rows < N_Q
+    at = pid_bh.to(gl.int64) * N_Q + rows
+    lse1 = gl.load(LSE1 + at, mask=row_ok, other=float("-inf"))
+    lse2 = gl.load(LSE2 + at, mask=row_ok, other=float("-inf"))
+    g = gl.load(G + at, mask=row_ok, other=0.0)
+    kl = gl.load(KL + at, mask=row_ok, other=0.0)
+    empty = lse1 == float("-inf")  # no visible key (or a padding row)
+    lse1 = gl.where(empty, EMPTY_LSE, lse1)
+    lse2 = gl.where(empty, EMPTY_LSE, lse2)
+    g = gl.where(empty, 0.0, g)
+    g1 = g * coef1
+    g2 = g * coef2
+    kl_bits = gl.where(empty, 0.0, kl * LOG2E_C)
+
+    mbarrier.wait(q_ready.index(s), ph)
+    if MASKED:
+        if CAUSAL:
+            if VARIANT == 3:  # the copies share their buffer with the dQ staging tile
+                tma.store_wait(0)
+                cta_barrier()
+            _finite_copy(_tile(q1_ring, s * 2, DC), qfin_smem.index(WG * 2), DC)
+            _finite_copy(_tile(q1_ring, s * 2 + 1, DC), qfin_smem.index(WG * 2 + 1), DC)
+    zero = gl.zeros([BLOCK_M, WG_N], gl.float32, s_layout)
+    t1 = warpgroup_mma(_tile(q1_ring, s * 2, DC), _tile(k1_smem, WG * 2, DC).permute((1, 0)), zero,
+                       use_acc=False, is_async=True)
+    t1 = warpgroup_mma(_tile(q1_ring, s * 2 + 1, DC), _tile(k1_smem, WG * 2 + 1, DC).permute((1, 0)), t1,
+                       is_async=True)
+    t2 = warpgroup_mma(_tile(q2_ring, s * 2, DC), _tile(k2_smem, WG * 2, DC).permute((1, 0)), zero,
+                       use_acc=False, is_async=True)
+    t2 = warpgroup_mma(_tile(q2_ring, s * 2 + 1, DC), _tile(k2_smem, WG * 2 + 1, DC).permute((1, 0)), t2,
+                       is_async=True)
+    if MASKED:
+        visible = keys[None, :] < N_K
+        if CAUSAL:
+            visible = visible & (keys[None, :] <= rows[:, None] + diag_offset)
+
+    s1 = warpgroup_mma_wait(num_outstanding=2, deps=(t1,))
+    x1 = s1 * qk_scale1 - lse1[:, None]
+    s2 = warpgroup_mma_wait(num_outstanding=0, deps=(t2,))
+    x2 = s2 * qk_scale2 - lse2[:, None]
+    log_ratio = x1 - x2 - kl_bits[:, None]  # before masking (finite)
+    if MASKED:
+        x1 = gl.where(visible, x1, float("-inf"))
+        x2 = gl.where(visible, x2, float("-inf"))
+    p1 = gl.exp2(x1)
+    ds2 = (gl.exp2(x2) - p1) * g2[:, None]
+    ds1 = p1 * log_ratio * g1[:, None]
+    if MASKED:  # select, never multiply: 0 * NaN = NaN
+        ds1 = gl.where(visible, ds1, 0.0)
+        ds2 = gl.where(visible, ds2, 0.0)
+
+    mbarrier.wait(ds_free.index(buf), ds_ph ^ 1)  # the other warpgroup is done with this buffer
+    ds1_own = ds_smem.index(buf * 4 + WG)
+    ds2_own = ds_smem.index(buf * 4 + 2 + WG)
+    ds1_own.store(ds1.to(dtype))
+    ds2_own.store(ds2.to(dtype))
+    fence_async_shared()
+    cta_barrier()
+    mbarrier.arrive(ds_ready.index(buf), count=1)
+    if MASKED and CAUSAL:  # Q1's finite copy, then Q2's in the same buffer
+        dk0 = warpgroup_mma(ds1_own.permute((1, 0)), qfin_smem.index(WG * 2), dk0, is_async=True)
+        dk1 = warpgroup_mma(ds1_own.permute((1, 0)), qfin_smem.index(WG * 2 + 1), dk1, is_async=True)
+        dk0, dk1 = warpgroup_mma_wait(num_outstanding=0, deps=(dk0, dk1))
+        _finite_copy(_tile(q2_ring, s * 2, DC), qfin_smem.index(WG * 2), DC)
+        _finite_copy(_tile(q2_ring, s * 2 + 1, DC), qfin_smem.index(WG * 2 + 1), DC)
+        fence_async_shared()
+        cta_barrier()
+        dk2 = warpgroup_mma(ds2_own.permute((1, 0)), qfin_smem.index(WG * 2), dk2, is_async=True)
+        dk3 = warpgroup_mma(ds2_own.permute((1, 0)), qfin_smem.index(WG * 2 + 1), dk3, is_async=True)
+    else:
+        dk0 = warpgroup_mma(ds1_own.permute((1, 0)), _tile(q1_ring, s * 2, DC), dk0, is_async=True)
+        dk1 = warpgroup_mma(ds1_own.permute((1, 0)), _tile(q1_ring, s * 2 + 1, DC), dk1, is_async=True)
+        dk2 = warpgroup_mma(ds2_own.permute((1, 0)), _tile(q2_ring, s * 2, DC), dk2, is_async=True)
+        dk3 = warpgroup_mma(ds2_own.permute((1, 0)), _tile(q2_ring, s * 2 + 1, DC), dk3, is_async=True)
+
+    # dQ1's half: dS1 [64 q, 128 keys] K1[:, WG-th half of D]
+    mbarrier.wait(ds_ready.index(buf), ds_ph)
+    zq = gl.zeros([BLOCK_M, DC], gl.float32, c_layout)
+    if MASKED and CAUSAL:
+        _finite_copy(_tile(k1_smem, WG, DC), kfin_smem.index(WG), DC)
+        _finite_copy(_tile(k1_smem, 2 + WG, DC), kfin_smem.index(2 + WG), DC)
+        fence_async_shared()
+        cta_barrier()
+        tq = warpgroup_mma(ds_smem.index(buf * 4), kfin_smem.index(WG), zq, use_acc=False, is_async=True)
+        tq = warpgroup_mma(ds_smem.index(buf * 4 + 1), kfin_smem.index(2 + WG), tq, is_async=True)
+    else:
+        tq = warpgroup_mma(ds_smem.index(buf * 4), _tile(k1_smem, WG, DC), zq, use_acc=False, is_async=True)
+        tq = warpgroup_mma(ds_smem.index(buf * 4 + 1), _tile(k1_smem, 2 + WG, DC), tq, is_async=True)
+    dk0, dk1, dk2, dk3, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dk0, dk1, dk2, dk3, tq))
+    mbarrier.arrive(q_empty.index(s), count=1)
+    _dq_add(WG, dq, start_m, DQ, dq_smem, pid_bh, N_Q, D, DC, VARIANT)
+    # dQ2's half
+    if MASKED and CAUSAL:
+        _finite_copy(_tile(k2_smem, WG, DC), kfin_smem.index(WG), DC)
+        _finite_copy(_tile(k2_smem, 2 + WG, DC), kfin_smem.index(2 + WG), DC)
+        fence_async_shared()
+        cta_barrier()
+        tq = warpgroup_mma(ds_smem.index(buf * 4 + 2), kfin_smem.index(WG), zq, use_acc=False, is_async=True)
+        tq = warpgroup_mma(ds_smem.index(buf * 4 + 3), kfin_smem.index(2 + WG), tq, is_async=True)
+    else:
+        tq = warpgroup_mma(ds_smem.index(buf * 4 + 2), _tile(k2_smem, WG, DC), zq, use_acc=False, is_async=True)
+        tq = warpgroup_mma(ds_smem.index(buf * 4 + 3), _tile(k2_smem, 2 + WG, DC), tq, is_async=True)
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=(tq,))
+    mbarrier.arrive(ds_free.index(buf), count=1)
+    _dq_add(WG, dq, start_m, DQ2, dq_smem, pid_bh, N_Q, D, DC, VARIANT)
+    return dk0, dk1, dk2, dk3
+
+
+@gluon.jit
 def _dq_keys(WG: gl.constexpr, k1_smem, k2_smem, kfin_smem, DC: gl.constexpr, TRAIN: gl.constexpr,
              CAUSAL: gl.constexpr):
     """The K_t chunks of warpgroup WG's dQ half: [key half 0, chunk WG], [key half 1, chunk WG]."""
@@ -343,12 +471,13 @@ def _dq_tile(WG: gl.constexpr, j, m_lo, k1_smem, k2_smem, kfin_smem, ds_smem,
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem, dq_smem,
-              k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK,
-              pid_bh, dk_row0, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
-              D: gl.constexpr, DC: gl.constexpr, NUM_STAGES: gl.constexpr, DS_BUFS: gl.constexpr,
-              TRAIN: gl.constexpr, CAUSAL: gl.constexpr, DK_ATOMIC: gl.constexpr, VARIANT: gl.constexpr,
-              DQ_LAG: gl.constexpr):
-    """Consumer warpgroup WG: keys start_n + 64 WG .. +63, every query tile of the CTA."""
+              k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK, DQ2, DK2,
+              pid_bh, dk_row0, dk_row0_2, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
+              coef2, D: gl.constexpr, DC: gl.constexpr, NUM_STAGES: gl.constexpr, DS_BUFS: gl.constexpr,
+              TRAIN: gl.constexpr, CAUSAL: gl.constexpr, DK_ATOMIC: gl.constexpr, DK2_ATOMIC: gl.constexpr,
+              VARIANT: gl.constexpr, DQ_LAG: gl.constexpr):
+    """Consumer warpgroup WG: keys start_n + 64 WG .. +63, every query tile of the CTA. TRAIN 3: DQ,
+    DK, dk_row0, coef, DK_ATOMIC are side 1's, DQ2, DK2, dk_row0_2, coef2, DK2_ATOMIC side 2's."""
     s_layout: gl.constexpr = _mma_layout(WG_N)
     c_layout: gl.constexpr = _mma_layout(DC)
     keys = start_n + WG * WG_N + gl.arange(0, WG_N, layout=gl.SliceLayout(0, s_layout))
@@ -358,31 +487,54 @@ def _consumer(WG: gl.constexpr, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, q
         k_t = k1_smem
     else:
         k_t = k2_smem
-    if CAUSAL:  # the dQ product's K_t: a finite copy of the chunks this warpgroup reads
+    if CAUSAL and TRAIN != 3:  # the dQ product's K_t: a finite copy of the chunks this warpgroup reads
         _finite_copy(_tile(k_t, WG, DC), kfin_smem.index(WG), DC)
         _finite_copy(_tile(k_t, 2 + WG, DC), kfin_smem.index(2 + WG), DC)
         fence_async_shared()
         cta_barrier()
     dk0 = gl.zeros([WG_N, DC], gl.float32, c_layout)
     dk1 = gl.zeros([WG_N, DC], gl.float32, c_layout)
-    # the causal band (and every tile of the ragged last key block), then whole tiles
-    for i in range(n_masked):
-        dk0, dk1 = _bwd_tile(WG, dk0, dk1, i, m_lo, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem,
-                             dq_smem,
-                             q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, pid_bh, keys, N_Q, N_K,
-                             diag_offset, qk_scale1, qk_scale2, coef, D, DC, NUM_STAGES, DS_BUFS, TRAIN, True,
-                             CAUSAL, VARIANT, DQ_LAG)
-    for i in range(n_masked, n_tiles):
-        dk0, dk1 = _bwd_tile(WG, dk0, dk1, i, m_lo, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem,
-                             dq_smem,
-                             q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, pid_bh, keys, N_Q, N_K,
-                             diag_offset, qk_scale1, qk_scale2, coef, D, DC, NUM_STAGES, DS_BUFS, TRAIN, False,
-                             CAUSAL, VARIANT, DQ_LAG)
-    if DQ_LAG:  # the last tile's dQ half
-        if n_tiles > 0:
-            _dq_tile(WG, n_tiles - 1, m_lo, k1_smem, k2_smem, kfin_smem, ds_smem,
-                     dq_smem, ds_ready, ds_free, DQ, pid_bh, N_Q,
-                     D, DC, DS_BUFS, TRAIN, CAUSAL, VARIANT)
+    if TRAIN == 3:
+        dk2 = gl.zeros([WG_N, DC], gl.float32, c_layout)
+        dk3 = gl.zeros([WG_N, DC], gl.float32, c_layout)
+        for i in range(n_masked):
+            dk0, dk1, dk2, dk3 = _bwd_tile_both(
+                WG, dk0, dk1, dk2, dk3, i, m_lo, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem,
+                dq_smem, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DQ2, pid_bh, keys, N_Q, N_K,
+                diag_offset, qk_scale1, qk_scale2, coef, coef2, D, DC, NUM_STAGES, DS_BUFS, True, CAUSAL, VARIANT)
+        for i in range(n_masked, n_tiles):
+            dk0, dk1, dk2, dk3 = _bwd_tile_both(
+                WG, dk0, dk1, dk2, dk3, i, m_lo, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem,
+                dq_smem, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DQ2, pid_bh, keys, N_Q, N_K,
+                diag_offset, qk_scale1, qk_scale2, coef, coef2, D, DC, NUM_STAGES, DS_BUFS, False, CAUSAL, VARIANT)
+        _store_dk(DK2, dk_row0_2, start_n, WG, dk2, dk3, N_K, D, DC, DK2_ATOMIC)
+    else:
+        # the causal band (and every tile of the ragged last key block), then whole tiles
+        for i in range(n_masked):
+            dk0, dk1 = _bwd_tile(WG, dk0, dk1, i, m_lo, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem,
+                                 dq_smem,
+                                 q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, pid_bh, keys, N_Q, N_K,
+                                 diag_offset, qk_scale1, qk_scale2, coef, D, DC, NUM_STAGES, DS_BUFS, TRAIN, True,
+                                 CAUSAL, VARIANT, DQ_LAG)
+        for i in range(n_masked, n_tiles):
+            dk0, dk1 = _bwd_tile(WG, dk0, dk1, i, m_lo, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem,
+                                 dq_smem,
+                                 q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, pid_bh, keys, N_Q, N_K,
+                                 diag_offset, qk_scale1, qk_scale2, coef, D, DC, NUM_STAGES, DS_BUFS, TRAIN, False,
+                                 CAUSAL, VARIANT, DQ_LAG)
+        if DQ_LAG:  # the last tile's dQ half
+            if n_tiles > 0:
+                _dq_tile(WG, n_tiles - 1, m_lo, k1_smem, k2_smem, kfin_smem, ds_smem,
+                         dq_smem, ds_ready, ds_free, DQ, pid_bh, N_Q,
+                         D, DC, DS_BUFS, TRAIN, CAUSAL, VARIANT)
+    _store_dk(DK, dk_row0, start_n, WG, dk0, dk1, N_K, D, DC, DK_ATOMIC)
+
+
+@gluon.jit
+def _store_dk(DK, dk_row0, start_n, WG: gl.constexpr, dk0, dk1, N_K, D: gl.constexpr, DC: gl.constexpr,
+              DK_ATOMIC: gl.constexpr):
+    """Warpgroup WG's dK rows (its 64 keys, the two D chunks) into DK from row ``dk_row0``."""
+    c_layout: gl.constexpr = _mma_layout(DC)
     out_keys = start_n + WG * WG_N + gl.arange(0, WG_N, layout=gl.SliceLayout(1, c_layout))
     cols = gl.arange(0, DC, layout=gl.SliceLayout(0, c_layout))
     ptrs = DK + (dk_row0 + out_keys)[:, None] * D + cols[None, :]
@@ -397,39 +549,52 @@ def _consumer(WG: gl.constexpr, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, q
 
 @gluon.jit
 def _consumer0(q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem, dq_smem,
-               k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK,
-               pid_bh, dk_row0, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
-               D: gl.constexpr, DC: gl.constexpr, NUM_STAGES: gl.constexpr, DS_BUFS: gl.constexpr,
-               TRAIN: gl.constexpr, CAUSAL: gl.constexpr, DK_ATOMIC: gl.constexpr, VARIANT: gl.constexpr,
-               DQ_LAG: gl.constexpr):
+               k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK, DQ2, DK2,
+               pid_bh, dk_row0, dk_row0_2, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
+               coef2, D: gl.constexpr, DC: gl.constexpr, NUM_STAGES: gl.constexpr, DS_BUFS: gl.constexpr,
+               TRAIN: gl.constexpr, CAUSAL: gl.constexpr, DK_ATOMIC: gl.constexpr, DK2_ATOMIC: gl.constexpr,
+               VARIANT: gl.constexpr, DQ_LAG: gl.constexpr):
     _consumer(0, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem, dq_smem,
-              k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK,
-              pid_bh, dk_row0, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
-              D, DC, NUM_STAGES, DS_BUFS, TRAIN, CAUSAL, DK_ATOMIC, VARIANT, DQ_LAG)
+              k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK, DQ2, DK2,
+              pid_bh, dk_row0, dk_row0_2, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
+              coef2, D, DC, NUM_STAGES, DS_BUFS, TRAIN, CAUSAL, DK_ATOMIC, DK2_ATOMIC, VARIANT, DQ_LAG)
 
 
 @gluon.jit
 def _consumer1(q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem, dq_smem,
-               k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK,
-               pid_bh, dk_row0, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
-               D: gl.constexpr, DC: gl.constexpr, NUM_STAGES: gl.constexpr, DS_BUFS: gl.constexpr,
-               TRAIN: gl.constexpr, CAUSAL: gl.constexpr, DK_ATOMIC: gl.constexpr, VARIANT: gl.constexpr,
-               DQ_LAG: gl.constexpr):
+               k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK, DQ2, DK2,
+               pid_bh, dk_row0, dk_row0_2, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
+               coef2, D: gl.constexpr, DC: gl.constexpr, NUM_STAGES: gl.constexpr, DS_BUFS: gl.constexpr,
+               TRAIN: gl.constexpr, CAUSAL: gl.constexpr, DK_ATOMIC: gl.constexpr, DK2_ATOMIC: gl.constexpr,
+               VARIANT: gl.constexpr, DQ_LAG: gl.constexpr):
     _consumer(1, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem, dq_smem,
-              k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK,
-              pid_bh, dk_row0, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
-              D, DC, NUM_STAGES, DS_BUFS, TRAIN, CAUSAL, DK_ATOMIC, VARIANT, DQ_LAG)
+              k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK, DQ2, DK2,
+              pid_bh, dk_row0, dk_row0_2, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
+              coef2, D, DC, NUM_STAGES, DS_BUFS, TRAIN, CAUSAL, DK_ATOMIC, DK2_ATOMIC, VARIANT, DQ_LAG)
+
+
+@gluon.jit
+def _dk_row0(b, pid_bh, kv_head, H_K, N_K, DK_ATOMIC: gl.constexpr):
+    """First dK row of this CTA's (b, head): the key head's in the fp32 GQA buffer [B, H_K, N_K
+    rounded up to 128, D] (``DK_ATOMIC``), else (b, h)'s in [B, H, N_K, D]."""
+    if DK_ATOMIC:
+        row0 = (b * H_K + kv_head).to(gl.int64) * (gl.cdiv(N_K, BLOCK_N) * BLOCK_N)
+    else:
+        row0 = pid_bh.to(gl.int64) * N_K
+    return row0
 
 
 # sizes are not specialised on (divisibility by 16, == 1): one compile per dtype, D, side, causal
 # and config serves every shape (nothing here gains from it: the row-constant loads are two
 # strided values per thread, the dK/dQ rows are aligned by D)
 @gluon.jit(do_not_specialize=["H", "N_Q", "N_K", "GROUP1", "GROUP2"])
-def _gluon_kl_bwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, LSE1, LSE2, KL, G, DQ, DK,
-                         H, N_Q, N_K, GROUP1, GROUP2, qk_scale1, qk_scale2, coef,
+def _gluon_kl_bwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, LSE1, LSE2, KL, G, DQ, DK, DQ2, DK2,
+                         H, N_Q, N_K, GROUP1, GROUP2, qk_scale1, qk_scale2, coef, coef2,
                          D: gl.constexpr, NUM_STAGES: gl.constexpr, DS_BUFS: gl.constexpr, TRAIN: gl.constexpr,
                          CAUSAL: gl.constexpr, DK_ATOMIC: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                         VARIANT: gl.constexpr, DQ_LAG: gl.constexpr = False):
+                         VARIANT: gl.constexpr, DQ_LAG: gl.constexpr = False, DK2_ATOMIC: gl.constexpr = False):
+    """TRAIN 1 or 2: that side's dQ, dK into DQ, DK (DQ2, DK2, coef2, DK2_ATOMIC unused). TRAIN 3,
+    both sides: DQ, DK, coef, DK_ATOMIC side 1's; DQ2, DK2, coef2, DK2_ATOMIC side 2's."""
     DC: gl.constexpr = D // 2
     pid_n = gl.program_id(0)  # causal: the first key blocks have the most query tiles, and run first
     pid_bh = gl.program_id(1)
@@ -437,13 +602,16 @@ def _gluon_kl_bwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, LSE1, LSE2, KL, G, 
     h = pid_bh % H
     kv_head1 = h // GROUP1  # GQA per side
     kv_head2 = h // GROUP2
-    if DK_ATOMIC:  # dK rows of the trained side's key head in an fp32 [B, H_K, N_K rounded up to 128, D] buffer
-        if TRAIN == 1:
-            dk_row0 = (b * (H // GROUP1) + kv_head1).to(gl.int64) * (gl.cdiv(N_K, BLOCK_N) * BLOCK_N)
-        else:
-            dk_row0 = (b * (H // GROUP2) + kv_head2).to(gl.int64) * (gl.cdiv(N_K, BLOCK_N) * BLOCK_N)
+    # dK rows: of the trained side's key head in an fp32 [B, H_K, N_K rounded up to 128, D] buffer
+    # (DK_ATOMIC), else of (b, h) in [B, H, N_K, D]
+    if TRAIN == 1:
+        dk_row0 = _dk_row0(b, pid_bh, kv_head1, H // GROUP1, N_K, DK_ATOMIC)
     else:
-        dk_row0 = pid_bh.to(gl.int64) * N_K
+        dk_row0 = _dk_row0(b, pid_bh, kv_head2, H // GROUP2, N_K, DK_ATOMIC)
+    dk_row0_2 = dk_row0
+    if TRAIN == 3:
+        dk_row0 = _dk_row0(b, pid_bh, kv_head1, H // GROUP1, N_K, DK_ATOMIC)
+        dk_row0_2 = _dk_row0(b, pid_bh, kv_head2, H // GROUP2, N_K, DK2_ATOMIC)
     start_n = pid_n * BLOCK_N
     n_q_tiles = gl.cdiv(N_Q, BLOCK_M)
     m_lo = 0
@@ -466,7 +634,9 @@ def _gluon_kl_bwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, LSE1, LSE2, KL, G, 
     k1_smem = gl.allocate_shared_memory(k1_desc.dtype, [4, 1, 1, WG_N, DC], k1_desc.layout)
     k2_smem = gl.allocate_shared_memory(k2_desc.dtype, [4, 1, 1, WG_N, DC], k2_desc.layout)
     ds_layout: gl.constexpr = _ds_smem_layout(q1_desc.dtype)
-    ds_smem = gl.allocate_shared_memory(q1_desc.dtype, [2 * DS_BUFS, BLOCK_M, WG_N], ds_layout)  # [buf, key half]
+    SIDES: gl.constexpr = 2 if TRAIN == 3 else 1
+    # [buf, side (TRAIN 3), key half]
+    ds_smem = gl.allocate_shared_memory(q1_desc.dtype, [2 * SIDES * DS_BUFS, BLOCK_M, WG_N], ds_layout)
     FIN: gl.constexpr = 4 if CAUSAL else 1  # the finite copies exist only for the causal masks
     fin_layout: gl.constexpr = _tile_smem_layout(DC, q1_desc.dtype)
     kfin_smem = gl.allocate_shared_memory(k1_desc.dtype, [FIN, WG_N, DC], fin_layout)  # [key half, chunk]
@@ -497,150 +667,16 @@ def _gluon_kl_bwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, LSE1, LSE2, KL, G, 
     # argument tuples inline: a tuple bound to a local turns its constexprs into tensors (sketch)
     gl.warp_specialize([
         (_consumer0, (q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem, dq_smem,
-                      k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK,
-                      pid_bh, dk_row0, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
-                      D, DC, NUM_STAGES, DS_BUFS, TRAIN, CAUSAL, DK_ATOMIC, VARIANT, DQ_LAG)),
+                      k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK, DQ2, DK2,
+                      pid_bh, dk_row0, dk_row0_2, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2,
+                      coef, coef2, D, DC, NUM_STAGES, DS_BUFS, TRAIN, CAUSAL, DK_ATOMIC, DK2_ATOMIC, VARIANT,
+                      DQ_LAG)),
         (_consumer1, (q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem, dq_smem,
-                      k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK,
-                      pid_bh, dk_row0, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
-                      D, DC, NUM_STAGES, DS_BUFS, TRAIN, CAUSAL, DK_ATOMIC, VARIANT, DQ_LAG)),
+                      k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK, DQ2, DK2,
+                      pid_bh, dk_row0, dk_row0_2, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2,
+                      coef, coef2, D, DC, NUM_STAGES, DS_BUFS, TRAIN, CAUSAL, DK_ATOMIC, DK2_ATOMIC, VARIANT,
+                      DQ_LAG)),
         (_load_partition, (q1_desc, k1_desc, q2_desc, k2_desc, q1_ring, q2_ring, k1_smem, k2_smem,
                            k_bar, q_ready, q_empty, b, h, kv_head1, kv_head2, start_n, m_lo, n_tiles, DC,
                            NUM_STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])
-
-
-# ----------------------------------------------------------------------------------------------
-# Host side
-# ----------------------------------------------------------------------------------------------
-
-# Registers per thread as compiled: Triton launches a warp-specialised CTA as 12 warps (384
-# threads: the 1-warp producer padded to a warpgroup) and refuses registers x threads > 65536,
-# so at most 170 (168 in steps of 8), as the Gluon forward (tests/test_gluon_bwd_compile.py
-# checks it for every compiled specialisation; 184 failed every launch on the H200).
-MAX_REGS = 168
-
-
-@dataclass(frozen=True)
-class GluonBwdConfig:
-    """One launch of the Hopper Gluon backward: a ring of ``num_stages`` query-tile slots,
-    ``ds_bufs`` dS buffers in shared memory, the consumer warpgroups at ``consumer_regs``
-    registers per thread (setmaxnreg), ptxas capped at ``maxnreg`` (0: no cap), and ``dq_lag``:
-    each tile's dQ added one tile later (needs ``ds_bufs >= 2``)."""
-    num_stages: int
-    ds_bufs: int = 2
-    consumer_regs: int = 240
-    maxnreg: int = MAX_REGS
-    dq_lag: bool = False
-
-
-def kernel_config(d: int, causal: bool) -> GluonBwdConfig:
-    """Launch configuration for head dim d (= D1 = D2): two ring stages (on an H100 as fast as three
-    where three fit: bench/results/2026-12-06_h100_c32c559/gluon_bwd_dq.csv). Shared memory per CTA
-    (16-bit inputs, 227 KB on sm_90): K1, K2 512 d bytes; each ring stage 256 d; dS 16 KB per buffer
-    (two: a warpgroup may run one tile ahead of the other); the dQ staging tiles 256 d (fp32); with
-    CAUSAL the finite copies 512 d, the staging tiles on the Q copies. D = 128: 193 KB, causal
-    225 KB. maxnreg: ``MAX_REGS``."""
-    return GluonBwdConfig(num_stages=2)
-
-
-_GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-def make_descriptor(t, rows: int):
-    """4-D TMA descriptor over ``t`` ([B, H, N, D], any TMA-legal strides), block [1, 1, rows, D/2]."""
-    block = [1, 1, rows, t.shape[-1] // 2]
-    layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, _GL_DTYPES[t.dtype]))
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
-
-
-def launch_args(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2, train, dq, dk,
-                config=None, variant="kernel"):
-    """(grid, positional args, constexprs, options) of one backward launch for trained side
-    ``train`` (1 or 2); also used by the CI compile test. ``dq``: fp32 zeros [B, H, N_Q rounded up to
-    a multiple of 64, D] (atomics, no row mask); ``dk``: [B, H, N_K, D] contiguous in the key
-    dtype, or with GQA on the trained side fp32 zeros [B, H_K, N_K rounded up to 128, D]. ``config``: a
-    :class:`GluonBwdConfig` (None: :func:`kernel_config`'s); ``variant``: a key of ``VARIANTS``
-    (anything else than "kernel" is wrong)."""
-    B, H, N_Q, D = q1.shape
-    N_K = k1.shape[2]
-    cfg = config if config is not None else kernel_config(D, bool(causal))
-    descs = (make_descriptor(q1, BLOCK_M.value), make_descriptor(k1, WG_N.value),
-             make_descriptor(q2, BLOCK_M.value), make_descriptor(k2, WG_N.value))
-    coef = scale2 if train == 2 else scale1 * LN2
-    group1, group2 = H // k1.shape[1], H // k2.shape[1]
-    dq_arg = dq
-    if VARIANTS[variant] == DQ_TMA_VARIANT:  # the fp32 buffer as rows of D, tiles [64, D/2] (a warpgroup's half)
-        rows = dq.reshape(-1, D)
-        block = [BLOCK_M.value, D // 2]
-        dq_arg = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), block,
-                                  gl.NVMMASharedLayout.get_default_for(block, gl.float32))
-    args = descs + (lse1_bits, lse2_bits, kl, g, dq_arg, dk, H, N_Q, N_K, group1, group2, scale1 * LOG2E,
-                    scale2 * LOG2E, coef)
-    dk_atomic = (group1 if train == 1 else group2) > 1
-    constexprs = dict(D=D, NUM_STAGES=cfg.num_stages, DS_BUFS=cfg.ds_bufs, TRAIN=int(train),
-                      CAUSAL=bool(causal), DK_ATOMIC=dk_atomic, CONSUMER_REGS=cfg.consumer_regs,
-                      VARIANT=VARIANTS[variant], DQ_LAG=bool(cfg.dq_lag))
-    if constexprs["DQ_LAG"] and cfg.ds_bufs < 2:  # the lagged dQ reads tile i - 1's dS while tile i writes
-        raise ValueError("DQ_LAG needs DS_BUFS >= 2")
-    options = dict(num_warps=4)
-    if cfg.maxnreg:
-        options["maxnreg"] = cfg.maxnreg
-    grid = (triton.cdiv(N_K, BLOCK_N.value), B * H)
-    return grid, args, constexprs, options
-
-
-# if a default config does not fit the device's shared memory (OutOfResources at the launch):
-# the fields that replace its (``fallback_config``), and the (D, causal) that needed them
-FALLBACK = dict(ds_bufs=1, dq_lag=False)
-_FELL_BACK: set = set()
-
-
-def fallback_config(d: int, causal: bool) -> GluonBwdConfig:
-    """:func:`kernel_config` with ``FALLBACK``'s fields: one dS buffer, no lagged dQ."""
-    return replace(kernel_config(d, causal), **FALLBACK)
-
-
-def gluon_backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2, train,
-                   config=None, variant="kernel"):
-    """(dq_t, dk_t) of the trained side ``train`` from the Gluon kernel, in the inputs' dtypes.
-
-    The caller (``_gluon_bwd_dispatch.use_gluon_bwd``) has checked shapes, dtypes, strides and
-    device. ``g``, ``kl``, ``lse*_bits``: contiguous fp32 [B, H, N_Q] (the forward's outputs)."""
-    B, H, N_Q, D = q1.shape
-    N_K = k1.shape[2]
-    q_t, k_t = (q1, k1) if train == 1 else (q2, k2)
-    ahead = _fast_launch.compiling_ahead()
-    if ahead:  # nothing the size of the problem: a launch that only compiles
-        B = H = N_Q = 1  # specialises on the buffers' alignment and the descriptors' blocks, not on sizes
-        N_K = min(N_K, BLOCK_N.value)
-    dq = torch.zeros((B, H, triton.cdiv(N_Q, BLOCK_M.value) * BLOCK_M.value, D), dtype=torch.float32,
-                     device=q1.device)
-    if k_t.shape[1] != q1.shape[1]:  # GQA: fp32 atomics into the key head, whole 128-key blocks
-        dk = torch.zeros((B, k_t.shape[1], triton.cdiv(N_K, BLOCK_N.value) * BLOCK_N.value, D), dtype=torch.float32,
-                         device=q1.device)
-    else:
-        dk = torch.empty((B, H, N_K, D), dtype=k_t.dtype, device=q1.device)
-    key = (D, bool(causal))
-    if config is None and key in _FELL_BACK:
-        config = fallback_config(D, bool(causal))
-    grid, args, constexprs, options = launch_args(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1,
-                                                  scale2, train, dq, dk, config, variant)
-    if ahead:  # a compile-ahead thread (launch.compile_backward_ahead): compile only
-        _fast_launch.kernel_call(_gluon_kl_bwd_kernel, grid)(*args, **constexprs, **options)
-        return None, None
-    try:
-        _fast_launch.compiler_ready()
-        kernel = _gluon_kl_bwd_kernel[grid](*args, **constexprs, **options)
-    except OutOfResources:
-        if config is not None:
-            raise
-        _FELL_BACK.add(key)  # nothing was launched: the same buffers serve the smaller config
-        grid, args, constexprs, options = launch_args(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1,
-                                                      scale2, train, dq, dk, fallback_config(D, bool(causal)),
-                                                      variant)
-        kernel = _gluon_kl_bwd_kernel[grid](*args, **constexprs, **options)
-    _forcing.record("attention_bwd_sm90", kernel, **constexprs)  # for an open forcing block
-    if k_t.shape[1] != H:
-        dk = dk[:, :, :N_K].to(k_t.dtype, memory_format=torch.contiguous_format)
-    return dq[:, :, :N_Q].to(q_t.dtype, memory_format=torch.contiguous_format), dk
