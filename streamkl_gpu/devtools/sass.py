@@ -15,7 +15,7 @@ under TRITON_INTERPRET=1, which Gluon does not support). Specs, per kernel:
   (``block_n=64:num_stages=4:fence=1``; :func:`config_spec` writes one; default: the first tuning
   candidate).
 - ``attention_bwd`` (the Gluon backward; ``compile_attention_bwd_sm90``):
-  ``bf16|fp16 : causal|full : D : trained side (1|2|3: both) [: gqa] [: lag] [: bufs3]``.
+  ``bf16|fp16 : causal|full : D : trained side (1|2) [: gqa] [: lag] [: bufs3]``.
 - ``indexer_fwd`` (the Gluon indexer forward; ``compile_indexer_sm90``):
   ``bf16|fp16 : causal|full[+pacc|+student|+store] : H : D : H_I : D_I``, then optionally ``name=value``
   fields of ``indexer.gluon.fwd_sm90.GluonIndexerConfig`` (``block_n=64:num_stages=4``).
@@ -240,8 +240,6 @@ def compile_attention_bwd_sm90(d, dtype, causal, train, n_q=256, n_k=256, config
     dq = torch.empty(B, H, triton.cdiv(n_q, 64) * 64, d, dtype=torch.float32)
     dk = (torch.empty(B, 1, triton.cdiv(n_k, 128) * 128, d, dtype=torch.float32) if gqa
           else torch.empty(B, H, n_k, d, dtype=dtype))
-    if train == 3:  # both sides: a buffer per side
-        dq, dk = (dq, dq.clone()), (dk, dk.clone())
     _, args, constexprs, options = gb.launch_args(rows, q, k, q, k, rows, rows, rows, causal, 0.1, 0.1, train,
                                                   dq, dk, config, variant)
     sig = gluon_signature(gb._gluon_kl_bwd_kernel, args, constexprs)
@@ -260,7 +258,7 @@ SPEC_CONFIGS = {"lag": dict(dq_lag=True), "bufs3": dict(ds_bufs=3)}
 
 def parse_bwd_spec(spec):
     """dtype, causal, D, trained side, gqa, config from
-    ``bf16|fp16 : causal|full : D : 1|2|3 [: gqa] [: lag] [: bufs3]`` (config None: the default)."""
+    ``bf16|fp16 : causal|full : D : 1|2 [: gqa] [: lag] [: bufs3]`` (config None: the default)."""
     from streamkl_gpu.attention.gluon import bwd_sm90_launch as gb
 
     dtype, mode, d, train, *rest = spec.split(":")
@@ -268,8 +266,7 @@ def parse_bwd_spec(spec):
     for r in rest:
         if r != "gqa":
             changes.update(SPEC_CONFIGS[r])
-    config = (dataclasses.replace(gb.kernel_config(int(d), mode == "causal", train == "3"), **changes)
-              if changes else None)
+    config = dataclasses.replace(gb.kernel_config(int(d), mode == "causal"), **changes) if changes else None
     return DTYPES[dtype], mode == "causal", int(d), int(train), "gqa" in rest, config
 
 

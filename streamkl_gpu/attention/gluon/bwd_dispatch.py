@@ -131,9 +131,9 @@ def try_gluon_backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, dims
                          device_capability(q1.device), train1, train2, bwd_mode, deterministic,
                          tuple(t.data_ptr() for t in inputs), backend=backend):
         return None
-    train = 3 if train1 and train2 else (1 if train1 else 2)  # both sides: one launch (six products, not eight)
-    grads = _gluon_bwd.gluon_backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, dims.scale1, dims.scale2,
-                                      train)
-    if train == 3:
-        return grads
-    return grads + (None, None) if train == 1 else (None, None) + grads
+    grads = [None, None, None, None]
+    for side, trained in ((1, train1), (2, train2)):  # both sides (forced): one launch per side (8 products, not 6)
+        if trained:
+            grads[2 * side - 2: 2 * side] = _gluon_bwd.gluon_backward(
+                g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, dims.scale1, dims.scale2, side)
+    return tuple(grads)

@@ -1,4 +1,4 @@
-"""Hopper (sm_90) backward in Gluon (settings 1 and 2, and both sides trained), FA3's schedule.
+"""Hopper (sm_90) backward in Gluon for one trained side (settings 1 and 2), FA3's schedule.
 (``tests/test_gluon_bwd_schedule.py`` replays the schedule in PyTorch: keep the two in step.)
 
 Same math and conventions as ``_bwd`` (the portable Triton kernels, the reference this one is
@@ -37,9 +37,7 @@ tile i - 1's is read); the barrier protocol is replayed under random interleavin
 tests/test_gluon_bwd_schedule.py.
 Head dims are held as two chunks of D/2 (TMA boxes [64, D/2]) so that every operand is a whole
 shared-memory tile: the dQ split across the warpgroups needs no sub-tile slicing. Both sides
-trained (TRAIN 3, ``_bwd_tile_both``): one launch, S1 and S2 once per tile for both sides' dS,
-dK1 and dK2 accumulated side by side (four accumulators), the two dQ halves one after the other:
-six products per tile where a launch per side takes eight. Host side: ``bwd_sm90_launch``.
+trained: one launch per side (``bwd_dispatch.try_gluon_backward``). Host side: ``bwd_sm90_launch``.
 
 Causal (bottom-right) with tile skipping: a key block sees query rows from ``start_n - (N_K - N_Q)``
 on; the band of query tiles that see the block partly is the masked stage, the rest is unmasked
@@ -271,140 +269,6 @@ def _bwd_tile(WG: gl.constexpr, dk0, dk1, i, m_lo, q1_ring, q2_ring, k1_smem, k2
 
 
 @gluon.jit
-def _bwd_tile_both(WG: gl.constexpr, dk0, dk1, dk2, dk3, i, m_lo, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem,
-                   qfin_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DQ2,
-                   pid_bh, keys, N_Q, N_K, diag_offset, qk_scale1, qk_scale2, coef1, coef2,
-                   D: gl.constexpr, DC: gl.constexpr, NUM_STAGES: gl.constexpr, DS_BUFS: gl.constexpr,
-                   MASKED: gl.constexpr, CAUSAL: gl.constexpr, VARIANT: gl.constexpr):
-    """Both sides trained (TRAIN 3): one query tile for warpgroup WG. S1 and S2 once; dS1 by
-    setting 2's formula and dS2 by setting 1's, each written as ``_bwd_tile`` writes it for its side
-    alone; dK1 += dS1^T Q1 (dk0, dk1), dK2 += dS2^T Q2 (dk2, dk3); then the dQ halves of side 1 and
-    side 2, one after the other through the warpgroup's staging tile. Six products per tile where
-    a launch per side takes eight, and two exponentials per score where they take three.
-    dS buffer ``buf`` holds [side 1 key halves, side 2 key halves]. Causal masked tiles make the
-    finite copies per side, one side after the other, in the one-side kernel's buffers: Q_t for the
-    dK product, this warpgroup's K_t chunks for its dQ half. Whole tiles read Q_t and K_t as they
-    are: every row of such a tile sees every key of the block, so a non-finite query or key there
-    makes its rows' gradients NaN whatever the copies hold."""
-    s_layout: gl.constexpr = _mma_layout(WG_N)
-    c_layout: gl.constexpr = _mma_layout(DC)
-    dtype: gl.constexpr = q1_ring.dtype
-    s = i % NUM_STAGES
-    ph = (i // NUM_STAGES) & 1
-    buf = i % DS_BUFS
-    ds_ph = (i // DS_BUFS) & 1
-    start_m = m_lo + i * BLOCK_M
-
-    rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-    row_ok = rows < N_Q
-    at = pid_bh.to(gl.int64) * N_Q + rows
-    lse1 = gl.load(LSE1 + at, mask=row_ok, other=float("-inf"))
-    lse2 = gl.load(LSE2 + at, mask=row_ok, other=float("-inf"))
-    g = gl.load(G + at, mask=row_ok, other=0.0)
-    kl = gl.load(KL + at, mask=row_ok, other=0.0)
-    empty = lse1 == float("-inf")  # no visible key (or a padding row)
-    lse1 = gl.where(empty, EMPTY_LSE, lse1)
-    lse2 = gl.where(empty, EMPTY_LSE, lse2)
-    g = gl.where(empty, 0.0, g)
-    g1 = g * coef1
-    g2 = g * coef2
-    kl_bits = gl.where(empty, 0.0, kl * LOG2E_C)
-
-    mbarrier.wait(q_ready.index(s), ph)
-    if MASKED:
-        if CAUSAL:
-            if VARIANT == 3:  # the copies share their buffer with the dQ staging tile
-                tma.store_wait(0)
-                cta_barrier()
-            _finite_copy(_tile(q1_ring, s * 2, DC), qfin_smem.index(WG * 2), DC)
-            _finite_copy(_tile(q1_ring, s * 2 + 1, DC), qfin_smem.index(WG * 2 + 1), DC)
-    zero = gl.zeros([BLOCK_M, WG_N], gl.float32, s_layout)
-    t1 = warpgroup_mma(_tile(q1_ring, s * 2, DC), _tile(k1_smem, WG * 2, DC).permute((1, 0)), zero,
-                       use_acc=False, is_async=True)
-    t1 = warpgroup_mma(_tile(q1_ring, s * 2 + 1, DC), _tile(k1_smem, WG * 2 + 1, DC).permute((1, 0)), t1,
-                       is_async=True)
-    t2 = warpgroup_mma(_tile(q2_ring, s * 2, DC), _tile(k2_smem, WG * 2, DC).permute((1, 0)), zero,
-                       use_acc=False, is_async=True)
-    t2 = warpgroup_mma(_tile(q2_ring, s * 2 + 1, DC), _tile(k2_smem, WG * 2 + 1, DC).permute((1, 0)), t2,
-                       is_async=True)
-    if MASKED:
-        visible = keys[None, :] < N_K
-        if CAUSAL:
-            visible = visible & (keys[None, :] <= rows[:, None] + diag_offset)
-
-    s1 = warpgroup_mma_wait(num_outstanding=2, deps=(t1,))
-    x1 = s1 * qk_scale1 - lse1[:, None]
-    s2 = warpgroup_mma_wait(num_outstanding=0, deps=(t2,))
-    x2 = s2 * qk_scale2 - lse2[:, None]
-    log_ratio = x1 - x2 - kl_bits[:, None]  # before masking (finite)
-    if MASKED:
-        x1 = gl.where(visible, x1, float("-inf"))
-        x2 = gl.where(visible, x2, float("-inf"))
-    p1 = gl.exp2(x1)
-    ds2 = (gl.exp2(x2) - p1) * g2[:, None]
-    ds1 = p1 * log_ratio * g1[:, None]
-    if MASKED:  # select, never multiply: 0 * NaN = NaN
-        ds1 = gl.where(visible, ds1, 0.0)
-        ds2 = gl.where(visible, ds2, 0.0)
-
-    mbarrier.wait(ds_free.index(buf), ds_ph ^ 1)  # the other warpgroup is done with this buffer
-    ds1_own = ds_smem.index(buf * 4 + WG)
-    ds2_own = ds_smem.index(buf * 4 + 2 + WG)
-    ds1_own.store(ds1.to(dtype))
-    ds2_own.store(ds2.to(dtype))
-    fence_async_shared()
-    cta_barrier()
-    mbarrier.arrive(ds_ready.index(buf), count=1)
-    if MASKED and CAUSAL:  # Q1's finite copy, then Q2's in the same buffer
-        dk0 = warpgroup_mma(ds1_own.permute((1, 0)), qfin_smem.index(WG * 2), dk0, is_async=True)
-        dk1 = warpgroup_mma(ds1_own.permute((1, 0)), qfin_smem.index(WG * 2 + 1), dk1, is_async=True)
-        dk0, dk1 = warpgroup_mma_wait(num_outstanding=0, deps=(dk0, dk1))
-        _finite_copy(_tile(q2_ring, s * 2, DC), qfin_smem.index(WG * 2), DC)
-        _finite_copy(_tile(q2_ring, s * 2 + 1, DC), qfin_smem.index(WG * 2 + 1), DC)
-        fence_async_shared()
-        cta_barrier()
-        dk2 = warpgroup_mma(ds2_own.permute((1, 0)), qfin_smem.index(WG * 2), dk2, is_async=True)
-        dk3 = warpgroup_mma(ds2_own.permute((1, 0)), qfin_smem.index(WG * 2 + 1), dk3, is_async=True)
-    else:
-        dk0 = warpgroup_mma(ds1_own.permute((1, 0)), _tile(q1_ring, s * 2, DC), dk0, is_async=True)
-        dk1 = warpgroup_mma(ds1_own.permute((1, 0)), _tile(q1_ring, s * 2 + 1, DC), dk1, is_async=True)
-        dk2 = warpgroup_mma(ds2_own.permute((1, 0)), _tile(q2_ring, s * 2, DC), dk2, is_async=True)
-        dk3 = warpgroup_mma(ds2_own.permute((1, 0)), _tile(q2_ring, s * 2 + 1, DC), dk3, is_async=True)
-
-    # dQ1's half: dS1 [64 q, 128 keys] K1[:, WG-th half of D]
-    mbarrier.wait(ds_ready.index(buf), ds_ph)
-    zq = gl.zeros([BLOCK_M, DC], gl.float32, c_layout)
-    if MASKED and CAUSAL:
-        _finite_copy(_tile(k1_smem, WG, DC), kfin_smem.index(WG), DC)
-        _finite_copy(_tile(k1_smem, 2 + WG, DC), kfin_smem.index(2 + WG), DC)
-        fence_async_shared()
-        cta_barrier()
-        tq = warpgroup_mma(ds_smem.index(buf * 4), kfin_smem.index(WG), zq, use_acc=False, is_async=True)
-        tq = warpgroup_mma(ds_smem.index(buf * 4 + 1), kfin_smem.index(2 + WG), tq, is_async=True)
-    else:
-        tq = warpgroup_mma(ds_smem.index(buf * 4), _tile(k1_smem, WG, DC), zq, use_acc=False, is_async=True)
-        tq = warpgroup_mma(ds_smem.index(buf * 4 + 1), _tile(k1_smem, 2 + WG, DC), tq, is_async=True)
-    dk0, dk1, dk2, dk3, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dk0, dk1, dk2, dk3, tq))
-    mbarrier.arrive(q_empty.index(s), count=1)
-    _dq_add(WG, dq, start_m, DQ, dq_smem, pid_bh, N_Q, D, DC, VARIANT)
-    # dQ2's half
-    if MASKED and CAUSAL:
-        _finite_copy(_tile(k2_smem, WG, DC), kfin_smem.index(WG), DC)
-        _finite_copy(_tile(k2_smem, 2 + WG, DC), kfin_smem.index(2 + WG), DC)
-        fence_async_shared()
-        cta_barrier()
-        tq = warpgroup_mma(ds_smem.index(buf * 4 + 2), kfin_smem.index(WG), zq, use_acc=False, is_async=True)
-        tq = warpgroup_mma(ds_smem.index(buf * 4 + 3), kfin_smem.index(2 + WG), tq, is_async=True)
-    else:
-        tq = warpgroup_mma(ds_smem.index(buf * 4 + 2), _tile(k2_smem, WG, DC), zq, use_acc=False, is_async=True)
-        tq = warpgroup_mma(ds_smem.index(buf * 4 + 3), _tile(k2_smem, 2 + WG, DC), tq, is_async=True)
-    dq = warpgroup_mma_wait(num_outstanding=0, deps=(tq,))
-    mbarrier.arrive(ds_free.index(buf), count=1)
-    _dq_add(WG, dq, start_m, DQ2, dq_smem, pid_bh, N_Q, D, DC, VARIANT)
-    return dk0, dk1, dk2, dk3
-
-
-@gluon.jit
 def _dq_keys(WG: gl.constexpr, k1_smem, k2_smem, kfin_smem, DC: gl.constexpr, TRAIN: gl.constexpr,
              CAUSAL: gl.constexpr):
     """The K_t chunks of warpgroup WG's dQ half: [key half 0, chunk WG], [key half 1, chunk WG]."""
@@ -471,13 +335,12 @@ def _dq_tile(WG: gl.constexpr, j, m_lo, k1_smem, k2_smem, kfin_smem, ds_smem,
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem, dq_smem,
-              k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK, DQ2, DK2,
-              pid_bh, dk_row0, dk_row0_2, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
-              coef2, D: gl.constexpr, DC: gl.constexpr, NUM_STAGES: gl.constexpr, DS_BUFS: gl.constexpr,
-              TRAIN: gl.constexpr, CAUSAL: gl.constexpr, DK_ATOMIC: gl.constexpr, DK2_ATOMIC: gl.constexpr,
-              VARIANT: gl.constexpr, DQ_LAG: gl.constexpr):
-    """Consumer warpgroup WG: keys start_n + 64 WG .. +63, every query tile of the CTA. TRAIN 3: DQ,
-    DK, dk_row0, coef, DK_ATOMIC are side 1's, DQ2, DK2, dk_row0_2, coef2, DK2_ATOMIC side 2's."""
+              k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK,
+              pid_bh, dk_row0, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
+              D: gl.constexpr, DC: gl.constexpr, NUM_STAGES: gl.constexpr, DS_BUFS: gl.constexpr,
+              TRAIN: gl.constexpr, CAUSAL: gl.constexpr, DK_ATOMIC: gl.constexpr, VARIANT: gl.constexpr,
+              DQ_LAG: gl.constexpr):
+    """Consumer warpgroup WG: keys start_n + 64 WG .. +63, every query tile of the CTA."""
     s_layout: gl.constexpr = _mma_layout(WG_N)
     c_layout: gl.constexpr = _mma_layout(DC)
     keys = start_n + WG * WG_N + gl.arange(0, WG_N, layout=gl.SliceLayout(0, s_layout))
@@ -487,54 +350,31 @@ def _consumer(WG: gl.constexpr, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, q
         k_t = k1_smem
     else:
         k_t = k2_smem
-    if CAUSAL and TRAIN != 3:  # the dQ product's K_t: a finite copy of the chunks this warpgroup reads
+    if CAUSAL:  # the dQ product's K_t: a finite copy of the chunks this warpgroup reads
         _finite_copy(_tile(k_t, WG, DC), kfin_smem.index(WG), DC)
         _finite_copy(_tile(k_t, 2 + WG, DC), kfin_smem.index(2 + WG), DC)
         fence_async_shared()
         cta_barrier()
     dk0 = gl.zeros([WG_N, DC], gl.float32, c_layout)
     dk1 = gl.zeros([WG_N, DC], gl.float32, c_layout)
-    if TRAIN == 3:
-        dk2 = gl.zeros([WG_N, DC], gl.float32, c_layout)
-        dk3 = gl.zeros([WG_N, DC], gl.float32, c_layout)
-        for i in range(n_masked):
-            dk0, dk1, dk2, dk3 = _bwd_tile_both(
-                WG, dk0, dk1, dk2, dk3, i, m_lo, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem,
-                dq_smem, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DQ2, pid_bh, keys, N_Q, N_K,
-                diag_offset, qk_scale1, qk_scale2, coef, coef2, D, DC, NUM_STAGES, DS_BUFS, True, CAUSAL, VARIANT)
-        for i in range(n_masked, n_tiles):
-            dk0, dk1, dk2, dk3 = _bwd_tile_both(
-                WG, dk0, dk1, dk2, dk3, i, m_lo, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem,
-                dq_smem, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DQ2, pid_bh, keys, N_Q, N_K,
-                diag_offset, qk_scale1, qk_scale2, coef, coef2, D, DC, NUM_STAGES, DS_BUFS, False, CAUSAL, VARIANT)
-        _store_dk(DK2, dk_row0_2, start_n, WG, dk2, dk3, N_K, D, DC, DK2_ATOMIC)
-    else:
-        # the causal band (and every tile of the ragged last key block), then whole tiles
-        for i in range(n_masked):
-            dk0, dk1 = _bwd_tile(WG, dk0, dk1, i, m_lo, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem,
-                                 dq_smem,
-                                 q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, pid_bh, keys, N_Q, N_K,
-                                 diag_offset, qk_scale1, qk_scale2, coef, D, DC, NUM_STAGES, DS_BUFS, TRAIN, True,
-                                 CAUSAL, VARIANT, DQ_LAG)
-        for i in range(n_masked, n_tiles):
-            dk0, dk1 = _bwd_tile(WG, dk0, dk1, i, m_lo, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem,
-                                 dq_smem,
-                                 q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, pid_bh, keys, N_Q, N_K,
-                                 diag_offset, qk_scale1, qk_scale2, coef, D, DC, NUM_STAGES, DS_BUFS, TRAIN, False,
-                                 CAUSAL, VARIANT, DQ_LAG)
-        if DQ_LAG:  # the last tile's dQ half
-            if n_tiles > 0:
-                _dq_tile(WG, n_tiles - 1, m_lo, k1_smem, k2_smem, kfin_smem, ds_smem,
-                         dq_smem, ds_ready, ds_free, DQ, pid_bh, N_Q,
-                         D, DC, DS_BUFS, TRAIN, CAUSAL, VARIANT)
-    _store_dk(DK, dk_row0, start_n, WG, dk0, dk1, N_K, D, DC, DK_ATOMIC)
-
-
-@gluon.jit
-def _store_dk(DK, dk_row0, start_n, WG: gl.constexpr, dk0, dk1, N_K, D: gl.constexpr, DC: gl.constexpr,
-              DK_ATOMIC: gl.constexpr):
-    """Warpgroup WG's dK rows (its 64 keys, the two D chunks) into DK from row ``dk_row0``."""
-    c_layout: gl.constexpr = _mma_layout(DC)
+    # the causal band (and every tile of the ragged last key block), then whole tiles
+    for i in range(n_masked):
+        dk0, dk1 = _bwd_tile(WG, dk0, dk1, i, m_lo, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem,
+                             dq_smem,
+                             q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, pid_bh, keys, N_Q, N_K,
+                             diag_offset, qk_scale1, qk_scale2, coef, D, DC, NUM_STAGES, DS_BUFS, TRAIN, True,
+                             CAUSAL, VARIANT, DQ_LAG)
+    for i in range(n_masked, n_tiles):
+        dk0, dk1 = _bwd_tile(WG, dk0, dk1, i, m_lo, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem,
+                             dq_smem,
+                             q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, pid_bh, keys, N_Q, N_K,
+                             diag_offset, qk_scale1, qk_scale2, coef, D, DC, NUM_STAGES, DS_BUFS, TRAIN, False,
+                             CAUSAL, VARIANT, DQ_LAG)
+    if DQ_LAG:  # the last tile's dQ half
+        if n_tiles > 0:
+            _dq_tile(WG, n_tiles - 1, m_lo, k1_smem, k2_smem, kfin_smem, ds_smem,
+                     dq_smem, ds_ready, ds_free, DQ, pid_bh, N_Q,
+                     D, DC, DS_BUFS, TRAIN, CAUSAL, VARIANT)
     out_keys = start_n + WG * WG_N + gl.arange(0, WG_N, layout=gl.SliceLayout(1, c_layout))
     cols = gl.arange(0, DC, layout=gl.SliceLayout(0, c_layout))
     ptrs = DK + (dk_row0 + out_keys)[:, None] * D + cols[None, :]
@@ -549,52 +389,39 @@ def _store_dk(DK, dk_row0, start_n, WG: gl.constexpr, dk0, dk1, N_K, D: gl.const
 
 @gluon.jit
 def _consumer0(q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem, dq_smem,
-               k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK, DQ2, DK2,
-               pid_bh, dk_row0, dk_row0_2, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
-               coef2, D: gl.constexpr, DC: gl.constexpr, NUM_STAGES: gl.constexpr, DS_BUFS: gl.constexpr,
-               TRAIN: gl.constexpr, CAUSAL: gl.constexpr, DK_ATOMIC: gl.constexpr, DK2_ATOMIC: gl.constexpr,
-               VARIANT: gl.constexpr, DQ_LAG: gl.constexpr):
+               k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK,
+               pid_bh, dk_row0, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
+               D: gl.constexpr, DC: gl.constexpr, NUM_STAGES: gl.constexpr, DS_BUFS: gl.constexpr,
+               TRAIN: gl.constexpr, CAUSAL: gl.constexpr, DK_ATOMIC: gl.constexpr, VARIANT: gl.constexpr,
+               DQ_LAG: gl.constexpr):
     _consumer(0, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem, dq_smem,
-              k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK, DQ2, DK2,
-              pid_bh, dk_row0, dk_row0_2, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
-              coef2, D, DC, NUM_STAGES, DS_BUFS, TRAIN, CAUSAL, DK_ATOMIC, DK2_ATOMIC, VARIANT, DQ_LAG)
+              k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK,
+              pid_bh, dk_row0, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
+              D, DC, NUM_STAGES, DS_BUFS, TRAIN, CAUSAL, DK_ATOMIC, VARIANT, DQ_LAG)
 
 
 @gluon.jit
 def _consumer1(q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem, dq_smem,
-               k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK, DQ2, DK2,
-               pid_bh, dk_row0, dk_row0_2, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
-               coef2, D: gl.constexpr, DC: gl.constexpr, NUM_STAGES: gl.constexpr, DS_BUFS: gl.constexpr,
-               TRAIN: gl.constexpr, CAUSAL: gl.constexpr, DK_ATOMIC: gl.constexpr, DK2_ATOMIC: gl.constexpr,
-               VARIANT: gl.constexpr, DQ_LAG: gl.constexpr):
+               k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK,
+               pid_bh, dk_row0, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
+               D: gl.constexpr, DC: gl.constexpr, NUM_STAGES: gl.constexpr, DS_BUFS: gl.constexpr,
+               TRAIN: gl.constexpr, CAUSAL: gl.constexpr, DK_ATOMIC: gl.constexpr, VARIANT: gl.constexpr,
+               DQ_LAG: gl.constexpr):
     _consumer(1, q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem, dq_smem,
-              k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK, DQ2, DK2,
-              pid_bh, dk_row0, dk_row0_2, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
-              coef2, D, DC, NUM_STAGES, DS_BUFS, TRAIN, CAUSAL, DK_ATOMIC, DK2_ATOMIC, VARIANT, DQ_LAG)
-
-
-@gluon.jit
-def _dk_row0(b, pid_bh, kv_head, H_K, N_K, DK_ATOMIC: gl.constexpr):
-    """First dK row of this CTA's (b, head): the key head's in the fp32 GQA buffer [B, H_K, N_K
-    rounded up to 128, D] (``DK_ATOMIC``), else (b, h)'s in [B, H, N_K, D]."""
-    if DK_ATOMIC:
-        row0 = (b * H_K + kv_head).to(gl.int64) * (gl.cdiv(N_K, BLOCK_N) * BLOCK_N)
-    else:
-        row0 = pid_bh.to(gl.int64) * N_K
-    return row0
+              k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK,
+              pid_bh, dk_row0, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
+              D, DC, NUM_STAGES, DS_BUFS, TRAIN, CAUSAL, DK_ATOMIC, VARIANT, DQ_LAG)
 
 
 # sizes are not specialised on (divisibility by 16, == 1): one compile per dtype, D, side, causal
 # and config serves every shape (nothing here gains from it: the row-constant loads are two
 # strided values per thread, the dK/dQ rows are aligned by D)
 @gluon.jit(do_not_specialize=["H", "N_Q", "N_K", "GROUP1", "GROUP2"])
-def _gluon_kl_bwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, LSE1, LSE2, KL, G, DQ, DK, DQ2, DK2,
-                         H, N_Q, N_K, GROUP1, GROUP2, qk_scale1, qk_scale2, coef, coef2,
+def _gluon_kl_bwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, LSE1, LSE2, KL, G, DQ, DK,
+                         H, N_Q, N_K, GROUP1, GROUP2, qk_scale1, qk_scale2, coef,
                          D: gl.constexpr, NUM_STAGES: gl.constexpr, DS_BUFS: gl.constexpr, TRAIN: gl.constexpr,
                          CAUSAL: gl.constexpr, DK_ATOMIC: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                         VARIANT: gl.constexpr, DQ_LAG: gl.constexpr = False, DK2_ATOMIC: gl.constexpr = False):
-    """TRAIN 1 or 2: that side's dQ, dK into DQ, DK (DQ2, DK2, coef2, DK2_ATOMIC unused). TRAIN 3,
-    both sides: DQ, DK, coef, DK_ATOMIC side 1's; DQ2, DK2, coef2, DK2_ATOMIC side 2's."""
+                         VARIANT: gl.constexpr, DQ_LAG: gl.constexpr = False):
     DC: gl.constexpr = D // 2
     pid_n = gl.program_id(0)  # causal: the first key blocks have the most query tiles, and run first
     pid_bh = gl.program_id(1)
@@ -602,16 +429,13 @@ def _gluon_kl_bwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, LSE1, LSE2, KL, G, 
     h = pid_bh % H
     kv_head1 = h // GROUP1  # GQA per side
     kv_head2 = h // GROUP2
-    # dK rows: of the trained side's key head in an fp32 [B, H_K, N_K rounded up to 128, D] buffer
-    # (DK_ATOMIC), else of (b, h) in [B, H, N_K, D]
-    if TRAIN == 1:
-        dk_row0 = _dk_row0(b, pid_bh, kv_head1, H // GROUP1, N_K, DK_ATOMIC)
+    if DK_ATOMIC:  # dK rows of the trained side's key head in an fp32 [B, H_K, N_K rounded up to 128, D] buffer
+        if TRAIN == 1:
+            dk_row0 = (b * (H // GROUP1) + kv_head1).to(gl.int64) * (gl.cdiv(N_K, BLOCK_N) * BLOCK_N)
+        else:
+            dk_row0 = (b * (H // GROUP2) + kv_head2).to(gl.int64) * (gl.cdiv(N_K, BLOCK_N) * BLOCK_N)
     else:
-        dk_row0 = _dk_row0(b, pid_bh, kv_head2, H // GROUP2, N_K, DK_ATOMIC)
-    dk_row0_2 = dk_row0
-    if TRAIN == 3:
-        dk_row0 = _dk_row0(b, pid_bh, kv_head1, H // GROUP1, N_K, DK_ATOMIC)
-        dk_row0_2 = _dk_row0(b, pid_bh, kv_head2, H // GROUP2, N_K, DK2_ATOMIC)
+        dk_row0 = pid_bh.to(gl.int64) * N_K
     start_n = pid_n * BLOCK_N
     n_q_tiles = gl.cdiv(N_Q, BLOCK_M)
     m_lo = 0
@@ -634,9 +458,7 @@ def _gluon_kl_bwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, LSE1, LSE2, KL, G, 
     k1_smem = gl.allocate_shared_memory(k1_desc.dtype, [4, 1, 1, WG_N, DC], k1_desc.layout)
     k2_smem = gl.allocate_shared_memory(k2_desc.dtype, [4, 1, 1, WG_N, DC], k2_desc.layout)
     ds_layout: gl.constexpr = _ds_smem_layout(q1_desc.dtype)
-    SIDES: gl.constexpr = 2 if TRAIN == 3 else 1
-    # [buf, side (TRAIN 3), key half]
-    ds_smem = gl.allocate_shared_memory(q1_desc.dtype, [2 * SIDES * DS_BUFS, BLOCK_M, WG_N], ds_layout)
+    ds_smem = gl.allocate_shared_memory(q1_desc.dtype, [2 * DS_BUFS, BLOCK_M, WG_N], ds_layout)  # [buf, key half]
     FIN: gl.constexpr = 4 if CAUSAL else 1  # the finite copies exist only for the causal masks
     fin_layout: gl.constexpr = _tile_smem_layout(DC, q1_desc.dtype)
     kfin_smem = gl.allocate_shared_memory(k1_desc.dtype, [FIN, WG_N, DC], fin_layout)  # [key half, chunk]
@@ -667,15 +489,13 @@ def _gluon_kl_bwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, LSE1, LSE2, KL, G, 
     # argument tuples inline: a tuple bound to a local turns its constexprs into tensors (sketch)
     gl.warp_specialize([
         (_consumer0, (q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem, dq_smem,
-                      k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK, DQ2, DK2,
-                      pid_bh, dk_row0, dk_row0_2, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2,
-                      coef, coef2, D, DC, NUM_STAGES, DS_BUFS, TRAIN, CAUSAL, DK_ATOMIC, DK2_ATOMIC, VARIANT,
-                      DQ_LAG)),
+                      k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK,
+                      pid_bh, dk_row0, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
+                      D, DC, NUM_STAGES, DS_BUFS, TRAIN, CAUSAL, DK_ATOMIC, VARIANT, DQ_LAG)),
         (_consumer1, (q1_ring, q2_ring, k1_smem, k2_smem, kfin_smem, qfin_smem, ds_smem, dq_smem,
-                      k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK, DQ2, DK2,
-                      pid_bh, dk_row0, dk_row0_2, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2,
-                      coef, coef2, D, DC, NUM_STAGES, DS_BUFS, TRAIN, CAUSAL, DK_ATOMIC, DK2_ATOMIC, VARIANT,
-                      DQ_LAG)),
+                      k_bar, q_ready, q_empty, ds_ready, ds_free, LSE1, LSE2, KL, G, DQ, DK,
+                      pid_bh, dk_row0, start_n, m_lo, n_masked, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, coef,
+                      D, DC, NUM_STAGES, DS_BUFS, TRAIN, CAUSAL, DK_ATOMIC, VARIANT, DQ_LAG)),
         (_load_partition, (q1_desc, k1_desc, q2_desc, k2_desc, q1_ring, q2_ring, k1_smem, k2_smem,
                            k_bar, q_ready, q_empty, b, h, kv_head1, kv_head2, start_n, m_lo, n_tiles, DC,
                            NUM_STAGES)),
