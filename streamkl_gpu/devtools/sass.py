@@ -251,7 +251,7 @@ def bwd_spec_name(dtype: str, causal: bool, d: int, train: int, gqa: bool = Fals
     return f"{dtype}:{'causal' if causal else 'full'}:{d}:{train}" + (":gqa" if gqa else "")
 
 
-# backward spec suffixes that change the launch config (``attention_bwd_sm90.GluonBwdConfig``
+# backward spec suffixes that change the launch config (``bwd_sm90_launch.GluonBwdConfig``
 # fields replaced in ``kernel_config``'s)
 SPEC_CONFIGS = {"lag": dict(dq_lag=True), "bufs3": dict(ds_bufs=3)}
 
