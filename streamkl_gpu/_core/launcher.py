@@ -53,7 +53,19 @@ CHECK = os.environ.get("STREAMKL_FAST_LAUNCH_CHECK", "0") == "1"
 STATS = {"direct": 0, "bound": 0}  # launches by each path (tests and the host-cost bench read it)
 
 
-_AHEAD = threading.local()  # .on: this thread compiles ahead (launch() only compiles)
+class _AheadState(threading.local):
+    """Per thread: ``on`` while it compiles ahead (launch() only compiles), with that work's device,
+    pending compile threads and seen launches. Class defaults, so that the per-launch read of
+    ``on`` in a thread that never set it is a plain attribute hit (``getattr`` with a default on a
+    bare ``threading.local`` raises and catches an AttributeError inside: ~0.5 us a call)."""
+
+    on = False
+    device = None
+    pending = None
+    seen = None
+
+
+_AHEAD = _AheadState()
 
 
 def ahead_allowed() -> bool:
@@ -63,7 +75,7 @@ def ahead_allowed() -> bool:
 
 def compiling_ahead() -> bool:
     """Is this thread compiling ahead (:func:`compile_ahead`)? Its launches only compile."""
-    return getattr(_AHEAD, "on", False)
+    return _AHEAD.on
 
 
 def compile_ahead(work, device):
@@ -180,7 +192,7 @@ def _compile_only(fn, grid, args, kwargs):
     them on (a chunk loop's offsets 0 and 2048 are one compile, not two side by side), keywords
     (constexprs, warps, stages) by value. Returns None (nothing is launched)."""
     key = (id(fn), tuple(_spec(a) for a in args), tuple((k, _value_key(v)) for k, v in kwargs.items()))
-    seen, pending = getattr(_AHEAD, "seen", None), getattr(_AHEAD, "pending", None)
+    seen, pending = _AHEAD.seen, _AHEAD.pending
     if pending is None:  # a thread marked by hand, not started by compile_ahead: compile here
         fn.warmup(*args, grid=grid, **kwargs)
         return None
@@ -190,7 +202,7 @@ def _compile_only(fn, grid, args, kwargs):
         seen.add(key)
     except TypeError:  # an unhashable argument: compile it anyway
         pass
-    device = getattr(_AHEAD, "device", None)
+    device = _AHEAD.device
 
     def body():
         try:
@@ -300,12 +312,18 @@ def _raw_stream(device: int) -> int:
 
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _raw_stream  # what Triton itself calls
+# the current device without ``torch.cuda.current_device``'s lazy-init check (CUDA is initialised
+# by the time a kernel launches directly: its first launch went through Triton); None on CPU builds
+_get_device = getattr(torch._C, "_cuda_getDevice", None)
 
 
 def enabled() -> bool:
-    if env("STREAMKL_FAST_LAUNCH", "1") == "0" or interpreting():
+    if interpreting() or env("STREAMKL_FAST_LAUNCH", "1") == "0":
         return False
-    return _knobs is None or not (_hooked(_knobs.runtime.launch_enter_hook) or _hooked(_knobs.runtime.launch_exit_hook))
+    if _knobs is None:
+        return True
+    runtime = _knobs.runtime
+    return not (_hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook))
 
 
 def _hooked(hook) -> bool:
@@ -369,7 +387,7 @@ def launch(fn, grid, args, constexprs, num_warps, num_stages, key=None, tensors=
     arguments that change per call (host TMA descriptors), never part of a caller's key (their
     block shapes come from the config, their tensors' alignment from ``tensors``)."""
     runtime = runtime or {}
-    if compiling_ahead():  # compile only: nothing runs, nothing is bound
+    if _AHEAD.on:  # compile only (compiling_ahead()): nothing runs, nothing is bound
         return _compile_only(fn, grid, args, dict(constexprs, **runtime, num_warps=num_warps, num_stages=num_stages))
     if not enabled():
         compiler_ready()
@@ -402,7 +420,7 @@ def launch(fn, grid, args, constexprs, num_warps, num_stages, key=None, tensors=
         tail = list(tail)
         for i, name in slots:
             tail[i] = runtime[name]
-    stream = _raw_stream(torch.cuda.current_device())
+    stream = _raw_stream(_get_device() if _get_device is not None else torch.cuda.current_device())
     # no launch metadata and no hooks: enabled() found none installed
     kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
                *args, *tail)
