@@ -59,9 +59,11 @@ def check_tensors(q1, k1, q2, k2, scale1, scale2):
 
     A combination of shapes, dtypes, devices and (number) scales that passed once is remembered,
     so repeated calls skip the rules (the host cost of a small call is mostly such Python)."""
-    for name, t in (("q1", q1), ("k1", k1), ("q2", q2), ("k2", k2)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not (isinstance(q1, torch.Tensor) and isinstance(k1, torch.Tensor) and isinstance(q2, torch.Tensor)
+            and isinstance(k2, torch.Tensor)):
+        for name, t in (("q1", q1), ("k1", k1), ("q2", q2), ("k2", k2)):
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     key = None
     if type(scale1) in _PLAIN_SCALES and type(scale2) in _PLAIN_SCALES:
         key = (q1.shape, k1.shape, q2.shape, k2.shape, q1.dtype, k1.dtype, q2.dtype, k2.dtype,

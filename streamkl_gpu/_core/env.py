@@ -56,7 +56,9 @@ def old(name: str):
 def backend(name: str, override=None) -> str:
     """``auto``, ``triton`` or ``gluon`` from ``override`` (a module setting) or the variable ``name``
     (``STREAMKL_<OP>_BACKEND``); anything else raises a ``ValueError`` naming the variable."""
-    value = override if override is not None else env(name, "auto")
+    value = override if override is not None else env(name)
+    if value is None:  # neither set (every call reads this: the usual case returns at once)
+        return "auto"
     value = str(value).strip().lower() or "auto"
     if value not in BACKENDS:
         raise ValueError(f"{name} must be one of {BACKENDS}, got {value!r}")
