@@ -153,14 +153,22 @@ def _kernel_inputs(q1, k1, q2, k2, causal, split_k, dims):
     return (q1, k1, q2, k2), _signature("fwd", dims, (causal, split_k, fwd_backend()), q1, k1, q2, k2)
 
 
-def _run_forward(sig, q1, k1, q2, k2, causal, split_k, dims, device, one_buffer=True):
-    """The forward's launches under its plan signature ``sig`` (bound at the signature's first call)."""
+def _forward_plan(sig, q1, k1, q2, k2, causal, split_k, dims):
+    """The forward's plan under its signature ``sig`` (bound at the signature's first call)."""
     plan = _PLANS.get(sig)
     if plan is None:
         d1_pad, d2_pad = head_pad(dims.D1), head_pad(dims.D2)
         cfg = _forward_config(q1, k1, q2, k2, dims, causal, split_k, d1_pad, d2_pad)
         plan = _remember(sig, cfg if cfg is GLUON else
                          _bind_forward(cfg, q1, k1, q2, k2, dims, causal, d1_pad, d2_pad, key=sig))
+    return plan
+
+
+def _run_forward(sig, q1, k1, q2, k2, causal, split_k, dims, device, one_buffer=True, plan=None):
+    """The forward's launches under its plan signature ``sig``; ``plan``: that signature's plan,
+    when the caller holds it (a training binding)."""
+    if plan is None:
+        plan = _forward_plan(sig, q1, k1, q2, k2, causal, split_k, dims)
     outs = _fwd_outputs(dims, device, one_buffer)
     if plan is GLUON:  # the Hopper kernel (_gluon_fwd), chosen by _gluon_dispatch.use_gluon
         gluon_forward(q1, k1, q2, k2, causal, dims.scale1, dims.scale2, out=outs, dims=dims)
@@ -333,15 +341,16 @@ def compile_backward_ahead(q1, k1, q2, k2, causal, dims, train1, train2, bwd_mod
 
 
 class TrainingBinding:
-    """What a training call's backward needs, decided once per forward signature and backward
-    settings (:func:`training_forward`), as the forward's plan is: the backward's plan signature
-    and, from the first backward on, its bound plan. A later call's backward then launches
-    without forming its signature, asking the Gluon backward's dispatch or joining a compile."""
+    """What a training call needs, decided once per forward signature and backward settings
+    (:func:`training_forward`): the forward's plan, the backward's plan signature and, from the
+    first backward on, its bound plan. A later call's forward then launches without looking its
+    plan up, and its backward without forming its signature, asking the Gluon backward's
+    dispatch or joining a compile."""
 
-    __slots__ = ("bwd_sig", "plan")
+    __slots__ = ("fwd", "bwd_sig", "plan")
 
-    def __init__(self, bwd_sig):
-        self.bwd_sig, self.plan = bwd_sig, None
+    def __init__(self, fwd, bwd_sig):
+        self.fwd, self.bwd_sig, self.plan = fwd, bwd_sig, None
 
 
 _BINDINGS: dict = {}  # (forward signature, gradient flags, backward settings) -> TrainingBinding
@@ -361,10 +370,11 @@ def training_forward(q1, k1, q2, k2, causal, dims, split_k, train1, train2, bwd_
         if len(_BINDINGS) >= _MAX_PLANS:
             _BINDINGS.clear()
         bwd_sig = _backward_signature(dims, causal, train1, train2, bwd_mode, deterministic, q1, k1, q2, k2)
-        binding = _BINDINGS[key] = TrainingBinding(bwd_sig)
         # a new signature: the backward's kernels compile beside the forward's
         compile_backward_ahead(q1, k1, q2, k2, causal, dims, train1, train2, bwd_mode, deterministic, sig=bwd_sig)
-    return _run_forward(sig, q1, k1, q2, k2, causal, split_k, dims, q1.device), binding
+        binding = TrainingBinding(_forward_plan(sig, q1, k1, q2, k2, causal, split_k, dims), bwd_sig)
+        _BINDINGS[key] = binding
+    return _run_forward(sig, q1, k1, q2, k2, causal, split_k, dims, q1.device, plan=binding.fwd), binding
 
 
 def _empty_backward(dims, q1, k1, q2, k2, train1, train2):
@@ -583,10 +593,12 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
              train1, train2, bwd_mode, deterministic, dims=None, binding=None):
     """(dq1, dk1, dq2, dk2), None for a side not trained. ``dims``: already checked inputs;
     ``binding``: the :class:`TrainingBinding` that :func:`training_forward` gave the forward."""
-    if dims is None:
-        dims = check_inputs(q1, k1, q2, k2, scale1=scale1, scale2=scale2)
-    if is_empty(dims):
-        return _empty_backward(dims, q1, k1, q2, k2, train1, train2)
+    plan = None if binding is None else binding.plan  # bound by an earlier backward of this binding
+    if plan is None:  # (a binding is only made for inputs that are not empty)
+        if dims is None:
+            dims = check_inputs(q1, k1, q2, k2, scale1=scale1, scale2=scale2)
+        if is_empty(dims):
+            return _empty_backward(dims, q1, k1, q2, k2, train1, train2)
     out_dtypes = (q1.dtype, k1.dtype, q2.dtype, k2.dtype)
     if interpreting():  # bf16 computed in fp32 there (compute_view)
         q1, k1, q2, k2 = (compute_view(t) for t in (q1, k1, q2, k2))
@@ -594,8 +606,8 @@ def backward(g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, scale1, scale2
         g = g.to(torch.float32)
     g = g.contiguous()
     kl, lse1_bits, lse2_bits = kl.contiguous(), lse1_bits.contiguous(), lse2_bits.contiguous()
-    if binding is not None and binding.plan is not None:  # bound by an earlier backward of this binding
-        return binding.plan(q1, k1, q2, k2, g, kl, lse1_bits, lse2_bits, out_dtypes)
+    if plan is not None:
+        return plan(q1, k1, q2, k2, g, kl, lse1_bits, lse2_bits, out_dtypes)
     sig = (binding.bwd_sig if binding is not None else
            _backward_signature(dims, causal, train1, train2, bwd_mode, deterministic, q1, k1, q2, k2))
     if not compiling_ahead():
