@@ -102,36 +102,43 @@ class _EagerAttentionKL(torch.autograd.Function):
     registration) cost more host time per call than the launches themselves, so eager calls
     come here. Both paths run ``launch.forward`` / ``launch.backward`` with the same arguments.
     The forward's training binding (``launch.training_forward``) carries the backward's plan
-    from one call to the next. ``want_lse``: the LSEs are outputs too (``attention_kl_with_lse``);
-    otherwise the KL is the one output and the LSEs are only saved for the backward.
+    from one call to the next. ``opts``: ``(causal, dims, split_k, bwd_mode, deterministic,
+    want_lse)``, one argument (each argument of a Function costs the engine host time, forward and
+    backward). ``want_lse``: the LSEs are outputs too (``attention_kl_with_lse``); otherwise the KL
+    is the one output and the LSEs are only kept for the backward.
     """
 
     @staticmethod
-    def forward(ctx, q1, k1, q2, k2, causal, dims, split_k, bwd_mode, deterministic, want_lse):
+    def forward(ctx, q1, k1, q2, k2, opts):
+        causal, dims, split_k, bwd_mode, deterministic, want_lse = opts
         train1, train2 = _trained_sides(ctx.needs_input_grad)
         (kl, lse1_bits, lse2_bits), ctx.binding = _training_forward(q1, k1, q2, k2, causal, dims, split_k, train1,
                                                                     train2, bwd_mode, deterministic)
-        ctx.save_for_backward(q1, k1, q2, k2, kl, lse1_bits, lse2_bits)
-        ctx.args = (causal, dims, bwd_mode, deterministic)
+        ctx.args = (causal, dims, bwd_mode, deterministic, train1, train2)
         if not want_lse:
+            # the LSEs are buffers of this call alone (never handed out, never written again): held
+            # on ctx, without the saved-tensor bookkeeping the inputs and the output need
+            ctx.save_for_backward(q1, k1, q2, k2, kl)
+            ctx.lse = (lse1_bits, lse2_bits)
             return kl
+        ctx.save_for_backward(q1, k1, q2, k2, kl, lse1_bits, lse2_bits)
         ctx.mark_non_differentiable(lse1_bits, lse2_bits)
         ctx.set_materialize_grads(False)  # no zero tensors for the LSE outputs (never differentiated)
         return kl, lse1_bits, lse2_bits
 
     @staticmethod
     def backward(ctx, g_kl, *g_lse):
-        q1, k1, q2, k2, kl, lse1_bits, lse2_bits = ctx.saved_tensors
-        causal, dims, bwd_mode, deterministic = ctx.args
-        need = ctx.needs_input_grad
-        train1, train2 = _trained_sides(need)
+        causal, dims, bwd_mode, deterministic, train1, train2 = ctx.args
         if not (train1 or train2) or g_kl is None:  # None: the KL output took no part in the loss
-            return (None,) * 10
+            return (None,) * 5
+        q1, k1, q2, k2, kl, *lse = ctx.saved_tensors
+        lse1_bits, lse2_bits = lse or ctx.lse
         dq1, dk1, dq2, dk2 = _backward(g_kl, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, causal, dims.scale1,
                                        dims.scale2, train1, train2, bwd_mode, deterministic, dims=dims,
                                        binding=ctx.binding)
+        need = ctx.needs_input_grad
         return (dq1 if need[0] else None, dk1 if need[1] else None,
-                dq2 if need[2] else None, dk2 if need[3] else None) + (None,) * 6
+                dq2 if need[2] else None, dk2 if need[3] else None, None)
 
 
 def _call(q1, k1, q2, k2, causal, scale1, scale2, split_k, bwd_mode, deterministic, want_lse=True):
@@ -148,7 +155,7 @@ def _call(q1, k1, q2, k2, causal, scale1, scale2, split_k, bwd_mode, determinist
         out = _kl_fwd_op(q1, k1, q2, k2, causal, dims.scale1, dims.scale2,
                          0 if split_k is None else split_k, bwd_mode, deterministic)
     elif torch.is_grad_enabled() and (q1.requires_grad or k1.requires_grad or q2.requires_grad or k2.requires_grad):
-        return _EagerAttentionKL.apply(q1, k1, q2, k2, causal, dims, split_k, bwd_mode, deterministic, want_lse)
+        return _EagerAttentionKL.apply(q1, k1, q2, k2, (causal, dims, split_k, bwd_mode, deterministic, want_lse))
     else:  # nothing to train
         out = _forward(q1, k1, q2, k2, causal, dims.scale1, dims.scale2, split_k, dims=dims)
     return out if want_lse else out[0]
