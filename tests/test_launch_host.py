@@ -73,3 +73,32 @@ def test_a_training_call_binds_its_backward_plan_once(monkeypatch):
     assert len(signatures) == 1  # a new setting: a new binding, its signature formed once
     for a, b in zip(first, third):
         torch.testing.assert_close(a, b)
+
+
+def test_a_forward_only_call_leaves_the_backward_modules_unimported():
+    """The backward's kernels and dispatch are imported at a training call's first use (``LazyModule``),
+    not when ``attention_kl`` is resolved or run without gradients; the first read puts the module
+    itself in ``launch``'s globals (nothing added per later call). A fresh process: the test session
+    has imported everything."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import sys, torch, streamkl_gpu
+from streamkl_gpu.attention import launch
+backward = ("streamkl_gpu.attention.triton.bwd", "streamkl_gpu.attention.gluon.bwd_dispatch")
+q = torch.randn(1, 1, 4, 16)
+kl = streamkl_gpu.attention_kl(q, q, q, q)
+assert torch.equal(kl, torch.zeros_like(kl)), kl
+assert not any(m in sys.modules for m in backward), [m for m in backward if m in sys.modules]
+q2 = q.clone().requires_grad_()
+streamkl_gpu.attention_kl(q, q, q2, q2).sum().backward()
+assert all(m in sys.modules for m in backward)
+assert launch._bwd is sys.modules[backward[0]] and launch._gluon_bwd_dispatch is sys.modules[backward[1]]
+assert torch.isfinite(q2.grad).all()
+print("ok")
+"""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

@@ -14,17 +14,20 @@ import torch
 
 from streamkl_ref._checks import check_inputs
 
-from streamkl_gpu.attention.triton import bwd as _bwd
 from streamkl_gpu.attention.triton import fwd as _fwd
-from streamkl_gpu.attention.gluon import bwd_dispatch as _gluon_bwd_dispatch
 from streamkl_gpu._core import runtime as _runtime
 from streamkl_gpu._core.launcher import ahead_allowed, compile_ahead, compiling_ahead
 from streamkl_gpu._core.launcher import launch as fast_launch
 from streamkl_gpu.attention.gluon.dispatch import device_capability, fwd_backend, gluon_forward, use_gluon
 from streamkl_gpu._core.checks import check_bwd_mode, check_tensors, compute_view, head_pad, is_empty, strides
-from streamkl_gpu._core.runtime import LOG2E, TensorDescriptor, cdiv, fresh, interpreting, n_sm, tma_ok
+from streamkl_gpu._core.runtime import LOG2E, LazyModule, TensorDescriptor, cdiv, fresh, interpreting, n_sm, tma_ok
 from streamkl_gpu._core.tuning import UnusableConfig, autotune_enabled, bucket, pick
 from streamkl_gpu.attention.configs import BWD_TMA_MIN_KEYS, TMA_MIN_KEYS, auto_bwd_mode, bwd_streams, bwd_variant, bwd_variant_candidates, fwd_candidates, split_choices, tuning_slice
+
+# the backward's kernels and dispatch, imported at a training call's first use (a forward-only
+# first call does without them)
+_bwd = LazyModule("streamkl_gpu.attention.triton.bwd", globals(), "_bwd")
+_gluon_bwd_dispatch = LazyModule("streamkl_gpu.attention.gluon.bwd_dispatch", globals(), "_gluon_bwd_dispatch")
 
 
 def _empty_forward(dims, device):
