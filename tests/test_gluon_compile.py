@@ -310,12 +310,16 @@ def test_candidates_fit_shared_memory_and_round_trip():
         for cfg in measured:
             assert isinstance(cfg, GluonFwdConfig) and cfg.sched >= 0  # every one packs (no refused knobs)
             assert config_from_spec(GluonFwdConfig, config_spec(cfg).split(":")) == cfg  # the compile spec
-            # Q (two warpgroups) + the key ring + barriers within sm_90's 227 KB per CTA
-            smem = 2 * 64 * (d1 + d2) * 2 + cfg.num_stages * cfg.block_n * (d1 + d2) * 2
+            # Q (two warpgroups, TRIO three) + the key ring + barriers within sm_90's 227 KB per CTA
+            warpgroups = 2 + cfg.trio
+            smem = warpgroups * 64 * (d1 + d2) * 2 + cfg.num_stages * cfg.block_n * (d1 + d2) * 2
             assert smem <= 227 * 1024 - 1024, (cfg, smem)
-            # registers: the CTA (two consumer warpgroups + the producer's, 384 threads as the GPU
-            # reported when a 224-register config failed to launch) within the SM's 65536
-            assert cfg.maxnreg * CTA_THREADS <= 65536, (cfg, cfg.maxnreg)
+            # registers: the CTA (the consumer warpgroups + the producer's, 384 threads with two as
+            # the GPU reported when a 224-register config failed to launch) within the SM's 65536,
+            # and the consumers' setmaxnreg beside the producer's 24
+            threads = CTA_THREADS + 128 * cfg.trio
+            assert cfg.maxnreg * threads <= 65536, (cfg, cfg.maxnreg)
+            assert cfg.consumer_regs * 128 * warpgroups + 24 * 128 <= 65536, cfg
     with pytest.raises(ValueError, match="name=value"):
         config_from_spec(GluonFwdConfig, ["128", "2"])
     with pytest.raises(TypeError, match="GluonFwdConfig"):  # the old dict of launch entries
@@ -384,7 +388,8 @@ def test_schedule_knobs_pack_into_sched():
     # combinations the kernel does not implement are refused, not silently run as another schedule
     for bad, name in ((dict(LOOK=1), "ORDER"), (dict(LOOK=1, ORDER=1, PINGPONG=1), "PINGPONG"),
                       (dict(ORDER=1, SPLIT=1), "SPLIT"), (dict(TURN=1), "PINGPONG"),
-                      (dict(PINGPONG=1, TURN=1, RELTURN=1), "MERGE")):
+                      (dict(PINGPONG=1, TURN=1, RELTURN=1), "MERGE"), (dict(TRIO=1, PINGPONG=1), "TRIO"),
+                      (dict(TRIO=1, UNITE=1), "TRIO")):
         with pytest.raises(ValueError, match=name):
             _gluon_fwd_launch.sched_of(bad)
 

@@ -39,7 +39,7 @@ from streamkl_gpu.attention.gluon.fwd_sm90_fold import (_fold_sub, _fold_sub_laz
 
 
 WG_M = gl.constexpr(64)  # query rows per consumer warpgroup (the wgmma M)
-BLOCK_M = gl.constexpr(128)  # query rows per CTA: two consumer warpgroups
+BLOCK_M = gl.constexpr(128)  # query rows per CTA: two consumer warpgroups (TRIO: three, 192 rows)
 LOG2E = 1.4426950408889634
 
 
@@ -60,12 +60,12 @@ def _load_partition(q1_desc, k1_desc, q2_desc, k2_desc, q1_smem, q2_smem, k1_sme
         mbarrier.expect(q_bar, q1_desc.block_type.nbytes + q2_desc.block_type.nbytes)
         tma_load(q1_desc, [b, h, start_m, 0], q_bar, q1_smem.index(0))
         tma_load(q2_desc, [b, h, start_m, 0], q_bar, q2_smem.index(0))
-    else:
-        mbarrier.expect(q_bar, 2 * q1_desc.block_type.nbytes + 2 * q2_desc.block_type.nbytes)
-        tma_load(q1_desc, [b, h, start_m, 0], q_bar, q1_smem.index(0))
-        tma_load(q2_desc, [b, h, start_m, 0], q_bar, q2_smem.index(0))
-        tma_load(q1_desc, [b, h, start_m + WG_M, 0], q_bar, q1_smem.index(1))
-        tma_load(q2_desc, [b, h, start_m + WG_M, 0], q_bar, q2_smem.index(1))
+    else:  # one [64, D] block per consumer warpgroup and side
+        NUM_WG: gl.constexpr = 2 + _knob(SCHED, "TRIO")
+        mbarrier.expect(q_bar, NUM_WG * (q1_desc.block_type.nbytes + q2_desc.block_type.nbytes))
+        for w in gl.static_range(NUM_WG):
+            tma_load(q1_desc, [b, h, start_m + w * WG_M, 0], q_bar, q1_smem.index(w))
+            tma_load(q2_desc, [b, h, start_m + w * WG_M, 0], q_bar, q2_smem.index(w))
     for i in range(n_tiles):
         s = i % NUM_STAGES
         ph = (i // NUM_STAGES) & 1
@@ -336,6 +336,16 @@ def _consumer1(q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1
               BLOCK_N, NUM_STAGES, CAUSAL, VARIANT, SCHED)
 
 
+@gluon.jit
+def _consumer2(q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars,
+               KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, ONE,
+               D1: gl.constexpr, D2: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+               CAUSAL: gl.constexpr, VARIANT: gl.constexpr, SCHED: gl.constexpr):
+    _consumer(2, q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty, turn_bars,
+              KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2, ONE, D1, D2,
+              BLOCK_N, NUM_STAGES, CAUSAL, VARIANT, SCHED)
+
+
 @gluon.jit(do_not_specialize=["ONE"])
 def _gluon_kl_fwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, KL, LSE1, LSE2,
                          H, N_Q, N_K, GROUP1, GROUP2, qk_scale1, qk_scale2, ONE,
@@ -353,14 +363,16 @@ def _gluon_kl_fwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, KL, LSE1, LSE2,
     h = pid_bh % H
     kv_head1 = h // GROUP1  # GQA per side
     kv_head2 = h // GROUP2
-    start_m = pid_m * BLOCK_M
-    full_hi, key_hi = _fwd._key_stages(start_m, 0, N_K, N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL)
+    TRIO: gl.constexpr = _knob(SCHED, "TRIO")  # a third consumer warpgroup: 192 query rows per CTA
+    CTA_M: gl.constexpr = BLOCK_M + TRIO * WG_M
+    start_m = pid_m * CTA_M
+    full_hi, key_hi = _fwd._key_stages(start_m, 0, N_K, N_Q, N_K, CTA_M, BLOCK_N, CAUSAL)
     n_full = full_hi // BLOCK_N
     n_tiles = gl.cdiv(key_hi, BLOCK_N)
 
-    Q_BLOCKS: gl.constexpr = 2 - _knob(SCHED, "UNITE")  # UNITE: one [128, D] Q block per side
-    q1_smem = gl.allocate_shared_memory(q1_desc.dtype, [Q_BLOCKS, 1, 1, BLOCK_M // Q_BLOCKS, D1], q1_desc.layout)
-    q2_smem = gl.allocate_shared_memory(q2_desc.dtype, [Q_BLOCKS, 1, 1, BLOCK_M // Q_BLOCKS, D2], q2_desc.layout)
+    Q_BLOCKS: gl.constexpr = 2 - _knob(SCHED, "UNITE") + TRIO  # UNITE: one [128, D] Q block per side
+    q1_smem = gl.allocate_shared_memory(q1_desc.dtype, [Q_BLOCKS, 1, 1, CTA_M // Q_BLOCKS, D1], q1_desc.layout)
+    q2_smem = gl.allocate_shared_memory(q2_desc.dtype, [Q_BLOCKS, 1, 1, CTA_M // Q_BLOCKS, D2], q2_desc.layout)
     k1_smem = gl.allocate_shared_memory(k1_desc.dtype, [NUM_STAGES, 1, 1, BLOCK_N, D1], k1_desc.layout)
     k2_smem = gl.allocate_shared_memory(k2_desc.dtype, [NUM_STAGES, 1, 1, BLOCK_N, D2], k2_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -373,8 +385,8 @@ def _gluon_kl_fwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, KL, LSE1, LSE2,
         mbarrier.init(k1_ready.index(i), count=1)
         mbarrier.init(k2_ready.index(i), count=1)
         # both consumer warpgroups release a slot; RELTURN: k1_empty warpgroup 0's, k2_empty 1's
-        mbarrier.init(k1_empty.index(i), count=1 if _knob(SCHED, "RELTURN") or _knob(SCHED, "UNITE") else 2)
-        mbarrier.init(k2_empty.index(i), count=1 if _knob(SCHED, "RELTURN") or _knob(SCHED, "UNITE") else 2)
+        mbarrier.init(k1_empty.index(i), count=1 if _knob(SCHED, "RELTURN") or _knob(SCHED, "UNITE") else 2 + TRIO)
+        mbarrier.init(k2_empty.index(i), count=1 if _knob(SCHED, "RELTURN") or _knob(SCHED, "UNITE") else 2 + TRIO)
     turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(turn_bars.index(0), count=1)
     mbarrier.init(turn_bars.index(1), count=1)
@@ -391,6 +403,21 @@ def _gluon_kl_fwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, KL, LSE1, LSE2,
                                q_bar, k1_ready, k2_ready, k1_empty, k2_empty,
                                b, h, kv_head1, kv_head2, start_m, n_tiles, BLOCK_N, NUM_STAGES, SCHED)),
         ], [1], [24])
+    elif TRIO:
+        gl.warp_specialize([
+            (_consumer0, (q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty,
+                          turn_bars, KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2,
+                          ONE, D1, D2, BLOCK_N, NUM_STAGES, CAUSAL, VARIANT, SCHED)),
+            (_consumer1, (q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty,
+                          turn_bars, KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2,
+                          ONE, D1, D2, BLOCK_N, NUM_STAGES, CAUSAL, VARIANT, SCHED)),
+            (_consumer2, (q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty,
+                          turn_bars, KL, LSE1, LSE2, pid_bh, start_m, n_full, n_tiles, N_Q, N_K, qk_scale1, qk_scale2,
+                          ONE, D1, D2, BLOCK_N, NUM_STAGES, CAUSAL, VARIANT, SCHED)),
+            (_load_partition, (q1_desc, k1_desc, q2_desc, k2_desc, q1_smem, q2_smem, k1_smem, k2_smem,
+                               q_bar, k1_ready, k2_ready, k1_empty, k2_empty,
+                               b, h, kv_head1, kv_head2, start_m, n_tiles, BLOCK_N, NUM_STAGES, SCHED)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
     else:
         gl.warp_specialize([
             (_consumer0, (q1_smem, q2_smem, k1_smem, k2_smem, q_bar, k1_ready, k2_ready, k1_empty, k2_empty,

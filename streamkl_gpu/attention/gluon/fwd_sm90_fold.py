@@ -38,7 +38,7 @@ def _exp2(x, VARIANT: gl.constexpr):
 # ``fwd_sm90_launch.GluonFwdConfig``, packed by its ``sched_of``.
 SCHED_BITS = dict(PINGPONG=(0, 1), SPLIT=(1, 1), POLY=(2, 2), RESCALE=(4, 1), FENCE=(5, 2), ORDER=(7, 1),
                   LOOK=(8, 1), TURN=(9, 1), MERGE=(10, 1), RELTURN=(11, 1), FOLD=(12, 1), MASK1=(13, 1),
-                  DEFER=(14, 1), UNITE=(15, 1))
+                  DEFER=(14, 1), UNITE=(15, 1), TRIO=(16, 1))
 RESCALE_BITS = gl.constexpr(8.0)  # conditional rescaling: a new reference max only when the max grows by more
 
 

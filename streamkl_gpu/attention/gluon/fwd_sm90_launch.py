@@ -47,6 +47,7 @@ class GluonFwdConfig:
     mask1: int = 0  # masked tiles: the mask applied once
     defer: int = 0  # l1, l2, acc as per-thread partial sums, reduced across the quad at the end
     unite: int = 0  # both consumer warpgroups in one 8-warp partition: half the compile, 1.24-1.29x the time
+    trio: int = 0  # three consumer warpgroups, 192 query rows per CTA (512 threads: maxnreg 128, consumers 160)
     consumer_regs: int = 240
 
     def knobs(self) -> dict:
@@ -65,10 +66,10 @@ if not set(KNOB_FIELDS) <= {f.name for f in fields(GluonFwdConfig)}:
     raise ImportError(f"fwd_sm90_fold.SCHED_BITS has knobs GluonFwdConfig lacks: {sorted(KNOB_FIELDS)}")
 
 
-def _ring_stages(d1: int, d2: int, block_n: int) -> int:
-    """Key-ring depth that fits beside Q: per CTA Q takes 256 (D1+D2) bytes, a ring stage
+def _ring_stages(d1: int, d2: int, block_n: int, cta_rows: int = 128) -> int:
+    """Key-ring depth that fits beside Q: per CTA Q takes 2 cta_rows (D1+D2) bytes, a ring stage
     2 block_n (D1+D2) bytes; 227 KB of shared memory per CTA on sm_90; at most 4 stages."""
-    budget = 227 * 1024 - 2048 - 256 * (d1 + d2)
+    budget = 227 * 1024 - 2048 - 2 * cta_rows * (d1 + d2)
     return max(2, min(4, budget // (2 * block_n * (d1 + d2))))
 
 
@@ -113,7 +114,13 @@ def make_config(d1: int, d2: int, block_n: int, maxnreg: int, **knobs) -> GluonF
     """A launch configuration of ``block_n``-key tiles with the deepest ring that fits beside Q for
     head dims (d1, d2), ``maxnreg`` registers, and the given knobs (:class:`GluonFwdConfig` fields)
     on; the others off."""
-    return GluonFwdConfig(block_n=block_n, num_stages=_ring_stages(d1, d2, block_n), maxnreg=maxnreg, **knobs)
+    cta_rows = cta_query_rows(knobs.get("trio", 0))
+    return GluonFwdConfig(block_n=block_n, num_stages=_ring_stages(d1, d2, block_n, cta_rows), maxnreg=maxnreg, **knobs)
+
+
+def cta_query_rows(trio: int) -> int:
+    """Query rows per CTA: 64 per consumer warpgroup, two of them (TRIO: three)."""
+    return _kernel.BLOCK_M.value + trio * _kernel.WG_M.value
 
 
 def experiments(d1: int, d2: int):
@@ -146,6 +153,10 @@ def experiments(d1: int, d2: int):
         # DEFER: l1, l2, acc as per-thread partial row sums, the quad's shuffles once at the end:
         # 776 instead of 797 instructions per whole-tile loop, 8 SHFL instead of 20 (triton 3.6)
         cand(128, 168, defer=1, **d),
+        # TRIO: a third consumer warpgroup (more warps to issue from; the fold is issue-bound per
+        # warp), 160 registers per consumer thread instead of 240; 64-key tiles keep the scores in 64
+        cand(128, 128, trio=1, consumer_regs=160, **d),
+        cand(64, 128, trio=1, consumer_regs=160, **d),
     ]
 
 
@@ -175,7 +186,7 @@ def configs_to_measure(d1: int, d2: int):
 
 _FLAG_NAMES = dict(pingpong="pingpong", split="split", poly="poly", rescale="rescale", fence="fence",
                    order="s2first", look="look", turn="lateturn", merge="merged",
-                   relturn="relturn", fold="ffma", mask1="mask1", defer="defer")
+                   relturn="relturn", fold="ffma", mask1="mask1", defer="defer", trio="trio")
 
 
 def sched_of(knobs) -> int:
@@ -202,6 +213,8 @@ def sched_of(knobs) -> int:
         raise ValueError("DEFER (partial row sums) is written for the side-1-first fold without POLY or SPLIT")
     if cfg.get("UNITE") and (cfg.get("PINGPONG") or cfg.get("LOOK")):
         raise ValueError("UNITE (one consumer partition) does not take the turnstile (PINGPONG) or LOOK")
+    if cfg.get("TRIO") and (cfg.get("PINGPONG") or cfg.get("LOOK") or cfg.get("UNITE")):
+        raise ValueError("TRIO (three consumer warpgroups) does not take PINGPONG, LOOK or UNITE")
     if cfg.get("MASK1") and cfg.get("ORDER"):
         raise ValueError("MASK1 (the masked tiles' mask applied once) is written for the side-1-first fold, not ORDER")
     return out
@@ -270,7 +283,7 @@ def launch_args(q1, k1, q2, k2, causal, scale1, scale2, kl, lse1_bits, lse2_bits
              make_descriptor(q2, q_rows), make_descriptor(k2, block_n))
     args = descs + (kl, lse1_bits, lse2_bits, H, N_Q, N_K, H // k1.shape[1], H // k2.shape[1],
                     scale1 * _kernel.LOG2E, scale2 * _kernel.LOG2E, 1)
-    grid = (triton.cdiv(N_Q, _kernel.BLOCK_M.value), B * H)
+    grid = (triton.cdiv(N_Q, cta_query_rows((constexprs["SCHED"] >> _fold.SCHED_BITS["TRIO"][0]) & 1)), B * H)
     return grid, args, dict(constexprs), dict(options)
 
 
