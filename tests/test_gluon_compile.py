@@ -56,6 +56,8 @@ LAZY_SPECS = ["bf16:full:128:128", "fp16:causal:128:128", "bf16:causal:128:128",
 # The quick twin of the causal default (``fwd_sm90_launch.quick_twin``: UNITE, both consumer
 # warpgroups in one partition), what a first call at a new shape runs while the default compiles.
 TWIN_SPEC = "bf16:causal:128:128:" + config_spec(_gluon_fwd_launch.quick_twin(_gluon_fwd_launch.kernel_config(128, 128)))
+# TRIO, what the shape rule runs without a causal mask from 8K keys (three consumer warpgroups).
+TRIO_SPEC = "bf16:full:128:128:" + config_spec(_gluon_fwd_launch.trio_config(128, 128))
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +66,7 @@ def compiled():
     runs under the interpreter, which Gluon does not support); one JSON line per spec."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # 3.9 warns when unset; 1 is its default
-    proc = subprocess.run([sys.executable, "-m", "streamkl_gpu.devtools.sass", *CI_SPECS, *LAZY_SPECS, TWIN_SPEC], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "streamkl_gpu.devtools.sass", *CI_SPECS, *LAZY_SPECS, TWIN_SPEC, TRIO_SPEC], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"Gluon compile failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -101,6 +103,83 @@ def test_sass_of_the_quick_twin(compiled):
         assert loop["spills"] <= 16, f"{loop['spills']} local-memory accesses in a key-tile loop: {loop}"
     assert row["hgmma"] * 2 == default["hgmma"], (row["hgmma"], default["hgmma"])
     assert row["resources"]["stack"] <= 128 and row["resources"]["local"] == 0, row["resources"]
+
+
+def test_sass_of_trio(compiled):
+    """Three copies of the lazy fold (one per consumer warpgroup: a whole-tile loop with its rare
+    path, a masked loop), no serialised products, the launch within 128 registers (512 threads),
+    a bounded few spills (triton 3.9 keeps up to 27 local accesses in the masked loops, which
+    without a causal mask fold only a ragged last tile; 3.6, the GPU's, 0-5:
+    bench/results/2026-12-06_sass-sm90_ad34345/)."""
+    row = compiled[TRIO_SPEC]
+    k_steps = 256 // 16
+    loops = row["loops"]
+    assert sorted(lp["hgmma"] // k_steps for lp in loops) == [1, 1, 1, 2, 2, 2], f"three folds expected: {loops}"
+    for loop in loops:
+        assert 1 <= loop["depbar"] <= 2 * (loop["hgmma"] // k_steps), f"serialised products? {loop}"
+        bound = 16 if loop["hgmma"] // k_steps == 2 else 32  # whole-tile loops / masked loops
+        assert loop["spills"] <= bound, f"{loop['spills']} local-memory accesses in a key-tile loop: {loop}"
+    assert row["resources"]["reg"] <= 128 and row["resources"]["local"] == 0, row["resources"]
+    assert row["resources"]["stack"] <= 192, row["resources"]
+
+
+def test_trio_rule_class_candidates_and_twin():
+    """The shape rule puts TRIO first only in its measured class (no causal mask, D = 128 / 128,
+    bf16, no GQA, 8K or more query rows and keys); its quick twin is the default's (bitwise the
+    same outputs without a causal mask), and it has none with one."""
+    L = _gluon_fwd_launch
+    bf16, fp16 = torch.bfloat16, torch.float16
+    assert L.trio_class(128, 128, False, 8192, 8192, bf16, bf16, False)
+    assert L.trio_class(128, 128, False, 65536, 16384, bf16, bf16, False)
+    for args in ((128, 128, True, 65536, 65536, bf16, bf16, False), (128, 128, False, 4096, 8192, bf16, bf16, False),
+                 (128, 128, False, 8192, 4096, bf16, bf16, False), (64, 128, False, 8192, 8192, bf16, bf16, False),
+                 (128, 128, False, 8192, 8192, fp16, fp16, False), (128, 128, False, 8192, 8192, bf16, bf16, True)):
+        assert not L.trio_class(*args), args
+    trio = L.trio_config(128, 128)
+    assert (trio.trio, trio.block_n, trio.maxnreg, trio.consumer_regs) == (1, 128, 128, 160)
+    assert L.candidates(128, 128, trio=True) == [trio, L.kernel_config(128, 128)]
+    assert L.candidates(128, 128) == [L.kernel_config(128, 128)]
+    assert trio.sched == L.kernel_config(128, 128).sched | (1 << _gluon_fold.SCHED_BITS["TRIO"][0])
+    assert L.quick_twin(trio) == L.quick_twin(L.kernel_config(128, 128))
+    assert L.quick_twin(trio, causal=True) is None
+
+
+@pytest.mark.parametrize("causal, n, gqa, want_trio", [(False, 8192, False, True), (True, 8192, False, False),
+                                                      (False, 4096, False, False), (False, 8192, True, False)])
+def test_the_dispatch_runs_the_rules_config_untimed(monkeypatch, causal, n, gqa, want_trio):
+    """``dispatch.gluon_forward`` (the API's Gluon path) launches the shape rule's first candidate:
+    TRIO in its class, the default elsewhere."""
+    launched = []
+    monkeypatch.setattr(_gluon_fwd_launch, "gluon_forward", lambda *a, config=None, **k: launched.append(config))
+    monkeypatch.delenv("STREAMKL_AUTOTUNE", raising=False)
+    q = torch.zeros(1, 2, n, 128, dtype=torch.bfloat16)
+    k = q[:, :1] if gqa else q
+    dispatch.gluon_forward(q, k, q, k, causal, 0.1, 0.1)
+    assert launched == [_gluon_fwd_launch.trio_config(128, 128) if want_trio else _gluon_fwd_launch.kernel_config(128, 128)]
+
+
+def test_trio_rule_cites_rows_where_it_won_with_the_same_outputs():
+    """Every point the rule's comment cites: TRIO (trio_n128) faster than the default, its KL
+    bitwise the default's (max abs difference 0), in the committed CSV of the H200 run; and the
+    causal points that keep it out of the class slower at 4K and 8K."""
+    import csv
+
+    rows = []
+    folder = os.path.dirname(os.path.join(ROOT, _gluon_fwd_launch.TRIO_RULE_CSV))
+    for name in ("trio_timing.csv", "trio_timing_long.csv"):
+        with open(os.path.join(folder, name), newline="") as fh:
+            rows += list(csv.DictReader(fh))
+    trio = {}
+    for r in rows:
+        if r["provider"] == "trio_n128":
+            trio.setdefault(r["point"], []).append(r)
+    for n in _gluon_fwd_launch.TRIO_RULE_POINTS:
+        measured = trio[f"fwd N={n} full"]
+        assert all(float(r["over_default"]) < 1.0 and float(r["rel_diff_vs_default"]) == 0.0 for r in measured), measured
+        assert all(r["gpu_name"] == "NVIDIA H200" and r["rounds"] == "5" for r in measured)
+    for n in (4096, 8192):
+        assert all(float(r["over_default"]) > 1.0 for r in trio[f"fwd N={n} causal"])
+    assert _gluon_fwd_launch.TRIO_MIN_KEYS == min(_gluon_fwd_launch.TRIO_RULE_POINTS)
 
 
 @pytest.mark.parametrize("spec", CI_SPECS)

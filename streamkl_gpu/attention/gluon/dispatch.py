@@ -162,7 +162,9 @@ def gluon_forward(q1, k1, q2, k2, causal, scale1, scale2, out=None, dims=None):
             pouts = tuple(torch.empty((dims.B, dims.H, nq), dtype=torch.float32, device=q1.device)
                           for _ in range(3))
             proxy = runner((q1[:, :, :nq], k1[:, :, :nk], q2[:, :, :nq], k2[:, :, :nk]), pouts)
-        cand = pick(key, _gluon_fwd_launch.candidates(dims.D1, dims.D2), launch, proxy, q1.device)
+        trio = _gluon_fwd_launch.trio_class(dims.D1, dims.D2, causal, dims.NQ, dims.NK, q1.dtype, q2.dtype,
+                                            dims.group1 > 1 or dims.group2 > 1)
+        cand = pick(key, _gluon_fwd_launch.candidates(dims.D1, dims.D2, trio), launch, proxy, q1.device)
         if autotune_enabled():  # untuned picks are not remembered
             _PICKED[key] = cand
     launch(cand)
