@@ -12,7 +12,8 @@ halves so that the side-1 half runs while the side-2 product is still on the ten
 
 Schedule: one CTA owns 128 query rows of one (b, h).
 - a TMA producer warp loads Q1, Q2 (once) and the key tiles K1, K2 into an ``NUM_STAGES`` ring;
-- two consumer warpgroups (64 query rows each, Q read by the wgmma from shared memory) issue, per
+- two consumer warpgroups (``TRIO``: three, 192 rows per CTA; 64 query rows each, Q read by the
+  wgmma from shared memory) issue, per
   key tile, ``S1 = Q1 K1^T`` and ``S2 = Q2 K2^T`` as async wgmma, wait for S1 only, fold S1 (max,
   exponentials, l1) while S2 runs, then wait for S2 and fold it (l2, log-ratio, acc). Both waits
   are inside the iteration: issuing across the loop back-edge made ptxas serialise every HGMMA
@@ -384,7 +385,7 @@ def _gluon_kl_fwd_kernel(q1_desc, k1_desc, q2_desc, k2_desc, KL, LSE1, LSE2,
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k1_ready.index(i), count=1)
         mbarrier.init(k2_ready.index(i), count=1)
-        # both consumer warpgroups release a slot; RELTURN: k1_empty warpgroup 0's, k2_empty 1's
+        # every consumer warpgroup releases a slot; RELTURN: k1_empty warpgroup 0's, k2_empty 1's
         mbarrier.init(k1_empty.index(i), count=1 if _knob(SCHED, "RELTURN") or _knob(SCHED, "UNITE") else 2 + TRIO)
         mbarrier.init(k2_empty.index(i), count=1 if _knob(SCHED, "RELTURN") or _knob(SCHED, "UNITE") else 2 + TRIO)
     turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
