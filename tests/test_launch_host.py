@@ -78,8 +78,8 @@ def test_a_training_call_binds_its_backward_plan_once(monkeypatch):
 def test_a_forward_only_call_leaves_the_backward_modules_unimported():
     """The backward's kernels and dispatch are imported at a training call's first use (``LazyModule``),
     not when ``attention_kl`` is resolved or run without gradients; the first read puts the module
-    itself in ``launch``'s globals (nothing added per later call). A fresh process: the test session
-    has imported everything."""
+    itself in ``launch``'s globals (nothing added per later call). A fresh process: this pytest
+    process has imported everything."""
     import os
     import subprocess
     import sys

@@ -279,7 +279,8 @@ def make_descriptor(t, rows: int):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
-_STATICS: dict = {}  # (D1, D2, config, causal, VARIANT) -> (block_n, constexprs, options): the per-call host work
+# (D1, D2, config, causal, VARIANT) -> (block_n, q_rows, cta_rows, constexprs, options): the per-call host work
+_STATICS: dict = {}
 _MAX_STATICS = 1024
 
 
@@ -297,7 +298,8 @@ def _statics(D1, D2, config, causal, variant):
             options["maxnreg"] = cfg.maxnreg
         if len(_STATICS) >= _MAX_STATICS:
             _STATICS.clear()
-        hit = _STATICS[key] = (cfg.block_n, constexprs, options)
+        q_rows = _kernel.BLOCK_M.value if cfg.unite else _kernel.WG_M.value  # a TMA block of Q
+        hit = _STATICS[key] = (cfg.block_n, q_rows, cta_query_rows(cfg.trio), constexprs, options)
     return hit
 
 
@@ -309,13 +311,12 @@ def launch_args(q1, k1, q2, k2, causal, scale1, scale2, kl, lse1_bits, lse2_bits
     B, H, N_Q, D1 = q1.shape
     N_K, D2 = k1.shape[2], q2.shape[3]
     variant = _diagnostics.attention_fwd_variant(_forcing.forced("attention_fwd_variant"), causal)
-    block_n, constexprs, options = _statics(D1, D2, config, causal, variant)
-    q_rows = _kernel.BLOCK_M.value if (constexprs["SCHED"] >> _fold.SCHED_BITS["UNITE"][0]) & 1 else _kernel.WG_M.value
+    block_n, q_rows, cta_rows, constexprs, options = _statics(D1, D2, config, causal, variant)
     descs = (make_descriptor(q1, q_rows), make_descriptor(k1, block_n),
              make_descriptor(q2, q_rows), make_descriptor(k2, block_n))
     args = descs + (kl, lse1_bits, lse2_bits, H, N_Q, N_K, H // k1.shape[1], H // k2.shape[1],
                     scale1 * _kernel.LOG2E, scale2 * _kernel.LOG2E, 1)
-    grid = (triton.cdiv(N_Q, cta_query_rows((constexprs["SCHED"] >> _fold.SCHED_BITS["TRIO"][0]) & 1)), B * H)
+    grid = (triton.cdiv(N_Q, cta_rows), B * H)
     return grid, args, dict(constexprs), dict(options)
 
 
