@@ -102,3 +102,28 @@ print("ok")
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_a_training_call_takes_the_c_apply_outside_functorch_transforms(monkeypatch):
+    """Outside functorch transforms the eager Function is applied through the C ``apply`` (the same
+    graph node and gradients as ``Function.apply``, without its Python wrapper); inside one,
+    ``Function.apply`` decides as before (this Function defines no ``setup_context``: it refuses)."""
+    import streamkl_gpu
+    from streamkl_gpu.attention import ops
+
+    xs = [x.requires_grad_(i >= 2) for i, x in enumerate(make_inputs(1, 2, 1, 2, 12, 20, 16, 8, seed=5))]
+    g = torch.randn(1, 2, 12)
+    direct = []
+    real_c = ops._apply_c
+    monkeypatch.setattr(ops, "_apply_c", lambda *a: direct.append(1) or real_c(*a))
+    kl = streamkl_gpu.attention_kl(*xs, causal=True)
+    assert direct == [1] and type(kl.grad_fn).__name__ == "_EagerAttentionKLBackward"
+    fast = torch.autograd.grad(kl, xs[2:], g)
+    monkeypatch.setattr(ops, "_transforms_active", lambda: True)  # as if inside a transform: Function.apply
+    kl_wrapped = streamkl_gpu.attention_kl(*xs, causal=True)
+    assert direct == [1]
+    for a, b in zip(fast, torch.autograd.grad(kl_wrapped, xs[2:], g)):
+        assert torch.equal(a, b)
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda q2: streamkl_gpu.attention_kl(xs[0], xs[1], q2, xs[3]).sum())(xs[2].detach())

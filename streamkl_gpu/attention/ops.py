@@ -141,6 +141,21 @@ class _EagerAttentionKL(torch.autograd.Function):
                 dq2 if need[2] else None, dk2 if need[3] else None, None)
 
 
+# ``Function.apply`` is a Python wrapper around the C ``apply`` (``torch._C._FunctionBase``): outside
+# functorch transforms it only passes each tensor argument through ``unwrap_if_dead`` (a tensor left
+# over from a finished vmap or grad) and calls it; ``_train`` does the same without the wrapper's
+# generic argument handling (about 4 us a call). Inside a transform it takes ``Function.apply``.
+_apply_c = super(torch.autograd.Function, _EagerAttentionKL).apply
+_transforms_active = torch._C._are_functorch_transforms_active
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+
+
+def _train(q1, k1, q2, k2, opts):
+    if _transforms_active():
+        return _EagerAttentionKL.apply(q1, k1, q2, k2, opts)
+    return _apply_c(_unwrap_if_dead(q1), _unwrap_if_dead(k1), _unwrap_if_dead(q2), _unwrap_if_dead(k2), opts)
+
+
 def _call(q1, k1, q2, k2, causal, scale1, scale2, split_k, bwd_mode, deterministic, want_lse=True):
     """Check the arguments, then run the forward: (kl in nats, lse1, lse2 in bits), or the KL
     alone with ``want_lse=False``.
@@ -155,7 +170,7 @@ def _call(q1, k1, q2, k2, causal, scale1, scale2, split_k, bwd_mode, determinist
         out = _kl_fwd_op(q1, k1, q2, k2, causal, dims.scale1, dims.scale2,
                          0 if split_k is None else split_k, bwd_mode, deterministic)
     elif torch.is_grad_enabled() and (q1.requires_grad or k1.requires_grad or q2.requires_grad or k2.requires_grad):
-        return _EagerAttentionKL.apply(q1, k1, q2, k2, (causal, dims, split_k, bwd_mode, deterministic, want_lse))
+        return _train(q1, k1, q2, k2, (causal, dims, split_k, bwd_mode, deterministic, want_lse))
     else:  # nothing to train
         out = _forward(q1, k1, q2, k2, causal, dims.scale1, dims.scale2, split_k, dims=dims)
     return out if want_lse else out[0]
