@@ -177,3 +177,71 @@ def test_backward_property(H_mult, NQ, NK, D1, D2, causal, setting, mode, seed):
             assert grads[name].abs().max().item() <= 1e-6
         else:
             assert_close(name, grads[name], ref[name], same[name], dtype=torch.float32)
+
+
+def _backward_plans():
+    from streamkl_gpu.attention import launch
+    return [p for p in launch._PLANS.values() if isinstance(p, launch._TritonBackward)]
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("B,H,HK1,HK2,NQ,NK,causal", [
+    pytest.param(1, 2, 2, 1, 7, 12, False, id="gqa"),
+    pytest.param(2, 2, 1, 2, 9, 16, True, id="causal-nq<nk"),
+    pytest.param(1, 2, 2, 2, 12, 12, True, id="causal-square"),
+])
+def test_one_key_tile_backward_is_one_launch(monkeypatch, B, H, HK1, HK2, NQ, NK, causal, setting):
+    """All keys in one tile of the fused dK kernel, every row seeing a key: "auto" runs that kernel
+    alone (where the launch-count rule said "separate": few key-tile programs), storing dQ whole
+    in the input's dtype; the gradients match the reference and the separate kernels'."""
+    from streamkl_gpu.attention import launch
+
+    monkeypatch.setattr(launch, "n_sm", lambda device: 132)  # auto_bwd_mode's launch-count rule: "separate"
+    launch._PLANS.clear()
+    launch._BINDINGS.clear()
+    train = SETTINGS[setting]
+    xs = make_inputs(B, H, HK1, HK2, NQ, NK, 16, 16, seed=NQ + 5 * NK)
+    g = torch.randn(B, H, NQ, generator=torch.Generator().manual_seed(2))
+    _, grads = run_grads(xs, train, g, causal=causal)
+    (plan,) = _backward_plans()
+    assert plan.mode == "fused" and plan.dk_constexprs["DQ_STORE"], (plan.mode, plan.dk_constexprs)
+    assert plan.dq_grid is None  # no dQ kernel
+    for spec in (plan.dq1, plan.dq2):
+        assert spec is None or (spec[1] == xs[0].dtype and not spec[2])  # the input's dtype, not zeroed
+    *_, ref = reference(xs, g, causal=causal)
+    _, same = same_precision(xs, g, train=train, causal=causal)
+    _, sep = run_grads(xs, train, g, causal=causal, bwd_mode="separate")
+    for name, t in zip(GRAD_NAMES, train):
+        if t:
+            assert_close(name, grads[name], ref[name], same[name], dtype=torch.float32)
+            assert_close(name, grads[name], sep[name].double(), None, dtype=torch.float32, floor=2e-6)
+
+
+def test_one_key_tile_rule():
+    from streamkl_gpu.attention.configs import ONE_TILE_MAX_QUERIES, one_tile_backward
+
+    dims = check_inputs(*make_inputs(1, 2, 2, 2, 1, 64, 16, 16))
+    def at(nq, nk):
+        return type(dims)(**{**dims.__dict__, "NQ": nq, "NK": nk})
+    assert one_tile_backward(at(1, 64), causal=False, block_n=128)
+    assert one_tile_backward(at(64, 64), causal=True, block_n=64)
+    assert not one_tile_backward(at(1, 129), causal=False, block_n=128)  # two key tiles
+    assert not one_tile_backward(at(65, 64), causal=True, block_n=128)  # a row that sees no key
+    assert one_tile_backward(at(65, 64), causal=False, block_n=128)
+    assert not one_tile_backward(at(ONE_TILE_MAX_QUERIES + 1, 64), causal=False, block_n=128)  # long query block
+
+
+def test_one_key_tile_with_empty_rows_keeps_the_separate_kernels(monkeypatch):
+    """Causal with N_Q > N_K: the first rows see no key and the one-tile kernel would not visit
+    them; "auto" keeps the separate kernels (zero gradient on those rows)."""
+    from streamkl_gpu.attention import launch
+
+    monkeypatch.setattr(launch, "n_sm", lambda device: 132)
+    launch._PLANS.clear()
+    launch._BINDINGS.clear()
+    xs = make_inputs(1, 2, 2, 2, 14, 9, 16, 16, seed=3)
+    g = torch.randn(1, 2, 14, generator=torch.Generator().manual_seed(3))
+    _, grads = run_grads(xs, SETTINGS["s1"], g, causal=True)
+    (plan,) = _backward_plans()
+    assert plan.mode == "separate" and not plan.dk_constexprs["DQ_STORE"]
+    assert (grads["dq2"][:, :, :5] == 0).all()

@@ -343,6 +343,22 @@ def bwd_streams(dims, n_sm: int) -> bool:
     return False
 
 
+# A backward whose keys fit in one key tile of the fused dK kernel runs that kernel alone (it
+# stores dQ whole, DQ_STORE: launch.py's _TritonBackward): one launch where the separate path
+# makes two, and no zeroed fp32 dQ buffer or conversion where the fused path adds dQ by atomics.
+# Every query tile is then walked by one program per (batch, head), so the "auto" mode takes it
+# only for short query blocks, where a call's time is the host's and its launches' (the tiny
+# shape of the host-cost measurement: N_Q = 1, N_K = 64). Reasoned, not timed on a GPU yet.
+ONE_TILE_MAX_QUERIES = 256
+
+
+def one_tile_backward(dims, causal: bool, block_n: int) -> bool:
+    """Does the "auto" backward run the fused dK kernel alone, storing dQ (``ONE_TILE_MAX_QUERIES``)?
+    Every key in one tile of ``block_n`` keys, and every query row visited by that tile's program
+    (not causal, or N_Q <= N_K: bottom-right causal rows then all see key 0)."""
+    return dims.NK <= block_n and dims.NQ <= ONE_TILE_MAX_QUERIES and (not causal or dims.NQ <= dims.NK)
+
+
 def auto_split_k(dims, block_m: int, block_n: int, n_sm: int) -> int:
     """Split the keys across programs when the query blocks alone cannot fill the GPU.
 

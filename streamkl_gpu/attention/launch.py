@@ -22,7 +22,8 @@ from streamkl_gpu.attention.gluon.dispatch import device_capability, fwd_backend
 from streamkl_gpu._core.checks import check_bwd_mode, check_tensors, compute_view, head_pad, is_empty, strides
 from streamkl_gpu._core.runtime import LOG2E, LazyModule, TensorDescriptor, cdiv, fresh, interpreting, n_sm, tma_ok
 from streamkl_gpu._core.tuning import UnusableConfig, autotune_enabled, bucket, pick
-from streamkl_gpu.attention.configs import BWD_TMA_MIN_KEYS, TMA_MIN_KEYS, auto_bwd_mode, bwd_streams, bwd_variant, bwd_variant_candidates, fwd_candidates, split_choices, tuning_slice
+from streamkl_gpu.attention.configs import (BWD_TMA_MIN_KEYS, TMA_MIN_KEYS, auto_bwd_mode, bwd_streams, bwd_variant, bwd_variant_candidates,
+                                          fwd_candidates, one_tile_backward, split_choices, tuning_slice)
 
 # the backward's kernels and dispatch, imported at a training call's first use (a forward-only
 # first call does without them)
@@ -433,10 +434,16 @@ class _TritonBackward:
                 return ((B, H, NK, d), torch.float32, False), False
             return ((B, k.shape[1], NK, d), torch.float32, True), True
 
+        # the fused dK kernel stores dQ whole (DQ_STORE) where its grid's one key tile holds every
+        # key and it visits every query row (causal with N_Q > N_K skips the rows that see no key)
+        parts = cfg_dk.variant.split("+")
+        store_dq = (fused and "reduce" not in parts and cdiv(NK, cfg_dk.block_n) == 1
+                    and (not causal or NQ <= NK))
+
         def dq_buffer(train, q, d):
             if not train:
                 return None
-            return ((B, H, NQ, d), torch.float32, True) if fused else ((B, H, NQ, d), q.dtype, False)
+            return ((B, H, NQ, d), torch.float32, True) if fused and not store_dq else ((B, H, NQ, d), q.dtype, False)
 
         self.dk1, dk1_atomic = dk_buffer(train1, k1, dims.group1, dims.D1)
         self.dk2, dk2_atomic = dk_buffer(train2, k2, dims.group2, dims.D2)
@@ -459,7 +466,6 @@ class _TritonBackward:
                     _BoundDescriptor(q2.shape, q2.stride(), (1, 1, cfg.block_m, d2_pad)),
                     _BoundDescriptor(k2.shape, k2.stride(), (1, 1, cfg.block_n, d2_pad)))
 
-        parts = cfg_dk.variant.split("+")
         use_tma = "tma" in parts
         self.reduce_dq = reduce_dq = fused and "reduce" in parts
         self.dk_grid = (cdiv(NK, cfg_dk.block_n), BH, 1)
@@ -469,7 +475,8 @@ class _TritonBackward:
             TRAIN1=train1, TRAIN2=train2, FUSED_DQ=fused, DK1_ATOMIC=dk1_atomic, DK2_ATOMIC=dk2_atomic,
             IEEE1=ieee1, IEEE2=ieee2,
             USE_TMA=use_tma, TRANS="trans" in parts, FOLD="fold" in parts, DQ_REDUCE=reduce_dq,
-            ROWS="rows" in parts, ROWS_PACKED="pack" in parts, POLY=int("poly" in parts), **_launch_opts(parts))
+            ROWS="rows" in parts, ROWS_PACKED="pack" in parts, POLY=int("poly" in parts), DQ_STORE=store_dq,
+            **_launch_opts(parts))
         self.dk_tma = tma_descs(cfg_dk) if use_tma else None
         # the rows pre-pass: planes [6, B*H, N_Q] (one TMA load of [1, 1, BLOCK_M] per value) or,
         # "pack", [B*H, N_Q, 8] rows (one load of [1, BLOCK_M, 4], or 8 with both settings, per query tile)
@@ -646,12 +653,16 @@ def _backward_plan(sig, g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, dims, causa
     mode = check_bwd_mode(bwd_mode)
     if deterministic:
         mode = "separate"  # no atomics on dQ
-    elif mode == "auto":  # new_kernels: the TMA variants are candidates (bwd_variant_candidates)
-        mode = auto_bwd_mode(dims, n_sm(device), both, tma and not (ieee1 or ieee2))
-    fused = mode == "fused"
-    side = None if fused else _side_stream(dims, device)
     sliced = tuning_slice(dims, causal)
     few = sliced is not None  # long problems: fewer candidates (each compiles), timed on a bounded slice
+    if mode == "auto":  # new_kernels: the TMA variants are candidates (bwd_variant_candidates)
+        mode = auto_bwd_mode(dims, n_sm(device), both, tma and not (ieee1 or ieee2))
+        if mode == "separate":  # all keys in one tile of the fused dK kernel: that kernel alone
+            first = bwd_variant_candidates(max(d1_pad, d2_pad), both, "dk", ieee1 or ieee2, tma, True, few, dims.NQ)[0]
+            if one_tile_backward(dims, causal, first.block_n):
+                mode = "fused"
+    fused = mode == "fused"
+    side = None if fused else _side_stream(dims, device)
     dk_cands = bwd_variant_candidates(max(d1_pad, d2_pad), both, "dk", ieee1 or ieee2, tma, fused, few, dims.NQ)
     dq_cands = bwd_variant_candidates(max(d1_pad, d2_pad), both, "dq", ieee1 or ieee2, tma, fused, few, dims.NQ)
     on = dict(dims=dims, q1=q1, k1=k1, q2=q2, k2=k2, g=g, kl=kl, lse1_bits=lse1_bits, lse2_bits=lse2_bits)

@@ -211,10 +211,12 @@ def _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, kl_bits, g, offs_m, cols, N_K
 @triton.jit
 def _dk_dq_side(dk, ds, q, k, dq_ptrs, dq_mask, dq_desc, tma_b, h, start_m,
                 MASKED: tl.constexpr, FUSED_DQ: tl.constexpr, IEEE: tl.constexpr,
-                TRANS: tl.constexpr = False, DQ_REDUCE: tl.constexpr = False):
+                TRANS: tl.constexpr = False, DQ_REDUCE: tl.constexpr = False, DQ_STORE: tl.constexpr = False):
     """One side's share of a tile: dK += dS^T Q in registers; with FUSED_DQ, dQ += dS K by atomics
     (per element, or with DQ_REDUCE one TMA bulk reduce-add of the whole [BLOCK_M, D] tile; rows
-    past N_Q and dims past D fall outside the descriptor and are dropped). TRANS: ``ds`` holds dS^T."""
+    past N_Q and dims past D fall outside the descriptor and are dropped), or with DQ_STORE (the
+    launch's one key tile holds every key: this product is the row's whole dQ) a plain store in
+    the buffer's dtype. TRANS: ``ds`` holds dS^T."""
     ds = ds.to(q.dtype)  # the tensor-core operand precision, as FlashAttention's backward
     if MASKED:  # a NaN query row must not reach the dK of keys it cannot see
         q = _finite(q)
@@ -229,7 +231,9 @@ def _dk_dq_side(dk, ds, q, k, dq_ptrs, dq_mask, dq_desc, tma_b, h, start_m,
             dq = _dot(tl.trans(ds), k, IEEE)
         else:
             dq = _dot(ds, k, IEEE)
-        if DQ_REDUCE:
+        if DQ_STORE:
+            tl.store(dq_ptrs, dq.to(dq_ptrs.dtype.element_ty), mask=dq_mask)
+        elif DQ_REDUCE:
             dq_desc.atomic_add([tma_b, h, start_m, 0], dq.reshape(1, 1, dq.shape[0], dq.shape[1]))
         else:
             tl.atomic_add(dq_ptrs, dq, mask=dq_mask, sem="relaxed")
@@ -248,7 +252,7 @@ def _dk_query_range(
     q1_desc, q2_desc, dq1_desc, dq2_desc, tma_b, h,
     USE_TMA: tl.constexpr, TRANS: tl.constexpr, FOLD: tl.constexpr, DQ_REDUCE: tl.constexpr,
     rows_desc, pid_bh, ROWS: tl.constexpr, ROWS_PACKED: tl.constexpr = False,
-    POLY: tl.constexpr = 0,
+    POLY: tl.constexpr = 0, DQ_STORE: tl.constexpr = False,
 ):
     offs_d1 = tl.arange(0, D1_PAD)
     offs_d2 = tl.arange(0, D2_PAD)
@@ -303,11 +307,11 @@ def _dk_query_range(
         if TRAIN1:
             dk1 = _dk_dq_side(dk1, ds1, q1, k1, DQ1 + rows64[:, None] * stride_dq1n + offs_d1[None, :],
                               row_ok[:, None] & (offs_d1[None, :] < D1), dq1_desc, tma_b, h, start_m,
-                              MASKED, FUSED_DQ, IEEE1, TRANS, DQ_REDUCE)
+                              MASKED, FUSED_DQ, IEEE1, TRANS, DQ_REDUCE, DQ_STORE)
         if TRAIN2:
             dk2 = _dk_dq_side(dk2, ds2, q2, k2, DQ2 + rows64[:, None] * stride_dq2n + offs_d2[None, :],
                               row_ok[:, None] & (offs_d2[None, :] < D2), dq2_desc, tma_b, h, start_m,
-                              MASKED, FUSED_DQ, IEEE2, TRANS, DQ_REDUCE)
+                              MASKED, FUSED_DQ, IEEE2, TRANS, DQ_REDUCE, DQ_STORE)
     return dk1, dk2
 
 
@@ -342,6 +346,9 @@ def _kl_bwd_dk_kernel(
     # ROWS_PACKED (with ROWS): ROWS_DESC over [B*H, N_Q, 8] (PACKED_PLANES), blocks [1, BLOCK_M, 4 or 8]
     ROWS_PACKED: tl.constexpr = False,
     POLY: tl.constexpr = 0,  # setting 1: half of P2's exponentials on the FMA pipe (_exp2_split)
+    # with FUSED_DQ: the grid's one key tile holds every key (N_K <= BLOCK_N) and every query row
+    # is visited (not causal, or N_Q <= N_K): dQ is stored, not added (no zeroed buffer, no atomics)
+    DQ_STORE: tl.constexpr = False,
 ):
     # VARLEN: as in _kl_fwd_kernel (b is the sequence, N_Q/N_K the totals, [total, H, D] tensors
     # as [1, H, total, D] views); the grid covers the longest sequence's key tiles.
@@ -403,7 +410,7 @@ def _kl_bwd_dk_kernel(
         N_Q, N_K, D1, D2, diag_offset, qk_scale1, qk_scale2, scale1, scale2,
         BLOCK_M, D1_PAD, D2_PAD, True, CAUSAL, TRAIN1, TRAIN2, FUSED_DQ, IEEE1, IEEE2,
         Q1_DESC, Q2_DESC, DQ1_DESC, DQ2_DESC, b, h, USE_TMA, TRANS, FOLD, DQ_REDUCE, ROWS_DESC, pid_bh, ROWS,
-            ROWS_PACKED, POLY)
+            ROWS_PACKED, POLY, DQ_STORE)
     if start_n + BLOCK_N <= N_K:
         dk1, dk2 = _dk_query_range(
             dk1, dk2, k1, k2, start_n, cols, m_full, N_Q,
@@ -412,7 +419,7 @@ def _kl_bwd_dk_kernel(
             N_Q, N_K, D1, D2, diag_offset, qk_scale1, qk_scale2, scale1, scale2,
             BLOCK_M, D1_PAD, D2_PAD, False, CAUSAL, TRAIN1, TRAIN2, FUSED_DQ, IEEE1, IEEE2,
             Q1_DESC, Q2_DESC, DQ1_DESC, DQ2_DESC, b, h, USE_TMA, TRANS, FOLD, DQ_REDUCE, ROWS_DESC, pid_bh, ROWS,
-            ROWS_PACKED, POLY)
+            ROWS_PACKED, POLY, DQ_STORE)
     else:  # the ragged last key tile: keys past N_K must be masked out of every query tile
         dk1, dk2 = _dk_query_range(
             dk1, dk2, k1, k2, start_n, cols, m_full, N_Q,
@@ -421,7 +428,7 @@ def _kl_bwd_dk_kernel(
             N_Q, N_K, D1, D2, diag_offset, qk_scale1, qk_scale2, scale1, scale2,
             BLOCK_M, D1_PAD, D2_PAD, True, CAUSAL, TRAIN1, TRAIN2, FUSED_DQ, IEEE1, IEEE2,
             Q1_DESC, Q2_DESC, DQ1_DESC, DQ2_DESC, b, h, USE_TMA, TRANS, FOLD, DQ_REDUCE, ROWS_DESC, pid_bh, ROWS,
-            ROWS_PACKED, POLY)
+            ROWS_PACKED, POLY, DQ_STORE)
 
     if TRAIN1:
         if DK1_ATOMIC:  # GQA: add into the shared key head's fp32 buffer
