@@ -22,6 +22,12 @@ from streamkl_gpu.attention.gluon import fwd_sm90_fold as _fold
 from streamkl_gpu.devtools import diagnostics as _diagnostics
 
 
+# The two-warpgroup default's registers: ptxas' cap per thread (the sketch's setting) and the
+# consumer warpgroups' setmaxnreg (a TRIO launch takes 128 and 160: three consumers beside the producer)
+DEFAULT_MAXNREG = 168
+DEFAULT_CONSUMER_REGS = 240
+
+
 @dataclass(frozen=True)
 class GluonFwdConfig:
     """One launch of the Hopper Gluon forward (``fwd_sm90``): key tiles of ``block_n`` keys
@@ -32,7 +38,7 @@ class GluonFwdConfig:
     Equal fields are one launch (the tuner and its disk cache key on them)."""
     block_n: int
     num_stages: int
-    maxnreg: int = 168
+    maxnreg: int = DEFAULT_MAXNREG
     pingpong: int = 0  # the turnstile: the two consumer warpgroups take turns on the tensor cores
     split: int = 0  # each key tile as two half-tile products
     poly: int = 0  # 1-3: a share of side 2's exponentials by a polynomial on the FMA pipe
@@ -48,7 +54,7 @@ class GluonFwdConfig:
     defer: int = 0  # l1, l2, acc as per-thread partial sums, reduced across the quad at the end
     unite: int = 0  # both consumer warpgroups in one 8-warp partition: half the compile, 1.24-1.29x the time
     trio: int = 0  # three consumer warpgroups, 192 query rows per CTA (512 threads: maxnreg 128, consumers 160)
-    consumer_regs: int = 240
+    consumer_regs: int = DEFAULT_CONSUMER_REGS
 
     def knobs(self) -> dict:
         """The schedule knobs by the kernel's names (``SCHED_BITS``: ``{"PINGPONG": 0, ...}``)."""
@@ -96,10 +102,10 @@ def candidates(d1: int, d2: int, trio: bool = False):
         # (won 8K causal by 3 %, lost 8K full by 5 %), while the tuned API path ran 8K full 6 %
         # slower than the default forced: timing noise picks, so do not time
         if trio:
-            return [trio_config(d1, d2), make_config(d1, d2, 128, 168, **knobs)]
-        return [make_config(d1, d2, 128, 168, **knobs)]
-    return [make_config(d1, d2, 128, 168, **knobs), make_config(d1, d2, 64, 168, **knobs),
-            make_config(d1, d2, 128, 168, pingpong=1, **knobs)]
+            return [trio_config(d1, d2), make_config(d1, d2, 128, DEFAULT_MAXNREG, **knobs)]
+        return [make_config(d1, d2, 128, DEFAULT_MAXNREG, **knobs)]
+    return [make_config(d1, d2, 128, DEFAULT_MAXNREG, **knobs), make_config(d1, d2, 64, DEFAULT_MAXNREG, **knobs),
+            make_config(d1, d2, 128, DEFAULT_MAXNREG, pingpong=1, **knobs)]
 
 
 # The shape rule of the Gluon forward (what runs untimed, STREAMKL_AUTOTUNE off, is the first
@@ -175,15 +181,15 @@ def experiments(d1: int, d2: int):
     # default; the knob-free schedule (the second search's default) is the control, FOLD + MASK1 without
     # MERGE says what MERGE adds.
     d = DEFAULT_KNOBS
-    return [cand(128, 168)] * bool(DEFAULT_KNOBS) + [
-        cand(128, 168, fold=1, mask1=1),
-        cand(128, 168, fence=2, **d),
-        cand(128, 168, pingpong=1, **d),
+    return [cand(128, DEFAULT_MAXNREG)] * bool(DEFAULT_KNOBS) + [
+        cand(128, DEFAULT_MAXNREG, fold=1, mask1=1),
+        cand(128, DEFAULT_MAXNREG, fence=2, **d),
+        cand(128, DEFAULT_MAXNREG, pingpong=1, **d),
         # FA3's ping-pong with the late turn, as the per-warpgroup releases (RELTURN needs MERGE)
-        cand(128, 168, pingpong=1, turn=1, relturn=1, **d),
+        cand(128, DEFAULT_MAXNREG, pingpong=1, turn=1, relturn=1, **d),
         # DEFER: l1, l2, acc as per-thread partial row sums, the quad's shuffles once at the end:
         # 776 instead of 797 instructions per whole-tile loop, 8 SHFL instead of 20 (triton 3.6)
-        cand(128, 168, defer=1, **d),
+        cand(128, DEFAULT_MAXNREG, defer=1, **d),
         # TRIO: a third consumer warpgroup (more warps to issue from; the fold is issue-bound per
         # warp), 160 registers per consumer thread instead of 240; 64-key tiles keep the scores in 64
         trio_config(d1, d2),
@@ -371,7 +377,7 @@ def quick_twin(cfg: GluonFwdConfig, causal: bool = False):
     if cfg.unite or cfg.pingpong or cfg.look or (cfg.trio and causal):
         return None
     if cfg.trio:
-        cfg = dataclasses.replace(cfg, trio=0, maxnreg=168, consumer_regs=240)
+        cfg = dataclasses.replace(cfg, trio=0, maxnreg=DEFAULT_MAXNREG, consumer_regs=DEFAULT_CONSUMER_REGS)
     return dataclasses.replace(cfg, unite=1)
 
 
