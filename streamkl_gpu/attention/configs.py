@@ -352,11 +352,17 @@ def bwd_streams(dims, n_sm: int) -> bool:
 ONE_TILE_MAX_QUERIES = 256
 
 
+def stores_dq_whole(n_q: int, n_k: int, causal: bool, block_n: int) -> bool:
+    """Does the fused dK kernel with ``block_n``-key tiles store dQ whole (DQ_STORE)? Every key in
+    its grid's one key tile, and every query row visited by that tile's program (not causal, or
+    N_Q <= N_K: bottom-right causal rows then all see key 0)."""
+    return n_k <= block_n and (not causal or n_q <= n_k)
+
+
 def one_tile_backward(dims, causal: bool, block_n: int) -> bool:
-    """Does the "auto" backward run the fused dK kernel alone, storing dQ (``ONE_TILE_MAX_QUERIES``)?
-    Every key in one tile of ``block_n`` keys, and every query row visited by that tile's program
-    (not causal, or N_Q <= N_K: bottom-right causal rows then all see key 0)."""
-    return dims.NK <= block_n and dims.NQ <= ONE_TILE_MAX_QUERIES and (not causal or dims.NQ <= dims.NK)
+    """Does the "auto" backward run the fused dK kernel alone, storing dQ: :func:`stores_dq_whole`
+    for a short query block (``ONE_TILE_MAX_QUERIES``)?"""
+    return dims.NQ <= ONE_TILE_MAX_QUERIES and stores_dq_whole(dims.NQ, dims.NK, causal, block_n)
 
 
 def auto_split_k(dims, block_m: int, block_n: int, n_sm: int) -> int:

@@ -23,7 +23,8 @@ from streamkl_gpu._core.checks import check_bwd_mode, check_tensors, compute_vie
 from streamkl_gpu._core.runtime import LOG2E, LazyModule, TensorDescriptor, cdiv, fresh, interpreting, n_sm, tma_ok
 from streamkl_gpu._core.tuning import UnusableConfig, autotune_enabled, bucket, pick
 from streamkl_gpu.attention.configs import (BWD_TMA_MIN_KEYS, TMA_MIN_KEYS, auto_bwd_mode, bwd_streams, bwd_variant, bwd_variant_candidates,
-                                          fwd_candidates, one_tile_backward, split_choices, tuning_slice)
+                                          fwd_candidates, one_tile_backward, split_choices, stores_dq_whole,
+                                          tuning_slice)
 
 # the backward's kernels and dispatch, imported at a training call's first use (a forward-only
 # first call does without them)
@@ -435,10 +436,9 @@ class _TritonBackward:
             return ((B, k.shape[1], NK, d), torch.float32, True), True
 
         # the fused dK kernel stores dQ whole (DQ_STORE) where its grid's one key tile holds every
-        # key and it visits every query row (causal with N_Q > N_K skips the rows that see no key)
+        # key and it visits every query row
         parts = cfg_dk.variant.split("+")
-        store_dq = (fused and "reduce" not in parts and cdiv(NK, cfg_dk.block_n) == 1
-                    and (not causal or NQ <= NK))
+        store_dq = fused and "reduce" not in parts and stores_dq_whole(NQ, NK, causal, cfg_dk.block_n)
 
         def dq_buffer(train, q, d):
             if not train:
