@@ -273,3 +273,53 @@ def test_no_compiler_warm_up_without_a_gpu_or_when_compiling_ahead_is_off(monkey
     _fast_launch.warm_compiler()  # the control: with a GPU and compiling ahead on, it starts
     assert len(_fast_launch._WARMUP) == 2
     _fast_launch.compiler_ready()
+
+
+class _CLauncher36:
+    """Triton 3.6's launcher object in form: ``__call__(self, gridX, gridY, gridZ, stream, function, *args)``
+    that forwards the cooperative-grid and PDL flags and two scratch buffers to its C function."""
+
+    launch_cooperative_grid, launch_pdl = False, True
+
+    def __init__(self, log, scratch=0):
+        self.log, self.global_scratch_size, self.profile_scratch_size = log, scratch, 0
+        self.launch = lambda *args: log.append(("c", args))
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+        self.log.append(("object", (gridX, gridY, gridZ, stream, function) + args))
+
+
+class _Compiled36:
+    function, packed_metadata = "fn-handle", (4, 1, 0)
+
+    def __init__(self, run):
+        self.run = run
+
+
+@pytest.mark.parametrize("version, scratch, form", [((3, 6), 0, "c"), ((3, 6), 256, "object"), ((3, 9), 0, "object")])
+def test_direct_entry_calls_the_c_launcher_only_in_the_form_it_was_checked_on(monkeypatch, version, scratch, form):
+    monkeypatch.setattr(_fast_launch, "_triton_minor", lambda: version)
+    log = []
+    run, head = _fast_launch.direct_entry(_Compiled36(_CLauncher36(log, scratch)))
+    run(3, 2, 1, 99, *head, "X", 7)
+    kind, args = log[-1]
+    assert kind == form
+    if form == "c":  # what 3.6's __call__ passes: flags, two scratch buffers, metadata, launch metadata, hooks
+        assert args == (3, 2, 1, 99, "fn-handle", False, True, None, None, (4, 1, 0), None, None, None, "X", 7)
+    else:  # the launcher object with the metadata, the launch metadata and the two hooks
+        assert args == (3, 2, 1, 99, "fn-handle", (4, 1, 0), None, None, None, "X", 7)
+
+
+def test_direct_entry_keeps_a_launcher_of_another_form(monkeypatch):
+    monkeypatch.setattr(_fast_launch, "_triton_minor", lambda: _fast_launch.DIRECT_C_TRITON)
+
+    class Named(_CLauncher36):  # 3.8 / 3.9: the metadata and hooks are named parameters
+        def __call__(self, gridX, gridY, gridZ, stream, function, kernel_metadata, launch_metadata,
+                     launch_enter_hook, launch_exit_hook, *args):
+            self.log.append(("object", (gridX,)))
+
+    log = []
+    run, head = _fast_launch.direct_entry(_Compiled36(Named(log)))
+    assert head == ("fn-handle", (4, 1, 0), None, None, None)
+    run(1, 1, 1, 0, *head)
+    assert log[-1][0] == "object"

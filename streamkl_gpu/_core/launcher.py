@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import os
 import threading
 
@@ -317,6 +318,44 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _raw_strea
 _get_device = getattr(torch._C, "_cuda_getDevice", None)
 
 
+def _triton_minor() -> tuple:
+    try:
+        import triton
+        return tuple(int(p) for p in triton.__version__.split(".")[:2])
+    except (ImportError, ValueError):  # pragma: no cover - a Triton without a plain version
+        return ()
+
+
+# The Triton whose launcher's C entry is called directly (:func:`direct_entry`): the one the GPU
+# checks ran on. Another version keeps Triton's launcher object.
+DIRECT_C_TRITON = (3, 6)
+_LAUNCHER_CALL_ARGS = ("self", "gridX", "gridY", "gridZ", "stream", "function")
+
+
+def direct_entry(kernel) -> tuple:
+    """``(run, head)``, the cheapest call that launches ``kernel`` with the given grid, stream and
+    arguments: ``run(grid_x, grid_y, grid_z, stream, *head, *args)``, no launch metadata or hooks.
+
+    Triton's launcher object (``CompiledKernel.run``) is a Python ``__call__`` that sizes and
+    allocates scratch buffers, then calls the C function it compiled (``run.launch``). For triton
+    3.6 (``DIRECT_C_TRITON``; its ``__call__(self, gridX, gridY, gridZ, stream, function, *args)``
+    forwards ``launch_cooperative_grid, launch_pdl, global_scratch, profile_scratch, *args``) and a
+    kernel that needs no scratch, the C function is called directly with what ``__call__`` would
+    pass: a Python frame and two scratch look-ups less per launch. Any other launcher, version or
+    kernel: the launcher object, with the metadata and three Nones it takes."""
+    run = kernel.run
+    code = getattr(getattr(type(run), "__call__", None), "__code__", None)
+    c_launch = getattr(run, "launch", None)
+    if (_triton_minor() == DIRECT_C_TRITON and code is not None and code.co_argcount == len(_LAUNCHER_CALL_ARGS)
+            and code.co_varnames[:len(_LAUNCHER_CALL_ARGS)] == _LAUNCHER_CALL_ARGS and code.co_flags & inspect.CO_VARARGS
+            and callable(c_launch) and getattr(run, "global_scratch_size", None) == 0
+            and getattr(run, "profile_scratch_size", None) == 0
+            and hasattr(run, "launch_cooperative_grid") and hasattr(run, "launch_pdl")):
+        return c_launch, (kernel.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                          kernel.packed_metadata, None, None, None)
+    return run, (kernel.function, kernel.packed_metadata, None, None, None)
+
+
 def enabled() -> bool:
     if interpreting() or env("STREAMKL_FAST_LAUNCH", "1") == "0":
         return False
@@ -412,17 +451,16 @@ def launch(fn, grid, args, constexprs, num_warps, num_stages, key=None, tensors=
         if len(_KERNELS) >= _MAX_KERNELS:
             _KERNELS.clear()
         full = _full_key(fn, args, constexprs, num_warps, num_stages, runtime) if (key is not None and CHECK) else None
-        _KERNELS[lookup] = (kernel, _tail(fn, len(args), constexprs, runtime), full, fn)
+        _KERNELS[lookup] = (kernel, _tail(fn, len(args), constexprs, runtime), full, fn, *direct_entry(kernel))
         STATS["bound"] += 1
         return kernel
-    kernel, (tail, slots), _, _ = hit
+    kernel, (tail, slots), _, _, run, head = hit
     if slots:
         tail = list(tail)
         for i, name in slots:
             tail[i] = runtime[name]
     stream = _raw_stream(_get_device() if _get_device is not None else torch.cuda.current_device())
     # no launch metadata and no hooks: enabled() found none installed
-    kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
-               *args, *tail)
+    run(grid[0], grid[1], grid[2], stream, *head, *args, *tail)
     STATS["direct"] += 1
     return kernel

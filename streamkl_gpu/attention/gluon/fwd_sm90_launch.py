@@ -364,7 +364,7 @@ def gluon_forward(q1, k1, q2, k2, causal, scale1, scale2, out=None, config=None,
 # Compiled kernels kept per specialisation (on by default: outputs bitwise equal to the JIT
 # launch's, bound then direct; host time per API call 140 -> 112 us at B=1 H=32 N=2K on the H200
 # with triton 3.6, the kernel's time unchanged). STREAMKL_FAST_LAUNCH=0 turns it off.
-_COMPILED: dict = {}  # specialisation key -> (CompiledKernel, the constexpr tail in parameter order)
+_COMPILED: dict = {}  # specialisation key -> (CompiledKernel, the constexpr tail in parameter order, its direct_entry)
 FAST_STATS = {"direct": 0, "bound": 0}
 
 
@@ -417,7 +417,8 @@ def _first_compile_pending(key, grid, args, constexprs, options) -> bool:
 def _keep(key, kernel, constexprs, n_args):
     if len(_COMPILED) >= 1024:
         _COMPILED.clear()
-    _COMPILED[key] = (kernel, _fast_launch._tail(_kernel._gluon_kl_fwd_kernel, n_args, constexprs, {})[0])
+    _COMPILED[key] = (kernel, _fast_launch._tail(_kernel._gluon_kl_fwd_kernel, n_args, constexprs, {})[0],
+                      *_fast_launch.direct_entry(kernel))
 
 
 def _launch(grid, args, constexprs, options, twin=None):
@@ -445,8 +446,8 @@ def _launch(grid, args, constexprs, options, twin=None):
         _keep(key, kernel, constexprs, len(args))
         FAST_STATS["bound"] += 1
         return kernel, constexprs
-    kernel, tail = hit
+    kernel, tail, run, head = hit
     stream = _fast_launch._raw_stream(torch.cuda.current_device())
-    kernel.run(grid[0], grid[1], 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *tail)
+    run(grid[0], grid[1], 1, stream, *head, *args, *tail)
     FAST_STATS["direct"] += 1
     return kernel, constexprs
