@@ -348,7 +348,9 @@ def bwd_streams(dims, n_sm: int) -> bool:
 # makes two, and no zeroed fp32 dQ buffer or conversion where the fused path adds dQ by atomics.
 # Every query tile is then walked by one program per (batch, head), so the "auto" mode takes it
 # only for short query blocks, where a call's time is the host's and its launches' (the tiny
-# shape of the host-cost measurement: N_Q = 1, N_K = 64). Reasoned, not timed on a GPU yet.
+# shape of the host-cost measurement: N_Q = 1, N_K = 64). Timed on an H100 only together with the
+# direct C launch (the tiny step over SDPA's 1.46x / 1.27x before both, 1.18x / 1.08x after:
+# bench/results/2026-12-07_h100_beb2e2c/host_ab.csv), not alone.
 ONE_TILE_MAX_QUERIES = 256
 
 
