@@ -49,8 +49,9 @@ NAN_COST_POINTS = "fwd_8k_nc,fwd_8k_c,step1_8k_nc,step1_8k_c"
 
 # In the order `--sections extra` runs them. Limits are estimates for an H200 (not measured as sections yet).
 DELEGATED = {
-    "host": Delegate("streamkl_bench.host", "host cost per call (1000 tiny calls, fwd and fwd+bwd), cProfile",
-                     240, args=("--profile",)),
+    "host": Delegate("streamkl_bench.host", "host cost per call at a tiny shape against SDPA's (forward, training "
+                     "step, backward alone, engine floors; rotated rounds), cProfile", 240, args=("--profile",),
+                     cpu_args=("--device", "cpu")),
     "first_call": Delegate("streamkl_bench.first_call", "first call per entry point in fresh processes with "
                            "empty caches: wall, kernels compiled, compile and tuning seconds", 480,
                            out_flag="--out", tiny_args=("--tiny",)),

@@ -1,148 +1,148 @@
-"""Section ``host``: the host cost per call of streamkl_gpu.attention_kl.
+"""Section ``host``: the host cost per call of streamkl_gpu.attention_kl, against SDPA's.
 
-    python bench/bench_gpu.py --sections host                  # default args: --profile
-    PYTHONPATH=bench:. python -m streamkl_bench.host OUT_DIR [--profile]
+    python bench/bench_gpu.py --sections host       # default args: --profile
+    PYTHONPATH=bench:. python -m streamkl_bench.host OUT_DIR [--profile] [--rounds 9] [--calls 200] [--device cpu]
 
-Wall time of 1000 back-to-back calls at B=1, H=1, N_Q=1, N_K=64, D=64, bf16 (GPU time negligible),
-per call, custom-op dispatch and autograd included: forward and forward+backward (setting 1), SDPA
-at the same shape for scale, the autograd engine's floors, and the same calls through Triton's own
-binder (``STREAMKL_FAST_LAUNCH=0``: what the direct launch saves; its forward must be bitwise the
-same). ``--profile``: cProfile of 300 forward and 300 forward+backward calls, to
-OUT_DIR/host_profile.txt. Rows: OUT_DIR/host_cost.csv (long format). (First calls: ``first_call``.)
+B=1, H=1, N_Q=1, N_K=64, D=64, bf16. Each case runs ``--calls`` times back to back in each of
+``--rounds`` rounds, the order rotated every round (``devtools.rotated_timing``): a figure is the
+median of its round means, a ratio to SDPA the median of the per-round ratios. Cases, ours and
+SDPA's: the forward, with grad-requiring inputs too; the step ``loss.sum().backward()``, gradients
+accumulating or set to None first; the backward alone (``retain_graph``); the engine's floors (a
+one-op graph; a Python Function of our form that only allocates). Then the forward and step through
+Triton's binder (``STREAMKL_FAST_LAUNCH=0``; the forward must be bitwise the same). Rows:
+OUT_DIR/host_cost.csv; ``--profile``: cProfile to host_profile.txt; ``--device cpu``: a smoke run.
 """
 
-import contextlib
+import argparse
 import csv
 import os
-import sys
+import statistics
+from unittest import mock
 
-from .timing import wall_us_per_call
-
-
-def _rows_writer(out_dir, name):
-    path = os.path.join(out_dir, name)
-    new = not os.path.exists(path)
-    f = open(path, "a", newline="")
-    w = csv.DictWriter(f, fieldnames=["measure", "provider", "shape", "value", "unit", "note"])
-    if new:
-        w.writeheader()
-    return f, w
+SHAPE = "B1 H1 NQ1 NK64 D64 bf16"
+STEP_NONE = "forward+backward [grads set to None]"
+PAIRS = (("forward", "sdpa_forward"), ("forward [grad inputs]", "sdpa_forward [grad inputs]"),  # (ours, SDPA's)
+         ("forward+backward", "sdpa_forward+backward"), (STEP_NONE, "sdpa_" + STEP_NONE),
+         ("backward [one graph]", "sdpa_backward [one graph]"))
 
 
-@contextlib.contextmanager
-def binder_launches():
-    """Every launch inside goes through Triton's own ``kernel[grid]`` binder (no direct launch)."""
-    saved = os.environ.get("STREAMKL_FAST_LAUNCH")
-    os.environ["STREAMKL_FAST_LAUNCH"] = "0"
-    try:
-        yield
-    finally:
-        os.environ.pop("STREAMKL_FAST_LAUNCH") if saved is None else os.environ.update(STREAMKL_FAST_LAUNCH=saved)
-
-
-def host_cost(out_dir, n_calls=1000, profile=False):
+def _cases(device):
+    """The timed cases in their order, ``{name: fn}``."""
     import torch
     import torch.nn.functional as F
 
-    import streamkl_gpu
+    from streamkl_gpu import attention_kl
 
-    dev = "cuda"
-    q = torch.randn(1, 1, 1, 64, device=dev, dtype=torch.bfloat16)
-    k = torch.randn(1, 1, 64, 64, device=dev, dtype=torch.bfloat16)
-    q2 = q.clone().requires_grad_()
-    k2 = k.clone().requires_grad_()
+    q = torch.randn(1, 1, 1, 64, device=device, dtype=torch.bfloat16)
+    k = torch.randn(1, 1, 64, 64, device=device, dtype=torch.bfloat16)
+    q2, k2, qs, ks, x = (t.clone().requires_grad_() for t in (q, k, q, k, q))
+    four = [t.clone().requires_grad_(i >= 2) for i, t in enumerate((q, k, q, k))]
+    fresh = [t.detach().requires_grad_() for t in (q2, k2, qs, ks)]
+    kl_graph = attention_kl(q, k, fresh[0], fresh[1]).sum()  # differentiated again and again
+    sdpa_graph = F.scaled_dot_product_attention(fresh[2], fresh[3], fresh[3]).sum()
 
-    def fwd():
-        return streamkl_gpu.attention_kl(q, k, q, k)
-
-    def fwd_bwd():
-        streamkl_gpu.attention_kl(q, k, q2, k2).sum().backward()
-
-    def sdpa():
-        return F.scaled_dot_product_attention(q, k, k)
-
-    qs, ks = q.clone().requires_grad_(), k.clone().requires_grad_()
-
-    def sdpa_fwd_bwd():
-        F.scaled_dot_product_attention(qs, ks, ks).sum().backward()
-
-    # floors of the autograd engine on this host: a one-op C++ graph, and a Python Function
-    # that does no work (what any custom-kernel loss pays for .sum().backward())
-    x = q.clone().requires_grad_()
-
-    def engine_floor():
-        (x * 2.0).sum().backward()
-
-    class _Identity(torch.autograd.Function):
+    class _FourInTwoOut(torch.autograd.Function):  # attention_kl's form; launches nothing, allocates
         @staticmethod
-        def forward(ctx, t):
-            return t.clone()
+        def forward(ctx, a, b, c, d, opts):
+            out = a.new_empty(a.shape[:3], dtype=torch.float32)
+            ctx.save_for_backward(a, b, c, d, out)
+            return out
 
         @staticmethod
         def backward(ctx, g):
-            return g
+            return None, None, *(torch.empty_like(t) for t in ctx.saved_tensors[2:4]), None
 
-    def python_function_floor():
-        _Identity.apply(x).sum().backward()
+    grads_none = lambda *ts: [setattr(t, "grad", None) for t in ts]  # noqa: E731
+    kl_step = lambda: attention_kl(q, k, q2, k2).sum().backward()  # noqa: E731
+    sdpa_step = lambda: F.scaled_dot_product_attention(qs, ks, ks).sum().backward()  # noqa: E731
+    return {
+        "forward": lambda: attention_kl(q, k, q, k),
+        "sdpa_forward": lambda: F.scaled_dot_product_attention(q, k, k),
+        "forward [grad inputs]": lambda: attention_kl(q, k, q2, k2),
+        "sdpa_forward [grad inputs]": lambda: F.scaled_dot_product_attention(qs, ks, ks),
+        "forward+backward": kl_step,
+        "sdpa_forward+backward": sdpa_step,
+        STEP_NONE: lambda: (grads_none(q2, k2), kl_step()),
+        "sdpa_" + STEP_NONE: lambda: (grads_none(qs, ks), sdpa_step()),
+        "backward [one graph]": lambda: kl_graph.backward(retain_graph=True),
+        "sdpa_backward [one graph]": lambda: sdpa_graph.backward(retain_graph=True),
+        "engine_floor_one_op_fwd+bwd": lambda: (x * 2.0).sum().backward(),
+        "engine_floor_python_function_4in_2grads_fwd+bwd": lambda: _FourInTwoOut.apply(*four, None).sum().backward(),
+    }
 
-    def timed(fn, n):
-        return wall_us_per_call(fn, n, cuda=True)
 
-    results = {}
-    for name, fn in (("forward", fwd), ("forward+backward", fwd_bwd), ("sdpa_forward", sdpa),
-                     ("sdpa_forward+backward", sdpa_fwd_bwd), ("engine_floor_one_op_fwd+bwd", engine_floor),
-                     ("engine_floor_python_function_fwd+bwd", python_function_floor)):
-        results[name] = timed(fn, n_calls)
-    # the same calls through Triton's own launcher (no direct launch): what _fast_launch saves
-    from streamkl_gpu._core import launcher as _fast_launch
-    if _fast_launch.enabled():
-        with binder_launches():
-            results["forward [binder launch]"] = timed(fwd, n_calls)
-            results["forward+backward [binder launch]"] = timed(fwd_bwd, n_calls)
-        # the direct path must give the very same numbers as the binder path
-        ref = fwd()
-        with binder_launches():
-            ref_binder = fwd()
-        same = bool(torch.equal(ref, ref_binder))
-        print(f"direct launch equals binder launch: {same}  (launches so far: {_fast_launch.STATS})", flush=True)
-        results["direct_equals_binder"] = float(same)
-    f, w = _rows_writer(out_dir, "host_cost.csv")
-    for name, us in results.items():
-        if name == "direct_equals_binder":
-            w.writerow({"measure": "check", "provider": name, "shape": "B1 H1 NQ1 NK64 D64 bf16",
-                        "value": int(us), "unit": "bool", "note": "torch.equal of the two forwards"})
-            continue
-        w.writerow({"measure": "host_us_per_call", "provider": name, "shape": "B1 H1 NQ1 NK64 D64 bf16",
-                    "value": f"{us:.1f}", "unit": "us", "note": f"{n_calls} back-to-back calls"})
-    f.close()
-    for name, us in results.items():
-        print(f"host cost {name:30s} {us:8.1f} us/call", flush=True)
+def host_cost(out_dir, rounds=9, calls=200, warmup=300, profile=False, device=None):
+    import torch
+
+    from streamkl_gpu._core import launcher
+    from streamkl_gpu.devtools.rotated_timing import rotated_samples
+
+    from .timing import wall_us_per_call
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    cases = _cases(device)
+    for fn in cases.values():
+        for _ in range(warmup):
+            fn()
+    timer = lambda fn: wall_us_per_call(fn, calls, cuda=device == "cuda", warm=0)  # noqa: E731
+    per_round = rotated_samples(cases, rounds, timer)
+    if launcher.enabled():  # what the direct launch saves (not under the interpreter)
+        with mock.patch.dict(os.environ, STREAMKL_FAST_LAUNCH="0"):  # Triton's own binder
+            per_round.update({n + " [binder launch]": v for n, v in rotated_samples(
+                {n: cases[n] for n in ("forward", "forward+backward")}, rounds, timer).items()})
+    note = f"median of {rounds} rotated rounds of {calls} calls"
+    rows = [("host_us_per_call", n, statistics.median(v), "us", f"{note}; per round " + ";".join(f"{t:.1f}" for t in v))
+            for n, v in per_round.items()]
+    for ours, sdpa in PAIRS:
+        r = [a / b for a, b in zip(per_round[ours], per_round[sdpa])]
+        rows.append(("host_ratio_to_sdpa", ours, statistics.median(r), "x",
+                     f"median of the per-round ratios {ours} / {sdpa}; " + ";".join(f"{v:.3f}" for v in r)))
+    if launcher.enabled():
+        ref = cases["forward"]()
+        with mock.patch.dict(os.environ, STREAMKL_FAST_LAUNCH="0"):  # Triton's own binder
+            same = bool(torch.equal(ref, cases["forward"]()))
+        rows.append(("check", "direct_equals_binder", int(same), "bool", "torch.equal of the two forwards"))
+    path = os.path.join(out_dir, "host_cost.csv")
+    new = not os.path.exists(path)
+    with open(path, "a", newline="") as f:
+        w = csv.writer(f)
+        if new:
+            w.writerow(["measure", "provider", "shape", "value", "unit", "note"])
+        for measure, provider, value, unit, row_note in rows:
+            shown = value if unit == "bool" else f"{value:.4g}" if unit == "x" else f"{value:.1f}"
+            w.writerow([measure, provider, SHAPE, shown, unit, row_note])
+            print(f"host {measure:18s} {provider:50s} {value:9.3f} {unit}", flush=True)
     if profile:
         import cProfile
         import io
         import pstats
 
         buf = io.StringIO()
-        for name, fn in (("forward", fwd), ("forward+backward", fwd_bwd)):
-            pr = cProfile.Profile()
-            pr.enable()
-            for _ in range(300):
-                fn()
-            torch.cuda.synchronize()
-            pr.disable()
+        for name in ("forward", STEP_NONE):
+            with cProfile.Profile() as pr:
+                for _ in range(300):
+                    cases[name]()
+                sync()
             for sort in ("tottime", "cumulative"):
                 buf.write(f"\n===== {name}: 300 calls, sorted by {sort} =====\n")
                 pstats.Stats(pr, stream=buf).sort_stats(sort).print_stats(35)
-        with open(os.path.join(out_dir, "host_profile.txt"), "w") as fh:
-            fh.write(buf.getvalue())
-    return results
+        open(os.path.join(out_dir, "host_profile.txt"), "w").write(buf.getvalue())
+    return {(measure, provider): value for measure, provider, value, _, _ in rows}
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    out_dir = argv[0] if argv else "."
-    os.makedirs(out_dir, exist_ok=True)
-    host_cost(out_dir, profile="--profile" in argv)
+    p = argparse.ArgumentParser(description="host cost per call against SDPA's")
+    p.add_argument("out_dir", nargs="?", default=".")
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--calls", type=int, default=200, help="calls of each case per round")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None)
+    a = p.parse_args(argv)
+    if a.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before streamkl_gpu is imported
+    os.makedirs(a.out_dir, exist_ok=True)
+    host_cost(a.out_dir, rounds=a.rounds, calls=a.calls, profile=a.profile, device=a.device)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ H100 run the same Gluon forward kernel, timed first and last in each round, read
 (bench/results/2026-12-06_h100_9b54a15/fwd_variants.csv, its env.json). Rotating the order spreads
 whatever a slot costs (the call before it, clocks settling) over every candidate.
 
-    from streamkl_gpu.devtools.rotated_timing import rotated_medians
+    from streamkl_gpu.devtools.rotated_timing import rotated_medians  # rotated_samples: every round's value
     from streamkl_gpu._core.forcing import forcing
 
     def under(**force):
@@ -33,11 +33,12 @@ def rotation(names, rounds: int) -> list:
     return [names[r % len(names):] + names[:r % len(names)] for r in range(rounds)]
 
 
-def rotated_medians(fns: dict, rounds: int = 7, timer=None) -> dict:
-    """``{name: median ms}`` of each callable over ``rounds`` rounds, each round in the order of
-    :func:`rotation`; ``timer(fn) -> ms`` is one measurement (default: ``triton.testing.do_bench``
-    median, 10 ms warm-up, 40 ms of repetitions). Every callable runs once before the first round
-    (compiles, tuning)."""
+def rotated_samples(fns: dict, rounds: int = 7, timer=None) -> dict:
+    """``{name: [one measurement per round]}`` of each callable over ``rounds`` rounds, each round
+    in the order of :func:`rotation`; ``timer(fn)`` is one measurement (default:
+    ``triton.testing.do_bench`` median in ms, 10 ms warm-up, 40 ms of repetitions). Every callable
+    runs once before the first round (compiles, tuning). Per-round values let a caller take
+    per-round ratios, which a host or clock that drifts during the run moves alike."""
     if rounds < 1 or not fns:
         raise ValueError(f"need at least one callable and one round, got {len(fns)} and {rounds}")
     timer = timer or _do_bench
@@ -47,4 +48,9 @@ def rotated_medians(fns: dict, rounds: int = 7, timer=None) -> dict:
     for order in rotation(fns, rounds):
         for name in order:
             samples[name].append(timer(fns[name]))
-    return {name: statistics.median(values) for name, values in samples.items()}
+    return samples
+
+
+def rotated_medians(fns: dict, rounds: int = 7, timer=None) -> dict:
+    """``{name: median}`` of :func:`rotated_samples`."""
+    return {name: statistics.median(values) for name, values in rotated_samples(fns, rounds, timer).items()}
