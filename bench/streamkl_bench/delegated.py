@@ -51,7 +51,7 @@ NAN_COST_POINTS = "fwd_8k_nc,fwd_8k_c,step1_8k_nc,step1_8k_c"
 DELEGATED = {
     "host": Delegate("streamkl_bench.host", "host cost per call at a tiny shape against SDPA's (forward, training "
                      "step, backward alone, engine floors; rotated rounds), cProfile", 240, args=("--profile",),
-                     cpu_args=("--device", "cpu")),
+                     cpu_args=("--device", "cpu"), tiny_args=("--rounds", "1", "--calls", "2")),
     "first_call": Delegate("streamkl_bench.first_call", "first call per entry point in fresh processes with "
                            "empty caches: wall, kernels compiled, compile and tuning seconds", 480,
                            out_flag="--out", tiny_args=("--tiny",)),
