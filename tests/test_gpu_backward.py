@@ -3,6 +3,7 @@
 Setting 1 (P1 fixed): gradients to q2, k2. Setting 2 (P2 fixed): q1, k1. Both: all four.
 Fused (one visit per tile pair, dQ by atomics) and separate (dK and dQ kernels) are both run.
 """
+import dataclasses
 import pytest
 import torch
 from hypothesis import example, given
@@ -221,8 +222,9 @@ def test_one_key_tile_rule():
     from streamkl_gpu.attention.configs import ONE_TILE_MAX_QUERIES, one_tile_backward
 
     dims = check_inputs(*make_inputs(1, 2, 2, 2, 1, 64, 16, 16))
+
     def at(nq, nk):
-        return type(dims)(**{**dims.__dict__, "NQ": nq, "NK": nk})
+        return dataclasses.replace(dims, NQ=nq, NK=nk)
     assert one_tile_backward(at(1, 64), causal=False, block_n=128)
     assert one_tile_backward(at(64, 64), causal=True, block_n=64)
     assert not one_tile_backward(at(1, 129), causal=False, block_n=128)  # two key tiles

@@ -22,9 +22,9 @@ from streamkl_gpu.attention.gluon.dispatch import device_capability, fwd_backend
 from streamkl_gpu._core.checks import check_bwd_mode, check_tensors, compute_view, head_pad, is_empty, strides
 from streamkl_gpu._core.runtime import LOG2E, LazyModule, TensorDescriptor, cdiv, fresh, interpreting, n_sm, tma_ok
 from streamkl_gpu._core.tuning import UnusableConfig, autotune_enabled, bucket, pick
-from streamkl_gpu.attention.configs import (BWD_TMA_MIN_KEYS, TMA_MIN_KEYS, auto_bwd_mode, bwd_streams, bwd_variant, bwd_variant_candidates,
-                                          fwd_candidates, one_tile_backward, split_choices, stores_dq_whole,
-                                          tuning_slice)
+from streamkl_gpu.attention.configs import (BWD_TMA_MIN_KEYS, TMA_MIN_KEYS, auto_bwd_mode, bwd_streams, bwd_variant,
+                                          bwd_variant_candidates, fwd_candidates, one_tile_backward, split_choices,
+                                          stores_dq_whole, tuning_slice)
 
 # the backward's kernels and dispatch, imported at a training call's first use (a forward-only
 # first call does without them)
