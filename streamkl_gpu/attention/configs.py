@@ -92,6 +92,7 @@ TUNING_WORK_LIMIT = 32 * 16384 * 16384 * 256
 _BWD_MUSTS = "bench/results/2026-12-01_h200_3ab8703/bwd_musts.csv"
 _FWD_TMA = "bench/results/2026-11-29_h200_97028b2/fwd_tma_configs.csv"
 _BWD_BOTH = "bench/results/2026-12-06_h100_726d126/bwd_both_rule.csv"
+_BWD_HEAVY = "bench/results/2026-12-07_h100_9317ca2/bwd_both_heavy.csv"
 SHAPE_RULES = (
     ShapeRule("fwd", ("d128", "tma", "full"),
               FwdConfig(block_m=128, block_n=32, num_warps=8, num_stages=3, use_tma=True), _FWD_TMA,
@@ -111,8 +112,10 @@ SHAPE_RULES = (
               "kernel alone 0.887x at 8K, bench/results/2026-12-01_h200_d3b757b/bwd_kernels.csv); the step "
               "under the no-regression rule in compare_summary.csv beside it"),
     ShapeRule("bwd_dq", ("d<=128", "tma", "separate", "both sides"),
-              BwdConfig(block_m=64, block_n=32, num_warps=4, num_stages=3, variant="tma+fold"), _BWD_MUSTS,
-              "bwd,auto,both N=8K,", "the same rows"),
+              BwdConfig(block_m=64, block_n=32, num_warps=4, num_stages=3, variant="tma+fold+heavy"), _BWD_HEAVY,
+              "bwd,after,both N=256K H=4 causal,", "the tuned tile with its heaviest query tiles first (causal; "
+              "without a causal mask the same kernel as \"tma+fold\"): the no-regression rounds at 8K and 16K "
+              "and the long rows beside it"),
     ShapeRule("bwd_dk", ("d<=128", "tma", "fused", "one side", "long queries"),
               BwdConfig(block_m=64, block_n=128, num_warps=8, num_stages=2, variant="tma+trans+fold+rows+reduce"),
               _BWD_MUSTS, "bwd,auto,nq512 nk32K s2,", "the tuned plan at N_Q 512 x N_K 32K"),
