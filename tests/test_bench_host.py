@@ -15,7 +15,8 @@ def test_host_section_times_every_case_and_ratio(tmp_path):
     got = host.host_cost(str(tmp_path), rounds=2, calls=2, warmup=1, device="cpu")
     with open(tmp_path / "host_cost.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert rows and set(rows[0]) == {"measure", "provider", "shape", "value", "unit", "note"}
+    assert rows and set(rows[0]) == {"measure", "provider", "shape", "value", "unit", "note", "run_status"}
+    assert {r["run_status"] for r in rows} == {"ok"}
     timed = {r["provider"]: r for r in rows if r["measure"] == "host_us_per_call"}
     names = set(host._cases("cpu"))
     assert set(timed) == names  # no binder rows: the interpreter launches through Triton's binder

@@ -108,10 +108,10 @@ def host_cost(out_dir, rounds=9, calls=200, warmup=300, profile=False, device=No
     with open(path, "a", newline="") as f:
         w = csv.writer(f)
         if new:
-            w.writerow(["measure", "provider", "shape", "value", "unit", "note"])
+            w.writerow(["measure", "provider", "shape", "value", "unit", "note", "run_status"])
         for measure, provider, value, unit, row_note in rows:
             shown = value if unit == "bool" else f"{value:.4g}" if unit == "x" else f"{value:.1f}"
-            w.writerow([measure, provider, SHAPE, shown, unit, row_note])
+            w.writerow([measure, provider, SHAPE, shown, unit, row_note, "failed(check)" if unit == "bool" and not value else "ok"])
             print(f"host {measure:18s} {provider:50s} {value:9.3f} {unit}", flush=True)
     if profile:
         import cProfile
