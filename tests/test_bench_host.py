@@ -22,7 +22,7 @@ def test_host_section_times_every_case_and_ratio(tmp_path):
     assert set(timed) == names  # no binder rows: the interpreter launches through Triton's binder
 
     def rounds(name):
-        return [float(x) for x in timed[name]["note"].split("per round ")[1].split(";")]
+        return [float(x) for x in timed[name]["note"].split("the rounds: ")[1].split(";")]
 
     for name, r in timed.items():
         assert r["unit"] == "us" and math.isfinite(float(r["value"])) and float(r["value"]) > 0, r

@@ -92,7 +92,7 @@ def host_cost(out_dir, rounds=9, calls=200, warmup=300, profile=False, device=No
             per_round.update({n + " [binder launch]": v for n, v in rotated_samples(
                 {n: cases[n] for n in ("forward", "forward+backward")}, rounds, timer).items()})
     note = f"median of {rounds} rotated rounds of {calls} calls"
-    rows = [("host_us_per_call", n, statistics.median(v), "us", f"{note}; per round " + ";".join(f"{t:.1f}" for t in v))
+    rows = [("host_us_per_call", n, statistics.median(v), "us", f"{note}; the rounds: " + ";".join(f"{t:.1f}" for t in v))
             for n, v in per_round.items()]
     for ours, sdpa in PAIRS:
         r = [a / b for a, b in zip(per_round[ours], per_round[sdpa])]
