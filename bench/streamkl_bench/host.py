@@ -87,10 +87,13 @@ def host_cost(out_dir, rounds=9, calls=200, warmup=300, profile=False, device=No
             fn()
     timer = lambda fn: wall_us_per_call(fn, calls, cuda=device == "cuda", warm=0)  # noqa: E731
     per_round = rotated_samples(cases, rounds, timer)
-    if launcher.enabled():  # what the direct launch saves (not under the interpreter)
+    binder_same = None  # the direct launch's forward equals the binder's (not under the interpreter)
+    if launcher.enabled():  # what the direct launch saves
+        ref = cases["forward"]()
         with mock.patch.dict(os.environ, STREAMKL_FAST_LAUNCH="0"):  # Triton's own binder
             per_round.update({n + " [binder launch]": v for n, v in rotated_samples(
                 {n: cases[n] for n in ("forward", "forward+backward")}, rounds, timer).items()})
+            binder_same = bool(torch.equal(ref, cases["forward"]()))
     note = f"median of {rounds} rotated rounds of {calls} calls"
     rows = [("host_us_per_call", n, statistics.median(v), "us", f"{note}; the rounds: " + ";".join(f"{t:.1f}" for t in v))
             for n, v in per_round.items()]
@@ -98,11 +101,8 @@ def host_cost(out_dir, rounds=9, calls=200, warmup=300, profile=False, device=No
         r = [a / b for a, b in zip(per_round[ours], per_round[sdpa])]
         rows.append(("host_ratio_to_sdpa", ours, statistics.median(r), "x",
                      f"median of the per-round ratios {ours} / {sdpa}; " + ";".join(f"{v:.3f}" for v in r)))
-    if launcher.enabled():
-        ref = cases["forward"]()
-        with mock.patch.dict(os.environ, STREAMKL_FAST_LAUNCH="0"):  # Triton's own binder
-            same = bool(torch.equal(ref, cases["forward"]()))
-        rows.append(("check", "direct_equals_binder", int(same), "bool", "torch.equal of the two forwards"))
+    if binder_same is not None:
+        rows.append(("check", "direct_equals_binder", int(binder_same), "bool", "torch.equal of the two forwards"))
     path = os.path.join(out_dir, "host_cost.csv")
     new = not os.path.exists(path)
     with open(path, "a", newline="") as f:
