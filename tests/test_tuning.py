@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from dataclasses import replace
+from unittest import mock
 
 import pytest
 
@@ -320,6 +321,29 @@ def test_the_separate_backward_runs_the_rules_configs_untimed(on_gpu, both, few)
         assert len(set(cands)) == len(cands)
         if few:  # long problems: the rule's config and the old ones
             assert len(cands) <= 3
+
+
+@pytest.mark.parametrize("few", [False, True])
+@pytest.mark.parametrize("both", [False, True])
+def test_a_rule_drops_only_the_config_it_replaces(on_gpu, both, few):
+    """The rule's config leads; the candidate it replaces (the same tile, another variant) is gone
+    and every other candidate of the list built without a rule stays, whatever its position. Long
+    problems (``few``) time the old configs and one new one, here the rule's."""
+    side = "both sides" if both else "one side"
+    for kind in ("dk", "dq"):
+        rule = next(r for r in attn_configs.SHAPE_RULES
+                    if r.kernel == "bwd_" + kind and r.shape_class == ("d<=128", "tma", "separate", side))
+        cands = attn_configs.bwd_variant_candidates(128, both, kind, tma=True, few=few, n_q=8192)
+        with mock.patch.dict(attn_configs._RULES, clear=True):
+            plain = attn_configs.bwd_variant_candidates(128, both, kind, tma=True, few=few, n_q=8192)
+        assert cands[0] == rule.config and rule.replaces not in cands
+        if few:
+            plain = attn_configs.bwd_candidates(128, both, kind)
+        assert [c for c in plain if c not in (rule.config, rule.replaces)] == cands[1:]
+        if rule.replaces is not None:
+            assert rule.replaces.variant != rule.config.variant
+            assert (rule.replaces.block_m, rule.replaces.block_n, rule.replaces.num_warps, rule.replaces.num_stages) == (
+                rule.config.block_m, rule.config.block_n, rule.config.num_warps, rule.config.num_stages)
 
 
 def test_the_fused_backward_rule_depends_on_the_query_rows(on_gpu):

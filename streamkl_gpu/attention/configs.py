@@ -50,13 +50,15 @@ class ShapeRule:
     "bwd_dk", "bwd_dq") and ``shape_class`` name the class, ``config`` its winner; ``csv`` and
     ``row_prefix`` the committed CSV and the first characters of the row that justify it (a test
     checks that the file holds that row and that the row names the config); ``shows``: what the row
-    shows."""
+    shows; ``replaces``: the candidate the winner supersedes (the same tile in a variant the row
+    measured it against), left out of the list the tuner times, or None."""
     kernel: str
     shape_class: tuple
     config: Union[FwdConfig, BwdConfig]
     csv: str
     row_prefix: str
     shows: str
+    replaces: Union[FwdConfig, BwdConfig, None] = None
 
 
 # Below this many keys the forward is launch-bound and the TMA path measured slower (H200, 1K
@@ -110,12 +112,14 @@ SHAPE_RULES = (
               BwdConfig(block_m=32, block_n=64, num_warps=4, num_stages=3, variant="tma+trans+fold+rows+pack"),
               _BWD_BOTH, "fwd+bwd,auto,both N=8K,", "the tuned tile with its row constants packed (its dK "
               "kernel alone 0.887x at 8K, bench/results/2026-12-01_h200_d3b757b/bwd_kernels.csv); the step "
-              "under the no-regression rule in compare_summary.csv beside it"),
+              "under the no-regression rule in compare_summary.csv beside it",
+              replaces=BwdConfig(block_m=32, block_n=64, num_warps=4, num_stages=3, variant="tma+trans+fold+rows")),
     ShapeRule("bwd_dq", ("d<=128", "tma", "separate", "both sides"),
               BwdConfig(block_m=64, block_n=32, num_warps=4, num_stages=3, variant="tma+fold+heavy"), _BWD_HEAVY,
               "bwd,after,both N=256K H=4 causal,", "the tuned tile with its heaviest query tiles first (causal; "
               "without a causal mask the same kernel as \"tma+fold\"): the no-regression rounds at 8K and 16K "
-              "and the long rows beside it"),
+              "and the long rows beside it",
+              replaces=BwdConfig(block_m=64, block_n=32, num_warps=4, num_stages=3, variant="tma+fold")),
     ShapeRule("bwd_dk", ("d<=128", "tma", "fused", "one side", "long queries"),
               BwdConfig(block_m=64, block_n=128, num_warps=8, num_stages=2, variant="tma+trans+fold+rows+reduce"),
               _BWD_MUSTS, "bwd,auto,nq512 nk32K s2,", "the tuned plan at N_Q 512 x N_K 32K"),
@@ -123,7 +127,7 @@ SHAPE_RULES = (
               BwdConfig(block_m=32, block_n=128, num_warps=8, num_stages=3, variant="ptr"), _BWD_MUSTS,
               "bwd,auto,nq16 nk32K s1,", "the tuned plan at N_Q 16 x N_K 32K"),
 )
-_RULES = {(rule.kernel, rule.shape_class): rule.config for rule in SHAPE_RULES}
+_RULES = {(rule.kernel, rule.shape_class): rule for rule in SHAPE_RULES}
 # fused dK: N_Q below this is "short queries" (measured at 16 and 512 only; the boundary between
 # them is a guess: one or two query tiles per key tile, where a TMA reduce-add per tile buys little)
 RULE_SHORT_QUERIES = 256
@@ -131,11 +135,12 @@ RULE_SHORT_QUERIES = 256
 
 def rule_first(candidates, kernel, cls):
     """``candidates`` with the shape rule's config for ``(kernel, cls)`` first (added when the
-    list lacks it); unchanged where no rule entry covers the class."""
-    cfg = _RULES.get((kernel, cls))
-    if cfg is None:
+    list lacks it) and without the config the rule replaces; unchanged where no rule entry covers
+    the class."""
+    rule = _RULES.get((kernel, cls))
+    if rule is None:
         return list(candidates)
-    return [cfg] + [c for c in candidates if c != cfg]
+    return [rule.config] + [c for c in candidates if c not in (rule.config, rule.replaces)]
 
 
 def tuning_slice(dims, causal):
@@ -261,8 +266,8 @@ def bwd_variant_candidates(d_pad, both, kind, ieee=False, tma=False, fused=False
     bench/results/2026-12-01_h200_2a98499/bwd_variants.csv): FlashAttention-2/3's choice at
     D = 128 for the key-stationary loop is 128 keys x 64 queries, 8 warps; the dQ loop 128 queries
     x 64 keys. ``few`` (problems
-    past TUNING_WORK_LIMIT, where the backward is timed on the whole problem): one new candidate,
-    so that a first call at long N pays one more timing, not three. The shape rule's config
+    past TUNING_WORK_LIMIT, timed on a bounded slice): one new candidate, so that a first call at
+    long N pays one more timing, not three. The shape rule's config
     (``SHAPE_RULES``; ``n_q``: the query rows, for the fused dK's classes) comes first.
     """
     forced = bwd_variant()
@@ -315,16 +320,16 @@ def bwd_variant_candidates(d_pad, both, kind, ieee=False, tma=False, fused=False
             names = ["trans+fold"]
     else:
         names = ["tma+fold"] if tma else ["fold"]
-    if few:  # with a rule entry: the rule's config and the old ones
-        cands = old + _bwd(tiles[:1], names[0])
+    cls = None  # the shape rule's class: TMA tiles up to D = 128 only
+    if tma and d_pad <= 128:
+        cls = ("d<=128", "tma", "fused" if fused else "separate", "both sides" if both else "one side")
+        if fused:
+            cls += ("short queries" if n_q is not None and n_q < RULE_SHORT_QUERIES else "long queries",)
+    if few:  # the old configs and one new one: the rule's (added by rule_first) or the first tile
+        cands = old + ([] if ("bwd_" + kind, cls) in _RULES else _bwd(tiles[:1], names[0]))
     else:
         cands = old + [c for n in names for c in _bwd(tiles[:1], n)] + _bwd(tiles[1:2], names[0])
-    if not tma or d_pad > 128:
-        return cands
-    cls = ("d<=128", "tma", "fused" if fused else "separate", "both sides" if both else "one side")
-    if fused:
-        cls += ("short queries" if n_q is not None and n_q < RULE_SHORT_QUERIES else "long queries",)
-    return rule_first(cands, "bwd_" + kind, cls)[:len(cands)]
+    return cands if cls is None else rule_first(cands, "bwd_" + kind, cls)
 
 
 def _kernel_variant(name, kind, fused):
