@@ -77,6 +77,32 @@ def test_split_k_equals_one_pass(splits, causal):
     assert_close("kl split vs one pass", split, one.double().numpy(), None, dtype=torch.float32)
 
 
+@pytest.mark.parametrize("block", [(16, 16)], indirect=True)
+@pytest.mark.parametrize("NQ, NK", [(45, 70), (70, 45), (48, 48)])
+def test_heaviest_query_tiles_first_give_the_same_bits(block, NQ, NK):
+    """The Triton forward launches a causal problem's last query tiles (the most keys) first:
+    each row is still one program's, so KL and LSEs equal the query order's bitwise; a forced
+    order is part of the plan's signature; an unknown order is an error."""
+    from streamkl_gpu._core.forcing import forcing
+    from streamkl_gpu.attention import launch
+
+    xs = make_inputs(1, 2, 1, 2, NQ, NK, 16, 16, seed=NQ + NK)
+    heavy = streamkl_gpu.attention_kl_with_lse(*xs, causal=True)
+    with forcing(attention_triton_fwd_order="query"):
+        query = streamkl_gpu.attention_kl_with_lse(*xs, causal=True)
+    orders = {plan.constexprs["HEAVY_FIRST"] for plan in launch._PLANS.values()
+              if isinstance(plan, launch._TritonForward) and plan.constexprs["CAUSAL"]
+              and plan.constexprs["BLOCK_M"] == 16 and not plan.constexprs["SPLIT"]}
+    assert orders == {True, False}
+    for name, a, b in zip(("kl", "lse1", "lse2"), heavy, query):
+        assert torch.equal(a, b), name
+    ref_kl, *_ = reference(xs, causal=True)
+    same_kl, _ = same_precision(xs, None, causal=True)
+    assert_close("kl", heavy[0], ref_kl, same_kl, dtype=torch.float32)
+    with forcing(attention_triton_fwd_order="sideways"), pytest.raises(ValueError, match="heavy"):
+        streamkl_gpu.attention_kl(*xs, causal=True)
+
+
 def test_auto_split_rule():
     dims = check_inputs(*make_inputs(1, 32, 32, 32, 1, 1, 16, 16))
     # 32 one-row programs cannot fill 132 SMs: split; 64 blocks of rows x 32 heads can

@@ -15,6 +15,10 @@ Forcible choices (keyword arguments of :func:`forcing`; unknown names raise ``Va
   without and with a causal mask, or ``"eager_max"``, the fold with the row maxima on every tile)
   or a diagnostic one (deliberately wrong results: they explain the kernel's time, they are never
   a candidate).
+- ``attention_triton_fwd_order``: the order in which the portable Triton forward (fp32, split-K, head
+  dims or GPUs without the Gluon kernel) launches a causal one-pass problem's query tiles:
+  ``"heavy"`` (the default, also for None: the last tiles, which see the most keys, first) or
+  ``"query"`` (tile 0 first). Bitwise the same results either way.
 - ``indexer_accumulate_parts``: a timing-only variant of the indexer's accumulating forward, one of
   ``streamkl_gpu.devtools.diagnostics.INDEXER_ACCUMULATE_PARTS`` (incomplete gradients).
 - ``indexer_storing_forward_order``: the order in which the indexer's chunk design tries its
@@ -57,7 +61,7 @@ import contextlib
 import dataclasses
 from typing import Any, Optional
 
-CHOICES = ("attention_fwd_variant", "indexer_accumulate_parts", "indexer_storing_forward_order",
+CHOICES = ("attention_fwd_variant", "attention_triton_fwd_order", "indexer_accumulate_parts", "indexer_storing_forward_order",
            "indexer_storing_forward_backend",
            "indexer_chunk_gradient_order", "indexer_chunk_gradient_config", "indexer_teacher_lse_config",
            "indexer_chunk_gradient_parts")
@@ -103,6 +107,8 @@ def forcing(**choices):
 
 def forced(name: str, default: Optional[Any] = None):
     """The innermost forced value of choice ``name``, or ``default`` (one list walk when forcing)."""
+    if not _STACK:  # outside every block (what a call's signature asks on every call)
+        return default
     for choices, _ in reversed(_STACK):
         if name in choices:
             return choices[name]

@@ -15,6 +15,7 @@ import torch
 from streamkl_ref._checks import check_inputs
 
 from streamkl_gpu.attention.triton import fwd as _fwd
+from streamkl_gpu._core import forcing as _forcing
 from streamkl_gpu._core import runtime as _runtime
 from streamkl_gpu._core.launcher import ahead_allowed, compile_ahead, compiling_ahead
 from streamkl_gpu._core.launcher import launch as fast_launch
@@ -54,7 +55,7 @@ class _TritonForward:
 
     __slots__ = ("grid", "ints", "constexprs", "warps", "stages", "boxes", "part_shape", "combine", "key")
 
-    def __init__(self, cfg, dims, causal, d1_pad, d2_pad, in_strides, ieee1, ieee2, key=None):
+    def __init__(self, cfg, dims, causal, d1_pad, d2_pad, in_strides, ieee1, ieee2, key=None, order="heavy"):
         block_m, block_n, warps, stages, use_tma = cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.use_tma
         n_splits = cfg.splits
         BH = dims.B * dims.H
@@ -67,7 +68,8 @@ class _TritonForward:
                      keys_per_split, splits, dims.scale1 * LOG2E, dims.scale2 * LOG2E)
         self.constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1_pad, D2_PAD=d2_pad,
                                CAUSAL=causal, SPLIT=splits > 1, IEEE1=ieee1, IEEE2=ieee2, USE_TMA=use_tma,
-                               NO_CONTRACT=not interpreting())
+                               NO_CONTRACT=not interpreting(),
+                               HEAVY_FIRST=causal and splits == 1 and order == "heavy")
         self.warps, self.stages = warps, stages
         # the keys' descriptors (the inputs' shapes and strides are the signature's)
         self.boxes = ((_BoundDescriptor((dims.B, dims.HK1, dims.NK, dims.D1), in_strides[4:8], (1, 1, block_n, d1_pad)),
@@ -94,10 +96,21 @@ class _TritonForward:
                         dict(BLOCK=256), 4, 3, self.key, (part, kl, lse1_bits, lse2_bits))
 
 
+TRITON_FWD_ORDERS = ("heavy", "query")  # the Triton forward's causal query-tile orders (forcing)
+
+
+def _triton_fwd_order():
+    """The forced query-tile order of the Triton forward (``attention_triton_fwd_order``), or None."""
+    order = _forcing.forced("attention_triton_fwd_order")
+    if order is not None and order not in TRITON_FWD_ORDERS:
+        raise ValueError(f"attention_triton_fwd_order must be one of {TRITON_FWD_ORDERS} or None, got {order!r}")
+    return order
+
+
 def _bind_forward(cfg, q1, k1, q2, k2, dims, causal, d1_pad, d2_pad, key=None):
     strides_in = (*strides(q1), *strides(k1), *strides(q2), *strides(k2))
     return _TritonForward(cfg, dims, causal, d1_pad, d2_pad, strides_in,
-                          q1.dtype == torch.float32, q2.dtype == torch.float32, key)
+                          q1.dtype == torch.float32, q2.dtype == torch.float32, key, _triton_fwd_order() or "heavy")
 
 
 def _fwd_runner(q1, k1, q2, k2, dims, causal, outs, d1_pad, d2_pad):
@@ -155,7 +168,8 @@ def _kernel_inputs(q1, k1, q2, k2, causal, split_k, dims):
     ``compute_view``) and the forward's plan signature."""
     if interpreting():
         q1, k1, q2, k2 = (compute_view(t) for t in (q1, k1, q2, k2))
-    return (q1, k1, q2, k2), _signature("fwd", dims, (causal, split_k, fwd_backend()), q1, k1, q2, k2)
+    return (q1, k1, q2, k2), _signature("fwd", dims, (causal, split_k, fwd_backend(), _triton_fwd_order()),
+                                        q1, k1, q2, k2)
 
 
 def _forward_plan(sig, q1, k1, q2, k2, causal, split_k, dims):

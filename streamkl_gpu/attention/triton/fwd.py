@@ -198,11 +198,14 @@ def _kl_fwd_kernel(
     USE_TMA: tl.constexpr, NO_CONTRACT: tl.constexpr,
     CU_SEQLENS_Q=None, CU_SEQLENS_K=None,  # int32 [batch + 1] (used when VARLEN)
     VARLEN: tl.constexpr = False,
+    HEAVY_FIRST: tl.constexpr = False,  # causal: the last query tiles (the most keys) launched first
 ):
     # VARLEN (packed sequences): q/k are [1, H, total, D] views of the packed [total, H, D]
     # tensors, "batch" b is the sequence, N_Q/N_K are the totals, and KL/LSE*/PART rows are laid
     # out [total_q, H]; the grid covers the longest sequence and other programs exit at once.
     pid_m = tl.program_id(0)
+    if HEAVY_FIRST:  # blocks start in launch order: the long ones first, the short ones fill the tail
+        pid_m = tl.num_programs(0) - 1 - pid_m
     pid_bh = tl.program_id(1)
     pid_split = tl.program_id(2)
     b = pid_bh // H
