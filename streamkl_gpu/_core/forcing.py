@@ -61,8 +61,8 @@ import contextlib
 import dataclasses
 from typing import Any, Optional
 
-CHOICES = ("attention_fwd_variant", "attention_triton_fwd_order", "indexer_accumulate_parts", "indexer_storing_forward_order",
-           "indexer_storing_forward_backend",
+CHOICES = ("attention_fwd_variant", "attention_triton_fwd_order", "indexer_accumulate_parts",
+           "indexer_storing_forward_order", "indexer_storing_forward_backend",
            "indexer_chunk_gradient_order", "indexer_chunk_gradient_config", "indexer_teacher_lse_config",
            "indexer_chunk_gradient_parts")
 
