@@ -127,8 +127,7 @@ def host_cost(out_dir, rounds=9, calls=200, warmup=300, profile=False, device=No
             for sort in ("tottime", "cumulative"):
                 buf.write(f"\n===== {name}: 300 calls, sorted by {sort} =====\n")
                 pstats.Stats(pr, stream=buf).sort_stats(sort).print_stats(35)
-        with open(os.path.join(out_dir, "host_profile.txt"), "w") as fh:
-            fh.write(buf.getvalue())
+        open(os.path.join(out_dir, "host_profile.txt"), "w").write(buf.getvalue())
     return {(measure, provider): value for measure, provider, value, _, _ in rows}
 
 
