@@ -91,6 +91,44 @@ def test_a_changed_specialisation_binds_again(direct, change):
     assert fn.compiled == (1 if change == "none" else 2)
 
 
+class _ConstexprParam(_Param):
+    is_constexpr = True
+
+
+class _FakeJITHeadDim(_FakeJIT):
+    """A kernel whose head dim ``D: tl.constexpr`` comes positionally, among the sizes (as the
+    attention kernels take D1, D2)."""
+    arg_names = ["X", "D", "BLOCK"]
+    params = [_Param("X"), _ConstexprParam("D"), _Param("BLOCK")]
+
+
+def test_a_positional_constexpr_is_keyed_by_its_value(direct):
+    """D = 96 and D = 128 share every property ``_spec`` keys an integer on (not 1, multiples of
+    16, int32), but Triton compiles each into its own kernel: the second head dim binds again
+    instead of launching the first one's kernel (it would read and write 96 of 128 columns)."""
+    fn = _FakeJITHeadDim()
+    x = torch.zeros(8)
+    _fast_launch.launch(fn, (1, 1, 1), (x, 96), {"BLOCK": 16}, 4, 2)
+    _fast_launch.launch(fn, (1, 1, 1), (x, 96), {"BLOCK": 16}, 4, 2)
+    _fast_launch.launch(fn, (1, 1, 1), (x, 128), {"BLOCK": 16}, 4, 2)
+    assert [e[0] for e in fn.log] == ["bound", "direct", "bound"]
+    assert fn.log[-1][2] == (x, 128)
+
+
+def test_compiling_ahead_keys_a_positional_constexpr_by_its_value(direct):
+    log = []
+    fn = _FakeJITHeadDim()
+    fn.warmup = lambda *args, grid, **kw: log.append(args[1])
+    x = torch.zeros(8)
+
+    def work():
+        for head_dim in (96, 128, 96):
+            _fast_launch.launch(fn, (1, 1, 1), (x, head_dim), {"BLOCK": 16}, 4, 2)
+
+    _fast_launch.compile_ahead(work, None).join(timeout=30)
+    assert sorted(log) == [96, 128]
+
+
 def test_off_under_the_interpreter_and_by_variable(monkeypatch):
     assert not _fast_launch.enabled()  # the suite runs under TRITON_INTERPRET=1
     monkeypatch.setenv("STREAMKL_FAST_LAUNCH", "0")

@@ -192,7 +192,7 @@ def _compile_only(fn, grid, args, kwargs):
     an earlier one of the same work compiles once: runtime arguments by what Triton specialises
     them on (a chunk loop's offsets 0 and 2048 are one compile, not two side by side), keywords
     (constexprs, warps, stages) by value. Returns None (nothing is launched)."""
-    key = (id(fn), tuple(_spec(a) for a in args), tuple((k, _value_key(v)) for k, v in kwargs.items()))
+    key = (id(fn), _positional_key(fn, args), tuple((k, _value_key(v)) for k, v in kwargs.items()))
     seen, pending = _AHEAD.seen, _AHEAD.pending
     if pending is None:  # a thread marked by hand, not started by compile_ahead: compile here
         fn.warmup(*args, grid=grid, **kwargs)
@@ -391,6 +391,21 @@ def _spec(a):
             getattr(base, "dtype", None), base.data_ptr() % 16 == 0 if isinstance(base, torch.Tensor) else None)
 
 
+_CONSTEXPR_POSITIONS = {}  # id(fn) -> (fn, the indices of its constexpr parameters)
+
+
+def _positional_key(fn, args) -> tuple:
+    """The positional arguments as they select a compiled kernel: ``_spec`` of each, but a
+    constexpr parameter passed positionally (a head dim ``D1: tl.constexpr`` among the sizes) by
+    its value, which Triton compiles in (D = 96 and D = 128 share every ``_spec`` property)."""
+    entry = _CONSTEXPR_POSITIONS.get(id(fn))
+    if entry is None or entry[0] is not fn:
+        entry = (fn, frozenset(i for i, p in enumerate(fn.params) if getattr(p, "is_constexpr", False)))
+        _CONSTEXPR_POSITIONS[id(fn)] = entry
+    constexpr = entry[1]
+    return tuple([a if i in constexpr else _spec(a) for i, a in enumerate(args)])
+
+
 def _tail(fn, n_positional, constexprs, runtime):
     """The arguments after the positional ones, in parameter order: ``(values, slots)``, where
     ``values`` has the constexprs and defaults filled in and ``slots`` lists (index, name) of the
@@ -411,7 +426,7 @@ def _tail(fn, n_positional, constexprs, runtime):
 
 def _full_key(fn, args, constexprs, num_warps, num_stages, runtime=None):
     extra = tuple((k, _spec(v)) for k, v in runtime.items()) if runtime else ()
-    return (fn, num_warps, num_stages, tuple(constexprs.items()), tuple(_spec(a) for a in args), extra)
+    return (fn, num_warps, num_stages, tuple(constexprs.items()), _positional_key(fn, args), extra)
 
 
 def launch(fn, grid, args, constexprs, num_warps, num_stages, key=None, tensors=(), runtime=None):
