@@ -95,6 +95,7 @@ _BWD_MUSTS = "bench/results/2026-12-01_h200_3ab8703/bwd_musts.csv"
 _FWD_TMA = "bench/results/2026-11-29_h200_97028b2/fwd_tma_configs.csv"
 _BWD_BOTH = "bench/results/2026-12-06_h100_726d126/bwd_both_rule.csv"
 _BWD_HEAVY = "bench/results/2026-12-07_h100_9317ca2/bwd_both_heavy.csv"
+_BWD_ONE_HEAVY = "bench/results/2026-12-07_h100_b37bfd7/bwd_one_side_heavy.csv"
 SHAPE_RULES = (
     ShapeRule("fwd", ("d128", "tma", "full"),
               FwdConfig(block_m=128, block_n=32, num_warps=8, num_stages=3, use_tma=True), _FWD_TMA,
@@ -106,8 +107,11 @@ SHAPE_RULES = (
               BwdConfig(block_m=64, block_n=128, num_warps=8, num_stages=3, variant="tma+trans+fold+rows"), _BWD_MUSTS,
               "bwd,auto,N=8K s1,", "the tuned plan at 8K/16K, causal or not, s1 and s2, GQA, D1 != D2"),
     ShapeRule("bwd_dq", ("d<=128", "tma", "separate", "one side"),
-              BwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, variant="tma+fold"), _BWD_MUSTS,
-              "bwd,auto,N=8K s1,", "the same rows"),
+              BwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, variant="tma+fold+heavy"), _BWD_ONE_HEAVY,
+              "bwd,after,s1 N=256K H=4 D=128 causal,", "the tuned tile with its heaviest query tiles first (causal; "
+              "without a causal mask the same kernel as \"tma+fold\"): the no-regression rounds at 8K and 16K "
+              "(settings 1 and 2, D = 96) and the long rows beside it",
+              replaces=BwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, variant="tma+fold")),
     ShapeRule("bwd_dk", ("d<=128", "tma", "separate", "both sides"),
               BwdConfig(block_m=32, block_n=64, num_warps=4, num_stages=3, variant="tma+trans+fold+rows+pack"),
               _BWD_BOTH, "fwd+bwd,auto,both N=8K,", "the tuned tile with its row constants packed (its dK "
