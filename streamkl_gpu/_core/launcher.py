@@ -400,7 +400,8 @@ def _positional_key(fn, args) -> tuple:
     its value, which Triton compiles in (D = 96 and D = 128 share every ``_spec`` property)."""
     entry = _CONSTEXPR_POSITIONS.get(id(fn))
     if entry is None or entry[0] is not fn:
-        entry = (fn, frozenset(i for i, p in enumerate(fn.params) if getattr(p, "is_constexpr", False)))
+        params = getattr(fn, "params", ())  # (a stand-in for a JIT function may have none)
+        entry = (fn, frozenset(i for i, p in enumerate(params) if getattr(p, "is_constexpr", False)))
         _CONSTEXPR_POSITIONS[id(fn)] = entry
     constexpr = entry[1]
     return tuple([a if i in constexpr else _spec(a) for i, a in enumerate(args)])
