@@ -130,6 +130,35 @@ def test_split_k_matches_reference(split_k, causal):
         assert_close(name, grads[name], gref[name], gsame[name], dtype=torch.float32)
 
 
+def test_heaviest_query_tiles_first_give_the_same_bits(monkeypatch):
+    """A causal packed batch launches each sequence's last query tiles (the most keys) first, as
+    the dense forward does: KL and LSEs equal the query order's bitwise, and the forced query
+    order reaches the kernel."""
+    from streamkl_gpu._core.forcing import forcing
+
+    orders = []
+    real = _varlen.kernel_call
+
+    def spy(fn, grid):
+        call = real(fn, grid)
+
+        def record(*args, **kw):
+            if fn is _varlen._fwd._kl_fwd_kernel:
+                orders.append(kw["HEAVY_FIRST"])
+            return call(*args, **kw)
+        return record
+
+    monkeypatch.setattr(_varlen, "kernel_call", spy)
+    xs, cu_q, cu_k, mq, mk = pack([(40, 45), (5, 5), (33, 17)], 2, 1, 2, 16, 8, seed=3)
+    heavy = _varlen._kl_varlen_fwd_op(*xs, cu_q, cu_k, mq, mk, True, 0.25, 0.35, 1, "auto", False)
+    launched_heavy, orders[:] = set(orders), []
+    with forcing(attention_triton_fwd_order="query"):
+        query = _varlen._kl_varlen_fwd_op(*xs, cu_q, cu_k, mq, mk, True, 0.25, 0.35, 1, "auto", False)
+    assert launched_heavy == {True} and set(orders) == {False}
+    for name, a, b in zip(("kl", "lse1", "lse2"), heavy, query):
+        assert torch.equal(a, b), name
+
+
 def test_nan_in_one_sequence_never_reaches_another():
     """NaN in sequence 1's queries and keys (and in the storage around the packed tensors):
     every output and gradient of sequences 0 and 2 is bitwise the clean run's."""

@@ -99,7 +99,7 @@ class _TritonForward:
 TRITON_FWD_ORDERS = ("heavy", "query")  # the Triton forward's causal query-tile orders (forcing)
 
 
-def _triton_fwd_order():
+def triton_fwd_order():
     """The forced query-tile order of the Triton forward (``attention_triton_fwd_order``), or None."""
     order = _forcing.forced("attention_triton_fwd_order")
     if order is not None and order not in TRITON_FWD_ORDERS:
@@ -110,7 +110,7 @@ def _triton_fwd_order():
 def _bind_forward(cfg, q1, k1, q2, k2, dims, causal, d1_pad, d2_pad, key=None):
     strides_in = (*strides(q1), *strides(k1), *strides(q2), *strides(k2))
     return _TritonForward(cfg, dims, causal, d1_pad, d2_pad, strides_in,
-                          q1.dtype == torch.float32, q2.dtype == torch.float32, key, _triton_fwd_order() or "heavy")
+                          q1.dtype == torch.float32, q2.dtype == torch.float32, key, triton_fwd_order() or "heavy")
 
 
 def _fwd_runner(q1, k1, q2, k2, dims, causal, outs, d1_pad, d2_pad):
@@ -168,7 +168,7 @@ def _kernel_inputs(q1, k1, q2, k2, causal, split_k, dims):
     ``compute_view``) and the forward's plan signature."""
     if interpreting():
         q1, k1, q2, k2 = (compute_view(t) for t in (q1, k1, q2, k2))
-    return (q1, k1, q2, k2), _signature("fwd", dims, (causal, split_k, fwd_backend(), _triton_fwd_order()),
+    return (q1, k1, q2, k2), _signature("fwd", dims, (causal, split_k, fwd_backend(), triton_fwd_order()),
                                         q1, k1, q2, k2)
 
 

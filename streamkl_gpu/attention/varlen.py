@@ -28,6 +28,7 @@ from streamkl_ref._varlen import check_seqlens_values, check_varlen, padded_view
 from streamkl_gpu._core import custom_ops as _custom_ops
 from streamkl_gpu.attention.triton import bwd as _bwd
 from streamkl_gpu.attention.triton import fwd as _fwd
+from streamkl_gpu.attention.launch import triton_fwd_order
 from streamkl_gpu._core import runtime as _runtime
 from streamkl_gpu._core.checks import (
     check_bwd_mode,
@@ -120,6 +121,7 @@ def _forward(q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, causal, scale1, scale2, s
     # sequence is masked in the kernel like keys past N_K)
     tma = dims.NK > 0 and tma_ok(k1) and tma_ok(k2) and (interpreting() or max_k >= TMA_MIN_KEYS)
     candidates = fwd_candidates(sched, max(d1_pad, d2_pad), split, ieee, tma)
+    heavy = causal and (triton_fwd_order() or "heavy") == "heavy"  # each sequence's last query tiles first
 
     def launch(cfg):
         block_m, block_n, warps, stages, use_tma = cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.use_tma
@@ -141,7 +143,7 @@ def _forward(q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, causal, scale1, scale2, s
             BLOCK_M=block_m, BLOCK_N=block_n, D1_PAD=d1_pad, D2_PAD=d2_pad,
             CAUSAL=causal, SPLIT=splits > 1, IEEE1=ieee1, IEEE2=ieee2, USE_TMA=use_tma,
             NO_CONTRACT=not interpreting(), CU_SEQLENS_Q=cu_q, CU_SEQLENS_K=cu_k, VARLEN=True,
-            num_warps=warps, num_stages=stages,
+            HEAVY_FIRST=heavy and splits == 1, num_warps=warps, num_stages=stages,
         )
         if splits > 1:
             rows = total_q * H
