@@ -16,7 +16,7 @@ Forcible choices (keyword arguments of :func:`forcing`; unknown names raise ``Va
   or a diagnostic one (deliberately wrong results: they explain the kernel's time, they are never
   a candidate).
 - ``attention_triton_fwd_order``: the order in which the portable Triton forward (fp32, split-K, head
-  dims or GPUs without the Gluon kernel) launches a causal one-pass problem's query tiles:
+  dims or GPUs without the Gluon kernel; packed sequences) launches a causal one-pass problem's query tiles:
   ``"heavy"`` (the default, also for None: the last tiles, which see the most keys, first) or
   ``"query"`` (tile 0 first). Bitwise the same results either way.
 - ``indexer_accumulate_parts``: a timing-only variant of the indexer's accumulating forward, one of
