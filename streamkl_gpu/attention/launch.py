@@ -100,9 +100,10 @@ TRITON_FWD_ORDERS = ("heavy", "query")  # the Triton forward's causal query-tile
 
 
 def triton_fwd_order():
-    """The forced query-tile order of the Triton forward (``attention_triton_fwd_order``), or None."""
-    order = _forcing.forced("attention_triton_fwd_order")
-    if order is not None and order not in TRITON_FWD_ORDERS:
+    """The query-tile order of the Triton forward: the forced ``attention_triton_fwd_order``, or
+    ``"heavy"`` (the default)."""
+    order = _forcing.forced("attention_triton_fwd_order") or "heavy"  # (forced None: the default)
+    if order not in TRITON_FWD_ORDERS:
         raise ValueError(f"attention_triton_fwd_order must be one of {TRITON_FWD_ORDERS} or None, got {order!r}")
     return order
 
@@ -110,7 +111,7 @@ def triton_fwd_order():
 def _bind_forward(cfg, q1, k1, q2, k2, dims, causal, d1_pad, d2_pad, key=None):
     strides_in = (*strides(q1), *strides(k1), *strides(q2), *strides(k2))
     return _TritonForward(cfg, dims, causal, d1_pad, d2_pad, strides_in,
-                          q1.dtype == torch.float32, q2.dtype == torch.float32, key, triton_fwd_order() or "heavy")
+                          q1.dtype == torch.float32, q2.dtype == torch.float32, key, triton_fwd_order())
 
 
 def _fwd_runner(q1, k1, q2, k2, dims, causal, outs, d1_pad, d2_pad):

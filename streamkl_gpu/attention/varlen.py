@@ -121,7 +121,7 @@ def _forward(q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, causal, scale1, scale2, s
     # sequence is masked in the kernel like keys past N_K)
     tma = dims.NK > 0 and tma_ok(k1) and tma_ok(k2) and (interpreting() or max_k >= TMA_MIN_KEYS)
     candidates = fwd_candidates(sched, max(d1_pad, d2_pad), split, ieee, tma)
-    heavy = causal and (triton_fwd_order() or "heavy") == "heavy"  # each sequence's last query tiles first
+    heavy = causal and triton_fwd_order() == "heavy"  # each sequence's last query tiles first
 
     def launch(cfg):
         block_m, block_n, warps, stages, use_tma = cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.use_tma
