@@ -33,7 +33,7 @@ SETTINGS = {"s1": (False, False, True, True), "s2": (True, True, False, False), 
 # dQ kernel post-scaled), the TMA reduce of the fused dQ, each with and without the others
 # ("+heavy": the causal dQ kernel's reversed launch order, HEAVY_FIRST; "+pack": packed row constants)
 VARIANTS = ["tma+trans+fold+rows+reduce", "tma+trans+fold+reduce", "tma+trans+reduce", "tma", "trans", "fold",
-            "tma+trans+fold+rows+heavy", "tma+trans+fold+rows+pack+reduce"]
+            "tma+trans+fold+rows+heavy", "tma+trans+fold+rows+pack+reduce", "tma+trans+fold+rows+pack+gexp"]
 
 
 @pytest.fixture
@@ -54,7 +54,7 @@ def launched(variant, mode):
 
 
 def expected(variant, mode, tma=True):
-    name = variant if tma else variant.replace("tma", "").replace("reduce", "").replace("rows", "").replace("pack", "")
+    name = variant if tma else variant.replace("tma", "").replace("reduce", "").replace("rows", "").replace("pack", "").replace("gexp", "")
     return (attn_configs._kernel_variant(name, "dk", mode == "fused"),
             attn_configs._kernel_variant(name, "dq", mode == "fused"))
 
@@ -111,7 +111,8 @@ def test_variant_one_setting(variant, mode, setting):
             assert grads[name] is None
 
 
-@pytest.mark.parametrize("variant", ["tma+trans+fold+rows+reduce", "fold"], indirect=True)
+@pytest.mark.parametrize("variant", ["tma+trans+fold+rows+reduce", "fold", "tma+trans+fold+rows+pack+gexp"],
+                         indirect=True)
 def test_variant_extreme_logits(variant):
     """Logits of order 1e3 (test_gpu_backward.test_extreme_logits_gradients' bound): the folded
     log-ratio s1*a1 - (s2*a2 + r) keeps the error model of the unfolded one."""
@@ -132,7 +133,8 @@ def test_variant_extreme_logits(variant):
 
 
 @pytest.mark.parametrize("variant", ["tma+trans+fold+rows+reduce", "tma+trans+fold+reduce", "tma", "fold",
-                                     "tma+trans+fold+rows+pack+heavy", "tma+trans+fold+rows+pack+poly"], indirect=True)
+                                     "tma+trans+fold+rows+pack+heavy", "tma+trans+fold+rows+pack+poly",
+                                     "tma+trans+fold+rows+pack+gexp"], indirect=True)
 @pytest.mark.parametrize("mode", ["fused", "separate"])
 @pytest.mark.parametrize("case", [KEY7, KEY40, DIAGONAL_ROWS], ids=["n8-key7", "n64-key40", "diagonal-rows"])
 def test_variant_nan_isolation(variant, mode, case):
@@ -150,6 +152,28 @@ def test_variant_nan_isolation(variant, mode, case):
     assert launched(variant, mode) == expected(variant, mode)
     ref, ref_grads = run(contiguous(clean, dtype), clean[4], **kw)
     check(case, out, ref, grads, ref_grads)
+
+
+@pytest.mark.parametrize("variant", ["tma+trans+fold+rows+pack+gexp"], indirect=True)
+def test_gexp_upstream_gradient_signs_zeros_and_magnitudes(variant):
+    """The "gexp" fold takes log2|g| into the exponentials and the sign of g apart: per-row upstream
+    gradients of both signs, exact zeros (+0 and -0), and every row at 1e-30 or at -1e20 give the
+    float64 reference's dK (the relative error of each gradient, as the other variants')."""
+    xs = make_inputs(1, 2, 1, 2, 24, 37, 16, 32, seed=21)
+    base = torch.randn(1, 2, 24, generator=torch.Generator().manual_seed(4))
+    mixed = base.clone()
+    mixed[0, 0, :6] = torch.tensor([0.0, -0.0, -3.0, 1e-30, -1e20, 1e20])
+    mixed[0, 1, 5:9] = 0.0
+    _launch._PLANS.clear()
+    for g in (mixed, 1e-30 * base, -1e20 * base.abs()):
+        for causal in (False, True):
+            grads = grads_of(xs, SETTINGS["both"], g, causal=causal, bwd_mode="separate")
+            assert launched(variant, "separate")[0] == "tma+trans+fold+rows+pack+gexp"
+            *_, ref = reference(xs, g, causal=causal)
+            _, same = same_precision(xs, g, train=SETTINGS["both"], causal=causal)
+            for name in GRAD_NAMES:
+                assert torch.isfinite(grads[name]).all(), name
+                assert_close(name, grads[name], ref[name], same[name], dtype=torch.float32)
 
 
 def test_variant_names():

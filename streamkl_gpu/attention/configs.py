@@ -240,6 +240,8 @@ def bwd_candidates(d_pad, both, kind, ieee=False):
 #             "tma" and "fold")
 #   "pack"    with "rows": the six constants side by side per row, one TMA load per query tile (ROWS_PACKED)
 #   "poly"    setting 1: half of P2's exponentials on the FMA pipe (POLY; FA4's exp2 emulation)
+#   "gexp"    with "pack", both sides, separate dK kernel: |g| folded into the exponentials' row
+#             offsets, four packed row constants instead of six, sigma applied to dK once (GEXP)
 #   "heavy"   causal dQ kernel: the query tiles with the most keys launched first (HEAVY_FIRST)
 #   "rN"      launch option: at most N registers per thread (ptxas .maxnreg; _launch._launch_opts)
 # STREAMKL_BWD_VARIANT=<name> restricts the candidates to that variant (tests, the GPU bench);
@@ -248,7 +250,7 @@ BWD_VARIANTS = ("ptr", "tma", "tma+trans", "tma+fold", "tma+trans+fold", "tma+tr
                 "tma+trans+fold+reduce", "tma+trans+fold+rows", "tma+trans+fold+rows+reduce",
                 "trans", "fold", "trans+fold", "tma+trans+fold+rows+heavy",
                 "tma+trans+fold+rows+pack", "tma+trans+fold+rows+pack+reduce", "tma+trans+fold+rows+pack+heavy",
-                "tma+trans+fold+rows+pack+poly")
+                "tma+trans+fold+rows+pack+poly", "tma+trans+fold+rows+pack+gexp")
 
 
 def bwd_variant(forced=None):
@@ -281,7 +283,8 @@ def bwd_variant_candidates(d_pad, both, kind, ieee=False, tma=False, fused=False
             if not interpreting():
                 raise ValueError(f"STREAMKL_BWD_VARIANT={forced!r} needs TMA-capable inputs (Hopper, aligned)")
             # CPU tensors not aligned: the same variant without descriptors (and so without the reduce)
-            forced = _kernel_variant(forced.replace("tma", "").replace("reduce", "").replace("rows", "").replace("pack", ""),
+            forced = _kernel_variant(forced.replace("tma", "").replace("reduce", "").replace("rows", "").replace("pack", "")
+                                     .replace("gexp", ""),
                                      kind, fused)
     if interpreting():
         block_m, block_n = _runtime.INTERPRETER_BLOCK
@@ -338,9 +341,9 @@ def bwd_variant_candidates(d_pad, both, kind, ieee=False, tma=False, fused=False
 
 def _kernel_variant(name, kind, fused):
     """The part of a variant that applies to one kernel: the dQ kernel has no key-major, rows or
-    reduce form, and "reduce" applies only to the fused dK kernel's dQ."""
+    reduce form, "reduce" applies only to the fused dK kernel's dQ and "gexp" only to the separate one."""
     keep = ("tma", "fold", "heavy", "poly") if kind == "dq" else (
-        ("tma", "trans", "fold", "rows", "pack", "poly") + (("reduce",) if fused else ()))
+        ("tma", "trans", "fold", "rows", "pack", "poly") + (("reduce",) if fused else ("gexp",)))
     return "+".join(p for p in name.split("+") if p in keep) or "ptr"
 
 

@@ -483,6 +483,8 @@ class _TritonBackward:
 
         use_tma = "tma" in parts
         self.reduce_dq = reduce_dq = fused and "reduce" in parts
+        # |g| in the exponentials, four packed row constants (_bwd._gexp_factors): both sides, separate
+        gexp = "gexp" in parts and "pack" in parts and both and not fused
         self.dk_grid = (cdiv(NK, cfg_dk.block_n), BH, 1)
         self.dk_ints = in_strides + s3(self.dk1) + s3(self.dk2) + s3(self.dq1) + s3(self.dq2) + sizes
         self.dk_constexprs = dict(
@@ -491,20 +493,21 @@ class _TritonBackward:
             IEEE1=ieee1, IEEE2=ieee2,
             USE_TMA=use_tma, TRANS="trans" in parts, FOLD="fold" in parts, DQ_REDUCE=reduce_dq,
             ROWS="rows" in parts, ROWS_PACKED="pack" in parts, POLY=int("poly" in parts), DQ_STORE=store_dq,
-            **_launch_opts(parts))
+            GEXP=gexp, **_launch_opts(parts))
         self.dk_tma = tma_descs(cfg_dk) if use_tma else None
         # the rows pre-pass: planes [6, B*H, N_Q] (one TMA load of [1, 1, BLOCK_M] per value) or,
-        # "pack", [B*H, N_Q, 8] rows (one load of [1, BLOCK_M, 4], or 8 with both settings, per query tile)
+        # "pack", [B*H, N_Q, 8] rows (one load of [1, BLOCK_M, 4], or 8 with both settings, per query tile;
+        # "gexp": [B*H, N_Q, 4] rows, one load of [1, BLOCK_M, 4])
         self.rows = self.rows_desc = None
         if "rows" in parts:
             self.rows_grid = (cdiv(BH * NQ, 1024), 1, 1)
             row_scales = (dims.scale1 * LOG2E, dims.scale2 * LOG2E, dims.scale1, dims.scale2)
             if "pack" in parts:
-                self.rows = (BH, NQ, 8)
+                self.rows = (BH, NQ, 4 if gexp else 8)
                 self.rows_args = (BH * NQ, NQ, 0, 0) + row_scales
-                self.rows_constexprs = dict(BLOCK=1024, PACKED=True)
+                self.rows_constexprs = dict(BLOCK=1024, PACKED=True, GEXP=gexp)
                 self.rows_desc = _BoundDescriptor(self.rows, _contiguous_strides(self.rows),
-                                                  (1, cfg_dk.block_m, 8 if both else 4), check=True)
+                                                  (1, cfg_dk.block_m, 8 if both and not gexp else 4), check=True)
             else:
                 pitch = cdiv(NQ, 4) * 4  # 16-byte rows for the descriptor
                 self.rows = (6, BH, pitch)

@@ -69,9 +69,25 @@ def _fold_factors(lse1_bits, lse2_bits, kl_bits, g, qk_scale1, qk_scale2, scale1
     return c2, c1 * qk_scale1, c1 * qk_scale2, c1 * (lse1_bits - lse2_bits + kl_bits)
 
 
+@triton.jit
+def _gexp_factors(lse1_bits, lse2_bits, kl_bits, g):
+    """Per-row constants of the both-sides dK kernel with |g| folded into the exponentials (GEXP):
+    e_t = lse_t - log2|g|, so exp2(s_t * qk_scale_t - e_t) = |g| * P_t; rc = lse1 - lse2 + KL (bits);
+    sgn = the sign of g. sigma_t (times ln2 for side 1) is applied once to dK after the query loop.
+    g = 0 (empty rows too) gets e_t = EMPTY_LSE, so |g| * P_t = 0 exactly; a NaN g stays NaN in e_t."""
+    e_shift = tl.log2(tl.abs(g))
+    zero = g == 0.0
+    e1 = tl.where(zero, EMPTY_LSE, lse1_bits - e_shift)
+    e2 = tl.where(zero, EMPTY_LSE, lse2_bits - e_shift)
+    sgn = tl.where(g < 0.0, -1.0, 1.0)
+    return e1, e2, lse1_bits - lse2_bits + kl_bits, sgn
+
+
 # Column order of the packed row constants (_kl_bwd_rows_kernel PACKED): each setting's values in
 # one 16-byte group (a TMA box starts 16-byte aligned): setting 1 in columns 0..3, setting 2 in 4..7
 PACKED_PLANES = ("c2", "lse2", "lse1", None, "lse1", "a1", "a2", "rc")
+# ... and with GEXP (both sides): one 16-byte group per row
+PACKED_GEXP_PLANES = ("e1", "e2", "rc", "sgn")
 
 
 @triton.jit
@@ -133,7 +149,7 @@ def _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, kl_bits, g, offs_m, cols, N_K
              MASKED: tl.constexpr, CAUSAL: tl.constexpr, TRAIN1: tl.constexpr, TRAIN2: tl.constexpr,
              IEEE1: tl.constexpr, IEEE2: tl.constexpr,
              TRANS: tl.constexpr = False, FOLD: tl.constexpr = False, ROW_SCALE: tl.constexpr = True,
-             c2=None, a1=None, a2=None, rc=None, POLY: tl.constexpr = 0):
+             c2=None, a1=None, a2=None, rc=None, POLY: tl.constexpr = 0, GEXP: tl.constexpr = False):
     """dS1 (if TRAIN1) and dS2 (if TRAIN2) of one [BLOCK_M, BLOCK_N] tile, sigma and g folded in.
 
     TRANS: the tile is computed key-major, dS^T [BLOCK_N, BLOCK_M] (S^T = K Q^T), so that dK += dS^T Q
@@ -146,6 +162,11 @@ def _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, kl_bits, g, offs_m, cols, N_K
     for a caller that applies it once to its dQ rows after the key loop (the dQ kernel); then
     ds1 = P1 * (s1*qk_scale1 - (s2*qk_scale2 + (lse1 - lse2 + KL))), ds2 = P2 - P1.
     POLY (setting 1 only, two exponentials per score): half of P2's on the FMA pipe (_exp2_split).
+    GEXP (both sides, FOLD with ROW_SCALE; ``_gexp_factors``): lse1_bits / lse2_bits hold e1 / e2,
+    ``c2`` the sign of g, ``rc`` lse1 - lse2 + KL; with u_t = exp2(x_t) = |g| * P_t, v1 = sgn * u1:
+        ds1 = v1 * (s1*qk_scale1 - (s2*qk_scale2 + rc)),  ds2 = sgn * u2 - v1   (1 FFMA + 2 FMUL)
+    both without sigma_t (and ln2), which the caller applies to dK once: four row constants where
+    the other fold has six, in the same number of fp32 ops per score.
     """
     if TRANS:
         s1 = _dot(k1, tl.trans(q1), IEEE1)
@@ -158,7 +179,9 @@ def _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, kl_bits, g, offs_m, cols, N_K
     if FOLD:
         if TRAIN1:
             # (x1 - x2 - KL) * c1 with the row terms summed first: lse1 - lse2 + KL is a row constant
-            if ROW_SCALE:
+            if GEXP:
+                log_ratio = s1 * qk_scale1 - (s2 * qk_scale2 + _along_rows(rc, TRANS))
+            elif ROW_SCALE:
                 log_ratio = s1 * _along_rows(a1, TRANS) - (s2 * _along_rows(a2, TRANS) + _along_rows(rc, TRANS))
             else:
                 row1 = lse1_bits - lse2_bits + kl_bits
@@ -186,7 +209,12 @@ def _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, kl_bits, g, offs_m, cols, N_K
     p1 = tl.exp2(x1)
     ds1 = p1
     ds2 = p1
-    if TRAIN2:
+    if GEXP:  # both sides; p_t = |g| * P_t, c2 the sign of g
+        sgn = _along_rows(c2, TRANS)
+        v1 = p1 * sgn
+        ds2 = tl.exp2(x2) * sgn - v1
+        ds1 = v1 * log_ratio
+    elif TRAIN2:
         if POLY and not TRAIN1:
             p2 = _exp2_split(x2)
         else:
@@ -197,7 +225,7 @@ def _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, kl_bits, g, offs_m, cols, N_K
             ds2 = (p2 - p1) * _along_rows(c2, TRANS)
         else:
             ds2 = (p2 - p1) * _along_rows(g * scale2, TRANS)
-    if TRAIN1:
+    if TRAIN1 and not GEXP:
         if FOLD:
             ds1 = p1 * log_ratio
         else:
@@ -252,7 +280,7 @@ def _dk_query_range(
     q1_desc, q2_desc, dq1_desc, dq2_desc, tma_b, h,
     USE_TMA: tl.constexpr, TRANS: tl.constexpr, FOLD: tl.constexpr, DQ_REDUCE: tl.constexpr,
     rows_desc, pid_bh, ROWS: tl.constexpr, ROWS_PACKED: tl.constexpr = False,
-    POLY: tl.constexpr = 0, DQ_STORE: tl.constexpr = False,
+    POLY: tl.constexpr = 0, DQ_STORE: tl.constexpr = False, GEXP: tl.constexpr = False,
 ):
     offs_d1 = tl.arange(0, D1_PAD)
     offs_d2 = tl.arange(0, D2_PAD)
@@ -275,7 +303,9 @@ def _dk_query_range(
         if ROWS and ROWS_PACKED:  # the pre-pass's packed row constants: one TMA load per tile
             kl_bits = tl.zeros([BLOCK_M], tl.float32)  # (unused with ROWS: folded into rc)
             g = kl_bits
-            if TRAIN1 and TRAIN2:  # all eight columns: even c2, lse1, lse1, a2; odd lse2, -, a1, rc
+            if GEXP:  # both sides, four columns: e1, e2, rc, sign of g (_gexp_factors)
+                lse1_bits, lse2_bits, rc, c2 = _columns4(rows_desc.load([pid_bh, start_m, 0]).reshape(BLOCK_M, 4))
+            elif TRAIN1 and TRAIN2:  # all eight columns: even c2, lse1, lse1, a2; odd lse2, -, a1, rc
                 even, odd = rows_desc.load([pid_bh, start_m, 0]).reshape(BLOCK_M, 4, 2).split()
                 c2, lse1_bits, _, a2 = _columns4(even)
                 lse2_bits, _, a1, rc = _columns4(odd)
@@ -303,7 +333,8 @@ def _dk_query_range(
                                                scale1, scale2)
         ds1, ds2 = _tile_ds(q1, q2, k1, k2, lse1_bits, lse2_bits, kl_bits, g, offs_m, cols, N_K,
                             diag_offset, qk_scale1, qk_scale2, scale1, scale2,
-                            MASKED, CAUSAL, TRAIN1, TRAIN2, IEEE1, IEEE2, TRANS, FOLD, True, c2, a1, a2, rc, POLY)
+                            MASKED, CAUSAL, TRAIN1, TRAIN2, IEEE1, IEEE2, TRANS, FOLD, True, c2, a1, a2, rc, POLY,
+                            GEXP)
         if TRAIN1:
             dk1 = _dk_dq_side(dk1, ds1, q1, k1, DQ1 + rows64[:, None] * stride_dq1n + offs_d1[None, :],
                               row_ok[:, None] & (offs_d1[None, :] < D1), dq1_desc, tma_b, h, start_m,
@@ -349,6 +380,9 @@ def _kl_bwd_dk_kernel(
     # with FUSED_DQ: the grid's one key tile holds every key (N_K <= BLOCK_N) and every query row
     # is visited (not causal, or N_Q <= N_K): dQ is stored, not added (no zeroed buffer, no atomics)
     DQ_STORE: tl.constexpr = False,
+    # both sides, separate, ROWS_PACKED: |g| folded into the exponentials, four row constants per
+    # row (_gexp_factors; ROWS_DESC over [B*H, N_Q, 4]), sigma_t applied to dK after the query loop
+    GEXP: tl.constexpr = False,
 ):
     # VARLEN: as in _kl_fwd_kernel (b is the sequence, N_Q/N_K the totals, [total, H, D] tensors
     # as [1, H, total, D] views); the grid covers the longest sequence's key tiles.
@@ -410,7 +444,7 @@ def _kl_bwd_dk_kernel(
         N_Q, N_K, D1, D2, diag_offset, qk_scale1, qk_scale2, scale1, scale2,
         BLOCK_M, D1_PAD, D2_PAD, True, CAUSAL, TRAIN1, TRAIN2, FUSED_DQ, IEEE1, IEEE2,
         Q1_DESC, Q2_DESC, DQ1_DESC, DQ2_DESC, b, h, USE_TMA, TRANS, FOLD, DQ_REDUCE, ROWS_DESC, pid_bh, ROWS,
-            ROWS_PACKED, POLY, DQ_STORE)
+            ROWS_PACKED, POLY, DQ_STORE, GEXP)
     if start_n + BLOCK_N <= N_K:
         dk1, dk2 = _dk_query_range(
             dk1, dk2, k1, k2, start_n, cols, m_full, N_Q,
@@ -419,7 +453,7 @@ def _kl_bwd_dk_kernel(
             N_Q, N_K, D1, D2, diag_offset, qk_scale1, qk_scale2, scale1, scale2,
             BLOCK_M, D1_PAD, D2_PAD, False, CAUSAL, TRAIN1, TRAIN2, FUSED_DQ, IEEE1, IEEE2,
             Q1_DESC, Q2_DESC, DQ1_DESC, DQ2_DESC, b, h, USE_TMA, TRANS, FOLD, DQ_REDUCE, ROWS_DESC, pid_bh, ROWS,
-            ROWS_PACKED, POLY, DQ_STORE)
+            ROWS_PACKED, POLY, DQ_STORE, GEXP)
     else:  # the ragged last key tile: keys past N_K must be masked out of every query tile
         dk1, dk2 = _dk_query_range(
             dk1, dk2, k1, k2, start_n, cols, m_full, N_Q,
@@ -428,7 +462,10 @@ def _kl_bwd_dk_kernel(
             N_Q, N_K, D1, D2, diag_offset, qk_scale1, qk_scale2, scale1, scale2,
             BLOCK_M, D1_PAD, D2_PAD, True, CAUSAL, TRAIN1, TRAIN2, FUSED_DQ, IEEE1, IEEE2,
             Q1_DESC, Q2_DESC, DQ1_DESC, DQ2_DESC, b, h, USE_TMA, TRANS, FOLD, DQ_REDUCE, ROWS_DESC, pid_bh, ROWS,
-            ROWS_PACKED, POLY, DQ_STORE)
+            ROWS_PACKED, POLY, DQ_STORE, GEXP)
+    if GEXP:  # the row factors' sigma_t (and ln2 of side 1's log-ratio), once per key row
+        dk1 = dk1 * (scale1 * LN2)
+        dk2 = dk2 * scale2
 
     if TRAIN1:
         if DK1_ATOMIC:  # GQA: add into the shared key head's fp32 buffer
@@ -584,16 +621,26 @@ def _kl_bwd_dq_kernel(
 
 @triton.jit
 def _kl_bwd_rows_kernel(LSE1, LSE2, KL, G, ROWS, n_rows, N_Q, row_pitch, plane,
-                        qk_scale1, qk_scale2, scale1, scale2, BLOCK: tl.constexpr, PACKED: tl.constexpr = False):
+                        qk_scale1, qk_scale2, scale1, scale2, BLOCK: tl.constexpr, PACKED: tl.constexpr = False,
+                        GEXP: tl.constexpr = False):
     """Pre-pass of the ROWS variant: the dK kernel's per-row constants, once per row instead of once
     per (row, key tile): planes lse1', lse2', c2, a1, a2, rc (``_row_consts``, ``_fold_factors``) of
     ``ROWS[6, B*H, row_pitch]``. Rows past N_Q are never written: the dK kernel's TMA loads stop
     at N_Q and return zeros there (g = 0: those rows add exactly 0, their Q rows being zeros too).
     PACKED: the same values side by side, ``ROWS[B*H, N_Q, 8]`` in the order ``PACKED_PLANES``
-    (column 3 is 0), so that the dK kernel reads a query tile's constants in one TMA load."""
+    (column 3 is 0), so that the dK kernel reads a query tile's constants in one TMA load.
+    GEXP (with PACKED): ``ROWS[B*H, N_Q, 4]`` in the order ``PACKED_GEXP_PLANES`` (``_gexp_factors``)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n_rows
     lse1_bits, lse2_bits, kl_bits, g = _row_consts(LSE1, LSE2, KL, G, offs, ok)
+    if GEXP:
+        e1, e2, rc, sgn = _gexp_factors(lse1_bits, lse2_bits, kl_bits, g)
+        out = ROWS + offs.to(tl.int64) * 4
+        tl.store(out, e1, mask=ok)
+        tl.store(out + 1, e2, mask=ok)
+        tl.store(out + 2, rc, mask=ok)
+        tl.store(out + 3, sgn, mask=ok)
+        return
     c2, a1, a2, rc = _fold_factors(lse1_bits, lse2_bits, kl_bits, g, qk_scale1, qk_scale2, scale1, scale2)
     if PACKED:
         out = ROWS + offs.to(tl.int64) * 8
