@@ -96,6 +96,8 @@ _FWD_TMA = "bench/results/2026-11-29_h200_97028b2/fwd_tma_configs.csv"
 _BWD_BOTH = "bench/results/2026-12-06_h100_726d126/bwd_both_rule.csv"
 _BWD_HEAVY = "bench/results/2026-12-07_h100_9317ca2/bwd_both_heavy.csv"
 _BWD_ONE_HEAVY = "bench/results/2026-12-07_h100_b37bfd7/bwd_one_side_heavy.csv"
+_BWD_BOTH_GEXP = "bench/results/2026-12-07_h100_b840538/bwd_both_gexp.csv"
+_BWD_BOTH_GEXP = "bench/results/2026-12-07_h100_b840538/bwd_both_gexp.csv"
 SHAPE_RULES = (
     ShapeRule("fwd", ("d128", "tma", "full"),
               FwdConfig(block_m=128, block_n=32, num_warps=8, num_stages=3, use_tma=True), _FWD_TMA,
@@ -113,11 +115,13 @@ SHAPE_RULES = (
               "(settings 1 and 2, D = 96) and the long rows beside it",
               replaces=BwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, variant="tma+fold")),
     ShapeRule("bwd_dk", ("d<=128", "tma", "separate", "both sides"),
-              BwdConfig(block_m=32, block_n=64, num_warps=4, num_stages=3, variant="tma+trans+fold+rows+pack"),
-              _BWD_BOTH, "fwd+bwd,auto,both N=8K,", "the tuned tile with its row constants packed (its dK "
-              "kernel alone 0.887x at 8K, bench/results/2026-12-01_h200_d3b757b/bwd_kernels.csv); the step "
-              "under the no-regression rule in compare_summary.csv beside it",
-              replaces=BwdConfig(block_m=32, block_n=64, num_warps=4, num_stages=3, variant="tma+trans+fold+rows")),
+              BwdConfig(block_m=32, block_n=64, num_warps=4, num_stages=3, variant="tma+trans+fold+rows+pack+gexp"),
+              _BWD_BOTH_GEXP, "step,after,both N=16K H=32 causal,", "the tuned tile with |g| folded into its "
+              "exponentials (four packed row constants instead of six): the step under the no-regression rule "
+              "0.942-0.946x at 8K and 16K (compare_summary.csv beside it), the dK kernel 0.87-0.92x from 16K to "
+              "1M tokens (bwd_kernel_split.csv); the packed six were the tuned tile's 0.887x at 8K "
+              "(bench/results/2026-12-01_h200_d3b757b/bwd_kernels.csv, and " + _BWD_BOTH + ")",
+              replaces=BwdConfig(block_m=32, block_n=64, num_warps=4, num_stages=3, variant="tma+trans+fold+rows+pack")),
     ShapeRule("bwd_dq", ("d<=128", "tma", "separate", "both sides"),
               BwdConfig(block_m=64, block_n=32, num_warps=4, num_stages=3, variant="tma+fold+heavy"), _BWD_HEAVY,
               "bwd,after,both N=256K H=4 causal,", "the tuned tile with its heaviest query tiles first (causal; "
