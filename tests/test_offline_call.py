@@ -1,7 +1,8 @@
-"""streamkl_gpu.devtools.offline_call: the kernels of one indexer training step, compiled for sm_90
+"""streamkl_gpu.devtools.offline_call: the kernels of one indexer or attention training step, compiled for sm_90
 on this CPU (no GPU), with what ptxas made of each. Run in a process of its own (it installs a
 stand-in driver; the test session runs under the interpreter)."""
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -50,8 +51,46 @@ def test_gqa_training_step_kernels_compile_and_report(tmp_path):
         assert "num_warps=" in r["config"] and int(r["instructions"]) > int(r["hgmma"]), r
 
 
+LOOP_COUNTS = """
+import json, re
+from streamkl_gpu.devtools import offline_call, sass
+offline_call._stand_in_gpu()
+for fn, grid, args, kwargs in offline_call._launches("attn:1024:both"):
+    if fn.fn.__name__ == "_kl_bwd_dk_kernel":
+        body = min(sass.main_loops(sass.sass_of(fn.warmup(*args, grid=grid, **kwargs))), key=len)
+        print(json.dumps({op: sum(bool(re.search(pattern, t)) for t in body) for op, pattern in
+                          (("lds", r"\\bLDS"), ("local", r"\\b(LDL|STL)\\b"), ("hgmma", r"\\bHGMMA\\b"))}))
+"""
+
+
+def test_attention_both_sides_step(tmp_path):
+    """The attention training step with both sides trained: the rows pre-pass, the dK and the dQ
+    kernel are found and compiled, the dK kernel in its "gexp" form (|g| in the exponentials; one
+    side trained: not). Its unmasked query loop reads one 16-byte group of row constants per query
+    column a thread holds (8 shared-memory loads for the 32 x 64 tile of 4 warps, where the six
+    constants of the form before took 16) and touches no local memory (the form before spilled
+    there: bench/results/2026-12-07_sass-sm90_b840538/bwd_dk_gexp_sass.csv)."""
+    out = tmp_path / "attention.csv"
+    proc = _run(["--csv", str(out), "attn:1024:both", "attn:256:s1:full"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    rows = list(csv.DictReader(open(out)))
+    both = {r["kernel"]: r for r in rows if r["spec"] == "attn:1024:both"}
+    assert {"_kl_bwd_rows_kernel", "_kl_bwd_dk_kernel", "_kl_bwd_dq_kernel"} <= set(both), both
+    assert "GEXP=True" in both["_kl_bwd_dk_kernel"]["config"] and "GEXP=True" in both["_kl_bwd_rows_kernel"]["config"]
+    assert all("GEXP=True" not in r["config"] for r in rows if r["spec"] == "attn:256:s1:full"), rows
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")  # the kernels _run compiled
+    proc = subprocess.run([sys.executable, "-c", LOOP_COUNTS], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert counts == {"lds": 8, "local": 0, "hgmma": 20}, counts
+
+
 def test_bad_spec_is_a_clear_error(tmp_path):
     proc = _run(["nosuch:256:lse"], tmp_path)
     assert proc.returncode != 0 and "teacher:N:lse|nolse" in proc.stderr, proc.stderr[-2000:]
     proc = _run(["gqa:256:lse:bogus"], tmp_path)  # the call's own error, not an empty census
     assert proc.returncode != 0 and "reduction must be one of" in proc.stderr, proc.stderr[-2000:]
+    proc = _run(["attn:256:three"], tmp_path)
+    assert proc.returncode != 0 and "attn:N:s1|s2|both[:full]" in proc.stderr, proc.stderr[-2000:]

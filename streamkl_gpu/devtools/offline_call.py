@@ -1,4 +1,4 @@
-"""Compile for sm_90, without a GPU, every Triton kernel that one indexer call launches, and read
+"""Compile for sm_90, without a GPU, every Triton kernel that one indexer or attention call launches, and read
 what ptxas made of each: registers, stack (spills), the MMA instructions (HGMMA is Hopper's
 warpgroup MMA; HMMA the older per-warp one, what a tile too short for a warpgroup gets), MUFU
 exponentials, local-memory loads and stores, instructions.
@@ -19,7 +19,9 @@ the rest of the process (CPU tensors stand for the GPU's; nothing runs on them).
 A spec is ``teacher:N:lse|nolse[:reduction]`` (reduction ``mean`` by default, as a training step);
 the teachers are the benchmark's: ``dsa`` (H = 128, D = 576, MQA; indexer 64 x 128), ``mqa64``
 (the first-call section's: 64 heads, otherwise DSA-like), ``gqa`` (H = 32 over 8 key heads,
-D = 128; indexer 16 x 64). One CSV row (or printed line) per distinct kernel launch. ``--force
+D = 128; indexer 16 x 64). ``attn:N:s1|s2|both[:full]``: an ``attention_kl`` training step
+(``.sum().backward()``; B = 1, H = 2, D = 128, bf16, causal unless ``full``) with side 2, side 1 or
+both trained; its Triton kernels (the Gluon forward and backward are compiled by ``devtools.sass``). One CSV row (or printed line) per distinct kernel launch. ``--force
 NAME=VALUE``: the call inside ``_core.forcing.forcing(NAME=VALUE)`` (the documented hook).
 """
 import csv
@@ -82,12 +84,43 @@ def _stand_in_gpu():
             return True
     plan._runtime = PlanRuntime()
 
+    from streamkl_gpu._core import checks
+    attention_check = checks._check_tensors_uncached
+
+    def check_tensors(*args):  # attention's "CPU tensors need the interpreter" passes too
+        checks.interpreting = lambda: True
+        try:
+            return attention_check(*args)
+        finally:
+            checks.interpreting = runtime.interpreting
+    checks._check_tensors_uncached = check_tensors
+
+
+ATTENTION_SETTINGS = {"s1": (False, True), "s2": (True, False), "both": (True, True)}  # (side 1, side 2) trained
+
+
+def _attention_launches(spec):
+    """The distinct launches of the ``attn:N:s1|s2|both[:full]`` training step."""
+    import torch
+    import streamkl_gpu
+
+    parts = spec.split(":")
+    if len(parts) not in (3, 4) or parts[2] not in ATTENTION_SETTINGS or parts[3:] not in ([], ["full"]):
+        raise ValueError(f"an attention spec is attn:N:s1|s2|both[:full], got {spec!r}")
+    n, (side1, side2) = int(parts[1]), ATTENTION_SETTINGS[parts[2]]
+    train = (side1, side1, side2, side2)
+    xs = [torch.zeros(1, 2, n, 128, dtype=torch.bfloat16, requires_grad=t) for t in train]
+    return recorded_launches(lambda: streamkl_gpu.attention_kl(*xs, causal=parts[3:] != ["full"]).sum().backward(),
+                             spec)
+
 
 def _launches(spec):
     """The distinct launches (kernel, grid, args, kwargs) of the call ``spec`` names."""
     import torch
     import streamkl_gpu
 
+    if spec.startswith("attn:"):
+        return _attention_launches(spec)
     parts = spec.split(":")
     if len(parts) not in (3, 4) or parts[0] not in TEACHERS or parts[2] not in ("lse", "nolse"):
         raise ValueError(f"a spec is teacher:N:lse|nolse[:reduction] with teacher in {sorted(TEACHERS)}, got {spec!r}")
