@@ -97,7 +97,6 @@ _BWD_BOTH = "bench/results/2026-12-06_h100_726d126/bwd_both_rule.csv"
 _BWD_HEAVY = "bench/results/2026-12-07_h100_9317ca2/bwd_both_heavy.csv"
 _BWD_ONE_HEAVY = "bench/results/2026-12-07_h100_b37bfd7/bwd_one_side_heavy.csv"
 _BWD_BOTH_GEXP = "bench/results/2026-12-07_h100_b840538/bwd_both_gexp.csv"
-_BWD_BOTH_GEXP = "bench/results/2026-12-07_h100_b840538/bwd_both_gexp.csv"
 SHAPE_RULES = (
     ShapeRule("fwd", ("d128", "tma", "full"),
               FwdConfig(block_m=128, block_n=32, num_warps=8, num_stages=3, use_tma=True), _FWD_TMA,
