@@ -55,36 +55,35 @@ LOOP_COUNTS = """
 import json, re
 from streamkl_gpu.devtools import offline_call, sass
 offline_call._stand_in_gpu()
-for fn, grid, args, kwargs in offline_call._launches("attn:1024:both"):
-    if fn.fn.__name__ == "_kl_bwd_dk_kernel":
-        body = min(sass.main_loops(sass.sass_of(fn.warmup(*args, grid=grid, **kwargs))), key=len)
-        print(json.dumps({op: sum(bool(re.search(pattern, t)) for t in body) for op, pattern in
-                          (("lds", r"\\bLDS"), ("local", r"\\b(LDL|STL)\\b"), ("hgmma", r"\\bHGMMA\\b"))}))
+out, found = {}, {}
+for spec in ("attn:1024:both", "attn:1024:s1"):  # the walk records the launches; one kernel is compiled
+    found[spec] = {fn.fn.__name__: (fn, grid, args, kwargs) for fn, grid, args, kwargs in offline_call._launches(spec)}
+    out[spec] = {name: launch[3].get("GEXP") for name, launch in found[spec].items() if "_bwd_" in name}
+fn, grid, args, kwargs = found["attn:1024:both"]["_kl_bwd_dk_kernel"]
+body = min(sass.main_loops(sass.sass_of(fn.warmup(*args, grid=grid, **kwargs))), key=len)
+out["loop"] = {op: sum(bool(re.search(pattern, t)) for t in body) for op, pattern in
+               (("lds", r"\\bLDS"), ("local", r"\\b(LDL|STL)\\b"), ("hgmma", r"\\bHGMMA\\b"))}
+print(json.dumps(out))
 """
 
 
 def test_attention_both_sides_step(tmp_path):
-    """The attention training step with both sides trained: the rows pre-pass, the dK and the dQ
-    kernel are found and compiled, the dK kernel in its "gexp" form (|g| in the exponentials; one
-    side trained: not). Its unmasked query loop reads one 16-byte group of row constants per query
-    column a thread holds (8 shared-memory loads for the 32 x 64 tile of 4 warps, where the six
-    constants of the form before took 16) and touches no local memory (the form before spilled
-    there: bench/results/2026-12-07_sass-sm90_b840538/bwd_dk_gexp_sass.csv)."""
-    out = tmp_path / "attention.csv"
-    proc = _run(["--csv", str(out), "attn:1024:both", "attn:256:s1:full"], tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-    rows = list(csv.DictReader(open(out)))
-    both = {r["kernel"]: r for r in rows if r["spec"] == "attn:1024:both"}
-    assert {"_kl_bwd_rows_kernel", "_kl_bwd_dk_kernel", "_kl_bwd_dq_kernel"} <= set(both), both
-    assert "GEXP=True" in both["_kl_bwd_dk_kernel"]["config"] and "GEXP=True" in both["_kl_bwd_rows_kernel"]["config"]
-    assert all("GEXP=True" not in r["config"] for r in rows if r["spec"] == "attn:256:s1:full"), rows
+    """The attention training step with both sides trained: the walk finds the rows pre-pass, the
+    dK and the dQ kernel, the dK kernel and the pre-pass in their "gexp" form (|g| in the
+    exponentials; one side trained: not). Compiled, the dK kernel's unmasked query loop reads one
+    16-byte group of row constants per query column a thread holds (8 shared-memory loads for the
+    32 x 64 tile of 4 warps, where the six constants of the form before took 16) and touches no
+    local memory (the form before spilled there: bench/results/2026-12-07_sass-sm90_b840538/bwd_dk_gexp_sass.csv)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")  # the kernels _run compiled
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
     proc = subprocess.run([sys.executable, "-c", LOOP_COUNTS], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    counts = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert counts == {"lds": 8, "local": 0, "hgmma": 20}, counts
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["attn:1024:both"] == {"_kl_bwd_rows_kernel": True, "_kl_bwd_dk_kernel": True,
+                                     "_kl_bwd_dq_kernel": None}, out
+    assert out["attn:1024:s1"]["_kl_bwd_dk_kernel"] is False and not any(out["attn:1024:s1"].values()), out
+    assert out["loop"] == {"lds": 8, "local": 0, "hgmma": 20}, out
 
 
 def test_bad_spec_is_a_clear_error(tmp_path):
