@@ -1,7 +1,7 @@
-"""Compile for sm_90, without a GPU, every Triton kernel that one indexer or attention call launches, and read
-what ptxas made of each: registers, stack (spills), the MMA instructions (HGMMA is Hopper's
-warpgroup MMA; HMMA the older per-warp one, what a tile too short for a warpgroup gets), MUFU
-exponentials, local-memory loads and stores, instructions.
+"""Compile for sm_90, without a GPU, every Triton kernel that one indexer or attention call
+launches, and read what ptxas made of each: registers, stack (spills), the MMA instructions
+(HGMMA is Hopper's warpgroup MMA; HMMA the older per-warp one, what a tile too short for a
+warpgroup gets), MUFU exponentials, local-memory loads and stores, instructions.
 
 It is the facts half of a profile, for a machine with no GPU: the kernels are the ones the call
 picks on an H200 (132 SMs, compute capability 9, TMA descriptors, the shape rules' configs),
@@ -21,7 +21,8 @@ the teachers are the benchmark's: ``dsa`` (H = 128, D = 576, MQA; indexer 64 x 1
 (the first-call section's: 64 heads, otherwise DSA-like), ``gqa`` (H = 32 over 8 key heads,
 D = 128; indexer 16 x 64). ``attn:N:s1|s2|both[:full]``: an ``attention_kl`` training step
 (``.sum().backward()``; B = 1, H = 2, D = 128, bf16, causal unless ``full``) with side 2, side 1 or
-both trained; its Triton kernels (the Gluon forward and backward are compiled by ``devtools.sass``). One CSV row (or printed line) per distinct kernel launch. ``--force
+both trained; its Triton kernels (the Gluon forward and backward are compiled by
+``devtools.sass``). One CSV row (or printed line) per distinct kernel launch. ``--force
 NAME=VALUE``: the call inside ``_core.forcing.forcing(NAME=VALUE)`` (the documented hook).
 """
 import csv
