@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import itertools
 import json
 import math
 import os
@@ -52,6 +53,9 @@ GRID = {
     "step1_8k_c_gqa": ("step", dict(n=8192, causal=True, train=2, h_k=8)),
     "step1_8k_c_d64": ("step", dict(n=8192, causal=True, train=2, d=64)),
     "step2_4k_nc_fp16": ("step", dict(n=4096, causal=False, train=1, dtype="float16")),
+    # attention_kl_varlen: 80K tokens in 31 documents of 1K to 16K (the varlen section's mix, unshuffled)
+    **{f"varlen_step{s}_80k_{'c' if c else 'nc'}": ("step", dict(n=16384, docs=5, causal=c, train=t))
+       for s, t, c in (("1", 2, True), ("1", 2, False), ("both", 3, True))},
     # indexer_kl, 8K causal, indexer inputs requiring grad, reduction="mean"
     "idx_dsa_8k_lse_step": ("idx_step", dict(teacher="dsa", n=8192, lse=True)),
     "idx_gqa_8k_lse_step": ("idx_step", dict(teacher="gqa", n=8192, lse=True)),
@@ -77,28 +81,27 @@ GEOMEAN_LIMIT, POINT_LIMIT = 1.01, 1.03
 # ---------------------------------------------------------------- worker (runs inside one tree)
 def _attention_case(kind, spec, torch, streamkl_gpu):
     dtype = getattr(torch, spec.get("dtype", "bfloat16"))
-    h, d = 32, spec.get("d", 128)
-    h_k = spec.get("h_k", h)
+    h, d, h_k = 32, spec.get("d", 128), spec.get("h_k", 32)
     n_q, n_k = spec["n"], spec.get("n_k", spec["n"])
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def rand(*shape):
         return torch.randn(*shape, device="cuda", dtype=dtype, generator=g)
 
-    q1, k1 = rand(1, h, n_q, d), rand(1, h, n_k, d)
-    q2, k2 = rand(1, h, n_q, d), rand(1, h_k, n_k, d)
     causal = spec["causal"]
+    if spec.get("docs"):  # packed documents: 1 of n tokens, 2 of n/2, ..., 2^(docs-1) of n/2^(docs-1)
+        lens = [n_q >> i for i in range(spec["docs"]) for _ in range(1 << i)]
+        cu = torch.tensor([0, *itertools.accumulate(lens)], device="cuda", dtype=torch.int32)
+        q1, k1, q2, k2 = (rand(sum(lens), h, d) for _ in range(4))
+        call = lambda: streamkl_gpu.attention_kl_varlen(q1, k1, q2, k2, cu, cu, n_q, n_q, causal=causal)  # noqa: E731
+    else:
+        q1, k1, q2, k2 = rand(1, h, n_q, d), rand(1, h, n_k, d), rand(1, h, n_q, d), rand(1, h_k, n_k, d)
+        call = lambda: streamkl_gpu.attention_kl(q1, k1, q2, k2, causal=causal)  # noqa: E731
     if kind == "fwd":
-        return (lambda: streamkl_gpu.attention_kl(q1, k1, q2, k2, causal=causal)), None
+        return call, None
     train = spec["train"]
-    leaves = ([q2, k2] if train & 2 else []) + ([q1, k1] if train & 1 else [])
-    for t in leaves:
-        t.requires_grad_(True)
-
-    def step():
-        streamkl_gpu.attention_kl(q1, k1, q2, k2, causal=causal).mean().backward()
-
-    return step, leaves
+    leaves = [t.requires_grad_() for t in ([q2, k2] if train & 2 else []) + ([q1, k1] if train & 1 else [])]
+    return (lambda: call().mean().backward()), leaves
 
 
 def _indexer_case(kind, spec, torch, streamkl_gpu):
@@ -126,9 +129,7 @@ def _indexer_case(kind, spec, torch, streamkl_gpu):
 
     if kind == "idx_fwd":
         return loss, None
-    for t in leaves:
-        t.requires_grad_(True)
-    return (lambda: loss().backward()), leaves
+    return (lambda: loss().backward()), [t.requires_grad_() for t in leaves]
 
 
 def worker(points, json_path):
@@ -236,8 +237,7 @@ def main(argv=None):
     ap.add_argument("--json", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     points = [p for p in args.points.split(",") if p]
-    unknown = [p for p in points if p not in GRID]
-    if unknown:
+    if unknown := [p for p in points if p not in GRID]:
         ap.error(f"unknown points {unknown}; known: {', '.join(GRID)}")
     if args.worker:
         return worker(points, args.json)

@@ -159,6 +159,58 @@ def test_heaviest_query_tiles_first_give_the_same_bits(monkeypatch):
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("variant", ["trans+fold", "tma+trans+fold+rows+heavy"])
+@pytest.mark.parametrize("setting,mode,causal", [("s1", "separate", True), ("s2", "fused", True),
+                                                 ("both", "separate", False), ("s1", "fused", False)])
+def test_new_kernel_forms_equal_attention_kl_per_sequence(monkeypatch, variant, setting, mode, causal):
+    """The packed backward runs the dense kernels' pointer-load forms (the key-major dK tile with
+    folded row factors, the folded dQ kernel, causal: heaviest query tiles first): every
+    gradient bitwise what ``attention_kl`` gives on each sequence alone under the same variant,
+    and those forms do reach the packed launches (the TMA, rows and reduce parts are the dense
+    path's only)."""
+    monkeypatch.setenv("STREAMKL_BWD_VARIANT", variant)
+    seen = []
+    real = _varlen.kernel_call
+
+    def spy(fn, grid):
+        call = real(fn, grid)
+
+        def record(*args, **kw):
+            if fn in (_varlen._bwd._kl_bwd_dk_kernel, _varlen._bwd._kl_bwd_dq_kernel):
+                seen.append((fn.__name__, kw.get("TRANS"), kw["FOLD"], kw.get("HEAVY_FIRST")))
+            return call(*args, **kw)
+        return record
+
+    monkeypatch.setattr(_varlen, "kernel_call", spy)
+    xs, cu_q, cu_k, mq, mk = pack([(13, 17), (0, 4), (17, 17), (5, 1)], 4, 2, 1, 16, 8, seed=11)
+    train = SETTINGS[setting]
+    g = torch.randn(xs[0].shape[:2], generator=torch.Generator().manual_seed(12))
+    kw = dict(causal=causal, split_k=1, **MODES[mode])
+    ours = run_varlen(xs, cu_q, cu_k, mq, mk, train, g, **kw)
+    assert_bitwise(ours, run_per_sequence(xs, cu_q, cu_k, train, g, **kw))
+    assert ("_kl_bwd_dk_kernel", True, True, None) in seen
+    heavy = causal and "heavy" in variant
+    assert (mode == "fused") == all(name != "_kl_bwd_dq_kernel" for name, *_ in seen)
+    assert all(tuple(f) == (None, True, heavy) for name, *f in seen if name == "_kl_bwd_dq_kernel")
+
+
+def test_packed_candidates_put_the_new_forms_first_for_one_side(monkeypatch):
+    """On the GPU (not the interpreter's one config) one trained side tries the key-major dK and
+    the folded dQ first (causal: heaviest query tiles first); both sides keep the old configs first."""
+    from streamkl_gpu.attention import configs
+
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    monkeypatch.delenv("STREAMKL_BWD_VARIANT", raising=False)
+    dk = configs.varlen_bwd_candidates(128, False, "dk", fused=False, causal=True)
+    dq = configs.varlen_bwd_candidates(128, False, "dq", fused=False, causal=True)
+    assert dk[0].variant == "trans+fold" and dq[0].variant == "fold+heavy"
+    assert {c.variant for c in dk[1:]} == {"ptr"} and {c.variant for c in dq[1:]} == {"ptr"}
+    assert configs.varlen_bwd_candidates(128, False, "dq", causal=False)[0].variant == "fold"
+    both = configs.varlen_bwd_candidates(128, True, "dk")
+    assert both[0].variant == "ptr" and both[-1].variant == "trans+fold"
+    assert {c.variant for c in configs.varlen_bwd_candidates(128, False, "dk", ieee=True)} == {"ptr"}
+
+
 def test_nan_in_one_sequence_never_reaches_another():
     """NaN in sequence 1's queries and keys (and in the storage around the packed tensors):
     every output and gradient of sequences 0 and 2 is bitwise the clean run's."""

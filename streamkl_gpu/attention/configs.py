@@ -342,6 +342,29 @@ def bwd_variant_candidates(d_pad, both, kind, ieee=False, tma=False, fused=False
     return cands if cls is None else rule_first(cands, "bwd_" + kind, cls)
 
 
+def varlen_bwd_candidates(d_pad, both, kind, ieee=False, fused=False, causal=False):
+    """Candidates of the packed backward's dK (``kind="dk"``) or dQ kernel (``attention/varlen.py``,
+    timed by its pick below TUNING_WORK_LIMIT, the first one untimed past it).
+
+    Packed sequences take no TMA descriptors, so the dense kernels' pointer-load forms: the
+    key-major dK tile with folded row factors (``"trans+fold"``) and the folded dQ kernel
+    (``"fold"``; causal: ``"fold+heavy"``, each sequence's last query tiles launched first, the
+    order of the varlen forward), beside the old configs. With one side trained the new form comes
+    first (the dense kernels' rules take the same parts with TMA); with both, the old configs do,
+    as in the dense list (the key-major tiles spill there). A forced variant
+    (``STREAMKL_BWD_VARIANT``), fp32 inputs and the interpreter keep :func:`bwd_variant_candidates`'s list.
+    """
+    cands = bwd_variant_candidates(d_pad, both, kind, ieee, tma=False, fused=fused, few=True)
+    if bwd_variant() is not None or interpreting() or ieee:
+        return cands
+    new = [c for c in cands if c.variant != "ptr"]
+    if kind == "dq" and causal:
+        new = [BwdConfig(block_m=c.block_m, block_n=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages,
+                         variant=c.variant + "+heavy") for c in new]
+    old = [c for c in cands if c.variant == "ptr"]
+    return old + new if both else new + old
+
+
 def _kernel_variant(name, kind, fused):
     """The part of a variant that applies to one kernel: the dQ kernel has no key-major, rows or
     reduce form, "reduce" applies only to the fused dK kernel's dQ and "gexp" only to the separate one."""

@@ -44,8 +44,8 @@ from streamkl_gpu._core.checks import (
 from streamkl_gpu._core.runtime import LOG2E, TensorDescriptor, fresh, interpreting, n_sm, tma_ok
 from streamkl_gpu._core.tuning import bucket, pick
 from streamkl_gpu._core.launcher import compile_first_call, kernel_call
-from streamkl_gpu.attention.configs import (TMA_MIN_KEYS, TUNING_WORK_LIMIT, auto_bwd_mode, auto_split_k, bwd_candidates,
-                                            fwd_candidates)
+from streamkl_gpu.attention.configs import (TMA_MIN_KEYS, TUNING_WORK_LIMIT, auto_bwd_mode, auto_split_k,
+                                            fwd_candidates, varlen_bwd_candidates)
 
 __all__ = ["attention_kl_varlen"]
 
@@ -206,6 +206,12 @@ def _backward(g, q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, kl, lse1_bits, lse2_b
     kl, lse1_bits, lse2_bits = kl.contiguous(), lse1_bits.contiguous(), lse2_bits.contiguous()
     dummy = kl  # placeholder pointer for outputs a launch does not write
 
+    def variant_flags(cfg, kind):  # the parts of a variant packed sequences take (no TMA, rows or reduce)
+        parts = cfg.variant.split("+")
+        if kind == "dk":
+            return dict(TRANS="trans" in parts, FOLD="fold" in parts)
+        return dict(FOLD="fold" in parts, HEAVY_FIRST=causal and "heavy" in parts)
+
     def run(cfg_dk, cfg_dq):
         dk1, dk1_atomic = dk_buffer(train1, k1, dims.group1, dims.D1)
         dk2, dk2_atomic = dk_buffer(train2, k2, dims.group2, dims.D2)
@@ -228,20 +234,22 @@ def _backward(g, q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, kl, lse1_bits, lse2_b
             *views, lse1_bits, lse2_bits, kl, g, *bufs, *in_strides,
             *(s for b in bufs for s in s3(b)), *scalars,
             BLOCK_M=block_m, BLOCK_N=block_n, FUSED_DQ=fused,
-            DK1_ATOMIC=dk1_atomic, DK2_ATOMIC=dk2_atomic, num_warps=warps, num_stages=stages, **common,
+            DK1_ATOMIC=dk1_atomic, DK2_ATOMIC=dk2_atomic, num_warps=warps, num_stages=stages,
+            **variant_flags(cfg_dk, "dk"), **common,
         )
         if not fused:
             block_m, block_n, warps, stages = cfg_dq.block_m, cfg_dq.block_n, cfg_dq.num_warps, cfg_dq.num_stages
             kernel_call(_bwd._kl_bwd_dq_kernel, (_runtime.cdiv(max_q, block_m), batch * H))(
                 *views, lse1_bits, lse2_bits, kl, g, bufs[2], bufs[3], *in_strides,
                 *s3(bufs[2]), *s3(bufs[3]), *scalars,
-                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common,
+                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+                **variant_flags(cfg_dq, "dq"), **common,
             )
         return dq1, dk1, dq2, dk2
 
     d_pad = max(d1_pad, d2_pad)
-    dk_cands = bwd_candidates(d_pad, both, "dk", ieee1 or ieee2)
-    dq_cands = bwd_candidates(d_pad, both, "dq", ieee1 or ieee2)
+    dk_cands = varlen_bwd_candidates(d_pad, both, "dk", ieee1 or ieee2, fused, causal)
+    dq_cands = varlen_bwd_candidates(d_pad, both, "dq", ieee1 or ieee2, fused, causal)
     base_key = ("varlen", dims.D1, dims.D2, views[0].dtype, views[2].dtype, causal, train1, train2,
                 bucket(max_q), bucket(max_k), bucket(total_q), bucket(batch * H),
                 dims.group1 > 1, dims.group2 > 1)
