@@ -86,6 +86,27 @@ def test_attention_both_sides_step(tmp_path):
     assert out["loop"] == {"lds": 8, "local": 0, "hgmma": 20}, out
 
 
+def test_packed_backward_candidates_fit_in_shared_memory(tmp_path):
+    """The packed backward's candidates with one side trained, separate and fused (the walk compiles
+    every one, as a first call does): each fits Hopper's 232,448 bytes of shared memory per program
+    (one over it fails at its first launch, and past TUNING_WORK_LIMIT the first candidate runs
+    untimed); the key-major, folded dK tile is among them and holds less on its stack (spills) than
+    the old pointer-load tile of the same 64 x 128 shape, with fewer MMAs and half its exponentials
+    (both warpgroups of the old tile form the whole score tile)."""
+    out = tmp_path / "census.csv"
+    proc = _run(["--csv", str(out), "varlen:256:s1", "varlen:256:s1:fused"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    rows = [r for r in csv.DictReader(open(out)) if r["kernel"].startswith("_kl_bwd")]
+    assert rows and all(int(r["shared_bytes"]) <= 232448 for r in rows), rows
+    for spec in ("varlen:256:s1", "varlen:256:s1:fused"):
+        dk = {"TRANS=True" in r["config"]: r for r in rows if r["spec"] == spec and r["kernel"] == "_kl_bwd_dk_kernel"
+              and "BLOCK_M=64 BLOCK_N=128" in r["config"]}
+        assert set(dk) == {True, False}, (spec, rows)
+        assert int(dk[True]["stack_bytes"]) < int(dk[False]["stack_bytes"]), dk
+        assert int(dk[True]["hgmma"]) < int(dk[False]["hgmma"]), dk
+        assert 2 * int(dk[True]["mufu_ex2"]) <= int(dk[False]["mufu_ex2"]), dk
+
+
 def test_bad_spec_is_a_clear_error(tmp_path):
     proc = _run(["nosuch:256:lse"], tmp_path)
     assert proc.returncode != 0 and "teacher:N:lse|nolse" in proc.stderr, proc.stderr[-2000:]
@@ -93,3 +114,5 @@ def test_bad_spec_is_a_clear_error(tmp_path):
     assert proc.returncode != 0 and "reduction must be one of" in proc.stderr, proc.stderr[-2000:]
     proc = _run(["attn:256:three"], tmp_path)
     assert proc.returncode != 0 and "attn:N:s1|s2|both[:full]" in proc.stderr, proc.stderr[-2000:]
+    proc = _run(["attn:256:s1:fused"], tmp_path)  # a mode is the packed step's option only
+    assert proc.returncode != 0 and "varlen:N:s1|s2|both[:full][:fused|separate]" in proc.stderr, proc.stderr[-2000:]

@@ -349,20 +349,24 @@ def varlen_bwd_candidates(d_pad, both, kind, ieee=False, fused=False, causal=Fal
     Packed sequences take no TMA descriptors, so the dense kernels' pointer-load forms: the
     key-major dK tile with folded row factors (``"trans+fold"``) and the folded dQ kernel
     (``"fold"``; causal: ``"fold+heavy"``, each sequence's last query tiles launched first, the
-    order of the varlen forward), beside the old configs. With one side trained the new form comes
-    first (the dense kernels' rules take the same parts with TMA); with both, the old configs do,
-    as in the dense list (the key-major tiles spill there). A forced variant
-    (``STREAMKL_BWD_VARIANT``), fp32 inputs and the interpreter keep :func:`bwd_variant_candidates`'s list.
+    order of the varlen forward) come first, then the old configs, where one side is trained and
+    D <= 128: the dense rules' tiles (which take the same parts with TMA). With both sides, or
+    wider heads, the old configs alone: the dense list's key-major tile for both sides, 32 x 128
+    with 8 warps, asks 238,080 bytes of shared memory in the fused kernel, over Hopper's 232,448
+    (triton 3.6, sm_90). A forced variant (``STREAMKL_BWD_VARIANT``), fp32 inputs and the
+    interpreter keep :func:`bwd_variant_candidates`'s list.
     """
     cands = bwd_variant_candidates(d_pad, both, kind, ieee, tma=False, fused=fused, few=True)
     if bwd_variant() is not None or interpreting() or ieee:
         return cands
-    new = [c for c in cands if c.variant != "ptr"]
-    if kind == "dq" and causal:
-        new = [BwdConfig(block_m=c.block_m, block_n=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages,
-                         variant=c.variant + "+heavy") for c in new]
     old = [c for c in cands if c.variant == "ptr"]
-    return old + new if both else new + old
+    if both or d_pad > 128:
+        return old
+    if kind == "dk":  # (the dense rule's tile in its two-stage form)
+        new = BwdConfig(block_m=64, block_n=128, num_warps=8, num_stages=2, variant="trans+fold")
+    else:
+        new = BwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, variant="fold+heavy" if causal else "fold")
+    return [new] + old
 
 
 def _kernel_variant(name, kind, fused):

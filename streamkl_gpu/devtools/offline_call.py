@@ -22,7 +22,9 @@ the teachers are the benchmark's: ``dsa`` (H = 128, D = 576, MQA; indexer 64 x 1
 D = 128; indexer 16 x 64). ``attn:N:s1|s2|both[:full]``: an ``attention_kl`` training step
 (``.sum().backward()``; B = 1, H = 2, D = 128, bf16, causal unless ``full``) with side 2, side 1 or
 both trained; its Triton kernels (the Gluon forward and backward are compiled by
-``devtools.sass``). One CSV row (or printed line) per distinct kernel launch. ``--force
+``devtools.sass``). ``varlen:N:s1|s2|both[:full][:fused|separate]``: the same step through
+``attention_kl_varlen`` on two packed sequences of N and N/2 tokens, every candidate its picks
+time (as a first call compiles them). One CSV row (or printed line) per distinct kernel launch. ``--force
 NAME=VALUE``: the call inside ``_core.forcing.forcing(NAME=VALUE)`` (the documented hook).
 """
 import csv
@@ -101,18 +103,26 @@ ATTENTION_SETTINGS = {"s1": (False, True), "s2": (True, False), "both": (True, T
 
 
 def _attention_launches(spec):
-    """The distinct launches of the ``attn:N:s1|s2|both[:full]`` training step."""
+    """The distinct launches of the ``attn:N:s1|s2|both[:full]`` training step, or of
+    ``varlen:N:s1|s2|both[:full][:fused|separate]``'s: two packed sequences of N and N/2 tokens."""
     import torch
     import streamkl_gpu
 
     parts = spec.split(":")
-    if len(parts) not in (3, 4) or parts[2] not in ATTENTION_SETTINGS or parts[3:] not in ([], ["full"]):
-        raise ValueError(f"an attention spec is attn:N:s1|s2|both[:full], got {spec!r}")
+    options = {"full", "fused", "separate"} if parts[0] == "varlen" else {"full"}
+    if len(parts) < 3 or parts[2] not in ATTENTION_SETTINGS or not set(parts[3:]) <= options:
+        raise ValueError(f"an attention spec is attn:N:s1|s2|both[:full] or "
+                         f"varlen:N:s1|s2|both[:full][:fused|separate], got {spec!r}")
     n, (side1, side2) = int(parts[1]), ATTENTION_SETTINGS[parts[2]]
-    train = (side1, side1, side2, side2)
+    train, causal = (side1, side1, side2, side2), "full" not in parts
+    if parts[0] == "varlen":  # (the walk reaches the custom op's backward from its forward)
+        cu = torch.tensor([0, n, n + n // 2], dtype=torch.int32)
+        mode = "fused" if "fused" in parts else "separate" if "separate" in parts else "auto"
+        xs = [torch.zeros(n + n // 2, 2, 128, dtype=torch.bfloat16, requires_grad=t) for t in train]
+        return recorded_launches(lambda: streamkl_gpu.attention_kl_varlen(*xs, cu, cu, n, n, causal=causal,
+                                                                          bwd_mode=mode), spec)
     xs = [torch.zeros(1, 2, n, 128, dtype=torch.bfloat16, requires_grad=t) for t in train]
-    return recorded_launches(lambda: streamkl_gpu.attention_kl(*xs, causal=parts[3:] != ["full"]).sum().backward(),
-                             spec)
+    return recorded_launches(lambda: streamkl_gpu.attention_kl(*xs, causal=causal).sum().backward(), spec)
 
 
 def _launches(spec):
@@ -120,7 +130,7 @@ def _launches(spec):
     import torch
     import streamkl_gpu
 
-    if spec.startswith("attn:"):
+    if spec.startswith(("attn:", "varlen:")):
         return _attention_launches(spec)
     parts = spec.split(":")
     if len(parts) not in (3, 4) or parts[0] not in TEACHERS or parts[2] not in ("lse", "nolse"):
