@@ -1,16 +1,16 @@
 """Section ``host``: the host cost per call of streamkl_gpu.attention_kl, against SDPA's.
 
     python bench/bench_gpu.py --sections host       # default args: --profile
-    PYTHONPATH=bench:. python -m streamkl_bench.host OUT_DIR [--profile] [--rounds 9] [--calls 200] [--device cpu]
+    PYTHONPATH=bench:. python -m streamkl_bench.host OUT_DIR [--profile] [--rounds 151] [--calls 25] [--device cpu]
 
-B=1, H=1, N_Q=1, N_K=64, D=64, bf16. Each case runs ``--calls`` times back to back in each of
-``--rounds`` rounds, the order rotated every round (``devtools.rotated_timing``): a figure is the
-median of its round means, a ratio to SDPA the median of the per-round ratios. Cases, ours and
-SDPA's: the forward, with grad-requiring inputs too; the step ``loss.sum().backward()``, gradients
-accumulating or set to None first; the backward alone (``retain_graph``); the engine's floors (a
-one-op graph; a Python Function of our form that only allocates). Then the forward and step through
-Triton's binder (``STREAMKL_FAST_LAUNCH=0``; the forward must be bitwise the same). Rows:
-OUT_DIR/host_cost.csv; ``--profile``: cProfile to host_profile.txt; ``--device cpu``: a smoke run.
+B=1, H=1, N_Q=1, N_K=64, D=64, bf16. Each case runs ``--calls`` times back to back in each of ``--rounds`` rounds,
+the order rotated every round (``devtools.rotated_timing``): a figure is the median of its round means, a ratio
+to SDPA the median of the per-round ratios. Short blocks and many rounds put a host's slow spells on both steps
+alike (bench/results/2026-12-07_h100_7c05c1e/ and its env.json). Cases, ours and SDPA's: the forward, with
+grad-requiring inputs too; the step ``loss.sum().backward()``, gradients accumulating or set to None first; the
+backward alone (``retain_graph``); the engine's floors (a one-op graph; a Python Function of our form that only
+allocates). Then the forward and step through Triton's binder (``STREAMKL_FAST_LAUNCH=0``; the forward must be
+bitwise the same). Rows: OUT_DIR/host_cost.csv; ``--profile``: cProfile to host_profile.txt; ``--device cpu``: smoke.
 """
 
 import argparse
@@ -71,7 +71,7 @@ def _cases(device):
     }
 
 
-def host_cost(out_dir, rounds=9, calls=200, warmup=300, profile=False, device=None):
+def host_cost(out_dir, rounds=151, calls=25, warmup=250, profile=False, device=None):
     import torch
 
     from streamkl_gpu._core import launcher
@@ -135,8 +135,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="host cost per call against SDPA's")
     p.add_argument("out_dir", nargs="?", default=".")
     p.add_argument("--profile", action="store_true")
-    p.add_argument("--rounds", type=int, default=9)
-    p.add_argument("--calls", type=int, default=200, help="calls of each case per round")
+    p.add_argument("--rounds", type=int, default=151)
+    p.add_argument("--calls", type=int, default=25, help="calls of each case per round")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None)
     a = p.parse_args(argv)
     if a.device == "cpu":
