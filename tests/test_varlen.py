@@ -161,7 +161,8 @@ def test_heaviest_query_tiles_first_give_the_same_bits(monkeypatch):
 
 @pytest.mark.parametrize("variant", ["trans+fold", "tma+trans+fold+rows+heavy"])
 @pytest.mark.parametrize("setting,mode,causal", [("s1", "separate", True), ("s2", "fused", True),
-                                                 ("both", "separate", False), ("s1", "fused", False)])
+                                                 ("both", "separate", False), ("s1", "fused", False),
+                                                 ("s1", "deterministic", True)])
 def test_new_kernel_forms_equal_attention_kl_per_sequence(monkeypatch, variant, setting, mode, causal):
     """The packed backward runs the dense kernels' pointer-load forms (the key-major dK tile with
     folded row factors, the folded dQ kernel, causal: heaviest query tiles first): every
@@ -210,6 +211,11 @@ def test_packed_candidates_put_the_new_forms_first_for_one_side(monkeypatch):
     assert {c.variant for c in configs.varlen_bwd_candidates(128, True, "dk", fused=True)} == {"ptr"}
     assert {c.variant for c in configs.varlen_bwd_candidates(256, False, "dq", causal=True)} == {"ptr"}
     assert {c.variant for c in configs.varlen_bwd_candidates(128, False, "dk", ieee=True)} == {"ptr"}
+    monkeypatch.setenv("STREAMKL_BWD_VARIANT", "tma+fold")  # packed tensors take no TMA descriptors
+    with pytest.raises(ValueError, match="needs TMA-capable inputs"):
+        configs.varlen_bwd_candidates(128, False, "dq", causal=True)
+    monkeypatch.setenv("STREAMKL_BWD_VARIANT", "trans+fold")
+    assert {c.variant for c in configs.varlen_bwd_candidates(128, False, "dk")} == {"trans+fold"}
 
 
 def test_nan_in_one_sequence_never_reaches_another():
