@@ -356,10 +356,9 @@ def varlen_bwd_candidates(d_pad, both, kind, ieee=False, fused=False, causal=Fal
     (triton 3.6, sm_90). A forced variant (``STREAMKL_BWD_VARIANT``), fp32 inputs and the
     interpreter keep :func:`bwd_variant_candidates`'s list.
     """
-    cands = bwd_variant_candidates(d_pad, both, kind, ieee, tma=False, fused=fused, few=True)
     if bwd_variant() is not None or interpreting() or ieee:
-        return cands
-    old = [c for c in cands if c.variant == "ptr"]
+        return bwd_variant_candidates(d_pad, both, kind, ieee, tma=False, fused=fused, few=True)
+    old = bwd_candidates(d_pad, both, kind)
     if both or d_pad > 128:
         return old
     if kind == "dk":  # (the dense rule's tile in its two-stage form)
