@@ -87,14 +87,15 @@ def test_attention_both_sides_step(tmp_path):
 
 
 def test_packed_backward_candidates_fit_in_shared_memory(tmp_path):
-    """The packed backward's candidates with one side trained, separate and fused (the walk compiles
+    """The packed backward's candidates with one side or both trained, separate and fused (the walk compiles
     every one, as a first call does): each fits Hopper's 232,448 bytes of shared memory per program
     (one over it fails at its first launch, and past TUNING_WORK_LIMIT the first candidate runs
     untimed); the key-major, folded dK tile is among them and holds less on its stack (spills) than
     the old pointer-load tile of the same 64 x 128 shape, with fewer MMAs and half its exponentials
     (both warpgroups of the old tile form the whole score tile)."""
     out = tmp_path / "census.csv"
-    proc = _run(["--csv", str(out), "varlen:256:s1", "varlen:256:s1:fused"], tmp_path)
+    proc = _run(["--csv", str(out), "varlen:256:s1", "varlen:256:s1:fused", "varlen:256:both",
+                 "varlen:256:both:fused"], tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     rows = [r for r in csv.DictReader(open(out)) if r["kernel"].startswith("_kl_bwd")]
     assert rows and all(int(r["shared_bytes"]) <= 232448 for r in rows), rows
@@ -105,6 +106,9 @@ def test_packed_backward_candidates_fit_in_shared_memory(tmp_path):
         assert int(dk[True]["stack_bytes"]) < int(dk[False]["stack_bytes"]), dk
         assert int(dk[True]["hgmma"]) < int(dk[False]["hgmma"]), dk
         assert 2 * int(dk[True]["mufu_ex2"]) <= int(dk[False]["mufu_ex2"]), dk
+    for spec in ("varlen:256:both", "varlen:256:both:fused"):  # the both-sides rule's tile, key-major
+        assert any(r["spec"] == spec and "TRANS=True" in r["config"] and "BLOCK_M=32 BLOCK_N=64" in r["config"]
+                   for r in rows), (spec, rows)
 
 
 def test_bad_spec_is_a_clear_error(tmp_path):

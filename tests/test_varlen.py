@@ -161,7 +161,8 @@ def test_heaviest_query_tiles_first_give_the_same_bits(monkeypatch):
 
 @pytest.mark.parametrize("variant", ["trans+fold", "tma+trans+fold+rows+heavy"])
 @pytest.mark.parametrize("setting,mode,causal", [("s1", "separate", True), ("s2", "fused", True),
-                                                 ("both", "separate", False), ("s1", "fused", False),
+                                                 ("both", "separate", False), ("both", "separate", True),
+                                                 ("s1", "fused", False),
                                                  ("s1", "deterministic", True)])
 def test_new_kernel_forms_equal_attention_kl_per_sequence(monkeypatch, variant, setting, mode, causal):
     """The packed backward runs the dense kernels' pointer-load forms (the key-major dK tile with
@@ -196,9 +197,9 @@ def test_new_kernel_forms_equal_attention_kl_per_sequence(monkeypatch, variant, 
 
 
 def test_packed_candidates_put_the_new_forms_first_for_one_side(monkeypatch):
-    """On the GPU (not the interpreter's one config) one trained side with D <= 128 tries the
-    key-major dK and the folded dQ first (causal: heaviest query tiles first); both sides and wider
-    heads keep the old configs alone."""
+    """On the GPU (not the interpreter's one config) D <= 128 tries the key-major dK and the
+    folded dQ first (causal: heaviest query tiles first), at the dense rules' tiles of one side or
+    of both; wider heads keep the old configs alone."""
     from streamkl_gpu.attention import configs
 
     monkeypatch.setattr(configs, "interpreting", lambda: False)
@@ -208,7 +209,11 @@ def test_packed_candidates_put_the_new_forms_first_for_one_side(monkeypatch):
     assert dk[0].variant == "trans+fold" and dq[0].variant == "fold+heavy"
     assert {c.variant for c in dk[1:]} == {"ptr"} and {c.variant for c in dq[1:]} == {"ptr"}
     assert configs.varlen_bwd_candidates(128, False, "dq", causal=False)[0].variant == "fold"
-    assert {c.variant for c in configs.varlen_bwd_candidates(128, True, "dk", fused=True)} == {"ptr"}
+    both_dk = configs.varlen_bwd_candidates(128, True, "dk", fused=True)
+    both_dq = configs.varlen_bwd_candidates(128, True, "dq", causal=True)
+    assert (both_dk[0].variant, both_dk[0].block_m, both_dk[0].block_n, both_dk[0].num_warps) == ("trans+fold", 32, 64, 4)
+    assert (both_dq[0].variant, both_dq[0].block_m, both_dq[0].block_n) == ("fold+heavy", 64, 32)
+    assert {c.variant for c in both_dk[1:] + both_dq[1:]} == {"ptr"}
     assert {c.variant for c in configs.varlen_bwd_candidates(256, False, "dq", causal=True)} == {"ptr"}
     assert {c.variant for c in configs.varlen_bwd_candidates(128, False, "dk", ieee=True)} == {"ptr"}
     monkeypatch.setenv("STREAMKL_BWD_VARIANT", "tma+fold")  # packed tensors take no TMA descriptors

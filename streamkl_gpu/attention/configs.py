@@ -359,12 +359,16 @@ def varlen_bwd_candidates(d_pad, both, kind, ieee=False, fused=False, causal=Fal
     if bwd_variant() is not None or interpreting() or ieee:
         return bwd_variant_candidates(d_pad, both, kind, ieee, tma=False, fused=fused, few=True)
     old = bwd_candidates(d_pad, both, kind)
-    if both or d_pad > 128:
+    if d_pad > 128:
         return old
-    if kind == "dk":  # (the dense rule's tile in its two-stage form)
+    order = "fold+heavy" if causal else "fold"
+    if both:  # the dense both-sides rules' tiles ("gexp" needs the packed rows, so TMA)
+        new = (BwdConfig(block_m=32, block_n=64, num_warps=4, num_stages=3, variant="trans+fold") if kind == "dk" else
+               BwdConfig(block_m=64, block_n=32, num_warps=4, num_stages=3, variant=order))
+    elif kind == "dk":  # (the dense rule's tile in its two-stage form)
         new = BwdConfig(block_m=64, block_n=128, num_warps=8, num_stages=2, variant="trans+fold")
     else:
-        new = BwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, variant="fold+heavy" if causal else "fold")
+        new = BwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, variant=order)
     return [new] + old
 
 
