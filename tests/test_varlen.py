@@ -196,7 +196,7 @@ def test_new_kernel_forms_equal_attention_kl_per_sequence(monkeypatch, variant, 
     assert all(tuple(f) == (None, True, heavy) for name, *f in seen if name == "_kl_bwd_dq_kernel")
 
 
-def test_packed_candidates_put_the_new_forms_first_for_one_side(monkeypatch):
+def test_packed_candidates_put_the_new_forms_first(monkeypatch):
     """On the GPU (not the interpreter's one config) D <= 128 tries the key-major dK and the
     folded dQ first (causal: heaviest query tiles first), at the dense rules' tiles of one side or
     of both; wider heads keep the old configs alone."""

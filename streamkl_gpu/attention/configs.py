@@ -349,12 +349,14 @@ def varlen_bwd_candidates(d_pad, both, kind, ieee=False, fused=False, causal=Fal
     Packed sequences take no TMA descriptors, so the dense kernels' pointer-load forms: the
     key-major dK tile with folded row factors (``"trans+fold"``) and the folded dQ kernel
     (``"fold"``; causal: ``"fold+heavy"``, each sequence's last query tiles launched first, the
-    order of the varlen forward) come first, then the old configs, where one side is trained and
-    D <= 128: the dense rules' tiles (which take the same parts with TMA). With both sides, or
-    wider heads, the old configs alone: the dense list's key-major tile for both sides, 32 x 128
-    with 8 warps, asks 238,080 bytes of shared memory in the fused kernel, over Hopper's 232,448
-    (triton 3.6, sm_90). A forced variant (``STREAMKL_BWD_VARIANT``), fp32 inputs and the
-    interpreter keep :func:`bwd_variant_candidates`'s list.
+    order of the varlen forward) come first, then the old configs, where D <= 128: the dense
+    rules' tiles of one trained side or of both (which take the same parts with TMA; the
+    both-sides packed step 0.710x the old configs' on an H100,
+    bench/results/2026-12-07_h100_31f6919/compare_summary.csv). Not the dense list's other
+    key-major tile for both sides, 32 x 128 with 8 warps: it asks 238,080 bytes of shared memory
+    in the fused kernel, over Hopper's 232,448 (triton 3.6, sm_90). Wider heads: the old configs
+    alone. A forced variant (``STREAMKL_BWD_VARIANT``), fp32 inputs and the interpreter keep
+    :func:`bwd_variant_candidates`'s list.
     """
     if bwd_variant() is not None or interpreting() or ieee:
         return bwd_variant_candidates(d_pad, both, kind, ieee, tma=False, fused=fused, few=True)
