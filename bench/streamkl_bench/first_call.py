@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse, csv, datetime, json, os, subprocess, sys, tempfile, time
 
 from . import ROOT, child_env
-from .timing import sync as _sync_cuda
+from .timing import sync as _sync  # (on the GPU once CUDA is up)
 
 # entry name -> what it runs (see _entry); every one a new shape class in a fresh process
 ENTRIES = ("fwd", "fwd_bwd_auto_s1", "fwd_bwd_fused_s1", "fwd_bwd_separate_s1", "fwd_bwd_auto_s2", "fwd_bwd_auto_both",
@@ -39,10 +39,6 @@ FIELDS = ("gpu_name", "timestamp", "version", "torch", "triton", "autotune", "en
 def _device():
     import torch
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def _sync():
-    _sync_cuda(_device().type == "cuda")
 
 
 def _randn(*shape, std=1.0, seed=0):

@@ -7,9 +7,9 @@ B=1, H=1, N_Q=1, N_K=64, D=64, bf16. Each case runs ``--calls`` times back to ba
 the order rotated every round (``devtools.rotated_timing``): a figure is the median of its round means, a ratio
 to SDPA the median of the per-round ratios. Short blocks and many rounds put a host's slow spells on both steps
 alike (bench/results/2026-12-07_h100_7c05c1e/ and its env.json). Cases, ours and SDPA's: the forward, with
-grad-requiring inputs too; the step ``loss.sum().backward()``, gradients accumulating or set to None first; the
-backward alone (``retain_graph``); the engine's floors (a one-op graph; a Python Function of our form that only
-allocates). Then the forward and step through Triton's binder (``STREAMKL_FAST_LAUNCH=0``; the forward must be
+grad-requiring inputs too; the step ``loss.sum().backward()``, gradients accumulating or set to None first, or with
+autograd's multithreading off (the backward on the calling thread); the backward alone (``retain_graph``); the
+engine's floors (a one-op graph; a Python Function of our form that only allocates). Then the forward and step through Triton's binder (``STREAMKL_FAST_LAUNCH=0``; the forward must be
 bitwise the same). Rows: OUT_DIR/host_cost.csv; ``--profile``: cProfile to host_profile.txt; ``--device cpu``: smoke.
 """
 
@@ -20,10 +20,10 @@ import statistics
 from unittest import mock
 
 SHAPE = "B1 H1 NQ1 NK64 D64 bf16"
-STEP_NONE = "forward+backward [grads set to None]"
+STEP_NONE, STEP_ONE = "forward+backward [grads set to None]", "forward+backward [backward on the calling thread]"
 PAIRS = (("forward", "sdpa_forward"), ("forward [grad inputs]", "sdpa_forward [grad inputs]"),  # (ours, SDPA's)
          ("forward+backward", "sdpa_forward+backward"), (STEP_NONE, "sdpa_" + STEP_NONE),
-         ("backward [one graph]", "sdpa_backward [one graph]"))
+         (STEP_ONE, "sdpa_" + STEP_ONE), ("backward [one graph]", "sdpa_backward [one graph]"))
 
 
 def _cases(device):
@@ -55,6 +55,12 @@ def _cases(device):
     grads_none = lambda *ts: [setattr(t, "grad", None) for t in ts]  # noqa: E731
     kl_step = lambda: attention_kl(q, k, q2, k2).sum().backward()  # noqa: E731
     sdpa_step = lambda: F.scaled_dot_product_attention(qs, ks, ks).sum().backward()  # noqa: E731
+
+    def one_thread(step):  # the engine runs a CUDA graph's backward on its device thread; here on the caller's
+        def call():
+            with torch.autograd.set_multithreading_enabled(False):
+                step()
+        return call
     return {
         "forward": lambda: attention_kl(q, k, q, k),
         "sdpa_forward": lambda: F.scaled_dot_product_attention(q, k, k),
@@ -64,6 +70,7 @@ def _cases(device):
         "sdpa_forward+backward": sdpa_step,
         STEP_NONE: lambda: (grads_none(q2, k2), kl_step()),
         "sdpa_" + STEP_NONE: lambda: (grads_none(qs, ks), sdpa_step()),
+        STEP_ONE: one_thread(kl_step), "sdpa_" + STEP_ONE: one_thread(sdpa_step),
         "backward [one graph]": lambda: kl_graph.backward(retain_graph=True),
         "sdpa_backward [one graph]": lambda: sdpa_graph.backward(retain_graph=True),
         "engine_floor_one_op_fwd+bwd": lambda: (x * 2.0).sum().backward(),

@@ -33,7 +33,7 @@ import streamkl_gpu  # noqa: E402
 import streamkl_ref  # noqa: E402
 from streamkl_gpu.naive import attention_kl_naive  # noqa: E402
 
-from .timing import extra_memory_gib, time_ms  # noqa: E402
+from .timing import extra_memory_gib, sync, time_ms  # noqa: E402
 
 FIELDS = ["section", "case", "provider", "metric", "value", "unit", "note"]
 DEV = "cuda"  # --device cpu: the interpreter smoke run
@@ -67,11 +67,6 @@ def rel_err(x, ref):
         return math.inf
     denom = max(ref.norm().item(), 1e-12 * math.sqrt(max(ref.numel(), 1)))
     return ((x - ref).norm() / denom).item()
-
-
-def sync():
-    if DEV == "cuda":
-        torch.cuda.synchronize()
 
 
 def cu_tensor(lens):
@@ -129,7 +124,7 @@ def checks(out):
             k2 = xs[3].detach().clone().requires_grad_()
             kl = streamkl_gpu.attention_kl_varlen(xs[0], xs[1], q2, k2, cu_q, cu_k, mq, mk, causal=causal, **kw)
             kl.backward(g)
-            sync()
+            sync(DEV == "cuda")
             case = f"causal={causal} {label}"
             for name, ours, ref, same in (("kl", kl, ref_kl, same_kl), ("dq2", q2.grad, ref_g["dq2"], same_dq2),
                                           ("dk2", k2.grad, ref_g["dk2"], same_dk2)):
