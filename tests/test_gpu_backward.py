@@ -247,3 +247,34 @@ def test_one_key_tile_with_empty_rows_keeps_the_separate_kernels(monkeypatch):
     (plan,) = _backward_plans()
     assert plan.mode == "separate" and not plan.dk_constexprs["DQ_STORE"]
     assert (grads["dq2"][:, :, :5] == 0).all()
+
+
+@pytest.mark.parametrize("setting", ["s1", "both"])
+def test_fused_mode_runs_the_separate_kernels_above_d128(monkeypatch, setting):
+    """No tile of the fused dK kernel fits Hopper's shared memory above D = 128
+    (``configs.FUSED_MAX_HEAD_PAD``; one that did not failed at its first launch): asked for, the
+    fused mode runs the separate kernels there, the same gradients bit for bit as
+    ``bwd_mode="separate"``; at D <= 128 it stays fused."""
+    from streamkl_gpu.attention import launch as _launch
+
+    modes = []
+    real = _launch._TritonBackward.__init__
+
+    def spy(self, mode, *args, **kwargs):
+        modes.append(mode)
+        real(self, mode, *args, **kwargs)
+
+    monkeypatch.setattr(_launch._TritonBackward, "__init__", spy)
+    g = torch.randn(1, 2, 6, generator=torch.Generator().manual_seed(3))
+    for d1, want in ((136, "separate"), (16, "fused")):
+        xs = make_inputs(1, 2, 2, 2, 6, 9, d1, 16, seed=2)
+        grads = {}
+        for mode in ("fused", "separate"):
+            ins = [x.clone().requires_grad_(t) for x, t in zip(xs, SETTINGS[setting])]
+            modes.clear()
+            streamkl_gpu.attention_kl(*ins, causal=True, bwd_mode=mode).backward(g)
+            assert modes and set(modes) == {want if mode == "fused" else "separate"}, (d1, mode, modes)
+            grads[mode] = [x.grad for x in ins]
+        if want == "separate":
+            for a, b in zip(*grads.values()):
+                assert (a is None and b is None) or torch.equal(a, b)

@@ -482,6 +482,20 @@ def split_choices(dims, ieee, d_pad, n_sm):
     return options if rule in options else options + (rule,)
 
 
+# The fused dK kernel (which also holds the dQ operands) has no tile that fits Hopper's 232,448 bytes
+# of shared memory per program above D = 128 (offline, sm_90, triton 3.6, bf16, pointer loads): with
+# one side trained its first candidate, 64 x 64 with 8 warps, asks 295,680 bytes and so fails at its
+# first launch (the only other that fits, 32 x 64 with 4 warps, 188,800, was never timed); with both
+# sides every candidate asks 254,464-475,648. The separate kernels' first candidates ask 205,824 (dK)
+# and 196,608 (dQ). So a fused mode, asked for or picked, runs the separate kernels there.
+FUSED_MAX_HEAD_PAD = 128
+
+
+def fused_fits(d_pad: int) -> bool:
+    """Can the fused backward run at padded head dim ``d_pad`` (``FUSED_MAX_HEAD_PAD``)?"""
+    return d_pad <= FUSED_MAX_HEAD_PAD
+
+
 def auto_bwd_mode(dims, n_sm: int, both: bool = False, new_kernels: bool = False) -> str:
     """Pick the fused kernel (each tile pair visited once, dQ by fp32 atomics) or the separate ones.
 

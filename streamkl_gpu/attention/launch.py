@@ -24,8 +24,8 @@ from streamkl_gpu._core.checks import check_bwd_mode, check_tensors, compute_vie
 from streamkl_gpu._core.runtime import LOG2E, LazyModule, TensorDescriptor, cdiv, fresh, interpreting, n_sm, tma_ok
 from streamkl_gpu._core.tuning import UnusableConfig, autotune_enabled, bucket, pick
 from streamkl_gpu.attention.configs import (BWD_TMA_MIN_KEYS, TMA_MIN_KEYS, auto_bwd_mode, bwd_streams, bwd_variant,
-                                          bwd_variant_candidates, fwd_candidates, one_tile_backward, split_choices,
-                                          stores_dq_whole, tuning_slice)
+                                          bwd_variant_candidates, fused_fits, fwd_candidates, one_tile_backward,
+                                          split_choices, stores_dq_whole, tuning_slice)
 
 # the backward's kernels and dispatch, imported at a training call's first use (a forward-only
 # first call does without them)
@@ -680,6 +680,8 @@ def _backward_plan(sig, g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, dims, causa
             first = bwd_variant_candidates(max(d1_pad, d2_pad), both, "dk", ieee1 or ieee2, tma, True, few, dims.NQ)[0]
             if one_tile_backward(dims, causal, first.block_n):
                 mode = "fused"
+    if not fused_fits(max(d1_pad, d2_pad)):
+        mode = "separate"  # no fused tile fits the shared memory above D = 128
     fused = mode == "fused"
     side = None if fused else _side_stream(dims, device)
     dk_cands = bwd_variant_candidates(max(d1_pad, d2_pad), both, "dk", ieee1 or ieee2, tma, fused, few, dims.NQ)

@@ -203,7 +203,8 @@ def attention_kl(q1, k1, q2, k2, *, causal=False, scale1=None, scale2=None,
         scale1, scale2: score scales; ``None`` means ``1/sqrt(D)``. A temperature tau is ``scale/tau``.
         split_k: forward key splits: ``None`` picks by :func:`auto_split_k`, ``1`` is one pass.
         bwd_mode: ``"auto"``, ``"fused"`` (each tile pair visited once, dQ by fp32 atomics) or
-            ``"separate"`` (dK and dQ kernels, no dQ atomics).
+            ``"separate"`` (dK and dQ kernels, no dQ atomics); above D = 128 always separate
+            (no fused tile fits the shared memory).
         deterministic: bitwise-repeatable gradients (separate kernels, no atomics anywhere).
 
     Returns:

@@ -45,7 +45,7 @@ from streamkl_gpu._core.runtime import LOG2E, TensorDescriptor, fresh, interpret
 from streamkl_gpu._core.tuning import bucket, pick
 from streamkl_gpu._core.launcher import compile_first_call, kernel_call
 from streamkl_gpu.attention.configs import (TMA_MIN_KEYS, TUNING_WORK_LIMIT, auto_bwd_mode, auto_split_k,
-                                            fwd_candidates, varlen_bwd_candidates)
+                                            fused_fits, fwd_candidates, varlen_bwd_candidates)
 
 __all__ = ["attention_kl_varlen"]
 
@@ -175,6 +175,8 @@ def _backward(g, q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, kl, lse1_bits, lse2_b
         mode = "separate"  # no atomics on dQ
     elif mode == "auto":
         mode = auto_bwd_mode(_schedule_dims(dims, batch, max_q, max_k), n_sm(device), both)
+    if not fused_fits(max(head_pad(dims.D1), head_pad(dims.D2))):
+        mode = "separate"  # no fused tile fits the shared memory above D = 128
     fused = mode == "fused"
     work = total_q > 0 and total_k > 0 and H > 0 and batch > 0 and max_q > 0 and max_k > 0
 
