@@ -251,8 +251,8 @@ def test_one_key_tile_with_empty_rows_keeps_the_separate_kernels(monkeypatch):
 
 @pytest.mark.parametrize("setting", ["s1", "both"])
 def test_fused_mode_runs_the_separate_kernels_above_d128(monkeypatch, setting):
-    """No tile of the fused dK kernel fits Hopper's shared memory above D = 128
-    (``configs.FUSED_MAX_HEAD_PAD``; one that did not failed at its first launch): asked for, the
+    """The fused dK kernel's tiles outgrow Hopper's shared memory above D = 128
+    (``configs.FUSED_MAX_HEAD_PAD``: its first candidate failed at its first launch): asked for, the
     fused mode runs the separate kernels there, the same gradients bit for bit as
     ``bwd_mode="separate"``; at D <= 128 it stays fused."""
     from streamkl_gpu.attention import launch as _launch

@@ -482,12 +482,13 @@ def split_choices(dims, ieee, d_pad, n_sm):
     return options if rule in options else options + (rule,)
 
 
-# The fused dK kernel (which also holds the dQ operands) has no tile that fits Hopper's 232,448 bytes
-# of shared memory per program above D = 128 (offline, sm_90, triton 3.6, bf16, pointer loads): with
-# one side trained its first candidate, 64 x 64 with 8 warps, asks 295,680 bytes and so fails at its
-# first launch (the only other that fits, 32 x 64 with 4 warps, 188,800, was never timed); with both
-# sides every candidate asks 254,464-475,648. The separate kernels' first candidates ask 205,824 (dK)
-# and 196,608 (dQ). So a fused mode, asked for or picked, runs the separate kernels there.
+# Above D = 128 the fused dK kernel (which also holds the dQ operands) outgrows Hopper's 232,448 bytes
+# of shared memory per program (offline, sm_90, triton 3.6, bf16, pointer loads:
+# bench/results/2026-12-07_sass-sm90_c623459/wide_head_bwd_census.csv). With one side trained its
+# first candidate, 64 x 64 with 8 warps, asks 295,680 bytes and so fails at its first launch (only
+# 32 x 64 with 4 warps fits, 188,800, never timed); with both sides every candidate asks
+# 254,464-475,648. The separate kernels' first candidates ask 205,824 (dK) and 196,608 (dQ). So a
+# fused mode, asked for or picked, runs the separate kernels there.
 FUSED_MAX_HEAD_PAD = 128
 
 

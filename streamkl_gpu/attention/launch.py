@@ -681,7 +681,7 @@ def _backward_plan(sig, g, q1, k1, q2, k2, kl, lse1_bits, lse2_bits, dims, causa
             if one_tile_backward(dims, causal, first.block_n):
                 mode = "fused"
     if not fused_fits(max(d1_pad, d2_pad)):
-        mode = "separate"  # no fused tile fits the shared memory above D = 128
+        mode = "separate"  # the fused tiles outgrow the shared memory above D = 128 (configs)
     fused = mode == "fused"
     side = None if fused else _side_stream(dims, device)
     dk_cands = bwd_variant_candidates(max(d1_pad, d2_pad), both, "dk", ieee1 or ieee2, tma, fused, few, dims.NQ)

@@ -204,7 +204,7 @@ def attention_kl(q1, k1, q2, k2, *, causal=False, scale1=None, scale2=None,
         split_k: forward key splits: ``None`` picks by :func:`auto_split_k`, ``1`` is one pass.
         bwd_mode: ``"auto"``, ``"fused"`` (each tile pair visited once, dQ by fp32 atomics) or
             ``"separate"`` (dK and dQ kernels, no dQ atomics); above D = 128 always separate
-            (no fused tile fits the shared memory).
+            (the fused tiles outgrow the shared memory).
         deterministic: bitwise-repeatable gradients (separate kernels, no atomics anywhere).
 
     Returns:

@@ -176,7 +176,7 @@ def _backward(g, q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, kl, lse1_bits, lse2_b
     elif mode == "auto":
         mode = auto_bwd_mode(_schedule_dims(dims, batch, max_q, max_k), n_sm(device), both)
     if not fused_fits(max(head_pad(dims.D1), head_pad(dims.D2))):
-        mode = "separate"  # no fused tile fits the shared memory above D = 128
+        mode = "separate"  # the fused tiles outgrow the shared memory above D = 128 (configs)
     fused = mode == "fused"
     work = total_q > 0 and total_k > 0 and H > 0 and batch > 0 and max_q > 0 and max_k > 0
 
