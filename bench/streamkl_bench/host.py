@@ -9,8 +9,9 @@ to SDPA the median of the per-round ratios. Short blocks and many rounds put a h
 alike (bench/results/2026-12-07_h100_7c05c1e/ and its env.json). Cases, ours and SDPA's: the forward, with
 grad-requiring inputs too; the step ``loss.sum().backward()``, gradients accumulating or set to None first, or with
 autograd's multithreading off (the backward on the calling thread); the backward alone (``retain_graph``); the
-engine's floors (a one-op graph; a Python Function of our form that only allocates). Then the forward and step through Triton's binder (``STREAMKL_FAST_LAUNCH=0``; the forward must be
-bitwise the same). Rows: OUT_DIR/host_cost.csv; ``--profile``: cProfile to host_profile.txt; ``--device cpu``: smoke.
+engine's floors (a one-op graph; a Python Function of our form that only allocates). Then the forward and step
+through Triton's binder (``STREAMKL_FAST_LAUNCH=0``; the forward must be bitwise the same). Rows:
+OUT_DIR/host_cost.csv; ``--profile``: cProfile to host_profile.txt; ``--device cpu``: smoke.
 """
 
 import argparse
