@@ -175,7 +175,8 @@ def _backward(g, q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, kl, lse1_bits, lse2_b
         mode = "separate"  # no atomics on dQ
     elif mode == "auto":
         mode = auto_bwd_mode(_schedule_dims(dims, batch, max_q, max_k), n_sm(device), both)
-    if not fused_fits(max(head_pad(dims.D1), head_pad(dims.D2))):
+    d1_pad, d2_pad = head_pad(dims.D1), head_pad(dims.D2)
+    if not fused_fits(max(d1_pad, d2_pad)):
         mode = "separate"  # the fused tiles outgrow the shared memory above D = 128 (configs)
     fused = mode == "fused"
     work = total_q > 0 and total_k > 0 and H > 0 and batch > 0 and max_q > 0 and max_k > 0
@@ -203,7 +204,6 @@ def _backward(g, q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, kl, lse1_bits, lse2_b
     views = [compute_view(padded_view(t)) for t in (q1, k1, q2, k2)]
     ieee1 = views[0].dtype == torch.float32
     ieee2 = views[2].dtype == torch.float32
-    d1_pad, d2_pad = head_pad(dims.D1), head_pad(dims.D2)
     g = g.to(torch.float32).contiguous()
     kl, lse1_bits, lse2_bits = kl.contiguous(), lse1_bits.contiguous(), lse2_bits.contiguous()
     dummy = kl  # placeholder pointer for outputs a launch does not write
