@@ -105,7 +105,8 @@ def test_workers_get_the_most_expensive_units_first():
                      ("tiles_300", "float32")]  # ties: in battery order
     gpu = verify.own_units("cuda")
     pairs = [(gpu[i].name, d) for i, d in verify.hand_out_order(gpu)]
-    assert pairs[:2] == [("indexer:big_mla_576", "bfloat16"), ("big_d128_d64", "bfloat16")]
+    assert pairs[:3] == [("indexer:big_mla_576", "bfloat16"), ("wide_heads_d256_d192", "bfloat16"),
+                         ("big_d128_d64", "bfloat16")]
     # one dtype of one case at a time: every pair of the battery exactly once, float32 before
     # the 16-bit dtypes of the same case
     assert sorted(pairs) == sorted((u.name, d) for u in gpu for d in u.dtypes)

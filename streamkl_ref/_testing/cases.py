@@ -99,6 +99,9 @@ GPU_ATTENTION_CASES = ATTENTION_CASES + (
     Case("long_causal_d64", 1, 4, 4, 2, 160, 2100, 64, 64, causal=True,
          why="a training length: 2100 keys (16 tiles of 128 and a ragged one), 160 rows, equal head "
              "dims, GQA on side 2; where a kernel switches to its long-sequence path"),
+    Case("wide_heads_d256_d192", 1, 2, 1, 2, 160, 2100, 256, 192, causal=True,
+         why="head dims above 128 (256 and 192, padded to 256): the widest tiles, where a backward "
+             "tile can outgrow the shared memory; MQA on side 1, causal, a training length"),
 )
 LARGE_ATTENTION_CASES = GPU_ATTENTION_CASES[len(ATTENTION_CASES):]
 CASE_SETS = ("default", "large", "all")
