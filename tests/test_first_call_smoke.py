@@ -1,5 +1,5 @@
 """The benchmark's ``first_call`` section (bench/streamkl_bench/first_call.py) on CPU under the
-interpreter, tiny shapes: the fresh-process first calls (three entry points) and the 2^31-element
+interpreter, tiny shapes: the fresh-process first calls (four entry points) and the 2^31-element
 cases' head/sequence checks at toy size."""
 import csv
 
@@ -21,10 +21,10 @@ def _rows(path):
 
 def test_first_calls_in_fresh_processes(tmp_path):
     mod = _module()
-    assert mod.main(["--out", str(tmp_path), "--tiny", "--entries", "fwd,fwd_bwd_auto_s1,indexer_mean_step"]) == 0
+    assert mod.main(["--out", str(tmp_path), "--tiny", "--entries", "fwd,fwd_bwd_auto_s1,varlen_fwd_bwd_both,indexer_mean_step"]) == 0
     rows = _rows(tmp_path / "first_call.csv")
     by = {(r["entry"], r["measure"]): r for r in rows}
-    for entry in ("fwd", "fwd_bwd_auto_s1", "indexer_mean_step"):  # the last: the documented training step
+    for entry in ("fwd", "fwd_bwd_auto_s1", "varlen_fwd_bwd_both", "indexer_mean_step"):  # the last: the documented step
         assert float(by[entry, "first_call_s"]["value"]) > 0
         assert float(by[entry, "second_call_s"]["value"]) > 0
         assert int(by[entry, "kernels_compiled"]["value"]) == 0  # the interpreter compiles nothing

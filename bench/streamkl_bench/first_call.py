@@ -29,7 +29,8 @@ from .timing import sync as _sync  # (on the GPU once CUDA is up)
 
 # entry name -> what it runs (see _entry); every one a new shape class in a fresh process
 ENTRIES = ("fwd", "fwd_bwd_auto_s1", "fwd_bwd_fused_s1", "fwd_bwd_separate_s1", "fwd_bwd_auto_s2", "fwd_bwd_auto_both",
-           "varlen_fwd_bwd_s1", "indexer_dense_step", "indexer_mean_step", "indexer_topk_step", "decode_splitk")
+           "varlen_fwd_bwd_s1", "varlen_fwd_bwd_both", "indexer_dense_step", "indexer_mean_step", "indexer_topk_step",
+           "decode_splitk")
 BIG = ("fwd_bwd_s1_causal", "fwd_bwd_s2_causal", "fwd_bwd_both_causal", "fwd_bwd_s1_full", "fwd_bwd_s1_causal_2m",
        "varlen_s1_causal", "indexer_128k_dsa")
 FIELDS = ("gpu_name", "timestamp", "version", "torch", "triton", "autotune", "entry", "shape", "measure", "value",
@@ -89,15 +90,15 @@ def _entry(name, n, tiny):
         def step():
             streamkl_gpu.attention_kl(*xs, causal=True, bwd_mode=mode).sum().backward()
         return f"B=1 H={H} N={n} D={D} causal {setting} {mode}", step
-    if name == "varlen_fwd_bwd_s1":
-        lens = [n // 4, n // 2, n // 4]
+    if name.startswith("varlen_fwd_bwd_"):  # three packed sequences, setting 1 or both sides trained
+        lens, setting = [n // 4, n // 2, n // 4], name.rsplit("_", 1)[1]
         total = sum(lens)
         cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32, device=_device())
-        xs = [_randn(total, H, D, seed=i).requires_grad_(i >= 2) for i in range(4)]
+        xs = [_randn(total, H, D, seed=i).requires_grad_(t) for i, t in enumerate(SETTING_TRAIN[setting])]
 
         def step():
             streamkl_gpu.attention_kl_varlen(*xs, cu, cu, max(lens), max(lens), causal=True).sum().backward()
-        return f"seqs={lens} H={H} D={D} causal s1", step
+        return f"seqs={lens} H={H} D={D} causal {setting}", step
     if name in ("indexer_dense_step", "indexer_mean_step", "indexer_topk_step"):
         Hq, Dq, HI, DI = (2, 16, 2, 16) if tiny else (64, 576, 64, 128)  # DSA-like: MQA teacher, MLA heads
         q, k = _randn(1, Hq, n, Dq, seed=1), _randn(1, 1, n, Dq, seed=2)
@@ -124,8 +125,8 @@ def _entry(name, n, tiny):
     raise ValueError(f"unknown entry {name!r}; entries: {', '.join(ENTRIES)}")
 
 
-API_NAME = {"varlen_fwd_bwd_s1": "attention_kl_varlen", "indexer_dense_step": "indexer_kl",
-            "indexer_mean_step": "indexer_kl", "indexer_topk_step": "indexer_kl_topk"}  # else attention_kl
+API_NAME = {"varlen_fwd_bwd_s1": "attention_kl_varlen", "varlen_fwd_bwd_both": "attention_kl_varlen",
+            "indexer_dense_step": "indexer_kl", "indexer_mean_step": "indexer_kl", "indexer_topk_step": "indexer_kl_topk"}  # else attention_kl
 
 
 def child(name, n, tiny, out_json, imported=False):
