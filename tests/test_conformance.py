@@ -395,6 +395,16 @@ def test_cli_verify_impl_picks_the_case_set(tmp_path):
     assert failed and all(name.startswith("tiles_") for name in failed)  # one 128-key tile hides it elsewhere
 
 
+def test_a_kernel_that_stops_at_d128_declares_its_head_dims_and_the_wide_case_is_skipped():
+    """The GPU battery's widest case (head dims 256 and 192) is skipped, not failed, for an
+    implementation that lists the head dims it takes (docs/conformance.md, the claims table)."""
+    narrow = testing.check_attention_kl(impls.correct, cases="large", grads=False,
+                                        supports={"head_dims": list(range(1, 129))})
+    status = {r.case: r.status for r in narrow.rows}
+    assert status["wide_heads_d256_d192"] == "skipped" and narrow.passed
+    assert {s for c, s in status.items() if c != "wide_heads_d256_d192"} == {"pass"}
+
+
 def test_cli_verify_help_lists_the_claims_and_the_case_sets():
     from streamkl_gpu.verify import build_parser
 
