@@ -60,3 +60,18 @@ def test_big_cases_match_their_heads_alone(tmp_path):
     compiled = [r for r in rows if r["measure"] == "fwd_bwd_compile_s"]
     assert {r["entry"] for r in compiled} == {"fwd_bwd_s1_causal", "fwd_bwd_both_causal", "varlen_s1_causal"}
     assert all(float(r["value"]) == 0 for r in compiled)
+
+
+def test_relative_error_over_slices_equals_the_whole_tensor_formula():
+    """The big cases' ``_rel`` sums float64 slices (one float64 copy of a 2^31-element gradient
+    would not fit beside it): the same value as the formula on whole tensors, 0 exactly when equal."""
+    import torch
+
+    mod = _module()
+    gen = torch.Generator().manual_seed(0)
+    b = torch.randn(5, 37, 3, generator=gen).to(torch.bfloat16)
+    a = (b.float() + 1e-3 * torch.randn(5, 37, 3, generator=gen)).to(torch.bfloat16)
+    whole = float((a.double() - b.double()).norm() / b.double().norm())
+    assert abs(mod._rel(a, b, chunk=4) - whole) <= 1e-12 * whole and whole > 0
+    assert mod._rel(a.transpose(0, 1), b.transpose(0, 1), chunk=3) == pytest.approx(whole, rel=1e-12)
+    assert mod._rel(b, b.clone(), chunk=2) == 0.0
