@@ -481,6 +481,25 @@ def test_a_packed_batch_past_the_work_limit_is_not_timed():
     assert _varlen._timeable(replace(dims, NQ=65536, NK=65536, H=16, D1=128, D2=128), 1024)
 
 
+def test_packed_picks_follow_the_rule(monkeypatch):
+    """A packed batch's forward, dK and dQ picks are ruled ones: the first candidate untimed by default,
+    every candidate timed under STREAMKL_AUTOTUNE=1 (measured against the timed pick with the dense
+    rules' tiles first: docs/performance.md, "First calls")."""
+    import torch
+
+    import streamkl_gpu
+    from streamkl_gpu.attention import varlen as _varlen
+
+    seen = []
+    monkeypatch.setattr(_varlen, "pick", lambda key, cands, *a, ruled=True, **k: seen.append((key[0], ruled)) or cands[0])
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    q1, k1, q2, k2 = (torch.randn(8, 2, 16, requires_grad=True) for _ in range(4))
+    streamkl_gpu.attention_kl_varlen(q1, k1, q2, k2, cu, cu, 5, 5, causal=True,
+                                     bwd_mode="separate").sum().backward()
+    assert seen == [("varlen_fwd", True), ("bwd_dk", True), ("bwd_dq", True)], seen
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q1, k1, q2, k2))
+
+
 def test_several_key_splits_make_the_forward_pick_timed(monkeypatch):
     """Where split_choices offers several key splits (decoding, with the splits timed), the
     forward's pick over the splits x tiles product is a timed one (ruled=False): the untimed first

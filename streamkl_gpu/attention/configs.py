@@ -344,7 +344,7 @@ def bwd_variant_candidates(d_pad, both, kind, ieee=False, tma=False, fused=False
 
 def varlen_bwd_candidates(d_pad, both, kind, ieee=False, fused=False, causal=False):
     """Candidates of the packed backward's dK (``kind="dk"``) or dQ kernel (``attention/varlen.py``,
-    timed by its pick below TUNING_WORK_LIMIT, the first one untimed past it).
+    the first one untimed by default; ``STREAMKL_AUTOTUNE=1`` times them below TUNING_WORK_LIMIT).
 
     Packed sequences take no TMA descriptors, so the dense kernels' pointer-load forms: the
     key-major dK tile with folded row factors (``"trans+fold"``) and the folded dQ kernel

@@ -153,8 +153,8 @@ def _forward(q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, causal, scale1, scale2, s
 
     key = ("varlen_fwd", dims.D1, dims.D2, q1.dtype, q2.dtype, causal, split, tma,
            bucket(max_q), bucket(max_k), bucket(total_q), bucket(batch * H), n_splits)
-    # packed batches: the untimed first candidate was not measured against the tuned one, so timed by default
-    launch(pick(key, candidates, launch, device=device, ruled=False) if _timeable(dims, max_k) else candidates[0])
+    # the first candidate untimed by default, as the dense forward's rule (STREAMKL_AUTOTUNE=1 times them)
+    launch(pick(key, candidates, launch, device=device) if _timeable(dims, max_k) else candidates[0])
     return kl, lse1_bits, lse2_bits
 
 
@@ -255,10 +255,10 @@ def _backward(g, q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, kl, lse1_bits, lse2_b
     base_key = ("varlen", dims.D1, dims.D2, views[0].dtype, views[2].dtype, causal, train1, train2,
                 bucket(max_q), bucket(max_k), bucket(total_q), bucket(batch * H),
                 dims.group1 > 1, dims.group2 > 1)
-    if work and _timeable(dims, max_k):  # timed by default, as the packed forward (not measured untimed)
-        cfg_dk = pick(("bwd_dk", fused) + base_key, dk_cands, lambda c: run(c, dq_cands[0]), device=device, ruled=False)
+    if work and _timeable(dims, max_k):  # the first candidates untimed by default (STREAMKL_AUTOTUNE=1 times them)
+        cfg_dk = pick(("bwd_dk", fused) + base_key, dk_cands, lambda c: run(c, dq_cands[0]), device=device)
         cfg_dq = dq_cands[0] if fused else pick(("bwd_dq",) + base_key, dq_cands, lambda c: run(cfg_dk, c),
-                                                device=device, ruled=False)
+                                                device=device)
     else:
         cfg_dk, cfg_dq = dk_cands[0], dq_cands[0]
     dq1, dk1, dq2, dk2 = run(cfg_dk, cfg_dq)
