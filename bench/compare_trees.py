@@ -54,9 +54,8 @@ GRID = {
     "step1_8k_c_d64": ("step", dict(n=8192, causal=True, train=2, d=64)),
     "step2_4k_nc_fp16": ("step", dict(n=4096, causal=False, train=1, dtype="float16")),
     # attention_kl_varlen: 80K tokens in 31 documents of 1K to 16K (the varlen section's mix, unshuffled)
-    **{f"varlen_fwd_80k_{'c' if c else 'nc'}": ("fwd", dict(n=16384, docs=5, causal=c)) for c in (True, False)},
-    **{f"varlen_step{s}_80k_{'c' if c else 'nc'}": ("step", dict(n=16384, docs=5, causal=c, train=t))
-       for s, t, c in (("1", 2, True), ("1", 2, False), ("both", 3, True), ("both", 3, False))},
+    **{f"varlen_{s}_80k_{'c' if c else 'nc'}": ("fwd" if s == "fwd" else "step", dict(n=16384, docs=5, causal=c, train=t))
+       for s, t in (("fwd", 0), ("step1", 2), ("stepboth", 3)) for c in (True, False)},
     # indexer_kl, 8K causal, indexer inputs requiring grad, reduction="mean"
     "idx_dsa_8k_lse_step": ("idx_step", dict(teacher="dsa", n=8192, lse=True)),
     "idx_gqa_8k_lse_step": ("idx_step", dict(teacher="gqa", n=8192, lse=True)),
