@@ -48,7 +48,8 @@ class _CaseClock:
         _, kernels = self.clock.since(snap)
         compile_s = self.clock.wall_since(t0, t1)  # wall time with a compile running (several run side by side)
         check_s = t1 - t0 - compile_s
-        seconds[label] = {"compile_s": round(compile_s, 3), "kernels": kernels, "check_s": round(check_s, 3)}
+        seconds[label] = {"compile_s": round(compile_s, 3), "kernels": kernels, "check_s": round(check_s, 3),
+                          "compiles": self.clock.within(t0, t1)}  # [kernel, seconds, fingerprint]: what compiled
         self.say(f"  {label}: compile {compile_s:.1f} s ({kernels} kernels), check {check_s:.1f} s")
 
 

@@ -70,10 +70,36 @@ def test_the_compile_clock_keeps_each_compiles_kernel_thread_and_window():
         worker.start()
         worker.join()
         compile_it()
-    assert [(k, t) for k, t, _, _ in clock.events] == [("_some_kernel", "compile-worker"),
-                                                        ("_some_kernel", threading.current_thread().name)]
-    assert all(0 <= end - start <= clock.seconds for _, _, start, end in clock.events)
+    assert [(k, t) for k, t, *_ in clock.events] == [("_some_kernel", "compile-worker"),
+                                                      ("_some_kernel", threading.current_thread().name)]
+    assert all(0 <= end - start <= clock.seconds for _, _, start, end, _ in clock.events)
     assert clock.events[0][3] <= clock.events[1][2]  # one after the other here
+
+
+def test_each_compile_keeps_a_fingerprint_of_what_it_asked_for():
+    """verify's per-case ``compiles`` (docs/verify.md): a compile's fingerprint is the same for the
+    same signature, constants, specialisation and options, and differs when any of them does (a
+    warm run's compile is then told apart: the same binary asked again, or a new specialisation)."""
+    from types import SimpleNamespace
+
+    from streamkl_gpu._core.compile_clock import fingerprint
+
+    def source(**changes):
+        parts = dict(signature={"q": "*bf16", "n": "i32"}, constants={(3,): 1, (4,): 128},
+                     attrs={(0,): [["tt.divisibility", 16]]}) | changes
+        return SimpleNamespace(fn=SimpleNamespace(__name__="_k"), **parts)
+
+    opts = {"num_warps": 4, "num_stages": 2}
+    same = fingerprint(source(), opts)
+    assert same == fingerprint(source(), dict(reversed(list(opts.items())))) and len(same) == 12
+    others = [fingerprint(source(attrs={}), opts), fingerprint(source(constants={(3,): 1, (4,): 64}), opts),
+              fingerprint(source(signature={"q": "*fp16", "n": "i32"}), opts), fingerprint(source(), {"num_warps": 8}),
+              fingerprint(object(), None)]  # (no parts to read: still a fingerprint, no error)
+    assert len({same, *others}) == 6
+    clock = CompileClock()
+    clock.events = [("_a", "t", 1.0, 2.5, "f1"), ("_b", "t", 3.0, 3.5, "f2"), ("_c", "t", 0.5, 1.5)]
+    assert clock.within(1.0, 3.0) == [("_a", 1.5, "f1")]  # started in the span; an old 4-field event: no fingerprint
+    assert clock.within(0.0, 4.0) == [("_a", 1.5, "f1"), ("_b", 0.5, "f2"), ("_c", 1.0, "")]
 
 
 def test_the_compile_wall_counts_side_by_side_compiles_once_and_stays_in_its_span():

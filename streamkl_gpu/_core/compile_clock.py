@@ -9,18 +9,31 @@ wrapper must be installed before a kernel's first launch in the process: a ``JIT
 installs it. Compiles on several threads at once (compiling ahead, ``_core.launcher``) each add
 their own seconds, so ``seconds`` can exceed the wall time they took; ``events`` keeps each compile's
 kernel, thread and start and end (``time.perf_counter``), the timeline that shows which ran side by side,
-and ``wall_since`` the wall seconds during which at least one compile ran (the union of those windows).
+and its specialisation's fingerprint (:func:`fingerprint`: two compiles of one kernel with the same
+fingerprint asked Triton for the same binary, so with warm caches the second should be a load);
+``wall_since`` the wall seconds during which at least one compile ran (the union of those windows).
 """
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 
 
+def fingerprint(src, options=None) -> str:
+    """A short hash of what a compile asks for: the source's signature, constants and
+    specialisation attributes (an ``ASTSource``'s, or a Gluon one's) and the options (warps,
+    stages). Equal for two compiles of the same kernel that Triton keys alike; any part it cannot
+    read counts as missing, never an error."""
+    parts = [repr(getattr(src, name, None)) for name in ("signature", "constants", "attrs")]
+    parts.append(repr(sorted(options.items())) if isinstance(options, dict) else repr(options))
+    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:12]
+
+
 class CompileClock:
     """``seconds`` and ``calls`` spent in ``triton.compiler.compile`` while installed;
-    ``snapshot()`` / ``since(snap)`` for per-case deltas; ``events``: (kernel, thread, start, end)
-    per compile. ``available`` is False where the compiler entry point could not be wrapped (no
+    ``snapshot()`` / ``since(snap)`` for per-case deltas; ``events``: (kernel, thread, start, end,
+    fingerprint) per compile. ``available`` is False where the compiler entry point could not be wrapped (no
     Triton): the figures then stay 0."""
 
     def __init__(self):
@@ -48,9 +61,11 @@ class CompileClock:
                 t1 = time.perf_counter()
                 self.seconds += t1 - t0
                 self.calls += 1
-                fn = getattr(args[0] if args else kwargs.get("src"), "fn", None)  # an ASTSource's JIT function
+                src = args[0] if args else kwargs.get("src")
+                fn = getattr(src, "fn", None)  # an ASTSource's JIT function
                 name = getattr(fn, "__name__", None) or getattr(getattr(fn, "fn", None), "__name__", "?")
-                self.events.append((name, threading.current_thread().name, t0, t1))
+                options = kwargs.get("options", args[2] if len(args) > 2 else None)
+                self.events.append((name, threading.current_thread().name, t0, t1, fingerprint(src, options)))
 
         compile._streamkl_clock = self
         compile._streamkl_original = original
@@ -82,12 +97,16 @@ class CompileClock:
         """``(seconds, calls)`` since ``snap``."""
         return self.seconds - snap[0], self.calls - snap[1]
 
+    def within(self, start, end):
+        """(kernel, seconds, fingerprint) of each compile that started in ``[start, end)``."""
+        return [(e[0], round(e[3] - e[2], 3), e[4] if len(e) > 4 else "") for e in list(self.events) if start <= e[2] < end]
+
     def wall_since(self, start, end=None):
         """Wall seconds between ``start`` and ``end`` (``time.perf_counter``; default now) during
         which at least one compile ran: the union of the compile windows, clipped to the span.
         Never more than ``end - start``, where ``since`` counts two side-by-side compiles twice."""
         end = time.perf_counter() if end is None else end
-        spans = sorted((max(t0, start), min(t1, end)) for _, _, t0, t1 in list(self.events) if t1 > start and t0 < end)
+        spans = sorted((max(t0, start), min(t1, end)) for _, _, t0, t1, *_ in list(self.events) if t1 > start and t0 < end)
         total, covered = 0.0, start
         for t0, t1 in spans:
             if t1 > covered:
