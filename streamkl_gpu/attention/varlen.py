@@ -256,7 +256,9 @@ def _backward(g, q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, kl, lse1_bits, lse2_b
     base_key = ("varlen", dims.D1, dims.D2, views[0].dtype, views[2].dtype, causal, train1, train2,
                 bucket(max_q), bucket(max_k), bucket(total_q), bucket(batch * H),
                 dims.group1 > 1, dims.group2 > 1)
-    if work and _timeable(dims, max_k):  # the first candidates untimed by default (STREAMKL_AUTOTUNE=1 times them)
+    # the first candidates untimed by default (STREAMKL_AUTOTUNE=1 times them): the tuner timed them fastest at
+    # every 24K-token point (an H100, bench/results/2026-12-07_h100_4e686a7/tuning_log_24k.csv)
+    if work and _timeable(dims, max_k):
         cfg_dk = pick(("bwd_dk", fused) + base_key, dk_cands, lambda c: run(c, dq_cands[0]), device=device)
         cfg_dq = dq_cands[0] if fused else pick(("bwd_dq",) + base_key, dq_cands, lambda c: run(cfg_dk, c),
                                                 device=device)
