@@ -102,6 +102,28 @@ def test_each_compile_keeps_a_fingerprint_of_what_it_asked_for():
     assert clock.within(0.0, 4.0) == [("_a", 1.5, "f1"), ("_b", 0.5, "f2"), ("_c", 1.0, "")]
 
 
+def test_warm_compiles_are_told_apart_from_the_cold_runs(tmp_path, capsys):
+    """devtools.warm_compiles: a slow warm compile with a fingerprint the cold run compiled is a
+    repeat (the cache did not serve it), one with a fingerprint it never met is new; loads (fast
+    compiles) are not listed."""
+    import json
+
+    from streamkl_gpu.devtools import warm_compiles
+
+    cold = {"case_seconds": {"a bfloat16": {"compiles": [["_k", 2.0, "f1"], ["_k", 1.5, "f2"]]}}}
+    warm = {"case_seconds": {"a bfloat16": {"compiles": [["_k", 0.01, "f1"], ["_k", 1.2, "f2"]]},
+                             "b float32": {"compiles": [["_k", 3.0, "f3"], ["_j", 0.9, "f1"]]}}}
+    assert warm_compiles.classify(cold, warm) == [("a bfloat16", "_k", 1.2, "repeat"), ("b float32", "_k", 3.0, "new"),
+                                                  ("b float32", "_j", 0.9, "new")]  # (another kernel: not the same binary)
+    paths = []
+    for name, report in (("cold", cold), ("warm", warm)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(report))
+    assert warm_compiles.main([str(p) for p in paths] + ["--slow-s", "1.0"]) == 0
+    out = capsys.readouterr().out
+    assert "2 warm compiles over 1.0 s: 1 repeat a cold one, 1 new" in out and "_j" not in out
+
+
 def test_the_compile_wall_counts_side_by_side_compiles_once_and_stays_in_its_span():
     """verify's per-case compile seconds (``wall_since``): overlapping compile windows count once,
     windows are clipped to the case's span, and compile + check never exceeds the case's wall time
