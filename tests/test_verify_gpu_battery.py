@@ -70,8 +70,8 @@ def test_the_compile_clock_keeps_each_compiles_kernel_thread_and_window():
         worker.start()
         worker.join()
         compile_it()
-    assert [(k, t) for k, t, *_ in clock.events] == [("_some_kernel", "compile-worker"),
-                                                      ("_some_kernel", threading.current_thread().name)]
+    assert [(k, t) for k, t, _, _, _ in clock.events] == [("_some_kernel", "compile-worker"),
+                                                          ("_some_kernel", threading.current_thread().name)]
     assert all(0 <= end - start <= clock.seconds for _, _, start, end, _ in clock.events)
     assert clock.events[0][3] <= clock.events[1][2]  # one after the other here
 
@@ -97,9 +97,9 @@ def test_each_compile_keeps_a_fingerprint_of_what_it_asked_for():
               fingerprint(object(), None)]  # (no parts to read: still a fingerprint, no error)
     assert len({same, *others}) == 6
     clock = CompileClock()
-    clock.events = [("_a", "t", 1.0, 2.5, "f1"), ("_b", "t", 3.0, 3.5, "f2"), ("_c", "t", 0.5, 1.5)]
-    assert clock.within(1.0, 3.0) == [("_a", 1.5, "f1")]  # started in the span; an old 4-field event: no fingerprint
-    assert clock.within(0.0, 4.0) == [("_a", 1.5, "f1"), ("_b", 0.5, "f2"), ("_c", 1.0, "")]
+    clock.events = [("_a", "t", 1.0, 2.5, "f1"), ("_b", "t", 3.0, 3.5, "f2"), ("_c", "t", 0.5, 1.5, "f3")]
+    assert clock.within(1.0, 3.0) == [("_a", 1.5, "f1")]  # started in the span
+    assert clock.within(0.0, 4.0) == [("_a", 1.5, "f1"), ("_b", 0.5, "f2"), ("_c", 1.0, "f3")]
 
 
 def test_warm_compiles_are_told_apart_from_the_cold_runs(tmp_path, capsys):
@@ -129,13 +129,13 @@ def test_the_compile_wall_counts_side_by_side_compiles_once_and_stays_in_its_spa
     windows are clipped to the case's span, and compile + check never exceeds the case's wall time
     (summed thread seconds made the check time negative when compiles ran side by side)."""
     clock = CompileClock()
-    clock.events = [("a", "t1", 1.0, 4.0), ("b", "t2", 2.0, 5.0),  # side by side: 1..5 is 4 s, not 6
-                    ("c", "t1", 7.0, 8.0), ("d", "t3", 7.5, 7.6),  # one inside another
-                    ("e", "t1", 9.0, 12.0)]                        # runs past the span's end
+    clock.events = [("a", "t1", 1.0, 4.0, ""), ("b", "t2", 2.0, 5.0, ""),  # side by side: 1..5 is 4 s, not 6
+                    ("c", "t1", 7.0, 8.0, ""), ("d", "t3", 7.5, 7.6, ""),  # one inside another
+                    ("e", "t1", 9.0, 12.0, "")]                            # runs past the span's end
     assert clock.wall_since(0.0, 10.0) == pytest.approx(4.0 + 1.0 + 1.0)
     assert clock.wall_since(3.0, 7.8) == pytest.approx(2.0 + 0.8)  # clipped at both ends
     assert clock.wall_since(5.0, 7.0) == 0.0
-    assert sum(t1 - t0 for _, _, t0, t1 in clock.events) > clock.wall_since(0.0, 12.0) == pytest.approx(8.0)
+    assert sum(t1 - t0 for _, _, t0, t1, _ in clock.events) > clock.wall_since(0.0, 12.0) == pytest.approx(8.0)
 
 
 def test_a_clock_installed_over_another_wraps_every_owner_and_restores_the_first():

@@ -99,14 +99,14 @@ class CompileClock:
 
     def within(self, start, end):
         """(kernel, seconds, fingerprint) of each compile that started in ``[start, end)``."""
-        return [(e[0], round(e[3] - e[2], 3), e[4] if len(e) > 4 else "") for e in list(self.events) if start <= e[2] < end]
+        return [(name, round(t1 - t0, 3), fp) for name, _, t0, t1, fp in list(self.events) if start <= t0 < end]
 
     def wall_since(self, start, end=None):
         """Wall seconds between ``start`` and ``end`` (``time.perf_counter``; default now) during
         which at least one compile ran: the union of the compile windows, clipped to the span.
         Never more than ``end - start``, where ``since`` counts two side-by-side compiles twice."""
         end = time.perf_counter() if end is None else end
-        spans = sorted((max(t0, start), min(t1, end)) for _, _, t0, t1, *_ in list(self.events) if t1 > start and t0 < end)
+        spans = sorted((max(t0, start), min(t1, end)) for _, _, t0, t1, _ in list(self.events) if t1 > start and t0 < end)
         total, covered = 0.0, start
         for t0, t1 in spans:
             if t1 > covered:
