@@ -49,7 +49,7 @@ class _CaseClock:
         compile_s = self.clock.wall_since(t0, t1)  # wall time with a compile running (several run side by side)
         check_s = t1 - t0 - compile_s
         seconds[label] = {"compile_s": round(compile_s, 3), "kernels": kernels, "check_s": round(check_s, 3),
-                          "compiles": self.clock.within(t0, t1)}  # [kernel, seconds, fingerprint]: what compiled
+                          "compiles": self.clock.within(t0, t1)}  # [kernel, seconds, fingerprint, source, key]
         self.say(f"  {label}: compile {compile_s:.1f} s ({kernels} kernels), check {check_s:.1f} s")
 
 

@@ -70,10 +70,46 @@ def test_the_compile_clock_keeps_each_compiles_kernel_thread_and_window():
         worker.start()
         worker.join()
         compile_it()
-    assert [(k, t) for k, t, _, _, _ in clock.events] == [("_some_kernel", "compile-worker"),
+    assert [(k, t) for k, t, *_ in clock.events] == [("_some_kernel", "compile-worker"),
                                                           ("_some_kernel", threading.current_thread().name)]
-    assert all(0 <= end - start <= clock.seconds for _, _, start, end, _ in clock.events)
+    assert all(0 <= end - start <= clock.seconds for _, _, start, end, *_ in clock.events)
     assert clock.events[0][3] <= clock.events[1][2]  # one after the other here
+    assert all(e[5:] == ("", "") for e in clock.events)  # a failed compile: no Triton keys, no error
+
+
+def test_a_compile_records_the_keys_triton_cached_it_under(tmp_path):
+    """Each event holds Triton's source hash and on-disk cache key of the compile (what
+    devtools.warm_compiles reads to tell a cache miss from a changed key): a real compile for sm_90,
+    which runs on a CPU machine, in its own process (the suite's interpreter makes no JIT source)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    script = tmp_path / "compile_once.py"
+    script.write_text("""
+import triton, triton.language as tl
+import triton.compiler.compiler as module
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from streamkl_gpu._core.compile_clock import CompileClock
+
+@triton.jit
+def _copy(src, dst):
+    tl.store(dst + tl.arange(0, 16), tl.load(src + tl.arange(0, 16)))
+
+source = ASTSource(_copy, signature={"src": "*fp32", "dst": "*fp32"}, constexprs={})
+with CompileClock() as clock:
+    kernel = module.compile(source, target=GPUTarget("cuda", 90, 32))
+(event,) = clock.events
+assert event[0] == "_copy" and event[5] == source.hash()[:12] and event[6] == kernel.hash[:12], event
+assert len(event[5]) == len(event[6]) == 12, event
+print("keys", event[5], event[6])
+""")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300)
+    assert proc.returncode == 0 and "keys " in proc.stdout, proc.stderr[-2000:]
 
 
 def test_each_compile_keeps_a_fingerprint_of_what_it_asked_for():
@@ -97,31 +133,39 @@ def test_each_compile_keeps_a_fingerprint_of_what_it_asked_for():
               fingerprint(object(), None)]  # (no parts to read: still a fingerprint, no error)
     assert len({same, *others}) == 6
     clock = CompileClock()
-    clock.events = [("_a", "t", 1.0, 2.5, "f1"), ("_b", "t", 3.0, 3.5, "f2"), ("_c", "t", 0.5, 1.5, "f3")]
-    assert clock.within(1.0, 3.0) == [("_a", 1.5, "f1")]  # started in the span
-    assert clock.within(0.0, 4.0) == [("_a", 1.5, "f1"), ("_b", 0.5, "f2"), ("_c", 1.0, "f3")]
+    clock.events = [("_a", "t", 1.0, 2.5, "f1", "s1", "k1"), ("_b", "t", 3.0, 3.5, "f2", "s2", "k2"),
+                    ("_c", "t", 0.5, 1.5, "f3", "s3", "k3")]
+    assert clock.within(1.0, 3.0) == [("_a", 1.5, "f1", "s1", "k1")]  # started in the span
+    assert [c[0] for c in clock.within(0.0, 4.0)] == ["_a", "_b", "_c"]
 
 
 def test_warm_compiles_are_told_apart_from_the_cold_runs(tmp_path, capsys):
-    """devtools.warm_compiles: a slow warm compile with a fingerprint the cold run compiled is a
-    repeat (the cache did not serve it), one with a fingerprint it never met is new; loads (fast
-    compiles) are not listed."""
+    """devtools.warm_compiles: a slow warm compile under a cache key the cold run made is missed (the
+    cache did not serve it); the same request (kernel, fingerprint) under another source hash or
+    another key is told apart; one with a fingerprint never met is new; loads (fast compiles) are not
+    listed; a report without Triton's keys still tells a repeat from a new one."""
     import json
 
     from streamkl_gpu.devtools import warm_compiles
 
-    cold = {"case_seconds": {"a bfloat16": {"compiles": [["_k", 2.0, "f1"], ["_k", 1.5, "f2"]]}}}
-    warm = {"case_seconds": {"a bfloat16": {"compiles": [["_k", 0.01, "f1"], ["_k", 1.2, "f2"]]},
-                             "b float32": {"compiles": [["_k", 3.0, "f3"], ["_j", 0.9, "f1"]]}}}
-    assert warm_compiles.classify(cold, warm) == [("a bfloat16", "_k", 1.2, "repeat"), ("b float32", "_k", 3.0, "new"),
-                                                  ("b float32", "_j", 0.9, "new")]  # (another kernel: not the same binary)
+    cold = {"case_seconds": {"a bfloat16": {"compiles": [["_k", 2.0, "f1", "s1", "k1"], ["_k", 1.5, "f2", "s1", "k2"],
+                                                         ["_k", 1.5, "f4", "s1", "k4"], ["_k", 1.4, "f5", "s1", "k5"]]}}}
+    warm = {"case_seconds": {"a bfloat16": {"compiles": [["_k", 0.01, "f1", "s1", "k1"], ["_k", 1.2, "f2", "s1", "k2"],
+                                                         ["_k", 1.1, "f4", "s9", "k9"], ["_k", 1.3, "f5", "s1", "k8"]]},
+                             "b float32": {"compiles": [["_k", 3.0, "f3", "s1", "k3"], ["_j", 0.9, "f1", "s7", "k7"]]}}}
+    assert warm_compiles.classify(cold, warm) == [
+        ("a bfloat16", "_k", 1.2, "missed"), ("a bfloat16", "_k", 1.1, "source"), ("a bfloat16", "_k", 1.3, "rekeyed"),
+        ("b float32", "_k", 3.0, "new"), ("b float32", "_j", 0.9, "new")]  # (another kernel: not the same binary)
+    strip = lambda r: {"case_seconds": {c: {"compiles": [x[:3] for x in f["compiles"]]} for c, f in r["case_seconds"].items()}}
+    assert [k for *_, k in warm_compiles.classify(strip(cold), strip(warm))] == ["repeat"] * 3 + ["new"] * 2
+    cold, warm = strip(cold), strip(warm)  # the printed summary, on reports without keys
     paths = []
     for name, report in (("cold", cold), ("warm", warm)):
         paths.append(tmp_path / f"{name}.json")
         paths[-1].write_text(json.dumps(report))
     assert warm_compiles.main([str(p) for p in paths] + ["--slow-s", "1.0"]) == 0
     out = capsys.readouterr().out
-    assert "2 warm compiles over 1.0 s: 1 repeat a cold one, 1 new" in out and "_j" not in out
+    assert "4 warm compiles over 1.0 s: 3 repeat, 1 new" in out and "_j" not in out
 
 
 def test_the_compile_wall_counts_side_by_side_compiles_once_and_stays_in_its_span():

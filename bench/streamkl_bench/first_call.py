@@ -152,7 +152,7 @@ def child(name, n, tiny, out_json, imported=False):
     result = dict(entry=name, shape=shape, first_call_s=first, second_call_s=second, compile_s=compile_s,
                   compile_wall_s=compile_wall_s, kernels_compiled=kernels, tuning_s=tuning.TUNING_STATS["timing_s"],
                   clock_available=clock.available, compiles=[(k, th, a - t_first, b - t_first)
-                                                             for k, th, a, b, _ in clock.events[:kernels]])
+                                                             for k, th, a, b, *_ in clock.events[:kernels]])
     with open(out_json, "w") as fh:
         json.dump(result, fh)
 

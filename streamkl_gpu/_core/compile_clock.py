@@ -10,7 +10,11 @@ installs it. Compiles on several threads at once (compiling ahead, ``_core.launc
 their own seconds, so ``seconds`` can exceed the wall time they took; ``events`` keeps each compile's
 kernel, thread and start and end (``time.perf_counter``), the timeline that shows which ran side by side,
 and its specialisation's fingerprint (:func:`fingerprint`: two compiles of one kernel with the same
-fingerprint asked Triton for the same binary, so with warm caches the second should be a load);
+fingerprint asked Triton for the same binary, so with warm caches the second should be a load),
+and the two hashes Triton itself keyed it by (:func:`triton_keys`): the source's (the kernel's text
+and every function it calls) and the on-disk cache key (that, the options after parsing, the
+backend and the cache-invalidating environment variables), which tell why a compile the fingerprint
+calls a repeat was not served from the cache;
 ``wall_since`` the wall seconds during which at least one compile ran (the union of those windows).
 """
 from __future__ import annotations
@@ -30,10 +34,21 @@ def fingerprint(src, options=None) -> str:
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:12]
 
 
+def triton_keys(src, result) -> tuple:
+    """(source hash, cache key), 12 hex digits each, of a finished compile: ``src.hash()`` and the
+    ``hash`` of the kernel ``compile`` returned (the directory name in Triton's cache). ``""`` for a
+    part that cannot be read (another Triton, a failed compile)."""
+    try:
+        source = str(src.hash())[:12]
+    except Exception:
+        source = ""
+    return source, str(getattr(result, "hash", "") or "")[:12]
+
+
 class CompileClock:
     """``seconds`` and ``calls`` spent in ``triton.compiler.compile`` while installed;
     ``snapshot()`` / ``since(snap)`` for per-case deltas; ``events``: (kernel, thread, start, end,
-    fingerprint) per compile. ``available`` is False where the compiler entry point could not be wrapped (no
+    fingerprint, source hash, cache key) per compile. ``available`` is False where the compiler entry point could not be wrapped (no
     Triton): the figures then stay 0."""
 
     def __init__(self):
@@ -55,8 +70,10 @@ class CompileClock:
 
         def compile(*args, **kwargs):
             t0 = time.perf_counter()
+            result = None
             try:
-                return original(*args, **kwargs)
+                result = original(*args, **kwargs)
+                return result
             finally:
                 t1 = time.perf_counter()
                 self.seconds += t1 - t0
@@ -65,7 +82,8 @@ class CompileClock:
                 fn = getattr(src, "fn", None)  # an ASTSource's JIT function
                 name = getattr(fn, "__name__", None) or getattr(getattr(fn, "fn", None), "__name__", "?")
                 options = kwargs.get("options", args[2] if len(args) > 2 else None)
-                self.events.append((name, threading.current_thread().name, t0, t1, fingerprint(src, options)))
+                self.events.append((name, threading.current_thread().name, t0, t1, fingerprint(src, options),
+                                    *triton_keys(src, result)))
 
         compile._streamkl_clock = self
         compile._streamkl_original = original
@@ -98,15 +116,16 @@ class CompileClock:
         return self.seconds - snap[0], self.calls - snap[1]
 
     def within(self, start, end):
-        """(kernel, seconds, fingerprint) of each compile that started in ``[start, end)``."""
-        return [(name, round(t1 - t0, 3), fp) for name, _, t0, t1, fp in list(self.events) if start <= t0 < end]
+        """(kernel, seconds, fingerprint, source hash, cache key) of each compile that started in
+        ``[start, end)``."""
+        return [(name, round(t1 - t0, 3), *keys) for name, _, t0, t1, *keys in list(self.events) if start <= t0 < end]
 
     def wall_since(self, start, end=None):
         """Wall seconds between ``start`` and ``end`` (``time.perf_counter``; default now) during
         which at least one compile ran: the union of the compile windows, clipped to the span.
         Never more than ``end - start``, where ``since`` counts two side-by-side compiles twice."""
         end = time.perf_counter() if end is None else end
-        spans = sorted((max(t0, start), min(t1, end)) for _, _, t0, t1, _ in list(self.events) if t1 > start and t0 < end)
+        spans = sorted((max(t0, start), min(t1, end)) for _, _, t0, t1, *_ in list(self.events) if t1 > start and t0 < end)
         total, covered = 0.0, start
         for t0, t1 in spans:
             if t1 > covered:

@@ -4,10 +4,17 @@
 
 Both files are ``streamkl verify --json`` reports of one battery on one cache directory, the cold
 run first. Every compile a case started is listed there (``case_seconds[...]["compiles"]``: kernel,
-seconds, fingerprint of what it asked Triton for). With warm caches a compile should be a load of
-milliseconds; one that took longer either asked for a binary the cold run made (``repeat``: the
-cache did not serve it) or for a specialisation the cold run never met (``new``: the call's
-arguments or options differ between the runs).
+seconds, fingerprint of what it asked Triton for, and Triton's own source hash and cache key). With
+warm caches a compile should be a load of milliseconds; one that took longer is
+
+- ``missed``: its cache key is one the cold run compiled: the binary was written, and the cache
+  did not serve it;
+- ``source``: the cold run compiled the same request (kernel and fingerprint) under another source
+  hash: the kernel's text, or a function or global it reads, hashed differently;
+- ``rekeyed``: the same request and source under another cache key: the options after parsing, the
+  backend or a cache-invalidating environment variable differed;
+- ``repeat``: the same request, in a report without Triton's keys;
+- ``new``: a specialisation the cold run never met (the call's arguments or options differ).
 """
 from __future__ import annotations
 
@@ -17,16 +24,34 @@ import json
 SLOW_S = 0.2  # a compile longer than this with warm caches did not come from the cache
 
 
+KINDS = ("missed", "source", "rekeyed", "repeat", "new")
+
+
 def classify(cold: dict, warm: dict, slow_s: float = SLOW_S) -> list:
-    """(case, kernel, seconds, "repeat" | "new") for each warm compile longer than ``slow_s``."""
+    """(case, kernel, seconds, kind) for each warm compile longer than ``slow_s``, kind one of
+    :data:`KINDS` (the module's docstring)."""
     def compiles(report):
         for case, figures in report.get("case_seconds", {}).items():
-            for kernel, seconds, fp in figures.get("compiles", []):
-                yield case, kernel, seconds, fp
+            for kernel, seconds, fp, *keys in figures.get("compiles", []):
+                source, key = (list(keys) + ["", ""])[:2]
+                yield case, kernel, seconds, fp, source, key
 
-    made = {(kernel, fp) for _, kernel, _, fp in compiles(cold)}
-    return [(case, kernel, seconds, "repeat" if (kernel, fp) in made else "new")
-            for case, kernel, seconds, fp in compiles(warm) if seconds > slow_s]
+    keys_made = {key for *_, key in compiles(cold) if key}
+    sources_made = {}  # (kernel, fingerprint) -> source hashes the cold run compiled it under
+    for _, kernel, _, fp, source, _ in compiles(cold):
+        sources_made.setdefault((kernel, fp), set()).add(source)
+
+    def kind(kernel, fp, source, key):
+        if key and key in keys_made:
+            return "missed"
+        if (kernel, fp) not in sources_made:
+            return "new"
+        if not key or not source:
+            return "repeat"
+        return "rekeyed" if source in sources_made[(kernel, fp)] else "source"
+
+    return [(case, kernel, seconds, kind(kernel, fp, source, key))
+            for case, kernel, seconds, fp, source, key in compiles(warm) if seconds > slow_s]
 
 
 def main(argv=None) -> int:
@@ -42,8 +67,8 @@ def main(argv=None) -> int:
     rows = classify(cold, warm, args.slow_s)
     for case, kernel, seconds, kind in rows:
         print(f"{kind:7s} {seconds:7.2f} s  {kernel:32s} {case}")
-    print(f"{len(rows)} warm compiles over {args.slow_s} s: {sum(r[3] == 'repeat' for r in rows)} repeat a cold "
-          f"one, {sum(r[3] == 'new' for r in rows)} new")
+    counts = ", ".join(f"{sum(r[3] == k for r in rows)} {k}" for k in KINDS if any(r[3] == k for r in rows))
+    print(f"{len(rows)} warm compiles over {args.slow_s} s" + (f": {counts}" if counts else ""))
     return 0
 
 
