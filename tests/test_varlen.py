@@ -388,3 +388,20 @@ def test_torch_compile_fullgraph_matches_eager():
 def test_exported_from_package():
     assert "attention_kl_varlen" in streamkl_gpu.__all__
     assert streamkl_gpu.attention_kl_varlen is _varlen.attention_kl_varlen
+
+
+def test_a_forced_forward_tile_runs_and_keeps_the_result():
+    """The forcing hook ``attention_varlen_fwd_config`` (how a benchmark times one packed-forward
+    tile): another tile runs (its programs cover other rows and keys per tile) and gives the same KL
+    within the float32 rounding of another summation order; anything but a FwdConfig is an error."""
+    from streamkl_gpu._core.forcing import forcing
+    from streamkl_gpu.attention.configs import FwdConfig
+
+    xs, cu_q, cu_k, mq, mk = pack([(21, 21), (0, 5), (40, 33)], seed=3)
+    base = streamkl_gpu.attention_kl_varlen(*xs, cu_q, cu_k, mq, mk, causal=True)
+    tile = FwdConfig(block_m=32, block_n=32, num_warps=1, num_stages=1)
+    with forcing(attention_varlen_fwd_config=tile):
+        forced = streamkl_gpu.attention_kl_varlen(*xs, cu_q, cu_k, mq, mk, causal=True)
+    torch.testing.assert_close(forced, base, rtol=1e-5, atol=1e-6)
+    with forcing(attention_varlen_fwd_config=(32, 32)), pytest.raises(ValueError, match="FwdConfig"):
+        streamkl_gpu.attention_kl_varlen(*xs, cu_q, cu_k, mq, mk, causal=True)

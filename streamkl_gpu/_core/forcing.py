@@ -19,6 +19,9 @@ Forcible choices (keyword arguments of :func:`forcing`; unknown names raise ``Va
   dims or GPUs without the Gluon kernel; packed sequences) launches a causal one-pass problem's query tiles:
   ``"heavy"`` (the default, also for None: the last tiles, which see the most keys, first) or
   ``"query"`` (tile 0 first). Bitwise the same results either way.
+- ``attention_varlen_fwd_config``: a ``FwdConfig`` (``attention/configs.py``; ``fwd_candidates``
+  lists the GPU's) the packed-sequence forward launches untimed instead of its pick, so a benchmark
+  can time one tile; correct with any tile (the key tiles sum in another order).
 - ``indexer_accumulate_parts``: a timing-only variant of the indexer's accumulating forward, one of
   ``streamkl_gpu.devtools.diagnostics.INDEXER_ACCUMULATE_PARTS`` (incomplete gradients).
 - ``indexer_storing_forward_order``: the order in which the indexer's chunk design tries its
@@ -61,7 +64,7 @@ import contextlib
 import dataclasses
 from typing import Any, Optional
 
-CHOICES = ("attention_fwd_variant", "attention_triton_fwd_order", "indexer_accumulate_parts",
+CHOICES = ("attention_fwd_variant", "attention_triton_fwd_order", "attention_varlen_fwd_config", "indexer_accumulate_parts",
            "indexer_storing_forward_order", "indexer_storing_forward_backend",
            "indexer_chunk_gradient_order", "indexer_chunk_gradient_config", "indexer_teacher_lse_config",
            "indexer_chunk_gradient_parts")

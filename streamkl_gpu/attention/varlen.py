@@ -26,6 +26,7 @@ import torch
 from streamkl_ref._varlen import check_seqlens_values, check_varlen, padded_view
 
 from streamkl_gpu._core import custom_ops as _custom_ops
+from streamkl_gpu._core import forcing as _forcing
 from streamkl_gpu.attention.triton import bwd as _bwd
 from streamkl_gpu.attention.triton import fwd as _fwd
 from streamkl_gpu.attention.launch import triton_fwd_order
@@ -44,7 +45,7 @@ from streamkl_gpu._core.checks import (
 from streamkl_gpu._core.runtime import LOG2E, TensorDescriptor, fresh, interpreting, n_sm, tma_ok
 from streamkl_gpu._core.tuning import bucket, pick
 from streamkl_gpu._core.launcher import compile_first_call, kernel_call
-from streamkl_gpu.attention.configs import (TMA_MIN_KEYS, TUNING_WORK_LIMIT, auto_bwd_mode, auto_split_k,
+from streamkl_gpu.attention.configs import (TMA_MIN_KEYS, TUNING_WORK_LIMIT, FwdConfig, auto_bwd_mode, auto_split_k,
                                             fused_fits, fwd_candidates, varlen_bwd_candidates)
 
 __all__ = ["attention_kl_varlen"]
@@ -155,7 +156,13 @@ def _forward(q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, causal, scale1, scale2, s
            bucket(max_q), bucket(max_k), bucket(total_q), bucket(batch * H), n_splits)
     # timed by default: the untimed first candidate took 1.10x / 1.05x the timed pick's forward at 24K
     # tokens, causal / not (an H100, bench/results/2026-12-07_h100_4e686a7/compare_summary.csv)
-    launch(pick(key, candidates, launch, device=device, ruled=False) if _timeable(dims, max_k) else candidates[0])
+    forced = _forcing.forced("attention_varlen_fwd_config")
+    if forced is not None:
+        if not isinstance(forced, FwdConfig):
+            raise ValueError(f"attention_varlen_fwd_config must be a FwdConfig, got {forced!r}")
+        launch(forced)
+    else:
+        launch(pick(key, candidates, launch, device=device, ruled=False) if _timeable(dims, max_k) else candidates[0])
     return kl, lse1_bits, lse2_bits
 
 
