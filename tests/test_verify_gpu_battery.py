@@ -140,8 +140,8 @@ def test_each_compile_keeps_a_fingerprint_of_what_it_asked_for():
 
 
 def test_warm_compiles_are_told_apart_from_the_cold_runs(tmp_path, capsys):
-    """devtools.warm_compiles: a slow warm compile under a cache key the cold run made is missed (the
-    cache did not serve it); the same request (kernel, fingerprint) under another source hash or
+    """devtools.warm_compiles: a slow warm compile under a cache key the cold run made is a load (the
+    binary was in the cache); the same request (kernel, fingerprint) under another source hash or
     another key is told apart; one with a fingerprint never met is new; loads (fast compiles) are not
     listed; a report without Triton's keys still tells a repeat from a new one."""
     import json
@@ -154,7 +154,7 @@ def test_warm_compiles_are_told_apart_from_the_cold_runs(tmp_path, capsys):
                                                          ["_k", 1.1, "f4", "s9", "k9"], ["_k", 1.3, "f5", "s1", "k8"]]},
                              "b float32": {"compiles": [["_k", 3.0, "f3", "s1", "k3"], ["_j", 0.9, "f1", "s7", "k7"]]}}}
     assert warm_compiles.classify(cold, warm) == [
-        ("a bfloat16", "_k", 1.2, "missed"), ("a bfloat16", "_k", 1.1, "source"), ("a bfloat16", "_k", 1.3, "rekeyed"),
+        ("a bfloat16", "_k", 1.2, "loaded"), ("a bfloat16", "_k", 1.1, "source"), ("a bfloat16", "_k", 1.3, "rekeyed"),
         ("b float32", "_k", 3.0, "new"), ("b float32", "_j", 0.9, "new")]  # (another kernel: not the same binary)
     strip = lambda r: {"case_seconds": {c: {"compiles": [x[:3] for x in f["compiles"]]} for c, f in r["case_seconds"].items()}}
     assert [k for *_, k in warm_compiles.classify(strip(cold), strip(warm))] == ["repeat"] * 3 + ["new"] * 2

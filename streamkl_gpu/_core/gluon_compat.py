@@ -6,6 +6,8 @@ from __future__ import annotations
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma
 
+from streamkl_gpu._core import triton_keys  # noqa: F401  (kernel keys independent of the process's history)
+
 # TMA load, renamed in triton 3.8 (``async_load``); 3.6/3.7 have only the old name, 3.9 rejects it.
 if hasattr(tma, "async_load"):
     tma_load = tma.async_load

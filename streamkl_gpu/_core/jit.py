@@ -6,6 +6,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from streamkl_gpu._core import triton_keys  # noqa: F401  (kernel keys independent of the process's history)
+
 # globals read inside @triton.jit code must be constexpr objects
 LN2 = tl.constexpr(0.6931471805599453)
 LOG2E = tl.constexpr(1.4426950408889634)

@@ -1,0 +1,44 @@
+"""Triton kernel keys that do not depend on what the process compiled before.
+
+Triton keys a kernel's binary by its source key (``JITFunction.cache_key``): its text, its callees'
+keys, and the constexpr globals it and its callees read. Triton 3.6 (the GPU image's) merges a
+callee's globals into the caller's before it computes the callee's key
+(``DependenciesFinder._update_hash``); a callee whose key nothing had computed yet has no globals
+then, and adds none. A kernel's key thus depends on which other kernels sharing its helpers had
+their keys computed first in the process, and two processes that meet kernels in different orders
+key one binary two ways: with warm caches ``streamkl verify``'s workers compiled kernels again for
+1.3-4.4 s each (docs/verify.md, "Warm caches"). Triton 3.9 computes the callee's key first.
+:func:`install` makes older versions do the same (the callee's key, then Triton's own merge): the
+keys are then the same whatever ran before, on every version. Every kernel module imports this
+module through ``_core/jit.py`` or ``_core/gluon_compat.py``, before any of its kernels is keyed.
+"""
+from __future__ import annotations
+
+import functools
+
+
+def install() -> bool:
+    """Compute each callee's key before its globals are merged into the caller's (idempotent).
+    False where Triton has no such step to wrap (another layout of its JIT module)."""
+    try:
+        from triton.runtime import jit as triton_jit
+    except ImportError:
+        return False
+    finder = getattr(triton_jit, "DependenciesFinder", None)
+    original = getattr(finder, "_update_hash", None)
+    if original is None:
+        return False
+    if getattr(original, "_streamkl_callee_key_first", False):
+        return True
+
+    @functools.wraps(original)
+    def _update_hash(self, func):
+        getattr(func, "cache_key", None)  # the callee's key, and with it its globals, complete first
+        return original(self, func)
+
+    _update_hash._streamkl_callee_key_first = True
+    finder._update_hash = _update_hash
+    return True
+
+
+install()
