@@ -359,11 +359,16 @@ def test_classes_without_a_rule_keep_their_order(on_gpu):
     assert no_tma == attn_configs.rule_first(no_tma, "bwd_dk", ("no", "such", "class"))
 
 
-@pytest.mark.parametrize("causal, cfg", [(False, FwdConfig(block_m=128, block_n=32, num_warps=8, num_stages=3, use_tma=True)),
-                                         (True, FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, use_tma=True))])
-def test_the_forward_rule_at_d128(on_gpu, causal, cfg):
+@pytest.mark.parametrize("causal, packed, cfg", [
+    (False, False, FwdConfig(block_m=128, block_n=32, num_warps=8, num_stages=3, use_tma=True)),
+    (True, False, FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, use_tma=True)),
+    (False, True, FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, use_tma=True)),
+    (True, True, FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, use_tma=True))])
+def test_the_forward_rule_at_d128(on_gpu, causal, packed, cfg):
+    """The dense forward's rule and the packed one's (its own tiles: documents of 1K-128K tokens)."""
     dims = check_inputs(*make_inputs(1, 8, 8, 8, 8, 8, 16, 16))
-    assert attn_configs.fwd_candidates(dims, 128, False, tma=True, causal=causal)[0] == cfg
+    cands = attn_configs.fwd_candidates(dims, 128, False, tma=True, causal=causal, packed=packed)
+    assert cands[0] == cfg and len(cands) == len(set(cands)) == 4  # the same four tiles, the rule's first
 
 
 def test_the_cache_is_keyed_by_gpu_torch_triton_and_streamkl(monkeypatch, tmp_path):
@@ -482,10 +487,10 @@ def test_a_packed_batch_past_the_work_limit_is_not_timed():
 
 
 def test_packed_picks_follow_the_rule(monkeypatch):
-    """A packed batch's dK and dQ picks are ruled ones: the first candidate untimed by default, every
-    candidate timed under STREAMKL_AUTOTUNE=1 (the dense rules' tiles first, measured against the
-    timed pick: docs/performance.md, "First calls"). Its forward's pick is timed (ruled=False): the
-    first candidate was measured up to 1.10x slower."""
+    """A packed batch's forward, dK and dQ picks are ruled ones: the first candidate untimed by
+    default, every candidate timed under STREAMKL_AUTOTUNE=1 (the forward's packed rule, the dense
+    rules' tiles for the backward, each measured against the timed pick: docs/performance.md,
+    "First calls")."""
     import torch
 
     import streamkl_gpu
@@ -497,7 +502,7 @@ def test_packed_picks_follow_the_rule(monkeypatch):
     q1, k1, q2, k2 = (torch.randn(8, 2, 16, requires_grad=True) for _ in range(4))
     streamkl_gpu.attention_kl_varlen(q1, k1, q2, k2, cu, cu, 5, 5, causal=True,
                                      bwd_mode="separate").sum().backward()
-    assert seen == [("varlen_fwd", False), ("bwd_dk", True), ("bwd_dq", True)], seen
+    assert seen == [("varlen_fwd", True), ("bwd_dk", True), ("bwd_dq", True)], seen
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q1, k1, q2, k2))
 
 

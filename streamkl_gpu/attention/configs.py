@@ -97,6 +97,7 @@ _BWD_BOTH = "bench/results/2026-12-06_h100_726d126/bwd_both_rule.csv"
 _BWD_HEAVY = "bench/results/2026-12-07_h100_9317ca2/bwd_both_heavy.csv"
 _BWD_ONE_HEAVY = "bench/results/2026-12-07_h100_b37bfd7/bwd_one_side_heavy.csv"
 _BWD_BOTH_GEXP = "bench/results/2026-12-07_h100_b840538/bwd_both_gexp.csv"
+_PACKED_FWD = "bench/results/2026-12-07_h100_6995b54/varlen_fwd_tiles_summary.csv"
 SHAPE_RULES = (
     ShapeRule("fwd", ("d128", "tma", "full"),
               FwdConfig(block_m=128, block_n=32, num_warps=8, num_stages=3, use_tma=True), _FWD_TMA,
@@ -104,6 +105,16 @@ SHAPE_RULES = (
     ShapeRule("fwd", ("d128", "tma", "causal"),
               FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, use_tma=True), _FWD_TMA,
               "fwd,streamkl cfg=128/64/8/3/True,fwd,1,16384,16384,", "16K causal 5.87 ms, the best config there"),
+    # packed sequences (attention_kl_varlen, the Triton forward): every TMA tile forced in turn, 5 interleaved
+    # rounds, at 24K tokens (documents of 2K-8K), 80K (1K-16K) and 256K (64K-128K, H = 8)
+    ShapeRule("fwd", ("d128", "tma", "packed causal"),
+              FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, use_tma=True), _PACKED_FWD,
+              "varlen_fwd_80k_c,cfg=64/64/4/2/True,", "80K causal 12.35 ms against 13.24 for the dense rule's "
+              "128/32 and 13.61 for 128/64; the best tile at 24K and 256K too"),
+    ShapeRule("fwd", ("d128", "tma", "packed full"),
+              FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, use_tma=True), _PACKED_FWD,
+              "varlen_fwd_80k_nc,cfg=128/64/8/3/True,", "80K non-causal 24.04 ms against 25.88 for 128/32; the best "
+              "tile at 256K (0.90x), and at 24K within 0.3 % of the timed pick"),
     ShapeRule("bwd_dk", ("d<=128", "tma", "separate", "one side"),
               BwdConfig(block_m=64, block_n=128, num_warps=8, num_stages=3, variant="tma+trans+fold+rows"), _BWD_MUSTS,
               "bwd,auto,N=8K s1,", "the tuned plan at 8K/16K, causal or not, s1 and s2, GQA, D1 != D2"),
@@ -175,8 +186,9 @@ def _fwd(tiles, use_tma):
     return [FwdConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st, use_tma=use_tma) for bm, bn, w, st in tiles]
 
 
-def fwd_candidates(dims, d_pad, split, ieee=False, tma=False, causal=False):
+def fwd_candidates(dims, d_pad, split, ieee=False, tma=False, causal=False, packed=False):
     """:class:`FwdConfig` candidates (``splits`` 1: the caller sets the key splits), pruned by shape.
+    ``packed``: the packed-sequence forward (``attention_kl_varlen``), whose shape rule is its own.
 
     ``tma``: the key tensors can be read through TMA descriptors (Hopper, aligned strides). At
     D = 128 the best TMA config beat the best pointer config in every measured case (H200, 8K/16K,
@@ -207,7 +219,8 @@ def fwd_candidates(dims, d_pad, split, ieee=False, tma=False, causal=False):
     if not tma:
         return _fwd(cands, False)
     cands = _fwd(tma_cands, True) + ([] if tma_only else _fwd(cands, False))
-    return rule_first(cands, "fwd", ("d128", "tma", "causal" if causal else "full")) if tma_only else cands
+    cls = ("packed " if packed else "") + ("causal" if causal else "full")
+    return rule_first(cands, "fwd", ("d128", "tma", cls)) if tma_only else cands
 
 
 def _bwd(tiles, variant):

@@ -121,7 +121,7 @@ def _forward(q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, causal, scale1, scale2, s
     # TMA: descriptors over the [1, H_K, total_k, D] views (a tile reaching into the next
     # sequence is masked in the kernel like keys past N_K)
     tma = dims.NK > 0 and tma_ok(k1) and tma_ok(k2) and (interpreting() or max_k >= TMA_MIN_KEYS)
-    candidates = fwd_candidates(sched, max(d1_pad, d2_pad), split, ieee, tma)
+    candidates = fwd_candidates(sched, max(d1_pad, d2_pad), split, ieee, tma, causal=causal, packed=True)
     heavy = causal and triton_fwd_order() == "heavy"  # each sequence's last query tiles first
 
     def launch(cfg):
@@ -154,15 +154,15 @@ def _forward(q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, causal, scale1, scale2, s
 
     key = ("varlen_fwd", dims.D1, dims.D2, q1.dtype, q2.dtype, causal, split, tma,
            bucket(max_q), bucket(max_k), bucket(total_q), bucket(batch * H), n_splits)
-    # timed by default: the untimed first candidate took 1.10x / 1.05x the timed pick's forward at 24K
-    # tokens, causal / not (an H100, bench/results/2026-12-07_h100_4e686a7/compare_summary.csv)
+    # the packed shape rule's tile untimed by default (configs.SHAPE_RULES, "packed causal" / "packed full");
+    # STREAMKL_AUTOTUNE=1 times the candidates where the batch is under the work limit
     forced = _forcing.forced("attention_varlen_fwd_config")
     if forced is not None:
         if not isinstance(forced, FwdConfig):
             raise ValueError(f"attention_varlen_fwd_config must be a FwdConfig, got {forced!r}")
         launch(forced)
     else:
-        launch(pick(key, candidates, launch, device=device, ruled=False) if _timeable(dims, max_k) else candidates[0])
+        launch(pick(key, candidates, launch, device=device) if _timeable(dims, max_k) else candidates[0])
     return kl, lse1_bits, lse2_bits
 
 
