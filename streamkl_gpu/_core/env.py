@@ -22,7 +22,7 @@ VARIABLES = {
     "STREAMKL_INDEXER_TMA": ("1", "0: the indexer kernels read through pointers"),
     "STREAMKL_BWD_VARIANT": (None, "one attention backward kernel variant only"),
     "STREAMKL_BWD_STREAMS": (None, "1: the separate backward's dQ kernel on a second stream"),
-    "STREAMKL_AUTOTUNE": ("auto", "auto: the attention kernels' shape-rule configs untimed (the packed backward's too), the indexer's, the decode key splits' and the packed forward's timed; 1: time every pick; 0: none"),
+    "STREAMKL_AUTOTUNE": ("auto", "auto: the attention kernels' shape-rule configs untimed (packed sequences' too), the indexer's and the decode key splits' timed; 1: time every pick; 0: none"),
     "STREAMKL_CACHE_DIR": (None, "where tuned launch choices persist"),
     "STREAMKL_TUNING_CACHE": ("1", "0: tuned choices in memory only"),
     "STREAMKL_FAST_LAUNCH": ("1", "0: every launch through Triton's binder"),

@@ -7,7 +7,7 @@ callee's globals into the caller's before it computes the callee's key
 then, and adds none. A kernel's key thus depends on which other kernels sharing its helpers had
 their keys computed first in the process, and two processes that meet kernels in different orders
 key one binary two ways: with warm caches ``streamkl verify``'s workers compiled kernels again for
-1.3-4.4 s each (docs/verify.md, "Warm caches"). Triton 3.9 computes the callee's key first.
+1.3-4.4 s each (docs/verify.md, "Why warm runs compiled again"). Triton 3.9 computes the callee's key first.
 :func:`install` makes older versions do the same (the callee's key, then Triton's own merge): the
 keys are then the same whatever ran before, on every version. Every kernel module imports this
 module through ``_core/jit.py`` or ``_core/gluon_compat.py``, before any of its kernels is keyed.
