@@ -24,7 +24,8 @@ D = 128; indexer 16 x 64). ``attn:N:s1|s2|both[:full]``: an ``attention_kl`` tra
 both trained; its Triton kernels (the Gluon forward and backward are compiled by
 ``devtools.sass``). ``varlen:N:s1|s2|both[:full][:fused|separate]``: the same step through
 ``attention_kl_varlen`` on two packed sequences of N and N/2 tokens (what a first call compiles:
-each pick's first candidate, the shape rule's; every candidate under ``STREAMKL_AUTOTUNE=1``). One CSV row (or printed line) per distinct kernel launch.
+each pick's first candidate, the shape rule's; every candidate under ``STREAMKL_AUTOTUNE=1``).
+One CSV row (or printed line) per distinct kernel launch.
 ``--force NAME=VALUE``: the call inside ``_core.forcing.forcing(NAME=VALUE)`` (the documented hook).
 """
 import csv

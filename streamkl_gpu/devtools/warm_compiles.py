@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 
-SLOW_S = 0.2  # a compile longer than this with warm caches did not come from the cache
+SLOW_S = 0.2  # a warm compile longer than this is listed (a load takes milliseconds, a process's first up to 0.6 s)
 
 
 KINDS = ("loaded", "source", "rekeyed", "repeat", "new")
