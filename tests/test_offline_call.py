@@ -89,8 +89,8 @@ def test_attention_both_sides_step(tmp_path):
 def test_packed_backward_candidates_fit_in_shared_memory(tmp_path):
     """The packed backward's candidates with one side or both trained, separate and fused (the walk
     compiles every one, as a first call with ``STREAMKL_AUTOTUNE=1`` does): each fits Hopper's
-    232,448 bytes of shared memory per program (one over it fails at its first launch, and past TUNING_WORK_LIMIT the first candidate runs
-    untimed); the key-major, folded dK tile is among them and holds less on its stack (spills) than
+    232,448 bytes of shared memory per program (one over it fails at its first launch, and past
+    TUNING_WORK_LIMIT the first candidate runs untimed); the key-major, folded dK tile is among them and holds less on its stack (spills) than
     the old pointer-load tile of the same 64 x 128 shape, with fewer MMAs and half its exponentials
     (both warpgroups of the old tile form the whole score tile)."""
     out = tmp_path / "census.csv"

@@ -11,7 +11,7 @@ their own seconds, so ``seconds`` can exceed the wall time they took; ``events``
 kernel, thread and start and end (``time.perf_counter``), the timeline that shows which ran side by side,
 and its specialisation's fingerprint (:func:`fingerprint`: two compiles of one kernel with the same
 fingerprint asked Triton for the same binary, so with warm caches the second should be a load),
-and the two hashes Triton itself keyed it by (:func:`triton_keys`): the source's (the kernel's text
+and the two hashes Triton itself keyed it by (:func:`cache_keys`): the source's (the kernel's text
 and every function it calls) and the on-disk cache key (that, the options after parsing, the
 backend and the cache-invalidating environment variables), which tell why a compile the fingerprint
 calls a repeat was not served from the cache;
@@ -34,7 +34,7 @@ def fingerprint(src, options=None) -> str:
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:12]
 
 
-def triton_keys(src, result) -> tuple:
+def cache_keys(src, result) -> tuple:
     """(source hash, cache key), 12 hex digits each, of a finished compile: ``src.hash()`` and the
     ``hash`` of the kernel ``compile`` returned (the directory name in Triton's cache). ``""`` for a
     part that cannot be read (another Triton, a failed compile)."""
@@ -83,7 +83,7 @@ class CompileClock:
                 name = getattr(fn, "__name__", None) or getattr(getattr(fn, "fn", None), "__name__", "?")
                 options = kwargs.get("options", args[2] if len(args) > 2 else None)
                 self.events.append((name, threading.current_thread().name, t0, t1, fingerprint(src, options),
-                                    *triton_keys(src, result)))
+                                    *cache_keys(src, result)))
 
         compile._streamkl_clock = self
         compile._streamkl_original = original

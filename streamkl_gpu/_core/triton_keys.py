@@ -9,8 +9,10 @@ their keys computed first in the process, and two processes that meet kernels in
 key one binary two ways: with warm caches ``streamkl verify``'s workers compiled kernels again for
 1.3-4.4 s each (docs/verify.md, "Why warm runs compiled again"). Triton 3.9 computes the callee's key first.
 :func:`install` makes older versions do the same (the callee's key, then Triton's own merge): the
-keys are then the same whatever ran before, on every version. Every kernel module imports this
-module through ``_core/jit.py`` or ``_core/gluon_compat.py``, before any of its kernels is keyed.
+keys are then the same whatever ran before, on every version. ``_core/jit.py`` installs it on
+import (``_core/runtime.py``, which every host and the launcher import, imports it, before any
+kernel is launched and keyed), and so does ``_core/gluon_compat.py`` (a Gluon kernel compiled
+offline, without a host).
 """
 from __future__ import annotations
 

@@ -156,13 +156,12 @@ def _forward(q1, k1, q2, k2, cu_q, cu_k, max_q, max_k, causal, scale1, scale2, s
            bucket(max_q), bucket(max_k), bucket(total_q), bucket(batch * H), n_splits)
     # the packed shape rule's tile untimed by default (configs.SHAPE_RULES, "packed causal" / "packed full");
     # STREAMKL_AUTOTUNE=1 times the candidates where the batch is under the work limit
-    forced = _forcing.forced("attention_varlen_fwd_config")
-    if forced is not None:
-        if not isinstance(forced, FwdConfig):
-            raise ValueError(f"attention_varlen_fwd_config must be a FwdConfig, got {forced!r}")
-        launch(forced)
-    else:
-        launch(pick(key, candidates, launch, device=device) if _timeable(dims, max_k) else candidates[0])
+    cfg = _forcing.forced("attention_varlen_fwd_config")
+    if cfg is None:
+        cfg = pick(key, candidates, launch, device=device) if _timeable(dims, max_k) else candidates[0]
+    elif not isinstance(cfg, FwdConfig):
+        raise ValueError(f"attention_varlen_fwd_config must be a FwdConfig, got {cfg!r}")
+    launch(cfg)
     return kl, lse1_bits, lse2_bits
 
 

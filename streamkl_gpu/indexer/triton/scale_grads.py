@@ -13,8 +13,6 @@ Offsets are int64 (a 128K-token dq passes 2^31 elements).
 import triton
 import triton.language as tl
 
-from streamkl_gpu._core import triton_keys  # noqa: F401  (kernel keys independent of the process's history)
-
 
 @triton.jit
 def _scale_cast_block(src, dst, n, block, g, BLOCK: tl.constexpr):
