@@ -19,6 +19,7 @@ import torch
 
 from streamkl_gpu.attention.gluon import bwd_dispatch as dispatch
 from streamkl_ref._checks import Dims
+from _compiler_env import compiler_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,8 +42,7 @@ WAITS_PER_TILE_LAG = 4  # S1, S2, dK, then the previous tile's dQ (_gluon_bwd._d
 def compiled():
     """Compile CI_SPECS for sm_90 in a fresh process without TRITON_INTERPRET (the test session
     runs under the interpreter, which Gluon does not support); one JSON line per spec."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # 3.9 warns when unset; 1 is its default
+    env = compiler_env()
     proc = subprocess.run([sys.executable, "-m", "streamkl_gpu.devtools.sass", "attention_bwd", *CI_SPECS], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"Gluon backward compile failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
@@ -286,8 +286,7 @@ def test_compile_ahead_launch_has_the_real_launch_specialisation():
     """The backward's first call joins the compile-ahead thread, then launches: the kernel that
     thread compiled is only reused if the stand-in launch specialises exactly as the real one (else
     the real launch compiles a second time, one compile after the forward's instead of beside it)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    env = compiler_env()
     proc = subprocess.run([sys.executable, "-c", _AHEAD_SPEC_SCRIPT], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -21,6 +21,7 @@ from streamkl_gpu.attention.gluon import fwd_sm90_launch as _gluon_fwd_launch
 from streamkl_gpu.attention.gluon.fwd_sm90_launch import GluonFwdConfig
 from streamkl_gpu.devtools.sass import config_from_spec, config_spec
 from streamkl_ref._checks import Dims
+from _compiler_env import compiler_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CTA_THREADS = 384  # what the H200 reported for a Gluon forward CTA (OutOfResources: threads, Required: 384)
@@ -64,8 +65,7 @@ TRIO_SPEC = "bf16:full:128:128:" + config_spec(_gluon_fwd_launch.trio_config(128
 def compiled():
     """Compile CI_SPECS for sm_90 in a fresh process without TRITON_INTERPRET (the test session
     runs under the interpreter, which Gluon does not support); one JSON line per spec."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # 3.9 warns when unset; 1 is its default
+    env = compiler_env()
     proc = subprocess.run([sys.executable, "-m", "streamkl_gpu.devtools.sass", *CI_SPECS, *LAZY_SPECS, TWIN_SPEC, TRIO_SPEC], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"Gluon compile failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
@@ -639,8 +639,7 @@ def lazy_rows(tmp_path_factory):
     """``devtools.sass_table`` rows of eager_max, the default (lazy_max) and lazy_vote, bf16 D = 128
     causal, compiled once in a fresh process (the lazy_vote section below reads them too)."""
     out = tmp_path_factory.mktemp("sass_table") / "rows.csv"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    env = compiler_env()
     proc = subprocess.run([sys.executable, "-m", "streamkl_gpu.devtools.sass_table", "--csv", str(out),
                            "--variant", "eager_max", "--variant", "kernel", "--variant", "lazy_vote", MASK1_SPEC],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

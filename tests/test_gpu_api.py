@@ -1,5 +1,4 @@
 """attention_kl's contract: clear errors on bad input, torch.compile without graph breaks."""
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +9,7 @@ import torch
 import streamkl_gpu
 
 from _gpu_helpers import GRAD_NAMES, make_inputs
+from _compiler_env import compiler_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,7 +64,7 @@ def test_cpu_tensors_without_interpreter_say_how_to_enable_it():
             "x = torch.randn(1, 1, 4, 16)\n"
             "try:\n    streamkl_gpu.attention_kl(x, x, x, x)\n"
             "except ValueError as e:\n    print('ERR', e)\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = compiler_env()
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert "ERR" in out.stdout, out.stdout + out.stderr

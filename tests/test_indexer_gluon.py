@@ -21,6 +21,7 @@ from streamkl_gpu.indexer import host as idx_host
 from streamkl_gpu.indexer import plan as idx_plan
 from streamkl_gpu.indexer import teacher_lse as idx_teacher_lse
 from streamkl_ref._checks import check_indexer_inputs
+from _compiler_env import compiler_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 gluon = idx_host._gluon_indexer
@@ -54,8 +55,7 @@ def _expected(spec):
 
 @pytest.fixture(scope="module")
 def compiled():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    env = compiler_env()
     proc = subprocess.run([sys.executable, "-m", "streamkl_gpu.devtools.sass", "indexer_fwd", *CI_SPECS], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, f"Gluon compile failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
@@ -290,8 +290,7 @@ LSE_SPEC = "bf16:causal:128:576"  # DSA-like: one token per CTA, 9 q chunks in r
 
 @pytest.fixture(scope="module")
 def compiled_lse():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    env = compiler_env()
     proc = subprocess.run([sys.executable, "-m", "streamkl_gpu.devtools.sass", "indexer_lse", LSE_SPEC], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, f"Gluon compile failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"

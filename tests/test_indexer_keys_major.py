@@ -17,6 +17,7 @@ from streamkl_gpu.indexer import plan as idx_plan
 from streamkl_ref._checks import check_indexer_inputs
 
 from test_gpu_indexer import check_case, make
+from _compiler_env import compiler_env
 
 KEYS = IndexerConfig(teacher_rows=32, indexer_rows=32, block_n=16, block_d=32, num_warps=1, num_stages=1, variant="keys")
 
@@ -141,8 +142,7 @@ def test_sm90_compile_head_sum_stays_in_registers():
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    env = compiler_env()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH", "")]))  # the helper's imports
     cfgs = "128,128,128,64,4,3;128,128,64,64,4,3,None,1,keys"
     proc = subprocess.run([sys.executable, os.path.join(root, "tests", "_indexer_fwd_sm90_compile.py"), cfgs], cwd=root, env=env,

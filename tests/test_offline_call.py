@@ -7,11 +7,13 @@ import os
 import subprocess
 import sys
 
+from _compiler_env import compiler_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run(args, tmp_path, **extra_env):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | extra_env
+    env = compiler_env(**extra_env)
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
     env["STREAMKL_CACHE_DIR"] = str(tmp_path / "streamkl")
     return subprocess.run([sys.executable, "-m", "streamkl_gpu.devtools.offline_call", *args], cwd=ROOT, env=env,
@@ -74,7 +76,7 @@ def test_attention_both_sides_step(tmp_path):
     16-byte group of row constants per query column a thread holds (8 shared-memory loads for the
     32 x 64 tile of 4 warps, where the six constants of the form before took 16) and touches no
     local memory (the form before spilled there: bench/results/2026-12-07_sass-sm90_b840538/bwd_dk_gexp_sass.csv)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = compiler_env()
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
     proc = subprocess.run([sys.executable, "-c", LOOP_COUNTS], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=400)

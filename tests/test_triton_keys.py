@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from _compiler_env import compiler_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PROBE = '''
@@ -40,7 +42,7 @@ print("same" if first.kernel_a.cache_key == second.kernel_a.cache_key else "diff
 
 def test_a_kernels_key_does_not_depend_on_which_kernels_were_keyed_first(tmp_path):
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # real JIT functions, keyed, not run
+    env = compiler_env()  # real JIT functions, keyed, not run
     proc = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path / "kernels.py")], capture_output=True,
                           text=True, env=env, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -7,6 +7,7 @@ import pytest
 from streamkl_gpu import verify
 from streamkl_gpu._core.compile_clock import CompileClock
 from streamkl_ref.testing import attention_cases
+from _compiler_env import compiler_env
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = ["float32", "float16", "bfloat16"]
@@ -106,7 +107,7 @@ assert event[0] == "_copy" and event[5] == source.hash()[:12] and event[6] == ke
 assert len(event[5]) == len(event[6]) == 12, event
 print("keys", event[5], event[6])
 """)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    env = compiler_env(TRITON_CACHE_DIR=str(tmp_path / "cache"))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300)
     assert proc.returncode == 0 and "keys " in proc.stdout, proc.stderr[-2000:]
