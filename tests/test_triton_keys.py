@@ -47,3 +47,23 @@ def test_a_kernels_key_does_not_depend_on_which_kernels_were_keyed_first(tmp_pat
                           text=True, env=env, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split()[-1] == "same"
+
+
+INSTALLED = '''
+import importlib, sys
+importlib.import_module(sys.argv[1])
+from triton.runtime.jit import DependenciesFinder
+print(getattr(DependenciesFinder._update_hash, "_streamkl_callee_key_first", False))
+'''
+
+
+@pytest.mark.parametrize("module", ["streamkl_gpu.attention.launch", "streamkl_gpu.indexer.api",
+                                    "streamkl_gpu._core.gluon_compat"])
+def test_the_fix_is_installed_by_what_a_launch_or_an_offline_gluon_compile_imports(module):
+    """A fresh process that imports a host module (what any launch imports) or the Gluon compat
+    layer (an offline compile, no host) keys kernels with the fix in place."""
+    pytest.importorskip("triton")
+    proc = subprocess.run([sys.executable, "-c", INSTALLED, module], capture_output=True, text=True,
+                          env=compiler_env(), cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-1] == "True"
