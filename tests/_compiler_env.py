@@ -1,7 +1,8 @@
 """The environment of a test's subprocess that compiles or keys real Triton kernels.
 
-The test session runs under the Triton interpreter (``TRITON_INTERPRET=1``, set by CI and by
-``conftest``): JIT functions are interpreted there, and Gluon does not run at all. A subprocess
+On a machine without a GPU the test session runs under the Triton interpreter (the root
+``conftest.py`` sets ``TRITON_INTERPRET=1``): JIT functions are interpreted there, and Gluon does
+not run at all. A subprocess
 that compiles for sm_90 (the SASS tests), keys kernels (the key-order test) or must see the
 library as a GPU user does starts from the session's environment without that variable.
 """
