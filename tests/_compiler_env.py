@@ -2,9 +2,9 @@
 
 On a machine without a GPU the test session runs under the Triton interpreter (the root
 ``conftest.py`` sets ``TRITON_INTERPRET=1``): JIT functions are interpreted there, and Gluon does
-not run at all. A subprocess
-that compiles for sm_90 (the SASS tests), keys kernels (the key-order test) or must see the
-library as a GPU user does starts from the session's environment without that variable.
+not run at all. A subprocess that compiles for sm_90 (the SASS tests), keys kernels (the key-order
+test) or must see the library as a GPU user does starts from the session's environment without
+that variable.
 """
 from __future__ import annotations
 
