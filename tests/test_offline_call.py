@@ -76,8 +76,7 @@ def test_attention_both_sides_step(tmp_path):
     16-byte group of row constants per query column a thread holds (8 shared-memory loads for the
     32 x 64 tile of 4 warps, where the six constants of the form before took 16) and touches no
     local memory (the form before spilled there: bench/results/2026-12-07_sass-sm90_b840538/bwd_dk_gexp_sass.csv)."""
-    env = compiler_env()
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    env = compiler_env(TRITON_CACHE_DIR=str(tmp_path / "triton"))
     proc = subprocess.run([sys.executable, "-c", LOOP_COUNTS], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -92,9 +91,10 @@ def test_packed_backward_candidates_fit_in_shared_memory(tmp_path):
     """The packed backward's candidates with one side or both trained, separate and fused (the walk
     compiles every one, as a first call with ``STREAMKL_AUTOTUNE=1`` does): each fits Hopper's
     232,448 bytes of shared memory per program (one over it fails at its first launch, and past
-    TUNING_WORK_LIMIT the first candidate runs untimed); the key-major, folded dK tile is among them and holds less on its stack (spills) than
-    the old pointer-load tile of the same 64 x 128 shape, with fewer MMAs and half its exponentials
-    (both warpgroups of the old tile form the whole score tile)."""
+    TUNING_WORK_LIMIT the first candidate runs untimed); the key-major, folded dK tile is among them
+    and holds less on its stack (spills) than the old pointer-load tile of the same 64 x 128 shape,
+    with fewer MMAs and half its exponentials (both warpgroups of the old tile form the whole score
+    tile)."""
     out = tmp_path / "census.csv"
     proc = _run(["--csv", str(out), "varlen:256:s1", "varlen:256:s1:fused", "varlen:256:both",
                  "varlen:256:both:fused"], tmp_path, STREAMKL_AUTOTUNE="1")

@@ -82,7 +82,6 @@ def test_a_compile_records_the_keys_triton_cached_it_under(tmp_path):
     """Each event holds Triton's source hash and on-disk cache key of the compile (what
     devtools.warm_compiles reads to tell a cache miss from a changed key): a real compile for sm_90,
     which runs on a CPU machine, in its own process (the suite's interpreter makes no JIT source)."""
-    import os
     import subprocess
     import sys
 
@@ -108,8 +107,8 @@ assert len(event[5]) == len(event[6]) == 12, event
 print("keys", event[5], event[6])
 """)
     env = compiler_env(TRITON_CACHE_DIR=str(tmp_path / "cache"))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=300)
     assert proc.returncode == 0 and "keys " in proc.stdout, proc.stderr[-2000:]
 
 

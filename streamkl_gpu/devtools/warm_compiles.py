@@ -22,8 +22,6 @@ import argparse
 import json
 
 SLOW_S = 0.2  # a warm compile longer than this is listed (a load takes milliseconds, a process's first up to 0.6 s)
-
-
 KINDS = ("loaded", "source", "rekeyed", "repeat", "new")
 
 
