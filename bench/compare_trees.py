@@ -230,7 +230,7 @@ def main(argv=None):
     ap.add_argument("--points", default=",".join(GRID))
     ap.add_argument("--out", default=os.environ.get("OUT", "compare_out"))
     ap.add_argument("--cache-root", help="folder for each tree's STREAMKL_CACHE_DIR (default: a new temp dir)")
-    ap.add_argument("--round-timeout", type=float, default=300)
+    ap.add_argument("--round-timeout", type=float, default=1800, help="seconds one pass of one tree may take")
     ap.add_argument("--from-rounds", help="a compare_rounds.csv: its verdict, nothing timed (a run cut short)")
     ap.add_argument("--tuning-log", metavar="TREE", help="no comparison: TREE's tuner record of every point "
                     "(STREAMKL_AUTOTUNE=1, empty caches) to OUT/tuning_log.csv")
