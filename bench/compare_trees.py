@@ -75,6 +75,7 @@ TUNING_POINTS = {
     **{f"decode_q{q}_k{k // 1024}k": ("fwd", dict(n=q, n_k=k, causal=q > 1))
        for q, k in ((1, 8192), (1, 32768), (4, 32768), (64, 131072), (1, 524288))},
 }
+RULE_POINTS = tuple(GRID)  # the grid the no-regression rule is judged on: the default of a comparison
 GRID.update(TUNING_POINTS)
 GEOMEAN_LIMIT, POINT_LIMIT = 1.01, 1.03
 
@@ -227,7 +228,8 @@ def main(argv=None):
     ap.add_argument("--tree", action="append", default=[], help="LABEL=PATH, twice: before first, after second")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--retime-rounds", type=int, default=10)
-    ap.add_argument("--points", default=",".join(GRID))
+    ap.add_argument("--points", help="comma-separated point names (default: the rule's grid, "
+                    f"{len(RULE_POINTS)} points; with --tuning-log every point, the tuning points too)")
     ap.add_argument("--out", default=os.environ.get("OUT", "compare_out"))
     ap.add_argument("--cache-root", help="folder for each tree's STREAMKL_CACHE_DIR (default: a new temp dir)")
     ap.add_argument("--round-timeout", type=float, default=1800, help="seconds one pass of one tree may take")
@@ -237,7 +239,8 @@ def main(argv=None):
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    points = [p for p in args.points.split(",") if p]
+    default = GRID if args.tuning_log else RULE_POINTS
+    points = [p for p in args.points.split(",") if p] if args.points else list(default)
     if unknown := [p for p in points if p not in GRID]:
         ap.error(f"unknown points {unknown}; known: {', '.join(GRID)}")
     if args.worker:
