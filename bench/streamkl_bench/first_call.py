@@ -7,7 +7,8 @@ with empty caches; the 2^31-element cases against their heads alone.
 ``first_call``: per entry point (forward; forward + backward in each backward mode and setting;
 packed sequences; the indexer loss: per-row losses summed, the mean training step, top-k; split-K decode) a fresh
 process with empty caches (new ``TRITON_CACHE_DIR`` and ``STREAMKL_CACHE_DIR``) makes the call
-twice: the first call's wall time, the kernels it compiled, the seconds in Triton's compiler
+twice: the first call's wall time, the kernels it compiled (and the C launchers built beside them,
+``_core.triton_launchers``), the seconds in Triton's compiler
 (``streamkl_gpu._core.compile_clock``) and a ``compile_window_s`` row per compile (kernel, thread, start:
 what compiled side by side), the tuner's timing seconds (``TUNING_STATS`` of ``streamkl_gpu._core.tuning``,
 read only; 0 where nothing is timed), the second call's time.
@@ -22,7 +23,7 @@ Writes OUT/first_call.csv or first_call_big.csv (long format, GPU and version co
 """
 from __future__ import annotations
 
-import argparse, csv, datetime, json, os, subprocess, sys, tempfile, time
+import argparse, csv, datetime, itertools, json, os, subprocess, sys, tempfile, time
 
 from . import ROOT, child_env
 from .timing import sync as _sync  # (on the GPU once CUDA is up)
@@ -86,18 +87,13 @@ def _entry(name, n, tiny):
     if name.startswith("fwd_bwd_"):
         _, _, mode, setting = name.split("_")
         xs = _attention_inputs(1, H, n, D, SETTING_TRAIN[setting])
-
-        def step():
-            streamkl_gpu.attention_kl(*xs, causal=True, bwd_mode=mode).sum().backward()
+        step = lambda: streamkl_gpu.attention_kl(*xs, causal=True, bwd_mode=mode).sum().backward()  # noqa: E731
         return f"B=1 H={H} N={n} D={D} causal {setting} {mode}", step
     if name.startswith("varlen_fwd_bwd_"):  # three packed sequences, setting 1 or both sides trained
         lens, setting = [n // 4, n // 2, n // 4], name.rsplit("_", 1)[1]
-        total = sum(lens)
-        cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32, device=_device())
-        xs = [_randn(total, H, D, seed=i).requires_grad_(t) for i, t in enumerate(SETTING_TRAIN[setting])]
-
-        def step():
-            streamkl_gpu.attention_kl_varlen(*xs, cu, cu, max(lens), max(lens), causal=True).sum().backward()
+        cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=_device())
+        xs = [_randn(sum(lens), H, D, seed=i).requires_grad_(t) for i, t in enumerate(SETTING_TRAIN[setting])]
+        step = lambda: streamkl_gpu.attention_kl_varlen(*xs, cu, cu, max(lens), max(lens), causal=True).sum().backward()  # noqa: E731
         return f"seqs={lens} H={H} D={D} causal {setting}", step
     if name in ("indexer_dense_step", "indexer_mean_step", "indexer_topk_step"):
         Hq, Dq, HI, DI = (2, 16, 2, 16) if tiny else (64, 576, 64, 128)  # DSA-like: MQA teacher, MLA heads
@@ -113,9 +109,7 @@ def _entry(name, n, tiny):
         top = min(n, 16 if tiny else 2048)
         rows = torch.arange(n, device=_device())[:, None]
         idx = (rows - torch.arange(top, device=_device())[None, :]).clamp(min=-1).to(torch.int32)[None]  # the last keys
-
-        def step():
-            streamkl_gpu.indexer_kl_topk(q, k, q_idx, k_idx, w, idx, causal=True, scale=scale).sum().backward()
+        step = lambda: streamkl_gpu.indexer_kl_topk(q, k, q_idx, k_idx, w, idx, causal=True, scale=scale).sum().backward()  # noqa: E731
         return f"B=1 H={Hq} HI={HI} N={n} D={Dq} DI={DI} K={top} causal", step
     if name == "decode_splitk":
         nk = 256 if tiny else 131072
@@ -144,13 +138,14 @@ def child(name, n, tiny, out_json, imported=False):
     _sync()
     first = time.perf_counter() - t_first
     compile_s, kernels = clock.seconds, clock.calls
+    launchers_early = getattr(sys.modules.get("streamkl_gpu._core.triton_launchers"), "STATS", {}).get("started", 0)
     compile_wall_s = clock.wall_since(t_first, t_first + first)
     t0 = time.perf_counter()
     call()
     _sync()
     second = time.perf_counter() - t0
     result = dict(entry=name, shape=shape, first_call_s=first, second_call_s=second, compile_s=compile_s,
-                  compile_wall_s=compile_wall_s, kernels_compiled=kernels, tuning_s=tuning.TUNING_STATS["timing_s"],
+                  compile_wall_s=compile_wall_s, kernels_compiled=kernels, launchers_early=launchers_early, tuning_s=tuning.TUNING_STATS["timing_s"],
                   clock_available=clock.available, compiles=[(k, th, a - t_first, b - t_first)
                                                              for k, th, a, b, *_ in clock.events[:kernels]])
     with open(out_json, "w") as fh:
@@ -182,7 +177,9 @@ def first_calls(entries, n, tiny, out_dir, timeout, imported=False):
                           + ["compile clock unavailable (compile columns 0)"] * (not r["clock_available"])))
         for measure, unit, about in (("first_call_s", "s", ""), ("compile_s", "s", "summed over compile threads"),
                                      ("compile_wall_s", "s", "wall time with a compile running"),
-                                     ("kernels_compiled", "kernels", ""), ("tuning_s", "s", ""), ("second_call_s", "s", "")):
+                                     ("kernels_compiled", "kernels", ""), ("launchers_early", "launchers", "C launchers "
+                                     "built beside their kernels' compiles (0 with triton 3.8, 3.9: none per kernel)"),
+                                     ("tuning_s", "s", ""), ("second_call_s", "s", "")):
             rows.append(dict(entry=name, shape=r["shape"], measure=measure, value=r[measure], unit=unit,
                              note="; ".join(x for x in (about, note) if x), **env_cols))
         rows.append(dict(entry=name, shape=r["shape"], measure="process_s", value=wall, unit="s",
@@ -284,7 +281,7 @@ def _big_varlen(name, tiny, clock=None):
     total = sum(lens)
     shape = f"seqs={lens} H={H} D={D} causal s1 (total x H x D = {total * H * D})"
     rows, row = _rows(name, shape)
-    cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32, device=_device())
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=_device())
     xs = [_randn(total, H, D, seed=i).requires_grad_(i >= 2) for i in range(4)]
     kl, g = _fwd_then_step(row, clock, lambda: streamkl_gpu.attention_kl_varlen(
         *[x.detach() for x in xs], cu, cu, max(lens), max(lens), causal=True),

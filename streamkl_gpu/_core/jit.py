@@ -7,6 +7,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from streamkl_gpu._core import triton_keys  # noqa: F401  (kernel keys independent of the process's history)
+from streamkl_gpu._core import triton_launchers  # noqa: F401  (launchers built while their kernels compile)
 
 # globals read inside @triton.jit code must be constexpr objects
 LN2 = tl.constexpr(0.6931471805599453)
