@@ -39,18 +39,27 @@ def _builder():
         if (init is not None and "compile_module_from_src" in init.__code__.co_names
                 and all(hasattr(nvidia, name) for name in needed)):
             def build(src):
-                # what CudaLauncher.__init__ does before it loads the module (no tensor-descriptor
-                # metadata: Triton 3.6's CUDA backend sets none, so the launcher gets None too)
+                # what CudaLauncher.__init__ does before it loads the module
                 arg_idx = lambda x: (src.fn.arg_names.index(x),) if isinstance(x, str) else x  # noqa: E731
                 constants = {arg_idx(i): v for i, v in getattr(src, "constants", {}).items()}
                 signature = dict(src.signature.items())
-                nvidia.compile_module_from_src(src=nvidia.make_launcher(constants, signature, None),
+                nvidia.compile_module_from_src(src=nvidia.make_launcher(constants, signature, _tma_guess(signature)),
                                                name="__triton_launcher", library_dirs=nvidia.library_dirs(),
                                                include_dirs=nvidia.include_dirs, libraries=nvidia.libraries)
     except Exception:  # noqa: BLE001 - no CUDA backend, another layout: nothing to build early
         build = None
     _BUILDER.append(build)
     return build
+
+
+def _tma_guess(signature):
+    """The tensor-descriptor metadata the compile will report, guessed before it: one entry per
+    descriptor argument, each lowered to a TMA descriptor (the launcher passes an ``nvTmaDesc``;
+    what Hopper's lowering does for every descriptor of streamkl's Gluon kernels, checked offline
+    for sm_90). ``make_launcher`` reads only whether an entry is None. Where the compile lowers one
+    otherwise, the guessed launcher is not the one used, and the first launch builds its own."""
+    count = sum(isinstance(t, str) and t.startswith("tensordesc") for t in signature.values())
+    return [{}] * count or None
 
 
 def _start(fn, signature, constexprs, attrs):
