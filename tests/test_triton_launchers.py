@@ -88,3 +88,12 @@ def test_the_compile_returns_after_the_build_and_errors_in_it_are_dropped(record
 
     monkeypatch.setattr(triton_launchers, "_BUILDER", [failing])
     assert JITFunction._do_compile(fn, "key", {}, 0, {}, None, {}, False) == "kernel"
+
+
+def test_descriptors_are_guessed_as_tma_descriptors():
+    """Triton's launcher passes an ``nvTmaDesc`` for a descriptor whose metadata entry is not None
+    (what the Gluon kernels' descriptors all are on sm_90) and pointer, shape and strides otherwise."""
+    sig = {"q": "tensordesc<bf16[128, 128]>", "n": "i32", "k": "tensordesc<bf16[64, 128]>", "B": "constexpr"}
+    guess = triton_launchers._tma_guess(sig)
+    assert len(guess) == 2 and all(m is not None for m in guess)
+    assert triton_launchers._tma_guess({"x": "*fp32", "n": "i32"}) is None
