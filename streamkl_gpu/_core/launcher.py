@@ -20,7 +20,7 @@ and ptxas is a subprocess, so two compiles on two cores take the time of one (me
 triton 3.9: a forward and a backward kernel for sm_90, 7.2 s one after the other, 3.7 s side by side).
 Inside a compile-ahead thread each kernel compiles on a thread of its own (:func:`_compile_only`),
 and that thread also loads the compiled kernel (``CompiledKernel._init_handles``: the module load
-and, with triton 3.6, the C launcher's build by the host compiler, about 0.4 s per kernel): a
+and, with triton 3.6, the C launcher, whose build ``_core/triton_launchers`` starts beside the compile): a
 backward of three kernels then waits for its slowest compile, not for the three in a row.
 
 A first call at a new signature (:func:`compile_first_call`): the entry points whose one call

@@ -4,8 +4,8 @@ Triton 3.6 (the GPU image's) launches each compiled kernel through a C module ma
 signature: ``CudaLauncher`` (its ``driver.py``) writes the source with ``make_launcher`` and builds
 it with the host compiler (``compile_module_from_src``, cached in Triton's cache under the source's
 hash). It does so when the kernel first launches, after its compile has ended, so with cold caches
-every kernel's first launch waits for a host-compiler run (about 0.4 s) that nothing needed to
-wait for: the source depends only on the signature and constants, which are known when the
+every kernel's first launch waits for a host-compiler run (0.27 s of a forward's 3.67 s first call
+in a profile on an H200, docs/performance.md) that nothing needed to wait for: the source depends only on the signature and constants, which are known when the
 compile starts. :func:`install` wraps ``JITFunction._do_compile`` (Triton and Gluon kernels, on a
 kernel-cache miss in memory) so that, for streamkl's own kernels, a thread builds the launcher
 into the same cache while the kernel compiles; ``CudaLauncher`` then finds it there and loads it.
