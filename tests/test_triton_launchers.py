@@ -97,3 +97,9 @@ def test_descriptors_are_guessed_as_tma_descriptors():
     guess = triton_launchers._tma_guess(sig)
     assert len(guess) == 2 and all(m is not None for m in guess)
     assert triton_launchers._tma_guess({"x": "*fp32", "n": "i32"}) is None
+
+
+def test_off_with_compile_ahead_off(recorder, monkeypatch):
+    monkeypatch.setenv("STREAMKL_COMPILE_AHEAD", "0")
+    assert triton_launchers._start(_StandIn("streamkl_gpu.attention.triton.fwd"), {}, {}, {}) is None
+    assert recorder == []

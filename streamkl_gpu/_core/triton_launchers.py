@@ -14,11 +14,13 @@ The launch itself is unchanged (Triton still makes its launcher; only the build 
 Triton 3.9 (CI's) launches every kernel through one C function of its driver and builds nothing
 per kernel; there, and wherever the driver's launcher does not build as 3.6's does, nothing is
 wrapped (:func:`_builder`, decided once). An error in the early build is dropped:
-``CudaLauncher`` builds again and raises it itself.
+``CudaLauncher`` builds again and raises it itself. Off, like every compile ahead of its use, with
+``STREAMKL_COMPILE_AHEAD=0`` (the launcher is then built at the first launch, as Triton does).
 """
 from __future__ import annotations
 
 import functools
+import os
 import threading
 
 OWN_MODULES = ("streamkl_gpu.",)  # kernels defined under these modules get their launcher built early
@@ -65,8 +67,8 @@ def _tma_guess(signature):
 def _start(fn, signature, constexprs, attrs):
     """A started thread building ``fn``'s launcher for this specialisation, or None."""
     name = getattr(getattr(fn, "fn", None), "__module__", "") or ""
-    if not name.startswith(OWN_MODULES):
-        return None
+    if not name.startswith(OWN_MODULES) or os.environ.get("STREAMKL_COMPILE_AHEAD", "1") == "0":
+        return None  # (read here, not through _core.runtime, which imports this module)
     build = _builder()
     make_source = getattr(fn, "ASTSource", None)  # set by create_binder (Gluon: its own source class)
     if build is None or make_source is None:  # (None: a stand-in JIT function in a test)
