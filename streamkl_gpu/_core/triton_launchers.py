@@ -5,11 +5,12 @@ signature: ``CudaLauncher`` (its ``driver.py``) writes the source with ``make_la
 it with the host compiler (``compile_module_from_src``, cached in Triton's cache under the source's
 hash). It does so when the kernel first launches, after its compile has ended, so with cold caches
 every kernel's first launch waits for a host-compiler run (0.27 s of a forward's 3.67 s first call
-in a profile on an H200, docs/performance.md) that nothing needed to wait for: the source depends only on the signature and constants, which are known when the
-compile starts. :func:`install` wraps ``JITFunction._do_compile`` (Triton and Gluon kernels, on a
-kernel-cache miss in memory) so that, for streamkl's own kernels, a thread builds the launcher
-into the same cache while the kernel compiles; ``CudaLauncher`` then finds it there and loads it.
-The launch itself is unchanged (Triton still makes its launcher; only the build came earlier).
+in a profile on an H200, docs/performance.md) that nothing needed to wait for: the source depends
+only on the signature and constants, which are known when the compile starts. :func:`install`
+wraps ``JITFunction._do_compile`` (Triton and Gluon kernels, on a kernel-cache miss in memory) so
+that, for streamkl's own kernels, a thread builds the launcher into the same cache while the
+kernel compiles; ``CudaLauncher`` then finds it there and loads it. The launch itself is
+unchanged (Triton still makes its launcher; only the build came earlier).
 
 Triton 3.9 (CI's) launches every kernel through one C function of its driver and builds nothing
 per kernel; there, and wherever the driver's launcher does not build as 3.6's does, nothing is
@@ -57,8 +58,8 @@ def _builder():
 def _tma_guess(signature):
     """The tensor-descriptor metadata the compile will report, guessed before it: one entry per
     descriptor argument, each lowered to a TMA descriptor (the launcher passes an ``nvTmaDesc``;
-    what Hopper's lowering does for every descriptor of streamkl's Gluon kernels, checked offline
-    for sm_90). ``make_launcher`` reads only whether an entry is None. Where the compile lowers one
+    what Hopper's lowering makes of every descriptor of streamkl's kernels, Gluon and Triton:
+    ``devtools/launcher_guess``). ``make_launcher`` reads only whether an entry is None. Where the compile lowers one
     otherwise, the guessed launcher is not the one used, and the first launch builds its own."""
     count = sum(isinstance(t, str) and t.startswith("tensordesc") for t in signature.values())
     return [{}] * count or None
