@@ -16,7 +16,7 @@ offline, without a host).
 """
 from __future__ import annotations
 
-import functools
+from streamkl_gpu._core.triton_patch import wrap_once
 
 
 def install() -> bool:
@@ -26,21 +26,14 @@ def install() -> bool:
         from triton.runtime import jit as triton_jit
     except ImportError:
         return False
+
+    def callee_key_first(original):
+        def _update_hash(self, func):
+            getattr(func, "cache_key", None)  # the callee's key, and with it its globals, complete first
+            return original(self, func)
+        return _update_hash
+
     finder = getattr(triton_jit, "DependenciesFinder", None)
-    original = getattr(finder, "_update_hash", None)
-    if original is None:
-        return False
-    if getattr(original, "_streamkl_callee_key_first", False):
-        return True
-
-    @functools.wraps(original)
-    def _update_hash(self, func):
-        getattr(func, "cache_key", None)  # the callee's key, and with it its globals, complete first
-        return original(self, func)
-
-    _update_hash._streamkl_callee_key_first = True
-    finder._update_hash = _update_hash
-    return True
-
+    return finder is not None and wrap_once(finder, "_update_hash", "_streamkl_callee_key_first", callee_key_first)
 
 install()

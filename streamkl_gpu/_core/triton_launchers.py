@@ -20,9 +20,10 @@ wrapped (:func:`_builder`, decided once). An error in the early build is dropped
 """
 from __future__ import annotations
 
-import functools
 import os
 import threading
+
+from streamkl_gpu._core.triton_patch import wrap_once
 
 OWN_MODULES = ("streamkl_gpu.",)  # kernels defined under these modules get their launcher built early
 _BUILDER: list = []  # [the build function, or None where there is nothing to build], decided once
@@ -96,24 +97,17 @@ def install() -> bool:
         return False
     if _builder() is None:
         return False
-    original = getattr(JITFunction, "_do_compile", None)
-    if original is None:
-        return False
-    if getattr(original, "_streamkl_launcher_early", False):
-        return True
 
-    @functools.wraps(original)
-    def _do_compile(self, key, signature, device, constexprs, options, attrs, warmup):
-        building = _start(self, signature, constexprs, attrs)
-        try:
-            return original(self, key, signature, device, constexprs, options, attrs, warmup)
-        finally:
-            if building is not None:
-                building.join()  # the launch that follows loads what it built
+    def launcher_early(original):
+        def _do_compile(self, key, signature, device, constexprs, options, attrs, warmup):
+            building = _start(self, signature, constexprs, attrs)
+            try:
+                return original(self, key, signature, device, constexprs, options, attrs, warmup)
+            finally:
+                if building is not None:
+                    building.join()  # the launch that follows loads what it built
+        return _do_compile
 
-    _do_compile._streamkl_launcher_early = True
-    JITFunction._do_compile = _do_compile
-    return True
-
+    return wrap_once(JITFunction, "_do_compile", "_streamkl_launcher_early", launcher_early)
 
 install()
