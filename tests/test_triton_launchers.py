@@ -90,6 +90,22 @@ def test_the_compile_returns_after_the_build_and_errors_in_it_are_dropped(record
     assert JITFunction._do_compile(fn, "key", {}, 0, {}, None, {}, False) == "kernel"
 
 
+def test_an_asynchronous_compile_returns_without_waiting_for_the_build(monkeypatch):
+    release, built = threading.Event(), []
+
+    def slow_build(src):
+        release.wait(5)
+        built.append(src)
+
+    future = types.SimpleNamespace(result=lambda: "kernel")  # what AsyncCompileMode's _do_compile returns
+    monkeypatch.setattr(triton_launchers, "_BUILDER", [slow_build])
+    monkeypatch.setattr(JITFunction, "_do_compile", lambda self, *args: future)
+    assert triton_launchers.install()
+    assert JITFunction._do_compile(_StandIn("streamkl_gpu.x"), "key", {}, 0, {}, None, {}, False) is future
+    assert built == []  # returned while the build still waited
+    release.set()
+
+
 def test_descriptors_are_guessed_as_tma_descriptors():
     """Triton's launcher passes an ``nvTmaDesc`` for a descriptor whose metadata entry is not None
     (what the Gluon kernels' descriptors all are on sm_90) and pointer, shape and strides otherwise."""

@@ -101,11 +101,12 @@ def install() -> bool:
     def launcher_early(original):
         def _do_compile(self, key, signature, device, constexprs, options, attrs, warmup):
             building = _start(self, signature, constexprs, attrs)
-            try:
-                return original(self, key, signature, device, constexprs, options, attrs, warmup)
-            finally:
-                if building is not None:
-                    building.join()  # the launch that follows loads what it built
+            kernel = original(self, key, signature, device, constexprs, options, attrs, warmup)
+            # the launch that follows loads what it built; an asynchronous compile's future (triton's
+            # AsyncCompileMode) returns at once, and the build goes on beside it
+            if building is not None and not hasattr(kernel, "result"):
+                building.join()
+            return kernel
         return _do_compile
 
     return wrap_once(JITFunction, "_do_compile", "_streamkl_launcher_early", launcher_early)
