@@ -36,4 +36,5 @@ def install() -> bool:
     finder = getattr(triton_jit, "DependenciesFinder", None)
     return finder is not None and wrap_once(finder, "_update_hash", "_streamkl_callee_key_first", callee_key_first)
 
+
 install()

@@ -60,8 +60,9 @@ def _tma_guess(signature):
     """The tensor-descriptor metadata the compile will report, guessed before it: one entry per
     descriptor argument, each lowered to a TMA descriptor (the launcher passes an ``nvTmaDesc``;
     what Hopper's lowering makes of every descriptor of streamkl's kernels, Gluon and Triton:
-    ``devtools/launcher_guess``). ``make_launcher`` reads only whether an entry is None. Where the compile lowers one
-    otherwise, the guessed launcher is not the one used, and the first launch builds its own."""
+    ``devtools/launcher_guess``). ``make_launcher`` reads only whether an entry is None. Where the
+    compile lowers one otherwise, the guessed launcher is not the one used, and the first launch
+    builds its own."""
     count = sum(isinstance(t, str) and t.startswith("tensordesc") for t in signature.values())
     return [{}] * count or None
 
@@ -110,5 +111,6 @@ def install() -> bool:
         return _do_compile
 
     return wrap_once(JITFunction, "_do_compile", "_streamkl_launcher_early", launcher_early)
+
 
 install()
