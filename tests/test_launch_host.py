@@ -127,3 +127,40 @@ def test_a_training_call_takes_the_c_apply_outside_functorch_transforms(monkeypa
     monkeypatch.undo()
     with pytest.raises(RuntimeError, match="setup_context"):
         torch.func.grad(lambda q2: streamkl_gpu.attention_kl(xs[0], xs[1], q2, xs[3]).sum())(xs[2].detach())
+
+
+def test_a_call_without_gradients_writes_its_lses_to_the_bounded_scratch(monkeypatch):
+    """``attention_kl`` without gradients allocates its KL alone; the kernels write the LSEs into
+    one scratch pair per shape, laid out as the one-buffer outputs' 2nd and 3rd rows (the same
+    pointer alignment, so the same specialisation). The KL is the same as with the LSEs handed
+    out; each call's KL is its own tensor; the LSEs handed out by ``attention_kl_with_lse`` are
+    fresh. Past the row bound or the entry bound the one buffer is allocated as before."""
+    import streamkl_gpu
+
+    monkeypatch.setattr(_launch, "_LSE_SCRATCH", {})
+    xs = make_inputs(1, 2, 1, 2, 6, 20, 16, 8, seed=7)
+    kl, lse1, lse2 = streamkl_gpu.attention_kl_with_lse(*xs, causal=True)
+    assert _launch._LSE_SCRATCH == {}  # the LSEs handed out: the one buffer
+    first = streamkl_gpu.attention_kl(*xs, causal=True)
+    (shape, device), = _launch._LSE_SCRATCH
+    scratch1, scratch2 = _launch._LSE_SCRATCH[(shape, device)]
+    assert shape == (1, 2, 6) and device == xs[0].device
+    assert scratch1.data_ptr() - scratch1.untyped_storage().data_ptr() == 1 * 12 * 4  # rows 2 and 3 of 3
+    assert scratch2.data_ptr() - scratch1.data_ptr() == 12 * 4
+    assert torch.equal(scratch1 * _runtime.LN2, lse1) and torch.equal(scratch2 * _runtime.LN2, lse2)
+    second = streamkl_gpu.attention_kl(*xs, causal=True)
+    assert torch.equal(first, kl) and torch.equal(second, kl)
+    assert first.data_ptr() != second.data_ptr()  # the KL is never scratch
+    assert len(_launch._LSE_SCRATCH) == 1
+    _, again1, _ = streamkl_gpu.attention_kl_with_lse(*xs, causal=True)
+    assert again1.data_ptr() not in (scratch1.data_ptr(), scratch2.data_ptr())
+
+    monkeypatch.setattr(_launch, "LSE_SCRATCH_ROWS", 11)  # 12 rows: past the bound
+    monkeypatch.setattr(_launch, "_LSE_SCRATCH", {})
+    assert torch.equal(streamkl_gpu.attention_kl(*xs, causal=True), kl) and _launch._LSE_SCRATCH == {}
+    monkeypatch.setattr(_launch, "LSE_SCRATCH_ROWS", 12)
+    monkeypatch.setattr(_launch, "LSE_SCRATCH_ENTRIES", 1)
+    streamkl_gpu.attention_kl(*xs, causal=True)
+    other = make_inputs(1, 1, 1, 1, 5, 20, 16, 8, seed=8)
+    streamkl_gpu.attention_kl(*other)  # a second shape: the bound is reached, nothing added
+    assert list(_launch._LSE_SCRATCH) == [((1, 2, 6), device)]

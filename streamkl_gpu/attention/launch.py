@@ -121,12 +121,41 @@ def _fwd_runner(q1, k1, q2, k2, dims, causal, outs, d1_pad, d2_pad):
     return launch
 
 
-def _fwd_outputs(dims, device, one_buffer=True):
+def _fwd_outputs(dims, device, one_buffer=True, keep_lse=True):
     """kl, lse1_bits, lse2_bits: three [B, H, N_Q] views of one fresh buffer (one allocation), or
-    three buffers (a custom op's outputs may not alias each other)."""
+    three buffers (a custom op's outputs may not alias each other). ``keep_lse=False`` (a call that
+    hands out only its KL): a fresh KL and, for a small call, the LSE scratch (``_lse_scratch``)."""
+    shape = (dims.B, dims.H, dims.NQ)
+    if not keep_lse:
+        scratch = _lse_scratch(shape, device)
+        if scratch is not None:
+            return (fresh(shape, torch.float32, device), *scratch)
     if not one_buffer:
-        return tuple(fresh((dims.B, dims.H, dims.NQ), torch.float32, device) for _ in range(3))
-    return fresh((3, dims.B, dims.H, dims.NQ), torch.float32, device).unbind(0)
+        return tuple(fresh(shape, torch.float32, device) for _ in range(3))
+    return fresh((3, *shape), torch.float32, device).unbind(0)
+
+
+# The LSEs of a small call that hands out only its KL (``attention_kl`` without gradients, e.g. a
+# decoding step): the kernels write them and nothing reads them, so they go to one scratch pair per
+# device and shape, made once, and the call allocates its KL alone. An allocation and three views
+# are about a tenth of the host cost of a tiny call. The pair is the 2nd and 3rd of three rows, as in
+# the one-buffer layout: the LSE pointers keep that layout's alignment, and with it the kernels'
+# specialisation (no second compile beside a training call at the same shape). Entries are never
+# freed (a freed buffer could be handed out again while a kernel on another stream still writes
+# it), so they are bounded: at most LSE_SCRATCH_ENTRIES of at most LSE_SCRATCH_ROWS rows (3 MiB).
+_LSE_SCRATCH: dict = {}
+LSE_SCRATCH_ROWS = 1 << 12
+LSE_SCRATCH_ENTRIES = 64
+
+
+def _lse_scratch(shape, device):
+    """(lse1_bits, lse2_bits) scratch of ``shape`` on ``device``, or None (too many rows, or full)."""
+    pair = _LSE_SCRATCH.get((shape, device))
+    if pair is None:
+        if shape[0] * shape[1] * shape[2] > LSE_SCRATCH_ROWS or len(_LSE_SCRATCH) >= LSE_SCRATCH_ENTRIES:
+            return None
+        pair = _LSE_SCRATCH[(shape, device)] = torch.empty((3, *shape), dtype=torch.float32, device=device).unbind(0)[1:]
+    return pair
 
 
 # Launch plans, per call signature: what depends only on shapes, strides, dtypes, alignment and
@@ -139,11 +168,11 @@ GLUON = "gluon"  # the forward plan that runs the Gluon kernel instead of a Trit
 
 def _signature(kind, dims, flags, q1, k1, q2, k2):
     """What a plan is bound to: the problem's sizes, flags and settings, and the inputs' dtypes,
-    strides, alignment and devices (written out: a generator over the inputs cost more)."""
+    strides, alignment and device (written out: a generator over the inputs cost more). One device:
+    ``check_tensors`` has found all four inputs on q1's."""
     return (kind, dims, flags, (_runtime.env("STREAMKL_AUTOTUNE"), _runtime.INTERPRETER_BLOCK, _runtime.INTERPRETER_TMA),
             q1.dtype, k1.dtype, q2.dtype, k2.dtype, q1.stride(), k1.stride(), q2.stride(), k2.stride(),
-            q1.data_ptr() % 16, k1.data_ptr() % 16, q2.data_ptr() % 16, k2.data_ptr() % 16,
-            q1.device, k1.device, q2.device, k2.device)
+            q1.data_ptr() % 16, k1.data_ptr() % 16, q2.data_ptr() % 16, k2.data_ptr() % 16, q1.device)
 
 
 def _remember(sig, plan):
@@ -153,15 +182,16 @@ def _remember(sig, plan):
     return plan
 
 
-def forward(q1, k1, q2, k2, causal, scale1, scale2, split_k, dims=None, one_buffer=True):
+def forward(q1, k1, q2, k2, causal, scale1, scale2, split_k, dims=None, one_buffer=True, keep_lse=True):
     """(kl in nats, lse1, lse2 in bits), float32 [B, H, N_Q]. ``dims``: already checked inputs;
-    ``one_buffer=False``: three separate output tensors (for the custom op)."""
+    ``one_buffer=False``: three separate output tensors (for the custom op); ``keep_lse=False``: the
+    caller keeps only the KL (the LSEs returned may be scratch that later calls overwrite)."""
     if dims is None:
         dims = check_tensors(q1, k1, q2, k2, scale1, scale2)
     if is_empty(dims):
         return _empty_forward(dims, q1.device)
     (q1, k1, q2, k2), sig = _kernel_inputs(q1, k1, q2, k2, causal, split_k, dims)
-    return _run_forward(sig, q1, k1, q2, k2, causal, split_k, dims, q1.device, one_buffer)
+    return _run_forward(sig, q1, k1, q2, k2, causal, split_k, dims, q1.device, one_buffer, keep_lse=keep_lse)
 
 
 def _kernel_inputs(q1, k1, q2, k2, causal, split_k, dims):
@@ -184,12 +214,12 @@ def _forward_plan(sig, q1, k1, q2, k2, causal, split_k, dims):
     return plan
 
 
-def _run_forward(sig, q1, k1, q2, k2, causal, split_k, dims, device, one_buffer=True, plan=None):
+def _run_forward(sig, q1, k1, q2, k2, causal, split_k, dims, device, one_buffer=True, plan=None, keep_lse=True):
     """The forward's launches under its plan signature ``sig``; ``plan``: that signature's plan,
     when the caller holds it (a training binding)."""
     if plan is None:
         plan = _forward_plan(sig, q1, k1, q2, k2, causal, split_k, dims)
-    outs = _fwd_outputs(dims, device, one_buffer)
+    outs = _fwd_outputs(dims, device, one_buffer, keep_lse)
     if plan is GLUON:  # the Hopper kernel (_gluon_fwd), chosen by _gluon_dispatch.use_gluon
         gluon_forward(q1, k1, q2, k2, causal, dims.scale1, dims.scale2, out=outs, dims=dims)
     else:

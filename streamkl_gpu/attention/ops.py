@@ -174,7 +174,7 @@ def _call(q1, k1, q2, k2, causal, scale1, scale2, split_k, bwd_mode, determinist
     elif torch.is_grad_enabled() and (q1.requires_grad or k1.requires_grad or q2.requires_grad or k2.requires_grad):
         return _train(q1, k1, q2, k2, (causal, dims, split_k, bwd_mode, deterministic, want_lse))
     else:  # nothing to train
-        out = _forward(q1, k1, q2, k2, causal, dims.scale1, dims.scale2, split_k, dims=dims)
+        out = _forward(q1, k1, q2, k2, causal, dims.scale1, dims.scale2, split_k, dims=dims, keep_lse=want_lse)
     return out if want_lse else out[0]
 
 
