@@ -258,13 +258,16 @@ def install(races: bool | None = None) -> None:
         saved = {"load": B.create_masked_load, "store": B.create_masked_store, "rmw": B.create_atomic_rmw,
                  "cas": B.create_atomic_cas, "call": G.__call__}
 
-        def create_masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
+        # the cache arguments after the mask differ by version (triton 3.6: a cache modifier and an
+        # eviction policy, passed by position or by name; 3.9: one cache policy), so they pass
+        # through as they come
+        def create_masked_load(self, ptrs, mask, other, *cache_args, **cache_kwargs):
             _check("load", ptrs, mask, _itemsize(ptrs))
-            return saved["load"](self, ptrs, mask, other, cache_policy, is_volatile)
+            return saved["load"](self, ptrs, mask, other, *cache_args, **cache_kwargs)
 
-        def create_masked_store(self, ptrs, value, mask, cache_policy):
+        def create_masked_store(self, ptrs, value, mask, *cache_args, **cache_kwargs):
             _check("store", ptrs, mask, _itemsize(ptrs))
-            return saved["store"](self, ptrs, value, mask, cache_policy)
+            return saved["store"](self, ptrs, value, mask, *cache_args, **cache_kwargs)
 
         def create_atomic_rmw(self, rmwOp, ptr, val, mask, sem, scope):
             _check("atomic", ptr, mask, _itemsize(ptr))
