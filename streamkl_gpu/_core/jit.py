@@ -9,6 +9,11 @@ from triton.language.extra import libdevice
 from streamkl_gpu._core import triton_keys  # noqa: F401  (kernel keys independent of the process's history)
 from streamkl_gpu._core import triton_launchers  # noqa: F401  (launchers built while their kernels compile)
 
+if getattr(getattr(getattr(triton, "knobs", None), "runtime", None), "interpret", False):
+    from streamkl_gpu._core import triton_interpreter
+
+    triton_interpreter.install()  # scalar tensors index under NumPy 2.5 (triton 3.6's interpreter)
+
 # globals read inside @triton.jit code must be constexpr objects
 LN2 = tl.constexpr(0.6931471805599453)
 LOG2E = tl.constexpr(1.4426950408889634)

@@ -1,5 +1,6 @@
 """The one way streamkl changes a step of Triton: a method wrapped once per process, marked so
-that a second install finds it done (``_core/triton_keys.py``, ``_core/triton_launchers.py``)."""
+that a second install finds it done (``_core/triton_keys.py``, ``_core/triton_launchers.py``,
+``_core/triton_interpreter.py``)."""
 from __future__ import annotations
 
 import functools
