@@ -1,5 +1,5 @@
 """streamkl_gpu._core.triton_interpreter: the interpreter's scalar tensors convert to an index through
-``int(data.squeeze())``. Triton 3.6's interpreter did ``int(data)``, which NumPy 2.5 refuses for
+``int(data.squeeze())``. Triton 3.6's interpreter did ``int(data)``, which recent NumPy (2.4.6 here) refuses for
 the one-element arrays a computed loop bound holds: every interpreted kernel with such a loop
 raised and ``streamkl verify --device cpu`` failed every case."""
 import numpy as np

@@ -12,7 +12,7 @@ from streamkl_gpu._core import triton_launchers  # noqa: F401  (launchers built 
 if getattr(getattr(getattr(triton, "knobs", None), "runtime", None), "interpret", False):
     from streamkl_gpu._core import triton_interpreter
 
-    triton_interpreter.install()  # scalar tensors index under NumPy 2.5 (triton 3.6's interpreter)
+    triton_interpreter.install()  # scalar tensors index under recent NumPy (triton 3.6's interpreter)
 
 # globals read inside @triton.jit code must be constexpr objects
 LN2 = tl.constexpr(0.6931471805599453)

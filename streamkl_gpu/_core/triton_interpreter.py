@@ -1,10 +1,11 @@
-"""The Triton interpreter's scalar-to-index conversion with NumPy 2.5. Triton 3.6's interpreter turns a
-scalar tensor into a Python int by ``int(data)``, where ``data`` may be a one-element array of
-shape (1,); NumPy 2.5 refuses that (only 0-dimensional arrays convert), so every kernel loop whose
-bounds are computed (``range(lo, hi, BLOCK_N)``) raised under the interpreter and ``streamkl verify
---device cpu`` failed every case. Triton 3.9 converts ``data.squeeze()``; :func:`install` makes the
-interpreter's per-launch tensor patch do the same on every version. ``_core/jit.py`` installs it on
-import when the kernels are about to be defined for the interpreter."""
+"""The Triton interpreter's scalar-to-index conversion under recent NumPy. Triton 3.6's interpreter
+turns a scalar tensor into a Python int by ``int(data)``, where ``data`` may be a one-element array
+of shape (1,); recent NumPy refuses that (only 0-dimensional arrays convert; seen with 2.4.6 on
+the CPU machine), so every kernel loop whose bounds are computed (``range(lo, hi, BLOCK_N)``)
+raised under the interpreter and ``streamkl verify --device cpu`` failed every case. Triton 3.9
+converts ``data.squeeze()``; :func:`install` makes the interpreter's per-launch tensor patch do
+the same on every version. ``_core/jit.py`` installs it on import when the kernels are about to be
+defined for the interpreter."""
 from __future__ import annotations
 
 from streamkl_gpu._core.triton_patch import wrap_once
