@@ -1,7 +1,7 @@
-"""streamkl_gpu._core.triton_interpreter: the interpreter's scalar tensors convert to an index through
-``int(data.squeeze())``. Triton 3.6's interpreter did ``int(data)``, which recent NumPy (2.4.6 here) refuses for
-the one-element arrays a computed loop bound holds: every interpreted kernel with such a loop
-raised and ``streamkl verify --device cpu`` failed every case."""
+"""streamkl_gpu._core.triton_interpreter: the interpreter's scalar tensors convert to an index
+through ``int(data.squeeze())``. Triton 3.6's interpreter did ``int(data)``, which recent NumPy
+(2.4.6 on the CPU machine) refuses for the one-element arrays a computed loop bound holds: every
+interpreted kernel with such a loop raised and ``streamkl verify --device cpu`` failed every case."""
 import numpy as np
 import pytest
 
@@ -35,8 +35,11 @@ def test_a_one_element_array_indexes_after_the_install(monkeypatch):
             self.handle = _Handle(data)
 
     interpreter._patch_lang_tensor(Tensor, _Scope())
-    with pytest.raises(TypeError):  # the failure: NumPy converts 0-dimensional arrays only
-        range(Tensor(np.array([3], dtype=np.int32)).__index__())
+    try:
+        int(np.array([3]))
+    except TypeError:  # a NumPy that converts 0-dimensional arrays only: the failure, before the install
+        with pytest.raises(TypeError):
+            range(Tensor(np.array([3], dtype=np.int32)).__index__())
     assert triton_interpreter.install() and triton_interpreter.install()  # idempotent: wrapped once
     scope = _Scope()
     interpreter._patch_lang_tensor(Tensor, scope)

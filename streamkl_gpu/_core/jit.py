@@ -9,7 +9,7 @@ from triton.language.extra import libdevice
 from streamkl_gpu._core import triton_keys  # noqa: F401  (kernel keys independent of the process's history)
 from streamkl_gpu._core import triton_launchers  # noqa: F401  (launchers built while their kernels compile)
 
-if getattr(getattr(getattr(triton, "knobs", None), "runtime", None), "interpret", False):
+if triton.knobs.runtime.interpret:  # the kernels below are defined for the interpreter
     from streamkl_gpu._core import triton_interpreter
 
     triton_interpreter.install()  # scalar tensors index under recent NumPy (triton 3.6's interpreter)
