@@ -87,9 +87,12 @@ def test_sass_one_chain_of_wgmma_per_key_tile(compiled, spec):
         # tile; never the accumulators, which would be dozens per tile). The accumulating forward
         # holds dq_p (64 registers) across the loop: 15 / 44 local accesses per tile in the two
         # loops (triton 3.9; its 5 ring slots split 3 / 2 between the warpgroups' rings; 16 / 29 with
-        # the one shared ring, which raced; triton 3.6, the GPU image's, 94 / 88 against 119 / 88),
+        # the one shared ring, which raced; triton 3.6, the GPU image's, 97 / 88),
         # 68 / 95 before its LSEs and weights were parked in shared memory
-        limit = 48 if want["pacc"] else 2
+        # triton 3.6 schedules the accumulating loop with about twice the local traffic: a looser
+        # limit there, still under the 128 accesses a tile of a spilled dq_p
+        older_triton = tuple(int(p) for p in row["triton"].split(".")[:2]) < (3, 9)
+        limit = (112 if older_triton else 48) if want["pacc"] else 2
         assert loop["spills"] <= limit, f"{spec}: local-memory traffic in the key loop: {loop}"
     assert row["resources"]["local"] == 0, row["resources"]
 
