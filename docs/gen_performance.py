@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The tables of docs/performance.md, generated from the committed results (no typed numbers).
 
-    python docs/gen_performance.py          # writes docs/_generated/performance_tables.md
+    python docs/gen_performance.py                  # writes docs/_generated/performance_tables.md
+    python docs/gen_performance.py --derive FOLDER  # writes FOLDER/attention.csv from its bench.csv, host_cost.csv
 
 For each operation the newest results folder that measured it is read
 (``bench/results/<YYYY-MM-DD>_<gpu>_<commit>/``: newest by the date in its name, then by the
@@ -90,72 +91,101 @@ def table(head: list[str], body: list[list[str]]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- attention_kl
-def attention(path: str) -> list[str]:
-    rs = [r for r in rows(path) if r["operation"] == "attention_kl"]
+# what each attention table shows: it is read from the newest attention.csv holding such rows, so a
+# run that measured only some of them (the host section alone, a grid whose budget skipped
+# torch.compile) updates those tables and leaves the others to the run that measured them
+ATTENTION_KINDS = {
+    "fwd": lambda r: r["operation"] == "attention_kl" and r["pass"] == "fwd" and r["baseline"] == "sdpa_fwd",
+    "step": lambda r: r["operation"] == "attention_kl" and r["baseline"] in ("sdpa_fwd_bwd", "sdpa_bwd"),
+    "compile": lambda r: r["baseline"].startswith("torch_compile"),
+    "decode": lambda r: r["baseline"] == "copy_floor",
+    "host": lambda r: r["metric"] == "us_per_call",
+    "long": lambda r: r["operation"] == "attention_kl" and r["metric"] == "seconds_per_call",
+}
 
-    def get(**match):
+
+def newest_attention(kind: str) -> tuple[str | None, list[dict]]:
+    """The newest attention.csv with rows of ``kind`` (``ATTENTION_KINDS``), and those rows."""
+    for path in newest_first("attention.csv"):
+        found = [r for r in rows(path) if ATTENTION_KINDS[kind](r)]
+        if found:
+            return path, found
+    return None, []
+
+
+def _value(rs: list[dict], **match) -> str:
+    return as_written(next((r for r in rs if all(r[k] == str(v) for k, v in match.items())), None))
+
+
+def attention() -> list[str]:
+    out = []
+    path, rs = newest_attention("fwd")
+    if path:
+        out += ["### attention_kl: forward", "",
+                "Time of `attention_kl`'s forward over the time of SDPA's forward "
+                "(`scaled_dot_product_attention`, PyTorch's default dispatch: cuDNN on the H200), "
+                "B=1, H=32, D=128, bf16, N_Q = N_K = N. Lower is better; 1.00 would be attention's speed.", ""]
+        ns = sorted({int(r["n_q"]) for r in rs})
+        out += table(["N", "non-causal", "causal"],
+                     [[n_label(n)] + [_value(rs, n_q=n, causal=c) for c in (0, 1)] for n in ns])
+        out += ["", source(path), ""]
+    path, rs = newest_attention("step")
+    if path:
+        out += ["### attention_kl: forward + backward", "",
+                "Forward + backward (setting 1: gradients for side 1) over SDPA's forward + backward, and the "
+                "backward alone (fwd+bwd − fwd, the worse of settings 1 and 2) over SDPA's backward; same "
+                "shapes.", ""]
+        ns = sorted({int(r["n_q"]) for r in rs})
+        out += table(["N", "fwd+bwd, non-causal", "fwd+bwd, causal", "backward, non-causal", "backward, causal"],
+                     [[n_label(n)]
+                      + [_value(rs, **{"pass": "fwd_bwd", "n_q": n, "causal": c}) for c in (0, 1)]
+                      + [_value(rs, **{"pass": "bwd", "n_q": n, "causal": c}) for c in (0, 1)]
+                      for n in ns])
+        out += ["", source(path), ""]
+    path, rs = newest_attention("compile")
+    if path:
+        out += ["### attention_kl against torch.compile", "",
+                "How many times faster than `torch.compile` of the materialised loss (scores, both "
+                "log-softmaxes and the KL in fp32), N = 8K, same shapes.", ""]
+        body = [[what] + [_value(rs, **{"pass": pss, "n_q": 8192, "causal": c}) for c in (0, 1)]
+                for pss, what in (("fwd", "forward"), ("fwd_bwd", "forward + backward (setting 1)"))]
+        out += table(["pass", "non-causal", "causal"], body) + ["", source(path), ""]
+    path, rs = newest_attention("decode")
+    if path:
+        out += ["### attention_kl: decoding", "",
+                "A few query rows against a long key cache (forward, non-causal, keys split over programs): "
+                "time over the memory-copy floor (the bytes of K1 and K2 read once at the measured copy "
+                "bandwidth).", ""]
+        out += table(["N_Q", "N_K", "time / copy floor"],
+                     [[r["n_q"], n_label(r["n_k"]), as_written(r)]
+                      for r in sorted(rs, key=lambda r: (int(r["n_k"]), int(r["n_q"])))])
+        out += ["", source(path), ""]
+    path, rs = newest_attention("host")
+    if path:
+        out += ["### attention_kl: host cost", "",
+                "Host time per call at a tiny shape, where the GPU's time is negligible (B=1, H=1, N_Q=1, "
+                "N_K=64, D=64, bf16; back-to-back calls, ours and SDPA's in the same process).", ""]
+        body = []
+        for pss, what in (("host_fwd", "forward"), ("host_fwd_bwd", "forward + backward")):
+            for op, name in (("attention_kl", "attention_kl"), ("sdpa", "SDPA")):
+                r = next((r for r in rs if (r["operation"], r["pass"]) == (op, pss)), None)
+                if r is not None:
+                    setting = " (setting 1)" if op == "attention_kl" and pss == "host_fwd_bwd" else ""
+                    label = f"{name}, {what}{setting}"
+                    body.append([label, f"{r['value']} µs" if r["run_status"] == "ok"
+                                 else f"not finished ({r['run_status']})"])
+        out += table(["call", "time per call"], body) + ["", source(path), ""]
+    path, rs = newest_attention("long")
+    if path:
+        out += ["### attention_kl: long sequences", "",
+                "The time of one call at very long sequences (B=1, D=128, bf16, causal).", ""]
+        body = []
         for r in rs:
-            if all(r[k] == str(v) for k, v in match.items()):
-                return r
-        return None
-
-    def val(**match):
-        return as_written(get(**match))
-
-    out = ["### attention_kl: forward", "",
-           "Time of `attention_kl`'s forward over the time of SDPA's forward "
-           "(`scaled_dot_product_attention`, PyTorch's default dispatch: cuDNN on the H200), "
-           "B=1, H=32, D=128, bf16, N_Q = N_K = N. Lower is better; 1.00 would be attention's speed.", ""]
-    ns = sorted({int(r["n_q"]) for r in rs if r["pass"] == "fwd" and r["baseline"] == "sdpa_fwd"})
-    out += table(["N", "non-causal", "causal"],
-                 [[n_label(n)] + [val(**{"pass": "fwd", "n_q": n, "causal": c, "baseline": "sdpa_fwd"})
-                                  for c in (0, 1)] for n in ns])
-    out += ["", source(path), "",
-            "### attention_kl: forward + backward", "",
-            "Forward + backward (setting 1: gradients for side 1) over SDPA's forward + backward, and the "
-            "backward alone (fwd+bwd − fwd, the worse of settings 1 and 2) over SDPA's backward; same shapes.", ""]
-    ns = sorted({int(r["n_q"]) for r in rs if r["pass"] in ("fwd_bwd", "bwd") and r["baseline"].startswith("sdpa")})
-    out += table(["N", "fwd+bwd, non-causal", "fwd+bwd, causal", "backward, non-causal", "backward, causal"],
-                 [[n_label(n)]
-                  + [val(**{"pass": "fwd_bwd", "n_q": n, "causal": c, "baseline": "sdpa_fwd_bwd"}) for c in (0, 1)]
-                  + [val(**{"pass": "bwd", "n_q": n, "causal": c, "baseline": "sdpa_bwd"}) for c in (0, 1)]
-                  for n in ns])
-    out += ["", source(path), "",
-            "### attention_kl against torch.compile", "",
-            "How many times faster than `torch.compile` of the materialised loss (scores, both "
-            "log-softmaxes and the KL in fp32), N = 8K, same shapes.", ""]
-    body = []
-    for pss, base, what in (("fwd", "torch_compile_fwd", "forward"),
-                            ("fwd_bwd", "torch_compile_fwd_bwd", "forward + backward (setting 1)")):
-        vals = [val(**{"pass": pss, "n_q": 8192, "causal": c, "baseline": base, "metric": "speedup_over_baseline"})
-                for c in (0, 1)]
-        if any(v != "–" for v in vals):
-            body.append([what] + vals)
-    out += table(["pass", "non-causal", "causal"], body) if body else []
-    out += ["", source(path), "", "### attention_kl: decoding", "",
-            "A few query rows against a long key cache (forward, non-causal, keys split over programs): "
-            "time over the memory-copy floor (the bytes of K1 and K2 read once at the measured copy bandwidth).", ""]
-    dec = [r for r in rs if r["baseline"] == "copy_floor"]
-    out += table(["N_Q", "N_K", "time / copy floor"],
-                 [[r["n_q"], n_label(r["n_k"]), as_written(r)]
-                  for r in sorted(dec, key=lambda r: (int(r["n_k"]), int(r["n_q"])))])
-    out += ["", source(path), "", "### attention_kl: host cost and long sequences", "",
-            "Host time per call at a tiny shape (B=1, H=1, N_Q=1, N_K=64, D=64, bf16; 1000 back-to-back "
-            "calls), and the time of one call at very long sequences (B=1, D=128, bf16, causal).", ""]
-    body = []
-    for r in rs + [r for r in rows(path) if r["operation"] == "sdpa"]:
-        if r["metric"] == "us_per_call":
-            what = {"host_fwd": "forward", "host_fwd_bwd": "forward + backward (setting 1)"}[r["pass"]]
-            name = "SDPA" if r["operation"] == "sdpa" else "attention_kl"
-            body.append([f"{name}, {what}", f"N_Q = {r['n_q']}, N_K = {r['n_k']}", f"{r['value']} µs"])
-    for r in rs:
-        if r["metric"] == "seconds_per_call":
             what = {"fwd": "forward", "fwd_bwd": "forward + backward (setting 1)"}[r["pass"]]
-            shape = f"N = {n_label(r['n_q'])}, H = {r['h']}"
             cell = f"{r['value']} s" if r["run_status"] == "ok" else f"not finished ({r['run_status']})"
-            body.append([f"attention_kl, {what}", shape, cell])
-    out += table(["call", "shape", "time per call"], body)
-    return out + ["", source(path), ""]
+            body.append([f"attention_kl, {what}", f"N = {n_label(r['n_q'])}, H = {r['h']}", cell])
+        out += table(["call", "shape", "time per call"], body) + ["", source(path), ""]
+    return out
 
 
 # ------------------------------------------------------------------------------ indexer_kl
@@ -261,53 +291,178 @@ def varlen(path: str) -> list[str]:
     return out + ["", source(path)] + [f"Earlier run: {e[len('Source: '):]}" for e in earlier] + [""]
 
 
-def summary(attention_path: str, indexer_path: str) -> list[str]:
-    """The page's summary: ranges read off the newest attention and indexer results."""
-    at = [r for r in rows(attention_path) if r["operation"] == "attention_kl" and r["run_status"] == "ok"]
+def summary(indexer_path: str) -> list[str]:
+    """The page's summary: ranges read off the newest results of each kind (the tables name them)."""
+    def ok(kind):
+        return [r for r in newest_attention(kind)[1] if r["run_status"] == "ok" and num(r["value"]) is not None]
 
-    def rng(**match):
-        vals = [num(r["value"]) for r in at if all(r[k] == str(v) for k, v in match.items())]
-        vals = [v for v in vals if v is not None]
+    def rng(rs, **match):
+        vals = [num(r["value"]) for r in rs if all(r[k] == str(v) for k, v in match.items())]
+        if not vals:
+            return "–"
         lo, hi = min(vals), max(vals)
         return f"{lo:.2f}×" if lo == hi else f"{lo:.2f}-{hi:.2f}×"
 
-    def ns(**match):
-        found = sorted({int(r["n_q"]) for r in at if all(r[k] == str(v) for k, v in match.items())})
+    def ns(rs):
+        found = sorted({int(r["n_q"]) for r in rs})
         return f"{n_label(found[0])} to {n_label(found[-1])}"
-
-    def one(**match):
-        return next(r["value"] for r in at if all(r[k] == str(v) for k, v in match.items()))
 
     ix = [r for r in rows(indexer_path) if r["run_status"] == "ok"]
 
     def ims(teacher, pss, provider, lse="1"):
         return next(num(r["ms"]) for r in ix if (r["teacher"], r["pass"], r["provider"], r["lse_given"]) == (teacher, pss, provider, lse))
 
+    fwd, step, compiled, decode = ok("fwd"), ok("step"), ok("compile"), ok("decode")
     dsa_step, dsa_compile, dsa_floor = ims("dsa", "fwd_bwd", "ours"), ims("dsa", "fwd_bwd", "torch_compile"), ims("dsa", "fwd_bwd", "floor")
-    folder = os.path.basename(os.path.dirname(attention_path))
-    return [
-        f"On one H200 (the newest results, `bench/results/{folder}/`):", "",
-        f"- **Forward**: {rng(**{'pass': 'fwd', 'baseline': 'sdpa_fwd'})} SDPA's forward time from "
-        f"{ns(**{'pass': 'fwd', 'baseline': 'sdpa_fwd'})} (two score products and two exponentials per score "
-        f"against attention's one of each); {one(**{'pass': 'fwd', 'n_q': 8192, 'causal': 0, 'baseline': 'torch_compile_fwd'})}× "
-        f"(non-causal) and {one(**{'pass': 'fwd', 'n_q': 8192, 'causal': 1, 'baseline': 'torch_compile_fwd'})}× (causal) "
-        "faster than `torch.compile` of the materialised loss at 8K, with memory linear in N.",
-        f"- **Training step** (forward + backward, setting 1): {rng(**{'pass': 'fwd_bwd', 'baseline': 'sdpa_fwd_bwd'})} "
-        f"SDPA's; the backward alone {rng(**{'pass': 'bwd', 'baseline': 'sdpa_bwd'})} SDPA's backward.",
-        f"- **Decoding**: {rng(baseline='copy_floor')} the memory-copy floor at N_K = 128K.",
-        f"- **Indexer loss**, DSA-like teacher at 8K, training step: {fmt(dsa_step)} ms, "
-        f"{fmt(dsa_compile / dsa_step, '×')} faster than `torch.compile` of the materialised loss, "
-        f"{fmt(dsa_step / dsa_floor, '×')} its matmul floor.", ""]
+    lines = ["On one H200 (the newest results of each kind; every table below names its folder and commit):", ""]
+    if fwd:
+        lines.append(f"- **Forward**: {rng(fwd)} SDPA's forward time from {ns(fwd)} (two score products and two "
+                     "exponentials per score against attention's one of each), with memory linear in N.")
+    if compiled:
+        lines.append(f"- **Against `torch.compile`** of the materialised loss at 8K: the forward "
+                     f"{_value(compiled, **{'pass': 'fwd', 'causal': 0})} (non-causal) and "
+                     f"{_value(compiled, **{'pass': 'fwd', 'causal': 1})} (causal) faster.")
+    if step:
+        lines.append(f"- **Training step** (forward + backward, setting 1): {rng(step, **{'pass': 'fwd_bwd'})} SDPA's; "
+                     f"the backward alone {rng(step, **{'pass': 'bwd'})} SDPA's backward.")
+    if decode:
+        lines.append(f"- **Decoding**: {rng(decode)} the memory-copy floor at N_K = 128K.")
+    lines += [f"- **Indexer loss**, DSA-like teacher at 8K, training step: {fmt(dsa_step)} ms, "
+              f"{fmt(dsa_compile / dsa_step, '×')} faster than `torch.compile` of the materialised loss, "
+              f"{fmt(dsa_step / dsa_floor, '×')} its matmul floor.", ""]
+    return lines
 
 
-SECTIONS = (("attention.csv", attention), ("varlen.csv", varlen), ("indexer.csv", indexer),
+SECTIONS = (("varlen.csv", varlen), ("indexer.csv", indexer),
             ("indexer_topk.csv", indexer_topk))
+
+
+# ------------------------------------------------------------------ a folder's attention.csv
+# ``--derive FOLDER``: the headline rows of one results folder (the form the attention tables read),
+# derived from whichever of its own measurements it holds; what it lacks gives no rows:
+# - bench.csv (the core sections): the forward over SDPA's forward, the training step (setting 1,
+#   bwd_mode="auto") over SDPA's forward + backward, the backward alone (the step less the forward,
+#   the worse of settings 1 and 2) over SDPA's backward (its step less its forward), each at B = 1,
+#   H = 32, D = 128, bf16 for every N from 4K the grid ran; torch.compile of the materialised loss
+#   at 8K over ours (where the run's budget let it run); decoding over the copy floor at N_K = 128K;
+#   the long section's calls at its two longest N;
+# - host_cost.csv (the host section): host time per call at the tiny shape, ours and SDPA's.
+# Every ratio is of two medians of the same run. A measurement whose status is not ok gives a row
+# with that status and no value (shown as not finished).
+DERIVED_COLUMNS = ["operation", "pass", "n_q", "n_k", "b", "h", "d", "dtype", "causal", "setting", "metric",
+                   "value", "baseline", "run_status"]
+MIN_N = 4096  # the headline's range: below it launches, not the streaming pass, set the ratios
+DIGITS = {"ratio_to_baseline": "{:.2f}", "speedup_over_baseline": "{:.2f}", "us_per_call": "{:.1f}",
+          "seconds_per_call": "{:.3g}"}
+HOST_SHAPE = dict(n_q=1, n_k=64, b=1, h=1, d=64, dtype="bf16", causal=0)
+# the host section's providers -> (operation, pass)
+HOST_PROVIDERS = {"forward": ("attention_kl", "host_fwd"), "forward+backward": ("attention_kl", "host_fwd_bwd"),
+                  "sdpa_forward": ("sdpa", "host_fwd"), "sdpa_forward+backward": ("sdpa", "host_fwd_bwd")}
+
+
+def _row(operation, pss, metric, value, *, baseline="", setting="", status="ok", **shape):
+    row = dict.fromkeys(DERIVED_COLUMNS, "")
+    row.update(operation=operation, metric=metric, baseline=baseline, setting=setting, run_status=status,
+               **{k: str(v) for k, v in shape.items()})
+    row["pass"] = pss
+    row["value"] = "" if value is None or status != "ok" else DIGITS[metric].format(value)
+    return row
+
+
+def grid_rows(bench):
+    """Ratios from a core-sections ``bench.csv``."""
+    def p50(kernel, provider, mode, causal, n_q, n_k=None, h=32):
+        for r in bench:
+            if (r["kernel"], r["provider"], r["mode"], r["causal"], r["n_q"], r["n_k"], r["h"]) == (
+                    kernel, provider, mode, str(causal), str(n_q), str(n_q if n_k is None else n_k), str(h)) \
+                    and r["d1"] == r["d2"] == "128" and r["dtype"] == "bf16" and r["b"] == "1":
+                return (float(r["p50_ms"]) if r["status"] == "ok" and r["p50_ms"] else None), r["status"]
+        return None, "missing"
+
+    def ratio(num, den):
+        (a, sa), (b, sb) = num, den
+        if a is not None and b is not None:
+            return a / b, "ok"
+        return None, next(s for s in (sa, sb) if s != "ok")
+
+    out = []
+    shape = dict(b=1, h=32, d=128, dtype="bf16")
+    ns = sorted({int(r["n_q"]) for r in bench if r["kernel"] in ("fwd", "fwd_bwd") and r["n_q"] == r["n_k"]
+                 and int(r["n_q"]) >= MIN_N})
+    for n in ns:
+        for c in (0, 1):
+            at = dict(n_q=n, n_k=n, causal=c, **shape)
+            fwd, sdpa_fwd = p50("fwd", "ours", "fwd", c, n), p50("fwd", "sdpa", "fwd", c, n)
+            if fwd[1] != "missing":
+                v, s = ratio(fwd, sdpa_fwd)
+                out.append(_row("attention_kl", "fwd", "ratio_to_baseline", v, baseline="sdpa_fwd", status=s, **at))
+            sdpa_step = p50("fwd_bwd", "sdpa", "fwd_bwd_sdpa", c, n)
+            step = {s: p50("fwd_bwd", "ours_auto", f"fwd_bwd_{s}", c, n) for s in ("s1", "s2")}
+            if step["s1"][1] != "missing":
+                v, s = ratio(step["s1"], sdpa_step)
+                out.append(_row("attention_kl", "fwd_bwd", "ratio_to_baseline", v, baseline="sdpa_fwd_bwd",
+                                setting="s1", status=s, **at))
+                backs = [ratio((None if None in (step[x][0], fwd[0]) else step[x][0] - fwd[0],
+                                step[x][1] if step[x][1] != "ok" else fwd[1]),
+                               (None if None in (sdpa_step[0], sdpa_fwd[0]) else sdpa_step[0] - sdpa_fwd[0],
+                                sdpa_step[1] if sdpa_step[1] != "ok" else sdpa_fwd[1]))
+                         for x in ("s1", "s2")]
+                failed = [b for b in backs if b[1] != "ok"]
+                v, s = failed[0] if failed else max(backs)
+                out.append(_row("attention_kl", "bwd", "ratio_to_baseline", v, baseline="sdpa_bwd",
+                                setting="worst of s1 s2", status=s, **at))
+    for c in (0, 1):
+        at = dict(n_q=8192, n_k=8192, causal=c, **shape)
+        for pss, mode, ours in (("fwd", "fwd", ("fwd", "ours", "fwd")),
+                                ("fwd_bwd", "fwd_bwd_s1", ("fwd_bwd", "ours_auto", "fwd_bwd_s1"))):
+            compiled = p50(pss, "compile", mode, c, 8192)
+            if compiled[0] is not None:  # skipped by the run's budget: no row (the table takes an older run's)
+                v, s = ratio(compiled, p50(*ours, c, 8192))
+                out.append(_row("attention_kl", pss, "speedup_over_baseline", v, baseline=f"torch_compile_{pss}",
+                                setting="s1" if pss == "fwd_bwd" else "", status=s, **at))
+    for n_q in (1, 16):
+        ours = p50("decode", "ours", "fwd", 0, n_q, 131072)
+        if ours[1] != "missing":
+            v, s = ratio(ours, p50("decode", "floor", "fwd", 0, n_q, 131072))
+            out.append(_row("attention_kl", "fwd", "ratio_to_baseline", v, baseline="copy_floor", status=s,
+                            n_q=n_q, n_k=131072, dtype="bf16", causal=0))
+    longs = [r for r in bench if r["kernel"] == "long"]
+    for n in sorted({int(r["n_q"]) for r in longs})[-2:]:
+        for r in longs:
+            if int(r["n_q"]) == n and r["provider"] in ("ours", "ours_auto"):
+                pss = "fwd" if r["mode"] == "fwd" else "fwd_bwd"
+                value = float(r["p50_ms"]) / 1000 if r["status"] == "ok" and r["p50_ms"] else None
+                out.append(_row("attention_kl", pss, "seconds_per_call", value, setting="" if pss == "fwd" else "s1",
+                                status="ok" if value is not None else r["status"], n_q=n, n_k=n, b=r["b"], h=r["h"],
+                                d=r["d1"], dtype=r["dtype"], causal=r["causal"]))
+    return out
+
+
+def host_rows(host):
+    """Per-call host time at the tiny shape from the ``host`` section's ``host_cost.csv``."""
+    out = []
+    for r in host:
+        if r["measure"] == "host_us_per_call" and r["provider"] in HOST_PROVIDERS:
+            operation, pss = HOST_PROVIDERS[r["provider"]]
+            ok = r["run_status"] == "ok" and r["value"]
+            out.append(_row(operation, pss, "us_per_call", float(r["value"]) if ok else None,
+                            setting="s1" if pss == "host_fwd_bwd" else "", status=r["run_status"] if not ok else "ok",
+                            **HOST_SHAPE))
+    return out
+
+
+def derive(folder: str, host: str | None = None) -> list[dict]:
+    """The rows of ``folder/attention.csv`` from the measurements it holds."""
+    bench_path, host_path = os.path.join(folder, "bench.csv"), host or os.path.join(folder, "host_cost.csv")
+    found = grid_rows(rows(bench_path)) if os.path.exists(bench_path) else []
+    return found + (host_rows(rows(host_path)) if os.path.exists(host_path) else [])
 
 
 def render() -> str:
     lines = ["<!-- generated by docs/gen_performance.py from bench/results/: do not edit -->", ""]
-    if newest("attention.csv") and newest("indexer.csv"):
-        lines += summary(newest("attention.csv"), newest("indexer.csv"))
+    if newest("indexer.csv"):
+        lines += summary(newest("indexer.csv"))
+    lines += attention()
     for name, fn in SECTIONS:
         path = newest(name)
         if path is not None:
@@ -318,7 +473,21 @@ def render() -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=OUT)
+    p.add_argument("--derive", metavar="FOLDER", help="write FOLDER/attention.csv from the folder's bench.csv and "
+                   "host_cost.csv instead")
+    p.add_argument("--host", help="with --derive: the host section's CSV (default FOLDER/host_cost.csv)")
     args = p.parse_args(argv)
+    if args.derive:
+        derived = derive(args.derive, args.host)
+        if not derived:
+            raise SystemExit(f"{args.derive}: no bench.csv or host_cost.csv rows to derive from")
+        path = os.path.join(args.derive, "attention.csv")
+        with open(path, "w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=DERIVED_COLUMNS, lineterminator="\n")
+            w.writeheader()
+            w.writerows(derived)
+        print(f"wrote {path}: {len(derived)} rows")
+        return
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as fh:
         fh.write(render())

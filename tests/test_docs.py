@@ -71,7 +71,7 @@ def test_performance_tables_match_their_csv():
     training step, read from the results the page names."""
     import csv
     gen = _load("gen_performance", os.path.join(DOCS, "gen_performance.py"))
-    path = gen.newest("attention.csv")
+    path = gen.newest_attention("fwd")[0]
     with open(os.path.join(DOCS, "_generated", "performance_tables.md"), encoding="utf-8") as fh:
         page = fh.read()
     assert os.path.relpath(path, ROOT).replace(os.sep, "/") in page

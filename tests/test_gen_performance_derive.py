@@ -1,0 +1,114 @@
+"""The headline rows of a results folder (``docs/gen_performance.py --derive``) from its own CSVs:
+each ratio is of the two medians it names, a measurement that did not finish gives a row without a
+value, and what the folder did not measure gives no row. The generator reads each attention table
+from the newest folder that has its rows."""
+import csv
+import importlib.util
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location("gen_performance", os.path.join(ROOT, "docs", "gen_performance.py"))
+gen = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gen)
+
+BENCH_COLUMNS = ["kernel", "provider", "mode", "causal", "n_q", "n_k", "b", "h", "d1", "d2", "dtype", "p20_ms",
+                 "p50_ms", "p80_ms", "peak_extra_gib", "status"]
+
+
+def _bench_row(kernel, provider, mode, causal, n, p50, n_k=None, h=32, status="ok"):
+    return dict(kernel=kernel, provider=provider, mode=mode, causal=causal, n_q=n, n_k=n if n_k is None else n_k, b=1,
+                h=h, d1=128, d2=128, dtype="bf16", p20_ms="", p50_ms="" if p50 is None else p50, p80_ms="",
+                peak_extra_gib="", status=status)
+
+
+def _write(path, columns, rows):
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=columns)
+        w.writeheader()
+        w.writerows(rows)
+
+
+@pytest.fixture
+def folder(tmp_path):
+    n = 8192
+    rows = [_bench_row("fwd", "ours", "fwd", 0, n, 3.0), _bench_row("fwd", "sdpa", "fwd", 0, n, 2.0),
+            _bench_row("fwd_bwd", "ours_auto", "fwd_bwd_s1", 0, n, 9.0),
+            _bench_row("fwd_bwd", "ours_auto", "fwd_bwd_s2", 0, n, 10.0),
+            _bench_row("fwd_bwd", "sdpa", "fwd_bwd_sdpa", 0, n, 7.0),
+            _bench_row("fwd", "compile", "fwd", 0, n, 12.0),
+            _bench_row("fwd_bwd", "compile", "fwd_bwd_s1", 0, n, None, status="skipped(budget)"),
+            _bench_row("fwd", "ours", "fwd", 1, n, 2.0), _bench_row("fwd", "sdpa", "fwd", 1, n, None, status="OOM"),
+            _bench_row("fwd", "ours", "fwd", 0, 2048, 1.0), _bench_row("fwd", "sdpa", "fwd", 0, 2048, 0.5),
+            _bench_row("decode", "ours", "fwd", 0, 1, 0.5, n_k=131072),
+            _bench_row("decode", "floor", "fwd", 0, 1, 0.25, n_k=131072),
+            _bench_row("long", "ours", "fwd", 1, 1 << 19, 1250.0, h=8),
+            _bench_row("long", "ours_auto", "fwd_bwd_s1", 1, 1 << 19, None, h=8, status="OOM"),
+            _bench_row("long", "ours", "fwd", 1, 1 << 18, 310.0, h=8),
+            _bench_row("long", "ours", "fwd", 1, 1 << 12, 0.2, h=8)]
+    _write(tmp_path / "bench.csv", BENCH_COLUMNS, rows)
+    host = [dict(measure="host_us_per_call", provider=p, shape="B1 H1 NQ1 NK64 D64 bf16", value=v, unit="us", note="",
+                 run_status="ok")
+            for p, v in (("forward", "30.5"), ("sdpa_forward", "20.0"), ("forward+backward", "250.0"),
+                         ("sdpa_forward+backward", "200.0"), ("backward [one graph]", "120.0"))]
+    _write(tmp_path / "host_cost.csv", list(host[0]), host)
+    return tmp_path
+
+
+def _find(rows, **match):
+    found = [r for r in rows if all(r[k] == str(v) for k, v in match.items())]
+    assert len(found) == 1, (match, found)
+    return found[0]
+
+
+def test_each_ratio_is_of_the_two_medians_it_names(folder):
+    rows = gen.derive(str(folder))
+    assert _find(rows, **{"pass": "fwd", "n_q": 8192, "causal": 0, "baseline": "sdpa_fwd"})["value"] == "1.50"
+    assert _find(rows, **{"pass": "fwd_bwd", "n_q": 8192, "causal": 0})["value"] == f"{9 / 7:.2f}"
+    # the backward alone: the step less the forward, the worse of the two settings
+    assert _find(rows, **{"pass": "bwd", "n_q": 8192, "causal": 0})["value"] == f"{(10 - 3) / (7 - 2):.2f}"
+    assert _find(rows, baseline="torch_compile_fwd", causal=0)["value"] == "4.00"
+    assert _find(rows, baseline="copy_floor", n_q=1)["value"] == "2.00"
+    assert _find(rows, metric="seconds_per_call", n_q=1 << 19, **{"pass": "fwd"})["value"] == "1.25"
+    assert _find(rows, operation="attention_kl", metric="us_per_call", **{"pass": "host_fwd"})["value"] == "30.5"
+    assert _find(rows, operation="sdpa", metric="us_per_call", **{"pass": "host_fwd_bwd"})["value"] == "200.0"
+
+
+def test_what_did_not_finish_has_no_value_and_what_was_not_run_no_row(folder):
+    rows = gen.derive(str(folder))
+    oom = _find(rows, **{"pass": "fwd", "n_q": 8192, "causal": 1, "baseline": "sdpa_fwd"})
+    assert (oom["value"], oom["run_status"]) == ("", "OOM")
+    assert _find(rows, metric="seconds_per_call", **{"pass": "fwd_bwd"})["run_status"] == "OOM"
+    assert not [r for r in rows if r["baseline"] == "torch_compile_fwd_bwd"]  # skipped by the budget
+    assert not [r for r in rows if r["n_q"] == "2048"]  # below the headline's range
+    assert not [r for r in rows if r["n_q"] == str(1 << 12) and r["metric"] == "seconds_per_call"]  # the 2 longest only
+    assert not [r for r in rows if r["pass"] == "backward [one graph]"]
+
+
+def test_the_cli_writes_attention_csv_and_refuses_an_empty_folder(folder, tmp_path_factory):
+    gen.main(["--derive", str(folder)])
+    with open(folder / "attention.csv", newline="") as fh:
+        written = list(csv.DictReader(fh))
+    assert written == gen.derive(str(folder)) and list(written[0]) == gen.DERIVED_COLUMNS
+    with pytest.raises(SystemExit):
+        gen.main(["--derive", str(tmp_path_factory.mktemp("empty"))])
+
+
+def test_the_docs_generator_takes_each_table_from_the_newest_folder_that_has_its_rows(monkeypatch, tmp_path):
+    base = {c: "" for c in gen.DERIVED_COLUMNS}
+    older = [dict(base, operation="attention_kl", metric="ratio_to_baseline", value="1.50", baseline="sdpa_fwd",
+                  n_q="8192", causal="0", run_status="ok", **{"pass": "fwd"}),
+             dict(base, operation="attention_kl", metric="us_per_call", value="40.0", n_q="1", run_status="ok",
+                  **{"pass": "host_fwd"})]
+    newer = [dict(base, operation="attention_kl", metric="us_per_call", value="30.0", n_q="1", run_status="ok",
+                  **{"pass": "host_fwd"})]
+    for name, rs in (("2026-01-01_gpu_aaaaaaa", older), ("2026-01-02_gpu_bbbbbbb", newer)):
+        (tmp_path / name).mkdir()
+        _write(tmp_path / name / "attention.csv", gen.DERIVED_COLUMNS, rs)
+        (tmp_path / name / "env.json").write_text('{"runs": []}')
+    monkeypatch.setattr(gen, "RESULTS", str(tmp_path))
+    assert gen.newest_attention("fwd")[0].endswith(os.path.join("2026-01-01_gpu_aaaaaaa", "attention.csv"))
+    path, rs = gen.newest_attention("host")
+    assert path.endswith(os.path.join("2026-01-02_gpu_bbbbbbb", "attention.csv")) and rs[0]["value"] == "30.0"
+    assert gen.newest_attention("compile") == (None, [])
