@@ -123,7 +123,7 @@ def attention() -> list[str]:
     if path:
         out += ["### attention_kl: forward", "",
                 "Time of `attention_kl`'s forward over the time of SDPA's forward "
-                "(`scaled_dot_product_attention`, PyTorch's default dispatch: cuDNN on the H200), "
+                "(`scaled_dot_product_attention`, PyTorch's default dispatch: cuDNN on Hopper), "
                 "B=1, H=32, D=128, bf16, N_Q = N_K = N. Lower is better; 1.00 would be attention's speed.", ""]
         ns = sorted({int(r["n_q"]) for r in rs})
         out += table(["N", "non-causal", "causal"],
@@ -314,7 +314,7 @@ def summary(indexer_path: str) -> list[str]:
 
     fwd, step, compiled, decode = ok("fwd"), ok("step"), ok("compile"), ok("decode")
     dsa_step, dsa_compile, dsa_floor = ims("dsa", "fwd_bwd", "ours"), ims("dsa", "fwd_bwd", "torch_compile"), ims("dsa", "fwd_bwd", "floor")
-    lines = ["On one H200 (the newest results of each kind; every table below names its folder and commit):", ""]
+    lines = ["The newest results of each kind, on one Hopper GPU (every table below names its GPU, folder and commit):", ""]
     if fwd:
         lines.append(f"- **Forward**: {rng(fwd)} SDPA's forward time from {ns(fwd)} (two score products and two "
                      "exponentials per score against attention's one of each), with memory linear in N.")
