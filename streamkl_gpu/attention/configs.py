@@ -510,6 +510,10 @@ def fused_fits(d_pad: int) -> bool:
     return d_pad <= FUSED_MAX_HEAD_PAD
 
 
+# both sides trained: the separate kernels from this many query rows (auto_bwd_mode's measurements)
+BOTH_SEPARATE_MIN_NQ = 256
+
+
 def auto_bwd_mode(dims, n_sm: int, both: bool = False, new_kernels: bool = False) -> str:
     """Pick the fused kernel (each tile pair visited once, dQ by fp32 atomics) or the separate ones.
 
@@ -531,15 +535,20 @@ def auto_bwd_mode(dims, n_sm: int, both: bool = False, new_kernels: bool = False
     Measured on the H200 (bench/results/2026-11-29_h200_f87f3b3/bench.csv; B=1, H=32, D=128, bf16):
     - one setting (s1 or s2): fused is as fast or faster at N = 4K..32K, causal or not
       (s1, 8K non-causal: 12.84 ms fused vs 13.72 separate), and at N_Q = 16..512 with N_K = 32K;
-    - both settings: fused wins at small N_Q (N_K = 32K, N_Q = 16: 1.53 vs 1.79 ms; N_Q = 256:
-      2.83 vs 2.92), separate from N_Q = 512 on (N_Q = 512: 4.46 vs 5.24; N = 8K: 16.7 vs 20.5).
+    - both settings: fused wins at small N_Q (N_K = 32K, N_Q = 16: 1.53 vs 1.79 ms), separate from
+      N_Q = 512 on (N_Q = 512: 4.46 vs 5.24; N = 8K: 16.7 vs 20.5). With the separate kernels
+      since (key-major dK, heaviest-first dQ, |g| folded into the exponentials), separate from
+      N_Q = 256: at N_K = 32K non-causal it took 1.944 ms against fused 3.143 on an H100
+      (bench/results/2026-12-08_h100_eb23045/bench.csv, smallq rows) and 2.019 against 3.110 on an
+      H200 (bench/results/2026-12-04_h200_e7f5ad9/bench.csv), where N_Q = 64 still ran fused faster
+      (1.183 against 1.296; 1.091 against 1.268) and N_Q = 16 too.
     Not measured, reasoned: with fewer key-tile programs than SMs the fused kernel has too
     little parallelism (each program walks every query tile), so the separate kernels run then.
     """
     key_programs = cdiv(dims.NK, 64) * dims.B * dims.H
     if key_programs < n_sm:
         return "separate"
-    if both and dims.NQ >= 512:
+    if both and dims.NQ >= BOTH_SEPARATE_MIN_NQ:
         return "separate"
     if new_kernels and 10 * cdiv(dims.NQ, 128) * dims.B * dims.H >= 9 * n_sm:
         return "separate"
