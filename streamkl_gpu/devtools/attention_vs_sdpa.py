@@ -19,9 +19,8 @@ import argparse
 import csv
 import datetime
 import sys
-import time
 
-from streamkl_gpu.devtools.rotated_timing import rotated_medians
+from streamkl_gpu.devtools.rotated_timing import rotated_medians, timer_for
 
 SETTINGS = {1: (2, 3), 2: (0, 1)}  # setting -> the trained inputs of (q1, k1, q2, k2)
 
@@ -96,18 +95,6 @@ def measure(groups, rounds, timer):
     return {name: rotated_medians(fns, rounds, timer) for name, fns in groups.items()}
 
 
-def _timer(cuda):
-    if cuda:
-        from triton.testing import do_bench
-        return lambda fn: do_bench(fn, warmup=5, rep=30, return_mode="median")
-
-    def wall(fn):
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    return wall
-
-
 def rows(medians, rounds, gpu, torch_version, triton_version):
     """The CSV rows (dicts) of :func:`measure`'s medians."""
     ts = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -135,7 +122,7 @@ def main(argv=None):
     cuda = torch.cuda.is_available()
     ns = lambda s: tuple(int(x) for x in s.split(",") if x)
     groups = points(ns(a.fwd_n), ns(a.step_n), a.variant, device="cuda" if cuda else "cpu")
-    table = rows(measure(groups, a.rounds, _timer(cuda)), a.rounds, torch.cuda.get_device_name() if cuda else "cpu",
+    table = rows(measure(groups, a.rounds, timer_for(cuda)), a.rounds, torch.cuda.get_device_name() if cuda else "cpu",
                  torch.__version__, triton.__version__)
     with open(a.out, "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(table[0]))

@@ -16,9 +16,8 @@ import argparse
 import csv
 import datetime
 import sys
-import time
 
-from streamkl_gpu.devtools.rotated_timing import rotated_medians
+from streamkl_gpu.devtools.rotated_timing import rotated_medians, timer_for
 
 TRAINED = {"s1": (2, 3), "s2": (0, 1), "both": (0, 1, 2, 3)}  # setting -> the trained inputs of (q1, k1, q2, k2)
 MODES = ("fused", "separate", "auto")
@@ -65,18 +64,6 @@ def rows(medians, rounds, gpu, torch_version, triton_version):
     return out
 
 
-def _timer(cuda):
-    if cuda:
-        from triton.testing import do_bench
-        return lambda fn: do_bench(fn, warmup=5, rep=30, return_mode="median")
-
-    def wall(fn):
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    return wall
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -93,7 +80,7 @@ def main(argv=None):
     ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
     groups = points(ints(a.nq), ints(a.nk), a.settings.split(","), tuple(bool(c) for c in ints(a.causal)),
                     device="cuda" if cuda else "cpu")
-    timer = _timer(cuda)
+    timer = timer_for(cuda)
     medians = {}
     for point, fns in groups.items():
         medians[point] = rotated_medians(fns, a.rounds, timer)

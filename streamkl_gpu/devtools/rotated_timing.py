@@ -19,12 +19,27 @@ whatever a slot costs (the call before it, clocks settling) over every candidate
 from __future__ import annotations
 
 import statistics
+import time
 
 
 def _do_bench(fn) -> float:
     from triton.testing import do_bench
 
     return do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def timer_for(cuda: bool):
+    """One measurement in ms for the command-line tools: ``do_bench``'s median on a GPU (5 ms warm-up,
+    30 ms of repetitions), one call's wall-clock time on a CPU (the interpreter; tests)."""
+    if cuda:
+        from triton.testing import do_bench
+        return lambda fn: do_bench(fn, warmup=5, rep=30, return_mode="median")
+
+    def wall(fn):
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    return wall
 
 
 def rotation(names, rounds: int) -> list:
