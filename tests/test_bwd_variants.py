@@ -290,9 +290,11 @@ def test_auto_mode_separate_for_one_setting_with_the_new_kernels():
     assert attn_configs.auto_bwd_mode(dims(256, 32768), 132, False, new_kernels=True) == "fused"  # 64: half a wave
     assert attn_configs.auto_bwd_mode(dims(16, 32768), 132, False, new_kernels=True) == "fused"  # 32 (an H200 run)
     assert attn_configs.auto_bwd_mode(dims(16, 32768), 132, True, new_kernels=True) == "fused"  # both, small N_Q
-    # both, N_K = 32K: fused still at N_Q = 64, the separate kernels from 256 (0.62x fused's step on an H100)
-    assert attn_configs.auto_bwd_mode(dims(64, 32768), 132, True, new_kernels=True) == "fused"
-    assert attn_configs.auto_bwd_mode(dims(256, 32768), 132, True, new_kernels=True) == "separate"
+    # both (an H100 sweep): fused at N_Q = 64; the separate kernels from 96 against 8K keys or more,
+    # from 256 against fewer
+    for nq, nk, mode in ((64, 32768, "fused"), (96, 32768, "separate"), (96, 8192, "separate"), (192, 4096, "fused"),
+                         (256, 4096, "separate"), (256, 32768, "separate")):
+        assert attn_configs.auto_bwd_mode(dims(nq, nk), 132, True, new_kernels=True) == mode, (nq, nk)
     assert attn_configs.auto_bwd_mode(dims(256, 32768), 132, True, new_kernels=False) == "separate"
     assert attn_configs.auto_bwd_mode(dims(8192, 8192), 132, True, new_kernels=True) == "separate"
     assert attn_configs.auto_bwd_mode(dims(4096, 64, h=2), 132, False, new_kernels=True) == "separate"  # few keys

@@ -510,8 +510,10 @@ def fused_fits(d_pad: int) -> bool:
     return d_pad <= FUSED_MAX_HEAD_PAD
 
 
-# both sides trained: the separate kernels from this many query rows (auto_bwd_mode's measurements)
+# both sides trained: the separate kernels from this many query rows, and from fewer against this
+# many keys or more (auto_bwd_mode's measurements)
 BOTH_SEPARATE_MIN_NQ = 256
+BOTH_SEPARATE_MIN_NQ_LONG_KEYS, BOTH_LONG_KEYS = 96, 8192
 
 
 def auto_bwd_mode(dims, n_sm: int, both: bool = False, new_kernels: bool = False) -> str:
@@ -538,17 +540,23 @@ def auto_bwd_mode(dims, n_sm: int, both: bool = False, new_kernels: bool = False
     - both settings: fused wins at small N_Q (N_K = 32K, N_Q = 16: 1.53 vs 1.79 ms), separate from
       N_Q = 512 on (N_Q = 512: 4.46 vs 5.24; N = 8K: 16.7 vs 20.5). With the separate kernels
       since (key-major dK, heaviest-first dQ, |g| folded into the exponentials), separate from
-      N_Q = 256: at N_K = 32K non-causal it took 1.944 ms against fused 3.143 on an H100
-      (bench/results/2026-12-08_h100_eb23045/bench.csv, smallq rows) and 2.019 against 3.110 on an
-      H200 (bench/results/2026-12-04_h200_e7f5ad9/bench.csv), where N_Q = 64 still ran fused faster
-      (1.183 against 1.296; 1.091 against 1.268) and N_Q = 16 too.
+      N_Q = 256 at every N_K measured, and from N_Q = 96 against 8K keys or more: on an H100
+      (bench/results/2026-12-08_h100_8d365cc/, ``devtools.bwd_mode_sweep``, 5 rotated rounds, causal
+      and not) at N_K = 32K separate 1.42-1.71 ms against fused 1.69-2.70 for N_Q = 96-192 and
+      1.92 against 3.16 at 256; at 8K and 16K separate 0.43-0.88 against 0.46-1.38 for N_Q = 96-192;
+      at 4K fused as fast or faster up to N_Q = 192 (0.35 against 0.44 at 128), separate from 256
+      (0.38 against 0.46); at N_Q = 64 fused at every N_K but for two causal points within 4 %.
+      The grids agree at N_Q = 256, N_K = 32K: 1.944 against 3.143 (H100,
+      bench/results/2026-12-08_h100_eb23045/bench.csv) and 2.019 against 3.110 (H200,
+      bench/results/2026-12-04_h200_e7f5ad9/bench.csv).
     Not measured, reasoned: with fewer key-tile programs than SMs the fused kernel has too
     little parallelism (each program walks every query tile), so the separate kernels run then.
     """
     key_programs = cdiv(dims.NK, 64) * dims.B * dims.H
     if key_programs < n_sm:
         return "separate"
-    if both and dims.NQ >= BOTH_SEPARATE_MIN_NQ:
+    if both and (dims.NQ >= BOTH_SEPARATE_MIN_NQ
+                 or (dims.NQ >= BOTH_SEPARATE_MIN_NQ_LONG_KEYS and dims.NK >= BOTH_LONG_KEYS)):
         return "separate"
     if new_kernels and 10 * cdiv(dims.NQ, 128) * dims.B * dims.H >= 9 * n_sm:
         return "separate"
