@@ -510,9 +510,10 @@ def fused_fits(d_pad: int) -> bool:
     return d_pad <= FUSED_MAX_HEAD_PAD
 
 
-# both sides trained: the separate kernels from this many query rows, and from fewer against this
-# many keys or more (auto_bwd_mode's measurements)
-BOTH_SEPARATE_MIN_NQ = 256
+# both sides trained: the separate kernels from this many query rows; with the TMA kernels from
+# fewer, and fewer still against this many keys or more (auto_bwd_mode's measurements)
+BOTH_SEPARATE_MIN_NQ = 512
+BOTH_SEPARATE_MIN_NQ_TMA = 256
 BOTH_SEPARATE_MIN_NQ_LONG_KEYS, BOTH_LONG_KEYS = 96, 8192
 
 
@@ -539,8 +540,9 @@ def auto_bwd_mode(dims, n_sm: int, both: bool = False, new_kernels: bool = False
       (s1, 8K non-causal: 12.84 ms fused vs 13.72 separate), and at N_Q = 16..512 with N_K = 32K;
     - both settings: fused wins at small N_Q (N_K = 32K, N_Q = 16: 1.53 vs 1.79 ms), separate from
       N_Q = 512 on (N_Q = 512: 4.46 vs 5.24; N = 8K: 16.7 vs 20.5). With the separate kernels
-      since (key-major dK, heaviest-first dQ, |g| folded into the exponentials), separate from
-      N_Q = 256 at every N_K measured, and from N_Q = 96 against 8K keys or more: on an H100
+      since (key-major dK, heaviest-first dQ, |g| folded into the exponentials), the TMA kernels
+      (``new_kernels``; the only ones measured for this) run separate from N_Q = 256 at every N_K
+      measured, and from N_Q = 96 against 8K keys or more: on an H100
       (bench/results/2026-12-08_h100_8d365cc/, ``devtools.bwd_mode_sweep``, 5 rotated rounds, causal
       and not) at N_K = 32K separate 1.42-1.71 ms against fused 1.69-2.70 for N_Q = 96-192 and
       1.92 against 3.16 at 256; at 8K and 16K separate 0.43-0.88 against 0.46-1.38 for N_Q = 96-192;
@@ -555,8 +557,10 @@ def auto_bwd_mode(dims, n_sm: int, both: bool = False, new_kernels: bool = False
     key_programs = cdiv(dims.NK, 64) * dims.B * dims.H
     if key_programs < n_sm:
         return "separate"
-    if both and (dims.NQ >= BOTH_SEPARATE_MIN_NQ
-                 or (dims.NQ >= BOTH_SEPARATE_MIN_NQ_LONG_KEYS and dims.NK >= BOTH_LONG_KEYS)):
+    if both and dims.NQ >= BOTH_SEPARATE_MIN_NQ:
+        return "separate"
+    if both and new_kernels and (dims.NQ >= BOTH_SEPARATE_MIN_NQ_TMA or (
+            dims.NQ >= BOTH_SEPARATE_MIN_NQ_LONG_KEYS and dims.NK >= BOTH_LONG_KEYS)):
         return "separate"
     if new_kernels and 10 * cdiv(dims.NQ, 128) * dims.B * dims.H >= 9 * n_sm:
         return "separate"
