@@ -337,6 +337,59 @@ SECTIONS = (("varlen.csv", varlen), ("indexer.csv", indexer),
             ("indexer_topk.csv", indexer_topk))
 
 
+# ---------------------------------------------------------------------------- first use
+FIRST_CALL_ENTRIES = {  # first_call's entries -> what the table calls them
+    "fwd": "forward", "fwd_bwd_auto_s1": "forward + backward, setting 1", "fwd_bwd_auto_s2": "forward + backward, setting 2",
+    "fwd_bwd_auto_both": "forward + backward, both settings", "varlen_fwd_bwd_s1": "packed sequences, setting 1",
+    "indexer_dense_step": "indexer loss, per-row losses summed", "indexer_mean_step": "indexer loss, mean training step",
+    "indexer_topk_step": "indexer loss, top-k training step", "decode_splitk": "split-K decoding",
+}
+
+
+def _newest_gpu(name: str) -> str | None:
+    """The newest ``<folder>/<name>`` measured on a GPU (not the interpreter)."""
+    return next((p for p in newest_first(name) if "interpreter" not in _env(os.path.dirname(p))["gpu"]
+                 and "cpu" not in os.path.basename(os.path.dirname(p))), None)
+
+
+def first_use() -> list[str]:
+    """``streamkl verify`` on the GPU and each entry point's first call, from empty caches: the
+    newest GPU run of each."""
+    out = []
+    cold = _newest_gpu("verify_cold.json")
+    if cold:
+        folder = os.path.dirname(cold)
+        body = []
+        for name, what in (("verify_cold.json", "empty Triton and streamkl caches"), ("verify_warm.json", "warm caches"),
+                           ("verify_quick_cold.json", "`--quick`, empty caches")):
+            path = os.path.join(folder, name)
+            if os.path.exists(path):
+                with open(path) as fh:
+                    run = json.load(fh)
+                body.append([what, run["summary"], fmt(run["elapsed_s"], " s")])
+        out += ["### First use: `streamkl verify` on the GPU", "",
+                "The conformance battery on the GPU, its own clock (starting the command adds a few seconds: "
+                "[verify](verify.md)).", ""]
+        out += table(["caches", "checks", "time"], body) + ["", source(cold), ""]
+    calls = _newest_gpu("first_call.csv")
+    if calls:
+        rs = [r for r in rows(calls) if r["run_status"] == "ok"]
+
+        def value(entry, measure):
+            return next((num(r["value"]) for r in rs if (r["entry"], r["measure"]) == (entry, measure)), None)
+
+        body = [[label, fmt(value(e, "first_call_s"), " s"), fmt(value(e, "compile_s")),
+                 str(int(value(e, "kernels_compiled") or 0))]
+                for e, label in FIRST_CALL_ENTRIES.items() if value(e, "first_call_s") is not None]
+        shape = next((r["shape"] for r in rs if r["entry"] == "fwd"), "")
+        out += ["### First use: each entry point's first call", "",
+                f"A fresh process with empty caches, one call at a new shape (`{shape}` for attention; the "
+                "indexer an MQA teacher of 64 heads, D = 576, indexer 64 x 128), the API name resolved inside "
+                "the timed call; compiler seconds summed over the compile threads, which run side by side.", ""]
+        out += table(["entry", "first call", "compiler seconds", "kernels compiled"], body) + ["", source(calls), ""]
+    return out
+
+
 # ------------------------------------------------------------------ a folder's attention.csv
 # ``--derive FOLDER``: the headline rows of one results folder (the form the attention tables read),
 # derived from whichever of its own measurements it holds; what it lacks gives no rows:
@@ -467,6 +520,7 @@ def render() -> str:
         path = newest(name)
         if path is not None:
             lines += fn(path)
+    lines += first_use()
     return "\n".join(lines).rstrip() + "\n"
 
 

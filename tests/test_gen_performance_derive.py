@@ -112,3 +112,19 @@ def test_the_docs_generator_takes_each_table_from_the_newest_folder_that_has_its
     path, rs = gen.newest_attention("host")
     assert path.endswith(os.path.join("2026-01-02_gpu_bbbbbbb", "attention.csv")) and rs[0]["value"] == "30.0"
     assert gen.newest_attention("compile") == (None, [])
+
+
+def test_first_use_tables_read_the_newest_gpu_run(monkeypatch, tmp_path):
+    """The first-use tables come from the newest GPU folder with the file, never an interpreter run."""
+    for name, gpu in (("2026-01-01_h100_aaaaaaa", "NVIDIA H100"), ("2026-01-02_cpu-2core_bbbbbbb", "cpu (Triton interpreter)")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "env.json").write_text(
+            '{"gpu": "%s", "torch": "t", "triton": "tr", "commit": "%s", "runs": []}' % (gpu, name[-7:]))
+        rs = [dict(entry="fwd", shape="B=1", measure=m, value=v, run_status="ok")
+              for m, v in (("first_call_s", "2.5" if "h100" in name else "99"), ("compile_s", "2.0"),
+                           ("kernels_compiled", "1"))]
+        _write(tmp_path / name / "first_call.csv", list(rs[0]), rs)
+    monkeypatch.setattr(gen, "RESULTS", str(tmp_path))
+    page = "\n".join(gen.first_use())
+    assert "| forward | 2.50 s | 2.00 | 1 |" in page and "99" not in page
+    assert "2026-01-01_h100_aaaaaaa/first_call.csv" in page and "streamkl verify" not in page  # no verify JSON filed
