@@ -539,8 +539,8 @@ def auto_bwd_mode(dims, n_sm: int, both: bool = False, new_kernels: bool = False
     - one setting (s1 or s2): fused is as fast or faster at N = 4K..32K, causal or not
       (s1, 8K non-causal: 12.84 ms fused vs 13.72 separate), and at N_Q = 16..512 with N_K = 32K;
     - both settings: fused wins at small N_Q (N_K = 32K, N_Q = 16: 1.53 vs 1.79 ms), separate from
-      N_Q = 512 on (N_Q = 512: 4.46 vs 5.24; N = 8K: 16.7 vs 20.5). With the separate kernels
-      since (key-major dK, heaviest-first dQ, |g| folded into the exponentials), the TMA kernels
+      N_Q = 512 on (N_Q = 512: 4.46 vs 5.24; N = 8K: 16.7 vs 20.5), the kernels of that run. With
+      the separate kernels' key-major dK, heaviest-first dQ and |g| folded into the exponentials, the TMA kernels
       (``new_kernels``; the only ones measured for this) run separate from N_Q = 256 at every N_K
       measured, and from N_Q = 96 against 8K keys or more: on an H100
       (bench/results/2026-12-08_h100_8d365cc/, ``devtools.bwd_mode_sweep``, 5 rotated rounds, causal
