@@ -2,7 +2,7 @@
 """The tables of docs/performance.md, generated from the committed results (no typed numbers).
 
     python docs/gen_performance.py                  # writes docs/_generated/performance_tables.md
-    python docs/gen_performance.py --derive FOLDER  # writes FOLDER/attention.csv from its bench.csv, host_cost.csv
+    python docs/gen_performance.py --derive FOLDER  # FOLDER/attention.csv, indexer.csv from the run's own CSVs
 
 For each operation the newest results folder that measured it is read
 (``bench/results/<YYYY-MM-DD>_<gpu>_<commit>/``: newest by the date in its name, then by the
@@ -196,39 +196,48 @@ TEACHERS = {
 
 
 def indexer(path: str) -> list[str]:
-    rs = [r for r in rows(path) if r["operation"] == "indexer_kl"]
+    def reader(p):
+        rs = [r for r in rows(p) if r["operation"] == "indexer_kl"]
 
-    def ms(teacher, lse, pss, provider):
-        for r in rs:
-            if (r["teacher"], r["lse_given"], r["pass"], r["provider"]) == (teacher, str(lse), pss, provider):
-                return num(r["ms"]) if r["run_status"] == "ok" else None
-        return None
+        def ms(teacher, lse, pss, provider):
+            for r in rs:
+                if (r["teacher"], r["lse_given"], r["pass"], r["provider"]) == (teacher, str(lse), pss, provider):
+                    return num(r["ms"]) if r["run_status"] == "ok" else None
+            return None
+        return ms
 
+    ms = reader(path)
+    # torch.compile's column: its ratio to ours within one run, the newest run that timed it
+    compiled = next((p for p in newest_first("indexer.csv")
+                     if any(r["provider"] == "torch_compile" for r in rows(p))), None)
+    cms = reader(compiled) if compiled else (lambda *_: None)
     out = ["### indexer_kl (dense warm-up)", "",
            "The indexer loss at N = 8K, causal, bf16, `reduction=\"mean\"`, indexer tensors requiring "
            "grad (the training case); ms. `lse given`: the teacher's per-head LSEs passed in (what "
            "FlashAttention's forward returns), so the teacher is read once. The floor is the teacher's "
            "scores once (forward), plus the indexer's forward and its two gradient products (step), at "
-           "the measured bf16 matmul rate. torch.compile: the materialised loss. With training inputs and "
-           "`lse` given the forward also forms the gradient (the chunk design for the MQA teacher; the GQA "
-           "teacher's rows were measured with the accumulating design: see the indexer's design notes), "
-           "so its time is most "
-           "of the step's.", ""]
+           "the measured bf16 matmul rate. torch.compile: the materialised loss, against ours in the same "
+           "run. With training inputs and `lse` given the forward also forms the gradient (see the "
+           "indexer's design notes), so its time is most of the step's.", ""]
     body = []
     for teacher in ("dsa", "gqa"):
         for lse in (1, 0):
             f, fb = ms(teacher, lse, "fwd", "ours"), ms(teacher, lse, "fwd_bwd", "ours")
             if f is None and fb is None:
                 continue
-            cf, cfb = ms(teacher, lse, "fwd", "torch_compile"), ms(teacher, lse, "fwd_bwd", "torch_compile")
+            cf, cfb = cms(teacher, lse, "fwd", "torch_compile"), cms(teacher, lse, "fwd_bwd", "torch_compile")
+            of, ofb = cms(teacher, lse, "fwd", "ours"), cms(teacher, lse, "fwd_bwd", "ours")
             flf, flb = ms(teacher, lse, "fwd", "floor"), ms(teacher, lse, "fwd_bwd", "floor")
-            speed = (f"{fmt(cf / f, '×')} / {fmt(cfb / fb, '×')}" if None not in (cf, cfb, f, fb) else "–")
-            floor = f"{fmt(flf)} / {fmt(flb)}" if None not in (flf, flb) else "–"
+            speed = (f"{fmt(cf / of, '×')} / {fmt(cfb / ofb, '×')}" if None not in (cf, cfb, of, ofb) else "–")
+            floor = f"{fmt(flf)} / {fmt(flb)}" if (flf, flb) != (None, None) else "–"
             step = fmt(fb / flb, "×") if None not in (fb, flb) else "–"
             body.append([TEACHERS[teacher], "yes" if lse else "no", fmt(f), fmt(fb), speed, floor, step])
     out += table(["teacher", "lse given", "forward", "forward + backward",
                   "faster than torch.compile (fwd / fwd+bwd)", "floor (fwd / step)", "fwd+bwd / step floor"], body)
-    return out + ["", source(path), ""]
+    out += ["", source(path)]
+    if compiled and compiled != path:
+        out.append(f"The torch.compile column: {source(compiled)[len('Source: '):]}")
+    return out + [""]
 
 
 def indexer_topk(path: str) -> list[str]:
@@ -310,7 +319,8 @@ def summary(indexer_path: str) -> list[str]:
     ix = [r for r in rows(indexer_path) if r["run_status"] == "ok"]
 
     def ims(teacher, pss, provider, lse="1"):
-        return next(num(r["ms"]) for r in ix if (r["teacher"], r["pass"], r["provider"], r["lse_given"]) == (teacher, pss, provider, lse))
+        return next((num(r["ms"]) for r in ix
+                     if (r["teacher"], r["pass"], r["provider"], r["lse_given"]) == (teacher, pss, provider, lse)), None)
 
     fwd, step, compiled, decode = ok("fwd"), ok("step"), ok("compile"), ok("decode")
     dsa_step, dsa_compile, dsa_floor = ims("dsa", "fwd_bwd", "ours"), ims("dsa", "fwd_bwd", "torch_compile"), ims("dsa", "fwd_bwd", "floor")
@@ -327,9 +337,12 @@ def summary(indexer_path: str) -> list[str]:
                      f"the backward alone {rng(step, **{'pass': 'bwd'})} SDPA's backward.")
     if decode:
         lines.append(f"- **Decoding**: {rng(decode)} the memory-copy floor at N_K = 128K.")
-    lines += [f"- **Indexer loss**, DSA-like teacher at 8K, training step: {fmt(dsa_step)} ms, "
-              f"{fmt(dsa_compile / dsa_step, '×')} faster than `torch.compile` of the materialised loss, "
-              f"{fmt(dsa_step / dsa_floor, '×')} its matmul floor.", ""]
+    if dsa_step is not None:
+        against = [f"{fmt(dsa_compile / dsa_step, '×')} faster than `torch.compile` of the materialised loss"
+                   if dsa_compile else "", f"{fmt(dsa_step / dsa_floor, '×')} its matmul floor" if dsa_floor else ""]
+        lines.append(f"- **Indexer loss**, DSA-like teacher at 8K, `lse` given, training step: {fmt(dsa_step)} ms"
+                     + "".join(f", {a}" for a in against if a) + ".")
+    lines.append("")
     return lines
 
 
@@ -504,6 +517,35 @@ def host_rows(host):
     return out
 
 
+INDEXER_COLUMNS = ["operation", "teacher", "lse_given", "n", "causal", "reduction", "pass", "provider", "ms",
+                   "run_status"]
+
+
+def indexer_rows(training: list[dict]) -> list[dict]:
+    """indexer.csv rows from the indexer section's ``indexer_training.csv`` (8K, causal, mean): ours
+    and, where the run measured it, torch.compile, forward and step; the step's matmul floor."""
+    get = {(r["section"], r["measure"], r["teacher"], r["path"], r["provider"], r["n"]): r for r in training}
+    out = []
+
+    def row(teacher, lse, pss, provider, r):
+        ms = num(r["value"]) if r["run_status"] == "ok" else None
+        out.append(dict(operation="indexer_kl", teacher=teacher, lse_given=lse, n="8192", causal="1",
+                        reduction="mean", provider=provider, ms="" if ms is None else f"{ms:.3g}",
+                        run_status=r["run_status"], **{"pass": pss}))
+
+    for teacher in ("dsa", "gqa"):
+        for path, lse in (("lse", "1"), ("no_lse", "0")):
+            for measure, pss in (("fwd_ms", "fwd"), ("fwd_bwd_ms", "fwd_bwd")):
+                for provider, name, at in (("streamkl", "ours", path), ("torch_compile", "torch_compile", "any")):
+                    r = get.get(("dense", measure, teacher, at, provider, "8192"))
+                    if r is not None:
+                        row(teacher, lse, pss, name, r)
+            r = get.get(("dense", "floor_ms", teacher, path, "floor", "8192"))
+            if r is not None:
+                row(teacher, lse, "fwd_bwd", "floor", r)
+    return out
+
+
 def derive(folder: str, host: str | None = None) -> list[dict]:
     """The rows of ``folder/attention.csv`` from the measurements it holds."""
     bench_path, host_path = os.path.join(folder, "bench.csv"), host or os.path.join(folder, "host_cost.csv")
@@ -527,20 +569,24 @@ def render() -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=OUT)
-    p.add_argument("--derive", metavar="FOLDER", help="write FOLDER/attention.csv from the folder's bench.csv and "
-                   "host_cost.csv instead")
+    p.add_argument("--derive", metavar="FOLDER", help="write FOLDER/attention.csv (from its bench.csv and "
+                   "host_cost.csv) and FOLDER/indexer.csv (from its indexer_training.csv) instead")
     p.add_argument("--host", help="with --derive: the host section's CSV (default FOLDER/host_cost.csv)")
     args = p.parse_args(argv)
     if args.derive:
-        derived = derive(args.derive, args.host)
-        if not derived:
-            raise SystemExit(f"{args.derive}: no bench.csv or host_cost.csv rows to derive from")
-        path = os.path.join(args.derive, "attention.csv")
-        with open(path, "w", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=DERIVED_COLUMNS, lineterminator="\n")
-            w.writeheader()
-            w.writerows(derived)
-        print(f"wrote {path}: {len(derived)} rows")
+        training = os.path.join(args.derive, "indexer_training.csv")
+        outputs = (("attention.csv", DERIVED_COLUMNS, derive(args.derive, args.host)),
+                   ("indexer.csv", INDEXER_COLUMNS, indexer_rows(rows(training)) if os.path.exists(training) else []))
+        if not any(found for _, _, found in outputs):
+            raise SystemExit(f"{args.derive}: no bench.csv, host_cost.csv or indexer_training.csv rows to derive from")
+        for name, columns, found in outputs:
+            if found:
+                path = os.path.join(args.derive, name)
+                with open(path, "w", newline="") as fh:
+                    w = csv.DictWriter(fh, fieldnames=columns, lineterminator="\n")
+                    w.writeheader()
+                    w.writerows(found)
+                print(f"wrote {path}: {len(found)} rows")
         return
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as fh:

@@ -128,3 +128,20 @@ def test_first_use_tables_read_the_newest_gpu_run(monkeypatch, tmp_path):
     page = "\n".join(gen.first_use())
     assert "| forward | 2.50 s | 2.00 | 1 |" in page and "99" not in page
     assert "2026-01-01_h100_aaaaaaa/first_call.csv" in page and "streamkl verify" not in page  # no verify JSON filed
+
+
+def test_indexer_rows_come_from_the_indexer_sections_training_csv(tmp_path):
+    def r(measure, teacher, path, provider, value, status="ok"):
+        return dict(section="dense", measure=measure, teacher=teacher, path=path, provider=provider, n="8192",
+                    value=value, unit="ms", note="", run_status=status)
+    training = [r("fwd_ms", "dsa", "lse", "streamkl", "18.4998"), r("fwd_bwd_ms", "dsa", "lse", "streamkl", "18.8761"),
+                r("floor_ms", "dsa", "lse", "floor", "8.3062"), r("fwd_bwd_ms", "dsa", "any", "torch_compile", "300.1"),
+                r("fwd_ms", "gqa", "no_lse", "streamkl", "", status="cut short"),
+                r("fwd_ms", "dsa", "lse", "streamkl_accumulating", "38.2")]
+    got = {(x["teacher"], x["lse_given"], x["pass"], x["provider"]): x for x in gen.indexer_rows(training)}
+    assert got[("dsa", "1", "fwd_bwd", "ours")]["ms"] == "18.9" and got[("dsa", "1", "fwd", "ours")]["ms"] == "18.5"
+    assert got[("dsa", "1", "fwd_bwd", "floor")]["ms"] == "8.31"
+    assert got[("dsa", "1", "fwd_bwd", "torch_compile")]["ms"] == "300"  # the dense compile point serves both paths
+    assert got[("gqa", "0", "fwd", "ours")]["ms"] == "" and got[("gqa", "0", "fwd", "ours")]["run_status"] == "cut short"
+    assert not [k for k in got if k[3] not in ("ours", "floor", "torch_compile")]  # forced variants are not headline
+    assert all(list(x) == gen.INDEXER_COLUMNS or set(x) == set(gen.INDEXER_COLUMNS) for x in got.values())
