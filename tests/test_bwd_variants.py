@@ -295,6 +295,9 @@ def test_auto_mode_separate_for_one_setting_with_the_new_kernels():
     for nq, nk, mode in ((64, 32768, "fused"), (96, 32768, "separate"), (96, 8192, "separate"), (192, 4096, "fused"),
                          (256, 4096, "separate"), (256, 32768, "separate")):
         assert attn_configs.auto_bwd_mode(dims(nq, nk), 132, True, new_kernels=True) == mode, (nq, nk)
+    # fewer batch x heads than the sweep ran (32) keep N_Q = 512
+    assert attn_configs.auto_bwd_mode(dims(256, 32768, h=8), 132, True, new_kernels=True) == "fused"
+    assert attn_configs.auto_bwd_mode(dims(96, 32768, h=64), 132, True, new_kernels=True) == "separate"
     # the kernels without TMA (packed sequences, fp32, no Hopper) keep the rule measured on them
     assert attn_configs.auto_bwd_mode(dims(256, 32768), 132, True, new_kernels=False) == "fused"
     assert attn_configs.auto_bwd_mode(dims(512, 32768), 132, True, new_kernels=False) == "separate"

@@ -510,11 +510,13 @@ def fused_fits(d_pad: int) -> bool:
     return d_pad <= FUSED_MAX_HEAD_PAD
 
 
-# both sides trained: the separate kernels from this many query rows; with the TMA kernels from
-# fewer, and fewer still against this many keys or more (auto_bwd_mode's measurements)
+# both sides trained: the separate kernels from this many query rows; with the TMA kernels and at
+# least BOTH_MIN_HEADS batch x heads from fewer, and fewer still against this many keys or more
+# (auto_bwd_mode's measurements)
 BOTH_SEPARATE_MIN_NQ = 512
 BOTH_SEPARATE_MIN_NQ_TMA = 256
 BOTH_SEPARATE_MIN_NQ_LONG_KEYS, BOTH_LONG_KEYS = 96, 8192
+BOTH_MIN_HEADS = 32
 
 
 def auto_bwd_mode(dims, n_sm: int, both: bool = False, new_kernels: bool = False) -> str:
@@ -551,6 +553,10 @@ def auto_bwd_mode(dims, n_sm: int, both: bool = False, new_kernels: bool = False
       The grids agree at N_Q = 256, N_K = 32K: 1.944 against 3.143 (H100,
       bench/results/2026-12-08_h100_eb23045/bench.csv) and 2.019 against 3.110 (H200,
       bench/results/2026-12-04_h200_e7f5ad9/bench.csv).
+      The sweep ran B x H = 32; the rule holds from there up (reasoned: the fused kernel's time grows
+      with B x H, while below one wave the dQ kernel's does not, so the separate pair only gains
+      with more heads) and leaves fewer heads, where a dQ kernel of a few programs walking every key
+      could lose to the fused kernel, on N_Q = 512.
     Not measured, reasoned: with fewer key-tile programs than SMs the fused kernel has too
     little parallelism (each program walks every query tile), so the separate kernels run then.
     """
@@ -559,7 +565,7 @@ def auto_bwd_mode(dims, n_sm: int, both: bool = False, new_kernels: bool = False
         return "separate"
     if both and dims.NQ >= BOTH_SEPARATE_MIN_NQ:
         return "separate"
-    if both and new_kernels and (dims.NQ >= BOTH_SEPARATE_MIN_NQ_TMA or (
+    if both and new_kernels and dims.B * dims.H >= BOTH_MIN_HEADS and (dims.NQ >= BOTH_SEPARATE_MIN_NQ_TMA or (
             dims.NQ >= BOTH_SEPARATE_MIN_NQ_LONG_KEYS and dims.NK >= BOTH_LONG_KEYS)):
         return "separate"
     if new_kernels and 10 * cdiv(dims.NQ, 128) * dims.B * dims.H >= 9 * n_sm:
