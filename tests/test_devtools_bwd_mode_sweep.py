@@ -24,3 +24,10 @@ def test_rows_give_each_mode_over_the_faster_forced_one():
     table = {r["mode"]: r for r in tool.rows(medians, 5, "gpu", "t", "tr")}
     assert table["auto"]["over_best"] == "1.5000" and table["separate"]["over_best"] == "1.0000"
     assert (table["fused"]["n_q"], table["fused"]["causal"], table["fused"]["rounds"]) == (256, 0, 5)
+
+
+def test_an_unknown_setting_is_refused_with_the_choices(capsys):
+    import pytest
+    with pytest.raises(SystemExit):
+        tool.main(["--out", "unused.csv", "--settings", "both,s3"])
+    assert "s3" in capsys.readouterr().err

@@ -70,9 +70,12 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--nq", default="64,128,192,256,384,512")
     ap.add_argument("--nk", default="32768")
-    ap.add_argument("--settings", default="both")
-    ap.add_argument("--causal", default="0,1", help="causal flags to time (0, 1 or both)")
+    ap.add_argument("--settings", default="both", help=f"comma-separated, of {', '.join(TRAINED)}")
+    ap.add_argument("--causal", default="0,1", help="comma-separated causal flags to time: 0, 1 or 0,1")
     a = ap.parse_args(argv)
+    unknown = [s for s in a.settings.split(",") if s not in TRAINED]
+    if unknown:
+        ap.error(f"unknown settings {unknown}: choose from {', '.join(TRAINED)}")
     import torch
     import triton
 
