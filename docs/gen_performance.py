@@ -72,11 +72,11 @@ def fmt(x: float | None, suffix: str = "") -> str:
     return f"{x:.{digits}f}" + suffix
 
 
-def as_written(r: dict | None) -> str:
-    """A transcribed ratio as the CSV writes it (no digits added), or why there is none."""
+def as_written(r: dict | None, unit: str = "×") -> str:
+    """A value as the CSV writes it (no digits added) with its unit, or why there is none."""
     if r is None:
         return "–"
-    return f"{r['value']}×" if r["run_status"] == "ok" and r["value"] else f"not finished ({r['run_status']})"
+    return f"{r['value']}{unit}" if r["run_status"] == "ok" and r["value"] else f"not finished ({r['run_status']})"
 
 
 def n_label(n) -> str:
@@ -88,6 +88,20 @@ def n_label(n) -> str:
 
 def table(head: list[str], body: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in body]
+
+
+def section(title: str, intro: str, head: list[str], body: list[list[str]], path: str) -> list[str]:
+    """One table of the page: its heading, what it shows, the table and the file it was read from."""
+    return [f"### {title}", "", intro, ""] + table(head, body) + ["", source(path), ""]
+
+
+def newest_with(name: str, keep) -> tuple[str | None, list[dict]]:
+    """The newest ``<folder>/<name>`` with rows that ``keep`` accepts, and those rows."""
+    for path in newest_first(name):
+        found = [r for r in rows(path) if keep(r)]
+        if found:
+            return path, found
+    return None, []
 
 
 # ---------------------------------------------------------------------------- attention_kl
@@ -106,11 +120,7 @@ ATTENTION_KINDS = {
 
 def newest_attention(kind: str) -> tuple[str | None, list[dict]]:
     """The newest attention.csv with rows of ``kind`` (``ATTENTION_KINDS``), and those rows."""
-    for path in newest_first("attention.csv"):
-        found = [r for r in rows(path) if ATTENTION_KINDS[kind](r)]
-        if found:
-            return path, found
-    return None, []
+    return newest_with("attention.csv", ATTENTION_KINDS[kind])
 
 
 def _value(rs: list[dict], **match) -> str:
@@ -121,70 +131,61 @@ def attention() -> list[str]:
     out = []
     path, rs = newest_attention("fwd")
     if path:
-        out += ["### attention_kl: forward", "",
-                "Time of `attention_kl`'s forward over the time of SDPA's forward "
-                "(`scaled_dot_product_attention`, PyTorch's default dispatch: cuDNN on Hopper), "
-                "B=1, H=32, D=128, bf16, N_Q = N_K = N. Lower is better; 1.00 would be attention's speed.", ""]
         ns = sorted({int(r["n_q"]) for r in rs})
-        out += table(["N", "non-causal", "causal"],
-                     [[n_label(n)] + [_value(rs, n_q=n, causal=c) for c in (0, 1)] for n in ns])
-        out += ["", source(path), ""]
+        out += section("attention_kl: forward",
+                       "Time of `attention_kl`'s forward over the time of SDPA's forward "
+                       "(`scaled_dot_product_attention`, PyTorch's default dispatch: cuDNN on Hopper), "
+                       "B=1, H=32, D=128, bf16, N_Q = N_K = N. Lower is better; 1.00 would be attention's speed.",
+                       ["N", "non-causal", "causal"],
+                       [[n_label(n)] + [_value(rs, n_q=n, causal=c) for c in (0, 1)] for n in ns], path)
     path, rs = newest_attention("step")
     if path:
-        out += ["### attention_kl: forward + backward", "",
-                "Forward + backward (setting 1: gradients for side 1) over SDPA's forward + backward, and the "
-                "backward alone (fwd+bwd − fwd, the worse of settings 1 and 2) over SDPA's backward; same "
-                "shapes.", ""]
         ns = sorted({int(r["n_q"]) for r in rs})
-        out += table(["N", "fwd+bwd, non-causal", "fwd+bwd, causal", "backward, non-causal", "backward, causal"],
-                     [[n_label(n)]
-                      + [_value(rs, **{"pass": "fwd_bwd", "n_q": n, "causal": c}) for c in (0, 1)]
-                      + [_value(rs, **{"pass": "bwd", "n_q": n, "causal": c}) for c in (0, 1)]
-                      for n in ns])
-        out += ["", source(path), ""]
+        out += section("attention_kl: forward + backward",
+                       "Forward + backward (setting 1: gradients for side 1) over SDPA's forward + backward, and "
+                       "the backward alone (fwd+bwd − fwd, the worse of settings 1 and 2) over SDPA's backward; "
+                       "same shapes.",
+                       ["N", "fwd+bwd, non-causal", "fwd+bwd, causal", "backward, non-causal", "backward, causal"],
+                       [[n_label(n)] + [_value(rs, **{"pass": pss, "n_q": n, "causal": c})
+                                        for pss in ("fwd_bwd", "bwd") for c in (0, 1)] for n in ns], path)
     path, rs = newest_attention("compile")
     if path:
-        out += ["### attention_kl against torch.compile", "",
-                "How many times faster than `torch.compile` of the materialised loss (scores, both "
-                "log-softmaxes and the KL in fp32), N = 8K, same shapes.", ""]
-        body = [[what] + [_value(rs, **{"pass": pss, "n_q": 8192, "causal": c}) for c in (0, 1)]
-                for pss, what in (("fwd", "forward"), ("fwd_bwd", "forward + backward (setting 1)"))]
-        out += table(["pass", "non-causal", "causal"], body) + ["", source(path), ""]
+        out += section("attention_kl against torch.compile",
+                       "How many times faster than `torch.compile` of the materialised loss (scores, both "
+                       "log-softmaxes and the KL in fp32), N = 8K, same shapes.",
+                       ["pass", "non-causal", "causal"],
+                       [[what] + [_value(rs, **{"pass": pss, "n_q": 8192, "causal": c}) for c in (0, 1)]
+                        for pss, what in (("fwd", "forward"), ("fwd_bwd", "forward + backward (setting 1)"))], path)
     path, rs = newest_attention("decode")
     if path:
-        out += ["### attention_kl: decoding", "",
-                "A few query rows against a long key cache (forward, non-causal, keys split over programs): "
-                "time over the memory-copy floor (the bytes of K1 and K2 read once at the measured copy "
-                "bandwidth).", ""]
-        out += table(["N_Q", "N_K", "time / copy floor"],
-                     [[r["n_q"], n_label(r["n_k"]), as_written(r)]
-                      for r in sorted(rs, key=lambda r: (int(r["n_k"]), int(r["n_q"])))])
-        out += ["", source(path), ""]
+        out += section("attention_kl: decoding",
+                       "A few query rows against a long key cache (forward, non-causal, keys split over programs): "
+                       "time over the memory-copy floor (the bytes of K1 and K2 read once at the measured copy "
+                       "bandwidth).",
+                       ["N_Q", "N_K", "time / copy floor"],
+                       [[r["n_q"], n_label(r["n_k"]), as_written(r)]
+                        for r in sorted(rs, key=lambda r: (int(r["n_k"]), int(r["n_q"])))], path)
     path, rs = newest_attention("host")
     if path:
-        out += ["### attention_kl: host cost", "",
-                "Host time per call at a tiny shape, where the GPU's time is negligible (B=1, H=1, N_Q=1, "
-                "N_K=64, D=64, bf16; back-to-back calls, ours and SDPA's in the same process).", ""]
         body = []
         for pss, what in (("host_fwd", "forward"), ("host_fwd_bwd", "forward + backward")):
             for op, name in (("attention_kl", "attention_kl"), ("sdpa", "SDPA")):
                 r = next((r for r in rs if (r["operation"], r["pass"]) == (op, pss)), None)
                 if r is not None:
                     setting = " (setting 1)" if op == "attention_kl" and pss == "host_fwd_bwd" else ""
-                    label = f"{name}, {what}{setting}"
-                    body.append([label, f"{r['value']} µs" if r["run_status"] == "ok"
-                                 else f"not finished ({r['run_status']})"])
-        out += table(["call", "time per call"], body) + ["", source(path), ""]
+                    body.append([f"{name}, {what}{setting}", as_written(r, " µs")])
+        out += section("attention_kl: host cost",
+                       "Host time per call at a tiny shape, where the GPU's time is negligible (B=1, H=1, N_Q=1, "
+                       "N_K=64, D=64, bf16; back-to-back calls, ours and SDPA's in the same process).",
+                       ["call", "time per call"], body, path)
     path, rs = newest_attention("long")
     if path:
-        out += ["### attention_kl: long sequences", "",
-                "The time of one call at very long sequences (B=1, D=128, bf16, causal).", ""]
-        body = []
-        for r in rs:
-            what = {"fwd": "forward", "fwd_bwd": "forward + backward (setting 1)"}[r["pass"]]
-            cell = f"{r['value']} s" if r["run_status"] == "ok" else f"not finished ({r['run_status']})"
-            body.append([f"attention_kl, {what}", f"N = {n_label(r['n_q'])}, H = {r['h']}", cell])
-        out += table(["call", "shape", "time per call"], body) + ["", source(path), ""]
+        what = {"fwd": "forward", "fwd_bwd": "forward + backward (setting 1)"}
+        out += section("attention_kl: long sequences",
+                       "The time of one call at very long sequences (B=1, D=128, bf16, causal).",
+                       ["call", "shape", "time per call"],
+                       [[f"attention_kl, {what[r['pass']]}", f"N = {n_label(r['n_q'])}, H = {r['h']}",
+                         as_written(r, " s")] for r in rs], path)
     return out
 
 
@@ -208,8 +209,7 @@ def indexer(path: str) -> list[str]:
 
     ms = reader(path)
     # torch.compile's column: its ratio to ours within one run, the newest run that timed it
-    compiled = next((p for p in newest_first("indexer.csv")
-                     if any(r["provider"] == "torch_compile" for r in rows(p))), None)
+    compiled = newest_with("indexer.csv", lambda r: r["provider"] == "torch_compile")[0]
     cms = reader(compiled) if compiled else (lambda *_: None)
     out = ["### indexer_kl (dense warm-up)", "",
            "The indexer loss at N = 8K, causal, bf16, `reduction=\"mean\"`, indexer tensors requiring "
@@ -380,10 +380,9 @@ def first_use() -> list[str]:
                 with open(path) as fh:
                     run = json.load(fh)
                 body.append([what, run["summary"], fmt(run["elapsed_s"], " s")])
-        out += ["### First use: `streamkl verify` on the GPU", "",
-                "The conformance battery on the GPU, its own clock (starting the command adds a few seconds: "
-                "[verify](verify.md)).", ""]
-        out += table(["caches", "checks", "time"], body) + ["", source(cold), ""]
+        out += section("First use: `streamkl verify` on the GPU",
+                       "The conformance battery on the GPU, its own clock (starting the command adds a few "
+                       "seconds: [verify](verify.md)).", ["caches", "checks", "time"], body, cold)
     calls = _newest_gpu("first_call.csv")
     if calls:
         rs = [r for r in rows(calls) if r["run_status"] == "ok"]
@@ -395,11 +394,11 @@ def first_use() -> list[str]:
                  str(int(value(e, "kernels_compiled") or 0))]
                 for e, label in FIRST_CALL_ENTRIES.items() if value(e, "first_call_s") is not None]
         shape = next((r["shape"] for r in rs if r["entry"] == "fwd"), "")
-        out += ["### First use: each entry point's first call", "",
-                f"A fresh process with empty caches, one call at a new shape (`{shape}` for attention; the "
-                "indexer an MQA teacher of 64 heads, D = 576, indexer 64 x 128), the API name resolved inside "
-                "the timed call; compiler seconds summed over the compile threads, which run side by side.", ""]
-        out += table(["entry", "first call", "compiler seconds", "kernels compiled"], body) + ["", source(calls), ""]
+        out += section("First use: each entry point's first call",
+                       f"A fresh process with empty caches, one call at a new shape (`{shape}` for attention; the "
+                       "indexer an MQA teacher of 64 heads, D = 576, indexer 64 x 128), the API name resolved "
+                       "inside the timed call; compiler seconds summed over the compile threads, which run side "
+                       "by side.", ["entry", "first call", "compiler seconds", "kernels compiled"], body, calls)
     return out
 
 
@@ -445,11 +444,18 @@ def grid_rows(bench):
                 return (float(r["p50_ms"]) if r["status"] == "ok" and r["p50_ms"] else None), r["status"]
         return None, "missing"
 
-    def ratio(num, den):
-        (a, sa), (b, sb) = num, den
+    def combine(op, x, y):
+        """``op`` of two (median, status) pairs, as such a pair: no value where either has none."""
+        (a, sa), (b, sb) = x, y
         if a is not None and b is not None:
-            return a / b, "ok"
-        return None, next(s for s in (sa, sb) if s != "ok")
+            return op(a, b), "ok"
+        return None, next((s for s in (sa, sb) if s != "ok"), "no value")
+
+    def ratio(x, y):
+        return combine(lambda a, b: a / b, x, y)
+
+    def less(x, y):
+        return combine(lambda a, b: a - b, x, y)
 
     out = []
     shape = dict(b=1, h=32, d=128, dtype="bf16")
@@ -468,11 +474,8 @@ def grid_rows(bench):
                 v, s = ratio(step["s1"], sdpa_step)
                 out.append(_row("attention_kl", "fwd_bwd", "ratio_to_baseline", v, baseline="sdpa_fwd_bwd",
                                 setting="s1", status=s, **at))
-                backs = [ratio((None if None in (step[x][0], fwd[0]) else step[x][0] - fwd[0],
-                                step[x][1] if step[x][1] != "ok" else fwd[1]),
-                               (None if None in (sdpa_step[0], sdpa_fwd[0]) else sdpa_step[0] - sdpa_fwd[0],
-                                sdpa_step[1] if sdpa_step[1] != "ok" else sdpa_fwd[1]))
-                         for x in ("s1", "s2")]
+                # the backward alone: each step less its forward
+                backs = [ratio(less(step[x], fwd), less(sdpa_step, sdpa_fwd)) for x in ("s1", "s2")]
                 failed = [b for b in backs if b[1] != "ok"]
                 v, s = failed[0] if failed else max(backs)
                 out.append(_row("attention_kl", "bwd", "ratio_to_baseline", v, baseline="sdpa_bwd",
