@@ -87,24 +87,35 @@ def test_performance_tables_match_their_csv():
     assert f"training step: {gen.fmt(float(step['ms']))} ms" in page
 
 
-def test_readme_headline_is_the_committed_results():
-    """The README's speed table shows the ratios of the results file it cites, as written there."""
+def test_readme_speed_block_is_generated():
+    """The README's speed block is what docs/gen_performance.py makes of the committed results, and
+    its table shows the forward ratios of the attention.csv it names, as written there."""
     import csv
+    gen = _load("gen_performance", os.path.join(DOCS, "gen_performance.py"))
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as fh:
         readme = fh.read()
-    cited = re.search(r"`(bench/results/[^`]+/attention\.csv)`", readme).group(1)
+    assert gen.splice_readme(readme) == readme, (
+        "the README's speed block is stale: run `python docs/gen_performance.py` and commit it")
+    block = readme[readme.index(gen.README_BEGIN):readme.index(gen.README_END)]
+    cited = re.search(r"`(bench/results/[^`]+/attention\.csv)`", block).group(1)
     with open(os.path.join(ROOT, cited), newline="") as fh:
-        rs = [r for r in csv.DictReader(fh) if r["operation"] == "attention_kl" and r["n_q"] == "8192"]
-    want = {"forward, time / SDPA's forward": ("fwd", "sdpa_fwd"),
-            "forward + backward (setting 1), time / SDPA's": ("fwd_bwd", "sdpa_fwd_bwd"),
-            "forward, times faster than torch.compile": ("fwd", "torch_compile_fwd"),
-            "forward + backward (setting 1), times faster than torch.compile": ("fwd_bwd", "torch_compile_fwd_bwd")}
-    for label, (pss, base) in want.items():
-        line = next(l for l in readme.splitlines() if l.startswith(f"| {label} |"))
-        cells = [c.strip() for c in line.strip("|").split("|")][1:]
-        for causal, cell in zip(("0", "1"), cells):
-            row = next(r for r in rs if (r["pass"], r["baseline"], r["causal"]) == (pss, base, causal))
-            assert cell == row["value"] + "×", (label, causal, cell, row["value"])
+        rs = [r for r in csv.DictReader(fh) if gen.ATTENTION_KINDS["fwd"](r) and r["n_q"] == "8192"]
+    head = next(l for l in block.splitlines() if l.startswith("| attention_kl, time / SDPA's"))
+    col = [c.strip() for c in head.strip("|").split("|")].index("8K")
+    for causal, label in (("0", "forward, non-causal"), ("1", "forward, causal")):
+        line = next(l for l in block.splitlines() if l.startswith(f"| {label} |"))
+        row = next(r for r in rs if r["causal"] == causal)
+        assert [c.strip() for c in line.strip("|").split("|")][col] == row["value"] + "×", (label, line)
+
+
+def test_readme_speed_block_is_spliced_between_its_markers():
+    gen = _load("gen_performance", os.path.join(DOCS, "gen_performance.py"))
+    text = f"intro\n{gen.README_BEGIN}\nold figures\n{gen.README_END}\nafter\n"
+    out = gen.splice_readme(text)
+    assert out.startswith("intro\n" + gen.README_BEGIN) and out.endswith(gen.README_END + "\nafter\n")
+    assert "old figures" not in out and gen.splice_readme(out) == out
+    with pytest.raises(SystemExit, match="no speed block"):
+        gen.splice_readme("a README without the markers\n")
 
 
 def test_trace_snippet_numbers_come_from_streamkl_trace():
