@@ -333,9 +333,9 @@ def bwd_variant_candidates(d_pad, both, kind, ieee=False, tma=False, fused=False
     # 1.063 / 1.113 (s2); both settings 32x64x4x3 4.624 / 5.213. The fused kernel keeps "rows": its
     # pack form was 0.97-1.03x (N_Q 16 and 512, N_K 32K), no gain. Not in the default set (a selectable
     # variant, STREAMKL_BWD_VARIANT=tma+trans+fold+rows+pack): at one setting it is within the runs'
-    # ~5 % noise (an H200 run: 3.369 / 3.374 s1, 3.390 / 3.424 s2), and the last run had device time
-    # for a short check only, so the default plan stays the one an H200 run measured against SDPA and the
-    # old kernels. With both settings it is the rule's (SHAPE_RULES: 0.887x there).
+    # ~5 % noise (an H200 run: 3.369 / 3.374 s1, 3.390 / 3.424 s2), a check too short to move the
+    # default plan off the one an H200 run measured against SDPA and the old kernels. With both
+    # settings it is the rule's (SHAPE_RULES: 0.887x there).
     if kind == "dk":
         names = (["tma+trans+fold+rows+reduce", "tma+trans+fold+reduce"] if fused else
                  ["tma+trans+fold+rows", "tma+trans+fold"])
