@@ -404,7 +404,65 @@ def first_use() -> list[str]:
                        "indexer an MQA teacher of 64 heads, D = 576, indexer 64 x 128), the API name resolved "
                        "inside the timed call; compiler seconds summed over the compile threads, which run side "
                        "by side.", ["entry", "first call", "compiler seconds", "kernels compiled"], body, calls)
-    return out
+    return out + first_call_starts()
+
+
+# the first-call bounds (the GPU's first minute): the forward, and every training step (attention,
+# packed sequences, the indexer) at N <= 16K, from empty caches
+FIRST_CALL_BOUNDS_S = {"forward": 3.0, "step": 5.0}
+# a file of the whole battery (every entry the bounds name, once each)
+FIRST_CALL_NEEDED = {"fwd", "fwd_bwd_auto_s1", "fwd_bwd_auto_s2", "fwd_bwd_auto_both", "varlen_fwd_bwd_s1",
+                     "indexer_mean_step", "indexer_topk_step", "decode_splitk"}
+
+
+def first_call_starts() -> list[str]:
+    """Every committed GPU run of the first-call battery, one row each (newest first): the forward,
+    the range of the attention and packed steps, the indexer steps and split-K decoding, and
+    which bound each run met; the hosts differ in compile speed, which this table shows."""
+    found = []
+    for path in newest_first("first_call*.csv"):
+        folder = os.path.basename(os.path.dirname(path))
+        if "interpreter" in _env(os.path.dirname(path))["gpu"] or "cpu" in folder:
+            continue
+        with open(path, newline="") as fh:
+            rs = [r for r in csv.DictReader(fh) if r.get("measure") == "first_call_s" and r.get("run_status") == "ok"]
+        seconds = {r["entry"]: num(r["value"]) for r in rs}
+        if FIRST_CALL_NEEDED <= set(seconds) and len(seconds) == len(rs):  # (not an A/B file of two trees)
+            found.append((path, seconds))
+    if not found:
+        return []
+
+    def span(vals):
+        vals = [v for v in vals if v is not None]
+        if not vals:
+            return "–"
+        return fmt(min(vals), " s") if len(vals) == 1 else f"{fmt(min(vals))}-{fmt(max(vals), ' s')}"
+
+    body = []
+    for path, sec in found:
+        folder = os.path.basename(os.path.dirname(path))
+        steps = [v for e, v in sec.items() if e != "fwd" and e != "decode_splitk"]
+        over = ([f"forward over {FIRST_CALL_BOUNDS_S['forward']:g} s"] if sec["fwd"] > FIRST_CALL_BOUNDS_S["forward"] else []) \
+            + ([f"a step over {FIRST_CALL_BOUNDS_S['step']:g} s"] if max(steps) > FIRST_CALL_BOUNDS_S["step"] else [])
+        _, gpu, commit = folder.split("_")
+        body.append([f"{folder[:10]}, {gpu.upper()}, {commit} (`{os.path.basename(path)}`)",
+                     fmt(sec["fwd"], " s"),
+                     span([v for e, v in sec.items() if e.startswith("fwd_bwd")]),
+                     span([v for e, v in sec.items() if e.startswith("varlen")]),
+                     " / ".join(fmt(sec.get(e), " s") if sec.get(e) is not None else "–"
+                                for e in ("indexer_mean_step", "indexer_dense_step", "indexer_topk_step")),
+                     fmt(sec.get("decode_splitk"), " s"),
+                     "; ".join(over) or "both met"])
+    return ["### First use on every GPU start",
+            "",
+            "Every committed run of the whole first-call battery (`python bench/bench_gpu.py --sections "
+            "first_call`, the shapes above), newest first, each on a fresh machine whose host compiles at its "
+            "own speed. The bounds: the forward within 3 s, every training step within 5 s. Attention steps: "
+            "settings 1, 2 and both, each backward mode the battery ran; indexer steps: the mean training step "
+            "/ per-row losses summed / top-k.",
+            ""] + table(["run (folder's date, GPU, commit; file)", "forward", "attention steps", "packed steps",
+                         "indexer steps", "split-K decoding", "bounds"], body) + [
+            "", "Sources: the files named in the first column, under `bench/results/<folder>/`.", ""]
 
 
 # ------------------------------------------------------------------ a folder's attention.csv

@@ -130,6 +130,31 @@ def test_first_use_tables_read_the_newest_gpu_run(monkeypatch, tmp_path):
     assert "2026-01-01_h100_aaaaaaa/first_call.csv" in page and "streamkl verify" not in page  # no verify JSON filed
 
 
+def test_first_use_on_every_start_lists_whole_batteries_and_names_the_bounds_missed(monkeypatch, tmp_path):
+    """One row per GPU run of the whole battery, the bounds each missed; a partial file, an A/B file
+    of two trees and an interpreter run give no row."""
+    def battery(fwd, step):
+        seconds = dict.fromkeys(gen.FIRST_CALL_NEEDED, 1.0)
+        seconds.update(fwd=fwd, fwd_bwd_auto_both=step)
+        return [dict(entry=e, measure="first_call_s", value=str(v), run_status="ok") for e, v in seconds.items()]
+
+    files = {("2026-01-01_h100_aaaaaaa", "NVIDIA H100", "first_call.csv"): battery(3.5, 5.5),
+             ("2026-01-02_h200_bbbbbbb", "NVIDIA H200", "first_call_all.csv"): battery(2.5, 4.0),
+             ("2026-01-03_h100_ccccccc", "NVIDIA H100", "first_call.csv"): battery(2.0, 3.0)[:3],  # partial
+             ("2026-01-04_h100_ddddddd", "NVIDIA H100", "first_call_ab.csv"): battery(9.0, 9.0) * 2,  # two trees
+             ("2026-01-05_cpu-2core_eeeeeee", "cpu (Triton interpreter)", "first_call.csv"): battery(99.0, 99.0)}
+    for (name, gpu, file), rs in files.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "env.json").write_text('{"gpu": "%s", "runs": []}' % gpu)
+        _write(tmp_path / name / file, list(rs[0]), rs)
+    monkeypatch.setattr(gen, "RESULTS", str(tmp_path))
+    lines = [l for l in gen.first_call_starts() if l.startswith("| 2026-")]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("| 2026-01-02, H200, bbbbbbb (`first_call_all.csv`) | 2.50 s |") and lines[0].endswith("| both met |")
+    assert lines[1].startswith("| 2026-01-01, H100, aaaaaaa") and "forward over 3 s; a step over 5 s" in lines[1]
+    assert "| 1.00-5.50 s |" in lines[1]  # the attention steps' range
+
+
 def test_indexer_rows_come_from_the_indexer_sections_training_csv(tmp_path):
     def r(measure, teacher, path, provider, value, status="ok"):
         return dict(section="dense", measure=measure, teacher=teacher, path=path, provider=provider, n="8192",
