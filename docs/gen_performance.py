@@ -43,6 +43,16 @@ def newest_first(name: str) -> list[str]:
     return sorted(glob.glob(os.path.join(RESULTS, "*", name)), key=key, reverse=True)
 
 
+def newest_folders_first(name: str) -> list[str]:
+    """Paths of every committed ``<folder>/<name>`` (a glob pattern), the newest folder first and,
+    within a folder, the files in name order (a run's processes ``_1``, ``_2``, ...)."""
+    paths = newest_first(name)
+    rank = {}
+    for p in paths:
+        rank.setdefault(os.path.dirname(p), len(rank))
+    return sorted(paths, key=lambda p: (rank[os.path.dirname(p)], os.path.basename(p)))
+
+
 def newest(name: str) -> str | None:
     """Path of the newest committed ``<folder>/<name>``, or None."""
     paths = newest_first(name)
@@ -183,6 +193,7 @@ def attention() -> list[str]:
                        "Host time per call at a tiny shape, where the GPU's time is negligible (B=1, H=1, N_Q=1, "
                        "N_K=64, D=64, bf16; back-to-back calls, ours and SDPA's in the same process).",
                        ["call", "time per call"], body, path)
+        out += host_runs()
     path, rs = newest_attention("long")
     if path:
         what = {"fwd": "forward", "fwd_bwd": "forward + backward (setting 1)"}
@@ -192,6 +203,55 @@ def attention() -> list[str]:
                        [[f"attention_kl, {what[r['pass']]}", f"N = {n_label(r['n_q'])}, H = {r['h']}",
                          as_written(r, " s")] for r in rs], path)
     return out
+
+
+# the host-cost bounds at the tiny shape: the forward under this many us, the training step no
+# slower than SDPA's forward + backward in the same process
+HOST_FORWARD_BOUND_US = 40.0
+ROTATED = "rotated rounds"  # the host section's method (its note): ours and SDPA's alternate within a process
+
+
+def host_runs() -> list[str]:
+    """Every committed run of the host section by its rotated-rounds method, one row per process
+    (newest first): the forward and the training step against SDPA's in that process, and the
+    bounds each met. Files of another tree than their folder's commit (``host_cost_<commit>.csv``)
+    are left out."""
+    body = []
+    for path in newest_folders_first("host_cost*.csv"):
+        folder = os.path.basename(os.path.dirname(path))
+        tail = os.path.basename(path)[len("host_cost"):-len(".csv")].lstrip("_")
+        if not tail.isdigit() and tail not in ("", "second"):  # another tree's or another method's file
+            continue
+        with open(path, newline="") as fh:
+            rs = [r for r in csv.DictReader(fh) if r.get("run_status") == "ok"]
+        us = {r["provider"]: num(r["value"]) for r in rs if r.get("measure") == "host_us_per_call"}
+        ratio = {r["provider"]: num(r["value"]) for r in rs if r.get("measure") == "host_ratio_to_sdpa"}
+        notes = " ".join(r.get("note") or "" for r in rs)
+        needed = ("forward", "sdpa_forward", "forward+backward", "sdpa_forward+backward")
+        if ROTATED not in notes or any(us.get(p) is None for p in needed):
+            continue
+        step = ratio.get("forward+backward") or us["forward+backward"] / us["sdpa_forward+backward"]
+        fwd_ok = us["forward"] < HOST_FORWARD_BOUND_US
+        _, gpu, commit = folder.split("_")
+        body.append([f"{folder[:10]}, {gpu.upper()}, {commit} (`{os.path.basename(path)}`)",
+                     f"{fmt(us['forward'])} / {fmt(us['sdpa_forward'])} µs",
+                     f"{fmt(us['forward+backward'])} / {fmt(us['sdpa_forward+backward'])} µs",
+                     fmt(step, "×"),
+                     "; ".join(([] if fwd_ok else [f"forward not under {HOST_FORWARD_BOUND_US:g} µs"])
+                               + ([] if step <= 1.0 else ["step slower than SDPA's"])) or "both met"])
+    if not body:
+        return []
+    return ["### attention_kl: host cost on every GPU run",
+            "",
+            "Every committed run of the host section (`python bench/bench_gpu.py --sections host`: ours and "
+            "SDPA's in rotated rounds within one process, medians; the step's ratio the median of the per-round "
+            "ratios where the file has it), one row per process, newest first. The hosts differ in speed by "
+            f"up to 2x, so only figures of one row compare. The bounds: the forward under "
+            f"{HOST_FORWARD_BOUND_US:g} µs; the training step (setting 1) no slower than SDPA's forward + "
+            "backward.",
+            ""] + table(["run (folder's date, GPU, commit; file)", "forward: ours / SDPA's",
+                         "training step: ours / SDPA's", "step ratio", "bounds"], body) + [
+            "", "Sources: the files named in the first column, under `bench/results/<folder>/`.", ""]
 
 
 # ------------------------------------------------------------------------------ indexer_kl
@@ -420,7 +480,7 @@ def first_call_starts() -> list[str]:
     the range of the attention and packed steps, the indexer steps and split-K decoding, and
     which bound each run met; the hosts differ in compile speed, which this table shows."""
     found = []
-    for path in newest_first("first_call*.csv"):
+    for path in newest_folders_first("first_call*.csv"):
         folder = os.path.basename(os.path.dirname(path))
         if "interpreter" in _env(os.path.dirname(path))["gpu"] or "cpu" in folder:
             continue

@@ -155,6 +155,27 @@ def test_first_use_on_every_start_lists_whole_batteries_and_names_the_bounds_mis
     assert "| 1.00-5.50 s |" in lines[1]  # the attention steps' range
 
 
+def test_host_cost_on_every_run_takes_the_rotated_rounds_files_of_the_folders_own_tree(monkeypatch, tmp_path):
+    def host(fwd, step, sdpa_step, method="median of 151 rotated rounds of 25 calls"):
+        us = dict(forward=fwd, sdpa_forward=20.0, **{"forward+backward": step, "sdpa_forward+backward": sdpa_step})
+        return [dict(measure="host_us_per_call", provider=p, value=str(v), note=method, run_status="ok")
+                for p, v in us.items()]
+
+    files = {("2026-01-02_h100_bbbbbbb", "host_cost_2.csv"): host(45.0, 210.0, 200.0),
+             ("2026-01-02_h100_bbbbbbb", "host_cost_1.csv"): host(30.0, 190.0, 200.0),
+             ("2026-01-02_h100_bbbbbbb", "host_cost_aaaaaaa.csv"): host(99.0, 990.0, 200.0),  # another tree
+             ("2026-01-01_h200_aaaaaaa", "host_cost.csv"): host(88.0, 880.0, 200.0, "1000 back-to-back calls")}
+    for (name, file), rs in files.items():
+        (tmp_path / name).mkdir(exist_ok=True)
+        (tmp_path / name / "env.json").write_text('{"gpu": "g", "runs": []}')
+        _write(tmp_path / name / file, list(rs[0]), rs)
+    monkeypatch.setattr(gen, "RESULTS", str(tmp_path))
+    lines = [l for l in gen.host_runs() if l.startswith("| 2026-")]
+    assert lines == ["| 2026-01-02, H100, bbbbbbb (`host_cost_1.csv`) | 30.0 / 20.0 µs | 190 / 200 µs | 0.950× | both met |",
+                     "| 2026-01-02, H100, bbbbbbb (`host_cost_2.csv`) | 45.0 / 20.0 µs | 210 / 200 µs | 1.05× | "
+                     "forward not under 40 µs; step slower than SDPA's |"], lines
+
+
 def test_indexer_rows_come_from_the_indexer_sections_training_csv(tmp_path):
     def r(measure, teacher, path, provider, value, status="ok"):
         return dict(section="dense", measure=measure, teacher=teacher, path=path, provider=provider, n="8192",
