@@ -467,6 +467,81 @@ def first_use() -> list[str]:
     return out + first_call_starts()
 
 
+# ---------------------------------------------------------------------- past 2^31 elements
+# the cases of the first_call_big section (bench/streamkl_bench), in the page's order
+BIG_CASES = {
+    "fwd_bwd_s1_causal": "N = 1M, H = 16, D = 128, setting 1",
+    "fwd_bwd_s2_causal": "N = 1M, H = 16, setting 2",
+    "fwd_bwd_both_causal": "N = 1M, H = 16, both settings",
+    "fwd_bwd_s1_full": "N = 1M, H = 16, non-causal, setting 1",
+    "fwd_bwd_s1_causal_2m": "N = 2M, H = 8, setting 1",
+    "varlen_s1_causal": "packed 512K + 1M + 516K tokens (4.3 x 10^9 elements), setting 1",
+    "indexer_128k_dsa": "indexer loss, 128K tokens, B = 2, DSA-like",
+}
+BIG_BOUND = 5.0  # forward + backward within this many times the forward
+# files of another tree than their folder's commit, or of a form that is not the default
+NOT_THE_FOLDERS_DEFAULT = ("_before", "_one_launch")
+
+
+def big_cases() -> list[str]:
+    """Each 2^31-element case from the newest run that finished it with every check within its
+    bound: the forward, forward + backward, their ratio against the bound, the compiles inside the
+    backward, and the largest relative difference of the first and last heads (sequences, batch
+    entries) from separate calls. Runs of a case with a failed check, as new as the one shown or
+    newer, are listed under the table."""
+    shown, failed = {}, []
+    for path in newest_folders_first("first_call_big*.csv"):
+        if any(tag in os.path.basename(path) for tag in NOT_THE_FOLDERS_DEFAULT):
+            continue
+        with open(path, newline="") as fh:
+            rs = list(csv.DictReader(fh))
+        for entry in BIG_CASES:
+            mine = [r for r in rs if r.get("entry") == entry]
+            got = {r["measure"]: num(r["value"]) for r in mine}
+            if entry in shown or not (got.get("fwd_s") and got.get("fwd_bwd_s")):
+                continue
+            bad = [r for r in mine if r.get("run_status", "ok") != "ok"]
+            if bad:
+                failed.append((entry, path, bad))
+            else:
+                shown[entry] = (path, got)
+
+    def run(path):
+        folder = os.path.basename(os.path.dirname(path))
+        _, gpu, commit = folder.split("_")
+        return f"{gpu.upper()}, {commit} (`{folder}/{os.path.basename(path)}`)"
+
+    body = []
+    for entry, what in BIG_CASES.items():
+        if entry not in shown:
+            continue
+        path, got = shown[entry]
+        ratio = got["fwd_bwd_s"] / got["fwd_s"]
+        errs = [v for m, v in got.items() if m.endswith("_rel_err") and v is not None]
+        match = "–" if not errs else ("bitwise" if max(errs) == 0 else f"{max(errs):.1e}")
+        memory = f"; extra memory {fmt(got['extra_peak_memory'])} GiB" if got.get("extra_peak_memory") else ""
+        body.append([what, fmt(got["fwd_s"], " s"), fmt(got["fwd_bwd_s"], " s"),
+                     fmt(ratio, "×") + ("" if ratio <= BIG_BOUND else f" (over {BIG_BOUND:g}×)"),
+                     {None: "–", 0.0: "0 s"}.get(got.get("fwd_bwd_compile_s")) or fmt(got["fwd_bwd_compile_s"], " s"),
+                     match + memory, run(path)])
+    if not body:
+        return []
+    notes = [f"- {BIG_CASES[entry]}: a run with a failed check, {run(path)}: "
+             + "; ".join(f"{r['measure']} {r['value']} ({r['run_status']})" for r in bad)
+             for entry, path, bad in failed]
+    return ["### Past 2^31 elements",
+            "",
+            "Each case from the newest run that finished it with every check within its bound (`python "
+            "bench/bench_gpu.py --sections first_call_big`; bf16, causal unless said, empty caches, so the "
+            f"backward's compiles are inside its time). The bound: forward + backward within {BIG_BOUND:g}× the "
+            "forward. Heads: the largest relative difference of the first and last heads (sequences, batch "
+            "entries) from separate calls on them alone, over the KL and every gradient.",
+            ""] + table(["case", "forward", "forward + backward", "ratio", "compiling inside it", "heads",
+                         "run (GPU, commit; file under `bench/results/`)"], body) + [""] + (
+        ["Runs of these cases with a failed check (the folders' dates as new as the run shown, or newer):", ""]
+        + notes + [""] if notes else [])
+
+
 # the first-call bounds (the GPU's first minute): the forward, and every training step (attention,
 # packed sequences, the indexer) at N <= 16K, from empty caches
 FIRST_CALL_BOUNDS_S = {"forward": 3.0, "step": 5.0}
@@ -719,6 +794,7 @@ def render() -> str:
         if path is not None:
             lines += fn(path)
     lines += first_use()
+    lines += big_cases()
     return "\n".join(lines).rstrip() + "\n"
 
 

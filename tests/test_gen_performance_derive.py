@@ -176,6 +176,34 @@ def test_host_cost_on_every_run_takes_the_rotated_rounds_files_of_the_folders_ow
                      "forward not under 40 µs; step slower than SDPA's |"], lines
 
 
+def test_past_2_31_shows_each_case_from_its_newest_passing_run_and_lists_failed_checks(monkeypatch, tmp_path):
+    def case(entry, fwd, step, err=0.0, status="ok"):
+        m = dict(fwd_s=fwd, fwd_bwd_s=step, fwd_bwd_compile_s=1.5, head0_dq2_rel_err=err)
+        return [dict(entry=entry, measure=k, value=str(v), run_status=status if k.endswith("_rel_err") else "ok")
+                for k, v in m.items()]
+
+    files = {("2026-01-01_h200_aaaaaaa", "first_call_big.csv"): case("fwd_bwd_both_causal", 9.0, 44.0)
+             + case("fwd_bwd_s1_causal", 9.0, 36.0, 2e-5),
+             ("2026-01-02_h100_bbbbbbb", "first_call_big.csv"): case("fwd_bwd_both_causal", 9.0, 46.0, 0.01,
+                                                                      "failed(bound)"),
+             ("2026-01-03_h100_ccccccc", "first_call_big_before.csv"): case("fwd_bwd_s1_causal", 1.0, 2.0)}
+    for (name, file), rs in files.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "env.json").write_text('{"gpu": "g", "runs": []}')
+        _write(tmp_path / name / file, list(rs[0]), rs)
+    monkeypatch.setattr(gen, "RESULTS", str(tmp_path))
+    page = "\n".join(gen.big_cases())
+    assert "| N = 1M, H = 16, D = 128, setting 1 | 9.00 s | 36.0 s | 4.00× | 1.50 s | 2.0e-05 | H200, aaaaaaa" in page
+    assert "| N = 1M, H = 16, both settings | 9.00 s | 44.0 s | 4.89× | 1.50 s | bitwise | H200, aaaaaaa" in page
+    assert "a run with a failed check, H100, bbbbbbb" in page and "0.01 (failed(bound))" in page
+    assert "ccccccc" not in page  # another tree's file
+    files = [(("2026-01-04_h100_ddddddd", "first_call_big.csv"), case("fwd_bwd_both_causal", 9.0, 46.0))]
+    (tmp_path / "2026-01-04_h100_ddddddd").mkdir()
+    (tmp_path / "2026-01-04_h100_ddddddd" / "env.json").write_text('{"gpu": "g", "runs": []}')
+    _write(tmp_path / "2026-01-04_h100_ddddddd" / "first_call_big.csv", list(files[0][1][0]), files[0][1])
+    assert "| 5.11× (over 5×) |" in "\n".join(gen.big_cases())
+
+
 def test_indexer_rows_come_from_the_indexer_sections_training_csv(tmp_path):
     def r(measure, teacher, path, provider, value, status="ok"):
         return dict(section="dense", measure=measure, teacher=teacher, path=path, provider=provider, n="8192",
