@@ -53,6 +53,13 @@ def newest_folders_first(name: str) -> list[str]:
     return sorted(paths, key=lambda p: (rank[os.path.dirname(p)], os.path.basename(p)))
 
 
+def run_label(path: str) -> str:
+    """A results file as a table row names it: its folder's date, GPU and commit, then the file."""
+    folder = os.path.basename(os.path.dirname(path))
+    _, gpu, commit = folder.split("_")
+    return f"{folder[:10]}, {gpu.upper()}, {commit} (`{os.path.basename(path)}`)"
+
+
 def newest(name: str) -> str | None:
     """Path of the newest committed ``<folder>/<name>``, or None."""
     paths = newest_first(name)
@@ -218,7 +225,6 @@ def host_runs() -> list[str]:
     are left out."""
     body = []
     for path in newest_folders_first("host_cost*.csv"):
-        folder = os.path.basename(os.path.dirname(path))
         tail = os.path.basename(path)[len("host_cost"):-len(".csv")].lstrip("_")
         if not tail.isdigit() and tail not in ("", "second"):  # another tree's or another method's file
             continue
@@ -232,8 +238,7 @@ def host_runs() -> list[str]:
             continue
         step = ratio.get("forward+backward") or us["forward+backward"] / us["sdpa_forward+backward"]
         fwd_ok = us["forward"] < HOST_FORWARD_BOUND_US
-        _, gpu, commit = folder.split("_")
-        body.append([f"{folder[:10]}, {gpu.upper()}, {commit} (`{os.path.basename(path)}`)",
+        body.append([run_label(path),
                      f"{fmt(us['forward'])} / {fmt(us['sdpa_forward'])} µs",
                      f"{fmt(us['forward+backward'])} / {fmt(us['sdpa_forward+backward'])} µs",
                      fmt(step, "×"),
@@ -506,11 +511,6 @@ def big_cases() -> list[str]:
             else:
                 shown[entry] = (path, got)
 
-    def run(path):
-        folder = os.path.basename(os.path.dirname(path))
-        _, gpu, commit = folder.split("_")
-        return f"{gpu.upper()}, {commit} (`{folder}/{os.path.basename(path)}`)"
-
     body = []
     for entry, what in BIG_CASES.items():
         if entry not in shown:
@@ -523,10 +523,10 @@ def big_cases() -> list[str]:
         body.append([what, fmt(got["fwd_s"], " s"), fmt(got["fwd_bwd_s"], " s"),
                      fmt(ratio, "×") + ("" if ratio <= BIG_BOUND else f" (over {BIG_BOUND:g}×)"),
                      {None: "–", 0.0: "0 s"}.get(got.get("fwd_bwd_compile_s")) or fmt(got["fwd_bwd_compile_s"], " s"),
-                     match + memory, run(path)])
+                     match + memory, run_label(path)])
     if not body:
         return []
-    notes = [f"- {BIG_CASES[entry]}: a run with a failed check, {run(path)}: "
+    notes = [f"- {BIG_CASES[entry]}: a run with a failed check, {run_label(path)}: "
              + "; ".join(f"{r['measure']} {r['value']} ({r['run_status']})" for r in bad)
              for entry, path, bad in failed]
     return ["### Past 2^31 elements",
@@ -537,7 +537,8 @@ def big_cases() -> list[str]:
             "forward. Heads: the largest relative difference of the first and last heads (sequences, batch "
             "entries) from separate calls on them alone, over the KL and every gradient.",
             ""] + table(["case", "forward", "forward + backward", "ratio", "compiling inside it", "heads",
-                         "run (GPU, commit; file under `bench/results/`)"], body) + [""] + (
+                         "run (folder's date, GPU, commit; file)"], body) + [
+            "", "Sources: the files named in the last column, under `bench/results/<folder>/`.", ""] + (
         ["Runs of these cases with a failed check (the folders' dates as new as the run shown, or newer):", ""]
         + notes + [""] if notes else [])
 
@@ -575,12 +576,10 @@ def first_call_starts() -> list[str]:
 
     body = []
     for path, sec in found:
-        folder = os.path.basename(os.path.dirname(path))
         steps = [v for e, v in sec.items() if e != "fwd" and e != "decode_splitk"]
         over = ([f"forward over {FIRST_CALL_BOUNDS_S['forward']:g} s"] if sec["fwd"] > FIRST_CALL_BOUNDS_S["forward"] else []) \
             + ([f"a step over {FIRST_CALL_BOUNDS_S['step']:g} s"] if max(steps) > FIRST_CALL_BOUNDS_S["step"] else [])
-        _, gpu, commit = folder.split("_")
-        body.append([f"{folder[:10]}, {gpu.upper()}, {commit} (`{os.path.basename(path)}`)",
+        body.append([run_label(path),
                      fmt(sec["fwd"], " s"),
                      span([v for e, v in sec.items() if e.startswith("fwd_bwd")]),
                      span([v for e, v in sec.items() if e.startswith("varlen")]),

@@ -193,9 +193,9 @@ def test_past_2_31_shows_each_case_from_its_newest_passing_run_and_lists_failed_
         _write(tmp_path / name / file, list(rs[0]), rs)
     monkeypatch.setattr(gen, "RESULTS", str(tmp_path))
     page = "\n".join(gen.big_cases())
-    assert "| N = 1M, H = 16, D = 128, setting 1 | 9.00 s | 36.0 s | 4.00× | 1.50 s | 2.0e-05 | H200, aaaaaaa" in page
-    assert "| N = 1M, H = 16, both settings | 9.00 s | 44.0 s | 4.89× | 1.50 s | bitwise | H200, aaaaaaa" in page
-    assert "a run with a failed check, H100, bbbbbbb" in page and "0.01 (failed(bound))" in page
+    assert "| N = 1M, H = 16, D = 128, setting 1 | 9.00 s | 36.0 s | 4.00× | 1.50 s | 2.0e-05 | 2026-01-01, H200, aaaaaaa" in page
+    assert "| N = 1M, H = 16, both settings | 9.00 s | 44.0 s | 4.89× | 1.50 s | bitwise | 2026-01-01, H200, aaaaaaa" in page
+    assert "a run with a failed check, 2026-01-02, H100, bbbbbbb" in page and "0.01 (failed(bound))" in page
     assert "ccccccc" not in page  # another tree's file
     files = [(("2026-01-04_h100_ddddddd", "first_call_big.csv"), case("fwd_bwd_both_causal", 9.0, 46.0))]
     (tmp_path / "2026-01-04_h100_ddddddd").mkdir()
