@@ -197,11 +197,12 @@ def test_past_2_31_shows_each_case_from_its_newest_passing_run_and_lists_failed_
     assert "| N = 1M, H = 16, both settings | 9.00 s | 44.0 s | 4.89× | 1.50 s | bitwise | 2026-01-01, H200, aaaaaaa" in page
     assert "a run with a failed check, 2026-01-02, H100, bbbbbbb" in page and "0.01 (failed(bound))" in page
     assert "ccccccc" not in page  # another tree's file
-    files = [(("2026-01-04_h100_ddddddd", "first_call_big.csv"), case("fwd_bwd_both_causal", 9.0, 46.0))]
-    (tmp_path / "2026-01-04_h100_ddddddd").mkdir()
-    (tmp_path / "2026-01-04_h100_ddddddd" / "env.json").write_text('{"gpu": "g", "runs": []}')
-    _write(tmp_path / "2026-01-04_h100_ddddddd" / "first_call_big.csv", list(files[0][1][0]), files[0][1])
-    assert "| 5.11× (over 5×) |" in "\n".join(gen.big_cases())
+    newer = tmp_path / "2026-01-04_h100_ddddddd"  # a newer passing run over the ratio's bound replaces it
+    newer.mkdir()
+    (newer / "env.json").write_text('{"gpu": "g", "runs": []}')
+    rs = case("fwd_bwd_both_causal", 9.0, 46.0)
+    _write(newer / "first_call_big.csv", list(rs[0]), rs)
+    assert "| 5.11× (over 5×) | 1.50 s | bitwise | 2026-01-04, H100, ddddddd" in "\n".join(gen.big_cases())
 
 
 def test_indexer_rows_come_from_the_indexer_sections_training_csv(tmp_path):
