@@ -218,12 +218,11 @@ HOST_FORWARD_BOUND_US = 40.0
 ROTATED = "rotated rounds"  # the host section's method (its note): ours and SDPA's alternate within a process
 
 
-def host_runs() -> list[str]:
-    """Every committed run of the host section by its rotated-rounds method, one row per process
-    (newest first): the forward and the training step against SDPA's in that process, and the
-    bounds each met. Files of another tree than their folder's commit (``host_cost_<commit>.csv``)
-    are left out."""
-    body = []
+def host_run_files() -> list[tuple[str, dict, float]]:
+    """Every committed run of the host section by its rotated-rounds method, newest first, as
+    ``(path, us per call by provider, the step's ratio to SDPA's)``. Files of another tree than
+    their folder's commit (``host_cost_<commit>.csv``) are left out."""
+    found = []
     for path in newest_folders_first("host_cost*.csv"):
         tail = os.path.basename(path)[len("host_cost"):-len(".csv")].lstrip("_")
         if not tail.isdigit() and tail not in ("", "second"):  # another tree's or another method's file
@@ -236,14 +235,24 @@ def host_runs() -> list[str]:
         needed = ("forward", "sdpa_forward", "forward+backward", "sdpa_forward+backward")
         if ROTATED not in notes or any(us.get(p) is None for p in needed):
             continue
-        step = ratio.get("forward+backward") or us["forward+backward"] / us["sdpa_forward+backward"]
-        fwd_ok = us["forward"] < HOST_FORWARD_BOUND_US
+        found.append((path, us, ratio.get("forward+backward") or us["forward+backward"] / us["sdpa_forward+backward"]))
+    return found
+
+
+def host_bounds_missed(us: dict, step: float) -> list[str]:
+    return (([] if us["forward"] < HOST_FORWARD_BOUND_US else [f"forward not under {HOST_FORWARD_BOUND_US:g} µs"])
+            + ([] if step <= 1.0 else ["step slower than SDPA's"]))
+
+
+def host_runs() -> list[str]:
+    """The host section's runs (:func:`host_run_files`), one row per process: the forward and the
+    training step against SDPA's in that process, and the bounds each met."""
+    body = []
+    for path, us, step in host_run_files():
         body.append([run_label(path),
                      f"{fmt(us['forward'])} / {fmt(us['sdpa_forward'])} µs",
                      f"{fmt(us['forward+backward'])} / {fmt(us['sdpa_forward+backward'])} µs",
-                     fmt(step, "×"),
-                     "; ".join(([] if fwd_ok else [f"forward not under {HOST_FORWARD_BOUND_US:g} µs"])
-                               + ([] if step <= 1.0 else ["step slower than SDPA's"])) or "both met"])
+                     fmt(step, "×"), "; ".join(host_bounds_missed(us, step)) or "both met"])
     if not body:
         return []
     return ["### attention_kl: host cost on every GPU run",
@@ -488,12 +497,10 @@ BIG_BOUND = 5.0  # forward + backward within this many times the forward
 NOT_THE_FOLDERS_DEFAULT = ("_before", "_one_launch")
 
 
-def big_cases() -> list[str]:
-    """Each 2^31-element case from the newest run that finished it with every check within its
-    bound: the forward, forward + backward, their ratio against the bound, the compiles inside the
-    backward, and the largest relative difference of the first and last heads (sequences, batch
-    entries) from separate calls. Runs of a case with a failed check, as new as the one shown or
-    newer, are listed under the table."""
+def big_case_runs() -> tuple[dict, list]:
+    """``({case: (path, measures)}, [(case, path, failed rows)])``: each 2^31-element case's newest
+    run that finished it with every check within its bound, and the runs of a case with a failed
+    check as new as that one or newer."""
     shown, failed = {}, []
     for path in newest_folders_first("first_call_big*.csv"):
         if any(tag in os.path.basename(path) for tag in NOT_THE_FOLDERS_DEFAULT):
@@ -510,7 +517,15 @@ def big_cases() -> list[str]:
                 failed.append((entry, path, bad))
             else:
                 shown[entry] = (path, got)
+    return shown, failed
 
+
+def big_cases() -> list[str]:
+    """Each 2^31-element case from its run of :func:`big_case_runs`: the forward, forward +
+    backward, their ratio against the bound, the compiles inside the backward, and the largest
+    relative difference of the first and last heads (sequences, batch entries) from separate calls;
+    the runs with a failed check listed under the table."""
+    shown, failed = big_case_runs()
     body = []
     for entry, what in BIG_CASES.items():
         if entry not in shown:
@@ -551,10 +566,9 @@ FIRST_CALL_NEEDED = {"fwd", "fwd_bwd_auto_s1", "fwd_bwd_auto_s2", "fwd_bwd_auto_
                      "indexer_mean_step", "indexer_topk_step", "decode_splitk"}
 
 
-def first_call_starts() -> list[str]:
-    """Every committed GPU run of the first-call battery, one row each (newest first): the forward,
-    the range of the attention and packed steps, the indexer steps and split-K decoding, and
-    which bound each run met; the hosts differ in compile speed, which this table shows."""
+def first_call_runs() -> list[tuple[str, dict]]:
+    """Every committed GPU run of the whole first-call battery, newest first, as ``(path, seconds
+    by entry)``."""
     found = []
     for path in newest_folders_first("first_call*.csv"):
         folder = os.path.basename(os.path.dirname(path))
@@ -565,6 +579,20 @@ def first_call_starts() -> list[str]:
         seconds = {r["entry"]: num(r["value"]) for r in rs}
         if FIRST_CALL_NEEDED <= set(seconds) and len(seconds) == len(rs):  # (not an A/B file of two trees)
             found.append((path, seconds))
+    return found
+
+
+def first_call_bounds_missed(sec: dict) -> list[str]:
+    steps = [v for e, v in sec.items() if e not in ("fwd", "decode_splitk")]
+    return (([f"forward over {FIRST_CALL_BOUNDS_S['forward']:g} s"] if sec["fwd"] > FIRST_CALL_BOUNDS_S["forward"] else [])
+            + ([f"a step over {FIRST_CALL_BOUNDS_S['step']:g} s"] if max(steps) > FIRST_CALL_BOUNDS_S["step"] else []))
+
+
+def first_call_starts() -> list[str]:
+    """The first-call battery's runs (:func:`first_call_runs`), one row each: the forward, the
+    range of the attention and packed steps, the indexer steps and split-K decoding, and which
+    bound each run met; the hosts differ in compile speed, which this table shows."""
+    found = first_call_runs()
     if not found:
         return []
 
@@ -576,9 +604,6 @@ def first_call_starts() -> list[str]:
 
     body = []
     for path, sec in found:
-        steps = [v for e, v in sec.items() if e != "fwd" and e != "decode_splitk"]
-        over = ([f"forward over {FIRST_CALL_BOUNDS_S['forward']:g} s"] if sec["fwd"] > FIRST_CALL_BOUNDS_S["forward"] else []) \
-            + ([f"a step over {FIRST_CALL_BOUNDS_S['step']:g} s"] if max(steps) > FIRST_CALL_BOUNDS_S["step"] else [])
         body.append([run_label(path),
                      fmt(sec["fwd"], " s"),
                      span([v for e, v in sec.items() if e.startswith("fwd_bwd")]),
@@ -586,7 +611,7 @@ def first_call_starts() -> list[str]:
                      " / ".join(fmt(sec.get(e), " s") if sec.get(e) is not None else "–"
                                 for e in ("indexer_mean_step", "indexer_dense_step", "indexer_topk_step")),
                      fmt(sec.get("decode_splitk"), " s"),
-                     "; ".join(over) or "both met"])
+                     "; ".join(first_call_bounds_missed(sec)) or "both met"])
     return ["### First use on every GPU start",
             "",
             "Every committed run of the whole first-call battery (`python bench/bench_gpu.py --sections "
@@ -783,10 +808,73 @@ def splice_readme(text: str) -> str:
     return text[:start] + "\n".join(readme_block()) + text[end + len(README_END):]
 
 
+VERIFY_BOUNDS_S = (("verify_cold.json", "empty caches", 90.0), ("verify_warm.json", "warm caches", 20.0),
+                   ("verify_quick_cold.json", "`--quick`, empty caches", 30.0))
+
+
+def bounds_at_a_glance() -> list[str]:
+    """The first minute's bounds (``streamkl verify``, first calls, the 2^31-element cases, host
+    cost), each against the newest run that measured it, and how many of the every-run tables'
+    runs met it."""
+    body = []
+
+    def row(bound, figure, met, path, runs=""):
+        body.append([bound, figure, "yes" if met else "**no**", runs,
+                     run_label(path) if path else "each case's own (the 2^31 table below)"])
+
+    cold = _newest_gpu("verify_cold.json")
+    if cold:
+        for name, what, bound in VERIFY_BOUNDS_S:
+            path = os.path.join(os.path.dirname(cold), name)
+            if os.path.exists(path):
+                with open(path) as fh:
+                    elapsed = json.load(fh)["elapsed_s"]
+                row(f"`streamkl verify` on the GPU, {what}: within {bound:g} s (its own clock)",
+                    fmt(elapsed, " s"), elapsed <= bound, path)
+    calls = first_call_runs()
+    if calls:
+        path, sec = calls[0]
+        slowest = max(v for e, v in sec.items() if e not in ("fwd", "decode_splitk"))
+        n_fwd = sum(not any("forward" in m for m in first_call_bounds_missed(c)) for _, c in calls)
+        n_step = sum(not any("step" in m for m in first_call_bounds_missed(c)) for _, c in calls)
+        row(f"first call, forward: within {FIRST_CALL_BOUNDS_S['forward']:g} s", fmt(sec["fwd"], " s"),
+            sec["fwd"] <= FIRST_CALL_BOUNDS_S["forward"], path, f"{n_fwd} of {len(calls)}")
+        row(f"first call, every training step: within {FIRST_CALL_BOUNDS_S['step']:g} s", f"the slowest {fmt(slowest, ' s')}",
+            slowest <= FIRST_CALL_BOUNDS_S["step"], path, f"{n_step} of {len(calls)}")
+    shown, _ = big_case_runs()
+    if shown:
+        worst_entry = max(shown, key=lambda e: shown[e][1]["fwd_bwd_s"] / shown[e][1]["fwd_s"])
+        path, got = shown[worst_entry]
+        ratio = got["fwd_bwd_s"] / got["fwd_s"]
+        row(f"2^31 elements: every case finishes, its heads equal separate calls ({len(BIG_CASES)} cases)",
+            f"{len(shown)} of {len(BIG_CASES)}", len(shown) == len(BIG_CASES), None)
+        row(f"2^31 elements: forward + backward within {BIG_BOUND:g}× the forward",
+            f"the worst {fmt(ratio, '×')} ({BIG_CASES[worst_entry]})", ratio <= BIG_BOUND, path)
+    hosts = host_run_files()
+    if hosts:
+        path, us, step = hosts[0]
+        n_fwd = sum(us_["forward"] < HOST_FORWARD_BOUND_US for _, us_, _ in hosts)
+        n_step = sum(st <= 1.0 for _, _, st in hosts)
+        row(f"host cost, forward at the tiny shape: under {HOST_FORWARD_BOUND_US:g} µs", fmt(us["forward"], " µs"),
+            us["forward"] < HOST_FORWARD_BOUND_US, path, f"{n_fwd} of {len(hosts)}")
+        row("host cost, training step: no slower than SDPA's forward + backward", fmt(step, "×") + " SDPA's",
+            step <= 1.0, path, f"{n_step} of {len(hosts)}")
+    if not body:
+        return []
+    return ["### The GPU's first minute: the bounds at a glance",
+            "",
+            "Each bound against the newest run that measured it (the run named), and for the bounds that "
+            "depend on the host, how many of the committed runs in the every-run tables below met it (the "
+            "machines differ: a host that compiles or runs Python slower takes longer).",
+            ""] + table(["bound", "newest figure", "met", "runs that met it", "run (folder's date, GPU, commit; file)"],
+                        body) + [""]
+
+
 def render() -> str:
     lines = ["<!-- generated by docs/gen_performance.py from bench/results/: do not edit -->", ""]
     if newest("indexer.csv"):
         lines += summary(newest("indexer.csv"))
+    lines += bounds_at_a_glance()
     lines += attention()
     for name, fn in SECTIONS:
         path = newest(name)

@@ -205,6 +205,38 @@ def test_past_2_31_shows_each_case_from_its_newest_passing_run_and_lists_failed_
     assert "| 5.11× (over 5×) | 1.50 s | bitwise | 2026-01-04, H100, ddddddd" in "\n".join(gen.big_cases())
 
 
+def test_bounds_at_a_glance_read_the_newest_runs_and_count_the_runs_that_met_each(monkeypatch, tmp_path):
+    def first_calls(fwd):
+        return [dict(entry=e, measure="first_call_s", value="4.0" if e == "fwd_bwd_auto_s1" else str(fwd),
+                     run_status="ok") for e in gen.FIRST_CALL_NEEDED]
+
+    def host(fwd, step):
+        us = dict(forward=fwd, sdpa_forward=20.0, **{"forward+backward": step, "sdpa_forward+backward": 200.0})
+        return [dict(measure="host_us_per_call", provider=p, value=str(v), note="median of rotated rounds",
+                     run_status="ok") for p, v in us.items()]
+
+    big = [dict(entry="fwd_bwd_both_causal", measure=m, value=v, run_status="ok")
+           for m, v in (("fwd_s", "9.0"), ("fwd_bwd_s", "44.0"), ("head0_dq1_rel_err", "0.0"))]
+    files = {("2026-01-01_h100_aaaaaaa", "first_call.csv"): first_calls(2.0),
+             ("2026-01-01_h100_aaaaaaa", "host_cost.csv"): host(30.0, 190.0),
+             ("2026-01-02_h200_bbbbbbb", "first_call.csv"): first_calls(3.5),
+             ("2026-01-02_h200_bbbbbbb", "host_cost_1.csv"): host(30.0, 220.0),
+             ("2026-01-02_h200_bbbbbbb", "first_call_big.csv"): big}
+    for (name, file), rs in files.items():
+        (tmp_path / name).mkdir(exist_ok=True)
+        (tmp_path / name / "env.json").write_text('{"gpu": "g", "runs": []}')
+        _write(tmp_path / name / file, list(rs[0]), rs)
+    monkeypatch.setattr(gen, "RESULTS", str(tmp_path))
+    rows = {l.split(" | ")[0].lstrip("| "): l for l in gen.bounds_at_a_glance() if l.startswith("| ")}
+    assert "| 3.50 s | **no** | 1 of 2 | 2026-01-02, H200, bbbbbbb" in rows["first call, forward: within 3 s"]
+    assert "| the slowest 4.00 s | yes | 2 of 2 |" in rows["first call, every training step: within 5 s"]
+    assert "| 1.10× SDPA's | **no** | 1 of 2 |" in rows["host cost, training step: no slower than SDPA's forward + backward"]
+    assert "| the worst 4.89× (N = 1M, H = 16, both settings) | yes |" in rows[
+        "2^31 elements: forward + backward within 5× the forward"]
+    assert "| 1 of 7 | **no** |" in rows["2^31 elements: every case finishes, its heads equal separate calls (7 cases)"]
+    assert not any(k.startswith("`streamkl verify`") for k in rows)  # no verify JSON filed
+
+
 def test_indexer_rows_come_from_the_indexer_sections_training_csv(tmp_path):
     def r(measure, teacher, path, provider, value, status="ok"):
         return dict(section="dense", measure=measure, teacher=teacher, path=path, provider=provider, n="8192",
