@@ -225,7 +225,7 @@ def host_run_files() -> list[tuple[str, dict, float]]:
     found = []
     for path in newest_folders_first("host_cost*.csv"):
         tail = os.path.basename(path)[len("host_cost"):-len(".csv")].lstrip("_")
-        if not tail.isdigit() and tail not in ("", "second"):  # another tree's or another method's file
+        if tail and not tail.isdigit():  # another tree's (host_cost_<commit>.csv) or an A/B run's file
             continue
         with open(path, newline="") as fh:
             rs = [r for r in csv.DictReader(fh) if r.get("run_status") == "ok"]
@@ -438,10 +438,20 @@ FIRST_CALL_ENTRIES = {  # first_call's entries -> what the table calls them
 }
 
 
+def is_gpu_run(path: str) -> bool:
+    """Was ``path``'s folder measured on a GPU (not the interpreter, not a CPU machine)?"""
+    return ("interpreter" not in _env(os.path.dirname(path))["gpu"]
+            and "cpu" not in os.path.basename(os.path.dirname(path)))
+
+
 def _newest_gpu(name: str) -> str | None:
     """The newest ``<folder>/<name>`` measured on a GPU (not the interpreter)."""
-    return next((p for p in newest_first(name) if "interpreter" not in _env(os.path.dirname(p))["gpu"]
-                 and "cpu" not in os.path.basename(os.path.dirname(p))), None)
+    return next((p for p in newest_first(name) if is_gpu_run(p)), None)
+
+
+# ``streamkl verify``'s runs on the GPU: (file, caches, bound in seconds of its own clock)
+VERIFY_RUNS = (("verify_cold.json", "empty Triton and streamkl caches", 90.0), ("verify_warm.json", "warm caches", 20.0),
+               ("verify_quick_cold.json", "`--quick`, empty caches", 30.0))
 
 
 def first_use() -> list[str]:
@@ -452,8 +462,7 @@ def first_use() -> list[str]:
     if cold:
         folder = os.path.dirname(cold)
         body = []
-        for name, what in (("verify_cold.json", "empty Triton and streamkl caches"), ("verify_warm.json", "warm caches"),
-                           ("verify_quick_cold.json", "`--quick`, empty caches")):
+        for name, what, _ in VERIFY_RUNS:
             path = os.path.join(folder, name)
             if os.path.exists(path):
                 with open(path) as fh:
@@ -493,6 +502,11 @@ BIG_CASES = {
     "indexer_128k_dsa": "indexer loss, 128K tokens, B = 2, DSA-like",
 }
 BIG_BOUND = 5.0  # forward + backward within this many times the forward
+
+
+def big_ratio(got: dict) -> float:
+    """A 2^31 case's forward + backward over its forward."""
+    return got["fwd_bwd_s"] / got["fwd_s"]
 # files of another tree than their folder's commit, or of a form that is not the default
 NOT_THE_FOLDERS_DEFAULT = ("_before", "_one_launch")
 
@@ -531,7 +545,7 @@ def big_cases() -> list[str]:
         if entry not in shown:
             continue
         path, got = shown[entry]
-        ratio = got["fwd_bwd_s"] / got["fwd_s"]
+        ratio = big_ratio(got)
         errs = [v for m, v in got.items() if m.endswith("_rel_err") and v is not None]
         match = "–" if not errs else ("bitwise" if max(errs) == 0 else f"{max(errs):.1e}")
         memory = f"; extra memory {fmt(got['extra_peak_memory'])} GiB" if got.get("extra_peak_memory") else ""
@@ -571,8 +585,7 @@ def first_call_runs() -> list[tuple[str, dict]]:
     by entry)``."""
     found = []
     for path in newest_folders_first("first_call*.csv"):
-        folder = os.path.basename(os.path.dirname(path))
-        if "interpreter" in _env(os.path.dirname(path))["gpu"] or "cpu" in folder:
+        if not is_gpu_run(path):
             continue
         with open(path, newline="") as fh:
             rs = [r for r in csv.DictReader(fh) if r.get("measure") == "first_call_s" and r.get("run_status") == "ok"]
@@ -582,10 +595,20 @@ def first_call_runs() -> list[tuple[str, dict]]:
     return found
 
 
+def slowest_step(sec: dict) -> float:
+    """The slowest training step's first call (every entry but the forward and split-K decoding)."""
+    return max(v for e, v in sec.items() if e not in ("fwd", "decode_splitk"))
+
+
+def first_call_met(sec: dict) -> tuple[bool, bool]:
+    """(the forward within its bound, every step within its bound) for one run's seconds by entry."""
+    return sec["fwd"] <= FIRST_CALL_BOUNDS_S["forward"], slowest_step(sec) <= FIRST_CALL_BOUNDS_S["step"]
+
+
 def first_call_bounds_missed(sec: dict) -> list[str]:
-    steps = [v for e, v in sec.items() if e not in ("fwd", "decode_splitk")]
-    return (([f"forward over {FIRST_CALL_BOUNDS_S['forward']:g} s"] if sec["fwd"] > FIRST_CALL_BOUNDS_S["forward"] else [])
-            + ([f"a step over {FIRST_CALL_BOUNDS_S['step']:g} s"] if max(steps) > FIRST_CALL_BOUNDS_S["step"] else []))
+    fwd_ok, steps_ok = first_call_met(sec)
+    return (([] if fwd_ok else [f"forward over {FIRST_CALL_BOUNDS_S['forward']:g} s"])
+            + ([] if steps_ok else [f"a step over {FIRST_CALL_BOUNDS_S['step']:g} s"]))
 
 
 def first_call_starts() -> list[str]:
@@ -808,10 +831,6 @@ def splice_readme(text: str) -> str:
     return text[:start] + "\n".join(readme_block()) + text[end + len(README_END):]
 
 
-VERIFY_BOUNDS_S = (("verify_cold.json", "empty caches", 90.0), ("verify_warm.json", "warm caches", 20.0),
-                   ("verify_quick_cold.json", "`--quick`, empty caches", 30.0))
-
-
 def bounds_at_a_glance() -> list[str]:
     """The first minute's bounds (``streamkl verify``, first calls, the 2^31-element cases, host
     cost), each against the newest run that measured it, and how many of the every-run tables'
@@ -824,7 +843,7 @@ def bounds_at_a_glance() -> list[str]:
 
     cold = _newest_gpu("verify_cold.json")
     if cold:
-        for name, what, bound in VERIFY_BOUNDS_S:
+        for name, what, bound in VERIFY_RUNS:
             path = os.path.join(os.path.dirname(cold), name)
             if os.path.exists(path):
                 with open(path) as fh:
@@ -834,18 +853,17 @@ def bounds_at_a_glance() -> list[str]:
     calls = first_call_runs()
     if calls:
         path, sec = calls[0]
-        slowest = max(v for e, v in sec.items() if e not in ("fwd", "decode_splitk"))
-        n_fwd = sum(not any("forward" in m for m in first_call_bounds_missed(c)) for _, c in calls)
-        n_step = sum(not any("step" in m for m in first_call_bounds_missed(c)) for _, c in calls)
+        met = [first_call_met(c) for _, c in calls]
+        fwd_ok, steps_ok = met[0]
         row(f"first call, forward: within {FIRST_CALL_BOUNDS_S['forward']:g} s", fmt(sec["fwd"], " s"),
-            sec["fwd"] <= FIRST_CALL_BOUNDS_S["forward"], path, f"{n_fwd} of {len(calls)}")
-        row(f"first call, every training step: within {FIRST_CALL_BOUNDS_S['step']:g} s", f"the slowest {fmt(slowest, ' s')}",
-            slowest <= FIRST_CALL_BOUNDS_S["step"], path, f"{n_step} of {len(calls)}")
+            fwd_ok, path, f"{sum(m[0] for m in met)} of {len(calls)}")
+        row(f"first call, every training step: within {FIRST_CALL_BOUNDS_S['step']:g} s",
+            f"the slowest {fmt(slowest_step(sec), ' s')}", steps_ok, path, f"{sum(m[1] for m in met)} of {len(calls)}")
     shown, _ = big_case_runs()
     if shown:
-        worst_entry = max(shown, key=lambda e: shown[e][1]["fwd_bwd_s"] / shown[e][1]["fwd_s"])
+        worst_entry = max(shown, key=lambda e: big_ratio(shown[e][1]))
         path, got = shown[worst_entry]
-        ratio = got["fwd_bwd_s"] / got["fwd_s"]
+        ratio = big_ratio(got)
         row(f"2^31 elements: every case finishes, its heads equal separate calls ({len(BIG_CASES)} cases)",
             f"{len(shown)} of {len(BIG_CASES)}", len(shown) == len(BIG_CASES), None)
         row(f"2^31 elements: forward + backward within {BIG_BOUND:g}× the forward",
